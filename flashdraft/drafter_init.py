@@ -1,0 +1,68 @@
+"""A fresh, untrained drafter shaped for a given target (`flashdraft init`)."""
+
+from __future__ import annotations
+
+from flashdraft.config import DrafterConfig, default_target_layer_ids
+from flashdraft.errors import FlashdraftError
+from flashdraft.model import DFlashDrafter
+from flashdraft.target import TargetModel
+
+
+def pick_mask_token(target: TargetModel) -> int:
+    """The tokenizer's mask token, else its pad token, else an unused special token."""
+    tok = target.tokenizer
+    for attr in ("mask_token_id", "pad_token_id"):
+        token_id = getattr(tok, attr, None)
+        if token_id is not None and token_id not in target.stop_token_ids:
+            return int(token_id)
+    for token, token_id in sorted(tok.get_added_vocab().items(), key=lambda kv: kv[1]):
+        if token_id not in target.stop_token_ids and ("unused" in token or "reserved" in token):
+            return int(token_id)
+    raise FlashdraftError(
+        f"{target.path}: the tokenizer has no mask, pad or unused special token; give --mask-token-id"
+    )
+
+
+def new_drafter_for_target(
+    target: TargetModel,
+    num_layers: int = 1,
+    block_size: int = 16,
+    mask_token_id: int | None = None,
+    target_layer_ids: list[int] | None = None,
+    seed: int = 0,
+) -> DFlashDrafter:
+    tc = target.config
+    if mask_token_id is None:
+        mask_token_id = pick_mask_token(target)
+    elif not 0 <= mask_token_id < target.vocab_size:
+        raise FlashdraftError(
+            f"--mask-token-id {mask_token_id} is outside the target's vocabulary (0..{target.vocab_size - 1})"
+        )
+    if block_size < 2:
+        raise FlashdraftError(f"--block-size {block_size}: expected at least 2 (the anchor plus one draft)")
+    ids = target_layer_ids or default_target_layer_ids(target.num_layers, num_layers)
+    if target.num_layers - 1 in ids:
+        raise FlashdraftError(
+            f"target_layer_ids {ids} include the target's final layer {target.num_layers - 1}, whose output "
+            f"produces the labels: the drafter would be fed the answer"
+        )
+    heads = tc.num_attention_heads
+    cfg = DrafterConfig(
+        hidden_size=tc.hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        intermediate_size=tc.intermediate_size,
+        vocab_size=target.vocab_size,
+        num_target_layers=target.num_layers,
+        target_layer_ids=ids,
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+        rms_norm_eps=tc.rms_norm_eps,
+        rope_theta=(getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 1e6),
+        max_position_embeddings=tc.max_position_embeddings,
+    )
+    drafter = DFlashDrafter(cfg)
+    drafter.init_weights(seed)
+    return drafter

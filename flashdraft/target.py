@@ -1,0 +1,255 @@
+"""Target adapters: a local Hugging Face causal LM (Qwen3, Qwen3.5/3.6 hybrids, Llama) or
+the built-in `tiny` target, with context features, incremental forward and exact rollback.
+
+Context features are the outputs of decoder layers `target_layer_ids`, that is
+`hidden_states[l + 1]` of `output_hidden_states` (index 0 is the embedding output); they
+are captured with forward hooks so the other layers' outputs are never kept.
+
+Rollback after partial acceptance (section 6 of the reference doc): attention layers crop
+their KV cache; linear-attention layers (Gated DeltaNet) cannot be cut back, so before each
+forward their conv and recurrent states are copied, the inputs of each linear layer are
+captured during the forward, and rollback restores the copy and re-runs only those linear
+layers over the accepted prefix. That recomputes the recurrence exactly and costs far less
+than re-running the whole target (see `benchmarks/rollback.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from flashdraft.errors import FlashdraftError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub: targets are local directories
+
+TINY_DIR = Path(__file__).parent / "assets" / "tiny"
+
+
+def resolve_target_path(name_or_path: str | Path) -> Path:
+    path = TINY_DIR if str(name_or_path) == "tiny" else Path(name_or_path)
+    if not (path / "config.json").is_file():
+        if str(name_or_path) == "tiny":
+            raise FlashdraftError(f"{path}: the built-in tiny target is missing; run scripts/train_tiny_target.py")
+        raise FlashdraftError(
+            f"{path}: not a local model directory (no config.json); --target-model takes a local Hugging Face "
+            f"directory or the word 'tiny' (nothing is downloaded)"
+        )
+    return path
+
+
+@dataclass
+class TargetCache:
+    """The target's cache plus what rollback needs from the last forward."""
+
+    kv: object  # transformers DynamicCache (attention KV and linear-attention states)
+    length: int = 0  # tokens committed to the cache
+    last_forward_tokens: int = 0
+    linear_snapshot: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    linear_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [N, T, vocab]
+    context_features: torch.Tensor | None  # [N, T, len(layer_ids) * hidden]
+
+
+class TargetModel:
+    """A frozen causal LM seen through what DFlash needs of it."""
+
+    def __init__(self, model: nn.Module, tokenizer, path: Path) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.path = path
+        self.config = model.config.get_text_config()
+        self.decoder = model.get_decoder()
+        self.layers: nn.ModuleList = self.decoder.layers
+        self.layer_types: list[str] = list(
+            getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers)
+        )
+        self.linear_layers = [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+        self._context_layer_ids: list[int] = []
+        self._captured: dict[int, torch.Tensor] = {}
+        self._capture_cache: TargetCache | None = None
+        for i, layer in enumerate(self.layers):
+            layer.register_forward_hook(self._layer_output_hook(i))
+        for i in self.linear_layers:
+            self.layers[i].linear_attn.register_forward_pre_hook(self._linear_input_hook(i), with_kwargs=True)
+
+    # -- loading ---------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls, name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> TargetModel:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = resolve_target_path(name_or_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError, KeyError) as e:
+            raise FlashdraftError(f"{path}: cannot load the target model ({str(e).splitlines()[0]})") from None
+        return cls(model.to(device), tokenizer, path)
+
+    # -- facts -----------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.linear_layers)
+
+    @property
+    def linear_backend(self) -> str:
+        """Which Gated DeltaNet implementation runs: fla kernels (GPU) or the torch fallback."""
+        if not self.is_hybrid:
+            return "none"
+        return "fla" if find_spec("fla") is not None and self.device.type == "cuda" else "torch"
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        eos = eos if eos is not None else self.config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+    def fingerprint(self) -> str:
+        """A cheap hash of config, tokenizer and weights (a strided sample of every tensor)."""
+        h = hashlib.sha256()
+        h.update(self.config.to_json_string(use_diff=False).encode())
+        h.update(str(sorted(self.tokenizer.get_vocab().items())).encode())
+        for name, t in sorted(self.model.state_dict().items()):
+            flat = t.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 1024)].float().cpu()
+            h.update(name.encode())
+            h.update(sample.numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    # -- frozen pieces borrowed by the drafter ----------------------------------------
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(input_ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden)
+
+    # -- context features ----------------------------------------------------------------
+
+    def set_context_layers(self, layer_ids: list[int]) -> None:
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise FlashdraftError(
+                f"target_layer_ids {layer_ids}: {bad} outside the target's {self.num_layers} layers "
+                f"(0..{self.num_layers - 1}); the drafter was made for another target"
+            )
+        self._context_layer_ids = list(layer_ids)
+
+    def _layer_output_hook(self, index: int):
+        def hook(module, args, output):
+            if index in self._context_layer_ids:
+                self._captured[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def _linear_input_hook(self, index: int):
+        def hook(module, args, kwargs):
+            if self._capture_cache is not None:
+                x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                self._capture_cache.linear_inputs[index] = x
+
+        return hook
+
+    # -- forward, cache, rollback --------------------------------------------------------
+
+    def new_cache(self) -> TargetCache:
+        from transformers import DynamicCache
+
+        kv = DynamicCache(config=self.config)
+        return TargetCache(kv=kv)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, cache: TargetCache | None = None) -> TargetOutput:
+        """Run the target on input_ids [N, T] after the cache's tokens, appending to the cache.
+
+        Returns logits [N, T, V] and the context features [N, T, n * H] of the set layers.
+        """
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        if cache is not None:
+            positions = positions + cache.length
+            self._snapshot_linear_states(cache)
+        self._captured = {}
+        self._capture_cache = cache
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions.expand(input_ids.shape[0], -1),
+                past_key_values=cache.kv if cache is not None else None,
+                use_cache=cache is not None,
+            )
+        finally:
+            self._capture_cache = None
+        if cache is not None:
+            cache.length += input_ids.shape[1]
+            cache.last_forward_tokens = input_ids.shape[1]
+        features = None
+        if self._context_layer_ids:
+            features = torch.cat([self._captured[i] for i in self._context_layer_ids], dim=-1)
+        self._captured = {}
+        return TargetOutput(logits=out.logits, context_features=features)
+
+    def _snapshot_linear_states(self, cache: TargetCache) -> None:
+        cache.linear_snapshot = {}
+        cache.linear_inputs = {}
+        layers = getattr(cache.kv, "layers", [])
+        for i in self.linear_layers:
+            if i < len(layers) and layers[i].has_previous_state.get(0):
+                layer = layers[i]
+                cache.linear_snapshot[i] = (layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
+
+    @torch.no_grad()
+    def rollback(self, cache: TargetCache, keep: int) -> None:
+        """Keep only the first `keep` tokens of the last forward in the cache (exactly)."""
+        drop = cache.last_forward_tokens - keep
+        if drop < 0 or keep < 0:
+            raise ValueError(f"rollback keep={keep} outside the last forward's {cache.last_forward_tokens} tokens")
+        if drop == 0:
+            return
+        for i, layer in enumerate(cache.kv.layers):
+            if i not in self.linear_layers:
+                layer.crop(-drop)
+        if self.linear_layers:
+            if len(cache.linear_snapshot) != len(self.linear_layers):
+                raise RuntimeError("rollback of linear-attention states needs a cached forward before this one")
+            for i in self.linear_layers:
+                conv, recurrent = cache.linear_snapshot[i]
+                layer = cache.kv.layers[i]
+                layer.conv_states[0].copy_(conv)
+                layer.recurrent_states[0].copy_(recurrent)
+                if keep > 0:
+                    # re-run only this layer's token mixer over the accepted prefix
+                    self.layers[i].linear_attn(hidden_states=cache.linear_inputs[i][:, :keep], cache_params=cache.kv)
+        cache.length -= drop
+        cache.last_forward_tokens = keep
+        cache.linear_inputs = {}

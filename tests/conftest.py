@@ -1,0 +1,80 @@
+"""Tiny random targets (Qwen3 dense, Qwen3.5 hybrid, Llama) built from configs, seeded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from flashdraft.config import DrafterConfig
+from flashdraft.model import DFlashDrafter
+from flashdraft.target import TargetModel
+
+VOCAB = 64
+EOS, PAD, MASK = 61, 62, 63
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {f"t{i}": i for i in range(VOCAB - 3)} | {"<eos>": EOS, "<pad>": PAD, "<mask>": MASK}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", mask_token="<mask>")
+
+
+def make_hf_model(kind: str, seed: int = 0, num_layers: int = 4):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=EOS, pad_token_id=PAD,
+                  max_position_embeddings=512)  # fmt: skip
+    if kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    elif kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "hybrid":
+        layer_types = (["linear_attention", "full_attention"] * num_layers)[:num_layers]
+        cfg = Qwen3_5TextConfig(**common, layer_types=layer_types, linear_num_key_heads=2, linear_num_value_heads=2,
+                                linear_key_head_dim=16, linear_value_head_dim=32)  # fmt: skip
+        model = Qwen3_5ForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    # sharpen the random logits so greedy choices are far from ties
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model.float().eval()
+
+
+def make_target(kind: str, seed: int = 0, num_layers: int = 4) -> TargetModel:
+    return TargetModel(make_hf_model(kind, seed, num_layers), make_tokenizer(), path=None)
+
+
+@pytest.fixture(params=["qwen3", "hybrid", "llama"])
+def any_target(request) -> TargetModel:
+    return make_target(request.param)
+
+
+@pytest.fixture
+def hybrid_target() -> TargetModel:
+    return make_target("hybrid")
+
+
+def make_drafter_config(**overrides) -> DrafterConfig:
+    fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=128, vocab_size=VOCAB, num_target_layers=4, target_layer_ids=[0, 2],
+                  mask_token_id=MASK, block_size=8)  # fmt: skip
+    fields.update(overrides)
+    return DrafterConfig(**fields)
+
+
+def make_drafter(seed: int = 0, **overrides) -> DFlashDrafter:
+    drafter = DFlashDrafter(make_drafter_config(**overrides))
+    drafter.init_weights(seed)
+    return drafter.eval()

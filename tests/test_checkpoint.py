@@ -1,0 +1,113 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from flashdraft.checkpoint import expected_shapes, load_drafter, save_drafter
+from flashdraft.config import DrafterConfig
+from flashdraft.errors import FlashdraftError
+from flashdraft.model import DFlashDrafter
+from tests.conftest import make_drafter
+from tests.test_config import PUBLIC_QWEN36_CONFIG
+
+
+def test_state_dict_keys_and_shapes_equal_the_public_table_for_qwen36_27b():
+    cfg = DrafterConfig.from_dict(PUBLIC_QWEN36_CONFIG)
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes == expected_shapes(cfg)
+    assert shapes["fc.weight"] == (5120, 25600)
+    assert shapes["layers.0.self_attn.q_proj.weight"] == (4096, 5120)
+    assert shapes["layers.4.self_attn.k_proj.weight"] == (1024, 5120)
+    assert shapes["layers.4.self_attn.o_proj.weight"] == (5120, 4096)
+    assert shapes["layers.2.self_attn.q_norm.weight"] == (128,)
+    assert shapes["layers.3.mlp.gate_proj.weight"] == (17408, 5120)
+    assert shapes["layers.3.mlp.down_proj.weight"] == (5120, 17408)
+    assert shapes["hidden_norm.weight"] == shapes["norm.weight"] == (5120,)
+    assert len(shapes) == 3 + 5 * 11  # no embedding, no LM head, nothing else
+
+
+def test_saved_drafter_reloads_identically(tmp_path):
+    drafter = make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    save_drafter(drafter, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = load_drafter(tmp_path)
+    assert loaded.config.to_dict() == drafter.config.to_dict() | {"dtype": "float32"}
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[key]), key
+    x, anchors = torch.randn(1, 16, 64), torch.tensor([[5, 12]])
+    ctx, pos = torch.randn(1, 17, 128), torch.arange(17)[None]
+    assert torch.equal(drafter(x, anchors, ctx, pos), loaded(x, anchors, ctx, pos))
+
+
+def _write(tmp_path, state, cfg_dict):
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(cfg_dict))
+    save_file(state, str(tmp_path / "model.safetensors"))
+
+
+def test_public_drafter_directory_written_by_another_tool_loads(tmp_path):
+    drafter = make_drafter()
+    cfg = drafter.config.to_dict() | {"auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "bos_token_id": 1}
+    _write(tmp_path, {k: v.to(torch.bfloat16) for k, v in drafter.state_dict().items()}, cfg)
+    loaded = load_drafter(tmp_path)
+    assert loaded.config.extra["auto_map"] == cfg["auto_map"]
+    assert torch.allclose(loaded.fc.weight, drafter.fc.weight, atol=1e-2)
+
+
+@pytest.mark.parametrize("extra_layers", [-1, 1])
+def test_fc_with_other_context_layer_count_is_refused_naming_both_shapes(tmp_path, extra_layers):
+    drafter = make_drafter()  # 2 context layers, fc [64, 128]
+    state = drafter.state_dict()
+    state["fc.weight"] = torch.zeros(64, 64 * (2 + extra_layers))
+    _write(tmp_path, state, drafter.config.to_dict())
+    with pytest.raises(FlashdraftError) as err:
+        load_drafter(tmp_path)
+    msg = str(err.value)
+    assert "fc.weight" in msg and f"[64, {64 * (2 + extra_layers)}]" in msg and "[64, 128]" in msg
+    assert f"{2 + extra_layers} context layers" in msg and "2 context layers" in msg
+
+
+def test_fc_not_a_multiple_of_hidden_is_refused(tmp_path):
+    drafter = make_drafter()
+    state = drafter.state_dict() | {"fc.weight": torch.zeros(64, 100)}
+    _write(tmp_path, state, drafter.config.to_dict())
+    with pytest.raises(FlashdraftError, match="not a multiple of hidden_size 64"):
+        load_drafter(tmp_path)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    drafter = make_drafter()
+    state = {k: v for k, v in drafter.state_dict().items() if k != "layers.1.mlp.up_proj.weight"}
+    _write(tmp_path, state, drafter.config.to_dict())
+    with pytest.raises(FlashdraftError, match=r"'layers.1.mlp.up_proj.weight' is missing; expected shape \[128, 64\]"):
+        load_drafter(tmp_path)
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+    drafter = make_drafter()
+    state = drafter.state_dict() | {"embed_tokens.weight": torch.zeros(64, 64)}
+    _write(tmp_path, state, drafter.config.to_dict())
+    with pytest.raises(FlashdraftError, match="unexpected tensor 'embed_tokens.weight'"):
+        load_drafter(tmp_path)
+
+
+def test_wrongly_shaped_tensor_is_named_with_both_shapes(tmp_path):
+    drafter = make_drafter()
+    state = drafter.state_dict() | {"layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)}
+    _write(tmp_path, state, drafter.config.to_dict())
+    with pytest.raises(FlashdraftError, match=r"'layers.0.self_attn.k_proj.weight' has shape \[64, 64\]; expected \[32, 64\]"):
+        load_drafter(tmp_path)
+
+
+def test_truncated_weights_and_missing_weights_are_refused(tmp_path):
+    save_drafter(make_drafter(), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(FlashdraftError, match="truncated or corrupt"):
+        load_drafter(tmp_path)
+    weights.unlink()
+    with pytest.raises(FlashdraftError, match="no model.safetensors"):
+        load_drafter(tmp_path)
