@@ -67,8 +67,9 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype |
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
-    if set(state) != set(expected_shapes(model.config)):  # the module and the table must never drift
-        raise AssertionError(f"drafter state dict keys differ from the public table: {sorted(set(state) ^ set(expected_shapes(model.config)))}")
+    drift = set(state) ^ set(expected_shapes(model.config))
+    if drift:  # the module and the public table must never drift apart
+        raise AssertionError(f"drafter state dict keys differ from the public table: {sorted(drift)}")
     cfg = model.config.to_dict()
     cfg["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
     _fsync_write(out / WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata={"format": "pt"}))

@@ -17,8 +17,8 @@ def _positive(value: str) -> int:
 
 
 def cmd_init(args: argparse.Namespace) -> None:
-    from flashdraft.drafter_init import new_drafter_for_target
     from flashdraft.checkpoint import save_drafter
+    from flashdraft.drafter_init import new_drafter_for_target
     from flashdraft.target import TargetModel
 
     target = TargetModel.load(args.target_model)

@@ -159,7 +159,8 @@ class DrafterConfig:
                 intermediate_size=d["intermediate_size"],
                 vocab_size=d["vocab_size"],
                 num_target_layers=d["num_target_layers"],
-                target_layer_ids=list(dflash["target_layer_ids"]) if isinstance(dflash["target_layer_ids"], list)
+                target_layer_ids=list(dflash["target_layer_ids"])
+                if isinstance(dflash["target_layer_ids"], list)
                 else dflash["target_layer_ids"],
                 mask_token_id=dflash["mask_token_id"],
                 block_size=d.get("block_size", 16),

@@ -16,6 +16,7 @@ than re-running the whole target (see `benchmarks/rollback.py`).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass, field
 from importlib.util import find_spec
@@ -27,6 +28,8 @@ from torch import nn
 from flashdraft.errors import FlashdraftError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub: targets are local directories
+# transformers warns on every process that fla is absent; flashdraft reports the backend itself
+logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
 
 TINY_DIR = Path(__file__).parent / "assets" / "tiny"
 

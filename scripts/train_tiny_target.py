@@ -145,7 +145,10 @@ def main() -> None:
     def held_out_loss(n_batches: int = 20) -> float:
         model.eval()
         gen = random.Random(1234)
-        losses = [model(input_ids=batch(held_ids, gen)).loss if False else _loss(batch(held_ids, gen)) for _ in range(n_batches)]
+        losses = [
+            model(input_ids=batch(held_ids, gen)).loss if False else _loss(batch(held_ids, gen))
+            for _ in range(n_batches)
+        ]
         model.train()
         return float(torch.stack(losses).mean())
 

@@ -19,6 +19,10 @@ from flashdraft.config import DrafterConfig
 from flashdraft.model import DFlashDrafter
 from flashdraft.target import TargetModel
 
+# Tiny models are fastest on one thread, and one thread per test process never
+# oversubscribes the CI machine's 2 cores.
+torch.set_num_threads(1)
+
 VOCAB = 64
 EOS, PAD, MASK = 61, 62, 63
 
@@ -46,9 +50,11 @@ def make_hf_model(kind: str, seed: int = 0, num_layers: int = 4):
         model = Qwen3_5ForCausalLM(cfg)
     else:
         raise ValueError(kind)
-    # sharpen the random logits so greedy choices are far from ties
+    # sharpen the random logits so greedy choices are far from ties; a zero EOS row keeps
+    # EOS (logit 0) below the maximum, so random targets run to the length limit
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
+        model.get_output_embeddings().weight[EOS] = 0.0
     return model.float().eval()
 
 

@@ -98,7 +98,9 @@ def test_wrongly_shaped_tensor_is_named_with_both_shapes(tmp_path):
     drafter = make_drafter()
     state = drafter.state_dict() | {"layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)}
     _write(tmp_path, state, drafter.config.to_dict())
-    with pytest.raises(FlashdraftError, match=r"'layers.0.self_attn.k_proj.weight' has shape \[64, 64\]; expected \[32, 64\]"):
+    with pytest.raises(
+        FlashdraftError, match=r"'layers.0.self_attn.k_proj.weight' has shape \[64, 64\]; expected \[32, 64\]"
+    ):
         load_drafter(tmp_path)
 
 

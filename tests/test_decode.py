@@ -1,0 +1,116 @@
+import math
+import random
+
+import pytest
+import torch
+
+from flashdraft.decode import accept_sampled, greedy_generate, speculative_generate
+from flashdraft.target import TargetModel
+from tests.conftest import EOS, make_drafter, make_hf_model, make_target, make_tokenizer
+
+PROMPT = [5, 9, 17, 3, 22, 40, 11, 8, 30, 2, 14, 27]
+
+
+class OracleProposer:
+    """Drafts the target's known greedy continuation, wrong from a random position on, so
+    steps accept every length from 0 to B - 1 and rollback is exercised."""
+
+    context_layer_ids: list[int] = [1]
+
+    def __init__(self, reference: list[int], seed: int = 0) -> None:
+        self.reference, self.rng = reference, random.Random(seed)
+
+    def propose(self, tokens, anchor_pos, new_context, new_positions, block):
+        assert new_context.shape[1] == new_positions.shape[1] and int(new_positions[0, -1]) == anchor_pos - 1
+        truth = self.reference[len(tokens) : len(tokens) + block - 1]
+        truth += [0] * (block - 1 - len(truth))
+        wrong_from = self.rng.randrange(block)
+        draft = [t if k < wrong_from else (t + 1) % 60 for k, t in enumerate(truth)]
+        return torch.nn.functional.one_hot(torch.tensor(draft), 64).float() * 100
+
+
+@pytest.mark.parametrize("block", [2, 8, 16])
+def test_greedy_speculative_equals_greedy_with_partial_acceptance(any_target, block):
+    plain = greedy_generate(any_target, PROMPT, 40)
+    spec = speculative_generate(any_target, OracleProposer(PROMPT + plain.output_ids), PROMPT, 40, block_size=block)
+    assert spec.output_ids == plain.output_ids
+    assert sum(spec.acceptance_lengths) == len(spec.output_ids) - 1
+    assert max(spec.acceptance_lengths) > 1 and min(spec.acceptance_lengths) == 1
+    assert max(spec.acceptance_lengths) <= block
+
+
+@pytest.mark.parametrize("block", [2, 8, 16])
+def test_greedy_speculative_with_dflash_drafter_and_short_sliding_window(any_target, block):
+    # a window of 3 is shorter than the 12-token prompt: the drafter must honour it in its cache
+    drafter = make_drafter(block_size=block, layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    plain = greedy_generate(any_target, PROMPT, 30)
+    spec = speculative_generate(any_target, drafter, PROMPT, 30)
+    assert spec.output_ids == plain.output_ids
+    assert len(spec.acceptance_lengths) >= 1
+
+
+def test_stop_token_ends_both_decoders_at_the_same_place():
+    target = make_target("hybrid")
+    plain = greedy_generate(target, PROMPT, 40)
+    stop = plain.output_ids[17]
+    target.model.generation_config.eos_token_id = stop  # make a token we know appears a stop token
+    plain = greedy_generate(target, PROMPT, 40)
+    spec = speculative_generate(target, OracleProposer(PROMPT + plain.output_ids), PROMPT, 40, block_size=8)
+    assert plain.stop_reason == spec.stop_reason == "eos"
+    assert spec.output_ids == plain.output_ids and spec.output_ids[-1] == stop
+    assert EOS != stop
+
+
+def test_max_new_tokens_is_respected_inside_a_block():
+    target = make_target("qwen3")
+    plain = greedy_generate(target, PROMPT, 13)
+    spec = speculative_generate(target, OracleProposer(PROMPT + plain.output_ids + [0] * 20), PROMPT, 13, block_size=16)
+    assert len(spec.output_ids) == 13 and spec.output_ids == plain.output_ids
+
+
+def test_accept_sampled_keeps_the_target_distribution():
+    # context-free synthetic target: the emitted pair must follow p0 x p1 whatever q is
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.1, 0.7, 0.1], [0.4, 0.4, 0.1, 0.1]])
+    counts = torch.zeros(4, 4)
+    n = 12000
+    for _ in range(n):
+        draft = torch.multinomial(q, 1, generator=gen).squeeze(1)
+        a, bonus = accept_sampled(draft, q, p, gen)
+        emitted = draft[:a].tolist() + [bonus]
+        if len(emitted) < 2:  # the second token comes from the next step: draw it from p1 directly
+            emitted.append(int(torch.multinomial(p[1], 1, generator=gen)))
+        counts[emitted[0], emitted[1]] += 1
+    expected = torch.outer(p[0], p[1]) * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 37.7  # 15 degrees of freedom, p = 0.001
+
+
+def test_speculative_sampling_matches_target_distribution_end_to_end():
+    # second generated token (the first one a speculative step produces) vs its exact law
+    model = make_hf_model("hybrid", seed=3)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(1 / 8 * 0.5)  # a flat-ish distribution
+    target = TargetModel(model, make_tokenizer(), path=None)
+    target.model.generation_config.eos_token_id = []  # no stop token: every run yields two tokens
+    drafter = make_drafter(block_size=4)
+    prompt = PROMPT[:6]
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
+        law = torch.zeros(64)
+        for t1 in range(64):
+            law += p1[t1] * torch.softmax(model(torch.tensor([prompt + [t1]])).logits[0, -1], -1)
+    gen = torch.Generator().manual_seed(0)
+    n = 600
+    counts = torch.zeros(64)
+    for _ in range(n):
+        out = speculative_generate(target, drafter, prompt, 2, temperature=1.0, generator=gen).output_ids
+        counts[out[1]] += 1
+    # chi-square over the 8 likeliest second tokens plus "other"
+    top = torch.topk(law, 8).indices
+    observed = torch.cat([counts[top], (n - counts[top].sum()).unsqueeze(0)])
+    expected = torch.cat([law[top], (1 - law[top].sum()).unsqueeze(0)]) * n
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < 26.1, (observed, expected)  # 8 degrees of freedom, p = 0.001
+    assert math.isclose(float(law.sum()), 1.0, rel_tol=1e-4)

@@ -1,0 +1,88 @@
+import torch
+
+from flashdraft.model import PAD_POSITION, attention_mask
+from tests.conftest import make_drafter
+
+H, CTX = 64, 128  # hidden size; 2 context layers * hidden
+
+
+def _inputs(seq_len=40, num_blocks=3, block=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ctx = torch.randn(1, seq_len, CTX, generator=gen)
+    anchors = torch.tensor([[7, 19, 30][:num_blocks]])
+    blocks = torch.randn(1, num_blocks * block, H, generator=gen)
+    return ctx, anchors, blocks
+
+
+def test_mask_follows_the_rule_entry_by_entry():
+    torch.manual_seed(0)
+    b, window = 4, 6
+    anchors = torch.tensor([[3, 9, 10]])
+    ctx_pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, PAD_POSITION]])
+    q_anchor = anchors.repeat_interleave(b, 1)
+    q_pos = q_anchor + torch.arange(b).repeat(3)
+    q_block = torch.arange(3).repeat_interleave(b)
+    for w in (None, window):
+        mask = attention_mask(q_pos, q_block, q_anchor, ctx_pos, w)[0, 0]
+        keys = ctx_pos[0].tolist() + q_pos[0].tolist()
+        for qi in range(q_pos.shape[1]):
+            for ki, kp in enumerate(keys):
+                is_ctx = ki < ctx_pos.shape[1]
+                rule = (kp < q_anchor[0, qi]) if is_ctx else (q_block[ki - ctx_pos.shape[1]] == q_block[qi])
+                if w is not None:
+                    rule = rule and (q_pos[0, qi] - kp < w)
+                assert bool(mask[qi, ki]) == bool(rule), (w, qi, ki)
+
+
+def test_all_blocks_in_one_forward_equal_each_block_alone():
+    drafter = make_drafter(block_size=8)
+    ctx, anchors, blocks = _inputs()
+    pos = torch.arange(ctx.shape[1])[None]
+    together = drafter(blocks, anchors, ctx, pos)
+    for k in range(anchors.shape[1]):
+        a = int(anchors[0, k])
+        alone = drafter(blocks[:, k * 8 : (k + 1) * 8], anchors[:, k : k + 1], ctx[:, :a], pos[:, :a])
+        torch.testing.assert_close(together[:, k * 8 : (k + 1) * 8], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_cached_context_equals_context_given_at_once():
+    drafter = make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    ctx, anchors, blocks = _inputs(num_blocks=1)
+    a = int(anchors[0, 0])
+    pos = torch.arange(a)[None]
+    at_once = drafter(blocks, anchors, ctx[:, :a], pos)
+    cache = drafter.new_cache()
+    drafter(blocks, torch.tensor([[3]]), ctx[:, :3], pos[:, :3], cache=cache)  # an earlier step
+    step = drafter(blocks, anchors, ctx[:, 3:a], pos[:, 3:a], cache=cache)
+    torch.testing.assert_close(step, at_once, rtol=1e-5, atol=1e-5)
+    assert len(cache) == a  # only context is kept, never the block
+
+
+def test_sliding_window_hides_exactly_the_keys_outside_it():
+    window = 4
+    drafter = make_drafter(num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=window)
+    ctx, anchors, blocks = _inputs(num_blocks=1)
+    a = int(anchors[0, 0])  # 7; last query at 7 + 7 = 14 sees keys > 10 only, first query keys > 3
+    pos = torch.arange(a)[None]
+    out = drafter(blocks, anchors, ctx[:, :a], pos)
+    far = ctx.clone()
+    far[:, : a - window + 1] += 10.0  # positions 0..3: outside every query's window
+    torch.testing.assert_close(drafter(blocks, anchors, far[:, :a], pos), out)
+    near = ctx.clone()
+    near[:, a - 1] += 10.0  # position 6 is inside the anchor query's window
+    assert not torch.allclose(drafter(blocks, anchors, near[:, :a], pos)[:, 0], out[:, 0])
+    # a full-attention drafter does see the far context
+    full = make_drafter(num_hidden_layers=1)
+    assert not torch.allclose(full(blocks, anchors, far[:, :a], pos), full(blocks, anchors, ctx[:, :a], pos))
+
+
+def test_padding_context_is_never_seen():
+    drafter = make_drafter()
+    ctx, anchors, blocks = _inputs(num_blocks=1)
+    a = int(anchors[0, 0])
+    pos = torch.arange(a)[None]
+    padded_ctx = torch.cat([ctx[:, :a], torch.randn(1, 5, CTX)], dim=1)
+    padded_pos = torch.cat([pos, torch.full((1, 5), PAD_POSITION)], dim=1)
+    torch.testing.assert_close(
+        drafter(blocks, anchors, padded_ctx, padded_pos), drafter(blocks, anchors, ctx[:, :a], pos)
+    )

@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from flashdraft.errors import FlashdraftError
+from flashdraft.target import TargetModel
+from tests.conftest import make_hf_model, make_target, make_tokenizer
+
+
+def test_context_features_are_hidden_states_at_l_plus_one(any_target):
+    any_target.set_context_layers([0, 2])
+    ids = torch.randint(0, 60, (1, 12), generator=torch.Generator().manual_seed(0))
+    out = any_target.forward(ids)
+    hidden_states = any_target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(out.context_features, torch.cat([hidden_states[1], hidden_states[3]], dim=-1))
+    # and not the off-by-one neighbours
+    assert not torch.allclose(out.context_features[..., :64], hidden_states[0])
+
+
+@pytest.mark.parametrize("keep", [1, 3, 8])
+def test_rollback_after_partial_acceptance_equals_a_fresh_forward(any_target, keep):
+    any_target.set_context_layers([1])
+    ids = torch.randint(0, 60, (1, 40), generator=torch.Generator().manual_seed(1))
+    cache = any_target.new_cache()
+    any_target.forward(ids[:, :20], cache)
+    any_target.forward(ids[:, 20:28], cache)  # verify a block of 8, keep a prefix
+    any_target.rollback(cache, keep)
+    assert cache.length == 20 + keep
+    resumed = any_target.forward(ids[:, 20 + keep : 36], cache)
+    fresh = any_target.forward(ids[:, :36])
+    torch.testing.assert_close(resumed.logits, fresh.logits[:, 20 + keep :], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(resumed.context_features, fresh.context_features[:, 20 + keep :], rtol=1e-4, atol=1e-4)
+
+
+def test_hybrid_rollback_restores_linear_states_not_just_kv(hybrid_target):
+    ids = torch.randint(0, 60, (1, 30), generator=torch.Generator().manual_seed(2))
+    cache = hybrid_target.new_cache()
+    hybrid_target.forward(ids[:, :20], cache)
+    hybrid_target.forward(ids[:, 20:28], cache)
+    layer = cache.kv.layers[hybrid_target.linear_layers[0]]
+    after_block = layer.recurrent_states[0].clone()
+    hybrid_target.rollback(cache, 2)
+    reference = hybrid_target.new_cache()
+    hybrid_target.forward(ids[:, :22], reference)
+    ref_layer = reference.kv.layers[hybrid_target.linear_layers[0]]
+    torch.testing.assert_close(layer.recurrent_states[0], ref_layer.recurrent_states[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.conv_states[0], ref_layer.conv_states[0])
+    assert not torch.allclose(after_block, ref_layer.recurrent_states[0])
+
+
+def test_hybrid_target_reports_its_linear_attention_backend(hybrid_target):
+    assert hybrid_target.is_hybrid and hybrid_target.linear_backend == "torch"
+    assert make_target("qwen3").linear_backend == "none"
+
+
+def test_local_directory_loads_and_fingerprint_is_stable(tmp_path):
+    make_hf_model("hybrid").save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    a, b = TargetModel.load(tmp_path), TargetModel.load(tmp_path)
+    assert a.num_layers == 4 and a.hidden_size == 64 and a.vocab_size == 64 and a.stop_token_ids == [61]
+    assert a.fingerprint() == b.fingerprint()
+    assert make_target("hybrid", seed=1).fingerprint() != make_target("hybrid", seed=2).fingerprint()
+
+
+def test_missing_target_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(FlashdraftError, match="not a local model directory"):
+        TargetModel.load(tmp_path / "nope")
+
+
+def test_context_layer_outside_target_is_refused(hybrid_target):
+    with pytest.raises(FlashdraftError, match="outside the target's 4 layers"):
+        hybrid_target.set_context_layers([1, 4])
