@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -161,3 +162,241 @@ def load_drafter(
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary_emb = type(model.rotary_emb)(model.rotary_emb.config)  # buffers were on meta
     return model.to(device=device, dtype=dtype).eval()
+
+
+# -- other checkpoint forms: a bare state dict, a training run directory ----------------
+
+STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+# Wrappers a training script may leave around a state dict: {"model": {...}} and key
+# prefixes from DDP (`module.`), torch.compile (`_orig_mod.`) or a parent module.
+_WRAPPER_KEYS = ("state_dict", "model", "drafter", "draft_model", "module")
+_KEY_PREFIXES = ("module.", "_orig_mod.", "model.", "drafter.", "draft_model.")
+
+
+def read_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """Tensors of a bare `.pt`/`.safetensors` drafter state dict, unwrapped and unprefixed."""
+    path = Path(path)
+    if not path.is_file():
+        raise FlashdraftError(f"{path}: no such file; expected a drafter state dict ({', '.join(STATE_DICT_SUFFIXES)})")
+    try:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as sf:
+                state = {k: sf.get_tensor(k) for k in sf.keys()}
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except (SafetensorError, OSError, RuntimeError, EOFError) as e:
+        raise FlashdraftError(f"{path}: not a readable state dict (truncated or corrupt: {e})") from None
+    except Exception as e:  # torch.load refuses pickled objects other than tensors and containers
+        raise FlashdraftError(f"{path}: not a plain state dict of tensors ({type(e).__name__})") from None
+    while isinstance(state, dict) and len(state) == 1 and next(iter(state)) in _WRAPPER_KEYS:
+        state = next(iter(state.values()))
+    if isinstance(state, dict):
+        for wrapper in _WRAPPER_KEYS:  # a training state: {"model": {...}, "optimizer": {...}, "step": ...}
+            if "fc.weight" not in state and isinstance(state.get(wrapper), dict):
+                state = state[wrapper]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise FlashdraftError(f"{path}: expected a mapping of tensor names to tensors (a drafter state dict)")
+    for prefix in _KEY_PREFIXES:
+        if "fc.weight" not in state and state and all(k.startswith(prefix) for k in state):
+            state = {k.removeprefix(prefix): v for k, v in state.items()}
+    return state
+
+
+def infer_drafter_config(
+    shapes: dict[str, tuple[int, ...]],
+    source: str,
+    *,
+    vocab_size: int,
+    num_target_layers: int,
+    target_layer_ids: list[int] | None,
+    mask_token_id: int,
+    block_size: int = 16,
+    **fields,
+) -> DrafterConfig:
+    """The drafter config a bare state dict implies.
+
+    From shapes: hidden size (norm), layer count, head_dim (q_norm), heads (q_proj / head_dim),
+    kv heads (k_proj / head_dim), intermediate size (gate_proj), attention bias, and the
+    number of context layers (fc in_features / hidden). What shapes cannot tell (vocabulary,
+    target layer count and ids, mask token, block size, RoPE, layer types) is given by the
+    caller; `target_layer_ids` must have as many ids as fc has context layers.
+    `fields` are further DrafterConfig fields (rope_theta, rms_norm_eps, ...).
+    """
+
+    def need(key: str, ndim: int) -> tuple[int, ...]:
+        shape = shapes.get(key)
+        if shape is None:
+            raise FlashdraftError(f"{source}: tensor '{key}' is missing; cannot infer the drafter's shape without it")
+        if len(shape) != ndim:
+            raise FlashdraftError(f"{source}: tensor '{key}' has shape {list(shape)}; expected {ndim} dimensions")
+        return shape
+
+    hidden = need("norm.weight", 1)[0]
+    fc = need("fc.weight", 2)
+    if fc[1] % hidden:
+        raise FlashdraftError(
+            f"{source}: tensor 'fc.weight' has shape {list(fc)}; in_features {fc[1]} is not a multiple "
+            f"of hidden size {hidden} (from norm.weight), expected [{hidden}, n * {hidden}]"
+        )
+    num_context = fc[1] // hidden
+    layer_indices = {int(k.split(".")[1]) for k in shapes if k.startswith("layers.") and k.split(".")[1].isdigit()}
+    if not layer_indices:
+        raise FlashdraftError(f"{source}: no 'layers.{{i}}.*' tensors; not a DFlash drafter state dict")
+    num_layers = max(layer_indices) + 1
+    head_dim = need("layers.0.self_attn.q_norm.weight", 1)[0]
+    q_out = need("layers.0.self_attn.q_proj.weight", 2)[0]
+    kv_out = need("layers.0.self_attn.k_proj.weight", 2)[0]
+    for name, out in (("q_proj", q_out), ("k_proj", kv_out)):
+        if out % head_dim:
+            raise FlashdraftError(
+                f"{source}: tensor 'layers.0.self_attn.{name}.weight' has {out} output features, "
+                f"not a multiple of head_dim {head_dim} (from q_norm.weight)"
+            )
+    if target_layer_ids is None:
+        raise FlashdraftError(
+            f"{source}: a bare state dict does not store target_layer_ids; give {num_context} ids "
+            f"(fc.weight {list(fc)} has {num_context} context layers)"
+        )
+    if len(target_layer_ids) != num_context:
+        raise FlashdraftError(
+            f"{source}: tensor 'fc.weight' has shape {list(fc)} ({num_context} context layers) but "
+            f"target_layer_ids {target_layer_ids} name {len(target_layer_ids)} layers"
+        )
+    try:
+        return DrafterConfig(
+            hidden_size=hidden,
+            num_hidden_layers=num_layers,
+            num_attention_heads=q_out // head_dim,
+            num_key_value_heads=kv_out // head_dim,
+            head_dim=head_dim,
+            intermediate_size=need("layers.0.mlp.gate_proj.weight", 2)[0],
+            vocab_size=vocab_size,
+            num_target_layers=num_target_layers,
+            target_layer_ids=list(target_layer_ids),
+            mask_token_id=mask_token_id,
+            block_size=block_size,
+            attention_bias="layers.0.self_attn.q_proj.bias" in shapes,
+            **fields,
+        )
+    except FlashdraftError as e:  # name the file, not just "config"
+        raise FlashdraftError(str(e).replace("config:", f"{source} (inferred config):", 1)) from None
+
+
+def load_state_dict_drafter(
+    state: dict[str, torch.Tensor], cfg: DrafterConfig, source: str, device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> DFlashDrafter:  # fmt: skip
+    """A drafter from a state dict, strictly: every tensor checked against `cfg` first."""
+    check_state_shapes(cfg, {k: tuple(v.shape) for k, v in state.items()}, source)
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rotary_emb = type(model.rotary_emb)(model.rotary_emb.config)  # buffers were on meta
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def newest_complete_checkpoint(run_dir: str | Path) -> Path:
+    """The drafter directory of a training run's newest complete checkpoint:
+    RUN/checkpoints/step-XXXXXXX/drafter/, the highest step whose directory has a COMPLETE
+    marker (a checkpoint without it was interrupted while being written)."""
+    root = Path(run_dir) / "checkpoints"
+    steps = []
+    for d in root.glob("step-*") if root.is_dir() else []:
+        suffix = d.name.removeprefix("step-")
+        if suffix.isdigit() and (d / "COMPLETE").is_file() and (d / "drafter").is_dir():
+            steps.append((int(suffix), d / "drafter"))
+    if not steps:
+        raise FlashdraftError(
+            f"{run_dir}: no complete checkpoint (expected {root}/step-NNNNNNN/drafter/ with a COMPLETE marker "
+            f"in step-NNNNNNN/)"
+        )
+    return max(steps)[1]
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+@dataclass
+class LoadedDrafter:
+    drafter: DFlashDrafter
+    form: str  # "drafter directory", "training run" or "state dict"
+    path: Path  # what was read: the drafter directory (newest complete one for a run) or the file
+    stored_dtype: torch.dtype  # dtype of the weights on disk (the drafter itself is in the requested dtype)
+    assumed: list[str] = field(default_factory=list)  # what a bare state dict could not tell, and where it came from
+
+
+def load_any_drafter(
+    path: str | Path,
+    target=None,
+    *,
+    block_size: int | None = None,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LoadedDrafter:
+    """Load a drafter from any accepted form, strictly.
+
+    - a drafter directory (config.json + safetensors, this project's or any public one);
+    - a training run directory: its newest complete checkpoint (`newest_complete_checkpoint`);
+    - a bare `.pt`/`.safetensors` state dict: shapes give the architecture
+      (`infer_drafter_config`); vocabulary and layer count come from `target`
+      (a `TargetModel`), target_layer_ids from the argument else the reference default for
+      fc's context-layer count, the mask token from the argument else the target's tokenizer,
+      block size from the argument else 16 (the usual one); RoPE and norm eps from the target.
+    """
+    path = Path(path)
+    if path.is_dir():
+        form = "drafter directory"
+        if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
+            form, path = "training run", newest_complete_checkpoint(path)
+        drafter = load_drafter(path, device=device, dtype=dtype)
+        where = _weight_files(path)
+        with safe_open(str(where["fc.weight"]), framework="pt") as sf:
+            stored = _SAFETENSORS_DTYPES.get(sf.get_slice("fc.weight").get_dtype(), torch.float32)
+        return LoadedDrafter(drafter, form, path, stored)
+    if path.suffix not in STATE_DICT_SUFFIXES:
+        raise FlashdraftError(
+            f"{path}: not a drafter directory, a training run directory or a state dict file "
+            f"({', '.join(STATE_DICT_SUFFIXES)})"
+        )
+    state = read_state_dict_file(path)
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    if target is None:
+        raise FlashdraftError(
+            f"{path}: a bare state dict stores neither the vocabulary size nor the target's layers; give --target-model"
+        )
+    from flashdraft.config import default_target_layer_ids
+    from flashdraft.drafter_init import pick_mask_token
+
+    assumed = []
+    fc, norm = shapes.get("fc.weight"), shapes.get("norm.weight")
+    if target_layer_ids is None and fc is not None and norm is not None and len(fc) == 2 and fc[1] % norm[0] == 0:
+        target_layer_ids = default_target_layer_ids(target.num_layers, fc[1] // norm[0])
+        if len(set(target_layer_ids)) < len(target_layer_ids):
+            raise FlashdraftError(
+                f"{path}: a bare state dict does not store target_layer_ids and the reference default for "
+                f"{len(target_layer_ids)} context layers of a {target.num_layers}-layer target repeats ids "
+                f"({target_layer_ids}); give --target-layer-ids"
+            )
+        assumed.append(
+            f"target_layer_ids {target_layer_ids}: reference default for {fc[1] // norm[0]} context layers "
+            f"of a {target.num_layers}-layer target"
+        )
+    if mask_token_id is None:
+        mask_token_id = pick_mask_token(target)
+        assumed.append(f"mask token {mask_token_id}: the target tokenizer's")
+    if block_size is None:
+        block_size = 16
+        assumed.append("block size 16: the usual one (give --block-size if it was trained with another)")
+    tc = target.config
+    rope_theta = (getattr(tc, "rope_parameters", None) or {}).get("rope_theta") or getattr(tc, "rope_theta", 1e6)
+    assumed.append(f"rope_theta {rope_theta}, rms_norm_eps {tc.rms_norm_eps}, all layers full attention: target's")
+    cfg = infer_drafter_config(
+        shapes, str(path), vocab_size=target.vocab_size, num_target_layers=target.num_layers,
+        target_layer_ids=target_layer_ids, mask_token_id=mask_token_id, block_size=block_size,
+        rope_theta=rope_theta, rms_norm_eps=tc.rms_norm_eps, max_position_embeddings=tc.max_position_embeddings,
+    )  # fmt: skip
+    stored = state["fc.weight"].dtype
+    drafter = load_state_dict_drafter(state, cfg, str(path), device=device, dtype=dtype)
+    return LoadedDrafter(drafter, "state dict", path, stored, assumed)
