@@ -65,16 +65,21 @@ def _fsync_write(path: Path, write) -> None:
 
 def save_drafter(model: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write `config.json` + `model.safetensors` in the public format (each file atomically)."""
+    return save_drafter_state(model.config, model.state_dict(), out_dir, dtype)
+
+
+def save_drafter_state(
+    cfg: DrafterConfig, state_dict: dict[str, torch.Tensor], out_dir: str | Path, dtype: torch.dtype | None = None
+) -> Path:
+    """Like `save_drafter`, from a (full, gathered) state dict."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
-    drift = set(state) ^ set(expected_shapes(model.config))
-    if drift:  # the module and the public table must never drift apart
-        raise AssertionError(f"drafter state dict keys differ from the public table: {sorted(drift)}")
-    cfg = model.config.to_dict()
-    cfg["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state_dict.items()}
+    check_state_shapes(cfg, {k: tuple(v.shape) for k, v in state.items()}, "drafter being saved")
+    config = cfg.to_dict()
+    config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
     _fsync_write(out / WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
-    _fsync_write(out / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"))
+    _fsync_write(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
     return out
 
 

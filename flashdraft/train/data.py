@@ -1,0 +1,134 @@
+"""Training batches: sequences with their context features, anchors, blocks and labels.
+
+Everything random about a sequence (its anchors) is drawn from a generator seeded by
+(seed, epoch, record index), so a batch is the same whatever the world size, and a resumed
+run sees exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+
+from flashdraft.model import PAD_POSITION
+from flashdraft.train.blocks import IGNORE, build_blocks, sample_anchors
+
+
+class TrainRecord(Protocol):
+    """A sequence as stored by the cache (`flashdraft.data.cache.CachedRecord`)."""
+
+    input_ids: torch.Tensor  # [T] long, prompt + completion
+    loss_mask: torch.Tensor  # [T] bool, True on completion tokens
+    context_features: torch.Tensor | None  # [T, n * H]
+    target_topk: tuple[torch.Tensor, torch.Tensor] | None  # ([T, k], [T, k])
+
+
+@dataclass
+class Batch:
+    record_indices: list[int]
+    context_features: torch.Tensor  # [N, T, n * H]
+    context_positions: torch.Tensor  # [N, T]; PAD_POSITION on padding
+    block_ids: torch.Tensor  # [N, K * B]
+    anchor_positions: torch.Tensor  # [N, K]
+    labels: torch.Tensor  # [N, K * B]; IGNORE where untrained
+    target_topk: tuple[torch.Tensor, torch.Tensor] | None  # ([N, K * B, k], ...) aligned with labels
+
+    def to(self, device: torch.device | str) -> Batch:
+        topk = None if self.target_topk is None else tuple(t.to(device) for t in self.target_topk)
+        return replace(
+            self,
+            context_features=self.context_features.to(device),
+            context_positions=self.context_positions.to(device),
+            block_ids=self.block_ids.to(device),
+            anchor_positions=self.anchor_positions.to(device),
+            labels=self.labels.to(device),
+            target_topk=topk,
+        )
+
+
+def record_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_033 + index)
+
+
+def make_batch(
+    records: list[TrainRecord],
+    indices: list[int],
+    epoch: int,
+    seed: int,
+    num_anchors: int,
+    block_size: int,
+    mask_token_id: int,
+    max_length: int | None = None,
+) -> Batch:
+    """Pad the sequences (context) and their blocks (anchors) into one batch."""
+    rows = []
+    for record, index in zip(records, indices, strict=True):
+        seq_len = len(record.input_ids) if max_length is None else min(len(record.input_ids), max_length)
+        ids, loss_mask = record.input_ids[:seq_len].long(), record.loss_mask[:seq_len].bool()
+        anchors = sample_anchors(loss_mask, num_anchors, record_generator(seed, epoch, index))
+        block_ids, labels = build_blocks(ids, loss_mask, anchors, block_size, mask_token_id)
+        topk = None
+        if record.target_topk is not None:
+            # the target's logits at position t predict token t + 1: label at anchor + k <- row anchor + k - 1
+            rows_for_labels = (anchors[:, None] + torch.arange(block_size) - 1).clamp(0, seq_len - 1).reshape(-1)
+            topk = tuple(t[:seq_len][rows_for_labels] for t in record.target_topk)
+        rows.append((record.context_features[:seq_len], anchors, block_ids, labels, topk))
+
+    n = len(rows)
+    max_t = max(r[0].shape[0] for r in rows)
+    max_k = max(len(r[1]) for r in rows)
+    feat_dim = rows[0][0].shape[1]
+    features = torch.zeros(n, max_t, feat_dim, dtype=rows[0][0].dtype)
+    positions = torch.full((n, max_t), PAD_POSITION, dtype=torch.long)
+    block_ids = torch.full((n, max_k * block_size), mask_token_id, dtype=torch.long)
+    anchors = torch.zeros(n, max_k, dtype=torch.long)  # padding blocks: anchor 0, labels ignored
+    labels = torch.full((n, max_k * block_size), IGNORE, dtype=torch.long)
+    topk = None
+    if rows[0][4] is not None:
+        k = rows[0][4][0].shape[-1]
+        topk = (torch.zeros(n, max_k * block_size, k), torch.zeros(n, max_k * block_size, k, dtype=torch.long))
+    for i, (feat, anc, blk, lab, tk) in enumerate(rows):
+        t, q = feat.shape[0], blk.shape[0]
+        features[i, :t] = feat
+        positions[i, :t] = torch.arange(t)
+        anchors[i, : len(anc)] = anc
+        block_ids[i, :q], labels[i, :q] = blk, lab
+        if topk is not None:
+            topk[0][i, :q], topk[1][i, :q] = tk[0].float(), tk[1].long()
+    return Batch(list(indices), features, positions, block_ids, anchors, labels, topk)
+
+
+def add_context_noise(batch: Batch, std: float, generator: torch.Generator) -> Batch:
+    """Gaussian noise on the context features only. Labels and target logits are never
+    touched (failure mode 1 of the reference doc: noise on the label path)."""
+    if std <= 0:
+        return batch
+    noise = torch.randn(batch.context_features.shape, generator=generator) * std
+    return replace(batch, context_features=batch.context_features + noise.to(batch.context_features))
+
+
+class OnlineRecords:
+    """Records whose context features come from running the frozen target now, for users who
+    cannot store a cache. `records` need input_ids and loss_mask (e.g. completions)."""
+
+    def __init__(self, records: list, target, layer_ids: list[int]) -> None:
+        self.records, self.target, self.layer_ids = records, target, layer_ids
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> TrainRecord:
+        record = self.records[i]
+        self.target.set_context_layers(self.layer_ids)
+        out = self.target.forward(record.input_ids[None].to(self.target.device))
+        return _Online(record.input_ids, record.loss_mask, out.context_features[0].cpu(), None)
+
+
+@dataclass
+class _Online:
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    context_features: torch.Tensor
+    target_topk: tuple | None

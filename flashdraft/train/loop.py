@@ -1,0 +1,341 @@
+"""The training loop: AdamW, warm-up + cosine decay, gradient accumulation and clipping,
+checkpoints, resume, metrics. Reads top to bottom: configuration, guards, set-up, loop.
+
+Batches come from `flashdraft.train.data`: which records a step trains on is a function of
+(seed, epoch, step) only, and each record's anchors of (seed, epoch, record index), so
+`--resume` replays exactly the uninterrupted run and any world size sees the same global
+batch. The loss of a global batch is normalised by its total weight across all ranks and
+micro-batches, so gradient accumulation and DDP change nothing but speed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from flashdraft.checkpoint import load_drafter
+from flashdraft.errors import FlashdraftError
+from flashdraft.model import DFlashDrafter
+from flashdraft.target import TargetModel
+from flashdraft.train import distributed as D
+from flashdraft.train.blocks import IGNORE
+from flashdraft.train.checkpointing import RunLock, latest_checkpoint, load_trainer_state, save_checkpoint
+from flashdraft.train.data import Batch, add_context_noise, make_batch, record_generator
+from flashdraft.train.loss import block_loss, estimated_acceptance, position_weights
+
+
+@dataclass
+class TrainConfig:
+    """Everything that decides what a run computes; written to RUN/run_config.json."""
+
+    epochs: int = 1
+    max_steps: int | None = None
+    lr: float = 6e-4
+    warmup_fraction: float = 0.04
+    min_lr_fraction: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    batch_size: int = 4  # sequences per micro-batch per rank
+    grad_accum: int = 1
+    num_anchors: int = 512
+    max_length: int | None = None
+    loss_decay_gamma: float | None = None
+    kl_weight: float = 0.0  # opt-in soft-label KL to the stored top-k target logits
+    noise_std: float = 0.0  # Gaussian noise on context features (never on labels)
+    seed: int = 0
+    save_every: int = 200
+    keep_checkpoints: int = 3
+    log_every: int = 10
+    eval_every: int = 0
+    fsdp: bool = False
+    # filled in at start, for the record
+    target_layer_ids: list[int] = field(default_factory=list)
+    mask_token_id: int = -1
+    block_size: int = 0
+    data_fingerprint: str = ""
+    target_fingerprint: str = ""
+
+
+def check_no_shortcut(drafter: DFlashDrafter, target: TargetModel) -> None:
+    """The layer whose output makes the labels (the target's last) must never feed `fc`:
+    otherwise the answer leaks into the conditioning (failure mode 2)."""
+    final = target.num_layers - 1
+    if final in drafter.config.target_layer_ids:
+        raise FlashdraftError(
+            f"target_layer_ids {drafter.config.target_layer_ids} include layer {final}, the target's final layer "
+            f"that produces the labels; the drafter would read the answer. Use ids below {final}"
+        )
+    if drafter.config.num_target_layers != target.num_layers:
+        raise FlashdraftError(
+            f"drafter num_target_layers {drafter.config.num_target_layers} != target's {target.num_layers} layers"
+        )
+    if drafter.config.hidden_size != target.hidden_size or drafter.config.vocab_size != target.vocab_size:
+        raise FlashdraftError(
+            f"drafter hidden_size/vocab_size {drafter.config.hidden_size}/{drafter.config.vocab_size} differ from "
+            f"the target's {target.hidden_size}/{target.vocab_size}"
+        )
+
+
+def lr_lambda(total_steps: int, warmup_fraction: float, min_lr_fraction: float):
+    warmup = max(1, round(total_steps * warmup_fraction))
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return min_lr_fraction + (1 - min_lr_fraction) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+class MetricsWriter:
+    """metrics.jsonl always; TensorBoard when installed; W&B when asked."""
+
+    def __init__(self, run_dir: Path, report_to: list[str], config: dict) -> None:
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        self.tb = self.wandb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        except ImportError:
+            pass
+        if "wandb" in report_to:
+            try:
+                import wandb
+            except ImportError:
+                raise FlashdraftError(
+                    "--report-to wandb: the wandb package is not installed (pip install wandb)"
+                ) from None
+            self.wandb = wandb.init(project="flashdraft", dir=str(run_dir), config=config)
+
+    def write(self, step: int, metrics: dict) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _forward_loss(model, target: TargetModel, batch: Batch, cfg: TrainConfig, block_size: int, device):
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    )
+    with autocast:
+        with torch.no_grad():
+            block_embeds = target.embed(batch.block_ids)  # [N, K * B, H], frozen
+        hidden = model(block_embeds, batch.anchor_positions, batch.context_features.to(block_embeds.dtype),
+                       batch.context_positions)  # fmt: skip
+        return block_loss(hidden, batch.labels, target.model.get_output_embeddings(), block_size,
+                          cfg.loss_decay_gamma, batch.target_topk, cfg.kl_weight)  # fmt: skip
+
+
+@torch.no_grad()
+def evaluate_loss(model, target, records, cfg: TrainConfig, block_size: int, mask_token_id: int, device) -> dict:
+    """Held-out loss, per-position accuracy and estimated acceptance (fixed anchors)."""
+    model.eval()
+    total = weight = 0.0
+    correct = count = None
+    for start in range(0, len(records), cfg.batch_size):
+        idx = list(range(start, min(len(records), start + cfg.batch_size)))
+        batch = make_batch([records[i] for i in idx], idx, 0, cfg.seed + 1, cfg.num_anchors, block_size,
+                           mask_token_id, cfg.max_length).to(device)  # fmt: skip
+        parts = _forward_loss(model, target, batch, cfg, block_size, device)
+        total += float(parts.weighted_sum)
+        weight += float(parts.weight_total)
+        correct = parts.correct if correct is None else correct + parts.correct
+        count = parts.count if count is None else count + parts.count
+    model.train()
+    acc, tau = estimated_acceptance(correct, count)
+    return {"eval_loss": total / max(weight, 1e-9), "eval_position_accuracy": acc, "eval_estimated_acceptance": tau}
+
+
+def train(
+    cfg: TrainConfig,
+    drafter: DFlashDrafter,
+    target: TargetModel,
+    records,
+    run_dir: Path,
+    resume: bool = False,
+    eval_records=None,
+    report_to: list[str] = (),
+    info: D.DistInfo | None = None,
+    on_step=None,
+) -> DFlashDrafter:
+    """Train `drafter` on `records` (cache or online records) into `run_dir`."""
+    info = info or D.DistInfo()
+    device = info.device
+    dcfg = drafter.config
+    check_no_shortcut(drafter, target)
+    block_size = dcfg.block_size
+    cfg.target_layer_ids, cfg.mask_token_id, cfg.block_size = dcfg.target_layer_ids, dcfg.mask_token_id, block_size
+    cfg.target_fingerprint = cfg.target_fingerprint or target.fingerprint()
+
+    global_batch = cfg.batch_size * cfg.grad_accum * info.world_size
+    steps_per_epoch = len(records) // global_batch
+    if steps_per_epoch == 0:
+        raise FlashdraftError(
+            f"{len(records)} training records are fewer than one global batch of {global_batch} "
+            f"(batch size {cfg.batch_size} x grad accum {cfg.grad_accum} x {info.world_size} ranks)"
+        )
+    total_steps = steps_per_epoch * cfg.epochs
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+
+    lock = RunLock(run_dir) if info.is_main else None
+    try:
+        config_path = run_dir / "run_config.json"
+        config_dict = asdict(cfg)
+        if info.is_main:
+            if resume and config_path.exists():
+                previous = json.loads(config_path.read_text())
+                changed = {k for k in config_dict if k not in ("max_steps", "epochs", "save_every", "log_every",
+                           "eval_every", "keep_checkpoints") and previous.get(k) != config_dict[k]}  # fmt: skip
+                if changed:
+                    raise FlashdraftError(
+                        f"{config_path}: --resume with a different configuration ({', '.join(sorted(changed))}); "
+                        f"resume with the run's own settings or start a new --out"
+                    )
+            config_path.write_text(json.dumps(config_dict, indent=2) + "\n")
+            print("training configuration:", json.dumps(config_dict), flush=True)
+
+        drafter.to(device).train()
+        model = D.wrap_model(drafter, info, cfg.fsdp)
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
+            weight_decay=cfg.weight_decay,
+        )  # fmt: skip
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(total_steps, cfg.warmup_fraction, cfg.min_lr_fraction)
+        )
+
+        start_step = 0
+        if resume:
+            last = latest_checkpoint(run_dir)
+            if last is None:
+                if info.is_main:
+                    print(f"--resume: no complete checkpoint in {run_dir}; starting from step 0", flush=True)
+            else:
+                state = load_trainer_state(last)
+                if state["num_records"] != len(records) or state["world_size"] != info.world_size:
+                    raise FlashdraftError(
+                        f"{last}: saved with {state['num_records']} records on {state['world_size']} ranks; this run "
+                        f"has {len(records)} records on {info.world_size} ranks (resume needs the same data and world size)"
+                    )
+                saved = load_drafter(last / "drafter", device=device)
+                D.unwrap(model).load_state_dict(saved.state_dict())
+                optimizer.load_state_dict(state["optimizer"])
+                scheduler.load_state_dict(state["scheduler"])
+                torch.set_rng_state(state["torch_rng"])
+                start_step = state["step"]
+                if info.is_main:
+                    print(f"resumed from {last} at step {start_step}", flush=True)
+
+        def checkpoint(step: int) -> None:
+            full = D.full_state_dict(model, cfg.fsdp)
+            if info.is_main:
+                trainer_state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                                 "torch_rng": torch.get_rng_state(), "num_records": len(records),
+                                 "world_size": info.world_size, "config": config_dict}  # fmt: skip
+                save_checkpoint(run_dir, step, dcfg, full, trainer_state, cfg.keep_checkpoints)
+            D.barrier()
+
+        writer = MetricsWriter(run_dir, list(report_to), config_dict) if info.is_main else None
+        weights_by_position = position_weights(block_size, cfg.loss_decay_gamma)
+        bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, desc="train",
+                   disable=not info.is_main, dynamic_ncols=True)  # fmt: skip
+        window = {"loss": 0.0, "weight": 0.0, "correct": 0.0, "count": 0.0, "tokens": 0, "t0": time.perf_counter()}
+        for step in bar:
+            epoch, in_epoch = divmod(step, steps_per_epoch)
+            order = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch))
+            global_indices = order[in_epoch * global_batch : (in_epoch + 1) * global_batch].tolist()
+            mine = global_indices[info.rank :: info.world_size]
+            micro_batches = []
+            for m in range(cfg.grad_accum):
+                idx = mine[m * cfg.batch_size : (m + 1) * cfg.batch_size]
+                batch = make_batch([records[i] for i in idx], idx, epoch, cfg.seed, cfg.num_anchors, block_size,
+                                   dcfg.mask_token_id, cfg.max_length)  # fmt: skip
+                noise_gen = record_generator(cfg.seed + 1, epoch, idx[0])
+                micro_batches.append(add_context_noise(batch, cfg.noise_std, noise_gen))
+            # total loss weight of the global batch, so every micro-batch and rank normalise alike
+            weight_total = sum(
+                float(weights_by_position[(torch.arange(b.labels.shape[1]) % block_size)][(b.labels != IGNORE)[i]].sum())
+                for b in micro_batches for i in range(b.labels.shape[0])
+            )  # fmt: skip
+            weight_total = float(D.all_reduce_sum(torch.tensor(weight_total, dtype=torch.float64)))
+            if weight_total == 0:
+                raise FlashdraftError(f"step {step}: records {global_indices} have no supervised completion tokens")
+
+            step_loss = torch.zeros((), dtype=torch.float64)
+            correct = torch.zeros(block_size)
+            count = torch.zeros(block_size)
+            for m, batch in enumerate(micro_batches):
+                batch = batch.to(device)
+                with D.no_grad_sync(model, skip=m < len(micro_batches) - 1):
+                    parts = _forward_loss(model, target, batch, cfg, block_size, device)
+                    (parts.weighted_sum * (info.world_size / weight_total)).backward()
+                step_loss += float(parts.weighted_sum.detach())
+                correct += parts.correct.cpu()
+                count += parts.count.cpu()
+            step_loss = float(D.all_reduce_sum(step_loss)) / weight_total
+            if not math.isfinite(step_loss):
+                raise FlashdraftError(
+                    f"step {step}: loss is {step_loss} on records {global_indices} (epoch {epoch}); "
+                    f"stopped, last good checkpoint kept in {run_dir / 'checkpoints'}"
+                )
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if on_step is not None:
+                on_step(step)
+
+            window["loss"] += step_loss * weight_total
+            window["weight"] += weight_total
+            window["correct"] += D.all_reduce_sum(correct)
+            window["count"] += D.all_reduce_sum(count)
+            window["tokens"] += (
+                sum(int((b.context_positions < (1 << 40)).sum()) for b in micro_batches) * info.world_size
+            )
+            done = step + 1
+            if done % cfg.log_every == 0 or done == total_steps:
+                acc, tau_est = estimated_acceptance(window["correct"], window["count"])
+                elapsed = time.perf_counter() - window["t0"]
+                metrics = {
+                    "loss": window["loss"] / window["weight"], "position_accuracy": acc,
+                    "estimated_acceptance": tau_est, "tokens_per_s": window["tokens"] / elapsed,
+                    "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "epoch": epoch,
+                }  # fmt: skip
+                if writer is not None:
+                    writer.write(done, metrics)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{acc[0]:.2f}", tau_est=f"{tau_est:.2f}")
+                window = {"loss": 0.0, "weight": 0.0, "correct": 0.0, "count": 0.0, "tokens": 0,
+                          "t0": time.perf_counter()}  # fmt: skip
+            if cfg.eval_every and eval_records is not None and (done % cfg.eval_every == 0 or done == total_steps):
+                held_out = evaluate_loss(model, target, eval_records, cfg, block_size, dcfg.mask_token_id, device)
+                if writer is not None:
+                    writer.write(done, held_out)
+            if done % cfg.save_every == 0 or done == total_steps:
+                checkpoint(done)
+        if writer is not None:
+            writer.close()
+    finally:
+        if lock is not None:
+            lock.release()
+    return D.unwrap(model)

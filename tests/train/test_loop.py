@@ -1,0 +1,156 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashdraft.checkpoint import load_drafter
+from flashdraft.decode import DFlashProposer
+from flashdraft.errors import FlashdraftError
+from flashdraft.train.checkpointing import RunLock, complete_checkpoints, latest_checkpoint
+from flashdraft.train.data import OnlineRecords, make_batch
+from flashdraft.train.loop import TrainConfig, _forward_loss, train
+from tests.conftest import MASK, make_drafter, make_target
+from tests.train.helpers import make_records
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("hybrid")
+
+
+@pytest.fixture(scope="module")
+def records(target):
+    return make_records(target, n=8)
+
+
+def _cfg(**kw) -> TrainConfig:
+    base = dict(epochs=10, max_steps=6, batch_size=2, lr=3e-3, num_anchors=6, save_every=3, log_every=1)
+    return TrainConfig(**(base | kw))
+
+
+def test_final_target_layer_as_context_is_refused_before_training(target, records, tmp_path):
+    drafter = make_drafter(target_layer_ids=[0, 3])  # layer 3 is the target's last: it makes the labels
+    with pytest.raises(FlashdraftError, match="final layer"):
+        train(_cfg(), drafter, target, records, tmp_path)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_training_forward_predicts_what_the_inference_path_predicts(target, records):
+    drafter = make_drafter(block_size=4, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    record = records[0]
+    batch = make_batch([record], [0], epoch=0, seed=0, num_anchors=5, block_size=4, mask_token_id=MASK)
+    hidden = drafter(target.embed(batch.block_ids), batch.anchor_positions, batch.context_features,
+                     batch.context_positions)  # fmt: skip
+    train_logits = target.lm_head(hidden)  # [1, K * 4, V]
+    for j, anchor in enumerate(batch.anchor_positions[0].tolist()):
+        proposer = DFlashProposer(drafter, target)
+        infer_logits = proposer.propose(
+            record.input_ids[: anchor + 1].tolist(), anchor, record.context_features[None, :anchor],
+            torch.arange(anchor)[None], 4,
+        )  # fmt: skip
+        torch.testing.assert_close(train_logits[0, j * 4 + 1 : j * 4 + 4], infer_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(target, records, tmp_path):
+    straight = train(_cfg(), make_drafter(), target, records, tmp_path / "a")
+
+    def crash(step):
+        if step == 4:
+            raise KeyboardInterrupt  # killed after the step-3 checkpoint, mid step 5
+
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(), make_drafter(), target, records, tmp_path / "b", on_step=crash)
+    assert latest_checkpoint(tmp_path / "b").name == "step-0000003"
+    resumed = train(_cfg(), make_drafter(seed=99), target, records, tmp_path / "b", resume=True)
+    for key, value in straight.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), key
+    final = load_drafter(latest_checkpoint(tmp_path / "b") / "drafter")
+    assert torch.equal(final.fc.weight, straight.fc.weight)
+
+
+def test_checkpoints_keep_the_last_k_and_load_in_public_format(target, records, tmp_path):
+    train(_cfg(save_every=1, keep_checkpoints=2), make_drafter(), target, records, tmp_path)
+    names = [p.name for p in complete_checkpoints(tmp_path)]
+    assert names == ["step-0000005", "step-0000006"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints/step-0000006/drafter").iterdir()) == [
+        "config.json", "model.safetensors"]  # fmt: skip
+
+
+def test_second_trainer_on_the_same_run_directory_is_refused(target, records, tmp_path):
+    lock = RunLock(tmp_path)
+    try:
+        with pytest.raises(FlashdraftError, match="another trainer"):
+            train(_cfg(), make_drafter(), target, records, tmp_path)
+    finally:
+        lock.release()
+
+
+def test_configuration_used_is_written_and_printed(target, records, tmp_path, capsys):
+    train(_cfg(loss_decay_gamma=4.0, noise_std=0.1, max_steps=1), make_drafter(), target, records, tmp_path)
+    written = json.loads((tmp_path / "run_config.json").read_text())
+    assert written["loss_decay_gamma"] == 4.0 and written["noise_std"] == 0.1
+    assert written["target_layer_ids"] == [0, 2] and written["mask_token_id"] == MASK
+    assert written["target_fingerprint"] == target.fingerprint()
+    assert '"loss_decay_gamma": 4.0' in capsys.readouterr().out
+
+
+def test_nan_loss_stops_naming_step_and_records_and_keeps_last_good_checkpoint(target, records, tmp_path):
+    bad = [r for r in records]
+    poisoned = type(records[0])(records[5].input_ids, records[5].loss_mask, records[5].context_features.clone(), None)
+    poisoned.context_features[3] = float("nan")
+    bad[5] = poisoned
+    with pytest.raises(FlashdraftError, match=r"step \d+: loss is nan on records \[.*5.*\]"):
+        train(_cfg(epochs=3, max_steps=None, save_every=1), make_drafter(), target, bad, tmp_path)
+    last = latest_checkpoint(tmp_path)
+    assert last is None or torch.isfinite(load_drafter(last / "drafter").fc.weight).all()
+
+
+def test_online_features_give_the_same_loss_as_cached_features(target, records):
+    online = OnlineRecords(records, target, [0, 2])
+    drafter = make_drafter()
+    cfg = _cfg()
+    cached = make_batch([records[1], records[2]], [1, 2], 0, 0, 6, 8, MASK)
+    live = make_batch([online[1], online[2]], [1, 2], 0, 0, 6, 8, MASK)
+    a = _forward_loss(drafter, target, cached, cfg, 8, torch.device("cpu"))
+    b = _forward_loss(drafter, target, live, cfg, 8, torch.device("cpu"))
+    torch.testing.assert_close(a.weighted_sum, b.weighted_sum)
+
+
+def test_gradient_accumulation_equals_one_larger_batch(target, records, tmp_path):
+    big = train(_cfg(batch_size=4, max_steps=2), make_drafter(), target, records, tmp_path / "a")
+    accum = train(_cfg(batch_size=2, grad_accum=2, max_steps=2), make_drafter(), target, records, tmp_path / "b")
+    for key, value in big.state_dict().items():
+        torch.testing.assert_close(value, accum.state_dict()[key], rtol=1e-4, atol=1e-5)
+
+
+def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, records, tmp_path):
+    cfg = _cfg(max_steps=40, epochs=100, eval_every=40, log_every=40, save_every=1000)
+    held_out = make_records(target, n=4, seed=1)
+    drafter = make_drafter()
+    from flashdraft.train.loop import evaluate_loss
+
+    before = evaluate_loss(drafter, target, held_out, cfg, 8, MASK, torch.device("cpu"))
+    train(cfg, drafter, target, records, tmp_path, eval_records=held_out)
+    after = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert after["eval_loss"] < before["eval_loss"] - 0.2
+    assert after["eval_estimated_acceptance"] > before["eval_estimated_acceptance"]
+
+
+def test_two_gloo_processes_train_the_same_weights_as_one(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    worker = str(REPO / "tests/train/ddp_worker.py")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    subprocess.run([*torchrun, "--nproc-per-node", "2", worker, str(tmp_path / "two"), "2", "1"], check=True,
+                   env=env, capture_output=True, timeout=240)  # fmt: skip
+    subprocess.run([*torchrun, "--nproc-per-node", "1", worker, str(tmp_path / "one"), "2", "2"], check=True,
+                   env=env, capture_output=True, timeout=240)  # fmt: skip
+    two = load_drafter(latest_checkpoint(tmp_path / "two") / "drafter")
+    one = load_drafter(latest_checkpoint(tmp_path / "one") / "drafter")
+    for key, value in one.state_dict().items():
+        torch.testing.assert_close(value, two.state_dict()[key], rtol=1e-4, atol=1e-5)
