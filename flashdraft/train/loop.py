@@ -24,10 +24,9 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
 from flashdraft.target import TargetModel
 from flashdraft.train import distributed as D
-from flashdraft.train.blocks import IGNORE
 from flashdraft.train.checkpointing import RunLock, latest_checkpoint, load_trainer_state, save_checkpoint
 from flashdraft.train.data import Batch, add_context_noise, make_batch, record_generator
-from flashdraft.train.loss import block_loss, estimated_acceptance, position_weights
+from flashdraft.train.loss import block_loss, estimated_acceptance, label_weight_total
 
 
 @dataclass
@@ -235,8 +234,9 @@ def train(
                 state = load_trainer_state(last)
                 if state["num_records"] != len(records) or state["world_size"] != info.world_size:
                     raise FlashdraftError(
-                        f"{last}: saved with {state['num_records']} records on {state['world_size']} ranks; this run "
-                        f"has {len(records)} records on {info.world_size} ranks (resume needs the same data and world size)"
+                        f"{last}: saved with {state['num_records']} records on {state['world_size']} ranks; this "
+                        f"run has {len(records)} records on {info.world_size} ranks (resume needs the same data and "
+                        f"world size)"
                     )
                 saved = load_drafter(last / "drafter", device=device)
                 D.unwrap(model).load_state_dict(saved.state_dict())
@@ -257,7 +257,6 @@ def train(
             D.barrier()
 
         writer = MetricsWriter(run_dir, list(report_to), config_dict) if info.is_main else None
-        weights_by_position = position_weights(block_size, cfg.loss_decay_gamma)
         bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, desc="train",
                    disable=not info.is_main, dynamic_ncols=True)  # fmt: skip
         window = {"loss": 0.0, "weight": 0.0, "correct": 0.0, "count": 0.0, "tokens": 0, "t0": time.perf_counter()}
@@ -274,10 +273,7 @@ def train(
                 noise_gen = record_generator(cfg.seed + 1, epoch, idx[0])
                 micro_batches.append(add_context_noise(batch, cfg.noise_std, noise_gen))
             # total loss weight of the global batch, so every micro-batch and rank normalise alike
-            weight_total = sum(
-                float(weights_by_position[(torch.arange(b.labels.shape[1]) % block_size)][(b.labels != IGNORE)[i]].sum())
-                for b in micro_batches for i in range(b.labels.shape[0])
-            )  # fmt: skip
+            weight_total = sum(label_weight_total(b.labels, block_size, cfg.loss_decay_gamma) for b in micro_batches)
             weight_total = float(D.all_reduce_sum(torch.tensor(weight_total, dtype=torch.float64)))
             if weight_total == 0:
                 raise FlashdraftError(f"step {step}: records {global_indices} have no supervised completion tokens")

@@ -20,6 +20,12 @@ def position_weights(block_size: int, gamma: float | None) -> torch.Tensor:
     return w
 
 
+def label_weight_total(labels: torch.Tensor, block_size: int, gamma: float | None) -> float:
+    """Sum of the loss weights of the trained positions of labels [N, K * B]."""
+    w = position_weights(block_size, gamma)[torch.arange(labels.shape[1]) % block_size]  # [K * B]
+    return float((w * (labels != IGNORE)).sum())
+
+
 @dataclass
 class LossParts:
     weighted_sum: torch.Tensor  # sum over trained positions of weight * loss (scalar, has grad)

@@ -34,5 +34,5 @@ def test_loss_is_the_weighted_mean_of_hard_cross_entropy():
 def test_estimated_acceptance_is_one_plus_sum_of_running_products():
     correct, count = torch.tensor([0.0, 8, 4, 2]), torch.tensor([0.0, 10, 10, 10])
     acc, tau = estimated_acceptance(correct, count)
-    assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(acc, [0.8, 0.4, 0.2]))
+    assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(acc, [0.8, 0.4, 0.2], strict=True))
     assert math.isclose(tau, 1 + 0.8 + 0.8 * 0.4 + 0.8 * 0.4 * 0.2, rel_tol=1e-6)
