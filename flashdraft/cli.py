@@ -81,7 +81,119 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_positive, default=64)
     p.add_argument("--block-size", type=int, default=None)
     p.set_defaults(func=cmd_speculate)
+    _add_data_commands(sub)
     return parser
+
+
+def _layer_list(value: str) -> list[int]:
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer ids such as 1,6,11; found {value!r}") from None
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from flashdraft.data.completions import run_generate
+
+    run_generate(
+        args.target_model, args.prompts, args.out, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, seed=args.seed, batch_size=args.batch_size, backend=args.backend,
+        base_url=args.base_url, server_model=args.server_model, chat_template=args.chat_template, device=args.device,
+        target_dtype=args.target_dtype,
+    )  # fmt: skip
+
+
+def cmd_cache(args: argparse.Namespace) -> None:
+    from flashdraft.data.cache import run_cache
+
+    run_cache(
+        args.target_model, args.completions, args.out, layers=args.layers, draft_config=args.draft_config,
+        num_prompts=args.num_prompts, dtype=args.dtype, with_target_logits=args.with_target_logits,
+        records_per_shard=args.records_per_shard, allow_foreign=args.allow_foreign, device=args.device,
+        target_dtype=args.target_dtype,
+    )  # fmt: skip
+
+
+def cmd_doctor(args: argparse.Namespace) -> None:
+    from flashdraft.data.cache import drafter_layer_ids
+    from flashdraft.doctor import run_doctor
+    from flashdraft.target import TargetModel
+
+    target = TargetModel.load(args.target_model) if args.target_model else None
+    layer_ids = drafter_layer_ids(args.checkpoint)[0] if args.checkpoint else None
+    if not run_doctor(args.path, target, layer_ids, samples=args.samples, tolerance=args.tolerance):
+        sys.exit(1)
+
+
+def cmd_parity(args: argparse.Namespace) -> None:
+    from flashdraft.parity import run_parity_command
+
+    passed = run_parity_command(
+        args.target_model, args.prompts, args.num_prompts, layers=args.layers, checkpoint=args.checkpoint,
+        threshold=args.threshold, device=args.device, target_dtype=args.target_dtype,
+    )  # fmt: skip
+    if not passed:
+        sys.exit(1)
+
+
+def _add_data_commands(sub) -> None:
+    """generate, cache, doctor, parity (flashdraft.data, flashdraft.doctor, flashdraft.parity)."""
+
+    def device_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--device", default=None, help="default: cuda (this rank's GPU) when available, else cpu")
+        p.add_argument("--target-dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                       help="dtype the target runs in (default: fp32 on CPU, bf16 on GPU)")  # fmt: skip
+
+    p = sub.add_parser("generate", help="the target's own completions of a prompt set (resumable, torchrun-able)")
+    p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
+    p.add_argument("--prompts", required=True, help=".jsonl/.parquet, dataset dir, or builtin:code[:heldout]")
+    p.add_argument("--out", required=True, help="completions file to write (a re-run resumes it)")
+    p.add_argument("--num-prompts", type=_positive, default=None)
+    p.add_argument("--max-new-tokens", type=_positive, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (per record, independent of batching)")
+    p.add_argument("--batch-size", type=_positive, default=8, help="prompts per forward (or concurrent requests)")
+    p.add_argument("--backend", choices=["local", "openai"], default="local")
+    p.add_argument("--base-url", help="OpenAI-compatible server for --backend openai, e.g. http://localhost:8000/v1")
+    p.add_argument("--server-model", help="model name on the server (default: the first it lists)")
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the tokenizer's chat template (default: where the target has one)")  # fmt: skip
+    device_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("cache", help="cache the target's context features of completions (resumable, torchrun-able)")
+    p.add_argument("--target-model", required=True)
+    p.add_argument("--completions", required=True, help="completions file from flashdraft generate")
+    p.add_argument("--out", required=True, help="cache directory (a re-run resumes it)")
+    p.add_argument("--layers", type=_layer_list, default=None, help="target layer ids, e.g. 1,6,11")
+    p.add_argument("--draft-config", default=None, help="take the layer ids from this drafter (directory or config)")
+    p.add_argument("--num-prompts", type=_positive, default=None, help="cache only the first N records")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="storage dtype of the features")
+    p.add_argument("--with-target-logits", type=int, default=0, metavar="K",
+                   help="also store the target's top-K logits per token (separate files)")  # fmt: skip
+    p.add_argument("--records-per-shard", type=_positive, default=64)
+    p.add_argument("--allow-foreign", action="store_true", help="accept completions made by another target")
+    device_args(p)
+    p.set_defaults(func=cmd_cache)
+
+    p = sub.add_parser("doctor", help="check a hidden-state cache (checksums, fingerprint, layer ids, alignment)")
+    p.add_argument("path")
+    p.add_argument("--target-model", default=None, help="check fingerprint and alignment against this target")
+    p.add_argument("--checkpoint", default=None, help="check layer ids against this drafter's target_layer_ids")
+    p.add_argument("--samples", type=_positive, default=4, help="records re-run through the target")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="max relative error per layer (default: bf16 1e-2, fp16 2e-3, fp32 1e-4)")  # fmt: skip
+    p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("parity", help="compare linear-attention backends (fla, torch chunked/recurrent) layer by layer")
+    p.add_argument("--target-model", required=True)
+    p.add_argument("--prompts", default="builtin:code:heldout")
+    p.add_argument("--num-prompts", type=_positive, default=8)
+    p.add_argument("--layers", type=_layer_list, default=None, help="layers to compare (default: all)")
+    p.add_argument("--checkpoint", default=None, help="compare this drafter's target_layer_ids")
+    p.add_argument("--threshold", type=float, default=0.9999, help="fail below this minimum cosine similarity")
+    device_args(p)
+    p.set_defaults(func=cmd_parity)
 
 
 def main(argv: list[str] | None = None) -> int:

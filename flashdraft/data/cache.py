@@ -1,0 +1,635 @@
+"""`flashdraft cache`: the hidden-state cache a drafter trains on, its reader, and its doctor.
+
+The target runs once over prompt + completion of every record; per token the cache keeps
+the input id, the loss mask (True on completion tokens) and the context features of
+exactly the requested layers: the outputs of decoder layers `layer_ids` (the
+`hidden_states[l + 1]` convention), concatenated in listed order, cast to the cache dtype.
+Optionally the target's top-k final-layer logits, in files of their own.
+
+Layout of DIR (field by field in docs/data-formats.md):
+
+    manifest.json                 written last: settings, shards with sha256, records
+    shard-00000.safetensors       input_ids [N] int32, loss_mask [N] bool, context_features [N, n * H]
+    topk-00000.safetensors        values [N, k] float32, indices [N, k] int32 (--with-target-logits k)
+    .progress/                    while building: settings.json, shard-00000.json per finished shard
+
+Shard k holds records [k * R, (k + 1) * R) concatenated on the token axis. A shard is
+written to a temporary file and renamed, then its `.progress` entry is written: a killed
+run leaves either a finished shard or nothing, and a re-run redoes only unfinished
+shards. Under torchrun rank r builds the shards k with k % world == r; rank 0 writes the
+manifest. Results do not depend on the number of ranks: shard contents are fixed by R.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from flashdraft.data.completions import CompletionRecord, Completions
+from flashdraft.data.distributed import Dist
+from flashdraft.errors import FlashdraftError
+from flashdraft.target import TargetModel
+
+FORMAT = "flashdraft.hidden-state-cache"
+VERSION = 1
+MANIFEST = "manifest.json"
+PROGRESS = ".progress"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+# relative error ||cached - fresh|| / ||fresh|| a stored layer may show from storage rounding
+# alone (bf16 keeps 8 bits of mantissa, fp16 11); doctor --tolerance overrides
+DEFAULT_TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-4}
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+def topk_name(k: int) -> str:
+    return f"topk-{k:05d}.safetensors"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write a safetensors file whole or not at all. No metadata: safetensors writes a
+    multi-key metadata dict in varying order, and shards must be byte-reproducible."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # safetensors creates the file private; a cache is shared like any data
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# -- building ----------------------------------------------------------------------------
+
+
+def _tokens_digest(records: list[CompletionRecord]) -> str:
+    """Identifies a shard's input: ids and tokens of its records, in order."""
+    h = hashlib.sha256()
+    for r in records:
+        h.update(json.dumps([r.id, r.prompt_ids, r.completion_ids]).encode())
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def _cache_record(
+    target: TargetModel, record: CompletionRecord, dtype: torch.dtype, layer_ids: list[int], topk: int
+) -> dict[str, torch.Tensor]:
+    tokens = record.prompt_ids + record.completion_ids
+    out = target.forward(torch.tensor([tokens], device=target.device))
+    features = out.context_features[0].to(dtype).cpu()  # [T, n * H]
+    bad = ~torch.isfinite(features)
+    if bad.any():
+        token, column = (int(x) for x in bad.nonzero()[0])
+        layer = layer_ids[column // target.hidden_size]
+        raise FlashdraftError(
+            f"record {record.id!r}: context features of layer {layer} are NaN/Inf at token {token} (stored as "
+            f"{DTYPE_NAMES[dtype]}); refusing to cache them (overflow in fp16? try --dtype bf16)"
+        )
+    item = {
+        "input_ids": torch.tensor(tokens, dtype=torch.int32),  # [T]
+        "loss_mask": torch.arange(len(tokens)) >= len(record.prompt_ids),  # [T] True on completion tokens
+        "context_features": features,
+    }
+    if topk:
+        values, indices = out.logits[0].float().topk(topk, dim=-1)  # [T, k]
+        item["topk_values"], item["topk_indices"] = values.cpu(), indices.to(torch.int32).cpu()
+    return item
+
+
+def _build_shard(
+    target: TargetModel, directory: Path, k: int, records: list[CompletionRecord], settings: dict, dist: Dist,
+    bar: tqdm,
+) -> dict:  # fmt: skip
+    dtype = DTYPES[settings["dtype_flag"]]
+    items, entries, offset = [], [], 0
+    for r in records:
+        item = _cache_record(target, r, dtype, settings["layer_ids"], settings["topk"])
+        features = item["context_features"].float()
+        bar.write(
+            f"{dist.prefix()}{r.id}: {len(item['input_ids'])} tokens ({len(r.completion_ids)} supervised), "
+            f"features mean {features.mean():+.4f} std {features.std():.4f}"
+        )
+        bar.update(1)
+        entries.append({"id": r.id, "offset": offset, "length": len(item["input_ids"]),
+                        "prompt_length": len(r.prompt_ids)})  # fmt: skip
+        offset += len(item["input_ids"])
+        items.append(item)
+    shard = {name: torch.cat([it[name] for it in items]) for name in ("input_ids", "loss_mask", "context_features")}
+    _save_atomic(shard, directory / shard_name(k))
+    meta = {
+        "index": k,
+        "file": shard_name(k),
+        "bytes": (directory / shard_name(k)).stat().st_size,
+        "sha256": file_sha256(directory / shard_name(k)),
+        "num_tokens": offset,
+        "tokens_sha256": _tokens_digest(records),
+        "records": entries,
+    }
+    if settings["topk"]:
+        topk = {"values": torch.cat([it["topk_values"] for it in items]),
+                "indices": torch.cat([it["topk_indices"] for it in items])}  # fmt: skip
+        _save_atomic(topk, directory / topk_name(k))
+        meta |= {"topk_file": topk_name(k), "topk_bytes": (directory / topk_name(k)).stat().st_size,
+                 "topk_sha256": file_sha256(directory / topk_name(k))}  # fmt: skip
+    _write_json(directory / PROGRESS / f"shard-{k:05d}.json", meta)  # the shard's commit marker
+    return meta
+
+
+def _finished_shards(directory: Path) -> dict[int, dict]:
+    """Shard metas of earlier runs: from the progress folder, or from a finished manifest."""
+    metas: dict[int, dict] = {}
+    manifest = directory / MANIFEST
+    if manifest.exists():
+        data = json.loads(manifest.read_text())
+        by_shard: dict[int, list] = {}
+        for r in data["records"]:
+            by_shard.setdefault(r["shard"], []).append({k: v for k, v in r.items() if k != "shard"})
+        for meta in data["shards"]:
+            metas[meta["index"]] = dict(meta, records=by_shard.get(meta["index"], []))
+    for path in sorted((directory / PROGRESS).glob("shard-*.json")):
+        meta = json.loads(path.read_text())
+        metas[meta["index"]] = meta
+    return metas
+
+
+def _is_finished(directory: Path, meta: dict | None, records: list[CompletionRecord], topk: int) -> bool:
+    if meta is None or meta.get("tokens_sha256") != _tokens_digest(records):
+        return False
+    files = [(meta["file"], meta["bytes"])] + ([(meta.get("topk_file"), meta.get("topk_bytes"))] if topk else [])
+    # the size catches a truncated or half-copied file; the doctor checks every sha256
+    return all(name and (directory / name).is_file() and (directory / name).stat().st_size == size
+               for name, size in files)  # fmt: skip
+
+
+def build_cache(
+    target: TargetModel,
+    completions: Completions,
+    out: str | Path,
+    layer_ids: list[int],
+    dtype: str = "bf16",
+    records_per_shard: int = 64,
+    topk: int = 0,
+    num_records: int | None = None,
+    dist: Dist | None = None,
+) -> Path:
+    """Build (or resume) the cache of `completions` in `out`; returns its directory."""
+    dist = dist or Dist()
+    directory = Path(out)
+    if dtype not in DTYPES:
+        raise FlashdraftError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    target.set_context_layers(layer_ids)
+    records = completions.records[:num_records] if num_records is not None else completions.records
+    settings = {
+        "target_fingerprint": target.fingerprint(),
+        "layer_ids": list(layer_ids),
+        "hidden_size": target.hidden_size,
+        "dtype": DTYPE_NAMES[DTYPES[dtype]],
+        "dtype_flag": dtype,
+        "records_per_shard": records_per_shard,
+        "topk": topk,
+    }
+    computed_with = {"device": target.device.type, "target_dtype": DTYPE_NAMES.get(target.model.dtype,
+                     str(target.model.dtype)), "linear_backend": target.linear_backend}  # fmt: skip
+    progress = directory / PROGRESS
+    if dist.is_main:
+        _check_or_write_settings(directory, settings)
+    dist.barrier()
+
+    shards = [records[i : i + records_per_shard] for i in range(0, len(records), records_per_shard)]
+    finished = _finished_shards(directory)
+    todo = [k for k, shard in enumerate(shards) if not _is_finished(directory, finished.get(k), shard, topk)]
+    mine = [k for k in todo if k % dist.world == dist.rank]
+    if dist.is_main:
+        print(
+            f"caching {len(records)} records in {len(shards)} shards to {directory}: layers {layer_ids}, "
+            f"{settings['dtype']}, {len(shards) - len(todo)} shards already done"
+        )
+    with tqdm(total=sum(len(shards[k]) for k in mine), desc=f"{dist.prefix()}cache", unit="record") as bar:
+        for k in mine:
+            _build_shard(target, directory, k, shards[k], settings, dist, bar)
+    dist.barrier()  # every shard is on disk before the manifest lists them
+
+    if dist.is_main:
+        metas = _finished_shards(directory)
+        manifest_shards, manifest_records = [], []
+        for k, shard in enumerate(shards):
+            meta = metas[k]
+            if not _is_finished(directory, meta, shard, topk):
+                raise FlashdraftError(f"{directory / shard_name(k)}: missing after every rank finished")
+            manifest_shards.append({key: v for key, v in meta.items() if key != "records"})
+            manifest_records += [dict(r, shard=k) for r in meta["records"]]
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "target": {
+                "fingerprint": settings["target_fingerprint"],
+                "num_layers": target.num_layers,
+                "hidden_size": target.hidden_size,
+                "vocab_size": target.vocab_size,
+                "path": str(target.path) if target.path is not None else None,
+            },  # fmt: skip
+            "layer_ids": settings["layer_ids"],
+            "feature_convention": "hidden_states[l + 1]: the output of decoder layer l",
+            "hidden_size": target.hidden_size,
+            "dtype": settings["dtype"],
+            "records_per_shard": records_per_shard,
+            "target_topk": {"k": topk, "values_dtype": "float32", "indices_dtype": "int32"} if topk else None,
+            "computed_with": computed_with,
+            "completions": {
+                "file": completions.path.name,
+                "target_fingerprint": completions.target_fingerprint,
+                "generation": completions.header.get("generation"),
+            },  # fmt: skip
+            "num_records": len(manifest_records),
+            "num_tokens": sum(s["num_tokens"] for s in manifest_shards),
+            "shards": manifest_shards,
+            "records": manifest_records,
+        }
+        _write_json(directory / MANIFEST, manifest)
+        for path in sorted(progress.glob("*")):
+            path.unlink()
+        progress.rmdir()
+        # shards left over from an earlier, larger run are not part of this cache
+        listed = {s["file"] for s in manifest_shards} | {s.get("topk_file") for s in manifest_shards}
+        stale = [p for p in sorted(directory.glob("*.safetensors")) if p.name not in listed]
+        stale += sorted(directory.glob("*.safetensors.tmp"))  # a killed write
+        for p in stale:
+            p.unlink()
+        print(f"wrote {directory / MANIFEST}: {len(manifest_records)} records, {manifest['num_tokens']} tokens"
+              + (f" (removed {len(stale)} stale shard files)" if stale else ""))  # fmt: skip
+    dist.barrier()
+    return directory
+
+
+def _check_or_write_settings(directory: Path, settings: dict) -> None:
+    """A directory holding a cache with other settings is refused, never mixed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    found = None
+    if (directory / PROGRESS / "settings.json").exists():
+        found = json.loads((directory / PROGRESS / "settings.json").read_text())
+    elif (directory / MANIFEST).exists():
+        m = json.loads((directory / MANIFEST).read_text())
+        dtype_flag = next((f for f, d in DTYPES.items() if DTYPE_NAMES[d] == m.get("dtype")), None)
+        found = {"target_fingerprint": m["target"]["fingerprint"], "layer_ids": m["layer_ids"],
+                 "hidden_size": m["hidden_size"], "dtype": m["dtype"], "dtype_flag": dtype_flag,
+                 "records_per_shard": m["records_per_shard"],
+                 "topk": (m.get("target_topk") or {}).get("k", 0)}  # fmt: skip
+    elif any(directory.iterdir()):
+        raise FlashdraftError(f"{directory}: exists and is not a flashdraft cache; expected an empty or new directory")
+    if found is not None:
+        for key, value in settings.items():
+            if found.get(key) != value:
+                raise FlashdraftError(
+                    f"{directory}: holds a cache with {key} = {found.get(key)!r}, this run asks for {value!r}; "
+                    f"use another --out (caches are never mixed)"
+                )
+    (directory / PROGRESS).mkdir(exist_ok=True)
+    _write_json(directory / PROGRESS / "settings.json", settings)
+
+
+# -- reading -----------------------------------------------------------------------------
+
+
+@dataclass
+class CachedRecord:
+    id: str
+    input_ids: torch.Tensor  # [T] long, prompt + completion
+    loss_mask: torch.Tensor  # [T] bool, True on completion tokens
+    context_features: torch.Tensor  # [T, len(layer_ids) * hidden], as stored
+    prompt_length: int
+    target_topk: tuple[torch.Tensor, torch.Tensor] | None  # (values [T, k], indices [T, k] long)
+
+
+def _require(manifest: dict, key: str, kind: type | tuple, where: Path) -> Any:
+    value = manifest.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise FlashdraftError(f"{where}: field '{key}' is {value!r}; expected {getattr(kind, '__name__', kind)}")
+    return value
+
+
+class HiddenStateCache:
+    """A finished cache directory, read one record at a time through memory-mapped shards."""
+
+    def __init__(self, directory: str | Path, verify: bool = True) -> None:
+        self.directory = Path(directory)
+        path = self.directory / MANIFEST
+        if not path.is_file():
+            hint = " (an unfinished run: re-run flashdraft cache)" if (self.directory / PROGRESS).is_dir() else ""
+            raise FlashdraftError(f"{self.directory}: no {MANIFEST}; not a finished hidden-state cache{hint}")
+        try:
+            manifest = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise FlashdraftError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise FlashdraftError(f"{path}: field 'format' is {manifest.get('format')!r}; expected {FORMAT!r}")
+        if manifest.get("version") != VERSION:
+            raise FlashdraftError(f"{path}: field 'version' is {manifest.get('version')!r}; expected {VERSION}")
+        self.manifest = manifest
+        self.layer_ids: list[int] = _require(manifest, "layer_ids", list, path)
+        self.hidden_size: int = _require(manifest, "hidden_size", int, path)
+        self.target_fingerprint: str = _require(manifest, "target", dict, path).get("fingerprint")
+        dtype_name = _require(manifest, "dtype", str, path)
+        by_name = {v: k for k, v in DTYPE_NAMES.items()}
+        if dtype_name not in by_name:
+            raise FlashdraftError(f"{path}: field 'dtype' is {dtype_name!r}; expected one of {', '.join(by_name)}")
+        self.dtype: torch.dtype = by_name[dtype_name]
+        self.topk: int = (manifest.get("target_topk") or {}).get("k", 0)
+        self._shards: list[dict] = _require(manifest, "shards", list, path)
+        self._records: list[dict] = _require(manifest, "records", list, path)
+        for s in self._shards:
+            self._check_file(s["file"], s["bytes"], s["sha256"] if verify else None)
+            if self.topk:
+                self._check_file(s["topk_file"], s["topk_bytes"], s["topk_sha256"] if verify else None)
+        self._handles: dict[str, Any] = {}
+
+    def _check_file(self, name: str, size: int, sha256: str | None) -> None:
+        path = self.directory / name
+        if not path.is_file():
+            raise FlashdraftError(f"{path}: missing; {MANIFEST} lists it")
+        found = path.stat().st_size
+        if found != size:
+            raise FlashdraftError(
+                f"{path}: {found} bytes, {MANIFEST} says {size} (truncated or replaced); "
+                f"re-run flashdraft cache to rebuild it"
+            )
+        if sha256 is not None and file_sha256(path) != sha256:
+            raise FlashdraftError(f"{path}: sha256 differs from {MANIFEST} (corrupted or replaced); re-run flashdraft "
+                                  f"cache to rebuild it")  # fmt: skip
+
+    # -- facts --------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def ids(self) -> list[str]:
+        return [r["id"] for r in self._records]
+
+    @property
+    def lengths(self) -> list[int]:
+        """Token count of every record (for length-aware batching without reading shards)."""
+        return [r["length"] for r in self._records]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    # -- records ------------------------------------------------------------------------
+
+    def _open(self, name: str):
+        if name not in self._handles:
+            try:
+                self._handles[name] = safe_open(str(self.directory / name), framework="pt")
+            except SafetensorError as e:
+                raise FlashdraftError(f"{self.directory / name}: unreadable safetensors file ({e})") from None
+        return self._handles[name]
+
+    def __getitem__(self, i: int) -> CachedRecord:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"record {i} of a cache with {len(self)} records")
+        r = self._records[i]
+        shard = self._shards[r["shard"]]
+        lo, hi = r["offset"], r["offset"] + r["length"]
+        f = self._open(shard["file"])
+        topk = None
+        if self.topk:
+            t = self._open(shard["topk_file"])
+            topk = (t.get_slice("values")[lo:hi], t.get_slice("indices")[lo:hi].long())
+        return CachedRecord(
+            id=r["id"],
+            input_ids=f.get_slice("input_ids")[lo:hi].long(),
+            loss_mask=f.get_slice("loss_mask")[lo:hi],
+            context_features=f.get_slice("context_features")[lo:hi],
+            prompt_length=r["prompt_length"],
+            target_topk=topk,
+        )
+
+    def __getstate__(self) -> dict:
+        # open shard handles do not pickle (DataLoader workers); each process reopens its own
+        return {k: v for k, v in self.__dict__.items() if k != "_handles"} | {"_handles": {}}
+
+    # -- compatibility --------------------------------------------------------------------
+
+    def check_compatible(self, target: TargetModel | None = None, layer_ids: list[int] | None = None) -> None:
+        """Raise naming the cause if this cache cannot feed a drafter for `target` with
+        context layers `layer_ids`."""
+        where = self.directory / MANIFEST
+        if layer_ids is not None and list(layer_ids) != list(self.layer_ids):
+            raise FlashdraftError(
+                f"{where}: cache holds layer ids {self.layer_ids}, the drafter's target_layer_ids are "
+                f"{list(layer_ids)}; rebuild the cache with flashdraft cache --layers {','.join(map(str, layer_ids))}"
+            )
+        if target is not None:
+            if target.hidden_size != self.hidden_size:
+                raise FlashdraftError(
+                    f"{where}: cache hidden size is {self.hidden_size}, the target's is {target.hidden_size}; "
+                    f"the cache was made for another target"
+                )
+            fingerprint = target.fingerprint()
+            if fingerprint != self.target_fingerprint:
+                raise FlashdraftError(
+                    f"{where}: cache made by target fingerprint {self.target_fingerprint}, this target "
+                    f"({target.path}) has fingerprint {fingerprint}; the features come from another target"
+                )
+            bad = [i for i in self.layer_ids if not 0 <= i < target.num_layers]
+            if bad:
+                raise FlashdraftError(f"{where}: layer ids {bad} outside the target's {target.num_layers} layers")
+
+
+# -- doctor ----------------------------------------------------------------------------------
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
+
+
+def _diagnose(target: TargetModel, tokens: torch.Tensor, cached: torch.Tensor, layer: int, tol: float) -> str:
+    """Say what a mismatching layer block matches instead: another layer, or shifted tokens."""
+    hidden = target.model(input_ids=tokens[None], output_hidden_states=True).hidden_states  # L + 1 x [1, T, H]
+    for k, h in enumerate(hidden):
+        if k != layer + 1 and _relative_error(cached, h[0]) <= tol:
+            return f"; it matches hidden_states[{k}] instead of hidden_states[{layer + 1}] (layer offset off by one?)"
+    fresh = hidden[layer + 1][0]
+    for shift in (1, -1):
+        a, b = (cached[shift:], fresh[:-shift]) if shift > 0 else (cached[:shift], fresh[-shift:])
+        if _relative_error(a, b) <= tol:
+            return f"; it matches the fresh features shifted by {shift} token (token alignment off by one?)"
+    return ""
+
+
+@torch.no_grad()
+def doctor_cache(
+    directory: str | Path,
+    target: TargetModel | None = None,
+    layer_ids: list[int] | None = None,
+    samples: int = 4,
+    tolerance: float | None = None,
+    seed: int = 0,
+) -> bool:
+    """Check a cache: manifest, every shard's size and sha256, record layout, and with a
+    target its fingerprint and the alignment of `samples` records against a fresh forward;
+    with a drafter's `layer_ids`, that they equal the cache's. Prints one line per check;
+    returns True when all pass."""
+    directory = Path(directory)
+    failures: list[str] = []
+
+    def report(ok: bool, message: str) -> None:
+        print(f"{'ok  ' if ok else 'FAIL'} {message}")
+        if not ok:
+            failures.append(message)
+
+    try:
+        cache = HiddenStateCache(directory, verify=False)
+    except FlashdraftError as e:
+        report(False, str(e))
+        return False
+    report(True, f"{directory / MANIFEST}: {len(cache)} records, {cache.num_tokens} tokens, layers "
+                 f"{cache.layer_ids}, hidden {cache.hidden_size}, {DTYPE_NAMES[cache.dtype]}")  # fmt: skip
+    files = [(s["file"], s["sha256"]) for s in cache._shards]
+    files += [(s["topk_file"], s["topk_sha256"]) for s in cache._shards if cache.topk]
+    bad = [name for name, sha in files if file_sha256(directory / name) != sha]
+    report(not bad, f"sha256 of {len(files)} shard files" + (f": {', '.join(bad)} differ" if bad else ""))
+
+    width = len(cache.layer_ids) * cache.hidden_size
+    layout_errors = []
+    for s in cache._shards:
+        f = cache._open(s["file"])
+        n = s["num_tokens"]
+        for name, shape, dtype in (("input_ids", [n], "I32"), ("loss_mask", [n], "BOOL"),
+                                   ("context_features", [n, width], None)):  # fmt: skip
+            sl = f.get_slice(name)
+            if sl.get_shape() != shape or (dtype and sl.get_dtype() != dtype):
+                layout_errors.append(f"{s['file']} {name} is {sl.get_shape()} {sl.get_dtype()}, expected {shape}")
+    for i in range(len(cache)):
+        r = cache[i]
+        expected = torch.arange(len(r.input_ids)) >= r.prompt_length
+        if not torch.equal(r.loss_mask, expected) or r.context_features.dtype != cache.dtype:
+            layout_errors.append(f"record {r.id}: loss mask or dtype disagrees with the manifest")
+    report(not layout_errors, "record layout (shapes, dtypes, loss masks)" + (": " + "; ".join(layout_errors[:3])
+                                                                              if layout_errors else ""))  # fmt: skip
+
+    if layer_ids is not None:
+        same = list(layer_ids) == cache.layer_ids
+        report(same, f"layer ids {cache.layer_ids} " + ("equal" if same else "differ from") +
+               f" the drafter's target_layer_ids {list(layer_ids)}")  # fmt: skip
+    if target is not None:
+        try:
+            cache.check_compatible(target)
+            report(True, f"target fingerprint {cache.target_fingerprint} and hidden size match {target.path}")
+        except FlashdraftError as e:
+            report(False, str(e))
+        else:
+            tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[DTYPE_NAMES[cache.dtype]]
+            picks = sorted(random.Random(seed).sample(range(len(cache)), min(samples, len(cache))))
+            target.set_context_layers(cache.layer_ids)
+            worst, problems = 0.0, []
+            for i in picks:
+                r = cache[i]
+                tokens = r.input_ids.to(target.device)
+                fresh = target.forward(tokens[None]).context_features[0].cpu()  # [T, n * H]
+                for j, layer in enumerate(cache.layer_ids):
+                    block = slice(j * cache.hidden_size, (j + 1) * cache.hidden_size)
+                    err = _relative_error(r.context_features[:, block], fresh[:, block])
+                    worst = max(worst, err)
+                    if err > tol:
+                        hint = _diagnose(target, tokens, r.context_features[:, block].to(target.device), layer, tol)
+                        problems.append(f"record {r.id} layer {layer}: relative error {err:.2e}{hint}")
+            report(not problems, f"alignment of {len(picks)} records with a fresh forward: worst relative error "
+                                 f"{worst:.2e} (tolerance {tol:.0e})" + ("; " + "; ".join(problems[:3])
+                                                                        if problems else ""))  # fmt: skip
+    print("all checks passed" if not failures else f"{len(failures)} check(s) failed")
+    return not failures
+
+
+# -- the commands ------------------------------------------------------------------------------
+
+
+def drafter_layer_ids(path: str | Path) -> tuple[list[int], Any]:
+    """target_layer_ids of a drafter directory or config.json (and the config itself)."""
+    from flashdraft.config import DrafterConfig
+
+    path = Path(path)
+    config = DrafterConfig.load(path / "config.json" if path.is_dir() else path)
+    return list(config.target_layer_ids), config
+
+
+def resolve_layer_ids(target: TargetModel, layers: list[int] | None, draft_config: str | None) -> list[int]:
+    """--layers, or a drafter's target_layer_ids (checked against the target), or the
+    reference default for a 5-layer drafter."""
+    from flashdraft.config import default_target_layer_ids
+
+    if layers is not None and draft_config is not None:
+        raise FlashdraftError("give --layers or --draft-config, not both")
+    if layers is not None:
+        target.set_context_layers(layers)  # validates the range
+        if len(set(layers)) != len(layers) or not layers:
+            raise FlashdraftError(f"--layers {layers}: expected distinct layer indices")
+        return list(layers)
+    if draft_config is not None:
+        ids, config = drafter_layer_ids(draft_config)
+        if config.num_target_layers != target.num_layers or config.hidden_size != target.hidden_size:
+            raise FlashdraftError(
+                f"{draft_config}: drafter made for a target with {config.num_target_layers} layers and hidden size "
+                f"{config.hidden_size}; this target has {target.num_layers} and {target.hidden_size}"
+            )
+        return ids
+    ids = default_target_layer_ids(target.num_layers, min(5, target.num_layers))
+    print(f"layers {ids}: the reference default for a 5-layer drafter (choose with --layers or --draft-config)")
+    return ids
+
+
+def run_cache(
+    target_model: str,
+    completions: str,
+    out: str,
+    layers: list[int] | None = None,
+    draft_config: str | None = None,
+    num_prompts: int | None = None,
+    dtype: str = "bf16",
+    with_target_logits: int = 0,
+    records_per_shard: int = 64,
+    allow_foreign: bool = False,
+    device: str | None = None,
+    target_dtype: str | None = None,
+) -> Path:
+    """`flashdraft cache`, one rank of it under torchrun."""
+    from flashdraft.data.completions import load_completions
+    from flashdraft.data.distributed import init_distributed, load_dtype, pick_device
+
+    dist = init_distributed()
+    try:
+        dev = pick_device(dist, device)
+        target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))
+        layer_ids = resolve_layer_ids(target, layers, draft_config)
+        loaded = load_completions(completions, target, allow_foreign=allow_foreign, quiet=not dist.is_main)
+        return build_cache(target, loaded, out, layer_ids, dtype, records_per_shard, with_target_logits,
+                           num_prompts, dist)  # fmt: skip
+    finally:
+        dist.close()

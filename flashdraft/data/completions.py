@@ -1,0 +1,530 @@
+"""`flashdraft generate`: the target's own completions of a prompt set, and their loader.
+
+A completions file is one JSON object: a header (format, version, target fingerprint,
+generation settings, where the token ids came from) and `records`, one per answered user
+turn, written one record per line (see docs/data-formats.md).
+
+Resumable: each rank appends finished records to `OUT.part{rank}.jsonl` (header line
+first, flushed and fsynced per batch); a re-run reads OUT and every part, skips prompts
+already answered, and at the end rank 0 merges everything into OUT through a temporary
+file and `os.replace`, so OUT is never half written and no record appears twice.
+
+Generation runs the target locally in batches (left padding with an attention mask;
+greedy output equals `flashdraft.decode.greedy_generate` token for token), or calls an
+OpenAI-compatible server (vLLM, SGLang) with the prompt's token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from flashdraft.data.distributed import Dist
+from flashdraft.data.prompts import Prompt, encode_text, render_conversation
+from flashdraft.errors import FlashdraftError
+from flashdraft.target import TargetModel
+
+FORMAT = "flashdraft.completions"
+VERSION = 1
+STOP_REASONS = ("eos", "length")
+TOKEN_SOURCES = ("target", "server", "retokenized")
+
+
+@dataclass
+class GenerationSettings:
+    """Everything that decides the completions; a resumed run must use the same."""
+
+    prompts: str
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    chat_template: bool = False  # whether the tokenizer's chat template was applied
+    backend: str = "local"  # "local" or "openai"
+    base_url: str | None = None
+    server_model: str | None = None
+
+
+@dataclass
+class CompletionRecord:
+    id: str
+    prompt: str  # the rendered text the target saw (chat template applied where used)
+    prompt_ids: list[int]
+    completion_ids: list[int]  # generated tokens, ending with the stop token when stop_reason is "eos"
+    completion: str  # completion_ids decoded without special tokens
+    stop_reason: str  # "eos" or "length"
+    token_source: str = "target"  # "target" (local), "server" (ids returned) or "retokenized" (text re-encoded)
+
+
+@dataclass
+class Completions:
+    path: Path
+    header: dict[str, Any]
+    records: list[CompletionRecord]
+    skipped: list[tuple[str, str]]  # (record id, why it was skipped)
+
+    @property
+    def target_fingerprint(self) -> str:
+        return self.header["target"]["fingerprint"]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+def record_seed(seed: int, record_id: str) -> int:
+    """A per-record sampling seed, so sampled outputs do not depend on batching or ranks."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{record_id}".encode()).digest()[:4], "little")
+
+
+def make_header(target: TargetModel, settings: GenerationSettings) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "target": {
+            "fingerprint": target.fingerprint(),
+            "path": str(target.path) if target.path is not None else None,
+            "vocab_size": target.vocab_size,
+        },
+        "generation": asdict(settings),
+    }
+
+
+# -- local batched generation -----------------------------------------------------------
+
+
+@torch.no_grad()
+def generate_batch(
+    target: TargetModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generators: list[torch.Generator] | None = None,
+) -> list[tuple[list[int], str]]:
+    """Decode every prompt with the target's cache; returns (completion ids, stop reason) each.
+
+    Prompts are left-padded to one width; the attention mask hides the padding and position
+    ids count only real tokens, so each row decodes as it would alone. Rows that stopped
+    keep being fed (their output is frozen) until every row has stopped.
+    """
+    from transformers import DynamicCache
+
+    device, n = target.device, len(prompts)
+    width = max(len(p) for p in prompts)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    ids = torch.full((n, width), pad, dtype=torch.long, device=device)  # [N, W]
+    mask = torch.zeros((n, width), dtype=torch.long, device=device)  # [N, W]
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, device=device)
+        mask[i, width - len(p) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, W]
+    padded = bool((mask == 0).any())
+    stop_ids = set(target.stop_token_ids)
+    cache = DynamicCache(config=target.config)
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    reasons = ["length"] * n
+    for _ in range(max_new_tokens):
+        logits = target.model(
+            input_ids=ids,
+            attention_mask=mask if padded else None,  # no mask without padding: the same kernels as one prompt
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1]  # [N, V]
+        if temperature <= 0:
+            tokens = logits.argmax(-1).tolist()
+        else:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            tokens = [int(torch.multinomial(probs[i], 1, generator=generators[i])) for i in range(n)]
+        for i, token in enumerate(tokens):
+            if reasons[i] == "length" and len(outputs[i]) < max_new_tokens:
+                outputs[i].append(token)
+                if token in stop_ids:
+                    reasons[i] = "eos"
+        if all(r == "eos" for r in reasons):
+            break
+        ids = torch.tensor(tokens, device=device)[:, None]  # [N, 1]
+        mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
+        positions = positions[:, -1:] + 1
+    return list(zip(outputs, reasons, strict=True))
+
+
+def _answer_turns(
+    target: TargetModel,
+    batch: list[Prompt],
+    settings: GenerationSettings,
+    complete: Callable[[list[tuple[str, list[int]]]], list[tuple[list[int], str, str]]],
+) -> list[CompletionRecord]:
+    """Answer every turn of every prompt in the batch: turn k of all prompts that have it is
+    one call of `complete` ([(record id, prompt ids)] -> [(completion ids, stop reason, source)])."""
+    tok, use_template = target.tokenizer, settings.chat_template
+    answers: dict[str, list[str]] = {p.id: [] for p in batch}
+    records: dict[str, list[CompletionRecord]] = {p.id: [] for p in batch}
+    for turn in range(max(len(p.turns) for p in batch)):
+        active = [p for p in batch if len(p.turns) > turn]
+        texts = [render_conversation(tok, p.conversation(answers[p.id]), use_template) for p in active]
+        prompt_ids = [encode_text(tok, text, use_template) for text in texts]
+        for p, ids in zip(active, prompt_ids, strict=True):
+            if not ids:
+                raise FlashdraftError(
+                    f"prompt {p.record_id(turn)!r}: encodes to no tokens; expected a non-empty prompt"
+                )
+        results = complete([(p.record_id(turn), ids) for p, ids in zip(active, prompt_ids, strict=True)])
+        for p, text, ids, (out, reason, source) in zip(active, texts, prompt_ids, results, strict=True):
+            completion = tok.decode(out, skip_special_tokens=True)
+            records[p.id].append(CompletionRecord(p.record_id(turn), text, ids, out, completion, reason, source))
+            answers[p.id].append(completion)
+    return [r for p in batch for r in records[p.id]]
+
+
+def local_completer(target: TargetModel, settings: GenerationSettings):
+    def complete(items: list[tuple[str, list[int]]]) -> list[tuple[list[int], str, str]]:
+        generators = None
+        if settings.temperature > 0:
+            generators = [
+                torch.Generator(device=target.device).manual_seed(record_seed(settings.seed, rid)) for rid, _ in items
+            ]
+        outs = generate_batch(target, [ids for _, ids in items], settings.max_new_tokens, settings.temperature,
+                              generators)  # fmt: skip
+        return [(ids, reason, "target") for ids, reason in outs]
+
+    return complete
+
+
+# -- OpenAI-compatible server ------------------------------------------------------------
+
+
+class OpenAIClient:
+    """The completions endpoint of an OpenAI-compatible server (vLLM, SGLang), by token ids."""
+
+    def __init__(self, base_url: str, model: str | None = None, timeout: float = 600.0) -> None:
+        base = base_url.rstrip("/")
+        self.base = base if base.endswith("/v1") else base + "/v1"
+        self.timeout = timeout
+        self.model = model or self._first_model()
+
+    def _request(self, path: str, body: dict | None = None) -> dict:
+        url = self.base + path
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:200]
+            raise FlashdraftError(f"{url}: server answered HTTP {e.code} ({detail})") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise FlashdraftError(f"{url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
+        except json.JSONDecodeError:
+            raise FlashdraftError(f"{url}: the server's answer is not JSON") from None
+
+    def _first_model(self) -> str:
+        models = self._request("/models").get("data") or []
+        if not models:
+            raise FlashdraftError(f"{self.base}/models: the server lists no model; pass --server-model")
+        return models[0]["id"]
+
+    def complete(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> dict:
+        body = {
+            "model": self.model,
+            "prompt": prompt_ids,  # token ids: the server sees exactly the locally rendered prompt
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "seed": seed,
+            "return_token_ids": True,  # vLLM returns choices[0].token_ids; others ignore it
+        }
+        choices = self._request("/completions", body).get("choices") or []
+        if not choices:
+            raise FlashdraftError(f"{self.base}/completions: the answer has no choices")
+        return choices[0]
+
+
+def openai_completer(target: TargetModel, settings: GenerationSettings, client: OpenAIClient, workers: int):
+    stop_ids = target.stop_token_ids
+
+    def one(item: tuple[str, list[int]]) -> tuple[list[int], str, str]:
+        rid, prompt_ids = item
+        choice = client.complete(prompt_ids, settings.max_new_tokens, settings.temperature,
+                                 record_seed(settings.seed, rid))  # fmt: skip
+        finish = choice.get("finish_reason")
+        if finish not in ("stop", "length"):
+            raise FlashdraftError(f"record {rid!r}: server finish_reason is {finish!r}; expected 'stop' or 'length'")
+        ids = choice.get("token_ids")
+        if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
+            source = "server"
+        else:
+            ids = list(target.tokenizer(choice.get("text") or "", add_special_tokens=False)["input_ids"])
+            source = "retokenized"
+        if finish == "stop" and stop_ids and (not ids or ids[-1] not in stop_ids):
+            # servers leave the stop token out of the text: put it back, as local generation keeps it
+            ids = ids + [stop_ids[0]]
+        return ids, "eos" if finish == "stop" else "length", source
+
+    def complete(items):
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            return list(pool.map(one, items))
+
+    return complete
+
+
+# -- the resumable run ---------------------------------------------------------------------
+
+
+def _part_paths(out: Path) -> list[Path]:
+    return sorted(out.parent.glob(out.name + ".part*.jsonl"))
+
+
+def _check_header(found: dict, expected: dict, where: str) -> None:
+    if not isinstance(found, dict) or found.get("format") != FORMAT:
+        raise FlashdraftError(f"{where}: not a flashdraft completions file (format {found.get('format')!r}); "
+                              f"use another --out")  # fmt: skip
+    fp, want = found.get("target", {}).get("fingerprint"), expected["target"]["fingerprint"]
+    if fp != want:
+        raise FlashdraftError(f"{where}: made by target fingerprint {fp}, this target is {want}; use another --out")
+    for key, value in expected["generation"].items():
+        if found.get("generation", {}).get(key) != value:
+            raise FlashdraftError(
+                f"{where}: generation setting '{key}' is {found.get('generation', {}).get(key)!r}, this run uses "
+                f"{value!r}; resume with the same settings or use another --out"
+            )
+
+
+def _read_existing(out: Path, header: dict) -> dict[str, dict]:
+    """Records already generated (final file and parts), keyed by id; later parts win."""
+    done: dict[str, dict] = {}
+    if out.exists():
+        try:
+            data = json.loads(out.read_text())
+        except json.JSONDecodeError as e:
+            raise FlashdraftError(f"{out}: not valid JSON ({e.msg}); remove it or use another --out") from None
+        _check_header(data, header, str(out))
+        for r in data.get("records", []):
+            done[r["id"]] = r
+    for part in _part_paths(out):
+        lines = part.read_text().split("\n")
+        if lines and lines[-1]:
+            print(f"{part}: discarding an incomplete last line (the run was killed while writing)")
+        lines = [line for line in lines[:-1] if line]
+        if not lines:
+            continue
+        _check_header(json.loads(lines[0]), header, str(part))
+        for line in lines[1:]:
+            r = json.loads(line)
+            done[r["id"]] = r
+    return done
+
+
+def _write_final(out: Path, header: dict, records: list[dict]) -> None:
+    """OUT as one JSON object, one record per line; written to a temporary file first."""
+    sources = sorted({r.get("token_source", "target") for r in records})
+    head = dict(header, token_ids=sources[0] if len(sources) == 1 else "mixed", num_records=len(records))
+    text = json.dumps(head, indent=1)[:-2] + ',\n "records": [\n'
+    text += ",\n".join(json.dumps(r, ensure_ascii=False) for r in records)
+    text += "\n ]\n}\n"
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+
+
+def generate_completions(
+    target: TargetModel,
+    prompts: list[Prompt],
+    out: str | Path,
+    settings: GenerationSettings,
+    batch_size: int = 8,
+    dist: Dist | None = None,
+    client: OpenAIClient | None = None,
+) -> Path:
+    """Answer every prompt not yet in `out` (resuming), this rank's share of them, and merge
+    all records into `out` on rank 0. Returns the path of the completions file."""
+    dist = dist or Dist()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    header = make_header(target, settings)
+    done = _read_existing(out, header)
+    dist.barrier()  # every rank has read the same state before anyone appends to it
+
+    todo = [p for p in prompts if not all(p.record_id(t) in done for t in range(len(p.turns)))]
+    mine = todo[dist.rank :: dist.world]
+    if dist.is_main:
+        print(f"{len(done)} records already in {out}; {len(todo)} prompts to answer"
+              + (f" over {dist.world} ranks" if dist.world > 1 else ""))  # fmt: skip
+    if settings.backend == "openai":
+        complete = openai_completer(target, settings, client, workers=batch_size)
+    else:
+        complete = local_completer(target, settings)
+
+    if mine:
+        part = out.with_name(f"{out.name}.part{dist.rank}.jsonl")
+        with open(part, "a", encoding="utf-8") as f, tqdm(total=len(mine), desc=f"{dist.prefix()}generate",
+                                                          unit="prompt") as bar:  # fmt: skip
+            if f.tell() == 0:
+                f.write(json.dumps(header) + "\n")
+            for start in range(0, len(mine), batch_size):
+                batch = mine[start : start + batch_size]
+                records = _answer_turns(target, batch, settings, complete)
+                f.write("".join(json.dumps(asdict(r), ensure_ascii=False) + "\n" for r in records))
+                f.flush()
+                os.fsync(f.fileno())
+                bar.update(len(batch))
+    dist.barrier()  # every part is complete before rank 0 merges
+    if dist.is_main and (todo or _part_paths(out)):
+        done = _read_existing(out, header)
+        order = [p.record_id(t) for p in prompts for t in range(len(p.turns))]
+        records = [done.pop(rid) for rid in order if rid in done]
+        if done:
+            print(f"keeping {len(done)} records of earlier runs whose prompts are not in this run")
+        records += list(done.values())
+        _write_final(out, header, records)
+        for part in _part_paths(out):
+            part.unlink()
+        print(f"wrote {len(records)} records to {out}")
+    return out
+
+
+# -- loading -------------------------------------------------------------------------------
+
+
+def _record_problem(r: Any, vocab_size: int) -> str | None:
+    """Why a record is unusable, or None if it is fine."""
+    if not isinstance(r, dict):
+        return f"not an object ({type(r).__name__})"
+    for name, kind in (("id", str), ("prompt", str), ("prompt_ids", list), ("completion_ids", list),
+                       ("completion", str), ("stop_reason", str)):  # fmt: skip
+        if not isinstance(r.get(name), kind):
+            return f"field '{name}' is {type(r.get(name)).__name__}; expected {kind.__name__}"
+    if not r["prompt_ids"]:
+        return "empty prompt_ids"
+    if not r["completion_ids"]:
+        return "empty completion"
+    for name in ("prompt_ids", "completion_ids"):
+        bad = [t for t in r[name] if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+        if bad:
+            return f"{name} has {len(bad)} ids outside the vocabulary 0..{vocab_size - 1} (first: {bad[0]!r})"
+    if r["stop_reason"] not in STOP_REASONS:
+        return f"stop_reason is {r['stop_reason']!r}; expected one of {', '.join(STOP_REASONS)}"
+    if r.get("token_source", "target") not in TOKEN_SOURCES:
+        return f"token_source is {r.get('token_source')!r}; expected one of {', '.join(TOKEN_SOURCES)}"
+    return None
+
+
+def load_completions(
+    path: str | Path, target: TargetModel | None = None, allow_foreign: bool = False, quiet: bool = False
+) -> Completions:
+    """Read and validate a completions file. Prints how many records are valid and why each
+    invalid one was skipped. With a target: a file made by another target (fingerprint) is
+    refused unless allow_foreign, and token ids are checked against its vocabulary."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FlashdraftError(f"{path}: no such completions file; make one with flashdraft generate") from None
+    except json.JSONDecodeError as e:
+        raise FlashdraftError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); was it cut short?") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise FlashdraftError(
+            f"{path}: field 'format' is {found!r}; expected {FORMAT!r} (a flashdraft completions file)"
+        )
+    if data.get("version") != VERSION:
+        raise FlashdraftError(f"{path}: field 'version' is {data.get('version')!r}; expected {VERSION}")
+    header = {k: v for k, v in data.items() if k != "records"}
+    fingerprint = header.get("target", {}).get("fingerprint")
+    vocab_size = header.get("target", {}).get("vocab_size")
+    if target is not None:
+        vocab_size = target.vocab_size
+        if fingerprint != target.fingerprint():
+            if not allow_foreign:
+                raise FlashdraftError(
+                    f"{path}: made by target fingerprint {fingerprint}, but {target.path} has fingerprint "
+                    f"{target.fingerprint()} (another model, or other weights); completions must come from the "
+                    f"target itself (pass --allow-foreign to use them anyway)"
+                )
+            if not quiet:
+                print(f"{path}: made by another target ({fingerprint}); used anyway (--allow-foreign)")
+    if not isinstance(vocab_size, int):
+        raise FlashdraftError(f"{path}: field 'target.vocab_size' is {vocab_size!r}; expected an integer")
+    raw = data.get("records")
+    if not isinstance(raw, list):
+        raise FlashdraftError(f"{path}: field 'records' is {type(raw).__name__}; expected a list")
+    records, skipped, seen = [], [], set()
+    for k, r in enumerate(raw):
+        problem = _record_problem(r, vocab_size)
+        rid = r.get("id") if isinstance(r, dict) and isinstance(r.get("id"), str) else f"#{k}"
+        if problem is None and rid in seen:
+            problem = "duplicate id"
+        if problem is not None:
+            skipped.append((rid, problem))
+            continue
+        seen.add(rid)
+        fields = {name: r[name] for name in ("id", "prompt", "prompt_ids", "completion_ids", "completion",
+                                             "stop_reason")}  # fmt: skip
+        records.append(CompletionRecord(**fields, token_source=r.get("token_source", "target")))
+    if not quiet:
+        print(f"{path}: {len(records)} of {len(raw)} records valid")
+        for rid, problem in skipped:
+            print(f"  skipped {rid}: {problem}")
+    if not records:
+        raise FlashdraftError(f"{path}: no valid records (of {len(raw)})")
+    return Completions(path, header, records, skipped)
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+def run_generate(
+    target_model: str,
+    prompts: str,
+    out: str,
+    num_prompts: int | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 8,
+    backend: str = "local",
+    base_url: str | None = None,
+    server_model: str | None = None,
+    chat_template: bool | None = None,
+    device: str | None = None,
+    target_dtype: str | None = None,
+) -> Path:
+    """`flashdraft generate`, one rank of it under torchrun. chat_template None = use the
+    target's template where it has one."""
+    from flashdraft.data.distributed import init_distributed, load_dtype, pick_device
+    from flashdraft.data.prompts import has_chat_template, load_prompts
+
+    if backend == "openai" and not base_url:
+        raise FlashdraftError("--backend openai needs --base-url (the server, e.g. http://localhost:8000/v1)")
+    dist = init_distributed()
+    try:
+        dev = pick_device(dist, "cpu" if backend == "openai" else device)
+        target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))
+        prompt_list = load_prompts(prompts, num_prompts, quiet=not dist.is_main)
+        has_template = has_chat_template(target.tokenizer)
+        if chat_template and not has_template:
+            raise FlashdraftError(f"{target.path}: the tokenizer has no chat template; drop --chat-template")
+        use_template = has_template if chat_template is None else chat_template
+        if dist.is_main:
+            print(f"target {target.path} on {dev}: " + ("chat template applied" if use_template else
+                  "no chat template, prompts used as plain text"))  # fmt: skip
+        client = OpenAIClient(base_url, server_model) if backend == "openai" else None
+        settings = GenerationSettings(
+            prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+            chat_template=use_template, backend=backend, base_url=base_url,
+            server_model=client.model if client else None,
+        )  # fmt: skip
+        return generate_completions(target, prompt_list, out, settings, batch_size, dist, client)
+    finally:
+        dist.close()

@@ -1,0 +1,209 @@
+"""Prompt sources: JSONL files, local datasets (Parquet/JSONL through `datasets`), and the
+built-in coding prompts; and how a prompt becomes the target's input tokens.
+
+Every prompt is a conversation to answer: a fixed prefix of chat messages (possibly
+empty) and one or more user turns, each answered by the target after the previous
+answer. The three row formats map onto it:
+
+- `prompt`: a string, one user turn;
+- `messages`: chat messages ({role, content}); the last user message is the turn to
+  answer and the ones before are the prefix; a trailing assistant reply is the answer the
+  target regenerates, so it is removed (and counted in the summary);
+- `turns`: a list of user turns (the public DFlash benchmark files), answered in order.
+
+The tokenizer's chat template is applied where the target has one; without one (a plain
+code LM such as the built-in target) the text is used as is and a conversation is
+concatenated, each answer continuing its prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flashdraft.errors import FlashdraftError
+
+BUILTIN_CODE = Path(__file__).parent / "builtin_code.jsonl"
+BUILTIN_SPLITS = {"builtin:code": "train", "builtin:code:train": "train", "builtin:code:heldout": "heldout"}
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass
+class Prompt:
+    id: str
+    turns: list[str]  # user turns, answered in order; one completion record per turn
+    prefix: list[dict[str, str]] = field(default_factory=list)  # chat messages before the first turn
+
+    def conversation(self, answers: list[str]) -> list[dict[str, str]]:
+        """Messages up to and including the user turn after `answers` (earlier replies)."""
+        messages = list(self.prefix)
+        for turn, answer in zip(self.turns, answers, strict=False):
+            messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
+        messages.append({"role": "user", "content": self.turns[len(answers)]})
+        return messages
+
+    def record_id(self, turn: int) -> str:
+        """The completion record id of one turn: the prompt id, suffixed for multi-turn prompts."""
+        return self.id if len(self.turns) == 1 else f"{self.id}/turn{turn + 1}"
+
+
+# -- reading ----------------------------------------------------------------------------
+
+
+def load_prompts(spec: str, num_prompts: int | None = None, quiet: bool = False) -> list[Prompt]:
+    """Read prompts from `spec`: a .jsonl file, a .parquet file or dataset directory, or a
+    built-in set (`builtin:code` = train split, `builtin:code:heldout`). Returns the first
+    `num_prompts` (all if None) in file order."""
+    stats = {"trailing_assistant_removed": 0}
+    if spec.startswith("builtin:"):
+        if spec not in BUILTIN_SPLITS:
+            known = ", ".join(BUILTIN_SPLITS)
+            raise FlashdraftError(f"--prompts {spec}: unknown built-in set; expected one of {known}")
+        split = BUILTIN_SPLITS[spec]
+        rows = [(loc, row) for loc, row in _read_jsonl(BUILTIN_CODE) if row.get("split") == split]
+        source = spec
+    else:
+        path = Path(spec)
+        if not path.exists():
+            raise FlashdraftError(
+                f"--prompts {spec}: no such file or directory; expected a .jsonl/.parquet file, a dataset "
+                f"directory, or one of {', '.join(BUILTIN_SPLITS)}"
+            )
+        rows = list(_read_jsonl(path)) if path.suffix == ".jsonl" else list(_read_dataset(path))
+        source = str(path)
+    prompts: list[Prompt] = []
+    seen: dict[str, str] = {}
+    for index, (loc, row) in enumerate(rows):
+        prompt = _parse_row(row, loc, index, stats)
+        if prompt.id in seen:
+            raise FlashdraftError(f"{loc}: id {prompt.id!r} repeats the id of {seen[prompt.id]}; ids must be unique")
+        seen[prompt.id] = loc
+        prompts.append(prompt)
+    if not prompts:
+        raise FlashdraftError(f"{source}: no prompts found")
+    total = len(prompts)
+    if num_prompts is not None:
+        prompts = prompts[:num_prompts]
+    if not quiet:
+        note = f"using {len(prompts)} of {total} prompts from {source}"
+        if stats["trailing_assistant_removed"]:
+            note += (
+                f" ({stats['trailing_assistant_removed']} rows ended with an assistant reply; it was removed, "
+                f"the target regenerates it)"
+            )
+        print(note)
+    return prompts
+
+
+def _read_jsonl(path: Path):
+    """Yield (location, row) for every non-blank line of a JSONL file."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise FlashdraftError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise FlashdraftError(f"{path}:{number}: expected a JSON object, found {type(row).__name__}")
+            yield f"{path}:{number}", row
+
+
+def _read_dataset(path: Path):
+    """Yield (location, row) of a local dataset: a Parquet/JSON file, a directory of data
+    files, or a directory written by `Dataset.save_to_disk`."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local paths only
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if path.is_dir() and any((path / name).exists() for name in ("state.json", "dataset_dict.json")):
+            ds = datasets.load_from_disk(str(path))
+        elif path.is_dir():
+            ds = datasets.load_dataset(str(path))
+        elif path.suffix == ".parquet":
+            ds = datasets.load_dataset("parquet", data_files=str(path))
+        elif path.suffix == ".json":
+            ds = datasets.load_dataset("json", data_files=str(path))
+        else:
+            raise FlashdraftError(f"{path}: unknown prompt file type {path.suffix!r}; expected .jsonl, .json, .parquet")
+    except FlashdraftError:
+        raise
+    except Exception as e:  # datasets raises many types; name the file and the cause
+        raise FlashdraftError(f"{path}: cannot read as a dataset ({type(e).__name__}: {e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        splits = list(ds)
+        if "train" in ds:
+            ds = ds["train"]
+        elif len(splits) == 1:
+            ds = ds[splits[0]]
+        else:
+            raise FlashdraftError(f"{path}: dataset has splits {splits} and none is 'train'; expected one split")
+    for index, row in enumerate(ds):
+        yield f"{path} row {index}", row
+
+
+def _parse_row(row: dict[str, Any], loc: str, index: int, stats: dict[str, int]) -> Prompt:
+    raw_id = row.get("id", row.get("question_id"))
+    pid = str(raw_id) if raw_id is not None else f"p{index:06d}"
+    if row.get("prompt") is not None:
+        text = row["prompt"]
+        if not isinstance(text, str) or not text:
+            raise FlashdraftError(f"{loc}: field 'prompt' is {text!r}; expected a non-empty string")
+        return Prompt(pid, [text])
+    if row.get("turns") is not None:
+        turns = row["turns"]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+            raise FlashdraftError(f"{loc}: field 'turns' is {str(turns)[:80]}; expected a list of non-empty strings")
+        return Prompt(pid, list(turns))
+    if row.get("messages") is not None:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise FlashdraftError(f"{loc}: field 'messages' is {str(messages)[:80]}; expected a list of messages")
+        for k, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise FlashdraftError(
+                    f"{loc}: messages[{k}] is {str(m)[:80]}; expected {{'role': one of {'/'.join(ROLES)}, "
+                    f"'content': a string}}"
+                )
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        if messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+            stats["trailing_assistant_removed"] += 1
+        if not messages or messages[-1]["role"] != "user":
+            raise FlashdraftError(f"{loc}: field 'messages' has no user message to answer at its end")
+        return Prompt(pid, [messages[-1]["content"]], prefix=messages[:-1])
+    raise FlashdraftError(
+        f"{loc}: no 'prompt', 'messages' or 'turns' field (found {sorted(row)}); expected one of them"
+    )
+
+
+# -- tokens -----------------------------------------------------------------------------
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_conversation(tokenizer, messages: list[dict[str, str]], use_chat_template: bool) -> str:
+    """The text the target sees before its reply: the chat template with the generation
+    prompt, or (no template) the contents concatenated, each reply continuing its prompt."""
+    if use_chat_template:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = ""
+    for m in messages:
+        if m["role"] == "assistant" or not text:
+            text += m["content"]
+        else:
+            text += "\n\n" + m["content"]
+    return text
+
+
+def encode_text(tokenizer, text: str, use_chat_template: bool) -> list[int]:
+    """Token ids of a rendered prompt. A chat template already holds the special tokens it
+    wants, so none are added on top; plain text gets the tokenizer's usual ones."""
+    return list(tokenizer(text, add_special_tokens=not use_chat_template)["input_ids"])
