@@ -34,7 +34,13 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
             f"(give --draft-layers 1 or explicit ids)"
         )
     span = num_target_layers - 4
-    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    ids = [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    if len(set(ids)) < len(ids):
+        raise FlashdraftError(
+            f"the default target_layer_ids for {num_draft_layers} drafter layers on a {num_target_layers}-layer "
+            f"target collide ({ids}); give --target-layer-ids or fewer --draft-layers"
+        )
+    return ids
 
 
 @dataclass

@@ -92,7 +92,9 @@ class TargetModel:
         cls, name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ) -> TargetModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # "Loading weights" bars would bury flashdraft's own output
         path = resolve_target_path(name_or_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,0 +1,109 @@
+"""`flashdraft train`: compose target, data, drafter and the loop from command-line choices."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashdraft.checkpoint import load_drafter
+from flashdraft.drafter_init import new_drafter_for_target
+from flashdraft.errors import FlashdraftError
+from flashdraft.target import TargetModel
+from flashdraft.train import distributed as D
+from flashdraft.train.checkpointing import latest_checkpoint
+from flashdraft.train.data import OnlineRecords
+from flashdraft.train.loop import TrainConfig, train
+
+
+@dataclass
+class SequenceRecord:
+    """A completion as a training sequence (online mode computes its features on the fly)."""
+
+    input_ids: torch.Tensor  # [T] prompt + completion
+    loss_mask: torch.Tensor  # [T] True on completion tokens
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def load_records(target: TargetModel, layer_ids: list[int], cached: str | None, completions: str | None,
+                 allow_foreign: bool = False, verify: bool = True):  # fmt: skip
+    """Training records and a fingerprint of the data they come from."""
+    if cached:
+        from flashdraft.data.cache import MANIFEST, HiddenStateCache
+
+        cache = HiddenStateCache(cached, verify=verify)
+        cache.check_compatible(target, layer_ids)
+        return cache, _digest(Path(cached) / MANIFEST)
+    from flashdraft.data.completions import load_completions
+
+    comps = load_completions(completions, target, allow_foreign=allow_foreign)
+    sequences = []
+    for r in comps.records:
+        ids = torch.tensor(r.prompt_ids + r.completion_ids)
+        sequences.append(SequenceRecord(ids, torch.arange(len(ids)) >= len(r.prompt_ids)))
+    return OnlineRecords(sequences, target, layer_ids), _digest(Path(completions))
+
+
+def run_training(
+    cfg: TrainConfig,
+    target_model: str,
+    out: str,
+    cached_hidden_states: str | None = None,
+    completions: str | None = None,
+    init: str | None = None,
+    draft_layers: int = 1,
+    block_size: int = 16,
+    mask_token_id: int | None = None,
+    target_layer_ids: list[int] | None = None,
+    eval_cached_hidden_states: str | None = None,
+    eval_completions: str | None = None,
+    resume: bool = False,
+    report_to: tuple[str, ...] = (),
+    allow_foreign: bool = False,
+    device: str | None = None,
+) -> Path:
+    if bool(cached_hidden_states) == bool(completions):
+        raise FlashdraftError("give exactly one of --cached-hidden-states (offline) or --completions (online)")
+    info = D.init_distributed(device)
+    try:
+        target = TargetModel.load(target_model, device=info.device)
+        run_dir = Path(out)
+        last = latest_checkpoint(run_dir) if resume else None
+        if last is not None:
+            drafter = load_drafter(last / "drafter")  # weights are restored again by the loop, with the optimizer
+        elif init:
+            drafter = load_drafter(init)
+        else:
+            drafter = new_drafter_for_target(
+                target, draft_layers, block_size, mask_token_id, target_layer_ids, seed=cfg.seed
+            )
+        layer_ids = drafter.config.target_layer_ids
+        records, cfg.data_fingerprint = load_records(
+            target, layer_ids, cached_hidden_states, completions, allow_foreign
+        )
+        eval_records = None
+        if eval_cached_hidden_states or eval_completions:
+            eval_records, _ = load_records(
+                target, layer_ids, eval_cached_hidden_states, eval_completions, allow_foreign
+            )
+        if info.is_main:
+            print(
+                f"target {target.path}: {target.num_layers} layers, linear-attention backend {target.linear_backend}; "
+                f"drafter {drafter.config.num_hidden_layers} layers, context layers {layer_ids}, block size "
+                f"{drafter.config.block_size}, mask token {drafter.config.mask_token_id}; {len(records)} records "
+                f"({'offline cache' if cached_hidden_states else 'online target features'})",
+                flush=True,
+            )
+        train(cfg, drafter, target, records, run_dir, resume=resume, eval_records=eval_records,
+              report_to=report_to, info=info)  # fmt: skip
+        final = latest_checkpoint(run_dir)
+        if info.is_main:
+            print(f"done: drafter in {final / 'drafter'}", flush=True)
+        return final
+    finally:
+        D.shutdown()

@@ -1,0 +1,59 @@
+"""`flashdraft train` end to end on a saved tiny random target: generate -> cache -> train."""
+
+import json
+
+import pytest
+import torch
+
+from flashdraft.checkpoint import load_drafter
+from flashdraft.cli import main
+from tests.conftest import make_hf_model, make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    make_hf_model("hybrid").save_pretrained(d / "target")
+    make_tokenizer().save_pretrained(d / "target")
+    gen = torch.Generator().manual_seed(0)
+    with open(d / "prompts.jsonl", "w") as f:
+        for i in range(6):
+            words = " ".join(f"t{int(t)}" for t in torch.randint(0, 60, (5,), generator=gen))
+            f.write(json.dumps({"id": f"p{i}", "prompt": words}) + "\n")
+    assert main(["generate", "--target-model", str(d / "target"), "--prompts", str(d / "prompts.jsonl"),
+                 "--out", str(d / "c.json"), "--max-new-tokens", "20"]) == 0  # fmt: skip
+    assert main(["cache", "--target-model", str(d / "target"), "--completions", str(d / "c.json"),
+                 "--out", str(d / "cache"), "--layers", "0,2", "--dtype", "fp32"]) == 0  # fmt: skip
+    return d
+
+
+def _train(d, *extra):
+    return main(["train", "--target-model", str(d / "target"), "--draft-layers", "2", "--block-size", "4",
+                 "--target-layer-ids", "0,2",
+                 "--batch-size", "2", "--num-anchors", "8", "--lr", "3e-3", "--log-every", "1", *extra])  # fmt: skip
+
+
+def test_offline_training_from_a_cache_writes_a_loadable_public_drafter(workdir):
+    out = workdir / "offline"
+    assert _train(workdir, "--cached-hidden-states", str(workdir / "cache"), "--out", str(out), "--epochs", "2") == 0
+    drafter = load_drafter(out / "checkpoints/step-0000006/drafter")
+    assert drafter.config.target_layer_ids == [0, 2] and drafter.config.block_size == 4
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 6 and {"loss", "position_accuracy", "estimated_acceptance", "tokens_per_s", "lr",
+                                "grad_norm"} <= set(json.loads(lines[-1]))  # fmt: skip
+
+
+def test_online_training_from_completions_runs_the_target_in_the_loop(workdir):
+    out = workdir / "online"
+    assert _train(workdir, "--completions", str(workdir / "c.json"), "--out", str(out), "--max-steps", "2") == 0
+    config = json.loads((out / "run_config.json").read_text())
+    assert config["target_layer_ids"] == [0, 2] and config["data_fingerprint"]
+
+
+def test_cache_with_other_layer_ids_than_the_drafter_is_refused(workdir, capsys):
+    # a 1-layer drafter takes the default ids [L // 2] = [2]; the cache holds [0, 2]
+    code = main(["train", "--target-model", str(workdir / "target"), "--cached-hidden-states",
+                 str(workdir / "cache"), "--out", str(workdir / "bad")])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "layer" in err[0]
