@@ -1,0 +1,42 @@
+import pytest
+
+from flashdraft.checkpoint import load_drafter
+from flashdraft.cli import main
+from tests.conftest import MASK, make_hf_model, make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("target")
+    make_hf_model("hybrid").save_pretrained(d)
+    make_tokenizer().save_pretrained(d)
+    return d
+
+
+def test_init_writes_a_drafter_that_loads_with_default_layer_ids_and_mask_token(target_dir, tmp_path):
+    assert main(["init", "--target-model", str(target_dir), "--out", str(tmp_path / "d"), "--block-size", "8"]) == 0
+    drafter = load_drafter(tmp_path / "d")
+    cfg = drafter.config
+    assert cfg.target_layer_ids == [2] and cfg.num_target_layers == 4 and cfg.block_size == 8
+    assert cfg.mask_token_id == MASK and cfg.hidden_size == 64 and cfg.vocab_size == 64
+
+
+def test_init_refuses_a_mask_token_outside_the_vocabulary(target_dir, tmp_path, capsys):
+    code = main(["init", "--target-model", str(target_dir), "--out", str(tmp_path / "d"), "--mask-token-id", "64"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--mask-token-id 64" in err[0] and "0..63" in err[0]
+    assert not (tmp_path / "d").exists()
+
+
+def test_user_error_is_one_line_and_exit_code_2_unless_debug(tmp_path, capsys):
+    assert main(["speculate", "--target-model", str(tmp_path / "none"), "--checkpoint", "x", "--prompt", "p"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    with pytest.raises(Exception, match="not a local model directory"):
+        main(["--debug", "speculate", "--target-model", str(tmp_path / "none"), "--checkpoint", "x", "--prompt", "p"])
+
+
+def test_speculate_checks_losslessness_against_greedy(target_dir, tmp_path, capsys):
+    main(["init", "--target-model", str(target_dir), "--out", str(tmp_path / "d"), "--block-size", "4"])
+    code = main(["speculate", "--target-model", str(target_dir), "--checkpoint", str(tmp_path / "d"),
+                 "--prompt", "t1 t2 t3 t4", "--max-new-tokens", "12"])  # fmt: skip
+    assert code == 0 and "lossless True" in capsys.readouterr().out
