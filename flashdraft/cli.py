@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from flashdraft.errors import FlashdraftError
 
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None)
     p.set_defaults(func=cmd_speculate)
     _add_data_commands(sub)
+    _add_eval_commands(sub)
     return parser
 
 
@@ -194,6 +196,115 @@ def _add_data_commands(sub) -> None:
     p.add_argument("--threshold", type=float, default=0.9999, help="fail below this minimum cosine similarity")
     device_args(p)
     p.set_defaults(func=cmd_parity)
+
+
+# -- eval and export ------------------------------------------------------------------
+def cmd_eval(args: argparse.Namespace) -> None:
+    import json
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from flashdraft.evaluate import run_eval
+    from flashdraft.report import format_summary, write_report
+
+    hf_logging.disable_progress_bar()  # eval prints what it loaded itself; an error stays one line
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or ("bf16" if device != "cpu" else "fp32")]
+    summary = run_eval(
+        args.checkpoint, args.target_model, cached_hidden_states=args.cached_hidden_states,
+        completions=args.completions, prompts=args.prompts, num_prompts=args.num_prompts,
+        max_blocks=args.max_blocks, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+        online=args.online, temperature=args.temperature, check_consistency=args.check_consistency,
+        reference=args.reference, target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
+        device=device, dtype=dtype, seed=args.seed,
+    )  # fmt: skip
+    print()
+    print(format_summary(summary))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.report:
+        print(f"wrote {write_report(summary, args.report)}")
+    for result in [summary] + ([summary["reference"]] if args.reference else []):
+        consistency = result.get("consistency")
+        if consistency and not consistency["identical"]:
+            raise FlashdraftError(
+                f"{result['checkpoint']}: offline and online acceptance lengths differ on "
+                f"{len(consistency['mismatches'])} records; first: {consistency['mismatches'][0]}"
+            )
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from transformers.utils import logging as hf_logging
+
+    from flashdraft.export import export_drafter
+    from flashdraft.target import TargetModel
+
+    hf_logging.disable_progress_bar()
+    target = TargetModel.load(args.target_model) if args.target_model else None
+    loaded = export_drafter(
+        args.checkpoint, args.out, target, target_name=args.target_model, dtype=args.dtype,
+        block_size=args.block_size, target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
+    )  # fmt: skip
+    cfg = loaded.drafter.config
+    for note in loaded.assumed:
+        print(f"assumed: {note}")
+    print(
+        f"exported {loaded.path} ({loaded.form}) to {args.out}: {cfg.num_hidden_layers} layers, "
+        f"target_layer_ids {cfg.target_layer_ids}, block size {cfg.block_size}; serving commands in "
+        f"{Path(args.out) / 'README.md'}"
+    )
+
+
+def _add_eval_commands(sub) -> None:
+    p = sub.add_parser("eval", help="τ of a drafter offline (target completions) or online, vs a reference")
+    p.add_argument("--checkpoint", required=True, help="drafter directory, training run directory or .pt/.safetensors")
+    p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
+    p.add_argument("--cached-hidden-states", help="hidden-state cache directory (offline: no target forward)")
+    p.add_argument("--completions", help="completions file from flashdraft generate")
+    p.add_argument("--prompts", help="prompt file or builtin:code[:heldout]; completions are decoded greedily")
+    p.add_argument("--num-prompts", type=_positive, default=None)
+    p.add_argument("--max-blocks", type=_positive, default=None, help="steps per prompt (default: whole completion)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=_positive,
+        default=None,
+        help="tokens to decode per prompt without completions (default: max-blocks x B + 1, else 256)",
+    )
+    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    p.add_argument("--online", action="store_true", help="real speculative decoding with the target, timed")
+    p.add_argument("--temperature", type=float, default=0.0, help="online sampling temperature (0 = greedy)")
+    p.add_argument(
+        "--check-consistency",
+        action="store_true",
+        help="run offline and online and require identical acceptance lengths",
+    )
+    p.add_argument("--reference", help="a second drafter, evaluated on the same records and steps")
+    p.add_argument("--json", help="write every figure to this JSON file")
+    p.add_argument("--report", help="write report.md and PNG plots into this directory")
+    p.add_argument(
+        "--target-layer-ids",
+        type=_layer_list,
+        default=None,
+        help="for a bare state dict: the target layers its fc was trained on (e.g. 1,6,11)",
+    )
+    p.add_argument("--mask-token-id", type=int, default=None, help="for a bare state dict")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", help="write any checkpoint form in the public format, with serving commands")
+    p.add_argument("--checkpoint", required=True, help="drafter directory, training run directory or .pt/.safetensors")
+    p.add_argument("--out", required=True)
+    p.add_argument("--target-model", help="needed for a bare state dict; named in the README's commands")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto", help="auto: as stored")
+    p.add_argument("--block-size", type=int, default=None, help="for a bare state dict (default 16)")
+    p.add_argument("--target-layer-ids", type=_layer_list, default=None, help="for a bare state dict")
+    p.add_argument("--mask-token-id", type=int, default=None, help="for a bare state dict")
+    p.set_defaults(func=cmd_export)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,382 @@
+import json
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+import flashdraft.evaluate as evaluate
+from flashdraft.checkpoint import load_any_drafter, save_drafter
+from flashdraft.cli import main
+from flashdraft.config import DrafterConfig
+from flashdraft.data.completions import load_completions
+from flashdraft.decode import greedy_generate, speculative_generate
+from flashdraft.errors import FlashdraftError
+from flashdraft.evaluate import EvalRecord, EvalResult, FeatureSource, PromptResult, evaluate_offline
+from flashdraft.model import DFlashDrafter
+from flashdraft.target import TargetModel
+from tests.conftest import make_drafter, make_hf_model, make_target, make_tokenizer
+
+PROMPTS = [[5, 9, 17, 3, 22, 40, 11, 8, 30, 2, 14, 27], [1, 2, 3, 4, 5, 6], [44, 12, 7, 33, 19, 50, 8, 21, 9]]
+
+
+def greedy_records(target: TargetModel, max_new_tokens: int = 40) -> list[EvalRecord]:
+    return [
+        EvalRecord(f"r{i}", p, greedy_generate(target, p, max_new_tokens).output_ids) for i, p in enumerate(PROMPTS)
+    ]
+
+
+def online_lengths(target, drafter, records, block_size=None) -> list[list[int]]:
+    lengths = []
+    for r in records:
+        out = speculative_generate(target, drafter, r.prompt_ids, len(r.completion_ids), block_size=block_size)
+        assert out.output_ids == r.completion_ids  # lossless, so both walk the same output
+        lengths.append(out.acceptance_lengths)
+    return lengths
+
+
+def overfit(drafter: DFlashDrafter, target: TargetModel, record: EvalRecord, steps: int = 40) -> DFlashDrafter:
+    """A few dozen Adam steps of hard CE on every anchor of one sequence: a drafter that accepts."""
+    b, p, m = drafter.config.block_size, len(record.prompt_ids), len(record.completion_ids)
+    target.set_context_layers(drafter.config.target_layer_ids)
+    features = target.forward(torch.tensor([record.input_ids])).context_features  # [1, P + M, n * H]
+    completion = torch.tensor(record.completion_ids + [0] * b)
+    anchors = torch.arange(m - 1)
+    block = torch.full((m - 1, b), drafter.config.mask_token_id)
+    block[:, 0] = completion[anchors]
+    label_index = anchors[:, None] + torch.arange(1, b)[None]  # [K, B - 1]
+    labels = torch.where(label_index < m, completion[label_index], -100)
+    embeds = target.embed(block.reshape(1, -1))
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    drafter.train()
+    for _ in range(steps):
+        hidden = drafter(embeds, (p + anchors)[None], features, torch.arange(p + m)[None])
+        logits = target.lm_head(hidden.view(m - 1, b, -1)[:, 1:])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    make_hf_model("qwen3").save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    rows = [{"id": f"p{i}", "prompt": " ".join(f"t{(7 * i + 3 * k) % 60}" for k in range(8))} for i in range(5)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# -- offline τ == online τ -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
+def test_offline_tau_equals_online_tau_for_an_untrained_drafter(kind):
+    target = make_target(kind)
+    drafter = make_drafter()
+    records = greedy_records(target)
+    offline = evaluate_offline(drafter, target, records)
+    assert [p.acceptance_lengths for p in offline.per_prompt] == online_lengths(target, drafter, records)
+    assert offline.num_steps > 0
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
+def test_offline_tau_equals_online_tau_for_a_drafter_that_accepts(kind):
+    target = make_target(kind)
+    records = greedy_records(target)
+    drafter = overfit(make_drafter(), target, records[0])
+    offline = evaluate_offline(drafter, target, records)
+    assert [p.acceptance_lengths for p in offline.per_prompt] == online_lengths(target, drafter, records)
+    assert offline.per_prompt[0].tau > 2.0 and max(offline.lengths) == drafter.config.block_size
+
+
+@pytest.mark.parametrize("per_forward", [1, 3])
+def test_offline_walk_does_not_depend_on_how_many_anchors_one_forward_drafts(monkeypatch, per_forward):
+    target = make_target("qwen3")
+    records = greedy_records(target)
+    drafter = overfit(make_drafter(), target, records[0])
+    expected = [p.acceptance_lengths for p in evaluate_offline(drafter, target, records).per_prompt]
+    monkeypatch.setattr(evaluate, "_anchors_per_forward", lambda b, v: per_forward)
+    assert [p.acceptance_lengths for p in evaluate_offline(drafter, target, records).per_prompt] == expected
+
+
+def test_offline_equals_online_when_the_completion_ends_at_a_stop_token():
+    target = make_target("hybrid")
+    prompt = PROMPTS[0]
+    stop = greedy_generate(target, prompt, 40).output_ids[17]
+    target.model.generation_config.eos_token_id = stop  # a token we know the target emits
+    record = EvalRecord("stop", prompt, greedy_generate(target, prompt, 40).output_ids)
+    assert record.completion_ids[-1] == stop and len(record.completion_ids) <= 18
+    drafter = overfit(make_drafter(), target, record)
+    offline = evaluate_offline(drafter, target, [record])
+    assert [offline.per_prompt[0].acceptance_lengths] == online_lengths(target, drafter, [record])
+
+
+def test_max_blocks_keeps_the_first_steps_of_the_walk():
+    target = make_target("qwen3")
+    records = greedy_records(target)
+    drafter = overfit(make_drafter(), target, records[0])
+    full = evaluate_offline(drafter, target, records)
+    cut = evaluate_offline(drafter, target, records, max_blocks=3)
+    assert [p.acceptance_lengths for p in cut.per_prompt] == [p.acceptance_lengths[:3] for p in full.per_prompt]
+
+
+def test_offline_from_stored_features_needs_no_target_forward_and_slices_the_drafter_layers():
+    target = make_target("qwen3")
+    drafter = make_drafter(target_layer_ids=[2, 0])  # another order than the store's
+    records = greedy_records(target)
+    target.set_context_layers([0, 1, 2, 3])
+    stored = [
+        EvalRecord(r.id, r.prompt_ids, r.completion_ids,
+                   target.forward(torch.tensor([r.input_ids])).context_features[0], [0, 1, 2, 3])
+        for r in records
+    ]  # fmt: skip
+    source = FeatureSource(target)
+    from_store = evaluate_offline(drafter, target, stored, source)
+    assert source.target_forwards == 0
+    fresh = evaluate_offline(drafter, target, records)
+    assert [p.acceptance_lengths for p in from_store.per_prompt] == [p.acceptance_lengths for p in fresh.per_prompt]
+    evaluate_offline(make_drafter(target_layer_ids=[1, 3, 0], num_hidden_layers=1), target, stored[:1], source)
+    assert source.target_forwards == 0
+    evaluate_offline(make_drafter(target_layer_ids=[0, 2]), target, [EvalRecord("x", [1, 2], [3, 4, 5])], source)
+    assert source.target_forwards == 1  # a record without stored features: one target forward
+
+
+# -- figures ----------------------------------------------------------------------------------
+
+
+def test_figures_follow_their_definitions():
+    result = EvalResult("offline", 4, [0], 1, [PromptResult("a", [1, 4, 2]), PromptResult("b", [3])])
+    assert result.tau == 10 / 4 and result.tau_prompt_mean == (7 / 3 + 3) / 2
+    assert result.histogram == [1, 1, 1, 1] and result.num_steps == 4
+    assert result.position_acceptance == [3 / 4, 2 / 4, 1 / 4]
+    assert result.tau == pytest.approx(1 + sum(result.position_acceptance))
+
+
+# -- the eval command ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra_layers", [-1, 1])
+def test_eval_refuses_fc_with_one_context_layer_fewer_or_more(capsys, tmp_path, target_dir, prompts_file,
+                                                              extra_layers):  # fmt: skip
+    drafter = make_drafter()  # config: 2 context layers, fc [64, 128]
+    state = drafter.state_dict() | {"fc.weight": torch.zeros(64, 64 * (2 + extra_layers))}
+    (tmp_path / "config.json").write_text(json.dumps(drafter.config.to_dict()))
+    save_file(state, str(tmp_path / "model.safetensors"))
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path, "--target-model", target_dir,
+                           "--prompts", prompts_file)  # fmt: skip
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "τ" not in out
+    assert "fc.weight" in err and f"[64, {64 * (2 + extra_layers)}]" in err and "[64, 128]" in err
+    assert f"({2 + extra_layers} context layers)" in err and "(2 context layers)" in err
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_bare_state_dict_loads_with_inferred_shapes(tmp_path, suffix):
+    target = make_target("qwen3", num_layers=8)
+    drafter = make_drafter(num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                           intermediate_size=96, num_target_layers=8, target_layer_ids=[1, 5])  # fmt: skip
+    path = tmp_path / f"drafter{suffix}"
+    if suffix == ".pt":  # as a training script leaves it: wrapped, with DDP's key prefix
+        torch.save({"model": {f"module.{k}": v for k, v in drafter.state_dict().items()}, "step": 7}, path)
+    else:
+        save_file(drafter.state_dict(), str(path))
+    loaded = load_any_drafter(path, target, block_size=8)
+    cfg = loaded.drafter.config
+    assert loaded.form == "state dict"
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim, cfg.intermediate_size) == (64, 3, 2, 1, 32, 96)  # fmt: skip
+    assert cfg.target_layer_ids == [1, 5]  # the reference default for 2 context layers of 8
+    assert cfg.mask_token_id == target.tokenizer.mask_token_id and cfg.block_size == 8
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(loaded.drafter.state_dict()[key], value), key
+
+
+def test_bare_state_dict_with_fc_disagreeing_with_given_layer_ids_is_refused(tmp_path):
+    path = tmp_path / "drafter.safetensors"
+    save_file(make_drafter().state_dict(), str(path))  # fc: 2 context layers
+    with pytest.raises(FlashdraftError, match=r"'fc.weight' has shape \[64, 128\] \(2 context layers\)"):
+        load_any_drafter(path, make_target("qwen3"), target_layer_ids=[0, 1, 2])
+
+
+def test_bare_state_dict_in_eval_cli(capsys, tmp_path, target_dir, prompts_file):
+    path = tmp_path / "drafter.safetensors"
+    save_file(make_drafter().state_dict(), str(path))
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", path, "--target-model", target_dir, "--prompts",
+                           prompts_file, "--num-prompts", 2, "--max-blocks", 3, "--target-layer-ids", "0,2",
+                           "--block-size", 8)  # fmt: skip
+    assert rc == 0, err
+    assert "(state dict)" in out and "assumed: mask token 63" in out and "fc.weight [64, 128] holds 2" in out
+
+
+def test_training_run_directory_means_its_newest_complete_checkpoint(tmp_path):
+    for step, complete, seed in [(100, True, 1), (200, True, 2), (300, False, 3)]:
+        step_dir = tmp_path / "run" / "checkpoints" / f"step-{step:07d}"
+        save_drafter(make_drafter(seed=seed), step_dir / "drafter")
+        if complete:
+            (step_dir / "COMPLETE").write_text("")
+    loaded = load_any_drafter(tmp_path / "run")
+    assert loaded.form == "training run" and loaded.path.parent.name == "step-0000200"
+    assert torch.equal(loaded.drafter.fc.weight, make_drafter(seed=2).fc.weight)
+    for marker in (tmp_path / "run" / "checkpoints").glob("*/COMPLETE"):
+        marker.unlink()
+    with pytest.raises(FlashdraftError, match="no complete checkpoint"):
+        load_any_drafter(tmp_path / "run")
+
+
+def test_reference_comparison_of_the_same_drafter_gives_zero_difference(capsys, tmp_path, target_dir,
+                                                                        prompts_file):  # fmt: skip
+    target = TargetModel.load(target_dir)
+    record = EvalRecord("o", PROMPTS[0], greedy_generate(target, PROMPTS[0], 40).output_ids)
+    save_drafter(overfit(make_drafter(), target, record), tmp_path / "d")  # accepts: the difference is not 0 - 0
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
+                           prompts_file, "--max-blocks", 5, "--reference", tmp_path / "d", "--json",
+                           tmp_path / "out.json")  # fmt: skip
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "out.json").read_text())
+    diff = summary["difference"]
+    assert diff["tau"] == 0 and diff["tau_prompt_mean"] == 0 and diff["num_steps"] == 0
+    assert set(diff["histogram"]) == {0} and set(diff["position_acceptance"]) == {0}
+    assert [p["tau"] for p in diff["per_prompt"]] == [0] * 5
+    assert summary["reference"]["per_prompt"] == summary["per_prompt"] and summary["num_steps"] == 25
+
+
+def test_reference_with_other_depth_and_context_layers(capsys, tmp_path, target_dir, prompts_file):
+    save_drafter(make_drafter(), tmp_path / "d")
+    save_drafter(make_drafter(num_hidden_layers=1, target_layer_ids=[1, 2, 0], block_size=4), tmp_path / "ref")
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
+                           prompts_file, "--max-blocks", 4, "--reference", tmp_path / "ref", "--json",
+                           tmp_path / "out.json")  # fmt: skip
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert summary["context_layers"] == 2 and summary["reference"]["context_layers"] == 3
+    assert len(summary["histogram"]) == 8 and len(summary["reference"]["histogram"]) == 4
+    assert len(summary["difference"]["histogram"]) == 8
+    assert "layers [1, 2, 0] (target forward)" in out
+
+
+JSON_KEYS = {"tau", "tau_prompt_mean", "histogram", "position_acceptance", "num_steps", "mode", "context_layers",
+             "per_prompt", "lossless", "speedup"}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_json_has_every_key(capsys, tmp_path, target_dir, prompts_file, mode):
+    save_drafter(make_drafter(), tmp_path / "d")
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
+                           prompts_file, "--num-prompts", 3, "--max-blocks", 6, "--json", tmp_path / "out.json",
+                           *(["--online"] if mode == "online" else []))  # fmt: skip
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert JSON_KEYS <= set(summary) and summary["mode"] == mode and summary["context_layers"] == 2
+    assert summary["num_steps"] == 18 and len(summary["per_prompt"]) == 3
+    prompt_keys = {"id", "acceptance_lengths"} | ({"output_ids", "lossless"} if mode == "online" else set())
+    assert all(prompt_keys <= set(p) for p in summary["per_prompt"])
+    if mode == "online":
+        assert summary["lossless"] is True and summary["speedup"] > 0
+    else:
+        assert summary["lossless"] is None and summary["speedup"] is None
+
+
+def test_check_consistency_in_the_cli(capsys, tmp_path, target_dir, prompts_file):
+    target = TargetModel.load(target_dir)
+    record = EvalRecord("o", PROMPTS[0], greedy_generate(target, PROMPTS[0], 30).output_ids)
+    save_drafter(overfit(make_drafter(), target, record), tmp_path / "d")
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
+                           prompts_file, "--num-prompts", 3, "--max-new-tokens", 30, "--online",
+                           "--check-consistency", "--json", tmp_path / "out.json")  # fmt: skip
+    assert rc == 0, err
+    consistency = json.loads((tmp_path / "out.json").read_text())["consistency"]
+    assert consistency["identical"] and consistency["offline_tau"] == consistency["online_tau"]
+    assert "identical acceptance lengths" in out
+
+
+def test_sampling_temperature_is_refused_offline(capsys, tmp_path, target_dir, prompts_file):
+    save_drafter(make_drafter(), tmp_path / "d")
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
+                           prompts_file, "--temperature", 0.7)  # fmt: skip
+    assert rc == 2 and "--temperature 0.7" in err and len(err.strip().splitlines()) == 1
+
+
+def test_drafter_made_for_another_target_is_refused(capsys, tmp_path, target_dir, prompts_file):
+    save_drafter(make_drafter(num_target_layers=6), tmp_path / "d")
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
+                           prompts_file)  # fmt: skip
+    assert rc == 2 and "'num_target_layers' is 6; expected 4" in err
+
+
+def test_eval_of_5_records_and_15_blocks_offline_takes_seconds():
+    # a random target shaped like the built-in one (hybrid, 6 layers, hidden 256, vocabulary 4096)
+    torch.manual_seed(0)
+    cfg = Qwen3_5TextConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+                            layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+                            linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=64)  # fmt: skip
+    target = TargetModel(Qwen3_5ForCausalLM(cfg).float().eval(), make_tokenizer(), path=None)
+    drafter = DFlashDrafter(DrafterConfig(
+        hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        intermediate_size=768, vocab_size=4096, num_target_layers=6, target_layer_ids=[3], mask_token_id=2,
+        block_size=16))  # fmt: skip
+    drafter.init_weights()
+    drafter.eval()
+    gen = torch.Generator().manual_seed(0)
+    target.set_context_layers([3])
+    records = []
+    for i in range(5):  # cache-like records: 64 prompt + 241 completion tokens with their features
+        ids = torch.randint(0, 4096, (64 + 241,), generator=gen)
+        features = target.forward(ids[None]).context_features[0]
+        records.append(EvalRecord(f"r{i}", ids[:64].tolist(), ids[64:].tolist(), features, [3]))
+    source = FeatureSource(target)
+    start = time.perf_counter()
+    result = evaluate_offline(drafter, target, records, source, max_blocks=15)
+    seconds = time.perf_counter() - start
+    assert result.num_steps == 75 and source.target_forwards == 0
+    assert seconds < 5, f"offline eval of 5 x 15 blocks took {seconds:.1f} s"
+
+
+def test_eval_from_a_hidden_state_cache_equals_eval_from_completions_and_online(capsys, tmp_path, target_dir,
+                                                                                prompts_file):  # fmt: skip
+    completions, cache = tmp_path / "c.json", tmp_path / "cache"
+    assert main(["generate", "--target-model", str(target_dir), "--prompts", str(prompts_file), "--out",
+                 str(completions), "--max-new-tokens", "30", "--batch-size", "1"]) == 0  # fmt: skip
+    target = TargetModel.load(target_dir)
+    first = load_completions(completions, target, quiet=True).records[0]
+    record = EvalRecord(first.id, first.prompt_ids, first.completion_ids)
+    save_drafter(overfit(make_drafter(), target, record), tmp_path / "d")  # layers [0, 2]
+    save_drafter(make_drafter(num_hidden_layers=1, target_layer_ids=[3]), tmp_path / "ref")  # not in the cache
+    assert main(["cache", "--target-model", str(target_dir), "--completions", str(completions), "--out", str(cache),
+                 "--layers", "0,1,2", "--dtype", "fp32"]) == 0  # fmt: skip
+    capsys.readouterr()
+    common = ["eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir]
+    rc, out, err = run_cli(capsys, *common, "--cached-hidden-states", cache, "--json", tmp_path / "cache.json",
+                           "--reference", tmp_path / "ref")  # fmt: skip
+    assert rc == 0, err
+    from_cache = json.loads((tmp_path / "cache.json").read_text())
+    assert "layers [0, 2] (cache)" in out and "layers [3] (target forward)" in out
+    assert from_cache["target_forwards_offline"] == 5  # the reference's only: none for the drafter
+    rc, out, err = run_cli(capsys, *common, "--completions", completions, "--json", tmp_path / "completions.json")
+    assert rc == 0, err
+    from_completions = json.loads((tmp_path / "completions.json").read_text())
+    assert from_cache["per_prompt"][0]["tau"] > 2 and from_cache["per_prompt"] == from_completions["per_prompt"]
+    rc, out, err = run_cli(capsys, *common, "--cached-hidden-states", cache, "--online", "--check-consistency",
+                           "--json", tmp_path / "online.json")  # fmt: skip
+    assert rc == 0, err
+    online = json.loads((tmp_path / "online.json").read_text())
+    assert online["consistency"]["identical"] and online["lossless"] is True
+    assert [p["acceptance_lengths"] for p in online["per_prompt"]] == [
+        p["acceptance_lengths"] for p in from_cache["per_prompt"]
+    ]
