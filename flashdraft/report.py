@@ -1,0 +1,228 @@
+"""Presenting an evaluation summary (`evaluate.run_eval`'s dict, the `--json` content): a
+terminal table, and a Markdown report with PNG plots (histogram of acceptance lengths,
+per-position acceptance, τ per prompt), the reference side by side when there is one.
+
+Everything here reads only the summary dict, so a report can be rebuilt from a saved JSON.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+PLOTS = {
+    "histogram": "histogram.png",
+    "position_acceptance": "position_acceptance.png",
+    "tau_per_prompt": "tau_per_prompt.png",
+}
+
+
+def _fmt(value: Any, signed: bool = False) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return f"{value:+.3f}" if signed else f"{value:.3f}"
+    if isinstance(value, int) and signed:
+        return f"{value:+d}"
+    return str(value)
+
+
+def _at(values: list, index: int):
+    return values[index] if index < len(values) else None
+
+
+def figure_rows(summary: dict[str, Any]) -> list[list[str]]:
+    """[figure, drafter, (reference, difference)] rows of every pooled figure."""
+    ref, diff = summary.get("reference"), summary.get("difference")
+    rows: list[tuple[str, Any, Any, Any]] = [
+        ("steps", summary["num_steps"], ref and ref["num_steps"], diff and diff["num_steps"]),
+        ("τ (pooled)", summary["tau"], ref and ref["tau"], diff and diff["tau"]),
+        ("τ (mean of prompts)", summary["tau_prompt_mean"], ref and ref["tau_prompt_mean"],
+         diff and diff["tau_prompt_mean"]),
+    ]  # fmt: skip
+    if summary["mode"] == "online":
+        rows += [
+            ("lossless (all prompts)", summary["lossless"], ref and ref["lossless"], None),
+            ("speculative tokens/s", summary["speculative_tokens_per_s"], ref and ref["speculative_tokens_per_s"],
+             None),
+            ("greedy tokens/s", summary["greedy_tokens_per_s"], ref and ref["greedy_tokens_per_s"], None),
+            ("speed-up", summary["speedup"], ref and ref["speedup"], diff and diff["speedup"]),
+        ]  # fmt: skip
+    length = max(len(summary["histogram"]), len(ref["histogram"]) if ref else 0)
+    for n in range(1, length + 1):
+        rows.append((f"steps committing {n}", _at(summary["histogram"], n - 1),
+                     ref and _at(ref["histogram"], n - 1), diff and diff["histogram"][n - 1]))  # fmt: skip
+    for k in range(1, length):
+        rows.append((f"draft {k} accepted", _at(summary["position_acceptance"], k - 1),
+                     ref and _at(ref["position_acceptance"], k - 1),
+                     diff and diff["position_acceptance"][k - 1]))  # fmt: skip
+    return [[name, _fmt(a)] + ([_fmt(b), _fmt(d, signed=True)] if ref else []) for name, a, b, d in rows]
+
+
+def prompt_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Header and one row per prompt: steps and τ (and lossless online), with the reference."""
+    ref = summary.get("reference")
+    online = summary["mode"] == "online"
+    header = ["prompt", "steps", "τ"] + (["lossless"] if online else [])
+    if ref:
+        header += ["ref steps", "ref τ", "Δτ"]
+    ref_prompts = {p["id"]: p for p in ref["per_prompt"]} if ref else {}
+    rows = []
+    for p in summary["per_prompt"]:
+        row = [str(p["id"]), _fmt(p["num_steps"]), _fmt(p["tau"])] + ([_fmt(p["lossless"])] if online else [])
+        if ref:
+            r = ref_prompts.get(p["id"])
+            row += [_fmt(r and r["num_steps"]), _fmt(r and r["tau"]), _fmt(r and p["tau"] - r["tau"], signed=True)]
+        rows.append(row)
+    return header, rows
+
+
+def _text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in [header] + rows]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _figure_header(summary: dict[str, Any]) -> list[str]:
+    return ["figure", "drafter"] + (["reference", "difference"] if summary.get("reference") else [])
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The terminal view: pooled figures, then the per-prompt table."""
+    title = (
+        f"{summary['mode']} evaluation of {summary['checkpoint']}: {summary['num_prompts']} prompts, "
+        f"block size {summary['block_size']}, {summary['context_layers']} context layers "
+        f"{summary['target_layer_ids']}"
+    )
+    if summary.get("reference"):
+        ref = summary["reference"]
+        title += f"\nreference {ref['checkpoint']}: block size {ref['block_size']}, {ref['context_layers']} " \
+                 f"context layers {ref['target_layer_ids']}"  # fmt: skip
+    parts = [title, _text_table(_figure_header(summary), figure_rows(summary)), _text_table(*prompt_rows(summary))]
+    if "consistency" in summary:
+        c = summary["consistency"]
+        parts.append(
+            f"offline vs online: {'identical acceptance lengths' if c['identical'] else 'DIFFERENT'} "
+            f"(offline τ {c['offline_tau']:.3f}, online τ {c['online_tau']:.3f})"
+            + "".join(f"\n  {m}" for m in c["mismatches"])
+        )
+    return "\n\n".join(parts)
+
+
+# -- plots ----------------------------------------------------------------------------------
+
+
+def _bars(ax, labels: list[str], series: list[tuple[str, list[float]]]) -> None:
+    """Grouped bars: one group per label, one bar per series."""
+    width = 0.8 / len(series)
+    for s, (name, values) in enumerate(series):
+        xs = [i + (s - (len(series) - 1) / 2) * width for i in range(len(labels))]
+        ax.bar(xs, values, width=width, label=name)
+    ax.set_xticks(range(len(labels)), labels)
+    if len(series) > 1:
+        ax.legend()
+
+
+def write_plots(summary: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    # the object API renders without pyplot, so no GUI backend is ever chosen or needed
+    from matplotlib.figure import Figure
+
+    ref = summary.get("reference")
+    names = ["drafter"] + (["reference"] if ref else [])
+    results = [summary] + ([ref] if ref else [])
+    length = max(len(r["histogram"]) for r in results)
+    paths = {}
+
+    fig = Figure(figsize=(8, 4))
+    ax = fig.add_subplot()
+    _bars(ax, [str(n) for n in range(1, length + 1)],
+          [(name, _pad(r["histogram"], length)) for name, r in zip(names, results, strict=True)])  # fmt: skip
+    ax.set(xlabel="tokens committed per step (a + 1)", ylabel="steps", title="Acceptance lengths")
+    paths["histogram"] = out_dir / PLOTS["histogram"]
+    fig.savefig(paths["histogram"], dpi=100, bbox_inches="tight")
+
+    fig = Figure(figsize=(8, 4))
+    ax = fig.add_subplot()
+    for name, r in zip(names, results, strict=True):
+        ax.plot(range(1, len(r["position_acceptance"]) + 1), r["position_acceptance"], marker="o", label=name)
+    ax.set(xlabel="draft position k", ylabel="share of steps accepting draft k", ylim=(0, 1.05),
+           title="Per-position acceptance")  # fmt: skip
+    if ref:
+        ax.legend()
+    paths["position_acceptance"] = out_dir / PLOTS["position_acceptance"]
+    fig.savefig(paths["position_acceptance"], dpi=100, bbox_inches="tight")
+
+    ids = [str(p["id"]) for p in summary["per_prompt"]]
+    series = [("drafter", [p["tau"] for p in summary["per_prompt"]])]
+    if ref:
+        by_id = {str(p["id"]): p["tau"] for p in ref["per_prompt"]}
+        series.append(("reference", [by_id.get(i, 0.0) for i in ids]))
+    fig = Figure(figsize=(max(6, 0.5 * len(ids) + 2), 4))
+    ax = fig.add_subplot()
+    _bars(ax, ids, series)
+    ax.tick_params(axis="x", labelrotation=90)
+    ax.set(xlabel="prompt", ylabel="τ", title="τ per prompt")
+    paths["tau_per_prompt"] = out_dir / PLOTS["tau_per_prompt"]
+    fig.savefig(paths["tau_per_prompt"], dpi=100, bbox_inches="tight")
+    return paths
+
+
+def _pad(values: list, length: int) -> list:
+    return list(values) + [0] * (length - len(values))
+
+
+def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
+    """Write `report.md` and its PNG plots into out_dir; returns the report's path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(summary, out)
+    lines = [
+        f"# Drafter evaluation: {summary['checkpoint']}",
+        "",
+        f"- mode: **{summary['mode']}**; target `{summary.get('target')}`; records: {summary.get('records_source')}",
+        f"- block size {summary['block_size']}; context layers found in `fc`: {summary['context_layers']} "
+        f"(target_layer_ids {summary['target_layer_ids']}); at most {summary.get('max_blocks') or 'all'} blocks "
+        f"per prompt",
+    ]
+    if summary.get("reference"):
+        ref = summary["reference"]
+        lines.append(
+            f"- reference: {ref['checkpoint']} (block size {ref['block_size']}, {ref['context_layers']} context "
+            f"layers {ref['target_layer_ids']}); difference = drafter - reference"
+        )
+    lines += [
+        "- τ = tokens committed per step (accepted drafts + the bonus token), pooled over all steps; "
+        "per-position acceptance = share of steps whose k-th draft was accepted.",
+        "",
+        "## Figures",
+        "",
+        _markdown_table(_figure_header(summary), figure_rows(summary)),
+        "",
+        f"![acceptance lengths]({plots['histogram'].name})",
+        "",
+        f"![per-position acceptance]({plots['position_acceptance'].name})",
+        "",
+        "## Per prompt",
+        "",
+        _markdown_table(*prompt_rows(summary)),
+        "",
+        f"![tau per prompt]({plots['tau_per_prompt'].name})",
+        "",
+    ]
+    if "consistency" in summary:
+        c = summary["consistency"]
+        lines += ["## Offline vs online", "",
+                  f"{'Identical' if c['identical'] else 'DIFFERENT'} acceptance lengths "
+                  f"(offline τ {c['offline_tau']:.3f}, online τ {c['online_tau']:.3f}).", ""]  # fmt: skip
+        lines += [f"- {m}" for m in c["mismatches"]]
+    path = out / "report.md"
+    path.write_text("\n".join(lines).rstrip() + "\n")
+    return path
