@@ -1,0 +1,66 @@
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from flashdraft.checkpoint import load_drafter, save_drafter
+from flashdraft.cli import main
+from flashdraft.export import export_drafter
+from tests.conftest import make_drafter, make_target
+
+
+def write_form(form: str, tmp_path, drafter) -> str:
+    if form == "directory":
+        return str(save_drafter(drafter, tmp_path / "src", dtype=torch.bfloat16))
+    if form == "run":
+        step = tmp_path / "run" / "checkpoints" / "step-0000050"
+        save_drafter(drafter, step / "drafter", dtype=torch.bfloat16)
+        (step / "COMPLETE").write_text("")
+        return str(tmp_path / "run")
+    torch.save({k: v.to(torch.bfloat16) for k, v in drafter.state_dict().items()}, tmp_path / "d.pt")
+    return str(tmp_path / "d.pt")
+
+
+@pytest.mark.parametrize("form", ["directory", "run", "state dict"])
+def test_export_writes_the_public_format_from_every_checkpoint_form(tmp_path, form):
+    # RoPE and positions of a bare state dict come from the target: give the drafter the target's
+    drafter = make_drafter(rope_theta=10000.0, max_position_embeddings=512)
+    target = make_target("qwen3") if form == "state dict" else None
+    export_drafter(write_form(form, tmp_path, drafter), tmp_path / "out", target, target_name="Qwen/Qwen3-8B",
+                   block_size=8, target_layer_ids=[0, 2])  # fmt: skip
+    loaded = load_drafter(tmp_path / "out")
+    assert loaded.config.to_dict() | {"dtype": None} == drafter.config.to_dict() | {"dtype": None}
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value.to(torch.bfloat16).float()), key
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as sf:
+        assert sf.get_tensor("fc.weight").dtype == torch.bfloat16  # kept as stored
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+
+
+def test_export_readme_has_the_vllm_and_sglang_command_lines(tmp_path):
+    src = save_drafter(make_drafter(), tmp_path / "src")  # block size 8
+    export_drafter(src, tmp_path / "out", target_name="Qwen/Qwen3-8B")
+    readme = (tmp_path / "out" / "README.md").read_text()
+    out = str(tmp_path / "out")
+    spec = json.dumps({"method": "dflash", "model": out, "num_speculative_tokens": 7})
+    assert f"vllm serve Qwen/Qwen3-8B --speculative-config '{spec}'" in readme
+    assert "python -m sglang.launch_server --model-path Qwen/Qwen3-8B --speculative-algorithm DFLASH" in readme
+    assert f"--speculative-draft-model-path {out}" in readme
+    assert "at the time of writing" in readme
+
+
+def test_export_cli_refuses_a_bare_state_dict_without_a_target(capsys, tmp_path):
+    torch.save(make_drafter().state_dict(), tmp_path / "d.pt")
+    assert main(["export", "--checkpoint", str(tmp_path / "d.pt"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "give --target-model" in err and "d.pt" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_cli_with_dtype(capsys, tmp_path):
+    src = save_drafter(make_drafter(), tmp_path / "src")
+    assert main(["export", "--checkpoint", str(src), "--out", str(tmp_path / "out"), "--dtype", "fp16"]) == 0
+    assert "exported" in capsys.readouterr().out
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as sf:
+        assert sf.get_tensor("norm.weight").dtype == torch.float16

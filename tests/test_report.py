@@ -1,0 +1,57 @@
+import json
+
+from flashdraft.evaluate import EvalResult, PromptResult, difference
+from flashdraft.report import PLOTS, format_summary, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def summary(online: bool = False, reference: bool = False) -> dict:
+    mode = "online" if online else "offline"
+    prompts = [PromptResult("a", [1, 4, 2], [1, 2, 3, 4, 5, 6, 7, 8], True if online else None),
+               PromptResult("b", [3, 1], [1, 2, 3, 4, 5], True if online else None)]  # fmt: skip
+    result = EvalResult(mode, 4, [0, 2], 2, prompts, 0.0, 30.0 if online else None, 10.0 if online else None)
+    s = result.to_json() | {"checkpoint": "run/d", "target": "tiny", "records_source": "test", "max_blocks": 15}
+    if reference:
+        ref = EvalResult(mode, 8, [1], 1, [PromptResult("a", [1, 1, 1]), PromptResult("b", [2, 8])], 0.0,
+                         20.0 if online else None, 10.0 if online else None).to_json()  # fmt: skip
+        s |= {"reference": ref | {"checkpoint": "ref"}, "difference": difference(s, ref)}
+    return s
+
+
+def test_report_writes_markdown_and_the_three_plots(tmp_path):
+    path = write_report(summary(), tmp_path / "report")
+    text = path.read_text()
+    assert path.name == "report.md"
+    for name in PLOTS.values():
+        assert (tmp_path / "report" / name).read_bytes().startswith(PNG_MAGIC)
+        assert f"]({name})" in text
+    assert "| τ (pooled) | 2.200 |" in text and "| steps committing 4 | 1 |" in text
+    assert "| a | 3 | 2.333 |" in text
+
+
+def test_report_with_a_reference_shows_both_and_the_difference(tmp_path):
+    s = summary(online=True, reference=True)
+    text = write_report(s, tmp_path).read_text()
+    assert "| τ (pooled) | 2.200 | 2.600 | -0.400 |" in text
+    assert "| speed-up | 3.000 | 2.000 | +1.000 |" in text
+    assert "| steps committing 8 | - | 1 | -1 |" in text  # block sizes 4 and 8 side by side
+    assert "| a | 3 | 2.333 | yes | 3 | 1.000 | +1.333 |" in text
+    assert all((tmp_path / name).stat().st_size > 0 for name in PLOTS.values())
+
+
+def test_terminal_summary_lists_every_figure_and_prompt():
+    text = format_summary(summary(online=True, reference=True))
+    for figure in ["steps", "τ (pooled)", "τ (mean of prompts)", "lossless", "speed-up", "steps committing 4",
+                   "draft 3 accepted", "ref τ"]:  # fmt: skip
+        assert figure in text, figure
+    assert "\nb " in text
+
+
+def test_report_can_be_rebuilt_from_the_saved_json(tmp_path):
+    s = summary(reference=True)
+    (tmp_path / "out.json").write_text(json.dumps(s))
+    assert (
+        write_report(json.loads((tmp_path / "out.json").read_text()), tmp_path / "r").read_text()
+        == write_report(s, tmp_path / "r2").read_text()
+    )
