@@ -12,9 +12,12 @@ its own anchor); the mask rule is the same in both, built by `attention_mask`.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
@@ -69,6 +72,41 @@ def attention_mask(
         key_positions = torch.cat([context_positions, query_positions], dim=-1)  # [N, C + Q]
         mask &= (query_positions[:, :, None] - key_positions[:, None, :]) < sliding_window
     return mask.unsqueeze(1)
+
+
+def mask_mod_for(
+    query_positions: torch.Tensor,
+    query_block: torch.Tensor,
+    query_anchor: torch.Tensor,
+    context_positions: torch.Tensor,
+    sliding_window: int | None,
+):
+    """The rule of `attention_mask` as a flex-attention mask_mod (block-sparse on GPU)."""
+    num_context = context_positions.shape[1]
+    key_positions = torch.cat([context_positions, query_positions], dim=1)  # [N, C + Q]
+    key_block = torch.cat([query_block.new_full((num_context,), -1), query_block])  # [C + Q]
+
+    def mask_mod(b, h, q, kv):
+        ok = torch.where(kv < num_context, key_positions[b, kv] < query_anchor[b, q], key_block[kv] == query_block[q])
+        if sliding_window is not None:
+            ok = ok & (query_positions[b, q] - key_positions[b, kv] < sliding_window)
+        return ok
+
+    return mask_mod
+
+
+_compiled_flex = None
+
+
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    global _compiled_flex
+    if q.device.type != "cuda":  # uncompiled flex is a reference path (tests); real use is on GPU
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 class DrafterCache:
@@ -130,7 +168,10 @@ class DrafterAttention(nn.Module):
             k_ctx, v_ctx = cache.append(self.layer_idx, k_ctx, v_ctx)
         k = torch.cat([k_ctx, k_block], dim=2)
         v = torch.cat([v_ctx, v_block], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        if isinstance(mask, BlockMask):
+            out = _flex_attention(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(n, q_len, -1))
 
 
@@ -160,6 +201,9 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(cfg, qwen3, i) for i in range(cfg.num_hidden_layers))
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(qwen3)
+        # "auto": block-sparse flex attention for many-block (training) forwards on GPU, a dense
+        # boolean mask otherwise; "sdpa" or "flex" force one.
+        self.attention_backend = "auto"
 
     @property
     def block_size(self) -> int:
@@ -218,10 +262,17 @@ class DFlashDrafter(nn.Module):
             all_context_positions = anchor_positions.new_zeros(n, 0)
 
         block_rope = self.rotary_emb(block_embeds, query_positions)
-        masks = {
-            w: attention_mask(query_positions, query_block, query_anchor, all_context_positions, w)
-            for w in {layer.sliding_window for layer in self.layers}
-        }
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = "flex" if block_embeds.is_cuda and num_blocks > 1 else "sdpa"
+        masks = {}
+        for w in {layer.sliding_window for layer in self.layers}:
+            if backend == "flex":
+                rule = mask_mod_for(query_positions, query_block, query_anchor, all_context_positions, w)
+                num_keys = all_context_positions.shape[1] + q_len
+                masks[w] = create_block_mask(rule, n, None, q_len, num_keys, device=block_embeds.device)
+            else:
+                masks[w] = attention_mask(query_positions, query_block, query_anchor, all_context_positions, w)
         x = block_embeds
         for layer in self.layers:
             x = layer(x, context, masks, block_rope=block_rope, context_rope=context_rope, cache=cache)

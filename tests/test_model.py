@@ -86,3 +86,13 @@ def test_padding_context_is_never_seen():
     torch.testing.assert_close(
         drafter(blocks, anchors, padded_ctx, padded_pos), drafter(blocks, anchors, ctx[:, :a], pos)
     )
+
+
+@torch.no_grad()  # flex attention has no CPU backward; the GPU path compiles the same rule
+def test_block_sparse_flex_attention_equals_the_dense_mask_path():
+    drafter = make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    ctx, anchors, blocks = _inputs()
+    pos = torch.arange(ctx.shape[1])[None]
+    dense = drafter(blocks, anchors, ctx, pos)
+    drafter.attention_backend = "flex"
+    torch.testing.assert_close(drafter(blocks, anchors, ctx, pos), dense, rtol=1e-5, atol=1e-5)
