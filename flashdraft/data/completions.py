@@ -80,6 +80,12 @@ class Completions:
     def __len__(self) -> int:
         return len(self.records)
 
+    def __iter__(self):
+        return iter(self.records)
+
+    def __getitem__(self, i):  # an index or a slice, as on the records list
+        return self.records[i]
+
 
 def record_seed(seed: int, record_id: str) -> int:
     """A per-record sampling seed, so sampled outputs do not depend on batching or ranks."""
@@ -316,11 +322,26 @@ def _read_existing(out: Path, header: dict) -> dict[str, dict]:
         lines = [line for line in lines[:-1] if line]
         if not lines:
             continue
-        _check_header(json.loads(lines[0]), header, str(part))
-        for line in lines[1:]:
-            r = json.loads(line)
+        rows = []
+        for number, line in enumerate(lines, 1):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise FlashdraftError(f"{part}:{number}: not valid JSON ({e.msg}); remove that line") from None
+        _check_header(rows[0], header, str(part))
+        for r in rows[1:]:
             done[r["id"]] = r
     return done
+
+
+def _cut_incomplete_line(part: Path) -> None:
+    """Drop a line cut short by a kill, so appended records start on a line of their own."""
+    if part.exists():
+        data = part.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if end != len(data):
+            with open(part, "r+b") as f:
+                f.truncate(end)
 
 
 def _write_final(out: Path, header: dict, records: list[dict]) -> None:
@@ -368,6 +389,7 @@ def generate_completions(
 
     if mine:
         part = out.with_name(f"{out.name}.part{dist.rank}.jsonl")
+        _cut_incomplete_line(part)
         with open(part, "a", encoding="utf-8") as f, tqdm(total=len(mine), desc=f"{dist.prefix()}generate",
                                                           unit="prompt") as bar:  # fmt: skip
             if f.tell() == 0:

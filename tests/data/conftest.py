@@ -1,0 +1,45 @@
+"""Target directories for the data tests: tiny random targets saved as a user would have them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flashdraft.cli import main
+from tests.conftest import make_hf_model, make_tokenizer
+
+
+def run_cli(args: list[str]) -> int:
+    """The exit status of `flashdraft ARGS` (failed checks exit 1 through SystemExit)."""
+    try:
+        return main(args)
+    except SystemExit as e:
+        return int(e.code)
+
+
+def save_target(directory: Path, kind: str = "hybrid", seed: int = 0) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    make_hf_model(kind, seed).save_pretrained(directory)
+    make_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def write_prompts(path: Path, count: int = 5) -> Path:
+    """Plain prompts of different lengths (so batches need padding) over the test vocabulary."""
+    with open(path, "w") as f:
+        for i in range(count):
+            text = " ".join(f"t{(7 * i + j) % 60}" for j in range(2 + i))
+            f.write(json.dumps({"id": f"q{i}", "prompt": text}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def hybrid_dir(tmp_path_factory) -> Path:
+    return save_target(tmp_path_factory.mktemp("hybrid"), "hybrid")
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory) -> Path:
+    return save_target(tmp_path_factory.mktemp("qwen3"), "qwen3")

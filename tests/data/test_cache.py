@@ -1,0 +1,237 @@
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashdraft.data.cache as cache_module
+from flashdraft.checkpoint import save_drafter
+from flashdraft.data.cache import HiddenStateCache, build_cache, doctor_cache
+from flashdraft.data.completions import load_completions
+from flashdraft.errors import FlashdraftError
+from flashdraft.target import TargetModel
+from tests.conftest import make_drafter, make_target
+from tests.data.conftest import run_cli, write_prompts
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def completions(hybrid_dir, tmp_path_factory) -> Path:
+    """Five records of the hybrid target, made through the CLI."""
+    d = tmp_path_factory.mktemp("completions")
+    prompts = write_prompts(d / "p.jsonl", 5)
+    assert run_cli(["generate", "--target-model", str(hybrid_dir), "--prompts", str(prompts), "--out",
+                 str(d / "c.json"), "--max-new-tokens", "7", "--batch-size", "2"]) == 0  # fmt: skip
+    return d / "c.json"
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def test_generate_cache_doctor_round_trip(hybrid_dir, completions, tmp_path, capsys):
+    out = tmp_path / "cache"
+    assert run_cli(["cache", "--target-model", str(hybrid_dir), "--completions", str(completions), "--out", str(out),
+                 "--layers", "0,2", "--records-per-shard", "2"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "q0: " in printed and "features mean" in printed and "std" in printed  # per-record statistics
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"] + [f"shard-0000{k}.safetensors" for k in range(3)]
+    assert run_cli(["doctor", str(out), "--target-model", str(hybrid_dir), "--samples", "5"]) == 0
+    printed = capsys.readouterr().out
+    assert "alignment of 5 records with a fresh forward" in printed and "all checks passed" in printed
+
+
+def test_cached_records_equal_a_fresh_forward_and_the_completions(hybrid_dir, completions, tmp_path):
+    target = TargetModel.load(hybrid_dir)
+    loaded = load_completions(completions, target, quiet=True)
+    build_cache(target, loaded, tmp_path / "c", [1, 3], dtype="fp32", records_per_shard=2, topk=3)
+    cache = HiddenStateCache(tmp_path / "c")
+    assert len(cache) == 5 and cache.layer_ids == [1, 3] and cache.hidden_size == 64
+    assert cache.dtype == torch.float32 and cache.target_fingerprint == target.fingerprint()
+    assert cache.lengths == [len(r.prompt_ids) + len(r.completion_ids) for r in loaded]
+    for i, r in enumerate(loaded):
+        c = cache[i]
+        tokens = r.prompt_ids + r.completion_ids
+        assert c.id == r.id and c.input_ids.dtype == torch.long and c.input_ids.tolist() == tokens
+        assert c.prompt_length == len(r.prompt_ids)
+        assert c.loss_mask.dtype == torch.bool and c.loss_mask.tolist() == [k >= len(r.prompt_ids)
+                                                                            for k in range(len(tokens))]  # fmt: skip
+        # independently of TargetModel's hooks: hidden_states[l + 1] of output_hidden_states
+        out = target.model(input_ids=torch.tensor([tokens]), output_hidden_states=True)
+        expected = torch.cat([out.hidden_states[2][0], out.hidden_states[4 - 0][0]], dim=-1)
+        assert c.context_features.shape == (len(tokens), 2 * 64)
+        torch.testing.assert_close(c.context_features[:, :64], expected[:, :64], rtol=1e-5, atol=1e-5)
+        target.set_context_layers([1, 3])
+        fresh = target.forward(torch.tensor([tokens]))
+        assert torch.equal(c.context_features, fresh.context_features[0])
+        values, indices = c.target_topk
+        top = fresh.logits[0].topk(3, dim=-1)
+        assert torch.equal(values, top.values) and torch.equal(indices, top.indices)
+
+
+def test_bf16_cache_passes_doctor_and_a_shifted_layer_claim_is_caught(hybrid_dir, completions, tmp_path, capsys):
+    target = TargetModel.load(hybrid_dir)
+    build_cache(target, load_completions(completions, target, quiet=True), tmp_path / "c", [1, 2])
+    assert HiddenStateCache(tmp_path / "c").dtype == torch.bfloat16
+    assert doctor_cache(tmp_path / "c", target, layer_ids=[1, 2], samples=2)
+    # the features of layers 1, 2 labelled as 2, 3: an off-by-one in the layer offset
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    manifest["layer_ids"] = [2, 3]
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert not doctor_cache(tmp_path / "c", target, samples=2)
+    out = capsys.readouterr().out
+    assert "FAIL alignment" in out and "matches hidden_states[2] instead of hidden_states[3]" in out
+
+
+def test_a_cache_for_other_layers_another_target_or_a_damaged_shard_is_refused(
+    hybrid_dir, qwen3_dir, completions, tmp_path, capsys
+):
+    target = TargetModel.load(hybrid_dir)
+    build_cache(target, load_completions(completions, target, quiet=True), tmp_path / "c", [0, 2],
+                records_per_shard=2)  # fmt: skip
+    cache = HiddenStateCache(tmp_path / "c")
+    cache.check_compatible(target, [0, 2])
+    with pytest.raises(FlashdraftError, match=r"cache holds layer ids \[0, 2\], the drafter's target_layer_ids are"):
+        cache.check_compatible(target, [1, 2])
+    with pytest.raises(FlashdraftError, match="cache made by target fingerprint .* the features come from another"):
+        cache.check_compatible(make_target("hybrid", seed=1))
+    with pytest.raises(FlashdraftError, match="cache hidden size is 64, the target's is 32"):
+        cache.check_compatible(make_target_with_hidden(32))
+
+    # doctor: another target, and a drafter with other layer ids
+    drafter_dir = tmp_path / "drafter"
+    save_drafter(make_drafter(target_layer_ids=[1, 3]), drafter_dir)
+    capsys.readouterr()
+    assert run_cli(["doctor", str(tmp_path / "c"), "--target-model", str(qwen3_dir), "--checkpoint",
+                 str(drafter_dir)]) == 1  # fmt: skip
+    out = capsys.readouterr().out
+    assert "FAIL layer ids [0, 2] differ from the drafter's target_layer_ids [1, 3]" in out
+    assert "FAIL" in out and "fingerprint" in out and "2 check(s) failed" in out
+
+    shard = tmp_path / "c" / "shard-00001.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-10])  # truncated
+    with pytest.raises(FlashdraftError, match=r"shard-00001\.safetensors: \d+ bytes, manifest\.json says \d+ "
+                                              r"\(truncated or replaced\)"):  # fmt: skip
+        HiddenStateCache(tmp_path / "c")
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, one bit flipped
+    with pytest.raises(FlashdraftError, match=r"shard-00001\.safetensors: sha256 differs"):
+        HiddenStateCache(tmp_path / "c")
+    HiddenStateCache(tmp_path / "c", verify=False)  # sizes only
+    assert run_cli(["doctor", str(tmp_path / "c")]) == 1
+    assert "FAIL sha256 of 3 shard files: shard-00001.safetensors differ" in capsys.readouterr().out
+    (tmp_path / "c" / "manifest.json").unlink()
+    with pytest.raises(FlashdraftError, match="no manifest.json; not a finished hidden-state cache"):
+        HiddenStateCache(tmp_path / "c")
+
+
+def make_target_with_hidden(hidden: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.conftest import make_tokenizer
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=hidden, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
+    return TargetModel(Qwen3ForCausalLM(cfg).eval(), make_tokenizer(), path=None)
+
+
+def test_nan_features_are_refused_naming_record_and_layer(hybrid_dir, completions, tmp_path, monkeypatch):
+    target = TargetModel.load(hybrid_dir)
+    forward = target.forward
+
+    def poisoned(ids, cache=None):
+        out = forward(ids, cache)
+        out.context_features[0, 3, 64 + 5] = float("inf")  # second listed layer, token 3
+        return out
+
+    monkeypatch.setattr(target, "forward", poisoned)
+    with pytest.raises(FlashdraftError, match="record 'q0': context features of layer 3 are NaN/Inf at token 3"):
+        build_cache(target, load_completions(completions, target, quiet=True), tmp_path / "c", [1, 3])
+
+
+def test_a_killed_run_resumes_without_redoing_shards_and_gives_the_same_bytes(
+    hybrid_dir, completions, tmp_path, monkeypatch
+):
+    target = TargetModel.load(hybrid_dir)
+    loaded = load_completions(completions, target, quiet=True)
+    build_cache(target, loaded, tmp_path / "whole", [0, 2], records_per_shard=2, topk=2)
+
+    real, built = cache_module._build_shard, []
+
+    def dies_after_two(target_, directory, k, *args):
+        if len(built) == 2:
+            # the third shard dies half written, as a kill would leave it
+            (directory / f"shard-{k:05d}.safetensors.tmp").write_bytes(b"partial")
+            raise KeyboardInterrupt
+        built.append(k)
+        return real(target_, directory, k, *args)
+
+    monkeypatch.setattr(cache_module, "_build_shard", dies_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        build_cache(target, loaded, tmp_path / "resumed", [0, 2], records_per_shard=2, topk=2)
+    assert not (tmp_path / "resumed" / "manifest.json").exists()
+    with pytest.raises(FlashdraftError, match="an unfinished run: re-run flashdraft cache"):
+        HiddenStateCache(tmp_path / "resumed")
+
+    def counts(target_, directory, k, *args):
+        built.append(k)
+        return real(target_, directory, k, *args)
+
+    monkeypatch.setattr(cache_module, "_build_shard", counts)
+    built.clear()
+    with pytest.raises(FlashdraftError, match=r"holds a cache with layer_ids = \[0, 2\], this run asks for \[0, 1\]"):
+        build_cache(target, loaded, tmp_path / "resumed", [0, 1], records_per_shard=2, topk=2)
+    build_cache(target, loaded, tmp_path / "resumed", [0, 2], records_per_shard=2, topk=2)
+    assert built == [2]  # only the unfinished shard
+    assert files_of(tmp_path / "resumed") == files_of(tmp_path / "whole")
+
+    built.clear()  # a finished cache: nothing to redo, same bytes
+    build_cache(target, loaded, tmp_path / "resumed", [0, 2], records_per_shard=2, topk=2)
+    assert built == [] and files_of(tmp_path / "resumed") == files_of(tmp_path / "whole")
+
+
+def test_a_cache_into_a_foreign_directory_is_refused(hybrid_dir, completions, tmp_path):
+    target = TargetModel.load(hybrid_dir)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("mine")
+    with pytest.raises(FlashdraftError, match="exists and is not a flashdraft cache"):
+        build_cache(target, load_completions(completions, target, quiet=True), tmp_path / "d", [0])
+
+
+def test_two_process_torchrun_gives_the_same_completions_and_cache_as_one(hybrid_dir, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 5)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(ROOT))
+
+    def run(world: int, name: str) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        launcher = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={world}", "-m", "flashdraft.cli"]
+        gen = ["generate", "--target-model", str(hybrid_dir), "--prompts", str(prompts), "--out",
+               str(d / "c.json"), "--max-new-tokens", "6", "--batch-size", "2"]  # fmt: skip
+        cache = ["cache", "--target-model", str(hybrid_dir), "--completions", str(d / "c.json"), "--out",
+                 str(d / "cache"), "--layers", "0,2", "--records-per-shard", "2"]  # fmt: skip
+        for args in (gen, cache):
+            cmd = launcher + args if world > 1 else [sys.executable, "-m", "flashdraft.cli"] + args
+            done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        return d
+
+    one, two = run(1, "one"), run(2, "two")
+    assert (one / "c.json").read_bytes() == (two / "c.json").read_bytes()
+    assert files_of(one / "cache") == files_of(two / "cache")
+    assert len(HiddenStateCache(two / "cache")) == 5
+
+
+def test_doctor_names_what_a_path_is_not(tmp_path, capsys):
+    assert run_cli(["doctor", str(tmp_path / "absent")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    shutil.copy(__file__, tmp_path / "x.py")
+    assert run_cli(["doctor", str(tmp_path / "x.py")]) == 2
+    assert "not something doctor can check" in capsys.readouterr().err

@@ -1,0 +1,226 @@
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from flashdraft.data.completions import (
+    GenerationSettings,
+    OpenAIClient,
+    generate_batch,
+    generate_completions,
+    load_completions,
+    record_seed,
+)
+from flashdraft.data.prompts import Prompt, load_prompts
+from flashdraft.decode import greedy_generate
+from flashdraft.errors import FlashdraftError
+from flashdraft.target import TargetModel
+from tests.conftest import VOCAB, make_target
+from tests.data.conftest import run_cli, write_prompts
+
+PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12], [20, 21]]  # different lengths: left padding in a batch
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid", "llama"])
+def test_batched_greedy_equals_greedy_generate(kind):
+    target = make_target(kind)
+    batched = generate_batch(target, PROMPTS, max_new_tokens=10)
+    for prompt, (ids, reason) in zip(PROMPTS, batched, strict=True):
+        plain = greedy_generate(target, prompt, 10)
+        assert ids == plain.output_ids and reason == plain.stop_reason
+
+
+def test_batch_stops_each_row_at_its_stop_token_and_keeps_it():
+    target = make_target("qwen3")
+    # make a token that some rows generate and others do not the stop token
+    outputs = [set(greedy_generate(target, p, 12).output_ids) for p in PROMPTS]
+    stop = next(t for t in sorted(set.union(*outputs)) if any(t not in o for o in outputs))
+    target.model.generation_config.eos_token_id = stop
+    plain = [greedy_generate(target, p, 12) for p in PROMPTS]
+    assert any(r.stop_reason == "eos" for r in plain) and any(r.stop_reason == "length" for r in plain)
+    batched = generate_batch(target, PROMPTS, max_new_tokens=12)
+    assert [(r.output_ids, r.stop_reason) for r in plain] == [(ids, reason) for ids, reason in batched]
+    assert all(ids[-1] == stop for ids, reason in batched if reason == "eos")
+
+
+def test_sampling_is_per_record_seeded_so_batching_does_not_change_it():
+    target = make_target("hybrid")
+    gens = lambda seed: [torch.Generator().manual_seed(record_seed(seed, f"r{i}")) for i in range(len(PROMPTS))]  # noqa: E731
+    together = generate_batch(target, PROMPTS, 8, temperature=1.5, generators=gens(0))
+    alone = [generate_batch(target, [p], 8, 1.5, [g])[0] for p, g in zip(PROMPTS, gens(0), strict=True)]
+    assert together == alone
+    plain = greedy_generate(target, PROMPTS[0], 8, temperature=1.5, generator=gens(0)[0])
+    assert together[0][0] == plain.output_ids
+    assert generate_batch(target, PROMPTS, 8, 1.5, gens(1)) != together
+
+
+def settings(**kw) -> GenerationSettings:
+    return GenerationSettings(**{"prompts": "test", "max_new_tokens": 6} | kw)
+
+
+def test_generate_writes_header_and_records_and_resumes_without_duplicates(hybrid_dir, tmp_path):
+    target = TargetModel.load(hybrid_dir)
+    prompts = load_prompts(str(write_prompts(tmp_path / "p.jsonl", 5)), quiet=True)
+    out = tmp_path / "c.json"
+    generate_completions(target, prompts[:2], out, settings(), batch_size=2)
+    first = json.loads(out.read_text())
+    assert first["format"] == "flashdraft.completions" and first["version"] == 1
+    assert first["target"]["fingerprint"] == target.fingerprint() and first["token_ids"] == "target"
+    assert first["generation"]["max_new_tokens"] == 6 and first["num_records"] == 2
+    r = first["records"][0]
+    assert r["id"] == "q0" and r["prompt"] == "t0 t1" and r["prompt_ids"] == [0, 1]
+    assert r["completion_ids"] == greedy_generate(target, [0, 1], 6).output_ids
+    assert r["completion"] == target.tokenizer.decode(r["completion_ids"], skip_special_tokens=True)
+    assert r["stop_reason"] == "length"
+
+    # a killed run: one more record made it to the part file, the next line was cut short
+    part = tmp_path / "c.json.part0.jsonl"
+    extra = dict(r, id="q2", prompt_ids=[14, 15, 16, 17], prompt="t14 t15 t16 t17")
+    extra["completion_ids"] = greedy_generate(target, extra["prompt_ids"], 6).output_ids
+    extra["completion"] = target.tokenizer.decode(extra["completion_ids"], skip_special_tokens=True)
+    header = {k: v for k, v in first.items() if k in ("format", "version", "target", "generation")}
+    part.write_text(json.dumps(header) + "\n" + json.dumps(extra) + "\n" + '{"id": "q3", "pro')
+
+    generate_completions(target, prompts, out, settings(), batch_size=2)
+    final = json.loads(out.read_text())
+    assert [x["id"] for x in final["records"]] == ["q0", "q1", "q2", "q3", "q4"]  # prompt order, once each
+    assert final["records"][:2] == first["records"] and final["records"][2] == extra
+    assert not list(tmp_path.glob("*.part*")) and not list(tmp_path.glob("*.tmp"))
+    before = out.read_bytes()
+    generate_completions(target, prompts, out, settings(), batch_size=3)  # nothing left to do
+    assert out.read_bytes() == before
+
+
+def test_resume_with_other_settings_is_refused(hybrid_dir, tmp_path):
+    target = TargetModel.load(hybrid_dir)
+    prompts = load_prompts(str(write_prompts(tmp_path / "p.jsonl", 2)), quiet=True)
+    generate_completions(target, prompts, tmp_path / "c.json", settings())
+    with pytest.raises(FlashdraftError, match="generation setting 'max_new_tokens' is 6, this run uses 7"):
+        generate_completions(target, prompts, tmp_path / "c.json", settings(max_new_tokens=7))
+    other = make_target("hybrid", seed=1)
+    with pytest.raises(FlashdraftError, match="made by target fingerprint"):
+        generate_completions(other, prompts, tmp_path / "c.json", settings())
+
+
+def test_multi_turn_prompts_answer_each_turn_after_the_previous_answer(tmp_path):
+    target = make_target("qwen3")
+    prompts = [Prompt("mt", ["t1 t2", "t3"]), Prompt("single", ["t4"])]
+    generate_completions(target, prompts, tmp_path / "c.json", settings(), batch_size=2)
+    records = {r.id: r for r in load_completions(tmp_path / "c.json", target, quiet=True)}
+    assert sorted(records) == ["mt/turn1", "mt/turn2", "single"]
+    t1, t2 = records["mt/turn1"], records["mt/turn2"]
+    assert t2.prompt == t1.prompt + t1.completion + "\n\nt3"
+    assert t2.completion_ids == greedy_generate(target, t2.prompt_ids, 6).output_ids
+
+
+def test_loader_skips_invalid_records_saying_why_and_refuses_another_target(hybrid_dir, tmp_path, capsys):
+    target = TargetModel.load(hybrid_dir)
+    prompts = load_prompts(str(write_prompts(tmp_path / "p.jsonl", 3)), quiet=True)
+    path = tmp_path / "c.json"
+    generate_completions(target, prompts, path, settings())
+    data = json.loads(path.read_text())
+    good = data["records"][0]
+    data["records"] += [
+        dict(good, id="oov", completion_ids=[1, VOCAB + 5]),
+        dict(good, id="empty", completion_ids=[]),
+        dict(good, id="badstop", stop_reason="maybe"),
+        dict(good, id="q1"),  # duplicate id
+        dict(good, id="notype", prompt_ids="1 2"),
+    ]
+    path.write_text(json.dumps(data))
+    capsys.readouterr()
+    loaded = load_completions(path, target)
+    out = capsys.readouterr().out
+    assert [r.id for r in loaded] == ["q0", "q1", "q2"] and len(loaded.skipped) == 5
+    assert "c.json: 3 of 8 records valid" in out
+    assert f"skipped oov: completion_ids has 1 ids outside the vocabulary 0..{VOCAB - 1} (first: {VOCAB + 5})" in out
+    assert "skipped empty: empty completion" in out and "skipped q1: duplicate id" in out
+    assert "skipped badstop: stop_reason is 'maybe'" in out and "skipped notype: field 'prompt_ids' is str" in out
+
+    other = make_target("hybrid", seed=1)
+    with pytest.raises(FlashdraftError, match="made by target fingerprint .* completions must come from the target"):
+        load_completions(path, other)
+    assert len(load_completions(path, other, allow_foreign=True, quiet=True)) == 3
+    path.write_text(path.read_text()[:200])
+    with pytest.raises(FlashdraftError, match="not valid JSON"):
+        load_completions(path)
+
+
+class FakeServer:
+    """A tiny OpenAI-compatible completions server answering with the target's greedy output."""
+
+    def __init__(self, target: TargetModel, return_token_ids: bool) -> None:
+        self.requests: list[dict] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, obj):
+                body = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self._send({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+            def do_POST(self):
+                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append(req)
+                out = greedy_generate(target, req["prompt"], req["max_tokens"])
+                ids = out.output_ids
+                choice = {
+                    "index": 0,
+                    "text": target.tokenizer.decode(ids, skip_special_tokens=True),
+                    "finish_reason": "stop" if out.stop_reason == "eos" else "length",
+                }
+                if return_token_ids:
+                    choice["token_ids"] = ids
+                self._send({"object": "text_completion", "model": req["model"], "choices": [choice]})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("return_token_ids, source", [(True, "server"), (False, "retokenized")])
+def test_openai_backend_records_token_ids_from_the_server_or_retokenised(hybrid_dir, tmp_path, return_token_ids,
+                                                                         source):  # fmt: skip
+    target = TargetModel.load(hybrid_dir)
+    server = FakeServer(target, return_token_ids)
+    try:
+        prompts_path = write_prompts(tmp_path / "p.jsonl", 3)
+        assert run_cli(["generate", "--target-model", str(hybrid_dir), "--prompts", str(prompts_path), "--out",
+                     str(tmp_path / "c.json"), "--max-new-tokens", "5", "--backend", "openai", "--base-url",
+                     server.url]) == 0  # fmt: skip
+    finally:
+        server.close()
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["token_ids"] == source and data["generation"]["server_model"] == "fake-model"
+    assert data["generation"]["base_url"] == server.url
+    assert [r["token_source"] for r in data["records"]] == [source] * 3
+    # requests run concurrently (--batch-size of them), in any order
+    assert sorted(q["prompt"] for q in server.requests) == sorted(r["prompt_ids"] for r in data["records"])
+    assert {q["max_tokens"] for q in server.requests} == {5}
+    local = [greedy_generate(target, r["prompt_ids"], 5).output_ids for r in data["records"]]
+    if source == "server":
+        assert [r["completion_ids"] for r in data["records"]] == local
+    else:  # re-tokenised text: the same tokens here, where every token is a whole word
+        assert [r["completion_ids"] for r in data["records"]] == [
+            target.tokenizer(target.tokenizer.decode(ids, skip_special_tokens=True))["input_ids"] for ids in local
+        ]
+
+
+def test_openai_backend_names_an_unreachable_server():
+    with pytest.raises(FlashdraftError, match=r"http://127\.0\.0\.1:9/v1/models: cannot reach the server"):
+        OpenAIClient("http://127.0.0.1:9", timeout=5)

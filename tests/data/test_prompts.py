@@ -1,0 +1,123 @@
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from flashdraft.data.prompts import encode_text, has_chat_template, load_prompts, render_conversation
+from flashdraft.errors import FlashdraftError
+from tests.conftest import make_tokenizer
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _compiles(source: str) -> bool:
+    try:
+        compile(source, "<prompt>", "exec")
+        return True
+    except SyntaxError:
+        return False
+
+
+def test_builtin_code_has_about_200_prompts_in_train_and_heldout_splits_that_never_overlap():
+    train = load_prompts("builtin:code", quiet=True)
+    heldout = load_prompts("builtin:code:heldout", quiet=True)
+    assert len(train) + len(heldout) >= 190 and len(heldout) >= 20
+    assert not {p.id for p in train} & {p.id for p in heldout}
+    assert not {p.turns[0] for p in train} & {p.turns[0] for p in heldout}
+    assert [p.id for p in load_prompts("builtin:code:train", quiet=True)] == [p.id for p in train]
+    # code-completion prompts for a plain code LM: Python that ends where the model continues
+    for p in train + heldout:
+        assert len(p.turns) == 1 and p.turns[0].endswith("\n")
+        assert any(_compiles(p.turns[0] + " " * indent + "pass\n") for indent in (4, 8, 12)), p.id
+    assert load_prompts("builtin:code", num_prompts=3, quiet=True) == train[:3]
+
+
+def test_jsonl_rows_with_prompt_messages_or_turns(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "t1 t2"},
+        {"id": 7, "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": "old answer"}]},
+        {"question_id": "mt-1", "turns": ["first", "second"]},
+    ])  # fmt: skip
+    prompts = load_prompts(str(path))
+    assert [p.id for p in prompts] == ["p000000", "7", "mt-1"]
+    assert prompts[0].turns == ["t1 t2"] and prompts[0].prefix == []
+    assert prompts[1].prefix == [{"role": "system", "content": "be brief"}] and prompts[1].turns == ["hi"]
+    assert prompts[2].turns == ["first", "second"]
+    assert prompts[2].record_id(1) == "mt-1/turn2" and prompts[0].record_id(0) == "p000000"
+    assert prompts[2].conversation(["A1"]) == [
+        {"role": "user", "content": "first"}, {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "second"},
+    ]  # fmt: skip
+    out = capsys.readouterr().out
+    assert "using 3 of 3 prompts" in out and "1 rows ended with an assistant reply" in out
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"text": "x"}, "no 'prompt', 'messages' or 'turns' field (found ['text'])"),
+        ({"prompt": ""}, "field 'prompt' is ''"),
+        ({"turns": "one"}, "field 'turns'"),
+        ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0]"),
+        ({"messages": [{"role": "assistant", "content": "x"}]}, "no user message"),
+    ],
+)
+def test_bad_rows_are_errors_naming_file_and_line(tmp_path, row, message):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "ok"}, row])
+    with pytest.raises(FlashdraftError, match=r"p\.jsonl:2: ") as e:
+        load_prompts(str(path))
+    assert message in str(e.value)
+
+
+def test_bad_json_duplicate_ids_unknown_builtin_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(FlashdraftError, match=r"bad\.jsonl:2: not valid JSON"):
+        load_prompts(str(bad))
+    dup = write_jsonl(tmp_path / "dup.jsonl", [{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}])
+    with pytest.raises(FlashdraftError, match=r"dup\.jsonl:2: id 'a' repeats the id of .*dup\.jsonl:1"):
+        load_prompts(str(dup))
+    with pytest.raises(FlashdraftError, match="unknown built-in set"):
+        load_prompts("builtin:poems")
+    with pytest.raises(FlashdraftError, match="no such file"):
+        load_prompts(str(tmp_path / "absent.jsonl"))
+
+
+def test_parquet_file_and_saved_dataset_read_through_datasets(tmp_path):
+    rows = {"id": ["a", "b"], "prompt": ["t1 t2", "t3"]}
+    pq.write_table(pa.table(rows), tmp_path / "p.parquet")
+    from_parquet = load_prompts(str(tmp_path / "p.parquet"), quiet=True)
+    assert [(p.id, p.turns) for p in from_parquet] == [("a", ["t1 t2"]), ("b", ["t3"])]
+
+    import datasets
+
+    datasets.Dataset.from_dict({"turns": [["x", "y"]]}).save_to_disk(str(tmp_path / "saved"))
+    saved = load_prompts(str(tmp_path / "saved"), quiet=True)
+    assert saved[0].turns == ["x", "y"] and saved[0].id == "p000000"
+
+    pq.write_table(pa.table({"text": ["x"]}), tmp_path / "other.parquet")
+    with pytest.raises(FlashdraftError, match=r"other\.parquet row 0: no 'prompt'"):
+        load_prompts(str(tmp_path / "other.parquet"))
+
+
+def test_chat_template_is_applied_only_where_the_tokenizer_has_one():
+    tok = make_tokenizer()
+    assert not has_chat_template(tok)
+    messages = [{"role": "user", "content": "t1 t2"}, {"role": "assistant", "content": "t3"},
+                {"role": "user", "content": "t4"}]  # fmt: skip
+    # no template: a plain LM continues the text; an answer continues its prompt
+    assert render_conversation(tok, messages, False) == "t1 t2t3\n\nt4"
+    assert encode_text(tok, "t1 t2", False) == [1, 2]
+
+    tok.chat_template = (
+        "{% for m in messages %}t60 {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}t59{% endif %}"
+    )
+    assert has_chat_template(tok)
+    text = render_conversation(tok, messages[:1], True)
+    assert text == "t60 t1 t2 t59"
+    assert encode_text(tok, text, True) == [60, 1, 2, 59]
