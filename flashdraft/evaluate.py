@@ -44,20 +44,27 @@ def _quiet(_: str) -> None:
 
 @dataclass
 class EvalRecord:
-    """A prompt and the target's completion, with context features when a cache holds them."""
+    """A prompt and the target's completion, with context features when a cache holds them
+    (as a tensor, or read only when needed through `load_features`: a cache can be large)."""
 
     id: str
     prompt_ids: list[int]
     completion_ids: list[int]
     context_features: torch.Tensor | None = None  # [P + M, len(layer_ids) * H]
-    layer_ids: list[int] = field(default_factory=list)  # target layers in context_features, in order
+    layer_ids: list[int] = field(default_factory=list)  # target layers in the stored features, in order
+    load_features: Callable[[], torch.Tensor] | None = None  # reads context_features on demand
 
     @property
     def input_ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
+    def stored_features(self) -> torch.Tensor | None:
+        if self.context_features is not None:
+            return self.context_features
+        return self.load_features() if self.load_features is not None else None
 
-def invalid_reason(record: EvalRecord, vocab_size: int, hidden_size: int) -> str | None:
+
+def invalid_reason(record: EvalRecord, vocab_size: int) -> str | None:
     """Why a record cannot be evaluated, or None."""
     if not record.prompt_ids:
         return "empty prompt (the first anchor needs context before it)"
@@ -66,11 +73,6 @@ def invalid_reason(record: EvalRecord, vocab_size: int, hidden_size: int) -> str
     bad = [t for t in record.input_ids if not 0 <= t < vocab_size]
     if bad:
         return f"token id {bad[0]} outside the target's vocabulary (0..{vocab_size - 1})"
-    f = record.context_features
-    if f is not None:
-        expected = [len(record.input_ids), len(record.layer_ids) * hidden_size]
-        if list(f.shape) != expected:
-            return f"context_features shape {list(f.shape)}; expected {expected} (tokens, layers x hidden)"
     return None
 
 
@@ -94,8 +96,15 @@ class FeatureSource:
 
     def __call__(self, record: EvalRecord, layer_ids: list[int]) -> torch.Tensor:
         hidden = self.target.hidden_size
-        if record.context_features is not None and set(layer_ids) <= set(record.layer_ids):
-            features, origin = select_layers(record.context_features, record.layer_ids, layer_ids, hidden), "cache"
+        stored = record.stored_features() if record.layer_ids and set(layer_ids) <= set(record.layer_ids) else None
+        if stored is not None:
+            expected = [len(record.input_ids), len(record.layer_ids) * hidden]
+            if list(stored.shape) != expected:
+                raise FlashdraftError(
+                    f"record {record.id}: stored context features have shape {list(stored.shape)}; expected "
+                    f"{expected} ({len(record.input_ids)} tokens, {len(record.layer_ids)} layers x hidden {hidden})"
+                )
+            features, origin = select_layers(stored, record.layer_ids, layer_ids, hidden), "cache"
         else:
             self.target.set_context_layers(layer_ids)
             ids = torch.tensor([record.input_ids], device=self.target.device)
@@ -113,6 +122,20 @@ class FeatureSource:
                 f"mean {stats.mean():.4f} std {stats.std():.4f}"
             )
         return features
+
+
+def records_from_cache(cache, num_records: int | None = None) -> list[EvalRecord]:
+    """Records of a `flashdraft.data.cache.HiddenStateCache`; each record's features are read
+    from the (memory-mapped) shards only when it is evaluated."""
+    records = []
+    for index in range(len(cache) if num_records is None else min(len(cache), num_records)):
+        r = cache[index]
+        ids, p = r.input_ids.tolist(), int(r.prompt_length)
+        records.append(
+            EvalRecord(str(r.id), ids[:p], ids[p:], layer_ids=list(cache.layer_ids),
+                       load_features=lambda index=index: cache[index].context_features)
+        )  # fmt: skip
+    return records
 
 
 def records_from_prompts(
@@ -498,11 +521,7 @@ def load_records(
 
         cache = HiddenStateCache(cached_hidden_states, verify=True)
         cache.check_compatible(target, cache.layer_ids)
-        records = []
-        for index in range(len(cache) if num_prompts is None else min(len(cache), num_prompts)):
-            r = cache[index]
-            ids, p = r.input_ids.tolist(), int(r.prompt_length)
-            records.append(EvalRecord(str(r.id), ids[:p], ids[p:], r.context_features, list(cache.layer_ids)))
+        records = records_from_cache(cache, num_prompts)
         return records, f"hidden-state cache {cached_hidden_states} (layers {list(cache.layer_ids)})"
     if completions is not None:
         from flashdraft.data.completions import load_completions
@@ -586,7 +605,7 @@ def run_eval(
                 record.completion_ids = list(run.output_ids)  # the target's greedy output
     valid, valid_baseline = [], []
     for index, record in enumerate(records):
-        reason = invalid_reason(record, target.vocab_size, target.hidden_size)
+        reason = invalid_reason(record, target.vocab_size)
         if reason is not None and not (online and temperature > 0 and not record.completion_ids):
             log(f"  skipped record {record.id}: {reason}")
             continue
@@ -597,7 +616,11 @@ def run_eval(
     if not valid:
         raise FlashdraftError(f"{source}: none of the {len(records)} records can be evaluated")
 
-    features = FeatureSource(target, log)
+    features = FeatureSource(target, log)  # logs each record's tokens and feature statistics offline
+    if online and not check_consistency:
+        for record in valid:
+            log(f"record {record.id}: {len(record.prompt_ids)} prompt tokens, "
+                f"{_max_new_tokens(record, max_new_tokens)} new tokens to decode")  # fmt: skip
     if cached_hidden_states is not None:
         for loaded, _ in drafters:
             ids = loaded.drafter.config.target_layer_ids

@@ -106,6 +106,16 @@ def test_offline_tau_equals_online_tau_for_a_drafter_that_accepts(kind):
     assert offline.per_prompt[0].tau > 2.0 and max(offline.lengths) == drafter.config.block_size
 
 
+def test_offline_tau_equals_online_tau_with_a_sliding_window_shorter_than_the_context():
+    target = make_target("qwen3")
+    records = greedy_records(target)
+    drafter = make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    drafter = overfit(drafter, target, records[0])
+    offline = evaluate_offline(drafter, target, records)
+    assert [p.acceptance_lengths for p in offline.per_prompt] == online_lengths(target, drafter, records)
+    assert offline.per_prompt[0].tau > 1.5
+
+
 @pytest.mark.parametrize("per_forward", [1, 3])
 def test_offline_walk_does_not_depend_on_how_many_anchors_one_forward_drafts(monkeypatch, per_forward):
     target = make_target("qwen3")
@@ -348,18 +358,27 @@ def test_eval_of_5_records_and_15_blocks_offline_takes_seconds():
     assert seconds < 5, f"offline eval of 5 x 15 blocks took {seconds:.1f} s"
 
 
-def test_eval_from_a_hidden_state_cache_equals_eval_from_completions_and_online(capsys, tmp_path, target_dir,
-                                                                                prompts_file):  # fmt: skip
-    completions, cache = tmp_path / "c.json", tmp_path / "cache"
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory, target_dir, prompts_file):
+    """Greedy completions of the prompts (flashdraft generate) and their features of layers 0, 1, 2
+    (flashdraft cache, fp32 so the offline features equal the online ones)."""
+    root = tmp_path_factory.mktemp("cached")
+    completions, cache = root / "c.json", root / "cache"
     assert main(["generate", "--target-model", str(target_dir), "--prompts", str(prompts_file), "--out",
                  str(completions), "--max-new-tokens", "30", "--batch-size", "1"]) == 0  # fmt: skip
+    assert main(["cache", "--target-model", str(target_dir), "--completions", str(completions), "--out", str(cache),
+                 "--layers", "0,1,2", "--dtype", "fp32"]) == 0  # fmt: skip
+    return completions, cache
+
+
+def test_eval_from_a_hidden_state_cache_equals_eval_from_completions_and_online(capsys, tmp_path, target_dir,
+                                                                                cached):  # fmt: skip
+    completions, cache = cached
     target = TargetModel.load(target_dir)
     first = load_completions(completions, target, quiet=True).records[0]
     record = EvalRecord(first.id, first.prompt_ids, first.completion_ids)
     save_drafter(overfit(make_drafter(), target, record), tmp_path / "d")  # layers [0, 2]
     save_drafter(make_drafter(num_hidden_layers=1, target_layer_ids=[3]), tmp_path / "ref")  # not in the cache
-    assert main(["cache", "--target-model", str(target_dir), "--completions", str(completions), "--out", str(cache),
-                 "--layers", "0,1,2", "--dtype", "fp32"]) == 0  # fmt: skip
     capsys.readouterr()
     common = ["eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir]
     rc, out, err = run_cli(capsys, *common, "--cached-hidden-states", cache, "--json", tmp_path / "cache.json",
@@ -380,3 +399,19 @@ def test_eval_from_a_hidden_state_cache_equals_eval_from_completions_and_online(
     assert [p["acceptance_lengths"] for p in online["per_prompt"]] == [
         p["acceptance_lengths"] for p in from_cache["per_prompt"]
     ]
+
+
+def test_eval_refuses_a_cache_without_the_drafter_layers(capsys, tmp_path, target_dir, cached):
+    save_drafter(make_drafter(target_layer_ids=[0, 3]), tmp_path / "d")
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir,
+                           "--cached-hidden-states", cached[1])  # fmt: skip
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "holds target layers [0, 1, 2]" in err and "target_layer_ids [0, 3]" in err
+
+
+def test_stored_features_of_the_wrong_shape_are_refused():
+    target = make_target("qwen3")
+    record = EvalRecord("r", [1, 2, 3], [4, 5, 6], torch.zeros(6, 64), [0, 2])  # one layer's width for two
+    with pytest.raises(FlashdraftError, match=r"record r: stored context features have shape \[6, 64\]; "
+                                              r"expected \[6, 128\]"):  # fmt: skip
+        evaluate_offline(make_drafter(), target, [record])
