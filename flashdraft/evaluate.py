@@ -125,8 +125,8 @@ class FeatureSource:
 
 
 def records_from_cache(cache, num_records: int | None = None) -> list[EvalRecord]:
-    """Records of a `flashdraft.data.cache.HiddenStateCache`; each record's features are read
-    from the (memory-mapped) shards only when it is evaluated."""
+    """Records of a `flashdraft.data.cache.HiddenStateCache`. Their features are not kept:
+    each record re-reads its own when it is evaluated, so memory holds one record's at a time."""
     records = []
     for index in range(len(cache) if num_records is None else min(len(cache), num_records)):
         r = cache[index]
@@ -330,8 +330,10 @@ def offline_acceptance_lengths(
     i = 0
     while i < m - 1 and (max_blocks is None or len(lengths) < max_blocks):
         if i not in drafts:
-            # draft every anchor from i on in one forward; the walk uses those it lands on
-            anchors = torch.arange(i, min(i + per_forward, m - 1), device=device)  # [K] completion indices
+            # draft every anchor from i on in one forward; the walk uses those it lands on, and
+            # it lands on at most (steps left) more anchors, so drafting more would be wasted
+            k = per_forward if max_blocks is None else min(per_forward, max_blocks - len(lengths))
+            anchors = torch.arange(i, min(i + k, m - 1), device=device)  # [K] completion indices
             positions = p + anchors  # [K] absolute anchor positions
             end = int(positions[-1])  # context strictly before the last anchor
             block_ids = torch.full((len(anchors), b), drafter.config.mask_token_id, device=device)
@@ -612,7 +614,8 @@ def run_eval(
         valid.append(record)
         if baseline is not None:
             valid_baseline.append(baseline[index])
-    log(f"records: {len(valid)} valid of {len(records)} from {source}; at most {max_blocks or 'all'} blocks each")
+    steps = f"at most {max_blocks} steps each" if max_blocks else "every step of each completion"
+    log(f"records: {len(valid)} valid of {len(records)} from {source}; {steps}")
     if not valid:
         raise FlashdraftError(f"{source}: none of the {len(records)} records can be evaluated")
 

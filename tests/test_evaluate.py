@@ -14,7 +14,14 @@ from flashdraft.config import DrafterConfig
 from flashdraft.data.completions import load_completions
 from flashdraft.decode import greedy_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
-from flashdraft.evaluate import EvalRecord, EvalResult, FeatureSource, PromptResult, evaluate_offline
+from flashdraft.evaluate import (
+    EvalRecord,
+    EvalResult,
+    FeatureSource,
+    PromptResult,
+    evaluate_offline,
+    records_from_prompts,
+)
 from flashdraft.model import DFlashDrafter
 from flashdraft.target import TargetModel
 from tests.conftest import make_drafter, make_hf_model, make_target, make_tokenizer
@@ -23,9 +30,7 @@ PROMPTS = [[5, 9, 17, 3, 22, 40, 11, 8, 30, 2, 14, 27], [1, 2, 3, 4, 5, 6], [44,
 
 
 def greedy_records(target: TargetModel, max_new_tokens: int = 40) -> list[EvalRecord]:
-    return [
-        EvalRecord(f"r{i}", p, greedy_generate(target, p, max_new_tokens).output_ids) for i, p in enumerate(PROMPTS)
-    ]
+    return records_from_prompts(target, [(f"r{i}", p) for i, p in enumerate(PROMPTS)], max_new_tokens)
 
 
 def online_lengths(target, drafter, records, block_size=None) -> list[list[int]]:
@@ -289,8 +294,9 @@ def test_json_has_every_key(capsys, tmp_path, target_dir, prompts_file, mode):
     save_drafter(make_drafter(), tmp_path / "d")
     rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
                            prompts_file, "--num-prompts", 3, "--max-blocks", 6, "--json", tmp_path / "out.json",
-                           *(["--online"] if mode == "online" else []))  # fmt: skip
+                           "--report", tmp_path / "report", *(["--online"] if mode == "online" else []))  # fmt: skip
     assert rc == 0, err
+    assert (tmp_path / "report" / "report.md").is_file() and (tmp_path / "report" / "histogram.png").is_file()
     summary = json.loads((tmp_path / "out.json").read_text())
     assert JSON_KEYS <= set(summary) and summary["mode"] == mode and summary["context_layers"] == 2
     assert summary["num_steps"] == 18 and len(summary["per_prompt"]) == 3
