@@ -47,9 +47,7 @@ def _gdn_module(target: TargetModel):
 
 def _accepting(fn):
     """Call fn with only the keyword arguments it declares (as transformers' own wrapper does)."""
-    params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return fn
+    params = {name for name, p in inspect.signature(fn).parameters.items() if p.kind is not p.VAR_KEYWORD}
 
     def call(*args, **kwargs):
         return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
