@@ -582,7 +582,7 @@ def drafter_layer_ids(path: str | Path) -> tuple[list[int], Any]:
 
 def resolve_layer_ids(target: TargetModel, layers: list[int] | None, draft_config: str | None) -> list[int]:
     """--layers, or a drafter's target_layer_ids (checked against the target), or the
-    reference default for a 5-layer drafter."""
+    reference default for a drafter of up to 5 layers."""
     from flashdraft.config import default_target_layer_ids
 
     if layers is not None and draft_config is not None:
@@ -600,9 +600,15 @@ def resolve_layer_ids(target: TargetModel, layers: list[int] | None, draft_confi
                 f"{config.hidden_size}; this target has {target.num_layers} and {target.hidden_size}"
             )
         return ids
-    ids = default_target_layer_ids(target.num_layers, min(5, target.num_layers))
-    print(f"layers {ids}: the reference default for a 5-layer drafter (choose with --layers or --draft-config)")
-    return ids
+    # the reference default for the deepest drafter, up to the usual 5 layers, whose ids stay distinct
+    for n in range(min(5, target.num_layers), 0, -1):
+        try:
+            ids = default_target_layer_ids(target.num_layers, n)
+        except FlashdraftError:
+            continue
+        print(f"layers {ids}: the reference default for a {n}-layer drafter (choose with --layers or --draft-config)")
+        return ids
+    raise AssertionError("n = 1 always has a default")
 
 
 def run_cache(

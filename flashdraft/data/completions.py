@@ -145,6 +145,7 @@ def generate_batch(
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
+            logits_to_keep=1,  # the prompt's other positions need no [W, V] logits
         ).logits[:, -1]  # [N, V]
         if temperature <= 0:
             tokens = logits.argmax(-1).tolist()

@@ -249,3 +249,21 @@ def test_round_trip_on_the_builtin_tiny_target(tmp_path, capsys):
     assert run_cli(["cache", "--target-model", "tiny", "--completions", str(c), "--out", str(out)]) == 0
     assert run_cli(["doctor", str(out), "--target-model", "tiny", "--samples", "2"]) == 0
     assert "all checks passed" in capsys.readouterr().out
+
+
+def test_layer_ids_come_from_layers_or_a_drafter_or_the_reference_default(tmp_path, capsys):
+    from flashdraft.data.cache import resolve_layer_ids
+
+    target = make_target("qwen3", num_layers=6)
+    assert resolve_layer_ids(target, None, None) == [1, 2, 3]  # 5 and 4 default ids would collide on 6 layers
+    assert "reference default for a 3-layer drafter" in capsys.readouterr().out
+    assert resolve_layer_ids(make_target("qwen3"), None, None) == [2]
+    assert resolve_layer_ids(target, [4, 0], None) == [4, 0]
+    with pytest.raises(FlashdraftError, match="outside the target's 6 layers"):
+        resolve_layer_ids(target, [6], None)
+    save_drafter(make_drafter(target_layer_ids=[1, 3]), tmp_path / "d")  # made for a 4-layer target
+    with pytest.raises(FlashdraftError, match="drafter made for a target with 4 layers"):
+        resolve_layer_ids(target, None, str(tmp_path / "d"))
+    assert resolve_layer_ids(make_target("qwen3"), None, str(tmp_path / "d" / "config.json")) == [1, 3]
+    with pytest.raises(FlashdraftError, match="not both"):
+        resolve_layer_ids(target, [1], str(tmp_path / "d"))
