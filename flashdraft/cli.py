@@ -82,8 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_positive, default=64)
     p.add_argument("--block-size", type=int, default=None)
     p.set_defaults(func=cmd_speculate)
+
     _add_data_commands(sub)
     _add_eval_commands(sub)
+    _add_train_command(sub)
     return parser
 
 
@@ -318,6 +320,76 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from flashdraft.train.loop import TrainConfig
+    from flashdraft.train.run import run_training
+
+    cfg = TrainConfig(
+        epochs=args.epochs, max_steps=args.max_steps, lr=args.lr, warmup_fraction=args.warmup_fraction,
+        weight_decay=args.weight_decay, grad_clip=args.grad_clip, batch_size=args.batch_size,
+        grad_accum=args.grad_accum, num_anchors=args.num_anchors, max_length=args.max_length,
+        loss_decay_gamma=args.loss_decay_gamma, kl_weight=args.kl_weight, noise_std=args.noise_std, seed=args.seed,
+        save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, log_every=args.log_every,
+        eval_every=args.eval_every, fsdp=args.fsdp,
+    )  # fmt: skip
+    run_training(
+        cfg, args.target_model, args.out, cached_hidden_states=args.cached_hidden_states,
+        completions=args.completions, init=args.init, draft_layers=args.draft_layers, block_size=args.block_size,
+        mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids,
+        eval_cached_hidden_states=args.eval_cached_hidden_states,
+        eval_completions=args.eval_completions, resume=args.resume, report_to=tuple(args.report_to),
+        allow_foreign=args.allow_foreign_completions, device=args.device,
+    )  # fmt: skip
+
+
+def _nonnegative_float(value: str) -> float:
+    x = float(value)
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, found {value}")
+    return x
+
+
+def _add_train_command(sub) -> None:
+    p = sub.add_parser("train", help="train a drafter with the DFlash recipe (offline cache or online target)")
+    p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--cached-hidden-states", help="cache directory (offline mode)")
+    source.add_argument("--completions", help="completions file (online mode: the target runs in the loop)")
+    p.add_argument("--out", required=True, help="run directory (checkpoints, metrics.jsonl, run_config.json)")
+    p.add_argument("--init", help="start from this drafter directory instead of a fresh one")
+    p.add_argument("--draft-layers", type=_positive, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mask-token-id", type=int, default=None)
+    p.add_argument("--target-layer-ids", type=_layer_list, default=None, help="default: the reference spread")
+    p.add_argument("--epochs", type=_positive, default=1)
+    p.add_argument("--max-steps", type=_positive, default=None)
+    p.add_argument("--lr", type=_nonnegative_float, default=6e-4)
+    p.add_argument("--warmup-fraction", type=_nonnegative_float, default=0.04)
+    p.add_argument("--weight-decay", type=_nonnegative_float, default=0.0)
+    p.add_argument("--grad-clip", type=_nonnegative_float, default=1.0)
+    p.add_argument("--batch-size", type=_positive, default=4, help="sequences per micro-batch per rank")
+    p.add_argument("--grad-accum", type=_positive, default=1)
+    p.add_argument("--num-anchors", type=_positive, default=512)
+    p.add_argument("--max-length", type=_positive, default=None)
+    p.add_argument("--loss-decay-gamma", type=_nonnegative_float, default=None, help="7 for B=16, 5 for 10, 4 for 8")
+    p.add_argument("--kl-weight", type=_nonnegative_float, default=0.0,
+                   help="opt-in: weight of KL to the cached target top-k logits (hard CE is the recipe)")  # fmt: skip
+    p.add_argument("--noise-std", type=_nonnegative_float, default=0.0, help="noise on context features only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=_positive, default=200)
+    p.add_argument("--keep-checkpoints", type=_positive, default=3)
+    p.add_argument("--log-every", type=_positive, default=10)
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--eval-cached-hidden-states", default=None, help="held-out cache for periodic evaluation")
+    p.add_argument("--eval-completions", default=None, help="held-out completions for periodic evaluation")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP under torchrun")
+    p.add_argument("--report-to", nargs="*", default=[], choices=["wandb"])
+    p.add_argument("--allow-foreign-completions", action="store_true")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.set_defaults(func=cmd_train)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ than re-running the whole target (see `benchmarks/rollback.py`).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -143,7 +144,10 @@ class TargetModel:
     def fingerprint(self) -> str:
         """A cheap hash of config, tokenizer and weights (a strided sample of every tensor)."""
         h = hashlib.sha256()
-        h.update(self.config.to_json_string(use_diff=False).encode())
+        # where and in which dtype the target was loaded must not change its identity
+        config = {k: v for k, v in self.config.to_dict().items()
+                  if k not in ("_name_or_path", "dtype", "torch_dtype", "transformers_version")}  # fmt: skip
+        h.update(json.dumps(config, sort_keys=True, default=str).encode())
         h.update(str(sorted(self.tokenizer.get_vocab().items())).encode())
         for name, t in sorted(self.model.state_dict().items()):
             flat = t.detach().reshape(-1)

@@ -48,7 +48,8 @@ def main() -> None:
         "parameters_m": round(info["parameters"] / 1e6, 2), "held_out_loss": round(info["held_out_loss"], 3),
         "train_minutes": info["minutes"], "train_tokens_seen": info["train_tokens_seen"],
         "vocab_size": target.vocab_size, "layer_types": target.layer_types,
-        "distinct_4gram_share_mean": round(sum(shares) / len(shares), 3), "distinct_4gram_share_min": round(min(shares), 3),
+        "distinct_4gram_share_mean": round(sum(shares) / len(shares), 3),
+        "distinct_4gram_share_min": round(min(shares), 3),
     }))  # fmt: skip
 
 

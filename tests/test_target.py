@@ -69,3 +69,12 @@ def test_missing_target_directory_is_a_clear_error(tmp_path):
 def test_context_layer_outside_target_is_refused(hybrid_target):
     with pytest.raises(FlashdraftError, match="outside the target's 4 layers"):
         hybrid_target.set_context_layers([1, 4])
+
+
+def test_fingerprint_does_not_depend_on_directory_or_load_dtype(tmp_path):
+    for d in ("a", "b"):
+        make_hf_model("hybrid").to(torch.bfloat16).save_pretrained(tmp_path / d)
+        make_tokenizer().save_pretrained(tmp_path / d)
+    a = TargetModel.load(tmp_path / "a")
+    assert a.fingerprint() == TargetModel.load(tmp_path / "b").fingerprint()
+    assert a.fingerprint() == TargetModel.load(tmp_path / "a", dtype=torch.bfloat16).fingerprint()
