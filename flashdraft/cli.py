@@ -332,7 +332,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         grad_accum=args.grad_accum, num_anchors=args.num_anchors, max_length=args.max_length,
         loss_decay_gamma=args.loss_decay_gamma, kl_weight=args.kl_weight, noise_std=args.noise_std, seed=args.seed,
         save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, log_every=args.log_every,
-        eval_every=args.eval_every, fsdp=args.fsdp,
+        eval_every=args.eval_every, eval_max_blocks=args.eval_max_blocks, fsdp=args.fsdp,
     )  # fmt: skip
     run_training(
         cfg, args.target_model, args.out, cached_hidden_states=args.cached_hidden_states,
@@ -381,7 +381,8 @@ def _add_train_command(sub) -> None:
     p.add_argument("--save-every", type=_positive, default=200)
     p.add_argument("--keep-checkpoints", type=_positive, default=3)
     p.add_argument("--log-every", type=_positive, default=10)
-    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=0, help="held-out loss and real τ every N steps (0: never)")
+    p.add_argument("--eval-max-blocks", type=_positive, default=32, help="speculative steps per held-out record")
     p.add_argument("--eval-cached-hidden-states", default=None, help="held-out cache for periodic evaluation")
     p.add_argument("--eval-completions", default=None, help="held-out completions for periodic evaluation")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")

@@ -52,6 +52,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     log_every: int = 10
     eval_every: int = 0
+    eval_max_blocks: int = 32  # speculative steps per held-out record for the real (offline) τ
     fsdp: bool = False
     # filled in at start, for the record
     target_layer_ids: list[int] = field(default_factory=list)
@@ -165,6 +166,18 @@ def evaluate_loss(model, target, records, cfg: TrainConfig, block_size: int, mas
     return {"eval_loss": total / max(weight, 1e-9), "eval_position_accuracy": acc, "eval_estimated_acceptance": tau}
 
 
+@torch.no_grad()
+def evaluate_tau(drafter: DFlashDrafter, target: TargetModel, records: list, max_blocks: int) -> dict:
+    """Real τ on held-out records: the offline walk that equals live speculative decoding."""
+    from flashdraft.evaluate import evaluate_offline
+
+    was_training = drafter.training
+    drafter.eval()
+    result = evaluate_offline(drafter, target, records, max_blocks=max_blocks)
+    drafter.train(was_training)
+    return {"eval_tau": result.tau, "eval_tau_prompt_mean": result.tau_prompt_mean, "eval_tau_steps": result.num_steps}
+
+
 def train(
     cfg: TrainConfig,
     drafter: DFlashDrafter,
@@ -176,8 +189,13 @@ def train(
     report_to: list[str] = (),
     info: D.DistInfo | None = None,
     on_step=None,
+    eval_tau_records: list | None = None,
 ) -> DFlashDrafter:
-    """Train `drafter` on `records` (cache or online records) into `run_dir`."""
+    """Train `drafter` on `records` (cache or online records) into `run_dir`.
+
+    eval_records: held-out training records for loss and estimated acceptance;
+    eval_tau_records: held-out `flashdraft.evaluate.EvalRecord`s for the real offline τ.
+    """
     info = info or D.DistInfo()
     device = info.device
     dcfg = drafter.config
@@ -323,10 +341,16 @@ def train(
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{acc[0]:.2f}", tau_est=f"{tau_est:.2f}")
                 window = {"loss": 0.0, "weight": 0.0, "correct": 0.0, "count": 0.0, "tokens": 0,
                           "t0": time.perf_counter()}  # fmt: skip
-            if cfg.eval_every and eval_records is not None and (done % cfg.eval_every == 0 or done == total_steps):
-                held_out = evaluate_loss(model, target, eval_records, cfg, block_size, dcfg.mask_token_id, device)
-                if writer is not None:
+            if cfg.eval_every and (done % cfg.eval_every == 0 or done == total_steps):
+                held_out = {}
+                if eval_records is not None:
+                    held_out |= evaluate_loss(model, target, eval_records, cfg, block_size, dcfg.mask_token_id, device)
+                if eval_tau_records:
+                    held_out |= evaluate_tau(D.unwrap(model), target, eval_tau_records, cfg.eval_max_blocks)
+                if writer is not None and held_out:
                     writer.write(done, held_out)
+                    bar.write(f"step {done}: " + ", ".join(f"{k} {v:.3f}" for k, v in held_out.items()
+                                                           if isinstance(v, float)))  # fmt: skip
             if done % cfg.save_every == 0 or done == total_steps:
                 checkpoint(done)
         if writer is not None:

@@ -49,6 +49,20 @@ def load_records(target: TargetModel, layer_ids: list[int], cached: str | None, 
     return OnlineRecords(sequences, target, layer_ids), _digest(Path(completions))
 
 
+def eval_tau_records(cached: str | None, completions: str | None, target: TargetModel, allow_foreign: bool) -> list:
+    """Held-out records for the real τ (the offline evaluator)."""
+    from flashdraft.evaluate import EvalRecord, records_from_cache
+
+    if cached:
+        from flashdraft.data.cache import HiddenStateCache
+
+        return records_from_cache(HiddenStateCache(cached))
+    from flashdraft.data.completions import load_completions
+
+    comps = load_completions(completions, target, allow_foreign=allow_foreign, quiet=True)
+    return [EvalRecord(r.id, r.prompt_ids, r.completion_ids) for r in comps.records]
+
+
 def run_training(
     cfg: TrainConfig,
     target_model: str,
@@ -86,11 +100,12 @@ def run_training(
         records, cfg.data_fingerprint = load_records(
             target, layer_ids, cached_hidden_states, completions, allow_foreign
         )
-        eval_records = None
+        eval_records = tau_records = None
         if eval_cached_hidden_states or eval_completions:
             eval_records, _ = load_records(
                 target, layer_ids, eval_cached_hidden_states, eval_completions, allow_foreign
             )
+            tau_records = eval_tau_records(eval_cached_hidden_states, eval_completions, target, allow_foreign)
         if info.is_main:
             print(
                 f"target {target.path}: {target.num_layers} layers, linear-attention backend {target.linear_backend}; "
@@ -100,7 +115,7 @@ def run_training(
                 flush=True,
             )
         train(cfg, drafter, target, records, run_dir, resume=resume, eval_records=eval_records,
-              report_to=report_to, info=info)  # fmt: skip
+              report_to=report_to, info=info, eval_tau_records=tau_records)  # fmt: skip
         final = latest_checkpoint(run_dir)
         if info.is_main:
             print(f"done: drafter in {final / 'drafter'}", flush=True)
