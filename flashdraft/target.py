@@ -52,8 +52,11 @@ class TargetCache:
     """The target's cache plus what rollback needs from the last forward."""
 
     kv: object  # transformers DynamicCache (attention KV and linear-attention states)
-    length: int = 0  # tokens committed to the cache
-    last_forward_tokens: int = 0
+    length: int = 0  # tokens whose state is in the cache
+    last_forward_tokens: int = 0  # new tokens of the last forward (re-fed pending tokens excluded)
+    last_pending: int = 0  # pending tokens the last forward re-fed first
+    last_input_ids: torch.Tensor | None = None  # [N, last_pending + last_forward_tokens]
+    pending: torch.Tensor | None = None  # [N, P] accepted tokens to re-feed before the next input (deferred mode)
     linear_snapshot: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     linear_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -79,6 +82,8 @@ class TargetModel:
         )
         self.linear_layers = [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
         self._context_layer_ids: list[int] = []
+        # "deferred" measured fastest on CPU (benchmarks/rollback.py); "recompute" is the other exact way
+        self.rollback_mode = "deferred"
         self._captured: dict[int, torch.Tensor] = {}
         self._capture_cache: TargetCache | None = None
         for i, layer in enumerate(self.layers):
@@ -204,6 +209,11 @@ class TargetModel:
 
         Returns logits [N, T, V] and the context features [N, T, n * H] of the set layers.
         """
+        num_pending = 0
+        if cache is not None and cache.pending is not None:  # deferred rollback: re-feed accepted tokens first
+            num_pending = cache.pending.shape[1]
+            input_ids = torch.cat([cache.pending, input_ids], dim=1)
+            cache.pending = None
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         if cache is not None:
             positions = positions + cache.length
@@ -221,12 +231,13 @@ class TargetModel:
             self._capture_cache = None
         if cache is not None:
             cache.length += input_ids.shape[1]
-            cache.last_forward_tokens = input_ids.shape[1]
+            cache.last_forward_tokens = input_ids.shape[1] - num_pending
+            cache.last_pending, cache.last_input_ids = num_pending, input_ids
         features = None
         if self._context_layer_ids:
-            features = torch.cat([self._captured[i] for i in self._context_layer_ids], dim=-1)
+            features = torch.cat([self._captured[i] for i in self._context_layer_ids], dim=-1)[:, num_pending:]
         self._captured = {}
-        return TargetOutput(logits=out.logits, context_features=features)
+        return TargetOutput(logits=out.logits[:, num_pending:], context_features=features)
 
     def _snapshot_linear_states(self, cache: TargetCache) -> None:
         cache.linear_snapshot = {}
@@ -239,18 +250,39 @@ class TargetModel:
 
     @torch.no_grad()
     def rollback(self, cache: TargetCache, keep: int) -> None:
-        """Keep only the first `keep` tokens of the last forward in the cache (exactly)."""
+        """Keep only the first `keep` tokens of the last forward in the cache (exactly).
+
+        Attention layers crop their KV. Linear-attention states go back to their copy from
+        before the forward and then, by `rollback_mode`: "recompute" re-runs only the linear
+        layers' token mixers over the kept tokens now; "deferred" crops everything back and
+        re-feeds the kept tokens at the front of the next forward (one call instead of two,
+        which is cheaper where per-call overhead dominates, as on CPU).
+        """
         drop = cache.last_forward_tokens - keep
         if drop < 0 or keep < 0:
             raise ValueError(f"rollback keep={keep} outside the last forward's {cache.last_forward_tokens} tokens")
         if drop == 0:
             return
+        if self.linear_layers and len(cache.linear_snapshot) != len(self.linear_layers):
+            raise RuntimeError("rollback of linear-attention states needs a cached forward before this one")
+        if self.linear_layers and self.rollback_mode == "deferred":
+            total = cache.last_pending + cache.last_forward_tokens
+            for i, layer in enumerate(cache.kv.layers):
+                if i in self.linear_layers:
+                    conv, recurrent = cache.linear_snapshot[i]
+                    layer.conv_states[0].copy_(conv)
+                    layer.recurrent_states[0].copy_(recurrent)
+                else:
+                    layer.crop(-total)
+            cache.pending = cache.last_input_ids[:, : cache.last_pending + keep]
+            cache.length -= total
+            cache.last_forward_tokens = cache.last_pending = 0
+            cache.linear_inputs = {}
+            return
         for i, layer in enumerate(cache.kv.layers):
             if i not in self.linear_layers:
                 layer.crop(-drop)
         if self.linear_layers:
-            if len(cache.linear_snapshot) != len(self.linear_layers):
-                raise RuntimeError("rollback of linear-attention states needs a cached forward before this one")
             for i in self.linear_layers:
                 conv, recurrent = cache.linear_snapshot[i]
                 layer = cache.kv.layers[i]

@@ -29,8 +29,10 @@ class OracleProposer:
         return torch.nn.functional.one_hot(torch.tensor(draft), 64).float() * 100
 
 
+@pytest.mark.parametrize("mode", ["recompute", "deferred"])
 @pytest.mark.parametrize("block", [2, 8, 16])
-def test_greedy_speculative_equals_greedy_with_partial_acceptance(any_target, block):
+def test_greedy_speculative_equals_greedy_with_partial_acceptance(any_target, block, mode):
+    any_target.rollback_mode = mode
     plain = greedy_generate(any_target, PROMPT, 40)
     spec = speculative_generate(any_target, OracleProposer(PROMPT + plain.output_ids), PROMPT, 40, block_size=block)
     assert spec.output_ids == plain.output_ids
