@@ -142,15 +142,16 @@ def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, r
     assert after["eval_estimated_acceptance"] > before["eval_estimated_acceptance"]
 
 
-def test_two_gloo_processes_train_the_same_weights_as_one(tmp_path):
+def test_two_gloo_processes_ddp_and_fsdp_train_the_same_weights_as_one(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     worker = str(REPO / "tests/train/ddp_worker.py")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    subprocess.run([*torchrun, "--nproc-per-node", "2", worker, str(tmp_path / "two"), "2", "1"], check=True,
-                   env=env, capture_output=True, timeout=240)  # fmt: skip
-    subprocess.run([*torchrun, "--nproc-per-node", "1", worker, str(tmp_path / "one"), "2", "2"], check=True,
-                   env=env, capture_output=True, timeout=240)  # fmt: skip
-    two = load_drafter(latest_checkpoint(tmp_path / "two") / "drafter")
+    runs = {"one": ("1", "2", "2", "ddp"), "ddp": ("2", "2", "1", "ddp"), "fsdp": ("2", "2", "1", "fsdp")}
+    for name, (procs, batch, accum, mode) in runs.items():
+        subprocess.run([*torchrun, "--nproc-per-node", procs, worker, str(tmp_path / name), batch, accum, mode],
+                       check=True, env=env, capture_output=True, timeout=240)  # fmt: skip
     one = load_drafter(latest_checkpoint(tmp_path / "one") / "drafter")
-    for key, value in one.state_dict().items():
-        torch.testing.assert_close(value, two.state_dict()[key], rtol=1e-4, atol=1e-5)
+    for name in ("ddp", "fsdp"):
+        other = load_drafter(latest_checkpoint(tmp_path / name) / "drafter")
+        for key, value in one.state_dict().items():
+            torch.testing.assert_close(value, other.state_dict()[key], rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
