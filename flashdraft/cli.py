@@ -213,13 +213,15 @@ def cmd_eval(args: argparse.Namespace) -> None:
     hf_logging.disable_progress_bar()  # eval prints what it loaded itself; an error stays one line
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or ("bf16" if device != "cpu" else "fp32")]
+    if (args.drafter == "ngram") == (args.checkpoint is not None):
+        raise FlashdraftError("give --checkpoint for a DFlash drafter, or --drafter ngram (which takes none)")
     summary = run_eval(
-        args.checkpoint, args.target_model, cached_hidden_states=args.cached_hidden_states,
+        args.checkpoint or "ngram", args.target_model, cached_hidden_states=args.cached_hidden_states,
         completions=args.completions, prompts=args.prompts, num_prompts=args.num_prompts,
         max_blocks=args.max_blocks, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
         online=args.online, temperature=args.temperature, check_consistency=args.check_consistency,
         reference=args.reference, target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
-        device=device, dtype=dtype, seed=args.seed,
+        ngram_max=args.ngram_max, ngram_min=args.ngram_min, device=device, dtype=dtype, seed=args.seed,
     )  # fmt: skip
     print()
     print(format_summary(summary))
@@ -262,7 +264,11 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 def _add_eval_commands(sub) -> None:
     p = sub.add_parser("eval", help="τ of a drafter offline (target completions) or online, vs a reference")
-    p.add_argument("--checkpoint", required=True, help="drafter directory, training run directory or .pt/.safetensors")
+    p.add_argument("--checkpoint", help="drafter directory, training run directory or .pt/.safetensors")
+    p.add_argument("--drafter", choices=["dflash", "ngram"], default="dflash",
+                   help="ngram: the training-free n-gram prompt-lookup baseline (no --checkpoint)")  # fmt: skip
+    p.add_argument("--ngram-max", type=_positive, default=3, help="longest n-gram the baseline looks up")
+    p.add_argument("--ngram-min", type=_positive, default=1, help="shortest n-gram the baseline looks up")
     p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
     p.add_argument("--cached-hidden-states", help="hidden-state cache directory (offline: no target forward)")
     p.add_argument("--completions", help="completions file from flashdraft generate")
@@ -275,7 +281,7 @@ def _add_eval_commands(sub) -> None:
         default=None,
         help="tokens to decode per prompt without completions (default: max-blocks x B + 1, else 256)",
     )
-    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's (n-gram: 16, or the drafter's)")
     p.add_argument("--online", action="store_true", help="real speculative decoding with the target, timed")
     p.add_argument("--temperature", type=float, default=0.0, help="online sampling temperature (0 = greedy)")
     p.add_argument(
@@ -283,7 +289,8 @@ def _add_eval_commands(sub) -> None:
         action="store_true",
         help="run offline and online and require identical acceptance lengths",
     )
-    p.add_argument("--reference", help="a second drafter, evaluated on the same records and steps")
+    p.add_argument("--reference", help="a second drafter, evaluated on the same records and steps ('ngram': the "
+                   "n-gram baseline)")  # fmt: skip
     p.add_argument("--json", help="write every figure to this JSON file")
     p.add_argument("--report", help="write report.md and PNG plots into this directory")
     p.add_argument(

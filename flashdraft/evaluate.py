@@ -12,6 +12,10 @@ forward when the features come from a cache; all candidate anchors of a stretch 
 walk are drafted in one batched drafter forward (each block sees only context before its
 own anchor, with the committed context kept in the drafter's KV cache between forwards).
 
+Any other `Proposer` (the n-gram baseline, `flashdraft.ngram`) walks the same way, one
+anchor at a time: it drafts from prompt + c[..i] (and, if it asks for them, the features of
+positions < P + i, fed as online feeds them), and the same rule decides what a step commits.
+
 Figures: τ = total committed / steps (pooled over prompts; its ceiling is B), the mean of
 per-prompt τ, the histogram of committed lengths 1..B, and per-position acceptance: the
 share of steps whose k-th draft was accepted (committed length > k), so τ = 1 + Σ_k of it.
@@ -27,12 +31,15 @@ from typing import Any
 import torch
 
 from flashdraft.config import DrafterConfig
-from flashdraft.decode import greedy_generate, speculative_generate
+from flashdraft.decode import Proposer, greedy_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
+from flashdraft.ngram import NGramProposer
 from flashdraft.target import TargetModel
 
 Log = Callable[[str], None]
+NGRAM = "ngram"  # in place of a checkpoint (--drafter ngram, --reference ngram): the n-gram baseline
+DEFAULT_BLOCK_SIZE = 16  # for a drafter without a block size of its own (as speculative_generate)
 
 
 def _quiet(_: str) -> None:
@@ -180,7 +187,7 @@ class EvalResult:
     mode: str  # "offline" or "online"
     block_size: int
     target_layer_ids: list[int]
-    context_layers: int  # found in fc.weight
+    context_layers: int | None  # found in fc.weight; None for a drafter without context features (n-gram)
     per_prompt: list[PromptResult]
     temperature: float = 0.0
     speculative_tokens_per_s: float | None = None  # online
@@ -345,34 +352,88 @@ def offline_acceptance_lengths(
             in_cache = end
             tokens = target.lm_head(hidden.view(len(anchors), b, -1)[:, 1:]).argmax(-1)  # [K, B - 1]
             drafts = dict(zip(anchors.tolist(), tokens, strict=True))
-        limit = min(b - 1, m - 1 - i)
-        a = int((drafts[i][:limit] == completion[i + 1 : i + 1 + limit]).int().cumprod(0).sum())
-        n = min(a + 1, m - 1 - i)
+        n = committed_length(drafts[i], completion, i, b)
         lengths.append(n)
         i += n
     return lengths
 
 
+def committed_length(draft: torch.Tensor, completion: torch.Tensor, i: int, block_size: int) -> int:
+    """What the step at anchor index i commits when the target's output is `completion` [M]:
+    the drafts [B - 1] agreeing with completion[i + 1 ..] plus the bonus token, no more than
+    the M - 1 - i tokens left (online stops at the same length)."""
+    left = completion.shape[0] - 1 - i
+    limit = min(block_size - 1, left)
+    a = int((draft[:limit] == completion[i + 1 : i + 1 + limit]).int().cumprod(0).sum())
+    return min(a + 1, left)
+
+
+@torch.no_grad()
+def proposer_acceptance_lengths(
+    proposer: Proposer,
+    target: TargetModel,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    block_size: int,
+    max_blocks: int | None = None,
+    features: torch.Tensor | None = None,
+) -> list[int]:
+    """The offline walk for any `Proposer`, one anchor per call, fed exactly as
+    `speculative_generate` feeds it: tokens up to the anchor, and the context features
+    ([P + M, n * H], None when it wants none) of the positions committed since its last call.
+    A proposer with state (a cache) must be a fresh one per completion."""
+    p, m, device = len(prompt_ids), len(completion_ids), target.device
+    tokens = prompt_ids + completion_ids
+    completion = torch.tensor(completion_ids, device=device)
+    if features is not None:
+        features = features.to(device)
+    lengths: list[int] = []
+    i = fed = 0  # anchor index; context positions [0, fed) were given to the proposer
+    while i < m - 1 and (max_blocks is None or len(lengths) < max_blocks):
+        anchor = p + i
+        new_context = features[None, fed:anchor] if features is not None else None
+        positions = torch.arange(fed, anchor, device=device)[None]
+        fed = anchor
+        draft = proposer.propose(tokens[: anchor + 1], anchor, new_context, positions, block_size).argmax(-1)
+        n = committed_length(draft, completion, i, block_size)
+        lengths.append(n)
+        i += n
+    return lengths
+
+
+def _shape(drafter: DFlashDrafter | Proposer, block_size: int | None) -> tuple[int, list[int], int | None]:
+    """(block size, target layer ids, context layers) of a DFlash drafter or another Proposer."""
+    if isinstance(drafter, DFlashDrafter):
+        cfg = drafter.config
+        return block_size or cfg.block_size, cfg.target_layer_ids, drafter.fc.weight.shape[1] // cfg.hidden_size
+    ids = list(drafter.context_layer_ids)
+    return block_size or DEFAULT_BLOCK_SIZE, ids, len(ids) or None
+
+
 def evaluate_offline(
-    drafter: DFlashDrafter,
+    drafter: DFlashDrafter | Proposer,
     target: TargetModel,
     records: list[EvalRecord],
     features: FeatureSource | None = None,
     block_size: int | None = None,
     max_blocks: int | None = None,
 ) -> EvalResult:
-    """Offline τ of `drafter` on `records` (each walked for at most `max_blocks` steps)."""
-    cfg = drafter.config
-    b = block_size or cfg.block_size
+    """Offline τ of `drafter` (a DFlash drafter, or a stateless `Proposer` such as the n-gram
+    baseline) on `records`, each walked for at most `max_blocks` steps."""
+    b, layer_ids, context_layers = _shape(drafter, block_size)
     features = features or FeatureSource(target)
     per_prompt = []
     for record in records:
-        f = features(record, cfg.target_layer_ids)
-        lengths = offline_acceptance_lengths(
-            drafter, target, len(record.prompt_ids), record.completion_ids, f, b, max_blocks
-        )
+        f = features(record, layer_ids) if layer_ids else None
+        if isinstance(drafter, DFlashDrafter):
+            lengths = offline_acceptance_lengths(
+                drafter, target, len(record.prompt_ids), record.completion_ids, f, b, max_blocks
+            )
+        else:
+            lengths = proposer_acceptance_lengths(drafter, target, record.prompt_ids, record.completion_ids, b,
+                                                  max_blocks, f)  # fmt: skip
         per_prompt.append(PromptResult(record.id, lengths))
-    return EvalResult("offline", b, cfg.target_layer_ids, drafter.fc.weight.shape[1] // cfg.hidden_size, per_prompt)
+    return EvalResult("offline", b, layer_ids, context_layers, per_prompt)
 
 
 # -- online --------------------------------------------------------------------------------
@@ -423,7 +484,7 @@ def greedy_baseline(
 
 @torch.no_grad()
 def evaluate_online(
-    drafter: DFlashDrafter,
+    drafter: DFlashDrafter | Proposer,
     target: TargetModel,
     records: list[EvalRecord],
     baseline: list[GreedyRun],
@@ -436,8 +497,7 @@ def evaluate_online(
     """Online τ: real speculative decoding of every record's prompt, timed after a warm-up,
     each output checked against plain greedy decoding (`baseline`) when temperature is 0.
     Acceptance lengths are cut to the first `max_blocks` steps (the output is not)."""
-    cfg = drafter.config
-    b = block_size or cfg.block_size
+    b, layer_ids, context_layers = _shape(drafter, block_size)
     speculative_generate(target, drafter, records[0].prompt_ids, min(8, max_new_tokens), temperature, b,
                          _generator(seed, -1, target))  # fmt: skip
     per_prompt, seconds = [], 0.0
@@ -457,7 +517,7 @@ def evaluate_online(
     greedy_tokens = sum(len(r.output_ids) for r in baseline)
     greedy_seconds = sum(r.seconds for r in baseline)
     return EvalResult(
-        "online", b, cfg.target_layer_ids, drafter.fc.weight.shape[1] // cfg.hidden_size, per_prompt, temperature,
+        "online", b, layer_ids, context_layers, per_prompt, temperature,
         speculative_tokens_per_s=spec_tokens / seconds if seconds > 0 else None,
         greedy_tokens_per_s=greedy_tokens / greedy_seconds if greedy_seconds > 0 else None,
     )  # fmt: skip
@@ -486,6 +546,17 @@ def consistency_mismatches(
 
 
 # -- the eval command -----------------------------------------------------------------------
+
+
+@dataclass
+class Candidate:
+    """One drafter of an eval run, as evaluated."""
+
+    label: str  # as given: a checkpoint, or "ngram"
+    drafter: DFlashDrafter | Proposer
+    block_size: int
+    form: str  # the checkpoint's form ("drafter directory", ...) or the n-gram settings
+    path: str | None  # what was loaded; None for the n-gram baseline
 
 
 def _describe_drafter(label: str, loaded, block_size: int, target: TargetModel) -> list[str]:
@@ -562,13 +633,17 @@ def run_eval(
     reference: str | None = None,
     target_layer_ids: list[int] | None = None,
     mask_token_id: int | None = None,
+    ngram_max: int = 3,
+    ngram_min: int = 1,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     log: Log = print,
 ) -> dict[str, Any]:
     """`flashdraft eval`: load, print what was loaded, evaluate (and the reference on the same
-    records and step budget), and return the summary that `--json` writes."""
+    records and step budget), and return the summary that `--json` writes. `checkpoint` or
+    `reference` "ngram" is the n-gram baseline (prompt lookup of the last ngram_max..ngram_min
+    tokens), with the DFlash drafter's block size when set against one."""
     from flashdraft.checkpoint import load_any_drafter
 
     if temperature > 0 and (not online or check_consistency):
@@ -582,22 +657,36 @@ def run_eval(
         f"target {target.path}: {target.num_layers} layers, hidden {target.hidden_size}; tokenizer "
         f"{type(tok).__name__} with {len(tok)} tokens, LM head vocabulary {target.vocab_size}"
     )
-    drafters = []
-    for label, path in [("drafter", checkpoint)] + ([("reference", reference)] if reference else []):
-        loaded = load_any_drafter(path, target, block_size=block_size, target_layer_ids=target_layer_ids,
-                                  mask_token_id=mask_token_id, device=device, dtype=dtype)  # fmt: skip
-        check_drafter_matches_target(loaded.drafter.config, target, str(loaded.path))
+    specs = [("drafter", checkpoint)] + ([("reference", reference)] if reference else [])
+    loaded_by_role = {}
+    for role, path in specs:
+        if path != NGRAM:
+            loaded = load_any_drafter(path, target, block_size=block_size, target_layer_ids=target_layer_ids,
+                                      mask_token_id=mask_token_id, device=device, dtype=dtype)  # fmt: skip
+            check_drafter_matches_target(loaded.drafter.config, target, str(loaded.path))
+            loaded_by_role[role] = loaded
+    # the n-gram baseline drafts blocks as long as the DFlash drafter's it is set against
+    ngram_block = block_size or next((x.drafter.config.block_size for x in loaded_by_role.values()),
+                                     DEFAULT_BLOCK_SIZE)  # fmt: skip
+    drafters: list[Candidate] = []
+    for role, path in specs:
+        if path == NGRAM:
+            proposer = NGramProposer(target.vocab_size, ngram_max, ngram_min)
+            log(f"{role} {proposer!r}: no model, no context features; block size {ngram_block}")
+            drafters.append(Candidate(NGRAM, proposer, ngram_block, repr(proposer), None))
+            continue
+        loaded = loaded_by_role[role]
         b = block_size or loaded.drafter.config.block_size
-        for line in _describe_drafter(label, loaded, b, target):
+        for line in _describe_drafter(role, loaded, b, target):
             log(line)
-        drafters.append((loaded, b))
+        drafters.append(Candidate(str(path), loaded.drafter, b, loaded.form, str(loaded.path)))
 
     records, source = load_records(target, cached_hidden_states=cached_hidden_states, completions=completions,
                                    prompts=prompts, num_prompts=num_prompts)  # fmt: skip
     if not records:
         raise FlashdraftError(f"{source}: no records")
     if max_new_tokens is None:  # enough for max_blocks steps of the largest block
-        max_new_tokens = max_blocks * max(b for _, b in drafters) + 1 if max_blocks else 256
+        max_new_tokens = max_blocks * max(c.block_size for c in drafters) + 1 if max_blocks else 256
     run_online = online or check_consistency  # the check compares both walks
     baseline = None
     if run_online or not records[0].completion_ids:
@@ -625,10 +714,10 @@ def run_eval(
             log(f"record {record.id}: {len(record.prompt_ids)} prompt tokens, "
                 f"{_max_new_tokens(record, max_new_tokens)} new tokens to decode")  # fmt: skip
     if cached_hidden_states is not None:
-        for loaded, _ in drafters:
-            ids = loaded.drafter.config.target_layer_ids
+        for c in drafters:
+            ids = _shape(c.drafter, c.block_size)[1]
             if not set(ids) <= set(valid[0].layer_ids):
-                if loaded is drafters[0][0]:
+                if c is drafters[0]:
                     raise FlashdraftError(
                         f"{cached_hidden_states}: the cache holds target layers {valid[0].layer_ids}; the drafter "
                         f"needs target_layer_ids {ids} (re-run flashdraft cache with these layers)"
@@ -637,16 +726,16 @@ def run_eval(
                     f"fresh target forward")  # fmt: skip
 
     results = []
-    for (loaded, b), label in zip(drafters, [checkpoint, reference], strict=False):
-        drafter = loaded.drafter
+    for c in drafters:
         offline = online_result = None
         if not online or check_consistency:
-            offline = evaluate_offline(drafter, target, valid, features, b, max_blocks)
+            offline = evaluate_offline(c.drafter, target, valid, features, c.block_size, max_blocks)
         if run_online:
-            online_result = evaluate_online(drafter, target, valid, valid_baseline, b, max_blocks, max_new_tokens,
-                                            temperature, seed)  # fmt: skip
+            online_result = evaluate_online(c.drafter, target, valid, valid_baseline, c.block_size, max_blocks,
+                                            max_new_tokens, temperature, seed)  # fmt: skip
         summary = (online_result if online else offline).to_json()
-        summary |= {"checkpoint": str(label), "checkpoint_form": loaded.form, "drafter_path": str(loaded.path)}
+        summary |= {"checkpoint": c.label, "checkpoint_form": c.form, "drafter_path": c.path,
+                    "drafter_type": "dflash" if isinstance(c.drafter, DFlashDrafter) else NGRAM}  # fmt: skip
         if check_consistency:
             mismatches = consistency_mismatches(valid, valid_baseline, offline, online_result)
             summary["consistency"] = {"identical": not mismatches, "mismatches": mismatches,

@@ -95,17 +95,21 @@ def _figure_header(summary: dict[str, Any]) -> list[str]:
     return ["figure", "drafter"] + (["reference", "difference"] if summary.get("reference") else [])
 
 
+def _context(summary: dict[str, Any]) -> str:
+    if summary["context_layers"] is None:  # the n-gram baseline reads tokens only
+        return "no context features"
+    return f"{summary['context_layers']} context layers {summary['target_layer_ids']}"
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The terminal view: pooled figures, then the per-prompt table."""
     title = (
         f"{summary['mode']} evaluation of {summary['checkpoint']}: {summary['num_prompts']} prompts, "
-        f"block size {summary['block_size']}, {summary['context_layers']} context layers "
-        f"{summary['target_layer_ids']}"
+        f"block size {summary['block_size']}, {_context(summary)}"
     )
     if summary.get("reference"):
         ref = summary["reference"]
-        title += f"\nreference {ref['checkpoint']}: block size {ref['block_size']}, {ref['context_layers']} " \
-                 f"context layers {ref['target_layer_ids']}"  # fmt: skip
+        title += f"\nreference {ref['checkpoint']}: block size {ref['block_size']}, {_context(ref)}"
     parts = [title, _text_table(_figure_header(summary), figure_rows(summary)), _text_table(*prompt_rows(summary))]
     if "consistency" in summary:
         c = summary["consistency"]
@@ -184,19 +188,23 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plots = write_plots(summary, out)
+    context = (
+        f"context layers found in `fc`: {summary['context_layers']} (target_layer_ids {summary['target_layer_ids']})"
+        if summary["context_layers"] is not None
+        else f"{summary.get('checkpoint_form')}: no context features"
+    )
     lines = [
         f"# Drafter evaluation: {summary['checkpoint']}",
         "",
         f"- mode: **{summary['mode']}**; target `{summary.get('target')}`; records: {summary.get('records_source')}",
-        f"- block size {summary['block_size']}; context layers found in `fc`: {summary['context_layers']} "
-        f"(target_layer_ids {summary['target_layer_ids']}); at most {summary.get('max_blocks') or 'all'} blocks "
+        f"- block size {summary['block_size']}; {context}; at most {summary.get('max_blocks') or 'all'} blocks "
         f"per prompt",
     ]
     if summary.get("reference"):
         ref = summary["reference"]
         lines.append(
-            f"- reference: {ref['checkpoint']} (block size {ref['block_size']}, {ref['context_layers']} context "
-            f"layers {ref['target_layer_ids']}); difference = drafter - reference"
+            f"- reference: {ref['checkpoint']} (block size {ref['block_size']}, {_context(ref)}); "
+            f"difference = drafter - reference"
         )
     lines += [
         "- τ = tokens committed per step (accepted drafts + the bonus token), pooled over all steps; "
