@@ -16,12 +16,8 @@ $(STAMP): pyproject.toml constraints.txt
 .PHONY: install demo test lint
 install: $(STAMP)
 
-# Until `flashdraft demo` lands: a fresh drafter for the built-in target, then speculative
-# decoding checked token for token against greedy decoding.
 demo: $(STAMP)
-	$(BIN)/flashdraft init --target-model tiny --out demo-out/untrained --block-size 16
-	$(BIN)/flashdraft speculate --target-model tiny --checkpoint demo-out/untrained \
-		--prompt 'def fibonacci(n):' --max-new-tokens 64
+	$(BIN)/flashdraft demo --out demo-out
 
 test: $(STAMP)
 	$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc

@@ -1,0 +1,37 @@
+"""The demo pipeline end to end on a saved tiny random target (the real demo runs on `tiny`)."""
+
+import json
+
+import torch
+
+from flashdraft.demo import DemoSettings, run_demo
+from tests.conftest import make_hf_model, make_tokenizer
+
+
+def test_demo_runs_every_stage_reports_lossless_and_offline_equal_online_and_reuses_stages(tmp_path, capsys):
+    make_hf_model("hybrid", num_layers=6).save_pretrained(tmp_path / "target")
+    make_tokenizer().save_pretrained(tmp_path / "target")
+    gen = torch.Generator().manual_seed(0)
+    for name, n in (("train", 8), ("heldout", 3)):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            for i in range(n):
+                words = " ".join(f"t{int(t)}" for t in torch.randint(0, 60, (6,), generator=gen))
+                f.write(json.dumps({"id": f"{name}{i}", "prompt": words}) + "\n")
+    settings = DemoSettings(
+        target_model=str(tmp_path / "target"), train_prompts=str(tmp_path / "train.jsonl"),
+        heldout_prompts=str(tmp_path / "heldout.jsonl"), num_heldout_prompts=3, max_new_tokens=24,
+        target_layer_ids=(1, 2), num_anchors=8, batch_size=2,
+    )  # fmt: skip
+    out = tmp_path / "demo"
+    report = run_demo(out, minutes=0.3, settings=settings)
+    for key in ("tau_offline", "tau_online", "lossless", "speedup", "tau_untrained", "tau_ngram", "train_seconds"):
+        assert key in report, key
+    assert report["lossless"] is True and report["lossless_ngram"] is True
+    assert report["tau_offline"] == report["tau_online"] and report["offline_equals_online"]
+    assert json.loads((out / "report.json").read_text()) == report
+    for name in ("report.md", "training_curve.png", "eval/histogram.png", "eval/position_acceptance.png"):
+        assert (out / name).is_file(), name
+    capsys.readouterr()
+    again = run_demo(out, minutes=0.3, settings=settings)
+    assert "reusing the finished training run" in capsys.readouterr().out
+    assert again["train_steps"] == report["train_steps"] and again["tau_offline"] == report["tau_offline"]
