@@ -1,0 +1,85 @@
+"""Speculative against plain greedy decoding on the built-in target: tokens/s, speed-up and τ
+for trained drafters (`--checkpoint`, repeatable) and the n-gram prompt-lookup baseline.
+
+    .venv/bin/python benchmarks/decode.py [--target-model tiny] [--checkpoint DIR ...] [--num-prompts 8]
+        [--max-new-tokens 256] [--block-size B] [--threads 1]
+
+Prompts: the first N of builtin:code:heldout, encoded as `flashdraft eval --prompts` does.
+After a warm-up, each prompt is decoded plainly and then by every drafter in turn (so a
+slow-down of a shared machine hits all of them alike); every speculative output is checked
+token for token against the plain one. Prints one JSON line per drafter; the plain greedy
+figures are the same in each line. On a CPU the tiny target runs fastest on one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+from flashdraft.checkpoint import load_any_drafter
+from flashdraft.decode import greedy_generate, speculative_generate
+from flashdraft.evaluate import load_records
+from flashdraft.ngram import NGramProposer
+from flashdraft.target import TargetModel
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target-model", default="tiny")
+    ap.add_argument("--checkpoint", action="append", default=[], help="a drafter (repeatable); n-gram always runs")
+    ap.add_argument("--prompts", default="builtin:code:heldout")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=None, help="default: each drafter's own (n-gram: 16)")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = TargetModel.load(args.target_model)
+    records, _ = load_records(target, prompts=args.prompts, num_prompts=args.num_prompts)
+    drafters = {}  # name -> (drafter or proposer, block size)
+    for path in args.checkpoint:
+        drafter = load_any_drafter(path, target).drafter
+        drafters[path] = (drafter, args.block_size or drafter.config.block_size)
+    drafters["ngram"] = (NGramProposer(target.vocab_size), args.block_size or 16)
+
+    warm = records[0].prompt_ids
+    greedy_generate(target, warm, 16)
+    for drafter, block in drafters.values():
+        speculative_generate(target, drafter, warm, 16, block_size=block)
+
+    greedy_tokens, greedy_seconds = 0, 0.0
+    stats = {name: {"tokens": 0, "seconds": 0.0, "lengths": [], "lossless": True} for name in drafters}
+    for record in records:
+        t0 = time.perf_counter()
+        plain = greedy_generate(target, record.prompt_ids, args.max_new_tokens)
+        greedy_seconds += time.perf_counter() - t0
+        greedy_tokens += len(plain.output_ids)
+        for name, (drafter, block) in drafters.items():
+            t0 = time.perf_counter()
+            spec = speculative_generate(target, drafter, record.prompt_ids, args.max_new_tokens, block_size=block)
+            s = stats[name]
+            s["seconds"] += time.perf_counter() - t0
+            s["tokens"] += len(spec.output_ids)
+            s["lengths"] += spec.acceptance_lengths
+            s["lossless"] &= spec.output_ids == plain.output_ids
+
+    greedy_tps = greedy_tokens / greedy_seconds
+    for name, (_, block) in drafters.items():
+        s = stats[name]
+        spec_tps = s["tokens"] / s["seconds"]
+        print(json.dumps({
+            "benchmark": "decode", "target": str(target.path), "drafter": name, "block_size": block,
+            "machine": platform.processor() or platform.machine(), "threads": args.threads,
+            "prompts": len(records), "max_new_tokens": args.max_new_tokens, "tokens": s["tokens"],
+            "tau": round(sum(s["lengths"]) / max(len(s["lengths"]), 1), 3),
+            "spec_tokens_per_s": round(spec_tps, 1), "greedy_tokens_per_s": round(greedy_tps, 1),
+            "speedup": round(spec_tps / greedy_tps, 3), "lossless": s["lossless"],
+        }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
