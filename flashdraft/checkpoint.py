@@ -324,7 +324,7 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
 @dataclass
 class LoadedDrafter:
     drafter: DFlashDrafter
-    form: str  # "drafter directory", "training run" or "state dict"
+    form: str  # "drafter directory", "training run", "training checkpoint" or "state dict"
     path: Path  # what was read: the drafter directory (newest complete one for a run) or the file
     stored_dtype: torch.dtype  # dtype of the weights on disk (the drafter itself is in the requested dtype)
     assumed: list[str] = field(default_factory=list)  # what a bare state dict could not tell, and where it came from
@@ -339,11 +339,14 @@ def load_any_drafter(
     mask_token_id: int | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    verify: bool = True,
 ) -> LoadedDrafter:
     """Load a drafter from any accepted form, strictly.
 
     - a drafter directory (config.json + safetensors, this project's or any public one);
-    - a training run directory: its newest complete checkpoint (`newest_complete_checkpoint`);
+    - a training run directory: its newest complete checkpoint (`newest_complete_checkpoint`),
+      or one checkpoint directory of it (step-NNNNNNN/), its drafter files checked against the
+      checkpoint's checksums.json unless not `verify`;
     - a bare `.pt`/`.safetensors` state dict: shapes give the architecture
       (`infer_drafter_config`); vocabulary and layer count come from `target`
       (a `TargetModel`), target_layer_ids from the argument else the reference default for
@@ -355,6 +358,12 @@ def load_any_drafter(
         form = "drafter directory"
         if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
             form, path = "training run", newest_complete_checkpoint(path)
+        elif not (path / "config.json").is_file() and (path / "drafter").is_dir() and (path / "COMPLETE").is_file():
+            form, path = "training checkpoint", path / "drafter"
+        if form != "drafter directory" and verify:
+            from flashdraft.train.checkpointing import verify_checkpoint
+
+            verify_checkpoint(path.parent, only="drafter/")
         drafter = load_drafter(path, device=device, dtype=dtype)
         where = _weight_files(path)
         with safe_open(str(where["fc.weight"]), framework="pt") as sf:

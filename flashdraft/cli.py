@@ -10,11 +10,54 @@ from pathlib import Path
 from flashdraft.errors import FlashdraftError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a user error on one line (what flashdraft promises for every user error),
+    not the usage block: `flashdraft CMD --help` shows that."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def _positive(value: str) -> int:
-    n = int(value)
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {value!r}") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, found {value}")
     return n
+
+
+def _block_size(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2 (the anchor and at least one draft), found {value}")
+    return n
+
+
+def _temperature(value: str) -> float:
+    try:
+        t = float(value)
+    except ValueError:
+        t = float("nan")
+    if not 0 <= t < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0 = greedy), found {value}")
+    return t
+
+
+def _layer_list(value: str) -> list[int]:
+    """Comma-separated target layer ids, e.g. 1,6,11: non-empty, non-negative, distinct."""
+    try:
+        ids = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(f"expected distinct layer ids >= 0 such as 1,6,11; found {value!r}")
+    return ids
 
 
 def cmd_init(args: argparse.Namespace) -> None:
@@ -39,10 +82,12 @@ def cmd_init(args: argparse.Namespace) -> None:
 def cmd_speculate(args: argparse.Namespace) -> None:
     from flashdraft.checkpoint import load_drafter
     from flashdraft.decode import greedy_generate, speculative_generate
+    from flashdraft.evaluate import check_drafter_matches_target
     from flashdraft.target import TargetModel
 
     target = TargetModel.load(args.target_model)
     drafter = load_drafter(args.checkpoint)
+    check_drafter_matches_target(drafter.config, target, args.checkpoint)
     prompt_ids = target.tokenizer(args.prompt)["input_ids"]
     print(f"target {target.path} ({target.num_layers} layers, linear-attention backend: {target.linear_backend})")
     t0 = time.perf_counter()
@@ -62,7 +107,7 @@ def cmd_speculate(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashdraft", description="Train and evaluate DFlash drafters.")
+    parser = _Parser(prog="flashdraft", description="Train and evaluate DFlash drafters.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -70,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
     p.add_argument("--out", required=True)
     p.add_argument("--draft-layers", type=_positive, default=1)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=_block_size, default=16)
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_init)
@@ -80,20 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="drafter directory")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=_positive, default=64)
-    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--block-size", type=_block_size, default=None, help="default: the drafter's")
     p.set_defaults(func=cmd_speculate)
 
     _add_data_commands(sub)
     _add_eval_commands(sub)
     _add_train_command(sub)
     return parser
-
-
-def _layer_list(value: str) -> list[int]:
-    try:
-        return [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected layer ids such as 1,6,11; found {value!r}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -103,7 +141,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         args.target_model, args.prompts, args.out, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=args.seed, batch_size=args.batch_size, backend=args.backend,
         base_url=args.base_url, server_model=args.server_model, chat_template=args.chat_template, device=args.device,
-        target_dtype=args.target_dtype,
+        target_dtype=args.target_dtype, long_prompts=args.long_prompts,
     )  # fmt: skip
 
 
@@ -119,13 +157,13 @@ def cmd_cache(args: argparse.Namespace) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> None:
-    from flashdraft.data.cache import drafter_layer_ids
-    from flashdraft.doctor import run_doctor
+    from flashdraft.doctor import kind_of, run_doctor
     from flashdraft.target import TargetModel
 
+    kind_of(Path(args.path))  # an unusable PATH is an error before the target is loaded
     target = TargetModel.load(args.target_model) if args.target_model else None
-    layer_ids = drafter_layer_ids(args.checkpoint)[0] if args.checkpoint else None
-    if not run_doctor(args.path, target, layer_ids, samples=args.samples, tolerance=args.tolerance):
+    if not run_doctor(args.path, target, args.checkpoint, samples=args.samples, tolerance=args.tolerance,
+                      verify=not args.no_verify):  # fmt: skip
         sys.exit(1)
 
 
@@ -138,6 +176,12 @@ def cmd_parity(args: argparse.Namespace) -> None:
     )  # fmt: skip
     if not passed:
         sys.exit(1)
+
+
+def _long_prompts_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--long-prompts", choices=["error", "skip", "truncate"], default="error",
+                   help="a prompt longer than the target's context minus --max-new-tokens: stop with an error "
+                        "(default), skip it, or keep its last tokens; skips and truncations are counted")  # fmt: skip
 
 
 def _add_data_commands(sub) -> None:
@@ -154,7 +198,7 @@ def _add_data_commands(sub) -> None:
     p.add_argument("--out", required=True, help="completions file to write (a re-run resumes it)")
     p.add_argument("--num-prompts", type=_positive, default=None)
     p.add_argument("--max-new-tokens", type=_positive, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per record, independent of batching)")
     p.add_argument("--batch-size", type=_positive, default=8, help="prompts per forward (or concurrent requests)")
     p.add_argument("--backend", choices=["local", "openai"], default="local")
@@ -162,6 +206,7 @@ def _add_data_commands(sub) -> None:
     p.add_argument("--server-model", help="model name on the server (default: the first it lists)")
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the tokenizer's chat template (default: where the target has one)")  # fmt: skip
+    _long_prompts_arg(p)
     device_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -176,14 +221,19 @@ def _add_data_commands(sub) -> None:
     p.add_argument("--with-target-logits", type=int, default=0, metavar="K",
                    help="also store the target's top-K logits per token (separate files)")  # fmt: skip
     p.add_argument("--records-per-shard", type=_positive, default=64)
-    p.add_argument("--allow-foreign", action="store_true", help="accept completions made by another target")
+    p.add_argument("--allow-foreign-completions", "--allow-foreign", dest="allow_foreign", action="store_true",
+                   help="accept completions made by another target")  # fmt: skip
     device_args(p)
     p.set_defaults(func=cmd_cache)
 
-    p = sub.add_parser("doctor", help="check a hidden-state cache (checksums, fingerprint, layer ids, alignment)")
-    p.add_argument("path")
-    p.add_argument("--target-model", default=None, help="check fingerprint and alignment against this target")
-    p.add_argument("--checkpoint", default=None, help="check layer ids against this drafter's target_layer_ids")
+    p = sub.add_parser("doctor", help="what a cache, drafter, run, state dict or completions file is, and what is "
+                       "wrong with it (exit 0 clean, 1 problems found, 2 unusable)")  # fmt: skip
+    p.add_argument("path", help="cache dir, drafter dir, training run or checkpoint dir, .pt/.safetensors, or .json")
+    p.add_argument("--target-model", default=None,
+                   help="check against this target (fingerprint, shapes, vocabulary, cache alignment)")  # fmt: skip
+    p.add_argument("--checkpoint", default=None,
+                   help="check a cache or completions file against this drafter (layer ids, vocabulary)")  # fmt: skip
+    p.add_argument("--no-verify", action="store_true", help="skip sha256 checks (sizes and layout still checked)")
     p.add_argument("--samples", type=_positive, default=4, help="records re-run through the target")
     p.add_argument("--tolerance", type=float, default=None,
                    help="max relative error per layer (default: bf16 1e-2, fp16 2e-3, fp32 1e-4)")  # fmt: skip
@@ -222,6 +272,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         online=args.online, temperature=args.temperature, check_consistency=args.check_consistency,
         reference=args.reference, target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, device=device, dtype=dtype, seed=args.seed,
+        verify=not args.no_verify, allow_foreign=args.allow_foreign_completions, long_prompts=args.long_prompts,
     )  # fmt: skip
     print()
     print(format_summary(summary))
@@ -281,9 +332,10 @@ def _add_eval_commands(sub) -> None:
         default=None,
         help="tokens to decode per prompt without completions (default: max-blocks x B + 1, else 256)",
     )
-    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's (n-gram: 16, or the drafter's)")
+    p.add_argument("--block-size", type=_block_size, default=None,
+                   help="default: the drafter's (n-gram: 16, or the drafter's)")  # fmt: skip
     p.add_argument("--online", action="store_true", help="real speculative decoding with the target, timed")
-    p.add_argument("--temperature", type=float, default=0.0, help="online sampling temperature (0 = greedy)")
+    p.add_argument("--temperature", type=_temperature, default=0.0, help="online sampling temperature (0 = greedy)")
     p.add_argument(
         "--check-consistency",
         action="store_true",
@@ -300,6 +352,11 @@ def _add_eval_commands(sub) -> None:
         help="for a bare state dict: the target layers its fc was trained on (e.g. 1,6,11)",
     )
     p.add_argument("--mask-token-id", type=int, default=None, help="for a bare state dict")
+    p.add_argument("--allow-foreign-completions", action="store_true",
+                   help="accept completions made by another target")  # fmt: skip
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the sha256 check of a cache or training checkpoint (sizes still checked)")  # fmt: skip
+    _long_prompts_arg(p)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--seed", type=int, default=0)
@@ -310,7 +367,7 @@ def _add_eval_commands(sub) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--target-model", help="needed for a bare state dict; named in the README's commands")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto", help="auto: as stored")
-    p.add_argument("--block-size", type=int, default=None, help="for a bare state dict (default 16)")
+    p.add_argument("--block-size", type=_block_size, default=None, help="for a bare state dict (default 16)")
     p.add_argument("--target-layer-ids", type=_layer_list, default=None, help="for a bare state dict")
     p.add_argument("--mask-token-id", type=int, default=None, help="for a bare state dict")
     p.set_defaults(func=cmd_export)
@@ -347,7 +404,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids,
         eval_cached_hidden_states=args.eval_cached_hidden_states,
         eval_completions=args.eval_completions, resume=args.resume, report_to=tuple(args.report_to),
-        allow_foreign=args.allow_foreign_completions, device=args.device,
+        allow_foreign=args.allow_foreign_completions, device=args.device, verify=not args.no_verify,
     )  # fmt: skip
 
 
@@ -366,8 +423,8 @@ def _add_train_command(sub) -> None:
     source.add_argument("--completions", help="completions file (online mode: the target runs in the loop)")
     p.add_argument("--out", required=True, help="run directory (checkpoints, metrics.jsonl, run_config.json)")
     p.add_argument("--init", help="start from this drafter directory instead of a fresh one")
-    p.add_argument("--draft-layers", type=_positive, default=1)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--draft-layers", type=_positive, default=None, help="default 1 (with --init/--resume: its own)")
+    p.add_argument("--block-size", type=_block_size, default=None, help="default 16 (with --init/--resume: its own)")
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--target-layer-ids", type=_layer_list, default=None, help="default: the reference spread")
     p.add_argument("--epochs", type=_positive, default=1)
@@ -396,6 +453,8 @@ def _add_train_command(sub) -> None:
     p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP under torchrun")
     p.add_argument("--report-to", nargs="*", default=[], choices=["wandb"])
     p.add_argument("--allow-foreign-completions", action="store_true")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the sha256 check of caches and of the checkpoint resumed from (faster)")  # fmt: skip
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=cmd_train)
 

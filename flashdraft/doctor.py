@@ -1,39 +1,446 @@
-"""`flashdraft doctor PATH`: check a file or directory flashdraft made, by what it is.
+"""`flashdraft doctor PATH`: say what a file or directory flashdraft reads is, and everything
+wrong with it, each finding with its fix.
 
-Each kind of PATH has its own checker; this module only recognises the kind and
-dispatches. Checkers print one line per check and return True when all pass.
+PATH may be a hidden-state cache, a drafter directory, a training run directory (its newest
+complete checkpoint) or one checkpoint of it, a bare `.pt`/`.safetensors` state dict, or a
+completions file. This module recognises the kind and runs its checks; with `--target-model`
+and `--checkpoint` (a drafter) it also checks PATH against them. Every check prints one line,
+`ok` or `FAIL ...; fix: ...`; facts (shapes, layer ids, fingerprints) are printed indented.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
+
+import torch
 
 from flashdraft.errors import FlashdraftError
 from flashdraft.target import TargetModel
 
+STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+
+
+class Checks:
+    """The doctor's report: facts, passed checks, and failures with their fix."""
+
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+
+    def about(self, line: str) -> None:
+        print(f"     {line}")
+
+    def ok(self, line: str) -> None:
+        print(f"ok   {line}")
+
+    def fail(self, line: str, fix: str) -> None:
+        print(f"FAIL {line}; fix: {fix}")
+        self.failures.append(line)
+
+    def check(self, passed: bool, line: str, fix: str) -> None:
+        if passed:
+            self.ok(line)
+        else:
+            self.fail(line, fix)
+
+    def summary(self) -> bool:
+        print("all checks passed" if not self.failures else f"{len(self.failures)} check(s) failed")
+        return not self.failures
+
 
 def kind_of(path: Path) -> str:
-    """'cache' (a hidden-state cache directory), or raise naming what PATH is not."""
+    """What PATH is: 'cache', 'drafter', 'run', 'checkpoint', 'state dict' or 'completions';
+    raises naming what it is not."""
     from flashdraft.data.cache import MANIFEST, PROGRESS
+    from flashdraft.data.completions import _part_paths
 
-    if path.is_dir() and ((path / MANIFEST).exists() or (path / PROGRESS).is_dir()):
-        return "cache"
     if not path.exists():
+        if _part_paths(path):
+            return "completions"  # an unfinished generate run: only its parts exist
         raise FlashdraftError(f"{path}: no such file or directory")
-    raise FlashdraftError(f"{path}: not something doctor can check; expected a hidden-state cache directory "
-                          f"(with {MANIFEST})")  # fmt: skip
+    if path.is_dir():
+        if (path / MANIFEST).exists() or (path / PROGRESS).is_dir():
+            return "cache"
+        if (path / "config.json").is_file():
+            try:
+                is_drafter = "dflash_config" in json.loads((path / "config.json").read_text())
+            except (json.JSONDecodeError, TypeError):
+                is_drafter = True  # a broken config.json: the drafter check says what is wrong with it
+            if not is_drafter:
+                raise FlashdraftError(
+                    f"{path}: a model directory without dflash_config in config.json, not a DFlash drafter "
+                    f"(a target? pass it as --target-model)"
+                )
+            return "drafter"
+        if (path / "checkpoints").is_dir() or (path / "run_config.json").is_file():
+            return "run"
+        if (path / "drafter").is_dir() and ((path / "checksums.json").exists() or (path / "COMPLETE").exists()):
+            return "checkpoint"
+        if any(path.glob("*.safetensors")):
+            return "drafter"  # weights without config.json: the drafter check says so
+    elif path.suffix in STATE_DICT_SUFFIXES:
+        return "state dict"
+    elif path.suffix == ".json":
+        return "completions"
+    raise FlashdraftError(
+        f"{path}: not something doctor can check; expected a hidden-state cache (with {MANIFEST}), a drafter "
+        f"directory, a training run or checkpoint directory, a {'/'.join(STATE_DICT_SUFFIXES)} state dict or a "
+        f"completions .json file"
+    )
 
 
 def run_doctor(
     path: str | Path,
     target: TargetModel | None = None,
-    layer_ids: list[int] | None = None,
+    checkpoint: str | Path | None = None,
     samples: int = 4,
     tolerance: float | None = None,
+    verify: bool = True,
 ) -> bool:
+    """Check PATH (and against `target` and the drafter `checkpoint`); True when all pass."""
     path = Path(path)
-    if kind_of(path) == "cache":
+    kind = kind_of(path)
+    if checkpoint is not None and kind not in ("cache", "completions"):
+        raise FlashdraftError(
+            f"--checkpoint {checkpoint}: names a drafter to check a cache or completions file against; {path} is "
+            f"itself a {kind} (check it alone, or with --target-model)"
+        )
+    checks = Checks()
+    if kind == "cache":
         from flashdraft.data.cache import doctor_cache
 
-        return doctor_cache(path, target=target, layer_ids=layer_ids, samples=samples, tolerance=tolerance)
-    raise AssertionError("unreachable")
+        layer_ids = _checkpoint_config(checkpoint).target_layer_ids if checkpoint else None
+        doctor_cache(path, target=target, layer_ids=layer_ids, samples=samples, tolerance=tolerance, verify=verify,
+                     checks=checks)  # fmt: skip
+    elif kind == "drafter":
+        check_drafter_dir(path, target, checks, verify)
+    elif kind in ("run", "checkpoint"):
+        check_run(path, target, checks, verify, single=kind == "checkpoint")
+    elif kind == "state dict":
+        check_state_dict(path, target, checks)
+    else:
+        check_completions(path, target, _checkpoint_config(checkpoint) if checkpoint else None, checks)
+    return checks.summary()
+
+
+def _checkpoint_config(checkpoint: str | Path):
+    from flashdraft.data.cache import drafter_layer_ids
+
+    return drafter_layer_ids(checkpoint)[1]
+
+
+# -- drafters ----------------------------------------------------------------------------------
+
+NEW_DRAFTER = "train a drafter for this target (flashdraft init / flashdraft train --target-model T)"
+
+
+def _describe_config(cfg) -> str:
+    return (
+        f"{cfg.num_hidden_layers} layers ({', '.join(cfg.layer_types)}), hidden {cfg.hidden_size}, "
+        f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} kv heads x {cfg.head_dim}, intermediate "
+        f"{cfg.intermediate_size}, vocab {cfg.vocab_size}, block size {cfg.block_size}, mask token "
+        f"{cfg.mask_token_id}, target_layer_ids {cfg.target_layer_ids} of {cfg.num_target_layers} target layers"
+    )
+
+
+def _shape_problems(cfg, found: dict[str, tuple[int, ...]]) -> list[str]:
+    """Every missing, mis-shaped and unexpected tensor (the loader stops at the first)."""
+    from flashdraft.checkpoint import expected_shapes
+
+    expected = expected_shapes(cfg)
+    problems = [f"tensor '{k}' is missing (expected {list(v)})" for k, v in expected.items() if k not in found]
+    problems += [f"tensor '{k}' has shape {list(found[k])}, expected {list(v)}"
+                 for k, v in expected.items() if k in found and tuple(found[k]) != v]  # fmt: skip
+    problems += [f"unexpected tensor '{k}' {list(v)}" for k, v in found.items() if k not in expected]
+    return problems
+
+
+def _fc_line(found: dict[str, tuple[int, ...]], hidden: int, layer_ids: list[int]) -> tuple[bool, str]:
+    fc = found.get("fc.weight")
+    if fc is None or len(fc) != 2:
+        return False, f"fc.weight is {list(fc) if fc else 'missing'}; expected [{hidden}, n * {hidden}]"
+    if fc[1] % hidden:
+        return False, f"fc.weight {list(fc)}: in_features {fc[1]} is not a multiple of hidden size {hidden}"
+    n = fc[1] // hidden
+    return n == len(layer_ids), (
+        f"fc.weight {list(fc)} holds {n} context layers; target_layer_ids {layer_ids} name {len(layer_ids)}"
+    )
+
+
+def _check_against_target(cfg, source: str, target: TargetModel | None, checks: Checks) -> None:
+    if target is None:
+        checks.about("no --target-model: hidden size, vocabulary and layer ids not checked against a target")
+        return
+    for name, found, expected in [("hidden_size", cfg.hidden_size, target.hidden_size),
+                                  ("vocab_size", cfg.vocab_size, target.vocab_size),
+                                  ("num_target_layers", cfg.num_target_layers, target.num_layers)]:  # fmt: skip
+        checks.check(found == expected, f"{name} {found} " + ("equals" if found == expected else "differs from") +
+                     f" the target's {expected} ({target.path})", f"the drafter was made for another target; "
+                     f"evaluate it with its own target, or {NEW_DRAFTER}")  # fmt: skip
+    final = target.num_layers - 1
+    checks.check(
+        final not in cfg.target_layer_ids and max(cfg.target_layer_ids) < target.num_layers,
+        f"target_layer_ids {cfg.target_layer_ids} within the target's layers 0..{final - 1} (not the final "
+        f"layer, whose output makes the labels)",
+        f"{NEW_DRAFTER} with --target-layer-ids below {final}",
+    )
+    mask = target.tokenizer.convert_ids_to_tokens(cfg.mask_token_id) if cfg.mask_token_id < target.vocab_size else None
+    checks.check(
+        cfg.mask_token_id not in target.stop_token_ids,
+        f"mask token {cfg.mask_token_id} ({mask!r}) is not one of the target's stop tokens {target.stop_token_ids}",
+        "use an unused special token as dflash_config.mask_token_id (flashdraft init picks one)",
+    )
+
+
+def check_drafter_dir(path: Path, target: TargetModel | None, checks: Checks, verify: bool = True) -> None:
+    """A drafter directory: config, every tensor against it, finite weights, fc against the
+    layer ids, and with a target hidden size, vocabulary, layers and mask token."""
+    from safetensors import safe_open
+
+    from flashdraft.checkpoint import _weight_files
+    from flashdraft.config import DrafterConfig
+
+    fix_files = "copy the drafter directory again (or re-export it)"
+    try:
+        cfg = DrafterConfig.load(path / "config.json")
+    except FlashdraftError as e:
+        checks.fail(str(e), "correct config.json (see the public DFlash drafter format)")
+        return
+    checks.about(f"drafter directory {path}: {_describe_config(cfg)}")
+    try:
+        where = _weight_files(path)
+    except FlashdraftError as e:
+        checks.fail(str(e), fix_files)
+        return
+    found, finite, dtypes = {}, [], set()
+    for key, f in sorted(where.items()):
+        with safe_open(str(f), framework="pt") as sf:
+            tensor = sf.get_tensor(key)
+        found[key] = tuple(tensor.shape)
+        dtypes.add(str(tensor.dtype).removeprefix("torch."))
+        if not torch.isfinite(tensor).all():
+            finite.append(key)
+    files = sorted(set(where.values()))
+    fingerprint = ""
+    if verify:
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.read_bytes())
+        fingerprint = f", weights sha256 {h.hexdigest()[:16]}"
+    checks.about(f"{len(found)} tensors in {', '.join(f.name for f in files)} ({', '.join(sorted(dtypes))})"
+                 f"{fingerprint}")  # fmt: skip
+    ok, line = _fc_line(found, cfg.hidden_size, cfg.target_layer_ids)
+    checks.check(ok, line, "set dflash_config.target_layer_ids to the layers fc was trained on (as many as its "
+                 "context layers), or use the config.json that came with these weights")  # fmt: skip
+    problems = _shape_problems(cfg, found)
+    checks.check(not problems, f"tensor names and shapes against config.json ({len(found)} tensors)"
+                 + (f": {len(problems)} problems: " + "; ".join(problems[:4]) if problems else ""),
+                 "the weights and config.json belong to different drafters; use the config.json saved with "
+                 "these weights")  # fmt: skip
+    checks.check(
+        not finite,
+        "weights finite" + (f": NaN/Inf in {', '.join(finite[:4])}" if finite else ""),
+        "the drafter diverged or the file is damaged; use an earlier checkpoint",
+    )
+    _check_against_target(cfg, str(path), target, checks)
+
+
+def check_state_dict(path: Path, target: TargetModel | None, checks: Checks) -> None:
+    """A bare state dict: what its shapes say, and with a target whether it loads strictly."""
+    from flashdraft.checkpoint import load_any_drafter, read_state_dict_file
+
+    try:
+        state = read_state_dict_file(path)
+    except FlashdraftError as e:
+        checks.fail(str(e), "copy the file again, or save the drafter's state_dict() with torch.save/safetensors")
+        return
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    norm, fc = shapes.get("norm.weight"), shapes.get("fc.weight")
+    layers = {k.split(".")[1] for k in shapes if k.startswith("layers.") and k.split(".")[1].isdigit()}
+    head_dim = shapes.get("layers.0.self_attn.q_norm.weight", (None,))[0]
+    q, kv = shapes.get("layers.0.self_attn.q_proj.weight"), shapes.get("layers.0.self_attn.k_proj.weight")
+    heads = f"{q[0] // head_dim} / kv heads {kv[0] // head_dim}" if q and kv and head_dim else "?"
+    facts = (f"state dict {path}: {len(shapes)} tensors ({fc and state['fc.weight'].dtype}), hidden "
+             f"{norm[0] if norm else '?'}, {len(layers)} layers, head_dim {head_dim}, heads {heads}")  # fmt: skip
+    if fc and norm and len(fc) == 2 and fc[1] % norm[0] == 0:
+        facts += f"; fc.weight {list(fc)} holds {fc[1] // norm[0]} context layers"
+    checks.about(facts)
+    checks.about("a bare state dict stores no vocabulary, target layer ids, mask token or block size")
+    ok = bool(fc and norm and len(fc) == 2 and fc[1] % norm[0] == 0 and layers)
+    checks.check(ok, "fc.weight, norm.weight and layers.* present, fc in_features a multiple of hidden",
+                 "this is not a DFlash drafter state dict (or a truncated one)")  # fmt: skip
+    if target is None:
+        checks.about("no --target-model: give one to check that it loads for that target")
+        return
+    try:
+        loaded = load_any_drafter(path, target)
+    except FlashdraftError as e:
+        checks.fail(str(e), f"{NEW_DRAFTER}, or pass --target-layer-ids/--mask-token-id/--block-size to eval")
+        return
+    checks.ok(f"loads for target {target.path}: {_describe_config(loaded.drafter.config)}")
+    for note in loaded.assumed:
+        checks.about(f"assumed: {note}")
+    _check_against_target(loaded.drafter.config, str(path), target, checks)
+
+
+def check_run(path: Path, target: TargetModel | None, checks: Checks, verify: bool, single: bool = False) -> None:
+    """A training run (its newest complete checkpoint) or one checkpoint directory: checksums,
+    trainer state, the drafter, and run_config.json against the drafter."""
+    from flashdraft.train.checkpointing import COMPLETE, checkpoint_problems
+
+    if single:
+        step_dir, run_dir = path, path.parent.parent if path.parent.name == "checkpoints" else None
+        checks.about(f"training checkpoint {path}")
+        checks.check((path / COMPLETE).is_file(), f"{COMPLETE} marker present",
+                     "this checkpoint was not finished writing; use an earlier one")  # fmt: skip
+    else:
+        run_dir, root = path, path / "checkpoints"
+        steps = sorted(root.glob("step-*")) if root.is_dir() else []
+        complete = [d for d in steps if (d / COMPLETE).is_file()]
+        partial = sorted(p.name for p in root.glob(".*-step-*")) if root.is_dir() else []
+        partial += [d.name for d in steps if d not in complete]
+        checks.about(f"training run {path}: complete checkpoints {[d.name for d in complete] or 'none'}"
+                     + (f"; unfinished (ignored, removed on resume): {partial}" if partial else ""))  # fmt: skip
+        if not complete:
+            checks.fail(f"{root}: no complete checkpoint", "the run was stopped before its first checkpoint: train "
+                        "again (without --resume), or lower --save-every")  # fmt: skip
+            return
+        step_dir = complete[-1]
+        checks.about(f"newest complete checkpoint: {step_dir.name}")
+
+    if verify:
+        problems = checkpoint_problems(step_dir)
+        checks.check(
+            not problems,
+            f"{step_dir.name}: every file matches checksums.json"
+            + (f": {len(problems)} do not; first: {problems[0]}" if problems else ""),
+            "copy the checkpoint again, or delete it so that --resume and eval take the one before it",
+        )
+    else:
+        checks.about("checksums not checked (--no-verify)")
+    trainer = step_dir / "trainer.pt"
+    if trainer.is_file():
+        try:
+            state = torch.load(trainer, map_location="cpu", weights_only=True)
+            step = int(step_dir.name.removeprefix("step-")) if step_dir.name.startswith("step-") else None
+            checks.check(
+                step is None or state.get("step") == step,
+                f"trainer.pt: step {state.get('step')}, "
+                f"{state.get('num_records')} records, world size {state.get('world_size')}",
+                "trainer.pt belongs to another checkpoint; copy the checkpoint directory whole",
+            )
+        except Exception as e:  # torch.load raises many types for a damaged or foreign file
+            checks.fail(f"{trainer}: cannot be read ({type(e).__name__})", "copy the checkpoint again; --resume "
+                        "needs it (eval and export do not)")  # fmt: skip
+    else:
+        checks.fail(f"{trainer}: missing", "copy the checkpoint directory whole; --resume needs it")
+    drafter_dir = step_dir / "drafter"
+    before = len(checks.failures)
+    check_drafter_dir(drafter_dir, target, checks, verify)
+    if len(checks.failures) > before:
+        return
+    if run_dir is None or not (run_dir / "run_config.json").is_file():
+        checks.about("no run_config.json beside the checkpoint: settings of the run not checked")
+        return
+    _check_run_config(run_dir / "run_config.json", drafter_dir, target, checks)
+
+
+def _check_run_config(config_path: Path, drafter_dir: Path, target: TargetModel | None, checks: Checks) -> None:
+    from flashdraft.config import DrafterConfig
+
+    try:
+        run = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        checks.fail(f"{config_path}: not valid JSON ({e.msg})", "the run directory is damaged; copy it again")
+        return
+    cfg = DrafterConfig.load(drafter_dir / "config.json")
+    checks.about(f"run_config.json: target fingerprint {run.get('target_fingerprint')}, data fingerprint "
+                 f"{run.get('data_fingerprint')}, lr {run.get('lr')}, batch {run.get('batch_size')} x "
+                 f"{run.get('grad_accum')}, loss decay gamma {run.get('loss_decay_gamma')}")  # fmt: skip
+    for name, want in [("target_layer_ids", cfg.target_layer_ids), ("mask_token_id", cfg.mask_token_id),
+                       ("block_size", cfg.block_size)]:  # fmt: skip
+        found = run.get(name)
+        checks.check(found == want, f"run_config.json {name} {found} " + ("equals" if found == want else
+                     "differs from") + f" the checkpoint drafter's {want}",
+                     "the checkpoint comes from another run: copy the run directory whole")  # fmt: skip
+    if target is not None and run.get("target_fingerprint"):
+        fp = target.fingerprint()
+        checks.check(run["target_fingerprint"] == fp, f"run's target fingerprint {run['target_fingerprint']} "
+                     + ("equals" if run["target_fingerprint"] == fp else f"differs from {target.path}'s {fp}"),
+                     "the run trained against another target (other weights or tokenizer): evaluate with that "
+                     "one")  # fmt: skip
+
+
+# -- completions ---------------------------------------------------------------------------------
+
+
+def check_completions(path: Path, target: TargetModel | None, drafter_cfg, checks: Checks) -> None:
+    """A completions file: header, every record, an unfinished run's parts, and against a
+    target its fingerprint and vocabulary (and a drafter's vocabulary)."""
+    from flashdraft.data.completions import FORMAT, VERSION, _part_paths, _record_problem
+
+    regenerate = "re-run flashdraft generate into a new --out"
+    parts = _part_paths(path)
+    checks.check(
+        not parts,
+        "no unfinished generate run" + (f": {', '.join(p.name for p in parts)} exist" if parts else ""),
+        "re-run the same flashdraft generate command to finish and merge them",
+    )
+    if not path.exists():
+        return
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FlashdraftError(f"{path}: not valid JSON ({getattr(e, 'msg', e)}); not a completions file") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise FlashdraftError(f"{path}: field 'format' is {found!r}; expected {FORMAT!r} (a completions file)")
+    checks.check(
+        data.get("version") == VERSION,
+        f"version {data.get('version')!r}",
+        f"this flashdraft reads version {VERSION}; {regenerate}",
+    )
+    head = data.get("target") if isinstance(data.get("target"), dict) else {}
+    gen = data.get("generation") if isinstance(data.get("generation"), dict) else {}
+    records = data.get("records") if isinstance(data.get("records"), list) else []
+    checks.about(f"completions file {path}: {len(records)} records, token ids from {data.get('token_ids')}")
+    checks.about(f"fingerprints: target {head.get('fingerprint')} ({head.get('path')}), vocab {head.get('vocab_size')}")
+    checks.about("generation: " + ", ".join(f"{k} {v}" for k, v in gen.items()))
+    vocab = head.get("vocab_size")
+    checks.check(
+        isinstance(vocab, int) and isinstance(data.get("records"), list),
+        "header has target.vocab_size and a records list",
+        f"the file is damaged or not from flashdraft generate; {regenerate}",
+    )
+    checks.check(data.get("num_records") == len(records), f"num_records {data.get('num_records')} equals the "
+                 f"{len(records)} records", f"the file was edited or cut; {regenerate}")  # fmt: skip
+    problems, seen, stops = [], set(), {}
+    for k, r in enumerate(records):
+        problem = _record_problem(r, target.vocab_size if target else vocab if isinstance(vocab, int) else 1 << 62)
+        rid = r.get("id") if isinstance(r, dict) else f"#{k}"
+        if problem is None and rid in seen:
+            problem = "duplicate id"
+        if problem is None:
+            seen.add(rid)
+            stops[r["stop_reason"]] = stops.get(r["stop_reason"], 0) + 1
+        else:
+            problems.append(f"{rid}: {problem}")
+    checks.check(not problems, f"{len(records) - len(problems)} of {len(records)} records valid" +
+                 (f"; {'; '.join(problems[:3])}" if problems else ""),
+                 f"invalid records are skipped when the file is read; {regenerate} to have them")  # fmt: skip
+    checks.about(f"stop reasons: {stops}; temperature {gen.get('temperature')}"
+                 + (" (sampled: offline τ equals online τ only for greedy completions)" if gen.get("temperature")
+                    else ""))  # fmt: skip
+    if target is not None:
+        fp = target.fingerprint()
+        checks.check(head.get("fingerprint") == fp, f"made by target fingerprint {head.get('fingerprint')}, "
+                     + ("the same as" if head.get("fingerprint") == fp else "not") + f" {target.path} ({fp})",
+                     "generate completions with this target (pass --allow-foreign-completions only if you mean "
+                     "to use another model's outputs)")  # fmt: skip
+        checks.check(vocab == target.vocab_size, f"vocab_size {vocab} " + ("equals" if vocab == target.vocab_size
+                     else "differs from") + f" the target's {target.vocab_size}", regenerate)  # fmt: skip
+    if drafter_cfg is not None:
+        checks.check(drafter_cfg.vocab_size == vocab, f"vocab_size {vocab} " + ("equals" if drafter_cfg.vocab_size
+                     == vocab else "differs from") + f" the drafter's {drafter_cfg.vocab_size}",
+                     "the drafter and the completions come from different targets")  # fmt: skip

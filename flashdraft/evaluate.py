@@ -132,15 +132,15 @@ class FeatureSource:
 
 
 def records_from_cache(cache, num_records: int | None = None) -> list[EvalRecord]:
-    """Records of a `flashdraft.data.cache.HiddenStateCache`. Their features are not kept:
-    each record re-reads its own when it is evaluated, so memory holds one record's at a time."""
+    """Records of a `flashdraft.data.cache.HiddenStateCache`: listing them reads token ids only;
+    each record reads its features when it is evaluated, so memory holds one record's at a time."""
     records = []
+    ids, prompt_lengths = cache.ids, cache.prompt_lengths
     for index in range(len(cache) if num_records is None else min(len(cache), num_records)):
-        r = cache[index]
-        ids, p = r.input_ids.tolist(), int(r.prompt_length)
+        tokens, p = cache.token_ids(index).tolist(), prompt_lengths[index]
         records.append(
-            EvalRecord(str(r.id), ids[:p], ids[p:], layer_ids=list(cache.layer_ids),
-                       load_features=lambda index=index: cache[index].context_features)
+            EvalRecord(str(ids[index]), tokens[:p], tokens[p:], layer_ids=list(cache.layer_ids),
+                       load_features=lambda index=index: cache.features(index))
         )  # fmt: skip
     return records
 
@@ -580,9 +580,12 @@ def load_records(
     completions: str | None = None,
     prompts: str | None = None,
     num_prompts: int | None = None,
+    verify: bool = True,
+    allow_foreign: bool = False,
 ) -> tuple[list[EvalRecord], str]:
-    """Records from a hidden-state cache, a completions file or a prompt source (then
-    without completions: the caller decodes them). Returns (records, source description)."""
+    """Records from a hidden-state cache (its sha256 checked unless not `verify`), a completions
+    file (another target's refused unless `allow_foreign`) or a prompt source (then without
+    completions: the caller decodes them). Returns (records, source description)."""
     given = [x for x in (cached_hidden_states, completions, prompts) if x is not None]
     if len(given) != 1:
         raise FlashdraftError(
@@ -592,14 +595,15 @@ def load_records(
     if cached_hidden_states is not None:
         from flashdraft.data.cache import HiddenStateCache
 
-        cache = HiddenStateCache(cached_hidden_states, verify=True)
+        cache = HiddenStateCache(cached_hidden_states, verify=verify)
         cache.check_compatible(target, cache.layer_ids)
         records = records_from_cache(cache, num_prompts)
         return records, f"hidden-state cache {cached_hidden_states} (layers {list(cache.layer_ids)})"
     if completions is not None:
         from flashdraft.data.completions import load_completions
 
-        loaded = load_completions(completions, target).records  # prints the valid count and each skip
+        # prints the valid count and each skip
+        loaded = load_completions(completions, target, allow_foreign=allow_foreign).records
         if num_prompts is not None:
             loaded = loaded[:num_prompts]
         records = [EvalRecord(str(r.id), list(r.prompt_ids), list(r.completion_ids)) for r in loaded]
@@ -614,6 +618,29 @@ def load_records(
         text = render_conversation(tok, prompt.conversation([]), chat)
         records.append(EvalRecord(prompt.id, encode_text(tok, text, chat), []))
     return records, f"prompts {prompts} ({'chat template' if chat else 'no chat template'})"
+
+
+def _fit_prompts(
+    records: list[EvalRecord], target: TargetModel, max_new_tokens: int, policy: str, source: str, log: Log
+) -> list[EvalRecord]:
+    """Records still to be decoded (no completion) whose prompt leaves no room for
+    `max_new_tokens` in the target's context: refused, skipped or truncated (`--long-prompts`)."""
+    from flashdraft.data.prompts import describe_long_prompts, fit_prompt, prompt_token_limit
+
+    if all(r.completion_ids for r in records):
+        return records
+    limit = prompt_token_limit(target.context_length, max_new_tokens)
+    stats: dict[str, int] = {}
+    kept = []
+    for r in records:
+        ids = r.prompt_ids if r.completion_ids else fit_prompt(r.id, r.prompt_ids, limit, policy, stats, source)
+        if ids is not None:
+            r.prompt_ids = ids
+            kept.append(r)
+    note = describe_long_prompts(stats, limit)
+    if note:
+        log(f"{note} (--long-prompts {policy})")
+    return kept
 
 
 def run_eval(
@@ -638,6 +665,9 @@ def run_eval(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    verify: bool = True,
+    allow_foreign: bool = False,
+    long_prompts: str = "error",
     log: Log = print,
 ) -> dict[str, Any]:
     """`flashdraft eval`: load, print what was loaded, evaluate (and the reference on the same
@@ -662,7 +692,8 @@ def run_eval(
     for role, path in specs:
         if path != NGRAM:
             loaded = load_any_drafter(path, target, block_size=block_size, target_layer_ids=target_layer_ids,
-                                      mask_token_id=mask_token_id, device=device, dtype=dtype)  # fmt: skip
+                                      mask_token_id=mask_token_id, device=device, dtype=dtype,
+                                      verify=verify)  # fmt: skip
             check_drafter_matches_target(loaded.drafter.config, target, str(loaded.path))
             loaded_by_role[role] = loaded
     # the n-gram baseline drafts blocks as long as the DFlash drafter's it is set against
@@ -682,11 +713,13 @@ def run_eval(
         drafters.append(Candidate(str(path), loaded.drafter, b, loaded.form, str(loaded.path)))
 
     records, source = load_records(target, cached_hidden_states=cached_hidden_states, completions=completions,
-                                   prompts=prompts, num_prompts=num_prompts)  # fmt: skip
+                                   prompts=prompts, num_prompts=num_prompts, verify=verify,
+                                   allow_foreign=allow_foreign)  # fmt: skip
     if not records:
         raise FlashdraftError(f"{source}: no records")
     if max_new_tokens is None:  # enough for max_blocks steps of the largest block
         max_new_tokens = max_blocks * max(c.block_size for c in drafters) + 1 if max_blocks else 256
+    records = _fit_prompts(records, target, max_new_tokens, long_prompts, str(prompts), log)
     run_online = online or check_consistency  # the check compares both walks
     baseline = None
     if run_online or not records[0].completion_ids:

@@ -128,6 +128,11 @@ class TargetModel:
         return self.model.get_output_embeddings().weight.shape[0]
 
     @property
+    def context_length(self) -> int | None:
+        """Positions the target was built for (max_position_embeddings); None if it does not say."""
+        return getattr(self.config, "max_position_embeddings", None)
+
+    @property
     def is_hybrid(self) -> bool:
         return bool(self.linear_layers)
 

@@ -7,16 +7,16 @@ from safetensors import safe_open
 from flashdraft.checkpoint import load_drafter, save_drafter
 from flashdraft.cli import main
 from flashdraft.export import export_drafter
+from flashdraft.train.checkpointing import save_checkpoint
 from tests.conftest import make_drafter, make_target
 
 
 def write_form(form: str, tmp_path, drafter) -> str:
     if form == "directory":
         return str(save_drafter(drafter, tmp_path / "src", dtype=torch.bfloat16))
-    if form == "run":
-        step = tmp_path / "run" / "checkpoints" / "step-0000050"
-        save_drafter(drafter, step / "drafter", dtype=torch.bfloat16)
-        (step / "COMPLETE").write_text("")
+    if form == "run":  # a training checkpoint as the trainer writes it (with checksums.json)
+        state = {k: v.to(torch.bfloat16) for k, v in drafter.state_dict().items()}
+        save_checkpoint(tmp_path / "run", 50, drafter.config, state, {"step": 50}, keep=1)
         return str(tmp_path / "run")
     torch.save({k: v.to(torch.bfloat16) for k, v in drafter.state_dict().items()}, tmp_path / "d.pt")
     return str(tmp_path / "d.pt")

@@ -68,8 +68,13 @@ def file_sha256(path: Path) -> str:
 
 
 def _write_json(path: Path, data: Any) -> None:
+    """Whole or not at all, and on disk before it is renamed into place (a manifest or progress
+    entry must never survive a crash as an empty file)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -367,12 +372,12 @@ class HiddenStateCache:
             self._check_file(s["file"], s["bytes"], s["sha256"] if verify else None)
             if self.topk:
                 self._check_file(s["topk_file"], s["topk_bytes"], s["topk_sha256"] if verify else None)
-        self._handles: dict[str, Any] = {}
+        self._check_layout()
 
     def _check_file(self, name: str, size: int, sha256: str | None) -> None:
         path = self.directory / name
         if not path.is_file():
-            raise FlashdraftError(f"{path}: missing; {MANIFEST} lists it")
+            raise FlashdraftError(f"{path}: missing; {MANIFEST} lists it (re-run flashdraft cache to rebuild it)")
         found = path.stat().st_size
         if found != size:
             raise FlashdraftError(
@@ -382,6 +387,49 @@ class HiddenStateCache:
         if sha256 is not None and file_sha256(path) != sha256:
             raise FlashdraftError(f"{path}: sha256 differs from {MANIFEST} (corrupted or replaced); re-run flashdraft "
                                   f"cache to rebuild it")  # fmt: skip
+
+    def _check_layout(self) -> None:
+        """Records tile each shard exactly, and each shard's tensors (their safetensors headers:
+        nothing is read) hold as many tokens as its records, so no read can run past a record
+        or miss tokens the manifest does not describe."""
+        where = self.directory / MANIFEST
+        width = len(self.layer_ids) * self.hidden_size
+        ends = [0] * len(self._shards)
+        for r in self._records:
+            k, name = r.get("shard"), r.get("id")
+            if not isinstance(k, int) or not 0 <= k < len(self._shards):
+                raise FlashdraftError(f"{where}: record {name!r} has shard {k!r}; expected 0..{len(self._shards) - 1}")
+            length, prompt = r.get("length"), r.get("prompt_length")
+            if (
+                r.get("offset") != ends[k]
+                or not isinstance(length, int)
+                or not isinstance(prompt, int)
+                or not (0 < prompt < length)
+            ):
+                raise FlashdraftError(
+                    f"{where}: record {name!r} has offset {r.get('offset')!r}, length {length!r}, prompt_length "
+                    f"{prompt!r}; expected offset {ends[k]} (right after the previous record of "
+                    f"{self._shards[k]['file']}) and 0 < prompt_length < length"
+                )
+            ends[k] += length
+        for k, s in enumerate(self._shards):
+            if ends[k] != s["num_tokens"]:
+                raise FlashdraftError(
+                    f"{where}: the records of {s['file']} hold {ends[k]} tokens, the shard entry says "
+                    f"{s['num_tokens']}; the manifest does not describe this shard (rebuild the cache)"
+                )
+            expected = {"input_ids": [ends[k]], "loss_mask": [ends[k]], "context_features": [ends[k], width]}
+            if self.topk:
+                expected_topk = {"values": [ends[k], self.topk], "indices": [ends[k], self.topk]}
+            for name, want in [(s["file"], expected)] + ([(s["topk_file"], expected_topk)] if self.topk else []):
+                with self._open(name) as f:
+                    for key, shape in want.items():
+                        found = f.get_slice(key).get_shape() if key in f.keys() else None
+                        if found != shape:
+                            raise FlashdraftError(
+                                f"{self.directory / name}: tensor '{key}' has shape {found}; expected {shape} "
+                                f"(the tokens {MANIFEST} lists for it); rebuild the cache"
+                            )
 
     # -- facts --------------------------------------------------------------------------
 
@@ -398,42 +446,66 @@ class HiddenStateCache:
         return [r["length"] for r in self._records]
 
     @property
+    def prompt_lengths(self) -> list[int]:
+        return [r["prompt_length"] for r in self._records]
+
+    @property
     def num_tokens(self) -> int:
         return sum(self.lengths)
 
     # -- records ------------------------------------------------------------------------
 
     def _open(self, name: str):
-        if name not in self._handles:
-            try:
-                self._handles[name] = safe_open(str(self.directory / name), framework="pt")
-            except SafetensorError as e:
-                raise FlashdraftError(f"{self.directory / name}: unreadable safetensors file ({e})") from None
-        return self._handles[name]
+        """A shard, memory-mapped for one read. Not kept open: pages a kept mapping touched
+        would stay in this process's resident memory, which would then grow with every record read."""
+        try:
+            return safe_open(str(self.directory / name), framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise FlashdraftError(f"{self.directory / name}: unreadable safetensors file ({e})") from None
 
-    def __getitem__(self, i: int) -> CachedRecord:
+    def _span(self, i: int) -> tuple[dict, dict, int, int]:
         if not -len(self) <= i < len(self):
             raise IndexError(f"record {i} of a cache with {len(self)} records")
         r = self._records[i]
         shard = self._shards[r["shard"]]
-        lo, hi = r["offset"], r["offset"] + r["length"]
-        f = self._open(shard["file"])
+        return r, shard, r["offset"], r["offset"] + r["length"]
+
+    def token_ids(self, i: int) -> torch.Tensor:
+        """Record i's prompt + completion ids [T] (long), without reading its features."""
+        _, shard, lo, hi = self._span(i)
+        with self._open(shard["file"]) as f:
+            return f.get_slice("input_ids")[lo:hi].long()
+
+    def features(self, i: int) -> torch.Tensor:
+        """Record i's context features [T, n * H], refused when any is NaN/Inf (naming where)."""
+        r, shard, lo, hi = self._span(i)
+        with self._open(shard["file"]) as f:
+            features = f.get_slice("context_features")[lo:hi]
+        bad = ~torch.isfinite(features)
+        if bad.any():
+            token, column = (int(x) for x in bad.nonzero()[0])
+            raise FlashdraftError(
+                f"{self.directory / shard['file']}: record {r['id']!r} has NaN/Inf context features at token {token} "
+                f"of layer {self.layer_ids[column // self.hidden_size]}; expected finite values (a damaged or "
+                f"foreign cache: rebuild it with flashdraft cache)"
+            )
+        return features
+
+    def __getitem__(self, i: int) -> CachedRecord:
+        r, shard, lo, hi = self._span(i)
         topk = None
         if self.topk:
-            t = self._open(shard["topk_file"])
-            topk = (t.get_slice("values")[lo:hi], t.get_slice("indices")[lo:hi].long())
-        return CachedRecord(
-            id=r["id"],
-            input_ids=f.get_slice("input_ids")[lo:hi].long(),
-            loss_mask=f.get_slice("loss_mask")[lo:hi],
-            context_features=f.get_slice("context_features")[lo:hi],
-            prompt_length=r["prompt_length"],
-            target_topk=topk,
-        )
-
-    def __getstate__(self) -> dict:
-        # open shard handles do not pickle (DataLoader workers); each process reopens its own
-        return {k: v for k, v in self.__dict__.items() if k != "_handles"} | {"_handles": {}}
+            with self._open(shard["topk_file"]) as t:
+                topk = (t.get_slice("values")[lo:hi], t.get_slice("indices")[lo:hi].long())
+        with self._open(shard["file"]) as f:
+            return CachedRecord(
+                id=r["id"],
+                input_ids=f.get_slice("input_ids")[lo:hi].long(),
+                loss_mask=f.get_slice("loss_mask")[lo:hi],
+                context_features=f.get_slice("context_features")[lo:hi],
+                prompt_length=r["prompt_length"],
+                target_topk=topk,
+            )
 
     # -- compatibility --------------------------------------------------------------------
 
@@ -492,59 +564,73 @@ def doctor_cache(
     samples: int = 4,
     tolerance: float | None = None,
     seed: int = 0,
+    verify: bool = True,
+    checks=None,
 ) -> bool:
-    """Check a cache: manifest, every shard's size and sha256, record layout, and with a
-    target its fingerprint and the alignment of `samples` records against a fresh forward;
-    with a drafter's `layer_ids`, that they equal the cache's. Prints one line per check;
-    returns True when all pass."""
+    """Check a cache: manifest, every shard's size and (with `verify`) sha256, record layout,
+    finite features, and with a target its fingerprint and the alignment of `samples` records
+    against a fresh forward; with a drafter's `layer_ids`, that they equal the cache's. Prints
+    one line per check (`flashdraft.doctor.Checks`); returns True when all pass."""
+    from flashdraft.doctor import Checks
+
     directory = Path(directory)
-    failures: list[str] = []
-
-    def report(ok: bool, message: str) -> None:
-        print(f"{'ok  ' if ok else 'FAIL'} {message}")
-        if not ok:
-            failures.append(message)
-
+    own = checks is None
+    checks = checks or Checks()
+    rebuild = "re-run flashdraft cache with the same arguments into a new --out"
     try:
         cache = HiddenStateCache(directory, verify=False)
     except FlashdraftError as e:
-        report(False, str(e))
-        return False
-    report(True, f"{directory / MANIFEST}: {len(cache)} records, {cache.num_tokens} tokens, layers "
-                 f"{cache.layer_ids}, hidden {cache.hidden_size}, {DTYPE_NAMES[cache.dtype]}")  # fmt: skip
+        checks.fail(str(e), rebuild)
+        return checks.summary() if own else False
+    checks.about(f"hidden-state cache {directory}: {len(cache)} records, {cache.num_tokens} tokens, "
+                 f"{len(cache._shards)} shards of {cache.manifest.get('records_per_shard')} records; layers "
+                 f"{cache.layer_ids} (context-layer count {len(cache.layer_ids)}), hidden {cache.hidden_size}, "
+                 f"{DTYPE_NAMES[cache.dtype]}, target top-k {cache.topk or 'none'}")  # fmt: skip
+    completions = cache.manifest.get("completions") or {}
+    checks.about(f"fingerprints: target {cache.target_fingerprint} ({cache.manifest['target'].get('path')}), "
+                 f"completions {completions.get('file')} made by {completions.get('target_fingerprint')}")  # fmt: skip
+    checks.ok(f"{directory / MANIFEST}: shard sizes and record layout agree with the manifest")
     files = [(s["file"], s["sha256"]) for s in cache._shards]
     files += [(s["topk_file"], s["topk_sha256"]) for s in cache._shards if cache.topk]
-    bad = [name for name, sha in files if file_sha256(directory / name) != sha]
-    report(not bad, f"sha256 of {len(files)} shard files" + (f": {', '.join(bad)} differ" if bad else ""))
+    if verify:
+        bad = [name for name, sha in files if file_sha256(directory / name) != sha]
+        checks.check(not bad, f"sha256 of {len(files)} shard files" + (f": {', '.join(bad)} differ" if bad else ""),
+                     f"the files were corrupted or replaced; copy the cache again or {rebuild}")  # fmt: skip
+    else:
+        checks.about(f"sha256 of {len(files)} shard files not checked (--no-verify)")
 
-    width = len(cache.layer_ids) * cache.hidden_size
-    layout_errors = []
+    layout_errors, nonfinite = [], []
     for s in cache._shards:
-        f = cache._open(s["file"])
-        n = s["num_tokens"]
-        for name, shape, dtype in (("input_ids", [n], "I32"), ("loss_mask", [n], "BOOL"),
-                                   ("context_features", [n, width], None)):  # fmt: skip
-            sl = f.get_slice(name)
-            if sl.get_shape() != shape or (dtype and sl.get_dtype() != dtype):
-                layout_errors.append(f"{s['file']} {name} is {sl.get_shape()} {sl.get_dtype()}, expected {shape}")
+        with cache._open(s["file"]) as f:
+            for name, dtype in (("input_ids", "I32"), ("loss_mask", "BOOL")):
+                if f.get_slice(name).get_dtype() != dtype:
+                    layout_errors.append(f"{s['file']} {name} is {f.get_slice(name).get_dtype()}, expected {dtype}")
     for i in range(len(cache)):
         r = cache[i]
         expected = torch.arange(len(r.input_ids)) >= r.prompt_length
         if not torch.equal(r.loss_mask, expected) or r.context_features.dtype != cache.dtype:
             layout_errors.append(f"record {r.id}: loss mask or dtype disagrees with the manifest")
-    report(not layout_errors, "record layout (shapes, dtypes, loss masks)" + (": " + "; ".join(layout_errors[:3])
-                                                                              if layout_errors else ""))  # fmt: skip
+        try:
+            cache.features(i)
+        except FlashdraftError as e:
+            nonfinite.append(str(e).split(": ", 1)[1])
+    layout = "record layout (dtypes, loss masks)" + (": " + "; ".join(layout_errors[:3]) if layout_errors else "")
+    checks.check(not layout_errors, layout, rebuild)
+    checks.check(not nonfinite, f"context features finite in all {len(cache)} records"
+                 + (f": {len(nonfinite)} records are not; first: {nonfinite[0]}" if nonfinite else ""),
+                 rebuild + " (with --dtype bf16 if fp16 overflowed)")  # fmt: skip
 
     if layer_ids is not None:
         same = list(layer_ids) == cache.layer_ids
-        report(same, f"layer ids {cache.layer_ids} " + ("equal" if same else "differ from") +
-               f" the drafter's target_layer_ids {list(layer_ids)}")  # fmt: skip
+        checks.check(same, f"layer ids {cache.layer_ids} " + ("equal" if same else "differ from") +
+                     f" the drafter's target_layer_ids {list(layer_ids)}",
+                     f"flashdraft cache --layers {','.join(map(str, layer_ids or []))} for this drafter")  # fmt: skip
     if target is not None:
         try:
             cache.check_compatible(target)
-            report(True, f"target fingerprint {cache.target_fingerprint} and hidden size match {target.path}")
+            checks.ok(f"target fingerprint {cache.target_fingerprint} and hidden size match {target.path}")
         except FlashdraftError as e:
-            report(False, str(e))
+            checks.fail(str(e), "use the target that built the cache, or cache this target's own completions")
         else:
             tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[DTYPE_NAMES[cache.dtype]]
             picks = sorted(random.Random(seed).sample(range(len(cache)), min(samples, len(cache))))
@@ -561,11 +647,12 @@ def doctor_cache(
                     if err > tol:
                         hint = _diagnose(target, tokens, r.context_features[:, block].to(target.device), layer, tol)
                         problems.append(f"record {r.id} layer {layer}: relative error {err:.2e}{hint}")
-            report(not problems, f"alignment of {len(picks)} records with a fresh forward: worst relative error "
-                                 f"{worst:.2e} (tolerance {tol:.0e})" + ("; " + "; ".join(problems[:3])
-                                                                        if problems else ""))  # fmt: skip
-    print("all checks passed" if not failures else f"{len(failures)} check(s) failed")
-    return not failures
+            checks.check(not problems, f"alignment of {len(picks)} records with a fresh forward: worst relative "
+                         f"error {worst:.2e} (tolerance {tol:.0e})" + ("; " + "; ".join(problems[:3])
+                                                                     if problems else ""),
+                         f"the features are not this target's layers {cache.layer_ids}: {rebuild} (a cache built on "
+                         f"GPU in bf16 and checked on CPU may need a larger --tolerance)")  # fmt: skip
+    return checks.summary() if own else not checks.failures
 
 
 # -- the commands ------------------------------------------------------------------------------

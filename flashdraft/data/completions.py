@@ -31,7 +31,14 @@ import torch
 from tqdm import tqdm
 
 from flashdraft.data.distributed import Dist
-from flashdraft.data.prompts import Prompt, encode_text, render_conversation
+from flashdraft.data.prompts import (
+    Prompt,
+    describe_long_prompts,
+    encode_text,
+    fit_prompt,
+    prompt_token_limit,
+    render_conversation,
+)
 from flashdraft.errors import FlashdraftError
 from flashdraft.target import TargetModel
 
@@ -53,6 +60,12 @@ class GenerationSettings:
     backend: str = "local"  # "local" or "openai"
     base_url: str | None = None
     server_model: str | None = None
+    long_prompts: str = "error"  # prompts longer than the context minus max_new_tokens: error, skip, truncate
+
+
+# settings a resumed run may change: they decide nothing about records that fit the context
+# (a truncated record says so itself, in `prompt_truncated_from`)
+RESUMABLE_CHANGES = {"long_prompts"}
 
 
 @dataclass
@@ -64,6 +77,15 @@ class CompletionRecord:
     completion: str  # completion_ids decoded without special tokens
     stop_reason: str  # "eos" or "length"
     token_source: str = "target"  # "target" (local), "server" (ids returned) or "retokenized" (text re-encoded)
+    prompt_truncated_from: int | None = None  # the prompt's token count before --long-prompts truncate
+
+
+def record_json(record: CompletionRecord) -> str:
+    """One record as a line of the completions file (`prompt_truncated_from` only where set)."""
+    row = asdict(record)
+    if row["prompt_truncated_from"] is None:
+        del row["prompt_truncated_from"]
+    return json.dumps(row, ensure_ascii=False)
 
 
 @dataclass
@@ -170,25 +192,48 @@ def _answer_turns(
     batch: list[Prompt],
     settings: GenerationSettings,
     complete: Callable[[list[tuple[str, list[int]]]], list[tuple[list[int], str, str]]],
+    long_prompt_stats: dict[str, int] | None = None,
 ) -> list[CompletionRecord]:
     """Answer every turn of every prompt in the batch: turn k of all prompts that have it is
-    one call of `complete` ([(record id, prompt ids)] -> [(completion ids, stop reason, source)])."""
+    one call of `complete` ([(record id, prompt ids)] -> [(completion ids, stop reason, source)]).
+    A turn longer than the context (minus max_new_tokens) is refused, skipped with the prompt's
+    later turns, or truncated, by `settings.long_prompts`; `long_prompt_stats` counts them."""
     tok, use_template = target.tokenizer, settings.chat_template
+    limit = prompt_token_limit(target.context_length, settings.max_new_tokens)
+    stats = long_prompt_stats if long_prompt_stats is not None else {}
     answers: dict[str, list[str]] = {p.id: [] for p in batch}
     records: dict[str, list[CompletionRecord]] = {p.id: [] for p in batch}
+    dropped: set[str] = set()
+    truncated_from: dict[str, int] = {}
     for turn in range(max(len(p.turns) for p in batch)):
-        active = [p for p in batch if len(p.turns) > turn]
-        texts = [render_conversation(tok, p.conversation(answers[p.id]), use_template) for p in active]
-        prompt_ids = [encode_text(tok, text, use_template) for text in texts]
-        for p, ids in zip(active, prompt_ids, strict=True):
+        active, texts, prompt_ids = [], [], []
+        for p in batch:
+            if len(p.turns) <= turn or p.id in dropped:
+                continue
+            text = render_conversation(tok, p.conversation(answers[p.id]), use_template)
+            ids = encode_text(tok, text, use_template)
             if not ids:
                 raise FlashdraftError(
                     f"prompt {p.record_id(turn)!r}: encodes to no tokens; expected a non-empty prompt"
                 )
+            fitted = fit_prompt(p.record_id(turn), ids, limit, settings.long_prompts, stats, settings.prompts)
+            if fitted is None:
+                dropped.add(p.id)
+                continue
+            if len(fitted) < len(ids):  # the record's text is what the target saw: the kept tokens
+                text = tok.decode(fitted)
+                truncated_from[p.record_id(turn)] = len(ids)
+            active.append(p)
+            texts.append(text)
+            prompt_ids.append(fitted)
+        if not active:
+            continue
         results = complete([(p.record_id(turn), ids) for p, ids in zip(active, prompt_ids, strict=True)])
         for p, text, ids, (out, reason, source) in zip(active, texts, prompt_ids, results, strict=True):
             completion = tok.decode(out, skip_special_tokens=True)
-            records[p.id].append(CompletionRecord(p.record_id(turn), text, ids, out, completion, reason, source))
+            rid = p.record_id(turn)
+            records[p.id].append(CompletionRecord(rid, text, ids, out, completion, reason, source,
+                                                  truncated_from.get(rid)))  # fmt: skip
             answers[p.id].append(completion)
     return [r for p in batch for r in records[p.id]]
 
@@ -298,7 +343,7 @@ def _check_header(found: dict, expected: dict, where: str) -> None:
     if fp != want:
         raise FlashdraftError(f"{where}: made by target fingerprint {fp}, this target is {want}; use another --out")
     for key, value in expected["generation"].items():
-        if found.get("generation", {}).get(key) != value:
+        if key not in RESUMABLE_CHANGES and found.get("generation", {}).get(key) != value:
             raise FlashdraftError(
                 f"{where}: generation setting '{key}' is {found.get('generation', {}).get(key)!r}, this run uses "
                 f"{value!r}; resume with the same settings or use another --out"
@@ -388,6 +433,7 @@ def generate_completions(
     else:
         complete = local_completer(target, settings)
 
+    long_prompts: dict[str, int] = {}
     if mine:
         part = out.with_name(f"{out.name}.part{dist.rank}.jsonl")
         _cut_incomplete_line(part)
@@ -397,11 +443,14 @@ def generate_completions(
                 f.write(json.dumps(header) + "\n")
             for start in range(0, len(mine), batch_size):
                 batch = mine[start : start + batch_size]
-                records = _answer_turns(target, batch, settings, complete)
-                f.write("".join(json.dumps(asdict(r), ensure_ascii=False) + "\n" for r in records))
+                records = _answer_turns(target, batch, settings, complete, long_prompts)
+                f.write("".join(record_json(r) + "\n" for r in records))
                 f.flush()
                 os.fsync(f.fileno())
                 bar.update(len(batch))
+    note = describe_long_prompts(long_prompts, prompt_token_limit(target.context_length, settings.max_new_tokens))
+    if note:
+        print(f"{dist.prefix()}{note} (--long-prompts {settings.long_prompts})")
     dist.barrier()  # every part is complete before rank 0 merges
     if dist.is_main and (todo or _part_paths(out)):
         done = _read_existing(out, header)
@@ -451,9 +500,20 @@ def load_completions(
     refused unless allow_foreign, and token ids are checked against its vocabulary."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
+        if _part_paths(path):  # a generate run was killed before it merged its records
+            raise FlashdraftError(
+                f"{path}: not written yet, but {_part_paths(path)[0].name} exists (an unfinished flashdraft "
+                f"generate run); re-run the same generate command to finish it"
+            ) from None
         raise FlashdraftError(f"{path}: no such completions file; make one with flashdraft generate") from None
+    except (IsADirectoryError, UnicodeDecodeError) as e:
+        raise FlashdraftError(f"{path}: not a completions file ({type(e).__name__}); expected a JSON file") from None
+    if not text.strip():
+        raise FlashdraftError(f"{path}: empty file; expected a completions file from flashdraft generate")
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise FlashdraftError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); was it cut short?") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -464,8 +524,11 @@ def load_completions(
     if data.get("version") != VERSION:
         raise FlashdraftError(f"{path}: field 'version' is {data.get('version')!r}; expected {VERSION}")
     header = {k: v for k, v in data.items() if k != "records"}
-    fingerprint = header.get("target", {}).get("fingerprint")
-    vocab_size = header.get("target", {}).get("vocab_size")
+    if not isinstance(header.get("target"), dict):
+        raise FlashdraftError(f"{path}: field 'target' is {header.get('target')!r}; expected an object with "
+                              f"fingerprint and vocab_size")  # fmt: skip
+    fingerprint = header["target"].get("fingerprint")
+    vocab_size = header["target"].get("vocab_size")
     if target is not None:
         vocab_size = target.vocab_size
         if fingerprint != target.fingerprint():
@@ -473,10 +536,10 @@ def load_completions(
                 raise FlashdraftError(
                     f"{path}: made by target fingerprint {fingerprint}, but {target.path} has fingerprint "
                     f"{target.fingerprint()} (another model, or other weights); completions must come from the "
-                    f"target itself (pass --allow-foreign to use them anyway)"
+                    f"target itself (pass --allow-foreign-completions to use them anyway)"
                 )
             if not quiet:
-                print(f"{path}: made by another target ({fingerprint}); used anyway (--allow-foreign)")
+                print(f"{path}: made by another target ({fingerprint}); used anyway (--allow-foreign-completions)")
     if not isinstance(vocab_size, int):
         raise FlashdraftError(f"{path}: field 'target.vocab_size' is {vocab_size!r}; expected an integer")
     raw = data.get("records")
@@ -522,14 +585,20 @@ def run_generate(
     chat_template: bool | None = None,
     device: str | None = None,
     target_dtype: str | None = None,
+    long_prompts: str = "error",
 ) -> Path:
     """`flashdraft generate`, one rank of it under torchrun. chat_template None = use the
-    target's template where it has one."""
+    target's template where it has one; long_prompts: what to do with a prompt longer than the
+    target's context minus max_new_tokens ("error", "skip" or "truncate")."""
     from flashdraft.data.distributed import init_distributed, load_dtype, pick_device
-    from flashdraft.data.prompts import has_chat_template, load_prompts
+    from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, load_prompts
 
     if backend == "openai" and not base_url:
         raise FlashdraftError("--backend openai needs --base-url (the server, e.g. http://localhost:8000/v1)")
+    if backend != "openai" and (base_url or server_model):
+        raise FlashdraftError("--base-url and --server-model are for --backend openai; this run generates locally")
+    if long_prompts not in LONG_PROMPT_POLICIES:
+        raise FlashdraftError(f"--long-prompts {long_prompts}: expected one of {', '.join(LONG_PROMPT_POLICIES)}")
     dist = init_distributed()
     try:
         dev = pick_device(dist, "cpu" if backend == "openai" else device)
@@ -546,7 +615,7 @@ def run_generate(
         settings = GenerationSettings(
             prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
             chat_template=use_template, backend=backend, base_url=base_url,
-            server_model=client.model if client else None,
+            server_model=client.model if client else None, long_prompts=long_prompts,
         )  # fmt: skip
         return generate_completions(target, prompt_list, out, settings, batch_size, dist, client)
     finally:

@@ -207,3 +207,49 @@ def encode_text(tokenizer, text: str, use_chat_template: bool) -> list[int]:
     """Token ids of a rendered prompt. A chat template already holds the special tokens it
     wants, so none are added on top; plain text gets the tokenizer's usual ones."""
     return list(tokenizer(text, add_special_tokens=not use_chat_template)["input_ids"])
+
+
+# -- prompts longer than the target's context ------------------------------------------------
+
+LONG_PROMPT_POLICIES = ("error", "skip", "truncate")
+
+
+def prompt_token_limit(context_length: int | None, max_new_tokens: int) -> int | None:
+    """Longest prompt that leaves room for `max_new_tokens` in the target's context (None: no
+    limit known). Raises when even an empty prompt would not fit."""
+    if context_length is None:
+        return None
+    if max_new_tokens >= context_length:
+        raise FlashdraftError(
+            f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the target's context of "
+            f"{context_length} tokens (max_position_embeddings); expected fewer than {context_length}"
+        )
+    return context_length - max_new_tokens
+
+
+def fit_prompt(
+    prompt_id: str, ids: list[int], limit: int | None, policy: str, stats: dict[str, int], source: str = "--prompts"
+) -> list[int] | None:
+    """`ids` if they fit in `limit` tokens; else, by `policy` (`--long-prompts`): an error,
+    None (skip the prompt) or its last `limit` tokens (the end holds the question and the
+    generation prompt). Skips and truncations are counted in `stats`."""
+    if limit is None or len(ids) <= limit:
+        return ids
+    if policy == "skip":
+        stats["skipped"] = stats.get("skipped", 0) + 1
+        return None
+    if policy == "truncate":
+        stats["truncated"] = stats.get("truncated", 0) + 1
+        return ids[-limit:]
+    raise FlashdraftError(
+        f"{source}: prompt {prompt_id!r} has {len(ids)} tokens; expected at most {limit} (the target's context minus "
+        f"--max-new-tokens); pass --long-prompts skip or --long-prompts truncate (keeps the last {limit})"
+    )
+
+
+def describe_long_prompts(stats: dict[str, int], limit: int | None) -> str | None:
+    """One summary line for the prompts `fit_prompt` skipped or truncated, or None."""
+    parts = [f"{stats[k]} {k}" for k in ("skipped", "truncated") if stats.get(k)]
+    if not parts:
+        return None
+    return f"prompts longer than {limit} tokens (context minus --max-new-tokens): {', '.join(parts)}"

@@ -68,12 +68,21 @@ def save_checkpoint(
     for p in [*files, tmp / "checksums.json", tmp / COMPLETE, tmp / "drafter", tmp]:
         _fsync(p)
     if final.exists():  # a re-run of the same step replaces it
-        shutil.rmtree(final)
+        _remove(final)
     os.rename(tmp, final)
     _fsync(root)
     for old in complete_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old)
+        _remove(old)
     return final
+
+
+def _remove(checkpoint: Path) -> None:
+    """Delete a checkpoint so that a kill midway never leaves a COMPLETE marker beside missing
+    files: first rename it out of the step-* namespace (atomic), then delete."""
+    doomed = checkpoint.with_name(".del-" + checkpoint.name)
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(checkpoint, doomed)
+    shutil.rmtree(doomed)
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -81,7 +90,7 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     root = run_dir / CHECKPOINTS
     if not root.is_dir():
         return []
-    for stale in root.glob(".tmp-step-*"):
+    for stale in [*root.glob(".tmp-step-*"), *root.glob(".del-step-*")]:
         shutil.rmtree(stale, ignore_errors=True)
     return sorted(p for p in root.glob("step-*") if (p / COMPLETE).is_file())
 
@@ -91,18 +100,38 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def verify_checkpoint(path: Path) -> None:
-    """Raise FlashdraftError if any file differs from checksums.json."""
+def verify_checkpoint(path: Path, only: str = "") -> None:
+    """Raise FlashdraftError if any file (under `only`, e.g. "drafter/") differs from checksums.json."""
+    problems = checkpoint_problems(path, only)
+    if problems:
+        raise FlashdraftError(problems[0])
+
+
+def checkpoint_problems(path: Path, only: str = "") -> list[str]:
+    """Every file of a checkpoint (under `only`) that is missing or differs from checksums.json,
+    each with the fix; empty when all verify."""
+    fix = ("copy it again, or delete this checkpoint directory so that --resume and eval take the one "
+           "before it")  # fmt: skip
     sums_path = path / "checksums.json"
     if not sums_path.is_file():
-        raise FlashdraftError(f"{path}: no checksums.json; expected a complete flashdraft checkpoint")
-    for name, expected in json.loads(sums_path.read_text()).items():
+        return [f"{path}: no checksums.json; expected a complete flashdraft checkpoint ({fix})"]
+    try:
+        sums = json.loads(sums_path.read_text())
+    except json.JSONDecodeError as e:
+        return [f"{sums_path}: not valid JSON ({e.msg}); {fix}"]
+    problems = []
+    for name, expected in sorted(sums.items()):
+        if not name.startswith(only):
+            continue
         f = path / name
         if not f.is_file():
-            raise FlashdraftError(f"{f}: missing; checksums.json lists it")
+            problems.append(f"{f}: missing; checksums.json lists it ({fix})")
+            continue
         found = sha256_file(f)
         if found != expected:
-            raise FlashdraftError(f"{f}: sha256 {found[:12]}... differs from checksums.json {expected[:12]}...")
+            problems.append(f"{f}: sha256 {found[:12]}... differs from checksums.json {expected[:12]}... "
+                            f"(truncated or corrupted; {fix})")  # fmt: skip
+    return problems
 
 
 def load_trainer_state(path: Path, verify: bool = True) -> dict:

@@ -97,8 +97,19 @@ def lr_lambda(total_steps: int, warmup_fraction: float, min_lr_fraction: float):
 class MetricsWriter:
     """metrics.jsonl always; TensorBoard when installed; W&B when asked."""
 
-    def __init__(self, run_dir: Path, report_to: list[str], config: dict) -> None:
-        self.file = open(run_dir / "metrics.jsonl", "a")
+    def __init__(self, run_dir: Path, report_to: list[str], config: dict, start_step: int = 0) -> None:
+        path = run_dir / "metrics.jsonl"
+        # rows after the checkpoint resumed from are written again by the resumed run, and a row
+        # cut short by a kill is not a row: keep only complete rows up to start_step
+        kept = []
+        for line in path.read_text().splitlines(keepends=True) if path.exists() else []:
+            try:
+                if line.endswith("\n") and json.loads(line)["step"] <= start_step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                pass
+        path.write_text("".join(kept))
+        self.file = open(path, "a")
         self.tb = self.wandb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -178,6 +189,21 @@ def evaluate_tau(drafter: DFlashDrafter, target: TargetModel, records: list, max
     return {"eval_tau": result.tau, "eval_tau_prompt_mean": result.tau_prompt_mean, "eval_tau_steps": result.num_steps}
 
 
+def _nonfinite_input(micro_batches: list[Batch], records) -> str:
+    """Where a NaN/Inf loss came from when the input itself holds NaN/Inf context features
+    (a damaged cache), as a clause for the error; empty when the input is finite."""
+    for batch in micro_batches:
+        bad = ~torch.isfinite(batch.context_features)  # [N, T, n * H]
+        if bad.any():
+            row, token, _ = (int(x) for x in bad.nonzero()[0])
+            index = batch.record_indices[row]
+            name = getattr(records[index], "id", index)
+            where = f" of {records.directory}" if hasattr(records, "directory") else ""
+            return (f": record {name!r} (index {index}){where} has NaN/Inf context features at token {token}; the "
+                    f"data is damaged, check it with flashdraft doctor")  # fmt: skip
+    return ""
+
+
 def train(
     cfg: TrainConfig,
     drafter: DFlashDrafter,
@@ -190,6 +216,7 @@ def train(
     info: D.DistInfo | None = None,
     on_step=None,
     eval_tau_records: list | None = None,
+    verify: bool = True,
 ) -> DFlashDrafter:
     """Train `drafter` on `records` (cache or online records) into `run_dir`.
 
@@ -249,7 +276,7 @@ def train(
                 if info.is_main:
                     print(f"--resume: no complete checkpoint in {run_dir}; starting from step 0", flush=True)
             else:
-                state = load_trainer_state(last)
+                state = load_trainer_state(last, verify=verify)
                 if state["num_records"] != len(records) or state["world_size"] != info.world_size:
                     raise FlashdraftError(
                         f"{last}: saved with {state['num_records']} records on {state['world_size']} ranks; this "
@@ -274,7 +301,7 @@ def train(
                 save_checkpoint(run_dir, step, dcfg, full, trainer_state, cfg.keep_checkpoints)
             D.barrier()
 
-        writer = MetricsWriter(run_dir, list(report_to), config_dict) if info.is_main else None
+        writer = MetricsWriter(run_dir, list(report_to), config_dict, start_step) if info.is_main else None
         bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, desc="train",
                    disable=not info.is_main, dynamic_ncols=True)  # fmt: skip
         window = {"loss": 0.0, "weight": 0.0, "correct": 0.0, "count": 0.0, "tokens": 0, "t0": time.perf_counter()}
@@ -310,8 +337,9 @@ def train(
             step_loss = float(D.all_reduce_sum(step_loss)) / weight_total
             if not math.isfinite(step_loss):
                 raise FlashdraftError(
-                    f"step {step}: loss is {step_loss} on records {global_indices} (epoch {epoch}); "
-                    f"stopped, last good checkpoint kept in {run_dir / 'checkpoints'}"
+                    f"step {step}: loss is {step_loss} on records {global_indices} (epoch {epoch})"
+                    f"{_nonfinite_input(micro_batches, records)}; stopped, last good checkpoint kept in "
+                    f"{run_dir / 'checkpoints'}"
                 )
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
             optimizer.step()

@@ -11,9 +11,10 @@ import torch
 from flashdraft.checkpoint import load_drafter
 from flashdraft.drafter_init import new_drafter_for_target
 from flashdraft.errors import FlashdraftError
+from flashdraft.evaluate import check_drafter_matches_target
 from flashdraft.target import TargetModel
 from flashdraft.train import distributed as D
-from flashdraft.train.checkpointing import latest_checkpoint
+from flashdraft.train.checkpointing import latest_checkpoint, verify_checkpoint
 from flashdraft.train.data import OnlineRecords
 from flashdraft.train.loop import TrainConfig, train
 
@@ -49,18 +50,34 @@ def load_records(target: TargetModel, layer_ids: list[int], cached: str | None, 
     return OnlineRecords(sequences, target, layer_ids), _digest(Path(completions))
 
 
-def eval_tau_records(cached: str | None, completions: str | None, target: TargetModel, allow_foreign: bool) -> list:
+def eval_tau_records(
+    cached: str | None, completions: str | None, target: TargetModel, allow_foreign: bool, verify: bool = True
+) -> list:
     """Held-out records for the real τ (the offline evaluator)."""
     from flashdraft.evaluate import EvalRecord, records_from_cache
 
     if cached:
         from flashdraft.data.cache import HiddenStateCache
 
-        return records_from_cache(HiddenStateCache(cached))
+        return records_from_cache(HiddenStateCache(cached, verify=verify))
     from flashdraft.data.completions import load_completions
 
     comps = load_completions(completions, target, allow_foreign=allow_foreign, quiet=True)
     return [EvalRecord(r.id, r.prompt_ids, r.completion_ids) for r in comps.records]
+
+
+def _check_agrees(config, source: str, **given) -> None:
+    """Options given with an existing drafter must say what its config says: a silently
+    ignored --block-size would train (and report) something other than what was asked."""
+    found = {"draft_layers": config.num_hidden_layers, "block_size": config.block_size,
+             "mask_token_id": config.mask_token_id, "target_layer_ids": config.target_layer_ids}  # fmt: skip
+    for name, value in given.items():
+        if value is not None and value != found[name]:
+            flag = "--" + name.replace("_", "-")
+            raise FlashdraftError(
+                f"{flag} {value} conflicts with {source}, whose config.json has {found[name]}; drop {flag} "
+                f"(the drafter's config decides) or start a new run without it"
+            )
 
 
 def run_training(
@@ -70,8 +87,8 @@ def run_training(
     cached_hidden_states: str | None = None,
     completions: str | None = None,
     init: str | None = None,
-    draft_layers: int = 1,
-    block_size: int = 16,
+    draft_layers: int | None = None,
+    block_size: int | None = None,
     mask_token_id: int | None = None,
     target_layer_ids: list[int] | None = None,
     eval_cached_hidden_states: str | None = None,
@@ -80,7 +97,12 @@ def run_training(
     report_to: tuple[str, ...] = (),
     allow_foreign: bool = False,
     device: str | None = None,
+    verify: bool = True,
 ) -> Path:
+    """`flashdraft train`. The drafter is the newest complete checkpoint (`resume`), else `init`,
+    else a fresh one shaped by draft_layers (1), block_size (16), mask_token_id and
+    target_layer_ids; given with a checkpoint or `init`, these must agree with its config.
+    `verify`: check the sha256 of caches and of the checkpoint resumed from."""
     if bool(cached_hidden_states) == bool(completions):
         raise FlashdraftError("give exactly one of --cached-hidden-states (offline) or --completions (online)")
     info = D.init_distributed(device)
@@ -89,23 +111,31 @@ def run_training(
         run_dir = Path(out)
         last = latest_checkpoint(run_dir) if resume else None
         if last is not None:
+            if verify:
+                verify_checkpoint(last, only="drafter/")  # the loop verifies the rest with the optimizer state
             drafter = load_drafter(last / "drafter")  # weights are restored again by the loop, with the optimizer
+            source = f"{last / 'drafter'} (--resume)"
         elif init:
-            drafter = load_drafter(init)
+            drafter, source = load_drafter(init), f"{init} (--init)"
         else:
-            drafter = new_drafter_for_target(
-                target, draft_layers, block_size, mask_token_id, target_layer_ids, seed=cfg.seed
-            )
+            drafter = new_drafter_for_target(target, draft_layers or 1, block_size or 16, mask_token_id,
+                                             target_layer_ids, seed=cfg.seed)  # fmt: skip
+            source = None
+        if source is not None:
+            check_drafter_matches_target(drafter.config, target, source)
+            _check_agrees(drafter.config, source, draft_layers=draft_layers, block_size=block_size,
+                          mask_token_id=mask_token_id, target_layer_ids=target_layer_ids)  # fmt: skip
         layer_ids = drafter.config.target_layer_ids
         records, cfg.data_fingerprint = load_records(
-            target, layer_ids, cached_hidden_states, completions, allow_foreign
+            target, layer_ids, cached_hidden_states, completions, allow_foreign, verify
         )
         eval_records = tau_records = None
         if eval_cached_hidden_states or eval_completions:
             eval_records, _ = load_records(
-                target, layer_ids, eval_cached_hidden_states, eval_completions, allow_foreign
+                target, layer_ids, eval_cached_hidden_states, eval_completions, allow_foreign, verify
             )
-            tau_records = eval_tau_records(eval_cached_hidden_states, eval_completions, target, allow_foreign)
+            tau_records = eval_tau_records(eval_cached_hidden_states, eval_completions, target, allow_foreign,
+                                           verify)  # fmt: skip
         if info.is_main:
             print(
                 f"target {target.path}: {target.num_layers} layers, linear-attention backend {target.linear_backend}; "
@@ -115,7 +145,7 @@ def run_training(
                 flush=True,
             )
         train(cfg, drafter, target, records, run_dir, resume=resume, eval_records=eval_records,
-              report_to=report_to, info=info, eval_tau_records=tau_records)  # fmt: skip
+              report_to=report_to, info=info, eval_tau_records=tau_records, verify=verify)  # fmt: skip
         final = latest_checkpoint(run_dir)
         if info.is_main:
             print(f"done: drafter in {final / 'drafter'}", flush=True)

@@ -1,0 +1,485 @@
+"""Every bad input a user can hand the CLI ends in exit code 2 and one line on stderr naming the
+file, field or tensor, what was found and what was expected (`--debug` shows the traceback).
+Valid records next to invalid ones are still counted and used where the command allows it.
+
+One module-level set of files (a tiny random target saved as a user has it, its completions,
+their cache and a drafter) is made once; each test damages a copy of what it needs."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flashdraft.checkpoint import save_drafter
+from flashdraft.cli import main
+from flashdraft.data.cache import file_sha256
+from flashdraft.errors import FlashdraftError
+from tests.conftest import make_drafter, make_hf_model, make_tokenizer
+
+PROGRESS_BAR = re.compile(r"\d+%\|")  # tqdm's lines on stderr are progress, not messages
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def refused(capsys, *argv) -> str:
+    """Run the CLI, require exit 2 with exactly one message line, and return it."""
+    rc, out, err = run(capsys, *argv)
+    lines = [line for line in err.splitlines() if line.strip() and not PROGRESS_BAR.search(line)]
+    assert rc == 2, f"exit {rc}\nstdout: {out[-2000:]}\nstderr: {err[-2000:]}"
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+def save_target(directory: Path, embed_scale: float = 1.0) -> Path:
+    model = make_hf_model("qwen3")
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(embed_scale)
+    model.save_pretrained(directory)
+    make_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("errors")
+    target = save_target(root / "target")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": " ".join(f"t{(5 * i + k) % 60}" for k in
+                                                                              range(4 + i))}) + "\n"
+                               for i in range(5)))  # fmt: skip
+    assert main(["generate", "--target-model", str(target), "--prompts", str(prompts), "--out", str(root / "c.json"),
+                 "--max-new-tokens", "12"]) == 0  # fmt: skip
+    assert main(["cache", "--target-model", str(target), "--completions", str(root / "c.json"), "--out",
+                 str(root / "cache"), "--layers", "0,2", "--dtype", "fp32",
+                 "--records-per-shard", "2"]) == 0  # fmt: skip
+    save_drafter(make_drafter(), root / "drafter")  # layers [0, 2] of 4, block size 8, mask token 63
+    return {"root": root, "target": target, "prompts": prompts, "completions": root / "c.json",
+            "cache": root / "cache", "drafter": root / "drafter"}  # fmt: skip
+
+
+def eval_args(files, checkpoint, **source) -> list:
+    src = source or {"completions": files["completions"]}
+    flags = [x for k, v in src.items() for x in (f"--{k.replace('_', '-')}", v)]
+    return ["eval", "--checkpoint", checkpoint, "--target-model", files["target"], "--max-blocks", 2, *flags]
+
+
+def train_args(files, out, *source, layer_ids: str = "0,2") -> list:
+    return ["train", "--target-model", files["target"], "--out", out, "--max-steps", 1, "--batch-size", 2,
+            "--num-anchors", 4, "--block-size", 4, "--target-layer-ids", layer_ids, *source]  # fmt: skip
+
+
+# -- drafters ---------------------------------------------------------------------------------------
+
+
+def _state_edit(edit):
+    def damage(d: Path) -> None:
+        state = load_file(d / "model.safetensors")
+        edit(state)
+        save_file(state, str(d / "model.safetensors"))
+
+    return damage
+
+
+def _config_edit(edit):
+    def damage(d: Path) -> None:
+        config = json.loads((d / "config.json").read_text())
+        edit(config)
+        (d / "config.json").write_text(json.dumps(config))
+
+    return damage
+
+
+def _truncate(d: Path) -> None:
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+DRAFTER_DAMAGE = {
+    "missing tensor": (_state_edit(lambda s: s.pop("layers.1.mlp.up_proj.weight")),
+                       "tensor 'layers.1.mlp.up_proj.weight' is missing; expected shape [128, 64]"),
+    "unexpected tensor": (_state_edit(lambda s: s.update({"embed_tokens.weight": torch.zeros(64, 64)})),
+                          "unexpected tensor 'embed_tokens.weight' with shape [64, 64]"),
+    "mis-shaped tensor": (_state_edit(lambda s: s.update({"layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)})),
+                          "tensor 'layers.0.self_attn.k_proj.weight' has shape [64, 64]; expected [32, 64]"),
+    "fc not a multiple of hidden": (_state_edit(lambda s: s.update({"fc.weight": torch.zeros(64, 100)})),
+                                    "in_features 100 is not a multiple of hidden_size 64"),
+    "fc not matching target_layer_ids": (_state_edit(lambda s: s.update({"fc.weight": torch.zeros(64, 192)})),
+                                         "shape [64, 192] (3 context layers) but the config's target_layer_ids "
+                                         "[0, 2] need [64, 128]"),
+    "mask token out of range": (_config_edit(lambda c: c["dflash_config"].update(mask_token_id=64)),
+                                "field 'dflash_config.mask_token_id' is 64; expected a token id in 0..63"),
+    "block size < 2": (_config_edit(lambda c: c.update(block_size=1)),
+                       "field 'block_size' is 1; expected an integer >= 2"),
+    "unknown layer type": (_config_edit(lambda c: c.update(layer_types=["full_attention", "banded"])),
+                           "field 'layer_types' is 'banded'; expected one of full_attention, sliding_attention"),
+    "not a DFlash config": (_config_edit(lambda c: c.pop("dflash_config")), "field 'dflash_config' is None"),
+    "config not JSON": (lambda d: (d / "config.json").write_text("{"), "config.json: not valid JSON"),
+    "no config.json": (lambda d: (d / "config.json").unlink(), "no config.json; expected a drafter directory"),
+    "truncated safetensors": (_truncate, "model.safetensors: not a readable safetensors file (truncated or corrupt"),
+    "corrupt safetensors": (lambda d: (d / "model.safetensors").write_bytes(b"\x07" * 64),
+                            "model.safetensors: not a readable safetensors file (truncated or corrupt"),
+    "no weights": (lambda d: (d / "model.safetensors").unlink(),
+                   "no model.safetensors or model.safetensors.index.json; expected the drafter's weights there"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DRAFTER_DAMAGE)
+def test_a_damaged_drafter_is_refused_naming_file_and_tensor_or_field(files, tmp_path, capsys, case):
+    damage, expected = DRAFTER_DAMAGE[case]
+    drafter = shutil.copytree(files["drafter"], tmp_path / "d")
+    damage(drafter)
+    line = refused(capsys, *eval_args(files, drafter))
+    assert str(drafter) in line and expected in line, line
+
+
+FOREIGN_DRAFTERS = {
+    "hidden_size": (dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64),
+                    "field 'hidden_size' is 32; expected 64 (the target's hidden size)"),
+    "vocab_size": (dict(vocab_size=128), "field 'vocab_size' is 128; expected 64 (the target's LM head rows)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["eval", "speculate", "train --init"])
+@pytest.mark.parametrize("field", FOREIGN_DRAFTERS)
+def test_a_drafter_made_for_another_target_is_refused(files, tmp_path, capsys, command, field):
+    overrides, expected = FOREIGN_DRAFTERS[field]
+    save_drafter(make_drafter(**overrides), tmp_path / "d")
+    argv = {
+        "eval": eval_args(files, tmp_path / "d"),
+        "speculate": ["speculate", "--target-model", files["target"], "--checkpoint", tmp_path / "d", "--prompt",
+                      "t1 t2"],
+        "train --init": ["train", "--target-model", files["target"], "--init", tmp_path / "d", "--out",
+                         tmp_path / "run", "--completions", files["completions"]],
+    }[command]  # fmt: skip
+    line = refused(capsys, *argv)
+    assert str(tmp_path / "d") in line and expected in line and "made for another target" in line, line
+
+
+def test_debug_shows_the_traceback(files, tmp_path, capsys):
+    drafter = shutil.copytree(files["drafter"], tmp_path / "d")
+    (drafter / "model.safetensors").unlink()
+    with pytest.raises(FlashdraftError, match="no model.safetensors"):
+        main(["--debug", *map(str, eval_args(files, drafter))])
+
+
+# -- completions ------------------------------------------------------------------------------------
+
+
+def _json_edit(edit):
+    def damage(path: Path) -> None:
+        data = json.loads(path.read_text())
+        edit(data)
+        path.write_text(json.dumps(data))
+
+    return damage
+
+
+COMPLETIONS_DAMAGE = {
+    "not JSON": (lambda p: p.write_text(p.read_text()[:300]), "not valid JSON"),
+    "empty file": (lambda p: p.write_text(""), "empty file; expected a completions file from flashdraft generate"),
+    "other format": (_json_edit(lambda d: d.update(format="other")),
+                     "field 'format' is 'other'; expected 'flashdraft.completions'"),
+    "other version": (_json_edit(lambda d: d.update(version=9)), "field 'version' is 9; expected 1"),
+    "records not a list": (_json_edit(lambda d: d.update(records="x")), "field 'records' is str; expected a list"),
+    "no target header": (_json_edit(lambda d: d.pop("target")), "field 'target' is None; expected an object"),
+    "no records": (_json_edit(lambda d: d.update(records=[])), "no valid records (of 0)"),
+    "every id out of vocabulary": (
+        _json_edit(lambda d: [r.update(completion_ids=[1, 64]) for r in d["records"]]), "no valid records (of 5)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["eval", "cache", "train"])
+@pytest.mark.parametrize("case", COMPLETIONS_DAMAGE)
+def test_a_bad_completions_file_is_refused(files, tmp_path, capsys, case, command):
+    damage, expected = COMPLETIONS_DAMAGE[case]
+    path = Path(shutil.copy(files["completions"], tmp_path / "c.json"))
+    damage(path)
+    argv = {
+        "eval": eval_args(files, files["drafter"], completions=path),
+        "cache": ["cache", "--target-model", files["target"], "--completions", path, "--out", tmp_path / "cache"],
+        "train": train_args(files, tmp_path / "run", "--completions", path),
+    }[command]
+    line = refused(capsys, *argv)
+    assert str(path) in line and expected in line, line
+
+
+def test_records_out_of_vocabulary_are_skipped_and_the_rest_counted_and_used(files, tmp_path, capsys):
+    path = Path(shutil.copy(files["completions"], tmp_path / "c.json"))
+    _json_edit(lambda d: d["records"][1].update(completion_ids=[3, 70, 5]))(path)
+    rc, out, err = run(capsys, *eval_args(files, files["drafter"], completions=path), "--json", tmp_path / "e.json")
+    assert rc == 0, err
+    assert "c.json: 4 of 5 records valid" in out
+    assert "skipped q1: completion_ids has 1 ids outside the vocabulary 0..63 (first: 70)" in out
+    assert [p["id"] for p in json.loads((tmp_path / "e.json").read_text())["per_prompt"]] == ["q0", "q2", "q3", "q4"]
+    rc, out, err = run(capsys, "cache", "--target-model", files["target"], "--completions", path, "--out",
+                       tmp_path / "cache")  # fmt: skip
+    assert rc == 0, err
+    assert json.loads((tmp_path / "cache" / "manifest.json").read_text())["num_records"] == 4
+
+
+@pytest.mark.parametrize("command", ["eval", "cache", "train"])
+def test_completions_of_another_target_are_refused_unless_allowed(files, tmp_path, capsys, command):
+    path = Path(shutil.copy(files["completions"], tmp_path / "c.json"))
+    _json_edit(lambda d: d["target"].update(fingerprint="0123456789abcdef"))(path)
+    argv = {
+        "eval": eval_args(files, files["drafter"], completions=path),
+        "cache": ["cache", "--target-model", files["target"], "--completions", path, "--out", tmp_path / "cache"],
+        "train": train_args(files, tmp_path / "run", "--completions", path),
+    }[command]
+    line = refused(capsys, *argv)
+    assert str(path) in line and "made by target fingerprint 0123456789abcdef" in line
+    assert "pass --allow-foreign-completions" in line
+    rc, out, err = run(capsys, *argv, "--allow-foreign-completions")
+    assert rc == 0, err
+    assert "made by another target (0123456789abcdef); used anyway" in out
+
+
+# -- caches -----------------------------------------------------------------------------------------
+
+
+def _manifest_edit(edit):
+    def damage(cache: Path) -> None:
+        manifest = json.loads((cache / "manifest.json").read_text())
+        edit(manifest)
+        (cache / "manifest.json").write_text(json.dumps(manifest))
+
+    return damage
+
+
+def _flip_last_byte(cache: Path) -> None:
+    shard = cache / "shard-00001.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+
+
+def _shorter_records(manifest: dict) -> None:
+    """The manifest lists one token fewer for shard 0 than its file holds."""
+    last = [r for r in manifest["records"] if r["shard"] == 0][-1]
+    last["length"] -= 1
+    manifest["shards"][0]["num_tokens"] -= 1
+    manifest["num_tokens"] -= 1
+
+
+CACHE_DAMAGE = {
+    "another target": (_manifest_edit(lambda m: m["target"].update(fingerprint="0123456789abcdef")),
+                       "manifest.json: cache made by target fingerprint 0123456789abcdef"),
+    "missing shard": (lambda c: (c / "shard-00001.safetensors").unlink(),
+                      "shard-00001.safetensors: missing; manifest.json lists it"),
+    "truncated shard": (lambda c: (c / "shard-00001.safetensors").write_bytes(
+                            (c / "shard-00001.safetensors").read_bytes()[:-100]),
+                        "bytes, manifest.json says"),
+    "checksum mismatch": (_flip_last_byte, "shard-00001.safetensors: sha256 differs from manifest.json"),
+    "a record longer than its shard": (_manifest_edit(lambda m: m["records"][1].update(length=m["records"][1]["length"]
+                                                                                        + 1)),
+                                       "manifest.json: the records of shard-00000.safetensors hold"),
+    "a shard longer than its records": (_manifest_edit(_shorter_records),
+                                        "shard-00000.safetensors: tensor 'input_ids' has shape"),
+    "unfinished run": (lambda c: ((c / "manifest.json").unlink(), (c / ".progress").mkdir()),
+                       "no manifest.json; not a finished hidden-state cache (an unfinished run: re-run flashdraft "
+                       "cache)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["eval", "train"])
+@pytest.mark.parametrize("case", CACHE_DAMAGE)
+def test_a_bad_cache_is_refused(files, tmp_path, capsys, case, command):
+    damage, expected = CACHE_DAMAGE[case]
+    cache = shutil.copytree(files["cache"], tmp_path / "cache")
+    damage(cache)
+    argv = {
+        "eval": eval_args(files, files["drafter"], cached_hidden_states=cache),
+        "train": train_args(files, tmp_path / "run", "--cached-hidden-states", cache),
+    }[command]
+    line = refused(capsys, *argv)
+    assert str(cache) in line and expected in line, line
+
+
+def test_a_bit_flip_passes_with_no_verify_and_is_caught_without(files, tmp_path, capsys):
+    cache = shutil.copytree(files["cache"], tmp_path / "cache")
+    _flip_last_byte(cache)
+    refused(capsys, *eval_args(files, files["drafter"], cached_hidden_states=cache))
+    rc, out, err = run(capsys, *eval_args(files, files["drafter"], cached_hidden_states=cache), "--no-verify")
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("command", ["eval", "train"])
+def test_a_cache_for_other_layer_ids_is_refused(files, tmp_path, capsys, command):
+    save_drafter(make_drafter(target_layer_ids=[1, 2]), tmp_path / "d")
+    if command == "eval":
+        line = refused(capsys, *eval_args(files, tmp_path / "d", cached_hidden_states=files["cache"]))
+        assert "holds target layers [0, 2]; the drafter needs target_layer_ids [1, 2]" in line
+    else:
+        line = refused(capsys, *train_args(files, tmp_path / "run", "--cached-hidden-states", files["cache"],
+                                           layer_ids="1,2"))  # fmt: skip
+        assert "cache holds layer ids [0, 2], the drafter's target_layer_ids are [1, 2]" in line
+    assert str(files["cache"]) in line
+
+
+def _poison(cache: Path) -> None:
+    """NaN in one feature of every record, stored with a matching checksum (a cache made by a
+    tool that did not refuse it)."""
+    manifest = json.loads((cache / "manifest.json").read_text())
+    layer_width = manifest["hidden_size"]
+    for shard in manifest["shards"]:
+        tensors = load_file(cache / shard["file"])
+        for r in manifest["records"]:
+            if r["shard"] == shard["index"]:
+                tensors["context_features"][r["offset"] + 3, layer_width + 5] = float("nan")
+        save_file(tensors, str(cache / shard["file"]))
+        shard["bytes"], shard["sha256"] = (cache / shard["file"]).stat().st_size, file_sha256(cache / shard["file"])
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_nan_features_in_a_cache_are_refused_naming_file_record_layer_and_token(files, tmp_path, capsys):
+    cache = shutil.copytree(files["cache"], tmp_path / "cache")
+    _poison(cache)
+    line = refused(capsys, *eval_args(files, files["drafter"], cached_hidden_states=cache))
+    where = cache / "shard-00000.safetensors"
+    assert f"{where}: record 'q0' has NaN/Inf context features at token 3 of layer 2" in line
+    line = refused(capsys, *train_args(files, tmp_path / "run", "--cached-hidden-states", cache))
+    assert re.search(r"step 0: loss is nan on records .*: record 'q\d' \(index \d\) of .*cache has NaN/Inf context "
+                     r"features at token 3", line), line  # fmt: skip
+
+
+def test_features_that_overflow_the_cache_dtype_are_refused_when_caching(files, tmp_path, capsys):
+    loud = save_target(tmp_path / "loud", embed_scale=1e7)  # hidden states far beyond fp16's 65504
+    rc, out, err = run(capsys, "generate", "--target-model", loud, "--prompts", files["prompts"], "--out",
+                       tmp_path / "c.json", "--max-new-tokens", 3, "--num-prompts", 2)  # fmt: skip
+    assert rc == 0, err
+    line = refused(capsys, "cache", "--target-model", loud, "--completions", tmp_path / "c.json", "--out",
+                   tmp_path / "cache", "--layers", "0", "--dtype", "fp16")  # fmt: skip
+    assert "record 'q0': context features of layer 0 are NaN/Inf at token 0 (stored as float16)" in line
+    assert "try --dtype bf16" in line
+
+
+# -- prompts ----------------------------------------------------------------------------------------
+
+
+def generate_args(files, prompts, out, *extra) -> list:
+    return ["generate", "--target-model", files["target"], "--prompts", prompts, "--out", out,
+            "--max-new-tokens", 8, *extra]  # fmt: skip
+
+
+PROMPT_DAMAGE = {
+    "empty file": ("p.jsonl", "", "no prompts found"),
+    "unknown file type": ("p.txt", "t1 t2\n", "unknown prompt file type '.txt'; expected .jsonl, .json, .parquet"),
+    "not JSON": ("p.jsonl", '{"prompt": "t1"}\n{"prompt":\n', "p.jsonl:2: not valid JSON"),
+    "unknown row format": ("p.jsonl", '{"text": "t1"}\n', "p.jsonl:1: no 'prompt', 'messages' or 'turns' field"),
+}
+
+
+@pytest.mark.parametrize("case", PROMPT_DAMAGE)
+def test_a_bad_prompt_file_is_refused(files, tmp_path, capsys, case):
+    name, text, expected = PROMPT_DAMAGE[case]
+    (tmp_path / name).write_text(text)
+    line = refused(capsys, *generate_args(files, tmp_path / name, tmp_path / "c.json"))
+    assert str(tmp_path / name) in line and expected in line, line
+
+
+@pytest.fixture
+def long_prompts(tmp_path) -> Path:
+    """Three prompts; the middle one longer than the target's 512 positions minus 8 new tokens."""
+    rows = [{"id": "short", "prompt": "t1 t2 t3"}, {"id": "long", "prompt": " ".join(f"t{k % 60}" for k in range(600))},
+            {"id": "also-short", "prompt": "t4 t5"}]  # fmt: skip
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_prompt_longer_than_the_context_is_an_error_by_default(files, tmp_path, capsys, long_prompts):
+    line = refused(capsys, *generate_args(files, long_prompts, tmp_path / "c.json"))
+    expected = f"{long_prompts}: prompt 'long' has 600 tokens; expected at most 504 (the target's context minus "
+    assert expected + "--max-new-tokens)" in line
+    assert "--long-prompts skip" in line
+    line = refused(capsys, "eval", "--checkpoint", files["drafter"], "--target-model", files["target"], "--prompts",
+                   long_prompts, "--max-new-tokens", 8)  # fmt: skip
+    assert f"{long_prompts}: prompt 'long' has 600 tokens; expected at most 504" in line
+
+
+def test_long_prompts_skip_and_truncate_are_counted(files, tmp_path, capsys, long_prompts):
+    rc, out, err = run(capsys, *generate_args(files, long_prompts, tmp_path / "s.json", "--long-prompts", "skip"))
+    assert rc == 0, err
+    assert "prompts longer than 504 tokens (context minus --max-new-tokens): 1 skipped (--long-prompts skip)" in out
+    assert [r["id"] for r in json.loads((tmp_path / "s.json").read_text())["records"]] == ["short", "also-short"]
+
+    rc, out, err = run(capsys, *generate_args(files, long_prompts, tmp_path / "t.json", "--long-prompts", "truncate"))
+    assert rc == 0, err
+    assert "1 truncated (--long-prompts truncate)" in out
+    long = json.loads((tmp_path / "t.json").read_text())["records"][1]
+    assert long["id"] == "long" and len(long["prompt_ids"]) == 504 and long["prompt_truncated_from"] == 600
+    assert long["prompt_ids"] == [k % 60 for k in range(600)][-504:]  # the end of the prompt is kept
+
+    rc, out, err = run(capsys, "eval", "--checkpoint", files["drafter"], "--target-model", files["target"],
+                       "--prompts", long_prompts, "--max-new-tokens", 8, "--long-prompts", "skip")  # fmt: skip
+    assert rc == 0, err
+    assert "1 skipped (--long-prompts skip)" in out and "records: 2 valid of 2" in out
+
+
+# -- flags ------------------------------------------------------------------------------------------
+
+BAD_FLAGS = {
+    "init block size": (["init", "--target-model", "T", "--out", "D", "--block-size", "1"],
+                        "argument --block-size: expected an integer >= 2"),
+    "eval block size": (["eval", "--checkpoint", "D", "--target-model", "T", "--prompts", "P", "--block-size", "0"],
+                        "argument --block-size: expected an integer >= 2"),
+    "speculate block size": (["speculate", "--target-model", "T", "--checkpoint", "D", "--prompt", "x",
+                              "--block-size", "x"], "argument --block-size: expected an integer >= 2"),
+    "train block size": (["train", "--target-model", "T", "--out", "O", "--completions", "C", "--block-size", "1"],
+                         "argument --block-size: expected an integer >= 2"),
+    "generate num prompts": (["generate", "--target-model", "T", "--prompts", "P", "--out", "O", "--num-prompts", "0"],
+                             "argument --num-prompts: expected a positive integer, found 0"),
+    "eval num prompts": (["eval", "--checkpoint", "D", "--target-model", "T", "--prompts", "P", "--num-prompts", "-3"],
+                         "argument --num-prompts: expected a positive integer, found -3"),
+    "cache num prompts": (["cache", "--target-model", "T", "--completions", "C", "--out", "O", "--num-prompts", "x"],
+                          "argument --num-prompts: expected a positive integer, found 'x'"),
+    "eval max blocks": (["eval", "--checkpoint", "D", "--target-model", "T", "--prompts", "P", "--max-blocks", "0"],
+                        "argument --max-blocks: expected a positive integer, found 0"),
+    "generate temperature": (["generate", "--target-model", "T", "--prompts", "P", "--out", "O", "--temperature",
+                              "-0.5"], "argument --temperature: expected a finite number >= 0 (0 = greedy), found "
+                                       "-0.5"),
+    "eval temperature": (["eval", "--checkpoint", "D", "--target-model", "T", "--prompts", "P", "--online",
+                          "--temperature", "nan"], "argument --temperature: expected a finite number >= 0"),
+    "cache layers": (["cache", "--target-model", "T", "--completions", "C", "--out", "O", "--layers", "1,1"],
+                     "argument --layers: expected distinct layer ids >= 0 such as 1,6,11; found '1,1'"),
+    "train both sources": (["train", "--target-model", "T", "--out", "O", "--completions", "C",
+                            "--cached-hidden-states", "X"], "argument --cached-hidden-states: not allowed with "
+                                                            "argument --completions"),
+    "missing required": (["init", "--out", "D"],
+                         "flashdraft init: the following arguments are required: --target-model"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_FLAGS)
+def test_a_flag_out_of_range_is_one_line(capsys, case):
+    argv, expected = BAD_FLAGS[case]
+    line = refused(capsys, *argv)
+    assert expected in line and line.endswith("--help)"), line
+
+
+def test_conflicting_options_are_refused(files, tmp_path, capsys):
+    line = refused(capsys, *eval_args(files, files["drafter"], completions=files["completions"],
+                                      cached_hidden_states=files["cache"]))  # fmt: skip
+    assert "give exactly one record source" in line and "(found 2)" in line
+    line = refused(capsys, "cache", "--target-model", files["target"], "--completions", files["completions"],
+                   "--out", tmp_path / "c", "--layers", "0", "--draft-config", files["drafter"])  # fmt: skip
+    assert "give --layers or --draft-config, not both" in line
+    line = refused(capsys, "train", "--target-model", files["target"], "--init", files["drafter"], "--out",
+                   tmp_path / "run", "--completions", files["completions"], "--block-size", "4")  # fmt: skip
+    assert f"--block-size 4 conflicts with {files['drafter']} (--init), whose config.json has 8" in line
+    line = refused(capsys, *generate_args(files, files["prompts"], tmp_path / "c.json", "--base-url", "http://x"))
+    assert "--base-url and --server-model are for --backend openai" in line
+    line = refused(capsys, *eval_args(files, files["drafter"]), "--temperature", "0.7")
+    assert "--temperature 0.7: offline τ and --check-consistency are defined for greedy decoding" in line
