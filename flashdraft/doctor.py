@@ -382,12 +382,10 @@ def check_completions(path: Path, target: TargetModel | None, drafter_cfg, check
 
     regenerate = "re-run flashdraft generate into a new --out"
     parts = _part_paths(path)
-    checks.check(
-        not parts,
-        "no unfinished generate run" + (f": {', '.join(p.name for p in parts)} exist" if parts else ""),
-        "re-run the same flashdraft generate command to finish and merge them",
-    )
+    finish = "re-run the same flashdraft generate command to finish and merge them"
     if not path.exists():
+        names = ", ".join(p.name for p in parts)
+        checks.fail(f"{path}: not written yet, but {names} exist (an unfinished run)", finish)
         return
     try:
         data = json.loads(path.read_text())
@@ -396,17 +394,16 @@ def check_completions(path: Path, target: TargetModel | None, drafter_cfg, check
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise FlashdraftError(f"{path}: field 'format' is {found!r}; expected {FORMAT!r} (a completions file)")
-    checks.check(
-        data.get("version") == VERSION,
-        f"version {data.get('version')!r}",
-        f"this flashdraft reads version {VERSION}; {regenerate}",
-    )
     head = data.get("target") if isinstance(data.get("target"), dict) else {}
     gen = data.get("generation") if isinstance(data.get("generation"), dict) else {}
     records = data.get("records") if isinstance(data.get("records"), list) else []
     checks.about(f"completions file {path}: {len(records)} records, token ids from {data.get('token_ids')}")
     checks.about(f"fingerprints: target {head.get('fingerprint')} ({head.get('path')}), vocab {head.get('vocab_size')}")
     checks.about("generation: " + ", ".join(f"{k} {v}" for k, v in gen.items()))
+    checks.check(not parts, "no unfinished generate run" + (f": {', '.join(p.name for p in parts)} exist" if parts
+                 else ""), finish)  # fmt: skip
+    checks.check(data.get("version") == VERSION, f"version {data.get('version')!r}",
+                 f"this flashdraft reads version {VERSION}; {regenerate}")  # fmt: skip
     vocab = head.get("vocab_size")
     checks.check(
         isinstance(vocab, int) and isinstance(data.get("records"), list),

@@ -1,0 +1,229 @@
+"""`flashdraft doctor PATH` on every kind of PATH: what it is, what is wrong with it (each
+finding with its fix), and the exit code: 0 clean, 1 problems found, 2 unusable input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flashdraft.checkpoint import save_drafter
+from flashdraft.cli import main
+from tests.conftest import make_drafter, make_hf_model, make_tokenizer
+
+
+def doctor(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        rc = main(["doctor", *map(str, argv)])
+    except SystemExit as e:  # problems found: exit 1
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def fail_lines(out: str) -> list[str]:
+    lines = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert all("; fix: " in line for line in lines), lines  # every finding says what to do
+    return lines
+
+
+def save_target(directory: Path, seed: int = 0) -> Path:
+    make_hf_model("qwen3", seed).save_pretrained(directory)
+    make_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("doctor")
+    target, other = save_target(root / "target"), save_target(root / "other", seed=1)
+    prompts = root / "p.jsonl"
+    rows = [{"id": f"q{i}", "prompt": f"t{i} t{i + 3} t{i + 7}"} for i in range(4)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["generate", "--target-model", str(target), "--prompts", str(prompts), "--out", str(root / "c.json"),
+                 "--max-new-tokens", "10"]) == 0  # fmt: skip
+    assert main(["cache", "--target-model", str(target), "--completions", str(root / "c.json"), "--out",
+                 str(root / "cache"), "--layers", "0,2", "--dtype", "fp32"]) == 0  # fmt: skip
+    assert main(["train", "--target-model", str(target), "--cached-hidden-states", str(root / "cache"), "--out",
+                 str(root / "run"), "--max-steps", "2", "--batch-size", "2", "--num-anchors", "4", "--block-size", "4",
+                 "--draft-layers", "2", "--target-layer-ids", "0,2", "--save-every", "1"]) == 0  # fmt: skip
+    save_drafter(make_drafter(), root / "drafter")  # layers [0, 2] of 4, block size 8
+    return {"root": root, "target": target, "other": other, "completions": root / "c.json", "cache": root / "cache",
+            "run": root / "run", "drafter": root / "drafter"}  # fmt: skip
+
+
+# -- what cannot be checked at all: exit 2 ------------------------------------------------------------
+
+
+def test_an_unusable_path_is_exit_2_with_one_line(files, tmp_path, capsys):
+    for path, expected in [(tmp_path / "absent", "no such file or directory"),
+                           (Path(__file__), "not something doctor can check"),
+                           (files["target"], "without dflash_config in config.json, not a DFlash drafter (a target? "
+                                             "pass it as --target-model)")]:  # fmt: skip
+        rc, out, err = doctor(capsys, path)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and expected in err, err
+    (tmp_path / "x.json").write_text("{not json")
+    rc, out, err = doctor(capsys, tmp_path / "x.json")
+    assert rc == 2 and "not valid JSON" in err
+    rc, out, err = doctor(capsys, files["drafter"], "--checkpoint", files["drafter"])
+    assert rc == 2 and "names a drafter to check a cache or completions file against" in err
+
+
+# -- drafters ------------------------------------------------------------------------------------------
+
+
+def test_a_clean_drafter_prints_what_it_is_and_passes_against_its_target(files, capsys):
+    rc, out, err = doctor(capsys, files["drafter"], "--target-model", files["target"])
+    assert rc == 0, out
+    assert "2 layers (full_attention, full_attention), hidden 64" in out and "target_layer_ids [0, 2] of 4" in out
+    assert "fc.weight [64, 128] holds 2 context layers; target_layer_ids [0, 2] name 2" in out
+    assert "weights sha256 " in out and "hidden_size 64 equals the target's 64" in out
+    assert out.strip().endswith("all checks passed")
+
+
+def test_a_drafter_whose_fc_and_tensors_disagree_with_its_config_lists_every_problem(files, tmp_path, capsys):
+    d = shutil.copytree(files["drafter"], tmp_path / "d")
+    state = load_file(d / "model.safetensors")
+    state["fc.weight"] = torch.zeros(64, 192)
+    state.pop("layers.1.mlp.up_proj.weight")
+    save_file(state, str(d / "model.safetensors"))
+    rc, out, err = doctor(capsys, d)
+    fails = fail_lines(out)
+    assert rc == 1 and len(fails) == 2, out
+    assert "fc.weight [64, 192] holds 3 context layers; target_layer_ids [0, 2] name 2" in fails[0]
+    assert "2 problems: tensor 'layers.1.mlp.up_proj.weight' is missing (expected [128, 64]); tensor 'fc.weight' " \
+           "has shape [64, 192], expected [64, 128]" in fails[1]  # fmt: skip
+    assert "2 check(s) failed" in out
+
+
+def test_a_drafter_for_another_target_fails_each_mismatch_with_the_fix(files, tmp_path, capsys):
+    save_drafter(make_drafter(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                              num_target_layers=6, target_layer_ids=[1, 5]), tmp_path / "d")  # fmt: skip
+    rc, out, err = doctor(capsys, tmp_path / "d", "--target-model", files["target"])
+    fails = fail_lines(out)
+    assert rc == 1
+    assert any("hidden_size 32 differs from the target's 64" in f and "made for another target" in f for f in fails)
+    assert any("num_target_layers 6 differs from the target's 4" in f for f in fails)
+    assert any("target_layer_ids [1, 5] within the target's layers 0..2" in f for f in fails)
+
+
+def test_a_drafter_without_weights_or_with_a_broken_config_is_a_failed_check(files, tmp_path, capsys):
+    d = shutil.copytree(files["drafter"], tmp_path / "d")
+    (d / "model.safetensors").write_bytes(b"\x07" * 64)
+    rc, out, err = doctor(capsys, d)
+    assert rc == 1 and "not a readable safetensors file" in fail_lines(out)[0]
+    (d / "config.json").write_text("{")
+    rc, out, err = doctor(capsys, d)
+    assert rc == 1 and "config.json: not valid JSON" in fail_lines(out)[0]
+
+
+def test_a_bare_state_dict_shows_its_shapes_and_loads_for_a_target(files, tmp_path, capsys):
+    path = tmp_path / "d.safetensors"
+    save_file(make_drafter(target_layer_ids=[2]).state_dict(), str(path))
+    rc, out, err = doctor(capsys, path)
+    assert rc == 0, out
+    assert "hidden 64, 2 layers, head_dim 16, heads 4 / kv heads 2; fc.weight [64, 64] holds 1 context layers" in out
+    assert "stores no vocabulary, target layer ids, mask token or block size" in out
+    rc, out, err = doctor(capsys, path, "--target-model", files["target"])
+    assert rc == 0, out
+    assert "loads for target" in out and "assumed: target_layer_ids [2]: reference default" in out
+    save_file(make_drafter().state_dict() | {"fc.weight": torch.zeros(64, 100)}, str(path))
+    rc, out, err = doctor(capsys, path)
+    assert rc == 1 and "fc in_features a multiple of hidden" in fail_lines(out)[0]
+
+
+# -- training runs -------------------------------------------------------------------------------------
+
+
+def test_a_training_run_checks_its_newest_checkpoint_and_run_config(files, capsys):
+    rc, out, err = doctor(capsys, files["run"], "--target-model", files["target"])
+    assert rc == 0, out
+    assert "complete checkpoints ['step-0000001', 'step-0000002']" in out
+    assert "newest complete checkpoint: step-0000002" in out and "every file matches checksums.json" in out
+    assert "trainer.pt: step 2, 4 records, world size 1" in out
+    assert "fc.weight [64, 128] holds 2 context layers" in out
+    assert "run_config.json block_size 4 equals the checkpoint drafter's 4" in out
+    assert "run's target fingerprint" in out and "all checks passed" in out
+
+
+def test_a_damaged_or_mismatched_run_fails_naming_the_file(files, tmp_path, capsys):
+    run = shutil.copytree(files["run"], tmp_path / "run")
+    weights = run / "checkpoints/step-0000002/drafter/model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # a flipped bit in the last weight
+    rc, out, err = doctor(capsys, run)
+    assert rc == 1 and "model.safetensors: sha256" in fail_lines(out)[0] and "differs from checksums.json" in out
+    rc, out, err = doctor(capsys, run, "--no-verify")
+    assert rc == 0 and "checksums not checked (--no-verify)" in out
+    config = json.loads((run / "run_config.json").read_text())
+    (run / "run_config.json").write_text(json.dumps(config | {"block_size": 16}))
+    rc, out, err = doctor(capsys, run, "--no-verify", "--target-model", files["other"])
+    fails = fail_lines(out)
+    assert rc == 1 and any("run_config.json block_size 16 differs from the checkpoint drafter's 4" in f for f in fails)
+    assert any("run's target fingerprint" in f and "differs from" in f for f in fails)
+
+
+def test_a_copied_checkpoint_directory_is_verified_on_its_own(files, tmp_path, capsys):
+    step = shutil.copytree(files["run"] / "checkpoints/step-0000001", tmp_path / "step-0000001")
+    rc, out, err = doctor(capsys, step)
+    assert rc == 0 and "training checkpoint" in out and "every file matches checksums.json" in out
+    (step / "trainer.pt").unlink()
+    rc, out, err = doctor(capsys, step)
+    assert rc == 1 and "trainer.pt: missing" in out
+
+
+def test_a_run_without_a_complete_checkpoint_fails(tmp_path, capsys):
+    (tmp_path / "run" / "checkpoints" / ".tmp-step-0000001").mkdir(parents=True)
+    (tmp_path / "run" / "run_config.json").write_text("{}")
+    rc, out, err = doctor(capsys, tmp_path / "run")
+    assert rc == 1 and "no complete checkpoint" in fail_lines(out)[0] and ".tmp-step-0000001" in out
+
+
+# -- completions and caches ----------------------------------------------------------------------------
+
+
+def test_completions_print_their_header_and_pass_against_their_target(files, capsys):
+    rc, out, err = doctor(capsys, files["completions"], "--target-model", files["target"], "--checkpoint",
+                          files["drafter"])  # fmt: skip
+    assert rc == 0, out
+    assert "4 records, token ids from target" in out and "4 of 4 records valid" in out
+    assert "generation: prompts" in out and "max_new_tokens 10" in out
+    assert "the same as" in out and "vocab_size 64 equals the drafter's 64" in out
+
+
+def test_bad_records_a_foreign_target_and_an_unfinished_run_are_each_reported(files, tmp_path, capsys):
+    path = Path(shutil.copy(files["completions"], tmp_path / "c.json"))
+    data = json.loads(path.read_text())
+    data["records"][2]["completion_ids"] = [1, 99]
+    path.write_text(json.dumps(data))
+    (tmp_path / "c.json.part0.jsonl").write_text("{}\n")
+    rc, out, err = doctor(capsys, path, "--target-model", files["other"])
+    fails = fail_lines(out)
+    assert rc == 1 and len(fails) == 3, out
+    assert "c.json.part0.jsonl exist" in fails[0] and "re-run the same flashdraft generate command" in fails[0]
+    assert "3 of 4 records valid; q2: completion_ids has 1 ids outside the vocabulary 0..63" in fails[1]
+    assert "not" in fails[2] and "--allow-foreign-completions" in fails[2]
+    path.unlink()  # only the parts of an unfinished run are left
+    rc, out, err = doctor(capsys, path)
+    assert rc == 1 and "c.json.part0.jsonl exist" in out
+
+
+def test_a_cache_with_nan_features_or_other_layers_fails_with_the_fix(files, tmp_path, capsys):
+    cache = shutil.copytree(files["cache"], tmp_path / "cache")
+    shard = cache / "shard-00000.safetensors"
+    tensors = load_file(shard)
+    tensors["context_features"][5, 70] = float("inf")
+    save_file(tensors, str(shard))
+    save_drafter(make_drafter(target_layer_ids=[1, 2]), tmp_path / "d")
+    rc, out, err = doctor(capsys, cache, "--checkpoint", tmp_path / "d", "--no-verify")
+    fails = fail_lines(out)
+    assert rc == 1 and len(fails) == 2, out
+    assert "sha256 of 1 shard files not checked (--no-verify)" in out
+    assert "1 records are not; first: record 'q0' has NaN/Inf context features at token 5 of layer 2" in fails[0]
+    assert "layer ids [0, 2] differ from the drafter's target_layer_ids [1, 2]" in fails[1]
+    assert "flashdraft cache --layers 1,2" in fails[1]
+    assert "layers [0, 2] (context-layer count 2)" in out and "fingerprints: target" in out
