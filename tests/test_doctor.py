@@ -227,3 +227,11 @@ def test_a_cache_with_nan_features_or_other_layers_fails_with_the_fix(files, tmp
     assert "layer ids [0, 2] differ from the drafter's target_layer_ids [1, 2]" in fails[1]
     assert "flashdraft cache --layers 1,2" in fails[1]
     assert "layers [0, 2] (context-layer count 2)" in out and "fingerprints: target" in out
+
+
+def test_an_unfinished_cache_says_to_rerun_the_same_command(files, tmp_path, capsys):
+    cache = shutil.copytree(files["cache"], tmp_path / "cache")
+    (cache / "manifest.json").unlink()
+    (cache / ".progress").mkdir()
+    rc, out, err = doctor(capsys, cache)
+    assert rc == 1 and "an unfinished run" in out and "re-run the same flashdraft cache command" in fail_lines(out)[0]

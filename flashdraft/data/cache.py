@@ -133,20 +133,31 @@ def _build_shard(
     bar: tqdm,
 ) -> dict:  # fmt: skip
     dtype = DTYPES[settings["dtype_flag"]]
-    items, entries, offset = [], [], 0
+    # the shard's tensors, allocated once and filled record by record: one shard of features in
+    # memory at a time (not the per-record pieces plus their concatenation)
+    total, topk = sum(len(r.prompt_ids) + len(r.completion_ids) for r in records), settings["topk"]
+    width = len(settings["layer_ids"]) * target.hidden_size
+    shard = {"input_ids": torch.empty(total, dtype=torch.int32), "loss_mask": torch.empty(total, dtype=torch.bool),
+             "context_features": torch.empty(total, width, dtype=dtype)}  # fmt: skip
+    logits = {"values": torch.empty(total, topk), "indices": torch.empty(total, topk, dtype=torch.int32)}
+    entries, offset = [], 0
     for r in records:
-        item = _cache_record(target, r, dtype, settings["layer_ids"], settings["topk"])
+        item = _cache_record(target, r, dtype, settings["layer_ids"], topk)
+        n = len(item["input_ids"])
+        for name in shard:
+            shard[name][offset : offset + n] = item[name]
+        if topk:
+            logits["values"][offset : offset + n] = item["topk_values"]
+            logits["indices"][offset : offset + n] = item["topk_indices"]
         features = item["context_features"].float()
         bar.write(
-            f"{dist.prefix()}{r.id}: {len(item['input_ids'])} tokens ({len(r.completion_ids)} supervised), "
+            f"{dist.prefix()}{r.id}: {n} tokens ({len(r.completion_ids)} supervised), "
             f"features mean {features.mean():+.4f} std {features.std():.4f}"
         )
         bar.update(1)
-        entries.append({"id": r.id, "offset": offset, "length": len(item["input_ids"]),
-                        "prompt_length": len(r.prompt_ids)})  # fmt: skip
-        offset += len(item["input_ids"])
-        items.append(item)
-    shard = {name: torch.cat([it[name] for it in items]) for name in ("input_ids", "loss_mask", "context_features")}
+        entries.append({"id": r.id, "offset": offset, "length": n, "prompt_length": len(r.prompt_ids)})
+        offset += n
+        del item, features
     _save_atomic(shard, directory / shard_name(k))
     meta = {
         "index": k,
@@ -157,10 +168,8 @@ def _build_shard(
         "tokens_sha256": _tokens_digest(records),
         "records": entries,
     }
-    if settings["topk"]:
-        topk = {"values": torch.cat([it["topk_values"] for it in items]),
-                "indices": torch.cat([it["topk_indices"] for it in items])}  # fmt: skip
-        _save_atomic(topk, directory / topk_name(k))
+    if topk:
+        _save_atomic(logits, directory / topk_name(k))
         meta |= {"topk_file": topk_name(k), "topk_bytes": (directory / topk_name(k)).stat().st_size,
                  "topk_sha256": file_sha256(directory / topk_name(k))}  # fmt: skip
     _write_json(directory / PROGRESS / f"shard-{k:05d}.json", meta)  # the shard's commit marker
@@ -580,7 +589,9 @@ def doctor_cache(
     try:
         cache = HiddenStateCache(directory, verify=False)
     except FlashdraftError as e:
-        checks.fail(str(e), rebuild)
+        unfinished = not (directory / MANIFEST).exists() and (directory / PROGRESS).is_dir()
+        checks.fail(str(e), "re-run the same flashdraft cache command: it keeps the finished shards" if unfinished
+                    else rebuild)  # fmt: skip
         return checks.summary() if own else False
     checks.about(f"hidden-state cache {directory}: {len(cache)} records, {cache.num_tokens} tokens, "
                  f"{len(cache._shards)} shards of {cache.manifest.get('records_per_shard')} records; layers "

@@ -267,3 +267,25 @@ def test_layer_ids_come_from_layers_or_a_drafter_or_the_reference_default(tmp_pa
     assert resolve_layer_ids(make_target("qwen3"), None, str(tmp_path / "d" / "config.json")) == [1, 3]
     with pytest.raises(FlashdraftError, match="not both"):
         resolve_layer_ids(target, [1], str(tmp_path / "d"))
+
+
+def test_listing_records_for_eval_reads_token_ids_only_and_features_on_demand(
+    hybrid_dir, completions, tmp_path, monkeypatch
+):
+    from flashdraft.evaluate import records_from_cache
+
+    target = TargetModel.load(hybrid_dir)
+    loaded = load_completions(completions, target, quiet=True)
+    build_cache(target, loaded, tmp_path / "c", [0, 2], records_per_shard=2)
+    cache = HiddenStateCache(tmp_path / "c")
+    expected = [cache[i].context_features for i in range(len(cache))]
+    reads = []
+    monkeypatch.setattr(HiddenStateCache, "__getitem__", lambda self, i: reads.append(i))
+    features = HiddenStateCache.features
+    monkeypatch.setattr(HiddenStateCache, "features", lambda self, i: reads.append(i) or features(self, i))
+    records = records_from_cache(cache)
+    assert reads == []  # listing 5 records read no features
+    assert [(r.id, r.prompt_ids, r.completion_ids) for r in records] == [
+        (r.id, r.prompt_ids, r.completion_ids) for r in loaded
+    ]
+    assert torch.equal(records[3].stored_features(), expected[3]) and reads == [3]
