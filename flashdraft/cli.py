@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_commands(sub)
     _add_eval_commands(sub)
     _add_train_command(sub)
+    _add_demo_command(sub)
     return parser
 
 
@@ -457,6 +458,19 @@ def _add_train_command(sub) -> None:
                    help="skip the sha256 check of caches and of the checkpoint resumed from (faster)")  # fmt: skip
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=cmd_train)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from flashdraft.demo import run_demo
+
+    run_demo(args.out, args.minutes)
+
+
+def _add_demo_command(sub) -> None:
+    p = sub.add_parser("demo", help="the whole pipeline on the built-in tiny target, in minutes on a CPU")
+    p.add_argument("--out", default="demo-out", help="output directory (re-running reuses finished stages)")
+    p.add_argument("--minutes", type=float, default=5.0, help="wall-clock budget for the whole demo")
+    p.set_defaults(func=cmd_demo)
 
 
 if __name__ == "__main__":
