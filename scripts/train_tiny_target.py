@@ -110,6 +110,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bench", action="store_true", help="time 5 steps and exit")
+    ap.add_argument(
+        "--continue-from",
+        type=Path,
+        default=None,
+        help="continue training the model (and reuse the tokenizer) saved in this directory",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -121,7 +127,9 @@ def main() -> None:
     train_files, held_files = stdlib_files()
     print(f"corpus: {len(train_files)} train files, {len(held_files)} held-out files", flush=True)
     tok_path = args.out / "tokenizer.json"
-    if tok_path.exists() and args.bench:
+    if args.continue_from is not None:
+        tok = Tokenizer.from_file(str(args.continue_from / "tokenizer.json"))
+    elif tok_path.exists() and args.bench:
         tok = Tokenizer.from_file(str(tok_path))
     else:
         tok = train_tokenizer(train_files, args.vocab_size)
@@ -129,8 +137,14 @@ def main() -> None:
     held_ids = encode_corpus(tok, held_files).long()
     print(f"tokens: train {len(train_ids):,}, held-out {len(held_ids):,}", flush=True)
 
-    cfg = Qwen3_5TextConfig(**model_config(tok.get_vocab_size(), args))
-    model = Qwen3_5ForCausalLM(cfg).float()
+    if args.continue_from is not None:
+        model = Qwen3_5ForCausalLM.from_pretrained(args.continue_from, dtype=torch.float32)
+        cfg = model.config
+        previous = json.loads((args.continue_from / "training.json").read_text())
+    else:
+        cfg = Qwen3_5TextConfig(**model_config(tok.get_vocab_size(), args))
+        model = Qwen3_5ForCausalLM(cfg).float()
+        previous = {"steps": 0, "minutes": 0.0, "train_tokens_seen": 0}
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f} M parameters, layer types {cfg.layer_types}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -196,11 +210,21 @@ def main() -> None:
     (args.out / "training.json").write_text(
         json.dumps(
             {
-                "steps": step,
-                "minutes": args.minutes,
+                "steps": previous["steps"] + step,
+                "minutes": previous["minutes"] + args.minutes,
                 "held_out_loss": final,
                 "parameters": n_params,
-                "train_tokens_seen": step * args.batch_size * args.seq_len,
+                "train_tokens_seen": previous["train_tokens_seen"] + step * args.batch_size * args.seq_len,
+                "phases": previous.get("phases", [])
+                + [
+                    {
+                        "minutes": args.minutes,
+                        "lr": args.lr,
+                        "steps": step,
+                        "threads": args.threads,
+                        "held_out_loss": final,
+                    }
+                ],
                 "args": {k: str(v) for k, v in vars(args).items()},
                 "python": sys.version,
             },
