@@ -469,17 +469,28 @@ def test_a_flag_out_of_range_is_one_line(capsys, case):
     assert expected in line and line.endswith("--help)"), line
 
 
-def test_conflicting_options_are_refused(files, tmp_path, capsys):
-    line = refused(capsys, *eval_args(files, files["drafter"], completions=files["completions"],
-                                      cached_hidden_states=files["cache"]))  # fmt: skip
-    assert "give exactly one record source" in line and "(found 2)" in line
-    line = refused(capsys, "cache", "--target-model", files["target"], "--completions", files["completions"],
-                   "--out", tmp_path / "c", "--layers", "0", "--draft-config", files["drafter"])  # fmt: skip
-    assert "give --layers or --draft-config, not both" in line
-    line = refused(capsys, "train", "--target-model", files["target"], "--init", files["drafter"], "--out",
-                   tmp_path / "run", "--completions", files["completions"], "--block-size", "4")  # fmt: skip
-    assert f"--block-size 4 conflicts with {files['drafter']} (--init), whose config.json has 8" in line
-    line = refused(capsys, *generate_args(files, files["prompts"], tmp_path / "c.json", "--base-url", "http://x"))
-    assert "--base-url and --server-model are for --backend openai" in line
-    line = refused(capsys, *eval_args(files, files["drafter"]), "--temperature", "0.7")
-    assert "--temperature 0.7: offline τ and --check-consistency are defined for greedy decoding" in line
+CONFLICTS = {
+    "two record sources": (lambda f, t: eval_args(f, f["drafter"], completions=f["completions"],
+                                                  cached_hidden_states=f["cache"]),
+                           "give exactly one record source: --cached-hidden-states DIR, --completions C.json or "
+                           "--prompts P (found 2)"),
+    "layers and a drafter's": (lambda f, t: ["cache", "--target-model", f["target"], "--completions",
+                                             f["completions"], "--out", t / "c", "--layers", "0", "--draft-config",
+                                             f["drafter"]], "give --layers or --draft-config, not both"),
+    "--init and another block size": (lambda f, t: ["train", "--target-model", f["target"], "--init", f["drafter"],
+                                                    "--out", t / "run", "--completions", f["completions"],
+                                                    "--block-size", "4"],
+                                      "--block-size 4 conflicts with {drafter} (--init), whose config.json has 8"),
+    "a server for local generation": (lambda f, t: generate_args(f, f["prompts"], t / "c.json", "--base-url",
+                                                                 "http://x"),
+                                      "--base-url and --server-model are for --backend openai"),
+    "sampling offline": (lambda f, t: [*eval_args(f, f["drafter"]), "--temperature", "0.7"],
+                         "--temperature 0.7: offline τ and --check-consistency are defined for greedy decoding"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CONFLICTS)
+def test_conflicting_options_are_refused(files, tmp_path, capsys, case):
+    argv, expected = CONFLICTS[case]
+    line = refused(capsys, *argv(files, tmp_path))
+    assert expected.format(drafter=files["drafter"]) in line, line
