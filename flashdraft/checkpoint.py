@@ -9,7 +9,6 @@ wrongly shaped tensor is an error that names it, with the shape found and expect
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from safetensors.torch import save_file
 
 from flashdraft.config import DrafterConfig
 from flashdraft.errors import FlashdraftError
+from flashdraft.files import write_atomic
 from flashdraft.model import DFlashDrafter
 
 WEIGHTS_NAME = "model.safetensors"
@@ -55,14 +55,6 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _fsync_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_drafter(model: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write `config.json` + `model.safetensors` in the public format (each file atomically)."""
     return save_drafter_state(model.config, model.state_dict(), out_dir, dtype)
@@ -78,8 +70,8 @@ def save_drafter_state(
     check_state_shapes(cfg, {k: tuple(v.shape) for k, v in state.items()}, "drafter being saved")
     config = cfg.to_dict()
     config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    _fsync_write(out / WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
-    _fsync_write(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+    write_atomic(out / WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+    write_atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
     return out
 
 

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
-from flashdraft.data.cache import file_sha256
 from flashdraft.errors import FlashdraftError
+from flashdraft.files import sha256_file
 from tests.conftest import make_drafter, make_hf_model, make_tokenizer
 
 PROGRESS_BAR = re.compile(r"\d+%\|")  # tqdm's lines on stderr are progress, not messages
@@ -339,7 +339,7 @@ def _poison(cache: Path) -> None:
             if r["shard"] == shard["index"]:
                 tensors["context_features"][r["offset"] + 3, layer_width + 5] = float("nan")
         save_file(tensors, str(cache / shard["file"]))
-        shard["bytes"], shard["sha256"] = (cache / shard["file"]).stat().st_size, file_sha256(cache / shard["file"])
+        shard["bytes"], shard["sha256"] = (cache / shard["file"]).stat().st_size, sha256_file(cache / shard["file"])
     (cache / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -24,9 +24,10 @@ from safetensors.torch import load_file
 
 from flashdraft.checkpoint import load_drafter
 from flashdraft.cli import main
-from flashdraft.data.cache import MANIFEST, PROGRESS, HiddenStateCache, file_sha256
+from flashdraft.data.cache import MANIFEST, PROGRESS, HiddenStateCache
 from flashdraft.data.completions import load_completions
 from flashdraft.errors import FlashdraftError
+from flashdraft.files import sha256_file
 from flashdraft.train.checkpointing import complete_checkpoints, latest_checkpoint, verify_checkpoint
 from tests.conftest import make_hf_model, make_tokenizer
 
@@ -113,7 +114,7 @@ def test_cache_killed_then_rerun_gives_the_same_bytes(ref, tmp_path):
     done = [json.loads(p.read_text()) for p in sorted((out / PROGRESS).glob("shard-*.json"))]
     assert 1 <= len(done) < 15
     for meta in done:  # every shard recorded as finished is whole
-        assert file_sha256(out / meta["file"]) == meta["sha256"]
+        assert sha256_file(out / meta["file"]) == meta["sha256"]
         assert load_file(out / meta["file"])["input_ids"].shape == (meta["num_tokens"],)
     # as if the kill had landed while the next shard was written, or just after its rename
     following = f"shard-{len(done):05d}.safetensors"

@@ -38,6 +38,7 @@ from tqdm import tqdm
 from flashdraft.data.completions import CompletionRecord, Completions
 from flashdraft.data.distributed import Dist
 from flashdraft.errors import FlashdraftError
+from flashdraft.files import sha256_file, write_atomic, write_json_atomic
 from flashdraft.target import TargetModel
 
 FORMAT = "flashdraft.hidden-state-cache"
@@ -59,36 +60,17 @@ def topk_name(k: int) -> str:
     return f"topk-{k:05d}.safetensors"
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _write_json(path: Path, data: Any) -> None:
-    """Whole or not at all, and on disk before it is renamed into place (a manifest or progress
-    entry must never survive a crash as an empty file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """Write a safetensors file whole or not at all. No metadata: safetensors writes a
     multi-key metadata dict in varying order, and shards must be byte-reproducible."""
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # safetensors creates the file private; a cache is shared like any data
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+    def write(tmp: Path) -> None:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates the file private; a cache is shared like any data
+
+    write_atomic(path, write)
 
 
 # -- building ----------------------------------------------------------------------------
@@ -163,7 +145,7 @@ def _build_shard(
         "index": k,
         "file": shard_name(k),
         "bytes": (directory / shard_name(k)).stat().st_size,
-        "sha256": file_sha256(directory / shard_name(k)),
+        "sha256": sha256_file(directory / shard_name(k)),
         "num_tokens": offset,
         "tokens_sha256": _tokens_digest(records),
         "records": entries,
@@ -171,8 +153,8 @@ def _build_shard(
     if topk:
         _save_atomic(logits, directory / topk_name(k))
         meta |= {"topk_file": topk_name(k), "topk_bytes": (directory / topk_name(k)).stat().st_size,
-                 "topk_sha256": file_sha256(directory / topk_name(k))}  # fmt: skip
-    _write_json(directory / PROGRESS / f"shard-{k:05d}.json", meta)  # the shard's commit marker
+                 "topk_sha256": sha256_file(directory / topk_name(k))}  # fmt: skip
+    write_json_atomic(directory / PROGRESS / f"shard-{k:05d}.json", meta, indent=1)  # the shard's commit marker
     return meta
 
 
@@ -286,7 +268,7 @@ def build_cache(
             "shards": manifest_shards,
             "records": manifest_records,
         }
-        _write_json(directory / MANIFEST, manifest)
+        write_json_atomic(directory / MANIFEST, manifest, indent=1)
         for path in sorted(progress.glob("*")):
             path.unlink()
         progress.rmdir()
@@ -325,7 +307,7 @@ def _check_or_write_settings(directory: Path, settings: dict) -> None:
                     f"use another --out (caches are never mixed)"
                 )
     (directory / PROGRESS).mkdir(exist_ok=True)
-    _write_json(directory / PROGRESS / "settings.json", settings)
+    write_json_atomic(directory / PROGRESS / "settings.json", settings, indent=1)
 
 
 # -- reading -----------------------------------------------------------------------------
@@ -393,7 +375,7 @@ class HiddenStateCache:
                 f"{path}: {found} bytes, {MANIFEST} says {size} (truncated or replaced); "
                 f"re-run flashdraft cache to rebuild it"
             )
-        if sha256 is not None and file_sha256(path) != sha256:
+        if sha256 is not None and sha256_file(path) != sha256:
             raise FlashdraftError(f"{path}: sha256 differs from {MANIFEST} (corrupted or replaced); re-run flashdraft "
                                   f"cache to rebuild it")  # fmt: skip
 
@@ -604,7 +586,7 @@ def doctor_cache(
     files = [(s["file"], s["sha256"]) for s in cache._shards]
     files += [(s["topk_file"], s["topk_sha256"]) for s in cache._shards if cache.topk]
     if verify:
-        bad = [name for name, sha in files if file_sha256(directory / name) != sha]
+        bad = [name for name, sha in files if sha256_file(directory / name) != sha]
         checks.check(not bad, f"sha256 of {len(files)} shard files" + (f": {', '.join(bad)} differ" if bad else ""),
                      f"the files were corrupted or replaced; copy the cache again or {rebuild}")  # fmt: skip
     else:

@@ -14,7 +14,6 @@ and cleaned up, never a partial checkpoint that looks complete.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -25,25 +24,10 @@ import torch
 from flashdraft.checkpoint import save_drafter_state
 from flashdraft.config import DrafterConfig
 from flashdraft.errors import FlashdraftError
+from flashdraft.files import fsync_path, sha256_file
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(
@@ -66,11 +50,11 @@ def save_checkpoint(
     (tmp / "checksums.json").write_text(json.dumps(sums, indent=2))
     (tmp / COMPLETE).write_text(f"step {step}\n")
     for p in [*files, tmp / "checksums.json", tmp / COMPLETE, tmp / "drafter", tmp]:
-        _fsync(p)
+        fsync_path(p)
     if final.exists():  # a re-run of the same step replaces it
         _remove(final)
     os.rename(tmp, final)
-    _fsync(root)
+    fsync_path(root)
     for old in complete_checkpoints(run_dir)[:-keep]:
         _remove(old)
     return final
