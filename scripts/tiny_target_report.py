@@ -19,7 +19,7 @@ PROMPTS = [
     "def fibonacci(n):\n",
     "class Stack:\n    def __init__(self):\n",
     "import os\n\n\ndef list_python_files(directory):\n",
-    "def is_prime(n):\n    \"\"\"Return True if n is a prime number.\"\"\"\n",
+    'def is_prime(n):\n    """Return True if n is a prime number."""\n',
     "    def __repr__(self):\n",
     "def read_config(path):\n    with open(path) as f:\n",
 ]
