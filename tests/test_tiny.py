@@ -1,0 +1,34 @@
+"""The built-in `tiny` target: what the project ships and what every CPU demo runs on."""
+
+import json
+
+import torch
+
+from flashdraft.checkpoint import load_drafter
+from flashdraft.cli import main
+from flashdraft.decode import greedy_generate, speculative_generate
+from flashdraft.target import TINY_DIR, TargetModel
+
+
+def test_tiny_target_is_a_small_hybrid_with_mask_and_end_of_text_tokens():
+    target = TargetModel.load("tiny")
+    assert target.is_hybrid and "full_attention" in target.layer_types
+    assert 2048 <= target.vocab_size <= 8192
+    tok = target.tokenizer
+    assert tok.convert_tokens_to_ids("<|mask|>") == tok.mask_token_id is not None
+    assert target.stop_token_ids == [tok.convert_tokens_to_ids("<|endoftext|>")]
+    assert sum(p.stat().st_size for p in TINY_DIR.iterdir()) < 20 * 2**20
+    assert json.loads((TINY_DIR / "training.json").read_text())["held_out_loss"] < 3.5
+
+
+def test_init_on_tiny_then_load_gives_a_drafter_that_decodes_losslessly(tmp_path):
+    assert main(["init", "--target-model", "tiny", "--out", str(tmp_path / "d"), "--draft-layers", "2"]) == 0
+    drafter = load_drafter(tmp_path / "d")
+    target = TargetModel.load("tiny")
+    assert drafter.config.hidden_size == target.hidden_size and drafter.config.num_target_layers == 6
+    assert drafter.config.mask_token_id == target.tokenizer.mask_token_id
+    prompt = target.tokenizer("def add(a, b):\n")["input_ids"]
+    torch.manual_seed(0)
+    assert (
+        speculative_generate(target, drafter, prompt, 40).output_ids == greedy_generate(target, prompt, 40).output_ids
+    )
