@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from flashdraft.config import DrafterConfig, default_target_layer_ids
 from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
@@ -65,4 +67,15 @@ def new_drafter_for_target(
     )
     drafter = DFlashDrafter(cfg)
     drafter.init_weights(seed)
+    # The drafter's output goes through the target's LM head: start its final norm at the
+    # target's, so the first logits have the target's scale (a unit norm over a tied
+    # embedding gives logits far too large, and the first hundred steps only shrink them).
+    final_norm = getattr(target.decoder, "norm", None)
+    if final_norm is not None and getattr(final_norm, "weight", None) is not None:
+        with torch.no_grad():
+            weight = final_norm.weight.detach().float()
+            # Qwen3.5 norms store (weight - 1): they compute x * (1 + weight)
+            if type(final_norm).__name__.startswith("Qwen3_5"):
+                weight = weight + 1.0
+            drafter.norm.weight.copy_(weight)
     return drafter
