@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -56,6 +58,23 @@ def make_hf_model(kind: str, seed: int = 0, num_layers: int = 4):
         model.get_output_embeddings().weight.mul_(8.0)
         model.get_output_embeddings().weight[EOS] = 0.0
     return model.float().eval()
+
+
+def save_target(directory: Path, kind: str = "hybrid", seed: int = 0, num_layers: int = 4) -> Path:
+    """A tiny random target saved as a user would have it: model and tokenizer in a directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    make_hf_model(kind, seed, num_layers).save_pretrained(directory)
+    make_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """`flashdraft ARGV` in-process: (exit code, stdout, stderr)."""
+    from flashdraft.cli import main
+
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
 
 
 def make_target(kind: str, seed: int = 0, num_layers: int = 4) -> TargetModel:

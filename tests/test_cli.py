@@ -2,15 +2,12 @@ import pytest
 
 from flashdraft.checkpoint import load_drafter
 from flashdraft.cli import main
-from tests.conftest import MASK, make_hf_model, make_tokenizer
+from tests.conftest import MASK, save_target
 
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("target")
-    make_hf_model("hybrid").save_pretrained(d)
-    make_tokenizer().save_pretrained(d)
-    return d
+    return save_target(tmp_path_factory.mktemp("target"), "hybrid")
 
 
 def test_init_writes_a_drafter_that_loads_with_default_layer_ids_and_mask_token(target_dir, tmp_path):

@@ -5,12 +5,11 @@ import json
 import torch
 
 from flashdraft.demo import DemoSettings, run_demo
-from tests.conftest import make_hf_model, make_tokenizer
+from tests.conftest import save_target
 
 
 def test_demo_runs_every_stage_reports_lossless_and_offline_equal_online_and_reuses_stages(tmp_path, capsys):
-    make_hf_model("hybrid", num_layers=6).save_pretrained(tmp_path / "target")
-    make_tokenizer().save_pretrained(tmp_path / "target")
+    save_target(tmp_path / "target", "hybrid", num_layers=6)
     gen = torch.Generator().manual_seed(0)
     for name, n in (("train", 8), ("heldout", 3)):
         with open(tmp_path / f"{name}.jsonl", "w") as f:

@@ -24,7 +24,7 @@ from flashdraft.evaluate import (
 )
 from flashdraft.model import DFlashDrafter
 from flashdraft.target import TargetModel
-from tests.conftest import make_drafter, make_hf_model, make_target, make_tokenizer
+from tests.conftest import make_drafter, make_target, make_tokenizer, run_cli, save_target
 
 PROMPTS = [[5, 9, 17, 3, 22, 40, 11, 8, 30, 2, 14, 27], [1, 2, 3, 4, 5, 6], [44, 12, 7, 33, 19, 50, 8, 21, 9]]
 
@@ -68,10 +68,7 @@ def overfit(drafter: DFlashDrafter, target: TargetModel, record: EvalRecord, ste
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    make_hf_model("qwen3").save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    return path
+    return save_target(tmp_path_factory.mktemp("target"), "qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +77,6 @@ def prompts_file(tmp_path_factory):
     rows = [{"id": f"p{i}", "prompt": " ".join(f"t{(7 * i + 3 * k) % 60}" for k in range(8))} for i in range(5)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
-
-
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 # -- offline τ == online τ -------------------------------------------------------------------

@@ -29,7 +29,7 @@ from flashdraft.data.completions import load_completions
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
 from flashdraft.train.checkpointing import complete_checkpoints, latest_checkpoint, verify_checkpoint
-from tests.conftest import make_hf_model, make_tokenizer
+from tests.conftest import save_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,8 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def ref(tmp_path_factory) -> dict:
     """A saved tiny target, 30 prompts, and the uninterrupted generate -> cache -> train runs."""
     root = tmp_path_factory.mktemp("faults")
-    make_hf_model("qwen3").save_pretrained(root / "target")
-    make_tokenizer().save_pretrained(root / "target")
+    save_target(root / "target", "qwen3")
     rows = [{"id": f"p{i:02d}", "prompt": " ".join(f"t{(7 * i + k) % 60}" for k in range(3 + i % 5))}
             for i in range(30)]  # fmt: skip
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -3,7 +3,6 @@ import json
 import pytest
 import torch
 
-from flashdraft.cli import main
 from flashdraft.decode import DFlashProposer, greedy_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
 from flashdraft.evaluate import (
@@ -14,7 +13,7 @@ from flashdraft.evaluate import (
     records_from_prompts,
 )
 from flashdraft.ngram import NGramProposer, lookup
-from tests.conftest import VOCAB, make_drafter, make_hf_model, make_target, make_tokenizer
+from tests.conftest import VOCAB, make_drafter, make_target, run_cli, save_target
 from tests.test_evaluate import overfit
 
 # the second prompt repeats itself, so prompt lookup has something to find from the start
@@ -150,10 +149,7 @@ def test_sampling_with_ngram_one_hot_drafts():
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    make_hf_model("qwen3").save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    return path
+    return save_target(tmp_path_factory.mktemp("target"), "qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -162,12 +158,6 @@ def prompts_file(tmp_path_factory):
     rows = [{"id": f"p{i}", "prompt": " ".join(f"t{(7 * i + 3 * k) % 60}" for k in range(8))} for i in range(4)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
-
-
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 JSON_KEYS = {"tau", "tau_prompt_mean", "histogram", "position_acceptance", "num_steps", "mode", "context_layers",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from flashdraft.cli import main
-from tests.conftest import make_hf_model, make_tokenizer
+from tests.conftest import save_target  # noqa: F401 (re-exported for the data tests)
 
 
 def run_cli(args: list[str]) -> int:
@@ -17,13 +17,6 @@ def run_cli(args: list[str]) -> int:
         return main(args)
     except SystemExit as e:
         return int(e.code)
-
-
-def save_target(directory: Path, kind: str = "hybrid", seed: int = 0) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    make_hf_model(kind, seed).save_pretrained(directory)
-    make_tokenizer().save_pretrained(directory)
-    return directory
 
 
 def write_prompts(path: Path, count: int = 5) -> Path:

@@ -7,14 +7,13 @@ import torch
 
 from flashdraft.checkpoint import load_drafter
 from flashdraft.cli import main
-from tests.conftest import make_hf_model, make_tokenizer
+from tests.conftest import save_target
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("run")
-    make_hf_model("hybrid").save_pretrained(d / "target")
-    make_tokenizer().save_pretrained(d / "target")
+    save_target(d / "target", "hybrid")
     gen = torch.Generator().manual_seed(0)
     with open(d / "prompts.jsonl", "w") as f:
         for i in range(6):
