@@ -68,6 +68,15 @@ def save_target(directory: Path, kind: str = "hybrid", seed: int = 0, num_layers
     return directory
 
 
+def write_word_prompts(path: Path, count: int, words: int = 8) -> Path:
+    """A JSONL prompt file over the test vocabulary (ids p0, p1, ...)."""
+    import json
+
+    rows = [{"id": f"p{i}", "prompt": " ".join(f"t{(7 * i + 3 * k) % 60}" for k in range(words))} for i in range(count)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
     """`flashdraft ARGV` in-process: (exit code, stdout, stderr)."""
     from flashdraft.cli import main

@@ -24,7 +24,7 @@ from flashdraft.evaluate import (
 )
 from flashdraft.model import DFlashDrafter
 from flashdraft.target import TargetModel
-from tests.conftest import make_drafter, make_target, make_tokenizer, run_cli, save_target
+from tests.conftest import make_drafter, make_target, make_tokenizer, run_cli, save_target, write_word_prompts
 
 PROMPTS = [[5, 9, 17, 3, 22, 40, 11, 8, 30, 2, 14, 27], [1, 2, 3, 4, 5, 6], [44, 12, 7, 33, 19, 50, 8, 21, 9]]
 
@@ -73,10 +73,7 @@ def target_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    rows = [{"id": f"p{i}", "prompt": " ".join(f"t{(7 * i + 3 * k) % 60}" for k in range(8))} for i in range(5)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_word_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", 5)
 
 
 # -- offline τ == online τ -------------------------------------------------------------------

@@ -13,7 +13,7 @@ from flashdraft.evaluate import (
     records_from_prompts,
 )
 from flashdraft.ngram import NGramProposer, lookup
-from tests.conftest import VOCAB, make_drafter, make_target, run_cli, save_target
+from tests.conftest import VOCAB, make_drafter, make_target, run_cli, save_target, write_word_prompts
 from tests.test_evaluate import overfit
 
 # the second prompt repeats itself, so prompt lookup has something to find from the start
@@ -154,10 +154,7 @@ def target_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    rows = [{"id": f"p{i}", "prompt": " ".join(f"t{(7 * i + 3 * k) % 60}" for k in range(8))} for i in range(4)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_word_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", 4)
 
 
 JSON_KEYS = {"tau", "tau_prompt_mean", "histogram", "position_acceptance", "num_steps", "mode", "context_layers",
