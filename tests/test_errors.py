@@ -93,13 +93,19 @@ def _state_edit(edit):
     return damage
 
 
-def _config_edit(edit):
-    def damage(d: Path) -> None:
-        config = json.loads((d / "config.json").read_text())
-        edit(config)
-        (d / "config.json").write_text(json.dumps(config))
+def _json_edit(edit):
+    """A damage that edits a JSON file in place."""
+
+    def damage(path: Path) -> None:
+        data = json.loads(path.read_text())
+        edit(data)
+        path.write_text(json.dumps(data))
 
     return damage
+
+
+def _config_edit(edit):
+    return lambda d: _json_edit(edit)(d / "config.json")
 
 
 def _truncate(d: Path) -> None:
@@ -178,15 +184,6 @@ def test_debug_shows_the_traceback(files, tmp_path, capsys):
 # -- completions ------------------------------------------------------------------------------------
 
 
-def _json_edit(edit):
-    def damage(path: Path) -> None:
-        data = json.loads(path.read_text())
-        edit(data)
-        path.write_text(json.dumps(data))
-
-    return damage
-
-
 COMPLETIONS_DAMAGE = {
     "not JSON": (lambda p: p.write_text(p.read_text()[:300]), "not valid JSON"),
     "empty file": (lambda p: p.write_text(""), "empty file; expected a completions file from flashdraft generate"),
@@ -251,12 +248,7 @@ def test_completions_of_another_target_are_refused_unless_allowed(files, tmp_pat
 
 
 def _manifest_edit(edit):
-    def damage(cache: Path) -> None:
-        manifest = json.loads((cache / "manifest.json").read_text())
-        edit(manifest)
-        (cache / "manifest.json").write_text(json.dumps(manifest))
-
-    return damage
+    return lambda cache: _json_edit(edit)(cache / "manifest.json")
 
 
 def _flip_last_byte(cache: Path) -> None:

@@ -239,7 +239,6 @@ def test_doctor_names_what_a_path_is_not(tmp_path, capsys):
     assert "not something doctor can check" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not (ROOT / "flashdraft/assets/tiny/config.json").exists(), reason="built-in tiny target not built")
 def test_round_trip_on_the_builtin_tiny_target(tmp_path, capsys):
     c, out = tmp_path / "c.json", tmp_path / "cache"
     assert run_cli(["generate", "--target-model", "tiny", "--prompts", "builtin:code", "--num-prompts", "2",
