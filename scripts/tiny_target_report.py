@@ -2,13 +2,14 @@
 continuations of code prompts, and the share of distinct 4-grams in 200-token greedy
 continuations (a target that loops on one line scores near 0).
 
-    .venv/bin/python scripts/tiny_target_report.py [--tokens 200]
+    .venv/bin/python scripts/tiny_target_report.py [--tokens 200] [--target DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -33,10 +34,11 @@ def distinct_4gram_share(tokens: list[int]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--target", type=Path, default=TINY_DIR, help="a target directory written by train_tiny_target.py")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    target = TargetModel.load("tiny")
-    info = json.loads((TINY_DIR / "training.json").read_text())
+    target = TargetModel.load(args.target)
+    info = json.loads((args.target / "training.json").read_text())
     shares = []
     for prompt in PROMPTS:
         ids = target.tokenizer(prompt)["input_ids"]

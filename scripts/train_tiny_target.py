@@ -5,7 +5,17 @@ both on the Python standard library's own `.py` files, which every machine has.
     python scripts/train_tiny_target.py --out flashdraft/assets/tiny --minutes 60
 
 Files are split into train and held-out by a hash of their path, so the split is the
-same on every machine. The weights are written in bf16 (the committed copy must stay
+same on every machine.
+
+A small model trained on this budget loops under greedy decoding (a line repeated to the
+end). A second phase fixes that with sequence-level unlikelihood training (Welleck et al.
+2019, "Neural Text Generation with Unlikelihood Training"): the model continues random
+training windows greedily, and every token that completes a 4-gram already seen in its
+own continuation is pushed down with -log(1 - p), next to the usual next-token loss:
+
+    python scripts/train_tiny_target.py --continue-from flashdraft/assets/tiny \
+        --out flashdraft/assets/tiny --minutes 30 --unlikelihood --lr 5e-4
+ The weights are written in bf16 (the committed copy must stay
 under 20 MB); flashdraft loads them in fp32.
 """
 
@@ -111,6 +121,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bench", action="store_true", help="time 5 steps and exit")
     ap.add_argument(
+        "--unlikelihood",
+        action="store_true",
+        help="add sequence-level unlikelihood on the model's own greedy continuations (anti-looping)",
+    )
+    ap.add_argument("--ul-prefix", type=int, default=32, help="prefix tokens of each unlikelihood window")
+    ap.add_argument("--ul-continuation", type=int, default=96, help="greedy tokens generated per window")
+    ap.add_argument("--ul-batch-size", type=int, default=8)
+    ap.add_argument(
         "--continue-from",
         type=Path,
         default=None,
@@ -149,7 +167,7 @@ def main() -> None:
     print(f"model: {n_params / 1e6:.2f} M parameters, layer types {cfg.layer_types}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     budget = args.minutes * 60
-    warmup = 100
+    warmup = 20 if args.continue_from is not None else 100  # a trained model needs little warm-up
 
     def batch(ids: torch.Tensor, gen: random.Random) -> torch.Tensor:
         starts = [gen.randrange(0, len(ids) - args.seq_len - 1) for _ in range(args.batch_size)]
@@ -170,6 +188,44 @@ def main() -> None:
         logits = model(input_ids=x[:, :-1]).logits
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
 
+    @torch.no_grad()
+    def greedy_windows(gen: random.Random) -> torch.Tensor:
+        """[ul_batch, prefix + continuation]: train-window prefixes continued greedily."""
+        starts = [gen.randrange(0, len(train_ids) - args.ul_prefix) for _ in range(args.ul_batch_size)]
+        prefix = torch.stack([train_ids[s : s + args.ul_prefix] for s in starts])
+        model.eval()
+        out = model.generate(
+            prefix,
+            attention_mask=torch.ones_like(prefix),
+            max_new_tokens=args.ul_continuation,
+            min_new_tokens=args.ul_continuation,  # no early stop: every row has the same length
+            do_sample=False,
+        )
+        model.train()
+        return out
+
+    def repeated_4gram_mask(seqs: torch.Tensor) -> torch.Tensor:
+        """[B, T] bool: continuation tokens that complete a 4-gram seen earlier in the continuation."""
+        mask = torch.zeros_like(seqs, dtype=torch.bool)
+        for b, row in enumerate(seqs.tolist()):
+            seen: set[tuple[int, ...]] = set()
+            for t in range(args.ul_prefix + 3, len(row)):
+                gram = tuple(row[t - 3 : t + 1])
+                if gram in seen:
+                    mask[b, t - 3 : t + 1] = True  # the whole repeated 4-gram, as in the paper
+                seen.add(gram)
+        mask[:, : args.ul_prefix] = False
+        return mask
+
+    def unlikelihood_loss(seqs: torch.Tensor) -> tuple[torch.Tensor, float]:
+        penalised = repeated_4gram_mask(seqs)[:, 1:]  # [B, T-1], aligned with the predicted tokens
+        logits = model(input_ids=seqs[:, :-1]).logits
+        p_token = logits.float().softmax(-1).gather(-1, seqs[:, 1:, None]).squeeze(-1)
+        ul = -torch.log((1 - p_token).clamp_min(1e-5))
+        n_continuation = seqs.shape[0] * args.ul_continuation
+        repeated_share = float(penalised.sum()) / n_continuation
+        return (ul * penalised).sum() / n_continuation, repeated_share
+
     gen = random.Random(args.seed)
     start = time.time()
     step = 0
@@ -184,6 +240,9 @@ def main() -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         loss = _loss(batch(train_ids, gen))
+        if args.unlikelihood:
+            ul, repeated_share = unlikelihood_loss(greedy_windows(gen))
+            loss = loss + ul
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -192,7 +251,9 @@ def main() -> None:
         if step % 50 == 0 or args.bench:
             tps = step * args.batch_size * args.seq_len / (time.time() - start)
             print(f"step {step} loss {loss.item():.3f} lr {lr:.2e} {tps:.0f} tok/s {elapsed / 60:.1f} min", flush=True)
-        if step % 500 == 0:
+        if args.unlikelihood and (step % 10 == 0 or args.bench):
+            print(f"step {step} unlikelihood {ul.item():.3f} repeated share {repeated_share:.2f}", flush=True)
+        if step % (50 if args.unlikelihood else 500) == 0:
             print(f"step {step} held-out loss {held_out_loss():.3f}", flush=True)
     if args.bench:
         return
@@ -222,6 +283,7 @@ def main() -> None:
                         "lr": args.lr,
                         "steps": step,
                         "threads": args.threads,
+                        "unlikelihood": args.unlikelihood,
                         "held_out_loss": final,
                     }
                 ],
