@@ -144,7 +144,10 @@ class MetricsWriter:
             self.wandb.finish()
 
 
-def _forward_loss(model, target: TargetModel, batch: Batch, cfg: TrainConfig, block_size: int, device):
+def _forward_loss(
+    model, target: TargetModel, batch: Batch, cfg: TrainConfig, block_size: int, device, kl_weight: float | None = None
+):
+    kl_weight = cfg.kl_weight if kl_weight is None else kl_weight
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     )
@@ -154,12 +157,15 @@ def _forward_loss(model, target: TargetModel, batch: Batch, cfg: TrainConfig, bl
         hidden = model(block_embeds, batch.anchor_positions, batch.context_features.to(block_embeds.dtype),
                        batch.context_positions)  # fmt: skip
         return block_loss(hidden, batch.labels, target.model.get_output_embeddings(), block_size,
-                          cfg.loss_decay_gamma, batch.target_topk, cfg.kl_weight)  # fmt: skip
+                          cfg.loss_decay_gamma, batch.target_topk, kl_weight)  # fmt: skip
 
 
 @torch.no_grad()
 def evaluate_loss(model, target, records, cfg: TrainConfig, block_size: int, mask_token_id: int, device) -> dict:
-    """Held-out loss, per-position accuracy and estimated acceptance (fixed anchors)."""
+    """Held-out loss, per-position accuracy and estimated acceptance (fixed anchors).
+
+    The loss is the recipe's hard CE even when training mixes in KL, so held-out losses of
+    runs compare, and a held-out cache needs no stored target logits."""
     model.eval()
     total = weight = 0.0
     correct = count = None
@@ -167,7 +173,7 @@ def evaluate_loss(model, target, records, cfg: TrainConfig, block_size: int, mas
         idx = list(range(start, min(len(records), start + cfg.batch_size)))
         batch = make_batch([records[i] for i in idx], idx, 0, cfg.seed + 1, cfg.num_anchors, block_size,
                            mask_token_id, cfg.max_length).to(device)  # fmt: skip
-        parts = _forward_loss(model, target, batch, cfg, block_size, device)
+        parts = _forward_loss(model, target, batch, cfg, block_size, device, kl_weight=0.0)
         total += float(parts.weighted_sum)
         weight += float(parts.weight_total)
         correct = parts.correct if correct is None else correct + parts.correct

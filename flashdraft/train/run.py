@@ -129,6 +129,11 @@ def run_training(
         records, cfg.data_fingerprint = load_records(
             target, layer_ids, cached_hidden_states, completions, allow_foreign, verify
         )
+        if cfg.kl_weight > 0 and not getattr(records, "topk", 0):
+            raise FlashdraftError(
+                f"--kl-weight {cfg.kl_weight}: {cached_hidden_states or completions} holds no target logits; "
+                f"expected a cache made with flashdraft cache --with-target-logits K (or --kl-weight 0, the recipe)"
+            )
         eval_records = tau_records = None
         if eval_cached_hidden_states or eval_completions:
             eval_records, _ = load_records(

@@ -65,3 +65,24 @@ def test_cache_with_other_layer_ids_than_the_drafter_is_refused(workdir, capsys)
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "layer" in err[0]
+
+
+def test_kl_training_without_stored_target_logits_is_refused_before_the_first_step(workdir, capsys):
+    out = workdir / "kl-refused"
+    assert _train(workdir, "--cached-hidden-states", str(workdir / "cache"), "--out", str(out), "--max-steps", "2",
+                  "--kl-weight", "0.5") == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "--kl-weight 0.5" in err and "--with-target-logits" in err and str(workdir / "cache") in err
+    assert not (out / "checkpoints").exists()
+
+
+def test_kl_training_evaluates_held_out_hard_ce_on_a_cache_without_logits(workdir):
+    assert main(["cache", "--target-model", str(workdir / "target"), "--completions", str(workdir / "c.json"),
+                 "--out", str(workdir / "cache-topk"), "--layers", "0,2", "--dtype", "fp32",
+                 "--with-target-logits", "8"]) == 0  # fmt: skip
+    out = workdir / "kl"
+    assert _train(workdir, "--cached-hidden-states", str(workdir / "cache-topk"), "--out", str(out), "--max-steps",
+                  "2", "--kl-weight", "0.5", "--eval-every", "2", "--eval-cached-hidden-states",
+                  str(workdir / "cache")) == 0  # fmt: skip
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["eval_loss"] > 0 and last["eval_tau"] >= 1.0
