@@ -438,7 +438,12 @@ def _add_train_command(sub) -> None:
     p.add_argument("--grad-accum", type=_positive, default=1)
     p.add_argument("--num-anchors", type=_positive, default=512)
     p.add_argument("--max-length", type=_positive, default=None)
-    p.add_argument("--loss-decay-gamma", type=_nonnegative_float, default=None, help="7 for B=16, 5 for 10, 4 for 8")
+    p.add_argument(
+        "--loss-decay-gamma",
+        type=_nonnegative_float,
+        default=None,
+        help="position decay of the loss; default the recipe's: 7 for B=16, 5 for 10, 4 for 8 (0 = none)",
+    )
     p.add_argument("--kl-weight", type=_nonnegative_float, default=0.0,
                    help="opt-in: weight of KL to the cached target top-k logits (hard CE is the recipe)")  # fmt: skip
     p.add_argument("--noise-std", type=_nonnegative_float, default=0.0, help="noise on context features only")

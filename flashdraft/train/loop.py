@@ -44,7 +44,7 @@ class TrainConfig:
     grad_accum: int = 1
     num_anchors: int = 512
     max_length: int | None = None
-    loss_decay_gamma: float | None = None
+    loss_decay_gamma: float | None = None  # None or 0: no decay (run_training fills in the recipe's for None)
     kl_weight: float = 0.0  # opt-in soft-label KL to the stored top-k target logits
     noise_std: float = 0.0  # Gaussian noise on context features (never on labels)
     seed: int = 0

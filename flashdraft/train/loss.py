@@ -11,11 +11,20 @@ import torch.nn.functional as F
 
 from flashdraft.train.blocks import IGNORE
 
+# the decay the published drafters use per block size (reference doc, section 4)
+RECIPE_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def recipe_decay_gamma(block_size: int) -> float:
+    """The recipe's gamma for this block size; 0 (no decay) where the recipe gives none."""
+    return RECIPE_DECAY_GAMMA.get(block_size, 0.0)
+
 
 def position_weights(block_size: int, gamma: float | None) -> torch.Tensor:
-    """[B] weight per block position: 0 at the anchor, exp(-(k - 1) / gamma) after (1 without decay)."""
+    """[B] weight per block position: 0 at the anchor, exp(-(k - 1) / gamma) after (1 without decay:
+    gamma None or 0)."""
     k = torch.arange(block_size, dtype=torch.float32)
-    w = torch.ones(block_size) if gamma is None else torch.exp(-(k - 1) / gamma)
+    w = torch.ones(block_size) if not gamma else torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
     return w
 

@@ -17,6 +17,7 @@ from flashdraft.train import distributed as D
 from flashdraft.train.checkpointing import latest_checkpoint, verify_checkpoint
 from flashdraft.train.data import OnlineRecords
 from flashdraft.train.loop import TrainConfig, train
+from flashdraft.train.loss import recipe_decay_gamma
 
 
 @dataclass
@@ -102,6 +103,7 @@ def run_training(
     """`flashdraft train`. The drafter is the newest complete checkpoint (`resume`), else `init`,
     else a fresh one shaped by draft_layers (1), block_size (16), mask_token_id and
     target_layer_ids; given with a checkpoint or `init`, these must agree with its config.
+    A loss decay gamma of None becomes the recipe's for the block size (7 for 16; 0 = none).
     `verify`: check the sha256 of caches and of the checkpoint resumed from."""
     if bool(cached_hidden_states) == bool(completions):
         raise FlashdraftError("give exactly one of --cached-hidden-states (offline) or --completions (online)")
@@ -134,6 +136,8 @@ def run_training(
                 f"--kl-weight {cfg.kl_weight}: {cached_hidden_states or completions} holds no target logits; "
                 f"expected a cache made with flashdraft cache --with-target-logits K (or --kl-weight 0, the recipe)"
             )
+        if cfg.loss_decay_gamma is None:
+            cfg.loss_decay_gamma = recipe_decay_gamma(drafter.config.block_size)
         eval_records = tau_records = None
         if eval_cached_hidden_states or eval_completions:
             eval_records, _ = load_records(

@@ -3,7 +3,7 @@ import math
 import torch
 
 from flashdraft.train.blocks import IGNORE
-from flashdraft.train.loss import block_loss, estimated_acceptance, position_weights
+from flashdraft.train.loss import block_loss, estimated_acceptance, position_weights, recipe_decay_gamma
 
 
 def test_decay_weights_are_exp_minus_k_minus_one_over_gamma_and_zero_at_anchor():
@@ -11,6 +11,11 @@ def test_decay_weights_are_exp_minus_k_minus_one_over_gamma_and_zero_at_anchor()
     assert w[0] == 0 and w[1] == 1
     assert math.isclose(float(w[8]), math.exp(-7 / 7), rel_tol=1e-6)
     assert position_weights(4, None).tolist() == [0, 1, 1, 1]
+    assert position_weights(4, 0.0).tolist() == [0, 1, 1, 1]
+
+
+def test_recipe_decay_gamma_is_the_published_one_per_block_size_and_none_elsewhere():
+    assert [recipe_decay_gamma(b) for b in (16, 10, 8, 4)] == [7.0, 5.0, 4.0, 0.0]
 
 
 def test_loss_is_the_weighted_mean_of_hard_cross_entropy():

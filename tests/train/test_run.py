@@ -56,6 +56,18 @@ def test_online_training_from_completions_runs_the_target_in_the_loop(workdir):
     assert _train(workdir, "--completions", str(workdir / "c.json"), "--out", str(out), "--max-steps", "2") == 0
     config = json.loads((out / "run_config.json").read_text())
     assert config["target_layer_ids"] == [0, 2] and config["data_fingerprint"]
+    assert config["loss_decay_gamma"] == 0.0  # the recipe has no decay for B = 4
+
+
+def test_training_uses_the_recipe_loss_decay_for_the_block_size_unless_given(workdir):
+    common = ["train", "--target-model", str(workdir / "target"), "--target-layer-ids", "0,2", "--block-size", "8",
+              "--batch-size", "2", "--num-anchors", "4", "--max-steps", "1",
+              "--cached-hidden-states", str(workdir / "cache")]  # fmt: skip
+    assert main([*common, "--out", str(workdir / "decay-recipe")]) == 0
+    assert main([*common, "--out", str(workdir / "decay-off"), "--loss-decay-gamma", "0"]) == 0
+    recipe = json.loads((workdir / "decay-recipe" / "run_config.json").read_text())
+    off = json.loads((workdir / "decay-off" / "run_config.json").read_text())
+    assert recipe["loss_decay_gamma"] == 4.0 and off["loss_decay_gamma"] == 0.0
 
 
 def test_cache_with_other_layer_ids_than_the_drafter_is_refused(workdir, capsys):
