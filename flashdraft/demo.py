@@ -84,6 +84,26 @@ def training_curve(metrics_path: Path, out_png: Path) -> None:
     fig.savefig(out_png, dpi=100, bbox_inches="tight")
 
 
+def _check_same_target(out: Path, target_model: str) -> None:
+    """A demo directory from another target (say, before an update of the built-in one) is
+    refused up front, with the way out, rather than at some stage deep in the run."""
+    from flashdraft.target import TargetModel
+
+    previous = out / "completions-train.json"
+    if not previous.is_file():
+        return
+    try:
+        found = json.loads(previous.read_text())["target"]["fingerprint"]
+    except (ValueError, KeyError, TypeError):
+        return  # not ours to judge: stage 1 names what is wrong with the file
+    now = TargetModel.load(target_model).fingerprint()
+    if found != now:
+        raise FlashdraftError(
+            f"{out}: holds a demo run on another target (fingerprint {found}; {target_model} is now {now}, "
+            f"for instance after an update of the built-in target); remove {out} or use another --out"
+        )
+
+
 def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoSettings | None = None) -> dict:
     from flashdraft.checkpoint import save_drafter
     from flashdraft.data.cache import run_cache
@@ -104,6 +124,7 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     out.mkdir(parents=True, exist_ok=True)
     layer_ids = list(s.target_layer_ids)
     layers_arg = layer_ids
+    _check_same_target(out, s.target_model)
 
     _stage("1/5 generate the target's own completions")
     train_c = run_generate(s.target_model, s.train_prompts, str(out / "completions-train.json"),

@@ -34,3 +34,15 @@ def test_demo_runs_every_stage_reports_lossless_and_offline_equal_online_and_reu
     again = run_demo(out, minutes=0.3, settings=settings)
     assert "reusing the finished training run" in capsys.readouterr().out
     assert again["train_steps"] == report["train_steps"] and again["tau_offline"] == report["tau_offline"]
+
+
+def test_demo_directory_from_another_target_is_refused_up_front_with_the_way_out(tmp_path, capsys):
+    from flashdraft.cli import main
+
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "completions-train.json").write_text(json.dumps({"target": {"fingerprint": "0123456789abcdef"}}))
+    assert main(["demo", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "holds a demo run on another target" in err and f"remove {out}" in err
+    assert sorted(p.name for p in out.iterdir()) == ["completions-train.json"]  # nothing else was started
