@@ -261,7 +261,8 @@ class TargetModel:
         before the forward and then, by `rollback_mode`: "recompute" re-runs only the linear
         layers' token mixers over the kept tokens now; "deferred" crops everything back and
         re-feeds the kept tokens at the front of the next forward (one call instead of two,
-        which is cheaper where per-call overhead dominates, as on CPU).
+        which is cheaper where per-call overhead dominates, as on CPU); a forward that began
+        with re-fed tokens is rolled back the "recompute" way, so re-fed tokens never pile up.
         """
         drop = cache.last_forward_tokens - keep
         if drop < 0 or keep < 0:
@@ -270,8 +271,12 @@ class TargetModel:
             return
         if self.linear_layers and len(cache.linear_snapshot) != len(self.linear_layers):
             raise RuntimeError("rollback of linear-attention states needs a cached forward before this one")
-        if self.linear_layers and self.rollback_mode == "deferred":
-            total = cache.last_pending + cache.last_forward_tokens
+        # Deferring twice in a row would re-feed the tokens deferred last time again, and so on
+        # until a block is accepted whole: the re-fed prefix, and each verification, would grow
+        # with every partially accepted step. So a forward that re-fed deferred tokens is rolled
+        # back by recomputing, which commits them for good.
+        if self.linear_layers and self.rollback_mode == "deferred" and cache.last_pending == 0:
+            total = cache.last_forward_tokens
             for i, layer in enumerate(cache.kv.layers):
                 if i in self.linear_layers:
                     conv, recurrent = cache.linear_snapshot[i]
@@ -279,9 +284,9 @@ class TargetModel:
                     layer.recurrent_states[0].copy_(recurrent)
                 else:
                     layer.crop(-total)
-            cache.pending = cache.last_input_ids[:, : cache.last_pending + keep]
+            cache.pending = cache.last_input_ids[:, :keep]
             cache.length -= total
-            cache.last_forward_tokens = cache.last_pending = 0
+            cache.last_forward_tokens = 0
             cache.linear_inputs = {}
             return
         for i, layer in enumerate(cache.kv.layers):
@@ -293,9 +298,10 @@ class TargetModel:
                 layer = cache.kv.layers[i]
                 layer.conv_states[0].copy_(conv)
                 layer.recurrent_states[0].copy_(recurrent)
-                if keep > 0:
+                kept = cache.last_pending + keep  # re-fed deferred tokens come first in the captured inputs
+                if kept > 0:
                     # re-run only this layer's token mixer over the accepted prefix
-                    self.layers[i].linear_attn(hidden_states=cache.linear_inputs[i][:, :keep], cache_params=cache.kv)
+                    self.layers[i].linear_attn(hidden_states=cache.linear_inputs[i][:, :kept], cache_params=cache.kv)
         cache.length -= drop
-        cache.last_forward_tokens = keep
+        cache.last_forward_tokens, cache.last_pending = keep, 0
         cache.linear_inputs = {}

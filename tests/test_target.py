@@ -33,6 +33,24 @@ def test_rollback_after_partial_acceptance_equals_a_fresh_forward(any_target, ke
     torch.testing.assert_close(resumed.context_features, fresh.context_features[:, 20 + keep :], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "deferred"])
+def test_rollback_after_many_partial_acceptances_stays_exact_and_each_forward_stays_block_sized(any_target, mode):
+    any_target.rollback_mode = mode
+    any_target.set_context_layers([1])
+    ids = torch.randint(0, 60, (1, 80), generator=torch.Generator().manual_seed(3))
+    cache = any_target.new_cache()
+    any_target.forward(ids[:, :20], cache)
+    committed = 20
+    for keep in [2, 1, 3, 1, 2, 1, 1, 2]:  # verify 8 tokens, accept a few, again and again
+        out = any_target.forward(ids[:, committed : committed + 8], cache)
+        assert cache.last_input_ids.shape[1] <= 8 + 3  # at most the last step's kept tokens are re-fed
+        fresh = any_target.forward(ids[:, : committed + 8])
+        torch.testing.assert_close(out.logits, fresh.logits[:, committed:], rtol=1e-4, atol=1e-4)
+        any_target.rollback(cache, keep)
+        committed += keep
+    assert cache.length + (0 if cache.pending is None else cache.pending.shape[1]) == committed
+
+
 def test_hybrid_rollback_restores_linear_states_not_just_kv(hybrid_target):
     hybrid_target.rollback_mode = (
         "recompute"  # the state is exact right after rollback (deferred: after the next forward)
