@@ -198,17 +198,22 @@ COMPLETIONS_DAMAGE = {
 }  # fmt: skip
 
 
+def _completions_argv(files, tmp_path, path, command):
+    """The command line of `command` (eval, cache or train) reading the completions file `path`."""
+    return {
+        "eval": eval_args(files, files["drafter"], completions=path),
+        "cache": ["cache", "--target-model", files["target"], "--completions", path, "--out", tmp_path / "cache"],
+        "train": train_args(files, tmp_path / "run", "--completions", path),
+    }[command]
+
+
 @pytest.mark.parametrize("command", ["eval", "cache", "train"])
 @pytest.mark.parametrize("case", COMPLETIONS_DAMAGE)
 def test_a_bad_completions_file_is_refused(files, tmp_path, capsys, case, command):
     damage, expected = COMPLETIONS_DAMAGE[case]
     path = Path(shutil.copy(files["completions"], tmp_path / "c.json"))
     damage(path)
-    argv = {
-        "eval": eval_args(files, files["drafter"], completions=path),
-        "cache": ["cache", "--target-model", files["target"], "--completions", path, "--out", tmp_path / "cache"],
-        "train": train_args(files, tmp_path / "run", "--completions", path),
-    }[command]
+    argv = _completions_argv(files, tmp_path, path, command)
     line = refused(capsys, *argv)
     assert str(path) in line and expected in line, line
 
@@ -231,11 +236,7 @@ def test_records_out_of_vocabulary_are_skipped_and_the_rest_counted_and_used(fil
 def test_completions_of_another_target_are_refused_unless_allowed(files, tmp_path, capsys, command):
     path = Path(shutil.copy(files["completions"], tmp_path / "c.json"))
     _json_edit(lambda d: d["target"].update(fingerprint="0123456789abcdef"))(path)
-    argv = {
-        "eval": eval_args(files, files["drafter"], completions=path),
-        "cache": ["cache", "--target-model", files["target"], "--completions", path, "--out", tmp_path / "cache"],
-        "train": train_args(files, tmp_path / "run", "--completions", path),
-    }[command]
+    argv = _completions_argv(files, tmp_path, path, command)
     line = refused(capsys, *argv)
     assert str(path) in line and "made by target fingerprint 0123456789abcdef" in line
     assert "pass --allow-foreign-completions" in line
