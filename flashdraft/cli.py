@@ -63,9 +63,9 @@ def _layer_list(value: str) -> list[int]:
 def cmd_init(args: argparse.Namespace) -> None:
     from flashdraft.checkpoint import save_drafter
     from flashdraft.drafter_init import new_drafter_for_target
-    from flashdraft.target import TargetModel
+    from flashdraft.target_weights import TargetHead
 
-    target = TargetModel.load(args.target_model)
+    target = TargetHead.load(args.target_model)  # shapes, tokenizer and final norm: no decoder layers
     drafter = new_drafter_for_target(
         target, num_layers=args.draft_layers, block_size=args.block_size, mask_token_id=args.mask_token_id,
         seed=args.seed,
@@ -160,9 +160,12 @@ def cmd_cache(args: argparse.Namespace) -> None:
 def cmd_doctor(args: argparse.Namespace) -> None:
     from flashdraft.doctor import kind_of, run_doctor
     from flashdraft.target import TargetModel
+    from flashdraft.target_weights import TargetHead
 
-    kind_of(Path(args.path))  # an unusable PATH is an error before the target is loaded
-    target = TargetModel.load(args.target_model) if args.target_model else None
+    kind = kind_of(Path(args.path))  # an unusable PATH is an error before the target is loaded
+    # a cache is re-run through the target; everything else needs only its shapes, tokenizer and fingerprint
+    load = TargetModel.load if kind == "cache" else TargetHead.load
+    target = load(args.target_model) if args.target_model else None
     if not run_doctor(args.path, target, args.checkpoint, samples=args.samples, tolerance=args.tolerance,
                       verify=not args.no_verify):  # fmt: skip
         sys.exit(1)
@@ -296,10 +299,10 @@ def cmd_export(args: argparse.Namespace) -> None:
     from transformers.utils import logging as hf_logging
 
     from flashdraft.export import export_drafter
-    from flashdraft.target import TargetModel
+    from flashdraft.target_weights import TargetHead
 
     hf_logging.disable_progress_bar()
-    target = TargetModel.load(args.target_model) if args.target_model else None
+    target = TargetHead.load(args.target_model) if args.target_model else None  # shapes and tokenizer only
     loaded = export_drafter(
         args.checkpoint, args.out, target, target_name=args.target_model, dtype=args.dtype,
         block_size=args.block_size, target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
@@ -406,6 +409,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         eval_cached_hidden_states=args.eval_cached_hidden_states,
         eval_completions=args.eval_completions, resume=args.resume, report_to=tuple(args.report_to),
         allow_foreign=args.allow_foreign_completions, device=args.device, verify=not args.no_verify,
+        target_dtype=args.target_dtype,
     )  # fmt: skip
 
 
@@ -462,6 +466,9 @@ def _add_train_command(sub) -> None:
     p.add_argument("--no-verify", action="store_true",
                    help="skip the sha256 check of caches and of the checkpoint resumed from (faster)")  # fmt: skip
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--target-dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="dtype of the target's weights (default: fp32 on CPU, bf16 on GPU); offline only its "
+                        "embeddings and LM head are read")  # fmt: skip
     p.set_defaults(func=cmd_train)
 
 

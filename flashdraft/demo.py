@@ -87,7 +87,7 @@ def training_curve(metrics_path: Path, out_png: Path) -> None:
 def _check_same_target(out: Path, target_model: str) -> None:
     """A demo directory from another target (say, before an update of the built-in one) is
     refused up front, with the way out, rather than at some stage deep in the run."""
-    from flashdraft.target import TargetModel
+    from flashdraft.target_weights import TargetHead
 
     previous = out / "completions-train.json"
     if not previous.is_file():
@@ -96,7 +96,7 @@ def _check_same_target(out: Path, target_model: str) -> None:
         found = json.loads(previous.read_text())["target"]["fingerprint"]
     except (ValueError, KeyError, TypeError):
         return  # not ours to judge: stage 1 names what is wrong with the file
-    now = TargetModel.load(target_model).fingerprint()
+    now = TargetHead.load(target_model).fingerprint()
     if found != now:
         raise FlashdraftError(
             f"{out}: holds a demo run on another target (fingerprint {found}; {target_model} is now {now}, "
@@ -111,7 +111,7 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     from flashdraft.drafter_init import new_drafter_for_target
     from flashdraft.evaluate import run_eval
     from flashdraft.report import write_report
-    from flashdraft.target import TargetModel
+    from flashdraft.target_weights import TargetHead
     from flashdraft.train.checkpointing import latest_checkpoint
     from flashdraft.train.loop import TrainConfig
     from flashdraft.train.run import load_records, run_training
@@ -140,7 +140,7 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
                               dtype="fp32")  # fmt: skip
 
     _stage("3/5 train the drafter")
-    target = TargetModel.load(s.target_model)
+    target = TargetHead.load(s.target_model)  # training reads the cache: no target forward
     untrained_dir = out / "drafter-untrained"
     untrained = new_drafter_for_target(target, s.draft_layers, s.block_size, target_layer_ids=layer_ids, seed=s.seed)
     if not (untrained_dir / "model.safetensors").exists():

@@ -70,12 +70,8 @@ def new_drafter_for_target(
     # The drafter's output goes through the target's LM head: start its final norm at the
     # target's, so the first logits have the target's scale (a unit norm over a tied
     # embedding gives logits far too large, and the first hundred steps only shrink them).
-    final_norm = getattr(target.decoder, "norm", None)
-    if final_norm is not None and getattr(final_norm, "weight", None) is not None:
+    final_norm = target.final_norm_weight()  # [hidden] what the target's norm multiplies by
+    if final_norm is not None:
         with torch.no_grad():
-            weight = final_norm.weight.detach().float()
-            # Qwen3.5 norms store (weight - 1): they compute x * (1 + weight)
-            if type(final_norm).__name__.startswith("Qwen3_5"):
-                weight = weight + 1.0
-            drafter.norm.weight.copy_(weight)
+            drafter.norm.weight.copy_(final_norm)
     return drafter

@@ -681,7 +681,11 @@ def run_eval(
             f"--temperature {temperature}: offline τ and --check-consistency are defined for greedy decoding; "
             f"use --online without --check-consistency for sampling"
         )
-    target = TargetModel.load(target_model, device=device, dtype=dtype)
+    from flashdraft.target_weights import TargetHead
+
+    # offline from a cache needs no target forward: only tokenizer, config, embeddings and LM head
+    offline_only = cached_hidden_states is not None and not (online or check_consistency)
+    target = (TargetHead if offline_only else TargetModel).load(target_model, device=device, dtype=dtype)
     tok = target.tokenizer
     log(
         f"target {target.path}: {target.num_layers} layers, hidden {target.hidden_size}; tokenizer "

@@ -47,6 +47,61 @@ def resolve_target_path(name_or_path: str | Path) -> Path:
     return path
 
 
+# -- identity and small facts, shared with `flashdraft.target_weights.TargetHead` --------------
+
+SAMPLES_PER_TENSOR = 1024  # the fingerprint hashes about this many strided values of each tensor
+
+
+def sample_stride(numel: int) -> int:
+    return max(1, numel // SAMPLES_PER_TENSOR)
+
+
+def strided_sample(t: torch.Tensor) -> torch.Tensor:
+    """flat[::stride] of a tensor as the model holds it, as fp32 on the CPU."""
+    flat = t.detach().reshape(-1)
+    return flat[:: sample_stride(flat.numel())].float().cpu()
+
+
+def fingerprint_of(config, tokenizer, samples) -> str:
+    """Hash of the text config, the vocabulary and (state dict name, strided sample) pairs in
+    sorted name order: what identifies a target, however and wherever it was loaded."""
+    h = hashlib.sha256()
+    # where and in which dtype the target was loaded must not change its identity
+    config = {k: v for k, v in config.to_dict().items()
+              if k not in ("_name_or_path", "dtype", "torch_dtype", "transformers_version")}  # fmt: skip
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    h.update(str(sorted(tokenizer.get_vocab().items())).encode())
+    for name, sample in samples:
+        h.update(name.encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def stop_token_ids_of(generation_config, config, tokenizer) -> list[int]:
+    """EOS ids from the generation config, else the model config, else the tokenizer."""
+    eos = generation_config.eos_token_id if generation_config else None
+    eos = eos if eos is not None else config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise FlashdraftError(
+            f"target_layer_ids {layer_ids}: {bad} outside the target's {num_layers} layers "
+            f"(0..{num_layers - 1}); the drafter was made for another target"
+        )
+
+
+def norm_multiplier(norm_class: str, weight: torch.Tensor) -> torch.Tensor:
+    """What an RMS norm multiplies by, in fp32: Qwen3.5 norms store (weight - 1) and compute
+    x * (1 + weight); the others store the weight itself."""
+    weight = weight.detach().float()
+    return weight + 1.0 if norm_class.startswith("Qwen3_5") else weight
+
+
 @dataclass
 class TargetCache:
     """The target's cache plus what rollback needs from the last forward."""
@@ -116,6 +171,10 @@ class TargetModel:
         return next(self.model.parameters()).device
 
     @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
     def num_layers(self) -> int:
         return len(self.layers)
 
@@ -145,26 +204,13 @@ class TargetModel:
 
     @property
     def stop_token_ids(self) -> list[int]:
-        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
-        eos = eos if eos is not None else self.config.eos_token_id
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+        return stop_token_ids_of(self.model.generation_config, self.config, self.tokenizer)
 
     def fingerprint(self) -> str:
-        """A cheap hash of config, tokenizer and weights (a strided sample of every tensor)."""
-        h = hashlib.sha256()
-        # where and in which dtype the target was loaded must not change its identity
-        config = {k: v for k, v in self.config.to_dict().items()
-                  if k not in ("_name_or_path", "dtype", "torch_dtype", "transformers_version")}  # fmt: skip
-        h.update(json.dumps(config, sort_keys=True, default=str).encode())
-        h.update(str(sorted(self.tokenizer.get_vocab().items())).encode())
-        for name, t in sorted(self.model.state_dict().items()):
-            flat = t.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // 1024)].float().cpu()
-            h.update(name.encode())
-            h.update(sample.numpy().tobytes())
-        return h.hexdigest()[:16]
+        """A cheap hash of config, tokenizer and weights (a strided sample of every tensor);
+        `flashdraft.target_weights.TargetHead` computes the same value from the files alone."""
+        samples = ((name, strided_sample(t)) for name, t in sorted(self.model.state_dict().items()))
+        return fingerprint_of(self.config, self.tokenizer, samples)
 
     # -- frozen pieces borrowed by the drafter ----------------------------------------
 
@@ -174,15 +220,16 @@ class TargetModel:
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(hidden)
 
+    def final_norm_weight(self) -> torch.Tensor | None:
+        """The multiplier of the target's final norm (fp32, [hidden]); None if it has none."""
+        norm = getattr(self.decoder, "norm", None)
+        weight = getattr(norm, "weight", None)
+        return None if weight is None else norm_multiplier(type(norm).__name__, weight)
+
     # -- context features ----------------------------------------------------------------
 
     def set_context_layers(self, layer_ids: list[int]) -> None:
-        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
-        if bad:
-            raise FlashdraftError(
-                f"target_layer_ids {layer_ids}: {bad} outside the target's {self.num_layers} layers "
-                f"(0..{self.num_layers - 1}); the drafter was made for another target"
-            )
+        check_layer_ids(layer_ids, self.num_layers)
         self._context_layer_ids = list(layer_ids)
 
     def _layer_output_hook(self, index: int):

@@ -149,14 +149,16 @@ def _forward_loss(
 ):
     kl_weight = cfg.kl_weight if kl_weight is None else kl_weight
     autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda"  # on CPU a target in bf16/fp16 (--target-dtype) sets the compute dtype
+        else torch.autocast("cpu", dtype=target.dtype, enabled=target.dtype != torch.float32)
     )
     with autocast:
         with torch.no_grad():
             block_embeds = target.embed(batch.block_ids)  # [N, K * B, H], frozen
         hidden = model(block_embeds, batch.anchor_positions, batch.context_features.to(block_embeds.dtype),
                        batch.context_positions)  # fmt: skip
-        return block_loss(hidden, batch.labels, target.model.get_output_embeddings(), block_size,
+        return block_loss(hidden, batch.labels, target.lm_head, block_size,
                           cfg.loss_decay_gamma, batch.target_topk, kl_weight)  # fmt: skip
 
 

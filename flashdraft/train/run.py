@@ -9,10 +9,12 @@ from pathlib import Path
 import torch
 
 from flashdraft.checkpoint import load_drafter
+from flashdraft.data.distributed import load_dtype
 from flashdraft.drafter_init import new_drafter_for_target
 from flashdraft.errors import FlashdraftError
 from flashdraft.evaluate import check_drafter_matches_target
 from flashdraft.target import TargetModel
+from flashdraft.target_weights import TargetHead
 from flashdraft.train import distributed as D
 from flashdraft.train.checkpointing import latest_checkpoint, verify_checkpoint
 from flashdraft.train.data import OnlineRecords
@@ -99,17 +101,22 @@ def run_training(
     allow_foreign: bool = False,
     device: str | None = None,
     verify: bool = True,
+    target_dtype: str | None = None,
 ) -> Path:
     """`flashdraft train`. The drafter is the newest complete checkpoint (`resume`), else `init`,
     else a fresh one shaped by draft_layers (1), block_size (16), mask_token_id and
     target_layer_ids; given with a checkpoint or `init`, these must agree with its config.
     A loss decay gamma of None becomes the recipe's for the block size (7 for 16; 0 = none).
-    `verify`: check the sha256 of caches and of the checkpoint resumed from."""
+    `verify`: check the sha256 of caches and of the checkpoint resumed from. The target is
+    loaded whole only when it runs in the loop (completions); from caches only its head is
+    read (`TargetHead`). `target_dtype` (fp32/bf16/fp16): default fp32 on CPU, bf16 on GPU."""
     if bool(cached_hidden_states) == bool(completions):
         raise FlashdraftError("give exactly one of --cached-hidden-states (offline) or --completions (online)")
     info = D.init_distributed(device)
     try:
-        target = TargetModel.load(target_model, device=info.device)
+        online = bool(completions or eval_completions)  # the target computes features in the loop
+        dtype = load_dtype(info.device, target_dtype)
+        target = (TargetModel if online else TargetHead).load(target_model, device=info.device, dtype=dtype)
         run_dir = Path(out)
         last = latest_checkpoint(run_dir) if resume else None
         if last is not None:
