@@ -8,7 +8,8 @@ target held out, and `builtin:stdlib:heldout` prompts come only from those files
 
 A prompt is a window of `WINDOW_LINES` consecutive lines that starts at a top-level or
 indented statement every `STRIDE_LINES` lines; the target continues it. Windows are ordered
-by a hash of their id (a text repeated in another file is kept once), so the first N (`builtin:stdlib:N`) spread over many files, and the
+by a hash of their id (a text repeated in another file is kept once), so the first N
+(`builtin:stdlib:N`) spread over many files, and the
 order is the same on every machine with the same Python version (the standard library's
 text differs between versions; prompt ids name the file and line, so a record is traceable).
 Windows that share a line with the `builtin:code` prompts are left out, so
