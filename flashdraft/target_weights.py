@@ -46,7 +46,7 @@ from flashdraft.target import (
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CHUNK_BYTES = 64 << 20  # read size: bounds the transient memory of a conversion
-WHOLE_SAMPLE_BYTES = 8 << 20  # tensors up to this size are read whole for their sample
+SAMPLE_SCRATCH_BYTES = 1 << 20  # tensors up to this size are read whole (into one reused buffer) for their sample
 SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -168,13 +168,17 @@ class SafetensorsFiles:
                     flat[start : start + n].copy_(torch.frombuffer(buffer, dtype=stored.dtype))
         return out
 
-    def strided_sample(self, stored: StoredTensor) -> torch.Tensor:
-        """flat[::stride] in the stored dtype (the elements `target.strided_sample` takes)."""
-        stride = sample_stride(stored.numel)
-        if stored.numel * stored.itemsize <= WHOLE_SAMPLE_BYTES:
-            return self.read(stored, stored.dtype, torch.device("cpu")).view(-1)[::stride].clone()
-        size = stored.itemsize
+    def strided_sample(self, stored: StoredTensor, scratch: bytearray) -> torch.Tensor:
+        """flat[::stride] in the stored dtype (the elements `target.strided_sample` takes). A small
+        tensor is read whole into `scratch`; a larger one element by element (pages touched: about
+        1,024), so neither the bytes read nor the memory grow with the tensor."""
+        stride, size, nbytes = sample_stride(stored.numel), stored.itemsize, stored.numel * stored.itemsize
         with open(stored.file, "rb") as f:
+            if 0 < nbytes <= len(scratch):
+                f.seek(stored.offset)
+                if f.readinto(memoryview(scratch)[:nbytes]) != nbytes:
+                    raise FlashdraftError(f"{stored.file}: truncated inside tensor '{stored.name}'")
+                return torch.frombuffer(scratch, dtype=stored.dtype, count=stored.numel)[::stride].clone()
             fd = f.fileno()
             parts = [os.pread(fd, size, stored.offset + i * size) for i in range(0, stored.numel, stride)]
         data = b"".join(parts)
@@ -306,12 +310,12 @@ class TargetHead:
 
     def fingerprint(self) -> str:
         """`TargetModel.fingerprint()` of this target loaded in `self.dtype`, from samples of the files."""
-        samples = []
+        samples, scratch = [], bytearray(SAMPLE_SCRATCH_BYTES)
         for name in self._layout.state_dict_names:
             stored = self._source(name)
             if stored is None:
                 continue  # absent from the files (see the module docstring)
-            sample = self.files.strided_sample(stored)
+            sample = self.files.strided_sample(stored, scratch)
             if sample.is_floating_point():
                 sample = sample.to(self.dtype)  # the rounding that loading in self.dtype does
             samples.append((name, sample.float()))
