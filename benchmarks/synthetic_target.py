@@ -139,7 +139,8 @@ def write_random_drafter(directory: Path, cfg, seed: int = 0) -> Path:
 
 
 # Runs `flashdraft ARGV` and reports, from inside the process, the seconds `main` took (after
-# the interpreter and torch started) and the bytes it read with read()/pread() (/proc/self/io).
+# the interpreter and torch started), the bytes it read with read()/pread() (/proc/self/io) and
+# its peak RSS (VmHWM: wait4's ru_maxrss would include the parent's pages at fork time).
 RUNNER = """
 import json, os, sys, time
 import torch
@@ -157,14 +158,17 @@ if os.environ.get("BENCH_AGAIN") and rc == 0:  # the same command with every lib
     start = time.perf_counter()
     main(sys.argv[1:])
     again = time.perf_counter() - start
-print("RUNNER " + json.dumps({"rc": rc, "main_s": seconds, "again_s": again, "read_bytes": int(io["rchar"])}))
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+peak_kb = int(status["VmHWM"].split()[0])
+print("RUNNER " + json.dumps({"rc": rc, "main_s": seconds, "again_s": again, "read_bytes": int(io["rchar"]),
+                              "peak_kb": peak_kb}))
 sys.exit(rc)
 """
 
 
 def run_measured(argv: list[str], log: Path, whole_target: bool = False, again: bool = False) -> dict:
-    """`flashdraft ARGV` in its own process: peak RSS (MB), wall seconds of the process, seconds
-    of `main` and bytes read by it (from the process itself). `whole_target`: as before
+    """`flashdraft ARGV` in its own process: its peak RSS (MB), wall seconds of the process, seconds
+    of `main` and bytes read by it (all from the process itself). `whole_target`: as before
     TargetHead. `again`: also the seconds of a second `main` in the same process (imports done)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
     env |= {"BENCH_WHOLE_TARGET": "1"} if whole_target else {}
@@ -172,11 +176,11 @@ def run_measured(argv: list[str], log: Path, whole_target: bool = False, again: 
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-c", RUNNER, *argv], stdout=out, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
+        status = proc.wait()
     wall = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
+    if status != 0:
         sys.exit(f"flashdraft {' '.join(argv)} failed; see {log}")
     inner = json.loads(next(line for line in log.read_text().splitlines() if line.startswith("RUNNER "))[7:])
-    measured = {"peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "wall_s": round(wall, 2),
+    measured = {"peak_rss_mb": round(inner["peak_kb"] / 1024, 1), "wall_s": round(wall, 2),
                 "main_s": round(inner["main_s"], 2), "read_mb": round(inner["read_bytes"] / 2**20, 1)}  # fmt: skip
     return measured | ({"main_again_s": round(inner["again_s"], 2)} if again else {})
