@@ -21,9 +21,9 @@ import time
 import torch
 
 from flashdraft.checkpoint import load_any_drafter
-from flashdraft.decode import greedy_generate, speculative_generate
-from flashdraft.evaluate import load_records
+from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.ngram import NGramProposer
+from flashdraft.records import load_eval_records
 from flashdraft.target import TargetModel
 
 
@@ -39,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = TargetModel.load(args.target_model)
-    records, _ = load_records(target, prompts=args.prompts, num_prompts=args.num_prompts)
+    records, _ = load_eval_records(target, prompts=args.prompts, num_prompts=args.num_prompts)
     drafters = {}  # name -> (drafter or proposer, block size)
     for path in args.checkpoint:
         drafter = load_any_drafter(path, target).drafter
@@ -47,7 +47,7 @@ def main() -> None:
     drafters["ngram"] = (NGramProposer(target.vocab_size), args.block_size or 16)
 
     warm = records[0].prompt_ids
-    greedy_generate(target, warm, 16)
+    autoregressive_generate(target, warm, 16)
     for drafter, block in drafters.values():
         speculative_generate(target, drafter, warm, 16, block_size=block)
 
@@ -55,7 +55,7 @@ def main() -> None:
     stats = {name: {"tokens": 0, "seconds": 0.0, "lengths": [], "lossless": True} for name in drafters}
     for record in records:
         t0 = time.perf_counter()
-        plain = greedy_generate(target, record.prompt_ids, args.max_new_tokens)
+        plain = autoregressive_generate(target, record.prompt_ids, args.max_new_tokens)
         greedy_seconds += time.perf_counter() - t0
         greedy_tokens += len(plain.output_ids)
         for name, (drafter, block) in drafters.items():

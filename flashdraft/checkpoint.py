@@ -11,15 +11,19 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from flashdraft.config import DrafterConfig
+from flashdraft.config import DEFAULT_BLOCK_SIZE, DrafterConfig
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import write_atomic
 from flashdraft.model import DFlashDrafter
+
+if TYPE_CHECKING:
+    from flashdraft.target import TargetModel
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -161,6 +165,21 @@ def load_drafter(
     return model.to(device=device, dtype=dtype).eval()
 
 
+def check_drafter_matches_target(cfg: DrafterConfig, target: TargetModel, source: str) -> None:
+    """Refuse a drafter made for another target (each mismatch would draft garbage silently)."""
+    checks = [
+        ("hidden_size", cfg.hidden_size, target.hidden_size, "the target's hidden size"),
+        ("vocab_size", cfg.vocab_size, target.vocab_size, "the target's LM head rows"),
+        ("num_target_layers", cfg.num_target_layers, target.num_layers, "the target's decoder layers"),
+    ]
+    for name, found, expected, what in checks:
+        if found != expected:
+            raise FlashdraftError(
+                f"{source}: field '{name}' is {found}; expected {expected} ({what}): the drafter was made for "
+                f"another target"
+            )
+
+
 # -- other checkpoint forms: a bare state dict, a training run directory ----------------
 
 STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
@@ -207,7 +226,7 @@ def infer_drafter_config(
     num_target_layers: int,
     target_layer_ids: list[int] | None,
     mask_token_id: int,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     **fields,
 ) -> DrafterConfig:
     """The drafter config a bare state dict implies.
@@ -393,8 +412,8 @@ def load_any_drafter(
         mask_token_id = pick_mask_token(target)
         assumed.append(f"mask token {mask_token_id}: the target tokenizer's")
     if block_size is None:
-        block_size = 16
-        assumed.append("block size 16: the usual one (give --block-size if it was trained with another)")
+        block_size = DEFAULT_BLOCK_SIZE
+        assumed.append(f"block size {block_size}: the usual one (give --block-size if it was trained with another)")
     tc = target.config
     rope_theta = (getattr(tc, "rope_parameters", None) or {}).get("rope_theta") or getattr(tc, "rope_theta", 1e6)
     assumed.append(f"rope_theta {rope_theta}, rms_norm_eps {tc.rms_norm_eps}, all layers full attention: target's")

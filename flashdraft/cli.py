@@ -80,9 +80,8 @@ def cmd_init(args: argparse.Namespace) -> None:
 
 
 def cmd_speculate(args: argparse.Namespace) -> None:
-    from flashdraft.checkpoint import load_drafter
-    from flashdraft.decode import greedy_generate, speculative_generate
-    from flashdraft.evaluate import check_drafter_matches_target
+    from flashdraft.checkpoint import check_drafter_matches_target, load_drafter
+    from flashdraft.decode import autoregressive_generate, speculative_generate
     from flashdraft.target import TargetModel
 
     target = TargetModel.load(args.target_model)
@@ -94,7 +93,7 @@ def cmd_speculate(args: argparse.Namespace) -> None:
     spec = speculative_generate(target, drafter, prompt_ids, args.max_new_tokens, block_size=args.block_size)
     t_spec = time.perf_counter() - t0
     t0 = time.perf_counter()
-    plain = greedy_generate(target, prompt_ids, args.max_new_tokens)
+    plain = autoregressive_generate(target, prompt_ids, args.max_new_tokens)
     t_plain = time.perf_counter() - t0
     print(args.prompt + target.tokenizer.decode(spec.output_ids))
     print(
@@ -258,7 +257,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from flashdraft.evaluate import run_eval
+    from flashdraft.evaluate import EvalConfig, run_eval
     from flashdraft.report import format_summary, write_report
 
     hf_logging.disable_progress_bar()  # eval prints what it loaded itself; an error stays one line
@@ -266,7 +265,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or ("bf16" if device != "cpu" else "fp32")]
     if (args.drafter == "ngram") == (args.checkpoint is not None):
         raise FlashdraftError("give --checkpoint for a DFlash drafter, or --drafter ngram (which takes none)")
-    summary = run_eval(
+    summary = run_eval(EvalConfig(
         args.checkpoint or "ngram", args.target_model, cached_hidden_states=args.cached_hidden_states,
         completions=args.completions, prompts=args.prompts, num_prompts=args.num_prompts,
         max_blocks=args.max_blocks, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
@@ -274,7 +273,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         reference=args.reference, target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, device=device, dtype=dtype, seed=args.seed,
         verify=not args.no_verify, allow_foreign=args.allow_foreign_completions, long_prompts=args.long_prompts,
-    )  # fmt: skip
+    ))  # fmt: skip
     print()
     print(format_summary(summary))
     if args.json:

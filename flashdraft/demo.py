@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from flashdraft.config import DEFAULT_BLOCK_SIZE
 from flashdraft.errors import FlashdraftError
 
 
@@ -32,7 +33,7 @@ class DemoSettings:
     max_new_tokens: int = 128
     draft_layers: int = 1
     target_layer_ids: tuple[int, ...] = (1, 2, 3)
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     lr: float = 6e-3
     num_anchors: int = 8  # few blocks per sequence, many steps: measured best per CPU-second (README)
     batch_size: int = 4
@@ -109,7 +110,8 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     from flashdraft.data.cache import run_cache
     from flashdraft.data.completions import run_generate
     from flashdraft.drafter_init import new_drafter_for_target
-    from flashdraft.evaluate import run_eval
+    from flashdraft.evaluate import EvalConfig, run_eval
+    from flashdraft.records import quiet
     from flashdraft.report import write_report
     from flashdraft.target import TargetModel
     from flashdraft.train.checkpointing import latest_checkpoint
@@ -172,10 +174,10 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     _stage("4/5 evaluate on held-out prompts")
     torch.set_num_threads(1)  # batch-1 decoding of a tiny model is fastest on one thread
     # online with the consistency check: live figures (lossless, speed-up) plus the offline walk
-    common = dict(completions=str(heldout_c), max_blocks=s.eval_max_blocks, log=lambda line: None)
-    trained = run_eval(str(trained_dir), s.target_model, online=True, check_consistency=True, **common)
-    untrained_offline = run_eval(str(untrained_dir), s.target_model, **common)
-    ngram = run_eval("ngram", s.target_model, online=True, check_consistency=True, **common)
+    common = dict(target_model=s.target_model, completions=str(heldout_c), max_blocks=s.eval_max_blocks)
+    trained = run_eval(EvalConfig(str(trained_dir), online=True, check_consistency=True, **common), quiet)
+    untrained_offline = run_eval(EvalConfig(str(untrained_dir), **common), quiet)
+    ngram = run_eval(EvalConfig("ngram", online=True, check_consistency=True, **common), quiet)
     online = trained
 
     _stage("5/5 report")

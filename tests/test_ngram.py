@@ -3,16 +3,13 @@ import json
 import pytest
 import torch
 
-from flashdraft.decode import DFlashProposer, greedy_generate, speculative_generate
+from flashdraft.acceptance import DFlashProposer, offline_acceptance_lengths
+from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
-from flashdraft.evaluate import (
-    EvalRecord,
-    evaluate_offline,
-    offline_acceptance_lengths,
-    proposer_acceptance_lengths,
-    records_from_prompts,
-)
+from flashdraft.evaluate import records_from_prompts
 from flashdraft.ngram import NGramProposer, lookup
+from flashdraft.offline import evaluate_offline
+from flashdraft.records import EvalRecord
 from tests.conftest import VOCAB, make_drafter, make_target, run_cli, save_target, write_word_prompts
 from tests.test_evaluate import overfit
 
@@ -75,7 +72,7 @@ def test_greedy_speculative_decoding_with_ngram_is_lossless(any_target, block):
     proposer = NGramProposer(any_target.vocab_size)
     taus = []
     for prompt in PROMPTS:
-        plain = greedy_generate(any_target, prompt, 48)
+        plain = autoregressive_generate(any_target, prompt, 48)
         spec = speculative_generate(any_target, proposer, prompt, 48, block_size=block)
         assert spec.output_ids == plain.output_ids
         assert sum(spec.acceptance_lengths) == len(spec.output_ids) - 1 and max(spec.acceptance_lengths) <= block
@@ -122,9 +119,10 @@ def test_one_anchor_walk_feeds_context_as_online_does():
     walks = []
     for r in records:
         features = target.forward(torch.tensor([r.input_ids])).context_features[0]
-        batched = offline_acceptance_lengths(drafter, target, len(r.prompt_ids), r.completion_ids, features, 8)
-        one_by_one = proposer_acceptance_lengths(DFlashProposer(drafter, target), target, r.prompt_ids,
-                                                 r.completion_ids, 8, features=features)  # fmt: skip
+        batched = offline_acceptance_lengths(DFlashProposer(drafter, target), r.prompt_ids, r.completion_ids, 8,
+                                             features)  # fmt: skip
+        one_by_one = offline_acceptance_lengths(DFlashProposer(drafter, target), r.prompt_ids, r.completion_ids, 8,
+                                                features, anchors_per_call=1)  # fmt: skip
         assert one_by_one == batched
         walks.append(batched)
     assert max(walks[0]) > 2  # the drafter accepts on the record it was fitted to: lengths vary

@@ -10,7 +10,7 @@ already answered, and at the end rank 0 merges everything into OUT through a tem
 file and `os.replace`, so OUT is never half written and no record appears twice.
 
 Generation runs the target locally in batches (left padding with an attention mask;
-greedy output equals `flashdraft.decode.greedy_generate` token for token), or calls an
+greedy output equals `flashdraft.decode.autoregressive_generate` token for token), or calls an
 OpenAI-compatible server (vLLM, SGLang) with the prompt's token ids.
 """
 

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from flashdraft.checkpoint import load_drafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
+from flashdraft.offline import evaluate_offline
 from flashdraft.target import TargetModel
 from flashdraft.train import distributed as D
 from flashdraft.train.checkpointing import RunLock, latest_checkpoint, load_trainer_state, save_checkpoint
@@ -186,8 +187,6 @@ def evaluate_loss(model, target, records, cfg: TrainConfig, block_size: int, mas
 @torch.no_grad()
 def evaluate_tau(drafter: DFlashDrafter, target: TargetModel, records: list, max_blocks: int) -> dict:
     """Real τ on held-out records: the offline walk that equals live speculative decoding."""
-    from flashdraft.evaluate import evaluate_offline
-
     was_training = drafter.training
     drafter.eval()
     result = evaluate_offline(drafter, target, records, max_blocks=max_blocks)
@@ -227,7 +226,7 @@ def train(
     """Train `drafter` on `records` (cache or online records) into `run_dir`.
 
     eval_records: held-out training records for loss and estimated acceptance;
-    eval_tau_records: held-out `flashdraft.evaluate.EvalRecord`s for the real offline τ.
+    eval_tau_records: held-out `flashdraft.records.EvalRecord`s for the real offline τ.
     """
     info = info or D.DistInfo()
     device = info.device

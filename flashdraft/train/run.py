@@ -8,10 +8,9 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.checkpoint import load_drafter
+from flashdraft.checkpoint import check_drafter_matches_target, load_drafter
 from flashdraft.drafter_init import new_drafter_for_target
 from flashdraft.errors import FlashdraftError
-from flashdraft.evaluate import check_drafter_matches_target
 from flashdraft.target import TargetModel
 from flashdraft.train import distributed as D
 from flashdraft.train.checkpointing import latest_checkpoint, verify_checkpoint
@@ -55,7 +54,7 @@ def eval_tau_records(
     cached: str | None, completions: str | None, target: TargetModel, allow_foreign: bool, verify: bool = True
 ) -> list:
     """Held-out records for the real τ (the offline evaluator)."""
-    from flashdraft.evaluate import EvalRecord, records_from_cache
+    from flashdraft.records import EvalRecord, records_from_cache
 
     if cached:
         from flashdraft.data.cache import HiddenStateCache

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashdraft.acceptance import DFlashProposer
 from flashdraft.checkpoint import load_drafter
-from flashdraft.decode import DFlashProposer
 from flashdraft.errors import FlashdraftError
 from flashdraft.train.checkpointing import RunLock, complete_checkpoints, latest_checkpoint
 from flashdraft.train.data import OnlineRecords, make_batch
