@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from flashdraft.checkpoint import load_any_drafter
 from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.ngram import NGramProposer
 from flashdraft.records import load_eval_records
+from flashdraft.run_dir import load_any_drafter
 from flashdraft.target import TargetModel
 
 

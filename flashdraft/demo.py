@@ -113,8 +113,8 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     from flashdraft.evaluate import EvalConfig, run_eval
     from flashdraft.records import quiet
     from flashdraft.report import write_report
+    from flashdraft.run_dir import latest_checkpoint
     from flashdraft.target import TargetModel
-    from flashdraft.train.checkpointing import latest_checkpoint
     from flashdraft.train.loop import TrainConfig
     from flashdraft.train.run import load_records, run_training
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from flashdraft.acceptance import Proposer
-from flashdraft.checkpoint import check_drafter_matches_target, load_any_drafter
+from flashdraft.checkpoint import check_drafter_matches_target
 from flashdraft.config import DEFAULT_BLOCK_SIZE
 from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
@@ -25,6 +25,7 @@ from flashdraft.ngram import NGramProposer
 from flashdraft.offline import drafter_shape, evaluate_offline
 from flashdraft.records import EvalRecord, FeatureSource, Log, fit_prompts, invalid_reason, load_eval_records
 from flashdraft.results import EvalResult, PromptResult, difference, first_difference
+from flashdraft.run_dir import load_any_drafter
 from flashdraft.target import TargetModel
 
 NGRAM = "ngram"  # in place of a checkpoint (--drafter ngram, --reference ngram): the n-gram baseline

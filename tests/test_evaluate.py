@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 import flashdraft.acceptance as acceptance
-from flashdraft.checkpoint import load_any_drafter, save_drafter
+from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
 from flashdraft.config import DrafterConfig
 from flashdraft.data.completions import load_completions
@@ -19,6 +19,7 @@ from flashdraft.model import DFlashDrafter
 from flashdraft.offline import evaluate_offline
 from flashdraft.records import EvalRecord, FeatureSource
 from flashdraft.results import EvalResult, PromptResult
+from flashdraft.run_dir import load_any_drafter
 from flashdraft.target import TargetModel
 from tests.conftest import make_drafter, make_target, make_tokenizer, run_cli, save_target, write_word_prompts
 

@@ -35,6 +35,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from flashdraft.checks import Checks
 from flashdraft.data.completions import CompletionRecord, Completions
 from flashdraft.data.distributed import Dist
 from flashdraft.errors import FlashdraftError
@@ -561,9 +562,7 @@ def doctor_cache(
     """Check a cache: manifest, every shard's size and (with `verify`) sha256, record layout,
     finite features, and with a target its fingerprint and the alignment of `samples` records
     against a fresh forward; with a drafter's `layer_ids`, that they equal the cache's. Prints
-    one line per check (`flashdraft.doctor.Checks`); returns True when all pass."""
-    from flashdraft.doctor import Checks
-
+    one line per check (`flashdraft.checks.Checks`); returns True when all pass."""
     directory = Path(directory)
     own = checks is None
     checks = checks or Checks()

@@ -23,9 +23,9 @@ from flashdraft.checkpoint import load_drafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
 from flashdraft.offline import evaluate_offline
+from flashdraft.run_dir import RunLock, latest_checkpoint, load_trainer_state, remove_unfinished, save_checkpoint
 from flashdraft.target import TargetModel
 from flashdraft.train import distributed as D
-from flashdraft.train.checkpointing import RunLock, latest_checkpoint, load_trainer_state, save_checkpoint
 from flashdraft.train.data import Batch, add_context_noise, make_batch, record_generator
 from flashdraft.train.loss import block_loss, estimated_acceptance, label_weight_total
 
@@ -276,6 +276,8 @@ def train(
 
         start_step = 0
         if resume:
+            if info.is_main:
+                remove_unfinished(run_dir)  # under the run's lock: no other trainer writes here
             last = latest_checkpoint(run_dir)
             if last is None:
                 if info.is_main:

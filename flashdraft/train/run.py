@@ -11,9 +11,9 @@ import torch
 from flashdraft.checkpoint import check_drafter_matches_target, load_drafter
 from flashdraft.drafter_init import new_drafter_for_target
 from flashdraft.errors import FlashdraftError
+from flashdraft.run_dir import latest_checkpoint, verify_checkpoint
 from flashdraft.target import TargetModel
 from flashdraft.train import distributed as D
-from flashdraft.train.checkpointing import latest_checkpoint, verify_checkpoint
 from flashdraft.train.data import OnlineRecords
 from flashdraft.train.loop import TrainConfig, train
 from flashdraft.train.loss import recipe_decay_gamma

@@ -10,7 +10,7 @@ import torch
 from flashdraft.acceptance import DFlashProposer
 from flashdraft.checkpoint import load_drafter
 from flashdraft.errors import FlashdraftError
-from flashdraft.train.checkpointing import RunLock, complete_checkpoints, latest_checkpoint
+from flashdraft.run_dir import RunLock, complete_checkpoints, latest_checkpoint
 from flashdraft.train.data import OnlineRecords, make_batch
 from flashdraft.train.loop import TrainConfig, _forward_loss, train
 from tests.conftest import MASK, make_drafter, make_target
