@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
+from flashdraft.config import DEFAULT_BLOCK_SIZE
 from flashdraft.errors import FlashdraftError
 
 
@@ -114,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
     p.add_argument("--out", required=True)
     p.add_argument("--draft-layers", type=_positive, default=1)
-    p.add_argument("--block-size", type=_block_size, default=16)
+    p.add_argument("--block-size", type=_block_size, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_init)
@@ -333,7 +335,7 @@ def _add_eval_commands(sub) -> None:
         help="tokens to decode per prompt without completions (default: max-blocks x B + 1, else 256)",
     )
     p.add_argument("--block-size", type=_block_size, default=None,
-                   help="default: the drafter's (n-gram: 16, or the drafter's)")  # fmt: skip
+                   help=f"default: the drafter's (n-gram: {DEFAULT_BLOCK_SIZE}, or the drafter's)")  # fmt: skip
     p.add_argument("--online", action="store_true", help="real speculative decoding with the target, timed")
     p.add_argument("--temperature", type=_temperature, default=0.0, help="online sampling temperature (0 = greedy)")
     p.add_argument(
@@ -367,7 +369,9 @@ def _add_eval_commands(sub) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--target-model", help="needed for a bare state dict; named in the README's commands")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto", help="auto: as stored")
-    p.add_argument("--block-size", type=_block_size, default=None, help="for a bare state dict (default 16)")
+    p.add_argument(
+        "--block-size", type=_block_size, default=None, help=f"for a bare state dict (default {DEFAULT_BLOCK_SIZE})"
+    )
     p.add_argument("--target-layer-ids", type=_layer_list, default=None, help="for a bare state dict")
     p.add_argument("--mask-token-id", type=int, default=None, help="for a bare state dict")
     p.set_defaults(func=cmd_export)
@@ -390,14 +394,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from flashdraft.train.loop import TrainConfig
     from flashdraft.train.run import run_training
 
-    cfg = TrainConfig(
-        epochs=args.epochs, max_steps=args.max_steps, lr=args.lr, warmup_fraction=args.warmup_fraction,
-        weight_decay=args.weight_decay, grad_clip=args.grad_clip, batch_size=args.batch_size,
-        grad_accum=args.grad_accum, num_anchors=args.num_anchors, max_length=args.max_length,
-        loss_decay_gamma=args.loss_decay_gamma, kl_weight=args.kl_weight, noise_std=args.noise_std, seed=args.seed,
-        save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, log_every=args.log_every,
-        eval_every=args.eval_every, eval_max_blocks=args.eval_max_blocks, fsdp=args.fsdp,
-    )  # fmt: skip
+    cfg = TrainConfig(**{name: getattr(args, name) for name in TrainConfig.option_names()})
     run_training(
         cfg, args.target_model, args.out, cached_hidden_states=args.cached_hidden_states,
         completions=args.completions, init=args.init, draft_layers=args.draft_layers, block_size=args.block_size,
@@ -415,6 +412,23 @@ def _nonnegative_float(value: str) -> float:
     return x
 
 
+def _train_option_adder(p: argparse.ArgumentParser):
+    """Adds `--name` for a `TrainConfig` field, its default taken from the dataclass (one
+    default per knob); a bool field becomes a flag."""
+    from flashdraft.train.loop import TrainConfig
+
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+
+    def add(name: str, type_, help: str | None = None) -> None:
+        flag = "--" + name.replace("_", "-")
+        if type_ is None:
+            p.add_argument(flag, action="store_true", default=defaults[name], help=help)
+        else:
+            p.add_argument(flag, type=type_, default=defaults[name], help=help)
+
+    return add
+
+
 def _add_train_command(sub) -> None:
     p = sub.add_parser("train", help="train a drafter with the DFlash recipe (offline cache or online target)")
     p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
@@ -424,38 +438,47 @@ def _add_train_command(sub) -> None:
     p.add_argument("--out", required=True, help="run directory (checkpoints, metrics.jsonl, run_config.json)")
     p.add_argument("--init", help="start from this drafter directory instead of a fresh one")
     p.add_argument("--draft-layers", type=_positive, default=None, help="default 1 (with --init/--resume: its own)")
-    p.add_argument("--block-size", type=_block_size, default=None, help="default 16 (with --init/--resume: its own)")
+    p.add_argument(
+        "--block-size",
+        type=_block_size,
+        default=None,
+        help=f"default {DEFAULT_BLOCK_SIZE} (with --init/--resume: its own)",
+    )
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--target-layer-ids", type=_layer_list, default=None, help="default: the reference spread")
-    p.add_argument("--epochs", type=_positive, default=1)
-    p.add_argument("--max-steps", type=_positive, default=None)
-    p.add_argument("--lr", type=_nonnegative_float, default=6e-4)
-    p.add_argument("--warmup-fraction", type=_nonnegative_float, default=0.04)
-    p.add_argument("--weight-decay", type=_nonnegative_float, default=0.0)
-    p.add_argument("--grad-clip", type=_nonnegative_float, default=1.0)
-    p.add_argument("--batch-size", type=_positive, default=4, help="sequences per micro-batch per rank")
-    p.add_argument("--grad-accum", type=_positive, default=1)
-    p.add_argument("--num-anchors", type=_positive, default=512)
-    p.add_argument("--max-length", type=_positive, default=None)
-    p.add_argument(
-        "--loss-decay-gamma",
-        type=_nonnegative_float,
-        default=None,
-        help="position decay of the loss; default the recipe's: 7 for B=16, 5 for 10, 4 for 8 (0 = none)",
+    knob = _train_option_adder(p)
+    knob("epochs", _positive)
+    knob("max_steps", _positive)
+    knob("lr", _nonnegative_float)
+    knob("warmup_fraction", _nonnegative_float)
+    knob("min_lr_fraction", _nonnegative_float, "final learning rate as a fraction of --lr")
+    knob("weight_decay", _nonnegative_float)
+    knob("grad_clip", _nonnegative_float)
+    knob("batch_size", _positive, "sequences per micro-batch per rank")
+    knob("grad_accum", _positive)
+    knob("num_anchors", _positive)
+    knob("max_length", _positive)
+    knob(
+        "loss_decay_gamma",
+        _nonnegative_float,
+        "position decay of the loss; default the recipe's: 7 for B=16, 5 for 10, 4 for 8 (0 = none)",
     )
-    p.add_argument("--kl-weight", type=_nonnegative_float, default=0.0,
-                   help="opt-in: weight of KL to the cached target top-k logits (hard CE is the recipe)")  # fmt: skip
-    p.add_argument("--noise-std", type=_nonnegative_float, default=0.0, help="noise on context features only")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=_positive, default=200)
-    p.add_argument("--keep-checkpoints", type=_positive, default=3)
-    p.add_argument("--log-every", type=_positive, default=10)
-    p.add_argument("--eval-every", type=int, default=0, help="held-out loss and real τ every N steps (0: never)")
-    p.add_argument("--eval-max-blocks", type=_positive, default=32, help="speculative steps per held-out record")
+    knob(
+        "kl_weight",
+        _nonnegative_float,
+        "opt-in: weight of KL to the cached target top-k logits (hard CE is the recipe)",
+    )
+    knob("noise_std", _nonnegative_float, "noise on context features only")
+    knob("seed", int)
+    knob("save_every", _positive)
+    knob("keep_checkpoints", _positive)
+    knob("log_every", _positive)
+    knob("eval_every", int, "held-out loss and real τ every N steps (0: never)")
+    knob("eval_max_blocks", _positive, "speculative steps per held-out record")
     p.add_argument("--eval-cached-hidden-states", default=None, help="held-out cache for periodic evaluation")
     p.add_argument("--eval-completions", default=None, help="held-out completions for periodic evaluation")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP under torchrun")
+    knob("fsdp", None, "FSDP2 instead of DDP under torchrun")
     p.add_argument("--report-to", nargs="*", default=[], choices=["wandb"])
     p.add_argument("--allow-foreign-completions", action="store_true")
     p.add_argument("--no-verify", action="store_true",

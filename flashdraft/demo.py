@@ -49,7 +49,7 @@ def _stage(name: str) -> None:
 def _seconds_per_step(cfg, drafter, target, records, block_size: int, mask_token_id: int) -> float:
     """Time two training steps' forward + backward on this machine to size the run."""
     from flashdraft.train.data import make_batch
-    from flashdraft.train.loop import _forward_loss
+    from flashdraft.train.loop import forward_loss
 
     drafter = drafter.train()
     idx = list(range(min(cfg.batch_size, len(records))))
@@ -57,7 +57,7 @@ def _seconds_per_step(cfg, drafter, target, records, block_size: int, mask_token
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
-        parts = _forward_loss(drafter, target, batch, cfg, block_size, torch.device("cpu"))
+        parts = forward_loss(drafter, target, batch, cfg, block_size, torch.device("cpu"))
         parts.weighted_sum.backward()
         times.append(time.perf_counter() - t0)
     drafter.zero_grad(set_to_none=True)

@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from flashdraft.checks import Checks
 from flashdraft.data.completions import CompletionRecord, Completions
-from flashdraft.data.distributed import Dist
+from flashdraft.distributed import Dist
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file, write_atomic, write_json_atomic
+from flashdraft.progress import Progress
 from flashdraft.target import TargetModel
 
 FORMAT = "flashdraft.hidden-state-cache"
@@ -113,7 +113,7 @@ def _cache_record(
 
 def _build_shard(
     target: TargetModel, directory: Path, k: int, records: list[CompletionRecord], settings: dict, dist: Dist,
-    bar: tqdm,
+    bar: Progress,
 ) -> dict:  # fmt: skip
     dtype = DTYPES[settings["dtype_flag"]]
     # the shard's tensors, allocated once and filled record by record: one shard of features in
@@ -228,7 +228,7 @@ def build_cache(
             f"caching {len(records)} records in {len(shards)} shards to {directory}: layers {layer_ids}, "
             f"{settings['dtype']}, {len(shards) - len(todo)} shards already done"
         )
-    with tqdm(total=sum(len(shards[k]) for k in mine), desc=f"{dist.prefix()}cache", unit="record") as bar:
+    with Progress(total=sum(len(shards[k]) for k in mine), desc=f"{dist.prefix()}cache", unit="record") as bar:
         for k in mine:
             _build_shard(target, directory, k, shards[k], settings, dist, bar)
     dist.barrier()  # every shard is on disk before the manifest lists them
@@ -706,7 +706,7 @@ def run_cache(
 ) -> Path:
     """`flashdraft cache`, one rank of it under torchrun."""
     from flashdraft.data.completions import load_completions
-    from flashdraft.data.distributed import init_distributed, load_dtype, pick_device
+    from flashdraft.distributed import init_distributed, load_dtype, pick_device
 
     dist = init_distributed()
     try:

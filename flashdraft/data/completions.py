@@ -26,9 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
-from flashdraft.data.distributed import Dist
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.data.prompts import (
     Prompt,
@@ -38,7 +36,9 @@ from flashdraft.data.prompts import (
     prompt_token_limit,
     render_conversation,
 )
+from flashdraft.distributed import Dist
 from flashdraft.errors import FlashdraftError
+from flashdraft.progress import Progress as tqdm  # plain lines in logs; the name generate_completions uses
 from flashdraft.target import TargetModel
 
 FORMAT = "flashdraft.completions"
@@ -548,8 +548,8 @@ def run_generate(
     """`flashdraft generate`, one rank of it under torchrun. chat_template None = use the
     target's template where it has one; long_prompts: what to do with a prompt longer than the
     target's context minus max_new_tokens ("error", "skip" or "truncate")."""
-    from flashdraft.data.distributed import init_distributed, load_dtype, pick_device
     from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, load_prompts
+    from flashdraft.distributed import init_distributed, load_dtype, pick_device
 
     if backend == "openai" and not base_url:
         raise FlashdraftError("--backend openai needs --base-url (the server, e.g. http://localhost:8000/v1)")

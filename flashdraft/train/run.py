@@ -9,11 +9,12 @@ from pathlib import Path
 import torch
 
 from flashdraft.checkpoint import check_drafter_matches_target, load_drafter
+from flashdraft.config import DEFAULT_BLOCK_SIZE
+from flashdraft.distributed import init_distributed
 from flashdraft.drafter_init import new_drafter_for_target
 from flashdraft.errors import FlashdraftError
 from flashdraft.run_dir import latest_checkpoint, verify_checkpoint
 from flashdraft.target import TargetModel
-from flashdraft.train import distributed as D
 from flashdraft.train.data import OnlineRecords
 from flashdraft.train.loop import TrainConfig, train
 from flashdraft.train.loss import recipe_decay_gamma
@@ -106,9 +107,9 @@ def run_training(
     `verify`: check the sha256 of caches and of the checkpoint resumed from."""
     if bool(cached_hidden_states) == bool(completions):
         raise FlashdraftError("give exactly one of --cached-hidden-states (offline) or --completions (online)")
-    info = D.init_distributed(device)
+    dist = init_distributed(device, collectives=True)
     try:
-        target = TargetModel.load(target_model, device=info.device)
+        target = TargetModel.load(target_model, device=dist.device)
         run_dir = Path(out)
         last = latest_checkpoint(run_dir) if resume else None
         if last is not None:
@@ -119,7 +120,7 @@ def run_training(
         elif init:
             drafter, source = load_drafter(init), f"{init} (--init)"
         else:
-            drafter = new_drafter_for_target(target, draft_layers or 1, block_size or 16, mask_token_id,
+            drafter = new_drafter_for_target(target, draft_layers or 1, block_size or DEFAULT_BLOCK_SIZE, mask_token_id,
                                              target_layer_ids, seed=cfg.seed)  # fmt: skip
             source = None
         if source is not None:
@@ -144,7 +145,7 @@ def run_training(
             )
             tau_records = eval_tau_records(eval_cached_hidden_states, eval_completions, target, allow_foreign,
                                            verify)  # fmt: skip
-        if info.is_main:
+        if dist.is_main:
             print(
                 f"target {target.path}: {target.num_layers} layers, linear-attention backend {target.linear_backend}; "
                 f"drafter {drafter.config.num_hidden_layers} layers, context layers {layer_ids}, block size "
@@ -153,10 +154,10 @@ def run_training(
                 flush=True,
             )
         train(cfg, drafter, target, records, run_dir, resume=resume, eval_records=eval_records,
-              report_to=report_to, info=info, eval_tau_records=tau_records, verify=verify)  # fmt: skip
+              report_to=report_to, dist=dist, eval_tau_records=tau_records, verify=verify)  # fmt: skip
         final = latest_checkpoint(run_dir)
-        if info.is_main:
+        if dist.is_main:
             print(f"done: drafter in {final / 'drafter'}", flush=True)
         return final
     finally:
-        D.shutdown()
+        dist.close()
