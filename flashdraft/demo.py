@@ -105,18 +105,51 @@ def _check_same_target(out: Path, target_model: str) -> None:
         )
 
 
-def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoSettings | None = None) -> dict:
+def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: Path, deadline: float) -> tuple:
+    """Train until `deadline` (perf_counter; sized by timing two steps here), or reuse a finished
+    run; returns (newest checkpoint's drafter directory, untrained drafter directory, facts)."""
     from flashdraft.checkpoint import save_drafter
-    from flashdraft.data.cache import run_cache
-    from flashdraft.data.completions import run_generate
     from flashdraft.drafter_init import new_drafter_for_target
-    from flashdraft.evaluate import EvalConfig, run_eval
-    from flashdraft.records import quiet
-    from flashdraft.report import write_report
     from flashdraft.run_dir import latest_checkpoint
     from flashdraft.target import TargetModel
     from flashdraft.train.loop import TrainConfig
-    from flashdraft.train.run import load_records, run_training
+    from flashdraft.train.run import load_training_records, run_training
+
+    layer_ids = list(s.target_layer_ids)
+    target = TargetModel.load(s.target_model)
+    untrained_dir = out / "drafter-untrained"
+    untrained = new_drafter_for_target(target, s.draft_layers, s.block_size, target_layer_ids=layer_ids, seed=s.seed)
+    if not (untrained_dir / "model.safetensors").exists():
+        save_drafter(untrained, untrained_dir)
+    run_dir = out / "run"
+    done_marker = run_dir / "DEMO_DONE"
+    cfg = TrainConfig(lr=s.lr, num_anchors=s.num_anchors, batch_size=s.batch_size, seed=s.seed,
+                      loss_decay_gamma=s.loss_decay_gamma, log_every=5, keep_checkpoints=1)  # fmt: skip
+    if done_marker.exists():
+        train_info = json.loads(done_marker.read_text())
+        print(f"reusing the finished training run in {run_dir} ({train_info['steps']} steps)")
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        records, _ = load_training_records(target, layer_ids, str(train_cache), None)
+        per_step = _seconds_per_step(cfg, untrained, target, records, s.block_size, untrained.config.mask_token_id)
+        steps = max(10, int((deadline - time.perf_counter()) / per_step))
+        cfg.epochs = -(-steps // max(1, len(records) // cfg.batch_size))
+        cfg.max_steps, cfg.save_every, cfg.eval_every = steps, steps, max(10, steps // 4)
+        print(f"{per_step:.2f} s per step here: training {steps} steps ({steps * per_step / 60:.1f} min)")
+        t0 = time.perf_counter()
+        run_training(cfg, s.target_model, str(run_dir), cached_hidden_states=str(train_cache),
+                     init=str(untrained_dir), eval_cached_hidden_states=str(heldout_cache))  # fmt: skip
+        train_info = {"steps": steps, "train_seconds": round(time.perf_counter() - t0, 1)}
+        done_marker.write_text(json.dumps(train_info))
+    return latest_checkpoint(run_dir) / "drafter", untrained_dir, train_info
+
+
+def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoSettings | None = None) -> dict:
+    from flashdraft.data.cache import run_cache
+    from flashdraft.data.completions import run_generate
+    from flashdraft.evaluate import EvalConfig, run_eval
+    from flashdraft.records import quiet
+    from flashdraft.report import write_report
 
     s = settings or DemoSettings()
     if minutes <= 0:
@@ -124,8 +157,7 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     t_start = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    layer_ids = list(s.target_layer_ids)
-    layers_arg = layer_ids
+    layers_arg = list(s.target_layer_ids)
     _check_same_target(out, s.target_model)
 
     _stage("1/5 generate the target's own completions")
@@ -142,34 +174,9 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
                               dtype="fp32")  # fmt: skip
 
     _stage("3/5 train the drafter")
-    target = TargetModel.load(s.target_model)
-    untrained_dir = out / "drafter-untrained"
-    untrained = new_drafter_for_target(target, s.draft_layers, s.block_size, target_layer_ids=layer_ids, seed=s.seed)
-    if not (untrained_dir / "model.safetensors").exists():
-        save_drafter(untrained, untrained_dir)
-    run_dir = out / "run"
-    done_marker = run_dir / "DEMO_DONE"
-    cfg = TrainConfig(lr=s.lr, num_anchors=s.num_anchors, batch_size=s.batch_size, seed=s.seed,
-                      loss_decay_gamma=s.loss_decay_gamma, log_every=5, keep_checkpoints=1)  # fmt: skip
-    if done_marker.exists():
-        train_info = json.loads(done_marker.read_text())
-        print(f"reusing the finished training run in {run_dir} ({train_info['steps']} steps)")
-    else:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        records, _ = load_records(target, layer_ids, str(train_cache), None)
-        per_step = _seconds_per_step(cfg, untrained, target, records, s.block_size, untrained.config.mask_token_id)
-        # leave time for evaluation (about a third of the budget: measured 90 s of 300) after what was spent
-        left = minutes * 60 - (time.perf_counter() - t_start) - max(30.0, 0.35 * minutes * 60)
-        steps = max(10, int(left / per_step))
-        cfg.epochs = -(-steps // max(1, len(records) // cfg.batch_size))
-        cfg.max_steps, cfg.save_every, cfg.eval_every = steps, steps, max(10, steps // 4)
-        print(f"{per_step:.2f} s per step here: training {steps} steps ({steps * per_step / 60:.1f} min)")
-        t0 = time.perf_counter()
-        run_training(cfg, s.target_model, str(run_dir), cached_hidden_states=str(train_cache),
-                     init=str(untrained_dir), eval_cached_hidden_states=str(heldout_cache))  # fmt: skip
-        train_info = {"steps": steps, "train_seconds": round(time.perf_counter() - t0, 1)}
-        done_marker.write_text(json.dumps(train_info))
-    trained_dir = latest_checkpoint(run_dir) / "drafter"
+    # leave time for evaluation (about a third of the budget: measured 90 s of 300) after what was spent
+    deadline = t_start + minutes * 60 - max(30.0, 0.35 * minutes * 60)
+    trained_dir, untrained_dir, train_info = _train_stage(s, out, train_cache, heldout_cache, deadline)
 
     _stage("4/5 evaluate on held-out prompts")
     torch.set_num_threads(1)  # batch-1 decoding of a tiny model is fastest on one thread
@@ -178,22 +185,30 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     trained = run_eval(EvalConfig(str(trained_dir), online=True, check_consistency=True, **common), quiet)
     untrained_offline = run_eval(EvalConfig(str(untrained_dir), **common), quiet)
     ngram = run_eval(EvalConfig("ngram", online=True, check_consistency=True, **common), quiet)
-    online = trained
 
     _stage("5/5 report")
-    report_dir = out
-    write_report(trained, report_dir / "eval")
-    training_curve(run_dir / "metrics.jsonl", out / "training_curve.png")
+    write_report(trained, out / "eval")
+    training_curve(out / "run" / "metrics.jsonl", out / "training_curve.png")
+    report = _summary(s, trained, untrained_offline, ngram, train_info, trained_dir)
+    report["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(_markdown(report))
+    print(_markdown(report))
+    return report
+
+
+def _summary(s: DemoSettings, trained: dict, untrained_offline: dict, ngram: dict, train_info: dict,
+             trained_dir: Path) -> dict:  # fmt: skip
     consistency = trained["consistency"]
-    report = {
+    return {
         "target": s.target_model,
         "tau_offline": consistency["offline_tau"],
         "tau_online": consistency["online_tau"],
         "offline_equals_online": consistency["identical"],
-        "lossless": online["lossless"],
-        "speedup": online["speedup"],
-        "speculative_tokens_per_s": online["speculative_tokens_per_s"],
-        "greedy_tokens_per_s": online["greedy_tokens_per_s"],
+        "lossless": trained["lossless"],
+        "speedup": trained["speedup"],
+        "speculative_tokens_per_s": trained["speculative_tokens_per_s"],
+        "greedy_tokens_per_s": trained["greedy_tokens_per_s"],
         "tau_untrained": untrained_offline["tau"],
         "tau_ngram": ngram["tau"],
         "speedup_ngram": ngram["speedup"],
@@ -204,12 +219,7 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
         "block_size": s.block_size,
         "drafter": str(trained_dir),
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(s).items()},
-        "total_seconds": round(time.perf_counter() - t_start, 1),
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(_markdown(report))
-    print(_markdown(report))
-    return report
 
 
 def _markdown(r: dict) -> str:

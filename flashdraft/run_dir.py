@@ -192,6 +192,28 @@ class LoadedDrafter:
     assumed: list[str] = field(default_factory=list)  # what a bare state dict could not tell, and where it came from
 
 
+def _load_drafter_directory(path: Path, device, dtype: torch.dtype, verify: bool) -> LoadedDrafter:
+    """A drafter directory, a training run (its newest complete checkpoint) or one checkpoint."""
+    form = "drafter directory"
+    if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
+        last = latest_checkpoint(path)
+        if last is None:
+            raise FlashdraftError(
+                f"{path}: no complete checkpoint (expected {path / CHECKPOINTS}/step-NNNNNNN/drafter/ with a "
+                f"COMPLETE marker in step-NNNNNNN/)"
+            )
+        form, path = "training run", last / "drafter"
+    elif not (path / "config.json").is_file() and (path / "drafter").is_dir() and (path / "COMPLETE").is_file():
+        form, path = "training checkpoint", path / "drafter"
+    if form != "drafter directory" and verify:
+        verify_checkpoint(path.parent, only="drafter/")
+    drafter = load_drafter(path, device=device, dtype=dtype)
+    where = weight_files(path)
+    with safe_open(str(where["fc.weight"]), framework="pt") as sf:
+        stored = _SAFETENSORS_DTYPES.get(sf.get_slice("fc.weight").get_dtype(), torch.float32)
+    return LoadedDrafter(drafter, form, path, stored)
+
+
 def load_any_drafter(
     path: str | Path,
     target=None,
@@ -217,24 +239,7 @@ def load_any_drafter(
     """
     path = Path(path)
     if path.is_dir():
-        form = "drafter directory"
-        if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
-            last = latest_checkpoint(path)
-            if last is None:
-                raise FlashdraftError(
-                    f"{path}: no complete checkpoint (expected {path / CHECKPOINTS}/step-NNNNNNN/drafter/ with a "
-                    f"COMPLETE marker in step-NNNNNNN/)"
-                )
-            form, path = "training run", last / "drafter"
-        elif not (path / "config.json").is_file() and (path / "drafter").is_dir() and (path / "COMPLETE").is_file():
-            form, path = "training checkpoint", path / "drafter"
-        if form != "drafter directory" and verify:
-            verify_checkpoint(path.parent, only="drafter/")
-        drafter = load_drafter(path, device=device, dtype=dtype)
-        where = weight_files(path)
-        with safe_open(str(where["fc.weight"]), framework="pt") as sf:
-            stored = _SAFETENSORS_DTYPES.get(sf.get_slice("fc.weight").get_dtype(), torch.float32)
-        return LoadedDrafter(drafter, form, path, stored)
+        return _load_drafter_directory(path, device, dtype, verify)
     if path.suffix not in STATE_DICT_SUFFIXES:
         raise FlashdraftError(
             f"{path}: not a drafter directory, a training run directory or a state dict file "

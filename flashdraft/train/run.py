@@ -13,6 +13,7 @@ from flashdraft.config import DEFAULT_BLOCK_SIZE
 from flashdraft.distributed import init_distributed
 from flashdraft.drafter_init import new_drafter_for_target
 from flashdraft.errors import FlashdraftError
+from flashdraft.model import DFlashDrafter
 from flashdraft.run_dir import latest_checkpoint, verify_checkpoint
 from flashdraft.target import TargetModel
 from flashdraft.train.data import OnlineRecords
@@ -32,7 +33,7 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def load_records(target: TargetModel, layer_ids: list[int], cached: str | None, completions: str | None,
+def load_training_records(target: TargetModel, layer_ids: list[int], cached: str | None, completions: str | None,
                  allow_foreign: bool = False, verify: bool = True):  # fmt: skip
     """Training records and a fingerprint of the data they come from."""
     if cached:
@@ -81,6 +82,27 @@ def _check_agrees(config, source: str, **given) -> None:
             )
 
 
+def _starting_drafter(
+    target: TargetModel, resume_from: Path | None, init: str | None, shape: dict, seed: int, verify: bool
+) -> DFlashDrafter:
+    """The newest complete checkpoint of `resume_from`, else `init`, else a fresh drafter of
+    `shape` (draft_layers, block_size, mask_token_id, target_layer_ids; None: the default)."""
+    last = latest_checkpoint(resume_from) if resume_from is not None else None
+    if last is not None:
+        if verify:
+            verify_checkpoint(last, only="drafter/")  # the loop verifies the rest with the optimizer state
+        drafter = load_drafter(last / "drafter")  # weights are restored again by the loop, with the optimizer
+        source = f"{last / 'drafter'} (--resume)"
+    elif init:
+        drafter, source = load_drafter(init), f"{init} (--init)"
+    else:
+        return new_drafter_for_target(target, shape["draft_layers"] or 1, shape["block_size"] or DEFAULT_BLOCK_SIZE,
+                                      shape["mask_token_id"], shape["target_layer_ids"], seed=seed)  # fmt: skip
+    check_drafter_matches_target(drafter.config, target, source)
+    _check_agrees(drafter.config, source, **shape)
+    return drafter
+
+
 def run_training(
     cfg: TrainConfig,
     target_model: str,
@@ -111,24 +133,11 @@ def run_training(
     try:
         target = TargetModel.load(target_model, device=dist.device)
         run_dir = Path(out)
-        last = latest_checkpoint(run_dir) if resume else None
-        if last is not None:
-            if verify:
-                verify_checkpoint(last, only="drafter/")  # the loop verifies the rest with the optimizer state
-            drafter = load_drafter(last / "drafter")  # weights are restored again by the loop, with the optimizer
-            source = f"{last / 'drafter'} (--resume)"
-        elif init:
-            drafter, source = load_drafter(init), f"{init} (--init)"
-        else:
-            drafter = new_drafter_for_target(target, draft_layers or 1, block_size or DEFAULT_BLOCK_SIZE, mask_token_id,
-                                             target_layer_ids, seed=cfg.seed)  # fmt: skip
-            source = None
-        if source is not None:
-            check_drafter_matches_target(drafter.config, target, source)
-            _check_agrees(drafter.config, source, draft_layers=draft_layers, block_size=block_size,
-                          mask_token_id=mask_token_id, target_layer_ids=target_layer_ids)  # fmt: skip
+        shape = dict(draft_layers=draft_layers, block_size=block_size, mask_token_id=mask_token_id,
+                     target_layer_ids=target_layer_ids)  # fmt: skip
+        drafter = _starting_drafter(target, run_dir if resume else None, init, shape, cfg.seed, verify)
         layer_ids = drafter.config.target_layer_ids
-        records, cfg.data_fingerprint = load_records(
+        records, cfg.data_fingerprint = load_training_records(
             target, layer_ids, cached_hidden_states, completions, allow_foreign, verify
         )
         if cfg.kl_weight > 0 and not getattr(records, "topk", 0):
@@ -140,7 +149,7 @@ def run_training(
             cfg.loss_decay_gamma = recipe_decay_gamma(drafter.config.block_size)
         eval_records = tau_records = None
         if eval_cached_hidden_states or eval_completions:
-            eval_records, _ = load_records(
+            eval_records, _ = load_training_records(
                 target, layer_ids, eval_cached_hidden_states, eval_completions, allow_foreign, verify
             )
             tau_records = eval_tau_records(eval_cached_hidden_states, eval_completions, target, allow_foreign,
