@@ -3,7 +3,6 @@ import json
 import pytest
 import torch
 
-from flashdraft.acceptance import DFlashProposer, offline_acceptance_lengths
 from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
 from flashdraft.evaluate import records_from_prompts
@@ -11,7 +10,6 @@ from flashdraft.ngram import NGramProposer, lookup
 from flashdraft.offline import evaluate_offline
 from flashdraft.records import EvalRecord
 from tests.conftest import VOCAB, make_drafter, make_target, run_cli, save_target, write_word_prompts
-from tests.test_evaluate import overfit
 
 # the second prompt repeats itself, so prompt lookup has something to find from the start
 PROMPTS = [[5, 9, 17, 3, 22, 40, 11, 8, 30, 2, 14, 27], [1, 2, 3, 1, 2, 3, 1, 2], [44, 12, 7, 33, 19, 50, 8, 21]]
@@ -107,25 +105,6 @@ def test_offline_ngram_walk_honours_max_blocks():
     full = evaluate_offline(proposer, target, records, block_size=8)
     cut = evaluate_offline(proposer, target, records, block_size=8, max_blocks=3)
     assert [p.acceptance_lengths for p in cut.per_prompt] == [p.acceptance_lengths[:3] for p in full.per_prompt]
-
-
-def test_one_anchor_walk_feeds_context_as_online_does():
-    # a DFlash drafter through the generic walk (features fed step by step, as online) must
-    # match the batched DFlash walk: the generic walk's context feeding is what is checked
-    target = make_target("hybrid")
-    records = greedy_records(target)
-    drafter = overfit(make_drafter(), target, records[0])
-    target.set_context_layers(drafter.config.target_layer_ids)
-    walks = []
-    for r in records:
-        features = target.forward(torch.tensor([r.input_ids])).context_features[0]
-        batched = offline_acceptance_lengths(DFlashProposer(drafter, target), r.prompt_ids, r.completion_ids, 8,
-                                             features)  # fmt: skip
-        one_by_one = offline_acceptance_lengths(DFlashProposer(drafter, target), r.prompt_ids, r.completion_ids, 8,
-                                                features, anchors_per_call=1)  # fmt: skip
-        assert one_by_one == batched
-        walks.append(batched)
-    assert max(walks[0]) > 2  # the drafter accepts on the record it was fitted to: lengths vary
 
 
 def test_sampling_with_ngram_one_hot_drafts():
