@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from flashdraft.errors import FlashdraftError
+from flashdraft.linear_attention import install_short_block_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub: targets are local directories
 # transformers warns on every process that fla is absent; flashdraft reports the backend itself
@@ -90,6 +91,9 @@ class TargetModel:
             layer.register_forward_hook(self._layer_output_hook(i))
         for i in self.linear_layers:
             self.layers[i].linear_attn.register_forward_pre_hook(self._linear_input_hook(i), with_kwargs=True)
+        if self.linear_backend == "torch":  # without fla kernels, short blocks take the direct solve
+            for i in self.linear_layers:
+                install_short_block_path(self.layers[i].linear_attn)
 
     # -- loading ---------------------------------------------------------------------
 
