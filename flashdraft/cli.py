@@ -195,7 +195,11 @@ def _add_data_commands(sub) -> None:
 
     p = sub.add_parser("generate", help="the target's own completions of a prompt set (resumable, torchrun-able)")
     p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
-    p.add_argument("--prompts", required=True, help=".jsonl/.parquet, dataset dir, or builtin:code[:heldout]")
+    p.add_argument(
+        "--prompts",
+        required=True,
+        help=".jsonl/.parquet, dataset dir, builtin:code[:heldout], builtin:stdlib[:heldout][:N]",
+    )
     p.add_argument("--out", required=True, help="completions file to write (a re-run resumes it)")
     p.add_argument("--num-prompts", type=_positive, default=None)
     p.add_argument("--max-new-tokens", type=_positive, default=256)

@@ -20,6 +20,8 @@ transformers path.
 
 from __future__ import annotations
 
+from importlib.util import find_spec
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -117,8 +119,10 @@ def short_block_forward(layer: nn.Module, hidden_states: torch.Tensor, cache_par
 def install_short_block_path(layer: nn.Module) -> None:
     """Route a Gated DeltaNet layer's short cached forwards through `short_block_forward`;
     everything else (long prefills, padding masks, no cache, recorded past) keeps the layer's own
-    forward. Hooks on the layer still run: only its `forward` is replaced, on this instance."""
+    forward, and so do CUDA inputs where fla is installed (its kernels are the path there). Hooks
+    on the layer still run: only its `forward` is replaced, on this instance."""
     original = layer.forward
+    has_fla = find_spec("fla") is not None
 
     def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
         if (
@@ -126,6 +130,7 @@ def install_short_block_path(layer: nn.Module) -> None:
             and attention_mask is None
             and hidden_states.shape[1] <= SHORT_BLOCK_MAX
             and not cache_params.is_recording_past(layer.layer_idx)
+            and not (has_fla and hidden_states.is_cuda)
         ):
             return short_block_forward(layer, hidden_states, cache_params)
         return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)

@@ -26,6 +26,14 @@ from flashdraft.errors import FlashdraftError
 def lookup(tokens: list[int], num_draft: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int] | None:
     """The `num_draft` tokens that followed the most recent earlier occurrence of the longest
     suffix of `tokens` (max_ngram down to min_ngram tokens long), or None without a match."""
+    found = lookup_match(tokens, num_draft, max_ngram, min_ngram)
+    return found[0] if found is not None else None
+
+
+def lookup_match(
+    tokens: list[int], num_draft: int, max_ngram: int = 3, min_ngram: int = 1
+) -> tuple[list[int], int] | None:
+    """`lookup`'s draft and the length of the suffix it matched, or None without a match."""
     end = len(tokens) - 1
     best_n, best_j = 0, -1
     # j: the last token of an earlier occurrence; scanning backwards, the first j to reach a
@@ -46,7 +54,7 @@ def lookup(tokens: list[int], num_draft: int, max_ngram: int = 3, min_ngram: int
     for k in range(num_draft):
         source = best_j + 1 + k  # < len(tokens) + k, so it is either committed or already copied
         draft.append(tokens[source] if source <= end else draft[source - end - 1])
-    return draft
+    return draft, best_n
 
 
 class NGramProposer:

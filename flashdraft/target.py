@@ -15,10 +15,13 @@ than re-running the whole target (see `benchmarks/rollback.py`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
@@ -34,6 +37,26 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub: targets are l
 logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
 
 TINY_DIR = Path(__file__).parent / "assets" / "tiny"
+
+
+def _route_linear_attention_by_device(modeling_module) -> None:
+    """With fla installed (the `gpu` extra), transformers binds Gated DeltaNet to fla's triton
+    kernels whatever the device, and they fail on CPU tensors ("0 active drivers"). Route CPU
+    calls to the torch fallback and leave CUDA calls to fla; done once per modeling module."""
+    if find_spec("fla") is None:
+        return
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        kernel = getattr(modeling_module, name, None)
+        if kernel is None or getattr(kernel, "_flashdraft_routed", False):
+            continue
+        torch_fn = inspect.unwrap(kernel)
+
+        @functools.wraps(kernel)  # __wrapped__ = kernel, so inspect.unwrap still reaches torch_fn
+        def routed(query, *args, _kernel=kernel, _torch_fn=torch_fn, **kwargs):
+            return (_kernel if query.is_cuda else _torch_fn)(query, *args, **kwargs)
+
+        routed._flashdraft_routed = True
+        setattr(modeling_module, name, routed)
 
 
 def resolve_target_path(name_or_path: str | Path) -> Path:
@@ -91,6 +114,9 @@ class TargetModel:
             layer.register_forward_hook(self._layer_output_hook(i))
         for i in self.linear_layers:
             self.layers[i].linear_attn.register_forward_pre_hook(self._linear_input_hook(i), with_kwargs=True)
+        if self.linear_layers:
+            gated_delta_net = type(self.layers[self.linear_layers[0]].linear_attn)
+            _route_linear_attention_by_device(sys.modules[gated_delta_net.__module__])
         if self.linear_backend == "torch":  # without fla kernels, short blocks take the direct solve
             for i in self.linear_layers:
                 install_short_block_path(self.layers[i].linear_attn)

@@ -22,30 +22,19 @@ under 20 MB); flashdraft loads them in fp32.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import random
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from flashdraft.data.stdlib import stdlib_files  # the split that builtin:stdlib prompts share
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|mask|>"]
-
-
-def stdlib_files() -> tuple[list[Path], list[Path]]:
-    """All standard-library .py files (no site-packages), split 97/3 by path hash."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-    train, held_out = [], []
-    for p in files:
-        digest = hashlib.sha256(str(p.relative_to(root)).encode()).digest()[0]
-        (held_out if digest < 8 else train).append(p)
-    return train, held_out
 
 
 def read(p: Path) -> str:

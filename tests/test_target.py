@@ -101,3 +101,33 @@ def test_fingerprint_does_not_depend_on_directory_or_load_dtype(tmp_path):
     a = TargetModel.load(tmp_path / "a")
     assert a.fingerprint() == TargetModel.load(tmp_path / "b").fingerprint()
     assert a.fingerprint() == TargetModel.load(tmp_path / "a", dtype=torch.bfloat16).fingerprint()
+
+
+def test_with_fla_installed_cpu_calls_reach_the_torch_fallback_and_cuda_calls_the_kernel(monkeypatch):
+    import functools
+    import types
+
+    import flashdraft.target as target_module
+
+    calls = []
+
+    def torch_fallback(query, key, **kwargs):
+        calls.append("torch")
+        return query
+
+    @functools.wraps(torch_fallback)  # how transformers wraps the torch function when fla imports
+    def fla_kernel(query, key, **kwargs):
+        calls.append("fla")
+        return query
+
+    class FakeCudaTensor:
+        is_cuda = True
+
+    modeling = types.SimpleNamespace(torch_chunk_gated_delta_rule=fla_kernel)
+    monkeypatch.setattr(target_module, "find_spec", lambda name: object())  # as if fla were installed
+    target_module._route_linear_attention_by_device(modeling)
+    target_module._route_linear_attention_by_device(modeling)  # idempotent: wrapped once
+    modeling.torch_chunk_gated_delta_rule(torch.zeros(1), None, g=None)
+    modeling.torch_chunk_gated_delta_rule(FakeCudaTensor(), None, g=None)
+    assert calls == ["torch", "fla"]
+    assert modeling.torch_chunk_gated_delta_rule.__wrapped__ is fla_kernel  # parity still unwraps to torch

@@ -405,6 +405,10 @@ def _write_final(out: Path, header: dict, records: list[dict]) -> None:
     os.replace(tmp, out)
 
 
+def _prompt_chars(prompt: Prompt) -> int:
+    return sum(len(m["content"]) for m in prompt.prefix) + sum(len(t) for t in prompt.turns)
+
+
 def generate_completions(
     target: TargetModel,
     prompts: list[Prompt],
@@ -424,7 +428,9 @@ def generate_completions(
     dist.barrier()  # every rank has read the same state before anyone appends to it
 
     todo = [p for p in prompts if not all(p.record_id(t) in done for t in range(len(p.turns)))]
-    mine = todo[dist.rank :: dist.world]
+    # Length bucketing: a batch of similar lengths wastes little on left padding; the merged
+    # file keeps the prompts' order whatever order they were answered in.
+    mine = sorted(todo[dist.rank :: dist.world], key=_prompt_chars)
     if dist.is_main:
         print(f"{len(done)} records already in {out}; {len(todo)} prompts to answer"
               + (f" over {dist.world} ranks" if dist.world > 1 else ""))  # fmt: skip

@@ -24,10 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flashdraft.data.stdlib import stdlib_prompts
 from flashdraft.errors import FlashdraftError
 
 BUILTIN_CODE = Path(__file__).parent / "builtin_code.jsonl"
 BUILTIN_SPLITS = {"builtin:code": "train", "builtin:code:train": "train", "builtin:code:heldout": "heldout"}
+BUILTIN_SPECS = [*BUILTIN_SPLITS, "builtin:stdlib[:N]", "builtin:stdlib:heldout[:N]"]
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -55,13 +57,15 @@ class Prompt:
 
 def load_prompts(spec: str, num_prompts: int | None = None, quiet: bool = False) -> list[Prompt]:
     """Read prompts from `spec`: a .jsonl file, a .parquet file or dataset directory, or a
-    built-in set (`builtin:code` = train split, `builtin:code:heldout`). Returns the first
+    built-in set (`builtin:code` = train split, `builtin:code:heldout`, `builtin:stdlib[:N]`,
+    `builtin:stdlib:heldout[:N]`). Returns the first
     `num_prompts` (all if None) in file order."""
     stats = {"trailing_assistant_removed": 0}
-    if spec.startswith("builtin:"):
+    if spec.startswith("builtin:stdlib"):
+        rows, source = _stdlib_rows(spec), spec
+    elif spec.startswith("builtin:"):
         if spec not in BUILTIN_SPLITS:
-            known = ", ".join(BUILTIN_SPLITS)
-            raise FlashdraftError(f"--prompts {spec}: unknown built-in set; expected one of {known}")
+            raise FlashdraftError(f"--prompts {spec}: unknown built-in set; expected one of {', '.join(BUILTIN_SPECS)}")
         split = BUILTIN_SPLITS[spec]
         rows = [(loc, row) for loc, row in _read_jsonl(BUILTIN_CODE) if row.get("split") == split]
         source = spec
@@ -70,7 +74,7 @@ def load_prompts(spec: str, num_prompts: int | None = None, quiet: bool = False)
         if not path.exists():
             raise FlashdraftError(
                 f"--prompts {spec}: no such file or directory; expected a .jsonl/.parquet file, a dataset "
-                f"directory, or one of {', '.join(BUILTIN_SPLITS)}"
+                f"directory, or one of {', '.join(BUILTIN_SPECS)}"
             )
         rows = list(_read_jsonl(path)) if path.suffix == ".jsonl" else list(_read_dataset(path))
         source = str(path)
@@ -111,6 +115,24 @@ def _read_jsonl(path: Path):
             if not isinstance(row, dict):
                 raise FlashdraftError(f"{path}:{number}: expected a JSON object, found {type(row).__name__}")
             yield f"{path}:{number}", row
+
+
+def _stdlib_rows(spec: str) -> list[tuple[str, dict[str, str]]]:
+    """Rows of `builtin:stdlib[:heldout][:N]`: windows of the standard library's files that
+    share no line with the built-in coding prompts (see data/stdlib.py)."""
+    parts = spec.split(":")[2:]
+    split = "heldout" if parts[:1] == ["heldout"] else "train"
+    parts = parts[1:] if split == "heldout" else parts
+    if len(parts) > 1 or (parts and not (parts[0].isdigit() and int(parts[0]) > 0)):
+        raise FlashdraftError(
+            f"--prompts {spec}: unknown built-in set; expected builtin:stdlib[:N] or builtin:stdlib:heldout[:N] "
+            f"with N a positive number of prompts"
+        )
+    code_prompts = [row["prompt"] for _, row in _read_jsonl(BUILTIN_CODE)]
+    windows = stdlib_prompts(split, avoid_texts=code_prompts)
+    if parts:
+        windows = windows[: int(parts[0])]
+    return [(f"{spec} {pid}", {"id": pid, "prompt": text}) for pid, text in windows]
 
 
 def _read_dataset(path: Path):

@@ -82,8 +82,9 @@ def test_bad_json_duplicate_ids_unknown_builtin_and_missing_file(tmp_path):
     dup = write_jsonl(tmp_path / "dup.jsonl", [{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}])
     with pytest.raises(FlashdraftError, match=r"dup\.jsonl:2: id 'a' repeats the id of .*dup\.jsonl:1"):
         load_prompts(str(dup))
-    with pytest.raises(FlashdraftError, match="unknown built-in set"):
-        load_prompts("builtin:poems")
+    for spec in ("builtin:poems", "builtin:stdlib:0", "builtin:stdlib:many", "builtin:stdlib:heldout:3:4"):
+        with pytest.raises(FlashdraftError, match="unknown built-in set"):
+            load_prompts(spec)
     with pytest.raises(FlashdraftError, match="no such file"):
         load_prompts(str(tmp_path / "absent.jsonl"))
 

@@ -1,0 +1,517 @@
+"""GPU readiness: one command that runs every CUDA path of flashdraft once and measures it.
+
+    pip install -e '.[gpu]'                    # fla kernels for the hybrid target's linear layers
+    python benchmarks/gpu_check.py             # one large GPU, a few minutes (budget: 8)
+    python benchmarks/gpu_check.py --dry-run   # the same code paths at tiny widths on CPU, < 1 minute
+
+Each check prints one JSON line as it finishes; a table closes the run. Exit 1 when a parity
+check fails or a check raises. The checks, in order:
+
+1. linear_attention_parity: a Qwen3.6-27B-shaped slice of the target (real widths, 4 layers:
+   3 Gated DeltaNet + 1 gated full attention, random weights), fp32 and bf16: every
+   linear-attention backend against the default one (fla on GPU), min cosine per layer, by
+   `flashdraft parity`'s own `run_parity` (fail below 0.9999).
+2. target_verify_cost: on the bf16 slice, t(forward of 16 new tokens) / t(1 token) after a prompt.
+3. spec_loop_overhead: speculative decoding on the slice with a random Qwen3.6-27B-shaped drafter;
+   per step, the time beyond the target's verification (drafter forward + bookkeeping).
+4. flex_vs_dense: the drafter's training forward and gradients (many blocks per sequence, 4
+   sliding-window layers + 1 full) with compiled flex attention against the dense boolean mask,
+   under bf16 autocast: relative L2 error of the output and of every parameter's gradient.
+5. train_step: the training step of `flashdraft train` (forward, loss, backward, clip, AdamW) on
+   synthetic features for the Qwen3-8B and Qwen3.6-27B drafter shapes, flex vs dense: context
+   tokens/s and peak memory; the same step with 2 processes (DDP) when 2 devices exist (on CPU
+   in --dry-run, over gloo).
+
+The slice's widths that the reference doc gives (hidden 5120, intermediate 17408, vocab 248320)
+are used as given; the attention and Gated DeltaNet head counts and dims are those of the
+published Qwen3.5/3.6-27B config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+
+from flashdraft.config import DrafterConfig
+from flashdraft.decode import speculative_generate
+from flashdraft.model import DFlashDrafter
+from flashdraft.parity import run_parity
+from flashdraft.target import TargetModel
+from flashdraft.train import distributed as D
+from flashdraft.train.data import make_batch
+from flashdraft.train.loop import TrainConfig, _forward_loss  # the loop's own forward + loss
+from flashdraft.train.loss import block_loss
+
+
+@dataclass
+class Widths:
+    """Everything that differs between the real run and --dry-run."""
+
+    slice: dict  # Qwen3_5TextConfig fields of the target slice
+    drafters: dict  # name -> DrafterConfig fields (the published drafter shapes)
+    target_for: dict  # drafter name -> (hidden, vocab) of the target it borrows embedding and LM head from
+    parity_prompt_lengths: tuple[int, ...]
+    prompt_tokens: int  # before verification and decoding
+    new_tokens: int  # speculative decoding length
+    seq_len: int  # training sequence (context tokens)
+    num_anchors: int  # blocks per sequence
+    train_steps: int
+    repeats: int  # timing repeats (median)
+
+
+LAYERS_3_LINEAR_1_FULL = ["linear_attention"] * 3 + ["full_attention"]  # Qwen3.5/3.6: full attention every 4th
+QWEN36_27B_SLICE = dict(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_attention_heads=24,
+                        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+                        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                        layer_types=LAYERS_3_LINEAR_1_FULL)  # fmt: skip
+QWEN36_27B_DRAFTER = dict(hidden_size=5120, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
+                          head_dim=128, intermediate_size=17408, vocab_size=248320, num_target_layers=64,
+                          target_layer_ids=[1, 16, 31, 46, 61], mask_token_id=248070, rope_theta=1e7,
+                          layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=2048)  # fmt: skip
+# target_layer_ids by the reference default rule for 36 layers; any mask id does for synthetic data
+QWEN3_8B_DRAFTER = dict(hidden_size=4096, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
+                        head_dim=128, intermediate_size=12288, vocab_size=151936, num_target_layers=36,
+                        target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669)  # fmt: skip
+
+GPU = Widths(
+    slice=QWEN36_27B_SLICE,
+    drafters={"qwen3-8b-drafter": QWEN3_8B_DRAFTER, "qwen3.6-27b-drafter": QWEN36_27B_DRAFTER},
+    target_for={"qwen3-8b-drafter": (4096, 151936), "qwen3.6-27b-drafter": (5120, 248320)},
+    parity_prompt_lengths=(1000, 333),  # odd lengths: the chunked kernels' partial last chunk
+    prompt_tokens=1024,
+    new_tokens=64,
+    seq_len=4096,  # beyond the 2048 sliding window
+    num_anchors=512,
+    train_steps=3,
+    repeats=10,
+)
+TINY_SLICE = dict(hidden_size=64, intermediate_size=128, vocab_size=512, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=16, linear_conv_kernel_dim=4, layer_types=LAYERS_3_LINEAR_1_FULL)  # fmt: skip
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, vocab_size=512, num_target_layers=4, target_layer_ids=[0, 1, 2],
+            mask_token_id=511)  # fmt: skip
+DRY = Widths(
+    slice=TINY_SLICE,
+    drafters={
+        "qwen3-8b-drafter": TINY,
+        "qwen3.6-27b-drafter": TINY | dict(layer_types=["sliding_attention", "full_attention"], sliding_window=32),
+    },
+    target_for={"qwen3-8b-drafter": (64, 512), "qwen3.6-27b-drafter": (64, 512)},
+    parity_prompt_lengths=(70, 17),
+    prompt_tokens=24,
+    new_tokens=12,
+    seq_len=96,
+    num_anchors=6,
+    train_steps=2,
+    repeats=3,
+)
+BLOCK = 16
+BF16_TOLERANCE = 0.02  # relative L2 error allowed between two bf16 computations of the same thing
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, device: torch.device, repeats: int, setup=lambda: None) -> float:
+    """Median wall time of fn(setup()) in ms; setup runs outside the timed region."""
+    times = []
+    for _ in range(repeats):
+        arg = setup()
+        sync(device)
+        t0 = time.perf_counter()
+        fn(arg)
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """GPU: max allocated since the last reset; CPU: the process's peak RSS (never reset)."""
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def build_slice(widths: Widths, device: torch.device) -> TargetModel:
+    """The target slice with random weights, built on the device (fp32)."""
+    torch.manual_seed(0)
+    cfg = Qwen3_5TextConfig(num_hidden_layers=len(widths.slice["layer_types"]),
+                            eos_token_id=widths.slice["vocab_size"] - 2, **widths.slice)  # fmt: skip
+    with device:
+        model = Qwen3_5ForCausalLM(cfg)
+    return TargetModel(model.float(), tokenizer=None, path=None)
+
+
+def embedding_target(hidden: int, vocab: int, device: torch.device) -> TargetModel:
+    """A one-layer Qwen3 with the real hidden size and vocabulary: training borrows only its
+    embedding and LM head. bf16 on GPU, as `flashdraft train` loads a target there."""
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=hidden, vocab_size=vocab, num_hidden_layers=1, intermediate_size=hidden,
+                      num_attention_heads=max(1, hidden // 128), num_key_value_heads=1, head_dim=128)  # fmt: skip
+    with device:
+        model = Qwen3ForCausalLM(cfg)
+    return TargetModel(model.to(torch.bfloat16 if device.type == "cuda" else torch.float32), None, None)
+
+
+def new_drafter(fields: dict, device: torch.device, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    drafter = DFlashDrafter(DrafterConfig(block_size=BLOCK, **fields))
+    drafter.init_weights(seed=0)
+    return drafter.to(device=device, dtype=dtype)
+
+
+@dataclass
+class SyntheticRecord:  # what `make_batch` reads from a cached record
+    input_ids: torch.Tensor  # [T]
+    loss_mask: torch.Tensor  # [T] bool
+    context_features: torch.Tensor  # [T, n * H]
+    target_topk: None = None
+
+
+def synthetic_batch(cfg: DrafterConfig, widths: Widths, device: torch.device, seed: int = 0):
+    """One training batch of one sequence: random tokens, the first eighth prompt, random features."""
+    gen = torch.Generator().manual_seed(seed)
+    t = widths.seq_len
+    record = SyntheticRecord(torch.randint(0, cfg.vocab_size - 1, (t,), generator=gen), torch.arange(t) >= t // 8,
+                             torch.randn(t, cfg.num_context_layers * cfg.hidden_size, generator=gen))  # fmt: skip
+    return make_batch([record], [0], 0, seed, widths.num_anchors, BLOCK, cfg.mask_token_id).to(device)
+
+
+# -- 1. linear attention: fla vs torch -----------------------------------------------------
+
+
+def check_linear_attention_parity(target: TargetModel, widths: Widths, threshold: float, dry_run: bool) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, target.vocab_size, (n,), generator=gen).tolist() for n in widths.parity_prompt_lengths]
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        target.model.to(dtype)
+        result = run_parity(target, prompts, threshold=threshold)
+        passed = result.passed and bool(result.min_cosine)
+        why = None
+        if not result.min_cosine:
+            why = "only one backend runs here"
+        elif "fla" in result.skipped and not dry_run:  # on a GPU, fla is what this check is for
+            passed, why = False, f"fla did not run: {result.skipped['fla']}"
+        rows.append({
+            "check": "linear_attention_parity", "case": str(dtype).removeprefix("torch."), "passed": passed,
+            "reference": result.reference, "min_cosine": {b: [round(c, 6) for c in cs]
+                                                          for b, cs in result.min_cosine.items()},
+            "threshold": threshold, "skipped": result.skipped, "tokens": sum(widths.parity_prompt_lengths),
+            **({"why": why} if why else {}),
+        })  # fmt: skip
+    return rows
+
+
+# -- 2. target verification cost -------------------------------------------------------------
+
+
+def check_target_verify_cost(target: TargetModel, widths: Widths) -> dict:
+    device = target.device
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, target.vocab_size, (1, widths.prompt_tokens), generator=gen).to(device)
+    block = torch.randint(0, target.vocab_size, (1, BLOCK), generator=gen).to(device)
+    base = target.new_cache()
+    target.forward(prompt, base)
+    ms = {}
+    for n in (1, BLOCK, 1, BLOCK):  # the first round warms up (kernel compilation), the second counts
+        ms[n] = median_ms(lambda cache, n=n: target.forward(block[:, :n], cache), device, widths.repeats,
+                          setup=lambda: copy.deepcopy(base))  # fmt: skip
+    return {"check": "target_verify_cost", "case": f"{BLOCK} vs 1 tokens", "linear_backend": target.linear_backend,
+            "prompt_tokens": widths.prompt_tokens, "t1_ms": round(ms[1], 3), f"t{BLOCK}_ms": round(ms[BLOCK], 3),
+            "ratio": round(ms[BLOCK] / ms[1], 2)}  # fmt: skip
+
+
+# -- 3. speculative decoding loop overhead ---------------------------------------------------
+
+
+def check_spec_loop_overhead(target: TargetModel, drafter_fields: dict, widths: Widths) -> dict:
+    """A random drafter is rejected at almost every step, so the loop runs about one step per token."""
+    device = target.device
+    dtype = next(target.model.parameters()).dtype
+    fields = drafter_fields | dict(num_target_layers=target.num_layers, target_layer_ids=list(range(target.num_layers)),
+                                   vocab_size=target.vocab_size, mask_token_id=target.vocab_size - 1)  # fmt: skip
+    drafter = new_drafter(fields, device, dtype).eval()
+    spent = {"verify": 0.0, "drafter": 0.0}
+    forward = target.forward
+
+    def timed_forward(*args, **kwargs):  # every target forward: the prefill and one verification per step
+        sync(device)
+        t0 = time.perf_counter()
+        out = forward(*args, **kwargs)
+        sync(device)
+        spent["verify"] += time.perf_counter() - t0
+        return out
+
+    started = [0.0]
+
+    def drafter_starts(module, args) -> None:
+        sync(device)
+        started[0] = time.perf_counter()
+
+    def drafter_ends(module, args, output) -> None:
+        sync(device)
+        spent["drafter"] += time.perf_counter() - started[0]
+
+    drafter.register_forward_pre_hook(drafter_starts)
+    drafter.register_forward_hook(drafter_ends)
+    prompt = torch.randint(0, target.vocab_size, (widths.prompt_tokens,), generator=torch.Generator().manual_seed(2))
+    speculative_generate(target, drafter, prompt.tolist(), 4, block_size=BLOCK)  # warm-up
+    target.forward = timed_forward  # instance attribute: speculative_generate calls target.forward
+    try:
+        spent.update(verify=0.0, drafter=0.0)
+        prefill_ms = median_ms(lambda _: forward(prompt[None].to(device), target.new_cache()), device, 1)
+        sync(device)
+        t0 = time.perf_counter()
+        result = speculative_generate(target, drafter, prompt.tolist(), widths.new_tokens, block_size=BLOCK)
+        sync(device)
+        total = time.perf_counter() - t0
+    finally:
+        del target.forward
+    steps = len(result.acceptance_lengths)
+    step_ms = (total * 1000 - prefill_ms) / steps
+    verify_ms = (spent["verify"] * 1000 - prefill_ms) / steps
+    drafter_ms = spent["drafter"] * 1000 / steps
+    return {"check": "spec_loop_overhead", "case": "per step", "steps": steps, "tau": round(result.tau, 2),
+            "rollback_mode": target.rollback_mode, "step_ms": round(step_ms, 3), "verify_ms": round(verify_ms, 3),
+            "drafter_ms": round(drafter_ms, 3), "bookkeeping_ms": round(step_ms - verify_ms - drafter_ms, 3),
+            "overhead_share": round((step_ms - verify_ms) / step_ms, 3)}  # fmt: skip
+
+
+# -- 4. flex attention vs the dense mask -----------------------------------------------------
+
+
+def check_flex_vs_dense(drafter_fields: dict, widths: Widths, device: torch.device) -> dict:
+    """On CPU (--dry-run) flex attention runs eagerly and has no backward: forward only."""
+    target = embedding_target(drafter_fields["hidden_size"], drafter_fields["vocab_size"], device)
+    drafter = new_drafter(drafter_fields, device)
+    batch = synthetic_batch(drafter.config, widths, device)
+    with_grads = device.type == "cuda"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    outputs, grads = {}, {}
+    for backend in ("flex", "sdpa"):
+        drafter.attention_backend = backend
+        drafter.zero_grad(set_to_none=True)
+        with autocast, torch.set_grad_enabled(with_grads):
+            embeds = target.embed(batch.block_ids)  # [1, K * B, H]
+            hidden = drafter(embeds, batch.anchor_positions, batch.context_features.to(embeds.dtype),
+                             batch.context_positions)  # fmt: skip
+            parts = block_loss(hidden, batch.labels, target.model.get_output_embeddings(), BLOCK, gamma=7.0)
+        outputs[backend] = hidden.detach()
+        if with_grads:
+            (parts.weighted_sum / parts.weight_total).backward()
+            grads[backend] = {n: p.grad.detach().clone() for n, p in drafter.named_parameters()}
+    out_error = relative_error(outputs["flex"], outputs["sdpa"])
+    grad_errors = {n: relative_error(grads["flex"][n], grads["sdpa"][n]) for n in grads.get("sdpa", {})}
+    worst = max(grad_errors, key=grad_errors.get, default=None)
+    worst_error = grad_errors.get(worst, 0.0)
+    return {"check": "flex_vs_dense", "case": "forward+grad" if with_grads else "forward (CPU)",
+            "passed": max(out_error, worst_error) <= BF16_TOLERANCE, "output_rel_error": round(out_error, 6),
+            "max_grad_rel_error": round(worst_error, 6) if with_grads else None, "worst_grad": worst,
+            "tolerance": BF16_TOLERANCE, "compiled": device.type == "cuda",
+            "blocks": batch.anchor_positions.shape[1], "context_tokens": widths.seq_len,
+            "layer_types": drafter.config.layer_types}  # fmt: skip
+
+
+# -- 5. training step throughput ---------------------------------------------------------------
+
+
+def timed_train_steps(name: str, widths: Widths, backend: str, info: D.DistInfo) -> dict:
+    """`flashdraft train`'s step (loop's forward + loss, backward, clip, AdamW) on one synthetic batch."""
+    device = info.device
+    target = embedding_target(*widths.target_for[name], device)
+    drafter = new_drafter(widths.drafters[name], device).train()
+    drafter.attention_backend = backend
+    model = D.wrap_model(drafter, info, fsdp=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
+    batch = synthetic_batch(drafter.config, widths, device, seed=info.rank)
+    cfg = TrainConfig(loss_decay_gamma=7.0)
+
+    def step(_) -> None:
+        parts = _forward_loss(model, target, batch, cfg, BLOCK, device)
+        (parts.weighted_sum / parts.weight_total).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(None)  # warm-up: compilation, optimizer state
+    free(device)
+    ms = median_ms(step, device, widths.train_steps)
+    case = f"{name} {backend}" + (f" x{info.world_size}" if info.world_size > 1 else "")
+    return {"check": "train_step", "case": case,
+            "parameters_m": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 1),
+            "context_tokens": widths.seq_len, "blocks": batch.anchor_positions.shape[1], "step_ms": round(ms, 1),
+            "context_tokens_per_s": round(widths.seq_len * info.world_size / (ms / 1000), 1),
+            "peak_memory_mb": peak_memory_mb(device), "processes": info.world_size}  # fmt: skip
+
+
+def check_train_step(name: str, widths: Widths, backend: str, device: torch.device) -> dict:
+    if backend == "flex" and device.type != "cuda":
+        return {"check": "train_step", "case": f"{name} {backend}", "skipped": "flex has no CPU backward (GPU only)"}
+    try:
+        return timed_train_steps(name, widths, backend, D.DistInfo(device=device))
+    except torch.OutOfMemoryError:  # a measurement, not a broken path: dense masks grow with T * K * B
+        return {"check": "train_step", "case": f"{name} {backend}", "out_of_memory": True}
+    finally:
+        free(device)
+
+
+def _ddp_worker(rank: int, world: int, port: int, name: str, widths: Widths, device_type: str, out: str) -> None:
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank),
+                   "LOCAL_RANK": str(rank)}  # fmt: skip
+    torch.set_num_threads(1)
+    info = D.init_distributed(device_type)
+    try:
+        row = timed_train_steps(name, widths, "auto", info)  # flex on GPU, dense on CPU
+        if info.is_main:
+            with open(out, "w") as f:
+                json.dump(row, f)
+    finally:
+        D.shutdown()
+
+
+def check_train_step_2proc(name: str, widths: Widths, device: torch.device) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "row.json")
+        port = 29500 + os.getpid() % 1000
+        mp.spawn(_ddp_worker, args=(2, port, name, widths, device.type, out), nprocs=2, join=True)
+        with open(out) as f:
+            return json.load(f) | {"backend": "nccl" if device.type == "cuda" else "gloo"}
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def summary(row: dict) -> str:
+    """The row's figure, for the closing table."""
+    check = row["check"]
+    if "error" in row:
+        return row["error"][:70]
+    if check == "linear_attention_parity":
+        worst = min((c for cs in row["min_cosine"].values() for c in cs), default=float("nan"))
+        return f"min cosine {worst:.6f} ({row['reference']} vs {', '.join(row['min_cosine'])})" + (
+            f"; {row['why']}" if "why" in row else "")  # fmt: skip
+    if check == "target_verify_cost":
+        return f"t16/t1 = {row['ratio']} ({row[f't{BLOCK}_ms']} / {row['t1_ms']} ms, {row['linear_backend']})"
+    if check == "spec_loop_overhead":
+        return (f"{row['step_ms']} ms/step: verify {row['verify_ms']}, drafter {row['drafter_ms']}, "
+                f"other {row['bookkeeping_ms']}")  # fmt: skip
+    if check == "flex_vs_dense":
+        grad = row["max_grad_rel_error"]
+        return f"rel error out {row['output_rel_error']:.2e}" + (f", grad {grad:.2e}" if grad is not None else "")
+    if check == "train_step":
+        if row.get("out_of_memory"):
+            return "out of memory"
+        if "skipped" in row:
+            return row["skipped"]
+        return f"{row['context_tokens_per_s']:.0f} ctx tok/s, {row['step_ms']} ms/step, peak {row['peak_memory_mb']} MB"
+    return ""
+
+
+def status(row: dict) -> str:
+    if "error" in row:
+        return "ERROR"
+    if "passed" in row:
+        return "PASS" if row["passed"] else "FAIL"
+    return "skipped" if "skipped" in row else "ok"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny widths on CPU: the same code paths, < 1 minute")
+    ap.add_argument("--checks", default="all", help="comma-separated check names to run (default: all)")
+    ap.add_argument("--parity-threshold", type=float, default=0.9999)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1 if args.dry_run else torch.get_num_threads())
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+    widths = DRY if args.dry_run else GPU
+    wanted = None if args.checks == "all" else set(args.checks.split(","))
+    rows: list[dict] = []
+    t_start = time.perf_counter()
+    print(json.dumps({"machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+                      or platform.machine(), "devices": torch.cuda.device_count(), "torch": torch.__version__,
+                      "dry_run": args.dry_run}), flush=True)  # fmt: skip
+
+    def run(check: str, case: str, fn) -> None:
+        if wanted is not None and check not in wanted:
+            return
+        t0 = time.perf_counter()
+        try:
+            produced = fn()
+        except Exception as e:  # a broken CUDA path is a finding: record it and go on to the next check
+            traceback.print_exc()
+            produced = {"check": check, "case": case, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+        for row in produced if isinstance(produced, list) else [produced]:
+            row["seconds"] = round(time.perf_counter() - t0, 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    serving = torch.bfloat16 if device.type == "cuda" else torch.float32
+    built: list[TargetModel] = []
+
+    def slice_target(dtype: torch.dtype | None = None) -> TargetModel:  # built on first use, then shared
+        if not built:
+            built.append(build_slice(widths, device))
+        if dtype is not None:
+            built[0].model.to(dtype)
+        return built[0]
+
+    largest = "qwen3.6-27b-drafter"
+    threshold = args.parity_threshold
+    run("linear_attention_parity", "fp32/bf16",
+        lambda: check_linear_attention_parity(slice_target(), widths, threshold, args.dry_run))  # fmt: skip
+    run("target_verify_cost", f"{BLOCK} vs 1 tokens", lambda: check_target_verify_cost(slice_target(serving), widths))
+    run("spec_loop_overhead", "per step",
+        lambda: check_spec_loop_overhead(slice_target(serving), widths.drafters[largest], widths))  # fmt: skip
+    built.clear()  # free the slice before the drafter checks
+    free(device)
+    run("flex_vs_dense", "forward+grad", lambda: check_flex_vs_dense(widths.drafters[largest], widths, device))
+    for name in widths.drafters:
+        for backend in ("flex", "sdpa"):
+            run("train_step", f"{name} {backend}", lambda n=name, b=backend: check_train_step(n, widths, b, device))
+    if device.type == "cpu" or torch.cuda.device_count() >= 2:
+        run("train_step", "2 processes", lambda: check_train_step_2proc(largest, widths, device))
+    else:
+        run("train_step", "2 processes", lambda: {"check": "train_step", "case": "2 processes", "skipped": "one GPU"})
+
+    print(f"\n{'check':<24} {'case':<28} {'status':<8} result")
+    for row in rows:
+        print(f"{row['check']:<24} {row['case']:<28} {status(row):<8} {summary(row)}")
+    failed = [r for r in rows if status(r) in ("FAIL", "ERROR")]
+    print(f"{len(rows)} results in {time.perf_counter() - t_start:.0f} s on {device}; "
+          + (f"{len(failed)} failed" if failed else "all passed"))  # fmt: skip
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""benchmarks/gpu_check.py --dry-run: the GPU readiness check's code paths at tiny widths on CPU,
+so the command prepared for the first GPU machine cannot rot."""
+
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+CHECKS = {"linear_attention_parity", "target_verify_cost", "spec_loop_overhead", "flex_vs_dense", "train_step"}
+
+
+def result_rows(stdout: str) -> list[dict]:
+    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return [r for r in rows if "check" in r]  # the first line describes the machine
+
+
+def test_dry_run_prints_every_check_with_figures_and_passes():
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                        "OMP_NUM_THREADS": "1"}  # fmt: skip
+    out = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = result_rows(out.stdout)
+    assert {r["check"] for r in rows} == CHECKS and not [r for r in rows if "error" in r]
+    parity = [r for r in rows if r["check"] == "linear_attention_parity"]
+    assert [r["case"] for r in parity] == ["float32", "bfloat16"] and all(r["passed"] for r in parity)
+    assert all(len(cosines) == 4 for r in parity for cosines in r["min_cosine"].values())  # one per slice layer
+    flex = next(r for r in rows if r["check"] == "flex_vs_dense")
+    assert flex["passed"] and flex["blocks"] > 1 and "sliding_attention" in flex["layer_types"]
+    verify = next(r for r in rows if r["check"] == "target_verify_cost")
+    assert verify["t1_ms"] > 0 and verify["ratio"] == round(verify["t16_ms"] / verify["t1_ms"], 2)
+    loop = next(r for r in rows if r["check"] == "spec_loop_overhead")
+    assert loop["steps"] > 1 and loop["verify_ms"] > 0 and loop["drafter_ms"] > 0
+    trained = [r for r in rows if r["check"] == "train_step" and "skipped" not in r]
+    assert {r["case"] for r in trained} == {"qwen3-8b-drafter sdpa", "qwen3.6-27b-drafter sdpa",
+                                            "qwen3.6-27b-drafter auto x2"}  # fmt: skip
+    assert all(r["context_tokens_per_s"] > 0 and r["peak_memory_mb"] > 0 for r in trained)
+    assert "all passed" in out.stdout.splitlines()[-1]
+
+
+def test_linear_attention_drift_fails_the_check_and_exits_1(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # its dataclasses look their module up
+    spec.loader.exec_module(gpu_check)
+    raw_recurrent = inspect.unwrap(qwen3_5.torch_recurrent_gated_delta_rule)
+
+    def drifting(*args, **kwargs):
+        out, state = raw_recurrent(*args, **kwargs)
+        return out + 0.05 * torch.randn_like(out), state
+
+    monkeypatch.setattr(qwen3_5, "torch_recurrent_gated_delta_rule", drifting)
+    torch.manual_seed(0)
+    assert gpu_check.main(["--dry-run", "--checks", "linear_attention_parity"]) == 1
+    out = capsys.readouterr().out
+    rows = result_rows(out)
+    assert [(r["case"], r["passed"]) for r in rows] == [("float32", False), ("bfloat16", False)]
+    assert all(c < 0.9999 for r in rows for c in r["min_cosine"]["torch_recurrent"])
+    assert "FAIL" in out and "2 failed" in out.splitlines()[-1]
