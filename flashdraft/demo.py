@@ -155,6 +155,7 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     from flashdraft.evaluate import EvalConfig, run_eval
     from flashdraft.records import quiet
     from flashdraft.report import write_report
+    from flashdraft.run_dir import BUILTIN_DRAFTERS
 
     s = settings or DemoSettings()
     if minutes <= 0:
@@ -191,7 +192,8 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     untrained_offline = run_eval(EvalConfig(str(untrained_dir), **common), quiet)
     ngram = run_eval(EvalConfig("ngram", online=True, check_consistency=True, **common), quiet)
     reference = None
-    if s.reference_drafter and s.target_model == "tiny":  # the shipped drafter, trained for an hour on 1 M tokens
+    # the shipped drafter (trained for an hour on 1 M tokens), where this copy of flashdraft has it
+    if s.reference_drafter and s.target_model == "tiny" and BUILTIN_DRAFTERS[s.reference_drafter].is_dir():
         reference = run_eval(EvalConfig(s.reference_drafter, online=True, check_consistency=True, **common), quiet)
 
     _stage("5/5 report")
