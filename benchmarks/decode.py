@@ -9,6 +9,9 @@ After a warm-up, each prompt is decoded plainly and then by every drafter in tur
 slow-down of a shared machine hits all of them alike); every speculative output is checked
 token for token against the plain one. Prints one JSON line per drafter; the plain greedy
 figures are the same in each line. On a CPU the tiny target runs fastest on one thread.
+A last line ("verify_cost") gives what a speculative step pays the target: t_step_1, one
+token after a 200-token cached prefix, t_verify_17, a 17-token block there, and their ratio
+(median ms of interleaved runs); a drafter with τ below the ratio cannot speed decoding up.
 """
 
 from __future__ import annotations
@@ -16,15 +19,34 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 
 import torch
 
-from flashdraft.checkpoint import load_any_drafter
-from flashdraft.decode import greedy_generate, speculative_generate
-from flashdraft.evaluate import load_records
+from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.ngram import NGramProposer
+from flashdraft.records import load_eval_records
+from flashdraft.run_dir import load_any_drafter
 from flashdraft.target import TargetModel
+
+
+def verify_cost(target: TargetModel, prefix_ids: list[int], repeats: int = 40) -> dict:
+    """Median ms of the target's forward over 1 and over 17 new tokens after a cached prefix."""
+    mode, target.rollback_mode = target.rollback_mode, "recompute"  # keep=0 below: just restore the cache
+    cache = target.new_cache()
+    target.forward(torch.tensor([prefix_ids]), cache)
+    blocks = {n: torch.tensor([prefix_ids[:n]]) for n in (1, 17)}
+    ms = {n: [] for n in blocks}
+    for _ in range(repeats):
+        for n, ids in blocks.items():  # interleaved, so a slow-down of a shared machine hits both alike
+            t0 = time.perf_counter()
+            target.forward(ids, cache)
+            ms[n].append((time.perf_counter() - t0) * 1000)
+            target.rollback(cache, 0)
+    target.rollback_mode = mode
+    t1, t17 = statistics.median(ms[1]), statistics.median(ms[17])
+    return {"t_step_1": round(t1, 3), "t_verify_17": round(t17, 3), "verify_cost_ratio": round(t17 / t1, 3)}
 
 
 def main() -> None:
@@ -39,7 +61,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = TargetModel.load(args.target_model)
-    records, _ = load_records(target, prompts=args.prompts, num_prompts=args.num_prompts)
+    records, _ = load_eval_records(target, prompts=args.prompts, num_prompts=args.num_prompts)
     drafters = {}  # name -> (drafter or proposer, block size)
     for path in args.checkpoint:
         drafter = load_any_drafter(path, target).drafter
@@ -47,7 +69,7 @@ def main() -> None:
     drafters["ngram"] = (NGramProposer(target.vocab_size), args.block_size or 16)
 
     warm = records[0].prompt_ids
-    greedy_generate(target, warm, 16)
+    autoregressive_generate(target, warm, 16)
     for drafter, block in drafters.values():
         speculative_generate(target, drafter, warm, 16, block_size=block)
 
@@ -55,7 +77,7 @@ def main() -> None:
     stats = {name: {"tokens": 0, "seconds": 0.0, "lengths": [], "lossless": True} for name in drafters}
     for record in records:
         t0 = time.perf_counter()
-        plain = greedy_generate(target, record.prompt_ids, args.max_new_tokens)
+        plain = autoregressive_generate(target, record.prompt_ids, args.max_new_tokens)
         greedy_seconds += time.perf_counter() - t0
         greedy_tokens += len(plain.output_ids)
         for name, (drafter, block) in drafters.items():
@@ -79,6 +101,12 @@ def main() -> None:
             "spec_tokens_per_s": round(spec_tps, 1), "greedy_tokens_per_s": round(greedy_tps, 1),
             "speedup": round(spec_tps / greedy_tps, 3), "lossless": s["lossless"],
         }))  # fmt: skip
+    prefix = [t for r in records for t in r.prompt_ids] * 200  # 200 tokens of real prompts
+    print(json.dumps({
+        "benchmark": "verify_cost", "target": str(target.path), "linear_backend": target.linear_backend,
+        "machine": platform.processor() or platform.machine(), "threads": args.threads, "prefix_tokens": 200,
+        **verify_cost(target, prefix[:200]),
+    }))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ import torch
 from flashdraft.data.cache import HiddenStateCache, build_cache
 from flashdraft.data.completions import CompletionRecord, Completions
 from flashdraft.drafter_init import new_drafter_for_target
-from flashdraft.evaluate import FeatureSource, evaluate_offline, records_from_cache
 from flashdraft.ngram import NGramProposer
+from flashdraft.offline import evaluate_offline
+from flashdraft.records import FeatureSource, records_from_cache
 from flashdraft.target import TargetModel
 
 

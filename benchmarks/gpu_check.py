@@ -49,12 +49,12 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwe
 
 from flashdraft.config import DrafterConfig
 from flashdraft.decode import speculative_generate
+from flashdraft.distributed import Dist, init_distributed, wrap_model
 from flashdraft.model import DFlashDrafter
 from flashdraft.parity import run_parity
 from flashdraft.target import TargetModel
-from flashdraft.train import distributed as D
 from flashdraft.train.data import make_batch
-from flashdraft.train.loop import TrainConfig, _forward_loss  # the loop's own forward + loss
+from flashdraft.train.loop import TrainConfig, forward_loss  # the loop's own forward + loss
 from flashdraft.train.loss import block_loss
 
 
@@ -346,19 +346,19 @@ def check_flex_vs_dense(drafter_fields: dict, widths: Widths, device: torch.devi
 # -- 5. training step throughput ---------------------------------------------------------------
 
 
-def timed_train_steps(name: str, widths: Widths, backend: str, info: D.DistInfo) -> dict:
+def timed_train_steps(name: str, widths: Widths, backend: str, dist: Dist) -> dict:
     """`flashdraft train`'s step (loop's forward + loss, backward, clip, AdamW) on one synthetic batch."""
-    device = info.device
+    device = dist.device
     target = embedding_target(*widths.target_for[name], device)
     drafter = new_drafter(widths.drafters[name], device).train()
     drafter.attention_backend = backend
-    model = D.wrap_model(drafter, info, fsdp=False)
+    model = wrap_model(drafter, dist, fsdp=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
-    batch = synthetic_batch(drafter.config, widths, device, seed=info.rank)
+    batch = synthetic_batch(drafter.config, widths, device, seed=dist.rank)
     cfg = TrainConfig(loss_decay_gamma=7.0)
 
     def step(_) -> None:
-        parts = _forward_loss(model, target, batch, cfg, BLOCK, device)
+        parts = forward_loss(model, target, batch, cfg, BLOCK, device)
         (parts.weighted_sum / parts.weight_total).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
@@ -367,19 +367,19 @@ def timed_train_steps(name: str, widths: Widths, backend: str, info: D.DistInfo)
     step(None)  # warm-up: compilation, optimizer state
     free(device)
     ms = median_ms(step, device, widths.train_steps)
-    case = f"{name} {backend}" + (f" x{info.world_size}" if info.world_size > 1 else "")
+    case = f"{name} {backend}" + (f" x{dist.world}" if dist.world > 1 else "")
     return {"check": "train_step", "case": case,
             "parameters_m": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 1),
             "context_tokens": widths.seq_len, "blocks": batch.anchor_positions.shape[1], "step_ms": round(ms, 1),
-            "context_tokens_per_s": round(widths.seq_len * info.world_size / (ms / 1000), 1),
-            "peak_memory_mb": peak_memory_mb(device), "processes": info.world_size}  # fmt: skip
+            "context_tokens_per_s": round(widths.seq_len * dist.world / (ms / 1000), 1),
+            "peak_memory_mb": peak_memory_mb(device), "processes": dist.world}  # fmt: skip
 
 
 def check_train_step(name: str, widths: Widths, backend: str, device: torch.device) -> dict:
     if backend == "flex" and device.type != "cuda":
         return {"check": "train_step", "case": f"{name} {backend}", "skipped": "flex has no CPU backward (GPU only)"}
     try:
-        return timed_train_steps(name, widths, backend, D.DistInfo(device=device))
+        return timed_train_steps(name, widths, backend, Dist(device=device))
     except torch.OutOfMemoryError:  # a measurement, not a broken path: dense masks grow with T * K * B
         return {"check": "train_step", "case": f"{name} {backend}", "out_of_memory": True}
     finally:
@@ -390,14 +390,14 @@ def _ddp_worker(rank: int, world: int, port: int, name: str, widths: Widths, dev
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank),
                    "LOCAL_RANK": str(rank)}  # fmt: skip
     torch.set_num_threads(1)
-    info = D.init_distributed(device_type)
+    dist = init_distributed(device_type, collectives=True)
     try:
-        row = timed_train_steps(name, widths, "auto", info)  # flex on GPU, dense on CPU
-        if info.is_main:
+        row = timed_train_steps(name, widths, "auto", dist)  # flex on GPU, dense on CPU
+        if dist.is_main:
             with open(out, "w") as f:
                 json.dump(row, f)
     finally:
-        D.shutdown()
+        dist.close()
 
 
 def check_train_step_2proc(name: str, widths: Widths, device: torch.device) -> dict:

@@ -9,17 +9,20 @@ wrongly shaped tensor is an error that names it, with the shape found and expect
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from flashdraft.config import DrafterConfig
+from flashdraft.config import DEFAULT_BLOCK_SIZE, DrafterConfig
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import write_atomic
 from flashdraft.model import DFlashDrafter
+
+if TYPE_CHECKING:
+    from flashdraft.target import TargetModel
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -75,7 +78,7 @@ def save_drafter_state(
     return out
 
 
-def _weight_files(directory: Path) -> dict[str, Path]:
+def weight_files(directory: Path) -> dict[str, Path]:
     """Map each tensor key to the safetensors file that holds it."""
     single, index = directory / WEIGHTS_NAME, directory / INDEX_NAME
     if single.exists():
@@ -103,7 +106,7 @@ def _weight_files(directory: Path) -> dict[str, Path]:
 
 def read_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     shapes = {}
-    for key, f in _weight_files(directory).items():
+    for key, f in weight_files(directory).items():
         with safe_open(str(f), framework="pt") as sf:
             shapes[key] = tuple(sf.get_slice(key).get_shape())
     return shapes
@@ -147,7 +150,7 @@ def load_drafter(
     if not directory.is_dir():
         raise FlashdraftError(f"{directory}: not a directory; expected a drafter directory with config.json")
     cfg = DrafterConfig.load(directory / "config.json")
-    where = _weight_files(directory)
+    where = weight_files(directory)
     found = read_shapes(directory)
     check_state_shapes(cfg, found, str(directory))
     state = {}
@@ -159,6 +162,21 @@ def load_drafter(
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary_emb = type(model.rotary_emb)(model.rotary_emb.config)  # buffers were on meta
     return model.to(device=device, dtype=dtype).eval()
+
+
+def check_drafter_matches_target(cfg: DrafterConfig, target: TargetModel, source: str) -> None:
+    """Refuse a drafter made for another target (each mismatch would draft garbage silently)."""
+    checks = [
+        ("hidden_size", cfg.hidden_size, target.hidden_size, "the target's hidden size"),
+        ("vocab_size", cfg.vocab_size, target.vocab_size, "the target's LM head rows"),
+        ("num_target_layers", cfg.num_target_layers, target.num_layers, "the target's decoder layers"),
+    ]
+    for name, found, expected, what in checks:
+        if found != expected:
+            raise FlashdraftError(
+                f"{source}: field '{name}' is {found}; expected {expected} ({what}): the drafter was made for "
+                f"another target"
+            )
 
 
 # -- other checkpoint forms: a bare state dict, a training run directory ----------------
@@ -207,7 +225,7 @@ def infer_drafter_config(
     num_target_layers: int,
     target_layer_ids: list[int] | None,
     mask_token_id: int,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     **fields,
 ) -> DrafterConfig:
     """The drafter config a bare state dict implies.
@@ -290,119 +308,3 @@ def load_state_dict_drafter(
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary_emb = type(model.rotary_emb)(model.rotary_emb.config)  # buffers were on meta
     return model.to(device=device, dtype=dtype).eval()
-
-
-def newest_complete_checkpoint(run_dir: str | Path) -> Path:
-    """The drafter directory of a training run's newest complete checkpoint:
-    RUN/checkpoints/step-XXXXXXX/drafter/, the highest step whose directory has a COMPLETE
-    marker (a checkpoint without it was interrupted while being written)."""
-    root = Path(run_dir) / "checkpoints"
-    steps = []
-    for d in root.glob("step-*") if root.is_dir() else []:
-        suffix = d.name.removeprefix("step-")
-        if suffix.isdigit() and (d / "COMPLETE").is_file() and (d / "drafter").is_dir():
-            steps.append((int(suffix), d / "drafter"))
-    if not steps:
-        raise FlashdraftError(
-            f"{run_dir}: no complete checkpoint (expected {root}/step-NNNNNNN/drafter/ with a COMPLETE marker "
-            f"in step-NNNNNNN/)"
-        )
-    return max(steps)[1]
-
-
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-
-
-@dataclass
-class LoadedDrafter:
-    drafter: DFlashDrafter
-    form: str  # "drafter directory", "training run", "training checkpoint" or "state dict"
-    path: Path  # what was read: the drafter directory (newest complete one for a run) or the file
-    stored_dtype: torch.dtype  # dtype of the weights on disk (the drafter itself is in the requested dtype)
-    assumed: list[str] = field(default_factory=list)  # what a bare state dict could not tell, and where it came from
-
-
-def load_any_drafter(
-    path: str | Path,
-    target=None,
-    *,
-    block_size: int | None = None,
-    target_layer_ids: list[int] | None = None,
-    mask_token_id: int | None = None,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-    verify: bool = True,
-) -> LoadedDrafter:
-    """Load a drafter from any accepted form, strictly.
-
-    - a drafter directory (config.json + safetensors, this project's or any public one);
-    - a training run directory: its newest complete checkpoint (`newest_complete_checkpoint`),
-      or one checkpoint directory of it (step-NNNNNNN/), its drafter files checked against the
-      checkpoint's checksums.json unless not `verify`;
-    - a bare `.pt`/`.safetensors` state dict: shapes give the architecture
-      (`infer_drafter_config`); vocabulary and layer count come from `target`
-      (a `TargetModel`), target_layer_ids from the argument else the reference default for
-      fc's context-layer count, the mask token from the argument else the target's tokenizer,
-      block size from the argument else 16 (the usual one); RoPE and norm eps from the target.
-    """
-    path = Path(path)
-    if path.is_dir():
-        form = "drafter directory"
-        if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
-            form, path = "training run", newest_complete_checkpoint(path)
-        elif not (path / "config.json").is_file() and (path / "drafter").is_dir() and (path / "COMPLETE").is_file():
-            form, path = "training checkpoint", path / "drafter"
-        if form != "drafter directory" and verify:
-            from flashdraft.train.checkpointing import verify_checkpoint
-
-            verify_checkpoint(path.parent, only="drafter/")
-        drafter = load_drafter(path, device=device, dtype=dtype)
-        where = _weight_files(path)
-        with safe_open(str(where["fc.weight"]), framework="pt") as sf:
-            stored = _SAFETENSORS_DTYPES.get(sf.get_slice("fc.weight").get_dtype(), torch.float32)
-        return LoadedDrafter(drafter, form, path, stored)
-    if path.suffix not in STATE_DICT_SUFFIXES:
-        raise FlashdraftError(
-            f"{path}: not a drafter directory, a training run directory or a state dict file "
-            f"({', '.join(STATE_DICT_SUFFIXES)})"
-        )
-    state = read_state_dict_file(path)
-    shapes = {k: tuple(v.shape) for k, v in state.items()}
-    if target is None:
-        raise FlashdraftError(
-            f"{path}: a bare state dict stores neither the vocabulary size nor the target's layers; give --target-model"
-        )
-    from flashdraft.config import default_target_layer_ids
-    from flashdraft.drafter_init import pick_mask_token
-
-    assumed = []
-    fc, norm = shapes.get("fc.weight"), shapes.get("norm.weight")
-    if target_layer_ids is None and fc is not None and norm is not None and len(fc) == 2 and fc[1] % norm[0] == 0:
-        target_layer_ids = default_target_layer_ids(target.num_layers, fc[1] // norm[0])
-        if len(set(target_layer_ids)) < len(target_layer_ids):
-            raise FlashdraftError(
-                f"{path}: a bare state dict does not store target_layer_ids and the reference default for "
-                f"{len(target_layer_ids)} context layers of a {target.num_layers}-layer target repeats ids "
-                f"({target_layer_ids}); give --target-layer-ids"
-            )
-        assumed.append(
-            f"target_layer_ids {target_layer_ids}: reference default for {fc[1] // norm[0]} context layers "
-            f"of a {target.num_layers}-layer target"
-        )
-    if mask_token_id is None:
-        mask_token_id = pick_mask_token(target)
-        assumed.append(f"mask token {mask_token_id}: the target tokenizer's")
-    if block_size is None:
-        block_size = 16
-        assumed.append("block size 16: the usual one (give --block-size if it was trained with another)")
-    tc = target.config
-    rope_theta = (getattr(tc, "rope_parameters", None) or {}).get("rope_theta") or getattr(tc, "rope_theta", 1e6)
-    assumed.append(f"rope_theta {rope_theta}, rms_norm_eps {tc.rms_norm_eps}, all layers full attention: target's")
-    cfg = infer_drafter_config(
-        shapes, str(path), vocab_size=target.vocab_size, num_target_layers=target.num_layers,
-        target_layer_ids=target_layer_ids, mask_token_id=mask_token_id, block_size=block_size,
-        rope_theta=rope_theta, rms_norm_eps=tc.rms_norm_eps, max_position_embeddings=tc.max_position_embeddings,
-    )  # fmt: skip
-    stored = state["fc.weight"].dtype
-    drafter = load_state_dict_drafter(state, cfg, str(path), device=device, dtype=dtype)
-    return LoadedDrafter(drafter, "state dict", path, stored, assumed)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
+from flashdraft.config import DEFAULT_BLOCK_SIZE
 from flashdraft.errors import FlashdraftError
 
 
@@ -80,9 +82,8 @@ def cmd_init(args: argparse.Namespace) -> None:
 
 
 def cmd_speculate(args: argparse.Namespace) -> None:
-    from flashdraft.checkpoint import load_drafter
-    from flashdraft.decode import greedy_generate, speculative_generate
-    from flashdraft.evaluate import check_drafter_matches_target
+    from flashdraft.checkpoint import check_drafter_matches_target, load_drafter
+    from flashdraft.decode import autoregressive_generate, speculative_generate
     from flashdraft.target import TargetModel
 
     target = TargetModel.load(args.target_model)
@@ -94,7 +95,7 @@ def cmd_speculate(args: argparse.Namespace) -> None:
     spec = speculative_generate(target, drafter, prompt_ids, args.max_new_tokens, block_size=args.block_size)
     t_spec = time.perf_counter() - t0
     t0 = time.perf_counter()
-    plain = greedy_generate(target, prompt_ids, args.max_new_tokens)
+    plain = autoregressive_generate(target, prompt_ids, args.max_new_tokens)
     t_plain = time.perf_counter() - t0
     print(args.prompt + target.tokenizer.decode(spec.output_ids))
     print(
@@ -115,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
     p.add_argument("--out", required=True)
     p.add_argument("--draft-layers", type=_positive, default=1)
-    p.add_argument("--block-size", type=_block_size, default=16)
+    p.add_argument("--block-size", type=_block_size, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_init)
@@ -265,7 +266,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from flashdraft.evaluate import run_eval
+    from flashdraft.evaluate import EvalConfig, run_eval
     from flashdraft.report import format_summary, write_report
 
     hf_logging.disable_progress_bar()  # eval prints what it loaded itself; an error stays one line
@@ -273,7 +274,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or ("bf16" if device != "cpu" else "fp32")]
     if (args.drafter == "ngram") == (args.checkpoint is not None):
         raise FlashdraftError("give --checkpoint for a DFlash drafter, or --drafter ngram (which takes none)")
-    summary = run_eval(
+    summary = run_eval(EvalConfig(
         args.checkpoint or "ngram", args.target_model, cached_hidden_states=args.cached_hidden_states,
         completions=args.completions, prompts=args.prompts, num_prompts=args.num_prompts,
         max_blocks=args.max_blocks, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
@@ -281,7 +282,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         reference=args.reference, target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, device=device, dtype=dtype, seed=args.seed,
         verify=not args.no_verify, allow_foreign=args.allow_foreign_completions, long_prompts=args.long_prompts,
-    )  # fmt: skip
+    ))  # fmt: skip
     print()
     print(format_summary(summary))
     if args.json:
@@ -315,7 +316,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     for note in loaded.assumed:
         print(f"assumed: {note}")
     print(
-        f"exported {loaded.path} ({loaded.form}) to {args.out}: {cfg.num_hidden_layers} layers, "
+        f"exported {loaded.describe()} to {args.out}: {cfg.num_hidden_layers} layers, "
         f"target_layer_ids {cfg.target_layer_ids}, block size {cfg.block_size}; serving commands in "
         f"{Path(args.out) / 'README.md'}"
     )
@@ -341,7 +342,7 @@ def _add_eval_commands(sub) -> None:
         help="tokens to decode per prompt without completions (default: max-blocks x B + 1, else 256)",
     )
     p.add_argument("--block-size", type=_block_size, default=None,
-                   help="default: the drafter's (n-gram: 16, or the drafter's)")  # fmt: skip
+                   help=f"default: the drafter's (n-gram: {DEFAULT_BLOCK_SIZE}, or the drafter's)")  # fmt: skip
     p.add_argument("--online", action="store_true", help="real speculative decoding with the target, timed")
     p.add_argument("--temperature", type=_temperature, default=0.0, help="online sampling temperature (0 = greedy)")
     p.add_argument(
@@ -375,7 +376,9 @@ def _add_eval_commands(sub) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--target-model", help="needed for a bare state dict; named in the README's commands")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto", help="auto: as stored")
-    p.add_argument("--block-size", type=_block_size, default=None, help="for a bare state dict (default 16)")
+    p.add_argument(
+        "--block-size", type=_block_size, default=None, help=f"for a bare state dict (default {DEFAULT_BLOCK_SIZE})"
+    )
     p.add_argument("--target-layer-ids", type=_layer_list, default=None, help="for a bare state dict")
     p.add_argument("--mask-token-id", type=int, default=None, help="for a bare state dict")
     p.set_defaults(func=cmd_export)
@@ -398,14 +401,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from flashdraft.train.loop import TrainConfig
     from flashdraft.train.run import run_training
 
-    cfg = TrainConfig(
-        epochs=args.epochs, max_steps=args.max_steps, lr=args.lr, warmup_fraction=args.warmup_fraction,
-        weight_decay=args.weight_decay, grad_clip=args.grad_clip, batch_size=args.batch_size,
-        grad_accum=args.grad_accum, num_anchors=args.num_anchors, max_length=args.max_length,
-        loss_decay_gamma=args.loss_decay_gamma, kl_weight=args.kl_weight, noise_std=args.noise_std, seed=args.seed,
-        save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, log_every=args.log_every,
-        eval_every=args.eval_every, eval_max_blocks=args.eval_max_blocks, fsdp=args.fsdp,
-    )  # fmt: skip
+    cfg = TrainConfig(**{name: getattr(args, name) for name in TrainConfig.option_names()})
     run_training(
         cfg, args.target_model, args.out, cached_hidden_states=args.cached_hidden_states,
         completions=args.completions, init=args.init, draft_layers=args.draft_layers, block_size=args.block_size,
@@ -424,6 +420,23 @@ def _nonnegative_float(value: str) -> float:
     return x
 
 
+def _train_option_adder(p: argparse.ArgumentParser):
+    """Adds `--name` for a `TrainConfig` field, its default taken from the dataclass (one
+    default per knob); a bool field becomes a flag."""
+    from flashdraft.train.loop import TrainConfig
+
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+
+    def add(name: str, type_, help: str | None = None) -> None:
+        flag = "--" + name.replace("_", "-")
+        if type_ is None:
+            p.add_argument(flag, action="store_true", default=defaults[name], help=help)
+        else:
+            p.add_argument(flag, type=type_, default=defaults[name], help=help)
+
+    return add
+
+
 def _add_train_command(sub) -> None:
     p = sub.add_parser("train", help="train a drafter with the DFlash recipe (offline cache or online target)")
     p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
@@ -433,38 +446,48 @@ def _add_train_command(sub) -> None:
     p.add_argument("--out", required=True, help="run directory (checkpoints, metrics.jsonl, run_config.json)")
     p.add_argument("--init", help="start from this drafter directory instead of a fresh one")
     p.add_argument("--draft-layers", type=_positive, default=None, help="default 1 (with --init/--resume: its own)")
-    p.add_argument("--block-size", type=_block_size, default=None, help="default 16 (with --init/--resume: its own)")
+    p.add_argument(
+        "--block-size",
+        type=_block_size,
+        default=None,
+        help=f"default {DEFAULT_BLOCK_SIZE} (with --init/--resume: its own)",
+    )
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--target-layer-ids", type=_layer_list, default=None, help="default: the reference spread")
-    p.add_argument("--epochs", type=_positive, default=1)
-    p.add_argument("--max-steps", type=_positive, default=None)
-    p.add_argument("--lr", type=_nonnegative_float, default=6e-4)
-    p.add_argument("--warmup-fraction", type=_nonnegative_float, default=0.04)
-    p.add_argument("--weight-decay", type=_nonnegative_float, default=0.0)
-    p.add_argument("--grad-clip", type=_nonnegative_float, default=1.0)
-    p.add_argument("--batch-size", type=_positive, default=4, help="sequences per micro-batch per rank")
-    p.add_argument("--grad-accum", type=_positive, default=1)
-    p.add_argument("--num-anchors", type=_positive, default=512)
-    p.add_argument("--max-length", type=_positive, default=None)
-    p.add_argument(
-        "--loss-decay-gamma",
-        type=_nonnegative_float,
-        default=None,
-        help="position decay of the loss; default the recipe's: 7 for B=16, 5 for 10, 4 for 8 (0 = none)",
+    knob = _train_option_adder(p)
+    knob("epochs", _positive)
+    knob("max_steps", _positive)
+    knob("lr", _nonnegative_float)
+    knob("warmup_fraction", _nonnegative_float)
+    knob("min_lr_fraction", _nonnegative_float, "final learning rate as a fraction of --lr")
+    knob("weight_decay", _nonnegative_float)
+    knob("grad_clip", _nonnegative_float)
+    knob("batch_size", _positive, "sequences per micro-batch per rank")
+    knob("grad_accum", _positive)
+    knob("num_anchors", _positive)
+    knob("max_length", _positive)
+    knob(
+        "loss_decay_gamma",
+        _nonnegative_float,
+        "position decay of the loss; default the recipe's: 7 for B=16, 5 for 10, 4 for 8 (0 = none)",
     )
-    p.add_argument("--kl-weight", type=_nonnegative_float, default=0.0,
-                   help="opt-in: weight of KL to the cached target top-k logits (hard CE is the recipe)")  # fmt: skip
-    p.add_argument("--noise-std", type=_nonnegative_float, default=0.0, help="noise on context features only")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=_positive, default=200)
-    p.add_argument("--keep-checkpoints", type=_positive, default=3)
-    p.add_argument("--log-every", type=_positive, default=10)
-    p.add_argument("--eval-every", type=int, default=0, help="held-out loss and real τ every N steps (0: never)")
-    p.add_argument("--eval-max-blocks", type=_positive, default=32, help="speculative steps per held-out record")
+    knob(
+        "kl_weight",
+        _nonnegative_float,
+        "opt-in: weight of KL to the cached target top-k logits (hard CE is the recipe)",
+    )
+    knob("noise_std", _nonnegative_float, "noise on context features only")
+    knob("seed", int)
+    knob("save_every", _positive)
+    knob("keep_checkpoints", _positive)
+    knob("log_every", _positive)
+    knob("eval_every", int, "held-out loss and real τ every N steps (0: never)")
+    knob("eval_max_blocks", _positive, "speculative steps per held-out record")
+    knob("keep_best", None, "also keep RUN/best/: the drafter of the best held-out τ (held-out loss without τ)")
     p.add_argument("--eval-cached-hidden-states", default=None, help="held-out cache for periodic evaluation")
     p.add_argument("--eval-completions", default=None, help="held-out completions for periodic evaluation")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP under torchrun")
+    knob("fsdp", None, "FSDP2 instead of DDP under torchrun")
     p.add_argument("--report-to", nargs="*", default=[], choices=["wandb"])
     p.add_argument("--allow-foreign-completions", action="store_true")
     p.add_argument("--no-verify", action="store_true",

@@ -12,6 +12,7 @@ from typing import Any
 from flashdraft.errors import FlashdraftError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+DEFAULT_BLOCK_SIZE = 16  # the anchor + 15 drafts: the public drafters' block
 
 # Fields this class owns; anything else found in a config.json is kept in `extra` and
 # written back unchanged, so a public config survives a load/save round trip.
@@ -55,7 +56,7 @@ class DrafterConfig:
     num_target_layers: int
     target_layer_ids: list[int]
     mask_token_id: int
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
     rope_scaling: dict | None = None
@@ -169,7 +170,7 @@ class DrafterConfig:
                 if isinstance(dflash["target_layer_ids"], list)
                 else dflash["target_layer_ids"],
                 mask_token_id=dflash["mask_token_id"],
-                block_size=d.get("block_size", 16),
+                block_size=d.get("block_size", DEFAULT_BLOCK_SIZE),
                 rms_norm_eps=d.get("rms_norm_eps", 1e-6),
                 rope_theta=rope_theta if rope_theta is not None else 1e6,
                 rope_scaling=rope_scaling,

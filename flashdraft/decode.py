@@ -5,34 +5,20 @@ One step: the drafter sees the committed context (features of every token before
 anchor) and drafts a block [anchor, mask, ..., mask] in one pass; the target verifies the
 block in one pass; the longest agreeing prefix plus the target's bonus token is committed,
 the target cache is rolled back to the committed tokens, and their features become new
-drafter context. Greedy is token-identical to `greedy_generate`; with temperature > 0 the
+drafter context. Greedy is token-identical to `autoregressive_generate`; with temperature > 0 the
 accept/resample rule keeps the target's distribution exactly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
+from flashdraft.acceptance import Proposer, accept_greedy, accept_sampled, as_proposer, tau_of
+from flashdraft.config import DEFAULT_BLOCK_SIZE
 from flashdraft.model import DFlashDrafter
 from flashdraft.target import TargetModel
-
-
-class Proposer(Protocol):
-    """What speculative decoding needs of a drafter: logits for the block after the anchor."""
-
-    context_layer_ids: list[int]  # target layers whose features it wants as context (may be empty)
-
-    def propose(
-        self, tokens: list[int], anchor_pos: int, new_context: torch.Tensor | None, new_positions: torch.Tensor,
-        block: int,
-    ) -> torch.Tensor:  # fmt: skip
-        """tokens: everything committed, ending with the anchor (at anchor_pos); new_context:
-        features [1, C, n * H] of tokens committed since the last call, at new_positions [1, C].
-        Returns logits [block - 1, V] (one-hot rows for a deterministic drafter)."""
-        ...
 
 
 @dataclass
@@ -43,8 +29,7 @@ class GenerationResult:
 
     @property
     def tau(self) -> float:
-        steps = len(self.acceptance_lengths)
-        return sum(self.acceptance_lengths) / steps if steps else 0.0
+        return tau_of(self.acceptance_lengths)
 
 
 def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -63,14 +48,15 @@ def _truncate(tokens: list[int], budget: int, stop_ids: set[int]) -> tuple[list[
 
 
 @torch.no_grad()
-def greedy_generate(
+def autoregressive_generate(
     target: TargetModel,
     prompt_ids: list[int],
     max_new_tokens: int,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> GenerationResult:
-    """Plain autoregressive decoding with the target's cache: one token per forward."""
+    """Plain autoregressive decoding with the target's cache: one token per forward, the argmax at
+    temperature 0, else sampled."""
     stop_ids = set(target.stop_token_ids)
     cache = target.new_cache()
     ids = torch.tensor([prompt_ids], device=target.device)
@@ -83,65 +69,6 @@ def greedy_generate(
             return GenerationResult(out, stop_reason="eos")
         ids = torch.tensor([[token]], device=target.device)
     return GenerationResult(out)
-
-
-def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """draft: [B - 1] drafted tokens; target_logits: [B, V] at [anchor, d1 .. d(B-1)].
-
-    Returns (a, bonus): a = leading positions with d(k+1) == argmax p(k); bonus = argmax p(a).
-    """
-    predicted = target_logits.argmax(-1)  # [B]
-    matches = (draft == predicted[:-1]).int()
-    a = int(matches.cumprod(0).sum())
-    return a, int(predicted[a])
-
-
-def accept_sampled(
-    draft: torch.Tensor,
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None = None,
-) -> tuple[int, int]:
-    """Lossless speculative sampling for one block.
-
-    draft: [B - 1]; draft_probs: [B - 1, V] the drafter's distribution q at each position;
-    target_probs: [B, V] the target's p after each block token. Accept d(k+1) with
-    probability min(1, p(d) / q(d)); on the first rejection sample from normalize(max(0, p - q)).
-    """
-    for k in range(draft.shape[0]):
-        d = int(draft[k])
-        p, q = target_probs[k], draft_probs[k]
-        u = torch.rand((), generator=generator, device=p.device)
-        if u * q[d] <= p[d]:  # u < p/q without dividing by a zero q
-            continue
-        residual = (p - q).clamp(min=0)
-        total = residual.sum()
-        residual = residual / total if total > 0 else p
-        return k, int(torch.multinomial(residual, 1, generator=generator))
-    last = target_probs[draft.shape[0]]
-    return draft.shape[0], int(torch.multinomial(last, 1, generator=generator))
-
-
-class DFlashProposer:
-    """Drafts a block with a DFlash drafter, keeping committed context in its KV cache."""
-
-    def __init__(self, drafter: DFlashDrafter, target: TargetModel) -> None:
-        self.drafter, self.target = drafter, target
-        self.context_layer_ids = drafter.config.target_layer_ids
-        self.cache = drafter.new_cache()
-
-    def propose(
-        self, tokens: list[int], anchor_pos: int, new_context: torch.Tensor, new_positions: torch.Tensor, block: int
-    ) -> torch.Tensor:
-        """Logits [block - 1, V] for the positions after the anchor (tokens[-1] at anchor_pos)."""
-        device = self.target.device
-        mask_id = self.drafter.config.mask_token_id
-        block_ids = torch.tensor([[tokens[-1]] + [mask_id] * (block - 1)], device=device)  # [1, B]
-        hidden = self.drafter(
-            self.target.embed(block_ids), torch.tensor([[anchor_pos]], device=device), new_context, new_positions,
-            cache=self.cache,
-        )  # fmt: skip
-        return self.target.lm_head(hidden[0, 1:])
 
 
 @torch.no_grad()
@@ -161,11 +88,8 @@ def speculative_generate(
     commits min(a + 1, tokens still allowed), cut after a stop token, so the acceptance
     lengths add up to len(output_ids) - 1.
     """
-    if isinstance(drafter, DFlashDrafter):
-        block = block_size or drafter.config.block_size
-        proposer: Proposer = DFlashProposer(drafter, target)
-    else:
-        block, proposer = block_size or 16, drafter
+    block = block_size or (drafter.config.block_size if isinstance(drafter, DFlashDrafter) else DEFAULT_BLOCK_SIZE)
+    proposer = as_proposer(drafter, target)
     if block < 2:
         raise ValueError(f"block_size {block} < 2")
     target.set_context_layers(proposer.context_layer_ids)
@@ -186,8 +110,8 @@ def speculative_generate(
 
     while len(result.output_ids) < max_new_tokens:
         tokens = prompt_ids + result.output_ids
-        draft_logits = proposer.propose(tokens, anchor_pos, new_context, new_positions, block)  # [B - 1, V]
-        draft = _sample(draft_logits, temperature, generator)  # [B - 1]
+        draft_logits = proposer.propose(tokens, anchor_pos, new_context, new_positions, block)  # [k, V]
+        draft = _sample(draft_logits, temperature, generator)  # [k]: the step verifies what was proposed
 
         verify = target.forward(torch.tensor([tokens[-1:] + draft.tolist()], device=device), cache)
         if temperature <= 0:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from flashdraft.config import DEFAULT_BLOCK_SIZE
 from flashdraft.errors import FlashdraftError
 
 
@@ -32,12 +33,13 @@ class DemoSettings:
     max_new_tokens: int = 128
     draft_layers: int = 1
     target_layer_ids: tuple[int, ...] = (1, 2, 3)
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     lr: float = 6e-3
     num_anchors: int = 8  # few blocks per sequence, many steps: measured best per CPU-second (README)
     batch_size: int = 4
     loss_decay_gamma: float = 7.0
     eval_max_blocks: int | None = None  # walk every held-out completion to its end
+    reference_drafter: str | None = "tiny-drafter"  # evaluated next to the live run (None: not evaluated)
     seed: int = 0
 
 
@@ -48,7 +50,7 @@ def _stage(name: str) -> None:
 def _seconds_per_step(cfg, drafter, target, records, block_size: int, mask_token_id: int) -> float:
     """Time two training steps' forward + backward on this machine to size the run."""
     from flashdraft.train.data import make_batch
-    from flashdraft.train.loop import _forward_loss
+    from flashdraft.train.loop import forward_loss
 
     drafter = drafter.train()
     idx = list(range(min(cfg.batch_size, len(records))))
@@ -56,7 +58,7 @@ def _seconds_per_step(cfg, drafter, target, records, block_size: int, mask_token
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
-        parts = _forward_loss(drafter, target, batch, cfg, block_size, torch.device("cpu"))
+        parts = forward_loss(drafter, target, batch, cfg, block_size, torch.device("cpu"))
         parts.weighted_sum.backward()
         times.append(time.perf_counter() - t0)
     drafter.zero_grad(set_to_none=True)
@@ -104,17 +106,56 @@ def _check_same_target(out: Path, target_model: str) -> None:
         )
 
 
-def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoSettings | None = None) -> dict:
+def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: Path, deadline: float) -> tuple:
+    """Train until `deadline` (perf_counter; sized by timing two steps here), or reuse a finished
+    run; returns (the best held-out checkpoint's drafter directory, untrained drafter directory, facts)."""
     from flashdraft.checkpoint import save_drafter
+    from flashdraft.drafter_init import new_drafter_for_target
+    from flashdraft.run_dir import latest_checkpoint, read_best
+    from flashdraft.target_weights import TargetHead
+    from flashdraft.train.loop import TrainConfig
+    from flashdraft.train.run import load_training_records, run_training
+
+    layer_ids = list(s.target_layer_ids)
+    target = TargetHead.load(s.target_model)  # training reads the cache: no target forward
+    untrained_dir = out / "drafter-untrained"
+    untrained = new_drafter_for_target(target, s.draft_layers, s.block_size, target_layer_ids=layer_ids, seed=s.seed)
+    if not (untrained_dir / "model.safetensors").exists():
+        save_drafter(untrained, untrained_dir)
+    run_dir = out / "run"
+    done_marker = run_dir / "DEMO_DONE"
+    cfg = TrainConfig(lr=s.lr, num_anchors=s.num_anchors, batch_size=s.batch_size, seed=s.seed,
+                      loss_decay_gamma=s.loss_decay_gamma, log_every=5, keep_checkpoints=1,
+                      keep_best=True)  # fmt: skip
+    if done_marker.exists():
+        train_info = json.loads(done_marker.read_text())
+        print(f"reusing the finished training run in {run_dir} ({train_info['steps']} steps)")
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        records, _ = load_training_records(target, layer_ids, str(train_cache), None)
+        per_step = _seconds_per_step(cfg, untrained, target, records, s.block_size, untrained.config.mask_token_id)
+        steps = max(10, int((deadline - time.perf_counter()) / per_step))
+        cfg.epochs = -(-steps // max(1, len(records) // cfg.batch_size))
+        cfg.max_steps, cfg.save_every, cfg.eval_every = steps, steps, max(10, steps // 4)
+        print(f"{per_step:.2f} s per step here: training {steps} steps ({steps * per_step / 60:.1f} min)")
+        t0 = time.perf_counter()
+        run_training(cfg, s.target_model, str(run_dir), cached_hidden_states=str(train_cache),
+                     init=str(untrained_dir), eval_cached_hidden_states=str(heldout_cache))  # fmt: skip
+        train_info = {"steps": steps, "train_seconds": round(time.perf_counter() - t0, 1)}
+        done_marker.write_text(json.dumps(train_info))
+    best = read_best(run_dir)
+    train_info["best_step"] = best["step"] if best else train_info["steps"]
+    trained_dir = Path(best["path"]) if best else latest_checkpoint(run_dir) / "drafter"
+    return trained_dir, untrained_dir, train_info
+
+
+def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoSettings | None = None) -> dict:
     from flashdraft.data.cache import run_cache
     from flashdraft.data.completions import run_generate
-    from flashdraft.drafter_init import new_drafter_for_target
-    from flashdraft.evaluate import run_eval
+    from flashdraft.evaluate import EvalConfig, run_eval
+    from flashdraft.records import quiet
     from flashdraft.report import write_report
-    from flashdraft.target_weights import TargetHead
-    from flashdraft.train.checkpointing import latest_checkpoint
-    from flashdraft.train.loop import TrainConfig
-    from flashdraft.train.run import load_records, run_training
+    from flashdraft.run_dir import BUILTIN_DRAFTERS
 
     s = settings or DemoSettings()
     if minutes <= 0:
@@ -122,8 +163,7 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     t_start = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    layer_ids = list(s.target_layer_ids)
-    layers_arg = layer_ids
+    layers_arg = list(s.target_layer_ids)
     _check_same_target(out, s.target_model)
 
     _stage("1/5 generate the target's own completions")
@@ -140,86 +180,85 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
                               dtype="fp32")  # fmt: skip
 
     _stage("3/5 train the drafter")
-    target = TargetHead.load(s.target_model)  # training reads the cache: no target forward
-    untrained_dir = out / "drafter-untrained"
-    untrained = new_drafter_for_target(target, s.draft_layers, s.block_size, target_layer_ids=layer_ids, seed=s.seed)
-    if not (untrained_dir / "model.safetensors").exists():
-        save_drafter(untrained, untrained_dir)
-    run_dir = out / "run"
-    done_marker = run_dir / "DEMO_DONE"
-    cfg = TrainConfig(lr=s.lr, num_anchors=s.num_anchors, batch_size=s.batch_size, seed=s.seed,
-                      loss_decay_gamma=s.loss_decay_gamma, log_every=5, keep_checkpoints=1)  # fmt: skip
-    if done_marker.exists():
-        train_info = json.loads(done_marker.read_text())
-        print(f"reusing the finished training run in {run_dir} ({train_info['steps']} steps)")
-    else:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        records, _ = load_records(target, layer_ids, str(train_cache), None)
-        per_step = _seconds_per_step(cfg, untrained, target, records, s.block_size, untrained.config.mask_token_id)
-        # leave time for evaluation (about a third of the budget: measured 90 s of 300) after what was spent
-        left = minutes * 60 - (time.perf_counter() - t_start) - max(30.0, 0.35 * minutes * 60)
-        steps = max(10, int(left / per_step))
-        cfg.epochs = -(-steps // max(1, len(records) // cfg.batch_size))
-        cfg.max_steps, cfg.save_every, cfg.eval_every = steps, steps, max(10, steps // 4)
-        print(f"{per_step:.2f} s per step here: training {steps} steps ({steps * per_step / 60:.1f} min)")
-        t0 = time.perf_counter()
-        run_training(cfg, s.target_model, str(run_dir), cached_hidden_states=str(train_cache),
-                     init=str(untrained_dir), eval_cached_hidden_states=str(heldout_cache))  # fmt: skip
-        train_info = {"steps": steps, "train_seconds": round(time.perf_counter() - t0, 1)}
-        done_marker.write_text(json.dumps(train_info))
-    trained_dir = latest_checkpoint(run_dir) / "drafter"
+    # leave time for evaluation (about a third of the budget: measured 90 s of 300) after what was spent
+    deadline = t_start + minutes * 60 - max(30.0, 0.35 * minutes * 60)
+    trained_dir, untrained_dir, train_info = _train_stage(s, out, train_cache, heldout_cache, deadline)
 
     _stage("4/5 evaluate on held-out prompts")
     torch.set_num_threads(1)  # batch-1 decoding of a tiny model is fastest on one thread
     # online with the consistency check: live figures (lossless, speed-up) plus the offline walk
-    common = dict(completions=str(heldout_c), max_blocks=s.eval_max_blocks, log=lambda line: None)
-    trained = run_eval(str(trained_dir), s.target_model, online=True, check_consistency=True, **common)
-    untrained_offline = run_eval(str(untrained_dir), s.target_model, **common)
-    ngram = run_eval("ngram", s.target_model, online=True, check_consistency=True, **common)
-    online = trained
+    common = dict(target_model=s.target_model, completions=str(heldout_c), max_blocks=s.eval_max_blocks)
+    trained = run_eval(EvalConfig(str(trained_dir), online=True, check_consistency=True, **common), quiet)
+    untrained_offline = run_eval(EvalConfig(str(untrained_dir), **common), quiet)
+    ngram = run_eval(EvalConfig("ngram", online=True, check_consistency=True, **common), quiet)
+    reference = None
+    # the shipped drafter (trained for an hour on 1 M tokens), where this copy of flashdraft has it
+    if s.reference_drafter and s.target_model == "tiny" and BUILTIN_DRAFTERS[s.reference_drafter].is_dir():
+        reference = run_eval(EvalConfig(s.reference_drafter, online=True, check_consistency=True, **common), quiet)
 
     _stage("5/5 report")
-    report_dir = out
-    write_report(trained, report_dir / "eval")
-    training_curve(run_dir / "metrics.jsonl", out / "training_curve.png")
-    consistency = trained["consistency"]
-    report = {
-        "target": s.target_model,
-        "tau_offline": consistency["offline_tau"],
-        "tau_online": consistency["online_tau"],
-        "offline_equals_online": consistency["identical"],
-        "lossless": online["lossless"],
-        "speedup": online["speedup"],
-        "speculative_tokens_per_s": online["speculative_tokens_per_s"],
-        "greedy_tokens_per_s": online["greedy_tokens_per_s"],
-        "tau_untrained": untrained_offline["tau"],
-        "tau_ngram": ngram["tau"],
-        "speedup_ngram": ngram["speedup"],
-        "lossless_ngram": ngram["lossless"],
-        "train_seconds": train_info["train_seconds"],
-        "train_steps": train_info["steps"],
-        "heldout_prompts": len(trained["per_prompt"]),
-        "block_size": s.block_size,
-        "drafter": str(trained_dir),
-        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(s).items()},
-        "total_seconds": round(time.perf_counter() - t_start, 1),
-    }
+    write_report(trained, out / "eval")
+    training_curve(out / "run" / "metrics.jsonl", out / "training_curve.png")
+    report = _summary(s, trained, untrained_offline, ngram, train_info, trained_dir)
+    if reference is not None:
+        report["reference"] = {
+            "drafter": s.reference_drafter, "tau_offline": reference["consistency"]["offline_tau"],
+            "tau_online": reference["consistency"]["online_tau"], "lossless": reference["lossless"],
+            "speedup": reference["speedup"], "offline_equals_online": reference["consistency"]["identical"],
+        }  # fmt: skip
+    report["total_seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(_markdown(report))
     print(_markdown(report))
     return report
 
 
+def _summary(s: DemoSettings, trained: dict, untrained_offline: dict, ngram: dict, train_info: dict,
+             trained_dir: Path) -> dict:  # fmt: skip
+    consistency = trained["consistency"]
+    return {
+        "target": s.target_model,
+        "tau_offline": consistency["offline_tau"],
+        "tau_online": consistency["online_tau"],
+        "offline_equals_online": consistency["identical"],
+        "lossless": trained["lossless"],
+        "speedup": trained["speedup"],
+        "speculative_tokens_per_s": trained["speculative_tokens_per_s"],
+        "greedy_tokens_per_s": trained["greedy_tokens_per_s"],
+        "tau_untrained": untrained_offline["tau"],
+        "tau_ngram": ngram["tau"],
+        "speedup_ngram": ngram["speedup"],
+        "lossless_ngram": ngram["lossless"],
+        "train_seconds": train_info["train_seconds"],
+        "train_steps": train_info["steps"],
+        "best_step": train_info.get("best_step", train_info["steps"]),
+        "heldout_prompts": len(trained["per_prompt"]),
+        "block_size": s.block_size,
+        "drafter": str(trained_dir),
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(s).items()},
+    }
+
+
+def _reference_row(r: dict) -> list[str]:
+    ref = r.get("reference")
+    if ref is None:
+        return []
+    return [f"| shipped `{ref['drafter']}` (reference) | {ref['tau_offline']:.2f} | {ref['tau_online']:.2f} | "
+            f"{ref['lossless']} | {ref['speedup']:.2f}x |"]  # fmt: skip
+
+
 def _markdown(r: dict) -> str:
     return "\n".join([
         "# flashdraft demo",
         "",
-        f"Target `{r['target']}`, drafter trained {r['train_seconds']} s ({r['train_steps']} steps), block size "
-        f"{r['block_size']}, {r['heldout_prompts']} held-out prompts; whole demo {r['total_seconds']} s.",
+        f"Target `{r['target']}`, drafter trained {r['train_seconds']} s ({r['train_steps']} steps; the best "
+        f"held-out checkpoint, step {r['best_step']}, is evaluated), block size {r['block_size']}, "
+        f"{r['heldout_prompts']} held-out prompts; whole demo {r['total_seconds']} s.",
         "",
         "| drafter | τ offline | τ online | lossless | speed-up vs greedy |",
         "|---|---|---|---|---|",
         f"| trained DFlash | {r['tau_offline']:.2f} | {r['tau_online']:.2f} | {r['lossless']} | {r['speedup']:.2f}x |",
+        *_reference_row(r),
         f"| untrained DFlash | {r['tau_untrained']:.2f} | | | |",
         f"| n-gram prompt lookup | {r['tau_ngram']:.2f} | | {r['lossless_ngram']} | {r['speedup_ngram']:.2f}x |",
         "",

@@ -16,47 +16,20 @@ from pathlib import Path
 
 import torch
 
+from flashdraft.checkpoint import STATE_DICT_SUFFIXES
+from flashdraft.checks import Checks
 from flashdraft.errors import FlashdraftError
 from flashdraft.target import TargetModel
-
-STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
-
-
-class Checks:
-    """The doctor's report: facts, passed checks, and failures with their fix."""
-
-    def __init__(self) -> None:
-        self.failures: list[str] = []
-
-    def about(self, line: str) -> None:
-        print(f"     {line}")
-
-    def ok(self, line: str) -> None:
-        print(f"ok   {line}")
-
-    def fail(self, line: str, fix: str) -> None:
-        print(f"FAIL {line}; fix: {fix}")
-        self.failures.append(line)
-
-    def check(self, passed: bool, line: str, fix: str) -> None:
-        if passed:
-            self.ok(line)
-        else:
-            self.fail(line, fix)
-
-    def summary(self) -> bool:
-        print("all checks passed" if not self.failures else f"{len(self.failures)} check(s) failed")
-        return not self.failures
 
 
 def kind_of(path: Path) -> str:
     """What PATH is: 'cache', 'drafter', 'run', 'checkpoint', 'state dict' or 'completions';
     raises naming what it is not."""
     from flashdraft.data.cache import MANIFEST, PROGRESS
-    from flashdraft.data.completions import _part_paths
+    from flashdraft.data.completions import part_paths
 
     if not path.exists():
-        if _part_paths(path):
+        if part_paths(path):
             return "completions"  # an unfinished generate run: only its parts exist
         raise FlashdraftError(f"{path}: no such file or directory")
     if path.is_dir():
@@ -198,7 +171,7 @@ def check_drafter_dir(path: Path, target: TargetModel | None, checks: Checks, ve
     layer ids, and with a target hidden size, vocabulary, layers and mask token."""
     from safetensors import safe_open
 
-    from flashdraft.checkpoint import _weight_files
+    from flashdraft.checkpoint import weight_files
     from flashdraft.config import DrafterConfig
 
     fix_files = "copy the drafter directory again (or re-export it)"
@@ -209,7 +182,7 @@ def check_drafter_dir(path: Path, target: TargetModel | None, checks: Checks, ve
         return
     checks.about(f"drafter directory {path}: {_describe_config(cfg)}")
     try:
-        where = _weight_files(path)
+        where = weight_files(path)
     except FlashdraftError as e:
         checks.fail(str(e), fix_files)
         return
@@ -248,7 +221,8 @@ def check_drafter_dir(path: Path, target: TargetModel | None, checks: Checks, ve
 
 def check_state_dict(path: Path, target: TargetModel | None, checks: Checks) -> None:
     """A bare state dict: what its shapes say, and with a target whether it loads strictly."""
-    from flashdraft.checkpoint import load_any_drafter, read_state_dict_file
+    from flashdraft.checkpoint import read_state_dict_file
+    from flashdraft.run_dir import load_any_drafter
 
     try:
         state = read_state_dict_file(path)
@@ -287,7 +261,7 @@ def check_state_dict(path: Path, target: TargetModel | None, checks: Checks) -> 
 def check_run(path: Path, target: TargetModel | None, checks: Checks, verify: bool, single: bool = False) -> None:
     """A training run (its newest complete checkpoint) or one checkpoint directory: checksums,
     trainer state, the drafter, and run_config.json against the drafter."""
-    from flashdraft.train.checkpointing import COMPLETE, checkpoint_problems
+    from flashdraft.run_dir import COMPLETE, checkpoint_problems
 
     if single:
         step_dir, run_dir = path, path.parent.parent if path.parent.name == "checkpoints" else None
@@ -378,10 +352,10 @@ def _check_run_config(config_path: Path, drafter_dir: Path, target: TargetModel 
 def check_completions(path: Path, target: TargetModel | None, drafter_cfg, checks: Checks) -> None:
     """A completions file: header, every record, an unfinished run's parts, and against a
     target its fingerprint and vocabulary (and a drafter's vocabulary)."""
-    from flashdraft.data.completions import FORMAT, VERSION, _part_paths, _record_problem
+    from flashdraft.data.completions import FORMAT, VERSION, part_paths, record_problem
 
     regenerate = "re-run flashdraft generate into a new --out"
-    parts = _part_paths(path)
+    parts = part_paths(path)
     finish = "re-run the same flashdraft generate command to finish and merge them"
     if not path.exists():
         names = ", ".join(p.name for p in parts)
@@ -414,7 +388,7 @@ def check_completions(path: Path, target: TargetModel | None, drafter_cfg, check
                  f"{len(records)} records", f"the file was edited or cut; {regenerate}")  # fmt: skip
     problems, seen, stops = [], set(), {}
     for k, r in enumerate(records):
-        problem = _record_problem(r, target.vocab_size if target else vocab if isinstance(vocab, int) else 1 << 62)
+        problem = record_problem(r, target.vocab_size if target else vocab if isinstance(vocab, int) else 1 << 62)
         rid = r.get("id") if isinstance(r, dict) else f"#{k}"
         if problem is None and rid in seen:
             problem = "duplicate id"

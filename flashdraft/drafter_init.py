@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flashdraft.config import DrafterConfig, default_target_layer_ids
+from flashdraft.config import DEFAULT_BLOCK_SIZE, DrafterConfig, default_target_layer_ids
 from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
 from flashdraft.target import TargetModel
@@ -28,7 +28,7 @@ def pick_mask_token(target: TargetModel) -> int:
 def new_drafter_for_target(
     target: TargetModel,
     num_layers: int = 1,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     mask_token_id: int | None = None,
     target_layer_ids: list[int] | None = None,
     seed: int = 0,

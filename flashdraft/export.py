@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.checkpoint import LoadedDrafter, load_any_drafter, save_drafter
+from flashdraft.checkpoint import save_drafter
 from flashdraft.errors import FlashdraftError
+from flashdraft.run_dir import LoadedDrafter, load_any_drafter
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -153,7 +153,7 @@ class DrafterAttention(nn.Module):
         context: torch.Tensor | None,
         block_rope: tuple[torch.Tensor, torch.Tensor],
         context_rope: tuple[torch.Tensor, torch.Tensor] | None,
-        mask: torch.Tensor,
+        mask: torch.Tensor | BlockMask | None,
         cache: DrafterCache | None,
     ) -> torch.Tensor:
         n, q_len, _ = x.shape
@@ -266,8 +266,17 @@ class DFlashDrafter(nn.Module):
         if backend == "auto":
             backend = "flex" if block_embeds.is_cuda and num_blocks > 1 else "sdpa"
         masks = {}
+        # Drafting one block after committed context (decoding): every key is visible to every query,
+        # so no mask; building one and masking costs ~10% of a CPU drafting step.
+        sees_all = (
+            backend == "sdpa"
+            and num_blocks == 1
+            and bool((all_context_positions < anchor_positions).all())
+        )  # fmt: skip
         for w in {layer.sliding_window for layer in self.layers}:
-            if backend == "flex":
+            if sees_all and w is None:
+                masks[w] = None
+            elif backend == "flex":
                 rule = mask_mod_for(query_positions, query_block, query_anchor, all_context_positions, w)
                 num_keys = all_context_positions.shape[1] + q_len
                 masks[w] = create_block_mask(rule, n, None, q_len, num_keys, device=block_embeds.device)

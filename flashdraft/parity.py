@@ -166,8 +166,8 @@ def run_parity_command(
 ) -> bool:
     """`flashdraft parity`: prints the table; returns whether every layer passed."""
     from flashdraft.data.cache import drafter_layer_ids
-    from flashdraft.data.distributed import Dist, load_dtype, pick_device
     from flashdraft.data.prompts import encode_text, has_chat_template, load_prompts, render_conversation
+    from flashdraft.distributed import Dist, load_dtype, pick_device
 
     dev = pick_device(Dist(), device)
     target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from flashdraft.errors import FlashdraftError
+from flashdraft.linear_attention import install_short_block_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub: targets are local directories
 # transformers warns on every process that fla is absent; flashdraft reports the backend itself
@@ -171,6 +172,9 @@ class TargetModel:
         if self.linear_layers:
             gated_delta_net = type(self.layers[self.linear_layers[0]].linear_attn)
             _route_linear_attention_by_device(sys.modules[gated_delta_net.__module__])
+        if self.linear_backend == "torch":  # without fla kernels, short blocks take the direct solve
+            for i in self.linear_layers:
+                install_short_block_path(self.layers[i].linear_attn)
 
     # -- loading ---------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.decode import greedy_generate
+from flashdraft.decode import autoregressive_generate
 from flashdraft.target import TINY_DIR, TargetModel
 
 PROMPTS = [
@@ -42,7 +42,7 @@ def main() -> None:
     shares = []
     for prompt in PROMPTS:
         ids = target.tokenizer(prompt)["input_ids"]
-        out = greedy_generate(target, ids, args.tokens)
+        out = autoregressive_generate(target, ids, args.tokens)
         shares.append(distinct_4gram_share(out.output_ids))
         print(f"--- {prompt!r} (distinct 4-grams {shares[-1]:.2f})")
         print(prompt + target.tokenizer.decode(out.output_ids))

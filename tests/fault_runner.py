@@ -30,5 +30,5 @@ if __name__ == "__main__":
     delay = float(sys.argv[1])
     completions.generate_batch = slowed(completions.generate_batch, delay)
     cache._cache_record = slowed(cache._cache_record, delay)
-    loop._forward_loss = slowed(loop._forward_loss, delay)
+    loop.forward_loss = slowed(loop.forward_loss, delay)
     sys.exit(main(sys.argv[2:]))

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from flashdraft.decode import accept_sampled, greedy_generate, speculative_generate
+from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.target import TargetModel
 from tests.conftest import EOS, make_drafter, make_hf_model, make_target, make_tokenizer
 
@@ -33,7 +33,7 @@ class OracleProposer:
 @pytest.mark.parametrize("block", [2, 8, 16])
 def test_greedy_speculative_equals_greedy_with_partial_acceptance(any_target, block, mode):
     any_target.rollback_mode = mode
-    plain = greedy_generate(any_target, PROMPT, 40)
+    plain = autoregressive_generate(any_target, PROMPT, 40)
     spec = speculative_generate(any_target, OracleProposer(PROMPT + plain.output_ids), PROMPT, 40, block_size=block)
     assert spec.output_ids == plain.output_ids
     assert sum(spec.acceptance_lengths) == len(spec.output_ids) - 1
@@ -45,7 +45,7 @@ def test_greedy_speculative_equals_greedy_with_partial_acceptance(any_target, bl
 def test_greedy_speculative_with_dflash_drafter_and_short_sliding_window(any_target, block):
     # a window of 3 is shorter than the 12-token prompt: the drafter must honour it in its cache
     drafter = make_drafter(block_size=block, layer_types=["sliding_attention", "full_attention"], sliding_window=3)
-    plain = greedy_generate(any_target, PROMPT, 30)
+    plain = autoregressive_generate(any_target, PROMPT, 30)
     spec = speculative_generate(any_target, drafter, PROMPT, 30)
     assert spec.output_ids == plain.output_ids
     assert len(spec.acceptance_lengths) >= 1
@@ -53,10 +53,10 @@ def test_greedy_speculative_with_dflash_drafter_and_short_sliding_window(any_tar
 
 def test_stop_token_ends_both_decoders_at_the_same_place():
     target = make_target("hybrid")
-    plain = greedy_generate(target, PROMPT, 40)
+    plain = autoregressive_generate(target, PROMPT, 40)
     stop = plain.output_ids[17]
     target.model.generation_config.eos_token_id = stop  # make a token we know appears a stop token
-    plain = greedy_generate(target, PROMPT, 40)
+    plain = autoregressive_generate(target, PROMPT, 40)
     spec = speculative_generate(target, OracleProposer(PROMPT + plain.output_ids), PROMPT, 40, block_size=8)
     assert plain.stop_reason == spec.stop_reason == "eos"
     assert spec.output_ids == plain.output_ids and spec.output_ids[-1] == stop
@@ -65,28 +65,9 @@ def test_stop_token_ends_both_decoders_at_the_same_place():
 
 def test_max_new_tokens_is_respected_inside_a_block():
     target = make_target("qwen3")
-    plain = greedy_generate(target, PROMPT, 13)
+    plain = autoregressive_generate(target, PROMPT, 13)
     spec = speculative_generate(target, OracleProposer(PROMPT + plain.output_ids + [0] * 20), PROMPT, 13, block_size=16)
     assert len(spec.output_ids) == 13 and spec.output_ids == plain.output_ids
-
-
-def test_accept_sampled_keeps_the_target_distribution():
-    # context-free synthetic target: the emitted pair must follow p0 x p1 whatever q is
-    gen = torch.Generator().manual_seed(0)
-    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
-    q = torch.tensor([[0.1, 0.1, 0.7, 0.1], [0.4, 0.4, 0.1, 0.1]])
-    counts = torch.zeros(4, 4)
-    n = 12000
-    for _ in range(n):
-        draft = torch.multinomial(q, 1, generator=gen).squeeze(1)
-        a, bonus = accept_sampled(draft, q, p, gen)
-        emitted = draft[:a].tolist() + [bonus]
-        if len(emitted) < 2:  # the second token comes from the next step: draw it from p1 directly
-            emitted.append(int(torch.multinomial(p[1], 1, generator=gen)))
-        counts[emitted[0], emitted[1]] += 1
-    expected = torch.outer(p[0], p[1]) * n
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2 < 37.7  # 15 degrees of freedom, p = 0.001
 
 
 def test_speculative_sampling_matches_target_distribution_end_to_end():

@@ -7,22 +7,19 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-import flashdraft.evaluate as evaluate
-from flashdraft.checkpoint import load_any_drafter, save_drafter
+import flashdraft.acceptance as acceptance
+from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
 from flashdraft.config import DrafterConfig
 from flashdraft.data.completions import load_completions
-from flashdraft.decode import greedy_generate, speculative_generate
+from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
-from flashdraft.evaluate import (
-    EvalRecord,
-    EvalResult,
-    FeatureSource,
-    PromptResult,
-    evaluate_offline,
-    records_from_prompts,
-)
+from flashdraft.evaluate import records_from_prompts
 from flashdraft.model import DFlashDrafter
+from flashdraft.offline import evaluate_offline
+from flashdraft.records import EvalRecord, FeatureSource
+from flashdraft.results import EvalResult, PromptResult
+from flashdraft.run_dir import load_any_drafter
 from flashdraft.target import TargetModel
 from tests.conftest import make_drafter, make_target, make_tokenizer, run_cli, save_target, write_word_prompts
 
@@ -115,16 +112,16 @@ def test_offline_walk_does_not_depend_on_how_many_anchors_one_forward_drafts(mon
     records = greedy_records(target)
     drafter = overfit(make_drafter(), target, records[0])
     expected = [p.acceptance_lengths for p in evaluate_offline(drafter, target, records).per_prompt]
-    monkeypatch.setattr(evaluate, "_anchors_per_forward", lambda b, v: per_forward)
+    monkeypatch.setattr(acceptance, "anchors_per_forward", lambda b, v: per_forward)
     assert [p.acceptance_lengths for p in evaluate_offline(drafter, target, records).per_prompt] == expected
 
 
 def test_offline_equals_online_when_the_completion_ends_at_a_stop_token():
     target = make_target("hybrid")
     prompt = PROMPTS[0]
-    stop = greedy_generate(target, prompt, 40).output_ids[17]
+    stop = autoregressive_generate(target, prompt, 40).output_ids[17]
     target.model.generation_config.eos_token_id = stop  # a token we know the target emits
-    record = EvalRecord("stop", prompt, greedy_generate(target, prompt, 40).output_ids)
+    record = EvalRecord("stop", prompt, autoregressive_generate(target, prompt, 40).output_ids)
     assert record.completion_ids[-1] == stop and len(record.completion_ids) <= 18
     drafter = overfit(make_drafter(), target, record)
     offline = evaluate_offline(drafter, target, [record])
@@ -245,7 +242,7 @@ def test_training_run_directory_means_its_newest_complete_checkpoint(tmp_path):
 def test_reference_comparison_of_the_same_drafter_gives_zero_difference(capsys, tmp_path, target_dir,
                                                                         prompts_file):  # fmt: skip
     target = TargetModel.load(target_dir)
-    record = EvalRecord("o", PROMPTS[0], greedy_generate(target, PROMPTS[0], 40).output_ids)
+    record = EvalRecord("o", PROMPTS[0], autoregressive_generate(target, PROMPTS[0], 40).output_ids)
     save_drafter(overfit(make_drafter(), target, record), tmp_path / "d")  # accepts: the difference is not 0 - 0
     rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
                            prompts_file, "--max-blocks", 5, "--reference", tmp_path / "d", "--json",
@@ -298,7 +295,7 @@ def test_json_has_every_key(capsys, tmp_path, target_dir, prompts_file, mode):
 
 def test_check_consistency_in_the_cli(capsys, tmp_path, target_dir, prompts_file):
     target = TargetModel.load(target_dir)
-    record = EvalRecord("o", PROMPTS[0], greedy_generate(target, PROMPTS[0], 30).output_ids)
+    record = EvalRecord("o", PROMPTS[0], autoregressive_generate(target, PROMPTS[0], 30).output_ids)
     save_drafter(overfit(make_drafter(), target, record), tmp_path / "d")
     rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
                            prompts_file, "--num-prompts", 3, "--max-new-tokens", 30, "--online",

@@ -7,7 +7,7 @@ from safetensors import safe_open
 from flashdraft.checkpoint import load_drafter, save_drafter
 from flashdraft.cli import main
 from flashdraft.export import export_drafter
-from flashdraft.train.checkpointing import save_checkpoint
+from flashdraft.run_dir import save_checkpoint
 from tests.conftest import make_drafter, make_target
 
 

@@ -28,7 +28,7 @@ from flashdraft.data.cache import MANIFEST, PROGRESS, HiddenStateCache
 from flashdraft.data.completions import load_completions
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
-from flashdraft.train.checkpointing import complete_checkpoints, latest_checkpoint, verify_checkpoint
+from flashdraft.run_dir import complete_checkpoints, latest_checkpoint, verify_checkpoint
 from tests.conftest import save_target
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,18 +3,13 @@ import json
 import pytest
 import torch
 
-from flashdraft.decode import DFlashProposer, greedy_generate, speculative_generate
+from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
-from flashdraft.evaluate import (
-    EvalRecord,
-    evaluate_offline,
-    offline_acceptance_lengths,
-    proposer_acceptance_lengths,
-    records_from_prompts,
-)
+from flashdraft.evaluate import records_from_prompts
 from flashdraft.ngram import NGramProposer, lookup
+from flashdraft.offline import evaluate_offline
+from flashdraft.records import EvalRecord
 from tests.conftest import VOCAB, make_drafter, make_target, run_cli, save_target, write_word_prompts
-from tests.test_evaluate import overfit
 
 # the second prompt repeats itself, so prompt lookup has something to find from the start
 PROMPTS = [[5, 9, 17, 3, 22, 40, 11, 8, 30, 2, 14, 27], [1, 2, 3, 1, 2, 3, 1, 2], [44, 12, 7, 33, 19, 50, 8, 21]]
@@ -75,7 +70,7 @@ def test_greedy_speculative_decoding_with_ngram_is_lossless(any_target, block):
     proposer = NGramProposer(any_target.vocab_size)
     taus = []
     for prompt in PROMPTS:
-        plain = greedy_generate(any_target, prompt, 48)
+        plain = autoregressive_generate(any_target, prompt, 48)
         spec = speculative_generate(any_target, proposer, prompt, 48, block_size=block)
         assert spec.output_ids == plain.output_ids
         assert sum(spec.acceptance_lengths) == len(spec.output_ids) - 1 and max(spec.acceptance_lengths) <= block
@@ -110,24 +105,6 @@ def test_offline_ngram_walk_honours_max_blocks():
     full = evaluate_offline(proposer, target, records, block_size=8)
     cut = evaluate_offline(proposer, target, records, block_size=8, max_blocks=3)
     assert [p.acceptance_lengths for p in cut.per_prompt] == [p.acceptance_lengths[:3] for p in full.per_prompt]
-
-
-def test_one_anchor_walk_feeds_context_as_online_does():
-    # a DFlash drafter through the generic walk (features fed step by step, as online) must
-    # match the batched DFlash walk: the generic walk's context feeding is what is checked
-    target = make_target("hybrid")
-    records = greedy_records(target)
-    drafter = overfit(make_drafter(), target, records[0])
-    target.set_context_layers(drafter.config.target_layer_ids)
-    walks = []
-    for r in records:
-        features = target.forward(torch.tensor([r.input_ids])).context_features[0]
-        batched = offline_acceptance_lengths(drafter, target, len(r.prompt_ids), r.completion_ids, features, 8)
-        one_by_one = proposer_acceptance_lengths(DFlashProposer(drafter, target), target, r.prompt_ids,
-                                                 r.completion_ids, 8, features=features)  # fmt: skip
-        assert one_by_one == batched
-        walks.append(batched)
-    assert max(walks[0]) > 2  # the drafter accepts on the record it was fitted to: lengths vary
 
 
 def test_sampling_with_ngram_one_hot_drafts():

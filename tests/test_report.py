@@ -1,7 +1,7 @@
 import json
 
-from flashdraft.evaluate import EvalResult, PromptResult, difference
 from flashdraft.report import PLOTS, format_summary, write_report
+from flashdraft.results import EvalResult, PromptResult, difference
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -6,7 +6,7 @@ import torch
 
 from flashdraft.checkpoint import load_drafter
 from flashdraft.cli import main
-from flashdraft.decode import greedy_generate, speculative_generate
+from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.target import TINY_DIR, TargetModel
 
 
@@ -30,5 +30,6 @@ def test_init_on_tiny_then_load_gives_a_drafter_that_decodes_losslessly(tmp_path
     prompt = target.tokenizer("def add(a, b):\n")["input_ids"]
     torch.manual_seed(0)
     assert (
-        speculative_generate(target, drafter, prompt, 40).output_ids == greedy_generate(target, prompt, 40).output_ids
+        speculative_generate(target, drafter, prompt, 40).output_ids
+        == autoregressive_generate(target, prompt, 40).output_ids
     )

@@ -18,6 +18,10 @@ written to a temporary file and renamed, then its `.progress` entry is written: 
 run leaves either a finished shard or nothing, and a re-run redoes only unfinished
 shards. Under torchrun rank r builds the shards k with k % world == r; rank 0 writes the
 manifest. Results do not depend on the number of ranks: shard contents are fixed by R.
+
+Why one module of ~750 lines: it is the one owner of this on-disk format. Writer, reader and
+checks change together whenever the format does (a field, a dtype, the shard layout), and
+splitting them would put the format's knowledge in three places.
 """
 
 from __future__ import annotations
@@ -33,12 +37,13 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from tqdm import tqdm
 
+from flashdraft.checks import Checks
 from flashdraft.data.completions import CompletionRecord, Completions
-from flashdraft.data.distributed import Dist
+from flashdraft.distributed import Dist
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file, write_atomic, write_json_atomic
+from flashdraft.progress import Progress
 from flashdraft.target import TargetModel
 
 FORMAT = "flashdraft.hidden-state-cache"
@@ -112,7 +117,7 @@ def _cache_record(
 
 def _build_shard(
     target: TargetModel, directory: Path, k: int, records: list[CompletionRecord], settings: dict, dist: Dist,
-    bar: tqdm,
+    bar: Progress,
 ) -> dict:  # fmt: skip
     dtype = DTYPES[settings["dtype_flag"]]
     # the shard's tensors, allocated once and filled record by record: one shard of features in
@@ -213,7 +218,6 @@ def build_cache(
     }
     computed_with = {"device": target.device.type, "target_dtype": DTYPE_NAMES.get(target.model.dtype,
                      str(target.model.dtype)), "linear_backend": target.linear_backend}  # fmt: skip
-    progress = directory / PROGRESS
     if dist.is_main:
         _check_or_write_settings(directory, settings)
     dist.barrier()
@@ -227,61 +231,69 @@ def build_cache(
             f"caching {len(records)} records in {len(shards)} shards to {directory}: layers {layer_ids}, "
             f"{settings['dtype']}, {len(shards) - len(todo)} shards already done"
         )
-    with tqdm(total=sum(len(shards[k]) for k in mine), desc=f"{dist.prefix()}cache", unit="record") as bar:
+    with Progress(total=sum(len(shards[k]) for k in mine), desc=f"{dist.prefix()}cache", unit="record") as bar:
         for k in mine:
             _build_shard(target, directory, k, shards[k], settings, dist, bar)
     dist.barrier()  # every shard is on disk before the manifest lists them
 
     if dist.is_main:
-        metas = _finished_shards(directory)
-        manifest_shards, manifest_records = [], []
-        for k, shard in enumerate(shards):
-            meta = metas[k]
-            if not _is_finished(directory, meta, shard, topk):
-                raise FlashdraftError(f"{directory / shard_name(k)}: missing after every rank finished")
-            manifest_shards.append({key: v for key, v in meta.items() if key != "records"})
-            manifest_records += [dict(r, shard=k) for r in meta["records"]]
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "target": {
-                "fingerprint": settings["target_fingerprint"],
-                "num_layers": target.num_layers,
-                "hidden_size": target.hidden_size,
-                "vocab_size": target.vocab_size,
-                "path": str(target.path) if target.path is not None else None,
-            },  # fmt: skip
-            "layer_ids": settings["layer_ids"],
-            "feature_convention": "hidden_states[l + 1]: the output of decoder layer l",
-            "hidden_size": target.hidden_size,
-            "dtype": settings["dtype"],
-            "records_per_shard": records_per_shard,
-            "target_topk": {"k": topk, "values_dtype": "float32", "indices_dtype": "int32"} if topk else None,
-            "computed_with": computed_with,
-            "completions": {
-                "file": completions.path.name,
-                "target_fingerprint": completions.target_fingerprint,
-                "generation": completions.header.get("generation"),
-            },  # fmt: skip
-            "num_records": len(manifest_records),
-            "num_tokens": sum(s["num_tokens"] for s in manifest_shards),
-            "shards": manifest_shards,
-            "records": manifest_records,
-        }
-        write_json_atomic(directory / MANIFEST, manifest, indent=1)
-        for path in sorted(progress.glob("*")):
-            path.unlink()
-        progress.rmdir()
-        # shards left over from an earlier, larger run are not part of this cache
-        listed = {s["file"] for s in manifest_shards} | {s.get("topk_file") for s in manifest_shards}
-        stale = [p for p in sorted(directory.glob("*.safetensors")) if p.name not in listed]
-        stale += sorted(directory.glob("*.safetensors.tmp"))  # a killed write
-        for p in stale:
-            p.unlink()
-        print(f"wrote {directory / MANIFEST}: {len(manifest_records)} records, {manifest['num_tokens']} tokens"
-              + (f" (removed {len(stale)} stale shard files)" if stale else ""))  # fmt: skip
+        _finish(directory, target, completions, shards, settings, computed_with)
     dist.barrier()
     return directory
+
+
+def _finish(directory: Path, target: TargetModel, completions: Completions, shards: list, settings: dict,
+            computed_with: dict) -> None:  # fmt: skip
+    """Rank 0, once every shard is on disk: write the manifest, drop the progress folder and
+    any shard files the manifest does not list."""
+    topk, progress = settings["topk"], directory / PROGRESS
+    metas = _finished_shards(directory)
+    manifest_shards, manifest_records = [], []
+    for k, shard in enumerate(shards):
+        meta = metas[k]
+        if not _is_finished(directory, meta, shard, topk):
+            raise FlashdraftError(f"{directory / shard_name(k)}: missing after every rank finished")
+        manifest_shards.append({key: v for key, v in meta.items() if key != "records"})
+        manifest_records += [dict(r, shard=k) for r in meta["records"]]
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "target": {
+            "fingerprint": settings["target_fingerprint"],
+            "num_layers": target.num_layers,
+            "hidden_size": target.hidden_size,
+            "vocab_size": target.vocab_size,
+            "path": str(target.path) if target.path is not None else None,
+        },  # fmt: skip
+        "layer_ids": settings["layer_ids"],
+        "feature_convention": "hidden_states[l + 1]: the output of decoder layer l",
+        "hidden_size": target.hidden_size,
+        "dtype": settings["dtype"],
+        "records_per_shard": settings["records_per_shard"],
+        "target_topk": {"k": topk, "values_dtype": "float32", "indices_dtype": "int32"} if topk else None,
+        "computed_with": computed_with,
+        "completions": {
+            "file": completions.path.name,
+            "target_fingerprint": completions.target_fingerprint,
+            "generation": completions.header.get("generation"),
+        },  # fmt: skip
+        "num_records": len(manifest_records),
+        "num_tokens": sum(s["num_tokens"] for s in manifest_shards),
+        "shards": manifest_shards,
+        "records": manifest_records,
+    }
+    write_json_atomic(directory / MANIFEST, manifest, indent=1)
+    for path in sorted(progress.glob("*")):
+        path.unlink()
+    progress.rmdir()
+    # shards left over from an earlier, larger run are not part of this cache
+    listed = {s["file"] for s in manifest_shards} | {s.get("topk_file") for s in manifest_shards}
+    stale = [p for p in sorted(directory.glob("*.safetensors")) if p.name not in listed]
+    stale += sorted(directory.glob("*.safetensors.tmp"))  # a killed write
+    for p in stale:
+        p.unlink()
+    print(f"wrote {directory / MANIFEST}: {len(manifest_records)} records, {manifest['num_tokens']} tokens"
+          + (f" (removed {len(stale)} stale shard files)" if stale else ""))  # fmt: skip
 
 
 def _check_or_write_settings(directory: Path, settings: dict) -> None:
@@ -548,6 +560,55 @@ def _diagnose(target: TargetModel, tokens: torch.Tensor, cached: torch.Tensor, l
 
 
 @torch.no_grad()
+def _check_layout(cache: HiddenStateCache, checks: Checks, rebuild: str) -> None:
+    """Dtypes and loss masks of every record as the manifest says; features finite."""
+    layout_errors, nonfinite = [], []
+    for s in cache._shards:
+        with cache._open(s["file"]) as f:
+            for name, dtype in (("input_ids", "I32"), ("loss_mask", "BOOL")):
+                if f.get_slice(name).get_dtype() != dtype:
+                    layout_errors.append(f"{s['file']} {name} is {f.get_slice(name).get_dtype()}, expected {dtype}")
+    for i in range(len(cache)):
+        r = cache[i]
+        expected = torch.arange(len(r.input_ids)) >= r.prompt_length
+        if not torch.equal(r.loss_mask, expected) or r.context_features.dtype != cache.dtype:
+            layout_errors.append(f"record {r.id}: loss mask or dtype disagrees with the manifest")
+        try:
+            cache.features(i)
+        except FlashdraftError as e:
+            nonfinite.append(str(e).split(": ", 1)[1])
+    layout = "record layout (dtypes, loss masks)" + (": " + "; ".join(layout_errors[:3]) if layout_errors else "")
+    checks.check(not layout_errors, layout, rebuild)
+    checks.check(not nonfinite, f"context features finite in all {len(cache)} records"
+                 + (f": {len(nonfinite)} records are not; first: {nonfinite[0]}" if nonfinite else ""),
+                 rebuild + " (with --dtype bf16 if fp16 overflowed)")  # fmt: skip
+
+
+def _check_alignment(cache: HiddenStateCache, target: TargetModel, checks: Checks, samples: int,
+                     tolerance: float | None, seed: int, rebuild: str) -> None:  # fmt: skip
+    """`samples` random records against a fresh target forward, layer by layer."""
+    tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[DTYPE_NAMES[cache.dtype]]
+    picks = sorted(random.Random(seed).sample(range(len(cache)), min(samples, len(cache))))
+    target.set_context_layers(cache.layer_ids)
+    worst, problems = 0.0, []
+    for i in picks:
+        r = cache[i]
+        tokens = r.input_ids.to(target.device)
+        fresh = target.forward(tokens[None]).context_features[0].cpu()  # [T, n * H]
+        for j, layer in enumerate(cache.layer_ids):
+            block = slice(j * cache.hidden_size, (j + 1) * cache.hidden_size)
+            err = _relative_error(r.context_features[:, block], fresh[:, block])
+            worst = max(worst, err)
+            if err > tol:
+                hint = _diagnose(target, tokens, r.context_features[:, block].to(target.device), layer, tol)
+                problems.append(f"record {r.id} layer {layer}: relative error {err:.2e}{hint}")
+    checks.check(not problems, f"alignment of {len(picks)} records with a fresh forward: worst relative "
+                 f"error {worst:.2e} (tolerance {tol:.0e})" + ("; " + "; ".join(problems[:3])
+                                                             if problems else ""),
+                 f"the features are not this target's layers {cache.layer_ids}: {rebuild} (a cache built on "
+                 f"GPU in bf16 and checked on CPU may need a larger --tolerance)")  # fmt: skip
+
+
 def doctor_cache(
     directory: str | Path,
     target: TargetModel | None = None,
@@ -561,9 +622,7 @@ def doctor_cache(
     """Check a cache: manifest, every shard's size and (with `verify`) sha256, record layout,
     finite features, and with a target its fingerprint and the alignment of `samples` records
     against a fresh forward; with a drafter's `layer_ids`, that they equal the cache's. Prints
-    one line per check (`flashdraft.doctor.Checks`); returns True when all pass."""
-    from flashdraft.doctor import Checks
-
+    one line per check (`flashdraft.checks.Checks`); returns True when all pass."""
     directory = Path(directory)
     own = checks is None
     checks = checks or Checks()
@@ -592,26 +651,7 @@ def doctor_cache(
     else:
         checks.about(f"sha256 of {len(files)} shard files not checked (--no-verify)")
 
-    layout_errors, nonfinite = [], []
-    for s in cache._shards:
-        with cache._open(s["file"]) as f:
-            for name, dtype in (("input_ids", "I32"), ("loss_mask", "BOOL")):
-                if f.get_slice(name).get_dtype() != dtype:
-                    layout_errors.append(f"{s['file']} {name} is {f.get_slice(name).get_dtype()}, expected {dtype}")
-    for i in range(len(cache)):
-        r = cache[i]
-        expected = torch.arange(len(r.input_ids)) >= r.prompt_length
-        if not torch.equal(r.loss_mask, expected) or r.context_features.dtype != cache.dtype:
-            layout_errors.append(f"record {r.id}: loss mask or dtype disagrees with the manifest")
-        try:
-            cache.features(i)
-        except FlashdraftError as e:
-            nonfinite.append(str(e).split(": ", 1)[1])
-    layout = "record layout (dtypes, loss masks)" + (": " + "; ".join(layout_errors[:3]) if layout_errors else "")
-    checks.check(not layout_errors, layout, rebuild)
-    checks.check(not nonfinite, f"context features finite in all {len(cache)} records"
-                 + (f": {len(nonfinite)} records are not; first: {nonfinite[0]}" if nonfinite else ""),
-                 rebuild + " (with --dtype bf16 if fp16 overflowed)")  # fmt: skip
+    _check_layout(cache, checks, rebuild)
 
     if layer_ids is not None:
         same = list(layer_ids) == cache.layer_ids
@@ -625,26 +665,7 @@ def doctor_cache(
         except FlashdraftError as e:
             checks.fail(str(e), "use the target that built the cache, or cache this target's own completions")
         else:
-            tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[DTYPE_NAMES[cache.dtype]]
-            picks = sorted(random.Random(seed).sample(range(len(cache)), min(samples, len(cache))))
-            target.set_context_layers(cache.layer_ids)
-            worst, problems = 0.0, []
-            for i in picks:
-                r = cache[i]
-                tokens = r.input_ids.to(target.device)
-                fresh = target.forward(tokens[None]).context_features[0].cpu()  # [T, n * H]
-                for j, layer in enumerate(cache.layer_ids):
-                    block = slice(j * cache.hidden_size, (j + 1) * cache.hidden_size)
-                    err = _relative_error(r.context_features[:, block], fresh[:, block])
-                    worst = max(worst, err)
-                    if err > tol:
-                        hint = _diagnose(target, tokens, r.context_features[:, block].to(target.device), layer, tol)
-                        problems.append(f"record {r.id} layer {layer}: relative error {err:.2e}{hint}")
-            checks.check(not problems, f"alignment of {len(picks)} records with a fresh forward: worst relative "
-                         f"error {worst:.2e} (tolerance {tol:.0e})" + ("; " + "; ".join(problems[:3])
-                                                                     if problems else ""),
-                         f"the features are not this target's layers {cache.layer_ids}: {rebuild} (a cache built on "
-                         f"GPU in bf16 and checked on CPU may need a larger --tolerance)")  # fmt: skip
+            _check_alignment(cache, target, checks, samples, tolerance, seed, rebuild)
     return checks.summary() if own else not checks.failures
 
 
@@ -707,7 +728,7 @@ def run_cache(
 ) -> Path:
     """`flashdraft cache`, one rank of it under torchrun."""
     from flashdraft.data.completions import load_completions
-    from flashdraft.data.distributed import init_distributed, load_dtype, pick_device
+    from flashdraft.distributed import init_distributed, load_dtype, pick_device
 
     dist = init_distributed()
     try:

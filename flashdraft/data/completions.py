@@ -10,7 +10,7 @@ already answered, and at the end rank 0 merges everything into OUT through a tem
 file and `os.replace`, so OUT is never half written and no record appears twice.
 
 Generation runs the target locally in batches (left padding with an attention mask;
-greedy output equals `flashdraft.decode.greedy_generate` token for token), or calls an
+greedy output equals `flashdraft.decode.autoregressive_generate` token for token), or calls an
 OpenAI-compatible server (vLLM, SGLang) with the prompt's token ids.
 """
 
@@ -19,8 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -28,9 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
-from flashdraft.data.distributed import Dist
+from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.data.prompts import (
     Prompt,
     describe_long_prompts,
@@ -39,7 +36,9 @@ from flashdraft.data.prompts import (
     prompt_token_limit,
     render_conversation,
 )
+from flashdraft.distributed import Dist
 from flashdraft.errors import FlashdraftError
+from flashdraft.progress import Progress as tqdm  # plain lines in logs; the name generate_completions uses
 from flashdraft.target import TargetModel
 
 FORMAT = "flashdraft.completions"
@@ -255,51 +254,6 @@ def local_completer(target: TargetModel, settings: GenerationSettings):
 # -- OpenAI-compatible server ------------------------------------------------------------
 
 
-class OpenAIClient:
-    """The completions endpoint of an OpenAI-compatible server (vLLM, SGLang), by token ids."""
-
-    def __init__(self, base_url: str, model: str | None = None, timeout: float = 600.0) -> None:
-        base = base_url.rstrip("/")
-        self.base = base if base.endswith("/v1") else base + "/v1"
-        self.timeout = timeout
-        self.model = model or self._first_model()
-
-    def _request(self, path: str, body: dict | None = None) -> dict:
-        url = self.base + path
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:200]
-            raise FlashdraftError(f"{url}: server answered HTTP {e.code} ({detail})") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise FlashdraftError(f"{url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
-        except json.JSONDecodeError:
-            raise FlashdraftError(f"{url}: the server's answer is not JSON") from None
-
-    def _first_model(self) -> str:
-        models = self._request("/models").get("data") or []
-        if not models:
-            raise FlashdraftError(f"{self.base}/models: the server lists no model; pass --server-model")
-        return models[0]["id"]
-
-    def complete(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> dict:
-        body = {
-            "model": self.model,
-            "prompt": prompt_ids,  # token ids: the server sees exactly the locally rendered prompt
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "seed": seed,
-            "return_token_ids": True,  # vLLM returns choices[0].token_ids; others ignore it
-        }
-        choices = self._request("/completions", body).get("choices") or []
-        if not choices:
-            raise FlashdraftError(f"{self.base}/completions: the answer has no choices")
-        return choices[0]
-
-
 def openai_completer(target: TargetModel, settings: GenerationSettings, client: OpenAIClient, workers: int):
     stop_ids = target.stop_token_ids
 
@@ -331,8 +285,12 @@ def openai_completer(target: TargetModel, settings: GenerationSettings, client: 
 # -- the resumable run ---------------------------------------------------------------------
 
 
-def _part_paths(out: Path) -> list[Path]:
+def part_paths(out: Path) -> list[Path]:
+    """The per-rank part files of an unfinished (or unmerged) generate run writing `out`."""
     return sorted(out.parent.glob(out.name + ".part*.jsonl"))
+
+
+_part_paths = part_paths  # the old name, still used by generate_completions (being changed on another branch)
 
 
 def _check_header(found: dict, expected: dict, where: str) -> None:
@@ -361,7 +319,7 @@ def _read_existing(out: Path, header: dict) -> dict[str, dict]:
         _check_header(data, header, str(out))
         for r in data.get("records", []):
             done[r["id"]] = r
-    for part in _part_paths(out):
+    for part in part_paths(out):
         lines = part.read_text().split("\n")
         if lines and lines[-1]:
             print(f"{part}: discarding an incomplete last line (the run was killed while writing)")
@@ -475,7 +433,7 @@ def generate_completions(
 # -- loading -------------------------------------------------------------------------------
 
 
-def _record_problem(r: Any, vocab_size: int) -> str | None:
+def record_problem(r: Any, vocab_size: int) -> str | None:
     """Why a record is unusable, or None if it is fine."""
     if not isinstance(r, dict):
         return f"not an object ({type(r).__name__})"
@@ -508,9 +466,9 @@ def load_completions(
     try:
         text = path.read_text()
     except FileNotFoundError:
-        if _part_paths(path):  # a generate run was killed before it merged its records
+        if part_paths(path):  # a generate run was killed before it merged its records
             raise FlashdraftError(
-                f"{path}: not written yet, but {_part_paths(path)[0].name} exists (an unfinished flashdraft "
+                f"{path}: not written yet, but {part_paths(path)[0].name} exists (an unfinished flashdraft "
                 f"generate run); re-run the same generate command to finish it"
             ) from None
         raise FlashdraftError(f"{path}: no such completions file; make one with flashdraft generate") from None
@@ -553,7 +511,7 @@ def load_completions(
         raise FlashdraftError(f"{path}: field 'records' is {type(raw).__name__}; expected a list")
     records, skipped, seen = [], [], set()
     for k, r in enumerate(raw):
-        problem = _record_problem(r, vocab_size)
+        problem = record_problem(r, vocab_size)
         rid = r.get("id") if isinstance(r, dict) and isinstance(r.get("id"), str) else f"#{k}"
         if problem is None and rid in seen:
             problem = "duplicate id"
@@ -596,8 +554,8 @@ def run_generate(
     """`flashdraft generate`, one rank of it under torchrun. chat_template None = use the
     target's template where it has one; long_prompts: what to do with a prompt longer than the
     target's context minus max_new_tokens ("error", "skip" or "truncate")."""
-    from flashdraft.data.distributed import init_distributed, load_dtype, pick_device
     from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, load_prompts
+    from flashdraft.distributed import init_distributed, load_dtype, pick_device
 
     if backend == "openai" and not base_url:
         raise FlashdraftError("--backend openai needs --base-url (the server, e.g. http://localhost:8000/v1)")

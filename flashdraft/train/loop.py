@@ -13,18 +13,27 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from flashdraft.checkpoint import load_drafter
+from flashdraft.distributed import Dist, all_reduce_sum, full_state_dict, no_grad_sync, unwrap, wrap_model
 from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
+from flashdraft.offline import evaluate_offline
+from flashdraft.progress import Progress
+from flashdraft.run_dir import (
+    RunLock,
+    latest_checkpoint,
+    load_trainer_state,
+    read_best,
+    remove_unfinished,
+    save_best,
+    save_checkpoint,
+)
 from flashdraft.target import TargetModel
-from flashdraft.train import distributed as D
-from flashdraft.train.checkpointing import RunLock, latest_checkpoint, load_trainer_state, save_checkpoint
 from flashdraft.train.data import Batch, add_context_noise, make_batch, record_generator
 from flashdraft.train.loss import block_loss, estimated_acceptance, label_weight_total
 
@@ -53,13 +62,23 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0
     eval_max_blocks: int = 32  # speculative steps per held-out record for the real (offline) τ
+    keep_best: bool = False  # also keep RUN/best/: the drafter of the best held-out τ (held-out loss without τ)
     fsdp: bool = False
-    # filled in at start, for the record
-    target_layer_ids: list[int] = field(default_factory=list)
-    mask_token_id: int = -1
-    block_size: int = 0
-    data_fingerprint: str = ""
-    target_fingerprint: str = ""
+    # filled in at start, for the record (not options)
+    target_layer_ids: list[int] = field(default_factory=list, metadata={"recorded": True})
+    mask_token_id: int = field(default=-1, metadata={"recorded": True})
+    block_size: int = field(default=0, metadata={"recorded": True})
+    data_fingerprint: str = field(default="", metadata={"recorded": True})
+    target_fingerprint: str = field(default="", metadata={"recorded": True})
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The fields a user chooses (`flashdraft train` has an option for each)."""
+        return [f.name for f in fields(cls) if not f.metadata.get("recorded")]
+
+
+# settings a resumed run may change: they decide how long it runs and what it writes, not what it computes
+RESUMABLE_CHANGES = ("max_steps", "epochs", "save_every", "log_every", "eval_every", "keep_checkpoints", "keep_best")
 
 
 def check_no_shortcut(drafter: DFlashDrafter, target: TargetModel) -> None:
@@ -144,9 +163,10 @@ class MetricsWriter:
             self.wandb.finish()
 
 
-def _forward_loss(
+def forward_loss(
     model, target: TargetModel, batch: Batch, cfg: TrainConfig, block_size: int, device, kl_weight: float | None = None
 ):
+    """The drafter's loss parts on one micro-batch (bf16 autocast on GPU); the target only embeds."""
     kl_weight = cfg.kl_weight if kl_weight is None else kl_weight
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16)
@@ -175,7 +195,7 @@ def evaluate_loss(model, target, records, cfg: TrainConfig, block_size: int, mas
         idx = list(range(start, min(len(records), start + cfg.batch_size)))
         batch = make_batch([records[i] for i in idx], idx, 0, cfg.seed + 1, cfg.num_anchors, block_size,
                            mask_token_id, cfg.max_length).to(device)  # fmt: skip
-        parts = _forward_loss(model, target, batch, cfg, block_size, device, kl_weight=0.0)
+        parts = forward_loss(model, target, batch, cfg, block_size, device, kl_weight=0.0)
         total += float(parts.weighted_sum)
         weight += float(parts.weight_total)
         correct = parts.correct if correct is None else correct + parts.correct
@@ -188,8 +208,6 @@ def evaluate_loss(model, target, records, cfg: TrainConfig, block_size: int, mas
 @torch.no_grad()
 def evaluate_tau(drafter: DFlashDrafter, target: TargetModel, records: list, max_blocks: int) -> dict:
     """Real τ on held-out records: the offline walk that equals live speculative decoding."""
-    from flashdraft.evaluate import evaluate_offline
-
     was_training = drafter.training
     drafter.eval()
     result = evaluate_offline(drafter, target, records, max_blocks=max_blocks)
@@ -212,6 +230,192 @@ def _nonfinite_input(micro_batches: list[Batch], records) -> str:
     return ""
 
 
+def _steps(cfg: TrainConfig, num_records: int, world: int) -> tuple[int, int]:
+    """(steps per epoch, total steps) of the run."""
+    global_batch = cfg.batch_size * cfg.grad_accum * world
+    steps_per_epoch = num_records // global_batch
+    if steps_per_epoch == 0:
+        raise FlashdraftError(
+            f"{num_records} training records are fewer than one global batch of {global_batch} "
+            f"(batch size {cfg.batch_size} x grad accum {cfg.grad_accum} x {world} ranks)"
+        )
+    total_steps = steps_per_epoch * cfg.epochs
+    return steps_per_epoch, total_steps if cfg.max_steps is None else min(total_steps, cfg.max_steps)
+
+
+def _write_run_config(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict:
+    """RUN/run_config.json; a resumed run must compute what the run it resumes computed."""
+    config_path = run_dir / "run_config.json"
+    config_dict = asdict(cfg)
+    if resume and config_path.exists():
+        previous = json.loads(config_path.read_text())
+        changed = {k for k in config_dict if k not in RESUMABLE_CHANGES and previous.get(k) != config_dict[k]}
+        if changed:
+            raise FlashdraftError(
+                f"{config_path}: --resume with a different configuration ({', '.join(sorted(changed))}); "
+                f"resume with the run's own settings or start a new --out"
+            )
+    config_path.write_text(json.dumps(config_dict, indent=2) + "\n")
+    print("training configuration:", json.dumps(config_dict), flush=True)
+    return config_dict
+
+
+def _resume(run_dir: Path, model, optimizer, scheduler, num_records: int, dist: Dist, verify: bool) -> int:
+    """Restore weights, optimizer, schedule and RNG from the newest complete checkpoint;
+    returns the step to continue from (0 without one)."""
+    if dist.is_main:
+        remove_unfinished(run_dir)  # under the run's lock: no other trainer writes here
+    last = latest_checkpoint(run_dir)
+    if last is None:
+        if dist.is_main:
+            print(f"--resume: no complete checkpoint in {run_dir}; starting from step 0", flush=True)
+        return 0
+    state = load_trainer_state(last, verify=verify)
+    if state["num_records"] != num_records or state["world_size"] != dist.world:
+        raise FlashdraftError(
+            f"{last}: saved with {state['num_records']} records on {state['world_size']} ranks; this run has "
+            f"{num_records} records on {dist.world} ranks (resume needs the same data and world size)"
+        )
+    saved = load_drafter(last / "drafter", device=dist.device)
+    unwrap(model).load_state_dict(saved.state_dict())
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    if dist.is_main:
+        print(f"resumed from {last} at step {state['step']}", flush=True)
+    return state["step"]
+
+
+def global_batch(cfg: TrainConfig, records, step: int, steps_per_epoch: int, dist: Dist) -> tuple[list[Batch], list]:
+    """This rank's micro-batches of the step's global batch, and the global batch's record
+    indices: a function of (seed, epoch, step) only, so resume and any world size agree."""
+    epoch, in_epoch = divmod(step, steps_per_epoch)
+    size = cfg.batch_size * cfg.grad_accum * dist.world
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch))
+    global_indices = order[in_epoch * size : (in_epoch + 1) * size].tolist()
+    mine = global_indices[dist.rank :: dist.world]
+    micro_batches = []
+    for m in range(cfg.grad_accum):
+        idx = mine[m * cfg.batch_size : (m + 1) * cfg.batch_size]
+        batch = make_batch([records[i] for i in idx], idx, epoch, cfg.seed, cfg.num_anchors, cfg.block_size,
+                           cfg.mask_token_id, cfg.max_length)  # fmt: skip
+        micro_batches.append(add_context_noise(batch, cfg.noise_std, record_generator(cfg.seed + 1, epoch, idx[0])))
+    return micro_batches, global_indices
+
+
+@dataclass
+class StepResult:
+    loss: float  # the global batch's mean loss
+    weight_total: float  # its total loss weight (all ranks)
+    correct: torch.Tensor  # [B] this rank's accepted-position counts
+    count: torch.Tensor  # [B]
+    grad_norm: float = 0.0
+
+
+def forward_backward(
+    model, target: TargetModel, micro_batches: list[Batch], cfg: TrainConfig, dist: Dist
+) -> StepResult:
+    """Gradients of the global batch's loss, normalised by its total weight across all ranks
+    and micro-batches (so accumulation and DDP change nothing but speed)."""
+    block_size = cfg.block_size
+    weight_total = sum(label_weight_total(b.labels, block_size, cfg.loss_decay_gamma) for b in micro_batches)
+    weight_total = float(all_reduce_sum(torch.tensor(weight_total, dtype=torch.float64)))
+    if weight_total == 0:
+        return StepResult(0.0, 0.0, torch.zeros(block_size), torch.zeros(block_size))
+    loss = torch.zeros((), dtype=torch.float64)
+    correct, count = torch.zeros(block_size), torch.zeros(block_size)
+    for m, batch in enumerate(micro_batches):
+        batch = batch.to(dist.device)
+        with no_grad_sync(model, skip=m < len(micro_batches) - 1):
+            parts = forward_loss(model, target, batch, cfg, block_size, dist.device)
+            (parts.weighted_sum * (dist.world / weight_total)).backward()
+        loss += float(parts.weighted_sum.detach())
+        correct += parts.correct.cpu()
+        count += parts.count.cpu()
+    return StepResult(float(all_reduce_sum(loss)) / weight_total, weight_total, correct, count)
+
+
+class Window:
+    """Training figures summed over the steps since the last log line."""
+
+    def __init__(self) -> None:
+        self.loss = self.weight = 0.0
+        self.correct = self.count = 0.0
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+
+    def add(self, result: StepResult, micro_batches: list[Batch], world: int) -> None:
+        self.loss += result.loss * result.weight_total
+        self.weight += result.weight_total
+        self.correct += all_reduce_sum(result.correct)
+        self.count += all_reduce_sum(result.count)
+        self.tokens += sum(int((b.context_positions < (1 << 40)).sum()) for b in micro_batches) * world
+
+    def metrics(self, lr: float, grad_norm: float, epoch: int) -> dict:
+        acc, tau_est = estimated_acceptance(self.correct, self.count)
+        return {
+            "loss": self.loss / self.weight, "position_accuracy": acc, "estimated_acceptance": tau_est,
+            "tokens_per_s": self.tokens / (time.perf_counter() - self.t0), "lr": lr, "grad_norm": grad_norm,
+            "epoch": epoch,
+        }  # fmt: skip
+
+
+def held_out_metrics(model, target: TargetModel, cfg: TrainConfig, dist: Dist, eval_records, eval_tau_records) -> dict:
+    """Held-out loss and estimated acceptance, and the real offline τ."""
+    held_out = {}
+    if eval_records is not None:
+        held_out |= evaluate_loss(model, target, eval_records, cfg, cfg.block_size, cfg.mask_token_id, dist.device)
+    if eval_tau_records:
+        held_out |= evaluate_tau(unwrap(model), target, eval_tau_records, cfg.eval_max_blocks)
+    return held_out
+
+
+def _log(bar: Progress, writer: MetricsWriter | None, step: int, metrics: dict) -> None:
+    if writer is not None:
+        writer.write(step, metrics)
+    bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{metrics['position_accuracy'][0]:.2f}",
+                    tau_est=f"{metrics['estimated_acceptance']:.2f}", refresh=not bar.plain)  # fmt: skip
+
+
+def best_metric(held_out: dict) -> tuple[str, float] | None:
+    """The held-out figure --keep-best ranks by, as (name, value to maximise): the real τ, else
+    minus the held-out loss."""
+    if "eval_tau" in held_out:
+        return "eval_tau", held_out["eval_tau"]
+    if "eval_loss" in held_out:
+        return "eval_loss", -held_out["eval_loss"]
+    return None
+
+
+def _keep_if_best(run_dir: Path, step: int, model, held_out: dict, best: dict | None, cfg: TrainConfig,
+                  dist: Dist) -> dict | None:  # fmt: skip
+    """Save RUN/best/ when this evaluation beats the best so far; returns the best record."""
+    ranked = best_metric(held_out)
+    if ranked is None:
+        return best
+    name, score = ranked
+    value = held_out[name]
+    if best is not None and best["metric"] == name and score <= best_metric({name: best["value"]})[1]:
+        return best
+    full = full_state_dict(model, cfg.fsdp)
+    if dist.is_main:
+        save_best(run_dir, step, unwrap(model).config, full, name, value)
+    dist.barrier()
+    return {"step": step, "metric": name, "value": value}
+
+
+def _save(run_dir: Path, step: int, model, optimizer, scheduler, cfg: TrainConfig, config_dict: dict,
+          num_records: int, dist: Dist) -> None:  # fmt: skip
+    """A checkpoint of everything resume needs (gathered from all ranks under FSDP)."""
+    full = full_state_dict(model, cfg.fsdp)
+    if dist.is_main:
+        trainer_state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                         "torch_rng": torch.get_rng_state(), "num_records": num_records, "world_size": dist.world,
+                         "config": config_dict}  # fmt: skip
+        save_checkpoint(run_dir, step, unwrap(model).config, full, trainer_state, cfg.keep_checkpoints)
+    dist.barrier()
+
+
 def train(
     cfg: TrainConfig,
     drafter: DFlashDrafter,
@@ -221,7 +425,7 @@ def train(
     resume: bool = False,
     eval_records=None,
     report_to: list[str] = (),
-    info: D.DistInfo | None = None,
+    dist: Dist | None = None,
     on_step=None,
     eval_tau_records: list | None = None,
     verify: bool = True,
@@ -229,123 +433,46 @@ def train(
     """Train `drafter` on `records` (cache or online records) into `run_dir`.
 
     eval_records: held-out training records for loss and estimated acceptance;
-    eval_tau_records: held-out `flashdraft.evaluate.EvalRecord`s for the real offline τ.
+    eval_tau_records: held-out `flashdraft.records.EvalRecord`s for the real offline τ.
     """
-    info = info or D.DistInfo()
-    device = info.device
+    dist = dist or Dist()
     dcfg = drafter.config
     check_no_shortcut(drafter, target)
-    block_size = dcfg.block_size
-    cfg.target_layer_ids, cfg.mask_token_id, cfg.block_size = dcfg.target_layer_ids, dcfg.mask_token_id, block_size
-    cfg.target_fingerprint = cfg.target_fingerprint or target.fingerprint()
-
-    global_batch = cfg.batch_size * cfg.grad_accum * info.world_size
-    steps_per_epoch = len(records) // global_batch
-    if steps_per_epoch == 0:
+    held_out_set = eval_records is not None or bool(eval_tau_records)
+    if cfg.keep_best and not (cfg.eval_every > 0 and held_out_set):
         raise FlashdraftError(
-            f"{len(records)} training records are fewer than one global batch of {global_batch} "
-            f"(batch size {cfg.batch_size} x grad accum {cfg.grad_accum} x {info.world_size} ranks)"
+            f"--keep-best ranks held-out evaluations; found --eval-every {cfg.eval_every} and "
+            f"{'a' if held_out_set else 'no'} held-out set; expected --eval-every N > 0 and "
+            f"--eval-cached-hidden-states or --eval-completions"
         )
-    total_steps = steps_per_epoch * cfg.epochs
-    if cfg.max_steps is not None:
-        total_steps = min(total_steps, cfg.max_steps)
-
-    lock = RunLock(run_dir) if info.is_main else None
+    cfg.target_layer_ids, cfg.mask_token_id, cfg.block_size = dcfg.target_layer_ids, dcfg.mask_token_id, dcfg.block_size
+    cfg.target_fingerprint = cfg.target_fingerprint or target.fingerprint()
+    steps_per_epoch, total_steps = _steps(cfg, len(records), dist.world)
+    lock = RunLock(run_dir) if dist.is_main else None
     try:
-        config_path = run_dir / "run_config.json"
-        config_dict = asdict(cfg)
-        if info.is_main:
-            if resume and config_path.exists():
-                previous = json.loads(config_path.read_text())
-                changed = {k for k in config_dict if k not in ("max_steps", "epochs", "save_every", "log_every",
-                           "eval_every", "keep_checkpoints") and previous.get(k) != config_dict[k]}  # fmt: skip
-                if changed:
-                    raise FlashdraftError(
-                        f"{config_path}: --resume with a different configuration ({', '.join(sorted(changed))}); "
-                        f"resume with the run's own settings or start a new --out"
-                    )
-            config_path.write_text(json.dumps(config_dict, indent=2) + "\n")
-            print("training configuration:", json.dumps(config_dict), flush=True)
-
-        drafter.to(device).train()
-        model = D.wrap_model(drafter, info, cfg.fsdp)
-        optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
-            weight_decay=cfg.weight_decay,
-        )  # fmt: skip
+        config_dict = _write_run_config(cfg, run_dir, resume) if dist.is_main else asdict(cfg)
+        drafter.to(dist.device).train()
+        model = wrap_model(drafter, dist, cfg.fsdp)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(total_steps, cfg.warmup_fraction, cfg.min_lr_fraction)
         )
-
-        start_step = 0
-        if resume:
-            last = latest_checkpoint(run_dir)
-            if last is None:
-                if info.is_main:
-                    print(f"--resume: no complete checkpoint in {run_dir}; starting from step 0", flush=True)
-            else:
-                state = load_trainer_state(last, verify=verify)
-                if state["num_records"] != len(records) or state["world_size"] != info.world_size:
-                    raise FlashdraftError(
-                        f"{last}: saved with {state['num_records']} records on {state['world_size']} ranks; this "
-                        f"run has {len(records)} records on {info.world_size} ranks (resume needs the same data and "
-                        f"world size)"
-                    )
-                saved = load_drafter(last / "drafter", device=device)
-                D.unwrap(model).load_state_dict(saved.state_dict())
-                optimizer.load_state_dict(state["optimizer"])
-                scheduler.load_state_dict(state["scheduler"])
-                torch.set_rng_state(state["torch_rng"])
-                start_step = state["step"]
-                if info.is_main:
-                    print(f"resumed from {last} at step {start_step}", flush=True)
-
-        def checkpoint(step: int) -> None:
-            full = D.full_state_dict(model, cfg.fsdp)
-            if info.is_main:
-                trainer_state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                                 "torch_rng": torch.get_rng_state(), "num_records": len(records),
-                                 "world_size": info.world_size, "config": config_dict}  # fmt: skip
-                save_checkpoint(run_dir, step, dcfg, full, trainer_state, cfg.keep_checkpoints)
-            D.barrier()
-
-        writer = MetricsWriter(run_dir, list(report_to), config_dict, start_step) if info.is_main else None
-        bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, desc="train",
-                   disable=not info.is_main, dynamic_ncols=True)  # fmt: skip
-        window = {"loss": 0.0, "weight": 0.0, "correct": 0.0, "count": 0.0, "tokens": 0, "t0": time.perf_counter()}
+        start_step = _resume(run_dir, model, optimizer, scheduler, len(records), dist, verify) if resume else 0
+        writer = MetricsWriter(run_dir, list(report_to), config_dict, start_step) if dist.is_main else None
+        bar = Progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc="train",
+                       disable=not dist.is_main, dynamic_ncols=True)  # fmt: skip
+        window = Window()
+        best = read_best(run_dir) if resume else None
         for step in bar:
-            epoch, in_epoch = divmod(step, steps_per_epoch)
-            order = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch))
-            global_indices = order[in_epoch * global_batch : (in_epoch + 1) * global_batch].tolist()
-            mine = global_indices[info.rank :: info.world_size]
-            micro_batches = []
-            for m in range(cfg.grad_accum):
-                idx = mine[m * cfg.batch_size : (m + 1) * cfg.batch_size]
-                batch = make_batch([records[i] for i in idx], idx, epoch, cfg.seed, cfg.num_anchors, block_size,
-                                   dcfg.mask_token_id, cfg.max_length)  # fmt: skip
-                noise_gen = record_generator(cfg.seed + 1, epoch, idx[0])
-                micro_batches.append(add_context_noise(batch, cfg.noise_std, noise_gen))
-            # total loss weight of the global batch, so every micro-batch and rank normalise alike
-            weight_total = sum(label_weight_total(b.labels, block_size, cfg.loss_decay_gamma) for b in micro_batches)
-            weight_total = float(D.all_reduce_sum(torch.tensor(weight_total, dtype=torch.float64)))
-            if weight_total == 0:
-                raise FlashdraftError(f"step {step}: records {global_indices} have no supervised completion tokens")
-
-            step_loss = torch.zeros((), dtype=torch.float64)
-            correct = torch.zeros(block_size)
-            count = torch.zeros(block_size)
-            for m, batch in enumerate(micro_batches):
-                batch = batch.to(device)
-                with D.no_grad_sync(model, skip=m < len(micro_batches) - 1):
-                    parts = _forward_loss(model, target, batch, cfg, block_size, device)
-                    (parts.weighted_sum * (info.world_size / weight_total)).backward()
-                step_loss += float(parts.weighted_sum.detach())
-                correct += parts.correct.cpu()
-                count += parts.count.cpu()
-            step_loss = float(D.all_reduce_sum(step_loss)) / weight_total
-            if not math.isfinite(step_loss):
+            epoch = step // steps_per_epoch
+            micro_batches, indices = global_batch(cfg, records, step, steps_per_epoch, dist)
+            result = forward_backward(model, target, micro_batches, cfg, dist)
+            if result.weight_total == 0:
+                raise FlashdraftError(f"step {step}: records {indices} have no supervised completion tokens")
+            if not math.isfinite(result.loss):
                 raise FlashdraftError(
-                    f"step {step}: loss is {step_loss} on records {global_indices} (epoch {epoch})"
+                    f"step {step}: loss is {result.loss} on records {indices} (epoch {epoch})"
                     f"{_nonfinite_input(micro_batches, records)}; stopped, last good checkpoint kept in "
                     f"{run_dir / 'checkpoints'}"
                 )
@@ -356,42 +483,24 @@ def train(
             if on_step is not None:
                 on_step(step)
 
-            window["loss"] += step_loss * weight_total
-            window["weight"] += weight_total
-            window["correct"] += D.all_reduce_sum(correct)
-            window["count"] += D.all_reduce_sum(count)
-            window["tokens"] += (
-                sum(int((b.context_positions < (1 << 40)).sum()) for b in micro_batches) * info.world_size
-            )
+            window.add(result, micro_batches, dist.world)
             done = step + 1
             if done % cfg.log_every == 0 or done == total_steps:
-                acc, tau_est = estimated_acceptance(window["correct"], window["count"])
-                elapsed = time.perf_counter() - window["t0"]
-                metrics = {
-                    "loss": window["loss"] / window["weight"], "position_accuracy": acc,
-                    "estimated_acceptance": tau_est, "tokens_per_s": window["tokens"] / elapsed,
-                    "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "epoch": epoch,
-                }  # fmt: skip
-                if writer is not None:
-                    writer.write(done, metrics)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{acc[0]:.2f}", tau_est=f"{tau_est:.2f}")
-                window = {"loss": 0.0, "weight": 0.0, "correct": 0.0, "count": 0.0, "tokens": 0,
-                          "t0": time.perf_counter()}  # fmt: skip
+                _log(bar, writer, done, window.metrics(scheduler.get_last_lr()[0], grad_norm, epoch))
+                window = Window()
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == total_steps):
-                held_out = {}
-                if eval_records is not None:
-                    held_out |= evaluate_loss(model, target, eval_records, cfg, block_size, dcfg.mask_token_id, device)
-                if eval_tau_records:
-                    held_out |= evaluate_tau(D.unwrap(model), target, eval_tau_records, cfg.eval_max_blocks)
+                held_out = held_out_metrics(model, target, cfg, dist, eval_records, eval_tau_records)
                 if writer is not None and held_out:
                     writer.write(done, held_out)
                     bar.write(f"step {done}: " + ", ".join(f"{k} {v:.3f}" for k, v in held_out.items()
                                                            if isinstance(v, float)))  # fmt: skip
+                if cfg.keep_best:
+                    best = _keep_if_best(run_dir, done, model, held_out, best, cfg, dist)
             if done % cfg.save_every == 0 or done == total_steps:
-                checkpoint(done)
+                _save(run_dir, done, model, optimizer, scheduler, cfg, config_dict, len(records), dist)
         if writer is not None:
             writer.close()
     finally:
         if lock is not None:
             lock.release()
-    return D.unwrap(model)
+    return unwrap(model)

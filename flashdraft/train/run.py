@@ -8,15 +8,15 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.checkpoint import load_drafter
-from flashdraft.data.distributed import load_dtype
+from flashdraft.checkpoint import check_drafter_matches_target, load_drafter
+from flashdraft.config import DEFAULT_BLOCK_SIZE
+from flashdraft.distributed import init_distributed, load_dtype
 from flashdraft.drafter_init import new_drafter_for_target
 from flashdraft.errors import FlashdraftError
-from flashdraft.evaluate import check_drafter_matches_target
+from flashdraft.model import DFlashDrafter
+from flashdraft.run_dir import latest_checkpoint, verify_checkpoint
 from flashdraft.target import TargetModel
 from flashdraft.target_weights import TargetHead
-from flashdraft.train import distributed as D
-from flashdraft.train.checkpointing import latest_checkpoint, verify_checkpoint
 from flashdraft.train.data import OnlineRecords
 from flashdraft.train.loop import TrainConfig, train
 from flashdraft.train.loss import recipe_decay_gamma
@@ -34,7 +34,7 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def load_records(target: TargetModel, layer_ids: list[int], cached: str | None, completions: str | None,
+def load_training_records(target: TargetModel, layer_ids: list[int], cached: str | None, completions: str | None,
                  allow_foreign: bool = False, verify: bool = True):  # fmt: skip
     """Training records and a fingerprint of the data they come from."""
     if cached:
@@ -57,7 +57,7 @@ def eval_tau_records(
     cached: str | None, completions: str | None, target: TargetModel, allow_foreign: bool, verify: bool = True
 ) -> list:
     """Held-out records for the real τ (the offline evaluator)."""
-    from flashdraft.evaluate import EvalRecord, records_from_cache
+    from flashdraft.records import EvalRecord, records_from_cache
 
     if cached:
         from flashdraft.data.cache import HiddenStateCache
@@ -81,6 +81,27 @@ def _check_agrees(config, source: str, **given) -> None:
                 f"{flag} {value} conflicts with {source}, whose config.json has {found[name]}; drop {flag} "
                 f"(the drafter's config decides) or start a new run without it"
             )
+
+
+def _starting_drafter(
+    target: TargetModel, resume_from: Path | None, init: str | None, shape: dict, seed: int, verify: bool
+) -> DFlashDrafter:
+    """The newest complete checkpoint of `resume_from`, else `init`, else a fresh drafter of
+    `shape` (draft_layers, block_size, mask_token_id, target_layer_ids; None: the default)."""
+    last = latest_checkpoint(resume_from) if resume_from is not None else None
+    if last is not None:
+        if verify:
+            verify_checkpoint(last, only="drafter/")  # the loop verifies the rest with the optimizer state
+        drafter = load_drafter(last / "drafter")  # weights are restored again by the loop, with the optimizer
+        source = f"{last / 'drafter'} (--resume)"
+    elif init:
+        drafter, source = load_drafter(init), f"{init} (--init)"
+    else:
+        return new_drafter_for_target(target, shape["draft_layers"] or 1, shape["block_size"] or DEFAULT_BLOCK_SIZE,
+                                      shape["mask_token_id"], shape["target_layer_ids"], seed=seed)  # fmt: skip
+    check_drafter_matches_target(drafter.config, target, source)
+    _check_agrees(drafter.config, source, **shape)
+    return drafter
 
 
 def run_training(
@@ -112,30 +133,17 @@ def run_training(
     read (`TargetHead`). `target_dtype` (fp32/bf16/fp16): default fp32 on CPU, bf16 on GPU."""
     if bool(cached_hidden_states) == bool(completions):
         raise FlashdraftError("give exactly one of --cached-hidden-states (offline) or --completions (online)")
-    info = D.init_distributed(device)
+    dist = init_distributed(device, collectives=True)
     try:
         online = bool(completions or eval_completions)  # the target computes features in the loop
-        dtype = load_dtype(info.device, target_dtype)
-        target = (TargetModel if online else TargetHead).load(target_model, device=info.device, dtype=dtype)
+        dtype = load_dtype(dist.device, target_dtype)
+        target = (TargetModel if online else TargetHead).load(target_model, device=dist.device, dtype=dtype)
         run_dir = Path(out)
-        last = latest_checkpoint(run_dir) if resume else None
-        if last is not None:
-            if verify:
-                verify_checkpoint(last, only="drafter/")  # the loop verifies the rest with the optimizer state
-            drafter = load_drafter(last / "drafter")  # weights are restored again by the loop, with the optimizer
-            source = f"{last / 'drafter'} (--resume)"
-        elif init:
-            drafter, source = load_drafter(init), f"{init} (--init)"
-        else:
-            drafter = new_drafter_for_target(target, draft_layers or 1, block_size or 16, mask_token_id,
-                                             target_layer_ids, seed=cfg.seed)  # fmt: skip
-            source = None
-        if source is not None:
-            check_drafter_matches_target(drafter.config, target, source)
-            _check_agrees(drafter.config, source, draft_layers=draft_layers, block_size=block_size,
-                          mask_token_id=mask_token_id, target_layer_ids=target_layer_ids)  # fmt: skip
+        shape = dict(draft_layers=draft_layers, block_size=block_size, mask_token_id=mask_token_id,
+                     target_layer_ids=target_layer_ids)  # fmt: skip
+        drafter = _starting_drafter(target, run_dir if resume else None, init, shape, cfg.seed, verify)
         layer_ids = drafter.config.target_layer_ids
-        records, cfg.data_fingerprint = load_records(
+        records, cfg.data_fingerprint = load_training_records(
             target, layer_ids, cached_hidden_states, completions, allow_foreign, verify
         )
         if cfg.kl_weight > 0 and not getattr(records, "topk", 0):
@@ -147,12 +155,12 @@ def run_training(
             cfg.loss_decay_gamma = recipe_decay_gamma(drafter.config.block_size)
         eval_records = tau_records = None
         if eval_cached_hidden_states or eval_completions:
-            eval_records, _ = load_records(
+            eval_records, _ = load_training_records(
                 target, layer_ids, eval_cached_hidden_states, eval_completions, allow_foreign, verify
             )
             tau_records = eval_tau_records(eval_cached_hidden_states, eval_completions, target, allow_foreign,
                                            verify)  # fmt: skip
-        if info.is_main:
+        if dist.is_main:
             print(
                 f"target {target.path}: {target.num_layers} layers, linear-attention backend {target.linear_backend}; "
                 f"drafter {drafter.config.num_hidden_layers} layers, context layers {layer_ids}, block size "
@@ -161,10 +169,10 @@ def run_training(
                 flush=True,
             )
         train(cfg, drafter, target, records, run_dir, resume=resume, eval_records=eval_records,
-              report_to=report_to, info=info, eval_tau_records=tau_records, verify=verify)  # fmt: skip
+              report_to=report_to, dist=dist, eval_tau_records=tau_records, verify=verify)  # fmt: skip
         final = latest_checkpoint(run_dir)
-        if info.is_main:
+        if dist.is_main:
             print(f"done: drafter in {final / 'drafter'}", flush=True)
         return final
     finally:
-        D.shutdown()
+        dist.close()

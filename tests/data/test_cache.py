@@ -271,7 +271,7 @@ def test_layer_ids_come_from_layers_or_a_drafter_or_the_reference_default(tmp_pa
 def test_listing_records_for_eval_reads_token_ids_only_and_features_on_demand(
     hybrid_dir, completions, tmp_path, monkeypatch
 ):
-    from flashdraft.evaluate import records_from_cache
+    from flashdraft.records import records_from_cache
 
     target = TargetModel.load(hybrid_dir)
     loaded = load_completions(completions, target, quiet=True)

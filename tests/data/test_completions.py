@@ -14,7 +14,7 @@ from flashdraft.data.completions import (
     record_seed,
 )
 from flashdraft.data.prompts import Prompt, load_prompts
-from flashdraft.decode import greedy_generate
+from flashdraft.decode import autoregressive_generate
 from flashdraft.errors import FlashdraftError
 from flashdraft.target import TargetModel
 from tests.conftest import VOCAB, make_target
@@ -28,17 +28,17 @@ def test_batched_greedy_equals_greedy_generate(kind):
     target = make_target(kind)
     batched = generate_batch(target, PROMPTS, max_new_tokens=10)
     for prompt, (ids, reason) in zip(PROMPTS, batched, strict=True):
-        plain = greedy_generate(target, prompt, 10)
+        plain = autoregressive_generate(target, prompt, 10)
         assert ids == plain.output_ids and reason == plain.stop_reason
 
 
 def test_batch_stops_each_row_at_its_stop_token_and_keeps_it():
     target = make_target("qwen3")
     # make a token that some rows generate and others do not the stop token
-    outputs = [set(greedy_generate(target, p, 12).output_ids) for p in PROMPTS]
+    outputs = [set(autoregressive_generate(target, p, 12).output_ids) for p in PROMPTS]
     stop = next(t for t in sorted(set.union(*outputs)) if any(t not in o for o in outputs))
     target.model.generation_config.eos_token_id = stop
-    plain = [greedy_generate(target, p, 12) for p in PROMPTS]
+    plain = [autoregressive_generate(target, p, 12) for p in PROMPTS]
     assert any(r.stop_reason == "eos" for r in plain) and any(r.stop_reason == "length" for r in plain)
     batched = generate_batch(target, PROMPTS, max_new_tokens=12)
     assert [(r.output_ids, r.stop_reason) for r in plain] == [(ids, reason) for ids, reason in batched]
@@ -51,7 +51,7 @@ def test_sampling_is_per_record_seeded_so_batching_does_not_change_it():
     together = generate_batch(target, PROMPTS, 8, temperature=1.5, generators=gens(0))
     alone = [generate_batch(target, [p], 8, 1.5, [g])[0] for p, g in zip(PROMPTS, gens(0), strict=True)]
     assert together == alone
-    plain = greedy_generate(target, PROMPTS[0], 8, temperature=1.5, generator=gens(0)[0])
+    plain = autoregressive_generate(target, PROMPTS[0], 8, temperature=1.5, generator=gens(0)[0])
     assert together[0][0] == plain.output_ids
     assert generate_batch(target, PROMPTS, 8, 1.5, gens(1)) != together
 
@@ -71,14 +71,14 @@ def test_generate_writes_header_and_records_and_resumes_without_duplicates(hybri
     assert first["generation"]["max_new_tokens"] == 6 and first["num_records"] == 2
     r = first["records"][0]
     assert r["id"] == "q0" and r["prompt"] == "t0 t1" and r["prompt_ids"] == [0, 1]
-    assert r["completion_ids"] == greedy_generate(target, [0, 1], 6).output_ids
+    assert r["completion_ids"] == autoregressive_generate(target, [0, 1], 6).output_ids
     assert r["completion"] == target.tokenizer.decode(r["completion_ids"], skip_special_tokens=True)
     assert r["stop_reason"] == "length"
 
     # a killed run: one more record made it to the part file, the next line was cut short
     part = tmp_path / "c.json.part0.jsonl"
     extra = dict(r, id="q2", prompt_ids=[14, 15, 16, 17], prompt="t14 t15 t16 t17")
-    extra["completion_ids"] = greedy_generate(target, extra["prompt_ids"], 6).output_ids
+    extra["completion_ids"] = autoregressive_generate(target, extra["prompt_ids"], 6).output_ids
     extra["completion"] = target.tokenizer.decode(extra["completion_ids"], skip_special_tokens=True)
     header = {k: v for k, v in first.items() if k in ("format", "version", "target", "generation")}
     part.write_text(json.dumps(header) + "\n" + json.dumps(extra) + "\n" + '{"id": "q3", "pro')
@@ -112,7 +112,7 @@ def test_multi_turn_prompts_answer_each_turn_after_the_previous_answer(tmp_path)
     assert sorted(records) == ["mt/turn1", "mt/turn2", "single"]
     t1, t2 = records["mt/turn1"], records["mt/turn2"]
     assert t2.prompt == t1.prompt + t1.completion + "\n\nt3"
-    assert t2.completion_ids == greedy_generate(target, t2.prompt_ids, 6).output_ids
+    assert t2.completion_ids == autoregressive_generate(target, t2.prompt_ids, 6).output_ids
 
 
 def test_loader_skips_invalid_records_saying_why_and_refuses_another_target(hybrid_dir, tmp_path, capsys):
@@ -173,7 +173,7 @@ class FakeServer:
             def do_POST(self):
                 req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests.append(req)
-                out = greedy_generate(target, req["prompt"], req["max_tokens"])
+                out = autoregressive_generate(target, req["prompt"], req["max_tokens"])
                 ids = out.output_ids
                 choice = {
                     "index": 0,
@@ -212,7 +212,7 @@ def test_openai_backend_records_token_ids_from_the_server_or_retokenised(hybrid_
     # requests run concurrently (--batch-size of them), in any order
     assert sorted(q["prompt"] for q in server.requests) == sorted(r["prompt_ids"] for r in data["records"])
     assert {q["max_tokens"] for q in server.requests} == {5}
-    local = [greedy_generate(target, r["prompt_ids"], 5).output_ids for r in data["records"]]
+    local = [autoregressive_generate(target, r["prompt_ids"], 5).output_ids for r in data["records"]]
     if source == "server":
         assert [r["completion_ids"] for r in data["records"]] == local
     else:  # re-tokenised text: the same tokens here, where every token is a whole word

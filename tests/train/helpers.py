@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdraft.decode import greedy_generate
+from flashdraft.decode import autoregressive_generate
 from flashdraft.target import TargetModel
 
 
@@ -27,7 +27,7 @@ def make_records(
     records = []
     for _ in range(n):
         prompt = torch.randint(0, 60, (6,), generator=gen).tolist()
-        ids = torch.tensor(prompt + greedy_generate(target, prompt, new_tokens).output_ids)
+        ids = torch.tensor(prompt + autoregressive_generate(target, prompt, new_tokens).output_ids)
         out = target.forward(ids[None])
         top = None
         if topk:

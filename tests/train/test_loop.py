@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashdraft.acceptance import DFlashProposer
 from flashdraft.checkpoint import load_drafter
-from flashdraft.decode import DFlashProposer
 from flashdraft.errors import FlashdraftError
-from flashdraft.train.checkpointing import RunLock, complete_checkpoints, latest_checkpoint
+from flashdraft.run_dir import RunLock, complete_checkpoints, latest_checkpoint
 from flashdraft.train.data import OnlineRecords, make_batch
-from flashdraft.train.loop import TrainConfig, _forward_loss, train
+from flashdraft.train.loop import TrainConfig, forward_loss, train
 from tests.conftest import MASK, make_drafter, make_target
 from tests.train.helpers import make_records
 
@@ -117,8 +117,8 @@ def test_online_features_give_the_same_loss_as_cached_features(target, records):
     cfg = _cfg()
     cached = make_batch([records[1], records[2]], [1, 2], 0, 0, 6, 8, MASK)
     live = make_batch([online[1], online[2]], [1, 2], 0, 0, 6, 8, MASK)
-    a = _forward_loss(drafter, target, cached, cfg, 8, torch.device("cpu"))
-    b = _forward_loss(drafter, target, live, cfg, 8, torch.device("cpu"))
+    a = forward_loss(drafter, target, cached, cfg, 8, torch.device("cpu"))
+    b = forward_loss(drafter, target, live, cfg, 8, torch.device("cpu"))
     torch.testing.assert_close(a.weighted_sum, b.weighted_sum)
 
 

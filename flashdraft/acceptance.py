@@ -1,0 +1,225 @@
+"""Acceptance: what a speculative step commits, for live decoding and for the offline walk.
+
+One rule decides every step. A proposer drafts k tokens after the anchor (k is its choice:
+B - 1 for a full DFlash block; fewer when it verifies only the first drafts); the target
+scores [anchor, d1 .. dk]; the leading drafts it agrees with are accepted (greedy: equal to
+its argmax; sampled: the lossless accept/resample rule), and its next token is the bonus.
+`flashdraft.decode` applies the rule to the target's logits while decoding; the offline
+walk applies the same rule to a completion the target already wrote, where its argmax is
+the next completion token. So with greedy completions offline and online acceptance
+lengths are the same lists, step for step, for any proposer that drafts the same tokens
+from the same inputs.
+
+The offline walk, for a prompt P (P tokens) and the target's completion c[0..M-1]: the
+anchor index i starts at 0 (c[0] comes from the prefill); the proposer drafts from
+prompt + c[..i] and the context features of positions < P + i, fed as decoding feeds them
+(only those committed since its last call); a = the leading drafts equal to c[i + 1 ..];
+the step commits n = min(a + 1, M - 1 - i) tokens and i += n. A proposer that can draft many
+anchors in one call (the DFlash drafter: each block sees only context before its own anchor)
+is asked for all anchors of a stretch at once; the walk uses the drafts it lands on.
+
+τ = committed tokens / steps.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from flashdraft.model import DFlashDrafter
+from flashdraft.target import TargetModel
+
+
+class Proposer(Protocol):
+    """What speculative decoding needs of a drafter: logits for the drafts after the anchor."""
+
+    context_layer_ids: list[int]  # target layers whose features it wants as context (may be empty)
+
+    def propose(
+        self, tokens: list[int], anchor_pos: int, new_context: torch.Tensor | None, new_positions: torch.Tensor,
+        block: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """tokens: everything committed, ending with the anchor (at anchor_pos); new_context:
+        features [1, C, n * H] of tokens committed since the last call, at new_positions [1, C].
+        Returns logits [k, V] for the k <= block - 1 drafts to verify (one-hot rows for a
+        deterministic drafter); the step verifies exactly these k."""
+        ...
+
+
+@runtime_checkable
+class BatchProposer(Proposer, Protocol):
+    """A proposer that drafts several anchors in one call (used by the offline walk)."""
+
+    def anchors_per_call(self, block: int) -> int: ...
+
+    def propose_anchors(
+        self, anchor_tokens: list[int], anchor_positions: list[int], new_context: torch.Tensor | None,
+        new_positions: torch.Tensor, block: int,
+    ) -> list[torch.Tensor]:  # fmt: skip
+        """Logits [k_j, V] of each anchor j; block j sees only context before its own anchor."""
+        ...
+
+
+# -- the rule -----------------------------------------------------------------------------
+
+
+def accepted_prefix(draft: torch.Tensor, target_tokens: torch.Tensor) -> int:
+    """How many leading drafts [k] equal the target's tokens at the same places [>= k]."""
+    k = min(draft.shape[0], target_tokens.shape[0])
+    return int((draft[:k] == target_tokens[:k]).int().cumprod(0).sum())
+
+
+def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """draft: [k] drafted tokens; target_logits: [k + 1, V] at [anchor, d1 .. dk].
+
+    Returns (a, bonus): a = leading positions with d(j+1) == argmax p(j); bonus = argmax p(a).
+    """
+    predicted = target_logits.argmax(-1)  # [k + 1]
+    a = accepted_prefix(draft, predicted[:-1])
+    return a, int(predicted[a])
+
+
+def accept_sampled(
+    draft: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
+    """Lossless speculative sampling for one block.
+
+    draft: [k]; draft_probs: [k, V] the drafter's distribution q at each position;
+    target_probs: [k + 1, V] the target's p after each block token. Accept d(j+1) with
+    probability min(1, p(d) / q(d)); on the first rejection sample from normalize(max(0, p - q)).
+    """
+    for k in range(draft.shape[0]):
+        d = int(draft[k])
+        p, q = target_probs[k], draft_probs[k]
+        u = torch.rand((), generator=generator, device=p.device)
+        if u * q[d] <= p[d]:  # u < p/q without dividing by a zero q
+            continue
+        residual = (p - q).clamp(min=0)
+        total = residual.sum()
+        residual = residual / total if total > 0 else p
+        return k, int(torch.multinomial(residual, 1, generator=generator))
+    last = target_probs[draft.shape[0]]
+    return draft.shape[0], int(torch.multinomial(last, 1, generator=generator))
+
+
+def committed_length(draft: torch.Tensor, completion: torch.Tensor, i: int) -> int:
+    """What the step at anchor index i commits when the target's output is `completion` [M]:
+    the drafts [k] agreeing with completion[i + 1 ..] plus the bonus token, no more than the
+    M - 1 - i tokens left (decoding stops at the same length)."""
+    left = completion.shape[0] - 1 - i
+    a = accepted_prefix(draft[:left], completion[i + 1 :])
+    return min(a + 1, left)
+
+
+def tau_of(acceptance_lengths: list[int]) -> float:
+    """Mean tokens committed per step (0 without steps)."""
+    return sum(acceptance_lengths) / len(acceptance_lengths) if acceptance_lengths else 0.0
+
+
+# -- the DFlash drafter as a proposer ------------------------------------------------------
+
+
+def inference_blocks(anchor_tokens: torch.Tensor, block: int, mask_token_id: int) -> torch.Tensor:
+    """The blocks a drafter fills at inference: [anchor, mask x (B - 1)] per anchor [K] -> [K, B]."""
+    blocks = torch.full((anchor_tokens.shape[0], block), mask_token_id, device=anchor_tokens.device)
+    blocks[:, 0] = anchor_tokens
+    return blocks
+
+
+def anchors_per_forward(block_size: int, vocab_size: int) -> int:
+    # the LM head over K blocks makes K * (B - 1) * V logits: keep that under ~64 M floats
+    return max(1, min(32, (1 << 26) // ((block_size - 1) * vocab_size)))
+
+
+class DFlashProposer:
+    """Drafts blocks with a DFlash drafter, keeping committed context in its KV cache."""
+
+    def __init__(self, drafter: DFlashDrafter, target: TargetModel) -> None:
+        self.drafter, self.target = drafter, target
+        self.context_layer_ids = drafter.config.target_layer_ids
+        self.cache = drafter.new_cache()
+
+    def anchors_per_call(self, block: int) -> int:
+        return anchors_per_forward(block, self.target.vocab_size)
+
+    def propose_anchors(
+        self, anchor_tokens: list[int], anchor_positions: list[int], new_context: torch.Tensor | None,
+        new_positions: torch.Tensor, block: int,
+    ) -> list[torch.Tensor]:  # fmt: skip
+        """Logits [B - 1, V] after each anchor, all blocks in one drafter forward."""
+        device = self.target.device
+        blocks = inference_blocks(torch.tensor(anchor_tokens, device=device), block, self.drafter.config.mask_token_id)
+        if new_context is not None:
+            new_context = new_context.to(next(self.drafter.parameters()).dtype)
+        hidden = self.drafter(  # [1, K * B, H]
+            self.target.embed(blocks.reshape(1, -1)), torch.tensor([anchor_positions], device=device), new_context,
+            new_positions, cache=self.cache,
+        )  # fmt: skip
+        return list(self.target.lm_head(hidden.view(len(anchor_tokens), block, -1)[:, 1:]))
+
+    def propose(
+        self, tokens: list[int], anchor_pos: int, new_context: torch.Tensor | None, new_positions: torch.Tensor,
+        block: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """Logits [block - 1, V] for the positions after the anchor (tokens[-1] at anchor_pos)."""
+        return self.propose_anchors([tokens[-1]], [anchor_pos], new_context, new_positions, block)[0]
+
+
+def as_proposer(drafter: DFlashDrafter | Proposer, target: TargetModel) -> Proposer:
+    """A fresh proposer for one sequence: a DFlash drafter gets its own KV cache."""
+    return DFlashProposer(drafter, target) if isinstance(drafter, DFlashDrafter) else drafter
+
+
+# -- the offline walk ----------------------------------------------------------------------
+
+
+@torch.no_grad()
+def offline_acceptance_lengths(
+    proposer: Proposer,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    block_size: int,
+    features: torch.Tensor | None = None,
+    max_blocks: int | None = None,
+    device: torch.device | str = "cpu",
+    anchors_per_call: int | None = None,
+) -> list[int]:
+    """Walk one completion as the target's own output (module docstring), at most `max_blocks`
+    steps. features: [P + M, n * H] context features of prompt + completion for the
+    proposer's layers (None when it wants none). A proposer with state (a cache) must be a
+    fresh one per completion. `anchors_per_call` caps how many anchors a `BatchProposer`
+    drafts per call (default: its own choice); the lengths do not depend on it."""
+    p, m = len(prompt_ids), len(completion_ids)
+    tokens = prompt_ids + completion_ids
+    completion = torch.tensor(completion_ids, device=device)
+    if features is not None:
+        features = features.to(device)
+    batched = isinstance(proposer, BatchProposer)
+    per_call = 1 if not batched else anchors_per_call or proposer.anchors_per_call(block_size)
+    drafts: dict[int, torch.Tensor] = {}  # anchor index -> drafted tokens [k]
+    lengths: list[int] = []
+    i = fed = 0  # anchor index; context positions [0, fed) were given to the proposer
+    while i < m - 1 and (max_blocks is None or len(lengths) < max_blocks):
+        if i not in drafts:
+            # draft every anchor from i on in one call; the walk uses those it lands on, and it
+            # lands on at most (steps left) more anchors, so drafting more would be wasted
+            k = per_call if max_blocks is None else min(per_call, max_blocks - len(lengths))
+            anchors = list(range(i, min(i + k, m - 1)))  # completion indices
+            end = p + anchors[-1]  # context strictly before the last anchor
+            new_context = features[None, fed:end] if features is not None else None
+            positions = torch.arange(fed, end, device=device)[None]
+            fed = end
+            if batched:
+                logits = proposer.propose_anchors([completion_ids[a] for a in anchors], [p + a for a in anchors],
+                                                  new_context, positions, block_size)  # fmt: skip
+            else:
+                logits = [proposer.propose(tokens[: end + 1], end, new_context, positions, block_size)]
+            drafts = {a: x.argmax(-1) for a, x in zip(anchors, logits, strict=True)}
+        n = committed_length(drafts[i], completion, i)
+        lengths.append(n)
+        i += n
+    return lengths

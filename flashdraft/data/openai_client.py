@@ -1,0 +1,55 @@
+"""The completions endpoint of an OpenAI-compatible server (vLLM, SGLang), asked by token ids:
+what `flashdraft generate --backend openai` sends and reads."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+from flashdraft.errors import FlashdraftError
+
+
+class OpenAIClient:
+    """The completions endpoint of an OpenAI-compatible server (vLLM, SGLang), by token ids."""
+
+    def __init__(self, base_url: str, model: str | None = None, timeout: float = 600.0) -> None:
+        base = base_url.rstrip("/")
+        self.base = base if base.endswith("/v1") else base + "/v1"
+        self.timeout = timeout
+        self.model = model or self._first_model()
+
+    def _request(self, path: str, body: dict | None = None) -> dict:
+        url = self.base + path
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:200]
+            raise FlashdraftError(f"{url}: server answered HTTP {e.code} ({detail})") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise FlashdraftError(f"{url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
+        except json.JSONDecodeError:
+            raise FlashdraftError(f"{url}: the server's answer is not JSON") from None
+
+    def _first_model(self) -> str:
+        models = self._request("/models").get("data") or []
+        if not models:
+            raise FlashdraftError(f"{self.base}/models: the server lists no model; pass --server-model")
+        return models[0]["id"]
+
+    def complete(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> dict:
+        body = {
+            "model": self.model,
+            "prompt": prompt_ids,  # token ids: the server sees exactly the locally rendered prompt
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "seed": seed,
+            "return_token_ids": True,  # vLLM returns choices[0].token_ids; others ignore it
+        }
+        choices = self._request("/completions", body).get("choices") or []
+        if not choices:
+            raise FlashdraftError(f"{self.base}/completions: the answer has no choices")
+        return choices[0]

@@ -1,0 +1,138 @@
+"""Gated DeltaNet (the linear attention of Qwen3.5/3.6 hybrids) for short inputs, in plain torch.
+
+Without the fla kernels, transformers runs a cached forward of T > 1 tokens through its chunked
+fallback, which pads the block to a 64-token chunk and solves 64 x 64 systems, and a 1-token
+step through a recurrent loop; both also run the causal conv through a depthwise `conv1d`, which
+costs ~50 us on a CPU for a few columns. A speculative step verifies a short block (B <= 64
+tokens), so here the block is one chunk of exactly T tokens solved directly:
+
+    cum = cumsum(g)                      decay[i, j] = exp(cum_i - cum_j) for j <= i, else 0
+    A   = (beta k k^T) * decay           (I + strict_lower(A)) v_new = beta v - (beta k e^cum) S0
+    out = (q e^cum) S0 + ((q k^T) * decay) v_new
+    S   = S0 e^cum_T + (k e^(cum_T - cum))^T v_new
+
+which is the same algebra as the chunked fallback (one chunk, no padding, the two triangular
+solves folded into one), and a 1-token step is the recurrence written with matmuls. Results
+equal the fallback's within fp32 rounding. `install_short_block_path` puts this on a model's
+Gated DeltaNet layers; longer inputs, padded batches and recorded-past caches keep the
+transformers path.
+"""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Longest input the direct solve takes; a longer one (a prefill) keeps transformers' chunked path,
+# whose cost grows linearly with length where this one's T x T terms grow quadratically.
+SHORT_BLOCK_MAX = 64
+
+
+def gated_delta_rule_block(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The gated delta rule over T tokens as one chunk, from `state`.
+
+    query, key: [B, H, T, dk] (L2-normalized; query also scaled by dk^-0.5); value: [B, H, T, dv];
+    g (log decay, <= 0), beta: [B, H, T]; state: [B, H, dk, dv]. Returns out [B, H, T, dv] and the
+    state after the last token [B, H, dk, dv].
+    """
+    if query.shape[2] == 1:  # one token: the recurrence itself is fewer ops than the chunk algebra
+        state = state * g.exp()[..., None]  # [B, H, dk, dv]
+        delta = (value - key @ state) * beta[..., None]  # [B, H, 1, dv]
+        state = state + key.transpose(-1, -2) @ delta
+        return query @ state, state
+    cum = g.cumsum(-1)  # [B, H, T]
+    # decay[i, j] = exp(cum_i - cum_j) below and on the diagonal; exp overflows above it, and tril zeroes that
+    decay = (cum[..., :, None] - cum[..., None, :]).exp().tril()  # [B, H, T, T]
+    key_beta = key * beta[..., None]
+    exp_cum = cum.exp()[..., None]  # [B, H, T, 1]
+    system = (key_beta @ key.transpose(-1, -2)) * decay  # its strict lower part; the solve takes the diagonal as 1
+    rhs = value * beta[..., None] - (key_beta * exp_cum) @ state  # [B, H, T, dv]
+    v_new = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    out = (query * exp_cum) @ state + ((query @ key.transpose(-1, -2)) * decay) @ v_new
+    last = cum[..., -1:]  # [B, H, 1]
+    decayed_key = key * (last - cum).exp()[..., None]  # each key decayed to the block's end
+    state = state * last.exp()[..., None] + decayed_key.transpose(-1, -2) @ v_new
+    return out, state
+
+
+def causal_conv_window(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv of the last T columns: window [B, C, T + K - 1] (K - 1 columns of
+    left context first), weight [C, K]. Returns [B, C, T]; as transformers' conv1d, without its
+    fixed cost (a windowed matmul is ~5x cheaper than conv1d for a few columns on a CPU)."""
+    kernel = weight.shape[-1]
+    return (window.unfold(-1, kernel, 1) @ weight[:, :, None]).squeeze(-1)  # [B, C, T, K] @ [C, K, 1]
+
+
+def short_block_forward(layer: nn.Module, hidden_states: torch.Tensor, cache_params) -> torch.Tensor:
+    """Qwen3_5GatedDeltaNet.forward for a short input with a cache (no padding mask):
+    hidden_states [B, T, hidden] -> [B, T, hidden], updating the layer's conv and recurrent states."""
+    batch, seq_len, _ = hidden_states.shape
+    idx, kernel = layer.layer_idx, layer.conv_kernel_size
+    recurrent_state = cache_params.get_recurrent_state(idx)  # None before the first forward
+
+    mixed_qkv = layer.in_proj_qkv(hidden_states).transpose(1, 2)  # [B, C, T]
+    z = layer.in_proj_z(hidden_states)  # [B, T, value_dim]
+    b = layer.in_proj_b(hidden_states)
+    a = layer.in_proj_a(hidden_states)
+
+    # the cache keeps the last K inputs and hands back [state | new] (only new before the first forward)
+    window = cache_params.update_conv_state(mixed_qkv, idx, conv_kernel_size=kernel)
+    if window.shape[-1] < seq_len + kernel - 1:
+        window = F.pad(window, (seq_len + kernel - 1 - window.shape[-1], 0))
+    mixed_qkv = causal_conv_window(window[..., -(seq_len + kernel - 1) :], layer.conv1d.weight[:, 0])
+    if layer.conv1d.bias is not None:
+        mixed_qkv = mixed_qkv + layer.conv1d.bias[:, None]
+    mixed_qkv = F.silu(mixed_qkv)
+    mixed_qkv = mixed_qkv.transpose(1, 2)  # [B, T, C]
+
+    # query and key sit side by side: one L2 norm (in fp32, as the fallback) over both
+    qk = mixed_qkv[..., : 2 * layer.key_dim].reshape(batch, seq_len, 2 * layer.num_k_heads, layer.head_k_dim)
+    qk = qk.float()
+    qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + 1e-6)
+    query, key = qk[:, :, : layer.num_k_heads], qk[:, :, layer.num_k_heads :]  # [B, T, Hk, dk]
+    query = query * layer.head_k_dim**-0.5
+    value = mixed_qkv[..., 2 * layer.key_dim :].reshape(batch, seq_len, layer.num_v_heads, layer.head_v_dim).float()
+    if layer.num_v_heads != layer.num_k_heads:  # each key head serves consecutive value heads
+        query = query.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=2)
+        key = key.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=2)
+
+    beta = b.sigmoid().float().transpose(1, 2)  # [B, Hv, T]
+    g = (-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)).transpose(1, 2)
+    if recurrent_state is None:
+        recurrent_state = value.new_zeros(batch, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
+    out, state = gated_delta_rule_block(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), g, beta, recurrent_state.float()
+    )
+    cache_params.update_recurrent_state(state, idx)
+
+    out = out.transpose(1, 2).to(hidden_states.dtype).reshape(-1, layer.head_v_dim)  # [B * T * Hv, dv]
+    out = layer.norm(out, z.reshape(-1, layer.head_v_dim)).reshape(batch, seq_len, -1)
+    return layer.out_proj(out)
+
+
+def install_short_block_path(layer: nn.Module) -> None:
+    """Route a Gated DeltaNet layer's short cached forwards through `short_block_forward`;
+    everything else (long prefills, padding masks, no cache, recorded past) keeps the layer's own
+    forward, and so do CUDA inputs where fla is installed (its kernels are the path there). Hooks
+    on the layer still run: only its `forward` is replaced, on this instance."""
+    original = layer.forward
+    has_fla = find_spec("fla") is not None
+
+    def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        if (
+            cache_params is not None
+            and attention_mask is None
+            and hidden_states.shape[1] <= SHORT_BLOCK_MAX
+            and not cache_params.is_recording_past(layer.layer_idx)
+            and not (has_fla and hidden_states.is_cuda)
+        ):
+            return short_block_forward(layer, hidden_states, cache_params)
+        return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+
+    layer.forward = forward

@@ -1,0 +1,148 @@
+"""What an evaluation found: acceptance lengths per prompt and the figures the reference
+quotes, pooled over prompts.
+
+Figures: τ = total committed / steps (pooled over prompts; its ceiling is B), the mean of
+per-prompt τ, the histogram of committed lengths 1..B, and per-position acceptance: the
+share of steps whose k-th draft was accepted (committed length > k), so τ = 1 + Σ_k of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flashdraft.acceptance import tau_of
+
+
+@dataclass
+class PromptResult:
+    id: str
+    acceptance_lengths: list[int]  # tokens committed per step
+    output_ids: list[int] | None = None  # online: the speculative output
+    lossless: bool | None = None  # online, greedy: output equals plain greedy decoding
+
+    @property
+    def tau(self) -> float:
+        return tau_of(self.acceptance_lengths)
+
+
+@dataclass
+class EvalResult:
+    mode: str  # "offline" or "online"
+    block_size: int
+    target_layer_ids: list[int]
+    context_layers: int | None  # found in fc.weight; None for a drafter without context features (n-gram)
+    per_prompt: list[PromptResult]
+    temperature: float = 0.0
+    speculative_tokens_per_s: float | None = None  # online
+    greedy_tokens_per_s: float | None = None  # online
+
+    @property
+    def lengths(self) -> list[int]:
+        return [n for p in self.per_prompt for n in p.acceptance_lengths]
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def tau(self) -> float:
+        return tau_of(self.lengths)
+
+    @property
+    def tau_prompt_mean(self) -> float:
+        taus = [p.tau for p in self.per_prompt if p.acceptance_lengths]
+        return sum(taus) / len(taus) if taus else 0.0
+
+    @property
+    def histogram(self) -> list[int]:
+        """counts[n - 1] = steps that committed n tokens, n = 1..B."""
+        counts = [0] * self.block_size
+        for n in self.lengths:
+            counts[n - 1] += 1
+        return counts
+
+    @property
+    def position_acceptance(self) -> list[float]:
+        """[k - 1] = share of steps whose k-th draft was accepted, k = 1..B-1."""
+        steps = max(self.num_steps, 1)
+        return [sum(n > k for n in self.lengths) / steps for k in range(1, self.block_size)]
+
+    @property
+    def lossless(self) -> bool | None:
+        flags = [p.lossless for p in self.per_prompt]
+        return None if self.mode != "online" or None in flags else all(flags)
+
+    @property
+    def speedup(self) -> float | None:
+        if self.speculative_tokens_per_s is None or not self.greedy_tokens_per_s:
+            return None
+        return self.speculative_tokens_per_s / self.greedy_tokens_per_s
+
+    def to_json(self) -> dict[str, Any]:
+        per_prompt = []
+        for p in self.per_prompt:
+            row: dict[str, Any] = {"id": p.id, "acceptance_lengths": p.acceptance_lengths, "tau": p.tau,
+                                   "num_steps": len(p.acceptance_lengths)}  # fmt: skip
+            if self.mode == "online":
+                row |= {"output_ids": p.output_ids, "lossless": p.lossless}
+            per_prompt.append(row)
+        return {
+            "mode": self.mode,
+            "block_size": self.block_size,
+            "target_layer_ids": self.target_layer_ids,
+            "context_layers": self.context_layers,
+            "temperature": self.temperature,
+            "tau": self.tau,
+            "tau_prompt_mean": self.tau_prompt_mean,
+            "num_steps": self.num_steps,
+            "num_prompts": len(self.per_prompt),
+            "histogram": self.histogram,
+            "position_acceptance": self.position_acceptance,
+            "lossless": self.lossless,
+            "speedup": self.speedup,
+            "speculative_tokens_per_s": self.speculative_tokens_per_s,
+            "greedy_tokens_per_s": self.greedy_tokens_per_s,
+            "per_prompt": per_prompt,
+        }
+
+
+def _pad(values: list, length: int, fill) -> list:
+    return list(values) + [fill] * (length - len(values))
+
+
+def first_difference(a: list, b: list) -> int | None:
+    """Index of the first position where two lists differ (or one ends), None if equal."""
+    if a == b:
+        return None
+    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def difference(result: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """result - reference, per figure and per prompt (of two `EvalResult.to_json()`)."""
+
+    def sub(a, b):
+        return None if a is None or b is None else a - b
+
+    length = max(len(result["histogram"]), len(reference["histogram"]))
+    hist_a, hist_b = _pad(result["histogram"], length, 0), _pad(reference["histogram"], length, 0)
+    pos_a = _pad(result["position_acceptance"], length - 1, 0.0)
+    pos_b = _pad(reference["position_acceptance"], length - 1, 0.0)
+    ref_prompts = {p["id"]: p for p in reference["per_prompt"]}
+    return {
+        "tau": sub(result["tau"], reference["tau"]),
+        "tau_prompt_mean": sub(result["tau_prompt_mean"], reference["tau_prompt_mean"]),
+        "num_steps": result["num_steps"] - reference["num_steps"],
+        "histogram": [a - b for a, b in zip(hist_a, hist_b, strict=True)],
+        "position_acceptance": [a - b for a, b in zip(pos_a, pos_b, strict=True)],
+        "speedup": sub(result["speedup"], reference["speedup"]),
+        "per_prompt": [
+            {
+                "id": p["id"],
+                "tau": sub(p["tau"], ref_prompts[p["id"]]["tau"]),
+                "num_steps": p["num_steps"] - ref_prompts[p["id"]]["num_steps"],
+            }  # fmt: skip
+            for p in result["per_prompt"]
+            if p["id"] in ref_prompts
+        ],
+    }

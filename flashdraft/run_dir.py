@@ -1,0 +1,331 @@
+"""A training run directory and its checkpoints: written atomically, verified on load, the
+newest K kept; the one finder of the newest complete checkpoint; and loading a drafter from
+any form a user may hand over (a drafter directory, a run, one of its checkpoints, a bare
+state dict).
+
+Layout: RUN/run_config.json, RUN/metrics.jsonl, RUN/.lock (`RunLock`),
+RUN/checkpoints/step-0000123/
+    drafter/            the drafter in the public format (vLLM/SGLang load it as is)
+    trainer.pt          optimizer, scheduler, RNG and data-order state
+    checksums.json      sha256 of every file above
+    COMPLETE            written last, before the directory is renamed into place
+RUN/best/               with --keep-best: the drafter (public format) of the best held-out
+                        evaluation so far, and best.json (step, metric, value)
+
+A checkpoint is first written under a temporary name, every file fsynced, then renamed:
+a killed run leaves either a complete checkpoint or a temporary directory that is ignored
+and cleaned up, never a partial checkpoint that looks complete.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from flashdraft.checkpoint import (
+    STATE_DICT_SUFFIXES,
+    infer_drafter_config,
+    load_drafter,
+    load_state_dict_drafter,
+    read_state_dict_file,
+    save_drafter_state,
+    weight_files,
+)
+from flashdraft.config import DEFAULT_BLOCK_SIZE, DrafterConfig, default_target_layer_ids
+from flashdraft.drafter_init import pick_mask_token
+from flashdraft.errors import FlashdraftError
+from flashdraft.files import fsync_path, sha256_file
+from flashdraft.model import DFlashDrafter
+
+# drafters shipped with flashdraft, loadable by name (`--checkpoint tiny-drafter`)
+BUILTIN_DRAFTERS = {"tiny-drafter": Path(__file__).parent / "assets" / "tiny-drafter"}
+CHECKPOINTS = "checkpoints"
+COMPLETE = "COMPLETE"
+BEST = "best"
+BEST_RECORD = "best.json"
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    drafter_config: DrafterConfig,
+    drafter_state: dict[str, torch.Tensor],
+    trainer_state: dict,
+    keep: int,
+) -> Path:
+    root = run_dir / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:07d}"
+    tmp = root / f".tmp-step-{step:07d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter_state(drafter_config, drafter_state, tmp / "drafter")
+    torch.save(trainer_state, tmp / "trainer.pt")
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    sums = {str(p.relative_to(tmp)): sha256_file(p) for p in files}
+    (tmp / "checksums.json").write_text(json.dumps(sums, indent=2))
+    (tmp / COMPLETE).write_text(f"step {step}\n")
+    for p in [*files, tmp / "checksums.json", tmp / COMPLETE, tmp / "drafter", tmp]:
+        fsync_path(p)
+    if final.exists():  # a re-run of the same step replaces it
+        _remove(final)
+    os.rename(tmp, final)
+    fsync_path(root)
+    remove_unfinished(run_dir)
+    for old in complete_checkpoints(run_dir)[:-keep]:
+        _remove(old)
+    return final
+
+
+def save_best(run_dir: Path, step: int, drafter_config: DrafterConfig, drafter_state: dict[str, torch.Tensor],
+              metric: str, value: float) -> Path:  # fmt: skip
+    """Replace RUN/best/ with this drafter: written under a temporary name, fsynced, then
+    swapped in, so a kill leaves the previous best or the new one, never a mix."""
+    best, tmp, old = run_dir / BEST, run_dir / f".tmp-{BEST}", run_dir / f".old-{BEST}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter_state(drafter_config, drafter_state, tmp)
+    (tmp / BEST_RECORD).write_text(json.dumps({"step": step, "metric": metric, "value": value}) + "\n")
+    for p in [*sorted(tmp.iterdir()), tmp]:
+        fsync_path(p)
+    shutil.rmtree(old, ignore_errors=True)
+    if best.exists():
+        os.rename(best, old)
+    os.rename(tmp, best)
+    fsync_path(run_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return best
+
+
+def read_best(run_dir: str | Path) -> dict | None:
+    """best.json of RUN/best/ (step, metric, value, and `path`), or None without one. A kill
+    between the two renames of `save_best` leaves the previous best as .old-best: it counts."""
+    for d in (Path(run_dir) / BEST, Path(run_dir) / f".old-{BEST}"):
+        if (d / BEST_RECORD).is_file() and (d / "config.json").is_file():
+            return json.loads((d / BEST_RECORD).read_text()) | {"path": str(d)}
+    return None
+
+
+def _remove(checkpoint: Path) -> None:
+    """Delete a checkpoint so that a kill midway never leaves a COMPLETE marker beside missing
+    files: first rename it out of the step-* namespace (atomic), then delete."""
+    doomed = checkpoint.with_name(".del-" + checkpoint.name)
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(checkpoint, doomed)
+    shutil.rmtree(doomed)
+
+
+def remove_unfinished(run_dir: Path) -> None:
+    """Delete the temporary directories of checkpoint writes or deletions that were killed
+    (only the trainer holding the run's lock may: a running trainer's are not stale)."""
+    root = run_dir / CHECKPOINTS
+    for stale in [*root.glob(".tmp-step-*"), *root.glob(".del-step-*")] if root.is_dir() else []:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints RUN/checkpoints/step-NNNNNNN/, oldest first: those with a COMPLETE
+    marker and a drafter (a checkpoint without the marker was interrupted while being written)."""
+    root = Path(run_dir) / CHECKPOINTS
+    steps = []
+    for d in root.glob("step-*") if root.is_dir() else []:
+        suffix = d.name.removeprefix("step-")
+        if suffix.isdigit() and (d / COMPLETE).is_file() and (d / "drafter").is_dir():
+            steps.append((int(suffix), d))
+    return [d for _, d in sorted(steps)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint's directory, or None."""
+    done = complete_checkpoints(run_dir)
+    return done[-1] if done else None
+
+
+def verify_checkpoint(path: Path, only: str = "") -> None:
+    """Raise FlashdraftError if any file (under `only`, e.g. "drafter/") differs from checksums.json."""
+    problems = checkpoint_problems(path, only)
+    if problems:
+        raise FlashdraftError(problems[0])
+
+
+def checkpoint_problems(path: Path, only: str = "") -> list[str]:
+    """Every file of a checkpoint (under `only`) that is missing or differs from checksums.json,
+    each with the fix; empty when all verify."""
+    fix = ("copy it again, or delete this checkpoint directory so that --resume and eval take the one "
+           "before it")  # fmt: skip
+    sums_path = path / "checksums.json"
+    if not sums_path.is_file():
+        return [f"{path}: no checksums.json; expected a complete flashdraft checkpoint ({fix})"]
+    try:
+        sums = json.loads(sums_path.read_text())
+    except json.JSONDecodeError as e:
+        return [f"{sums_path}: not valid JSON ({e.msg}); {fix}"]
+    problems = []
+    for name, expected in sorted(sums.items()):
+        if not name.startswith(only):
+            continue
+        f = path / name
+        if not f.is_file():
+            problems.append(f"{f}: missing; checksums.json lists it ({fix})")
+            continue
+        found = sha256_file(f)
+        if found != expected:
+            problems.append(f"{f}: sha256 {found[:12]}... differs from checksums.json {expected[:12]}... "
+                            f"(truncated or corrupted; {fix})")  # fmt: skip
+    return problems
+
+
+def load_trainer_state(path: Path, verify: bool = True) -> dict:
+    if verify:
+        verify_checkpoint(path)
+    return torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+
+
+class RunLock:
+    """An exclusive lock on a run directory: a second trainer on the same run is refused.
+    flock is released by the kernel when the process dies, so a crash leaves no stale lock."""
+
+    def __init__(self, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / ".lock"
+        self._file = open(self.path, "a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise FlashdraftError(
+                f"{run_dir}: another trainer holds this run directory (lock {self.path}); "
+                f"wait for it or use another --out"
+            ) from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"pid {os.getpid()}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        fcntl.flock(self._file, fcntl.LOCK_UN)
+        self._file.close()
+
+
+# -- a drafter from any form ----------------------------------------------------------------
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+@dataclass
+class LoadedDrafter:
+    drafter: DFlashDrafter
+    form: str  # "drafter directory", "training run", "training checkpoint" or "state dict"
+    path: Path  # what was read: the drafter directory (newest complete one for a run) or the file
+    stored_dtype: torch.dtype  # dtype of the weights on disk (the drafter itself is in the requested dtype)
+    assumed: list[str] = field(default_factory=list)  # what a bare state dict could not tell, and where it came from
+
+    def describe(self) -> str:
+        """What was loaded, in words: for a run, which checkpoint, and where its best one is."""
+        form = self.form
+        if self.form == "training run":
+            form += f", its newest checkpoint {self.path.parent.name}"
+            best = read_best(self.path.parent.parent.parent)
+            if best is not None:
+                form += (f"; the best by held-out {best['metric']} ({best['value']:.4g}, step {best['step']}) is "
+                         f"--checkpoint {best['path']}")  # fmt: skip
+        return f"{self.path} ({form})"
+
+
+def _load_drafter_directory(path: Path, device, dtype: torch.dtype, verify: bool) -> LoadedDrafter:
+    """A drafter directory, a training run (its newest complete checkpoint) or one checkpoint."""
+    form = "drafter directory"
+    if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
+        last = latest_checkpoint(path)
+        if last is None:
+            raise FlashdraftError(
+                f"{path}: no complete checkpoint (expected {path / CHECKPOINTS}/step-NNNNNNN/drafter/ with a "
+                f"COMPLETE marker in step-NNNNNNN/)"
+            )
+        form, path = "training run", last / "drafter"
+    elif not (path / "config.json").is_file() and (path / "drafter").is_dir() and (path / "COMPLETE").is_file():
+        form, path = "training checkpoint", path / "drafter"
+    if form != "drafter directory" and verify:
+        verify_checkpoint(path.parent, only="drafter/")
+    drafter = load_drafter(path, device=device, dtype=dtype)
+    where = weight_files(path)
+    with safe_open(str(where["fc.weight"]), framework="pt") as sf:
+        stored = _SAFETENSORS_DTYPES.get(sf.get_slice("fc.weight").get_dtype(), torch.float32)
+    return LoadedDrafter(drafter, form, path, stored)
+
+
+def load_any_drafter(
+    path: str | Path,
+    target=None,
+    *,
+    block_size: int | None = None,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    verify: bool = True,
+) -> LoadedDrafter:
+    """Load a drafter from any accepted form, strictly.
+
+    - a drafter directory (config.json + safetensors, this project's or any public one), or the
+      name of one shipped with flashdraft (`tiny-drafter`);
+    - a training run directory: its newest complete checkpoint (`latest_checkpoint`),
+      or one checkpoint directory of it (step-NNNNNNN/), its drafter files checked against the
+      checkpoint's checksums.json unless not `verify`;
+    - a bare `.pt`/`.safetensors` state dict: shapes give the architecture
+      (`infer_drafter_config`); vocabulary and layer count come from `target`
+      (a `TargetModel`), target_layer_ids from the argument else the reference default for
+      fc's context-layer count, the mask token from the argument else the target's tokenizer,
+      block size from the argument else 16 (the usual one); RoPE and norm eps from the target.
+    """
+    path = BUILTIN_DRAFTERS.get(str(path), Path(path))
+    if path.is_dir():
+        return _load_drafter_directory(path, device, dtype, verify)
+    if path.suffix not in STATE_DICT_SUFFIXES:
+        raise FlashdraftError(
+            f"{path}: not a drafter directory, a training run directory or a state dict file "
+            f"({', '.join(STATE_DICT_SUFFIXES)})"
+        )
+    state = read_state_dict_file(path)
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    if target is None:
+        raise FlashdraftError(
+            f"{path}: a bare state dict stores neither the vocabulary size nor the target's layers; give --target-model"
+        )
+
+    assumed = []
+    fc, norm = shapes.get("fc.weight"), shapes.get("norm.weight")
+    if target_layer_ids is None and fc is not None and norm is not None and len(fc) == 2 and fc[1] % norm[0] == 0:
+        target_layer_ids = default_target_layer_ids(target.num_layers, fc[1] // norm[0])
+        if len(set(target_layer_ids)) < len(target_layer_ids):
+            raise FlashdraftError(
+                f"{path}: a bare state dict does not store target_layer_ids and the reference default for "
+                f"{len(target_layer_ids)} context layers of a {target.num_layers}-layer target repeats ids "
+                f"({target_layer_ids}); give --target-layer-ids"
+            )
+        assumed.append(
+            f"target_layer_ids {target_layer_ids}: reference default for {fc[1] // norm[0]} context layers "
+            f"of a {target.num_layers}-layer target"
+        )
+    if mask_token_id is None:
+        mask_token_id = pick_mask_token(target)
+        assumed.append(f"mask token {mask_token_id}: the target tokenizer's")
+    if block_size is None:
+        block_size = DEFAULT_BLOCK_SIZE
+        assumed.append(f"block size {block_size}: the usual one (give --block-size if it was trained with another)")
+    tc = target.config
+    rope_theta = (getattr(tc, "rope_parameters", None) or {}).get("rope_theta") or getattr(tc, "rope_theta", 1e6)
+    assumed.append(f"rope_theta {rope_theta}, rms_norm_eps {tc.rms_norm_eps}, all layers full attention: target's")
+    cfg = infer_drafter_config(
+        shapes, str(path), vocab_size=target.vocab_size, num_target_layers=target.num_layers,
+        target_layer_ids=target_layer_ids, mask_token_id=mask_token_id, block_size=block_size,
+        rope_theta=rope_theta, rms_norm_eps=tc.rms_norm_eps, max_position_embeddings=tc.max_position_embeddings,
+    )  # fmt: skip
+    stored = state["fc.weight"].dtype
+    drafter = load_state_dict_drafter(state, cfg, str(path), device=device, dtype=dtype)
+    return LoadedDrafter(drafter, "state dict", path, stored, assumed)

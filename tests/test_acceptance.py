@@ -1,0 +1,90 @@
+import pytest
+import torch
+
+from flashdraft.acceptance import (
+    DFlashProposer,
+    accept_greedy,
+    accept_sampled,
+    committed_length,
+    offline_acceptance_lengths,
+)
+from flashdraft.decode import autoregressive_generate, speculative_generate
+from flashdraft.ngram import NGramProposer
+from tests.conftest import make_drafter, make_target
+from tests.test_evaluate import overfit
+from tests.test_ngram import PROMPTS, greedy_records
+
+
+def test_greedy_rule_online_and_offline_commit_the_same_prefix():
+    # online the target's argmax is read from its logits; offline it is the next completion token
+    completion = torch.tensor([7, 3, 5, 9, 2, 4])
+    draft = torch.tensor([3, 5, 1, 2])  # agrees with completion[1:] for two tokens
+    logits = torch.nn.functional.one_hot(completion[1:], 10).float()  # the target after [anchor, d1 .. d4]
+    a, bonus = accept_greedy(draft, logits)
+    assert (a, bonus) == (2, 9)
+    assert committed_length(draft, completion, 0) == a + 1
+    assert committed_length(torch.tensor([2, 4, 8]), completion, 3) == 2  # all agree, but 2 tokens are left
+
+
+def test_accept_sampled_keeps_the_target_distribution():
+    # context-free synthetic target: the emitted pair must follow p0 x p1 whatever q is
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.1, 0.7, 0.1], [0.4, 0.4, 0.1, 0.1]])
+    counts = torch.zeros(4, 4)
+    n = 12000
+    for _ in range(n):
+        draft = torch.multinomial(q, 1, generator=gen).squeeze(1)
+        a, bonus = accept_sampled(draft, q, p, gen)
+        emitted = draft[:a].tolist() + [bonus]
+        if len(emitted) < 2:  # the second token comes from the next step: draw it from p1 directly
+            emitted.append(int(torch.multinomial(p[1], 1, generator=gen)))
+        counts[emitted[0], emitted[1]] += 1
+    expected = torch.outer(p[0], p[1]) * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 37.7  # 15 degrees of freedom, p = 0.001
+
+
+class FirstDrafts:
+    """Verifies only the first k drafts of the n-gram block, k changing from step to step:
+    the shape of a `num_speculative_tokens` or confidence-chosen k."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.ngram = NGramProposer(vocab_size)
+        self.context_layer_ids: list[int] = []
+
+    def propose(self, tokens, anchor_pos, new_context, new_positions, block):
+        k = 1 + len(tokens) % (block - 1)  # 1 .. B - 1
+        return self.ngram.propose(tokens, anchor_pos, new_context, new_positions, block)[:k]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
+def test_a_proposer_drafting_fewer_tokens_is_verified_on_exactly_those_offline_and_online(kind):
+    target = make_target(kind)
+    proposer = FirstDrafts(target.vocab_size)
+    for prompt in PROMPTS:
+        plain = autoregressive_generate(target, prompt, 40)
+        online = speculative_generate(target, proposer, prompt, 40, block_size=8)
+        assert online.output_ids == plain.output_ids
+        offline = offline_acceptance_lengths(proposer, prompt, plain.output_ids, 8)
+        assert offline == online.acceptance_lengths
+        assert max(online.acceptance_lengths) <= 8
+
+
+def test_one_anchor_walk_feeds_context_as_online_does():
+    # a DFlash drafter through the generic walk (features fed step by step, as online) must
+    # match the batched DFlash walk: the generic walk's context feeding is what is checked
+    target = make_target("hybrid")
+    records = greedy_records(target)
+    drafter = overfit(make_drafter(), target, records[0])
+    target.set_context_layers(drafter.config.target_layer_ids)
+    walks = []
+    for r in records:
+        features = target.forward(torch.tensor([r.input_ids])).context_features[0]
+        batched = offline_acceptance_lengths(DFlashProposer(drafter, target), r.prompt_ids, r.completion_ids, 8,
+                                             features)  # fmt: skip
+        one_by_one = offline_acceptance_lengths(DFlashProposer(drafter, target), r.prompt_ids, r.completion_ids, 8,
+                                                features, anchors_per_call=1)  # fmt: skip
+        assert one_by_one == batched
+        walks.append(batched)
+    assert max(walks[0]) > 2  # the drafter accepts on the record it was fitted to: lengths vary
