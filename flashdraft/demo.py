@@ -3,8 +3,9 @@
 generate the target's completions of the built-in coding prompts (train and held-out)
 -> cache their context features -> train a drafter (block size 16) for the time left
 -> evaluate on the held-out prompts offline and online (lossless and offline == online
-checked) against the untrained drafter and the n-gram baseline -> report.md, report.json
-and plots. Every stage reuses what a previous run finished, so a re-run is quick.
+checked) against the untrained drafter, the n-gram baseline and the hybrid of the trained
+drafter with it -> report.md, report.json and plots. Every stage reuses what a previous run
+finished, so a re-run is quick.
 """
 
 from __future__ import annotations
@@ -185,11 +186,13 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     trained = run_eval(EvalConfig(str(trained_dir), online=True, check_consistency=True, **common), quiet)
     untrained_offline = run_eval(EvalConfig(str(untrained_dir), **common), quiet)
     ngram = run_eval(EvalConfig("ngram", online=True, check_consistency=True, **common), quiet)
+    hybrid = run_eval(EvalConfig(str(trained_dir), drafter="hybrid", online=True, check_consistency=True, **common),
+                      quiet)  # fmt: skip
 
     _stage("5/5 report")
     write_report(trained, out / "eval")
     training_curve(out / "run" / "metrics.jsonl", out / "training_curve.png")
-    report = _summary(s, trained, untrained_offline, ngram, train_info, trained_dir)
+    report = _summary(s, trained, untrained_offline, ngram, hybrid, train_info, trained_dir)
     report["total_seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(_markdown(report))
@@ -197,7 +200,7 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     return report
 
 
-def _summary(s: DemoSettings, trained: dict, untrained_offline: dict, ngram: dict, train_info: dict,
+def _summary(s: DemoSettings, trained: dict, untrained_offline: dict, ngram: dict, hybrid: dict, train_info: dict,
              trained_dir: Path) -> dict:  # fmt: skip
     consistency = trained["consistency"]
     return {
@@ -213,6 +216,11 @@ def _summary(s: DemoSettings, trained: dict, untrained_offline: dict, ngram: dic
         "tau_ngram": ngram["tau"],
         "speedup_ngram": ngram["speedup"],
         "lossless_ngram": ngram["lossless"],
+        "tau_hybrid": hybrid["consistency"]["offline_tau"],
+        "tau_hybrid_online": hybrid["consistency"]["online_tau"],
+        "speedup_hybrid": hybrid["speedup"],
+        "lossless_hybrid": hybrid["lossless"],
+        "offline_equals_online_hybrid": hybrid["consistency"]["identical"],
         "train_seconds": train_info["train_seconds"],
         "train_steps": train_info["steps"],
         "heldout_prompts": len(trained["per_prompt"]),
@@ -234,8 +242,11 @@ def _markdown(r: dict) -> str:
         f"| trained DFlash | {r['tau_offline']:.2f} | {r['tau_online']:.2f} | {r['lossless']} | {r['speedup']:.2f}x |",
         f"| untrained DFlash | {r['tau_untrained']:.2f} | | | |",
         f"| n-gram prompt lookup | {r['tau_ngram']:.2f} | | {r['lossless_ngram']} | {r['speedup_ngram']:.2f}x |",
+        f"| hybrid (trained DFlash + n-gram) | {r['tau_hybrid']:.2f} | {r['tau_hybrid_online']:.2f} | "
+        f"{r['lossless_hybrid']} | {r['speedup_hybrid']:.2f}x |",
         "",
-        f"Offline τ equals online τ step for step: {r['offline_equals_online']}.",
+        f"Offline τ equals online τ step for step: {r['offline_equals_online']} (hybrid: "
+        f"{r['offline_equals_online_hybrid']}).",
         "",
         "![training curve](training_curve.png)",
         "",
