@@ -40,7 +40,7 @@ BRANCHES = ("ngram_lookup", "ngram_by_confidence", "dflash")  # what a step prop
 
 @dataclass(frozen=True)
 class HybridRule:
-    min_match: int = 2  # n-gram suffix this long or longer: prompt lookup without running the drafter
+    min_match: int = 3  # n-gram suffix this long or longer: prompt lookup without running the drafter
     ngram_prior: float = 0.4  # floor of q(n-gram token) when comparing the two drafts (0: the drafter's q alone)
 
     def __str__(self) -> str:
