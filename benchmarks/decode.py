@@ -1,8 +1,9 @@
 """Speculative against plain greedy decoding on the built-in target: tokens/s, speed-up and τ
-for trained drafters (`--checkpoint`, repeatable) and the n-gram prompt-lookup baseline.
+for trained drafters (`--checkpoint`, repeatable), each also as the hybrid with prompt lookup
+(`flashdraft.hybrid`, drafter "hybrid:DIR"), and the n-gram prompt-lookup baseline.
 
     .venv/bin/python benchmarks/decode.py [--target-model tiny] [--checkpoint DIR ...] [--num-prompts 8]
-        [--max-new-tokens 256] [--block-size B] [--threads 1]
+        [--max-new-tokens 256] [--block-size B] [--threads 1] [--hybrid-min-match M --hybrid-ngram-prior P]
 
 Prompts: the first N of builtin:code:heldout, encoded as `flashdraft eval --prompts` does.
 After a warm-up, each prompt is decoded plainly and then by every drafter in turn (so a
@@ -25,6 +26,7 @@ import time
 import torch
 
 from flashdraft.decode import autoregressive_generate, speculative_generate
+from flashdraft.hybrid import HybridDrafter, HybridRule
 from flashdraft.ngram import NGramProposer
 from flashdraft.records import load_eval_records
 from flashdraft.run_dir import load_any_drafter
@@ -58,6 +60,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=None, help="default: each drafter's own (n-gram: 16)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--hybrid-min-match", type=int, default=HybridRule.min_match)
+    ap.add_argument("--hybrid-ngram-prior", type=float, default=HybridRule.ngram_prior)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = TargetModel.load(args.target_model)
@@ -66,6 +70,9 @@ def main() -> None:
     for path in args.checkpoint:
         drafter = load_any_drafter(path, target).drafter
         drafters[path] = (drafter, args.block_size or drafter.config.block_size)
+        hybrid = HybridDrafter(drafter, NGramProposer(target.vocab_size),
+                               HybridRule(args.hybrid_min_match, args.hybrid_ngram_prior))  # fmt: skip
+        drafters[f"hybrid:{path}"] = (hybrid, drafters[path][1])
     drafters["ngram"] = (NGramProposer(target.vocab_size), args.block_size or 16)
 
     warm = records[0].prompt_ids

@@ -27,6 +27,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from flashdraft.config import DEFAULT_BLOCK_SIZE
 from flashdraft.model import DFlashDrafter
 from flashdraft.target import TargetModel
 
@@ -59,6 +60,17 @@ class BatchProposer(Proposer, Protocol):
     ) -> list[torch.Tensor]:  # fmt: skip
         """Logits [k_j, V] of each anchor j; block j sees only context before its own anchor."""
         ...
+
+
+@runtime_checkable
+class ProposerFactory(Protocol):
+    """A drafter with state per sequence (a drafter cache): `as_proposer` asks it for a fresh
+    proposer for each sequence (the hybrid proposer, `flashdraft.hybrid`)."""
+
+    block_size: int  # its default block
+    context_layer_ids: list[int]
+
+    def new_proposer(self, target: TargetModel) -> Proposer: ...
 
 
 # -- the rule -----------------------------------------------------------------------------
@@ -169,9 +181,19 @@ class DFlashProposer:
         return self.propose_anchors([tokens[-1]], [anchor_pos], new_context, new_positions, block)[0]
 
 
-def as_proposer(drafter: DFlashDrafter | Proposer, target: TargetModel) -> Proposer:
-    """A fresh proposer for one sequence: a DFlash drafter gets its own KV cache."""
-    return DFlashProposer(drafter, target) if isinstance(drafter, DFlashDrafter) else drafter
+def as_proposer(drafter: DFlashDrafter | ProposerFactory | Proposer, target: TargetModel) -> Proposer:
+    """A fresh proposer for one sequence: a DFlash drafter gets its own KV cache, a
+    `ProposerFactory` makes one; a stateless proposer serves every sequence itself."""
+    if isinstance(drafter, DFlashDrafter):
+        return DFlashProposer(drafter, target)
+    return drafter.new_proposer(target) if isinstance(drafter, ProposerFactory) else drafter
+
+
+def default_block_size(drafter: DFlashDrafter | ProposerFactory | Proposer) -> int:
+    """The block a drafter was made for (a stateless proposer has none: the usual 16)."""
+    if isinstance(drafter, DFlashDrafter):
+        return drafter.config.block_size
+    return drafter.block_size if isinstance(drafter, ProposerFactory) else DEFAULT_BLOCK_SIZE
 
 
 # -- the offline walk ----------------------------------------------------------------------

@@ -273,9 +273,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or ("bf16" if device != "cpu" else "fp32")]
     if (args.drafter == "ngram") == (args.checkpoint is not None):
-        raise FlashdraftError("give --checkpoint for a DFlash drafter, or --drafter ngram (which takes none)")
+        raise FlashdraftError("give --checkpoint for a DFlash drafter (alone or --drafter hybrid), or --drafter ngram "
+                              "(which takes none)")  # fmt: skip
     summary = run_eval(EvalConfig(
         args.checkpoint or "ngram", args.target_model, cached_hidden_states=args.cached_hidden_states,
+        drafter=args.drafter, hybrid_min_match=args.hybrid_min_match, hybrid_ngram_prior=args.hybrid_ngram_prior,
         completions=args.completions, prompts=args.prompts, num_prompts=args.num_prompts,
         max_blocks=args.max_blocks, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
         online=args.online, temperature=args.temperature, check_consistency=args.check_consistency,
@@ -325,8 +327,15 @@ def cmd_export(args: argparse.Namespace) -> None:
 def _add_eval_commands(sub) -> None:
     p = sub.add_parser("eval", help="τ of a drafter offline (target completions) or online, vs a reference")
     p.add_argument("--checkpoint", help="drafter directory, training run directory or .pt/.safetensors")
-    p.add_argument("--drafter", choices=["dflash", "ngram"], default="dflash",
-                   help="ngram: the training-free n-gram prompt-lookup baseline (no --checkpoint)")  # fmt: skip
+    p.add_argument("--drafter", choices=["dflash", "ngram", "hybrid"], default="dflash",
+                   help="ngram: the training-free n-gram prompt-lookup baseline (no --checkpoint); hybrid: the "
+                   "--checkpoint drafter and the lookup, choosing per step (README: the hybrid proposer)")  # fmt: skip
+    p.add_argument("--hybrid-min-match", type=int, default=None,
+                   help="hybrid: propose the n-gram draft without running the drafter when it matched this many "
+                   "tokens (default: the tuned rule's, README)")  # fmt: skip
+    p.add_argument("--hybrid-ngram-prior", type=float, default=None,
+                   help="hybrid: floor of the drafter's probability of n-gram tokens when comparing the drafts "
+                   "(default: the tuned rule's)")  # fmt: skip
     p.add_argument("--ngram-max", type=_positive, default=3, help="longest n-gram the baseline looks up")
     p.add_argument("--ngram-min", type=_positive, default=1, help="shortest n-gram the baseline looks up")
     p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")

@@ -15,8 +15,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashdraft.acceptance import Proposer, accept_greedy, accept_sampled, as_proposer, tau_of
-from flashdraft.config import DEFAULT_BLOCK_SIZE
+from flashdraft.acceptance import (
+    Proposer,
+    ProposerFactory,
+    accept_greedy,
+    accept_sampled,
+    as_proposer,
+    default_block_size,
+    tau_of,
+)
 from flashdraft.model import DFlashDrafter
 from flashdraft.target import TargetModel
 
@@ -74,7 +81,7 @@ def autoregressive_generate(
 @torch.no_grad()
 def speculative_generate(
     target: TargetModel,
-    drafter: DFlashDrafter | Proposer,
+    drafter: DFlashDrafter | ProposerFactory | Proposer,
     prompt_ids: list[int],
     max_new_tokens: int,
     temperature: float = 0.0,
@@ -83,12 +90,12 @@ def speculative_generate(
 ) -> GenerationResult:
     """Generate with drafter + target; returns the tokens and each step's committed count.
 
-    `drafter` is a DFlash drafter or any `Proposer`. The first token comes from the
+    `drafter` is a DFlash drafter, a `ProposerFactory` (the hybrid) or any `Proposer`. The first token comes from the
     prefill, as in plain decoding; every later token comes from a speculative step. A step
     commits min(a + 1, tokens still allowed), cut after a stop token, so the acceptance
     lengths add up to len(output_ids) - 1.
     """
-    block = block_size or (drafter.config.block_size if isinstance(drafter, DFlashDrafter) else DEFAULT_BLOCK_SIZE)
+    block = block_size or default_block_size(drafter)
     proposer = as_proposer(drafter, target)
     if block < 2:
         raise ValueError(f"block_size {block} < 2")

@@ -3,8 +3,9 @@
 generate the target's completions of the built-in coding prompts (train and held-out)
 -> cache their context features -> train a drafter (block size 16) for the time left
 -> evaluate on the held-out prompts offline and online (lossless and offline == online
-checked) against the untrained drafter and the n-gram baseline -> report.md, report.json
-and plots. Every stage reuses what a previous run finished, so a re-run is quick.
+checked) against the untrained drafter, the n-gram baseline and the hybrid of the trained
+drafter with it -> report.md, report.json and plots. Every stage reuses what a previous run
+finished, so a re-run is quick.
 """
 
 from __future__ import annotations
@@ -191,6 +192,8 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     trained = run_eval(EvalConfig(str(trained_dir), online=True, check_consistency=True, **common), quiet)
     untrained_offline = run_eval(EvalConfig(str(untrained_dir), **common), quiet)
     ngram = run_eval(EvalConfig("ngram", online=True, check_consistency=True, **common), quiet)
+    hybrid = run_eval(EvalConfig(str(trained_dir), drafter="hybrid", online=True, check_consistency=True, **common),
+                      quiet)  # fmt: skip
     reference = None
     # the shipped drafter (trained for an hour on 1 M tokens), where this copy of flashdraft has it
     if s.reference_drafter and s.target_model == "tiny" and BUILTIN_DRAFTERS[s.reference_drafter].is_dir():
@@ -199,7 +202,7 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     _stage("5/5 report")
     write_report(trained, out / "eval")
     training_curve(out / "run" / "metrics.jsonl", out / "training_curve.png")
-    report = _summary(s, trained, untrained_offline, ngram, train_info, trained_dir)
+    report = _summary(s, trained, untrained_offline, ngram, hybrid, train_info, trained_dir)
     if reference is not None:
         report["reference"] = {
             "drafter": s.reference_drafter, "tau_offline": reference["consistency"]["offline_tau"],
@@ -213,7 +216,7 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     return report
 
 
-def _summary(s: DemoSettings, trained: dict, untrained_offline: dict, ngram: dict, train_info: dict,
+def _summary(s: DemoSettings, trained: dict, untrained_offline: dict, ngram: dict, hybrid: dict, train_info: dict,
              trained_dir: Path) -> dict:  # fmt: skip
     consistency = trained["consistency"]
     return {
@@ -229,6 +232,11 @@ def _summary(s: DemoSettings, trained: dict, untrained_offline: dict, ngram: dic
         "tau_ngram": ngram["tau"],
         "speedup_ngram": ngram["speedup"],
         "lossless_ngram": ngram["lossless"],
+        "tau_hybrid": hybrid["consistency"]["offline_tau"],
+        "tau_hybrid_online": hybrid["consistency"]["online_tau"],
+        "speedup_hybrid": hybrid["speedup"],
+        "lossless_hybrid": hybrid["lossless"],
+        "offline_equals_online_hybrid": hybrid["consistency"]["identical"],
         "train_seconds": train_info["train_seconds"],
         "train_steps": train_info["steps"],
         "best_step": train_info.get("best_step", train_info["steps"]),
@@ -261,8 +269,11 @@ def _markdown(r: dict) -> str:
         *_reference_row(r),
         f"| untrained DFlash | {r['tau_untrained']:.2f} | | | |",
         f"| n-gram prompt lookup | {r['tau_ngram']:.2f} | | {r['lossless_ngram']} | {r['speedup_ngram']:.2f}x |",
+        f"| hybrid (trained DFlash + n-gram) | {r['tau_hybrid']:.2f} | {r['tau_hybrid_online']:.2f} | "
+        f"{r['lossless_hybrid']} | {r['speedup_hybrid']:.2f}x |",
         "",
-        f"Offline τ equals online τ step for step: {r['offline_equals_online']}.",
+        f"Offline τ equals online τ step for step: {r['offline_equals_online']} (hybrid: "
+        f"{r['offline_equals_online_hybrid']}).",
         "",
         "![training curve](training_curve.png)",
         "",

@@ -3,8 +3,9 @@ own completions, `flashdraft.offline`) and online (real speculative decoding, ti
 checked lossless against plain decoding), optionally both (`--check-consistency`: the same
 acceptance lengths, step for step) and against a reference drafter on the same records.
 
-Any `Proposer` is evaluated alike: a DFlash drafter or the n-gram baseline (`flashdraft.ngram`),
-named "ngram" in place of a checkpoint.
+Any `Proposer` is evaluated alike: a DFlash drafter, the n-gram baseline (`flashdraft.ngram`),
+named "ngram" in place of a checkpoint, or the hybrid of a DFlash drafter and the n-gram lookup
+(`flashdraft.hybrid`, `drafter="hybrid"`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from flashdraft.checkpoint import check_drafter_matches_target
 from flashdraft.config import DEFAULT_BLOCK_SIZE
 from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
+from flashdraft.hybrid import HybridDrafter, HybridRule
 from flashdraft.model import DFlashDrafter
 from flashdraft.ngram import NGramProposer
 from flashdraft.offline import drafter_shape, evaluate_offline
@@ -89,7 +91,7 @@ def greedy_baseline(
 
 @torch.no_grad()
 def evaluate_online(
-    drafter: DFlashDrafter | Proposer,
+    drafter: DFlashDrafter | HybridDrafter | Proposer,
     target: TargetModel,
     records: list[EvalRecord],
     baseline: list[GreedyRun],
@@ -158,7 +160,7 @@ class Candidate:
     """One drafter of an eval run, as evaluated."""
 
     label: str  # as given: a checkpoint, or "ngram"
-    drafter: DFlashDrafter | Proposer
+    drafter: DFlashDrafter | HybridDrafter | Proposer
     block_size: int
     form: str  # the checkpoint's form ("drafter directory", ...) or the n-gram settings
     path: str | None  # what was loaded; None for the n-gram baseline
@@ -182,10 +184,15 @@ def _describe_drafter(label: str, loaded, block_size: int, target: TargetModel) 
 class EvalConfig:
     """What `flashdraft eval` evaluates, on which records, how. `checkpoint` or `reference`
     "ngram" is the n-gram baseline (prompt lookup of the last ngram_max..ngram_min tokens),
-    with the DFlash drafter's block size when set against one."""
+    with the DFlash drafter's block size when set against one. `drafter` "hybrid" evaluates
+    the checkpoint together with that lookup under `HybridRule(hybrid_min_match,
+    hybrid_ngram_prior)`."""
 
     checkpoint: str
     target_model: str
+    drafter: str = "dflash"  # or "hybrid"
+    hybrid_min_match: int | None = None  # None: HybridRule's default
+    hybrid_ngram_prior: float | None = None
     # records: exactly one source
     cached_hidden_states: str | None = None
     completions: str | None = None
@@ -237,8 +244,29 @@ def _load_candidates(cfg: EvalConfig, target: TargetModel, log: Log) -> list[Can
         b = cfg.block_size or loaded.drafter.config.block_size
         for line in _describe_drafter(role, loaded, b, target):
             log(line)
-        candidates.append(Candidate(str(path), loaded.drafter, b, loaded.form, str(loaded.path)))
+        drafter, form = loaded.drafter, loaded.form
+        if role == "drafter" and cfg.drafter == "hybrid":
+            drafter = _hybrid(cfg, drafter, target)
+            form = f"{form}, {drafter!r}"
+            log(f"{role} evaluated as {drafter!r}")
+        candidates.append(Candidate(str(path), drafter, b, form, str(loaded.path)))
     return candidates
+
+
+def _hybrid(cfg: EvalConfig, drafter: DFlashDrafter, target: TargetModel) -> HybridDrafter:
+    default = HybridRule()
+    rule = HybridRule(default.min_match if cfg.hybrid_min_match is None else cfg.hybrid_min_match,
+                      default.ngram_prior if cfg.hybrid_ngram_prior is None else cfg.hybrid_ngram_prior)  # fmt: skip
+    if rule.min_match < 0 or not 0.0 <= rule.ngram_prior <= 1.0:
+        raise FlashdraftError(
+            f"--hybrid-min-match {rule.min_match}, --hybrid-ngram-prior {rule.ngram_prior}: expected min_match >= 0 "
+            f"and 0 <= ngram_prior <= 1"
+        )
+    return HybridDrafter(drafter, NGramProposer(target.vocab_size, cfg.ngram_max, cfg.ngram_min), rule)
+
+
+def _drafter_type(drafter: DFlashDrafter | HybridDrafter | Proposer) -> str:
+    return "dflash" if isinstance(drafter, DFlashDrafter) else "hybrid" if isinstance(drafter, HybridDrafter) else NGRAM
 
 
 def _prepare_records(
@@ -303,7 +331,7 @@ def _evaluate_candidate(
                                  cfg.temperature, cfg.seed)  # fmt: skip
     summary = (online if cfg.online else offline).to_json()
     summary |= {"checkpoint": c.label, "checkpoint_form": c.form, "drafter_path": c.path,
-                "drafter_type": "dflash" if isinstance(c.drafter, DFlashDrafter) else NGRAM}  # fmt: skip
+                "drafter_type": _drafter_type(c.drafter)}  # fmt: skip
     if cfg.check_consistency:
         mismatches = consistency_mismatches(records, baseline, offline, online)
         summary["consistency"] = {"identical": not mismatches, "mismatches": mismatches,
@@ -319,6 +347,8 @@ def run_eval(cfg: EvalConfig, log: Log = print) -> dict[str, Any]:
             f"--temperature {cfg.temperature}: offline τ and --check-consistency are defined for greedy decoding; "
             f"use --online without --check-consistency for sampling"
         )
+    if cfg.drafter == "hybrid" and cfg.checkpoint == NGRAM:
+        raise FlashdraftError("the hybrid needs a DFlash drafter: give its checkpoint, not 'ngram'")
     from flashdraft.target_weights import TargetHead
 
     # offline from a cache needs no target forward: only tokenizer, config, embeddings and LM head

@@ -7,34 +7,36 @@ from __future__ import annotations
 
 import torch
 
-from flashdraft.acceptance import Proposer, as_proposer, offline_acceptance_lengths
-from flashdraft.config import DEFAULT_BLOCK_SIZE
+from flashdraft.acceptance import Proposer, ProposerFactory, as_proposer, default_block_size, offline_acceptance_lengths
 from flashdraft.model import DFlashDrafter
 from flashdraft.records import EvalRecord, FeatureSource
 from flashdraft.results import EvalResult, PromptResult
 from flashdraft.target import TargetModel
 
 
-def drafter_shape(drafter: DFlashDrafter | Proposer, block_size: int | None) -> tuple[int, list[int], int | None]:
+def drafter_shape(
+    drafter: DFlashDrafter | ProposerFactory | Proposer, block_size: int | None
+) -> tuple[int, list[int], int | None]:
     """(block size, target layer ids, context layers) of a DFlash drafter or another Proposer."""
+    block_size = block_size or default_block_size(drafter)
     if isinstance(drafter, DFlashDrafter):
         cfg = drafter.config
-        return block_size or cfg.block_size, cfg.target_layer_ids, drafter.fc.weight.shape[1] // cfg.hidden_size
+        return block_size, cfg.target_layer_ids, drafter.fc.weight.shape[1] // cfg.hidden_size
     ids = list(drafter.context_layer_ids)
-    return block_size or DEFAULT_BLOCK_SIZE, ids, len(ids) or None
+    return block_size, ids, len(ids) or None
 
 
 @torch.no_grad()
 def evaluate_offline(
-    drafter: DFlashDrafter | Proposer,
+    drafter: DFlashDrafter | ProposerFactory | Proposer,
     target: TargetModel,
     records: list[EvalRecord],
     features: FeatureSource | None = None,
     block_size: int | None = None,
     max_blocks: int | None = None,
 ) -> EvalResult:
-    """Offline τ of `drafter` (a DFlash drafter, or a stateless `Proposer` such as the n-gram
-    baseline) on `records`, each walked for at most `max_blocks` steps."""
+    """Offline τ of `drafter` (a DFlash drafter, the hybrid, or a stateless `Proposer` such as
+    the n-gram baseline) on `records`, each walked for at most `max_blocks` steps."""
     b, layer_ids, context_layers = drafter_shape(drafter, block_size)
     features = features or FeatureSource(target)
     per_prompt = []

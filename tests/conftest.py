@@ -90,6 +90,16 @@ def make_target(kind: str, seed: int = 0, num_layers: int = 4) -> TargetModel:
     return TargetModel(make_hf_model(kind, seed, num_layers), make_tokenizer(), path=None)
 
 
+def make_flat_target(kind: str, seed: int = 3) -> TargetModel:
+    """A target with a flat-ish next-token distribution and no stop token (for sampling laws)."""
+    model = make_hf_model(kind, seed)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(1 / 8 * 0.5)
+    target = TargetModel(model, make_tokenizer(), path=None)
+    target.model.generation_config.eos_token_id = []  # every run yields as many tokens as asked
+    return target
+
+
 @pytest.fixture(params=["qwen3", "hybrid", "llama"])
 def any_target(request) -> TargetModel:
     return make_target(request.param)

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from flashdraft.decode import autoregressive_generate, speculative_generate
-from flashdraft.target import TargetModel
-from tests.conftest import EOS, make_drafter, make_hf_model, make_target, make_tokenizer
+from tests.conftest import EOS, make_drafter, make_flat_target, make_target
 
 PROMPT = [5, 9, 17, 3, 22, 40, 11, 8, 30, 2, 14, 27]
 
@@ -72,11 +71,8 @@ def test_max_new_tokens_is_respected_inside_a_block():
 
 def test_speculative_sampling_matches_target_distribution_end_to_end():
     # second generated token (the first one a speculative step produces) vs its exact law
-    model = make_hf_model("hybrid", seed=3)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(1 / 8 * 0.5)  # a flat-ish distribution
-    target = TargetModel(model, make_tokenizer(), path=None)
-    target.model.generation_config.eos_token_id = []  # no stop token: every run yields two tokens
+    target = make_flat_target("hybrid")
+    model = target.model
     drafter = make_drafter(block_size=4)
     prompt = PROMPT[:6]
     with torch.no_grad():

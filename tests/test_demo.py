@@ -25,8 +25,9 @@ def test_demo_runs_every_stage_reports_lossless_and_offline_equal_online_and_reu
     report = run_demo(out, minutes=0.3, settings=settings)
     for key in ("tau_offline", "tau_online", "lossless", "speedup", "tau_untrained", "tau_ngram", "train_seconds"):
         assert key in report, key
-    assert report["lossless"] is True and report["lossless_ngram"] is True
+    assert report["lossless"] is True and report["lossless_ngram"] is True and report["lossless_hybrid"] is True
     assert report["tau_offline"] == report["tau_online"] and report["offline_equals_online"]
+    assert report["tau_hybrid"] == report["tau_hybrid_online"] and report["offline_equals_online_hybrid"]
     assert 0 < report["best_step"] <= report["train_steps"] and report["drafter"] == str(out / "run" / "best")
     assert json.loads((out / "report.json").read_text()) == report
     for name in ("report.md", "training_curve.png", "eval/histogram.png", "eval/position_acceptance.png"):
