@@ -33,3 +33,19 @@ def test_init_on_tiny_then_load_gives_a_drafter_that_decodes_losslessly(tmp_path
         speculative_generate(target, drafter, prompt, 40).output_ids
         == autoregressive_generate(target, prompt, 40).output_ids
     )
+
+
+def test_shipped_tiny_drafter_loads_strictly_by_name_and_reproduces_its_recorded_acceptance_lengths():
+    from flashdraft.data.prompts import encode_text, load_prompts
+    from flashdraft.run_dir import BUILTIN_DRAFTERS, load_any_drafter
+
+    record = json.loads((BUILTIN_DRAFTERS["tiny-drafter"] / "training.json").read_text())
+    loaded = load_any_drafter("tiny-drafter")
+    assert loaded.form == "drafter directory" and loaded.drafter.config.target_layer_ids == [1, 2, 3]
+    check = record["check"]
+    target = TargetModel.load("tiny")
+    prompt = next(p for p in load_prompts(check["prompts"], quiet=True) if p.id == check["prompt_id"])
+    ids = encode_text(target.tokenizer, prompt.turns[0], False)
+    result = speculative_generate(target, loaded.drafter, ids, check["max_new_tokens"])
+    assert result.acceptance_lengths == check["acceptance_lengths"]
+    assert result.output_ids == autoregressive_generate(target, ids, check["max_new_tokens"]).output_ids

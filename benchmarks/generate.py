@@ -1,0 +1,70 @@
+"""Batched greedy generation: completion tokens/s of `generate_batch` (left padding, one
+batched KV/recurrent cache) at several batch sizes, on the same prompts, and whether each
+batch's output equals batch-1 greedy decoding of the same prompts.
+
+    .venv/bin/python benchmarks/generate.py [--target-model tiny] [--prompts builtin:stdlib:64]
+        [--batch-sizes 1,8,32,64] [--max-new-tokens 128] [--threads 1]
+
+Batch 1 runs on the first `--batch1-prompts` prompts only (it is the slow one); every larger
+batch size runs on all prompts in batches of that size, prompts sorted by length as
+`flashdraft generate` does. Prints one JSON line per batch size, then a summary line with the
+best batch's speed-up over batch 1 and the minutes 1 M completion tokens would take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+from flashdraft.data.completions import generate_batch
+from flashdraft.data.prompts import encode_text, load_prompts
+from flashdraft.target import TargetModel
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target-model", default="tiny")
+    ap.add_argument("--prompts", default="builtin:stdlib:64")
+    ap.add_argument("--batch-sizes", default="1,8,32,64")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch1-prompts", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    target = TargetModel.load(args.target_model)
+    prompts = [encode_text(target.tokenizer, p.turns[0], False) for p in load_prompts(args.prompts, quiet=True)]
+    prompts.sort(key=len)
+    batch1_outputs: dict[int, list[int]] = {}
+    rates = {}
+    for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
+        todo = list(range(min(args.batch1_prompts, len(prompts)))) if batch_size == 1 else list(range(len(prompts)))
+        tokens, same, start = 0, True, time.perf_counter()
+        for first in range(0, len(todo), batch_size):
+            rows = todo[first : first + batch_size]
+            outputs = generate_batch(target, [prompts[i] for i in rows], args.max_new_tokens)
+            for i, (ids, _) in zip(rows, outputs, strict=True):
+                tokens += len(ids)
+                if batch_size == 1:
+                    batch1_outputs[i] = ids
+                elif i in batch1_outputs:
+                    same &= batch1_outputs[i] == ids
+        seconds = time.perf_counter() - start
+        rates[batch_size] = tokens / seconds
+        print(json.dumps({"batch_size": batch_size, "prompts": len(todo), "completion_tokens": tokens,
+                          "seconds": round(seconds, 2), "tokens_per_s": round(rates[batch_size], 1),
+                          "equals_batch_1": same if batch_size > 1 else None}), flush=True)  # fmt: skip
+    best = max(rates, key=rates.get)
+    print(json.dumps({
+        "summary": True, "target": args.target_model, "threads": args.threads, "machine": platform.machine(),
+        "best_batch_size": best, "best_over_batch_1": round(rates[best] / rates[1], 2) if 1 in rates else None,
+        "minutes_per_million_tokens": round(1e6 / rates[best] / 60, 1),
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
