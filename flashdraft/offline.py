@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from flashdraft.acceptance import Proposer, as_proposer, offline_acceptance_lengths
+from flashdraft.acceptance import DraftLimit, Proposer, as_proposer, offline_acceptance_lengths
 from flashdraft.config import DEFAULT_BLOCK_SIZE
 from flashdraft.model import DFlashDrafter
 from flashdraft.records import EvalRecord, FeatureSource
@@ -32,15 +32,17 @@ def evaluate_offline(
     features: FeatureSource | None = None,
     block_size: int | None = None,
     max_blocks: int | None = None,
+    limit: DraftLimit | None = None,
 ) -> EvalResult:
     """Offline τ of `drafter` (a DFlash drafter, or a stateless `Proposer` such as the n-gram
-    baseline) on `records`, each walked for at most `max_blocks` steps."""
+    baseline) on `records`, each walked for at most `max_blocks` steps, verifying the drafts
+    `limit` keeps."""
     b, layer_ids, context_layers = drafter_shape(drafter, block_size)
     features = features or FeatureSource(target)
     per_prompt = []
     for record in records:
         f = features(record, layer_ids) if layer_ids else None
-        lengths = offline_acceptance_lengths(as_proposer(drafter, target), record.prompt_ids, record.completion_ids, b,
-                                             f, max_blocks, target.device)  # fmt: skip
+        lengths = offline_acceptance_lengths(as_proposer(drafter, target, limit), record.prompt_ids,
+                                             record.completion_ids, b, f, max_blocks, target.device)  # fmt: skip
         per_prompt.append(PromptResult(record.id, lengths))
     return EvalResult("offline", b, layer_ids, context_layers, per_prompt)
