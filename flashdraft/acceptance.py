@@ -8,7 +8,8 @@ its argmax; sampled: the lossless accept/resample rule), and its next token is t
 walk applies the same rule to a completion the target already wrote, where its argmax is
 the next completion token. So with greedy completions offline and online acceptance
 lengths are the same lists, step for step, for any proposer that drafts the same tokens
-from the same inputs.
+from the same inputs. `DraftLimit` wraps any proposer to verify fewer drafts (the first k, or
+those before the first the drafter is unsure of): the same wrapped proposer serves both paths.
 
 The offline walk, for a prompt P (P tokens) and the target's completion c[0..M-1]: the
 anchor index i starts at 0 (c[0] comes from the prefill); the proposer drafts from
