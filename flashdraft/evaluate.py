@@ -1,6 +1,7 @@
 """`flashdraft eval`: how good is a drafter. τ offline (the acceptance walk over the target's
-own completions, `flashdraft.offline`) and online (real speculative decoding, timed and
-checked lossless against plain decoding), optionally both (`--check-consistency`: the same
+own completions, `flashdraft.offline`) and online (real speculative decoding, timed, its
+speed-up set against the bound τ and the measured step costs imply, and checked lossless
+against plain decoding), optionally both (`--check-consistency`: the same
 acceptance lengths, step for step) and against a reference drafter on the same records.
 
 Any `Proposer` is evaluated alike: a DFlash drafter or the n-gram baseline (`flashdraft.ngram`),
