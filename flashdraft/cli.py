@@ -324,7 +324,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     for note in loaded.assumed:
         print(f"assumed: {note}")
     print(
-        f"exported {loaded.path} ({loaded.form}) to {args.out}: {cfg.num_hidden_layers} layers, "
+        f"exported {loaded.describe()} to {args.out}: {cfg.num_hidden_layers} layers, "
         f"target_layer_ids {cfg.target_layer_ids}, block size {cfg.block_size}; serving commands in "
         f"{Path(args.out) / 'README.md'}"
     )
@@ -495,6 +495,7 @@ def _add_train_command(sub) -> None:
     knob("log_every", _positive)
     knob("eval_every", int, "held-out loss and real τ every N steps (0: never)")
     knob("eval_max_blocks", _positive, "speculative steps per held-out record")
+    knob("keep_best", None, "also keep RUN/best/: the drafter of the best held-out τ (held-out loss without τ)")
     p.add_argument("--eval-cached-hidden-states", default=None, help="held-out cache for periodic evaluation")
     p.add_argument("--eval-completions", default=None, help="held-out completions for periodic evaluation")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")

@@ -39,6 +39,7 @@ class DemoSettings:
     batch_size: int = 4
     loss_decay_gamma: float = 7.0
     eval_max_blocks: int | None = None  # walk every held-out completion to its end
+    reference_drafter: str | None = "tiny-drafter"  # evaluated next to the live run (None: not evaluated)
     seed: int = 0
 
 
@@ -107,10 +108,10 @@ def _check_same_target(out: Path, target_model: str) -> None:
 
 def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: Path, deadline: float) -> tuple:
     """Train until `deadline` (perf_counter; sized by timing two steps here), or reuse a finished
-    run; returns (newest checkpoint's drafter directory, untrained drafter directory, facts)."""
+    run; returns (the best held-out checkpoint's drafter directory, untrained drafter directory, facts)."""
     from flashdraft.checkpoint import save_drafter
     from flashdraft.drafter_init import new_drafter_for_target
-    from flashdraft.run_dir import latest_checkpoint
+    from flashdraft.run_dir import latest_checkpoint, read_best
     from flashdraft.target import TargetModel
     from flashdraft.train.loop import TrainConfig
     from flashdraft.train.run import load_training_records, run_training
@@ -124,7 +125,8 @@ def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: P
     run_dir = out / "run"
     done_marker = run_dir / "DEMO_DONE"
     cfg = TrainConfig(lr=s.lr, num_anchors=s.num_anchors, batch_size=s.batch_size, seed=s.seed,
-                      loss_decay_gamma=s.loss_decay_gamma, log_every=5, keep_checkpoints=1)  # fmt: skip
+                      loss_decay_gamma=s.loss_decay_gamma, log_every=5, keep_checkpoints=1,
+                      keep_best=True)  # fmt: skip
     if done_marker.exists():
         train_info = json.loads(done_marker.read_text())
         print(f"reusing the finished training run in {run_dir} ({train_info['steps']} steps)")
@@ -141,7 +143,10 @@ def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: P
                      init=str(untrained_dir), eval_cached_hidden_states=str(heldout_cache))  # fmt: skip
         train_info = {"steps": steps, "train_seconds": round(time.perf_counter() - t0, 1)}
         done_marker.write_text(json.dumps(train_info))
-    return latest_checkpoint(run_dir) / "drafter", untrained_dir, train_info
+    best = read_best(run_dir)
+    train_info["best_step"] = best["step"] if best else train_info["steps"]
+    trained_dir = Path(best["path"]) if best else latest_checkpoint(run_dir) / "drafter"
+    return trained_dir, untrained_dir, train_info
 
 
 def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoSettings | None = None) -> dict:
@@ -150,6 +155,7 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     from flashdraft.evaluate import EvalConfig, run_eval
     from flashdraft.records import quiet
     from flashdraft.report import write_report
+    from flashdraft.run_dir import BUILTIN_DRAFTERS
 
     s = settings or DemoSettings()
     if minutes <= 0:
@@ -185,11 +191,21 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     trained = run_eval(EvalConfig(str(trained_dir), online=True, check_consistency=True, **common), quiet)
     untrained_offline = run_eval(EvalConfig(str(untrained_dir), **common), quiet)
     ngram = run_eval(EvalConfig("ngram", online=True, check_consistency=True, **common), quiet)
+    reference = None
+    # the shipped drafter (trained for an hour on 1 M tokens), where this copy of flashdraft has it
+    if s.reference_drafter and s.target_model == "tiny" and BUILTIN_DRAFTERS[s.reference_drafter].is_dir():
+        reference = run_eval(EvalConfig(s.reference_drafter, online=True, check_consistency=True, **common), quiet)
 
     _stage("5/5 report")
     write_report(trained, out / "eval")
     training_curve(out / "run" / "metrics.jsonl", out / "training_curve.png")
     report = _summary(s, trained, untrained_offline, ngram, train_info, trained_dir)
+    if reference is not None:
+        report["reference"] = {
+            "drafter": s.reference_drafter, "tau_offline": reference["consistency"]["offline_tau"],
+            "tau_online": reference["consistency"]["online_tau"], "lossless": reference["lossless"],
+            "speedup": reference["speedup"], "offline_equals_online": reference["consistency"]["identical"],
+        }  # fmt: skip
     report["total_seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(_markdown(report))
@@ -215,6 +231,7 @@ def _summary(s: DemoSettings, trained: dict, untrained_offline: dict, ngram: dic
         "lossless_ngram": ngram["lossless"],
         "train_seconds": train_info["train_seconds"],
         "train_steps": train_info["steps"],
+        "best_step": train_info.get("best_step", train_info["steps"]),
         "heldout_prompts": len(trained["per_prompt"]),
         "block_size": s.block_size,
         "drafter": str(trained_dir),
@@ -222,16 +239,26 @@ def _summary(s: DemoSettings, trained: dict, untrained_offline: dict, ngram: dic
     }
 
 
+def _reference_row(r: dict) -> list[str]:
+    ref = r.get("reference")
+    if ref is None:
+        return []
+    return [f"| shipped `{ref['drafter']}` (reference) | {ref['tau_offline']:.2f} | {ref['tau_online']:.2f} | "
+            f"{ref['lossless']} | {ref['speedup']:.2f}x |"]  # fmt: skip
+
+
 def _markdown(r: dict) -> str:
     return "\n".join([
         "# flashdraft demo",
         "",
-        f"Target `{r['target']}`, drafter trained {r['train_seconds']} s ({r['train_steps']} steps), block size "
-        f"{r['block_size']}, {r['heldout_prompts']} held-out prompts; whole demo {r['total_seconds']} s.",
+        f"Target `{r['target']}`, drafter trained {r['train_seconds']} s ({r['train_steps']} steps; the best "
+        f"held-out checkpoint, step {r['best_step']}, is evaluated), block size {r['block_size']}, "
+        f"{r['heldout_prompts']} held-out prompts; whole demo {r['total_seconds']} s.",
         "",
         "| drafter | τ offline | τ online | lossless | speed-up vs greedy |",
         "|---|---|---|---|---|",
         f"| trained DFlash | {r['tau_offline']:.2f} | {r['tau_online']:.2f} | {r['lossless']} | {r['speedup']:.2f}x |",
+        *_reference_row(r),
         f"| untrained DFlash | {r['tau_untrained']:.2f} | | | |",
         f"| n-gram prompt lookup | {r['tau_ngram']:.2f} | | {r['lossless_ngram']} | {r['speedup_ngram']:.2f}x |",
         "",

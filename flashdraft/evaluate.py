@@ -178,7 +178,7 @@ def _describe_drafter(label: str, loaded, block_size: int, target: TargetModel) 
     cfg, fc = loaded.drafter.config, list(loaded.drafter.fc.weight.shape)
     mask = target.tokenizer.convert_ids_to_tokens(cfg.mask_token_id)
     lines = [
-        f"{label} {loaded.path} ({loaded.form}): {cfg.num_hidden_layers} layers "
+        f"{label} {loaded.describe()}: {cfg.num_hidden_layers} layers "
         f"({', '.join(sorted(set(cfg.layer_types)))}), {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} "
         f"kv heads x {cfg.head_dim}, intermediate {cfg.intermediate_size}; fc.weight {fc} holds "
         f"{fc[1] // cfg.hidden_size} context layers, target_layer_ids {cfg.target_layer_ids} of "

@@ -9,6 +9,8 @@ RUN/checkpoints/step-0000123/
     trainer.pt          optimizer, scheduler, RNG and data-order state
     checksums.json      sha256 of every file above
     COMPLETE            written last, before the directory is renamed into place
+RUN/best/               with --keep-best: the drafter (public format) of the best held-out
+                        evaluation so far, and best.json (step, metric, value)
 
 A checkpoint is first written under a temporary name, every file fsynced, then renamed:
 a killed run leaves either a complete checkpoint or a temporary directory that is ignored
@@ -42,8 +44,12 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.files import fsync_path, sha256_file
 from flashdraft.model import DFlashDrafter
 
+# drafters shipped with flashdraft, loadable by name (`--checkpoint tiny-drafter`)
+BUILTIN_DRAFTERS = {"tiny-drafter": Path(__file__).parent / "assets" / "tiny-drafter"}
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
+BEST = "best"
+BEST_RECORD = "best.json"
 
 
 def save_checkpoint(
@@ -75,6 +81,34 @@ def save_checkpoint(
     for old in complete_checkpoints(run_dir)[:-keep]:
         _remove(old)
     return final
+
+
+def save_best(run_dir: Path, step: int, drafter_config: DrafterConfig, drafter_state: dict[str, torch.Tensor],
+              metric: str, value: float) -> Path:  # fmt: skip
+    """Replace RUN/best/ with this drafter: written under a temporary name, fsynced, then
+    swapped in, so a kill leaves the previous best or the new one, never a mix."""
+    best, tmp, old = run_dir / BEST, run_dir / f".tmp-{BEST}", run_dir / f".old-{BEST}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter_state(drafter_config, drafter_state, tmp)
+    (tmp / BEST_RECORD).write_text(json.dumps({"step": step, "metric": metric, "value": value}) + "\n")
+    for p in [*sorted(tmp.iterdir()), tmp]:
+        fsync_path(p)
+    shutil.rmtree(old, ignore_errors=True)
+    if best.exists():
+        os.rename(best, old)
+    os.rename(tmp, best)
+    fsync_path(run_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return best
+
+
+def read_best(run_dir: str | Path) -> dict | None:
+    """best.json of RUN/best/ (step, metric, value, and `path`), or None without one. A kill
+    between the two renames of `save_best` leaves the previous best as .old-best: it counts."""
+    for d in (Path(run_dir) / BEST, Path(run_dir) / f".old-{BEST}"):
+        if (d / BEST_RECORD).is_file() and (d / "config.json").is_file():
+            return json.loads((d / BEST_RECORD).read_text()) | {"path": str(d)}
+    return None
 
 
 def _remove(checkpoint: Path) -> None:
@@ -191,6 +225,17 @@ class LoadedDrafter:
     stored_dtype: torch.dtype  # dtype of the weights on disk (the drafter itself is in the requested dtype)
     assumed: list[str] = field(default_factory=list)  # what a bare state dict could not tell, and where it came from
 
+    def describe(self) -> str:
+        """What was loaded, in words: for a run, which checkpoint, and where its best one is."""
+        form = self.form
+        if self.form == "training run":
+            form += f", its newest checkpoint {self.path.parent.name}"
+            best = read_best(self.path.parent.parent.parent)
+            if best is not None:
+                form += (f"; the best by held-out {best['metric']} ({best['value']:.4g}, step {best['step']}) is "
+                         f"--checkpoint {best['path']}")  # fmt: skip
+        return f"{self.path} ({form})"
+
 
 def _load_drafter_directory(path: Path, device, dtype: torch.dtype, verify: bool) -> LoadedDrafter:
     """A drafter directory, a training run (its newest complete checkpoint) or one checkpoint."""
@@ -227,7 +272,8 @@ def load_any_drafter(
 ) -> LoadedDrafter:
     """Load a drafter from any accepted form, strictly.
 
-    - a drafter directory (config.json + safetensors, this project's or any public one);
+    - a drafter directory (config.json + safetensors, this project's or any public one), or the
+      name of one shipped with flashdraft (`tiny-drafter`);
     - a training run directory: its newest complete checkpoint (`latest_checkpoint`),
       or one checkpoint directory of it (step-NNNNNNN/), its drafter files checked against the
       checkpoint's checksums.json unless not `verify`;
@@ -237,7 +283,7 @@ def load_any_drafter(
       fc's context-layer count, the mask token from the argument else the target's tokenizer,
       block size from the argument else 16 (the usual one); RoPE and norm eps from the target.
     """
-    path = Path(path)
+    path = BUILTIN_DRAFTERS.get(str(path), Path(path))
     if path.is_dir():
         return _load_drafter_directory(path, device, dtype, verify)
     if path.suffix not in STATE_DICT_SUFFIXES:

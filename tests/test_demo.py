@@ -27,6 +27,7 @@ def test_demo_runs_every_stage_reports_lossless_and_offline_equal_online_and_reu
         assert key in report, key
     assert report["lossless"] is True and report["lossless_ngram"] is True
     assert report["tau_offline"] == report["tau_online"] and report["offline_equals_online"]
+    assert 0 < report["best_step"] <= report["train_steps"] and report["drafter"] == str(out / "run" / "best")
     assert json.loads((out / "report.json").read_text()) == report
     for name in ("report.md", "training_curve.png", "eval/histogram.png", "eval/position_acceptance.png"):
         assert (out / name).is_file(), name

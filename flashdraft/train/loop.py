@@ -24,7 +24,15 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
 from flashdraft.offline import evaluate_offline
 from flashdraft.progress import Progress
-from flashdraft.run_dir import RunLock, latest_checkpoint, load_trainer_state, remove_unfinished, save_checkpoint
+from flashdraft.run_dir import (
+    RunLock,
+    latest_checkpoint,
+    load_trainer_state,
+    read_best,
+    remove_unfinished,
+    save_best,
+    save_checkpoint,
+)
 from flashdraft.target import TargetModel
 from flashdraft.train.data import Batch, add_context_noise, make_batch, record_generator
 from flashdraft.train.loss import block_loss, estimated_acceptance, label_weight_total
@@ -54,6 +62,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0
     eval_max_blocks: int = 32  # speculative steps per held-out record for the real (offline) τ
+    keep_best: bool = False  # also keep RUN/best/: the drafter of the best held-out τ (held-out loss without τ)
     fsdp: bool = False
     # filled in at start, for the record (not options)
     target_layer_ids: list[int] = field(default_factory=list, metadata={"recorded": True})
@@ -69,7 +78,7 @@ class TrainConfig:
 
 
 # settings a resumed run may change: they decide how long it runs and what it writes, not what it computes
-RESUMABLE_CHANGES = ("max_steps", "epochs", "save_every", "log_every", "eval_every", "keep_checkpoints")
+RESUMABLE_CHANGES = ("max_steps", "epochs", "save_every", "log_every", "eval_every", "keep_checkpoints", "keep_best")
 
 
 def check_no_shortcut(drafter: DFlashDrafter, target: TargetModel) -> None:
@@ -366,6 +375,33 @@ def _log(bar: Progress, writer: MetricsWriter | None, step: int, metrics: dict) 
                     tau_est=f"{metrics['estimated_acceptance']:.2f}", refresh=not bar.plain)  # fmt: skip
 
 
+def best_metric(held_out: dict) -> tuple[str, float] | None:
+    """The held-out figure --keep-best ranks by, as (name, value to maximise): the real τ, else
+    minus the held-out loss."""
+    if "eval_tau" in held_out:
+        return "eval_tau", held_out["eval_tau"]
+    if "eval_loss" in held_out:
+        return "eval_loss", -held_out["eval_loss"]
+    return None
+
+
+def _keep_if_best(run_dir: Path, step: int, model, held_out: dict, best: dict | None, cfg: TrainConfig,
+                  dist: Dist) -> dict | None:  # fmt: skip
+    """Save RUN/best/ when this evaluation beats the best so far; returns the best record."""
+    ranked = best_metric(held_out)
+    if ranked is None:
+        return best
+    name, score = ranked
+    value = held_out[name]
+    if best is not None and best["metric"] == name and score <= best_metric({name: best["value"]})[1]:
+        return best
+    full = full_state_dict(model, cfg.fsdp)
+    if dist.is_main:
+        save_best(run_dir, step, unwrap(model).config, full, name, value)
+    dist.barrier()
+    return {"step": step, "metric": name, "value": value}
+
+
 def _save(run_dir: Path, step: int, model, optimizer, scheduler, cfg: TrainConfig, config_dict: dict,
           num_records: int, dist: Dist) -> None:  # fmt: skip
     """A checkpoint of everything resume needs (gathered from all ranks under FSDP)."""
@@ -400,6 +436,13 @@ def train(
     dist = dist or Dist()
     dcfg = drafter.config
     check_no_shortcut(drafter, target)
+    held_out_set = eval_records is not None or bool(eval_tau_records)
+    if cfg.keep_best and not (cfg.eval_every > 0 and held_out_set):
+        raise FlashdraftError(
+            f"--keep-best ranks held-out evaluations; found --eval-every {cfg.eval_every} and "
+            f"{'a' if held_out_set else 'no'} held-out set; expected --eval-every N > 0 and "
+            f"--eval-cached-hidden-states or --eval-completions"
+        )
     cfg.target_layer_ids, cfg.mask_token_id, cfg.block_size = dcfg.target_layer_ids, dcfg.mask_token_id, dcfg.block_size
     cfg.target_fingerprint = cfg.target_fingerprint or target.fingerprint()
     steps_per_epoch, total_steps = _steps(cfg, len(records), dist.world)
@@ -418,6 +461,7 @@ def train(
         bar = Progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc="train",
                        disable=not dist.is_main, dynamic_ncols=True)  # fmt: skip
         window = Window()
+        best = read_best(run_dir) if resume else None
         for step in bar:
             epoch = step // steps_per_epoch
             micro_batches, indices = global_batch(cfg, records, step, steps_per_epoch, dist)
@@ -448,6 +492,8 @@ def train(
                     writer.write(done, held_out)
                     bar.write(f"step {done}: " + ", ".join(f"{k} {v:.3f}" for k, v in held_out.items()
                                                            if isinstance(v, float)))  # fmt: skip
+                if cfg.keep_best:
+                    best = _keep_if_best(run_dir, done, model, held_out, best, cfg, dist)
             if done % cfg.save_every == 0 or done == total_steps:
                 _save(run_dir, done, model, optimizer, scheduler, cfg, config_dict, len(records), dist)
         if writer is not None:

@@ -98,3 +98,37 @@ def test_kl_training_evaluates_held_out_hard_ce_on_a_cache_without_logits(workdi
                   str(workdir / "cache")) == 0  # fmt: skip
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["eval_loss"] > 0 and last["eval_tau"] >= 1.0
+
+
+def _eval_rows(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "eval_tau" in r]
+
+
+def test_keep_best_keeps_the_drafter_of_the_best_held_out_tau_also_across_resume(workdir, capsys):
+    out, cache = workdir / "best", str(workdir / "cache")
+    args = ["--cached-hidden-states", cache, "--out", str(out), "--eval-every", "1", "--eval-cached-hidden-states",
+            cache, "--save-every", "1", "--keep-checkpoints", "20", "--keep-best", "--lr", "2e-2"]  # fmt: skip
+    assert _train(workdir, *args, "--max-steps", "4", "--epochs", "3") == 0
+    assert _train(workdir, *args, "--max-steps", "8", "--epochs", "3", "--resume") == 0
+    rows = _eval_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    taus = [r["eval_tau"] for r in rows]
+    best_step = rows[taus.index(max(taus))]["step"]  # the first step reaching the best τ
+    record = json.loads((out / "best/best.json").read_text())
+    assert record == {"step": best_step, "metric": "eval_tau", "value": max(taus)}
+    best, same_step = load_drafter(out / "best"), load_drafter(out / f"checkpoints/step-{best_step:07d}/drafter")
+    for (name, a), b in zip(best.state_dict().items(), same_step.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(out), "--target-model", str(workdir / "target"),
+                 "--cached-hidden-states", cache, "--max-blocks", "2"]) == 0  # fmt: skip
+    said = capsys.readouterr().out
+    assert "its newest checkpoint step-0000008" in said and f"is --checkpoint {out / 'best'}" in said
+
+
+def test_keep_best_without_a_held_out_set_is_refused_before_training(workdir, capsys):
+    out = workdir / "best-refused"
+    code = _train(workdir, "--cached-hidden-states", str(workdir / "cache"), "--out", str(out), "--keep-best")
+    assert code == 2 and "--keep-best ranks held-out evaluations" in capsys.readouterr().err
+    assert not (out / "checkpoints").exists()
