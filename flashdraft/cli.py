@@ -352,7 +352,7 @@ def _add_eval_commands(sub) -> None:
     p.add_argument("--block-size", type=_block_size, default=None,
                    help=f"default: the drafter's (n-gram: {DEFAULT_BLOCK_SIZE}, or the drafter's)")  # fmt: skip
     p.add_argument("--num-speculative-tokens", type=_positive, default=None, metavar="K",
-                   help="verify only the first K of the B - 1 drafts each step (vLLM's name; default: all)")  # fmt: skip
+                   help="verify only the first K of the B - 1 drafts each step (vLLM's name; default all)")  # fmt: skip
     p.add_argument("--adaptive-threshold", type=_probability, default=None, metavar="P",
                    help="verify drafts only up to the first whose top drafter probability is under P "
                         "(at least one; lossless; with --num-speculative-tokens, at most K)")  # fmt: skip
