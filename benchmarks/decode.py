@@ -3,13 +3,19 @@ for trained drafters (`--checkpoint`, repeatable), each also as the hybrid with 
 (`flashdraft.hybrid`, drafter "hybrid:DIR"), and the n-gram prompt-lookup baseline.
 
     .venv/bin/python benchmarks/decode.py [--target-model tiny] [--checkpoint DIR ...] [--num-prompts 8]
-        [--max-new-tokens 256] [--block-size B] [--threads 1] [--hybrid-min-match M --hybrid-ngram-prior P]
+        [--max-new-tokens 256] [--block-size B] [--threads 1] [--num-speculative-tokens 1,2,4,8,15]
+        [--adaptive-threshold 0.3,0.5,0.8] [--hybrid-min-match M --hybrid-ngram-prior P]
 
 Prompts: the first N of builtin:code:heldout, encoded as `flashdraft eval --prompts` does.
 After a warm-up, each prompt is decoded plainly and then by every drafter in turn (so a
 slow-down of a shared machine hits all of them alike); every speculative output is checked
-token for token against the plain one. Prints one JSON line per drafter; the plain greedy
-figures are the same in each line. On a CPU the tiny target runs fastest on one thread.
+token for token against the plain one. Each drafter runs verifying all B - 1 drafts, then
+once per `--num-speculative-tokens` k (the first k drafts) and per `--adaptive-threshold` p
+(drafts up to the first with top probability under p; DFlash drafters only: an n-gram draft
+has probability 1). Prints one JSON line per drafter and setting: τ, speed-up, the bound
+τ x t(greedy step) / (t(draft) + t(verify)) with the per-step costs measured inside the decode
+loop, and speed-up / bound; then per drafter its best setting. The plain greedy figures are
+the same in each line. On a CPU the tiny target runs fastest on one thread.
 A last line ("verify_cost") gives what a speculative step pays the target: t_step_1, one
 token after a 200-token cached prefix, t_verify_17, a 17-token block there, and their ratio
 (median ms of interleaved runs); a drafter with τ below the ratio cannot speed decoding up.
@@ -25,10 +31,12 @@ import time
 
 import torch
 
+from flashdraft.acceptance import DraftLimit
 from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.hybrid import HybridDrafter, HybridRule
 from flashdraft.ngram import NGramProposer
 from flashdraft.records import load_eval_records
+from flashdraft.results import speedup_bound
 from flashdraft.run_dir import load_any_drafter
 from flashdraft.target import TargetModel
 
@@ -51,6 +59,14 @@ def verify_cost(target: TargetModel, prefix_ids: list[int], repeats: int = 40) -
     return {"t_step_1": round(t1, 3), "t_verify_17": round(t17, 3), "verify_cost_ratio": round(t17 / t1, 3)}
 
 
+def settings(drafter, block: int, ks: list[int], thresholds: list[float]) -> list[DraftLimit | None]:
+    """All B - 1 drafts, each k that fits the block, each threshold (for a drafter with confidences)."""
+    limits = [None] + [DraftLimit(num_speculative_tokens=k) for k in ks if k < block - 1]
+    if not isinstance(drafter, NGramProposer):  # one-hot n-gram drafts: every threshold keeps them all
+        limits += [DraftLimit(adaptive_threshold=p) for p in thresholds]
+    return limits
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target-model", default="tiny")
@@ -62,6 +78,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--hybrid-min-match", type=int, default=HybridRule.min_match)
     ap.add_argument("--hybrid-ngram-prior", type=float, default=HybridRule.ngram_prior)
+    ap.add_argument("--num-speculative-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                    help="k values to sweep, e.g. 1,2,3,4,6,8,15")  # fmt: skip
+    ap.add_argument("--adaptive-threshold", type=lambda v: [float(x) for x in v.split(",")], default=[],
+                    help="thresholds to sweep, e.g. 0.3,0.5,0.8")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = TargetModel.load(args.target_model)
@@ -75,39 +95,56 @@ def main() -> None:
         drafters[f"hybrid:{path}"] = (hybrid, drafters[path][1])
     drafters["ngram"] = (NGramProposer(target.vocab_size), args.block_size or 16)
 
+    runs = [(name, drafter, block, limit) for name, (drafter, block) in drafters.items()
+            for limit in settings(drafter, block, args.num_speculative_tokens, args.adaptive_threshold)]  # fmt: skip
+
     warm = records[0].prompt_ids
     autoregressive_generate(target, warm, 16)
     for drafter, block in drafters.values():
         speculative_generate(target, drafter, warm, 16, block_size=block)
 
     greedy_tokens, greedy_seconds = 0, 0.0
-    stats = {name: {"tokens": 0, "seconds": 0.0, "lengths": [], "lossless": True} for name in drafters}
+    stats = [{"tokens": 0, "seconds": 0.0, "draft": 0.0, "verify": 0.0, "lengths": [], "lossless": True} for _ in runs]
     for record in records:
         t0 = time.perf_counter()
         plain = autoregressive_generate(target, record.prompt_ids, args.max_new_tokens)
         greedy_seconds += time.perf_counter() - t0
         greedy_tokens += len(plain.output_ids)
-        for name, (drafter, block) in drafters.items():
+        for s, (_, drafter, block, limit) in zip(stats, runs, strict=True):
             t0 = time.perf_counter()
-            spec = speculative_generate(target, drafter, record.prompt_ids, args.max_new_tokens, block_size=block)
-            s = stats[name]
+            spec = speculative_generate(target, drafter, record.prompt_ids, args.max_new_tokens, block_size=block,
+                                        limit=limit)  # fmt: skip
             s["seconds"] += time.perf_counter() - t0
             s["tokens"] += len(spec.output_ids)
+            s["draft"], s["verify"] = s["draft"] + spec.draft_seconds, s["verify"] + spec.verify_seconds
             s["lengths"] += spec.acceptance_lengths
             s["lossless"] &= spec.output_ids == plain.output_ids
 
-    greedy_tps = greedy_tokens / greedy_seconds
-    for name, (_, block) in drafters.items():
-        s = stats[name]
-        spec_tps = s["tokens"] / s["seconds"]
-        print(json.dumps({
+    greedy_tps, greedy_step = greedy_tokens / greedy_seconds, greedy_seconds / greedy_tokens
+    best = {}  # drafter -> its fastest line
+    for s, (name, _, block, limit) in zip(stats, runs, strict=True):
+        steps = max(len(s["lengths"]), 1)
+        tau = sum(s["lengths"]) / steps
+        speedup = s["tokens"] / s["seconds"] / greedy_tps
+        bound = speedup_bound(tau, greedy_step, s["draft"] / steps, s["verify"] / steps)
+        line = {
             "benchmark": "decode", "target": str(target.path), "drafter": name, "block_size": block,
+            "num_speculative_tokens": limit.num_speculative_tokens if limit else block - 1,
+            "adaptive_threshold": limit.adaptive_threshold if limit else None,
             "machine": platform.processor() or platform.machine(), "threads": args.threads,
             "prompts": len(records), "max_new_tokens": args.max_new_tokens, "tokens": s["tokens"],
-            "tau": round(sum(s["lengths"]) / max(len(s["lengths"]), 1), 3),
-            "spec_tokens_per_s": round(spec_tps, 1), "greedy_tokens_per_s": round(greedy_tps, 1),
-            "speedup": round(spec_tps / greedy_tps, 3), "lossless": s["lossless"],
-        }))  # fmt: skip
+            "tau": round(tau, 3), "spec_tokens_per_s": round(s["tokens"] / s["seconds"], 1),
+            "greedy_tokens_per_s": round(greedy_tps, 1), "speedup": round(speedup, 3),
+            "speedup_bound": round(bound, 3), "speedup_of_bound": round(speedup / bound, 3),
+            "draft_ms": round(1000 * s["draft"] / steps, 3), "verify_ms": round(1000 * s["verify"] / steps, 3),
+            "greedy_step_ms": round(1000 * greedy_step, 3), "lossless": s["lossless"],
+        }  # fmt: skip
+        print(json.dumps(line))
+        if name not in best or speedup > best[name]["speedup"]:
+            best[name] = line
+    for name, line in best.items():
+        keys = ("num_speculative_tokens", "adaptive_threshold", "tau", "speedup", "speedup_bound", "speedup_of_bound")
+        print(json.dumps({"benchmark": "decode_best", "drafter": name} | {k: line[k] for k in keys}))
     prefix = [t for r in records for t in r.prompt_ids] * 200  # 200 tokens of real prompts
     print(json.dumps({
         "benchmark": "verify_cost", "target": str(target.path), "linear_backend": target.linear_backend,

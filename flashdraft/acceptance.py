@@ -8,7 +8,8 @@ its argmax; sampled: the lossless accept/resample rule), and its next token is t
 walk applies the same rule to a completion the target already wrote, where its argmax is
 the next completion token. So with greedy completions offline and online acceptance
 lengths are the same lists, step for step, for any proposer that drafts the same tokens
-from the same inputs.
+from the same inputs. `DraftLimit` wraps any proposer to verify fewer drafts (the first k, or
+those before the first the drafter is unsure of): the same wrapped proposer serves both paths.
 
 The offline walk, for a prompt P (P tokens) and the target's completion c[0..M-1]: the
 anchor index i starts at 0 (c[0] comes from the prefill); the proposer drafts from
@@ -23,6 +24,7 @@ is asked for all anchors of a stretch at once; the walk uses the drafts it lands
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -181,12 +183,74 @@ class DFlashProposer:
         return self.propose_anchors([tokens[-1]], [anchor_pos], new_context, new_positions, block)[0]
 
 
-def as_proposer(drafter: DFlashDrafter | ProposerFactory | Proposer, target: TargetModel) -> Proposer:
+# -- verifying fewer drafts -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftLimit:
+    """How many of a proposer's drafts a step verifies: at most `num_speculative_tokens` (vLLM's
+    name), and, with `adaptive_threshold` p, only those before the first draft whose top drafter
+    probability is under p (at least one). Both read only the drafter's logits, never the target,
+    so decoding stays lossless: a step just verifies fewer drafts."""
+
+    num_speculative_tokens: int | None = None
+    adaptive_threshold: float | None = None
+
+    def count(self, logits: torch.Tensor) -> int:
+        """How many leading drafts of logits [k, V] to verify (1 .. k)."""
+        k = logits.shape[0]
+        if self.num_speculative_tokens is not None:
+            k = min(k, self.num_speculative_tokens)
+        if self.adaptive_threshold is not None:
+            top = torch.softmax(logits[:k].float(), -1).amax(-1)  # [k]: the drafter's confidence per position
+            k = max(1, int((top >= self.adaptive_threshold).int().cumprod(0).sum()))
+        return k
+
+    def wrap(self, proposer: Proposer) -> Proposer:
+        """`proposer` verifying only the drafts this limit keeps (a batched proposer stays batched)."""
+        return (LimitedBatchProposer if isinstance(proposer, BatchProposer) else LimitedProposer)(proposer, self)
+
+
+class LimitedProposer:
+    """A proposer whose drafts are cut to the leading ones a `DraftLimit` keeps."""
+
+    def __init__(self, inner: Proposer, limit: DraftLimit) -> None:
+        self.inner, self.limit = inner, limit
+        self.context_layer_ids = inner.context_layer_ids
+
+    def propose(
+        self, tokens: list[int], anchor_pos: int, new_context: torch.Tensor | None, new_positions: torch.Tensor,
+        block: int,
+    ) -> torch.Tensor:  # fmt: skip
+        logits = self.inner.propose(tokens, anchor_pos, new_context, new_positions, block)
+        return logits[: self.limit.count(logits)]
+
+
+class LimitedBatchProposer(LimitedProposer):
+    """`LimitedProposer` of a `BatchProposer`: the offline walk still drafts many anchors per call."""
+
+    def anchors_per_call(self, block: int) -> int:
+        return self.inner.anchors_per_call(block)
+
+    def propose_anchors(
+        self, anchor_tokens: list[int], anchor_positions: list[int], new_context: torch.Tensor | None,
+        new_positions: torch.Tensor, block: int,
+    ) -> list[torch.Tensor]:  # fmt: skip
+        logits = self.inner.propose_anchors(anchor_tokens, anchor_positions, new_context, new_positions, block)
+        return [x[: self.limit.count(x)] for x in logits]
+
+
+def as_proposer(
+    drafter: DFlashDrafter | ProposerFactory | Proposer, target: TargetModel, limit: DraftLimit | None = None
+) -> Proposer:
     """A fresh proposer for one sequence: a DFlash drafter gets its own KV cache, a
-    `ProposerFactory` makes one; a stateless proposer serves every sequence itself."""
+    `ProposerFactory` makes one; a stateless proposer serves every sequence itself. With a
+    `limit`, it verifies only the drafts the limit keeps."""
     if isinstance(drafter, DFlashDrafter):
-        return DFlashProposer(drafter, target)
-    return drafter.new_proposer(target) if isinstance(drafter, ProposerFactory) else drafter
+        proposer = DFlashProposer(drafter, target)
+    else:
+        proposer = drafter.new_proposer(target) if isinstance(drafter, ProposerFactory) else drafter
+    return limit.wrap(proposer) if limit is not None else proposer
 
 
 def default_block_size(drafter: DFlashDrafter | ProposerFactory | Proposer) -> int:

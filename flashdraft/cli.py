@@ -51,6 +51,16 @@ def _temperature(value: str) -> float:
     return t
 
 
+def _probability(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = float("nan")
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"expected a probability in (0, 1], found {value}")
+    return x
+
+
 def _layer_list(value: str) -> list[int]:
     """Comma-separated target layer ids, e.g. 1,6,11: non-empty, non-negative, distinct."""
     try:
@@ -282,6 +292,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         max_blocks=args.max_blocks, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
         online=args.online, temperature=args.temperature, check_consistency=args.check_consistency,
         reference=args.reference, target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
+        num_speculative_tokens=args.num_speculative_tokens, adaptive_threshold=args.adaptive_threshold,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min, device=device, dtype=dtype, seed=args.seed,
         verify=not args.no_verify, allow_foreign=args.allow_foreign_completions, long_prompts=args.long_prompts,
     ))  # fmt: skip
@@ -352,6 +363,11 @@ def _add_eval_commands(sub) -> None:
     )
     p.add_argument("--block-size", type=_block_size, default=None,
                    help=f"default: the drafter's (n-gram: {DEFAULT_BLOCK_SIZE}, or the drafter's)")  # fmt: skip
+    p.add_argument("--num-speculative-tokens", type=_positive, default=None, metavar="K",
+                   help="verify only the first K of the B - 1 drafts each step (vLLM's name; default all)")  # fmt: skip
+    p.add_argument("--adaptive-threshold", type=_probability, default=None, metavar="P",
+                   help="verify drafts only up to the first whose top drafter probability is under P "
+                        "(at least one; lossless; with --num-speculative-tokens, at most K)")  # fmt: skip
     p.add_argument("--online", action="store_true", help="real speculative decoding with the target, timed")
     p.add_argument("--temperature", type=_temperature, default=0.0, help="online sampling temperature (0 = greedy)")
     p.add_argument(

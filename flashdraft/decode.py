@@ -11,11 +11,13 @@ accept/resample rule keeps the target's distribution exactly.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from flashdraft.acceptance import (
+    DraftLimit,
     Proposer,
     ProposerFactory,
     accept_greedy,
@@ -33,6 +35,8 @@ class GenerationResult:
     output_ids: list[int]  # generated tokens only (prompt excluded)
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per step (a + 1)
     stop_reason: str = "length"  # "eos" or "length"
+    draft_seconds: float = 0.0  # speculative: summed over steps, the drafter proposing and its drafts sampled
+    verify_seconds: float = 0.0  # speculative: summed over steps, the target's forward over [anchor, drafts]
 
     @property
     def tau(self) -> float:
@@ -52,6 +56,13 @@ def _truncate(tokens: list[int], budget: int, stop_ids: set[int]) -> tuple[list[
         if t in stop_ids:
             return tokens[: i + 1], True
     return tokens[:budget], False
+
+
+def _clock(device: torch.device) -> float:
+    """perf_counter after the device's queued work has finished."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 @torch.no_grad()
@@ -87,16 +98,19 @@ def speculative_generate(
     temperature: float = 0.0,
     block_size: int | None = None,
     generator: torch.Generator | None = None,
+    limit: DraftLimit | None = None,
 ) -> GenerationResult:
-    """Generate with drafter + target; returns the tokens and each step's committed count.
+    """Generate with drafter + target; returns the tokens, each step's committed count and the
+    time spent drafting and verifying.
 
-    `drafter` is a DFlash drafter, a `ProposerFactory` (the hybrid) or any `Proposer`. The first token comes from the
-    prefill, as in plain decoding; every later token comes from a speculative step. A step
+    `drafter` is a DFlash drafter, a `ProposerFactory` (the hybrid) or any `Proposer`; `limit`
+    cuts each step's drafts (fewer verified tokens, still lossless). The first token comes from
+    the prefill, as in plain decoding; every later token comes from a speculative step. A step
     commits min(a + 1, tokens still allowed), cut after a stop token, so the acceptance
     lengths add up to len(output_ids) - 1.
     """
     block = block_size or default_block_size(drafter)
-    proposer = as_proposer(drafter, target)
+    proposer = as_proposer(drafter, target, limit)
     if block < 2:
         raise ValueError(f"block_size {block} < 2")
     target.set_context_layers(proposer.context_layer_ids)
@@ -117,10 +131,13 @@ def speculative_generate(
 
     while len(result.output_ids) < max_new_tokens:
         tokens = prompt_ids + result.output_ids
+        start = _clock(device)
         draft_logits = proposer.propose(tokens, anchor_pos, new_context, new_positions, block)  # [k, V]
         draft = _sample(draft_logits, temperature, generator)  # [k]: the step verifies what was proposed
-
+        drafted = _clock(device)
         verify = target.forward(torch.tensor([tokens[-1:] + draft.tolist()], device=device), cache)
+        result.draft_seconds += drafted - start
+        result.verify_seconds += _clock(device) - drafted
         if temperature <= 0:
             a, bonus = accept_greedy(draft, verify.logits[0])
         else:

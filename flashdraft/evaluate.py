@@ -1,6 +1,7 @@
 """`flashdraft eval`: how good is a drafter. τ offline (the acceptance walk over the target's
-own completions, `flashdraft.offline`) and online (real speculative decoding, timed and
-checked lossless against plain decoding), optionally both (`--check-consistency`: the same
+own completions, `flashdraft.offline`) and online (real speculative decoding, timed, its
+speed-up set against the bound τ and the measured step costs imply, and checked lossless
+against plain decoding), optionally both (`--check-consistency`: the same
 acceptance lengths, step for step) and against a reference drafter on the same records.
 
 Any `Proposer` is evaluated alike: a DFlash drafter, the n-gram baseline (`flashdraft.ngram`),
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from flashdraft.acceptance import Proposer
+from flashdraft.acceptance import DraftLimit, Proposer, tau_of
 from flashdraft.checkpoint import check_drafter_matches_target
 from flashdraft.config import DEFAULT_BLOCK_SIZE
 from flashdraft.decode import autoregressive_generate, speculative_generate
@@ -26,7 +27,7 @@ from flashdraft.model import DFlashDrafter
 from flashdraft.ngram import NGramProposer
 from flashdraft.offline import drafter_shape, evaluate_offline
 from flashdraft.records import EvalRecord, FeatureSource, Log, fit_prompts, invalid_reason, load_eval_records
-from flashdraft.results import EvalResult, PromptResult, difference, first_difference
+from flashdraft.results import EvalResult, PromptResult, difference, first_difference, speedup_bound
 from flashdraft.run_dir import load_any_drafter
 from flashdraft.target import TargetModel
 
@@ -100,33 +101,42 @@ def evaluate_online(
     max_new_tokens: int = 256,
     temperature: float = 0.0,
     seed: int = 0,
+    limit: DraftLimit | None = None,
 ) -> EvalResult:
-    """Online τ: real speculative decoding of every record's prompt, timed after a warm-up,
-    each output checked against plain greedy decoding (`baseline`) when temperature is 0.
-    Acceptance lengths are cut to the first `max_blocks` steps (the output is not)."""
+    """Online τ: real speculative decoding of every record's prompt (verifying the drafts
+    `limit` keeps), timed after a warm-up, each output checked against plain greedy decoding
+    (`baseline`) when temperature is 0, and the speed-up set against its bound. Acceptance
+    lengths are cut to the first `max_blocks` steps (the output and the timing are not)."""
     b, layer_ids, context_layers = drafter_shape(drafter, block_size)
     speculative_generate(target, drafter, records[0].prompt_ids, min(8, max_new_tokens), temperature, b,
-                         _generator(seed, -1, target))  # fmt: skip
-    per_prompt, seconds = [], 0.0
+                         _generator(seed, -1, target), limit)  # fmt: skip
+    per_prompt, all_lengths = [], []
+    seconds = draft_s = verify_s = 0.0
     for index, (record, plain) in enumerate(zip(records, baseline, strict=True)):
         _sync(target)
         start = time.perf_counter()
         out = speculative_generate(
             target, drafter, record.prompt_ids, _max_new_tokens(record, max_new_tokens), temperature, b,
-            _generator(seed, index, target),
+            _generator(seed, index, target), limit,
         )  # fmt: skip
         _sync(target)
         seconds += time.perf_counter() - start
+        draft_s, verify_s = draft_s + out.draft_seconds, verify_s + out.verify_seconds
+        all_lengths += out.acceptance_lengths  # every step: the bound is of what was timed
         lossless = out.output_ids == plain.output_ids if temperature <= 0 else None
         lengths = out.acceptance_lengths[:max_blocks] if max_blocks is not None else out.acceptance_lengths
         per_prompt.append(PromptResult(record.id, lengths, out.output_ids, lossless))
     spec_tokens = sum(len(p.output_ids) for p in per_prompt)
     greedy_tokens = sum(len(r.output_ids) for r in baseline)
     greedy_seconds = sum(r.seconds for r in baseline)
+    steps = max(len(all_lengths), 1)
+    greedy_step = greedy_seconds / max(greedy_tokens, 1)
     return EvalResult(
         "online", b, layer_ids, context_layers, per_prompt, temperature,
         speculative_tokens_per_s=spec_tokens / seconds if seconds > 0 else None,
         greedy_tokens_per_s=greedy_tokens / greedy_seconds if greedy_seconds > 0 else None,
+        draft_ms=1000 * draft_s / steps, verify_ms=1000 * verify_s / steps, greedy_step_ms=1000 * greedy_step,
+        speedup_bound=speedup_bound(tau_of(all_lengths), greedy_step, draft_s / steps, verify_s / steps),
     )  # fmt: skip
 
 
@@ -209,6 +219,9 @@ class EvalConfig:
     temperature: float = 0.0
     check_consistency: bool = False
     reference: str | None = None
+    # verify fewer drafts per step, drafter and reference alike (`DraftLimit`)
+    num_speculative_tokens: int | None = None
+    adaptive_threshold: float | None = None
     # for a bare state dict, and for the baseline
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None
@@ -318,20 +331,34 @@ def _check_cache_layers(cfg: EvalConfig, candidates: list[Candidate], records: l
                 f"fresh target forward")  # fmt: skip
 
 
+def _draft_limit(cfg: EvalConfig, c: Candidate) -> DraftLimit | None:
+    """The drafts a step verifies, checked against the candidate's block (None: all B - 1)."""
+    k, p = cfg.num_speculative_tokens, cfg.adaptive_threshold
+    if k is not None and k > c.block_size - 1:
+        raise FlashdraftError(
+            f"--num-speculative-tokens {k}: {c.label} drafts blocks of {c.block_size} (anchor + "
+            f"{c.block_size - 1} drafts); expected at most {c.block_size - 1}"
+        )
+    return DraftLimit(k, p) if k is not None or p is not None else None
+
+
 def _evaluate_candidate(
     cfg: EvalConfig, c: Candidate, target: TargetModel, records: list[EvalRecord], baseline: list[GreedyRun] | None,
     features: FeatureSource, max_new_tokens: int,
 ) -> dict[str, Any]:  # fmt: skip
     """One drafter's summary: offline, online, or both with the consistency check."""
     offline = online = None
+    limit = _draft_limit(cfg, c)
     if not cfg.online or cfg.check_consistency:
-        offline = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks)
+        offline = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks, limit)
     if cfg.online or cfg.check_consistency:
         online = evaluate_online(c.drafter, target, records, baseline, c.block_size, cfg.max_blocks, max_new_tokens,
-                                 cfg.temperature, cfg.seed)  # fmt: skip
+                                 cfg.temperature, cfg.seed, limit)  # fmt: skip
     summary = (online if cfg.online else offline).to_json()
     summary |= {"checkpoint": c.label, "checkpoint_form": c.form, "drafter_path": c.path,
-                "drafter_type": _drafter_type(c.drafter)}  # fmt: skip
+                "drafter_type": _drafter_type(c.drafter),
+                "num_speculative_tokens": cfg.num_speculative_tokens,
+                "adaptive_threshold": cfg.adaptive_threshold}  # fmt: skip
     if cfg.check_consistency:
         mismatches = consistency_mismatches(records, baseline, offline, online)
         summary["consistency"] = {"identical": not mismatches, "mismatches": mismatches,
@@ -360,6 +387,8 @@ def run_eval(cfg: EvalConfig, log: Log = print) -> dict[str, Any]:
         f"{type(tok).__name__} with {len(tok)} tokens, LM head vocabulary {target.vocab_size}"
     )
     candidates = _load_candidates(cfg, target, log)
+    for c in candidates:
+        _draft_limit(cfg, c)  # a k past the block fails before any decoding
     max_new_tokens = cfg.max_new_tokens
     if max_new_tokens is None:  # enough for max_blocks steps of the largest block
         max_new_tokens = cfg.max_blocks * max(c.block_size for c in candidates) + 1 if cfg.max_blocks else 256

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from flashdraft.acceptance import Proposer, ProposerFactory, as_proposer, default_block_size, offline_acceptance_lengths
+from flashdraft.acceptance import (
+    DraftLimit,
+    Proposer,
+    ProposerFactory,
+    as_proposer,
+    default_block_size,
+    offline_acceptance_lengths,
+)
 from flashdraft.model import DFlashDrafter
 from flashdraft.records import EvalRecord, FeatureSource
 from flashdraft.results import EvalResult, PromptResult
@@ -34,15 +41,17 @@ def evaluate_offline(
     features: FeatureSource | None = None,
     block_size: int | None = None,
     max_blocks: int | None = None,
+    limit: DraftLimit | None = None,
 ) -> EvalResult:
     """Offline τ of `drafter` (a DFlash drafter, the hybrid, or a stateless `Proposer` such as
-    the n-gram baseline) on `records`, each walked for at most `max_blocks` steps."""
+    the n-gram baseline) on `records`, each walked for at most `max_blocks` steps, verifying the
+    drafts `limit` keeps."""
     b, layer_ids, context_layers = drafter_shape(drafter, block_size)
     features = features or FeatureSource(target)
     per_prompt = []
     for record in records:
         f = features(record, layer_ids) if layer_ids else None
-        lengths = offline_acceptance_lengths(as_proposer(drafter, target), record.prompt_ids, record.completion_ids, b,
-                                             f, max_blocks, target.device)  # fmt: skip
+        lengths = offline_acceptance_lengths(as_proposer(drafter, target, limit), record.prompt_ids,
+                                             record.completion_ids, b, f, max_blocks, target.device)  # fmt: skip
         per_prompt.append(PromptResult(record.id, lengths))
     return EvalResult("offline", b, layer_ids, context_layers, per_prompt)

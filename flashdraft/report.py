@@ -17,6 +17,16 @@ PLOTS = {
 }
 
 
+# online: the speed-up's bound τ x t(greedy step) / (t(draft) + t(verify)), and its parts
+TIMING_ROWS = [
+    ("speed-up bound", "speedup_bound"),
+    ("speed-up / bound", "speedup_of_bound"),
+    ("t(draft) ms per step", "draft_ms"),
+    ("t(verify) ms per step", "verify_ms"),
+    ("t(greedy step) ms", "greedy_step_ms"),
+]
+
+
 def _fmt(value: Any, signed: bool = False) -> str:
     if value is None:
         return "-"
@@ -50,6 +60,7 @@ def figure_rows(summary: dict[str, Any]) -> list[list[str]]:
             ("greedy tokens/s", summary["greedy_tokens_per_s"], ref and ref["greedy_tokens_per_s"], None),
             ("speed-up", summary["speedup"], ref and ref["speedup"], diff and diff["speedup"]),
         ]  # fmt: skip
+        rows += [(name, summary.get(key), ref and ref.get(key), None) for name, key in TIMING_ROWS]
     length = max(len(summary["histogram"]), len(ref["histogram"]) if ref else 0)
     for n in range(1, length + 1):
         rows.append((f"steps committing {n}", _at(summary["histogram"], n - 1),
@@ -97,8 +108,17 @@ def _figure_header(summary: dict[str, Any]) -> list[str]:
 
 def _context(summary: dict[str, Any]) -> str:
     if summary["context_layers"] is None:  # the n-gram baseline reads tokens only
-        return "no context features"
-    return f"{summary['context_layers']} context layers {summary['target_layer_ids']}"
+        context = "no context features"
+    else:
+        context = f"{summary['context_layers']} context layers {summary['target_layer_ids']}"
+    return context + _draft_limit(summary)
+
+
+def _draft_limit(summary: dict[str, Any]) -> str:
+    """Which drafts each step verified, when not all B - 1."""
+    k, p = summary.get("num_speculative_tokens"), summary.get("adaptive_threshold")
+    return (f", verifying the first {k} drafts" if k is not None else "") + (
+        f", verifying drafts up to the first under probability {p}" if p is not None else "")  # fmt: skip
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -197,8 +217,8 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
         f"# Drafter evaluation: {summary['checkpoint']}",
         "",
         f"- mode: **{summary['mode']}**; target `{summary.get('target')}`; records: {summary.get('records_source')}",
-        f"- block size {summary['block_size']}; {context}; at most {summary.get('max_blocks') or 'all'} blocks "
-        f"per prompt",
+        f"- block size {summary['block_size']}{_draft_limit(summary)}; {context}; at most "
+        f"{summary.get('max_blocks') or 'all'} blocks per prompt",
     ]
     if summary.get("reference"):
         ref = summary["reference"]
@@ -209,6 +229,11 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
     lines += [
         "- τ = tokens committed per step (accepted drafts + the bonus token), pooled over all steps; "
         "per-position acceptance = share of steps whose k-th draft was accepted.",
+    ]
+    if summary["mode"] == "online":
+        lines.append("- speed-up bound = τ × t(greedy step) / (t(draft) + t(verify)), the costs per step measured "
+                     "inside the decode loop; speed-up / bound = the share of it the loop delivers.")  # fmt: skip
+    lines += [
         "",
         "## Figures",
         "",

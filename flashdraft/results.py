@@ -4,6 +4,7 @@ quotes, pooled over prompts.
 Figures: τ = total committed / steps (pooled over prompts; its ceiling is B), the mean of
 per-prompt τ, the histogram of committed lengths 1..B, and per-position acceptance: the
 share of steps whose k-th draft was accepted (committed length > k), so τ = 1 + Σ_k of it.
+Online, the speed-up over plain decoding and the bound that τ and the measured costs imply.
 """
 
 from __future__ import annotations
@@ -12,6 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashdraft.acceptance import tau_of
+
+
+def speedup_bound(tau: float, greedy_step_s: float, draft_s: float, verify_s: float) -> float | None:
+    """The speed-up τ and the measured per-step costs allow: a step commits τ tokens in
+    t(draft) + t(verify of k + 1 tokens), plain decoding spends τ x t(greedy step) on them.
+    Prefill, acceptance and rollback are left out, so a measured speed-up stays under it."""
+    step = draft_s + verify_s
+    return tau * greedy_step_s / step if step > 0 else None
 
 
 @dataclass
@@ -36,6 +45,11 @@ class EvalResult:
     temperature: float = 0.0
     speculative_tokens_per_s: float | None = None  # online
     greedy_tokens_per_s: float | None = None  # online
+    # online, in ms: per speculative step (every step, not only the first max_blocks), per greedy token
+    draft_ms: float | None = None
+    verify_ms: float | None = None
+    greedy_step_ms: float | None = None
+    speedup_bound: float | None = None  # `speedup_bound` of these and the τ of every step
 
     @property
     def lengths(self) -> list[int]:
@@ -79,6 +93,11 @@ class EvalResult:
             return None
         return self.speculative_tokens_per_s / self.greedy_tokens_per_s
 
+    @property
+    def speedup_of_bound(self) -> float | None:
+        """Measured speed-up / bound: how much of what τ allows the decode loop delivers."""
+        return self.speedup / self.speedup_bound if self.speedup is not None and self.speedup_bound else None
+
     def to_json(self) -> dict[str, Any]:
         per_prompt = []
         for p in self.per_prompt:
@@ -103,6 +122,11 @@ class EvalResult:
             "speedup": self.speedup,
             "speculative_tokens_per_s": self.speculative_tokens_per_s,
             "greedy_tokens_per_s": self.greedy_tokens_per_s,
+            "draft_ms": self.draft_ms,
+            "verify_ms": self.verify_ms,
+            "greedy_step_ms": self.greedy_step_ms,
+            "speedup_bound": self.speedup_bound,
+            "speedup_of_bound": self.speedup_of_bound,
             "per_prompt": per_prompt,
         }
 

@@ -2,14 +2,18 @@ import pytest
 import torch
 
 from flashdraft.acceptance import (
+    BatchProposer,
     DFlashProposer,
+    DraftLimit,
     accept_greedy,
     accept_sampled,
+    as_proposer,
     committed_length,
     offline_acceptance_lengths,
 )
 from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.ngram import NGramProposer
+from flashdraft.offline import evaluate_offline
 from tests.conftest import make_drafter, make_target
 from tests.test_evaluate import overfit
 from tests.test_ngram import PROMPTS, greedy_records
@@ -88,3 +92,63 @@ def test_one_anchor_walk_feeds_context_as_online_does():
         assert one_by_one == batched
         walks.append(batched)
     assert max(walks[0]) > 2  # the drafter accepts on the record it was fitted to: lengths vary
+
+
+# -- verifying fewer drafts ------------------------------------------------------------------
+
+
+def test_draft_limit_keeps_the_first_k_and_stops_before_the_first_unsure_draft():
+    top = torch.tensor([0.9, 0.8, 0.3, 0.95])  # the drafter's top probability at each position
+    probs = torch.cat([top[:, None], ((1 - top) / 3)[:, None].expand(4, 3)], dim=1)  # [4, V = 4]
+    logits = probs.log() + 3.0  # any shift: the limit reads the softmax
+    assert DraftLimit().count(logits) == 4
+    assert DraftLimit(num_speculative_tokens=2).count(logits) == 2
+    assert DraftLimit(num_speculative_tokens=9).count(logits) == 4
+    assert DraftLimit(adaptive_threshold=0.5).count(logits) == 2
+    assert DraftLimit(adaptive_threshold=0.25).count(logits) == 4
+    assert DraftLimit(adaptive_threshold=0.95).count(logits) == 1  # the first draft is always verified
+    assert DraftLimit(num_speculative_tokens=1, adaptive_threshold=0.5).count(logits) == 1
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    """A hybrid target, its greedy records and a drafter overfitted to the first (it accepts)."""
+    target = make_target("hybrid")
+    records = greedy_records(target)
+    return target, records, overfit(make_drafter(), target, records[0])
+
+
+LIMITS = [DraftLimit(num_speculative_tokens=1), DraftLimit(num_speculative_tokens=3),
+          DraftLimit(adaptive_threshold=0.6), DraftLimit(num_speculative_tokens=5, adaptive_threshold=0.3)]  # fmt: skip
+
+
+@pytest.mark.parametrize("limit", LIMITS, ids=str)
+@pytest.mark.parametrize("kind", ["dflash", "ngram"])
+def test_verifying_fewer_drafts_stays_lossless_and_offline_equals_online(fitted, limit, kind):
+    target, records, drafter = fitted
+    if kind == "ngram":
+        drafter = NGramProposer(target.vocab_size)
+    else:  # the batched many-anchors walk survives the limit
+        assert isinstance(as_proposer(drafter, target, limit), BatchProposer)
+    offline = evaluate_offline(drafter, target, records, block_size=8, limit=limit)
+    full = evaluate_offline(drafter, target, records, block_size=8)
+    for record, walked in zip(records, offline.per_prompt, strict=True):
+        online = speculative_generate(target, drafter, record.prompt_ids, len(record.completion_ids), block_size=8,
+                                      limit=limit)  # fmt: skip
+        assert online.output_ids == record.completion_ids  # greedy: identical to autoregressive decoding
+        assert walked.acceptance_lengths == online.acceptance_lengths
+    assert max(offline.lengths) <= 1 + (limit.num_speculative_tokens or 7)
+    if kind == "dflash":  # the limit changed what was verified, and (k > 1) still let several drafts through
+        assert offline.lengths != full.lengths
+        assert max(offline.lengths) > (2 if limit.num_speculative_tokens != 1 else 1)
+
+
+def test_one_anchor_walk_equals_the_batched_walk_under_an_adaptive_limit(fitted):
+    target, records, drafter = fitted
+    limit = DraftLimit(adaptive_threshold=0.6)
+    target.set_context_layers(drafter.config.target_layer_ids)
+    for r in records:
+        features = target.forward(torch.tensor([r.input_ids])).context_features[0]
+        walks = [offline_acceptance_lengths(as_proposer(drafter, target, limit), r.prompt_ids, r.completion_ids, 8,
+                                            features, anchors_per_call=n) for n in (1, 5)]  # fmt: skip
+        assert walks[0] == walks[1]

@@ -1,9 +1,11 @@
 import math
 import random
+import time
 
 import pytest
 import torch
 
+from flashdraft.acceptance import DraftLimit
 from flashdraft.decode import autoregressive_generate, speculative_generate
 from tests.conftest import EOS, make_drafter, make_flat_target, make_target
 
@@ -69,8 +71,10 @@ def test_max_new_tokens_is_respected_inside_a_block():
     assert len(spec.output_ids) == 13 and spec.output_ids == plain.output_ids
 
 
-def test_speculative_sampling_matches_target_distribution_end_to_end():
-    # second generated token (the first one a speculative step produces) vs its exact law
+@pytest.mark.parametrize("limit", [None, DraftLimit(num_speculative_tokens=2, adaptive_threshold=0.1)], ids=str)
+def test_speculative_sampling_matches_target_distribution_end_to_end(limit):
+    # second generated token (the first one a speculative step produces) vs its exact law; with
+    # a limit the drafts are cut by the drafter's own confidence, which must not bias the law
     target = make_flat_target("hybrid")
     model = target.model
     drafter = make_drafter(block_size=4)
@@ -84,7 +88,7 @@ def test_speculative_sampling_matches_target_distribution_end_to_end():
     n = 600
     counts = torch.zeros(64)
     for _ in range(n):
-        out = speculative_generate(target, drafter, prompt, 2, temperature=1.0, generator=gen).output_ids
+        out = speculative_generate(target, drafter, prompt, 2, temperature=1.0, generator=gen, limit=limit).output_ids
         counts[out[1]] += 1
     # chi-square over the 8 likeliest second tokens plus "other"
     top = torch.topk(law, 8).indices
@@ -93,3 +97,23 @@ def test_speculative_sampling_matches_target_distribution_end_to_end():
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     assert chi2 < 26.1, (observed, expected)  # 8 degrees of freedom, p = 0.001
     assert math.isclose(float(law.sum()), 1.0, rel_tol=1e-4)
+
+
+class SlowProposer(OracleProposer):
+    """An oracle that takes 10 ms to draft."""
+
+    def propose(self, tokens, anchor_pos, new_context, new_positions, block):
+        time.sleep(0.01)
+        return super().propose(tokens, anchor_pos, new_context, new_positions, block)
+
+
+def test_drafting_and_verification_are_timed_apart_inside_the_loop():
+    target = make_target("hybrid")
+    plain = autoregressive_generate(target, PROMPT, 30)
+    start = time.perf_counter()
+    spec = speculative_generate(target, SlowProposer(PROMPT + plain.output_ids), PROMPT, 30, block_size=4)
+    wall = time.perf_counter() - start
+    steps = len(spec.acceptance_lengths)
+    assert spec.output_ids == plain.output_ids
+    assert spec.draft_seconds >= 0.01 * steps and spec.verify_seconds > 0
+    assert spec.draft_seconds + spec.verify_seconds <= wall

@@ -18,7 +18,7 @@ from flashdraft.evaluate import records_from_prompts
 from flashdraft.model import DFlashDrafter
 from flashdraft.offline import evaluate_offline
 from flashdraft.records import EvalRecord, FeatureSource
-from flashdraft.results import EvalResult, PromptResult
+from flashdraft.results import EvalResult, PromptResult, speedup_bound
 from flashdraft.run_dir import load_any_drafter
 from flashdraft.target import TargetModel
 from tests.conftest import make_drafter, make_target, make_tokenizer, run_cli, save_target, write_word_prompts
@@ -167,6 +167,9 @@ def test_figures_follow_their_definitions():
     assert result.histogram == [1, 1, 1, 1] and result.num_steps == 4
     assert result.position_acceptance == [3 / 4, 2 / 4, 1 / 4]
     assert result.tau == pytest.approx(1 + sum(result.position_acceptance))
+    # τ 3 tokens per step of 2 + 8 ms, where plain decoding takes 10 ms a token: 3x at most
+    assert speedup_bound(3.0, 0.010, 0.002, 0.008) == pytest.approx(3.0)
+    assert speedup_bound(3.0, 0.010, 0.0, 0.0) is None
 
 
 # -- the eval command ---------------------------------------------------------------------------
@@ -271,7 +274,7 @@ def test_reference_with_other_depth_and_context_layers(capsys, tmp_path, target_
 
 
 JSON_KEYS = {"tau", "tau_prompt_mean", "histogram", "position_acceptance", "num_steps", "mode", "context_layers",
-             "per_prompt", "lossless", "speedup"}  # fmt: skip
+             "per_prompt", "lossless", "speedup", "speedup_bound", "speedup_of_bound"}  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["offline", "online"])
@@ -289,21 +292,36 @@ def test_json_has_every_key(capsys, tmp_path, target_dir, prompts_file, mode):
     assert all(prompt_keys <= set(p) for p in summary["per_prompt"])
     if mode == "online":
         assert summary["lossless"] is True and summary["speedup"] > 0
+        assert summary["speedup_of_bound"] == pytest.approx(summary["speedup"] / summary["speedup_bound"])
+        assert summary["speedup_bound"] > 0 and summary["draft_ms"] > 0 and summary["verify_ms"] > 0
     else:
-        assert summary["lossless"] is None and summary["speedup"] is None
+        assert summary["lossless"] is None and summary["speedup"] is None and summary["speedup_bound"] is None
 
 
-def test_check_consistency_in_the_cli(capsys, tmp_path, target_dir, prompts_file):
+@pytest.mark.parametrize("limit", [[], ["--num-speculative-tokens", 2], ["--adaptive-threshold", 0.6]], ids=str)
+def test_check_consistency_in_the_cli(capsys, tmp_path, target_dir, prompts_file, limit):
     target = TargetModel.load(target_dir)
     record = EvalRecord("o", PROMPTS[0], autoregressive_generate(target, PROMPTS[0], 30).output_ids)
     save_drafter(overfit(make_drafter(), target, record), tmp_path / "d")
     rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
                            prompts_file, "--num-prompts", 3, "--max-new-tokens", 30, "--online",
-                           "--check-consistency", "--json", tmp_path / "out.json")  # fmt: skip
+                           "--check-consistency", "--json", tmp_path / "out.json", *limit)  # fmt: skip
     assert rc == 0, err
-    consistency = json.loads((tmp_path / "out.json").read_text())["consistency"]
+    summary = json.loads((tmp_path / "out.json").read_text())
+    consistency = summary["consistency"]
     assert consistency["identical"] and consistency["offline_tau"] == consistency["online_tau"]
-    assert "identical acceptance lengths" in out
+    assert "identical acceptance lengths" in out and summary["lossless"]
+    if "--num-speculative-tokens" in limit:
+        assert summary["num_speculative_tokens"] == 2 and max(summary["histogram"][3:]) == 0
+        assert "verifying the first 2 drafts" in out
+
+
+def test_more_speculative_tokens_than_the_block_drafts_are_refused(capsys, tmp_path, target_dir, prompts_file):
+    save_drafter(make_drafter(), tmp_path / "d")  # block size 8: 7 drafts
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
+                           prompts_file, "--num-prompts", 1, "--num-speculative-tokens", 8)  # fmt: skip
+    assert rc == 2 and "--num-speculative-tokens 8" in err and "expected at most 7" in err
+    assert "records" not in out  # refused before any decoding
 
 
 def test_sampling_temperature_is_refused_offline(capsys, tmp_path, target_dir, prompts_file):

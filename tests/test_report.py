@@ -11,6 +11,8 @@ def summary(online: bool = False, reference: bool = False) -> dict:
     prompts = [PromptResult("a", [1, 4, 2], [1, 2, 3, 4, 5, 6, 7, 8], True if online else None),
                PromptResult("b", [3, 1], [1, 2, 3, 4, 5], True if online else None)]  # fmt: skip
     result = EvalResult(mode, 4, [0, 2], 2, prompts, 0.0, 30.0 if online else None, 10.0 if online else None)
+    if online:  # 8 ms per step for τ 2.2 tokens that plain decoding makes in 22 ms: bound 2.75x
+        result.draft_ms, result.verify_ms, result.greedy_step_ms, result.speedup_bound = 2.0, 6.0, 10.0, 2.75
     s = result.to_json() | {"checkpoint": "run/d", "target": "tiny", "records_source": "test", "max_blocks": 15}
     if reference:
         ref = EvalResult(mode, 8, [1], 1, [PromptResult("a", [1, 1, 1]), PromptResult("b", [2, 8])], 0.0,
@@ -35,6 +37,8 @@ def test_report_with_a_reference_shows_both_and_the_difference(tmp_path):
     text = write_report(s, tmp_path).read_text()
     assert "| τ (pooled) | 2.200 | 2.600 | -0.400 |" in text
     assert "| speed-up | 3.000 | 2.000 | +1.000 |" in text
+    assert "| speed-up bound | 2.750 | - | - |" in text and "| speed-up / bound | 1.091 | - | - |" in text
+    assert "| t(verify) ms per step | 6.000 | - | - |" in text
     assert "| steps committing 8 | - | 1 | -1 |" in text  # block sizes 4 and 8 side by side
     assert "| a | 3 | 2.333 | yes | 3 | 1.000 | +1.333 |" in text
     assert all((tmp_path / name).stat().st_size > 0 for name in PLOTS.values())
