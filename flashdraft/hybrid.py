@@ -32,7 +32,7 @@ import torch
 
 from flashdraft.acceptance import DFlashProposer
 from flashdraft.model import DFlashDrafter
-from flashdraft.ngram import NGramProposer, lookup_match
+from flashdraft.ngram import NGramProposer
 from flashdraft.target import TargetModel
 
 BRANCHES = ("ngram_lookup", "ngram_by_confidence", "dflash")  # what a step proposed, and why
@@ -94,20 +94,19 @@ class HybridProposer:
         if new_context is not None and new_context.shape[1] > 0:
             self._pending.append((new_context, new_positions))
         device = new_positions.device
-        match = lookup_match(tokens, block - 1, self.ngram.max_ngram, self.ngram.min_ngram)
-        match_length = match[1] if match is not None else 0
+        ngram_draft, match_length = self.ngram.draft_and_match(tokens, block)
         if self.rule.ngram_outright(match_length):
             if not self.skip_drafter:
                 self._run_drafter(tokens, anchor_pos, block, device)
             self.choices["ngram_lookup"] += 1
-            return self.ngram.propose(tokens, anchor_pos, None, new_positions, block)
+            return self.ngram.one_hot(ngram_draft, device)
         logits = self._run_drafter(tokens, anchor_pos, block, device)  # [B - 1, V]
-        if match is not None:
+        if match_length > 0:
             probs = torch.softmax(logits.float(), dim=-1)
-            q_ngram = probs.gather(1, torch.tensor(match[0], device=probs.device)[:, None])[:, 0]  # [B - 1]
+            q_ngram = probs.gather(1, torch.tensor(ngram_draft, device=probs.device)[:, None])[:, 0]  # [B - 1]
             if self.rule.prefers_ngram(q_ngram, probs.max(-1).values):
                 self.choices["ngram_by_confidence"] += 1
-                return self.ngram.propose(tokens, anchor_pos, None, new_positions, block)
+                return self.ngram.one_hot(ngram_draft, device)
         self.choices["dflash"] += 1
         return logits
 

@@ -72,16 +72,23 @@ class NGramProposer:
 
     def draft(self, tokens: list[int], block: int) -> list[int]:
         """The B - 1 tokens to propose after `tokens` (which end with the anchor)."""
-        found = lookup(tokens, block - 1, self.max_ngram, self.min_ngram)
-        return found if found is not None else [tokens[-1]] * (block - 1)
+        return self.draft_and_match(tokens, block)[0]
+
+    def draft_and_match(self, tokens: list[int], block: int) -> tuple[list[int], int]:
+        """`draft` and the length of the suffix it matched (0: no match, the anchor repeated)."""
+        found = lookup_match(tokens, block - 1, self.max_ngram, self.min_ngram)
+        return found if found is not None else ([tokens[-1]] * (block - 1), 0)
+
+    def one_hot(self, draft: list[int], device: torch.device) -> torch.Tensor:
+        """Logits [len(draft), V]: -inf off the drafted token, so greedy takes it and sampling
+        sees q = 1 on it (speculative sampling with a deterministic drafter)."""
+        logits = torch.full((len(draft), self.vocab_size), float("-inf"), device=device)
+        return logits.scatter_(1, torch.tensor(draft, device=device)[:, None], 0.0)
 
     def propose(
         self, tokens: list[int], anchor_pos: int, new_context: torch.Tensor | None, new_positions: torch.Tensor,
         block: int,
     ) -> torch.Tensor:  # fmt: skip
-        """One-hot logits [block - 1, V]: -inf off the drafted token, so greedy takes it and
-        sampling sees q = 1 on it (speculative sampling with a deterministic drafter)."""
-        device = new_positions.device  # the target's: where the caller keeps positions and compares tokens
-        draft = torch.tensor(self.draft(tokens, block), device=device)
-        logits = torch.full((block - 1, self.vocab_size), float("-inf"), device=device)
-        return logits.scatter_(1, draft[:, None], 0.0)
+        """One-hot logits [block - 1, V] of the draft (`one_hot`), on the target's device: where the
+        caller keeps positions and compares tokens."""
+        return self.one_hot(self.draft(tokens, block), new_positions.device)

@@ -77,5 +77,7 @@ def stdlib_prompts(split: str, avoid_texts: list[str] = ()) -> list[tuple[str, s
     }
     windows = [w for p in files for w in _windows(p, root) if not _shares_line(w[1], avoided)]
     windows.sort(key=lambda w: hashlib.sha256(w[0].encode()).digest())
-    seen: set[str] = set()  # some files repeat others (test data, vendored copies): one prompt per text
-    return [w for w in windows if not (w[1] in seen or seen.add(w[1]))]
+    first_id: dict[str, str] = {}  # some files repeat others (test data, vendored copies): one prompt per text
+    for pid, text in windows:
+        first_id.setdefault(text, pid)
+    return [(pid, text) for text, pid in first_id.items()]
