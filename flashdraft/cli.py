@@ -74,18 +74,21 @@ def _layer_list(value: str) -> list[int]:
 
 def cmd_init(args: argparse.Namespace) -> None:
     from flashdraft.checkpoint import save_drafter
-    from flashdraft.drafter_init import new_drafter_for_target
+    from flashdraft.drafter_init import copy_target_layers, new_drafter_for_target
     from flashdraft.target_weights import TargetHead
 
-    target = TargetHead.load(args.target_model)  # shapes, tokenizer and final norm: no decoder layers
+    target = TargetHead.load(args.target_model)  # shapes, tokenizer and final norm (decoder layers only if copied)
     drafter = new_drafter_for_target(
         target, num_layers=args.draft_layers, block_size=args.block_size, mask_token_id=args.mask_token_id,
-        seed=args.seed,
+        target_layer_ids=args.target_layer_ids, seed=args.seed,
     )  # fmt: skip
+    if args.layers_from_target:
+        copy_target_layers(drafter, target, args.layers_from_target)
     save_drafter(drafter, args.out)
     cfg = drafter.config
+    start = f", layers from target layers {args.layers_from_target}" if args.layers_from_target else ""
     print(
-        f"wrote untrained drafter to {args.out}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"wrote untrained drafter{start} to {args.out}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"block size {cfg.block_size}, target_layer_ids {cfg.target_layer_ids} of {cfg.num_target_layers}, "
         f"mask token {cfg.mask_token_id} ({target.tokenizer.convert_ids_to_tokens(cfg.mask_token_id)!r})"
     )
@@ -129,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_block_size, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target-layer-ids", type=_layer_list, default=None, help="default: the reference spread")
+    p.add_argument("--layers-from-target", type=_layer_list, default=None,
+                   help="start the drafter's layers from these full-attention layers of the target, one per "
+                        "drafter layer (e.g. 2,5 for tiny); default: random init")  # fmt: skip
     p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("speculate", help="speculative decoding of one prompt, checked against greedy")

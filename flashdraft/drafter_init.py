@@ -75,3 +75,25 @@ def new_drafter_for_target(
         with torch.no_grad():
             drafter.norm.weight.copy_(final_norm)
     return drafter
+
+
+def copy_target_layers(drafter: DFlashDrafter, target, layer_ids: list[int]) -> None:
+    """Start drafter layer j from the target's full-attention layer `layer_ids[j]` (attention,
+    MLP and norms; the drafter's fc and norms stay as they are). `target` is a `TargetHead`.
+    Every tensor must match the drafter's shape: a mismatch is an error, never a partial copy."""
+    if len(layer_ids) != len(drafter.layers):
+        raise FlashdraftError(
+            f"--layers-from-target {','.join(map(str, layer_ids))}: {len(layer_ids)} target layers for a drafter "
+            f"of {len(drafter.layers)} layers; expected one per drafter layer"
+        )
+    for j, layer_id in enumerate(layer_ids):
+        own = drafter.layers[j].state_dict()
+        for name, tensor in target.attention_layer_weights(layer_id).items():
+            if name not in own or own[name].shape != tensor.shape:
+                found = list(own[name].shape) if name in own else "no such tensor"
+                raise FlashdraftError(
+                    f"target layer {layer_id} '{name}' is {list(tensor.shape)}; drafter layer {j} has {found}: "
+                    f"the drafter cannot start from this target layer"
+                )
+            with torch.no_grad():
+                own[name].copy_(tensor)

@@ -201,6 +201,8 @@ class _Layout:
     tied: bool
     norm_name: str | None  # the final norm's weight
     norm_class: str
+    layer_prefixes: list[str]  # "model.layers.{i}." for each decoder layer
+    norm_classes: dict[str, str]  # every norm's weight name -> its module class (Qwen3.5 norms store weight - 1)
 
 
 class TargetHead:
@@ -295,6 +297,7 @@ class TargetHead:
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         norm = getattr(model.get_decoder(), "norm", None)
         has_norm = norm is not None and getattr(norm, "weight", None) is not None
+        layers = model.get_decoder().layers
         return _Layout(
             state_dict_names=sorted(model.state_dict()),
             embed_name=names[id(embed)] + ".weight",
@@ -302,6 +305,10 @@ class TargetHead:
             tied=head.weight is embed.weight,
             norm_name=names[id(norm)] + ".weight" if has_norm else None,
             norm_class=type(norm).__name__,
+            layer_prefixes=[names[id(layer)] + "." for layer in layers],
+            norm_classes={
+                n + ".weight": type(m).__name__ for n, m in model.named_modules() if "Norm" in type(m).__name__
+            },
         )
 
     def _source(self, name: str) -> StoredTensor | None:
@@ -365,6 +372,36 @@ class TargetHead:
             return None
         stored = self.files.require(layout.norm_name, "the final norm")
         return norm_multiplier(layout.norm_class, self.files.read(stored, torch.float32, torch.device("cpu")))
+
+    def attention_layer_weights(self, layer_id: int) -> dict[str, torch.Tensor]:
+        """A full-attention decoder layer's weights (fp32, CPU) under a Qwen3 layer's names
+        (`self_attn.q_proj.weight`, `mlp.up_proj.weight`, `input_layernorm.weight`, ...), in
+        Qwen3's convention: norms as what they multiply by, and of a gated query projection
+        (Qwen3.5/3.6, Qwen3-Next: per head head_dim query rows, then head_dim gate rows) the
+        query rows only. For starting a drafter layer from the target's own."""
+        if not 0 <= layer_id < self.num_layers or self.layer_types[layer_id] != "full_attention":
+            found = self.layer_types[layer_id] if 0 <= layer_id < self.num_layers else "no such layer"
+            raise FlashdraftError(
+                f"{self.path}: target layer {layer_id} is {found}; expected a full_attention layer (full-attention "
+                f"layers: {[i for i, t in enumerate(self.layer_types) if t == 'full_attention']})"
+            )
+        prefix, cpu = self._layout.layer_prefixes[layer_id], torch.device("cpu")
+        names = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + [f"self_attn.{n}_norm.weight" for n in "qk"]
+        names += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        names += ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        weights = {}
+        for name in names:
+            full = prefix + name
+            tensor = self.files.read(self.files.require(full, f"layer {layer_id}"), torch.float32, cpu)
+            if full in self._layout.norm_classes:
+                tensor = norm_multiplier(self._layout.norm_classes[full], tensor)
+            weights[name] = tensor
+        head_dim = getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
+        query_rows = self.config.num_attention_heads * head_dim
+        q = weights["self_attn.q_proj.weight"]  # [heads * head_dim (* 2 when gated), hidden]
+        if q.shape[0] == 2 * query_rows:
+            weights["self_attn.q_proj.weight"] = q.view(-1, 2, head_dim, q.shape[1])[:, 0].reshape(query_rows, -1)
+        return weights
 
     # -- a forward, when one is needed after all -----------------------------------------------
 

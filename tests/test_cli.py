@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from flashdraft.checkpoint import load_drafter
 from flashdraft.cli import main
@@ -37,3 +38,19 @@ def test_speculate_checks_losslessness_against_greedy(target_dir, tmp_path, caps
     code = main(["speculate", "--target-model", str(target_dir), "--checkpoint", str(tmp_path / "d"),
                  "--prompt", "t1 t2 t3 t4", "--max-new-tokens", "12"])  # fmt: skip
     assert code == 0 and "lossless True" in capsys.readouterr().out
+
+
+def test_init_layers_from_target_copies_the_target_layer_and_refuses_a_count_mismatch(target_dir, tmp_path, capsys):
+    from flashdraft.target_weights import TargetHead
+
+    out = tmp_path / "d"
+    args = ["init", "--target-model", str(target_dir), "--out", str(out), "--draft-layers", "1"]
+    assert main([*args, "--layers-from-target", "3"]) == 0
+    expected = TargetHead.load(target_dir).attention_layer_weights(3)
+    own = load_drafter(out).layers[0].state_dict()
+    for name, tensor in expected.items():
+        assert torch.equal(own[name], tensor), name
+    code = main([*args, "--out", str(tmp_path / "e"), "--layers-from-target", "1,3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "2 target layers for a drafter of 1 layers" in err[0]
+    assert not (tmp_path / "e").exists()

@@ -215,3 +215,38 @@ def test_train_target_dtype_sets_how_the_target_is_read(monkeypatch, capsys, off
     assert seen == [torch.float32, torch.bfloat16]  # CPU default, then as asked
     last = json.loads((root / "dtype-bf16" / "metrics.jsonl").read_text().splitlines()[-1])
     assert torch.isfinite(torch.tensor(last["loss"]))
+
+
+@pytest.mark.parametrize("kind", ["tiny", "qwen3.6 layout", "qwen3"])
+def test_attention_layer_weights_compute_what_the_target_layer_computes(targets, kind):
+    """The weights a drafter layer starts from reproduce the target layer's norms, MLP and
+    (gated Qwen3.5 projections: the query half of every head) query projection."""
+    head, model = TargetHead.load(targets[kind]), TargetModel.load(targets[kind])
+    layer_id = head.layer_types.index("full_attention")
+    weights = head.attention_layer_weights(layer_id)
+    layer = model.model.get_decoder().layers[layer_id]
+    x = torch.randn(3, head.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            torch.testing.assert_close(torch.nn.functional.rms_norm(x, (x.shape[-1],), weights[f"{norm}.weight"],
+                                                                    eps=head.config.rms_norm_eps),
+                                       getattr(layer, norm)(x))  # fmt: skip
+        mlp = layer.mlp
+        w = {n: weights[f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")}
+        ours = (torch.nn.functional.silu(x @ w["gate"].T) * (x @ w["up"].T)) @ w["down"].T
+        torch.testing.assert_close(ours, mlp(x))
+        attn, head_dim = layer.self_attn, attn_head_dim(head)
+        full_q = attn.q_proj(x).view(3, head.config.num_attention_heads, -1)  # [tokens, heads, head_dim (x2 gated)]
+        ours_q = (x @ weights["self_attn.q_proj.weight"].T).view(3, head.config.num_attention_heads, head_dim)
+        torch.testing.assert_close(ours_q, full_q[..., :head_dim])
+        torch.testing.assert_close(weights["self_attn.k_proj.weight"], attn.k_proj.weight.float())
+
+
+def attn_head_dim(head: TargetHead) -> int:
+    return getattr(head.config, "head_dim", None) or head.hidden_size // head.config.num_attention_heads
+
+
+def test_attention_layer_weights_refuse_a_linear_attention_layer(targets):
+    head = TargetHead.load(targets["tiny"])
+    with pytest.raises(FlashdraftError, match=r"target layer 0 is linear_attention; expected a full_attention"):
+        head.attention_layer_weights(0)
