@@ -16,10 +16,16 @@ solves folded into one), and a 1-token step is the recurrence written with matmu
 equal the fallback's within fp32 rounding. `install_short_block_path` puts this on a model's
 Gated DeltaNet layers; longer inputs, padded batches and recorded-past caches keep the
 transformers path.
+
+The solve is causal (v_new_j depends only on tokens <= j), so the state after any prefix of the
+block is S0 e^cum_t + (k e^(cum_t - cum))[:t]^T v_new[:t]: each short forward keeps a `BlockRecord`
+and rollback after partial acceptance takes the state from it (`state_after`) instead of
+re-running the layer over the accepted tokens.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from importlib.util import find_spec
 
 import torch
@@ -31,21 +37,42 @@ from torch import nn
 SHORT_BLOCK_MAX = 64
 
 
+@dataclass
+class BlockRecord:
+    """What a short forward leaves for rollback: enough to rebuild the layer's states after any
+    prefix of its T tokens without running the layer again."""
+
+    state: torch.Tensor  # [B, H, dk, dv] recurrent state before the block (fp32)
+    key: torch.Tensor  # [B, H, T, dk]
+    v_new: torch.Tensor  # [B, H, T, dv] the solved values (causal: a prefix's own)
+    cum: torch.Tensor  # [B, H, T] cumulative log decay
+    window: torch.Tensor  # [B, C, K + T] conv inputs: the K cached before the block, then the block's
+
+
+def state_after(record: BlockRecord, kept: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conv state [B, C, K], recurrent state [B, H, dk, dv]) after the first `kept` (>= 1) tokens."""
+    kernel = record.window.shape[-1] - record.key.shape[2]
+    last = record.cum[..., kept - 1 : kept]  # [B, H, 1]
+    decayed_key = record.key[:, :, :kept] * (last - record.cum[..., :kept]).exp()[..., None]
+    state = record.state * last.exp()[..., None] + decayed_key.transpose(-1, -2) @ record.v_new[:, :, :kept]
+    return record.window[..., kept : kept + kernel], state
+
+
 def gated_delta_rule_block(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The gated delta rule over T tokens as one chunk, from `state`.
 
     query, key: [B, H, T, dk] (L2-normalized; query also scaled by dk^-0.5); value: [B, H, T, dv];
-    g (log decay, <= 0), beta: [B, H, T]; state: [B, H, dk, dv]. Returns out [B, H, T, dv] and the
-    state after the last token [B, H, dk, dv].
+    g (log decay, <= 0), beta: [B, H, T]; state: [B, H, dk, dv]. Returns out [B, H, T, dv], the
+    state after the last token [B, H, dk, dv], and for `BlockRecord` v_new [B, H, T, dv] and cum [B, H, T].
     """
     if query.shape[2] == 1:  # one token: the recurrence itself is fewer ops than the chunk algebra
-        state = state * g.exp()[..., None]  # [B, H, dk, dv]
-        delta = (value - key @ state) * beta[..., None]  # [B, H, 1, dv]
-        state = state + key.transpose(-1, -2) @ delta
-        return query @ state, state
+        decayed = state * g.exp()[..., None]  # [B, H, dk, dv]
+        delta = (value - key @ decayed) * beta[..., None]  # [B, H, 1, dv]: v_new of the chunk algebra
+        decayed = decayed + key.transpose(-1, -2) @ delta
+        return query @ decayed, decayed, delta, g
     cum = g.cumsum(-1)  # [B, H, T]
     # decay[i, j] = exp(cum_i - cum_j) below and on the diagonal; exp overflows above it, and tril zeroes that
     decay = (cum[..., :, None] - cum[..., None, :]).exp().tril()  # [B, H, T, T]
@@ -58,7 +85,7 @@ def gated_delta_rule_block(
     last = cum[..., -1:]  # [B, H, 1]
     decayed_key = key * (last - cum).exp()[..., None]  # each key decayed to the block's end
     state = state * last.exp()[..., None] + decayed_key.transpose(-1, -2) @ v_new
-    return out, state
+    return out, state, v_new, cum
 
 
 def causal_conv_window(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -71,7 +98,8 @@ def causal_conv_window(window: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 
 def short_block_forward(layer: nn.Module, hidden_states: torch.Tensor, cache_params) -> torch.Tensor:
     """Qwen3_5GatedDeltaNet.forward for a short input with a cache (no padding mask):
-    hidden_states [B, T, hidden] -> [B, T, hidden], updating the layer's conv and recurrent states."""
+    hidden_states [B, T, hidden] -> [B, T, hidden], updating the layer's conv and recurrent states.
+    Leaves `layer.last_block` (a `BlockRecord`) when the cache held states before the block."""
     batch, seq_len, _ = hidden_states.shape
     idx, kernel = layer.layer_idx, layer.conv_kernel_size
     recurrent_state = cache_params.get_recurrent_state(idx)  # None before the first forward
@@ -83,6 +111,7 @@ def short_block_forward(layer: nn.Module, hidden_states: torch.Tensor, cache_par
 
     # the cache keeps the last K inputs and hands back [state | new] (only new before the first forward)
     window = cache_params.update_conv_state(mixed_qkv, idx, conv_kernel_size=kernel)
+    continues = recurrent_state is not None and window.shape[-1] == seq_len + kernel  # [K cached | T new]
     if window.shape[-1] < seq_len + kernel - 1:
         window = F.pad(window, (seq_len + kernel - 1 - window.shape[-1], 0))
     mixed_qkv = causal_conv_window(window[..., -(seq_len + kernel - 1) :], layer.conv1d.weight[:, 0])
@@ -106,10 +135,10 @@ def short_block_forward(layer: nn.Module, hidden_states: torch.Tensor, cache_par
     g = (-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)).transpose(1, 2)
     if recurrent_state is None:
         recurrent_state = value.new_zeros(batch, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
-    out, state = gated_delta_rule_block(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), g, beta, recurrent_state.float()
-    )
+    key, state0 = key.transpose(1, 2), recurrent_state.float().clone()  # the cache overwrites its own in place
+    out, state, v_new, cum = gated_delta_rule_block(query.transpose(1, 2), key, value.transpose(1, 2), g, beta, state0)
     cache_params.update_recurrent_state(state, idx)
+    layer.last_block = BlockRecord(state0, key, v_new, cum, window) if continues else None
 
     out = out.transpose(1, 2).to(hidden_states.dtype).reshape(-1, layer.head_v_dim)  # [B * T * Hv, dv]
     out = layer.norm(out, z.reshape(-1, layer.head_v_dim)).reshape(batch, seq_len, -1)

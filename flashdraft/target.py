@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from flashdraft.errors import FlashdraftError
-from flashdraft.linear_attention import install_short_block_path
+from flashdraft.linear_attention import BlockRecord, install_short_block_path, state_after
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub: targets are local directories
 # transformers warns on every process that fla is absent; flashdraft reports the backend itself
@@ -138,6 +138,7 @@ class TargetCache:
     pending: torch.Tensor | None = None  # [N, P] accepted tokens to re-feed before the next input (deferred mode)
     linear_snapshot: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     linear_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    linear_blocks: dict[int, BlockRecord] = field(default_factory=dict)  # short-block forwards' records
 
 
 @dataclass
@@ -161,8 +162,9 @@ class TargetModel:
         )
         self.linear_layers = [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
         self._context_layer_ids: list[int] = []
-        # "deferred" measured fastest on CPU (benchmarks/rollback.py); "recompute" is the other exact way
-        self.rollback_mode = "deferred"
+        # "recompute" takes short blocks' linear states from their records (no re-run): on CPU it beat
+        # "deferred" (re-feeding the accepted tokens) from 2 accepted tokens on (benchmarks/rollback.py)
+        self.rollback_mode = "recompute"
         self._captured: dict[int, torch.Tensor] = {}
         self._capture_cache: TargetCache | None = None
         for i, layer in enumerate(self.layers):
@@ -271,6 +273,7 @@ class TargetModel:
 
     def _linear_input_hook(self, index: int):
         def hook(module, args, kwargs):
+            module.last_block = None  # set again by a short-block forward
             if self._capture_cache is not None:
                 x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
                 self._capture_cache.linear_inputs[index] = x
@@ -315,6 +318,8 @@ class TargetModel:
             cache.length += input_ids.shape[1]
             cache.last_forward_tokens = input_ids.shape[1] - num_pending
             cache.last_pending, cache.last_input_ids = num_pending, input_ids
+            blocks = {i: getattr(self.layers[i].linear_attn, "last_block", None) for i in self.linear_layers}
+            cache.linear_blocks = {i: b for i, b in blocks.items() if b is not None}
         features = None
         if self._context_layer_ids:
             features = torch.cat([self._captured[i] for i in self._context_layer_ids], dim=-1)[:, num_pending:]
@@ -364,21 +369,24 @@ class TargetModel:
             cache.pending = cache.last_input_ids[:, :keep]
             cache.length -= total
             cache.last_forward_tokens = 0
-            cache.linear_inputs = {}
+            cache.linear_inputs, cache.linear_blocks = {}, {}
             return
         for i, layer in enumerate(cache.kv.layers):
             if i not in self.linear_layers:
                 layer.crop(-drop)
         if self.linear_layers:
+            kept = cache.last_pending + keep  # re-fed deferred tokens come first in the captured inputs
             for i in self.linear_layers:
-                conv, recurrent = cache.linear_snapshot[i]
-                layer = cache.kv.layers[i]
+                layer, record = cache.kv.layers[i], cache.linear_blocks.get(i)
+                if kept > 0 and record is not None:  # a short-block forward: its record holds the prefix's states
+                    conv, recurrent = state_after(record, kept)
+                else:
+                    conv, recurrent = cache.linear_snapshot[i]
                 layer.conv_states[0].copy_(conv)
                 layer.recurrent_states[0].copy_(recurrent)
-                kept = cache.last_pending + keep  # re-fed deferred tokens come first in the captured inputs
-                if kept > 0:
+                if kept > 0 and record is None:
                     # re-run only this layer's token mixer over the accepted prefix
                     self.layers[i].linear_attn(hidden_states=cache.linear_inputs[i][:, :kept], cache_params=cache.kv)
         cache.length -= drop
         cache.last_forward_tokens, cache.last_pending = keep, 0
-        cache.linear_inputs = {}
+        cache.linear_inputs, cache.linear_blocks = {}, {}

@@ -4,7 +4,13 @@ from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule
 
 from flashdraft.decode import autoregressive_generate, speculative_generate
-from flashdraft.linear_attention import causal_conv_window, gated_delta_rule_block, install_short_block_path
+from flashdraft.linear_attention import (
+    BlockRecord,
+    causal_conv_window,
+    gated_delta_rule_block,
+    install_short_block_path,
+    state_after,
+)
 from flashdraft.target import TargetModel
 from tests.conftest import EOS, PAD, make_hf_model, make_tokenizer
 from tests.test_decode import PROMPT, OracleProposer
@@ -24,7 +30,7 @@ def direct_block(q, k, v, g, beta, state):
     """gated_delta_rule_block on transformers' layout, with its L2 norm and query scaling."""
     q, k = (x / x.norm(dim=-1, keepdim=True) for x in (q, k))
     q = q * q.shape[-1] ** -0.5
-    out, final = gated_delta_rule_block(*(x.transpose(1, 2) for x in (q, k, v, g, beta)), state)
+    out, final, _, _ = gated_delta_rule_block(*(x.transpose(1, 2) for x in (q, k, v, g, beta)), state)
     return out.transpose(1, 2), final
 
 
@@ -48,6 +54,23 @@ def test_direct_block_from_a_zero_state_equals_the_chunked_prefill():
     )
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(final, ref_final, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seq_len", [1, 7])
+def test_state_after_a_prefix_of_the_block_equals_running_only_that_prefix(seq_len):
+    """Rollback takes the states after the accepted prefix from the block's record: they must be
+    those of a forward over the prefix alone (the solve is causal), conv window included."""
+    q, k, v, g, beta, state = random_rule_inputs(seq_len, seed=2)
+    q, k = (x / x.norm(dim=-1, keepdim=True) for x in (q, k))
+    args = [x.transpose(1, 2) for x in (q, k, v, g, beta)]  # [B, H, T, ...]
+    _, _, v_new, cum = gated_delta_rule_block(*args, state)
+    window = torch.randn(1, 5, 4 + seq_len, generator=torch.Generator().manual_seed(3))  # [B, C, K + T]
+    record = BlockRecord(state, args[1], v_new, cum, window)
+    for kept in range(1, seq_len + 1):
+        _, prefix_state, _, _ = gated_delta_rule_block(*(x[:, :, :kept] for x in args), state)
+        conv, recurrent = state_after(record, kept)
+        torch.testing.assert_close(recurrent, prefix_state, rtol=1e-5, atol=1e-5)
+        assert torch.equal(conv, window[..., kept : kept + 4])
 
 
 @pytest.mark.parametrize("seq_len", [1, 6])
