@@ -108,7 +108,7 @@ class RandomFeatureTarget:
 
         n, t = input_ids.shape
         features = torch.randn(n, t, len(self.layer_ids) * self.head.hidden_size, generator=self.gen)
-        return TargetOutput(logits=None, context_features=features)
+        return TargetOutput(hidden=None, context_features=features)
 
 
 def write_random_cache(directory: Path, head, layer_ids: list[int], records: int, prompt_tokens: int,

@@ -24,6 +24,7 @@ is asked for all anchors of a stretch at once; the walk uses the drafts it lands
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -92,6 +93,22 @@ def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int
     predicted = target_logits.argmax(-1)  # [k + 1]
     a = accepted_prefix(draft, predicted[:-1])
     return a, int(predicted[a])
+
+
+def accept_greedy_in_chunks(
+    draft: torch.Tensor, logits_at: Callable[[int, int], torch.Tensor], first_rows: int = 4
+) -> tuple[int, int]:
+    """accept_greedy with the target's logits computed as needed: `logits_at(start, end)` gives
+    rows [1, end - start, V] of [anchor, d1 .. dk]. The first `first_rows` rows, then the rest
+    only if all of those drafts were accepted: rows past the first rejection never need the LM head
+    (4: most steps of a drafter with tau around 2 end inside them)."""
+    k, start, end = len(draft), 0, min(first_rows, len(draft) + 1)
+    while True:
+        predicted = logits_at(start, end)[0].argmax(-1).tolist()  # [end - start]
+        for i, token in enumerate(predicted, start):
+            if i == k or int(draft[i]) != token:
+                return i, token
+        start, end = end, k + 1
 
 
 def accept_sampled(

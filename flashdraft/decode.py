@@ -20,7 +20,7 @@ from flashdraft.acceptance import (
     DraftLimit,
     Proposer,
     ProposerFactory,
-    accept_greedy,
+    accept_greedy_in_chunks,
     accept_sampled,
     as_proposer,
     default_block_size,
@@ -80,7 +80,7 @@ def autoregressive_generate(
     ids = torch.tensor([prompt_ids], device=target.device)
     out: list[int] = []
     while len(out) < max_new_tokens:
-        logits = target.forward(ids, cache).logits[0, -1]
+        logits = target.forward(ids, cache).logits_at(-1, None)[0, 0]
         token = int(_sample(logits, temperature, generator))
         out.append(token)
         if token in stop_ids:
@@ -119,7 +119,7 @@ def speculative_generate(
     cache = target.new_cache()
 
     prefill = target.forward(torch.tensor([prompt_ids], device=device), cache)
-    first = int(_sample(prefill.logits[0, -1], temperature, generator))
+    first = int(_sample(prefill.logits_at(-1, None)[0, 0], temperature, generator))
     result = GenerationResult([first])
     if first in stop_ids:
         result.stop_reason = "eos"
@@ -139,7 +139,7 @@ def speculative_generate(
         result.draft_seconds += drafted - start
         result.verify_seconds += _clock(device) - drafted
         if temperature <= 0:
-            a, bonus = accept_greedy(draft, verify.logits[0])
+            a, bonus = accept_greedy_in_chunks(draft, verify.logits_at)
         else:
             q = torch.softmax(draft_logits.float() / temperature, -1)
             p = torch.softmax(verify.logits[0].float() / temperature, -1)

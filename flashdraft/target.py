@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
@@ -143,8 +144,24 @@ class TargetCache:
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # [N, T, vocab]
+    """A forward's outputs. Logits are computed from `hidden` when first read, and `logits_at`
+    computes only some rows: decoding reads the last row of a prefill and greedy verification the
+    rows up to the first rejected draft, while the LM head over every row is a large share of a
+    short block's cost on a CPU (tiny, 17 tokens: 0.7 of 6.2 ms)."""
+
+    hidden: torch.Tensor | None  # [N, T, hidden] after the final norm
     context_features: torch.Tensor | None  # [N, T, len(layer_ids) * hidden]
+    lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    _logits: torch.Tensor | None = None
+
+    @property
+    def logits(self) -> torch.Tensor:  # [N, T, vocab]
+        if self._logits is None:
+            self._logits = self.lm_head(self.hidden)
+        return self._logits
+
+    def logits_at(self, start: int, end: int) -> torch.Tensor:  # [N, end - start, vocab]
+        return self._logits[:, start:end] if self._logits is not None else self.lm_head(self.hidden[:, start:end])
 
 
 class TargetModel:
@@ -306,7 +323,7 @@ class TargetModel:
         self._captured = {}
         self._capture_cache = cache
         try:
-            out = self.model(
+            out = self.decoder(  # the LM head runs when logits are read (TargetOutput)
                 input_ids=input_ids,
                 position_ids=positions.expand(input_ids.shape[0], -1),
                 past_key_values=cache.kv if cache is not None else None,
@@ -324,7 +341,7 @@ class TargetModel:
         if self._context_layer_ids:
             features = torch.cat([self._captured[i] for i in self._context_layer_ids], dim=-1)[:, num_pending:]
         self._captured = {}
-        return TargetOutput(logits=out.logits[:, num_pending:], context_features=features)
+        return TargetOutput(out.last_hidden_state[:, num_pending:], features, self.lm_head)
 
     def _snapshot_linear_states(self, cache: TargetCache) -> None:
         cache.linear_snapshot = {}

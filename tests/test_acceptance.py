@@ -6,6 +6,7 @@ from flashdraft.acceptance import (
     DFlashProposer,
     DraftLimit,
     accept_greedy,
+    accept_greedy_in_chunks,
     accept_sampled,
     as_proposer,
     committed_length,
@@ -152,3 +153,22 @@ def test_one_anchor_walk_equals_the_batched_walk_under_an_adaptive_limit(fitted)
         walks = [offline_acceptance_lengths(as_proposer(drafter, target, limit), r.prompt_ids, r.completion_ids, 8,
                                             features, anchors_per_call=n) for n in (1, 5)]  # fmt: skip
         assert walks[0] == walks[1]
+
+
+def test_greedy_acceptance_in_chunks_equals_the_full_rule_and_skips_rows_after_a_rejection():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 16, 50, generator=gen)  # [1, k + 1, V] at [anchor, d1 .. d15]
+    predicted = logits[0].argmax(-1)
+    for accepted in range(16):  # drafts right up to `accepted`, then wrong
+        draft = predicted[:15].clone()
+        if accepted < 15:
+            draft[accepted] = (draft[accepted] + 1) % 50
+        rows = []
+
+        def logits_at(start, end, rows=rows):
+            rows.append((start, end))
+            return logits[:, start:end]
+
+        assert accept_greedy_in_chunks(draft, logits_at) == accept_greedy(draft, logits[0]) == (accepted, int(
+            predicted[accepted]))  # fmt: skip
+        assert rows == ([(0, 4)] if accepted < 4 else [(0, 4), (4, 16)])
