@@ -173,6 +173,7 @@ class DFlashProposer:
         self.drafter, self.target = drafter, target
         self.context_layer_ids = drafter.config.target_layer_ids
         self.cache = drafter.new_cache()
+        self.max_drafts: int | None = None  # logits for only the first this many drafts (the LM head is costly)
 
     def anchors_per_call(self, block: int) -> int:
         return anchors_per_forward(block, self.target.vocab_size)
@@ -190,7 +191,8 @@ class DFlashProposer:
             self.target.embed(blocks.reshape(1, -1)), torch.tensor([anchor_positions], device=device), new_context,
             new_positions, cache=self.cache,
         )  # fmt: skip
-        return list(self.target.lm_head(hidden.view(len(anchor_tokens), block, -1)[:, 1:]))
+        end = None if self.max_drafts is None else 1 + self.max_drafts
+        return list(self.target.lm_head(hidden.view(len(anchor_tokens), block, -1)[:, 1:end]))
 
     def propose(
         self, tokens: list[int], anchor_pos: int, new_context: torch.Tensor | None, new_positions: torch.Tensor,
@@ -265,6 +267,8 @@ def as_proposer(
     `limit`, it verifies only the drafts the limit keeps."""
     if isinstance(drafter, DFlashDrafter):
         proposer = DFlashProposer(drafter, target)
+        if limit is not None:  # drafts past k are never verified: no logits for them
+            proposer.max_drafts = limit.num_speculative_tokens
     else:
         proposer = drafter.new_proposer(target) if isinstance(drafter, ProposerFactory) else drafter
     return limit.wrap(proposer) if limit is not None else proposer

@@ -172,3 +172,15 @@ def test_greedy_acceptance_in_chunks_equals_the_full_rule_and_skips_rows_after_a
         assert accept_greedy_in_chunks(draft, logits_at) == accept_greedy(draft, logits[0]) == (accepted, int(
             predicted[accepted]))  # fmt: skip
         assert rows == ([(0, 4)] if accepted < 4 else [(0, 4), (4, 16)])
+
+
+def test_a_drafter_limited_to_k_drafts_computes_logits_for_only_k_positions(fitted):
+    target, records, drafter = fitted
+    target.set_context_layers(drafter.config.target_layer_ids)
+    r = records[0]
+    features = target.forward(torch.tensor([r.prompt_ids])).context_features
+    positions = torch.arange(len(r.prompt_ids))[None]
+    for limit, rows in ((None, 7), (DraftLimit(num_speculative_tokens=3), 3), (DraftLimit(adaptive_threshold=0.6), 7)):
+        inner = as_proposer(drafter, target, limit)
+        inner = inner.inner if limit is not None else inner
+        assert inner.propose(r.prompt_ids, len(r.prompt_ids), features, positions, 8).shape == (rows, target.vocab_size)
