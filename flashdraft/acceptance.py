@@ -192,7 +192,9 @@ class DFlashProposer:
             new_positions, cache=self.cache,
         )  # fmt: skip
         end = None if self.max_drafts is None else 1 + self.max_drafts
-        return list(self.target.lm_head(hidden.view(len(anchor_tokens), block, -1)[:, 1:end]))
+        drafts = hidden.view(len(anchor_tokens), block, -1)[:, 1:end]  # [K, k, H]
+        # contiguous rows: the LM head as one matmul (on a strided 3-D view torch takes a bmm, 2-3x slower on CPU)
+        return list(self.target.lm_head(drafts.reshape(-1, drafts.shape[-1])).view(*drafts.shape[:2], -1))
 
     def propose(
         self, tokens: list[int], anchor_pos: int, new_context: torch.Tensor | None, new_positions: torch.Tensor,
