@@ -5,9 +5,10 @@ batch's output equals batch-1 greedy decoding of the same prompts.
     .venv/bin/python benchmarks/generate.py [--target-model tiny] [--prompts builtin:stdlib:64]
         [--batch-sizes 1,8,32,64] [--max-new-tokens 128] [--threads 1]
 
-Batch 1 runs on the first `--batch1-prompts` prompts only (it is the slow one); every larger
-batch size runs on all prompts in batches of that size, prompts sorted by length as
-`flashdraft generate` does. Prints one JSON line per batch size, then a summary line with the
+Batch 1 runs on `--batch1-prompts` prompts only (it is the slow one), spread evenly over the
+lengths; every larger batch size runs on all prompts in batches of that size, prompts sorted by
+length as `flashdraft generate` does (give a few hundred prompts: with only as many prompts as the
+batch, one batch pads every row to the longest prompt, which `generate` over a large set does not). Prints one JSON line per batch size, then a summary line with the
 best batch's speed-up over batch 1 and the minutes 1 M completion tokens would take.
 """
 
@@ -42,7 +43,9 @@ def main() -> None:
     batch1_outputs: dict[int, list[int]] = {}
     rates = {}
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
-        todo = list(range(min(args.batch1_prompts, len(prompts)))) if batch_size == 1 else list(range(len(prompts)))
+        todo = list(range(len(prompts)))
+        if batch_size == 1:  # evenly spread over the sorted lengths: the shortest would flatter batch 1
+            todo = todo[:: max(1, len(prompts) // args.batch1_prompts)][: args.batch1_prompts]
         tokens, same, start = 0, True, time.perf_counter()
         for first in range(0, len(todo), batch_size):
             rows = todo[first : first + batch_size]
