@@ -8,8 +8,9 @@ batch's output equals batch-1 greedy decoding of the same prompts.
 Batch 1 runs on `--batch1-prompts` prompts only (it is the slow one), spread evenly over the
 lengths; every larger batch size runs on all prompts in batches of that size, prompts sorted by
 length as `flashdraft generate` does (give a few hundred prompts: with only as many prompts as the
-batch, one batch pads every row to the longest prompt, which `generate` over a large set does not). Prints one JSON line per batch size, then a summary line with the
-best batch's speed-up over batch 1 and the minutes 1 M completion tokens would take.
+batch, one batch pads every row to the longest prompt, which `generate` over a large set does not).
+Prints one JSON line per batch size, then a summary line with the best batch's speed-up over
+batch 1 and the minutes 1 M completion tokens would take.
 """
 
 from __future__ import annotations
