@@ -39,22 +39,23 @@ SHORT_BLOCK_MAX = 64
 
 @dataclass
 class BlockRecord:
-    """What a short forward leaves for rollback: enough to rebuild the layer's states after any
-    prefix of its T tokens without running the layer again."""
+    """What a short forward leaves for rollback: with the recurrent state from before the block
+    (which the caller keeps), enough to rebuild the layer's states after any prefix of its T
+    tokens without running the layer again."""
 
-    state: torch.Tensor  # [B, H, dk, dv] recurrent state before the block (fp32)
     key: torch.Tensor  # [B, H, T, dk]
     v_new: torch.Tensor  # [B, H, T, dv] the solved values (causal: a prefix's own)
     cum: torch.Tensor  # [B, H, T] cumulative log decay
     window: torch.Tensor  # [B, C, K + T] conv inputs: the K cached before the block, then the block's
 
 
-def state_after(record: BlockRecord, kept: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(conv state [B, C, K], recurrent state [B, H, dk, dv]) after the first `kept` (>= 1) tokens."""
+def state_after(record: BlockRecord, initial_state: torch.Tensor, kept: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conv state [B, C, K], recurrent state [B, H, dk, dv]) after the first `kept` (>= 1) tokens
+    of the block that started from `initial_state` [B, H, dk, dv]."""
     kernel = record.window.shape[-1] - record.key.shape[2]
     last = record.cum[..., kept - 1 : kept]  # [B, H, 1]
     decayed_key = record.key[:, :, :kept] * (last - record.cum[..., :kept]).exp()[..., None]
-    state = record.state * last.exp()[..., None] + decayed_key.transpose(-1, -2) @ record.v_new[:, :, :kept]
+    state = initial_state.float() * last.exp()[..., None] + decayed_key.transpose(-1, -2) @ record.v_new[:, :, :kept]
     return record.window[..., kept : kept + kernel], state
 
 
@@ -135,10 +136,12 @@ def short_block_forward(layer: nn.Module, hidden_states: torch.Tensor, cache_par
     g = (-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)).transpose(1, 2)
     if recurrent_state is None:
         recurrent_state = value.new_zeros(batch, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
-    key, state0 = key.transpose(1, 2), recurrent_state.float().clone()  # the cache overwrites its own in place
-    out, state, v_new, cum = gated_delta_rule_block(query.transpose(1, 2), key, value.transpose(1, 2), g, beta, state0)
+    key = key.transpose(1, 2)
+    out, state, v_new, cum = gated_delta_rule_block(
+        query.transpose(1, 2), key, value.transpose(1, 2), g, beta, recurrent_state.float()
+    )
     cache_params.update_recurrent_state(state, idx)
-    layer.last_block = BlockRecord(state0, key, v_new, cum, window) if continues else None
+    layer.last_block = BlockRecord(key, v_new, cum, window) if continues else None
 
     out = out.transpose(1, 2).to(hidden_states.dtype).reshape(-1, layer.head_v_dim)  # [B * T * Hv, dv]
     out = layer.norm(out, z.reshape(-1, layer.head_v_dim)).reshape(batch, seq_len, -1)

@@ -395,10 +395,9 @@ class TargetModel:
             kept = cache.last_pending + keep  # re-fed deferred tokens come first in the captured inputs
             for i in self.linear_layers:
                 layer, record = cache.kv.layers[i], cache.linear_blocks.get(i)
-                if kept > 0 and record is not None:  # a short-block forward: its record holds the prefix's states
-                    conv, recurrent = state_after(record, kept)
-                else:
-                    conv, recurrent = cache.linear_snapshot[i]
+                conv, recurrent = cache.linear_snapshot[i]  # the states before the forward
+                if kept > 0 and record is not None:  # a short-block forward: its record gives the prefix's states
+                    conv, recurrent = state_after(record, recurrent, kept)
                 layer.conv_states[0].copy_(conv)
                 layer.recurrent_states[0].copy_(recurrent)
                 if kept > 0 and record is None:

@@ -65,10 +65,10 @@ def test_state_after_a_prefix_of_the_block_equals_running_only_that_prefix(seq_l
     args = [x.transpose(1, 2) for x in (q, k, v, g, beta)]  # [B, H, T, ...]
     _, _, v_new, cum = gated_delta_rule_block(*args, state)
     window = torch.randn(1, 5, 4 + seq_len, generator=torch.Generator().manual_seed(3))  # [B, C, K + T]
-    record = BlockRecord(state, args[1], v_new, cum, window)
+    record = BlockRecord(args[1], v_new, cum, window)
     for kept in range(1, seq_len + 1):
         _, prefix_state, _, _ = gated_delta_rule_block(*(x[:, :, :kept] for x in args), state)
-        conv, recurrent = state_after(record, kept)
+        conv, recurrent = state_after(record, state, kept)
         torch.testing.assert_close(recurrent, prefix_state, rtol=1e-5, atol=1e-5)
         assert torch.equal(conv, window[..., kept : kept + 4])
 
