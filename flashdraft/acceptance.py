@@ -211,20 +211,21 @@ class DFlashProposer:
 class DraftLimit:
     """How many of a proposer's drafts a step verifies: at most `num_speculative_tokens` (vLLM's
     name), and, with `adaptive_threshold` p, only those before the first draft whose top drafter
-    probability is under p (at least one). Both read only the drafter's logits, never the target,
-    so decoding stays lossless: a step just verifies fewer drafts."""
+    probability is under p (none when the first is: the step is then a plain greedy step). Both
+    read only the drafter's logits, never the target, so decoding stays lossless: a step just
+    verifies fewer drafts."""
 
     num_speculative_tokens: int | None = None
     adaptive_threshold: float | None = None
 
     def count(self, logits: torch.Tensor) -> int:
-        """How many leading drafts of logits [k, V] to verify (1 .. k)."""
+        """How many leading drafts of logits [k, V] to verify (0 .. k)."""
         k = logits.shape[0]
         if self.num_speculative_tokens is not None:
             k = min(k, self.num_speculative_tokens)
         if self.adaptive_threshold is not None:
             top = torch.softmax(logits[:k].float(), -1).amax(-1)  # [k]: the drafter's confidence per position
-            k = max(1, int((top >= self.adaptive_threshold).int().cumprod(0).sum()))
+            k = int((top >= self.adaptive_threshold).int().cumprod(0).sum())
         return k
 
     def wrap(self, proposer: Proposer) -> Proposer:

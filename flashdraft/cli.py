@@ -374,7 +374,8 @@ def _add_eval_commands(sub) -> None:
                    help="verify only the first K of the B - 1 drafts each step (vLLM's name; default all)")  # fmt: skip
     p.add_argument("--adaptive-threshold", type=_probability, default=None, metavar="P",
                    help="verify drafts only up to the first whose top drafter probability is under P "
-                        "(at least one; lossless; with --num-speculative-tokens, at most K)")  # fmt: skip
+                        "(none if the first is: a plain greedy step; lossless; with --num-speculative-tokens, "
+                        "at most K)")  # fmt: skip
     p.add_argument("--online", action="store_true", help="real speculative decoding with the target, timed")
     p.add_argument("--temperature", type=_temperature, default=0.0, help="online sampling temperature (0 = greedy)")
     p.add_argument(

@@ -44,7 +44,7 @@ class GenerationResult:
 
 
 def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    if temperature <= 0:
+    if temperature <= 0 or logits.shape[0] == 0:  # no drafts: nothing to draw
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).reshape(probs.shape[:-1])
