@@ -161,6 +161,9 @@ def inference_blocks(anchor_tokens: torch.Tensor, block: int, mask_token_id: int
     return blocks
 
 
+UNSURE_CHUNK = 4  # rows of the drafter's LM head computed at a time under an adaptive limit
+
+
 def anchors_per_forward(block_size: int, vocab_size: int) -> int:
     # the LM head over K blocks makes K * (B - 1) * V logits: keep that under ~64 M floats
     return max(1, min(32, (1 << 26) // ((block_size - 1) * vocab_size)))
@@ -174,6 +177,9 @@ class DFlashProposer:
         self.context_layer_ids = drafter.config.target_layer_ids
         self.cache = drafter.new_cache()
         self.max_drafts: int | None = None  # logits for only the first this many drafts (the LM head is costly)
+        # with an adaptive limit p: `propose` stops computing logits after the first draft whose top
+        # probability is under p (the limit verifies no draft past it)
+        self.unsure_below: float | None = None
 
     def anchors_per_call(self, block: int) -> int:
         return anchors_per_forward(block, self.target.vocab_size)
@@ -183,6 +189,15 @@ class DFlashProposer:
         new_positions: torch.Tensor, block: int,
     ) -> list[torch.Tensor]:  # fmt: skip
         """Logits [B - 1, V] after each anchor, all blocks in one drafter forward."""
+        drafts = self._block_hidden(anchor_tokens, anchor_positions, new_context, new_positions, block)  # [K, k, H]
+        # contiguous rows: the LM head as one matmul (on a strided 3-D view torch takes a bmm, 2-3x slower on CPU)
+        return list(self.target.lm_head(drafts.reshape(-1, drafts.shape[-1])).view(*drafts.shape[:2], -1))
+
+    def _block_hidden(
+        self, anchor_tokens: list[int], anchor_positions: list[int], new_context: torch.Tensor | None,
+        new_positions: torch.Tensor, block: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """The drafter's final hidden states [K, k, H] at the first k = max_drafts draft positions."""
         device = self.target.device
         blocks = inference_blocks(torch.tensor(anchor_tokens, device=device), block, self.drafter.config.mask_token_id)
         if new_context is not None:
@@ -192,16 +207,24 @@ class DFlashProposer:
             new_positions, cache=self.cache,
         )  # fmt: skip
         end = None if self.max_drafts is None else 1 + self.max_drafts
-        drafts = hidden.view(len(anchor_tokens), block, -1)[:, 1:end]  # [K, k, H]
-        # contiguous rows: the LM head as one matmul (on a strided 3-D view torch takes a bmm, 2-3x slower on CPU)
-        return list(self.target.lm_head(drafts.reshape(-1, drafts.shape[-1])).view(*drafts.shape[:2], -1))
+        return hidden.view(len(anchor_tokens), block, -1)[:, 1:end]
 
     def propose(
         self, tokens: list[int], anchor_pos: int, new_context: torch.Tensor | None, new_positions: torch.Tensor,
         block: int,
     ) -> torch.Tensor:  # fmt: skip
-        """Logits [block - 1, V] for the positions after the anchor (tokens[-1] at anchor_pos)."""
-        return self.propose_anchors([tokens[-1]], [anchor_pos], new_context, new_positions, block)[0]
+        """Logits [k, V] for the positions after the anchor (tokens[-1] at anchor_pos): the first
+        `max_drafts` (default block - 1), and with `unsure_below` set only up to the first chunk of
+        rows that holds a draft the drafter is unsure of."""
+        if self.unsure_below is None:
+            return self.propose_anchors([tokens[-1]], [anchor_pos], new_context, new_positions, block)[0]
+        hidden = self._block_hidden([tokens[-1]], [anchor_pos], new_context, new_positions, block)[0]  # [k, H]
+        rows = []
+        for start in range(0, hidden.shape[0], UNSURE_CHUNK):
+            rows.append(self.target.lm_head(hidden[start : start + UNSURE_CHUNK]))
+            if bool((torch.softmax(rows[-1].float(), -1).amax(-1) < self.unsure_below).any()):
+                break
+        return torch.cat(rows)
 
 
 # -- verifying fewer drafts -----------------------------------------------------------------
@@ -270,8 +293,8 @@ def as_proposer(
     `limit`, it verifies only the drafts the limit keeps."""
     if isinstance(drafter, DFlashDrafter):
         proposer = DFlashProposer(drafter, target)
-        if limit is not None:  # drafts past k are never verified: no logits for them
-            proposer.max_drafts = limit.num_speculative_tokens
+        if limit is not None:  # drafts the limit never verifies need no logits
+            proposer.max_drafts, proposer.unsure_below = limit.num_speculative_tokens, limit.adaptive_threshold
     else:
         proposer = drafter.new_proposer(target) if isinstance(drafter, ProposerFactory) else drafter
     return limit.wrap(proposer) if limit is not None else proposer

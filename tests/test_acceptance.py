@@ -174,13 +174,35 @@ def test_greedy_acceptance_in_chunks_equals_the_full_rule_and_skips_rows_after_a
         assert rows == ([(0, 4)] if accepted < 4 else [(0, 4), (4, 16)])
 
 
-def test_a_drafter_limited_to_k_drafts_computes_logits_for_only_k_positions(fitted):
+def first_prompt_context(fitted):
+    """(target, drafter, the first record, its prompt's context features [1, P, n * H], positions [1, P])."""
     target, records, drafter = fitted
     target.set_context_layers(drafter.config.target_layer_ids)
     r = records[0]
     features = target.forward(torch.tensor([r.prompt_ids])).context_features
-    positions = torch.arange(len(r.prompt_ids))[None]
-    for limit, rows in ((None, 7), (DraftLimit(num_speculative_tokens=3), 3), (DraftLimit(adaptive_threshold=0.6), 7)):
+    return target, drafter, r, features, torch.arange(len(r.prompt_ids))[None]
+
+
+def test_a_drafter_limited_to_k_drafts_computes_logits_for_only_k_positions(fitted):
+    target, drafter, r, features, positions = first_prompt_context(fitted)
+    for limit, rows in ((None, 7), (DraftLimit(num_speculative_tokens=3), 3)):
         inner = as_proposer(drafter, target, limit)
         inner = inner.inner if limit is not None else inner
         assert inner.propose(r.prompt_ids, len(r.prompt_ids), features, positions, 8).shape == (rows, target.vocab_size)
+
+
+def test_an_adaptive_limit_computes_logits_only_up_to_the_chunk_of_the_first_unsure_draft(fitted):
+    target, drafter, r, features, positions = first_prompt_context(fitted)
+    full = as_proposer(drafter, target).propose(r.prompt_ids, len(r.prompt_ids), features, positions, 8)  # [7, V]
+    top = torch.softmax(full, -1).amax(-1)  # [7]
+    rows_seen = set()
+    for threshold in (0.0, *top.tolist(), 1.0):
+        limit = DraftLimit(adaptive_threshold=threshold)
+        limited = as_proposer(drafter, target, limit)
+        logits = limited.inner.propose(r.prompt_ids, len(r.prompt_ids), features, positions, 8)
+        first_unsure = int((top >= threshold).int().cumprod(0).sum())  # the k the limit verifies
+        assert logits.shape[0] == min(7, (first_unsure // 4 + 1) * 4)  # whole chunks of 4, none past it
+        torch.testing.assert_close(logits, full[: logits.shape[0]])
+        assert limit.count(logits) == limit.count(full) == first_unsure
+        rows_seen.add(logits.shape[0])
+    assert rows_seen == {4, 7}
