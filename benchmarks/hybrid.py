@@ -37,6 +37,7 @@ from flashdraft.run_dir import load_any_drafter
 from flashdraft.target import TargetModel
 
 NEVER = 10**6  # a min_match no lookup reaches
+NO_DRAFT = -1  # no token: without a match prompt lookup proposes nothing, so the step commits the bonus only
 
 
 @dataclass
@@ -46,7 +47,7 @@ class AnchorTable:
     completion: torch.Tensor  # [M]
     dflash_draft: torch.Tensor  # [A, k] the drafter's argmax
     q_dflash: torch.Tensor  # [A, k] its probability
-    ngram_draft: dict[int, torch.Tensor]  # max_ngram -> [A, k] prompt lookup's draft (without match: the anchor)
+    ngram_draft: dict[int, torch.Tensor]  # max_ngram -> [A, k] prompt lookup's draft (without match: NO_DRAFT)
     match_length: dict[int, list[int]]  # max_ngram -> [A] matched suffix length, 0 without a match
     q_ngram: dict[int, torch.Tensor]  # max_ngram -> [A, k] the drafter's probability of the n-gram tokens
 
@@ -74,11 +75,11 @@ def anchor_table(
         drafts, lengths = [], []
         for i in range(m - 1):
             found = lookup_match(tokens[: p + i + 1], block - 1, n, 1)
-            drafts.append(found[0] if found else [tokens[p + i]] * (block - 1))
+            drafts.append(found[0] if found else [NO_DRAFT] * (block - 1))
             lengths.append(found[1] if found else 0)
         ngram_draft[n] = torch.tensor(drafts)
         match_length[n] = lengths
-        q_ngram[n] = probs.gather(2, ngram_draft[n][:, :, None])[:, :, 0]
+        q_ngram[n] = probs.gather(2, ngram_draft[n].clamp(min=0)[:, :, None])[:, :, 0]  # read only where matched
     return AnchorTable(torch.tensor(record.completion_ids), dflash_draft, q_dflash, ngram_draft, match_length, q_ngram)
 
 
