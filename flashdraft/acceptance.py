@@ -164,6 +164,11 @@ def inference_blocks(anchor_tokens: torch.Tensor, block: int, mask_token_id: int
 UNSURE_CHUNK = 4  # rows of the drafter's LM head computed at a time under an adaptive limit
 
 
+def draft_confidence(logits: torch.Tensor) -> torch.Tensor:
+    """The drafter's top probability at each draft position: logits [k, V] -> [k]."""
+    return torch.softmax(logits.float(), -1).amax(-1)
+
+
 def anchors_per_forward(block_size: int, vocab_size: int) -> int:
     # the LM head over K blocks makes K * (B - 1) * V logits: keep that under ~64 M floats
     return max(1, min(32, (1 << 26) // ((block_size - 1) * vocab_size)))
@@ -176,10 +181,9 @@ class DFlashProposer:
         self.drafter, self.target = drafter, target
         self.context_layer_ids = drafter.config.target_layer_ids
         self.cache = drafter.new_cache()
-        self.max_drafts: int | None = None  # logits for only the first this many drafts (the LM head is costly)
-        # with an adaptive limit p: `propose` stops computing logits after the first draft whose top
-        # probability is under p (the limit verifies no draft past it)
-        self.unsure_below: float | None = None
+        # drafts the limit never verifies get no logits (the LM head is costly): none past its k, and
+        # under an adaptive p, `propose` stops after the chunk of rows holding the first unsure draft
+        self.limit: DraftLimit | None = None
 
     def anchors_per_call(self, block: int) -> int:
         return anchors_per_forward(block, self.target.vocab_size)
@@ -197,7 +201,7 @@ class DFlashProposer:
         self, anchor_tokens: list[int], anchor_positions: list[int], new_context: torch.Tensor | None,
         new_positions: torch.Tensor, block: int,
     ) -> torch.Tensor:  # fmt: skip
-        """The drafter's final hidden states [K, k, H] at the first k = max_drafts draft positions."""
+        """The drafter's final hidden states [K, k, H] at the first k (the limit's, else B - 1) draft positions."""
         device = self.target.device
         blocks = inference_blocks(torch.tensor(anchor_tokens, device=device), block, self.drafter.config.mask_token_id)
         if new_context is not None:
@@ -206,23 +210,25 @@ class DFlashProposer:
             self.target.embed(blocks.reshape(1, -1)), torch.tensor([anchor_positions], device=device), new_context,
             new_positions, cache=self.cache,
         )  # fmt: skip
-        end = None if self.max_drafts is None else 1 + self.max_drafts
+        k = self.limit.num_speculative_tokens if self.limit is not None else None
+        end = None if k is None else 1 + k
         return hidden.view(len(anchor_tokens), block, -1)[:, 1:end]
 
     def propose(
         self, tokens: list[int], anchor_pos: int, new_context: torch.Tensor | None, new_positions: torch.Tensor,
         block: int,
     ) -> torch.Tensor:  # fmt: skip
-        """Logits [k, V] for the positions after the anchor (tokens[-1] at anchor_pos): the first
-        `max_drafts` (default block - 1), and with `unsure_below` set only up to the first chunk of
-        rows that holds a draft the drafter is unsure of."""
-        if self.unsure_below is None:
+        """Logits [k, V] for the positions after the anchor (tokens[-1] at anchor_pos): the first k
+        the limit allows (default block - 1), and under an adaptive limit only up to the chunk of rows
+        that holds the first draft the drafter is unsure of."""
+        threshold = self.limit.adaptive_threshold if self.limit is not None else None
+        if threshold is None:
             return self.propose_anchors([tokens[-1]], [anchor_pos], new_context, new_positions, block)[0]
         hidden = self._block_hidden([tokens[-1]], [anchor_pos], new_context, new_positions, block)[0]  # [k, H]
         rows = []
         for start in range(0, hidden.shape[0], UNSURE_CHUNK):
             rows.append(self.target.lm_head(hidden[start : start + UNSURE_CHUNK]))
-            if bool((torch.softmax(rows[-1].float(), -1).amax(-1) < self.unsure_below).any()):
+            if bool((draft_confidence(rows[-1]) < threshold).any()):
                 break
         return torch.cat(rows)
 
@@ -247,8 +253,7 @@ class DraftLimit:
         if self.num_speculative_tokens is not None:
             k = min(k, self.num_speculative_tokens)
         if self.adaptive_threshold is not None:
-            top = torch.softmax(logits[:k].float(), -1).amax(-1)  # [k]: the drafter's confidence per position
-            k = int((top >= self.adaptive_threshold).int().cumprod(0).sum())
+            k = int((draft_confidence(logits[:k]) >= self.adaptive_threshold).int().cumprod(0).sum())
         return k
 
     def wrap(self, proposer: Proposer) -> Proposer:
@@ -294,7 +299,7 @@ def as_proposer(
     if isinstance(drafter, DFlashDrafter):
         proposer = DFlashProposer(drafter, target)
         if limit is not None:  # drafts the limit never verifies need no logits
-            proposer.max_drafts, proposer.unsure_below = limit.num_speculative_tokens, limit.adaptive_threshold
+            proposer.limit = limit
     else:
         proposer = drafter.new_proposer(target) if isinstance(drafter, ProposerFactory) else drafter
     return limit.wrap(proposer) if limit is not None else proposer
