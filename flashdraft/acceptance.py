@@ -195,7 +195,8 @@ class DFlashProposer:
         """Logits [B - 1, V] after each anchor, all blocks in one drafter forward."""
         drafts = self._block_hidden(anchor_tokens, anchor_positions, new_context, new_positions, block)  # [K, k, H]
         # contiguous rows: the LM head as one matmul (on a strided 3-D view torch takes a bmm, 2-3x slower on CPU)
-        return list(self.target.lm_head(drafts.reshape(-1, drafts.shape[-1])).view(*drafts.shape[:2], -1))
+        logits = self.drafter.logits(drafts.reshape(-1, drafts.shape[-1]), self.target.lm_head)
+        return list(logits.view(*drafts.shape[:2], -1))
 
     def _block_hidden(
         self, anchor_tokens: list[int], anchor_positions: list[int], new_context: torch.Tensor | None,
@@ -227,7 +228,7 @@ class DFlashProposer:
         hidden = self._block_hidden([tokens[-1]], [anchor_pos], new_context, new_positions, block)[0]  # [k, H]
         rows = []
         for start in range(0, hidden.shape[0], UNSURE_CHUNK):
-            rows.append(self.target.lm_head(hidden[start : start + UNSURE_CHUNK]))
+            rows.append(self.drafter.logits(hidden[start : start + UNSURE_CHUNK], self.target.lm_head))
             if bool((draft_confidence(rows[-1]) < threshold).any()):
                 break
         return torch.cat(rows)

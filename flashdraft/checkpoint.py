@@ -55,7 +55,45 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         if cfg.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,)}  # fmt: skip
+    if cfg.draft_vocab_size is not None:  # an own LM head over a reduced vocabulary (vLLM's convention)
+        shapes["lm_head.weight"] = (cfg.draft_vocab_size, h)
+        if cfg.draft_vocab_size < cfg.vocab_size:
+            shapes["d2t"] = (cfg.draft_vocab_size,)
     return shapes
+
+
+# EAGLE-3 drafters also ship t2d ([vocab] bool, target id -> in the draft vocabulary); vLLM skips it,
+# flashdraft checks it agrees with d2t and drops it.
+OPTIONAL_TENSORS = ("t2d",)
+
+
+def check_vocabulary_map(cfg: DrafterConfig, state: dict[str, torch.Tensor], source: str) -> None:
+    """d2t must map draft ids to distinct target ids inside the vocabulary (and agree with t2d)."""
+    d2t = state.get("d2t")
+    if d2t is None:
+        if "t2d" in state:
+            raise FlashdraftError(f"{source}: tensor 't2d' without 'd2t'; expected both or neither")
+        return
+    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise FlashdraftError(f"{source}: tensor 'd2t' has dtype {d2t.dtype}; expected an integer tensor")
+    target_ids = torch.arange(d2t.shape[0]) + d2t.long().cpu()
+    if bool(((target_ids < 0) | (target_ids >= cfg.vocab_size)).any()):
+        bad = int(((target_ids < 0) | (target_ids >= cfg.vocab_size)).nonzero()[0])
+        raise FlashdraftError(
+            f"{source}: tensor 'd2t' maps draft id {bad} to target id {int(target_ids[bad])}; expected target ids "
+            f"in 0..{cfg.vocab_size - 1} (target id = i + d2t[i])"
+        )
+    if target_ids.unique().numel() != target_ids.numel():
+        raise FlashdraftError(f"{source}: tensor 'd2t' maps two draft ids to one target id; expected distinct ids")
+    t2d = state.get("t2d")
+    if t2d is not None:
+        expected = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        expected[target_ids] = True
+        if tuple(t2d.shape) != (cfg.vocab_size,) or not torch.equal(t2d.cpu().bool(), expected):
+            raise FlashdraftError(
+                f"{source}: tensor 't2d' (shape {list(t2d.shape)}) disagrees with 'd2t'; expected [{cfg.vocab_size}] "
+                f"true exactly at the target ids d2t maps to"
+            )
 
 
 def save_drafter(model: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
@@ -72,7 +110,7 @@ def save_drafter_state(
     state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state_dict.items()}
     check_state_shapes(cfg, {k: tuple(v.shape) for k, v in state.items()}, "drafter being saved")
     config = cfg.to_dict()
-    config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    config["dtype"] = str(state["fc.weight"].dtype).removeprefix("torch.")
     write_atomic(out / WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
     write_atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
     return out
@@ -135,6 +173,8 @@ def check_state_shapes(cfg: DrafterConfig, found: dict[str, tuple[int, ...]], so
         if tuple(found[key]) != shape:
             raise FlashdraftError(f"{source}: tensor '{key}' has shape {list(found[key])}; expected {list(shape)}")
     for key in found:
+        if key in OPTIONAL_TENSORS and "d2t" in expected:
+            continue
         if key not in expected:
             raise FlashdraftError(
                 f"{source}: unexpected tensor '{key}' with shape {list(found[key])}; "
@@ -157,6 +197,16 @@ def load_drafter(
     for key, f in where.items():
         with safe_open(str(f), framework="pt") as sf:
             state[key] = sf.get_tensor(key)
+    return _build(cfg, state, str(directory), device, dtype)
+
+
+def _build(
+    cfg: DrafterConfig, state: dict[str, torch.Tensor], source: str, device: str | torch.device, dtype: torch.dtype
+) -> DFlashDrafter:
+    check_vocabulary_map(cfg, state, source)
+    state = {k: v for k, v in state.items() if k not in OPTIONAL_TENSORS}
+    if "d2t" in state:
+        state["d2t"] = state["d2t"].long()
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
     model.load_state_dict(state, strict=True, assign=True)
@@ -176,6 +226,14 @@ def check_drafter_matches_target(cfg: DrafterConfig, target: TargetModel, source
             raise FlashdraftError(
                 f"{source}: field '{name}' is {found}; expected {expected} ({what}): the drafter was made for "
                 f"another target"
+            )
+    if cfg.mask_token is not None:  # SGLang 0.5.23 refuses a mask_token string the tokenizer knows by another id
+        vocab_id = target.tokenizer.get_vocab().get(cfg.mask_token)
+        if vocab_id is not None and vocab_id != cfg.mask_token_id:
+            raise FlashdraftError(
+                f"{source}: field 'dflash_config.mask_token' is {cfg.mask_token!r}, token {vocab_id} in the target's "
+                f"tokenizer; expected the token of dflash_config.mask_token_id {cfg.mask_token_id} (SGLang refuses "
+                f"the pair)"
             )
 
 
@@ -303,8 +361,4 @@ def load_state_dict_drafter(
 ) -> DFlashDrafter:  # fmt: skip
     """A drafter from a state dict, strictly: every tensor checked against `cfg` first."""
     check_state_shapes(cfg, {k: tuple(v.shape) for k, v in state.items()}, source)
-    with torch.device("meta"):
-        model = DFlashDrafter(cfg)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.rotary_emb = type(model.rotary_emb)(model.rotary_emb.config)  # buffers were on meta
-    return model.to(device=device, dtype=dtype).eval()
+    return _build(cfg, state, source, device, dtype)

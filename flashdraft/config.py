@@ -1,5 +1,13 @@
 """The drafter's configuration: exactly the public DFlash `config.json` (a Qwen3 config
-plus `block_size`, `num_target_layers` and `dflash_config`), validated on load."""
+plus `block_size`, `num_target_layers` and `dflash_config`), validated on load.
+
+Attention per layer is resolved as the servers resolve it (vLLM 0.33.0
+`qwen3_dflash.py` `_resolve_layer_attention`, SGLang 0.5.23 `models/dflash.py`, the z-lab
+reference): a `sliding_attention` layer is causal within the block, a `full_attention` one
+is not, unless the config says otherwise (`is_causal`, then `dflash_config.causal`);
+`dflash_config.use_swa` / `swa_window_size` are other spellings of the layer types and the
+window. On load every spelling is resolved into `layer_types`, `sliding_window` and
+`is_causal`, and those are what flashdraft writes, so no server has to guess."""
 
 from __future__ import annotations
 
@@ -21,8 +29,31 @@ _OWN = {
     "intermediate_size", "vocab_size", "num_target_layers", "block_size", "rms_norm_eps",
     "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "attention_bias",
     "layer_types", "sliding_window", "use_sliding_window", "hidden_act", "dflash_config",
-    "architectures", "model_type", "tie_word_embeddings",
+    "architectures", "model_type", "tie_word_embeddings", "is_causal", "draft_vocab_size",
+    "target_hidden_size",
 }  # fmt: skip
+# dflash_config fields resolved on load into the fields above (and not written back)
+_RESOLVED_DFLASH = ("causal", "use_swa", "swa_window_size")
+# dflash_config fields of the z-lab reference that change the drafter's computation, with
+# the value that changes nothing
+REFERENCE_OPTIONS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+# DFlash2 fields that add modules flashdraft's drafter does not have (vLLM `qwen3_dflash2.py`)
+_DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+DEFAULT_MASK_TOKEN = "<|MASK|>"  # SGLang's default dflash_config.mask_token
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one drafter layer attends. causal: a block query sees block keys at or before its
+    own position only; window: keys with q - k < window (non-causal: |q - k| < window), None
+    for full attention."""
+
+    causal: bool
+    window: int | None
+
+    def describe(self) -> str:
+        kind = "full" if self.window is None else f"sliding window {self.window}"
+        return f"{kind}, {'causal' if self.causal else 'non-causal'} within the block"
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -65,6 +96,10 @@ class DrafterConfig:
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int | None = None
     hidden_act: str = "silu"
+    # in-block causality of every layer; None: the servers' default (sliding causal, full not)
+    is_causal: bool | None = None
+    # a reduced drafter vocabulary with its own LM head and `d2t` (None: the target's LM head)
+    draft_vocab_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -75,6 +110,38 @@ class DrafterConfig:
     @property
     def num_context_layers(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def layer_attention(self) -> list[LayerAttention]:
+        """Each layer's attention, as vLLM, SGLang and the reference serve it."""
+        return [
+            LayerAttention(
+                causal=(t == "sliding_attention") if self.is_causal is None else self.is_causal,
+                window=self.sliding_window if t == "sliding_attention" else None,
+            )
+            for t in self.layer_types
+        ]
+
+    @property
+    def causality_source(self) -> str:
+        """Where the layers' causality comes from (for doctor/eval/export to say)."""
+        if self.is_causal is not None:
+            return f"is_causal: {str(self.is_causal).lower()}"
+        return "no is_causal: the servers' default (sliding_attention causal, full_attention non-causal)"
+
+    @property
+    def dflash_options(self) -> dict[str, Any]:
+        """dflash_config fields beyond target_layer_ids and mask_token_id (mask_token, ...)."""
+        return dict(self.extra.get("dflash_config") or {})
+
+    def reference_option(self, name: str) -> Any:
+        """input_embedding_scale, output_multiplier or final_logit_softcapping (default if unset)."""
+        value = self.dflash_options.get(name)
+        return REFERENCE_OPTIONS[name] if value is None else value
+
+    @property
+    def mask_token(self) -> str | None:
+        return self.dflash_options.get("mask_token")
 
     def validate(self, source: str = "config") -> None:
         def bad(field_name: str, found: Any, expected: str) -> FlashdraftError:
@@ -93,9 +160,13 @@ class DrafterConfig:
         ids = self.target_layer_ids
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
             raise bad("dflash_config.target_layer_ids", ids, "a non-empty list of layer indices")
-        if len(set(ids)) != len(ids) or any(not 0 <= i < self.num_target_layers for i in ids):
+        if any(not 0 <= i < self.num_target_layers for i in ids):
             raise bad("dflash_config.target_layer_ids", ids,
-                      f"distinct indices in 0..{self.num_target_layers - 1} (num_target_layers)")  # fmt: skip
+                      f"indices in 0..{self.num_target_layers - 1} (num_target_layers)")  # fmt: skip
+        if any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
+            raise bad("dflash_config.target_layer_ids", ids,
+                      f"unique, strictly increasing ids (e.g. {sorted(set(ids))}): vLLM and SGLang capture target "
+                      f"layers in layer order, so other orders reach the drafter permuted or are refused")  # fmt: skip
         if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
             raise bad("dflash_config.mask_token_id", self.mask_token_id, f"a token id in 0..{self.vocab_size - 1}")
         if len(self.layer_types) != self.num_hidden_layers:
@@ -107,6 +178,29 @@ class DrafterConfig:
             not isinstance(self.sliding_window, int) or self.sliding_window < 1
         ):
             raise bad("sliding_window", self.sliding_window, "a positive integer (layer_types has sliding layers)")
+        if self.is_causal is not None and not isinstance(self.is_causal, bool):
+            raise bad("is_causal", self.is_causal, "true, false or absent")
+        if self.draft_vocab_size is not None and (
+            not isinstance(self.draft_vocab_size, int) or not 1 <= self.draft_vocab_size <= self.vocab_size
+        ):
+            raise bad("draft_vocab_size", self.draft_vocab_size, f"an integer in 1..{self.vocab_size} (vocab_size)")
+        options = self.dflash_options
+        for name in _DFLASH2_FIELDS:
+            if options.get(name):
+                raise bad(f"dflash_config.{name}", options[name],
+                          "absent or 0: a DFlash2 drafter (grouped convolution, candidate selector), which flashdraft "
+                          "does not implement")  # fmt: skip
+        for name in ("input_embedding_scale", "output_multiplier"):
+            value = options.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+                                      or value == float("inf")):  # fmt: skip
+                raise bad(f"dflash_config.{name}", value, "a positive finite number")
+        cap = options.get("final_logit_softcapping")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float) or cap < 0):
+            raise bad("dflash_config.final_logit_softcapping", cap, "a positive number, 0 or absent (no capping)")
+        mask_token = options.get("mask_token")
+        if mask_token is not None and (not isinstance(mask_token, str) or not mask_token):
+            raise bad("dflash_config.mask_token", mask_token, "a non-empty string (the mask token's text)")
 
     # -- public config.json ------------------------------------------------------------
 
@@ -115,6 +209,12 @@ class DrafterConfig:
         own = asdict(self)
         own.pop("extra")
         dflash = {"target_layer_ids": own.pop("target_layer_ids"), "mask_token_id": own.pop("mask_token_id")}
+        for name in ("is_causal", "draft_vocab_size"):
+            if own[name] is None:  # absent, not null: servers read a present null differently
+                del own[name]
+        causal = {a.causal for a in self.layer_attention}
+        if len(causal) == 1:  # say it when every layer shares one causality: no server has to guess
+            own["is_causal"] = causal.pop()
         d.update(own)
         d.update(
             architectures=["DFlashDraftModel"],
@@ -156,6 +256,19 @@ class DrafterConfig:
                 stacklevel=2,
             )
         heads = d["num_attention_heads"]
+        layer_types, sliding_window, is_causal = _resolve_attention_spellings(d, dflash, source)
+        target_hidden = d.get("target_hidden_size")
+        if target_hidden is not None and target_hidden != d["hidden_size"]:
+            raise FlashdraftError(
+                f"{source}: field 'target_hidden_size' is {target_hidden!r}; expected {d['hidden_size']} "
+                f"(hidden_size): a drafter narrower than its target needs its own embeddings, which flashdraft "
+                f"does not support"
+            )
+        extra_dflash = {k: v for k, v in dflash.items()
+                        if k not in ("target_layer_ids", "mask_token_id", *_RESOLVED_DFLASH)}  # fmt: skip
+        extra = {k: v for k, v in d.items() if k not in _OWN}
+        if extra_dflash:
+            extra["dflash_config"] = extra_dflash
         try:
             return cls(
                 hidden_size=d["hidden_size"],
@@ -176,10 +289,12 @@ class DrafterConfig:
                 rope_scaling=rope_scaling,
                 max_position_embeddings=d.get("max_position_embeddings", 40960),
                 attention_bias=d.get("attention_bias", False),
-                layer_types=list(d.get("layer_types") or []),
-                sliding_window=d.get("sliding_window"),
+                layer_types=layer_types,
+                sliding_window=sliding_window,
                 hidden_act=d.get("hidden_act", "silu"),
-                extra={k: v for k, v in d.items() if k not in _OWN},
+                is_causal=is_causal,
+                draft_vocab_size=d.get("draft_vocab_size"),
+                extra=extra,
             )
         except FlashdraftError as e:  # name the file, not just "config"
             raise FlashdraftError(str(e).replace("config:", f"{source}:", 1)) from None
@@ -198,3 +313,34 @@ class DrafterConfig:
         except json.JSONDecodeError as e:
             raise FlashdraftError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
         return cls.from_dict(d, source=str(path))
+
+
+def _resolve_attention_spellings(
+    d: dict[str, Any], dflash: dict[str, Any], source: str
+) -> tuple[list[str], int | None, bool | None]:
+    """(layer_types, sliding_window, is_causal) from every spelling servers read, resolved as
+    vLLM 0.33.0 does (`_resolve_layer_attention`, `_dflash_layer_causal`): `use_swa` makes every
+    layer sliding when layer_types has none (those layers stay non-causal: causality comes from
+    the layer types as written); `swa_window_size` overrides `sliding_window`; causality is the
+    top-level `is_causal`, else `dflash_config.causal`, else the layer types' default."""
+    written = d.get("layer_types")
+    layer_types = list(written) if isinstance(written, list) else []
+    if written is not None and not isinstance(written, list):
+        raise FlashdraftError(f"{source}: field 'layer_types' is {written!r}; expected a list, one entry per layer")
+    use_swa = dflash.get("use_swa", False)
+    if not isinstance(use_swa, bool):
+        raise FlashdraftError(f"{source}: field 'dflash_config.use_swa' is {use_swa!r}; expected true or false")
+    is_causal = d.get("is_causal")
+    if is_causal is None:
+        is_causal = dflash.get("causal")
+        if is_causal is not None and not isinstance(is_causal, bool):
+            raise FlashdraftError(f"{source}: field 'dflash_config.causal' is {is_causal!r}; expected true or false")
+    num_layers = d["num_hidden_layers"]
+    if use_swa and "sliding_attention" not in layer_types and isinstance(num_layers, int):
+        if is_causal is None:
+            is_causal = False  # the layers written as full (or untyped) keep their non-causal default
+        layer_types = ["sliding_attention"] * num_layers
+    window = d.get("sliding_window")
+    if dflash.get("swa_window_size") is not None and "sliding_attention" in layer_types:
+        window = dflash["swa_window_size"]
+    return layer_types, window, is_causal

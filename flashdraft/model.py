@@ -21,7 +21,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from flashdraft.config import DrafterConfig
+from flashdraft.config import DrafterConfig, LayerAttention
 
 # Position given to padding context slots: never before any anchor, so never visible.
 PAD_POSITION = 1 << 40
@@ -56,21 +56,25 @@ def attention_mask(
     query_block: torch.Tensor,
     query_anchor: torch.Tensor,
     context_positions: torch.Tensor,
-    sliding_window: int | None,
+    attention: LayerAttention,
 ) -> torch.Tensor:
     """Which keys each block query may see (True = visible).
 
     query_positions, query_anchor: [N, Q] absolute position of each query and of its anchor
     query_block: [Q] block index of each query; context_positions: [N, C]
-    returns [N, 1, Q, C + Q]: context keys strictly before the query's anchor, every key of
-    its own block, none of another block; a sliding window keeps keys with q - k < window.
+    returns [N, 1, Q, C + Q]: context keys strictly before the query's anchor, keys of its own
+    block (a causal layer: only those at or before the query), none of another block; a
+    sliding window keeps keys with |q - k| < window (section 2 of the reference doc).
     """
     sees_context = context_positions[:, None, :] < query_anchor[:, :, None]  # [N, Q, C]
     same_block = (query_block[:, None] == query_block[None, :]).expand(query_positions.shape[0], -1, -1)
+    if attention.causal:
+        same_block = same_block & (query_positions[:, None, :] <= query_positions[:, :, None])  # key <= query
     mask = torch.cat([sees_context, same_block], dim=-1)  # [N, Q, C + Q]
-    if sliding_window is not None:
+    if attention.window is not None:
         key_positions = torch.cat([context_positions, query_positions], dim=-1)  # [N, C + Q]
-        mask &= (query_positions[:, :, None] - key_positions[:, None, :]) < sliding_window
+        distance = query_positions[:, :, None] - key_positions[:, None, :]  # [N, Q, C + Q]
+        mask &= distance.abs() < attention.window
     return mask.unsqueeze(1)
 
 
@@ -79,17 +83,21 @@ def mask_mod_for(
     query_block: torch.Tensor,
     query_anchor: torch.Tensor,
     context_positions: torch.Tensor,
-    sliding_window: int | None,
+    attention: LayerAttention,
 ):
     """The rule of `attention_mask` as a flex-attention mask_mod (block-sparse on GPU)."""
     num_context = context_positions.shape[1]
     key_positions = torch.cat([context_positions, query_positions], dim=1)  # [N, C + Q]
     key_block = torch.cat([query_block.new_full((num_context,), -1), query_block])  # [C + Q]
+    causal, window = attention.causal, attention.window
 
     def mask_mod(b, h, q, kv):
-        ok = torch.where(kv < num_context, key_positions[b, kv] < query_anchor[b, q], key_block[kv] == query_block[q])
-        if sliding_window is not None:
-            ok = ok & (query_positions[b, q] - key_positions[b, kv] < sliding_window)
+        in_block = key_block[kv] == query_block[q]
+        if causal:
+            in_block = in_block & (key_positions[b, kv] <= query_positions[b, q])
+        ok = torch.where(kv < num_context, key_positions[b, kv] < query_anchor[b, q], in_block)
+        if window is not None:
+            ok = ok & ((query_positions[b, q] - key_positions[b, kv]).abs() < window)
         return ok
 
     return mask_mod
@@ -182,11 +190,10 @@ class DrafterLayer(nn.Module):
         self.mlp = Qwen3MLP(qwen3)
         self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        sliding = cfg.layer_types[layer_idx] == "sliding_attention"
-        self.sliding_window = cfg.sliding_window if sliding else None
+        self.attention = cfg.layer_attention[layer_idx]
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None, masks: dict, **attn_kwargs) -> torch.Tensor:
-        mask = masks[self.sliding_window]
+        mask = masks[self.attention]
         x = x + self.self_attn(self.input_layernorm(x), context, mask=mask, **attn_kwargs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -201,6 +208,13 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(cfg, qwen3, i) for i in range(cfg.num_hidden_layers))
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(qwen3)
+        # A reduced vocabulary (draft_vocab_size): an own LM head over draft ids, and d2t mapping
+        # them to target ids (target id = i + d2t[i], the EAGLE-3 convention vLLM serves).
+        self.lm_head = None
+        if cfg.draft_vocab_size is not None:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+            if cfg.draft_vocab_size < cfg.vocab_size:
+                self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         # "auto": block-sparse flex attention for many-block (training) forwards on GPU, a dense
         # boolean mask otherwise; "sdpa" or "flex" force one.
         self.attention_backend = "auto"
@@ -220,6 +234,30 @@ class DFlashDrafter(nn.Module):
                     p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+    def target_ids(self) -> torch.Tensor | None:
+        """The target id of each draft-vocabulary id [draft_vocab_size]; None with the full vocabulary."""
+        d2t = getattr(self, "d2t", None)
+        return None if d2t is None else torch.arange(d2t.shape[0], device=d2t.device) + d2t
+
+    def logits(self, hidden: torch.Tensor, target_lm_head) -> torch.Tensor:
+        """The drafter's logits over the target's vocabulary [..., V] from its hidden states [..., H]:
+        its own LM head if it has one (draft ids mapped through d2t; target ids outside the draft
+        vocabulary get -inf), else the target's; then the reference's output_multiplier and
+        final_logit_softcapping."""
+        logits = (self.lm_head or target_lm_head)(hidden)
+        multiplier = self.config.reference_option("output_multiplier")
+        if multiplier != 1.0:
+            logits = logits * multiplier
+        cap = self.config.reference_option("final_logit_softcapping")
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        target_ids = self.target_ids()
+        if target_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        full[..., target_ids] = logits
+        return full
 
     def new_cache(self) -> DrafterCache:
         return DrafterCache(len(self.layers))
@@ -242,6 +280,9 @@ class DFlashDrafter(nn.Module):
         """
         n, q_len, _ = block_embeds.shape
         num_blocks = anchor_positions.shape[1]
+        scale = self.config.reference_option("input_embedding_scale")
+        if scale != 1.0:
+            block_embeds = block_embeds * scale
         b = q_len // num_blocks
         offsets = torch.arange(b, device=block_embeds.device)
         query_anchor = anchor_positions.repeat_interleave(b, dim=1)  # [N, Q]
@@ -266,22 +307,24 @@ class DFlashDrafter(nn.Module):
         if backend == "auto":
             backend = "flex" if block_embeds.is_cuda and num_blocks > 1 else "sdpa"
         masks = {}
-        # Drafting one block after committed context (decoding): every key is visible to every query,
-        # so no mask; building one and masking costs ~10% of a CPU drafting step.
+        # Drafting one block after committed context (decoding): in a full non-causal layer every key
+        # is visible to every query, so no mask; building one and masking costs ~10% of a CPU drafting step.
         sees_all = (
             backend == "sdpa"
             and num_blocks == 1
             and bool((all_context_positions < anchor_positions).all())
         )  # fmt: skip
-        for w in {layer.sliding_window for layer in self.layers}:
-            if sees_all and w is None:
-                masks[w] = None
+        for attention in {layer.attention for layer in self.layers}:
+            if sees_all and attention.window is None and not attention.causal:
+                masks[attention] = None
             elif backend == "flex":
-                rule = mask_mod_for(query_positions, query_block, query_anchor, all_context_positions, w)
+                rule = mask_mod_for(query_positions, query_block, query_anchor, all_context_positions, attention)
                 num_keys = all_context_positions.shape[1] + q_len
-                masks[w] = create_block_mask(rule, n, None, q_len, num_keys, device=block_embeds.device)
+                masks[attention] = create_block_mask(rule, n, None, q_len, num_keys, device=block_embeds.device)
             else:
-                masks[w] = attention_mask(query_positions, query_block, query_anchor, all_context_positions, w)
+                masks[attention] = attention_mask(
+                    query_positions, query_block, query_anchor, all_context_positions, attention
+                )
         x = block_embeds
         for layer in self.layers:
             x = layer(x, context, masks, block_rope=block_rope, context_rope=context_rope, cache=cache)

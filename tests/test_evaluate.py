@@ -139,7 +139,7 @@ def test_max_blocks_keeps_the_first_steps_of_the_walk():
 
 def test_offline_from_stored_features_needs_no_target_forward_and_slices_the_drafter_layers():
     target = make_target("qwen3")
-    drafter = make_drafter(target_layer_ids=[2, 0])  # another order than the store's
+    drafter = make_drafter(target_layer_ids=[0, 2])  # a subset of the store's layers
     records = greedy_records(target)
     target.set_context_layers([0, 1, 2, 3])
     stored = [
@@ -152,9 +152,9 @@ def test_offline_from_stored_features_needs_no_target_forward_and_slices_the_dra
     assert source.target_forwards == 0
     fresh = evaluate_offline(drafter, target, records)
     assert [p.acceptance_lengths for p in from_store.per_prompt] == [p.acceptance_lengths for p in fresh.per_prompt]
-    evaluate_offline(make_drafter(target_layer_ids=[1, 3, 0], num_hidden_layers=1), target, stored[:1], source)
+    evaluate_offline(make_drafter(target_layer_ids=[1, 2, 3], num_hidden_layers=1), target, stored[:1], source)
     assert source.target_forwards == 0
-    evaluate_offline(make_drafter(target_layer_ids=[0, 2]), target, [EvalRecord("x", [1, 2], [3, 4, 5])], source)
+    evaluate_offline(make_drafter(target_layer_ids=[1, 3]), target, [EvalRecord("x", [1, 2], [3, 4, 5])], source)
     assert source.target_forwards == 1  # a record without stored features: one target forward
 
 
@@ -261,7 +261,7 @@ def test_reference_comparison_of_the_same_drafter_gives_zero_difference(capsys, 
 
 def test_reference_with_other_depth_and_context_layers(capsys, tmp_path, target_dir, prompts_file):
     save_drafter(make_drafter(), tmp_path / "d")
-    save_drafter(make_drafter(num_hidden_layers=1, target_layer_ids=[1, 2, 0], block_size=4), tmp_path / "ref")
+    save_drafter(make_drafter(num_hidden_layers=1, target_layer_ids=[0, 1, 2], block_size=4), tmp_path / "ref")
     rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
                            prompts_file, "--max-blocks", 4, "--reference", tmp_path / "ref", "--json",
                            tmp_path / "out.json")  # fmt: skip
@@ -270,7 +270,7 @@ def test_reference_with_other_depth_and_context_layers(capsys, tmp_path, target_
     assert summary["context_layers"] == 2 and summary["reference"]["context_layers"] == 3
     assert len(summary["histogram"]) == 8 and len(summary["reference"]["histogram"]) == 4
     assert len(summary["difference"]["histogram"]) == 8
-    assert "layers [1, 2, 0] (target forward)" in out
+    assert "layers [0, 1, 2] (target forward)" in out
 
 
 JSON_KEYS = {"tau", "tau_prompt_mean", "histogram", "position_acceptance", "num_steps", "mode", "context_layers",

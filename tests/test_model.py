@@ -1,5 +1,7 @@
+import pytest
 import torch
 
+from flashdraft.config import LayerAttention
 from flashdraft.model import PAD_POSITION, attention_mask
 from tests.conftest import make_drafter
 
@@ -14,24 +16,79 @@ def _inputs(seq_len=40, num_blocks=3, block=8, seed=0):
     return ctx, anchors, blocks
 
 
-def test_mask_follows_the_rule_entry_by_entry():
-    torch.manual_seed(0)
-    b, window = 4, 6
+ATTENTIONS = [LayerAttention(causal, window) for causal in (False, True) for window in (None, 6)]
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS, ids=lambda a: a.describe())
+def test_mask_follows_the_reference_rule_entry_by_entry(attention):
+    """Section 2 of the reference doc, written out: context strictly before the anchor, the own
+    block only (a causal layer: keys at or before the query), window |q - k| < W."""
+    b = 4
     anchors = torch.tensor([[3, 9, 10]])
     ctx_pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, PAD_POSITION]])
     q_anchor = anchors.repeat_interleave(b, 1)
     q_pos = q_anchor + torch.arange(b).repeat(3)
     q_block = torch.arange(3).repeat_interleave(b)
-    for w in (None, window):
-        mask = attention_mask(q_pos, q_block, q_anchor, ctx_pos, w)[0, 0]
-        keys = ctx_pos[0].tolist() + q_pos[0].tolist()
-        for qi in range(q_pos.shape[1]):
-            for ki, kp in enumerate(keys):
-                is_ctx = ki < ctx_pos.shape[1]
-                rule = (kp < q_anchor[0, qi]) if is_ctx else (q_block[ki - ctx_pos.shape[1]] == q_block[qi])
-                if w is not None:
-                    rule = rule and (q_pos[0, qi] - kp < w)
-                assert bool(mask[qi, ki]) == bool(rule), (w, qi, ki)
+    mask = attention_mask(q_pos, q_block, q_anchor, ctx_pos, attention)[0, 0]
+    keys = ctx_pos[0].tolist() + q_pos[0].tolist()
+    visible = 0
+    for qi in range(q_pos.shape[1]):
+        qp = int(q_pos[0, qi])
+        for ki, kp in enumerate(keys):
+            if ki < ctx_pos.shape[1]:
+                rule = kp < q_anchor[0, qi]
+            else:
+                rule = q_block[ki - ctx_pos.shape[1]] == q_block[qi] and (not attention.causal or kp <= qp)
+            if attention.window is not None:
+                rule = rule and abs(qp - kp) < attention.window
+            assert bool(mask[qi, ki]) == bool(rule), (attention, qi, ki)
+            visible += bool(rule)
+    assert visible > 0
+
+
+def _block_outputs(drafter, block_inputs, anchors, ctx, pos):
+    return drafter(block_inputs, anchors, ctx[:, : int(anchors[0, 0])], pos[:, : int(anchors[0, 0])])
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_a_sliding_layer_output_at_block_position_j_ignores_block_inputs_after_j(num_layers):
+    drafter = make_drafter(num_hidden_layers=num_layers, layer_types=["sliding_attention"] * num_layers,
+                           sliding_window=2048)  # fmt: skip
+    assert all(a.causal for a in drafter.config.layer_attention)
+    ctx, anchors, blocks = _inputs(num_blocks=1)
+    pos = torch.arange(ctx.shape[1])[None]
+    out = _block_outputs(drafter, blocks, anchors, ctx, pos)
+    j = 3
+    changed = blocks.clone()
+    changed[:, j + 1 :] += torch.randn_like(changed[:, j + 1 :])
+    later = _block_outputs(drafter, changed, anchors, ctx, pos)
+    torch.testing.assert_close(later[:, : j + 1], out[:, : j + 1], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(later[:, j + 1 :], out[:, j + 1 :])
+
+
+def test_a_full_layer_output_at_block_position_j_sees_block_inputs_after_j():
+    drafter = make_drafter(num_hidden_layers=1)
+    assert not drafter.config.layer_attention[0].causal
+    ctx, anchors, blocks = _inputs(num_blocks=1)
+    pos = torch.arange(ctx.shape[1])[None]
+    out = _block_outputs(drafter, blocks, anchors, ctx, pos)
+    changed = blocks.clone()
+    changed[:, 4:] += 1.0
+    assert not torch.allclose(_block_outputs(drafter, changed, anchors, ctx, pos)[:, :4], out[:, :4])
+
+
+def test_is_causal_false_makes_every_layer_non_causal_and_true_every_layer_causal():
+    ctx, anchors, blocks = _inputs(num_blocks=1)
+    pos = torch.arange(ctx.shape[1])[None]
+    changed = blocks.clone()
+    changed[:, 4:] += 1.0
+    for is_causal in (False, True):
+        drafter = make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=2048,
+                               is_causal=is_causal)  # fmt: skip
+        assert [a.causal for a in drafter.config.layer_attention] == [is_causal, is_causal]
+        same = torch.allclose(_block_outputs(drafter, changed, anchors, ctx, pos)[:, :4],
+                              _block_outputs(drafter, blocks, anchors, ctx, pos)[:, :4], atol=1e-6)  # fmt: skip
+        assert same == is_causal
 
 
 def test_all_blocks_in_one_forward_equal_each_block_alone():

@@ -14,6 +14,7 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -178,7 +179,8 @@ def forward_loss(
             block_embeds = target.embed(batch.block_ids)  # [N, K * B, H], frozen
         hidden = model(block_embeds, batch.anchor_positions, batch.context_features.to(block_embeds.dtype),
                        batch.context_positions)  # fmt: skip
-        return block_loss(hidden, batch.labels, target.lm_head, block_size,
+        head = partial(unwrap(model).logits, target_lm_head=target.lm_head)  # the target's head, as served
+        return block_loss(hidden, batch.labels, head, block_size,
                           cfg.loss_decay_gamma, batch.target_topk, kl_weight)  # fmt: skip
 
 

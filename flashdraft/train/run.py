@@ -101,6 +101,12 @@ def _starting_drafter(
                                       shape["mask_token_id"], shape["target_layer_ids"], seed=seed)  # fmt: skip
     check_drafter_matches_target(drafter.config, target, source)
     _check_agrees(drafter.config, source, **shape)
+    if drafter.config.draft_vocab_size is not None:
+        raise FlashdraftError(
+            f"{source}: field 'draft_vocab_size' is {drafter.config.draft_vocab_size}; training a drafter with its own "
+            f"reduced-vocabulary LM head is not supported yet (evaluating, decoding and exporting one is); expected "
+            f"a drafter that borrows the target's LM head"
+        )
     return drafter
 
 
