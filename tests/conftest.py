@@ -122,3 +122,11 @@ def make_drafter(seed: int = 0, **overrides) -> DFlashDrafter:
     drafter = DFlashDrafter(make_drafter_config(**overrides))
     drafter.init_weights(seed)
     return drafter.eval()
+
+
+def make_reduced_vocab_drafter(target_ids: list[int], seed: int = 0, **overrides) -> DFlashDrafter:
+    """A drafter with its own LM head over `target_ids` (sorted target ids), d2t in vLLM's convention."""
+    drafter = make_drafter(seed, draft_vocab_size=len(target_ids), **overrides)
+    ids = torch.tensor(sorted(target_ids))
+    drafter.d2t.copy_(ids - torch.arange(len(ids)))  # target id = i + d2t[i]
+    return drafter

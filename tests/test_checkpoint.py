@@ -8,7 +8,7 @@ from flashdraft.checkpoint import expected_shapes, load_drafter, save_drafter
 from flashdraft.config import DrafterConfig
 from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
-from tests.conftest import make_drafter
+from tests.conftest import make_drafter, make_reduced_vocab_drafter
 from tests.test_config import PUBLIC_QWEN36_CONFIG
 
 
@@ -113,3 +113,46 @@ def test_truncated_weights_and_missing_weights_are_refused(tmp_path):
     weights.unlink()
     with pytest.raises(FlashdraftError, match="no model.safetensors"):
         load_drafter(tmp_path)
+
+
+REDUCED_IDS = [0, 2, 5, 9, 17, 30, 44, 61, 63]
+
+
+def test_a_reduced_vocabulary_drafter_saves_its_own_head_and_d2t_and_reloads_identically(tmp_path):
+    drafter = make_reduced_vocab_drafter(REDUCED_IDS)
+    save_drafter(drafter, tmp_path)
+    loaded = load_drafter(tmp_path)
+    assert loaded.config.draft_vocab_size == len(REDUCED_IDS)
+    assert {"lm_head.weight", "d2t"} <= set(loaded.state_dict())
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[key]), key
+    assert loaded.target_ids().tolist() == REDUCED_IDS and loaded.d2t.dtype == torch.long
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda s: s.pop("d2t"), "tensor 'd2t' is missing"),
+        (lambda s: s.pop("lm_head.weight"), "tensor 'lm_head.weight' is missing"),
+        (lambda s: s["d2t"].__setitem__(-1, 100), "maps draft id 8 to target id 108"),
+        (lambda s: s["d2t"].__setitem__(1, -1), "two draft ids to one target id"),
+        (lambda s: s.__setitem__("t2d", torch.ones(64, dtype=torch.bool)), "'t2d'"),
+    ],
+)
+def test_a_reduced_vocabulary_with_a_missing_or_inconsistent_map_is_refused_by_name(tmp_path, change, message):
+    drafter = make_reduced_vocab_drafter(REDUCED_IDS)
+    save_drafter(drafter, tmp_path)
+    state = {k: v.clone() for k, v in drafter.state_dict().items()}
+    change(state)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(FlashdraftError, match=message):
+        load_drafter(tmp_path)
+
+
+def test_a_consistent_t2d_of_an_eagle3_style_drafter_is_accepted_and_dropped(tmp_path):
+    drafter = make_reduced_vocab_drafter(REDUCED_IDS)
+    save_drafter(drafter, tmp_path)
+    t2d = torch.zeros(64, dtype=torch.bool)
+    t2d[REDUCED_IDS] = True
+    save_file(drafter.state_dict() | {"t2d": t2d}, str(tmp_path / "model.safetensors"))
+    assert "t2d" not in load_drafter(tmp_path).state_dict()

@@ -68,3 +68,103 @@ def test_config_that_is_not_a_dflash_drafter_is_refused():
     d = {k: v for k, v in PUBLIC_QWEN36_CONFIG.items() if k != "dflash_config"}
     with pytest.raises(FlashdraftError, match="dflash_config"):
         DrafterConfig.from_dict(d, source="x/config.json")
+
+
+def _public(**top) -> dict:
+    return {**PUBLIC_QWEN36_CONFIG, **top}
+
+
+def _with_dflash(d: dict, **fields) -> dict:
+    return {**d, "dflash_config": {**d["dflash_config"], **fields}}
+
+
+def test_published_qwen36_layout_serves_sliding_layers_causally_and_the_full_layer_non_causally():
+    cfg = DrafterConfig.from_dict(PUBLIC_QWEN36_CONFIG)
+    assert [(a.causal, a.window) for a in cfg.layer_attention] == [(True, 2048)] * 4 + [(False, None)]
+    assert "is_causal" not in cfg.to_dict()  # mixed: the servers' default says it, nothing to add
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_top_level_is_causal_sets_every_layer_and_wins_over_dflash_config_causal(is_causal):
+    d = _with_dflash(_public(is_causal=is_causal), causal=not is_causal)
+    cfg = DrafterConfig.from_dict(d)
+    assert [a.causal for a in cfg.layer_attention] == [is_causal] * 5
+    out = cfg.to_dict()
+    assert out["is_causal"] is is_causal and "causal" not in out["dflash_config"]
+
+
+def test_dflash_config_causal_is_read_as_vllm_reads_it_and_written_as_is_causal_for_sglang():
+    cfg = DrafterConfig.from_dict(_with_dflash(PUBLIC_QWEN36_CONFIG, causal=False))
+    assert [a.causal for a in cfg.layer_attention] == [False] * 5
+    assert cfg.to_dict()["is_causal"] is False  # SGLang reads only the top-level field
+
+
+def test_use_swa_makes_all_full_layers_sliding_and_non_causal_with_swa_window_size():
+    d = _with_dflash(_public(layer_types=["full_attention"] * 5, sliding_window=None), use_swa=True,
+                     swa_window_size=512)  # fmt: skip
+    cfg = DrafterConfig.from_dict(d)
+    assert [(a.causal, a.window) for a in cfg.layer_attention] == [(False, 512)] * 5
+    out = cfg.to_dict()
+    assert out["layer_types"] == ["sliding_attention"] * 5 and out["sliding_window"] == 512
+    assert out["is_causal"] is False and not {"use_swa", "swa_window_size"} & set(out["dflash_config"])
+    assert [(a.causal, a.window) for a in DrafterConfig.from_dict(out).layer_attention] == [(False, 512)] * 5
+
+
+def test_use_swa_leaves_layer_types_that_already_have_sliding_layers_alone():
+    cfg = DrafterConfig.from_dict(_with_dflash(PUBLIC_QWEN36_CONFIG, use_swa=True))
+    assert cfg.layer_types == PUBLIC_QWEN36_CONFIG["layer_types"] and cfg.is_causal is None
+
+
+def test_swa_window_size_overrides_sliding_window():
+    cfg = DrafterConfig.from_dict(_with_dflash(PUBLIC_QWEN36_CONFIG, swa_window_size=1024))
+    assert cfg.sliding_window == 1024 and cfg.to_dict()["sliding_window"] == 1024
+
+
+def test_mask_token_string_is_kept_and_written_back():
+    cfg = DrafterConfig.from_dict(_with_dflash(PUBLIC_QWEN36_CONFIG, mask_token="<|MASK|>"))
+    assert cfg.mask_token == "<|MASK|>" and cfg.to_dict()["dflash_config"]["mask_token"] == "<|MASK|>"
+
+
+def test_target_hidden_size_equal_to_hidden_size_is_read_and_another_is_refused():
+    assert DrafterConfig.from_dict(_public(target_hidden_size=5120)).hidden_size == 5120
+    with pytest.raises(FlashdraftError, match="'target_hidden_size' is 4096; expected 5120"):
+        DrafterConfig.from_dict(_public(target_hidden_size=4096), source="x/config.json")
+
+
+def test_draft_vocab_size_round_trips_and_must_fit_the_vocabulary():
+    cfg = DrafterConfig.from_dict(_public(draft_vocab_size=32000))
+    assert cfg.draft_vocab_size == 32000 and cfg.to_dict()["draft_vocab_size"] == 32000
+    assert "draft_vocab_size" not in DrafterConfig.from_dict(PUBLIC_QWEN36_CONFIG).to_dict()
+    with pytest.raises(FlashdraftError, match="draft_vocab_size"):
+        DrafterConfig.from_dict(_public(draft_vocab_size=300000))
+
+
+@pytest.mark.parametrize(
+    "fields, name",
+    [
+        ({"input_embedding_scale": 0.0}, "input_embedding_scale"),
+        ({"output_multiplier": -1.0}, "output_multiplier"),
+        ({"final_logit_softcapping": "30"}, "final_logit_softcapping"),
+        ({"mask_token": 7}, "mask_token"),
+        ({"causal": "yes"}, "dflash_config.causal"),
+        ({"use_swa": 1}, "dflash_config.use_swa"),
+        ({"conv_kernel_size": 2, "conv_group_size": 16}, "conv_kernel_size"),
+        ({"selector_rank": 256}, "selector_rank"),
+    ],
+)
+def test_dflash_config_spellings_with_bad_values_or_unsupported_modules_are_refused_by_name(fields, name):
+    with pytest.raises(FlashdraftError, match=name):
+        DrafterConfig.from_dict(_with_dflash(PUBLIC_QWEN36_CONFIG, **fields), source="x/config.json")
+
+
+def test_reference_output_options_default_to_no_change():
+    cfg = DrafterConfig.from_dict(_with_dflash(PUBLIC_QWEN36_CONFIG, output_multiplier=2.0))
+    assert cfg.reference_option("output_multiplier") == 2.0
+    assert cfg.reference_option("input_embedding_scale") == 1.0
+    assert cfg.reference_option("final_logit_softcapping") is None
+
+
+def test_unsorted_or_repeated_target_layer_ids_are_refused_with_the_servers_rule():
+    for ids in ([3, 1, 2], [1, 1, 2]):
+        with pytest.raises(FlashdraftError, match="strictly increasing"):
+            DrafterConfig.from_dict(_with_dflash(PUBLIC_QWEN36_CONFIG, target_layer_ids=ids))

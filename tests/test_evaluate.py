@@ -21,7 +21,15 @@ from flashdraft.records import EvalRecord, FeatureSource
 from flashdraft.results import EvalResult, PromptResult, speedup_bound
 from flashdraft.run_dir import load_any_drafter
 from flashdraft.target import TargetModel
-from tests.conftest import make_drafter, make_target, make_tokenizer, run_cli, save_target, write_word_prompts
+from tests.conftest import (
+    make_drafter,
+    make_reduced_vocab_drafter,
+    make_target,
+    make_tokenizer,
+    run_cli,
+    save_target,
+    write_word_prompts,
+)
 
 PROMPTS = [[5, 9, 17, 3, 22, 40, 11, 8, 30, 2, 14, 27], [1, 2, 3, 4, 5, 6], [44, 12, 7, 33, 19, 50, 8, 21, 9]]
 
@@ -55,7 +63,7 @@ def overfit(drafter: DFlashDrafter, target: TargetModel, record: EvalRecord, ste
     drafter.train()
     for _ in range(steps):
         hidden = drafter(embeds, (p + anchors)[None], features, torch.arange(p + m)[None])
-        logits = target.lm_head(hidden.view(m - 1, b, -1)[:, 1:])
+        logits = drafter.logits(hidden.view(m - 1, b, -1)[:, 1:], target.lm_head)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         opt.zero_grad()
         loss.backward()
@@ -104,6 +112,16 @@ def test_offline_tau_equals_online_tau_with_a_sliding_window_shorter_than_the_co
     offline = evaluate_offline(drafter, target, records)
     assert [p.acceptance_lengths for p in offline.per_prompt] == online_lengths(target, drafter, records)
     assert offline.per_prompt[0].tau > 1.5
+
+
+def test_offline_tau_equals_online_tau_for_a_reduced_vocabulary_drafter_whose_drafts_map_through_d2t():
+    target = make_target("qwen3")
+    records = greedy_records(target)
+    seen = sorted({t for r in records for t in r.completion_ids})
+    drafter = overfit(make_reduced_vocab_drafter(seen[: len(seen) * 3 // 4]), target, records[0])
+    offline = evaluate_offline(drafter, target, records)
+    assert [p.acceptance_lengths for p in offline.per_prompt] == online_lengths(target, drafter, records)
+    assert offline.per_prompt[0].tau > 1.5  # it drafts real target ids, not draft-vocabulary indices
 
 
 @pytest.mark.parametrize("per_forward", [1, 3])

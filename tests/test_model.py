@@ -3,7 +3,7 @@ import torch
 
 from flashdraft.config import LayerAttention
 from flashdraft.model import PAD_POSITION, attention_mask
-from tests.conftest import make_drafter
+from tests.conftest import make_drafter, make_reduced_vocab_drafter
 
 H, CTX = 64, 128  # hidden size; 2 context layers * hidden
 
@@ -153,3 +153,34 @@ def test_block_sparse_flex_attention_equals_the_dense_mask_path():
     dense = drafter(blocks, anchors, ctx, pos)
     drafter.attention_backend = "flex"
     torch.testing.assert_close(drafter(blocks, anchors, ctx, pos), dense, rtol=1e-5, atol=1e-5)
+
+
+def test_a_reduced_vocabulary_maps_draft_ids_through_d2t_and_leaves_other_target_ids_at_minus_infinity():
+    target_ids = [2, 5, 9, 30, 63]
+    drafter = make_reduced_vocab_drafter(target_ids)
+    hidden = torch.randn(3, H)
+    own = drafter.lm_head(hidden)  # [3, 5]
+    logits = drafter.logits(hidden, target_lm_head=None)  # never the target's head
+    assert logits.shape == (3, 64)
+    torch.testing.assert_close(logits[:, target_ids], own)
+    others = [i for i in range(64) if i not in target_ids]
+    assert bool(torch.isneginf(logits[:, others]).all())
+
+
+@torch.no_grad()
+def test_reference_output_multiplier_and_softcapping_shape_the_logits_as_the_reference_does():
+    head = torch.nn.Linear(H, 64, bias=False)
+    hidden = torch.randn(4, H) * 50
+    plain = make_drafter().logits(hidden, head)
+    scaled = make_drafter(extra={"dflash_config": {"output_multiplier": 0.5, "final_logit_softcapping": 3.0}})
+    torch.testing.assert_close(scaled.logits(hidden, head), 3.0 * torch.tanh(plain * 0.5 / 3.0))
+    assert float(scaled.logits(hidden, head).abs().max()) <= 3.0
+
+
+def test_input_embedding_scale_multiplies_the_block_embeddings():
+    ctx, anchors, blocks = _inputs(num_blocks=1)
+    pos = torch.arange(ctx.shape[1])[None]
+    plain = make_drafter()
+    scaled = make_drafter(extra={"dflash_config": {"input_embedding_scale": 2.5}})
+    torch.testing.assert_close(_block_outputs(scaled, blocks, anchors, ctx, pos),
+                               _block_outputs(plain, blocks * 2.5, anchors, ctx, pos))  # fmt: skip
