@@ -453,6 +453,21 @@ def _nonnegative_float(value: str) -> float:
     return x
 
 
+def _unit_float(value: str) -> float:
+    x = float(value)
+    if not 0 <= x <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], found {value}")
+    return x
+
+
+def _loss_weighting(value: str) -> str:
+    from flashdraft.train.loss import LOSS_WEIGHTINGS
+
+    if value not in LOSS_WEIGHTINGS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOSS_WEIGHTINGS)}, found {value}")
+    return value
+
+
 def _train_option_adder(p: argparse.ArgumentParser):
     """Adds `--name` for a `TrainConfig` field, its default taken from the dataclass (one
     default per knob); a bool field becomes a flag."""
@@ -500,10 +515,17 @@ def _add_train_command(sub) -> None:
     knob("num_anchors", _positive)
     knob("max_length", _positive)
     knob(
+        "loss_weighting",
+        _loss_weighting,
+        "per-position loss weights: decay (the recipe's fixed exp(-(k-1)/gamma)) or dpace (D-PACE, arXiv "
+        "2605.18810: from the drafter's own confidence, aimed at the expected accepted length)",
+    )
+    knob(
         "loss_decay_gamma",
         _nonnegative_float,
         "position decay of the loss; default the recipe's: 7 for B=16, 5 for 10, 4 for 8 (0 = none)",
     )
+    knob("dpace_alpha", _unit_float, "D-PACE smoothing of the label probability: (1 - alpha) q + alpha")
     knob(
         "kl_weight",
         _nonnegative_float,

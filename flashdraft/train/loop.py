@@ -54,7 +54,9 @@ class TrainConfig:
     grad_accum: int = 1
     num_anchors: int = 512
     max_length: int | None = None
+    loss_weighting: str = "decay"  # per-position weights: "decay" (loss_decay_gamma) or "dpace" (dpace_alpha)
     loss_decay_gamma: float | None = None  # None or 0: no decay (run_training fills in the recipe's for None)
+    dpace_alpha: float = 0.5  # D-PACE smoothing: q~ = (1 - alpha) q + alpha
     kl_weight: float = 0.0  # opt-in soft-label KL to the stored top-k target logits
     noise_std: float = 0.0  # Gaussian noise on context features (never on labels)
     seed: int = 0
@@ -165,10 +167,12 @@ class MetricsWriter:
 
 
 def forward_loss(
-    model, target: TargetModel, batch: Batch, cfg: TrainConfig, block_size: int, device, kl_weight: float | None = None
-):
+    model, target: TargetModel, batch: Batch, cfg: TrainConfig, block_size: int, device, kl_weight: float | None = None,
+    weighting: str | None = None,
+):  # fmt: skip
     """The drafter's loss parts on one micro-batch (bf16 autocast on GPU); the target only embeds."""
     kl_weight = cfg.kl_weight if kl_weight is None else kl_weight
+    weighting = cfg.loss_weighting if weighting is None else weighting
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16)
         if device.type == "cuda"  # on CPU a target in bf16/fp16 (--target-dtype) sets the compute dtype
@@ -180,8 +184,8 @@ def forward_loss(
         hidden = model(block_embeds, batch.anchor_positions, batch.context_features.to(block_embeds.dtype),
                        batch.context_positions)  # fmt: skip
         head = partial(unwrap(model).logits, target_lm_head=target.lm_head)  # the target's head, as served
-        return block_loss(hidden, batch.labels, head, block_size,
-                          cfg.loss_decay_gamma, batch.target_topk, kl_weight)  # fmt: skip
+        return block_loss(hidden, batch.labels, head, block_size, cfg.loss_decay_gamma, batch.target_topk, kl_weight,
+                          weighting, cfg.dpace_alpha)  # fmt: skip
 
 
 @torch.no_grad()
@@ -197,7 +201,7 @@ def evaluate_loss(model, target, records, cfg: TrainConfig, block_size: int, mas
         idx = list(range(start, min(len(records), start + cfg.batch_size)))
         batch = make_batch([records[i] for i in idx], idx, 0, cfg.seed + 1, cfg.num_anchors, block_size,
                            mask_token_id, cfg.max_length).to(device)  # fmt: skip
-        parts = forward_loss(model, target, batch, cfg, block_size, device, kl_weight=0.0)
+        parts = forward_loss(model, target, batch, cfg, block_size, device, kl_weight=0.0, weighting="decay")
         total += float(parts.weighted_sum)
         weight += float(parts.weight_total)
         correct = parts.correct if correct is None else correct + parts.correct
@@ -320,7 +324,8 @@ def forward_backward(
     """Gradients of the global batch's loss, normalised by its total weight across all ranks
     and micro-batches (so accumulation and DDP change nothing but speed)."""
     block_size = cfg.block_size
-    weight_total = sum(label_weight_total(b.labels, block_size, cfg.loss_decay_gamma) for b in micro_batches)
+    weight_total = sum(label_weight_total(b.labels, block_size, cfg.loss_decay_gamma, cfg.loss_weighting)
+                       for b in micro_batches)  # fmt: skip
     weight_total = float(all_reduce_sum(torch.tensor(weight_total, dtype=torch.float64)))
     if weight_total == 0:
         return StepResult(0.0, 0.0, torch.zeros(block_size), torch.zeros(block_size))

@@ -1,6 +1,13 @@
 """The training loss: hard cross-entropy on block positions 1..B-1 (the paper's recipe),
-optionally weighted by exp(-(k - 1) / gamma) and optionally mixed with a KL term to the
-target's stored top-k distribution (opt-in; weight explicit)."""
+weighted per position either by the recipe's fixed decay exp(-(k - 1) / gamma) ("decay") or
+by D-PACE (arXiv 2605.18810, "dpace": weights from the drafter's own confidence, aimed at the
+expected accepted length), optionally mixed with a KL term to the target's stored top-k
+distribution (opt-in; weight explicit).
+
+Normalisation never depends on how a batch is split over ranks or micro-batches: the loop
+divides the summed weighted loss by `label_weight_total` of the whole global batch, a number
+known from the labels alone before any forward (decay: the sum of the position weights; D-PACE,
+whose weights depend on predictions: the number of trained blocks)."""
 
 from __future__ import annotations
 
@@ -29,10 +36,31 @@ def position_weights(block_size: int, gamma: float | None) -> torch.Tensor:
     return w
 
 
-def label_weight_total(labels: torch.Tensor, block_size: int, gamma: float | None) -> float:
-    """Sum of the loss weights of the trained positions of labels [N, K * B]."""
+LOSS_WEIGHTINGS = ("decay", "dpace")
+
+
+def label_weight_total(labels: torch.Tensor, block_size: int, gamma: float | None, weighting: str = "decay") -> float:
+    """The normaliser of labels [N, K * B]: decay: the sum of the trained positions' weights;
+    dpace: the number of blocks with a trained position (a D-PACE block's weights sum to its
+    expected accepted length, so the loss is a mean over blocks)."""
+    trained = labels != IGNORE
+    if weighting == "dpace":
+        return float(trained.view(labels.shape[0], -1, block_size).any(-1).sum())
     w = position_weights(block_size, gamma)[torch.arange(labels.shape[1]) % block_size]  # [K * B]
-    return float((w * (labels != IGNORE)).sum())
+    return float((w * trained).sum())
+
+
+@torch.no_grad()
+def dpace_weights(label_prob: torch.Tensor, trained: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights, detached: label_prob q and trained mask [..., B] per block.
+
+    q~_k = (1 - alpha) q_k + alpha, P_k = prod_{i <= k} q~_i, weight_k = sum_{m >= k} P_m (over
+    trained m): the expected accepted length's sensitivity to position k. Untrained positions
+    are 1 inside the products and left out of the sums; their weight is 0."""
+    smooth = torch.where(trained, (1 - alpha) * label_prob + alpha, torch.ones_like(label_prob))
+    prefix = torch.cumprod(smooth, dim=-1) * trained  # P_k
+    suffix = prefix.flip(-1).cumsum(-1).flip(-1)  # sum over m >= k
+    return suffix * trained
 
 
 @dataclass
@@ -51,11 +79,14 @@ def block_loss(
     gamma: float | None,
     target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     kl_weight: float = 0.0,
+    weighting: str = "decay",
+    dpace_alpha: float = 0.5,
 ) -> LossParts:
     """hidden: [N, K * B, H] drafter output; labels: [N, K * B] (IGNORE where untrained).
 
     target_topk: (values, indices) [N, K * B, k] the target's top-k logits for each label
-    position (aligned with labels), used only when kl_weight > 0.
+    position (aligned with labels), used only when kl_weight > 0. weighting: "decay" (gamma)
+    or "dpace" (dpace_alpha); the D-PACE weights come from the hard CE's label probability.
     """
     block_pos = torch.arange(labels.shape[1], device=labels.device) % block_size  # [K * B]
     trained = labels != IGNORE  # [N, K * B]
@@ -63,8 +94,14 @@ def block_loss(
     logits = lm_head(hidden[trained]).float()  # [M, V]
     target = labels[trained]  # [M]
     pos = block_pos.expand_as(labels)[trained]  # [M]
-    w = position_weights(block_size, gamma).to(hidden.device)[pos]  # [M]
-    per_token = F.cross_entropy(logits, target, reduction="none")
+    per_token = F.cross_entropy(logits, target, reduction="none")  # [M]
+    if weighting == "dpace":
+        label_prob = torch.zeros(labels.shape, device=hidden.device)  # [N, K * B]
+        label_prob[trained] = torch.exp(-per_token.detach())
+        per_block = (labels.shape[0], -1, block_size)
+        w = dpace_weights(label_prob.view(per_block), trained.view(per_block), dpace_alpha).view(labels.shape)[trained]
+    else:
+        w = position_weights(block_size, gamma).to(hidden.device)[pos]  # [M]
     if kl_weight > 0:
         if target_topk is None:
             raise ValueError("kl_weight > 0 needs the target's top-k logits (cache made with --with-target-logits)")

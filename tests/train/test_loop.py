@@ -122,9 +122,12 @@ def test_online_features_give_the_same_loss_as_cached_features(target, records):
     torch.testing.assert_close(a.weighted_sum, b.weighted_sum)
 
 
-def test_gradient_accumulation_equals_one_larger_batch(target, records, tmp_path):
-    big = train(_cfg(batch_size=4, max_steps=2), make_drafter(), target, records, tmp_path / "a")
-    accum = train(_cfg(batch_size=2, grad_accum=2, max_steps=2), make_drafter(), target, records, tmp_path / "b")
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_gradient_accumulation_equals_one_larger_batch(target, records, tmp_path, weighting):
+    big = train(_cfg(batch_size=4, max_steps=2, loss_weighting=weighting), make_drafter(), target, records,
+                tmp_path / "a")  # fmt: skip
+    accum = train(_cfg(batch_size=2, grad_accum=2, max_steps=2, loss_weighting=weighting), make_drafter(), target,
+                  records, tmp_path / "b")  # fmt: skip
     for key, value in big.state_dict().items():
         torch.testing.assert_close(value, accum.state_dict()[key], rtol=1e-4, atol=1e-5)
 
@@ -146,12 +149,15 @@ def test_two_gloo_processes_ddp_and_fsdp_train_the_same_weights_as_one(tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     worker = str(REPO / "tests/train/ddp_worker.py")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    runs = {"one": ("1", "2", "2", "ddp"), "ddp": ("2", "2", "1", "ddp"), "fsdp": ("2", "2", "1", "fsdp")}
-    for name, (procs, batch, accum, mode) in runs.items():
-        subprocess.run([*torchrun, "--nproc-per-node", procs, worker, str(tmp_path / name), batch, accum, mode],
-                       check=True, env=env, capture_output=True, timeout=240)  # fmt: skip
-    one = load_drafter(latest_checkpoint(tmp_path / "one") / "drafter")
-    for name in ("ddp", "fsdp"):
+    runs = {"one": ("1", "2", "2", "ddp", "decay"), "ddp": ("2", "2", "1", "ddp", "decay"),
+            "fsdp": ("2", "2", "1", "fsdp", "decay"),
+            # D-PACE's normaliser must not be rank-local: 2 ranks x 1 micro-batch == 1 rank x 2 (x 4 accumulation)
+            "one-dpace": ("1", "1", "4", "ddp", "dpace"), "ddp-dpace": ("2", "2", "1", "ddp", "dpace")}  # fmt: skip
+    for name, (procs, batch, accum, mode, weighting) in runs.items():
+        subprocess.run([*torchrun, "--nproc-per-node", procs, worker, str(tmp_path / name), batch, accum, mode,
+                        weighting], check=True, env=env, capture_output=True, timeout=240)  # fmt: skip
+    for one_name, name in (("one", "ddp"), ("one", "fsdp"), ("one-dpace", "ddp-dpace")):
+        one = load_drafter(latest_checkpoint(tmp_path / one_name) / "drafter")
         other = load_drafter(latest_checkpoint(tmp_path / name) / "drafter")
         for key, value in one.state_dict().items():
             torch.testing.assert_close(value, other.state_dict()[key], rtol=1e-4, atol=1e-5, msg=f"{name} {key}")

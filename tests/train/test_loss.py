@@ -3,7 +3,14 @@ import math
 import torch
 
 from flashdraft.train.blocks import IGNORE
-from flashdraft.train.loss import block_loss, estimated_acceptance, position_weights, recipe_decay_gamma
+from flashdraft.train.loss import (
+    block_loss,
+    dpace_weights,
+    estimated_acceptance,
+    label_weight_total,
+    position_weights,
+    recipe_decay_gamma,
+)
 
 
 def test_decay_weights_are_exp_minus_k_minus_one_over_gamma_and_zero_at_anchor():
@@ -41,3 +48,42 @@ def test_estimated_acceptance_is_one_plus_sum_of_running_products():
     acc, tau = estimated_acceptance(correct, count)
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(acc, [0.8, 0.4, 0.2], strict=True))
     assert math.isclose(tau, 1 + 0.8 + 0.8 * 0.4 + 0.8 * 0.4 * 0.2, rel_tol=1e-6)
+
+
+def test_dpace_weights_equal_the_closed_form_on_a_hand_computed_block():
+    # q = 0.5, 0.2, 0.8 at positions 1..3, alpha 0.5: q~ = 0.75, 0.6, 0.9; P = 0.75, 0.45, 0.405
+    q = torch.tensor([[0.0, 0.5, 0.2, 0.8]])
+    trained = torch.tensor([[False, True, True, True]])
+    w = dpace_weights(q, trained, alpha=0.5)
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.75 + 0.45 + 0.405, 0.45 + 0.405, 0.405]]))
+    # an untrained position past the end of the sequence is 1 in the products, 0 in the sums
+    w = dpace_weights(q, torch.tensor([[False, True, True, False]]), alpha=0.5)
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.75 + 0.45, 0.45, 0.0]]))
+
+
+def test_dpace_loss_weights_come_from_the_label_probability_and_carry_no_gradient():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 5, bias=False)
+    hidden = torch.randn(1, 8, 8, requires_grad=True)
+    labels = torch.tensor([[IGNORE, 1, 2, 3, IGNORE, 4, 0, IGNORE]])
+    parts = block_loss(hidden, labels, head, 4, gamma=None, weighting="dpace", dpace_alpha=0.3)
+    logits = head(hidden[0])  # [8, 5]
+    trained = labels[0] != IGNORE
+    ce = torch.nn.functional.cross_entropy(logits[trained], labels[0][trained], reduction="none")
+    q = torch.zeros(8)
+    q[trained] = torch.exp(-ce.detach())
+    w = dpace_weights(q.view(2, 4), trained.view(2, 4), 0.3).view(8)[trained]
+    expected = (w * ce).sum()
+    torch.testing.assert_close(parts.weighted_sum, expected)
+    (grad,) = torch.autograd.grad(parts.weighted_sum, hidden)
+    (expected_grad,) = torch.autograd.grad(expected, hidden)
+    torch.testing.assert_close(grad, expected_grad)  # the weights are constants: no d(weight)/d(hidden) term
+    assert label_weight_total(labels, 4, None, "dpace") == 2  # normalised per trained block
+
+
+def test_dpace_normaliser_is_known_from_labels_alone_so_any_partition_sums_to_the_same():
+    labels = torch.tensor([[IGNORE, 1, 2, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE],
+                           [IGNORE, 1, 2, 3, IGNORE, 4, 0, 1]])  # fmt: skip
+    whole = label_weight_total(labels, 4, None, "dpace")
+    assert whole == label_weight_total(labels[:1], 4, None, "dpace") + label_weight_total(labels[1:], 4, None, "dpace")
+    assert whole == 3  # the second sequence's first block and both blocks of the other
