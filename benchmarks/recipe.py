@@ -1,0 +1,117 @@
+"""Recipe sweep on the built-in target: train drafters that differ in one recipe choice, from the
+same init on the same cache for the same steps, and compare their held-out τ (offline, which
+equals live decoding). Prints one JSON line per run and a closing JSON summary.
+
+    python benchmarks/recipe.py --work /tmp/recipe --steps 1500 \
+        --runs decay dpace-0.5 [--threads 1]
+
+A run is NAME=FLAGS-free shorthand: `decay` (today's recipe), `dpace-A` (D-PACE, alpha A),
+`anchors-N` (decay with N anchors per sequence), `dpace-A-anchors-N`. Every stage is one
+`flashdraft` command and resumes: outputs that exist are reused, so re-running continues.
+The validation set (`builtin:stdlib:heldout:64`) and the code set (`builtin:code:heldout`,
+never trained on) are both reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TRAIN_PROMPTS = "builtin:stdlib:1200"  # about 470 k completion tokens of `tiny`
+HELD_OUT = {"stdlib": "builtin:stdlib:heldout:64", "code": "builtin:code:heldout"}
+MAX_NEW_TOKENS = 256
+LAYERS = "1,2,3"
+INIT_ARGS = ["--draft-layers", "2", "--block-size", "16", "--target-layer-ids", LAYERS, "--layers-from-target", "2,5"]
+BASE_TRAIN_ARGS = ["--lr", "6e-3", "--batch-size", "8", "--epochs", "100", "--save-every", "500",
+                   "--log-every", "50"]  # fmt: skip
+
+
+def flashdraft(args: list[str], log: Path | None = None) -> None:
+    cmd = [sys.executable, "-m", "flashdraft", *args]
+    print("$ flashdraft " + " ".join(args), file=sys.stderr, flush=True)
+    if log is None:
+        subprocess.run(cmd, check=True, stdout=sys.stderr)
+    else:
+        with open(log, "a") as f:
+            subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
+
+
+def run_flags(name: str) -> list[str]:
+    """Train flags of a run shorthand (module docstring)."""
+    flags, parts = [], name.split("-")
+    anchors = "16"
+    i = 0
+    while i < len(parts):
+        if parts[i] == "decay":
+            flags += ["--loss-weighting", "decay"]
+        elif parts[i] == "dpace":
+            flags += ["--loss-weighting", "dpace", "--dpace-alpha", parts[i + 1]]
+            i += 1
+        elif parts[i] == "anchors":
+            anchors = parts[i + 1]
+            i += 1
+        else:
+            raise SystemExit(f"unknown run part {parts[i]!r} in {name!r}")
+        i += 1
+    return [*flags, "--num-anchors", anchors]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--runs", nargs="+", default=["decay", "dpace-0.5"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--data-only", action="store_true", help="make completions, caches and the init, then stop")
+    args = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    tiny = ["--target-model", "tiny"]
+    sets = {"train": TRAIN_PROMPTS, **HELD_OUT}
+    for name, prompts in sets.items():
+        if not (work / f"{name}.json").exists():
+            flashdraft(["generate", *tiny, "--prompts", prompts, "--out", str(work / f"{name}.json"),
+                        "--max-new-tokens", str(MAX_NEW_TOKENS), "--batch-size", "64"])  # fmt: skip
+        if not (work / f"cache-{name}" / "manifest.json").exists():
+            flashdraft(["cache", *tiny, "--completions", str(work / f"{name}.json"), "--out",
+                        str(work / f"cache-{name}"), "--layers", LAYERS, "--dtype", "fp32"])  # fmt: skip
+    if not (work / "init" / "model.safetensors").exists():
+        flashdraft(["init", *tiny, "--out", str(work / "init"), *INIT_ARGS])
+    if args.data_only:
+        return
+    results = []
+    for name in args.runs:
+        run_dir = work / f"run-{name}-{args.steps}"
+        t0 = time.time()
+        flashdraft(["train", *tiny, "--cached-hidden-states", str(work / "cache-train"), "--out", str(run_dir),
+                    "--init", str(work / "init"), *BASE_TRAIN_ARGS, "--max-steps", str(args.steps),
+                    *run_flags(name), "--resume"], log=work / f"train-{name}-{args.steps}.log")  # fmt: skip
+        row = {"run": name, "steps": args.steps, "train_flags": run_flags(name),
+               "train_wall_s": round(time.time() - t0)}  # fmt: skip
+        for set_name in HELD_OUT:
+            out = work / f"eval-{name}-{args.steps}-{set_name}.json"
+            if not out.exists():
+                flashdraft(["eval", "--checkpoint", str(run_dir), *tiny, "--cached-hidden-states",
+                            str(work / f"cache-{set_name}"), "--json", str(out)])  # fmt: skip
+            figures = json.loads(out.read_text())
+            row[f"tau_{set_name}"] = round(figures["tau"], 4)
+            row[f"position_acceptance_{set_name}"] = [round(x, 3) for x in figures["position_acceptance"][:6]]
+        print(json.dumps(row), flush=True)
+        results.append(row)
+    base = next((r for r in results if r["run"] == "decay"), None)
+    summary = {"machine": platform.machine(), "threads": args.threads, "steps": args.steps, "runs": results}
+    if base is not None:
+        summary["ratio_to_decay"] = {r["run"]: {s: round(r[f"tau_{s}"] / base[f"tau_{s}"], 4) for s in HELD_OUT}
+                                     for r in results}  # fmt: skip
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
