@@ -72,6 +72,24 @@ def _layer_list(value: str) -> list[int]:
     return ids
 
 
+def _target_layer_ids(value: str) -> list[int]:
+    """Target layer ids a drafter or cache reads, e.g. 1,6,11: unique and strictly increasing, the
+    order vLLM and SGLang capture them in (else they reach the drafter permuted, or are refused)."""
+    from flashdraft.config import LAYER_ORDER_RULE, strictly_increasing
+
+    try:
+        ids = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected layer ids >= 0 such as 1,6,11; found {value!r}")
+    if not strictly_increasing(ids):
+        raise argparse.ArgumentTypeError(
+            f"expected {LAYER_ORDER_RULE} (e.g. {','.join(map(str, sorted(set(ids))))}); found {value!r}"
+        )
+    return ids
+
+
 def cmd_init(args: argparse.Namespace) -> None:
     from flashdraft.checkpoint import save_drafter
     from flashdraft.drafter_init import copy_target_layers, new_drafter_for_target
@@ -132,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_block_size, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target-layer-ids", type=_layer_list, default=None, help="default: the reference spread")
+    p.add_argument("--target-layer-ids", type=_target_layer_ids, default=None, help="default: the reference spread")
     p.add_argument("--layers-from-target", type=_layer_list, default=None,
                    help="start the drafter's layers from these full-attention layers of the target, one per "
                         "drafter layer (e.g. 2,5 for tiny); default: random init")  # fmt: skip
@@ -240,7 +258,7 @@ def _add_data_commands(sub) -> None:
     p.add_argument("--target-model", required=True)
     p.add_argument("--completions", required=True, help="completions file from flashdraft generate")
     p.add_argument("--out", required=True, help="cache directory (a re-run resumes it)")
-    p.add_argument("--layers", type=_layer_list, default=None, help="target layer ids, e.g. 1,6,11")
+    p.add_argument("--layers", type=_target_layer_ids, default=None, help="target layer ids, e.g. 1,6,11")
     p.add_argument("--draft-config", default=None, help="take the layer ids from this drafter (directory or config)")
     p.add_argument("--num-prompts", type=_positive, default=None, help="cache only the first N records")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="storage dtype of the features")
@@ -389,7 +407,7 @@ def _add_eval_commands(sub) -> None:
     p.add_argument("--report", help="write report.md and PNG plots into this directory")
     p.add_argument(
         "--target-layer-ids",
-        type=_layer_list,
+        type=_target_layer_ids,
         default=None,
         help="for a bare state dict: the target layers its fc was trained on (e.g. 1,6,11)",
     )
@@ -412,7 +430,7 @@ def _add_eval_commands(sub) -> None:
     p.add_argument(
         "--block-size", type=_block_size, default=None, help=f"for a bare state dict (default {DEFAULT_BLOCK_SIZE})"
     )
-    p.add_argument("--target-layer-ids", type=_layer_list, default=None, help="for a bare state dict")
+    p.add_argument("--target-layer-ids", type=_target_layer_ids, default=None, help="for a bare state dict")
     p.add_argument("--mask-token-id", type=int, default=None, help="for a bare state dict")
     p.set_defaults(func=cmd_export)
 
@@ -486,7 +504,7 @@ def _add_train_command(sub) -> None:
         help=f"default {DEFAULT_BLOCK_SIZE} (with --init/--resume: its own)",
     )
     p.add_argument("--mask-token-id", type=int, default=None)
-    p.add_argument("--target-layer-ids", type=_layer_list, default=None, help="default: the reference spread")
+    p.add_argument("--target-layer-ids", type=_target_layer_ids, default=None, help="default: the reference spread")
     knob = _train_option_adder(p)
     knob("epochs", _positive)
     knob("max_steps", _positive)
