@@ -72,15 +72,63 @@ def _layer_list(value: str) -> list[int]:
     return ids
 
 
+def _target_layer_ids(value: str) -> list[int]:
+    """Target layer ids a drafter or cache reads, e.g. 1,6,11: unique and strictly increasing, the
+    order vLLM and SGLang capture them in (else they reach the drafter permuted, or are refused)."""
+    from flashdraft.config import LAYER_ORDER_RULE, strictly_increasing
+
+    try:
+        ids = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected layer ids >= 0 such as 1,6,11; found {value!r}")
+    if not strictly_increasing(ids):
+        raise argparse.ArgumentTypeError(
+            f"expected {LAYER_ORDER_RULE} (e.g. {','.join(map(str, sorted(set(ids))))}); found {value!r}"
+        )
+    return ids
+
+
+def _layer_types(value: str) -> list[str]:
+    from flashdraft.drafter_init import parse_layer_types
+
+    try:
+        return parse_layer_types(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _bool(value: str) -> bool:
+    if value.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, found {value!r}")
+    return value.lower() == "true"
+
+
+def _positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = float("nan")
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, found {value}")
+    return x
+
+
 def cmd_init(args: argparse.Namespace) -> None:
     from flashdraft.checkpoint import save_drafter
-    from flashdraft.drafter_init import copy_target_layers, new_drafter_for_target
+    from flashdraft.config import DrafterConfig
+    from flashdraft.drafter_init import SHAPE_FIELDS, copy_target_layers, new_drafter_for_target
     from flashdraft.target_weights import TargetHead
 
+    # a published config is read before the target, so a broken one costs no model load
+    base = DrafterConfig.load(Path(args.config)) if args.config else None
     target = TargetHead.load(args.target_model)  # shapes, tokenizer and final norm (decoder layers only if copied)
     drafter = new_drafter_for_target(
         target, num_layers=args.draft_layers, block_size=args.block_size, mask_token_id=args.mask_token_id,
-        target_layer_ids=args.target_layer_ids, seed=args.seed,
+        target_layer_ids=args.target_layer_ids, seed=args.seed, layer_types=args.layer_types,
+        sliding_window=args.sliding_window, is_causal=args.is_causal,
+        shape={name: getattr(args, name) for name in SHAPE_FIELDS}, base=base, base_source=str(args.config),
     )  # fmt: skip
     if args.layers_from_target:
         copy_target_layers(drafter, target, args.layers_from_target)
@@ -92,6 +140,9 @@ def cmd_init(args: argparse.Namespace) -> None:
         f"block size {cfg.block_size}, target_layer_ids {cfg.target_layer_ids} of {cfg.num_target_layers}, "
         f"mask token {cfg.mask_token_id} ({target.tokenizer.convert_ids_to_tokens(cfg.mask_token_id)!r})"
     )
+    for i, attention in enumerate(cfg.layer_attention):
+        print(f"  layer {i}: {attention.describe()}")
+    print(f"  causality: {cfg.causality_source}")
 
 
 def cmd_speculate(args: argparse.Namespace) -> None:
@@ -128,11 +179,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("init", help="write a fresh, untrained drafter for a target")
     p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
     p.add_argument("--out", required=True)
-    p.add_argument("--draft-layers", type=_positive, default=1)
-    p.add_argument("--block-size", type=_block_size, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--config", default=None, metavar="CONFIG_JSON",
+                   help="start from this drafter config.json (e.g. a published one); the flags below override its "
+                        "fields, and hidden_size, vocab_size and num_target_layers must match the target")  # fmt: skip
+    p.add_argument("--draft-layers", type=_positive, default=None,
+                   help="default: --config's, else the --layer-types count, else 1")  # fmt: skip
+    p.add_argument("--block-size", type=_block_size, default=None,
+                   help=f"default: --config's, else {DEFAULT_BLOCK_SIZE}")  # fmt: skip
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target-layer-ids", type=_layer_list, default=None, help="default: the reference spread")
+    p.add_argument("--target-layer-ids", type=_target_layer_ids, default=None,
+                   help="strictly increasing; default: --config's, else the reference spread")  # fmt: skip
+    p.add_argument("--layer-types", type=_layer_types, default=None,
+                   help="sliding or full (or sliding_attention/full_attention), one per layer or one for all, e.g. "
+                        "sliding,sliding,sliding,sliding,full; default: --config's, else full")  # fmt: skip
+    p.add_argument("--sliding-window", type=_positive, default=None, help="keys a sliding layer sees (needed with "
+                   "sliding layers, e.g. 2048)")  # fmt: skip
+    p.add_argument("--is-causal", type=_bool, default=None, metavar="true|false",
+                   help="in-block causality of every layer (default: the servers' rule: sliding layers causal, "
+                        "full layers not)")  # fmt: skip
+    for name, type_ in [("intermediate_size", _positive), ("num_attention_heads", _positive),
+                        ("num_key_value_heads", _positive), ("head_dim", _positive), ("rope_theta", _positive_float),
+                        ("max_position_embeddings", _positive)]:  # fmt: skip
+        p.add_argument("--" + name.replace("_", "-"), type=type_, default=None, help="default: --config's, else the "
+                       "target's")  # fmt: skip
     p.add_argument("--layers-from-target", type=_layer_list, default=None,
                    help="start the drafter's layers from these full-attention layers of the target, one per "
                         "drafter layer (e.g. 2,5 for tiny); default: random init")  # fmt: skip
@@ -240,7 +310,7 @@ def _add_data_commands(sub) -> None:
     p.add_argument("--target-model", required=True)
     p.add_argument("--completions", required=True, help="completions file from flashdraft generate")
     p.add_argument("--out", required=True, help="cache directory (a re-run resumes it)")
-    p.add_argument("--layers", type=_layer_list, default=None, help="target layer ids, e.g. 1,6,11")
+    p.add_argument("--layers", type=_target_layer_ids, default=None, help="target layer ids, e.g. 1,6,11")
     p.add_argument("--draft-config", default=None, help="take the layer ids from this drafter (directory or config)")
     p.add_argument("--num-prompts", type=_positive, default=None, help="cache only the first N records")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="storage dtype of the features")
@@ -389,7 +459,7 @@ def _add_eval_commands(sub) -> None:
     p.add_argument("--report", help="write report.md and PNG plots into this directory")
     p.add_argument(
         "--target-layer-ids",
-        type=_layer_list,
+        type=_target_layer_ids,
         default=None,
         help="for a bare state dict: the target layers its fc was trained on (e.g. 1,6,11)",
     )
@@ -412,7 +482,7 @@ def _add_eval_commands(sub) -> None:
     p.add_argument(
         "--block-size", type=_block_size, default=None, help=f"for a bare state dict (default {DEFAULT_BLOCK_SIZE})"
     )
-    p.add_argument("--target-layer-ids", type=_layer_list, default=None, help="for a bare state dict")
+    p.add_argument("--target-layer-ids", type=_target_layer_ids, default=None, help="for a bare state dict")
     p.add_argument("--mask-token-id", type=int, default=None, help="for a bare state dict")
     p.set_defaults(func=cmd_export)
 
@@ -501,7 +571,7 @@ def _add_train_command(sub) -> None:
         help=f"default {DEFAULT_BLOCK_SIZE} (with --init/--resume: its own)",
     )
     p.add_argument("--mask-token-id", type=int, default=None)
-    p.add_argument("--target-layer-ids", type=_layer_list, default=None, help="default: the reference spread")
+    p.add_argument("--target-layer-ids", type=_target_layer_ids, default=None, help="default: the reference spread")
     knob = _train_option_adder(p)
     knob("epochs", _positive)
     knob("max_steps", _positive)

@@ -75,6 +75,16 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return ids
 
 
+# The servers' rule for target_layer_ids (vLLM 0.33.0 and SGLang 0.5.23 capture target
+# layers in layer order), said the same way by every flag and field that takes layer ids.
+LAYER_ORDER_RULE = "unique, strictly increasing ids: vLLM and SGLang capture target layers in layer order"
+
+
+def strictly_increasing(ids: list[int]) -> bool:
+    """True when `ids` are unique and in increasing order (the order servers capture layers in)."""
+    return all(b > a for a, b in zip(ids, ids[1:], strict=False))
+
+
 @dataclass
 class DrafterConfig:
     hidden_size: int

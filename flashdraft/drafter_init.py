@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
-from flashdraft.config import DEFAULT_BLOCK_SIZE, DrafterConfig, default_target_layer_ids
+from flashdraft.config import (
+    DEFAULT_BLOCK_SIZE,
+    LAYER_ORDER_RULE,
+    DrafterConfig,
+    default_target_layer_ids,
+    strictly_increasing,
+)
 from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
 from flashdraft.target import TargetModel
@@ -25,46 +33,150 @@ def pick_mask_token(target: TargetModel) -> int:
     )
 
 
+# Layer types as `init --layer-types` accepts them: the short names and the config's own.
+LAYER_TYPE_NAMES = {"sliding": "sliding_attention", "full": "full_attention",
+                    "sliding_attention": "sliding_attention", "full_attention": "full_attention"}  # fmt: skip
+# Shape fields `init` can set; each defaults to the --config's value, else the target's.
+SHAPE_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
+                "max_position_embeddings")  # fmt: skip
+# Fields a drafter must share with its target (it borrows the target's embedding and LM head,
+# and reads its layers' outputs).
+TARGET_FIELDS = ("hidden_size", "vocab_size", "num_target_layers")
+
+
+def parse_layer_types(value: str) -> list[str]:
+    """`sliding,sliding,full` (or the full names) as config layer_types; raises ValueError."""
+    names = [x.strip() for x in value.split(",")]
+    bad = [x for x in names if x not in LAYER_TYPE_NAMES]
+    if not names or bad:
+        raise ValueError(f"{bad[0] if bad else value!r} is not a layer type; expected sliding, full, "
+                         f"sliding_attention or full_attention (comma-separated, one per layer or one for all)")
+    return [LAYER_TYPE_NAMES[x] for x in names]
+
+
+def _target_fields(target: TargetModel) -> dict:
+    """What a fresh drafter copies from the target (no --config)."""
+    tc = target.config
+    heads = tc.num_attention_heads
+    return dict(
+        hidden_size=tc.hidden_size, num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads, intermediate_size=tc.intermediate_size,
+        vocab_size=target.vocab_size, num_target_layers=target.num_layers, rms_norm_eps=tc.rms_norm_eps,
+        rope_theta=(getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 1e6),
+        max_position_embeddings=tc.max_position_embeddings, layer_types=[], sliding_window=None, is_causal=None,
+        num_hidden_layers=None, block_size=None, target_layer_ids=None, mask_token_id=None,
+    )  # fmt: skip
+
+
+def _config_fields(base: DrafterConfig, source: str, target: TargetModel) -> dict:
+    """The fields of a published drafter config (`init --config`), checked against the target."""
+    expected = {"hidden_size": (target.hidden_size, "the target's hidden size"),
+                "vocab_size": (target.vocab_size, "the target's vocabulary"),
+                "num_target_layers": (target.num_layers, "the target's decoder layers")}  # fmt: skip
+    for name in TARGET_FIELDS:
+        want, what = expected[name]
+        if getattr(base, name) != want:
+            raise FlashdraftError(
+                f"{source}: field '{name}' is {getattr(base, name)}; expected {want} ({what}, {target.path}): "
+                f"--config must describe a drafter for this target"
+            )
+    if base.draft_vocab_size is not None:
+        raise FlashdraftError(
+            f"{source}: field 'draft_vocab_size' is {base.draft_vocab_size}; expected absent: flashdraft init makes "
+            f"drafters that borrow the target's LM head (a reduced vocabulary needs its d2t map from data)"
+        )
+    return {f.name: getattr(base, f.name) for f in fields(DrafterConfig)}
+
+
+def _resolve_layer_types(n: int, layer_types: list[str] | None, fields_: dict, source: str) -> list[str]:
+    """One type per layer: --layer-types (one for all, or one each), else the --config's, else full."""
+    if layer_types:
+        return layer_types * n if len(layer_types) == 1 else list(layer_types)
+    written = fields_["layer_types"]
+    if not written or len(set(written)) == 1 and len(written) != n:
+        return [written[0] if written else "full_attention"] * n
+    if len(written) != n:
+        raise FlashdraftError(
+            f"--draft-layers {n}: {source} has layer_types {written} for {len(written)} layers; give --layer-types "
+            f"for {n} layers"
+        )
+    return list(written)
+
+
 def new_drafter_for_target(
     target: TargetModel,
-    num_layers: int = 1,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    num_layers: int | None = None,
+    block_size: int | None = None,
     mask_token_id: int | None = None,
     target_layer_ids: list[int] | None = None,
     seed: int = 0,
+    *,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    is_causal: bool | None = None,
+    shape: dict | None = None,
+    base: DrafterConfig | None = None,
+    base_source: str = "--config",
 ) -> DFlashDrafter:
-    tc = target.config
+    """A fresh drafter for `target`. Its fields come from `base` (a published drafter config,
+    `init --config`, checked against the target) where given, else from the target (as before:
+    1 full-attention layer, the target's heads and sizes); every argument that is not None
+    overrides them. `shape` holds overrides of SHAPE_FIELDS; `layer_types` is one type for all
+    layers or one per layer (it sets the layer count when `num_layers` is None)."""
+    fields_ = _config_fields(base, base_source, target) if base is not None else _target_fields(target)
+    source = f"{base_source} with the init flags" if base is not None else "flashdraft init"
+    if layer_types and len(layer_types) > 1 and num_layers is not None and num_layers != len(layer_types):
+        raise FlashdraftError(
+            f"--layer-types has {len(layer_types)} entries for --draft-layers {num_layers}; expected one per "
+            f"drafter layer, or a single type for all"
+        )
+    n = num_layers or (len(layer_types) if layer_types and len(layer_types) > 1 else None)
+    n = n or fields_["num_hidden_layers"] or 1
+    types = _resolve_layer_types(n, layer_types, fields_, base_source)
+    sliding = "sliding_attention" in types
+    if sliding_window is not None and not sliding:
+        raise FlashdraftError(
+            f"--sliding-window {sliding_window}: no drafter layer is sliding_attention (layer_types {types}); give "
+            f"--layer-types with sliding layers, or leave the window out"
+        )
+    window = sliding_window if sliding_window is not None else fields_["sliding_window"]
+    if sliding and window is None:
+        raise FlashdraftError(
+            f"--layer-types {','.join(types)}: sliding layers need --sliding-window N (the keys a sliding layer "
+            f"sees; the Qwen3.6-27B drafter uses 2048)"
+        )
     if mask_token_id is None:
-        mask_token_id = pick_mask_token(target)
+        mask_token_id = fields_["mask_token_id"]
+        if mask_token_id is None:
+            mask_token_id = pick_mask_token(target)
     elif not 0 <= mask_token_id < target.vocab_size:
         raise FlashdraftError(
             f"--mask-token-id {mask_token_id} is outside the target's vocabulary (0..{target.vocab_size - 1})"
         )
+    block_size = block_size or fields_["block_size"] or DEFAULT_BLOCK_SIZE
     if block_size < 2:
         raise FlashdraftError(f"--block-size {block_size}: expected at least 2 (the anchor plus one draft)")
-    ids = target_layer_ids or default_target_layer_ids(target.num_layers, num_layers)
+    if target_layer_ids is not None and not strictly_increasing(target_layer_ids):
+        raise FlashdraftError(
+            f"--target-layer-ids {','.join(map(str, target_layer_ids))}: expected {LAYER_ORDER_RULE} "
+            f"(e.g. {','.join(map(str, sorted(set(target_layer_ids))))})"
+        )
+    ids = target_layer_ids or fields_["target_layer_ids"] or default_target_layer_ids(target.num_layers, n)
     if target.num_layers - 1 in ids:
         raise FlashdraftError(
             f"target_layer_ids {ids} include the target's final layer {target.num_layers - 1}, whose output "
             f"produces the labels: the drafter would be fed the answer"
         )
-    heads = tc.num_attention_heads
-    cfg = DrafterConfig(
-        hidden_size=tc.hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
-        intermediate_size=tc.intermediate_size,
-        vocab_size=target.vocab_size,
-        num_target_layers=target.num_layers,
-        target_layer_ids=ids,
-        mask_token_id=mask_token_id,
-        block_size=block_size,
-        rms_norm_eps=tc.rms_norm_eps,
-        rope_theta=(getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 1e6),
-        max_position_embeddings=tc.max_position_embeddings,
-    )
+    fields_.update({k: v for k, v in (shape or {}).items() if v is not None})
+    fields_.update(num_hidden_layers=n, layer_types=types, sliding_window=window, block_size=block_size,
+                   target_layer_ids=list(ids), mask_token_id=mask_token_id)  # fmt: skip
+    if is_causal is not None:
+        fields_["is_causal"] = is_causal
+    try:
+        cfg = DrafterConfig(**fields_)
+    except FlashdraftError as e:  # a flag made the config invalid: name where the fields came from
+        raise FlashdraftError(str(e).replace("config:", f"{source}:", 1)) from None
     drafter = DFlashDrafter(cfg)
     drafter.init_weights(seed)
     # The drafter's output goes through the target's LM head: start its final norm at the
@@ -80,7 +192,9 @@ def new_drafter_for_target(
 def copy_target_layers(drafter: DFlashDrafter, target, layer_ids: list[int]) -> None:
     """Start drafter layer j from the target's full-attention layer `layer_ids[j]` (attention,
     MLP and norms; the drafter's fc and norms stay as they are). `target` is a `TargetHead`.
-    Every tensor must match the drafter's shape: a mismatch is an error, never a partial copy."""
+    The drafter layer keeps its own layer type: a sliding drafter layer started from a full
+    target layer gets its weights, not its attention pattern. Every tensor must match the
+    drafter's shape: a mismatch is an error, never a partial copy."""
     if len(layer_ids) != len(drafter.layers):
         raise FlashdraftError(
             f"--layers-from-target {','.join(map(str, layer_ids))}: {len(layer_ids)} target layers for a drafter "

@@ -134,6 +134,10 @@ DRAFTER_DAMAGE = {
     "not a DFlash config": (_config_edit(lambda c: c.pop("dflash_config")), "field 'dflash_config' is None"),
     "config not JSON": (lambda d: (d / "config.json").write_text("{"), "config.json: not valid JSON"),
     "no config.json": (lambda d: (d / "config.json").unlink(), "no config.json; expected a drafter directory"),
+    "unsorted target_layer_ids": (_config_edit(lambda c: c["dflash_config"].update(target_layer_ids=[2, 0])),
+                                  "field 'dflash_config.target_layer_ids' is [2, 0]; expected unique, strictly "
+                                  "increasing ids (e.g. [0, 2]): vLLM and SGLang capture target layers in layer "
+                                  "order"),
     "truncated safetensors": (_truncate, "model.safetensors: not a readable safetensors file (truncated or corrupt"),
     "corrupt safetensors": (lambda d: (d / "model.safetensors").write_bytes(b"\x07" * 64),
                             "model.safetensors: not a readable safetensors file (truncated or corrupt"),
@@ -445,8 +449,8 @@ BAD_FLAGS = {
                                        "-0.5"),
     "eval temperature": (["eval", "--checkpoint", "D", "--target-model", "T", "--prompts", "P", "--online",
                           "--temperature", "nan"], "argument --temperature: expected a finite number >= 0"),
-    "cache layers": (["cache", "--target-model", "T", "--completions", "C", "--out", "O", "--layers", "1,1"],
-                     "argument --layers: expected distinct layer ids >= 0 such as 1,6,11; found '1,1'"),
+    "cache layers": (["cache", "--target-model", "T", "--completions", "C", "--out", "O", "--layers", "x"],
+                     "argument --layers: expected layer ids >= 0 such as 1,6,11; found 'x'"),
     "train both sources": (["train", "--target-model", "T", "--out", "O", "--completions", "C",
                             "--cached-hidden-states", "X"], "argument --cached-hidden-states: not allowed with "
                                                             "argument --completions"),
@@ -460,6 +464,63 @@ def test_a_flag_out_of_range_is_one_line(capsys, case):
     argv, expected = BAD_FLAGS[case]
     line = refused(capsys, *argv)
     assert expected in line and line.endswith("--help)"), line
+
+
+# Target layer ids, on every flag that takes them: servers capture target layers in layer
+# order, so a drafter or cache must list them unique and strictly increasing.
+UNSORTED_IDS = {
+    "init": ["init", "--target-model", "T", "--out", "D", "--target-layer-ids", "3,1,2"],
+    "train": ["train", "--target-model", "T", "--out", "O", "--completions", "C", "--target-layer-ids", "3,1,2"],
+    "eval (bare state dict)": ["eval", "--checkpoint", "S.pt", "--target-model", "T", "--prompts", "P",
+                               "--target-layer-ids", "3,1,2"],
+    "export (bare state dict)": ["export", "--checkpoint", "S.pt", "--out", "O", "--target-model", "T",
+                                 "--target-layer-ids", "3,1,2"],
+    "cache": ["cache", "--target-model", "T", "--completions", "C", "--out", "O", "--layers", "2,0"],
+    "duplicates": ["init", "--target-model", "T", "--out", "D", "--target-layer-ids", "1,1"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", UNSORTED_IDS)
+def test_unsorted_or_repeated_layer_ids_are_refused_naming_the_flag_and_the_servers_rule(capsys, case):
+    argv = UNSORTED_IDS[case]
+    flag, value = argv[-2], argv[-1]
+    line = refused(capsys, *argv)
+    assert f"argument {flag}: expected unique, strictly increasing ids: vLLM and SGLang capture target layers in " \
+           f"layer order" in line and f"found '{value}'" in line, line
+    assert not Path(argv[argv.index("--out") + 1] if "--out" in argv else "D").exists()
+
+
+@pytest.mark.parametrize("command", ["export", "speculate", "train --init", "cache --draft-config",
+                                     "doctor --checkpoint"])  # fmt: skip
+def test_a_drafter_saved_with_unsorted_layer_ids_is_refused_on_load(files, tmp_path, capsys, command):
+    drafter = shutil.copytree(files["drafter"], tmp_path / "d")
+    _config_edit(lambda c: c["dflash_config"].update(target_layer_ids=[2, 0]))(drafter)
+    argv = {
+        "export": ["export", "--checkpoint", drafter, "--out", tmp_path / "x"],
+        "speculate": ["speculate", "--target-model", files["target"], "--checkpoint", drafter, "--prompt", "t1 t2"],
+        "train --init": ["train", "--target-model", files["target"], "--init", drafter, "--out", tmp_path / "run",
+                         "--completions", files["completions"]],
+        "cache --draft-config": ["cache", "--target-model", files["target"], "--completions", files["completions"],
+                                 "--out", tmp_path / "c", "--draft-config", drafter],
+        "doctor --checkpoint": ["doctor", files["cache"], "--checkpoint", drafter],
+    }[command]  # fmt: skip
+    line = refused(capsys, *argv)
+    assert str(drafter) in line and "field 'dflash_config.target_layer_ids' is [2, 0]" in line, line
+    assert "strictly increasing" in line and "layer order" in line, line
+
+
+def test_doctor_reports_unsorted_layer_ids_of_a_drafter_and_of_a_cache(files, tmp_path, capsys):
+    drafter = shutil.copytree(files["drafter"], tmp_path / "d")
+    _config_edit(lambda c: c["dflash_config"].update(target_layer_ids=[2, 0]))(drafter)
+    rc, out, _ = run(capsys, "doctor", drafter)
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert rc == 1 and len(fails) == 1 and "field 'dflash_config.target_layer_ids' is [2, 0]" in fails[0], out
+    cache = shutil.copytree(files["cache"], tmp_path / "cache")  # a cache written before the rule
+    _manifest_edit(lambda m: m.update(layer_ids=[2, 0]))(cache)
+    rc, out, _ = run(capsys, "doctor", cache)
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert rc == 1 and len(fails) == 1, out
+    assert "layer ids [2, 0] are not unique, strictly increasing ids" in fails[0] and "--layers 0,2" in fails[0]
 
 
 CONFLICTS = {

@@ -39,6 +39,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from flashdraft.checks import Checks
+from flashdraft.config import LAYER_ORDER_RULE, strictly_increasing
 from flashdraft.data.completions import CompletionRecord, Completions
 from flashdraft.distributed import Dist
 from flashdraft.errors import FlashdraftError
@@ -652,6 +653,11 @@ def doctor_cache(
         checks.about(f"sha256 of {len(files)} shard files not checked (--no-verify)")
 
     _check_layout(cache, checks, rebuild)
+    # a cache written before the rule (--layers 2,0) feeds no drafter a server would run
+    ordered = strictly_increasing(cache.layer_ids)
+    checks.check(ordered, f"layer ids {cache.layer_ids} " + ("are" if ordered else "are not") +
+                 f" {LAYER_ORDER_RULE}", f"re-run flashdraft cache with --layers "
+                 f"{','.join(map(str, sorted(set(cache.layer_ids))))} into a new --out")  # fmt: skip
 
     if layer_ids is not None:
         same = list(layer_ids) == cache.layer_ids
@@ -690,8 +696,9 @@ def resolve_layer_ids(target: TargetModel, layers: list[int] | None, draft_confi
         raise FlashdraftError("give --layers or --draft-config, not both")
     if layers is not None:
         target.set_context_layers(layers)  # validates the range
-        if len(set(layers)) != len(layers) or not layers:
-            raise FlashdraftError(f"--layers {layers}: expected distinct layer indices")
+        if not layers or not strictly_increasing(list(layers)):
+            # a cache stores layers in the order a drafter (and a server) reads them
+            raise FlashdraftError(f"--layers {','.join(map(str, layers))}: expected {LAYER_ORDER_RULE}")
         return list(layers)
     if draft_config is not None:
         ids, config = drafter_layer_ids(draft_config)

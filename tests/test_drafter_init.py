@@ -1,0 +1,185 @@
+"""`flashdraft init` makes the published drafter shapes: layer types, sliding window, causality
+and the other shape fields, from flags or from a published config.json (`--config`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flashdraft.checkpoint import load_drafter
+from tests.conftest import MASK, run_cli, save_target
+from tests.test_config import PUBLIC_QWEN36_CONFIG
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    # 8 layers (linear and full attention alternating): the default ids of a 3-layer drafter
+    # are distinct ([1, 3, 5]), and layers 1, 3, 5, 7 are full attention (--layers-from-target)
+    return save_target(tmp_path_factory.mktemp("target"), "hybrid", num_layers=8)
+
+
+def init(capsys, target_dir, out, *flags) -> tuple[int, str, str]:
+    return run_cli(capsys, "init", "--target-model", target_dir, "--out", out, "--block-size", 4, *flags)
+
+
+def one_line_error(rc: int, err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip() and "it/s]" not in line]  # not tqdm's bars
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_layer_types_and_window_are_written_and_sliding_layers_load_causal(target_dir, tmp_path, capsys):
+    rc, out, err = init(capsys, target_dir, tmp_path / "d", "--layer-types", "sliding,sliding,full",
+                        "--sliding-window", 6)  # fmt: skip
+    assert rc == 0, err
+    written = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert written["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert written["num_hidden_layers"] == 3 and written["sliding_window"] == 6 and written["use_sliding_window"]
+    assert "is_causal" not in written  # mixed causality: the servers' default says it per layer
+    cfg = load_drafter(tmp_path / "d").config
+    assert [(a.causal, a.window) for a in cfg.layer_attention] == [(True, 6), (True, 6), (False, None)]
+    assert "layer 0: sliding window 6, causal within the block" in out
+
+
+def test_full_layer_type_names_and_one_type_for_all_layers(target_dir, tmp_path, capsys):
+    rc, _, err = init(capsys, target_dir, tmp_path / "d", "--draft-layers", 2, "--layer-types", "sliding_attention",
+                      "--sliding-window", 3, "--is-causal", "false")  # fmt: skip
+    assert rc == 0, err
+    written = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert written["layer_types"] == ["sliding_attention"] * 2 and written["is_causal"] is False
+    assert [a.causal for a in load_drafter(tmp_path / "d").config.layer_attention] == [False, False]
+
+
+def test_shape_flags_override_what_init_copies_from_the_target(target_dir, tmp_path, capsys):
+    rc, _, err = init(capsys, target_dir, tmp_path / "d", "--intermediate-size", 96, "--num-attention-heads", 8,
+                      "--num-key-value-heads", 4, "--head-dim", 8, "--rope-theta", 5e5,
+                      "--max-position-embeddings", 1024)  # fmt: skip
+    assert rc == 0, err
+    cfg = load_drafter(tmp_path / "d").config
+    assert (cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (96, 8, 4, 8)
+    assert cfg.rope_theta == 5e5 and cfg.max_position_embeddings == 1024
+    rc, _, err = init(capsys, target_dir, tmp_path / "e")  # no flags: the target's shapes, as before
+    cfg = load_drafter(tmp_path / "e").config
+    assert rc == 0 and (cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (128, 4, 2)
+    assert cfg.layer_types == ["full_attention"] and cfg.sliding_window is None
+
+
+def test_layers_from_target_work_with_sliding_layer_types(target_dir, tmp_path, capsys):
+    from flashdraft.target_weights import TargetHead
+
+    rc, _, err = init(capsys, target_dir, tmp_path / "d", "--layer-types", "sliding,full", "--sliding-window", 4,
+                      "--layers-from-target", "3,5")  # fmt: skip
+    assert rc == 0, err
+    drafter = load_drafter(tmp_path / "d")
+    assert drafter.config.layer_types == ["sliding_attention", "full_attention"]
+    head = TargetHead.load(target_dir)
+    for j, layer_id in enumerate([3, 5]):
+        own = drafter.layers[j].state_dict()
+        for name, tensor in head.attention_layer_weights(layer_id).items():
+            assert torch.equal(own[name], tensor), (j, name)
+
+
+BAD_SHAPES = {
+    "sliding layers without a window": (["--layer-types", "sliding,full"],
+                                        "sliding layers need --sliding-window N"),
+    "a window without sliding layers": (["--sliding-window", 6],
+                                        "--sliding-window 6: no drafter layer is sliding_attention"),
+    "one type per layer, but not as many": (["--draft-layers", 3, "--layer-types", "sliding,full",
+                                             "--sliding-window", 2],
+                                            "--layer-types has 2 entries for --draft-layers 3; expected one per "
+                                            "drafter layer"),
+    "an unknown layer type": (["--layer-types", "sliding,banded"],
+                              "argument --layer-types: 'banded' is not a layer type; expected sliding, full"),
+    "is-causal not a boolean": (["--is-causal", "yes"], "argument --is-causal: expected true or false"),
+    "kv heads not dividing heads": (["--num-attention-heads", 5],
+                                    "flashdraft init: field 'num_key_value_heads' is 2; expected a divisor of "
+                                    "num_attention_heads (5)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_SHAPES)
+def test_a_shape_init_cannot_make_is_one_line_exit_2(target_dir, tmp_path, capsys, case):
+    flags, expected = BAD_SHAPES[case]
+    try:
+        rc, _, err = init(capsys, target_dir, tmp_path / "d", *flags)
+    except SystemExit as e:  # argparse
+        rc, err = e.code, capsys.readouterr().err
+    assert expected in one_line_error(rc, err)
+    assert not (tmp_path / "d").exists()
+
+
+def published_for_tiny(**changes) -> dict:
+    """The Qwen3.6-27B drafter's config.json (4 sliding layers, window 2048, 1 full, every field
+    it has) with the sizes a drafter of the tiny 8-layer target must have."""
+    d = json.loads(json.dumps(PUBLIC_QWEN36_CONFIG))
+    d.update(hidden_size=64, vocab_size=64, num_target_layers=8, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, intermediate_size=96, max_position_embeddings=512, block_size=8,
+             dflash_config={"mask_token_id": MASK, "target_layer_ids": [1, 2, 3, 4, 5]})  # fmt: skip
+    d.update(changes)
+    return d
+
+
+def test_init_config_round_trips_a_published_config_field_by_field(target_dir, tmp_path, capsys):
+    published = published_for_tiny()
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    rc, _, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--config",
+                         tmp_path / "config.json")  # fmt: skip
+    assert rc == 0, err
+    written = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert written["dtype"] == "float32"  # the weights as written; the only field flashdraft changes here
+    assert {k: v for k, v in written.items() if k != "dtype"} == {k: v for k, v in published.items() if k != "dtype"}
+    load_drafter(tmp_path / "d")
+
+
+def test_init_config_flags_override_its_fields_and_keep_the_rest(target_dir, tmp_path, capsys):
+    published = published_for_tiny()
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    rc, _, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--config",
+                         tmp_path / "config.json", "--block-size", 4, "--sliding-window", 6, "--layer-types",
+                         "sliding", "--target-layer-ids", "1,3,5", "--intermediate-size", 64)  # fmt: skip
+    assert rc == 0, err
+    written = json.loads((tmp_path / "d" / "config.json").read_text())
+    overridden = {"block_size": 4, "sliding_window": 6, "layer_types": ["sliding_attention"] * 5,
+                  "intermediate_size": 64, "is_causal": True,  # uniform now: said explicitly
+                  "dflash_config": {"mask_token_id": MASK, "target_layer_ids": [1, 3, 5]}}  # fmt: skip
+    for key, value in overridden.items():
+        assert written[key] == value, key
+    for key, value in published.items():
+        if key not in overridden and key != "dtype":
+            assert written[key] == value, key
+
+
+CONFIG_PROBLEMS = {
+    "another target's hidden size": (dict(PUBLIC_QWEN36_CONFIG),
+                                     "field 'hidden_size' is 5120; expected 64 (the target's hidden size"),
+    "another target's vocabulary": (published_for_tiny(vocab_size=128),
+                                    "field 'vocab_size' is 128; expected 64 (the target's vocabulary"),
+    "another target's depth": (published_for_tiny(num_target_layers=64),
+                               "field 'num_target_layers' is 64; expected 8 (the target's decoder layers"),
+    "unsorted ids": (published_for_tiny(dflash_config={"mask_token_id": MASK, "target_layer_ids": [3, 1]}),
+                     "field 'dflash_config.target_layer_ids' is [3, 1]; expected unique, strictly increasing"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CONFIG_PROBLEMS)
+def test_init_config_that_does_not_fit_the_target_is_refused_naming_the_field(target_dir, tmp_path, capsys, case):
+    config, expected = CONFIG_PROBLEMS[case]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rc, _, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--config",
+                         tmp_path / "config.json")  # fmt: skip
+    line = one_line_error(rc, err)
+    assert str(tmp_path / "config.json") in line and expected in line, line
+    assert not (tmp_path / "d").exists()
+
+
+def test_init_config_with_fewer_layers_needs_layer_types_when_its_types_are_mixed(target_dir, tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(published_for_tiny()))
+    argv = ["init", "--target-model", target_dir, "--out", tmp_path / "d", "--config", tmp_path / "config.json",
+            "--draft-layers", 2]  # fmt: skip
+    line = one_line_error(*run_cli(capsys, *argv)[::2])
+    assert "--draft-layers 2:" in line and "for 5 layers; give --layer-types for 2 layers" in line, line
+    rc, _, err = run_cli(capsys, *argv, "--layer-types", "sliding,full")
+    assert rc == 0, err
+    assert load_drafter(tmp_path / "d").config.layer_types == ["sliding_attention", "full_attention"]
