@@ -173,10 +173,8 @@ class DrafterConfig:
         if any(not 0 <= i < self.num_target_layers for i in ids):
             raise bad("dflash_config.target_layer_ids", ids,
                       f"indices in 0..{self.num_target_layers - 1} (num_target_layers)")  # fmt: skip
-        if any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
-            raise bad("dflash_config.target_layer_ids", ids,
-                      f"unique, strictly increasing ids (e.g. {sorted(set(ids))}): vLLM and SGLang capture target "
-                      f"layers in layer order, so other orders reach the drafter permuted or are refused")  # fmt: skip
+        if not strictly_increasing(ids):  # the servers' rule: other orders reach the drafter permuted or are refused
+            raise bad("dflash_config.target_layer_ids", ids, f"{LAYER_ORDER_RULE} (e.g. {sorted(set(ids))})")
         if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
             raise bad("dflash_config.mask_token_id", self.mask_token_id, f"a token id in 0..{self.vocab_size - 1}")
         if len(self.layer_types) != self.num_hidden_layers:

@@ -136,8 +136,8 @@ DRAFTER_DAMAGE = {
     "no config.json": (lambda d: (d / "config.json").unlink(), "no config.json; expected a drafter directory"),
     "unsorted target_layer_ids": (_config_edit(lambda c: c["dflash_config"].update(target_layer_ids=[2, 0])),
                                   "field 'dflash_config.target_layer_ids' is [2, 0]; expected unique, strictly "
-                                  "increasing ids (e.g. [0, 2]): vLLM and SGLang capture target layers in layer "
-                                  "order"),
+                                  "increasing ids: vLLM and SGLang capture target layers in layer order (e.g. "
+                                  "[0, 2])"),
     "truncated safetensors": (_truncate, "model.safetensors: not a readable safetensors file (truncated or corrupt"),
     "corrupt safetensors": (lambda d: (d / "model.safetensors").write_bytes(b"\x07" * 64),
                             "model.safetensors: not a readable safetensors file (truncated or corrupt"),
