@@ -132,3 +132,23 @@ def test_keep_best_without_a_held_out_set_is_refused_before_training(workdir, ca
     code = _train(workdir, "--cached-hidden-states", str(workdir / "cache"), "--out", str(out), "--keep-best")
     assert code == 2 and "--keep-best ranks held-out evaluations" in capsys.readouterr().err
     assert not (out / "checkpoints").exists()
+
+
+def test_a_sliding_drafter_made_by_init_trains_and_evaluates_offline_equal_online_losslessly(workdir, capsys):
+    """The seed's drafter shape (sliding layers + a full one): init -> train -> eval, causal sliding layers."""
+    target = str(workdir / "target")
+    init = workdir / "sliding-init"
+    assert main(["init", "--target-model", target, "--out", str(init), "--layer-types", "sliding,full",
+                 "--sliding-window", "6", "--target-layer-ids", "0,2", "--block-size", "4"]) == 0  # fmt: skip
+    out = workdir / "sliding"
+    assert main(["train", "--target-model", target, "--cached-hidden-states", str(workdir / "cache"), "--out",
+                 str(out), "--init", str(init), "--batch-size", "2", "--num-anchors", "8", "--lr", "3e-3",
+                 "--max-steps", "4", "--epochs", "10"]) == 0  # fmt: skip
+    drafter = load_drafter(out / "checkpoints/step-0000004/drafter")
+    assert [(a.causal, a.window) for a in drafter.config.layer_attention] == [(True, 6), (False, None)]
+    capsys.readouterr()
+    report = workdir / "sliding-eval.json"
+    assert main(["eval", "--checkpoint", str(out), "--target-model", target, "--completions", str(workdir / "c.json"),
+                 "--online", "--check-consistency", "--json", str(report)]) == 0  # fmt: skip
+    figures = json.loads(report.read_text())
+    assert figures["lossless"] is True and figures["num_steps"] > 0
