@@ -538,6 +538,14 @@ def _loss_weighting(value: str) -> str:
     return value
 
 
+def _optimizer(value: str) -> str:
+    from flashdraft.train.optim import OPTIMIZERS
+
+    if value not in OPTIMIZERS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(OPTIMIZERS)}, found {value}")
+    return value
+
+
 def _train_option_adder(p: argparse.ArgumentParser):
     """Adds `--name` for a `TrainConfig` field, its default taken from the dataclass (one
     default per knob); a bool field becomes a flag."""
@@ -579,6 +587,9 @@ def _add_train_command(sub) -> None:
     knob("warmup_fraction", _nonnegative_float)
     knob("min_lr_fraction", _nonnegative_float, "final learning rate as a fraction of --lr")
     knob("weight_decay", _nonnegative_float)
+    knob("optimizer", _optimizer, "adamw (the recipe), or muon: Muon on the decoder layers' and fc's matrices, AdamW "
+         "(--lr) on the rest")
+    knob("muon_lr", _nonnegative_float, "Muon's lr (default --lr: its update is scaled to AdamW's RMS)")
     knob("grad_clip", _nonnegative_float)
     knob("batch_size", _positive, "sequences per micro-batch per rank")
     knob("grad_accum", _positive)

@@ -1,5 +1,5 @@
-"""The training loop: AdamW, warm-up + cosine decay, gradient accumulation and clipping,
-checkpoints, resume, metrics. Reads top to bottom: configuration, guards, set-up, loop.
+"""The training loop: AdamW or Muon (`flashdraft.train.optim`), warm-up + cosine decay, gradient
+accumulation and clipping, checkpoints, resume, metrics. Reads top to bottom: configuration, guards, set-up, loop.
 
 Batches come from `flashdraft.train.data`: which records a step trains on is a function of
 (seed, epoch, step) only, and each record's anchors of (seed, epoch, record index), so
@@ -37,6 +37,7 @@ from flashdraft.run_dir import (
 from flashdraft.target import TargetModel
 from flashdraft.train.data import Batch, add_context_noise, make_batch, record_generator
 from flashdraft.train.loss import block_loss, estimated_acceptance, label_weight_total
+from flashdraft.train.optim import Optimizers, build_optimizers
 
 
 @dataclass
@@ -49,6 +50,8 @@ class TrainConfig:
     warmup_fraction: float = 0.04
     min_lr_fraction: float = 0.0
     weight_decay: float = 0.0
+    optimizer: str = "adamw"  # "adamw", or "muon": Muon on the layers' and fc's matrices, AdamW on the rest
+    muon_lr: float | None = None  # Muon's lr (None: lr; its update is scaled to AdamW's RMS)
     grad_clip: float = 1.0
     batch_size: int = 4  # sequences per micro-batch per rank
     grad_accum: int = 1
@@ -102,18 +105,6 @@ def check_no_shortcut(drafter: DFlashDrafter, target: TargetModel) -> None:
             f"drafter hidden_size/vocab_size {drafter.config.hidden_size}/{drafter.config.vocab_size} differ from "
             f"the target's {target.hidden_size}/{target.vocab_size}"
         )
-
-
-def lr_lambda(total_steps: int, warmup_fraction: float, min_lr_fraction: float):
-    warmup = max(1, round(total_steps * warmup_fraction))
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return min_lr_fraction + (1 - min_lr_fraction) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
 
 
 class MetricsWriter:
@@ -266,7 +257,7 @@ def _write_run_config(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict:
     return config_dict
 
 
-def _resume(run_dir: Path, model, optimizer, scheduler, num_records: int, dist: Dist, verify: bool) -> int:
+def _resume(run_dir: Path, model, optimizer: Optimizers, num_records: int, dist: Dist, verify: bool) -> int:
     """Restore weights, optimizer, schedule and RNG from the newest complete checkpoint;
     returns the step to continue from (0 without one)."""
     if dist.is_main:
@@ -284,8 +275,7 @@ def _resume(run_dir: Path, model, optimizer, scheduler, num_records: int, dist: 
         )
     saved = load_drafter(last / "drafter", device=dist.device)
     unwrap(model).load_state_dict(saved.state_dict())
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    optimizer.load_state_dict(state["optimizer"], str(last))
     torch.set_rng_state(state["torch_rng"])
     if dist.is_main:
         print(f"resumed from {last} at step {state['step']}", flush=True)
@@ -411,12 +401,12 @@ def _keep_if_best(run_dir: Path, step: int, model, held_out: dict, best: dict | 
     return {"step": step, "metric": name, "value": value}
 
 
-def _save(run_dir: Path, step: int, model, optimizer, scheduler, cfg: TrainConfig, config_dict: dict,
+def _save(run_dir: Path, step: int, model, optimizer: Optimizers, cfg: TrainConfig, config_dict: dict,
           num_records: int, dist: Dist) -> None:  # fmt: skip
     """A checkpoint of everything resume needs (gathered from all ranks under FSDP)."""
     full = full_state_dict(model, cfg.fsdp)
     if dist.is_main:
-        trainer_state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        trainer_state = {"step": step, "optimizer": optimizer.state_dict(),
                          "torch_rng": torch.get_rng_state(), "num_records": num_records, "world_size": dist.world,
                          "config": config_dict}  # fmt: skip
         save_checkpoint(run_dir, step, unwrap(model).config, full, trainer_state, cfg.keep_checkpoints)
@@ -460,12 +450,9 @@ def train(
         config_dict = _write_run_config(cfg, run_dir, resume) if dist.is_main else asdict(cfg)
         drafter.to(dist.device).train()
         model = wrap_model(drafter, dist, cfg.fsdp)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda(total_steps, cfg.warmup_fraction, cfg.min_lr_fraction)
-        )
-        start_step = _resume(run_dir, model, optimizer, scheduler, len(records), dist, verify) if resume else 0
+        optimizer = build_optimizers(model, cfg.optimizer, cfg.lr, cfg.muon_lr, cfg.weight_decay, total_steps,
+                                     cfg.warmup_fraction, cfg.min_lr_fraction, cfg.fsdp)  # fmt: skip
+        start_step = _resume(run_dir, model, optimizer, len(records), dist, verify) if resume else 0
         writer = MetricsWriter(run_dir, list(report_to), config_dict, start_step) if dist.is_main else None
         bar = Progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc="train",
                        disable=not dist.is_main, dynamic_ncols=True)  # fmt: skip
@@ -485,15 +472,14 @@ def train(
                 )
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
             optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             if on_step is not None:
                 on_step(step)
 
             window.add(result, micro_batches, dist.world)
             done = step + 1
             if done % cfg.log_every == 0 or done == total_steps:
-                _log(bar, writer, done, window.metrics(scheduler.get_last_lr()[0], grad_norm, epoch))
+                _log(bar, writer, done, window.metrics(optimizer.last_lr(), grad_norm, epoch))
                 window = Window()
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == total_steps):
                 held_out = held_out_metrics(model, target, cfg, dist, eval_records, eval_tau_records)
@@ -504,7 +490,7 @@ def train(
                 if cfg.keep_best:
                     best = _keep_if_best(run_dir, done, model, held_out, best, cfg, dist)
             if done % cfg.save_every == 0 or done == total_steps:
-                _save(run_dir, done, model, optimizer, scheduler, cfg, config_dict, len(records), dist)
+                _save(run_dir, done, model, optimizer, cfg, config_dict, len(records), dist)
         if writer is not None:
             writer.close()
     finally:

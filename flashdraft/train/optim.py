@@ -1,0 +1,99 @@
+"""Optimizers and the learning-rate schedule: AdamW for every parameter (the recipe), or Muon
+for the matrix weights of the decoder layers and `fc` with AdamW for the rest (norms, an own
+LM head), as vLLM speculators' DFlash defaults do. Each optimizer gets the same warm-up +
+cosine schedule; they step, save and resume together."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from flashdraft.errors import FlashdraftError
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+def lr_lambda(total_steps: int, warmup_fraction: float, min_lr_fraction: float = 0.0):
+    """Linear warm-up then cosine decay to min_lr_fraction (multiplier of the base lr)."""
+    warmup = max(1, int(round(total_steps * warmup_fraction)))
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return min_lr_fraction + (1 - min_lr_fraction) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def is_muon_parameter(name: str, param: torch.Tensor) -> bool:
+    """Muon's share: the 2-D weights of the decoder layers and fc (not norms, not an LM head)."""
+    name = name.removeprefix("module.").removeprefix("_orig_mod.")
+    return param.ndim == 2 and (name.startswith("layers.") or name == "fc.weight")
+
+
+class Optimizers:
+    """One or two optimizers, each with its own scheduler, used as one."""
+
+    def __init__(self, pairs: list[tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]]) -> None:
+        self.pairs = pairs
+
+    def step(self) -> None:
+        for optimizer, scheduler in self.pairs:
+            optimizer.step()
+            scheduler.step()
+
+    def zero_grad(self) -> None:
+        for optimizer, _ in self.pairs:
+            optimizer.zero_grad(set_to_none=True)
+
+    def last_lr(self) -> float:
+        """The lr of the first optimizer (AdamW's; Muon's follows the same schedule)."""
+        return self.pairs[0][1].get_last_lr()[0]
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [o.state_dict() for o, _ in self.pairs],
+                "schedulers": [s.state_dict() for _, s in self.pairs]}  # fmt: skip
+
+    def load_state_dict(self, state: dict, source: str) -> None:
+        saved = len(state.get("optimizers", []))
+        if saved != len(self.pairs):
+            raise FlashdraftError(
+                f"{source}: saved with {saved} optimizer(s); this run has {len(self.pairs)} (resume with the same "
+                f"--optimizer)"
+            )
+        for (optimizer, scheduler), o, s in zip(self.pairs, state["optimizers"], state["schedulers"], strict=True):
+            optimizer.load_state_dict(o)
+            scheduler.load_state_dict(s)
+
+
+def build_optimizers(
+    model: nn.Module, name: str, lr: float, muon_lr: float | None, weight_decay: float, total_steps: int,
+    warmup_fraction: float, min_lr_fraction: float, fsdp: bool = False,
+) -> Optimizers:  # fmt: skip
+    """AdamW over every trainable parameter, or Muon (matrix weights, `muon_lr`, default `lr`:
+    Muon's update is scaled to AdamW's RMS, so one lr serves both) + AdamW (the rest, `lr`)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    schedule = lr_lambda(total_steps, warmup_fraction, min_lr_fraction)
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+
+    if name == "adamw":
+        groups = [adamw([p for _, p in named])]
+    elif name == "muon":
+        if fsdp:
+            raise FlashdraftError(
+                "--optimizer muon with --fsdp: torch.optim.Muon would orthogonalise each rank's shard of a matrix, "
+                "not the matrix; expected DDP (drop --fsdp) for Muon"
+            )
+        matrices = [p for n, p in named if is_muon_parameter(n, p)]
+        rest = [p for n, p in named if not is_muon_parameter(n, p)]
+        muon = torch.optim.Muon(matrices, lr=muon_lr if muon_lr is not None else lr, weight_decay=weight_decay,
+                                adjust_lr_fn="match_rms_adamw")  # fmt: skip
+        groups = [adamw(rest), muon]
+    else:
+        raise FlashdraftError(f"--optimizer {name}: expected one of {', '.join(OPTIMIZERS)}")
+    return Optimizers([(o, torch.optim.lr_scheduler.LambdaLR(o, schedule)) for o in groups])
