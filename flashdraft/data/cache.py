@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,13 +68,8 @@ def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """Write a safetensors file whole or not at all. No metadata: safetensors writes a
     multi-key metadata dict in varying order, and shards must be byte-reproducible."""
 
-    def write(tmp: Path) -> None:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates the file private; a cache is shared like any data
-
-    write_atomic(path, write)
+    # write_atomic gives the file the umask's mode (safetensors creates it 0600)
+    write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)))
 
 
 # -- building ----------------------------------------------------------------------------
