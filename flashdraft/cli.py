@@ -313,7 +313,10 @@ def _add_data_commands(sub) -> None:
     p.add_argument("--layers", type=_target_layer_ids, default=None, help="target layer ids, e.g. 1,6,11")
     p.add_argument("--draft-config", default=None, help="take the layer ids from this drafter (directory or config)")
     p.add_argument("--num-prompts", type=_positive, default=None, help="cache only the first N records")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="storage dtype of the features")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                   help="storage dtype of the features; auto (default): the dtype the target computes them in "
+                        "(fp32 on CPU, bf16 on GPU; see --target-dtype), so offline τ equals live τ step for step; "
+                        "bf16 halves an fp32 cache, offline τ then within rounding of live τ")  # fmt: skip
     p.add_argument("--with-target-logits", type=int, default=0, metavar="K",
                    help="also store the target's top-K logits per token (separate files)")  # fmt: skip
     p.add_argument("--records-per-shard", type=_positive, default=64)

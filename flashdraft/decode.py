@@ -58,6 +58,13 @@ def _truncate(tokens: list[int], budget: int, stop_ids: set[int]) -> tuple[list[
     return tokens[:budget], False
 
 
+def _rounded(features: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """`features` cast to `dtype` and back: what a cache stored in `dtype` holds for them."""
+    if features is None or dtype is None:
+        return features
+    return features.to(dtype).to(features.dtype)
+
+
 def _clock(device: torch.device) -> float:
     """perf_counter after the device's queued work has finished."""
     if device.type == "cuda":
@@ -99,6 +106,7 @@ def speculative_generate(
     block_size: int | None = None,
     generator: torch.Generator | None = None,
     limit: DraftLimit | None = None,
+    round_context_to: torch.dtype | None = None,
 ) -> GenerationResult:
     """Generate with drafter + target; returns the tokens, each step's committed count and the
     time spent drafting and verifying.
@@ -108,6 +116,11 @@ def speculative_generate(
     the prefill, as in plain decoding; every later token comes from a speculative step. A step
     commits min(a + 1, tokens still allowed), cut after a stop token, so the acceptance
     lengths add up to len(output_ids) - 1.
+
+    `round_context_to`: the target's context features are rounded to this dtype (and cast
+    back) before the proposer sees them, as a hidden-state cache in that dtype stores them;
+    `eval --check-consistency` against such a cache uses it to compare the same features.
+    None (real decoding): the features as the target computed them.
     """
     block = block_size or default_block_size(drafter)
     proposer = as_proposer(drafter, target, limit)
@@ -125,7 +138,7 @@ def speculative_generate(
         result.stop_reason = "eos"
         return result
     # drafter context not yet in its cache: features [1, C, n * H] at positions [1, C]
-    new_context = prefill.context_features
+    new_context = _rounded(prefill.context_features, round_context_to)
     new_positions = torch.arange(len(prompt_ids), device=device)[None]
     anchor_pos = len(prompt_ids)
 
@@ -155,6 +168,7 @@ def speculative_generate(
         # the anchor and the accepted drafts stay in the target cache; the bonus is the next anchor
         target.rollback(cache, a + 1)
         new_context = verify.context_features[:, : a + 1] if verify.context_features is not None else None
+        new_context = _rounded(new_context, round_context_to)
         new_positions = anchor_pos + torch.arange(a + 1, device=device)[None]
         anchor_pos += a + 1
     return result

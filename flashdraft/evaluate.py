@@ -102,11 +102,13 @@ def evaluate_online(
     temperature: float = 0.0,
     seed: int = 0,
     limit: DraftLimit | None = None,
+    round_context_to: torch.dtype | None = None,
 ) -> EvalResult:
     """Online τ: real speculative decoding of every record's prompt (verifying the drafts
     `limit` keeps), timed after a warm-up, each output checked against plain greedy decoding
     (`baseline`) when temperature is 0, and the speed-up set against its bound. Acceptance
-    lengths are cut to the first `max_blocks` steps (the output and the timing are not)."""
+    lengths are cut to the first `max_blocks` steps (the output and the timing are not).
+    `round_context_to`: live context features rounded to a cache's dtype (`speculative_generate`)."""
     b, layer_ids, context_layers = drafter_shape(drafter, block_size)
     speculative_generate(target, drafter, records[0].prompt_ids, min(8, max_new_tokens), temperature, b,
                          _generator(seed, -1, target), limit)  # fmt: skip
@@ -117,7 +119,7 @@ def evaluate_online(
         start = time.perf_counter()
         out = speculative_generate(
             target, drafter, record.prompt_ids, _max_new_tokens(record, max_new_tokens), temperature, b,
-            _generator(seed, index, target), limit,
+            _generator(seed, index, target), limit, round_context_to,
         )  # fmt: skip
         _sync(target)
         seconds += time.perf_counter() - start
@@ -342,6 +344,38 @@ def _draft_limit(cfg: EvalConfig, c: Candidate) -> DraftLimit | None:
     return DraftLimit(k, p) if k is not None or p is not None else None
 
 
+def _lower_precision(stored: torch.dtype, computed: torch.dtype) -> bool:
+    """Whether storing features computed in `computed` as `stored` rounds them (fewer mantissa bits)."""
+    return torch.finfo(stored).eps > torch.finfo(computed).eps
+
+
+def _consistency_rounding(cfg: EvalConfig, c: Candidate, records: list[EvalRecord]) -> torch.dtype | None:
+    """The dtype live features are rounded to under --check-consistency: the cache's, for a
+    drafter whose offline features come from a cache that rounded them (so both walks read the
+    same features); None otherwise (no check, no cache, a cache that rounded nothing, or the
+    offline walk reads a fresh target forward)."""
+    layer_ids = drafter_shape(c.drafter, c.block_size)[1]
+    dtype = records[0].feature_dtype
+    if not cfg.check_consistency or dtype is None or not layer_ids or not set(layer_ids) <= set(records[0].layer_ids):
+        return None
+    # storing in the compute dtype, or in fp32 (which holds bf16 and fp16 exactly), rounds nothing
+    return None if dtype in (cfg.dtype, torch.float32) else dtype
+
+
+def _cache_precision_note(cfg: EvalConfig, records: list[EvalRecord]) -> str | None:
+    """One line when the cache rounded the features below the precision live decoding computes
+    them in: then offline τ is only within rounding of live τ."""
+    stored = records[0].feature_dtype
+    if stored is None or not _lower_precision(stored, cfg.dtype):
+        return None
+    name, computed = (str(d).removeprefix("torch.") for d in (stored, cfg.dtype))
+    check = (f"; --check-consistency rounds the live features to {name} as the cache did, so its comparison "
+             f"stays exact" if cfg.check_consistency else "")  # fmt: skip
+    return (f"note: the cache stores context features in {name}, the target computes them in "
+            f"{computed}: offline τ is within rounding of live τ, not step for step (a cache "
+            f"built with --dtype auto keeps them exact){check}")  # fmt: skip
+
+
 def _evaluate_candidate(
     cfg: EvalConfig, c: Candidate, target: TargetModel, records: list[EvalRecord], baseline: list[GreedyRun] | None,
     features: FeatureSource, max_new_tokens: int,
@@ -349,11 +383,12 @@ def _evaluate_candidate(
     """One drafter's summary: offline, online, or both with the consistency check."""
     offline = online = None
     limit = _draft_limit(cfg, c)
+    rounding = _consistency_rounding(cfg, c, records)
     if not cfg.online or cfg.check_consistency:
         offline = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks, limit)
     if cfg.online or cfg.check_consistency:
         online = evaluate_online(c.drafter, target, records, baseline, c.block_size, cfg.max_blocks, max_new_tokens,
-                                 cfg.temperature, cfg.seed, limit)  # fmt: skip
+                                 cfg.temperature, cfg.seed, limit, rounding)  # fmt: skip
     summary = (online if cfg.online else offline).to_json()
     summary |= {"checkpoint": c.label, "checkpoint_form": c.form, "drafter_path": c.path,
                 "drafter_type": _drafter_type(c.drafter),
@@ -362,7 +397,10 @@ def _evaluate_candidate(
     if cfg.check_consistency:
         mismatches = consistency_mismatches(records, baseline, offline, online)
         summary["consistency"] = {"identical": not mismatches, "mismatches": mismatches,
-                                  "offline_tau": offline.tau, "online_tau": online.tau}  # fmt: skip
+                                  "offline_tau": offline.tau, "online_tau": online.tau,
+                                  # live features rounded to the cache's dtype (None: as computed)
+                                  "live_features_rounded_to": str(rounding).removeprefix("torch.") if rounding
+                                  else None}  # fmt: skip
     return summary
 
 
@@ -393,6 +431,9 @@ def run_eval(cfg: EvalConfig, log: Log = print) -> dict[str, Any]:
     if max_new_tokens is None:  # enough for max_blocks steps of the largest block
         max_new_tokens = cfg.max_blocks * max(c.block_size for c in candidates) + 1 if cfg.max_blocks else 256
     records, baseline, source = _prepare_records(cfg, target, max_new_tokens, log)
+    note = _cache_precision_note(cfg, records)
+    if note:
+        log(note)
     features = FeatureSource(target, log)  # logs each record's tokens and feature statistics offline
     if cfg.online and not cfg.check_consistency:
         for record in records:

@@ -31,6 +31,7 @@ class EvalRecord:
     context_features: torch.Tensor | None = None  # [P + M, len(layer_ids) * H]
     layer_ids: list[int] = field(default_factory=list)  # target layers in the stored features, in order
     load_features: Callable[[], torch.Tensor] | None = None  # reads context_features on demand
+    feature_dtype: torch.dtype | None = None  # the dtype a cache stores its features in (None: not from a cache)
 
     @property
     def input_ids(self) -> list[int]:
@@ -111,7 +112,7 @@ def records_from_cache(cache, num_records: int | None = None) -> list[EvalRecord
         tokens, p = cache.token_ids(index).tolist(), prompt_lengths[index]
         records.append(
             EvalRecord(str(ids[index]), tokens[:p], tokens[p:], layer_ids=list(cache.layer_ids),
-                       load_features=lambda index=index: cache.features(index))
+                       load_features=lambda index=index: cache.features(index), feature_dtype=cache.dtype)
         )  # fmt: skip
     return records
 

@@ -135,7 +135,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         c = summary["consistency"]
         parts.append(
             f"offline vs online: {'identical acceptance lengths' if c['identical'] else 'DIFFERENT'} "
-            f"(offline τ {c['offline_tau']:.3f}, online τ {c['online_tau']:.3f})"
+            f"(offline τ {c['offline_tau']:.3f}, online τ {c['online_tau']:.3f}"
+            + (f", live features rounded to the cache's {c['live_features_rounded_to']}"
+               if c.get("live_features_rounded_to") else "") + ")"
             + "".join(f"\n  {m}" for m in c["mismatches"])
         )
     return "\n\n".join(parts)

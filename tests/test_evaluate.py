@@ -124,6 +124,39 @@ def test_offline_tau_equals_online_tau_for_a_reduced_vocabulary_drafter_whose_dr
     assert offline.per_prompt[0].tau > 1.5  # it drafts real target ids, not draft-vocabulary indices
 
 
+def test_live_features_rounded_to_a_cache_dtype_reach_the_drafter_rounded_and_walk_as_offline(monkeypatch):
+    """`round_context_to` (eval --check-consistency against a bf16 cache): the drafter sees live
+    features exactly as the cache stores them, so online walks the offline steps of a bf16 store."""
+    target = make_target("qwen3")
+    records = greedy_records(target)
+    drafter = overfit(make_drafter(), target, records[0])  # layers [0, 2]
+    seen = []
+    propose = acceptance.DFlashProposer.propose
+
+    def spy(self, tokens, pos, context, *rest):
+        seen.append(context)
+        return propose(self, tokens, pos, context, *rest)
+
+    monkeypatch.setattr(acceptance.DFlashProposer, "propose", spy)
+    taus = []
+    for r in records:
+        target.set_context_layers([0, 2])
+        stored = target.forward(torch.tensor([r.input_ids])).context_features[0].to(torch.bfloat16)
+        offline = evaluate_offline(drafter, target, [EvalRecord(r.id, r.prompt_ids, r.completion_ids, stored, [0, 2])])
+        seen.clear()
+        out = speculative_generate(target, drafter, r.prompt_ids, len(r.completion_ids),
+                                   round_context_to=torch.bfloat16)  # fmt: skip
+        assert out.output_ids == r.completion_ids  # still lossless
+        assert out.acceptance_lengths == offline.per_prompt[0].acceptance_lengths
+        taus.append(offline.tau)
+        live = [x for x in seen if x is not None]
+        assert live and all(x.dtype == torch.float32 and torch.equal(x, x.bfloat16().float()) for x in live)
+    assert taus[0] > 2.0  # the overfit record accepts: the steps compared are not all 1
+    seen.clear()
+    speculative_generate(target, drafter, records[0].prompt_ids, 10)  # without the option: as computed
+    assert not all(torch.equal(x, x.bfloat16().float()) for x in seen if x is not None)
+
+
 @pytest.mark.parametrize("per_forward", [1, 3])
 def test_offline_walk_does_not_depend_on_how_many_anchors_one_forward_drafts(monkeypatch, per_forward):
     target = make_target("qwen3")
@@ -388,13 +421,14 @@ def test_eval_of_5_records_and_15_blocks_offline_takes_seconds():
 @pytest.fixture(scope="module")
 def cached(tmp_path_factory, target_dir, prompts_file):
     """Greedy completions of the prompts (flashdraft generate) and their features of layers 0, 1, 2
-    (flashdraft cache, fp32 so the offline features equal the online ones)."""
+    (flashdraft cache with its default dtype: the target's, fp32 on CPU, so the offline features
+    equal the online ones)."""
     root = tmp_path_factory.mktemp("cached")
     completions, cache = root / "c.json", root / "cache"
     assert main(["generate", "--target-model", str(target_dir), "--prompts", str(prompts_file), "--out",
                  str(completions), "--max-new-tokens", "30", "--batch-size", "1"]) == 0  # fmt: skip
     assert main(["cache", "--target-model", str(target_dir), "--completions", str(completions), "--out", str(cache),
-                 "--layers", "0,1,2", "--dtype", "fp32"]) == 0  # fmt: skip
+                 "--layers", "0,1,2"]) == 0  # fmt: skip
     return completions, cache
 
 
@@ -423,9 +457,60 @@ def test_eval_from_a_hidden_state_cache_equals_eval_from_completions_and_online(
     assert rc == 0, err
     online = json.loads((tmp_path / "online.json").read_text())
     assert online["consistency"]["identical"] and online["lossless"] is True
+    assert online["consistency"]["live_features_rounded_to"] is None  # a default cache rounded nothing
+    assert "within rounding" not in out
     assert [p["acceptance_lengths"] for p in online["per_prompt"]] == [
         p["acceptance_lengths"] for p in from_cache["per_prompt"]
     ]
+
+
+def test_default_cache_stores_the_target_dtype_and_offline_tau_equals_online_step_for_step(
+    capsys, tmp_path, target_dir, cached
+):
+    """The README pipeline: generate -> cache (default dtype) -> eval --check-consistency."""
+    completions, cache = cached
+    assert json.loads((cache / "manifest.json").read_text())["dtype"] == "float32"  # the CPU target's dtype
+    target = TargetModel.load(target_dir)
+    first = load_completions(completions, target, quiet=True).records[1]
+    save_drafter(overfit(make_drafter(), target, EvalRecord(first.id, first.prompt_ids, first.completion_ids)),
+                 tmp_path / "d")  # fmt: skip
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir,
+                           "--cached-hidden-states", cache, "--check-consistency", "--json",
+                           tmp_path / "e.json")  # fmt: skip
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "e.json").read_text())
+    assert summary["consistency"]["identical"] and max(p["tau"] for p in summary["per_prompt"]) > 2
+    assert summary["consistency"]["offline_tau"] == summary["consistency"]["online_tau"]
+    assert "within rounding" not in out
+
+
+def test_bf16_cache_says_offline_is_within_rounding_and_check_consistency_rounds_live_features(
+    capsys, tmp_path, target_dir, cached
+):
+    completions, _ = cached
+    cache = tmp_path / "cache-bf16"
+    assert main(["cache", "--target-model", str(target_dir), "--completions", str(completions), "--out", str(cache),
+                 "--layers", "0,1,2", "--dtype", "bf16"]) == 0  # fmt: skip
+    assert json.loads((cache / "manifest.json").read_text())["dtype"] == "bfloat16"
+    target = TargetModel.load(target_dir)
+    first = load_completions(completions, target, quiet=True).records[1]
+    save_drafter(overfit(make_drafter(), target, EvalRecord(first.id, first.prompt_ids, first.completion_ids)),
+                 tmp_path / "d")  # fmt: skip
+    common = ["eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--cached-hidden-states", cache]
+    capsys.readouterr()
+    rc, out, err = run_cli(capsys, *common)
+    assert rc == 0, err
+    notes = [line for line in out.splitlines() if "within rounding" in line]
+    assert notes == ["note: the cache stores context features in bfloat16, the target computes them in float32: "
+                     "offline τ is within rounding of live τ, not step for step (a cache built with --dtype auto "
+                     "keeps them exact)"]  # fmt: skip
+    rc, out, err = run_cli(capsys, *common, "--check-consistency", "--json", tmp_path / "e.json")
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "e.json").read_text())
+    assert summary["consistency"]["identical"] and summary["consistency"]["live_features_rounded_to"] == "bfloat16"
+    assert max(p["tau"] for p in summary["per_prompt"]) > 2
+    assert "--check-consistency rounds the live features to bfloat16" in out
+    assert "live features rounded to the cache's bfloat16" in out
 
 
 def test_eval_refuses_a_cache_without_the_drafter_layers(capsys, tmp_path, target_dir, cached):

@@ -3,7 +3,9 @@
 The target runs once over prompt + completion of every record; per token the cache keeps
 the input id, the loss mask (True on completion tokens) and the context features of
 exactly the requested layers: the outputs of decoder layers `layer_ids` (the
-`hidden_states[l + 1]` convention), concatenated in listed order, cast to the cache dtype.
+`hidden_states[l + 1]` convention), concatenated in listed order, cast to the cache dtype:
+by default (`auto`) the dtype the target computed them in, so offline features are exactly
+the ones live decoding feeds the drafter and offline τ equals live τ step for step.
 Optionally the target's top-k final-layer logits, in files of their own.
 
 Layout of DIR (field by field in docs/data-formats.md):
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ VERSION = 1
 MANIFEST = "manifest.json"
 PROGRESS = ".progress"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+AUTO = "auto"  # --dtype auto: store features in the dtype the target computes them in
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # relative error ||cached - fresh|| / ||fresh|| a stored layer may show from storage rounding
 # alone (bf16 keeps 8 bits of mantissa, fp16 11); doctor --tolerance overrides
@@ -66,17 +68,25 @@ def topk_name(k: int) -> str:
     return f"topk-{k:05d}.safetensors"
 
 
+def resolve_dtype_flag(dtype: str, target_dtype: torch.dtype) -> str:
+    """--dtype as a DTYPES key: `auto` is the target's own compute dtype (nothing rounded)."""
+    if dtype == AUTO:
+        by_dtype = {d: flag for flag, d in DTYPES.items()}
+        if target_dtype not in by_dtype:
+            raise FlashdraftError(f"--dtype auto: the target computes in {target_dtype}; expected one of "
+                                  f"{', '.join(DTYPE_NAMES.values())} (give --dtype {'/'.join(DTYPES)})")  # fmt: skip
+        return by_dtype[target_dtype]
+    if dtype not in DTYPES:
+        raise FlashdraftError(f"--dtype {dtype}: expected {AUTO} or one of {', '.join(DTYPES)}")
+    return dtype
+
+
 def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """Write a safetensors file whole or not at all. No metadata: safetensors writes a
     multi-key metadata dict in varying order, and shards must be byte-reproducible."""
 
-    def write(tmp: Path) -> None:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates the file private; a cache is shared like any data
-
-    write_atomic(path, write)
+    # write_atomic gives the file the umask's mode (safetensors creates it 0600)
+    write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)))
 
 
 # -- building ----------------------------------------------------------------------------
@@ -195,17 +205,17 @@ def build_cache(
     completions: Completions,
     out: str | Path,
     layer_ids: list[int],
-    dtype: str = "bf16",
+    dtype: str = AUTO,
     records_per_shard: int = 64,
     topk: int = 0,
     num_records: int | None = None,
     dist: Dist | None = None,
 ) -> Path:
-    """Build (or resume) the cache of `completions` in `out`; returns its directory."""
+    """Build (or resume) the cache of `completions` in `out`; returns its directory. `dtype`:
+    bf16/fp16/fp32, or auto = the dtype the target computes in (exact offline τ)."""
     dist = dist or Dist()
     directory = Path(out)
-    if dtype not in DTYPES:
-        raise FlashdraftError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    dtype = resolve_dtype_flag(dtype, target.dtype)  # the settings hold the resolved dtype: a resume compares it
     target.set_context_layers(layer_ids)
     records = completions.records[:num_records] if num_records is not None else completions.records
     settings = {
@@ -315,9 +325,11 @@ def _check_or_write_settings(directory: Path, settings: dict) -> None:
     if found is not None:
         for key, value in settings.items():
             if found.get(key) != value:
+                # --dtype auto follows the target's dtype (it was bf16 by default before): name the flag to resume
+                hint = f" or give --dtype {found.get('dtype_flag')} to resume it" if key == "dtype" else ""
                 raise FlashdraftError(
                     f"{directory}: holds a cache with {key} = {found.get(key)!r}, this run asks for {value!r}; "
-                    f"use another --out (caches are never mixed)"
+                    f"use another --out (caches are never mixed){hint}"
                 )
     (directory / PROGRESS).mkdir(exist_ok=True)
     write_json_atomic(directory / PROGRESS / "settings.json", settings, indent=1)
@@ -726,7 +738,7 @@ def run_cache(
     layers: list[int] | None = None,
     draft_config: str | None = None,
     num_prompts: int | None = None,
-    dtype: str = "bf16",
+    dtype: str = AUTO,
     with_target_logits: int = 0,
     records_per_shard: int = 64,
     allow_foreign: bool = False,

@@ -77,7 +77,7 @@ def test_cached_records_equal_a_fresh_forward_and_the_completions(hybrid_dir, co
 
 def test_bf16_cache_passes_doctor_and_a_shifted_layer_claim_is_caught(hybrid_dir, completions, tmp_path, capsys):
     target = TargetModel.load(hybrid_dir)
-    build_cache(target, load_completions(completions, target, quiet=True), tmp_path / "c", [1, 2])
+    build_cache(target, load_completions(completions, target, quiet=True), tmp_path / "c", [1, 2], dtype="bf16")
     assert HiddenStateCache(tmp_path / "c").dtype == torch.bfloat16
     assert doctor_cache(tmp_path / "c", target, layer_ids=[1, 2], samples=2)
     # the features of layers 1, 2 labelled as 2, 3: an off-by-one in the layer offset
@@ -88,6 +88,33 @@ def test_bf16_cache_passes_doctor_and_a_shifted_layer_claim_is_caught(hybrid_dir
     assert not doctor_cache(tmp_path / "c", target, samples=2)
     out = capsys.readouterr().out
     assert "FAIL alignment" in out and "matches hidden_states[2] instead of hidden_states[3]" in out
+
+
+def test_default_cache_stores_features_in_the_dtype_the_target_computes_them_in(hybrid_dir, completions, tmp_path):
+    target = TargetModel.load(hybrid_dir)  # fp32 on CPU
+    loaded = load_completions(completions, target, quiet=True)
+    build_cache(target, loaded, tmp_path / "auto", [1, 3])
+    manifest = json.loads((tmp_path / "auto" / "manifest.json").read_text())
+    assert manifest["dtype"] == "float32" and manifest["computed_with"]["target_dtype"] == "float32"
+    cache = HiddenStateCache(tmp_path / "auto")
+    target.set_context_layers([1, 3])
+    fresh = target.forward(torch.tensor([cache.token_ids(0).tolist()])).context_features[0]
+    assert torch.equal(cache.features(0), fresh)  # nothing rounded: exactly what live decoding computes
+    # --dtype bf16 still halves the features
+    build_cache(target, loaded, tmp_path / "bf16", [1, 3], dtype="bf16")
+    assert HiddenStateCache(tmp_path / "bf16").dtype == torch.bfloat16
+    sizes = [(d / "shard-00000.safetensors").stat().st_size for d in (tmp_path / "auto", tmp_path / "bf16")]
+    assert sizes[1] < 0.55 * sizes[0]
+    # a bf16 target's cache is bf16 by default
+    bf16_target = TargetModel.load(hybrid_dir, dtype=torch.bfloat16)
+    build_cache(bf16_target, loaded, tmp_path / "bf16-target", [1, 3])
+    assert json.loads((tmp_path / "bf16-target" / "manifest.json").read_text())["dtype"] == "bfloat16"
+    # a cache built with another dtype is not resumed with the default: the error names the flag that resumes it
+    refused = r"holds a cache with dtype = 'bfloat16', this run asks for 'float32'; use another --out .* --dtype bf16"
+    with pytest.raises(FlashdraftError, match=refused):
+        build_cache(target, loaded, tmp_path / "bf16", [1, 3])
+    with pytest.raises(FlashdraftError, match="--dtype fp8: expected auto or one of bf16, fp16, fp32"):
+        build_cache(target, loaded, tmp_path / "x", [1, 3], dtype="fp8")
 
 
 def test_a_cache_for_other_layers_another_target_or_a_damaged_shard_is_refused(
@@ -288,3 +315,4 @@ def test_listing_records_for_eval_reads_token_ids_only_and_features_on_demand(
         (r.id, r.prompt_ids, r.completion_ids) for r in loaded
     ]
     assert torch.equal(records[3].stored_features(), expected[3]) and reads == [3]
+    assert records[3].feature_dtype == cache.dtype == torch.float32  # eval reads the cache's dtype from here
