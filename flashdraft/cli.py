@@ -341,7 +341,9 @@ def cmd_export(args: argparse.Namespace) -> None:
         args.checkpoint, args.out, target, target_name=args.target_model, dtype=args.dtype,
         block_size=args.block_size, target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
     )  # fmt: skip
-    cfg = loaded.drafter.config
+    from flashdraft.config import DrafterConfig
+
+    cfg = DrafterConfig.load(Path(args.out) / "config.json")  # as written: is_causal stated where it can be
     for note in loaded.assumed:
         print(f"assumed: {note}")
     print(
