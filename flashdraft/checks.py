@@ -1,4 +1,4 @@
-"""A report of checks, one line each: facts, passed checks, and failures with their fix.
+"""A report of checks, one line each: facts, passed checks, warnings and failures with their fix.
 `flashdraft doctor` prints one for every kind of file; the cache format's own checks
 (`flashdraft.data.cache.doctor_cache`) write into it too."""
 
@@ -10,6 +10,7 @@ class Checks:
 
     def __init__(self) -> None:
         self.failures: list[str] = []
+        self.warnings: list[str] = []  # served differently or needing care, but not wrong: exit code stays 0
 
     def about(self, line: str) -> None:
         print(f"     {line}")
@@ -21,6 +22,10 @@ class Checks:
         print(f"FAIL {line}; fix: {fix}")
         self.failures.append(line)
 
+    def warn(self, line: str, fix: str) -> None:
+        print(f"warn {line}; fix: {fix}")
+        self.warnings.append(line)
+
     def check(self, passed: bool, line: str, fix: str) -> None:
         if passed:
             self.ok(line)
@@ -28,5 +33,6 @@ class Checks:
             self.fail(line, fix)
 
     def summary(self) -> bool:
-        print("all checks passed" if not self.failures else f"{len(self.failures)} check(s) failed")
+        warned = f" ({len(self.warnings)} warning(s))" if self.warnings else ""
+        print(("all checks passed" if not self.failures else f"{len(self.failures)} check(s) failed") + warned)
         return not self.failures

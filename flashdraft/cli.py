@@ -255,7 +255,8 @@ def cmd_doctor(args: argparse.Namespace) -> None:
     load = TargetModel.load if kind == "cache" else TargetHead.load
     target = load(args.target_model) if args.target_model else None
     if not run_doctor(args.path, target, args.checkpoint, samples=args.samples, tolerance=args.tolerance,
-                      verify=not args.no_verify):  # fmt: skip
+                      verify=not args.no_verify, serving=args.serving,
+                      target_name=args.target_model if args.target_model != "tiny" else None):  # fmt: skip
         sys.exit(1)
 
 
@@ -326,13 +327,21 @@ def _add_data_commands(sub) -> None:
     p.set_defaults(func=cmd_cache)
 
     p = sub.add_parser("doctor", help="what a cache, drafter, run, state dict or completions file is, and what is "
-                       "wrong with it (exit 0 clean, 1 problems found, 2 unusable)")  # fmt: skip
-    p.add_argument("path", help="cache dir, drafter dir, training run or checkpoint dir, .pt/.safetensors, or .json")
+                       "wrong with it (exit 0 clean, 1 problems found, 2 unusable)",
+                       description="Exit code: 0 when no check fails (warnings included), 1 when a check or serving "
+                       "rule fails, 2 when PATH cannot be checked at all.")  # fmt: skip
+    p.add_argument("path", help="cache dir, drafter dir (or tiny-drafter), training run or checkpoint dir, "
+                   ".pt/.safetensors, or .json")  # fmt: skip
     p.add_argument("--target-model", default=None,
                    help="check against this target (fingerprint, shapes, vocabulary, cache alignment)")  # fmt: skip
     p.add_argument("--checkpoint", default=None,
                    help="check a cache or completions file against this drafter (layer ids, vocabulary)")  # fmt: skip
     p.add_argument("--no-verify", action="store_true", help="skip sha256 checks (sizes and layout still checked)")
+    p.add_argument("--serving", action="store_true",
+                   help="a drafter directory: also each serving rule of vLLM 0.33.0 and SGLang 0.5.23 (format, layer "
+                   "ids, causality per layer, mask token, file modes, V2 runner, reduced vocabulary, block size) as "
+                   "ok/warn/FAIL, and the exact vLLM and SGLang command lines; exit 1 when a rule fails (warnings "
+                   "do not)")  # fmt: skip
     p.add_argument("--samples", type=_positive, default=4, help="records re-run through the target")
     p.add_argument("--tolerance", type=float, default=None,
                    help="max relative error per layer (default: bf16 1e-2, fp16 2e-3, fp32 1e-4)")  # fmt: skip
@@ -405,14 +414,24 @@ def cmd_export(args: argparse.Namespace) -> None:
         args.checkpoint, args.out, target, target_name=args.target_model, dtype=args.dtype,
         block_size=args.block_size, target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
     )  # fmt: skip
-    cfg = loaded.drafter.config
+    from flashdraft.config import DrafterConfig
+
+    cfg = DrafterConfig.load(Path(args.out) / "config.json")  # as written: is_causal stated where it can be
     for note in loaded.assumed:
         print(f"assumed: {note}")
     print(
-        f"exported {loaded.describe()} to {args.out}: {cfg.num_hidden_layers} layers, "
+        f"exported {loaded.describe()} to {args.out}: {cfg.num_hidden_layers} layers ({cfg.describe_layers()}), "
         f"target_layer_ids {cfg.target_layer_ids}, block size {cfg.block_size}; serving commands in "
         f"{Path(args.out) / 'README.md'}"
     )
+    # the exported directory as the servers will read it: the same block as `doctor OUT --serving`
+    from flashdraft.checks import Checks
+    from flashdraft.serving import check_serving
+
+    print(f"serving rules (flashdraft doctor {args.out} --serving):")
+    checks = Checks()
+    check_serving(Path(args.out), target, checks, target_name=args.target_model)
+    checks.summary()
 
 
 def _add_eval_commands(sub) -> None:

@@ -139,6 +139,23 @@ class DrafterConfig:
             return f"is_causal: {str(self.is_causal).lower()}"
         return "no is_causal: the servers' default (sliding_attention causal, full_attention non-causal)"
 
+    def describe_layers(self) -> str:
+        """Each layer's attention as served, runs of equal layers grouped, e.g. '0-3 sliding 2048
+        causal, 4 full non-causal; servers' default: no is_causal' (doctor, eval and export say it)."""
+        runs: list[tuple[int, int, LayerAttention]] = []
+        for i, a in enumerate(self.layer_attention):
+            if runs and runs[-1][2] == a:
+                runs[-1] = (runs[-1][0], i, a)
+            else:
+                runs.append((i, i, a))
+        parts = [
+            f"{first if first == last else f'{first}-{last}'} "
+            f"{'full' if a.window is None else f'sliding {a.window}'} {'causal' if a.causal else 'non-causal'}"
+            for first, last, a in runs
+        ]
+        source = "servers' default: no is_causal" if self.is_causal is None else self.causality_source
+        return f"{', '.join(parts)}; {source}"
+
     @property
     def dflash_options(self) -> dict[str, Any]:
         """dflash_config fields beyond target_layer_ids and mask_token_id (mask_token, ...)."""

@@ -1,11 +1,13 @@
 """`flashdraft doctor PATH`: say what a file or directory flashdraft reads is, and everything
 wrong with it, each finding with its fix.
 
-PATH may be a hidden-state cache, a drafter directory, a training run directory (its newest
-complete checkpoint) or one checkpoint of it, a bare `.pt`/`.safetensors` state dict, or a
-completions file. This module recognises the kind and runs its checks; with `--target-model`
-and `--checkpoint` (a drafter) it also checks PATH against them. Every check prints one line,
-`ok` or `FAIL ...; fix: ...`; facts (shapes, layer ids, fingerprints) are printed indented.
+PATH may be a hidden-state cache, a drafter directory (or the name of one shipped with
+flashdraft, `tiny-drafter`), a training run directory (its newest complete checkpoint) or one
+checkpoint of it, a bare `.pt`/`.safetensors` state dict, or a completions file. This module
+recognises the kind and runs its checks; with `--target-model` and `--checkpoint` (a drafter) it
+also checks PATH against them; with `--serving` (a drafter directory) it adds the serving rules
+of vLLM and SGLang (`flashdraft.serving`). Every check prints one line, `ok`, `warn ...; fix: ...`
+or `FAIL ...; fix: ...`; facts (shapes, layer ids, fingerprints) are printed indented.
 """
 
 from __future__ import annotations
@@ -22,12 +24,20 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.target import TargetModel
 
 
+def resolve(path: str | Path) -> Path:
+    """PATH, or the directory of the drafter shipped with flashdraft by that name (`tiny-drafter`)."""
+    from flashdraft.run_dir import BUILTIN_DRAFTERS
+
+    return BUILTIN_DRAFTERS[str(path)] if not Path(path).exists() and str(path) in BUILTIN_DRAFTERS else Path(path)
+
+
 def kind_of(path: Path) -> str:
     """What PATH is: 'cache', 'drafter', 'run', 'checkpoint', 'state dict' or 'completions';
     raises naming what it is not."""
     from flashdraft.data.cache import MANIFEST, PROGRESS
     from flashdraft.data.completions import part_paths
 
+    path = resolve(path)
     if not path.exists():
         if part_paths(path):
             return "completions"  # an unfinished generate run: only its parts exist
@@ -70,10 +80,18 @@ def run_doctor(
     samples: int = 4,
     tolerance: float | None = None,
     verify: bool = True,
+    serving: bool = False,
+    target_name: str | None = None,
 ) -> bool:
-    """Check PATH (and against `target` and the drafter `checkpoint`); True when all pass."""
-    path = Path(path)
+    """Check PATH (and against `target` and the drafter `checkpoint`; with `serving`, a drafter
+    directory against the servers' rules, commands naming `target_name`); True when none fails."""
+    path = resolve(path)
     kind = kind_of(path)
+    if serving and kind != "drafter":
+        raise FlashdraftError(
+            f"--serving: checks a drafter directory as vLLM and SGLang load it; {path} is a {kind} (for a run or "
+            f"checkpoint, flashdraft export --checkpoint {path} --out DIR writes one, and prints these rules)"
+        )
     if checkpoint is not None and kind not in ("cache", "completions"):
         raise FlashdraftError(
             f"--checkpoint {checkpoint}: names a drafter to check a cache or completions file against; {path} is "
@@ -88,6 +106,10 @@ def run_doctor(
                      checks=checks)  # fmt: skip
     elif kind == "drafter":
         check_drafter_dir(path, target, checks, verify)
+        if serving:
+            from flashdraft.serving import check_serving
+
+            check_serving(path, target, checks, target_name)
     elif kind in ("run", "checkpoint"):
         check_run(path, target, checks, verify, single=kind == "checkpoint")
     elif kind == "state dict":
@@ -110,7 +132,7 @@ NEW_DRAFTER = "train a drafter for this target (flashdraft init / flashdraft tra
 
 def _describe_config(cfg) -> str:
     return (
-        f"{cfg.num_hidden_layers} layers ({', '.join(cfg.layer_types)}), hidden {cfg.hidden_size}, "
+        f"{cfg.num_hidden_layers} layers ({cfg.describe_layers()}), hidden {cfg.hidden_size}, "
         f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} kv heads x {cfg.head_dim}, intermediate "
         f"{cfg.intermediate_size}, vocab {cfg.vocab_size}, block size {cfg.block_size}, mask token "
         f"{cfg.mask_token_id}, target_layer_ids {cfg.target_layer_ids} of {cfg.num_target_layers} target layers"

@@ -183,7 +183,7 @@ def _describe_drafter(label: str, loaded, block_size: int, target: TargetModel) 
     mask = target.tokenizer.convert_ids_to_tokens(cfg.mask_token_id)
     lines = [
         f"{label} {loaded.describe()}: {cfg.num_hidden_layers} layers "
-        f"({', '.join(sorted(set(cfg.layer_types)))}), {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} "
+        f"({cfg.describe_layers()}), {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} "
         f"kv heads x {cfg.head_dim}, intermediate {cfg.intermediate_size}; fc.weight {fc} holds "
         f"{fc[1] // cfg.hidden_size} context layers, target_layer_ids {cfg.target_layer_ids} of "
         f"{cfg.num_target_layers}; block size {cfg.block_size} (evaluating with {block_size}); "

@@ -3,45 +3,65 @@ state dict) to the public drafter format, with a README that shows how to serve 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from flashdraft.checkpoint import save_drafter
+from flashdraft.checkpoint import check_drafter_matches_target, save_drafter
+from flashdraft.config import DrafterConfig
 from flashdraft.errors import FlashdraftError
 from flashdraft.run_dir import LoadedDrafter, load_any_drafter
+from flashdraft.serving import mixes_sliding_and_full, serving_commands
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def serving_snippet(target: str, drafter_dir: str, block_size: int) -> str:
+def serving_snippet(target: str, drafter_dir: str, cfg: DrafterConfig) -> str:
     """README text with the vLLM and SGLang command lines for a drafter directory."""
-    spec = json.dumps({"method": "dflash", "model": drafter_dir, "num_speculative_tokens": block_size - 1})
+    vllm, sglang = serving_commands(cfg, target, drafter_dir)
+    sglang = sglang.replace(" --speculative-draft-model-path", " \\\n    --speculative-draft-model-path")
+    b = cfg.block_size
+    v2 = ("\nIts layers mix sliding and full attention: vLLM 0.33 serves it only with the V2 model runner\n"
+          "(`VLLM_USE_V2_MODEL_RUNNER=1`).\n" if mixes_sliding_and_full(cfg) else "")  # fmt: skip
+    head = ("no\nLM head: it borrows the target's" if cfg.draft_vocab_size is None else
+            f"its own LM head\nover {cfg.draft_vocab_size} tokens (`d2t` maps them to the target's; vLLM serves it, "
+            f"SGLang's DFlash\nignores that head)")  # fmt: skip
     return f"""# DFlash drafter
 
 Exported by flashdraft in the public DFlash format (`config.json` + `model.safetensors`),
-block size {block_size} ({block_size - 1} drafted tokens per step). It has no embedding and no
-LM head: it borrows the target's, so serve it with its target model.
+block size {b} ({b - 1} drafted tokens per step). It has no embedding and {head}, so serve it with its target model.
 
+Layers, as both servers run them: {cfg.describe_layers()}.
+{v2}
 ## Serving
 
-These are the command lines documented by vLLM and SGLang at the time of writing; check
-your server's documentation if they have changed.
+These are the command lines of vLLM 0.33.0 and SGLang 0.5.23 at the time of writing (vLLM
+ignores `block_size`: `num_speculative_tokens` is {b - 1}); check your server's documentation if
+they have changed.
+`flashdraft doctor {drafter_dir} --serving` checks every serving rule.
 
 vLLM:
 
 ```sh
-vllm serve {target} --speculative-config '{spec}'
+{vllm}
 ```
 
 SGLang:
 
 ```sh
-python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH \\
-    --speculative-draft-model-path {drafter_dir}
+{sglang}
 ```
 """
+
+
+def mask_token_string(cfg: DrafterConfig, target) -> str | None:
+    """The mask token's string in the target's tokenizer, when it names exactly mask_token_id
+    (what SGLang checks dflash_config.mask_token against); None when the tokenizer has no
+    token of its own at that id."""
+    if cfg.mask_token_id >= len(target.tokenizer):
+        return None
+    token = target.tokenizer.convert_ids_to_tokens(cfg.mask_token_id)
+    return token if isinstance(token, str) and target.tokenizer.get_vocab().get(token) == cfg.mask_token_id else None
 
 
 def export_drafter(
@@ -57,7 +77,9 @@ def export_drafter(
 ) -> LoadedDrafter:
     """Write `checkpoint` (any form `load_any_drafter` accepts; a bare state dict needs
     `target`, a `TargetModel`) to out_dir in the public format plus README.md. dtype:
-    bf16/fp16/fp32, or auto = as stored."""
+    bf16/fp16/fp32, or auto = as stored. With `target` (a TargetModel or TargetHead) the drafter
+    is checked against it and `dflash_config.mask_token` is written (the token's string, which
+    SGLang checks against mask_token_id)."""
     if dtype != "auto" and dtype not in DTYPES:
         raise FlashdraftError(f"--dtype {dtype}: expected auto, {', '.join(DTYPES)}")
     out = Path(out_dir)
@@ -67,7 +89,15 @@ def export_drafter(
                               mask_token_id=mask_token_id)  # fmt: skip
     if out.resolve() == loaded.path.resolve():
         raise FlashdraftError(f"{out}: is the checkpoint being exported; choose another --out")
+    cfg = loaded.drafter.config
+    if target is not None:
+        check_drafter_matches_target(cfg, target, str(loaded.path))
+        token = mask_token_string(cfg, target)
+        if token is not None:
+            cfg.extra["dflash_config"] = {**cfg.dflash_options, "mask_token": token}
     save_drafter(loaded.drafter, out, dtype=loaded.stored_dtype if dtype == "auto" else DTYPES[dtype])
     name = target_name or (str(target.path) if target is not None and target.path else "<target-model>")
-    (out / "README.md").write_text(serving_snippet(name, str(out), loaded.drafter.config.block_size))
+    # describe what was written (is_causal stated where the source left it to the servers' default)
+    written = DrafterConfig.load(out / "config.json")
+    (out / "README.md").write_text(serving_snippet(name, str(out), written))
     return loaded

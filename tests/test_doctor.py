@@ -79,7 +79,8 @@ def test_an_unusable_path_is_exit_2_with_one_line(files, tmp_path, capsys):
 def test_a_clean_drafter_prints_what_it_is_and_passes_against_its_target(files, capsys):
     rc, out, err = doctor(capsys, files["drafter"], "--target-model", files["target"])
     assert rc == 0, out
-    assert "2 layers (full_attention, full_attention), hidden 64" in out and "target_layer_ids [0, 2] of 4" in out
+    assert "2 layers (0-1 full non-causal; is_causal: false), hidden 64" in out  # saved: is_causal written
+    assert "target_layer_ids [0, 2] of 4" in out
     assert "fc.weight [64, 128] holds 2 context layers; target_layer_ids [0, 2] name 2" in out
     assert "weights sha256 " in out and "hidden_size 64 equals the target's 64" in out
     assert out.strip().endswith("all checks passed")
@@ -235,3 +236,106 @@ def test_an_unfinished_cache_says_to_rerun_the_same_command(files, tmp_path, cap
     (cache / ".progress").mkdir()
     rc, out, err = doctor(capsys, cache)
     assert rc == 1 and "an unfinished run" in out and "re-run the same flashdraft cache command" in fail_lines(out)[0]
+
+
+# -- serving rules (doctor DRAFTER --serving) ------------------------------------------------------
+
+SERVING_RULES = ["format: config.json architectures", "tensors, every public key with its shape", "target layers: ",
+                 "causality layer 0 ", "V2 runner: ", "mask token: mask_token_id",
+                 "mask token: dflash_config.mask_token", "file modes: ", "vocabulary: ", "block size: ",
+                 "scalings: "]  # fmt: skip
+
+
+def rule_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(("ok   ", "warn ", "FAIL "))]
+
+
+def save_readable(drafter, directory: Path) -> Path:
+    """A saved drafter with 0644 files (what the file-mode rule wants), whatever save_file wrote."""
+    save_drafter(drafter, directory)
+    for f in directory.iterdir():
+        f.chmod(0o644)
+    return directory
+
+
+def test_serving_on_the_tiny_drafter_lists_every_rule_with_its_server_and_the_commands(capsys):
+    rc, out, err = doctor(capsys, "tiny-drafter", "--serving", "--target-model", "tiny")
+    assert rc == 0, out + err
+    lines = rule_lines(out)
+    for rule in SERVING_RULES:
+        assert any(rule in line for line in lines), (rule, out)
+    serving = [line for line in lines if any(rule in line for rule in SERVING_RULES)]
+    assert all("vLLM 0.33.0" in line or "SGLang 0.5.23" in line for line in serving), serving
+    assert "causality layer 1 (full_attention): full, non-causal within the block" in out
+    assert "V2 runner: layers all full_attention" in out
+    assert "vLLM:   vllm serve " in out and '"num_speculative_tokens": 15' in out
+    assert "SGLang: python -m sglang.launch_server --model-path " in out and "--speculative-num-draft-tokens 16" in out
+    assert "2 layers (0-1 full non-causal; servers' default: no is_causal)" in out  # the plain description too
+
+
+def test_serving_on_a_sliding_drafter_gives_each_layer_its_causality_and_the_v2_runner(files, tmp_path, capsys):
+    d = save_readable(make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
+                      tmp_path / "d")  # fmt: skip
+    rc, out, err = doctor(capsys, d, "--serving", "--target-model", files["target"])
+    assert rc == 0 and not fail_lines(out), out
+    assert "2 layers (0 sliding 6 causal, 1 full non-causal; servers' default: no is_causal)" in out
+    assert "ok   causality layer 0 (sliding_attention): sliding window 6, causal within the block (servers' " \
+           "default for sliding_attention); vLLM 0.33.0 and SGLang 0.5.23 serve it the same" in out  # fmt: skip
+    assert "ok   causality layer 1 (full_attention): full, non-causal within the block" in out
+    assert "warn V2 runner: layers mix sliding and full attention: vLLM 0.33.0 qwen3_dflash.py " \
+           "_resolve_layer_attention raises NotImplementedError unless VLLM_USE_V2_MODEL_RUNNER=1" in out  # fmt: skip
+    assert f"vLLM:   VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {files['target']} " in out
+    assert "ok   file modes: readable by other users (config.json 0644, model.safetensors 0644" in out
+    assert "warn mask token: dflash_config.mask_token absent" in out  # a flashdraft save without a target
+    assert out.strip().endswith("warning(s))")
+
+
+def test_serving_warns_when_the_weights_are_not_readable_by_other_users(files, tmp_path, capsys):
+    d = save_readable(make_drafter(), tmp_path / "d")
+    (d / "model.safetensors").chmod(0o600)
+    rc, out, err = doctor(capsys, d, "--serving")
+    assert rc == 0, out  # a warning: the drafter is fine, the server's user may not read it
+    assert "warn file modes: not readable by other users (config.json 0644, model.safetensors 0600" in out
+    assert f"fix: chmod a+r {d / 'model.safetensors'}" in out
+
+
+def test_serving_fails_a_drafter_relying_on_dflash_config_causal_which_sglang_does_not_read(tmp_path, capsys):
+    d = save_readable(make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
+                      tmp_path / "d")  # fmt: skip
+    config = json.loads((d / "config.json").read_text())
+    config.pop("is_causal", None)
+    config["dflash_config"]["causal"] = False  # vLLM: every layer non-causal; SGLang: its default per layer type
+    (d / "config.json").write_text(json.dumps(config))
+    rc, out, err = doctor(capsys, d, "--serving")
+    fails = fail_lines(out)
+    assert rc == 1 and len(fails) == 1, out
+    assert "causality layer 0 (sliding_attention): sliding window 6, non-causal within the block " \
+           "(dflash_config.causal: false, read by vLLM only) in flashdraft, but vLLM 0.33.0 serves it sliding " \
+           "window 6, non-causal within the block and SGLang 0.5.23 sliding window 6, causal within the block" \
+           in fails[0]  # fmt: skip
+    assert "re-export it" in fails[0]
+
+
+def test_serving_fails_a_mask_token_string_the_tokenizer_knows_by_another_id(files, tmp_path, capsys):
+    d = save_readable(make_drafter(mask_token_id=60, extra={"dflash_config": {"mask_token": "<mask>"}}), tmp_path / "d")
+    rc, out, err = doctor(capsys, d, "--serving", "--target-model", files["target"])
+    fails = fail_lines(out)
+    assert rc == 1 and len(fails) == 1, out
+    assert "mask token: dflash_config.mask_token '<mask>' is token 63 of the target's tokenizer, not " \
+           "mask_token_id 60: SGLang 0.5.23 speculative/dflash_worker_v2.py _resolve_mask_token_id refuses the " \
+           "pair" in fails[0]  # fmt: skip
+
+
+def test_serving_warns_that_sglang_ignores_a_reduced_vocabulary_and_the_reference_scalings(tmp_path, capsys):
+    d = save_readable(make_drafter(draft_vocab_size=32, extra={"dflash_config": {"output_multiplier": 2.0}}),
+                      tmp_path / "d")  # fmt: skip
+    rc, out, err = doctor(capsys, d, "--serving")
+    assert rc == 0, out
+    assert "warn vocabulary: draft_vocab_size 32 with its own lm_head and d2t: vLLM 0.33.0 serves it" in out
+    assert "DFlashDraftModel has no lm_head, its load_weights skips lm_head.weight and d2t" in out
+    assert "warn scalings: dflash_config.output_multiplier 2.0: flashdraft trains and evaluates with it" in out
+
+
+def test_serving_needs_a_drafter_directory(files, capsys):
+    rc, out, err = doctor(capsys, files["run"], "--serving")
+    assert rc == 2 and "--serving: checks a drafter directory" in err and "flashdraft export" in err

@@ -278,6 +278,14 @@ def test_bare_state_dict_in_eval_cli(capsys, tmp_path, target_dir, prompts_file)
     assert "(state dict)" in out and "assumed: mask token 63" in out and "fc.weight [64, 128] holds 2" in out
 
 
+def test_eval_says_which_causality_each_drafter_layer_gets(capsys, tmp_path, target_dir, prompts_file):
+    drafter = make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", save_drafter(drafter, tmp_path / "d"), "--target-model",
+                           target_dir, "--prompts", prompts_file, "--num-prompts", 1, "--max-blocks", 2)  # fmt: skip
+    assert rc == 0, err
+    assert "2 layers (0 sliding 6 causal, 1 full non-causal; servers' default: no is_causal)" in out
+
+
 def test_training_run_directory_means_its_newest_complete_checkpoint(tmp_path):
     for step, complete, seed in [(100, True, 1), (200, True, 2), (300, False, 3)]:
         step_dir = tmp_path / "run" / "checkpoints" / f"step-{step:07d}"

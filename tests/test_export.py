@@ -4,11 +4,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from flashdraft.checkpoint import load_drafter, save_drafter
+from flashdraft.checkpoint import check_drafter_matches_target, load_drafter, save_drafter
 from flashdraft.cli import main
+from flashdraft.errors import FlashdraftError
 from flashdraft.export import export_drafter
 from flashdraft.run_dir import save_checkpoint
-from tests.conftest import make_drafter, make_target
+from tests.conftest import make_drafter, make_target, save_target
 
 
 def write_form(form: str, tmp_path, drafter) -> str:
@@ -30,7 +31,10 @@ def test_export_writes_the_public_format_from_every_checkpoint_form(tmp_path, fo
     export_drafter(write_form(form, tmp_path, drafter), tmp_path / "out", target, target_name="Qwen/Qwen3-8B",
                    block_size=8, target_layer_ids=[0, 2])  # fmt: skip
     loaded = load_drafter(tmp_path / "out")
-    assert loaded.config.to_dict() | {"dtype": None} == drafter.config.to_dict() | {"dtype": None}
+    expected = drafter.config.to_dict()
+    if target is not None:  # with the target, export names the mask token's string too
+        expected["dflash_config"] = {**expected["dflash_config"], "mask_token": "<mask>"}
+    assert loaded.config.to_dict() | {"dtype": None} == expected | {"dtype": None}
     for key, value in drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value.to(torch.bfloat16).float()), key
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as sf:
@@ -64,3 +68,41 @@ def test_export_cli_with_dtype(capsys, tmp_path):
     assert "exported" in capsys.readouterr().out
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as sf:
         assert sf.get_tensor("norm.weight").dtype == torch.float16
+
+
+def test_export_with_the_target_writes_the_mask_token_string_which_loads_back_against_it(tmp_path):
+    target = make_target("qwen3")  # its tokenizer has '<mask>' at 63, the drafter's mask_token_id
+    export_drafter(save_drafter(make_drafter(), tmp_path / "src"), tmp_path / "out", target)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["dflash_config"]["mask_token"] == "<mask>" and config["dflash_config"]["mask_token_id"] == 63
+    loaded = load_drafter(tmp_path / "out")
+    assert loaded.config.mask_token == "<mask>"
+    check_drafter_matches_target(loaded.config, target, "exported")  # SGLang's pair check passes
+    export_drafter(tmp_path / "src", tmp_path / "plain")  # without a target the string is unknown: not written
+    assert "mask_token" not in json.loads((tmp_path / "plain" / "config.json").read_text())["dflash_config"]
+
+
+def test_export_refuses_a_target_the_drafter_was_not_made_for(tmp_path):
+    src = save_drafter(make_drafter(hidden_size=32, num_attention_heads=2, num_key_value_heads=1), tmp_path / "src")
+    with pytest.raises(FlashdraftError, match="field 'hidden_size' is 32; expected 64"):
+        export_drafter(src, tmp_path / "out", make_target("qwen3"))
+    assert not (tmp_path / "out" / "config.json").exists()
+
+
+def test_export_cli_prints_each_layers_causality_and_the_serving_rules(capsys, tmp_path):
+    target = save_target(tmp_path / "target", kind="qwen3")
+    src = save_drafter(make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
+                       tmp_path / "src")  # fmt: skip
+    out_dir = tmp_path / "out"
+    assert main(["export", "--checkpoint", str(src), "--out", str(out_dir), "--target-model", str(target)]) == 0
+    out = capsys.readouterr().out
+    assert "2 layers (0 sliding 6 causal, 1 full non-causal; servers' default: no is_causal)" in out
+    assert f"serving rules (flashdraft doctor {out_dir} --serving):" in out
+    assert "ok   causality layer 0 (sliding_attention): sliding window 6, causal within the block" in out
+    assert "ok   causality layer 1 (full_attention): full, non-causal within the block" in out
+    assert "warn V2 runner: layers mix sliding and full attention" in out
+    assert "ok   mask token: dflash_config.mask_token '<mask>' is token 63 of the target's tokenizer" in out
+    assert f"vLLM:   VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {target} --speculative-config" in out
+    readme = (out_dir / "README.md").read_text()
+    assert f"VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {target}" in readme and "--speculative-num-draft-tokens 8" in readme
+    assert "0 sliding 6 causal, 1 full non-causal" in readme and f"flashdraft doctor {out_dir} --serving" in readme

@@ -1,0 +1,314 @@
+"""What vLLM and SGLang do with a drafter directory: each serving rule as one checked line
+(`flashdraft doctor DRAFTER --serving`, printed by `flashdraft export` too), then the exact
+command lines.
+
+The rules were read from vLLM 0.33.0 (`vllm/model_executor/models/qwen3_dflash.py` and the
+files named per rule) and SGLang 0.5.23 (`sglang/srt/models/dflash.py`,
+`sglang/srt/speculative/dflash_utils.py`, `dflash_worker_v2.py`). Both servers build the
+drafter's config through transformers' `Qwen3Config`, so each server's view of the layers is
+derived here from config.json as written (not from flashdraft's resolved `DrafterConfig`):
+a config that flashdraft reads one way and a server another is the train/serve mismatch
+this check exists to catch.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+from typing import Any
+
+from flashdraft.checks import Checks
+from flashdraft.config import DEFAULT_MASK_TOKEN, REFERENCE_OPTIONS, DrafterConfig, LayerAttention
+from flashdraft.errors import FlashdraftError
+
+VLLM = "vLLM 0.33.0"
+SGLANG = "SGLang 0.5.23"
+SLIDING, FULL = "sliding_attention", "full_attention"
+V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER=1"
+REEXPORT = ("re-export it (flashdraft export --checkpoint DIR --out NEW writes layer_types, sliding_window, "
+            "use_sliding_window and is_causal resolved, which both servers read alike)")  # fmt: skip
+
+
+def mixes_sliding_and_full(cfg: DrafterConfig) -> bool:
+    """vLLM 0.33.0 serves such a drafter only with the V2 model runner."""
+    return 0 < cfg.layer_types.count(SLIDING) < len(cfg.layer_types)
+
+
+def serving_commands(cfg: DrafterConfig, target: str, drafter_dir: str) -> tuple[str, str]:
+    """The vLLM and SGLang command lines that serve `drafter_dir` with `target`: vLLM needs
+    num_speculative_tokens (it ignores block_size) and, for mixed layers, the V2 runner;
+    SGLang is given its draft tokens (= block_size, anchor included) explicitly."""
+    spec = json.dumps({"method": "dflash", "model": drafter_dir, "num_speculative_tokens": cfg.block_size - 1})
+    env = f"{V2_RUNNER} " if mixes_sliding_and_full(cfg) else ""
+    vllm = f"{env}vllm serve {target} --speculative-config '{spec}'"
+    sglang = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+              f"--speculative-draft-model-path {drafter_dir} "
+              f"--speculative-num-draft-tokens {cfg.block_size}")  # fmt: skip
+    return vllm, sglang
+
+
+# -- each server's view of the layers, from config.json as written ----------------------------
+
+
+def _as_qwen3_config(raw: dict[str, Any]) -> tuple[list[str], int | None]:
+    """(layer_types, sliding_window) as transformers' Qwen3Config leaves them: sliding_window is
+    dropped unless use_sliding_window is true; absent layer_types are filled from
+    max_window_layers (default 28)."""
+    window = raw.get("sliding_window", 4096) if raw.get("use_sliding_window", False) else None
+    types = raw.get("layer_types")
+    if types is None:
+        n, first_sliding = raw.get("num_hidden_layers", 0), raw.get("max_window_layers", 28)
+        types = [SLIDING if window is not None and i >= first_sliding else FULL for i in range(n)]
+    return list(types), window
+
+
+def vllm_layer_attention(raw: dict[str, Any]) -> list[LayerAttention | str]:
+    """Per layer, what vLLM 0.33.0 runs (`qwen3_dflash.py` `_resolve_layer_attention`,
+    `_dflash_layer_causal`), or why it refuses the layer."""
+    dflash = raw.get("dflash_config") or {}
+    types, window = _as_qwen3_config(raw)
+    use_swa = bool(dflash.get("use_swa", False))
+    any_sliding = SLIDING in types
+    causal = raw.get("is_causal")
+    if causal is None:
+        causal = dflash.get("causal")
+    out: list[LayerAttention | str] = []
+    for t in types:
+        sliding = use_swa if (use_swa and not any_sliding) else t == SLIDING
+        w = None
+        if sliding:
+            w = dflash["swa_window_size"] if "swa_window_size" in dflash else window
+            if w is None:
+                out.append("refused (ValueError: a sliding layer without a window; Qwen3Config drops sliding_window "
+                           "unless use_sliding_window is true)")  # fmt: skip
+                continue
+        out.append(LayerAttention(bool(t == SLIDING if causal is None else causal), w))
+    return out
+
+
+def sglang_layer_attention(raw: dict[str, Any]) -> list[LayerAttention | str]:
+    """Per layer, what SGLang 0.5.23 runs (`models/dflash.py` `_get_dflash_layer_attention_params`:
+    DECODER = causal, ENCODER_ONLY = non-causal; only the top-level is_causal overrides the
+    layer type's default), or why it refuses the layer."""
+    types, window = _as_qwen3_config(raw)
+    causal = raw.get("is_causal")
+    out: list[LayerAttention | str] = []
+    for t in types:
+        if t == FULL:
+            out.append(LayerAttention(False if causal is None else bool(causal), None))
+        elif t == SLIDING and window is None:
+            out.append("refused (ValueError: sliding_attention layers require config.sliding_window; Qwen3Config "
+                       "drops it unless use_sliding_window is true)")  # fmt: skip
+        elif t == SLIDING:
+            out.append(LayerAttention(True if causal is None else bool(causal), window))
+        else:
+            out.append(f"refused (ValueError: unsupported layer type {t!r})")
+    return out
+
+
+def _describe(a: LayerAttention | str) -> str:
+    return a if isinstance(a, str) else a.describe()
+
+
+def _causality_source(raw: dict[str, Any], cfg: DrafterConfig, layer_type: str) -> str:
+    dflash = raw.get("dflash_config") or {}
+    if raw.get("is_causal") is not None:
+        return f"is_causal: {str(bool(raw['is_causal'])).lower()}"
+    if dflash.get("causal") is not None:
+        return f"dflash_config.causal: {str(bool(dflash['causal'])).lower()}, read by vLLM only"
+    if cfg.is_causal is not None:
+        return "dflash_config.use_swa: layers written as full keep their non-causal default (vLLM's rule)"
+    return f"servers' default for {layer_type}"
+
+
+# -- the rules ---------------------------------------------------------------------------------
+
+
+def check_serving(path: Path, target, checks: Checks, target_name: str | None = None) -> None:
+    """Every serving rule for the drafter directory `path` (with `target`, a TargetModel or
+    TargetHead, the mask token against its tokenizer), then the command lines."""
+    from flashdraft.checkpoint import INDEX_NAME, expected_shapes, read_shapes, weight_files
+
+    checks.about(f"serving rules, read from {VLLM} (vllm/model_executor/models/qwen3_dflash.py, ...) and {SGLANG} "
+                 f"(sglang/srt/models/dflash.py, speculative/dflash_utils.py, dflash_worker_v2.py)")  # fmt: skip
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        cfg = DrafterConfig.from_dict(raw, source=str(path / "config.json"))
+    except (OSError, json.JSONDecodeError, FlashdraftError) as e:
+        checks.fail(f"format: {path / 'config.json'} cannot be read as a DFlash drafter config ({e})",
+                    "correct config.json (see the public DFlash drafter format)")  # fmt: skip
+        return
+
+    # format: what both loaders are given
+    arch, model_type = raw.get("architectures"), raw.get("model_type")
+    checks.check(
+        arch == ["DFlashDraftModel"] and model_type == "qwen3",
+        f"format: config.json architectures {arch}, model_type {model_type!r} (expected ['DFlashDraftModel'], "
+        f"'qwen3': {VLLM} models/registry.py maps DFlashDraftModel to qwen3_dflash.py DFlashQwen3ForCausalLM, "
+        f"{SGLANG} to models/dflash.py DFlashDraftModel; both read config.json through transformers' Qwen3Config)",
+        REEXPORT,
+    )
+    try:
+        found = read_shapes(path)
+        files = sorted(set(weight_files(path).values()))
+    except FlashdraftError as e:
+        checks.fail(f"format: {e}", "copy the drafter directory again (or re-export it)")
+        return
+    expected = expected_shapes(cfg)
+    problems = [f"'{k}' missing" for k in expected if k not in found]
+    problems += [f"'{k}' {list(found[k])}, expected {list(v)}" for k, v in expected.items()
+                 if k in found and tuple(found[k]) != v]  # fmt: skip
+    problems += [f"'{k}' unexpected" for k in found if k not in expected and not (k == "t2d" and "d2t" in expected)]
+    checks.check(
+        not problems,
+        f"format: {len(found)} tensors, every public key with its shape ({VLLM} qwen3_dflash.py "
+        f"DFlashQwen3ForCausalLM.load_weights stacks q/k/v and gate/up and refuses unknown names; {SGLANG} "
+        f"models/dflash.py DFlashDraftModel.load_weights skips unknown names; neither notices a missing tensor)"
+        + (f": {'; '.join(problems[:4])}" if problems else ""),
+        "re-export the drafter with flashdraft export (it loads strictly and writes every tensor)",
+    )
+
+    # target layers: validated strictly increasing on load, said here with the servers' reason
+    checks.ok(
+        f"target layers: target_layer_ids {cfg.target_layer_ids} unique and strictly increasing: both servers "
+        f"capture target layers in layer order, the output of layer l as hidden state l + 1 ({VLLM} "
+        f"eagle3_utils.py get_eagle3_aux_layers_from_config, qwen2.py forward; {SGLANG} models/qwen3.py "
+        f"set_dflash_layers_to_capture, models/qwen3_5_text.py refuses other orders)"
+    )
+
+    # in-block causality and window of every layer, as each server resolves it from config.json
+    checks.about(f"{SGLANG} reads only the top-level is_causal (models/dflash.py _get_dflash_attention_type); "
+                 f"{VLLM} also reads dflash_config.causal (qwen3_dflash.py _dflash_layer_causal); flashdraft's "
+                 f"load and export write either as is_causal")  # fmt: skip
+    vllm, sglang = vllm_layer_attention(raw), sglang_layer_attention(raw)
+    for i, (ours, t) in enumerate(zip(cfg.layer_attention, cfg.layer_types, strict=True)):
+        v = vllm[i] if i < len(vllm) else "no such layer in layer_types"
+        s = sglang[i] if i < len(sglang) else "no such layer in layer_types"
+        line = f"causality layer {i} ({t}): {ours.describe()} ({_causality_source(raw, cfg, t)})"
+        if v == ours and s == ours:
+            checks.ok(f"{line}; {VLLM} and {SGLANG} serve it the same (qwen3_dflash.py "
+                      f"_resolve_layer_attention, models/dflash.py _get_dflash_layer_attention_params)")  # fmt: skip
+        else:
+            checks.fail(f"{line} in flashdraft, but {VLLM} serves it {_describe(v)} and {SGLANG} "
+                        f"{_describe(s)}", REEXPORT)  # fmt: skip
+
+    # vLLM 0.33's default runner has one KV group: mixed sliding/full layers need the V2 runner
+    if mixes_sliding_and_full(cfg):
+        checks.warn(f"V2 runner: layers mix sliding and full attention: {VLLM} qwen3_dflash.py "
+                    f"_resolve_layer_attention raises NotImplementedError unless {V2_RUNNER}",
+                    f"launch vLLM with {V2_RUNNER} (the vLLM command below does); SGLang needs nothing")  # fmt: skip
+    else:
+        checks.ok(f"V2 runner: layers all {cfg.layer_types[0]}: {VLLM}'s default model runner serves them "
+                  f"({V2_RUNNER} is needed only for drafters mixing sliding and full layers)")  # fmt: skip
+
+    _check_mask_token(cfg, target, checks)
+    index = [path / INDEX_NAME] if (path / INDEX_NAME).is_file() else []
+    _check_file_modes(path, [path / "config.json", *files, *index], checks)
+
+    # a reduced vocabulary with its own LM head: vLLM's convention, which SGLang's DFlash does not load
+    if cfg.draft_vocab_size is not None:
+        own = f"draft_vocab_size {cfg.draft_vocab_size} with its own lm_head" + (" and d2t" if "d2t" in found else "")
+        checks.warn(
+            f"vocabulary: {own}: {VLLM} serves it (qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights loads "
+            f"lm_head and maps d2t to draft_id_to_target_id, compute_logits places the drafts in the target "
+            f"vocabulary); {SGLANG} does not: models/dflash.py DFlashDraftModel has no lm_head, its load_weights "
+            f"skips lm_head.weight and d2t without a word, and speculative/dflash_worker_v2.py drafts with the "
+            f"target's lm_head over the full vocabulary",
+            "serve this drafter with vLLM (on SGLang its drafts would come from another head than it was trained with)",
+        )
+    else:
+        checks.ok(f"vocabulary: no own LM head: both servers draft with the target's lm_head ({VLLM} "
+                  f"llm_base_proposer.py _maybe_share_lm_head; {SGLANG} speculative/dflash_worker_v2.py)")  # fmt: skip
+
+    checks.ok(
+        f"block size: block_size {cfg.block_size}: {VLLM} ignores it and needs num_speculative_tokens "
+        f"{cfg.block_size - 1} (= block_size - 1; config/speculative.py SpeculativeConfig.__post_init__ refuses "
+        f"none); {SGLANG} defaults --speculative-num-draft-tokens to block_size, anchor included "
+        f"(arg_groups/speculative_hook.py _handle_dflash); both commands below give them"
+    )
+
+    # the z-lab reference's DFlash2 scalings: flashdraft applies them, plain DFlash serving does not
+    changed = {n: cfg.reference_option(n) for n, default in REFERENCE_OPTIONS.items()
+               if cfg.reference_option(n) not in (default, 0)}  # fmt: skip
+    where = (f"{VLLM} qwen3_dflash.py and {SGLANG} models/dflash.py DFlashDraftModel read none of them; only "
+             f"the DFlash2 models do (qwen3_dflash2.py, DFlash2DraftModel)")  # fmt: skip
+    for name, value in changed.items():
+        checks.warn(f"scalings: dflash_config.{name} {value}: flashdraft trains and evaluates with it, but {where}",
+                    "expect served acceptance to differ from flashdraft's; train without it to serve it as plain "
+                    "DFlash")  # fmt: skip
+    if not changed:
+        checks.ok(f"scalings: input_embedding_scale, output_multiplier, final_logit_softcapping at their defaults: "
+                  f"{where}")  # fmt: skip
+
+    name = target_name or (str(target.path) if target is not None and getattr(target, "path", None)
+                           else "<target-model>")  # fmt: skip
+    vllm_cmd, sglang_cmd = serving_commands(cfg, name, str(path))
+    checks.about(f"vLLM:   {vllm_cmd}")
+    checks.about(f"SGLang: {sglang_cmd}")
+
+
+def _check_mask_token(cfg: DrafterConfig, target, checks: Checks) -> None:
+    """mask_token_id inside the target's vocabulary, and dflash_config.mask_token as SGLang 0.5.23
+    checks it (`speculative/dflash_worker_v2.py` `_resolve_mask_token_id`: the string, default
+    '<|MASK|>', must not name another token of the tokenizer); vLLM reads only the id."""
+    src = f"{SGLANG} speculative/dflash_worker_v2.py _resolve_mask_token_id"
+    write = "flashdraft export --target-model TARGET writes dflash_config.mask_token (the token's string)"
+    field = "mask token: dflash_config.mask_token"
+    vocab_size = target.vocab_size if target is not None else cfg.vocab_size
+    whose = "target" if target is not None else "drafter"
+    checks.check(cfg.mask_token_id < vocab_size,
+                 f"mask token: mask_token_id {cfg.mask_token_id} inside the {whose}'s vocabulary 0..{vocab_size - 1} "
+                 f"({src} refuses ids outside it; {VLLM} reads only the id)",
+                 "use a token id of the target's vocabulary")  # fmt: skip
+    if target is None:
+        if cfg.mask_token is not None:
+            checks.ok(f"{field} {cfg.mask_token!r} present (give --target-model to check it against the tokenizer "
+                      f"as {src} does)")  # fmt: skip
+        else:
+            checks.warn(f"{field} absent: SGLang then assumes {DEFAULT_MASK_TOKEN!r} and refuses the drafter if "
+                        f"the tokenizer knows that string by another id ({src}); not checked without --target-model",
+                        write)  # fmt: skip
+        return
+    vocab = target.tokenizer.get_vocab()
+    known = target.tokenizer.convert_ids_to_tokens(cfg.mask_token_id) if cfg.mask_token_id < vocab_size else None
+    if cfg.mask_token is None:
+        default_id = vocab.get(DEFAULT_MASK_TOKEN)
+        if default_id is not None and default_id != cfg.mask_token_id:
+            checks.warn(f"{field} absent: SGLang assumes {DEFAULT_MASK_TOKEN!r}, which is token {default_id} of "
+                        f"this tokenizer, not mask_token_id {cfg.mask_token_id}, so it refuses the drafter ({src})",
+                        write)  # fmt: skip
+        else:
+            where = "not in this tokenizer" if default_id is None else "this very token"
+            checks.warn(f"{field} absent (SGLang's default {DEFAULT_MASK_TOKEN!r} is {where}, so {SGLANG} uses "
+                        f"mask_token_id {cfg.mask_token_id}, {known!r})", write)  # fmt: skip
+        return
+    vocab_id = vocab.get(cfg.mask_token)
+    if vocab_id is not None and vocab_id != cfg.mask_token_id:
+        checks.fail(f"{field} {cfg.mask_token!r} is token {vocab_id} of the target's tokenizer, not mask_token_id "
+                    f"{cfg.mask_token_id}: {src} refuses the pair", write)  # fmt: skip
+    elif vocab_id is None:
+        checks.warn(f"{field} {cfg.mask_token!r} is not in the target's tokenizer ({SGLANG} then uses mask_token_id "
+                    f"{cfg.mask_token_id}, {known!r})", write)  # fmt: skip
+    else:
+        checks.ok(f"{field} {cfg.mask_token!r} is token {vocab_id} of the target's tokenizer, mask_token_id "
+                  f"({src} accepts the pair)")  # fmt: skip
+
+
+def _check_file_modes(directory: Path, files: list[Path], checks: Checks) -> None:
+    """A server in a container usually runs as another user: it needs group and other read
+    permission on every file (mode & 0o044) and r+x on the directory itself."""
+    modes = {f: stat.S_IMODE(f.stat().st_mode) for f in files}
+    unreadable = [f for f, m in modes.items() if m & 0o044 != 0o044]
+    dir_mode = stat.S_IMODE(directory.stat().st_mode)
+    listed = ", ".join(f"{f.name} {m:04o}" for f, m in modes.items()) + f"; directory {dir_mode:04o}"
+    if not unreadable and dir_mode & 0o055 == 0o055:
+        checks.ok(f"file modes: readable by other users ({listed}): {VLLM} and {SGLANG} open the files as the user "
+                  f"they run as, and one in a container running as another user can read them")  # fmt: skip
+        return
+    fixes = [f"chmod a+r {' '.join(str(f) for f in unreadable)}"] if unreadable else []
+    if dir_mode & 0o055 != 0o055:
+        fixes.append(f"chmod a+rx {directory}")
+    checks.warn(f"file modes: not readable by other users ({listed}): {VLLM} and {SGLANG} open the files as the "
+                f"user they run as, and one in a container running as another user cannot read them",
+                " and ".join(fixes))  # fmt: skip
