@@ -5,8 +5,9 @@ equals live decoding). Prints one JSON line per run and a closing JSON summary.
     python benchmarks/recipe.py --work /tmp/recipe --steps 1500 \
         --runs decay dpace-0.5 [--threads 1]
 
-A run is NAME=FLAGS-free shorthand: `decay` (today's recipe), `dpace-A` (D-PACE, alpha A),
-`anchors-N` (decay with N anchors per sequence), `dpace-A-anchors-N`. Every stage is one
+A run is a shorthand of dash-separated parts: `decay` (today's recipe), `dpace-A` (D-PACE,
+alpha A), `anchors-N` (N anchors per sequence, default 16), `muon` (Muon + AdamW), `lr-X`
+(learning rate, default 6e-3): e.g. `dpace-0.5-anchors-64-muon`. Every stage is one
 `flashdraft` command and resumes: outputs that exist are reused, so re-running continues.
 The validation set (`builtin:stdlib:heldout:64`) and the code set (`builtin:code:heldout`,
 never trained on) are both reported.
@@ -55,6 +56,11 @@ def run_flags(name: str) -> list[str]:
             i += 1
         elif parts[i] == "anchors":
             anchors = parts[i + 1]
+            i += 1
+        elif parts[i] == "muon":
+            flags += ["--optimizer", "muon"]
+        elif parts[i] == "lr":
+            flags += ["--lr", parts[i + 1]]
             i += 1
         else:
             raise SystemExit(f"unknown run part {parts[i]!r} in {name!r}")
