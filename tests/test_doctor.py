@@ -270,7 +270,7 @@ def test_serving_on_the_tiny_drafter_lists_every_rule_with_its_server_and_the_co
     assert "V2 runner: layers all full_attention" in out
     assert "vLLM:   vllm serve " in out and '"num_speculative_tokens": 15' in out
     assert "SGLang: python -m sglang.launch_server --model-path " in out and "--speculative-num-draft-tokens 16" in out
-    assert "2 layers (0-1 full non-causal; servers' default: no is_causal)" in out  # the plain description too
+    assert "2 layers (0-1 full non-causal; is_causal: false)" in out  # the plain description too
 
 
 def test_serving_on_a_sliding_drafter_gives_each_layer_its_causality_and_the_v2_runner(files, tmp_path, capsys):

@@ -284,7 +284,9 @@ def test_layer_ids_come_from_layers_or_a_drafter_or_the_reference_default(tmp_pa
     assert resolve_layer_ids(target, None, None) == [1, 2, 3]  # 5 and 4 default ids would collide on 6 layers
     assert "reference default for a 3-layer drafter" in capsys.readouterr().out
     assert resolve_layer_ids(make_target("qwen3"), None, None) == [2]
-    assert resolve_layer_ids(target, [4, 0], None) == [4, 0]
+    assert resolve_layer_ids(target, [0, 4], None) == [0, 4]
+    with pytest.raises(FlashdraftError, match="strictly increasing"):
+        resolve_layer_ids(target, [4, 0], None)  # servers capture in layer order
     with pytest.raises(FlashdraftError, match="outside the target's 6 layers"):
         resolve_layer_ids(target, [6], None)
     save_drafter(make_drafter(target_layer_ids=[1, 3]), tmp_path / "d")  # made for a 4-layer target
