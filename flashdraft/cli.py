@@ -534,7 +534,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         eval_cached_hidden_states=args.eval_cached_hidden_states,
         eval_completions=args.eval_completions, resume=args.resume, report_to=tuple(args.report_to),
         allow_foreign=args.allow_foreign_completions, device=args.device, verify=not args.no_verify,
-        target_dtype=args.target_dtype,
+        target_dtype=args.target_dtype, draft_vocab_size=args.draft_vocab_size,
     )  # fmt: skip
 
 
@@ -635,6 +635,10 @@ def _add_train_command(sub) -> None:
         "opt-in: weight of KL to the cached target top-k logits (hard CE is the recipe)",
     )
     knob("noise_std", _nonnegative_float, "noise on context features only")
+    p.add_argument("--draft-vocab-size", type=_positive, default=None,
+                   help="give the drafter its own LM head over the N most frequent tokens of the training "
+                        "completions (mask and stop tokens always in), initialised from the target's rows; "
+                        "stored as draft_vocab_size + d2t, served by vLLM")  # fmt: skip
     knob("seed", int)
     knob("save_every", _positive)
     knob("keep_checkpoints", _positive)

@@ -240,6 +240,15 @@ class DFlashDrafter(nn.Module):
         d2t = getattr(self, "d2t", None)
         return None if d2t is None else torch.arange(d2t.shape[0], device=d2t.device) + d2t
 
+    def vocabulary_mask(self) -> torch.Tensor | None:
+        """[V] bool: the target ids this drafter can draft (None: all of them)."""
+        target_ids = self.target_ids()
+        if target_ids is None:
+            return None
+        mask = torch.zeros(self.config.vocab_size, dtype=torch.bool, device=target_ids.device)
+        mask[target_ids] = True
+        return mask
+
     def logits(self, hidden: torch.Tensor, target_lm_head) -> torch.Tensor:
         """The drafter's logits over the target's vocabulary [..., V] from its hidden states [..., H]:
         its own LM head if it has one (draft ids mapped through d2t; target ids outside the draft

@@ -269,6 +269,10 @@ class TargetModel:
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(hidden)
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
+        return self.model.get_output_embeddings().weight
+
     def final_norm_weight(self) -> torch.Tensor | None:
         """The multiplier of the target's final norm (fp32, [hidden]); None if it has none."""
         norm = getattr(self.decoder, "norm", None)

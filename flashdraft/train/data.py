@@ -47,6 +47,16 @@ class Batch:
             target_topk=topk,
         )
 
+    def with_labels_in(self, vocabulary: torch.Tensor | None) -> Batch:
+        """Only labels inside `vocabulary` ([V] bool, a drafter's reduced vocabulary) stay trained:
+        a drafter cannot draft the others, so they are not its loss (None: all labels)."""
+        if vocabulary is None:
+            return self
+        labels = self.labels.clone()
+        trained = labels != IGNORE
+        labels[trained & ~vocabulary.to(labels.device)[labels.clamp(min=0)]] = IGNORE
+        return replace(self, labels=labels)
+
 
 def record_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_033 + index)

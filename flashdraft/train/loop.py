@@ -188,10 +188,11 @@ def evaluate_loss(model, target, records, cfg: TrainConfig, block_size: int, mas
     model.eval()
     total = weight = 0.0
     correct = count = None
+    vocabulary = unwrap(model).vocabulary_mask()
     for start in range(0, len(records), cfg.batch_size):
         idx = list(range(start, min(len(records), start + cfg.batch_size)))
         batch = make_batch([records[i] for i in idx], idx, 0, cfg.seed + 1, cfg.num_anchors, block_size,
-                           mask_token_id, cfg.max_length).to(device)  # fmt: skip
+                           mask_token_id, cfg.max_length).to(device).with_labels_in(vocabulary)  # fmt: skip
         parts = forward_loss(model, target, batch, cfg, block_size, device, kl_weight=0.0, weighting="decay")
         total += float(parts.weighted_sum)
         weight += float(parts.weight_total)
@@ -314,6 +315,8 @@ def forward_backward(
     """Gradients of the global batch's loss, normalised by its total weight across all ranks
     and micro-batches (so accumulation and DDP change nothing but speed)."""
     block_size = cfg.block_size
+    vocabulary = unwrap(model).vocabulary_mask()  # a reduced vocabulary trains only the labels it can draft
+    micro_batches = [b.with_labels_in(vocabulary) for b in micro_batches]
     weight_total = sum(label_weight_total(b.labels, block_size, cfg.loss_decay_gamma, cfg.loss_weighting)
                        for b in micro_batches)  # fmt: skip
     weight_total = float(all_reduce_sum(torch.tensor(weight_total, dtype=torch.float64)))

@@ -20,6 +20,7 @@ from flashdraft.target_weights import TargetHead
 from flashdraft.train.data import OnlineRecords
 from flashdraft.train.loop import TrainConfig, train
 from flashdraft.train.loss import recipe_decay_gamma
+from flashdraft.train.vocab import draft_vocabulary, with_draft_vocabulary
 
 
 @dataclass
@@ -101,13 +102,33 @@ def _starting_drafter(
                                       shape["mask_token_id"], shape["target_layer_ids"], seed=seed)  # fmt: skip
     check_drafter_matches_target(drafter.config, target, source)
     _check_agrees(drafter.config, source, **shape)
-    if drafter.config.draft_vocab_size is not None:
-        raise FlashdraftError(
-            f"{source}: field 'draft_vocab_size' is {drafter.config.draft_vocab_size}; training a drafter with its own "
-            f"reduced-vocabulary LM head is not supported yet (evaluating, decoding and exporting one is); expected "
-            f"a drafter that borrows the target's LM head"
-        )
     return drafter
+
+
+def _with_vocabulary(
+    drafter: DFlashDrafter, size: int | None, records, target, cfg: TrainConfig, dist
+) -> DFlashDrafter:
+    """The drafter with the reduced vocabulary `--draft-vocab-size` asks for (chosen from the
+    training records), or as it is; one it already has must agree."""
+    have = drafter.config.draft_vocab_size
+    if size is None or have == size:
+        if have is not None and (cfg.fsdp or cfg.kl_weight > 0):
+            raise FlashdraftError(
+                f"draft_vocab_size {have}: a drafter with its own LM head trains without --fsdp and --kl-weight "
+                f"(its head runs outside the sharded forward; the stored top-k logits are over the full vocabulary)"
+            )
+        return drafter
+    if have is not None:
+        raise FlashdraftError(
+            f"--draft-vocab-size {size}: the drafter already has its own vocabulary of {have} (field "
+            f"'draft_vocab_size'); expected the same size or no flag"
+        )
+    ids = draft_vocabulary(records, size, target.vocab_size, [drafter.config.mask_token_id, *target.stop_token_ids])
+    if dist.is_main:
+        print(f"draft vocabulary: the {size} most frequent of the {target.vocab_size} target tokens in the training "
+              f"completions (mask and stop tokens included)", flush=True)  # fmt: skip
+    return _with_vocabulary(with_draft_vocabulary(drafter, ids, target.lm_head_weight), None, records, target, cfg,
+                            dist)  # fmt: skip
 
 
 def run_training(
@@ -129,6 +150,7 @@ def run_training(
     device: str | None = None,
     verify: bool = True,
     target_dtype: str | None = None,
+    draft_vocab_size: int | None = None,
 ) -> Path:
     """`flashdraft train`. The drafter is the newest complete checkpoint (`resume`), else `init`,
     else a fresh one shaped by draft_layers (1), block_size (16), mask_token_id and
@@ -152,6 +174,7 @@ def run_training(
         records, cfg.data_fingerprint = load_training_records(
             target, layer_ids, cached_hidden_states, completions, allow_foreign, verify
         )
+        drafter = _with_vocabulary(drafter, draft_vocab_size, records, target, cfg, dist)
         if cfg.kl_weight > 0 and not getattr(records, "topk", 0):
             raise FlashdraftError(
                 f"--kl-weight {cfg.kl_weight}: {cached_hidden_states or completions} holds no target logits; "

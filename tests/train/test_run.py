@@ -152,3 +152,32 @@ def test_a_sliding_drafter_made_by_init_trains_and_evaluates_offline_equal_onlin
                  "--online", "--check-consistency", "--json", str(report)]) == 0  # fmt: skip
     figures = json.loads(report.read_text())
     assert figures["lossless"] is True and figures["num_steps"] > 0
+
+
+def test_train_draft_vocab_size_gives_an_own_head_over_the_most_frequent_tokens_that_evaluates_and_exports(
+    workdir, capsys
+):
+    target = str(workdir / "target")
+    out = workdir / "reduced"
+    assert _train(workdir, "--cached-hidden-states", str(workdir / "cache"), "--out", str(out), "--max-steps", "3",
+                  "--epochs", "10", "--draft-vocab-size", "40") == 0  # fmt: skip
+    drafter = load_drafter(out / "checkpoints/step-0000003/drafter")
+    ids = drafter.target_ids().tolist()
+    assert drafter.config.draft_vocab_size == 40 and len(ids) == 40 and {61, 63} <= set(ids)  # eos and mask kept
+    start = load_drafter(out / "checkpoints/step-0000003/drafter")
+    assert not torch.equal(start.lm_head.weight, torch.zeros_like(start.lm_head.weight))
+    capsys.readouterr()
+    report = workdir / "reduced-eval.json"
+    assert main(["eval", "--checkpoint", str(out), "--target-model", target, "--completions", str(workdir / "c.json"),
+                 "--online", "--check-consistency", "--json", str(report)]) == 0  # fmt: skip
+    assert json.loads(report.read_text())["lossless"] is True
+    exported = workdir / "reduced-export"
+    assert main(["export", "--checkpoint", str(out), "--out", str(exported), "--target-model", target]) == 0
+    from safetensors import safe_open
+
+    with safe_open(str(exported / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        d2t = f.get_tensor("d2t")
+    # vLLM 0.33 DFlashQwen3ForCausalLM.load_weights: "d2t" -> draft_id_to_target_id, "lm_head.*" kept as is
+    assert {"d2t", "lm_head.weight"} <= keys and (torch.arange(40) + d2t).tolist() == ids
+    assert json.loads((exported / "config.json").read_text())["draft_vocab_size"] == 40
