@@ -2,7 +2,7 @@
 same init on the same cache for the same steps, and compare their held-out τ (offline, which
 equals live decoding). Prints one JSON line per run and a closing JSON summary.
 
-    python benchmarks/recipe.py --work /tmp/recipe --steps 1500 \
+    python benchmarks/recipe.py --work WORKDIR --steps 1500 \
         --runs decay dpace-0.5 [--threads 1]
 
 A run is a shorthand of dash-separated parts: `decay` (today's recipe), `dpace-A` (D-PACE,

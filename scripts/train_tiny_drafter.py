@@ -3,12 +3,12 @@ the built-in target's own completions of standard-library prompts -> their conte
 features -> the DFlash recipe -> the best held-out checkpoint, exported in the public format
 -> its figures on `builtin:code:heldout` against the n-gram baseline.
 
-    python scripts/train_tiny_drafter.py --work /tmp/tiny-drafter-run \
+    python scripts/train_tiny_drafter.py --work WORKDIR \
         --out flashdraft/assets/tiny-drafter [--threads 1]
 
 Every stage is one `flashdraft` command (printed, and recorded in the drafter's
-`training.json`), and every stage resumes: re-running the script after an interruption
-continues where it stopped. The validation set that picks the best checkpoint
+`training.json` with paths relative to WORKDIR), and every stage resumes: re-running the
+script after an interruption continues where it stopped. The validation set that picks the best checkpoint
 (`builtin:stdlib:heldout:64`) is not the set the figures are reported on.
 """
 
@@ -23,14 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-# The recipe for `tiny`; see the README's sweep table for how each value was chosen.
+# The recipe for `tiny`; docs/tiny.md says how it was chosen.
 TRAIN_PROMPTS = "builtin:stdlib:4200"  # about 1 M completion tokens
 VALIDATION_PROMPTS = "builtin:stdlib:heldout:64"  # picks the best checkpoint
 TEST_PROMPTS = "builtin:code:heldout"  # the figures
 MAX_NEW_TOKENS = 256
 LAYERS = "1,2,3"
 # The drafter's two decoder layers start as copies of the target's two full-attention layers
-# (+24 % held-out tau at 2,000 steps against random init, README session-4 sweep).
+# (+24 % held-out tau at 2,000 steps against random init, docs/tiny.md).
 INIT_ARGS = ["--draft-layers", "2", "--block-size", "16", "--target-layer-ids", LAYERS, "--layers-from-target", "2,5"]
 TRAIN_ARGS = [
     "--lr", "6e-3", "--num-anchors", "16", "--batch-size", "8",
@@ -39,11 +39,11 @@ TRAIN_ARGS = [
 ]  # fmt: skip
 
 
-def run(args: list[str], log: list[str]) -> None:
+def run(args: list[str], log: list[str], work: Path) -> None:
     cmd = [sys.executable, "-m", "flashdraft", *args]
     line = "flashdraft " + shlex.join(args)
     print(f"\n$ {line}", flush=True)
-    log.append(line)
+    log.append(line.replace(f"{work}/", ""))  # the record names no path of this machine
     subprocess.run(cmd, check=True)
 
 
@@ -59,19 +59,19 @@ def main() -> None:
     tiny = ["--target-model", "tiny"]
     for name, prompts in [("train", TRAIN_PROMPTS), ("validation", VALIDATION_PROMPTS), ("test", TEST_PROMPTS)]:
         run(["generate", *tiny, "--prompts", prompts, "--out", str(work / f"{name}.json"),
-             "--max-new-tokens", str(MAX_NEW_TOKENS), "--batch-size", "64"], commands)  # fmt: skip
+             "--max-new-tokens", str(MAX_NEW_TOKENS), "--batch-size", "64"], commands, work)  # fmt: skip
     for name in ("train", "validation"):
         run(["cache", *tiny, "--completions", str(work / f"{name}.json"), "--out", str(work / f"cache-{name}"),
-             "--layers", LAYERS, "--dtype", "bf16"], commands)  # fmt: skip
+             "--layers", LAYERS, "--dtype", "bf16"], commands, work)  # fmt: skip
     if not (work / "init" / "model.safetensors").exists():
-        run(["init", *tiny, "--out", str(work / "init"), *INIT_ARGS], commands)
+        run(["init", *tiny, "--out", str(work / "init"), *INIT_ARGS], commands, work)
     run(["train", *tiny, "--cached-hidden-states", str(work / "cache-train"), "--out", str(work / "run"),
          "--init", str(work / "init"), "--eval-cached-hidden-states", str(work / "cache-validation"), *TRAIN_ARGS,
-         "--resume"], commands)  # fmt: skip
-    run(["export", "--checkpoint", str(work / "run" / "best"), "--out", str(out), *tiny], commands)
+         "--resume"], commands, work)  # fmt: skip
+    run(["export", "--checkpoint", str(work / "run" / "best"), "--out", str(out), *tiny], commands, work)
     report = work / "eval-test.json"
     run(["eval", "--checkpoint", str(out), *tiny, "--completions", str(work / "test.json"), "--online",
-         "--check-consistency", "--reference", "ngram", "--json", str(report)], commands)  # fmt: skip
+         "--check-consistency", "--reference", "ngram", "--json", str(report)], commands, work)  # fmt: skip
     figures = json.loads(report.read_text())
     record = {
         "target": "tiny",
