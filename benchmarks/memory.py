@@ -24,7 +24,7 @@ depth: a Qwen3.5-style hybrid at hidden 1024, vocabulary 32k (untied), intermedi
 4, 16 and 48 layers written to disk in bf16 (`synthetic_target.py`), a random 5-record cache,
 then offline eval (5 prompts x 15 blocks) and 20 offline train steps (batch 1, 4 anchors),
 through the head (as shipped) and, unless --no-whole, through the whole target (as before).
-Figures: README ("Benchmarks").
+Figures: docs/benchmarks.md ("Memory").
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ to 1 gated attention), vocabulary 248,320 (the reference doc), rope_theta 1e7; a
 heads / 4 KV heads x 256, linear attention 16 key / 48 value heads x 128, intermediate 17408.
 Only hidden and vocabulary size what the offline path reads.
 
-Measured on a 2-core CPU with 24 GB (shared), --dtype bf16: see README ("Memory").
+Measured on a 2-core CPU with 24 GB (shared), --dtype bf16: see docs/benchmarks.md ("Memory").
 """
 
 from __future__ import annotations

@@ -439,10 +439,10 @@ def _add_eval_commands(sub) -> None:
     p.add_argument("--checkpoint", help="drafter directory, training run directory or .pt/.safetensors")
     p.add_argument("--drafter", choices=["dflash", "ngram", "hybrid"], default="dflash",
                    help="ngram: the training-free n-gram prompt-lookup baseline (no --checkpoint); hybrid: the "
-                   "--checkpoint drafter and the lookup, choosing per step (README: the hybrid proposer)")  # fmt: skip
+                   "--checkpoint drafter and the lookup, choosing per step (docs/tiny.md)")  # fmt: skip
     p.add_argument("--hybrid-min-match", type=int, default=None,
                    help="hybrid: propose the n-gram draft without running the drafter when it matched this many "
-                   "tokens (default: the tuned rule's, README)")  # fmt: skip
+                   "tokens (default: the tuned rule's, docs/benchmarks.md)")  # fmt: skip
     p.add_argument("--hybrid-ngram-prior", type=float, default=None,
                    help="hybrid: floor of the drafter's probability of n-gram tokens when comparing the drafts "
                    "(default: the tuned rule's)")  # fmt: skip

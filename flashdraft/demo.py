@@ -24,7 +24,7 @@ from flashdraft.errors import FlashdraftError
 
 @dataclass
 class DemoSettings:
-    """The demo's recipe, tuned for the built-in target on a 2-core CPU (see README)."""
+    """The demo's recipe, tuned for the built-in target on a 2-core CPU (see docs/tiny.md)."""
 
     target_model: str = "tiny"
     train_prompts: str = "builtin:code"
@@ -36,7 +36,7 @@ class DemoSettings:
     target_layer_ids: tuple[int, ...] = (1, 2, 3)
     block_size: int = DEFAULT_BLOCK_SIZE
     lr: float = 6e-3
-    num_anchors: int = 8  # few blocks per sequence, many steps: measured best per CPU-second (README)
+    num_anchors: int = 8  # few blocks per sequence, many steps: measured best per CPU-second (docs/tiny.md)
     batch_size: int = 4
     loss_decay_gamma: float = 7.0
     eval_max_blocks: int | None = None  # walk every held-out completion to its end

@@ -5,7 +5,7 @@ already in the context (an identifier, a repeated line, a copied block), the dra
 elsewhere. Speculative decoding is lossless whatever is proposed, so a proposer that picks,
 each step, the draft more likely to be accepted keeps the target's output and can beat both.
 
-The rule (`HybridRule`, parameters picked by measurement, see the README): each step, look
+The rule (`HybridRule`, parameters picked by measurement, see docs/benchmarks.md): each step, look
 up the n-gram continuation and the length m of the suffix it matched (0 without a match);
 - m >= `min_match`: the n-gram draft is proposed outright and the drafter's forward is
   skipped (its new context is kept and given to it at its next forward, which is exact: the
