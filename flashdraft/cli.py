@@ -620,13 +620,13 @@ def _add_train_command(sub) -> None:
     knob(
         "loss_weighting",
         _loss_weighting,
-        "per-position loss weights: decay (the recipe's fixed exp(-(k-1)/gamma)) or dpace (D-PACE, arXiv "
-        "2605.18810: from the drafter's own confidence, aimed at the expected accepted length)",
+        "per-position loss weights: dpace (the default; D-PACE, arXiv 2605.18810: from the drafter's own "
+        "confidence, aimed at the expected accepted length) or decay (the published recipe's exp(-(k-1)/gamma))",
     )
     knob(
         "loss_decay_gamma",
         _nonnegative_float,
-        "position decay of the loss; default the recipe's: 7 for B=16, 5 for 10, 4 for 8 (0 = none)",
+        "position decay of --loss-weighting decay; default the recipe's: 7 for B=16, 5 for 10, 4 for 8 (0 = none)",
     )
     knob("dpace_alpha", _unit_float, "D-PACE smoothing of the label probability: (1 - alpha) q + alpha")
     knob(

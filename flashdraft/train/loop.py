@@ -57,7 +57,9 @@ class TrainConfig:
     grad_accum: int = 1
     num_anchors: int = 512
     max_length: int | None = None
-    loss_weighting: str = "decay"  # per-position weights: "decay" (loss_decay_gamma) or "dpace" (dpace_alpha)
+    # per-position weights: "dpace" (dpace_alpha; measured 1.10-1.13x the held-out tau of "decay" at equal
+    # steps, docs/benchmarks.md) or "decay" (loss_decay_gamma, the published recipe)
+    loss_weighting: str = "dpace"
     loss_decay_gamma: float | None = None  # None or 0: no decay (run_training fills in the recipe's for None)
     dpace_alpha: float = 0.5  # D-PACE smoothing: q~ = (1 - alpha) q + alpha
     kl_weight: float = 0.0  # opt-in soft-label KL to the stored top-k target logits

@@ -133,8 +133,9 @@ def test_gradient_accumulation_equals_one_larger_batch(target, records, tmp_path
         torch.testing.assert_close(value, accum.state_dict()[key], rtol=1e-4, atol=1e-5)
 
 
-def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, records, tmp_path):
-    cfg = _cfg(max_steps=40, epochs=100, eval_every=40, log_every=40, save_every=1000)
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, records, tmp_path, weighting):
+    cfg = _cfg(max_steps=40, epochs=100, eval_every=40, log_every=40, save_every=1000, loss_weighting=weighting)
     held_out = make_records(target, n=4, seed=1)
     drafter = make_drafter()
     from flashdraft.train.loop import evaluate_loss
@@ -142,8 +143,9 @@ def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, r
     before = evaluate_loss(drafter, target, held_out, cfg, 8, MASK, torch.device("cpu"))
     train(cfg, drafter, target, records, tmp_path, eval_records=held_out)
     after = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
-    assert after["eval_loss"] < before["eval_loss"] - 0.2
-    assert after["eval_estimated_acceptance"] > before["eval_estimated_acceptance"]
+    if weighting == "decay":  # D-PACE aims at acceptance: early on it trains the first positions far more than CE
+        assert after["eval_loss"] < before["eval_loss"] - 0.2
+    assert after["eval_estimated_acceptance"] > before["eval_estimated_acceptance"] + 0.03
 
 
 def test_two_gloo_processes_ddp_and_fsdp_train_the_same_weights_as_one(tmp_path):
