@@ -146,20 +146,17 @@ def cmd_init(args: argparse.Namespace) -> None:
 
 
 def cmd_speculate(args: argparse.Namespace) -> None:
-    from flashdraft.checkpoint import check_drafter_matches_target, load_drafter
-    from flashdraft.decode import autoregressive_generate, speculative_generate
-    from flashdraft.target import TargetModel
+    from flashdraft.api import Drafter, Target
 
-    target = TargetModel.load(args.target_model)
-    drafter = load_drafter(args.checkpoint)
-    check_drafter_matches_target(drafter.config, target, args.checkpoint)
-    prompt_ids = target.tokenizer(args.prompt)["input_ids"]
+    target = Target.from_pretrained(args.target_model)
+    drafter = Drafter.from_pretrained(args.checkpoint, target)
+    prompt_ids = target.encode(args.prompt)
     print(f"target {target.path} ({target.num_layers} layers, linear-attention backend: {target.linear_backend})")
     t0 = time.perf_counter()
-    spec = speculative_generate(target, drafter, prompt_ids, args.max_new_tokens, block_size=args.block_size)
+    spec = drafter.generate(target, prompt_ids, args.max_new_tokens, block_size=args.block_size)
     t_spec = time.perf_counter() - t0
     t0 = time.perf_counter()
-    plain = autoregressive_generate(target, prompt_ids, args.max_new_tokens)
+    plain = target.generate(prompt_ids, args.max_new_tokens)
     t_plain = time.perf_counter() - t0
     print(args.prompt + target.tokenizer.decode(spec.output_ids))
     print(
@@ -210,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("speculate", help="speculative decoding of one prompt, checked against greedy")
     p.add_argument("--target-model", required=True)
-    p.add_argument("--checkpoint", required=True, help="drafter directory")
+    p.add_argument("--checkpoint", required=True,
+                   help="drafter directory (or tiny-drafter), training run directory or .pt/.safetensors")  # fmt: skip
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=_positive, default=64)
     p.add_argument("--block-size", type=_block_size, default=None, help="default: the drafter's")
@@ -224,9 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from flashdraft.data.completions import run_generate
+    from flashdraft.api import generate_completions
 
-    run_generate(
+    generate_completions(
         args.target_model, args.prompts, args.out, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=args.seed, batch_size=args.batch_size, backend=args.backend,
         base_url=args.base_url, server_model=args.server_model, chat_template=args.chat_template, device=args.device,
@@ -235,9 +233,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_cache(args: argparse.Namespace) -> None:
-    from flashdraft.data.cache import run_cache
+    from flashdraft.api import cache_hidden_states
 
-    run_cache(
+    cache_hidden_states(
         args.target_model, args.completions, args.out, layers=args.layers, draft_config=args.draft_config,
         num_prompts=args.num_prompts, dtype=args.dtype, with_target_logits=args.with_target_logits,
         records_per_shard=args.records_per_shard, allow_foreign=args.allow_foreign, device=args.device,
@@ -365,26 +363,26 @@ def cmd_eval(args: argparse.Namespace) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from flashdraft.evaluate import EvalConfig, run_eval
+    from flashdraft.api import evaluate_drafter
     from flashdraft.report import format_summary, write_report
 
     hf_logging.disable_progress_bar()  # eval prints what it loaded itself; an error stays one line
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or ("bf16" if device != "cpu" else "fp32")]
     if (args.drafter == "ngram") == (args.checkpoint is not None):
         raise FlashdraftError("give --checkpoint for a DFlash drafter (alone or --drafter hybrid), or --drafter ngram "
                               "(which takes none)")  # fmt: skip
-    summary = run_eval(EvalConfig(
-        args.checkpoint or "ngram", args.target_model, cached_hidden_states=args.cached_hidden_states,
-        drafter=args.drafter, hybrid_min_match=args.hybrid_min_match, hybrid_ngram_prior=args.hybrid_ngram_prior,
-        completions=args.completions, prompts=args.prompts, num_prompts=args.num_prompts,
-        max_blocks=args.max_blocks, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-        online=args.online, temperature=args.temperature, check_consistency=args.check_consistency,
-        reference=args.reference, target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
-        num_speculative_tokens=args.num_speculative_tokens, adaptive_threshold=args.adaptive_threshold,
-        ngram_max=args.ngram_max, ngram_min=args.ngram_min, device=device, dtype=dtype, seed=args.seed,
-        verify=not args.no_verify, allow_foreign=args.allow_foreign_completions, long_prompts=args.long_prompts,
-    ))  # fmt: skip
+    summary = evaluate_drafter(
+        args.checkpoint or "ngram", args.target_model, hybrid=args.drafter == "hybrid", device=args.device,
+        dtype={"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype), log=print,
+        cached_hidden_states=args.cached_hidden_states, hybrid_min_match=args.hybrid_min_match,
+        hybrid_ngram_prior=args.hybrid_ngram_prior, completions=args.completions, prompts=args.prompts,
+        num_prompts=args.num_prompts, max_blocks=args.max_blocks, max_new_tokens=args.max_new_tokens,
+        block_size=args.block_size, online=args.online, temperature=args.temperature,
+        check_consistency=args.check_consistency, reference=args.reference, target_layer_ids=args.target_layer_ids,
+        mask_token_id=args.mask_token_id, num_speculative_tokens=args.num_speculative_tokens,
+        adaptive_threshold=args.adaptive_threshold, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+        seed=args.seed, verify=not args.no_verify, allow_foreign=args.allow_foreign_completions,
+        long_prompts=args.long_prompts,
+    )  # fmt: skip
     print()
     print(format_summary(summary))
     if args.json:
@@ -523,11 +521,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from flashdraft.train.loop import TrainConfig
-    from flashdraft.train.run import run_training
+    from flashdraft.api import TrainConfig, train_drafter
 
     cfg = TrainConfig(**{name: getattr(args, name) for name in TrainConfig.option_names()})
-    run_training(
+    train_drafter(
         cfg, args.target_model, args.out, cached_hidden_states=args.cached_hidden_states,
         completions=args.completions, init=args.init, draft_layers=args.draft_layers, block_size=args.block_size,
         mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids,
