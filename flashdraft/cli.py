@@ -172,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="flashdraft", description="Train and evaluate DFlash drafters.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = sub.choices  # each command's parser (train reads --config into its own)
 
     p = sub.add_parser("init", help="write a fresh, untrained drafter for a target")
     p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
@@ -507,10 +508,38 @@ def _add_eval_commands(sub) -> None:
     p.set_defaults(func=cmd_export)
 
 
+def _train_args(parser: _Parser, argv: list[str] | None, args: argparse.Namespace) -> argparse.Namespace:
+    """train's options: --config's file under the flags given (which override it); then what
+    is required, wherever it was given."""
+    from flashdraft.config_file import options_from_file
+
+    train = parser.commands["train"]
+    if args.config:
+        values = options_from_file(args.config, train, exclude=("config",))
+        sources = [k for k in ("cached_hidden_states", "completions") if values.get(k) is not None]
+        if len(sources) > 1:
+            raise FlashdraftError(f"{args.config}: keys 'cached-hidden-states' and 'completions' are both given; "
+                                  f"expected one (offline or online)")  # fmt: skip
+        train.set_defaults(**values)
+        args = parser.parse_args(argv)
+        other = {"cached_hidden_states": "completions", "completions": "cached_hidden_states"}
+        if sources and getattr(args, other[sources[0]]) is not None:
+            setattr(args, sources[0], None)  # the command line's data source replaces the file's
+    missing = [flag for flag in ("--target-model", "--out") if getattr(args, flag[2:].replace("-", "_")) is None]
+    if missing:
+        train.error(f"the following arguments are required: {', '.join(missing)}, as flags or --config keys")
+    if args.cached_hidden_states is None and args.completions is None:
+        train.error("one of the arguments --cached-hidden-states --completions is required, as a flag or a "
+                    "--config key")  # fmt: skip
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "train":
+            args = _train_args(parser, argv, args)
         args.func(args)
     except FlashdraftError as e:
         if args.debug:
@@ -567,7 +596,8 @@ def _optimizer(value: str) -> str:
 
 def _train_option_adder(p: argparse.ArgumentParser):
     """Adds `--name` for a `TrainConfig` field, its default taken from the dataclass (one
-    default per knob); a bool field becomes a flag."""
+    default per knob); a bool field becomes a switch with its --no- form, so that a flag can
+    turn off what a --config file turned on."""
     from flashdraft.train.loop import TrainConfig
 
     defaults = {f.name: f.default for f in fields(TrainConfig)}
@@ -575,7 +605,7 @@ def _train_option_adder(p: argparse.ArgumentParser):
     def add(name: str, type_, help: str | None = None) -> None:
         flag = "--" + name.replace("_", "-")
         if type_ is None:
-            p.add_argument(flag, action="store_true", default=defaults[name], help=help)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=defaults[name], help=help)
         else:
             p.add_argument(flag, type=type_, default=defaults[name], help=help)
 
@@ -583,12 +613,18 @@ def _train_option_adder(p: argparse.ArgumentParser):
 
 
 def _add_train_command(sub) -> None:
-    p = sub.add_parser("train", help="train a drafter with the DFlash recipe (offline cache or online target)")
-    p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
-    source = p.add_mutually_exclusive_group(required=True)
+    p = sub.add_parser("train", help="train a drafter with the DFlash recipe (offline cache or online target)",
+                       description="Options come from flags, or from a --config YAML/JSON file whose keys are the "
+                       "flag names below without the leading dashes (e.g. configs/tiny.yaml); flags given as well "
+                       "override the file.")  # fmt: skip
+    p.add_argument("--config", default=None, metavar="RUN_YAML",
+                   help="a .yaml/.yml/.json file of these options (keys: the flag names, e.g. target-model, lr, "
+                        "target-layer-ids); an unknown key is refused")  # fmt: skip
+    p.add_argument("--target-model", help="local model directory or 'tiny' (required: flag or --config)")
+    source = p.add_mutually_exclusive_group()  # one is required: checked after --config is read
     source.add_argument("--cached-hidden-states", help="cache directory (offline mode)")
     source.add_argument("--completions", help="completions file (online mode: the target runs in the loop)")
-    p.add_argument("--out", required=True, help="run directory (checkpoints, metrics.jsonl, run_config.json)")
+    p.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, run_config.json; required)")
     p.add_argument("--init", help="start from this drafter directory instead of a fresh one")
     p.add_argument("--draft-layers", type=_positive, default=None, help="default 1 (with --init/--resume: its own)")
     p.add_argument(
@@ -645,10 +681,11 @@ def _add_train_command(sub) -> None:
     knob("keep_best", None, "also keep RUN/best/: the drafter of the best held-out τ (held-out loss without τ)")
     p.add_argument("--eval-cached-hidden-states", default=None, help="held-out cache for periodic evaluation")
     p.add_argument("--eval-completions", default=None, help="held-out completions for periodic evaluation")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=False,
+                   help="continue from the newest complete checkpoint")  # fmt: skip
     knob("fsdp", None, "FSDP2 instead of DDP under torchrun")
     p.add_argument("--report-to", nargs="*", default=[], choices=["wandb"])
-    p.add_argument("--allow-foreign-completions", action="store_true")
+    p.add_argument("--allow-foreign-completions", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--no-verify", action="store_true",
                    help="skip the sha256 check of caches and of the checkpoint resumed from (faster)")  # fmt: skip
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
