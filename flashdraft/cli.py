@@ -146,20 +146,17 @@ def cmd_init(args: argparse.Namespace) -> None:
 
 
 def cmd_speculate(args: argparse.Namespace) -> None:
-    from flashdraft.checkpoint import check_drafter_matches_target, load_drafter
-    from flashdraft.decode import autoregressive_generate, speculative_generate
-    from flashdraft.target import TargetModel
+    from flashdraft.api import Drafter, Target
 
-    target = TargetModel.load(args.target_model)
-    drafter = load_drafter(args.checkpoint)
-    check_drafter_matches_target(drafter.config, target, args.checkpoint)
-    prompt_ids = target.tokenizer(args.prompt)["input_ids"]
+    target = Target.from_pretrained(args.target_model)
+    drafter = Drafter.from_pretrained(args.checkpoint, target)
+    prompt_ids = target.encode(args.prompt)
     print(f"target {target.path} ({target.num_layers} layers, linear-attention backend: {target.linear_backend})")
     t0 = time.perf_counter()
-    spec = speculative_generate(target, drafter, prompt_ids, args.max_new_tokens, block_size=args.block_size)
+    spec = drafter.generate(target, prompt_ids, args.max_new_tokens, block_size=args.block_size)
     t_spec = time.perf_counter() - t0
     t0 = time.perf_counter()
-    plain = autoregressive_generate(target, prompt_ids, args.max_new_tokens)
+    plain = target.generate(prompt_ids, args.max_new_tokens)
     t_plain = time.perf_counter() - t0
     print(args.prompt + target.tokenizer.decode(spec.output_ids))
     print(
@@ -175,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="flashdraft", description="Train and evaluate DFlash drafters.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = sub.choices  # each command's parser (train reads --config into its own)
 
     p = sub.add_parser("init", help="write a fresh, untrained drafter for a target")
     p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
@@ -210,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("speculate", help="speculative decoding of one prompt, checked against greedy")
     p.add_argument("--target-model", required=True)
-    p.add_argument("--checkpoint", required=True, help="drafter directory")
+    p.add_argument("--checkpoint", required=True,
+                   help="drafter directory (or tiny-drafter), training run directory or .pt/.safetensors")  # fmt: skip
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=_positive, default=64)
     p.add_argument("--block-size", type=_block_size, default=None, help="default: the drafter's")
@@ -224,9 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from flashdraft.data.completions import run_generate
+    from flashdraft.api import generate_completions
 
-    run_generate(
+    generate_completions(
         args.target_model, args.prompts, args.out, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=args.seed, batch_size=args.batch_size, backend=args.backend,
         base_url=args.base_url, server_model=args.server_model, chat_template=args.chat_template, device=args.device,
@@ -235,9 +234,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_cache(args: argparse.Namespace) -> None:
-    from flashdraft.data.cache import run_cache
+    from flashdraft.api import cache_hidden_states
 
-    run_cache(
+    cache_hidden_states(
         args.target_model, args.completions, args.out, layers=args.layers, draft_config=args.draft_config,
         num_prompts=args.num_prompts, dtype=args.dtype, with_target_logits=args.with_target_logits,
         records_per_shard=args.records_per_shard, allow_foreign=args.allow_foreign, device=args.device,
@@ -365,26 +364,26 @@ def cmd_eval(args: argparse.Namespace) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from flashdraft.evaluate import EvalConfig, run_eval
+    from flashdraft.api import evaluate_drafter
     from flashdraft.report import format_summary, write_report
 
     hf_logging.disable_progress_bar()  # eval prints what it loaded itself; an error stays one line
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or ("bf16" if device != "cpu" else "fp32")]
     if (args.drafter == "ngram") == (args.checkpoint is not None):
         raise FlashdraftError("give --checkpoint for a DFlash drafter (alone or --drafter hybrid), or --drafter ngram "
                               "(which takes none)")  # fmt: skip
-    summary = run_eval(EvalConfig(
-        args.checkpoint or "ngram", args.target_model, cached_hidden_states=args.cached_hidden_states,
-        drafter=args.drafter, hybrid_min_match=args.hybrid_min_match, hybrid_ngram_prior=args.hybrid_ngram_prior,
-        completions=args.completions, prompts=args.prompts, num_prompts=args.num_prompts,
-        max_blocks=args.max_blocks, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-        online=args.online, temperature=args.temperature, check_consistency=args.check_consistency,
-        reference=args.reference, target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
-        num_speculative_tokens=args.num_speculative_tokens, adaptive_threshold=args.adaptive_threshold,
-        ngram_max=args.ngram_max, ngram_min=args.ngram_min, device=device, dtype=dtype, seed=args.seed,
-        verify=not args.no_verify, allow_foreign=args.allow_foreign_completions, long_prompts=args.long_prompts,
-    ))  # fmt: skip
+    summary = evaluate_drafter(
+        args.checkpoint or "ngram", args.target_model, hybrid=args.drafter == "hybrid", device=args.device,
+        dtype={"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype), log=print,
+        cached_hidden_states=args.cached_hidden_states, hybrid_min_match=args.hybrid_min_match,
+        hybrid_ngram_prior=args.hybrid_ngram_prior, completions=args.completions, prompts=args.prompts,
+        num_prompts=args.num_prompts, max_blocks=args.max_blocks, max_new_tokens=args.max_new_tokens,
+        block_size=args.block_size, online=args.online, temperature=args.temperature,
+        check_consistency=args.check_consistency, reference=args.reference, target_layer_ids=args.target_layer_ids,
+        mask_token_id=args.mask_token_id, num_speculative_tokens=args.num_speculative_tokens,
+        adaptive_threshold=args.adaptive_threshold, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+        seed=args.seed, verify=not args.no_verify, allow_foreign=args.allow_foreign_completions,
+        long_prompts=args.long_prompts,
+    )  # fmt: skip
     print()
     print(format_summary(summary))
     if args.json:
@@ -509,10 +508,38 @@ def _add_eval_commands(sub) -> None:
     p.set_defaults(func=cmd_export)
 
 
+def _train_args(parser: _Parser, argv: list[str] | None, args: argparse.Namespace) -> argparse.Namespace:
+    """train's options: --config's file under the flags given (which override it); then what
+    is required, wherever it was given."""
+    from flashdraft.config_file import options_from_file
+
+    train = parser.commands["train"]
+    if args.config:
+        values = options_from_file(args.config, train, exclude=("config",))
+        sources = [k for k in ("cached_hidden_states", "completions") if values.get(k) is not None]
+        if len(sources) > 1:
+            raise FlashdraftError(f"{args.config}: keys 'cached-hidden-states' and 'completions' are both given; "
+                                  f"expected one (offline or online)")  # fmt: skip
+        train.set_defaults(**values)
+        args = parser.parse_args(argv)
+        other = {"cached_hidden_states": "completions", "completions": "cached_hidden_states"}
+        if sources and getattr(args, other[sources[0]]) is not None:
+            setattr(args, sources[0], None)  # the command line's data source replaces the file's
+    missing = [flag for flag in ("--target-model", "--out") if getattr(args, flag[2:].replace("-", "_")) is None]
+    if missing:
+        train.error(f"the following arguments are required: {', '.join(missing)}, as flags or --config keys")
+    if args.cached_hidden_states is None and args.completions is None:
+        train.error("one of the arguments --cached-hidden-states --completions is required, as a flag or a "
+                    "--config key")  # fmt: skip
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "train":
+            args = _train_args(parser, argv, args)
         args.func(args)
     except FlashdraftError as e:
         if args.debug:
@@ -523,11 +550,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from flashdraft.train.loop import TrainConfig
-    from flashdraft.train.run import run_training
+    from flashdraft.api import TrainConfig, train_drafter
 
     cfg = TrainConfig(**{name: getattr(args, name) for name in TrainConfig.option_names()})
-    run_training(
+    train_drafter(
         cfg, args.target_model, args.out, cached_hidden_states=args.cached_hidden_states,
         completions=args.completions, init=args.init, draft_layers=args.draft_layers, block_size=args.block_size,
         mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids,
@@ -570,7 +596,8 @@ def _optimizer(value: str) -> str:
 
 def _train_option_adder(p: argparse.ArgumentParser):
     """Adds `--name` for a `TrainConfig` field, its default taken from the dataclass (one
-    default per knob); a bool field becomes a flag."""
+    default per knob); a bool field becomes a switch with its --no- form, so that a flag can
+    turn off what a --config file turned on."""
     from flashdraft.train.loop import TrainConfig
 
     defaults = {f.name: f.default for f in fields(TrainConfig)}
@@ -578,7 +605,7 @@ def _train_option_adder(p: argparse.ArgumentParser):
     def add(name: str, type_, help: str | None = None) -> None:
         flag = "--" + name.replace("_", "-")
         if type_ is None:
-            p.add_argument(flag, action="store_true", default=defaults[name], help=help)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=defaults[name], help=help)
         else:
             p.add_argument(flag, type=type_, default=defaults[name], help=help)
 
@@ -586,12 +613,18 @@ def _train_option_adder(p: argparse.ArgumentParser):
 
 
 def _add_train_command(sub) -> None:
-    p = sub.add_parser("train", help="train a drafter with the DFlash recipe (offline cache or online target)")
-    p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
-    source = p.add_mutually_exclusive_group(required=True)
+    p = sub.add_parser("train", help="train a drafter with the DFlash recipe (offline cache or online target)",
+                       description="Options come from flags, or from a --config YAML/JSON file whose keys are the "
+                       "flag names below without the leading dashes (e.g. configs/tiny.yaml); flags given as well "
+                       "override the file.")  # fmt: skip
+    p.add_argument("--config", default=None, metavar="RUN_YAML",
+                   help="a .yaml/.yml/.json file of these options (keys: the flag names, e.g. target-model, lr, "
+                        "target-layer-ids); an unknown key is refused")  # fmt: skip
+    p.add_argument("--target-model", help="local model directory or 'tiny' (required: flag or --config)")
+    source = p.add_mutually_exclusive_group()  # one is required: checked after --config is read
     source.add_argument("--cached-hidden-states", help="cache directory (offline mode)")
     source.add_argument("--completions", help="completions file (online mode: the target runs in the loop)")
-    p.add_argument("--out", required=True, help="run directory (checkpoints, metrics.jsonl, run_config.json)")
+    p.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, run_config.json; required)")
     p.add_argument("--init", help="start from this drafter directory instead of a fresh one")
     p.add_argument("--draft-layers", type=_positive, default=None, help="default 1 (with --init/--resume: its own)")
     p.add_argument(
@@ -648,10 +681,11 @@ def _add_train_command(sub) -> None:
     knob("keep_best", None, "also keep RUN/best/: the drafter of the best held-out τ (held-out loss without τ)")
     p.add_argument("--eval-cached-hidden-states", default=None, help="held-out cache for periodic evaluation")
     p.add_argument("--eval-completions", default=None, help="held-out completions for periodic evaluation")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=False,
+                   help="continue from the newest complete checkpoint")  # fmt: skip
     knob("fsdp", None, "FSDP2 instead of DDP under torchrun")
     p.add_argument("--report-to", nargs="*", default=[], choices=["wandb"])
-    p.add_argument("--allow-foreign-completions", action="store_true")
+    p.add_argument("--allow-foreign-completions", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--no-verify", action="store_true",
                    help="skip the sha256 check of caches and of the checkpoint resumed from (faster)")  # fmt: skip
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

@@ -32,6 +32,9 @@ from flashdraft.target import TargetModel
 
 @dataclass
 class GenerationResult:
+    """One generation: the new tokens and, for speculative decoding, how many each step
+    committed (`tau`: their mean) and the time spent drafting and verifying."""
+
     output_ids: list[int]  # generated tokens only (prompt excluded)
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per step (a + 1)
     stop_reason: str = "length"  # "eos" or "length"

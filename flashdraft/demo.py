@@ -66,16 +66,42 @@ def _seconds_per_step(cfg, drafter, target, records, block_size: int, mask_token
     return min(times[1:]) * 1.15  # optimizer step and batching on top
 
 
-def training_curve(metrics_path: Path, out_png: Path) -> None:
+WARM_UP_SHARE = 0.1  # the first tenth of the steps: the loss falls from its random-init value (39 on tiny)
+
+
+def loss_ylim(steps: list[int], losses: list[float]) -> tuple[float, float] | None:
+    """The loss axis of the steps after the first tenth (warm-up and the first fall, where an
+    untrained drafter's loss is several times the rest: on tiny 39, then 4-6), so the curve that
+    matters fills the plot; None (matplotlib's own limits) when the first steps would not squash
+    the rest into less than half the axis, or there are too few points."""
+    later = [loss for step, loss in zip(steps, losses, strict=True) if step > WARM_UP_SHARE * steps[-1]]
+    if len(later) < 2:
+        return None
+    low, high = min(later), max(later)
+    if max(losses) - low <= 2 * (high - low):
+        return None
+    pad = 0.05 * (high - low) or 0.05 * abs(high) or 0.05
+    return low - pad, high + pad
+
+
+def training_curve_figure(rows: list[dict]):
+    """The training curve of metrics.jsonl rows: loss (its axis from `loss_ylim`), estimated
+    acceptance and held-out τ against the step."""
     from matplotlib.figure import Figure
 
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
     eval_rows = [r for r in rows if "eval_tau" in r]
+    steps, losses = [r["step"] for r in train_rows], [r["loss"] for r in train_rows]
     fig = Figure(figsize=(8, 4))
     ax = fig.add_subplot()
-    ax.plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows], label="training loss")
+    ax.plot(steps, losses, label="training loss")
     ax.set(xlabel="step", ylabel="loss", title="Drafter training")
+    ylim = loss_ylim(steps, losses) if train_rows else None
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+        cut = [s for s, loss in zip(steps, losses, strict=True) if loss > ylim[1]]
+        ax.annotate(f"loss above the axis until step {cut[-1]} (up to {max(losses):.3g})", xy=(0.99, 0.97),
+                    xycoords="axes fraction", ha="right", va="top", fontsize="small", color="tab:blue")  # fmt: skip
     ax2 = ax.twinx()
     ax2.plot([r["step"] for r in train_rows], [r["estimated_acceptance"] for r in train_rows], color="tab:orange",
              label="estimated acceptance (train)")  # fmt: skip
@@ -84,7 +110,12 @@ def training_curve(metrics_path: Path, out_png: Path) -> None:
                  label="held-out τ")  # fmt: skip
     ax2.set(ylabel="tokens per step")
     fig.legend(loc="upper center", ncol=3, fontsize="small")
-    fig.savefig(out_png, dpi=100, bbox_inches="tight")
+    return fig
+
+
+def training_curve(metrics_path: Path, out_png: Path) -> None:
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    training_curve_figure(rows).savefig(out_png, dpi=100, bbox_inches="tight")
 
 
 def _check_same_target(out: Path, target_model: str) -> None:

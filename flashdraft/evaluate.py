@@ -28,7 +28,7 @@ from flashdraft.ngram import NGramProposer
 from flashdraft.offline import drafter_shape, evaluate_offline
 from flashdraft.records import EvalRecord, FeatureSource, Log, fit_prompts, invalid_reason, load_eval_records
 from flashdraft.results import EvalResult, PromptResult, difference, first_difference, speedup_bound
-from flashdraft.run_dir import load_any_drafter
+from flashdraft.run_dir import LoadedDrafter, load_any_drafter
 from flashdraft.target import TargetModel
 
 NGRAM = "ngram"  # in place of a checkpoint (--drafter ngram, --reference ngram): the n-gram baseline
@@ -234,13 +234,18 @@ class EvalConfig:
     seed: int = 0
 
 
-def _load_candidates(cfg: EvalConfig, target: TargetModel, log: Log) -> list[Candidate]:
-    """The drafter and the reference, loaded and described; the n-gram baseline drafts blocks
-    as long as the DFlash drafter's it is set against."""
+def _load_candidates(
+    cfg: EvalConfig, target: TargetModel, log: Log, drafter: LoadedDrafter | None = None
+) -> list[Candidate]:
+    """The drafter (`drafter` when already loaded) and the reference, loaded and described;
+    the n-gram baseline drafts blocks as long as the DFlash drafter's it is set against."""
     specs = [("drafter", cfg.checkpoint)] + ([("reference", cfg.reference)] if cfg.reference else [])
     loaded_by_role = {}
     for role, path in specs:
-        if path != NGRAM:
+        if role == "drafter" and drafter is not None:
+            check_drafter_matches_target(drafter.drafter.config, target, str(drafter.path))
+            loaded_by_role[role] = drafter
+        elif path != NGRAM:
             loaded = load_any_drafter(path, target, block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids,
                                       mask_token_id=cfg.mask_token_id, device=cfg.device, dtype=cfg.dtype,
                                       verify=cfg.verify)  # fmt: skip
@@ -404,9 +409,13 @@ def _evaluate_candidate(
     return summary
 
 
-def run_eval(cfg: EvalConfig, log: Log = print) -> dict[str, Any]:
+def run_eval(
+    cfg: EvalConfig, log: Log = print, target: TargetModel | None = None, drafter: LoadedDrafter | None = None
+) -> dict[str, Any]:
     """`flashdraft eval`: load, print what was loaded, evaluate (and the reference on the same
-    records and step budget), and return the summary that `--json` writes."""
+    records and step budget), and return the summary that `--json` writes. `target` and
+    `drafter`: already loaded (`flashdraft.api`), used in place of cfg.target_model and
+    cfg.checkpoint."""
     if cfg.temperature > 0 and (not cfg.online or cfg.check_consistency):
         raise FlashdraftError(
             f"--temperature {cfg.temperature}: offline τ and --check-consistency are defined for greedy decoding; "
@@ -418,13 +427,15 @@ def run_eval(cfg: EvalConfig, log: Log = print) -> dict[str, Any]:
 
     # offline from a cache needs no target forward: only tokenizer, config, embeddings and LM head
     offline_only = cfg.cached_hidden_states is not None and not (cfg.online or cfg.check_consistency)
-    target = (TargetHead if offline_only else TargetModel).load(cfg.target_model, device=cfg.device, dtype=cfg.dtype)
+    if target is None:
+        target = (TargetHead if offline_only else TargetModel).load(cfg.target_model, device=cfg.device,
+                                                                    dtype=cfg.dtype)  # fmt: skip
     tok = target.tokenizer
     log(
         f"target {target.path}: {target.num_layers} layers, hidden {target.hidden_size}; tokenizer "
         f"{type(tok).__name__} with {len(tok)} tokens, LM head vocabulary {target.vocab_size}"
     )
-    candidates = _load_candidates(cfg, target, log)
+    candidates = _load_candidates(cfg, target, log, drafter)
     for c in candidates:
         _draft_limit(cfg, c)  # a k past the block fails before any decoding
     max_new_tokens = cfg.max_new_tokens

@@ -48,3 +48,20 @@ def test_demo_directory_from_another_target_is_refused_up_front_with_the_way_out
     err = capsys.readouterr().err
     assert "holds a demo run on another target" in err and f"remove {out}" in err
     assert sorted(p.name for p in out.iterdir()) == ["completions-train.json"]  # nothing else was started
+
+
+def test_training_curve_loss_axis_fits_the_steps_after_the_first_fall_not_the_random_init_loss():
+    from flashdraft.demo import training_curve_figure
+
+    # the demo's shape: 39 at the first logged step, then 4-6
+    losses = [39.0] + [6.0 - 2.0 * i / 98 for i in range(99)]
+    rows = [{"step": 5 * (i + 1), "loss": loss, "estimated_acceptance": 1.2} for i, loss in enumerate(losses)]
+    ax = training_curve_figure(rows + [{"step": 500, "eval_tau": 1.5}]).axes[0]
+    low, high = ax.get_ylim()
+    after = [r["loss"] for r in rows if r["step"] > 50]  # after the first tenth of the 500 steps
+    assert low <= min(after) and max(after) <= high < 6.5  # the later steps fill the axis; 39 is left above it
+    last_cut = max(r["step"] for r in rows if r["loss"] > high)
+    assert f"above the axis until step {last_cut} (up to 39)" in ax.texts[0].get_text()
+    # a curve without such a start keeps matplotlib's own limits
+    flat = training_curve_figure(rows[1:]).axes[0]
+    assert flat.get_ylim()[0] < 4.0 < 6.0 < flat.get_ylim()[1] and not flat.texts
