@@ -642,8 +642,8 @@ def _add_train_command(sub) -> None:
     knob("warmup_fraction", _nonnegative_float)
     knob("min_lr_fraction", _nonnegative_float, "final learning rate as a fraction of --lr")
     knob("weight_decay", _nonnegative_float)
-    knob("optimizer", _optimizer, "adamw (the recipe), or muon: Muon on the decoder layers' and fc's matrices, AdamW "
-         "(--lr) on the rest")
+    knob("optimizer", _optimizer, "muon (the default): Muon on the decoder layers' and fc's matrices, AdamW (--lr) on "
+         "the rest; or adamw (the published recipe; needed with --fsdp)")
     knob("muon_lr", _nonnegative_float, "Muon's lr (default --lr: its update is scaled to AdamW's RMS)")
     knob("grad_clip", _nonnegative_float)
     knob("batch_size", _positive, "sequences per micro-batch per rank")

@@ -32,9 +32,10 @@ LAYERS = "1,2,3"
 # The drafter's two decoder layers start as copies of the target's two full-attention layers
 # (+24 % held-out tau at 2,000 steps against random init, docs/tiny.md).
 INIT_ARGS = ["--draft-layers", "2", "--block-size", "16", "--target-layer-ids", LAYERS, "--layers-from-target", "2,5"]
-# The shipped drafter was trained with the fixed position decay (D-PACE became the default later).
+# The shipped drafter was trained with the fixed position decay and AdamW (D-PACE and Muon became the
+# defaults later: docs/benchmarks.md, "Training recipe").
 TRAIN_ARGS = [
-    "--loss-weighting", "decay", "--lr", "6e-3", "--num-anchors", "16", "--batch-size", "8",
+    "--loss-weighting", "decay", "--optimizer", "adamw", "--lr", "6e-3", "--num-anchors", "16", "--batch-size", "8",
     "--epochs", "100", "--max-steps", "8000", "--save-every", "400", "--keep-checkpoints", "100",
     "--eval-every", "400", "--eval-max-blocks", "24", "--keep-best",
 ]  # fmt: skip

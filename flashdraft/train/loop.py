@@ -50,7 +50,9 @@ class TrainConfig:
     warmup_fraction: float = 0.04
     min_lr_fraction: float = 0.0
     weight_decay: float = 0.0
-    optimizer: str = "adamw"  # "adamw", or "muon": Muon on the layers' and fc's matrices, AdamW on the rest
+    # "muon": Muon on the layers' and fc's matrices, AdamW on the rest (with D-PACE 1.11x / 1.09x the held-out
+    # tau of AdamW at equal steps, docs/benchmarks.md); "adamw": AdamW for all (the published recipe; --fsdp)
+    optimizer: str = "muon"
     muon_lr: float | None = None  # Muon's lr (None: lr; its update is scaled to AdamW's RMS)
     grad_clip: float = 1.0
     batch_size: int = 4  # sequences per micro-batch per rank

@@ -86,8 +86,8 @@ def build_optimizers(
     elif name == "muon":
         if fsdp:
             raise FlashdraftError(
-                "--optimizer muon with --fsdp: torch.optim.Muon would orthogonalise each rank's shard of a matrix, "
-                "not the matrix; expected DDP (drop --fsdp) for Muon"
+                "--optimizer muon (the default) with --fsdp: torch.optim.Muon would orthogonalise each rank's shard "
+                "of a matrix, not the matrix; expected --optimizer adamw with --fsdp, or DDP (drop --fsdp) for Muon"
             )
         matrices = [p for n, p in named if is_muon_parameter(n, p)]
         rest = [p for n, p in named if not is_muon_parameter(n, p)]

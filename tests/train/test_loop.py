@@ -125,17 +125,20 @@ def test_online_features_give_the_same_loss_as_cached_features(target, records):
 
 @pytest.mark.parametrize("weighting", ["decay", "dpace"])
 def test_gradient_accumulation_equals_one_larger_batch(target, records, tmp_path, weighting):
-    big = train(_cfg(batch_size=4, max_steps=2, loss_weighting=weighting), make_drafter(), target, records,
-                tmp_path / "a")  # fmt: skip
-    accum = train(_cfg(batch_size=2, grad_accum=2, max_steps=2, loss_weighting=weighting), make_drafter(), target,
-                  records, tmp_path / "b")  # fmt: skip
+    # AdamW: Muon's bf16 orthogonalisation would blur the last bits this compares (see the gloo test)
+    big = train(_cfg(batch_size=4, max_steps=2, loss_weighting=weighting, optimizer="adamw"), make_drafter(), target,
+                records, tmp_path / "a")  # fmt: skip
+    accum = train(_cfg(batch_size=2, grad_accum=2, max_steps=2, loss_weighting=weighting, optimizer="adamw"),
+                  make_drafter(), target, records, tmp_path / "b")  # fmt: skip
     for key, value in big.state_dict().items():
         torch.testing.assert_close(value, accum.state_dict()[key], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("weighting", ["decay", "dpace"])
-def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, records, tmp_path, weighting):
-    cfg = _cfg(max_steps=40, epochs=100, eval_every=40, log_every=40, save_every=1000, loss_weighting=weighting)
+@pytest.mark.parametrize("weighting, optimizer", [("decay", "adamw"), ("dpace", "adamw"), ("dpace", "muon")])
+def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, records, tmp_path, weighting,
+                                                                       optimizer):  # fmt: skip
+    cfg = _cfg(max_steps=40, epochs=100, eval_every=40, log_every=40, save_every=1000, loss_weighting=weighting,
+               optimizer=optimizer)  # fmt: skip
     held_out = make_records(target, n=4, seed=1)
     drafter = make_drafter()
     from flashdraft.train.loop import evaluate_loss
@@ -143,7 +146,9 @@ def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, r
     before = evaluate_loss(drafter, target, held_out, cfg, 8, MASK, torch.device("cpu"))
     train(cfg, drafter, target, records, tmp_path, eval_records=held_out)
     after = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
-    if weighting == "decay":  # D-PACE aims at acceptance: early on it trains the first positions far more than CE
+    # D-PACE aims at acceptance (early on it trains the first positions far more than the CE measured here), and
+    # Muon's larger steps fit these 8 records sooner: both raise acceptance, the recipe's AdamW + decay lowers CE
+    if (weighting, optimizer) == ("decay", "adamw"):
         assert after["eval_loss"] < before["eval_loss"] - 0.2
     assert after["eval_estimated_acceptance"] > before["eval_estimated_acceptance"] + 0.03
 
