@@ -243,7 +243,7 @@ def _holder(text: str) -> dict[str, str]:
 def _describe(holder: dict[str, str]) -> str:
     if not holder:
         return "pid and host not written yet"
-    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}"
+    return f"pid {holder.get('pid', '?')}" + (f" on host {holder['host']}" if "host" in holder else "")
 
 
 def _running_here(pid: str) -> bool:
@@ -272,7 +272,10 @@ class OutputLock:
             try:
                 fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _holder(self.path.read_text())
+                try:
+                    holder = _holder(self.path.read_text())
+                except OSError:
+                    holder = {}
                 file.close()
                 raise FlashdraftError(
                     f"{output}: another {writer} ({_describe(holder)}) is writing it (lock {self.path}); "
@@ -290,7 +293,7 @@ class OutputLock:
         file.seek(0)
         left = _holder(file.read())
         if left and left != me:
-            if left.get("host") == me["host"]:
+            if left.get("host", me["host"]) == me["host"]:  # lock files of older runs name no host
                 why = "no longer running" if not _running_here(left.get("pid", "")) else "its pid now another process's"
             else:
                 why = "it no longer holds the lock; if it still runs there, this filesystem does not share locks " \

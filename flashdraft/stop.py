@@ -7,6 +7,11 @@ looks at `requested` after each unit, writes its resumable state and raises
 `flashdraft.errors.Interrupted` (exit status 128 + signal: 143, 130). A second signal while that
 state is written is recorded too and changes nothing, so it cannot cut a checkpoint short
 (SIGKILL still stops at once: what was finished before stays whole).
+
+Under torchrun every rank gets the signal. `train` agrees on the stop step every step (one
+scalar all-reduce, its ranks being in lockstep anyway); `generate` and `cache`, whose ranks run
+at their own pace, agree once at the end, where they met before: a rank that got no signal
+finishes its share first, then all stop together.
 """
 
 from __future__ import annotations
