@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from flashdraft.config import DEFAULT_BLOCK_SIZE, DrafterConfig
 from flashdraft.errors import FlashdraftError
-from flashdraft.files import write_atomic
+from flashdraft.files import nbytes, write_atomic, write_text_atomic
 from flashdraft.model import DFlashDrafter
 
 if TYPE_CHECKING:
@@ -111,8 +111,10 @@ def save_drafter_state(
     check_state_shapes(cfg, {k: tuple(v.shape) for k, v in state.items()}, "drafter being saved")
     config = cfg.to_dict()
     config["dtype"] = str(state["fc.weight"].dtype).removeprefix("torch.")
-    write_atomic(out / WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
-    write_atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+    # the weights first: a new directory never holds a config.json without its weights
+    write_atomic(out / WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata={"format": "pt"}),
+                 "the drafter's weights", nbytes(state))  # fmt: skip
+    write_text_atomic(out / "config.json", json.dumps(config, indent=2) + "\n", "the drafter's config")
     return out
 
 

@@ -168,8 +168,24 @@ def cmd_speculate(args: argparse.Namespace) -> None:
         raise FlashdraftError("speculative output differs from greedy decoding (not lossless)")
 
 
+EXIT_STATUSES = (
+    "exit status: 0 done; 1 a check failed (doctor, parity); 2 a user error, a full disk (ENOSPC, EDQUOT, EFBIG) "
+    "or an output another flashdraft process is writing, said on one line; 143 (SIGTERM) or 130 (SIGINT): train, "
+    "generate and cache stopped gracefully after the unit in flight, their state on disk (the line says how to "
+    "resume)"
+)
+
+
+def _stops(unit: str, then: str, rerun: str = "the same command") -> str:
+    """The exit statuses of a long command, for its --help."""
+    return (f"SIGTERM (preemption) or SIGINT (Ctrl-C): stops after the {unit} in flight and exits 143 or 130; {then} "
+            f"(the last line prints the command). A full disk: exit 2 and one line naming the file; nothing partial "
+            f"is left, and {rerun} resumes once space is freed. A second process writing the same --out is refused "
+            f"(exit 2).")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="flashdraft", description="Train and evaluate DFlash drafters.")
+    parser = _Parser(prog="flashdraft", description="Train and evaluate DFlash drafters.", epilog=EXIT_STATUSES)
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     sub = parser.add_subparsers(dest="command", required=True)
     parser.commands = sub.choices  # each command's parser (train reads --config into its own)
@@ -240,7 +256,7 @@ def cmd_cache(args: argparse.Namespace) -> None:
         args.target_model, args.completions, args.out, layers=args.layers, draft_config=args.draft_config,
         num_prompts=args.num_prompts, dtype=args.dtype, with_target_logits=args.with_target_logits,
         records_per_shard=args.records_per_shard, allow_foreign=args.allow_foreign, device=args.device,
-        target_dtype=args.target_dtype,
+        target_dtype=args.target_dtype, force=args.force,
     )  # fmt: skip
 
 
@@ -284,7 +300,8 @@ def _add_data_commands(sub) -> None:
         p.add_argument("--target-dtype", choices=["fp32", "bf16", "fp16"], default=None,
                        help="dtype the target runs in (default: fp32 on CPU, bf16 on GPU)")  # fmt: skip
 
-    p = sub.add_parser("generate", help="the target's own completions of a prompt set (resumable, torchrun-able)")
+    p = sub.add_parser("generate", help="the target's own completions of a prompt set (resumable, torchrun-able)",
+                       epilog=_stops("batch", "re-running the same command finishes it"))  # fmt: skip
     p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
     p.add_argument(
         "--prompts",
@@ -306,7 +323,8 @@ def _add_data_commands(sub) -> None:
     device_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("cache", help="cache the target's context features of completions (resumable, torchrun-able)")
+    p = sub.add_parser("cache", help="cache the target's context features of completions (resumable, torchrun-able)",
+                       epilog=_stops("record", "re-running the same command keeps the finished shards"))  # fmt: skip
     p.add_argument("--target-model", required=True)
     p.add_argument("--completions", required=True, help="completions file from flashdraft generate")
     p.add_argument("--out", required=True, help="cache directory (a re-run resumes it)")
@@ -322,6 +340,9 @@ def _add_data_commands(sub) -> None:
     p.add_argument("--records-per-shard", type=_positive, default=64)
     p.add_argument("--allow-foreign-completions", "--allow-foreign", dest="allow_foreign", action="store_true",
                    help="accept completions made by another target")  # fmt: skip
+    p.add_argument("--force", action="store_true",
+                   help="write even when the size estimate (tokens x layers x hidden x dtype bytes) exceeds the "
+                        "free space of --out's filesystem (refused by default, before any forward)")  # fmt: skip
     device_args(p)
     p.set_defaults(func=cmd_cache)
 
@@ -359,8 +380,6 @@ def _add_data_commands(sub) -> None:
 
 # -- eval and export ------------------------------------------------------------------
 def cmd_eval(args: argparse.Namespace) -> None:
-    import json
-
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -387,8 +406,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print()
     print(format_summary(summary))
     if args.json:
+        from flashdraft.files import write_json_atomic
+
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+        write_json_atomic(Path(args.json), summary, what="the evaluation figures (--json)")
         print(f"wrote {args.json}")
     if args.report:
         print(f"wrote {write_report(summary, args.report)}")
@@ -534,7 +555,25 @@ def _train_args(parser: _Parser, argv: list[str] | None, args: argparse.Namespac
     return args
 
 
+def _resume_command(argv: list[str], flag: str) -> str:
+    """The command line that continues a stopped run: this one (plus `flag`, e.g. --resume)."""
+    import os
+    import shlex
+
+    args = list(argv) + ([flag] if flag and flag not in argv else [])
+    line = "flashdraft " + shlex.join(args)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        line += " (under torchrun, with the same torchrun options)"
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 done; 1 a check failed (doctor, parity); 2 a user error, a full disk or a
+    held output, on one line; 143 (SIGTERM) or 130 (SIGINT): stopped gracefully, resumable."""
+    from flashdraft.errors import Interrupted
+    from flashdraft.files import DISK_FULL, disk_full_errno
+
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -545,6 +584,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Interrupted as e:
+        if str(e):
+            verb = "resume" if e.resume_flag else "finish"
+            print(f"stopped: {e}; {verb} with: {_resume_command(argv, e.resume_flag)}", file=sys.stderr, flush=True)
+        return e.status
+    except Exception as e:
+        # a full disk in a writer that does not name its file itself: still one line
+        code = disk_full_errno(e)
+        if code is None or args.debug:
+            raise
+        where = getattr(e, "filename", None) or "a file being written"
+        print(f"error: {where}: {DISK_FULL[code]}; free space and re-run the same command", file=sys.stderr)
         return 2
     return 0
 
@@ -616,7 +668,9 @@ def _add_train_command(sub) -> None:
     p = sub.add_parser("train", help="train a drafter with the DFlash recipe (offline cache or online target)",
                        description="Options come from flags, or from a --config YAML/JSON file whose keys are the "
                        "flag names below without the leading dashes (e.g. configs/tiny.yaml); flags given as well "
-                       "override the file.")  # fmt: skip
+                       "override the file.",
+                       epilog=_stops("step", "its checkpoint is written, --resume continues from it",
+                                     "the same command with --resume"))  # fmt: skip
     p.add_argument("--config", default=None, metavar="RUN_YAML",
                    help="a .yaml/.yml/.json file of these options (keys: the flag names, e.g. target-model, lr, "
                         "target-layer-ids); an unknown key is refused")  # fmt: skip
@@ -682,7 +736,8 @@ def _add_train_command(sub) -> None:
     p.add_argument("--eval-cached-hidden-states", default=None, help="held-out cache for periodic evaluation")
     p.add_argument("--eval-completions", default=None, help="held-out completions for periodic evaluation")
     p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=False,
-                   help="continue from the newest complete checkpoint")  # fmt: skip
+                   help="continue from the newest complete checkpoint (after a crash, a full disk, or a stop by "
+                        "SIGTERM/SIGINT, which checkpoints the step in flight and exits 143/130)")  # fmt: skip
     knob("fsdp", None, "FSDP2 instead of DDP under torchrun")
     p.add_argument("--report-to", nargs="*", default=[], choices=["wandb"])
     p.add_argument("--allow-foreign-completions", action=argparse.BooleanOptionalAction, default=False)

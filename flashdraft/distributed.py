@@ -136,3 +136,40 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
     return t
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on any rank: one scalar all-reduce that every rank must call at the
+    same point (the flag itself for one process). How ranks agree to stop together, so none waits
+    in a collective for a rank that has left."""
+    if not torch.distributed.is_initialized():
+        return flag
+    nccl = torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    return bool(all_reduce_sum(torch.tensor([float(flag)], device=device)).item() > 0)
+
+
+def on_main(dist: Dist, work, failing: str):
+    """`work()` on rank 0 only (a check or a lock before the ranks write), and every rank learns
+    whether it raised a FlashdraftError: all stop then, none writing or waiting in a collective
+    for a rank 0 that has left. Returns rank 0's result (None elsewhere); `failing` names what
+    failed for the other ranks' line."""
+    from flashdraft.errors import FlashdraftError
+
+    result, error = None, None
+    if dist.is_main:
+        try:
+            result = work()
+        except FlashdraftError as e:
+            error = e
+    if any_rank(error is not None):
+        raise error or FlashdraftError(f"{failing}: failed on rank 0 (its error above)")
+    return result
+
+
+def lock_on_main(dist: Dist, path, output, writer: str):
+    """Rank 0 takes the output's lock (`flashdraft.files.OutputLock`) for the whole job; when
+    another job holds it, every rank stops before writing. Returns the lock (None off rank 0)."""
+    from flashdraft.files import OutputLock
+
+    return on_main(dist, lambda: OutputLock(path, output, writer), f"{output}: locking it")

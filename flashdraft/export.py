@@ -10,6 +10,7 @@ import torch
 from flashdraft.checkpoint import check_drafter_matches_target, save_drafter
 from flashdraft.config import DrafterConfig
 from flashdraft.errors import FlashdraftError
+from flashdraft.files import write_text_atomic
 from flashdraft.run_dir import LoadedDrafter, load_any_drafter
 from flashdraft.serving import mixes_sliding_and_full, serving_commands
 
@@ -99,5 +100,5 @@ def export_drafter(
     name = target_name or (str(target.path) if target is not None and target.path else "<target-model>")
     # describe what was written (is_causal stated where the source left it to the servers' default)
     written = DrafterConfig.load(out / "config.json")
-    (out / "README.md").write_text(serving_snippet(name, str(out), written))
+    write_text_atomic(out / "README.md", serving_snippet(name, str(out), written), "the serving README")
     return loaded

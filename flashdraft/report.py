@@ -7,8 +7,11 @@ Everything here reads only the summary dict, so a report can be rebuilt from a s
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
+
+from flashdraft.files import write_atomic, write_text_atomic
 
 PLOTS = {
     "histogram": "histogram.png",
@@ -173,7 +176,7 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> dict[str, Path]:
           [(name, _pad(r["histogram"], length)) for name, r in zip(names, results, strict=True)])  # fmt: skip
     ax.set(xlabel="tokens committed per step (a + 1)", ylabel="steps", title="Acceptance lengths")
     paths["histogram"] = out_dir / PLOTS["histogram"]
-    fig.savefig(paths["histogram"], dpi=100, bbox_inches="tight")
+    _save_png(fig, paths["histogram"])
 
     fig = Figure(figsize=(8, 4))
     ax = fig.add_subplot()
@@ -184,7 +187,7 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     if ref:
         ax.legend()
     paths["position_acceptance"] = out_dir / PLOTS["position_acceptance"]
-    fig.savefig(paths["position_acceptance"], dpi=100, bbox_inches="tight")
+    _save_png(fig, paths["position_acceptance"])
 
     ids = [str(p["id"]) for p in summary["per_prompt"]]
     series = [("drafter", [p["tau"] for p in summary["per_prompt"]])]
@@ -197,8 +200,16 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     ax.tick_params(axis="x", labelrotation=90)
     ax.set(xlabel="prompt", ylabel="τ", title="τ per prompt")
     paths["tau_per_prompt"] = out_dir / PLOTS["tau_per_prompt"]
-    fig.savefig(paths["tau_per_prompt"], dpi=100, bbox_inches="tight")
+    _save_png(fig, paths["tau_per_prompt"])
     return paths
+
+
+def _save_png(fig, path: Path) -> None:
+    """A plot written whole or not at all (a full disk: `DiskFullError` with its size, no cut PNG)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    data = buffer.getvalue()
+    write_atomic(path, lambda tmp: tmp.write_bytes(data), "a report plot", len(data))
 
 
 def _pad(values: list, length: int) -> list:
@@ -259,5 +270,5 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
                   f"(offline τ {c['offline_tau']:.3f}, online τ {c['online_tau']:.3f}).", ""]  # fmt: skip
         lines += [f"- {m}" for m in c["mismatches"]]
     path = out / "report.md"
-    path.write_text("\n".join(lines).rstrip() + "\n")
+    write_text_atomic(path, "\n".join(lines).rstrip() + "\n", "the evaluation report")  # last: its plots are there
     return path

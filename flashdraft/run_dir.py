@@ -19,7 +19,6 @@ and cleaned up, never a partial checkpoint that looks complete.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -41,7 +40,15 @@ from flashdraft.checkpoint import (
 from flashdraft.config import DEFAULT_BLOCK_SIZE, DrafterConfig, default_target_layer_ids
 from flashdraft.drafter_init import pick_mask_token
 from flashdraft.errors import FlashdraftError
-from flashdraft.files import fsync_path, sha256_file
+from flashdraft.files import (
+    DiskFullError,
+    OutputLock,
+    disk_full_is_an_error,
+    fsync_path,
+    nbytes,
+    sha256_file,
+    torch_save,
+)
 from flashdraft.model import DFlashDrafter
 
 # drafters shipped with flashdraft, loadable by name (`--checkpoint tiny-drafter`)
@@ -65,14 +72,26 @@ def save_checkpoint(
     final = root / f"step-{step:07d}"
     tmp = root / f".tmp-step-{step:07d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_drafter_state(drafter_config, drafter_state, tmp / "drafter")
-    torch.save(trainer_state, tmp / "trainer.pt")
-    files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    sums = {str(p.relative_to(tmp)): sha256_file(p) for p in files}
-    (tmp / "checksums.json").write_text(json.dumps(sums, indent=2))
-    (tmp / COMPLETE).write_text(f"step {step}\n")
-    for p in [*files, tmp / "checksums.json", tmp / COMPLETE, tmp / "drafter", tmp]:
-        fsync_path(p)
+    try:
+        save_drafter_state(drafter_config, drafter_state, tmp / "drafter")
+        with disk_full_is_an_error(final / "trainer.pt", f"the trainer state of checkpoint step {step}",
+                                   nbytes(trainer_state)):  # fmt: skip
+            torch_save(trainer_state, tmp / "trainer.pt")
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        sums = {str(p.relative_to(tmp)): sha256_file(p) for p in files}
+        with disk_full_is_an_error(final, f"checkpoint step {step}'s checksums"):
+            (tmp / "checksums.json").write_text(json.dumps(sums, indent=2))
+            (tmp / COMPLETE).write_text(f"step {step}\n")
+            for p in [*files, tmp / "checksums.json", tmp / COMPLETE, tmp / "drafter", tmp]:
+                fsync_path(p)
+    except DiskFullError as e:
+        # nothing of this checkpoint is left (its space is given back); the newest complete one stands
+        shutil.rmtree(tmp, ignore_errors=True)
+        e.path = final / e.path.relative_to(tmp) if e.path.is_relative_to(tmp) else e.path
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():  # a re-run of the same step replaces it
         _remove(final)
     os.rename(tmp, final)
@@ -89,10 +108,15 @@ def save_best(run_dir: Path, step: int, drafter_config: DrafterConfig, drafter_s
     swapped in, so a kill leaves the previous best or the new one, never a mix."""
     best, tmp, old = run_dir / BEST, run_dir / f".tmp-{BEST}", run_dir / f".old-{BEST}"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_drafter_state(drafter_config, drafter_state, tmp)
-    (tmp / BEST_RECORD).write_text(json.dumps({"step": step, "metric": metric, "value": value}) + "\n")
-    for p in [*sorted(tmp.iterdir()), tmp]:
-        fsync_path(p)
+    try:
+        save_drafter_state(drafter_config, drafter_state, tmp)
+        with disk_full_is_an_error(best / BEST_RECORD, f"the best drafter's record (step {step})"):
+            (tmp / BEST_RECORD).write_text(json.dumps({"step": step, "metric": metric, "value": value}) + "\n")
+            for p in [*sorted(tmp.iterdir()), tmp]:
+                fsync_path(p)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous best stands
+        raise
     shutil.rmtree(old, ignore_errors=True)
     if best.exists():
         os.rename(best, old)
@@ -186,30 +210,13 @@ def load_trainer_state(path: Path, verify: bool = True) -> dict:
     return torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
 
 
-class RunLock:
-    """An exclusive lock on a run directory: a second trainer on the same run is refused.
-    flock is released by the kernel when the process dies, so a crash leaves no stale lock."""
+class RunLock(OutputLock):
+    """An exclusive lock on a run directory (RUN/.lock, naming pid and host): a second trainer on
+    the same run is refused. flock is released by the kernel when the process dies, so a crash
+    leaves no lock that blocks: its file is taken over with a message."""
 
     def __init__(self, run_dir: Path) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / ".lock"
-        self._file = open(self.path, "a+")
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._file.close()
-            raise FlashdraftError(
-                f"{run_dir}: another trainer holds this run directory (lock {self.path}); "
-                f"wait for it or use another --out"
-            ) from None
-        self._file.seek(0)
-        self._file.truncate()
-        self._file.write(f"pid {os.getpid()}\n")
-        self._file.flush()
-
-    def release(self) -> None:
-        fcntl.flock(self._file, fcntl.LOCK_UN)
-        self._file.close()
+        super().__init__(run_dir / ".lock", run_dir, "trainer")
 
 
 # -- a drafter from any form ----------------------------------------------------------------

@@ -1,5 +1,7 @@
 """`python -m tests.fault_runner DELAY ARGS...`: the flashdraft CLI with DELAY seconds of sleep
-added to each unit of work (a generate batch, a cached record, a training micro-batch).
+added to each unit of work (a generate batch, a cached record, a training micro-batch), and
+5 x DELAY to each checkpoint, after its drafter is written and before its trainer state (a
+window for a second signal to land inside a save).
 
 A tiny random target does that work in milliseconds; the delay spreads a run over a few
 seconds so that a kill at a random moment lands inside it (test_faults.py). Sleeping changes
@@ -13,6 +15,7 @@ import time
 
 import flashdraft.data.cache as cache
 import flashdraft.data.completions as completions
+import flashdraft.run_dir as run_dir
 import flashdraft.train.loop as loop
 from flashdraft.cli import main
 
@@ -26,9 +29,20 @@ def slowed(fn, seconds: float):
     return wrapper
 
 
+def slowed_after(fn, seconds: float):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        time.sleep(seconds)
+        return result
+
+    return wrapper
+
+
 if __name__ == "__main__":
     delay = float(sys.argv[1])
     completions.generate_batch = slowed(completions.generate_batch, delay)
     cache._cache_record = slowed(cache._cache_record, delay)
     loop.forward_loss = slowed(loop.forward_loss, delay)
+    run_dir.save_drafter_state = slowed_after(run_dir.save_drafter_state, 5 * delay)
     sys.exit(main(sys.argv[2:]))

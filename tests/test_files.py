@@ -1,12 +1,15 @@
 """File modes: every file flashdraft writes gets 0666 less the umask, like any program's files, so
 a server running as another user (a container) can read the weights. safetensors' `save_file`
-alone creates 0600."""
+alone creates 0600. And one writer per output (`OutputLock`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from flashdraft.checkpoint import save_drafter
-from flashdraft.files import current_umask, write_atomic
+from flashdraft.errors import FlashdraftError
+from flashdraft.files import OutputLock, current_umask, write_atomic
 from flashdraft.run_dir import save_best, save_checkpoint
 from tests.conftest import make_drafter, save_target
 from tests.data.conftest import run_cli, write_prompts
@@ -89,3 +93,28 @@ def test_completions_cache_and_eval_files_honour_the_umask(qwen3_dir, tmp_path, 
     assert {f.name for f in files} >= {"manifest.json", "shard-00000.safetensors", "topk-00000.safetensors"}
     assert json.loads((tmp_path / "e.json").read_text())  # the eval really wrote its figures
     assert {f.name: oct(mode(f)) for f in files} == {f.name: oct(expected) for f in files}
+
+
+# -- one writer per output ---------------------------------------------------------------------
+
+
+def test_a_second_writer_of_an_output_is_refused_naming_the_holders_pid_host_and_lock(tmp_path):
+    lock, out = tmp_path / "out.lock", tmp_path / "out"
+    with OutputLock(lock, out, "flashdraft cache"):
+        with pytest.raises(FlashdraftError) as refused:
+            OutputLock(lock, out, "flashdraft cache")
+    assert str(refused.value) == (f"{out}: another flashdraft cache (pid {os.getpid()} on host {socket.gethostname()}) "
+                                  f"is writing it (lock {lock}); wait for it to finish, stop it, or use another --out")
+    assert not lock.exists()  # released: removed, so a finished output carries no lock file
+    OutputLock(lock, out, "flashdraft cache").release()  # and free for the next writer
+
+
+def test_the_lock_left_by_a_dead_writer_on_this_host_is_taken_over_with_a_message(tmp_path, capsys):
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    lock, host = tmp_path / ".lock", socket.gethostname()
+    lock.write_text(f"pid {dead.pid}\nhost {host}\n")  # what a killed writer leaves (the kernel dropped its flock)
+    with OutputLock(lock, tmp_path, "flashdraft cache"):
+        assert lock.read_text() == f"pid {os.getpid()}\nhost {host}\n"
+    assert capsys.readouterr().out == (f"{tmp_path}: taking over the lock {lock} left by pid {dead.pid} on host {host} "
+                                       f"(no longer running)\n")  # fmt: skip

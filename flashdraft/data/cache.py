@@ -14,6 +14,7 @@ Layout of DIR (field by field in docs/data-formats.md):
     shard-00000.safetensors       input_ids [N] int32, loss_mask [N] bool, context_features [N, n * H]
     topk-00000.safetensors        values [N, k] float32, indices [N, k] int32 (--with-target-logits k)
     .progress/                    while building: settings.json, shard-00000.json per finished shard
+    .lock                         while a run writes: its pid and host (`flashdraft.files.OutputLock`)
 
 Shard k holds records [k * R, (k + 1) * R) concatenated on the token axis. A shard is
 written to a temporary file and renamed, then its `.progress` entry is written: a killed
@@ -31,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,16 +44,26 @@ from safetensors.torch import save_file
 from flashdraft.checks import Checks
 from flashdraft.config import LAYER_ORDER_RULE, strictly_increasing
 from flashdraft.data.completions import CompletionRecord, Completions
-from flashdraft.distributed import Dist
-from flashdraft.errors import FlashdraftError
-from flashdraft.files import sha256_file, write_atomic, write_json_atomic
+from flashdraft.distributed import Dist, any_rank, on_main
+from flashdraft.errors import FlashdraftError, Interrupted
+from flashdraft.files import (
+    DiskFullError,
+    format_bytes,
+    free_bytes,
+    nbytes,
+    sha256_file,
+    write_atomic,
+    write_json_atomic,
+)
 from flashdraft.progress import Progress
+from flashdraft.stop import StopRequests
 from flashdraft.target import TargetModel
 
 FORMAT = "flashdraft.hidden-state-cache"
 VERSION = 1
 MANIFEST = "manifest.json"
 PROGRESS = ".progress"
+LOCK = ".lock"  # while a cache run writes the directory (`flashdraft.files.OutputLock`)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 AUTO = "auto"  # --dtype auto: store features in the dtype the target computes them in
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -81,12 +93,38 @@ def resolve_dtype_flag(dtype: str, target_dtype: torch.dtype) -> str:
     return dtype
 
 
-def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def _save_atomic(tensors: dict[str, torch.Tensor], path: Path, what: str = "") -> None:
     """Write a safetensors file whole or not at all. No metadata: safetensors writes a
     multi-key metadata dict in varying order, and shards must be byte-reproducible."""
 
     # write_atomic gives the file the umask's mode (safetensors creates it 0600)
-    write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)))
+    write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)), what,
+                 nbytes(tensors))  # fmt: skip
+
+
+def estimate_bytes(records: list[CompletionRecord], width: int, dtype: torch.dtype, topk: int) -> int:
+    """Bytes the shards of `records` take: per token the features (width = layers x hidden, in
+    `dtype`), the int32 id and the bool mask, and with top-k logits k float32 values and int32
+    indices; safetensors' headers are a few hundred bytes a file."""
+    tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in records)
+    return tokens * (width * dtype.itemsize + 4 + 1 + topk * 8)
+
+
+def _check_space(directory: Path, records: list[CompletionRecord], width: int, layers: int, dtype: torch.dtype,
+                 topk: int, force: bool) -> int:  # fmt: skip
+    """Refuse a cache that its filesystem cannot hold, before hours of target forwards (unless
+    `force`); returns the estimate in bytes."""
+    needed, free = estimate_bytes(records, width, dtype, topk), free_bytes(directory)
+    if free is not None and needed > free and not force:
+        tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in records)
+        logits = f", plus top-{topk} logits" if topk else ""
+        raise FlashdraftError(
+            f"{directory}: the cache still to write needs about {format_bytes(needed)} ({tokens} tokens of "
+            f"{len(records)} records x {layers} layers x {width // layers} hidden x {dtype.itemsize} bytes "
+            f"({DTYPE_NAMES[dtype]}){logits}), its filesystem has {format_bytes(free)} free; free space, choose "
+            f"another --out, or give --force to try anyway"
+        )
+    return needed
 
 
 # -- building ----------------------------------------------------------------------------
@@ -128,8 +166,10 @@ def _cache_record(
 
 def _build_shard(
     target: TargetModel, directory: Path, k: int, records: list[CompletionRecord], settings: dict, dist: Dist,
-    bar: Progress,
-) -> dict:  # fmt: skip
+    bar: Progress, stop: StopRequests | None = None,
+) -> dict | None:  # fmt: skip
+    """Compute and write shard k; None when a stop was requested first (after the record in
+    flight: nothing of the shard is written, a re-run computes it again)."""
     dtype = DTYPES[settings["dtype_flag"]]
     # the shard's tensors, allocated once and filled record by record: one shard of features in
     # memory at a time (not the per-record pieces plus their concatenation)
@@ -156,7 +196,10 @@ def _build_shard(
         entries.append({"id": r.id, "offset": offset, "length": n, "prompt_length": len(r.prompt_ids)})
         offset += n
         del item, features
-    _save_atomic(shard, directory / shard_name(k))
+        if stop is not None and stop.requested:
+            return None
+    what = f"cache shard {k} (records {records[0].id} to {records[-1].id})"
+    _save_atomic(shard, directory / shard_name(k), what)
     meta = {
         "index": k,
         "file": shard_name(k),
@@ -167,7 +210,7 @@ def _build_shard(
         "records": entries,
     }
     if topk:
-        _save_atomic(logits, directory / topk_name(k))
+        _save_atomic(logits, directory / topk_name(k), f"the top-{topk} logits of {what}")
         meta |= {"topk_file": topk_name(k), "topk_bytes": (directory / topk_name(k)).stat().st_size,
                  "topk_sha256": sha256_file(directory / topk_name(k))}  # fmt: skip
     write_json_atomic(directory / PROGRESS / f"shard-{k:05d}.json", meta, indent=1)  # the shard's commit marker
@@ -210,9 +253,12 @@ def build_cache(
     topk: int = 0,
     num_records: int | None = None,
     dist: Dist | None = None,
+    force: bool = False,
 ) -> Path:
     """Build (or resume) the cache of `completions` in `out`; returns its directory. `dtype`:
-    bf16/fp16/fp32, or auto = the dtype the target computes in (exact offline τ)."""
+    bf16/fp16/fp32, or auto = the dtype the target computes in (exact offline τ). A cache its
+    filesystem cannot hold is refused before any forward unless `force`. SIGTERM/SIGINT stop
+    it after the record in flight (`Interrupted`), the finished shards kept for a re-run."""
     dist = dist or Dist()
     directory = Path(out)
     dtype = resolve_dtype_flag(dtype, target.dtype)  # the settings hold the resolved dtype: a resume compares it
@@ -229,23 +275,44 @@ def build_cache(
     }
     computed_with = {"device": target.device.type, "target_dtype": DTYPE_NAMES.get(target.model.dtype,
                      str(target.model.dtype)), "linear_backend": target.linear_backend}  # fmt: skip
-    if dist.is_main:
-        _check_or_write_settings(directory, settings)
-    dist.barrier()
+    on_main(dist, lambda: _check_or_write_settings(directory, settings), f"{directory}: its settings check")
 
     shards = [records[i : i + records_per_shard] for i in range(0, len(records), records_per_shard)]
     finished = _finished_shards(directory)
     todo = [k for k, shard in enumerate(shards) if not _is_finished(directory, finished.get(k), shard, topk)]
     mine = [k for k in todo if k % dist.world == dist.rank]
+    width, feature_dtype = len(layer_ids) * target.hidden_size, DTYPES[dtype]
+    left = [r for k in todo for r in shards[k]]
+    needed = on_main(dist, lambda: _check_space(directory, left, width, len(layer_ids), feature_dtype, topk, force),
+                     f"{directory}: its free-space check")  # fmt: skip
     if dist.is_main:
         print(
             f"caching {len(records)} records in {len(shards)} shards to {directory}: layers {layer_ids}, "
-            f"{settings['dtype']}, {len(shards) - len(todo)} shards already done"
+            f"{settings['dtype']}, {len(shards) - len(todo)} shards already done, about {format_bytes(needed)} "
+            f"to write"
         )
-    with Progress(total=sum(len(shards[k]) for k in mine), desc=f"{dist.prefix()}cache", unit="record") as bar:
-        for k in mine:
-            _build_shard(target, directory, k, shards[k], settings, dist, bar)
-    dist.barrier()  # every shard is on disk before the manifest lists them
+    built = 0
+    with StopRequests("record", dist.prefix()) as stop:
+        with Progress(total=sum(len(shards[k]) for k in mine), desc=f"{dist.prefix()}cache", unit="record") as bar:
+            for k in mine:
+                try:
+                    meta = _build_shard(target, directory, k, shards[k], settings, dist, bar, stop)
+                except DiskFullError as e:
+                    rest = [r for j in mine[built:] for r in shards[j]]
+                    e.then = (f"free about {format_bytes(estimate_bytes(rest, width, feature_dtype, topk))} for the "
+                              f"{len(mine) - built} shards still to write and re-run the same command: the finished "
+                              f"shards are kept")  # fmt: skip
+                    raise
+                if meta is None:
+                    break
+                built += 1
+        # every shard is on disk before the manifest lists them; a stop on any rank stops all
+        if any_rank(stop.requested):
+            signum = stop.signum or signal.SIGTERM  # a rank that got no signal stops with its peers
+            metas = _finished_shards(directory)
+            done = sum(_is_finished(directory, metas.get(k), shard, topk) for k, shard in enumerate(shards))
+            raise Interrupted(signum, f"{signal.Signals(signum).name}: {done} of {len(shards)} shards finished in "
+                              f"{directory} (the one in flight is computed again)" if dist.is_main else "")  # fmt: skip
 
     if dist.is_main:
         _finish(directory, target, completions, shards, settings, computed_with)
@@ -320,7 +387,7 @@ def _check_or_write_settings(directory: Path, settings: dict) -> None:
                  "hidden_size": m["hidden_size"], "dtype": m["dtype"], "dtype_flag": dtype_flag,
                  "records_per_shard": m["records_per_shard"],
                  "topk": (m.get("target_topk") or {}).get("k", 0)}  # fmt: skip
-    elif any(directory.iterdir()):
+    elif any(p.name != LOCK for p in directory.iterdir()):
         raise FlashdraftError(f"{directory}: exists and is not a flashdraft cache; expected an empty or new directory")
     if found is not None:
         for key, value in settings.items():
@@ -744,18 +811,25 @@ def run_cache(
     allow_foreign: bool = False,
     device: str | None = None,
     target_dtype: str | None = None,
+    force: bool = False,
 ) -> Path:
-    """`flashdraft cache`, one rank of it under torchrun."""
+    """`flashdraft cache`, one rank of it under torchrun. `force`: write even when the estimate
+    says the filesystem cannot hold the cache."""
     from flashdraft.data.completions import load_completions
-    from flashdraft.distributed import init_distributed, load_dtype, pick_device
+    from flashdraft.distributed import init_distributed, load_dtype, lock_on_main, pick_device
 
     dist = init_distributed()
+    lock = None
     try:
+        # before the target loads (minutes for a large one): a second writer of OUT is refused at once
+        lock = lock_on_main(dist, Path(out) / LOCK, Path(out), "flashdraft cache")
         dev = pick_device(dist, device)
         target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))
         layer_ids = resolve_layer_ids(target, layers, draft_config)
         loaded = load_completions(completions, target, allow_foreign=allow_foreign, quiet=not dist.is_main)
         return build_cache(target, loaded, out, layer_ids, dtype, records_per_shard, with_target_logits,
-                           num_prompts, dist)  # fmt: skip
+                           num_prompts, dist, force)  # fmt: skip
     finally:
+        if lock is not None:
+            lock.release()
         dist.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -36,9 +37,11 @@ from flashdraft.data.prompts import (
     prompt_token_limit,
     render_conversation,
 )
-from flashdraft.distributed import Dist
-from flashdraft.errors import FlashdraftError
+from flashdraft.distributed import Dist, any_rank
+from flashdraft.errors import FlashdraftError, Interrupted
+from flashdraft.files import DiskFullError, append_whole, write_text_atomic
 from flashdraft.progress import Progress as tqdm  # plain lines in logs; the name generate_completions uses
+from flashdraft.stop import StopRequests
 from flashdraft.target import TargetModel
 
 FORMAT = "flashdraft.completions"
@@ -355,12 +358,7 @@ def _write_final(out: Path, header: dict, records: list[dict]) -> None:
     text = json.dumps(head, indent=1)[:-2] + ',\n "records": [\n'
     text += ",\n".join(json.dumps(r, ensure_ascii=False) for r in records)
     text += "\n ]\n}\n"
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    write_text_atomic(out, text, f"the {len(records)} merged completion records")
 
 
 def _prompt_chars(prompt: Prompt) -> int:
@@ -398,24 +396,44 @@ def generate_completions(
         complete = local_completer(target, settings)
 
     long_prompts: dict[str, int] = {}
-    if mine:
-        part = out.with_name(f"{out.name}.part{dist.rank}.jsonl")
-        _cut_incomplete_line(part)
-        with open(part, "a", encoding="utf-8") as f, tqdm(total=len(mine), desc=f"{dist.prefix()}generate",
-                                                          unit="prompt") as bar:  # fmt: skip
-            if f.tell() == 0:
-                f.write(json.dumps(header) + "\n")
-            for start in range(0, len(mine), batch_size):
-                batch = mine[start : start + batch_size]
-                records = _answer_turns(target, batch, settings, complete, long_prompts)
-                f.write("".join(record_json(r) + "\n" for r in records))
-                f.flush()
-                os.fsync(f.fileno())
-                bar.update(len(batch))
-    note = describe_long_prompts(long_prompts, prompt_token_limit(target.context_length, settings.max_new_tokens))
-    if note:
-        print(f"{dist.prefix()}{note} (--long-prompts {settings.long_prompts})")
-    dist.barrier()  # every part is complete before rank 0 merges
+    answered = 0
+    part = out.with_name(f"{out.name}.part{dist.rank}.jsonl")
+    # SIGTERM/SIGINT: finish the batch in flight (its records appended whole), then stop
+    with StopRequests("batch", dist.prefix()) as stop:
+        if mine:
+            _cut_incomplete_line(part)
+            fd = os.open(part, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            try:
+                with tqdm(total=len(mine), desc=f"{dist.prefix()}generate", unit="prompt") as bar:
+                    if os.fstat(fd).st_size == 0:
+                        append_whole(fd, (json.dumps(header) + "\n").encode(), part, "the part file's header")
+                    for start in range(0, len(mine), batch_size):
+                        if stop.requested:
+                            break
+                        batch = mine[start : start + batch_size]
+                        records = _answer_turns(target, batch, settings, complete, long_prompts)
+                        # a batch's records are appended whole or not at all: a full disk loses only them
+                        append_whole(fd, "".join(record_json(r) + "\n" for r in records).encode(), part,
+                                     f"the completions of {len(batch)} prompts")  # fmt: skip
+                        answered += len(batch)
+                        bar.update(len(batch))
+            except DiskFullError as e:
+                e.then = (f"free space and re-run the same command: the records already in {part.name} are kept, "
+                          f"{len(mine) - answered} prompts{' of this rank' if dist.world > 1 else ''} "
+                          f"remain")  # fmt: skip
+                raise
+            finally:
+                os.close(fd)
+        note = describe_long_prompts(long_prompts, prompt_token_limit(target.context_length,
+                                                                      settings.max_new_tokens))  # fmt: skip
+        if note:
+            print(f"{dist.prefix()}{note} (--long-prompts {settings.long_prompts})")
+        # every rank has finished or stopped (its part complete) before rank 0 merges; all stop together
+        if any_rank(stop.requested):
+            signum = stop.signum or signal.SIGTERM  # a rank that got no signal stops with its peers
+            told = f"{answered} of {len(mine)} prompts answered" + (" by rank 0" if dist.world > 1 else "")
+            raise Interrupted(signum, f"{signal.Signals(signum).name}: {told}, their records kept in {part} (not "
+                              f"merged into {out} yet)" if dist.is_main else "")  # fmt: skip
     if dist.is_main and (todo or _part_paths(out)):
         done = _read_existing(out, header)
         order = [p.record_id(t) for p in prompts for t in range(len(p.turns))]
@@ -555,7 +573,7 @@ def run_generate(
     target's template where it has one; long_prompts: what to do with a prompt longer than the
     target's context minus max_new_tokens ("error", "skip" or "truncate")."""
     from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, load_prompts
-    from flashdraft.distributed import init_distributed, load_dtype, pick_device
+    from flashdraft.distributed import init_distributed, load_dtype, lock_on_main, pick_device
 
     if backend == "openai" and not base_url:
         raise FlashdraftError("--backend openai needs --base-url (the server, e.g. http://localhost:8000/v1)")
@@ -564,7 +582,10 @@ def run_generate(
     if long_prompts not in LONG_PROMPT_POLICIES:
         raise FlashdraftError(f"--long-prompts {long_prompts}: expected one of {', '.join(LONG_PROMPT_POLICIES)}")
     dist = init_distributed()
+    lock = None
     try:
+        # before the target loads (minutes for a large one): a second writer of OUT is refused at once
+        lock = lock_on_main(dist, Path(out).with_name(Path(out).name + ".lock"), Path(out), "flashdraft generate")
         dev = pick_device(dist, "cpu" if backend == "openai" else device)
         target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))
         prompt_list = load_prompts(prompts, num_prompts, quiet=not dist.is_main)
@@ -583,4 +604,6 @@ def run_generate(
         )  # fmt: skip
         return generate_completions(target, prompt_list, out, settings, batch_size, dist, client)
     finally:
+        if lock is not None:
+            lock.release()
         dist.close()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import time
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
@@ -20,12 +22,23 @@ from pathlib import Path
 import torch
 
 from flashdraft.checkpoint import load_drafter
-from flashdraft.distributed import Dist, all_reduce_sum, full_state_dict, no_grad_sync, unwrap, wrap_model
-from flashdraft.errors import FlashdraftError
+from flashdraft.distributed import (
+    Dist,
+    all_reduce_sum,
+    any_rank,
+    full_state_dict,
+    no_grad_sync,
+    on_main,
+    unwrap,
+    wrap_model,
+)
+from flashdraft.errors import FlashdraftError, Interrupted
+from flashdraft.files import DiskFullError, append_whole, write_text_atomic
 from flashdraft.model import DFlashDrafter
 from flashdraft.offline import evaluate_offline
 from flashdraft.progress import Progress
 from flashdraft.run_dir import (
+    CHECKPOINTS,
     RunLock,
     latest_checkpoint,
     load_trainer_state,
@@ -34,6 +47,7 @@ from flashdraft.run_dir import (
     save_best,
     save_checkpoint,
 )
+from flashdraft.stop import StopRequests
 from flashdraft.target import TargetModel
 from flashdraft.train.data import Batch, add_context_noise, make_batch, record_generator
 from flashdraft.train.loss import block_loss, estimated_acceptance, label_weight_total
@@ -125,8 +139,10 @@ class MetricsWriter:
                     kept.append(line)
             except (json.JSONDecodeError, KeyError, TypeError):
                 pass
-        path.write_text("".join(kept))
-        self.file = open(path, "a")
+        write_text_atomic(path, "".join(kept), "the metrics kept from before the resumed step")
+        self.path = path
+        # rows are appended whole or not at all (`append_whole`): a full disk leaves complete rows
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         self.tb = self.wandb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -144,8 +160,8 @@ class MetricsWriter:
             self.wandb = wandb.init(project="flashdraft", dir=str(run_dir), config=config)
 
     def write(self, step: int, metrics: dict) -> None:
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.file.flush()
+        append_whole(self.fd, (json.dumps({"step": step, **metrics}) + "\n").encode(), self.path,
+                     f"the metrics row of step {step}")  # fmt: skip
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         if self.tb is not None:
             for k, v in scalars.items():
@@ -154,7 +170,7 @@ class MetricsWriter:
             self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
-        self.file.close()
+        os.close(self.fd)
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
@@ -257,7 +273,7 @@ def _write_run_config(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict:
                 f"{config_path}: --resume with a different configuration ({', '.join(sorted(changed))}); "
                 f"resume with the run's own settings or start a new --out"
             )
-    config_path.write_text(json.dumps(config_dict, indent=2) + "\n")
+    write_text_atomic(config_path, json.dumps(config_dict, indent=2) + "\n", "the run's configuration")
     print("training configuration:", json.dumps(config_dict), flush=True)
     return config_dict
 
@@ -402,9 +418,8 @@ def _keep_if_best(run_dir: Path, step: int, model, held_out: dict, best: dict | 
     if best is not None and best["metric"] == name and score <= best_metric({name: best["value"]})[1]:
         return best
     full = full_state_dict(model, cfg.fsdp)
-    if dist.is_main:
-        save_best(run_dir, step, unwrap(model).config, full, name, value)
-    dist.barrier()
+    on_main(dist, lambda: save_best(run_dir, step, unwrap(model).config, full, name, value),
+            f"step {step}: writing {run_dir / 'best'}")  # fmt: skip
     return {"step": step, "metric": name, "value": value}
 
 
@@ -412,12 +427,15 @@ def _save(run_dir: Path, step: int, model, optimizer: Optimizers, cfg: TrainConf
           num_records: int, dist: Dist) -> None:  # fmt: skip
     """A checkpoint of everything resume needs (gathered from all ranks under FSDP)."""
     full = full_state_dict(model, cfg.fsdp)
-    if dist.is_main:
+
+    def save() -> None:
         trainer_state = {"step": step, "optimizer": optimizer.state_dict(),
                          "torch_rng": torch.get_rng_state(), "num_records": num_records, "world_size": dist.world,
                          "config": config_dict}  # fmt: skip
         save_checkpoint(run_dir, step, unwrap(model).config, full, trainer_state, cfg.keep_checkpoints)
-    dist.barrier()
+
+    # the other ranks wait for rank 0's save, and stop with it when it failed (a full disk)
+    on_main(dist, save, f"step {step}: writing its checkpoint")
 
 
 def train(
@@ -453,6 +471,7 @@ def train(
     cfg.target_fingerprint = cfg.target_fingerprint or target.fingerprint()
     steps_per_epoch, total_steps = _steps(cfg, len(records), dist.world)
     lock = RunLock(run_dir) if dist.is_main else None
+    writer = None
     try:
         config_dict = _write_run_config(cfg, run_dir, resume) if dist.is_main else asdict(cfg)
         drafter.to(dist.device).train()
@@ -465,42 +484,59 @@ def train(
                        disable=not dist.is_main, dynamic_ncols=True)  # fmt: skip
         window = Window()
         best = read_best(run_dir) if resume else None
-        for step in bar:
-            epoch = step // steps_per_epoch
-            micro_batches, indices = global_batch(cfg, records, step, steps_per_epoch, dist)
-            result = forward_backward(model, target, micro_batches, cfg, dist)
-            if result.weight_total == 0:
-                raise FlashdraftError(f"step {step}: records {indices} have no supervised completion tokens")
-            if not math.isfinite(result.loss):
-                raise FlashdraftError(
-                    f"step {step}: loss is {result.loss} on records {indices} (epoch {epoch})"
-                    f"{_nonfinite_input(micro_batches, records)}; stopped, last good checkpoint kept in "
-                    f"{run_dir / 'checkpoints'}"
-                )
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-            optimizer.step()
-            optimizer.zero_grad()
-            if on_step is not None:
-                on_step(step)
+        # SIGTERM/SIGINT: finish the step in flight, checkpoint it, stop (a second signal changes nothing)
+        with StopRequests("step", dist.prefix()) as stop:
+            for step in bar:
+                epoch = step // steps_per_epoch
+                micro_batches, indices = global_batch(cfg, records, step, steps_per_epoch, dist)
+                result = forward_backward(model, target, micro_batches, cfg, dist)
+                if result.weight_total == 0:
+                    raise FlashdraftError(f"step {step}: records {indices} have no supervised completion tokens")
+                if not math.isfinite(result.loss):
+                    raise FlashdraftError(
+                        f"step {step}: loss is {result.loss} on records {indices} (epoch {epoch})"
+                        f"{_nonfinite_input(micro_batches, records)}; stopped, last good checkpoint kept in "
+                        f"{run_dir / 'checkpoints'}"
+                    )
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+                optimizer.step()
+                optimizer.zero_grad()
+                if on_step is not None:
+                    on_step(step)
 
-            window.add(result, micro_batches, dist.world)
-            done = step + 1
-            if done % cfg.log_every == 0 or done == total_steps:
-                _log(bar, writer, done, window.metrics(optimizer.last_lr(), grad_norm, epoch))
-                window = Window()
-            if cfg.eval_every and (done % cfg.eval_every == 0 or done == total_steps):
-                held_out = held_out_metrics(model, target, cfg, dist, eval_records, eval_tau_records)
-                if writer is not None and held_out:
-                    writer.write(done, held_out)
-                    bar.write(f"step {done}: " + ", ".join(f"{k} {v:.3f}" for k, v in held_out.items()
-                                                           if isinstance(v, float)))  # fmt: skip
-                if cfg.keep_best:
-                    best = _keep_if_best(run_dir, done, model, held_out, best, cfg, dist)
-            if done % cfg.save_every == 0 or done == total_steps:
-                _save(run_dir, done, model, optimizer, cfg, config_dict, len(records), dist)
+                window.add(result, micro_batches, dist.world)
+                done = step + 1
+                if done % cfg.log_every == 0 or done == total_steps:
+                    _log(bar, writer, done, window.metrics(optimizer.last_lr(), grad_norm, epoch))
+                    window = Window()
+                if cfg.eval_every and (done % cfg.eval_every == 0 or done == total_steps):
+                    held_out = held_out_metrics(model, target, cfg, dist, eval_records, eval_tau_records)
+                    if writer is not None and held_out:
+                        writer.write(done, held_out)
+                        bar.write(f"step {done}: " + ", ".join(f"{k} {v:.3f}" for k, v in held_out.items()
+                                                               if isinstance(v, float)))  # fmt: skip
+                    if cfg.keep_best:
+                        best = _keep_if_best(run_dir, done, model, held_out, best, cfg, dist)
+                saved = done % cfg.save_every == 0 or done == total_steps
+                if saved:
+                    _save(run_dir, done, model, optimizer, cfg, config_dict, len(records), dist)
+                # every rank stops after the same step: one scalar all-reduce of "a signal came here"
+                if done < total_steps and any_rank(stop.requested):
+                    if not saved:
+                        _save(run_dir, done, model, optimizer, cfg, config_dict, len(records), dist)
+                    bar.n = done  # the bar's count lags behind its loop; the line it closes with says where
+                    bar.close()
+                    signum = stop.signum or signal.SIGTERM  # a rank that got none stops with its peers
+                    where = run_dir / CHECKPOINTS / f"step-{done:07d}"
+                    raise Interrupted(signum, f"{signal.Signals(signum).name} after step {done} of {total_steps}: "
+                                      f"checkpoint {where}" if dist.is_main else "", "--resume")  # fmt: skip
+    except DiskFullError as e:
+        e.then = ("free space (or move the run) and re-run the same command with --resume: it continues from the "
+                  "newest complete checkpoint")  # fmt: skip
+        raise
+    finally:
         if writer is not None:
             writer.close()
-    finally:
         if lock is not None:
             lock.release()
     return unwrap(model)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,5 +205,12 @@ def run_training(
         if dist.is_main:
             print(f"done: drafter in {final / 'drafter'}", flush=True)
         return final
+    except BaseException as e:
+        # the traceback keeps the loop's frame, and with it DDP and its buffers, alive past the
+        # process group's end below; their destructors then wait on a group that is gone (a rank
+        # that stopped on SIGTERM hung at exit): drop the frames' locals first (the trace stays)
+        traceback.clear_frames(e.__traceback__)
+        gc.collect()
+        raise
     finally:
         dist.close()

@@ -318,3 +318,23 @@ def test_listing_records_for_eval_reads_token_ids_only_and_features_on_demand(
     ]
     assert torch.equal(records[3].stored_features(), expected[3]) and reads == [3]
     assert records[3].feature_dtype == cache.dtype == torch.float32  # eval reads the cache's dtype from here
+
+
+def test_a_cache_its_filesystem_cannot_hold_is_refused_before_any_forward_unless_forced(
+    hybrid_dir, completions, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(cache_module, "free_bytes", lambda path: 1000)  # a filesystem with 1 KB free
+    out = tmp_path / "cache"
+    argv = ["cache", "--target-model", str(hybrid_dir), "--completions", str(completions), "--out", str(out),
+            "--layers", "0,2", "--dtype", "bf16"]  # fmt: skip
+    assert run_cli(argv) == 2
+    tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in load_completions(completions, quiet=True))
+    needed = tokens * (2 * 64 * 2 + 4 + 1)  # features of 2 layers x 64 hidden in bf16, int32 id, bool mask
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: {out}: the cache still to write needs about {needed / 1000:.1f} KB ({tokens} tokens of 5 records x 2 "
+        f"layers x 64 hidden x 2 bytes (bfloat16)), its filesystem has 1.0 KB free; free space, choose another "
+        f"--out, or give --force to try anyway"
+    )
+    assert not list(out.glob("*.safetensors")) and not (out / ".lock").exists()
+    assert run_cli(argv + ["--force"]) == 0
+    assert len(HiddenStateCache(out)) == 5
