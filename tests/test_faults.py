@@ -64,7 +64,9 @@ def ref(tmp_path_factory) -> dict:
                   "--dtype", "fp32", "--records-per-shard", 2],
         "train": ["train", "--target-model", root / "target", "--cached-hidden-states", root / "cache",
                   "--epochs", 2, "--max-steps", 30, "--batch-size", 2, "--num-anchors", 8, "--block-size", 4,
-                  "--draft-layers", 1, "--target-layer-ids", "0,2", "--save-every", 1, "--log-every", 1],
+                  "--draft-layers", 1, "--target-layer-ids", "0,2", "--save-every", 1, "--log-every", 1,
+                  # AdamW's two moments make trainer.pt larger than the weights: the full-disk test fits one, not both
+                  "--optimizer", "adamw"],
     }  # fmt: skip
     args = {k: [str(a) for a in v] for k, v in args.items()}
     assert main(args["generate"] + ["--out", str(root / "c.json")]) == 0
