@@ -5,9 +5,10 @@ equals live decoding). Prints one JSON line per run and a closing JSON summary.
     python benchmarks/recipe.py --work WORKDIR --steps 1500 \
         --runs decay dpace-0.5 [--threads 1]
 
-A run is a shorthand of dash-separated parts: `decay` (today's recipe), `dpace-A` (D-PACE,
-alpha A), `anchors-N` (N anchors per sequence, default 16), `muon` (Muon + AdamW), `lr-X`
-(learning rate, default 6e-3): e.g. `dpace-0.5-anchors-64-muon`. Every stage is one
+A run is a shorthand of dash-separated parts, each naming what differs from the published
+recipe (decay + AdamW, which `decay` alone names): `dpace-A` (D-PACE, alpha A), `muon` (Muon +
+AdamW), `anchors-N` (N anchors per sequence, default 16), `lr-X` (learning rate, default 6e-3),
+`vocab-N` (an own LM head over N tokens): e.g. `dpace-0.5-muon` (flashdraft's defaults). Every stage is one
 `flashdraft` command and resumes: outputs that exist are reused, so re-running continues.
 The validation set (`builtin:stdlib:heldout:64`) and the code set (`builtin:code:heldout`,
 never trained on) are both reported.
@@ -46,26 +47,29 @@ def flashdraft(args: list[str], log: Path | None = None) -> None:
 def run_flags(name: str) -> list[str]:
     """Train flags of a run shorthand (module docstring)."""
     flags, parts = [], name.split("-")
-    anchors = "16"
+    anchors, weighting, optimizer = "16", ["--loss-weighting", "decay"], ["--optimizer", "adamw"]
     i = 0
     while i < len(parts):
         if parts[i] == "decay":
-            flags += ["--loss-weighting", "decay"]
+            weighting = ["--loss-weighting", "decay"]
         elif parts[i] == "dpace":
-            flags += ["--loss-weighting", "dpace", "--dpace-alpha", parts[i + 1]]
+            weighting = ["--loss-weighting", "dpace", "--dpace-alpha", parts[i + 1]]
             i += 1
         elif parts[i] == "anchors":
             anchors = parts[i + 1]
             i += 1
         elif parts[i] == "muon":
-            flags += ["--optimizer", "muon"]
+            optimizer = ["--optimizer", "muon"]
+        elif parts[i] == "vocab":
+            flags += ["--draft-vocab-size", parts[i + 1]]
+            i += 1
         elif parts[i] == "lr":
             flags += ["--lr", parts[i + 1]]
             i += 1
         else:
             raise SystemExit(f"unknown run part {parts[i]!r} in {name!r}")
         i += 1
-    return [*flags, "--num-anchors", anchors]
+    return [*weighting, *optimizer, *flags, "--num-anchors", anchors]
 
 
 def main() -> None:
