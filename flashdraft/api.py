@@ -30,17 +30,7 @@ from flashdraft.run_dir import LoadedDrafter, load_any_drafter
 from flashdraft.target import TargetModel
 from flashdraft.train.loop import TrainConfig
 
-__all__ = [
-    "Drafter",
-    "FlashdraftError",
-    "GenerationResult",
-    "Target",
-    "TrainConfig",
-    "cache_hidden_states",
-    "evaluate_drafter",
-    "generate_completions",
-    "train_drafter",
-]
+# the public names are flashdraft.__all__ (the package re-exports them from here)
 
 Prompt = str | list[int]
 
