@@ -113,24 +113,24 @@ def _with_vocabulary(
     """The drafter with the reduced vocabulary `--draft-vocab-size` asks for (chosen from the
     training records), or as it is; one it already has must agree."""
     have = drafter.config.draft_vocab_size
-    if size is None or have == size:
-        if have is not None and (cfg.fsdp or cfg.kl_weight > 0):
-            raise FlashdraftError(
-                f"draft_vocab_size {have}: a drafter with its own LM head trains without --fsdp and --kl-weight "
-                f"(its head runs outside the sharded forward; the stored top-k logits are over the full vocabulary)"
-            )
-        return drafter
-    if have is not None:
+    if size is not None and have is not None and have != size:
         raise FlashdraftError(
             f"--draft-vocab-size {size}: the drafter already has its own vocabulary of {have} (field "
             f"'draft_vocab_size'); expected the same size or no flag"
         )
-    ids = draft_vocabulary(records, size, target.vocab_size, [drafter.config.mask_token_id, *target.stop_token_ids])
-    if dist.is_main:
-        print(f"draft vocabulary: the {size} most frequent of the {target.vocab_size} target tokens in the training "
-              f"completions (mask and stop tokens included)", flush=True)  # fmt: skip
-    return _with_vocabulary(with_draft_vocabulary(drafter, ids, target.lm_head_weight), None, records, target, cfg,
-                            dist)  # fmt: skip
+    if size is not None and have is None:
+        ids = draft_vocabulary(records, size, target.vocab_size, [drafter.config.mask_token_id, *target.stop_token_ids])
+        if dist.is_main:
+            print(f"draft vocabulary: the {size} most frequent of the {target.vocab_size} target tokens in the "
+                  f"training completions (mask and stop tokens included)", flush=True)  # fmt: skip
+        drafter = with_draft_vocabulary(drafter, ids, target.lm_head_weight)
+    have = drafter.config.draft_vocab_size
+    if have is not None and (cfg.fsdp or cfg.kl_weight > 0):
+        raise FlashdraftError(
+            f"draft_vocab_size {have}: a drafter with its own LM head trains without --fsdp and --kl-weight "
+            f"(its head runs outside the sharded forward; the stored top-k logits are over the full vocabulary)"
+        )
+    return drafter
 
 
 def run_training(
