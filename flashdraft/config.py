@@ -163,7 +163,7 @@ class DrafterConfig:
 
     def reference_option(self, name: str) -> Any:
         """input_embedding_scale, output_multiplier or final_logit_softcapping (default if unset)."""
-        value = self.dflash_options.get(name)
+        value = (self.extra.get("dflash_config") or {}).get(name)  # no copy: read on every drafting step
         return REFERENCE_OPTIONS[name] if value is None else value
 
     @property
