@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -34,7 +35,14 @@ class Dist:
             torch.distributed.barrier()
 
     def close(self) -> None:
+        """End the process group (called from `finally`, after a run or an error)."""
         if self.world > 1 and torch.distributed.is_initialized():
+            # gloo's worker threads drop their last finished works a moment after the collective
+            # returns, and a work that holds a tensor Python also held needs the GIL to be freed;
+            # if the interpreter is already shutting down, that thread aborts the process
+            # ("terminate called without an active exception", exit -6 after a complete run).
+            # Sleeping releases the GIL so they finish first.
+            time.sleep(0.2)
             torch.distributed.destroy_process_group()
 
     def prefix(self) -> str:

@@ -164,8 +164,9 @@ def test_two_gloo_processes_ddp_and_fsdp_train_the_same_weights_as_one(tmp_path)
             "one-muon": ("1", "2", "2", "ddp", "decay", "muon"),
             "ddp-muon": ("2", "2", "1", "ddp", "decay", "muon")}  # fmt: skip
     for name, (procs, batch, accum, *options) in runs.items():
-        subprocess.run([*torchrun, "--nproc-per-node", procs, worker, str(tmp_path / name), batch, accum, *options],
-                       check=True, env=env, capture_output=True, timeout=240)  # fmt: skip
+        done = subprocess.run([*torchrun, "--nproc-per-node", procs, worker, str(tmp_path / name), batch, accum,
+                               *options], env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+        assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
     for one_name, name in (("one", "ddp"), ("one", "fsdp"), ("one-dpace", "ddp-dpace")):
         one = load_drafter(latest_checkpoint(tmp_path / one_name) / "drafter")
         other = load_drafter(latest_checkpoint(tmp_path / name) / "drafter")
