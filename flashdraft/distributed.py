@@ -140,6 +140,16 @@ def full_state_dict(model: nn.Module, fsdp: bool) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
 
 
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], fsdp: bool) -> None:
+    """Load a whole drafter state (as `full_state_dict` gives it); under FSDP each rank keeps its shards."""
+    if fsdp and torch.distributed.is_initialized():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        unwrap(model).load_state_dict(state)
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)

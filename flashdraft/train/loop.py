@@ -27,6 +27,7 @@ from flashdraft.distributed import (
     all_reduce_sum,
     any_rank,
     full_state_dict,
+    load_full_state_dict,
     no_grad_sync,
     on_main,
     unwrap,
@@ -278,7 +279,8 @@ def _write_run_config(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict:
     return config_dict
 
 
-def _resume(run_dir: Path, model, optimizer: Optimizers, num_records: int, dist: Dist, verify: bool) -> int:
+def _resume(run_dir: Path, model, optimizer: Optimizers, num_records: int, dist: Dist, verify: bool,
+            fsdp: bool) -> int:
     """Restore weights, optimizer, schedule and RNG from the newest complete checkpoint;
     returns the step to continue from (0 without one)."""
     if dist.is_main:
@@ -295,7 +297,7 @@ def _resume(run_dir: Path, model, optimizer: Optimizers, num_records: int, dist:
             f"{num_records} records on {dist.world} ranks (resume needs the same data and world size)"
         )
     saved = load_drafter(last / "drafter", device=dist.device)
-    unwrap(model).load_state_dict(saved.state_dict())
+    load_full_state_dict(model, saved.state_dict(), fsdp)
     optimizer.load_state_dict(state["optimizer"], str(last))
     torch.set_rng_state(state["torch_rng"])
     if dist.is_main:
@@ -427,9 +429,10 @@ def _save(run_dir: Path, step: int, model, optimizer: Optimizers, cfg: TrainConf
           num_records: int, dist: Dist) -> None:  # fmt: skip
     """A checkpoint of everything resume needs (gathered from all ranks under FSDP)."""
     full = full_state_dict(model, cfg.fsdp)
+    optimizer_state = optimizer.state_dict()  # every rank: under FSDP this gathers the shards
 
     def save() -> None:
-        trainer_state = {"step": step, "optimizer": optimizer.state_dict(),
+        trainer_state = {"step": step, "optimizer": optimizer_state,
                          "torch_rng": torch.get_rng_state(), "num_records": num_records, "world_size": dist.world,
                          "config": config_dict}  # fmt: skip
         save_checkpoint(run_dir, step, unwrap(model).config, full, trainer_state, cfg.keep_checkpoints)
@@ -478,7 +481,7 @@ def train(
         model = wrap_model(drafter, dist, cfg.fsdp)
         optimizer = build_optimizers(model, cfg.optimizer, cfg.lr, cfg.muon_lr, cfg.weight_decay, total_steps,
                                      cfg.warmup_fraction, cfg.min_lr_fraction, cfg.fsdp)  # fmt: skip
-        start_step = _resume(run_dir, model, optimizer, len(records), dist, verify) if resume else 0
+        start_step = _resume(run_dir, model, optimizer, len(records), dist, verify, cfg.fsdp) if resume else 0
         writer = MetricsWriter(run_dir, list(report_to), config_dict, start_step) if dist.is_main else None
         bar = Progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc="train",
                        disable=not dist.is_main, dynamic_ncols=True)  # fmt: skip

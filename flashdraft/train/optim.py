@@ -1,7 +1,8 @@
 """Optimizers and the learning-rate schedule: AdamW for every parameter (the recipe), or Muon
 for the matrix weights of the decoder layers and `fc` with AdamW for the rest (norms, an own
 LM head), as vLLM speculators' DFlash defaults do. Each optimizer gets the same warm-up +
-cosine schedule; they step, save and resume together."""
+cosine schedule; they step, save and resume together. Under FSDP2 Muon orthogonalises whole
+matrices (`WholeMatrixMuon`) and checkpoints hold the whole (gathered) optimizer state."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # torch's numerics, so FSDP == one process
 
 from flashdraft.errors import FlashdraftError
 
@@ -34,11 +38,38 @@ def is_muon_parameter(name: str, param: torch.Tensor) -> bool:
     return param.ndim == 2 and (name.startswith("layers.") or name == "fc.weight")
 
 
-class Optimizers:
-    """One or two optimizers, each with its own scheduler, used as one."""
+class WholeMatrixMuon(torch.optim.Muon):
+    """torch.optim.Muon whose Newton-Schulz step sees each whole matrix under FSDP2: a sharded
+    (DTensor) update is gathered, orthogonalised on every rank exactly as one process does it
+    (torch's own functions), and each rank keeps its rows. Plain tensors take torch's step."""
 
-    def __init__(self, pairs: list[tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]]) -> None:
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not any(isinstance(p, DTensor) for group in self.param_groups for p in group["params"]):
+            return super().step(closure)
+        for group in self.param_groups:
+            params, grads, buffers = [], [], []
+            self._init_group(group, params, grads, buffers)
+            for param, grad, buffer in zip(params, grads, buffers, strict=True):
+                buffer.lerp_(grad, 1 - group["momentum"])
+                update = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+                whole = update.full_tensor()  # [out, in] on every rank
+                ortho = _zeropower_via_newtonschulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                mine = distribute_tensor(ortho, param.device_mesh, param.placements, src_data_rank=None)  # no comms
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                param.add_(mine, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], param.shape))
+        return None
+
+
+class Optimizers:
+    """One or two optimizers, each with its own scheduler, used as one. `sharded_model`: the
+    FSDP2 model whose optimizer state is sharded; its checkpoints then hold the whole state,
+    keyed by parameter name (every rank takes part in saving and loading it)."""
+
+    def __init__(self, pairs: list[tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]],
+                 sharded_model: nn.Module | None = None) -> None:  # fmt: skip
         self.pairs = pairs
+        self.sharded_model = sharded_model
 
     def step(self) -> None:
         for optimizer, scheduler in self.pairs:
@@ -54,8 +85,13 @@ class Optimizers:
         return self.pairs[0][1].get_last_lr()[0]
 
     def state_dict(self) -> dict:
-        return {"optimizers": [o.state_dict() for o, _ in self.pairs],
-                "schedulers": [s.state_dict() for _, s in self.pairs]}  # fmt: skip
+        """The state resume needs (a collective under FSDP: every rank calls it)."""
+        if self.sharded_model is None:
+            optimizers = [o.state_dict() for o, _ in self.pairs]
+        else:
+            whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            optimizers = [get_optimizer_state_dict(self.sharded_model, o, options=whole) for o, _ in self.pairs]
+        return {"optimizers": optimizers, "schedulers": [s.state_dict() for _, s in self.pairs]}
 
     def load_state_dict(self, state: dict, source: str) -> None:
         saved = len(state.get("optimizers", []))
@@ -65,7 +101,11 @@ class Optimizers:
                 f"--optimizer)"
             )
         for (optimizer, scheduler), o, s in zip(self.pairs, state["optimizers"], state["schedulers"], strict=True):
-            optimizer.load_state_dict(o)
+            if self.sharded_model is None:
+                optimizer.load_state_dict(o)
+            else:  # each rank keeps its shard of the whole state
+                whole = StateDictOptions(full_state_dict=True)
+                set_optimizer_state_dict(self.sharded_model, optimizer, o, options=whole)
             scheduler.load_state_dict(s)
 
 
@@ -84,16 +124,12 @@ def build_optimizers(
     if name == "adamw":
         groups = [adamw([p for _, p in named])]
     elif name == "muon":
-        if fsdp:
-            raise FlashdraftError(
-                "--optimizer muon (the default) with --fsdp: torch.optim.Muon would orthogonalise each rank's shard "
-                "of a matrix, not the matrix; expected --optimizer adamw with --fsdp, or DDP (drop --fsdp) for Muon"
-            )
         matrices = [p for n, p in named if is_muon_parameter(n, p)]
         rest = [p for n, p in named if not is_muon_parameter(n, p)]
-        muon = torch.optim.Muon(matrices, lr=muon_lr if muon_lr is not None else lr, weight_decay=weight_decay,
+        muon = WholeMatrixMuon(matrices, lr=muon_lr if muon_lr is not None else lr, weight_decay=weight_decay,
                                 adjust_lr_fn="match_rms_adamw")  # fmt: skip
         groups = [adamw(rest), muon]
     else:
         raise FlashdraftError(f"--optimizer {name}: expected one of {', '.join(OPTIMIZERS)}")
-    return Optimizers([(o, torch.optim.lr_scheduler.LambdaLR(o, schedule)) for o in groups])
+    sharded = model if fsdp and torch.distributed.is_initialized() else None
+    return Optimizers([(o, torch.optim.lr_scheduler.LambdaLR(o, schedule)) for o in groups], sharded)

@@ -1,4 +1,10 @@
-"""Run by `torchrun` in test_loop.py: train a few steps on a tiny random target."""
+"""Run by `torchrun` in test_loop.py: train a few steps on a tiny random target.
+
+    ddp_worker.py RUN_DIR BATCH GRAD_ACCUM [ddp|fsdp] [decay|dpace] [adamw|muon] [full|stop|resume]
+
+The last argument makes a 4-step run that saves every 2 steps: `full` runs it through, `stop`
+leaves it after its step-2 checkpoint (a preempted job), `resume` continues it with --resume.
+"""
 
 import sys
 from pathlib import Path
@@ -13,16 +19,31 @@ from flashdraft.train.loop import TrainConfig, train  # noqa: E402
 from tests.conftest import make_drafter, make_target  # noqa: E402
 from tests.train.helpers import make_records  # noqa: E402
 
+
+class Preempted(Exception):
+    pass
+
+
 if __name__ == "__main__":
     run_dir, batch_size, grad_accum = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     fsdp = len(sys.argv) > 4 and sys.argv[4] == "fsdp"
     weighting = sys.argv[5] if len(sys.argv) > 5 else "decay"
     optimizer = sys.argv[6] if len(sys.argv) > 6 else "adamw"
+    mode = sys.argv[7] if len(sys.argv) > 7 else None
+    steps = dict(max_steps=4, epochs=4, save_every=2) if mode else dict(max_steps=3, save_every=100)
     dist = init_distributed("cpu", collectives=True)
     target = make_target("hybrid")
     records = make_records(target, n=8)
-    cfg = TrainConfig(max_steps=3, batch_size=batch_size, grad_accum=grad_accum, lr=3e-3, num_anchors=6,
-                      save_every=100, log_every=1, fsdp=fsdp, loss_weighting=weighting,
-                      optimizer=optimizer)  # fmt: skip
-    train(cfg, make_drafter(block_size=4), target, records, run_dir, dist=dist)
+    cfg = TrainConfig(batch_size=batch_size, grad_accum=grad_accum, lr=3e-3, num_anchors=6, log_every=1, fsdp=fsdp,
+                      loss_weighting=weighting, optimizer=optimizer, **steps)  # fmt: skip
+
+    def preempt(step: int) -> None:
+        if mode == "stop" and step == 2:  # after the step-2 checkpoint, before step 3's
+            raise Preempted
+
+    try:
+        train(cfg, make_drafter(block_size=4), target, records, run_dir, resume=mode == "resume", dist=dist,
+              on_step=preempt)  # fmt: skip
+    except Preempted:
+        pass
     dist.close()
