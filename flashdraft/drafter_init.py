@@ -177,6 +177,9 @@ def new_drafter_for_target(
         cfg = DrafterConfig(**fields_)
     except FlashdraftError as e:  # a flag made the config invalid: name where the fields came from
         raise FlashdraftError(str(e).replace("config:", f"{source}:", 1)) from None
+    # the mask token's string, which SGLang checks the id against (a --config is kept as published)
+    if base is None and (token := mask_token_string(cfg, target)) is not None:
+        cfg.extra["dflash_config"] = {**cfg.dflash_options, "mask_token": token}
     drafter = DFlashDrafter(cfg)
     drafter.init_weights(seed)
     # The drafter's output goes through the target's LM head: start its final norm at the
@@ -187,6 +190,16 @@ def new_drafter_for_target(
         with torch.no_grad():
             drafter.norm.weight.copy_(final_norm)
     return drafter
+
+
+def mask_token_string(cfg: DrafterConfig, target) -> str | None:
+    """The mask token's string in the target's tokenizer, when it names exactly mask_token_id
+    (what SGLang checks dflash_config.mask_token against); None when the tokenizer has no
+    token of its own at that id."""
+    if cfg.mask_token_id >= len(target.tokenizer):
+        return None
+    token = target.tokenizer.convert_ids_to_tokens(cfg.mask_token_id)
+    return token if isinstance(token, str) and target.tokenizer.get_vocab().get(token) == cfg.mask_token_id else None
 
 
 def copy_target_layers(drafter: DFlashDrafter, target, layer_ids: list[int]) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from flashdraft.checkpoint import check_drafter_matches_target, save_drafter
 from flashdraft.config import DrafterConfig
+from flashdraft.drafter_init import mask_token_string
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import write_text_atomic
 from flashdraft.run_dir import LoadedDrafter, load_any_drafter
@@ -53,16 +54,6 @@ SGLang:
 {sglang}
 ```
 """
-
-
-def mask_token_string(cfg: DrafterConfig, target) -> str | None:
-    """The mask token's string in the target's tokenizer, when it names exactly mask_token_id
-    (what SGLang checks dflash_config.mask_token against); None when the tokenizer has no
-    token of its own at that id."""
-    if cfg.mask_token_id >= len(target.tokenizer):
-        return None
-    token = target.tokenizer.convert_ids_to_tokens(cfg.mask_token_id)
-    return token if isinstance(token, str) and target.tokenizer.get_vocab().get(token) == cfg.mask_token_id else None
 
 
 def export_drafter(

@@ -183,3 +183,12 @@ def test_init_config_with_fewer_layers_needs_layer_types_when_its_types_are_mixe
     rc, _, err = run_cli(capsys, *argv, "--layer-types", "sliding,full")
     assert rc == 0, err
     assert load_drafter(tmp_path / "d").config.layer_types == ["sliding_attention", "full_attention"]
+
+
+def test_init_writes_the_mask_token_string_so_sglang_accepts_the_drafter_before_export(target_dir, tmp_path, capsys):
+    rc, _, err = init(capsys, target_dir, tmp_path / "d")
+    assert rc == 0, err
+    written = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert written["dflash_config"]["mask_token"] == "<mask>" and written["dflash_config"]["mask_token_id"] == MASK
+    rc, out, err = run_cli(capsys, "doctor", tmp_path / "d", "--serving", "--target-model", target_dir)
+    assert "mask token: dflash_config.mask_token absent" not in out + err
