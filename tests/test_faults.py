@@ -360,20 +360,21 @@ def error_lines(stderr: str) -> list[str]:
 def test_a_second_cache_on_the_same_output_is_refused_naming_the_first_and_its_lock(ref, tmp_path):
     out, err = tmp_path / "cache", tmp_path / "stderr"
     argv = ref["args"]["cache"] + ["--out", str(out)]
-    first = start_slowed(argv, 0.3, err)  # 9 s of work: it outlives the second's start
+    first = start_slowed(argv, 1.0, err)  # 30 s of work: it outlives the second's start (killed below)
     try:
         holder = f"pid {first.pid}\n"
         wait_until(first, lambda: (out / ".lock").exists() and (out / ".lock").read_text().startswith(holder),
                    "its lock", err)  # fmt: skip
         second = subprocess.run([sys.executable, "-m", "flashdraft", *argv], cwd=ROOT, env=ENV, capture_output=True,
                                 text=True, timeout=120)  # fmt: skip
+        lock_after = (out / ".lock").read_text()
         assert first.poll() is None, "the first cache finished before the second started; give it more work"
         assert second.returncode == 2, second.stderr[-2000:]
         assert error_lines(second.stderr) == [
             f"error: {out}: another flashdraft cache (pid {first.pid} on host {socket.gethostname()}) is writing it "
             f"(lock {out / '.lock'}); wait for it to finish, stop it, or use another --out"
         ]
-        assert (out / ".lock").read_text().startswith(holder)  # the refused run left the lock as it was
+        assert lock_after.startswith(holder)  # the refused run left the lock as it was
     finally:
         first.kill()
         first.wait()
