@@ -108,7 +108,7 @@ def main() -> None:
             "max_new_tokens": MAX_NEW_TOKENS,
             "acceptance_lengths": figures["per_prompt"][0]["acceptance_lengths"],
         },
-        "wall_minutes": round((time.time() - t0) / 60, 1),
+        "wall_minutes_this_invocation": round((time.time() - t0) / 60, 1),  # a resumed run counts only its rest
         "python": sys.version,
         "machine": platform.machine(),
     }

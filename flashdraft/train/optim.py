@@ -127,7 +127,7 @@ def build_optimizers(
         matrices = [p for n, p in named if is_muon_parameter(n, p)]
         rest = [p for n, p in named if not is_muon_parameter(n, p)]
         muon = WholeMatrixMuon(matrices, lr=muon_lr if muon_lr is not None else lr, weight_decay=weight_decay,
-                                adjust_lr_fn="match_rms_adamw")  # fmt: skip
+                               adjust_lr_fn="match_rms_adamw")  # fmt: skip
         groups = [adamw(rest), muon]
     else:
         raise FlashdraftError(f"--optimizer {name}: expected one of {', '.join(OPTIMIZERS)}")
