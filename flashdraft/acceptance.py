@@ -137,6 +137,26 @@ def accept_sampled(
     return draft.shape[0], int(torch.multinomial(last, 1, generator=generator))
 
 
+def sample_drafts(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Drafts [k] from logits [k, V] and their distribution q [k, V]: the argmax (q None) at temperature 0,
+    else one draw per position from softmax(logits / T), independently (a proposer's own `draw` may differ)."""
+    if temperature <= 0 or logits.shape[0] == 0:  # no drafts: nothing to draw
+        return logits.argmax(-1), None
+    q = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(q, 1, generator=generator)[:, 0], q
+
+
+def draw_drafts(
+    proposer: Proposer, logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a step verifies of a proposal: the proposer's own `draw` when it has one (DFlash2's walk
+    draws each draft given the one before), else `sample_drafts`."""
+    draw = getattr(proposer, "draw", None)
+    return draw(logits, temperature, generator) if draw is not None else sample_drafts(logits, temperature, generator)
+
+
 def committed_length(draft: torch.Tensor, completion: torch.Tensor, i: int) -> int:
     """What the step at anchor index i commits when the target's output is `completion` [M]:
     the drafts [k] agreeing with completion[i + 1 ..] plus the bonus token, no more than the
@@ -181,6 +201,9 @@ class DFlashProposer:
         self.drafter, self.target = drafter, target
         self.context_layer_ids = drafter.config.target_layer_ids
         self.cache = drafter.new_cache()
+        # a DFlash2 drafter drafts its selector's walk; False: the unary argmax (what the selector adds, by comparison)
+        self.use_selector = True
+        self._last_walk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # drafts the limit never verifies get no logits (the LM head is costly): none past its k, and
         # under an adaptive p, `propose` stops after the chunk of rows holding the first unsure draft
         self.limit: DraftLimit | None = None
@@ -196,7 +219,26 @@ class DFlashProposer:
         drafts = self._block_hidden(anchor_tokens, anchor_positions, new_context, new_positions, block)  # [K, k, H]
         # contiguous rows: the LM head as one matmul (on a strided 3-D view torch takes a bmm, 2-3x slower on CPU)
         logits = self.drafter.logits(drafts.reshape(-1, drafts.shape[-1]), self.target.lm_head)
-        return list(logits.view(*drafts.shape[:2], -1))
+        logits = logits.view(*drafts.shape[:2], -1)  # [K, k, V]
+        selector = self.drafter.candidate_selector
+        if selector is not None and self.use_selector:  # DFlash2: the rows of the selector's greedy walk
+            anchors = torch.tensor(anchor_tokens, device=logits.device)
+            self._last_walk = (drafts[-1:], logits[-1:], anchors[-1:])  # what `draw` re-walks when sampling
+            logits = selector.walk(drafts, logits, anchors)[1]
+        return list(logits)
+
+    def draw(
+        self, logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafts of the last proposal and the distribution q [k, V] each was drawn from. A DFlash2
+        drafter samples its selector's walk: each draft from softmax(score / T) over its K candidates,
+        given the draft sampled before it; q is that sparse distribution, which verification uses."""
+        if self.drafter.candidate_selector is None or not self.use_selector or temperature <= 0:
+            return sample_drafts(logits, temperature, generator)
+        hidden, unary, anchor = self._last_walk
+        k = logits.shape[0]  # a limit may verify fewer drafts than were proposed
+        drafts, q = self.drafter.candidate_selector.walk(hidden[:, :k], unary[:, :k], anchor, temperature, generator)
+        return drafts[0], q[0]
 
     def _block_hidden(
         self, anchor_tokens: list[int], anchor_positions: list[int], new_context: torch.Tensor | None,
@@ -223,7 +265,7 @@ class DFlashProposer:
         the limit allows (default block - 1), and under an adaptive limit only up to the chunk of rows
         that holds the first draft the drafter is unsure of."""
         threshold = self.limit.adaptive_threshold if self.limit is not None else None
-        if threshold is None:
+        if threshold is None or self.drafter.candidate_selector is not None:  # a walk needs every row before its own
             return self.propose_anchors([tokens[-1]], [anchor_pos], new_context, new_positions, block)[0]
         hidden = self._block_hidden([tokens[-1]], [anchor_pos], new_context, new_positions, block)[0]  # [k, H]
         rows = []
@@ -275,6 +317,11 @@ class LimitedProposer:
     ) -> torch.Tensor:  # fmt: skip
         logits = self.inner.propose(tokens, anchor_pos, new_context, new_positions, block)
         return logits[: self.limit.count(logits)]
+
+    def draw(
+        self, logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return draw_drafts(self.inner, logits, temperature, generator)
 
 
 class LimitedBatchProposer(LimitedProposer):

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from flashdraft.config import DEFAULT_BLOCK_SIZE, DrafterConfig
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import nbytes, write_atomic, write_text_atomic
-from flashdraft.model import DFlashDrafter
+from flashdraft.model import DFlashDrafter, is_dflash2_parameter
 
 if TYPE_CHECKING:
     from flashdraft.target import TargetModel
@@ -55,6 +55,16 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         if cfg.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,)}  # fmt: skip
+        if cfg.family == "dflash2":  # base_kernel without `.weight`, as published
+            k, groups = cfg.conv_kernel_size, h // cfg.conv_group_size
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes |= {f"{p}{conv}.base_kernel": (2, k, h),
+                           f"{p}{conv}.kernel_projection.weight": (2 * k * groups, h)}  # fmt: skip
+    if cfg.family == "dflash2":  # the codebooks without `.weight`, as published
+        r = cfg.selector_rank
+        shapes |= {"candidate_selector.predecessor_codebook": (cfg.vocab_size, r),
+                   "candidate_selector.successor_codebook": (cfg.vocab_size, r),
+                   "candidate_selector.hidden_projection.weight": (r, h)}  # fmt: skip
     if cfg.draft_vocab_size is not None:  # an own LM head over a reduced vocabulary (vLLM's convention)
         shapes["lm_head.weight"] = (cfg.draft_vocab_size, h)
         if cfg.draft_vocab_size < cfg.vocab_size:
@@ -171,7 +181,8 @@ def check_state_shapes(cfg: DrafterConfig, found: dict[str, tuple[int, ...]], so
     expected = expected_shapes(cfg)
     for key, shape in expected.items():
         if key not in found:
-            raise FlashdraftError(f"{source}: tensor '{key}' is missing; expected shape {list(shape)}")
+            why = " (DFlash2's: servers would not notice it missing and serve it random)" * is_dflash2_parameter(key)
+            raise FlashdraftError(f"{source}: tensor '{key}' is missing; expected shape {list(shape)}{why}")
         if tuple(found[key]) != shape:
             raise FlashdraftError(f"{source}: tensor '{key}' has shape {list(found[key])}; expected {list(shape)}")
     for key in found:
@@ -180,7 +191,9 @@ def check_state_shapes(cfg: DrafterConfig, found: dict[str, tuple[int, ...]], so
         if key not in expected:
             raise FlashdraftError(
                 f"{source}: unexpected tensor '{key}' with shape {list(found[key])}; "
-                f"not part of a {cfg.num_hidden_layers}-layer DFlash drafter"
+                f"not part of a {cfg.num_hidden_layers}-layer {cfg.architecture}"
+                + (" (a DFlash2 tensor: config.json would say architectures [\"DFlash2DraftModel\"])"
+                   if is_dflash2_parameter(key) and cfg.family != "dflash2" else "")
             )
 
 

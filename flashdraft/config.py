@@ -22,6 +22,14 @@ from flashdraft.errors import FlashdraftError
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DEFAULT_BLOCK_SIZE = 16  # the anchor + 15 drafts: the public drafters' block
 
+# The drafter families flashdraft builds, by the `architectures` entry that names each. A family
+# is data on one drafter module (`flashdraft.model`): which optional parts it has.
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+# DFlash2's dflash_config fields (vLLM 0.33.0 `qwen3_dflash2.py`), with the published checkpoint's
+# values (z-lab/Qwen3.8-27B-DFlash2): the grouped dynamic causal convolution around each sublayer
+# and the candidate selector over the unary top-K
+DFLASH2_FIELDS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+DFLASH2_BLOCK_SIZE = 8  # the published DFlash2 drafter's block
 # Fields this class owns; anything else found in a config.json is kept in `extra` and
 # written back unchanged, so a public config survives a load/save round trip.
 _OWN = {
@@ -30,15 +38,13 @@ _OWN = {
     "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "attention_bias",
     "layer_types", "sliding_window", "use_sliding_window", "hidden_act", "dflash_config",
     "architectures", "model_type", "tie_word_embeddings", "is_causal", "draft_vocab_size",
-    "target_hidden_size",
+    "target_hidden_size", *DFLASH2_FIELDS,
 }  # fmt: skip
 # dflash_config fields resolved on load into the fields above (and not written back)
-_RESOLVED_DFLASH = ("causal", "use_swa", "swa_window_size")
+_RESOLVED_DFLASH = ("causal", "use_swa", "swa_window_size", "block_size", *DFLASH2_FIELDS)
 # dflash_config fields of the z-lab reference that change the drafter's computation, with
 # the value that changes nothing
 REFERENCE_OPTIONS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
-# DFlash2 fields that add modules flashdraft's drafter does not have (vLLM `qwen3_dflash2.py`)
-_DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 DEFAULT_MASK_TOKEN = "<|MASK|>"  # SGLang's default dflash_config.mask_token
 
 
@@ -110,12 +116,23 @@ class DrafterConfig:
     is_causal: bool | None = None
     # a reduced drafter vocabulary with its own LM head and `d2t` (None: the target's LM head)
     draft_vocab_size: int | None = None
+    # "dflash" or "dflash2" (ARCHITECTURES); DFlash2's module sizes, 0 in a DFlash drafter
+    family: str = "dflash"
+    conv_kernel_size: int = 0  # taps of the grouped dynamic causal convolution
+    conv_group_size: int = 0  # channels sharing one dynamic kernel correction
+    selector_rank: int = 0  # rank of the candidate selector's codebooks
+    selector_top_k: int = 0  # unary candidates per position the selector chooses among
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         self.validate()
+
+    @property
+    def architecture(self) -> str:
+        """The `architectures` entry servers build this drafter from."""
+        return ARCHITECTURES[self.family]
 
     @property
     def num_context_layers(self) -> int:
@@ -209,12 +226,27 @@ class DrafterConfig:
             not isinstance(self.draft_vocab_size, int) or not 1 <= self.draft_vocab_size <= self.vocab_size
         ):
             raise bad("draft_vocab_size", self.draft_vocab_size, f"an integer in 1..{self.vocab_size} (vocab_size)")
+        if self.family not in ARCHITECTURES:
+            raise bad("architectures", self.family, f"one of {', '.join(ARCHITECTURES.values())}")
+        for name in DFLASH2_FIELDS:
+            value = getattr(self, name)
+            if self.family == "dflash2" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise bad(f"dflash_config.{name}", value, "a positive integer (a DFlash2DraftModel needs it)")
+            if self.family == "dflash" and value:
+                raise bad(f"dflash_config.{name}", value,
+                          "absent in a DFlashDraftModel: a DFlash2 field (plain DFlash serving ignores it); a DFlash2 "
+                          "drafter says architectures [\"DFlash2DraftModel\"]")  # fmt: skip
+        if self.family == "dflash2":
+            if self.hidden_size % self.conv_group_size:
+                raise bad("dflash_config.conv_group_size", self.conv_group_size,
+                          f"a divisor of hidden_size ({self.hidden_size})")  # fmt: skip
+            if self.selector_top_k > self.vocab_size:
+                raise bad("dflash_config.selector_top_k", self.selector_top_k,
+                          f"at most vocab_size ({self.vocab_size})")  # fmt: skip
+            if self.draft_vocab_size is not None:
+                raise bad("draft_vocab_size", self.draft_vocab_size,
+                          "absent in a DFlash2 drafter: its selector covers the full target vocabulary")  # fmt: skip
         options = self.dflash_options
-        for name in _DFLASH2_FIELDS:
-            if options.get(name):
-                raise bad(f"dflash_config.{name}", options[name],
-                          "absent or 0: a DFlash2 drafter (grouped convolution, candidate selector), which flashdraft "
-                          "does not implement")  # fmt: skip
         for name in ("input_embedding_scale", "output_multiplier"):
             value = options.get(name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
@@ -233,7 +265,14 @@ class DrafterConfig:
         d = dict(self.extra)
         own = asdict(self)
         own.pop("extra")
+        own.pop("family")
         dflash = {"target_layer_ids": own.pop("target_layer_ids"), "mask_token_id": own.pop("mask_token_id")}
+        for name in DFLASH2_FIELDS:
+            value = own.pop(name)
+            if self.family == "dflash2":  # as published: DFlash2's fields and its block in dflash_config
+                dflash[name] = value
+        if self.family == "dflash2":
+            dflash["block_size"] = self.block_size
         for name in ("is_causal", "draft_vocab_size"):
             if own[name] is None:  # absent, not null: servers read a present null differently
                 del own[name]
@@ -242,7 +281,7 @@ class DrafterConfig:
             own["is_causal"] = causal.pop()
         d.update(own)
         d.update(
-            architectures=["DFlashDraftModel"],
+            architectures=[self.architecture],
             model_type="qwen3",
             dflash_config={**d.get("dflash_config", {}), **dflash},
             use_sliding_window="sliding_attention" in self.layer_types,
@@ -289,6 +328,16 @@ class DrafterConfig:
                 f"(hidden_size): a drafter narrower than its target needs its own embeddings, which flashdraft "
                 f"does not support"
             )
+        family = _family(d.get("architectures"), source)
+        block_size = _draft_value(d, dflash, "block_size", source)
+        dflash2 = {name: _draft_value(d, dflash, name, source) for name in DFLASH2_FIELDS}
+        if family == "dflash" and any(v is not None for v in dflash2.values()):
+            name = next(n for n, v in dflash2.items() if v is not None)
+            raise FlashdraftError(
+                f"{source}: field 'dflash_config.{name}' is {dflash2[name]!r} but architectures is "
+                f"{d.get('architectures')!r}; expected architectures [\"DFlash2DraftModel\"] with DFlash2's fields, "
+                f"or none of them (vLLM builds the DFlash2 modules from architectures and would ignore them)"
+            )
         extra_dflash = {k: v for k, v in dflash.items()
                         if k not in ("target_layer_ids", "mask_token_id", *_RESOLVED_DFLASH)}  # fmt: skip
         extra = {k: v for k, v in d.items() if k not in _OWN}
@@ -308,7 +357,7 @@ class DrafterConfig:
                 if isinstance(dflash["target_layer_ids"], list)
                 else dflash["target_layer_ids"],
                 mask_token_id=dflash["mask_token_id"],
-                block_size=d.get("block_size", DEFAULT_BLOCK_SIZE),
+                block_size=block_size if block_size is not None else DEFAULT_BLOCK_SIZE,
                 rms_norm_eps=d.get("rms_norm_eps", 1e-6),
                 rope_theta=rope_theta if rope_theta is not None else 1e6,
                 rope_scaling=rope_scaling,
@@ -319,6 +368,8 @@ class DrafterConfig:
                 hidden_act=d.get("hidden_act", "silu"),
                 is_causal=is_causal,
                 draft_vocab_size=d.get("draft_vocab_size"),
+                family=family,
+                **{name: value or 0 for name, value in dflash2.items()},
                 extra=extra,
             )
         except FlashdraftError as e:  # name the file, not just "config"
@@ -338,6 +389,31 @@ class DrafterConfig:
         except json.JSONDecodeError as e:
             raise FlashdraftError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
         return cls.from_dict(d, source=str(path))
+
+
+def _family(architectures: Any, source: str) -> str:
+    """The drafter family an `architectures` list names (absent: DFlash, as the first public drafters)."""
+    if architectures is None:
+        return "dflash"
+    for family, name in ARCHITECTURES.items():
+        if architectures == [name]:
+            return family
+    raise FlashdraftError(
+        f"{source}: field 'architectures' is {architectures!r}; expected [\"DFlashDraftModel\"] or "
+        f"[\"DFlash2DraftModel\"] (the drafter families flashdraft builds)"
+    )
+
+
+def _draft_value(d: dict[str, Any], dflash: dict[str, Any], name: str, source: str) -> Any:
+    """A field servers read from dflash_config first, then the top level (vLLM 0.33.0
+    `qwen3_dflash2.py` `_draft_value`); both present and different is refused."""
+    nested, top = dflash.get(name), d.get(name)
+    if nested is not None and top is not None and nested != top:
+        raise FlashdraftError(
+            f"{source}: field 'dflash_config.{name}' is {nested!r} but the top-level '{name}' is {top!r}; expected "
+            f"one value (servers read dflash_config's, other loaders the top level's)"
+        )
+    return nested if nested is not None else top
 
 
 def _resolve_attention_spellings(

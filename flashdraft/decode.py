@@ -24,6 +24,7 @@ from flashdraft.acceptance import (
     accept_sampled,
     as_proposer,
     default_block_size,
+    draw_drafts,
     tau_of,
 )
 from flashdraft.model import DFlashDrafter
@@ -149,7 +150,7 @@ def speculative_generate(
         tokens = prompt_ids + result.output_ids
         start = _clock(device)
         draft_logits = proposer.propose(tokens, anchor_pos, new_context, new_positions, block)  # [k, V]
-        draft = _sample(draft_logits, temperature, generator)  # [k]: the step verifies what was proposed
+        draft, q = draw_drafts(proposer, draft_logits, temperature, generator)  # [k], q [k, V] when sampling
         drafted = _clock(device)
         verify = target.forward(torch.tensor([tokens[-1:] + draft.tolist()], device=device), cache)
         result.draft_seconds += drafted - start
@@ -157,7 +158,6 @@ def speculative_generate(
         if temperature <= 0:
             a, bonus = accept_greedy_in_chunks(draft, verify.logits_at)
         else:
-            q = torch.softmax(draft_logits.float() / temperature, -1)
             p = torch.softmax(verify.logits[0].float() / temperature, -1)
             a, bonus = accept_sampled(draft, q, p, generator)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdraft.acceptance import DFlashProposer
+from flashdraft.acceptance import DFlashProposer, sample_drafts
 from flashdraft.model import DFlashDrafter
 from flashdraft.ngram import NGramProposer
 from flashdraft.target import TargetModel
@@ -73,6 +73,7 @@ class HybridProposer:
         self.context_layer_ids = dflash.context_layer_ids
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # context not yet given to the drafter
         self.choices = dict.fromkeys(BRANCHES, 0)  # steps per branch
+        self._proposed_dflash = False  # the last proposal was the drafter's (its `draw` then samples it)
 
     def __repr__(self) -> str:
         return f"hybrid (DFlash + {self.ngram!r}; {self.rule})"
@@ -94,6 +95,7 @@ class HybridProposer:
         if new_context is not None and new_context.shape[1] > 0:
             self._pending.append((new_context, new_positions))
         device = new_positions.device
+        self._proposed_dflash = False
         ngram_draft, match_length = self.ngram.draft_and_match(tokens, block)
         if self.rule.ngram_outright(match_length):
             if not self.skip_drafter:
@@ -108,7 +110,16 @@ class HybridProposer:
                 self.choices["ngram_by_confidence"] += 1
                 return self.ngram.one_hot(ngram_draft, device)
         self.choices["dflash"] += 1
+        self._proposed_dflash = True
         return logits
+
+    def draw(
+        self, logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafter's own draw for its proposals (DFlash2 samples its walk); the n-gram's one-hot as is."""
+        if self._proposed_dflash:
+            return self.dflash.draw(logits, temperature, generator)
+        return sample_drafts(logits, temperature, generator)
 
 
 class HybridDrafter:

@@ -183,6 +183,63 @@ class DrafterAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(n, q_len, -1))
 
 
+def shift_within_blocks(x: torch.Tensor, block: int, tap: int) -> torch.Tensor:
+    """x [N, K * b, C] moved `tap` positions later inside each block of b, zeros entering at the
+    block's start: row j of a block reads row j - tap of the same block, never another block's."""
+    if tap == 0:
+        return x
+    n, q_len, c = x.shape
+    blocks = x.view(n, q_len // block, block, c)
+    shifted = torch.zeros_like(blocks)
+    if tap < block:
+        shifted[:, :, tap:] = blocks[:, :, :-tap]
+    return shifted.view(n, q_len, c)
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """DFlash2's convolution around one sublayer (vLLM 0.33.0 `qwen3_dflash2.py`, the z-lab reference):
+    out[t, c] = sum_tap (base[side, tap, c] + delta[t, side, tap, g(c)]) x[t - tap, c], taps causal
+    within the block and zero across its boundary; g(c) = c // group_size. One projection of the
+    normalised sublayer input gives both sides' per-position corrections: `prepare` convolves the
+    sublayer's input (side 0) and `finish` its output (side 1)."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        self.kernel_size, self.group_size, self.groups = kernel_size, group_size, hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))  # [side, tap, H]
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    def _convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int, block: int) -> torch.Tensor:
+        # x [N, Q, H]; delta [N, Q, K, groups]
+        out = torch.zeros_like(x)
+        for tap in range(self.kernel_size):
+            # per channel weight: the static tap plus its group's correction at this position
+            weight = self.base_kernel[side, tap] + delta[:, :, tap].repeat_interleave(self.group_size, dim=-1)
+            out = out + weight * shift_within_blocks(x, block, tap)
+        return out
+
+    def prepare(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sublayer input convolved, the output side's corrections [N, Q, K, groups])."""
+        delta = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        return self._convolve(x, delta[..., 0, :, :], 0, block), delta[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, delta: torch.Tensor, block: int) -> torch.Tensor:
+        """The sublayer output convolved with the corrections `prepare` returned."""
+        return self._convolve(y, delta, 1, block)
+
+    @torch.no_grad()
+    def reset_identity(self) -> None:
+        """The convolution that changes nothing: base tap 0 = 1, other taps and the projection 0."""
+        self.base_kernel.zero_()
+        self.base_kernel[:, 0] = 1.0
+        self.kernel_projection.weight.zero_()
+
+
+def is_dflash2_parameter(name: str) -> bool:
+    """True for the parameters DFlash2 adds to the backbone (convolutions, candidate selector)."""
+    return name.startswith("candidate_selector.") or "_conv." in name
+
+
 class DrafterLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig, qwen3: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
@@ -191,11 +248,83 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.attention = cfg.layer_attention[layer_idx]
+        if cfg.family == "dflash2":  # the block inputs pass through a convolution around each sublayer
+            self.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        else:
+            self.attention_conv = self.mlp_conv = None
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None, masks: dict, **attn_kwargs) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, context: torch.Tensor | None, masks: dict, block: int, **attn_kwargs
+    ) -> torch.Tensor:
         mask = masks[self.attention]
-        x = x + self.self_attn(self.input_layernorm(x), context, mask=mask, **attn_kwargs)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm(x)
+        if self.attention_conv is None:
+            x = x + self.self_attn(h, context, mask=mask, **attn_kwargs)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # DFlash2: context features reach k/v unconvolved; only the block's rows are convolved
+        h, delta = self.attention_conv.prepare(h, block)
+        x = x + self.attention_conv.finish(self.self_attn(h, context, mask=mask, **attn_kwargs), delta, block)
+        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x), block)
+        return x + self.mlp_conv.finish(self.mlp(h), delta, block)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's candidate selector: at each draft position keep the top-K unary candidates and
+    score candidate c after predecessor p as unary(c) + < P[p] * W h, S[c] >; a draft is a walk
+    from the anchor, each position choosing given the token chosen before it. The codebooks are
+    stored without `.weight`, as published."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))  # [V, r]
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))  # [V, r]
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+
+    def pair_scores(
+        self, projected: torch.Tensor, predecessors: torch.Tensor, candidates: torch.Tensor
+    ) -> torch.Tensor:
+        """< P[p] * W h, S[c] > for projected W h [..., r], predecessors p [...], candidates c [..., K] -> [..., K]."""
+        query = self.predecessor_codebook[predecessors] * projected  # [..., r]
+        return (self.successor_codebook[candidates] * query.unsqueeze(-2)).sum(-1)
+
+    def walk(
+        self, hidden: torch.Tensor, unary: torch.Tensor, anchors: torch.Tensor, temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The selector's drafts for N blocks: hidden [N, k, H] and unary logits [N, k, V] at the k
+        draft positions, anchors [N]. Greedy (temperature 0): each position takes the best score
+        given the token chosen before it; returns (drafts [N, k], scores [N, k, V]: each row the
+        scores its position chose from, -inf outside its top-K, so its argmax is the draft).
+        temperature > 0: each draft sampled from softmax(score / T) over the K candidates; returns
+        (drafts, q [N, k, V]: the distribution each was drawn from, zero outside its top-K)."""
+        unary_top, candidates = unary.float().topk(self.top_k, dim=-1)  # [N, k, K]
+        projected = self.hidden_projection(hidden).float()  # [N, k, r]
+        rows = torch.full_like(unary, float("-inf") if temperature <= 0 else 0.0, dtype=torch.float32)
+        drafts = candidates.new_empty(candidates.shape[:2])  # [N, k]
+        predecessor = anchors
+        for t in range(candidates.shape[1]):
+            scores = unary_top[:, t] + self.pair_scores(projected[:, t], predecessor, candidates[:, t])  # [N, K]
+            if temperature <= 0:
+                rows[:, t].scatter_(-1, candidates[:, t], scores)
+                predecessor = rows[:, t].argmax(-1)  # ties: the lowest token id, as an argmax over V
+            else:
+                probs = torch.softmax(scores / temperature, dim=-1)
+                rows[:, t].scatter_(-1, candidates[:, t], probs)
+                choice = torch.multinomial(probs, 1, generator=generator)[:, 0]
+                predecessor = candidates[:, t].gather(-1, choice[:, None])[:, 0]
+            drafts[:, t] = predecessor
+        return drafts, rows
+
+    @torch.no_grad()
+    def reset_neutral(self, generator: torch.Generator) -> None:
+        """A selector that changes nothing until trained: W = 0 (every pair score 0, so the walk is the
+        unary argmax), codebooks random so W gets a gradient from the first step."""
+        rank = self.predecessor_codebook.shape[1]
+        for codebook in (self.predecessor_codebook, self.successor_codebook):
+            codebook.copy_(torch.randn(codebook.shape, generator=generator) * rank**-0.25)
+        self.hidden_projection.weight.zero_()
 
 
 class DFlashDrafter(nn.Module):
@@ -208,6 +337,10 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(cfg, qwen3, i) for i in range(cfg.num_hidden_layers))
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(qwen3)
+        self.candidate_selector = None
+        if cfg.family == "dflash2":
+            self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank,
+                                                        cfg.selector_top_k)  # fmt: skip
         # A reduced vocabulary (draft_vocab_size): an own LM head over draft ids, and d2t mapping
         # them to target ids (target id = i + d2t[i], the EAGLE-3 convention vLLM serves).
         self.lm_head = None
@@ -224,9 +357,13 @@ class DFlashDrafter(nn.Module):
         return self.config.block_size
 
     def init_weights(self, seed: int = 0) -> None:
-        """Fresh weights for an untrained drafter (Qwen3's init: normal(0, 0.02), norms at 1)."""
+        """Fresh weights for an untrained drafter (Qwen3's init: normal(0, 0.02), norms at 1). The
+        backbone's draws do not depend on the family: a DFlash2 drafter starts from the same backbone
+        as a DFlash one of that shape and seed."""
         gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
+            if is_dflash2_parameter(name):
+                continue
             with torch.no_grad():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
@@ -234,6 +371,17 @@ class DFlashDrafter(nn.Module):
                     p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        self.reset_dflash2_parts(gen)
+
+    def reset_dflash2_parts(self, generator: torch.Generator) -> None:
+        """DFlash2's parts as its trainers start them: identity convolutions and a neutral selector,
+        so the drafter drafts exactly as its backbone alone (greedy) until they are trained."""
+        for layer in self.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                if conv is not None:
+                    conv.reset_identity()
+        if self.candidate_selector is not None:
+            self.candidate_selector.reset_neutral(generator)
 
     def target_ids(self) -> torch.Tensor | None:
         """The target id of each draft-vocabulary id [draft_vocab_size]; None with the full vocabulary."""
@@ -336,5 +484,5 @@ class DFlashDrafter(nn.Module):
                 )
         x = block_embeds
         for layer in self.layers:
-            x = layer(x, context, masks, block_rope=block_rope, context_rope=context_rope, cache=cache)
+            x = layer(x, context, masks, b, block_rope=block_rope, context_rope=context_rope, cache=cache)
         return self.norm(x)

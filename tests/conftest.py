@@ -130,3 +130,18 @@ def make_reduced_vocab_drafter(target_ids: list[int], seed: int = 0, **overrides
     ids = torch.tensor(sorted(target_ids))
     drafter.d2t.copy_(ids - torch.arange(len(ids)))  # target id = i + d2t[i]
     return drafter
+
+
+DFLASH2 = dict(family="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+
+
+def make_dflash2_drafter(seed: int = 0, **overrides) -> DFlashDrafter:
+    """A DFlash2 drafter whose convolutions and selector are not the neutral start (random, as if
+    trained), so each changes what it drafts."""
+    drafter = make_drafter(seed, **(DFLASH2 | overrides))
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "_conv." in name or name.startswith("candidate_selector."):
+                p.add_(torch.randn(p.shape, generator=gen) * (0.3 if "base_kernel" in name else 0.5))
+    return drafter

@@ -10,12 +10,13 @@ from flashdraft.acceptance import (
     accept_sampled,
     as_proposer,
     committed_length,
+    draw_drafts,
     offline_acceptance_lengths,
 )
 from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.ngram import NGramProposer
 from flashdraft.offline import evaluate_offline
-from tests.conftest import make_drafter, make_target
+from tests.conftest import make_dflash2_drafter, make_drafter, make_target
 from tests.test_evaluate import overfit
 from tests.test_ngram import PROMPTS, greedy_records
 
@@ -206,3 +207,34 @@ def test_an_adaptive_limit_computes_logits_only_up_to_the_chunk_of_the_first_uns
         assert limit.count(logits) == limit.count(full) == first_unsure
         rows_seen.add(logits.shape[0])
     assert rows_seen == {4, 7}
+
+
+def _one_proposal(proposer, target, prompt, block):
+    target.set_context_layers(proposer.context_layer_ids)
+    features = target.forward(torch.tensor([prompt]), target.new_cache()).context_features
+    positions = torch.arange(len(prompt))[None]
+    return proposer.propose(prompt, len(prompt), features, positions, block)
+
+
+@torch.no_grad()
+def test_a_dflash2_draw_samples_each_draft_from_the_q_it_returns_given_the_draft_before():
+    # accept_sampled is lossless only if each draft was drawn from the q verification is given:
+    # for DFlash2 that q depends on the draft sampled before it, so check it conditionally
+    target = make_target("qwen3")
+    proposer = DFlashProposer(make_dflash2_drafter(block_size=4), target)
+    logits = _one_proposal(proposer, target, [5, 9, 17, 3, 22], 4)
+    gen = torch.Generator().manual_seed(0)
+    draws = [draw_drafts(proposer, logits, 1.0, gen) for _ in range(3000)]
+    first = torch.stack([d for d, _ in draws])[:, 0]
+    q0 = draws[0][1][0]
+    assert all(torch.equal(q[0], q0) for _, q in draws)  # position 0's q does not depend on any draw
+    d0 = int(first.mode().values)
+    given = [(d, q) for d, q in draws if int(d[0]) == d0]
+    second = torch.bincount(torch.stack([d[1] for d, _ in given]), minlength=64).float()
+    q1 = given[0][1][1]
+    assert all(torch.equal(q[1], q1) for _, q in given)
+    assert not torch.allclose(q1, draws[[int(d[0]) != d0 for d, _ in draws].index(True)][1][1])  # q1 depends on d0
+    support = q1 > 0.02
+    expected = q1[support] * len(given)
+    chi2 = float(((second[support] - expected) ** 2 / expected).sum())
+    assert int(second[q1 == 0].sum()) == 0 and chi2 < 30.0, (second, q1)  # under 16 degrees of freedom, p ~ 0.02

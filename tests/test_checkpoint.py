@@ -5,11 +5,11 @@ import torch
 from safetensors.torch import save_file
 
 from flashdraft.checkpoint import expected_shapes, load_drafter, save_drafter
-from flashdraft.config import DrafterConfig
+from flashdraft.config import DFLASH2_FIELDS, DrafterConfig
 from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
-from tests.conftest import make_drafter, make_reduced_vocab_drafter
-from tests.test_config import PUBLIC_QWEN36_CONFIG
+from tests.conftest import make_dflash2_drafter, make_drafter, make_reduced_vocab_drafter
+from tests.test_config import PUBLIC_QWEN36_CONFIG, PUBLIC_QWEN38_DFLASH2_CONFIG
 
 
 def test_state_dict_keys_and_shapes_equal_the_public_table_for_qwen36_27b():
@@ -156,3 +156,56 @@ def test_a_consistent_t2d_of_an_eagle3_style_drafter_is_accepted_and_dropped(tmp
     t2d[REDUCED_IDS] = True
     save_file(drafter.state_dict() | {"t2d": t2d}, str(tmp_path / "model.safetensors"))
     assert "t2d" not in load_drafter(tmp_path).state_dict()
+
+
+def test_dflash2_state_dict_has_the_published_names_and_shapes_for_qwen38_27b():
+    cfg = DrafterConfig.from_dict(PUBLIC_QWEN38_DFLASH2_CONFIG)
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes == expected_shapes(cfg)
+    assert shapes["layers.0.attention_conv.base_kernel"] == (2, 2, 5120)  # no `.weight`
+    assert shapes["layers.4.mlp_conv.kernel_projection.weight"] == (2 * 2 * 5120 // 16, 5120)
+    assert shapes["candidate_selector.predecessor_codebook"] == (248320, 256)  # no `.weight`
+    assert shapes["candidate_selector.successor_codebook"] == (248320, 256)
+    assert shapes["candidate_selector.hidden_projection.weight"] == (256, 5120)
+    assert len(shapes) == 3 + 5 * (11 + 4) + 3
+
+
+def test_a_dflash2_drafter_saves_the_published_contract_and_reloads_identically(tmp_path):
+    drafter = make_dflash2_drafter()
+    save_drafter(drafter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    written = {k: config["dflash_config"][k] for k in [*DFLASH2_FIELDS, "block_size"]}
+    assert written == {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4,
+                       "block_size": 8}  # fmt: skip
+    loaded = load_drafter(tmp_path)
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[key]), key
+    x, anchors = torch.randn(1, 16, 64), torch.tensor([[5, 12]])
+    ctx, pos = torch.randn(1, 17, 128), torch.arange(17)[None]
+    assert torch.equal(drafter(x, anchors, ctx, pos), loaded(x, anchors, ctx, pos))
+
+
+@pytest.mark.parametrize("key", ["candidate_selector.successor_codebook", "layers.1.mlp_conv.base_kernel",
+                                 "candidate_selector.hidden_projection.weight"])  # fmt: skip
+def test_a_dflash2_drafter_missing_a_codebook_or_conv_tensor_is_refused_by_name(tmp_path, key):
+    # one trainer's exports silently dropped the codebooks; the servers would serve them random
+    drafter = make_dflash2_drafter()
+    state = {k: v for k, v in drafter.state_dict().items() if k != key}
+    _write(tmp_path, state, drafter.config.to_dict())
+    with pytest.raises(FlashdraftError, match=f"'{key}' is missing; expected shape .*random"):
+        load_drafter(tmp_path)
+
+
+def test_dflash2_tensors_under_a_dflash_config_and_misshaped_codebooks_are_refused_by_name(tmp_path):
+    drafter = make_dflash2_drafter()
+    _write(tmp_path / "a", drafter.state_dict(), make_drafter().config.to_dict())
+    with pytest.raises(FlashdraftError, match="unexpected tensor '(candidate_selector|layers).*DFlash2DraftModel"):
+        load_drafter(tmp_path / "a")
+    state = drafter.state_dict() | {"candidate_selector.predecessor_codebook": torch.zeros(64, 16)}
+    _write(tmp_path / "b", state, drafter.config.to_dict())
+    with pytest.raises(FlashdraftError, match=r"'candidate_selector.predecessor_codebook' has shape \[64, 16\]; "
+                                              r"expected \[64, 8\]"):  # fmt: skip
+        load_drafter(tmp_path / "b")

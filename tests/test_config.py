@@ -18,6 +18,15 @@ PUBLIC_QWEN36_CONFIG = {
 }  # fmt: skip
 
 
+# The published DFlash2 drafter's layout (z-lab/Qwen3.8-27B-DFlash2, reference doc section 8).
+PUBLIC_QWEN38_DFLASH2_CONFIG = PUBLIC_QWEN36_CONFIG | {
+    "architectures": ["DFlash2DraftModel"], "layer_types": ["sliding_attention"] * 5, "is_causal": False,
+    "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [5, 19, 33, 47, 61], "block_size": 8,
+                      "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
+}  # fmt: skip
+del PUBLIC_QWEN38_DFLASH2_CONFIG["block_size"], PUBLIC_QWEN38_DFLASH2_CONFIG["auto_map"]
+
+
 def test_default_layer_ids_match_the_published_examples():
     assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
     assert default_target_layer_ids(24, 5) == [1, 6, 11, 16, 21]
@@ -168,3 +177,45 @@ def test_unsorted_or_repeated_target_layer_ids_are_refused_with_the_servers_rule
     for ids in ([3, 1, 2], [1, 1, 2]):
         with pytest.raises(FlashdraftError, match="strictly increasing"):
             DrafterConfig.from_dict(_with_dflash(PUBLIC_QWEN36_CONFIG, target_layer_ids=ids))
+
+
+def test_published_dflash2_config_is_read_as_dflash2_and_round_trips_field_by_field():
+    cfg = DrafterConfig.from_dict(PUBLIC_QWEN38_DFLASH2_CONFIG)
+    assert (cfg.family, cfg.block_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank,
+            cfg.selector_top_k) == ("dflash2", 8, 2, 16, 256, 16)  # fmt: skip
+    assert all(a.window == 2048 and not a.causal for a in cfg.layer_attention)
+    out = cfg.to_dict()
+    for key, value in PUBLIC_QWEN38_DFLASH2_CONFIG.items():
+        if key != "dtype":
+            assert out[key] == value, key
+    assert DrafterConfig.from_dict(out) == DrafterConfig.from_dict(PUBLIC_QWEN38_DFLASH2_CONFIG)
+
+
+def test_dflash2_fields_and_block_size_are_read_from_the_top_level_too_and_a_conflict_is_refused():
+    nested = PUBLIC_QWEN38_DFLASH2_CONFIG["dflash_config"]
+    flat = PUBLIC_QWEN38_DFLASH2_CONFIG | {k: v for k, v in nested.items() if k not in ("mask_token_id",
+                                                                                            "target_layer_ids")}
+    flat["dflash_config"] = {"mask_token_id": 248070, "target_layer_ids": [5, 19, 33, 47, 61]}
+    assert DrafterConfig.from_dict(flat) == DrafterConfig.from_dict(PUBLIC_QWEN38_DFLASH2_CONFIG)
+    for name, other in (("block_size", 16), ("selector_top_k", 8)):
+        conflict = f"'dflash_config.{name}' is .* but the top-level '{name}' is {other}"
+        with pytest.raises(FlashdraftError, match=conflict):
+            DrafterConfig.from_dict(PUBLIC_QWEN38_DFLASH2_CONFIG | {name: other}, source="x/config.json")
+
+
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        ({"architectures": ["DFlash2DraftModel"], "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1]}},
+         "dflash_config.conv_kernel_size"),
+        ({"dflash_config": PUBLIC_QWEN38_DFLASH2_CONFIG["dflash_config"] | {"conv_group_size": 48}},
+         "dflash_config.conv_group_size"),
+        ({"dflash_config": PUBLIC_QWEN38_DFLASH2_CONFIG["dflash_config"] | {"selector_top_k": 0}},
+         "dflash_config.selector_top_k"),
+        ({"draft_vocab_size": 32000}, "draft_vocab_size"),
+        ({"architectures": ["DSparkDraftModel"]}, "architectures"),
+    ],
+)  # fmt: skip
+def test_a_dflash2_config_without_its_fields_or_with_bad_ones_is_refused_by_name(change, name):
+    with pytest.raises(FlashdraftError, match=name):
+        DrafterConfig.from_dict(PUBLIC_QWEN38_DFLASH2_CONFIG | change, source="x/config.json")

@@ -22,6 +22,7 @@ from flashdraft.results import EvalResult, PromptResult, speedup_bound
 from flashdraft.run_dir import load_any_drafter
 from flashdraft.target import TargetModel
 from tests.conftest import (
+    make_dflash2_drafter,
     make_drafter,
     make_reduced_vocab_drafter,
     make_target,
@@ -102,6 +103,19 @@ def test_offline_tau_equals_online_tau_for_a_drafter_that_accepts(kind):
     offline = evaluate_offline(drafter, target, records)
     assert [p.acceptance_lengths for p in offline.per_prompt] == online_lengths(target, drafter, records)
     assert offline.per_prompt[0].tau > 2.0 and max(offline.lengths) == drafter.config.block_size
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
+def test_offline_tau_equals_online_tau_for_a_dflash2_drafter_walking_its_selector(kind):
+    target = make_target(kind)
+    records = greedy_records(target)
+    drafter = overfit(make_dflash2_drafter(layer_types=["sliding_attention"] * 2, sliding_window=6), target,
+                      records[0])  # fmt: skip
+    with torch.no_grad():  # a selector strong enough to move some drafts off the unary argmax
+        drafter.candidate_selector.hidden_projection.weight.mul_(0.2)
+    offline = evaluate_offline(drafter, target, records)
+    assert [p.acceptance_lengths for p in offline.per_prompt] == online_lengths(target, drafter, records)
+    assert offline.per_prompt[0].tau > 1.5
 
 
 def test_offline_tau_equals_online_tau_with_a_sliding_window_shorter_than_the_context():

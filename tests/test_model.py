@@ -3,7 +3,7 @@ import torch
 
 from flashdraft.config import LayerAttention
 from flashdraft.model import PAD_POSITION, attention_mask
-from tests.conftest import make_drafter, make_reduced_vocab_drafter
+from tests.conftest import DFLASH2, make_dflash2_drafter, make_drafter, make_reduced_vocab_drafter
 
 H, CTX = 64, 128  # hidden size; 2 context layers * hidden
 
@@ -184,3 +184,111 @@ def test_input_embedding_scale_multiplies_the_block_embeddings():
     scaled = make_drafter(extra={"dflash_config": {"input_embedding_scale": 2.5}})
     torch.testing.assert_close(_block_outputs(scaled, blocks, anchors, ctx, pos),
                                _block_outputs(plain, blocks * 2.5, anchors, ctx, pos))  # fmt: skip
+
+
+# -- DFlash2: the grouped dynamic causal convolution and the candidate selector ------------------
+
+
+def test_dflash2_conv_output_at_block_position_j_ignores_block_inputs_after_j():
+    # full, non-causal attention would mix the block: a one-layer attention-free check isolates the conv
+    drafter = make_dflash2_drafter()
+    conv = drafter.layers[0].attention_conv
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2 * 8, H, generator=gen)  # two blocks of 8
+    y, delta = conv.prepare(x, 8)
+    out = conv.finish(y, delta, 8)
+    for j in range(8):
+        changed = x.clone()
+        changed[:, j + 1 : 8] += torch.randn(1, 7 - j, H, generator=gen)  # block 0 after j
+        changed[:, 8:] += torch.randn(1, 8, H, generator=gen)  # all of block 1
+        y2, delta2 = conv.prepare(changed, 8)
+        out2 = conv.finish(y2, delta2, 8)
+        torch.testing.assert_close(out2[:, : j + 1], out[:, : j + 1], rtol=0, atol=0)
+        assert not torch.allclose(out2[:, 8:], out[:, 8:])
+
+
+def test_dflash2_conv_never_reads_another_block_the_first_row_of_each_block_sees_zeros_before_it():
+    drafter = make_dflash2_drafter()
+    conv = drafter.layers[0].mlp_conv
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 3 * 8, H, generator=gen)
+    y, _ = conv.prepare(x, 8)
+    for k in range(3):  # each block convolved alone equals its rows of the three convolved together
+        alone, _ = conv.prepare(x[:, k * 8 : (k + 1) * 8], 8)
+        torch.testing.assert_close(y[:, k * 8 : (k + 1) * 8], alone, rtol=1e-6, atol=1e-6)
+    # the written-out rule at the anchor row and one inner row (kernel size 2: taps 0 and 1)
+    delta = conv.kernel_projection(x).view(1, 24, 2, 2, conv.groups)[..., 0, :, :]
+    per_channel = delta.repeat_interleave(conv.group_size, dim=-1)  # [1, 24, K, H]
+    w0, w1 = conv.base_kernel[0, 0] + per_channel[:, :, 0], conv.base_kernel[0, 1] + per_channel[:, :, 1]
+    torch.testing.assert_close(y[:, 8], w0[:, 8] * x[:, 8])  # anchor of block 1: nothing before it
+    torch.testing.assert_close(y[:, 11], w0[:, 11] * x[:, 11] + w1[:, 11] * x[:, 10])
+
+
+def test_dflash2_context_features_bypass_the_conv_and_all_blocks_in_one_forward_equal_each_alone():
+    drafter = make_dflash2_drafter(block_size=8)
+    ctx, anchors, blocks = _inputs()
+    pos = torch.arange(ctx.shape[1])[None]
+    together = drafter(blocks, anchors, ctx, pos)
+    for k in range(anchors.shape[1]):
+        a = int(anchors[0, k])
+        alone = drafter(blocks[:, k * 8 : (k + 1) * 8], anchors[:, k : k + 1], ctx[:, :a], pos[:, :a])
+        torch.testing.assert_close(together[:, k * 8 : (k + 1) * 8], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_dflash2_neutral_start_computes_exactly_the_dflash_backbone():
+    dflash2 = make_drafter(seed=3, **DFLASH2)  # identity convs, neutral selector: as `init` makes it
+    dflash = make_drafter(seed=3)
+    backbone = {k: v for k, v in dflash2.state_dict().items() if k in dflash.state_dict()}
+    assert all(torch.equal(backbone[k], v) for k, v in dflash.state_dict().items())  # the same draws
+    ctx, anchors, blocks = _inputs()
+    pos = torch.arange(ctx.shape[1])[None]
+    torch.testing.assert_close(dflash2(blocks, anchors, ctx, pos), dflash(blocks, anchors, ctx, pos), rtol=0, atol=0)
+
+
+def _plain_walk(selector, hidden, unary, anchor):
+    """The selector's greedy walk written out: one position, one candidate at a time."""
+    drafts, predecessor = [], anchor
+    for t in range(hidden.shape[0]):
+        values, ids = unary[t].topk(selector.top_k)
+        best, best_score = None, float("-inf")
+        for value, c in zip(values.tolist(), ids.tolist(), strict=True):
+            pair = float((selector.predecessor_codebook[predecessor] * selector.hidden_projection(hidden[t])
+                          * selector.successor_codebook[c]).sum())  # fmt: skip
+            if value + pair > best_score:
+                best, best_score = c, value + pair
+        drafts.append(best)
+        predecessor = best
+    return drafts
+
+
+def test_dflash2_selector_greedy_walk_equals_a_plain_loop_over_positions_and_candidates():
+    drafter = make_dflash2_drafter()
+    selector = drafter.candidate_selector
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(3, 7, H, generator=gen)
+    unary = torch.randn(3, 7, 64, generator=gen) * 3
+    anchors = torch.tensor([5, 17, 40])
+    with torch.no_grad():
+        drafts, rows = selector.walk(hidden, unary, anchors)
+        for n in range(3):
+            assert drafts[n].tolist() == _plain_walk(selector, hidden[n], unary[n], int(anchors[n]))
+        assert torch.equal(rows.argmax(-1), drafts)
+        assert int(torch.isfinite(rows).sum(-1).max()) == selector.top_k  # scores only for the top-K
+        unary_path = unary.argmax(-1)
+    assert not torch.equal(drafts, unary_path)  # this selector changes the draft
+
+
+def test_dflash2_sampled_walk_draws_each_position_from_its_sparse_q_given_the_draft_before():
+    drafter = make_dflash2_drafter()
+    selector = drafter.candidate_selector
+    gen = torch.Generator().manual_seed(4)
+    hidden, unary, anchor = torch.randn(1, 3, H, generator=gen), torch.randn(1, 3, 64, generator=gen), torch.tensor([9])
+    with torch.no_grad():
+        drafts, q = selector.walk(hidden, unary, anchor, temperature=0.7, generator=gen)
+        torch.testing.assert_close(q.sum(-1), torch.ones(1, 3))
+        assert int((q > 0).sum(-1).max()) <= selector.top_k
+        assert bool((q[0, torch.arange(3), drafts[0]] > 0).all())
+        # position 1's q is softmax(score / T) given the token drawn at position 0
+        values, ids = unary[0, 1].topk(selector.top_k)
+        scores = values + selector.pair_scores(selector.hidden_projection(hidden[0, 1]), drafts[0, 0], ids)
+        torch.testing.assert_close(q[0, 1, ids], torch.softmax(scores / 0.7, -1))
