@@ -8,7 +8,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from flashdraft.config import DEFAULT_BLOCK_SIZE
+from flashdraft.config import ARCHITECTURES, DEFAULT_BLOCK_SIZE, DFLASH2_FIELDS
 from flashdraft.errors import FlashdraftError
 
 
@@ -121,6 +121,9 @@ def cmd_init(args: argparse.Namespace) -> None:
     from flashdraft.drafter_init import SHAPE_FIELDS, copy_target_layers, new_drafter_for_target
     from flashdraft.target_weights import TargetHead
 
+    dflash2 = {name: getattr(args, name) for name in DFLASH2_FIELDS}
+    if args.from_drafter:
+        return _init_from_drafter(args, dflash2)
     # a published config is read before the target, so a broken one costs no model load
     base = DrafterConfig.load(Path(args.config)) if args.config else None
     target = TargetHead.load(args.target_model)  # shapes, tokenizer and final norm (decoder layers only if copied)
@@ -129,6 +132,7 @@ def cmd_init(args: argparse.Namespace) -> None:
         target_layer_ids=args.target_layer_ids, seed=args.seed, layer_types=args.layer_types,
         sliding_window=args.sliding_window, is_causal=args.is_causal,
         shape={name: getattr(args, name) for name in SHAPE_FIELDS}, base=base, base_source=str(args.config),
+        family=args.family, dflash2=dflash2,
     )  # fmt: skip
     if args.layers_from_target:
         copy_target_layers(drafter, target, args.layers_from_target)
@@ -136,13 +140,52 @@ def cmd_init(args: argparse.Namespace) -> None:
     cfg = drafter.config
     start = f", layers from target layers {args.layers_from_target}" if args.layers_from_target else ""
     print(
-        f"wrote untrained drafter{start} to {args.out}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"wrote untrained {cfg.architecture}{start} to {args.out}: {cfg.num_hidden_layers} layers, "
+        f"hidden {cfg.hidden_size}, "
         f"block size {cfg.block_size}, target_layer_ids {cfg.target_layer_ids} of {cfg.num_target_layers}, "
         f"mask token {cfg.mask_token_id} ({target.tokenizer.convert_ids_to_tokens(cfg.mask_token_id)!r})"
     )
+    _print_layers(cfg)
+
+
+def _print_layers(cfg) -> None:
     for i, attention in enumerate(cfg.layer_attention):
         print(f"  layer {i}: {attention.describe()}")
     print(f"  causality: {cfg.causality_source}")
+    if cfg.family == "dflash2":
+        print(f"  DFlash2: conv kernel {cfg.conv_kernel_size}, group {cfg.conv_group_size}; selector rank "
+              f"{cfg.selector_rank}, top-{cfg.selector_top_k}")  # fmt: skip
+
+
+# init flags that shape a fresh drafter; --from-drafter takes its shape from the drafter instead
+_FRESH_ONLY = ("config", "draft_layers", "mask_token_id", "target_layer_ids", "layer_types", "sliding_window",
+               "is_causal", "layers_from_target", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "rope_theta", "max_position_embeddings")  # fmt: skip
+
+
+def _init_from_drafter(args: argparse.Namespace, dflash2: dict) -> None:
+    """`init --family dflash2 --from-drafter D`: D's backbone with DFlash2's parts started neutral."""
+    from flashdraft.checkpoint import check_drafter_matches_target, save_drafter
+    from flashdraft.drafter_init import dflash2_from_drafter
+    from flashdraft.run_dir import load_any_drafter
+    from flashdraft.target_weights import TargetHead
+
+    if args.family != "dflash2":
+        raise FlashdraftError(f"--from-drafter {args.from_drafter}: expected --family dflash2 (the family to turn "
+                              f"the drafter into)")  # fmt: skip
+    given = [name for name in _FRESH_ONLY if getattr(args, name) is not None]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise FlashdraftError(f"{flag}: --from-drafter takes the drafter's shape and layers as they are; leave it out")
+    target = TargetHead.load(args.target_model)
+    drafter = load_any_drafter(args.from_drafter, target).drafter
+    check_drafter_matches_target(drafter.config, target, str(args.from_drafter))
+    new = dflash2_from_drafter(drafter, dflash2, args.block_size, args.seed)
+    save_drafter(new, args.out)
+    cfg = new.config
+    print(f"wrote {cfg.architecture} to {args.out} from {args.from_drafter}: its backbone, identity convolutions "
+          f"and a neutral selector (drafts as the drafter does until trained); block size {cfg.block_size}")
+    _print_layers(cfg)
 
 
 def cmd_speculate(args: argparse.Namespace) -> None:
@@ -220,6 +263,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers-from-target", type=_layer_list, default=None,
                    help="start the drafter's layers from these full-attention layers of the target, one per "
                         "drafter layer (e.g. 2,5 for tiny); default: random init")  # fmt: skip
+    p.add_argument("--family", choices=list(ARCHITECTURES), default=None,
+                   help="dflash (DFlashDraftModel) or dflash2 (DFlash2DraftModel: a grouped dynamic causal "
+                        "convolution around each sublayer and a candidate selector; block size 8 by default); "
+                        "default: --config's, else dflash")  # fmt: skip
+    for name, published in DFLASH2_FIELDS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=_positive, default=None,
+                       help=f"DFlash2 (--family dflash2); default: --config's, else {published} (as published)")
+    p.add_argument("--from-drafter", default=None, metavar="DRAFTER",
+                   help="with --family dflash2: start from this trained DFlash drafter (directory, run, "
+                        "tiny-drafter): its weights, identity convolutions and a neutral selector, so it drafts "
+                        "exactly as DRAFTER (greedy) until trained")  # fmt: skip
     p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("speculate", help="speculative decoding of one prompt, checked against greedy")
@@ -638,6 +692,14 @@ def _loss_weighting(value: str) -> str:
     return value
 
 
+def _selector_missing_label(value: str) -> str:
+    from flashdraft.train.loss import SELECTOR_MISSING_LABEL
+
+    if value not in SELECTOR_MISSING_LABEL:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(SELECTOR_MISSING_LABEL)}, found {value}")
+    return value
+
+
 def _optimizer(value: str) -> str:
     from flashdraft.train.optim import OPTIMIZERS
 
@@ -722,6 +784,10 @@ def _add_train_command(sub) -> None:
         "opt-in: weight of KL to the cached target top-k logits (hard CE is the recipe)",
     )
     knob("noise_std", _nonnegative_float, "noise on context features only")
+    knob("selector_loss_weight", _nonnegative_float, "DFlash2: weight of the candidate selector's cross-entropy over "
+         "the unary top-K, teacher-forced on the true predecessor, added to the backbone loss")
+    knob("selector_missing_label", _selector_missing_label, "DFlash2: a label outside the unary top-K is put in the "
+         "candidate set (inject, the default) or its position is left out of the selector loss (skip)")
     p.add_argument("--draft-vocab-size", type=_positive, default=None,
                    help="give the drafter its own LM head over the N most frequent tokens of the training "
                         "completions (mask and stop tokens always in), initialised from the target's rows; "

@@ -8,13 +8,15 @@ import torch
 
 from flashdraft.config import (
     DEFAULT_BLOCK_SIZE,
+    DFLASH2_BLOCK_SIZE,
+    DFLASH2_FIELDS,
     LAYER_ORDER_RULE,
     DrafterConfig,
     default_target_layer_ids,
     strictly_increasing,
 )
 from flashdraft.errors import FlashdraftError
-from flashdraft.model import DFlashDrafter
+from flashdraft.model import DFlashDrafter, is_dflash2_parameter
 from flashdraft.target import TargetModel
 
 
@@ -65,7 +67,8 @@ def _target_fields(target: TargetModel) -> dict:
         vocab_size=target.vocab_size, num_target_layers=target.num_layers, rms_norm_eps=tc.rms_norm_eps,
         rope_theta=(getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 1e6),
         max_position_embeddings=tc.max_position_embeddings, layer_types=[], sliding_window=None, is_causal=None,
-        num_hidden_layers=None, block_size=None, target_layer_ids=None, mask_token_id=None,
+        num_hidden_layers=None, block_size=None, target_layer_ids=None, mask_token_id=None, family="dflash",
+        **dict.fromkeys(DFLASH2_FIELDS, 0),
     )  # fmt: skip
 
 
@@ -118,13 +121,18 @@ def new_drafter_for_target(
     shape: dict | None = None,
     base: DrafterConfig | None = None,
     base_source: str = "--config",
+    family: str | None = None,
+    dflash2: dict | None = None,
 ) -> DFlashDrafter:
     """A fresh drafter for `target`. Its fields come from `base` (a published drafter config,
     `init --config`, checked against the target) where given, else from the target (as before:
     1 full-attention layer, the target's heads and sizes); every argument that is not None
     overrides them. `shape` holds overrides of SHAPE_FIELDS; `layer_types` is one type for all
-    layers or one per layer (it sets the layer count when `num_layers` is None)."""
+    layers or one per layer (it sets the layer count when `num_layers` is None). `family` is "dflash" or
+    "dflash2" (default: the --config's, else dflash); `dflash2` overrides DFlash2's module sizes
+    (DFLASH2_FIELDS, defaults: the --config's, else the published checkpoint's)."""
     fields_ = _config_fields(base, base_source, target) if base is not None else _target_fields(target)
+    _set_family(fields_, family, dflash2 or {})
     source = f"{base_source} with the init flags" if base is not None else "flashdraft init"
     if layer_types and len(layer_types) > 1 and num_layers is not None and num_layers != len(layer_types):
         raise FlashdraftError(
@@ -154,7 +162,8 @@ def new_drafter_for_target(
         raise FlashdraftError(
             f"--mask-token-id {mask_token_id} is outside the target's vocabulary (0..{target.vocab_size - 1})"
         )
-    block_size = block_size or fields_["block_size"] or DEFAULT_BLOCK_SIZE
+    default_block = DFLASH2_BLOCK_SIZE if fields_["family"] == "dflash2" else DEFAULT_BLOCK_SIZE
+    block_size = block_size or fields_["block_size"] or default_block
     if block_size < 2:
         raise FlashdraftError(f"--block-size {block_size}: expected at least 2 (the anchor plus one draft)")
     if target_layer_ids is not None and not strictly_increasing(target_layer_ids):
@@ -190,6 +199,44 @@ def new_drafter_for_target(
         with torch.no_grad():
             drafter.norm.weight.copy_(final_norm)
     return drafter
+
+
+def _set_family(fields_: dict, family: str | None, sizes: dict) -> None:
+    """The family and, for DFlash2, its module sizes: a flag's, else the --config's, else the published one's."""
+    family = family or fields_["family"]
+    given = {name: value for name, value in sizes.items() if value is not None}
+    if family != "dflash2" and given:
+        flag = "--" + next(iter(given)).replace("_", "-")
+        raise FlashdraftError(f"{flag} {next(iter(given.values()))}: a DFlash2 module size; give --family dflash2")
+    for name, published in DFLASH2_FIELDS.items():
+        fields_[name] = (given.get(name) or fields_[name] or published) if family == "dflash2" else 0
+    fields_["family"] = family
+
+
+def dflash2_from_drafter(
+    drafter: DFlashDrafter, sizes: dict | None = None, block_size: int | None = None, seed: int = 0
+) -> DFlashDrafter:
+    """A DFlash2 drafter on a trained DFlash drafter's backbone (`init --family dflash2 --from-drafter`):
+    its weights copied, identity convolutions and a neutral selector added, so at step 0 it drafts
+    exactly as `drafter` when greedy. `sizes`: DFlash2 module sizes (default the published ones)."""
+    cfg = drafter.config
+    if cfg.family != "dflash":
+        raise FlashdraftError(f"--from-drafter: the drafter is a {cfg.architecture} already; expected a DFlash one")
+    if cfg.draft_vocab_size is not None:
+        raise FlashdraftError(
+            f"--from-drafter: the drafter has an own LM head (draft_vocab_size {cfg.draft_vocab_size}); a DFlash2 "
+            f"drafter drafts over the full target vocabulary (its selector's codebooks cover it)"
+        )
+    fields_ = {f.name: getattr(cfg, f.name) for f in fields(DrafterConfig)}
+    fields_["extra"] = dict(cfg.extra)
+    _set_family(fields_, "dflash2", sizes or {})
+    if block_size is not None:
+        fields_["block_size"] = block_size
+    new = DFlashDrafter(DrafterConfig(**fields_))
+    new.init_weights(seed)  # DFlash2's parts start neutral; the backbone is then replaced by the drafter's
+    missing, unexpected = new.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and all(is_dflash2_parameter(k) for k in missing), (missing, unexpected)
+    return new.to(next(drafter.parameters()).dtype)
 
 
 def mask_token_string(cfg: DrafterConfig, target) -> str | None:

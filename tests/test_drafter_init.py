@@ -192,3 +192,54 @@ def test_init_writes_the_mask_token_string_so_sglang_accepts_the_drafter_before_
     assert written["dflash_config"]["mask_token"] == "<mask>" and written["dflash_config"]["mask_token_id"] == MASK
     rc, out, err = run_cli(capsys, "doctor", tmp_path / "d", "--serving", "--target-model", target_dir)
     assert "mask token: dflash_config.mask_token absent" not in out + err
+
+
+# -- DFlash2 --------------------------------------------------------------------------------------
+
+
+def test_init_family_dflash2_takes_the_published_module_sizes_and_block_8_unless_given(target_dir, tmp_path, capsys):
+    rc, out, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--family",
+                           "dflash2", "--draft-layers", 1)  # fmt: skip
+    assert rc == 0, err
+    cfg = load_drafter(tmp_path / "d").config
+    assert (cfg.architecture, cfg.block_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank,
+            cfg.selector_top_k) == ("DFlash2DraftModel", 8, 2, 16, 256, 16)  # fmt: skip
+    assert "DFlash2: conv kernel 2, group 16; selector rank 256, top-16" in out
+    rc, _, err = init(capsys, target_dir, tmp_path / "e", "--family", "dflash2", "--conv-kernel-size", 3,
+                      "--conv-group-size", 8, "--selector-rank", 12, "--selector-top-k", 5)  # fmt: skip
+    assert rc == 0, err
+    cfg = load_drafter(tmp_path / "e").config
+    assert (cfg.block_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) == (
+        4, 3, 8, 12, 5)  # fmt: skip
+
+
+def test_a_dflash2_size_without_family_dflash2_and_from_drafter_with_shape_flags_are_one_line_errors(
+    target_dir, tmp_path, capsys
+):
+    rc, _, err = init(capsys, target_dir, tmp_path / "d", "--selector-rank", 8)
+    assert "--selector-rank 8: a DFlash2 module size; give --family dflash2" in one_line_error(rc, err)
+    assert init(capsys, target_dir, tmp_path / "base", "--draft-layers", 1)[0] == 0
+    rc, _, err = init(capsys, target_dir, tmp_path / "d", "--family", "dflash2", "--from-drafter", tmp_path / "base",
+                      "--draft-layers", 2)  # fmt: skip
+    assert "--draft-layers: --from-drafter takes the drafter's shape" in one_line_error(rc, err)
+    rc, _, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--from-drafter",
+                         tmp_path / "base")  # fmt: skip
+    assert "expected --family dflash2" in one_line_error(rc, err)
+    assert not (tmp_path / "d").exists()
+
+
+def test_init_config_of_the_published_dflash2_drafter_round_trips_field_by_field(target_dir, tmp_path, capsys):
+    published = published_for_tiny(
+        architectures=["DFlash2DraftModel"], layer_types=["sliding_attention"] * 5, is_causal=False,
+        dflash_config={"mask_token_id": MASK, "target_layer_ids": [1, 2, 3, 4, 5], "block_size": 8,
+                       "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16})
+    del published["block_size"], published["auto_map"]  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    rc, _, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--config",
+                         tmp_path / "config.json")  # fmt: skip
+    assert rc == 0, err
+    written = json.loads((tmp_path / "d" / "config.json").read_text())
+    for key, value in published.items():
+        if key != "dtype":
+            assert written[key] == value, key
+    assert load_drafter(tmp_path / "d").candidate_selector is not None

@@ -80,6 +80,10 @@ class TrainConfig:
     loss_decay_gamma: float | None = None  # None or 0: no decay (run_training fills in the recipe's for None)
     dpace_alpha: float = 0.5  # D-PACE smoothing: q~ = (1 - alpha) q + alpha
     kl_weight: float = 0.0  # opt-in soft-label KL to the stored top-k target logits
+    # DFlash2: weight of the candidate selector's cross-entropy, and what to do with a label outside the
+    # unary top-K ("inject" it into the candidates, or "skip" the position; docs/benchmarks.md compares them)
+    selector_loss_weight: float = 1.0
+    selector_missing_label: str = "inject"
     noise_std: float = 0.0  # Gaussian noise on context features (never on labels)
     seed: int = 0
     save_every: int = 200
@@ -180,10 +184,11 @@ class MetricsWriter:
 
 def forward_loss(
     model, target: TargetModel, batch: Batch, cfg: TrainConfig, block_size: int, device, kl_weight: float | None = None,
-    weighting: str | None = None,
+    weighting: str | None = None, selector_loss_weight: float | None = None,
 ):  # fmt: skip
     """The drafter's loss parts on one micro-batch (bf16 autocast on GPU); the target only embeds."""
     kl_weight = cfg.kl_weight if kl_weight is None else kl_weight
+    selector_loss_weight = cfg.selector_loss_weight if selector_loss_weight is None else selector_loss_weight
     weighting = cfg.loss_weighting if weighting is None else weighting
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16)
@@ -197,31 +202,39 @@ def forward_loss(
                        batch.context_positions)  # fmt: skip
         head = partial(unwrap(model).logits, target_lm_head=target.lm_head)  # the target's head, as served
         return block_loss(hidden, batch.labels, head, block_size, cfg.loss_decay_gamma, batch.target_topk, kl_weight,
-                          weighting, cfg.dpace_alpha)  # fmt: skip
+                          weighting, cfg.dpace_alpha, unwrap(model).candidate_selector, batch.block_ids,
+                          selector_loss_weight, cfg.selector_missing_label)  # fmt: skip
 
 
 @torch.no_grad()
 def evaluate_loss(model, target, records, cfg: TrainConfig, block_size: int, mask_token_id: int, device) -> dict:
     """Held-out loss, per-position accuracy and estimated acceptance (fixed anchors).
 
-    The loss is the recipe's hard CE even when training mixes in KL, so held-out losses of
-    runs compare, and a held-out cache needs no stored target logits."""
+    The loss is the recipe's hard CE even when training mixes in KL or a selector loss, so held-out
+    losses of runs compare, and a held-out cache needs no stored target logits; a DFlash2 drafter's
+    selector figures come beside it."""
     model.eval()
     total = weight = 0.0
-    correct = count = None
+    correct = count = top_k_hits = selector_correct = None
     vocabulary = unwrap(model).vocabulary_mask()
     for start in range(0, len(records), cfg.batch_size):
         idx = list(range(start, min(len(records), start + cfg.batch_size)))
         batch = make_batch([records[i] for i in idx], idx, 0, cfg.seed + 1, cfg.num_anchors, block_size,
                            mask_token_id, cfg.max_length).to(device).with_labels_in(vocabulary)  # fmt: skip
-        parts = forward_loss(model, target, batch, cfg, block_size, device, kl_weight=0.0, weighting="decay")
+        parts = forward_loss(model, target, batch, cfg, block_size, device, kl_weight=0.0, weighting="decay",
+                             selector_loss_weight=0.0)  # fmt: skip
         total += float(parts.weighted_sum)
         weight += float(parts.weight_total)
         correct = parts.correct if correct is None else correct + parts.correct
         count = parts.count if count is None else count + parts.count
+        if parts.top_k_hits is not None:
+            top_k_hits = parts.top_k_hits + (0 if top_k_hits is None else top_k_hits)
+            selector_correct = parts.selector_correct + (0 if selector_correct is None else selector_correct)
     model.train()
     acc, tau = estimated_acceptance(correct, count)
-    return {"eval_loss": total / max(weight, 1e-9), "eval_position_accuracy": acc, "eval_estimated_acceptance": tau}
+    selector = {f"eval_{k}": v for k, v in selector_metrics(top_k_hits, selector_correct, count).items()}
+    return {"eval_loss": total / max(weight, 1e-9), "eval_position_accuracy": acc, "eval_estimated_acceptance": tau,
+            **selector}  # fmt: skip
 
 
 @torch.no_grad()
@@ -329,6 +342,8 @@ class StepResult:
     correct: torch.Tensor  # [B] this rank's accepted-position counts
     count: torch.Tensor  # [B]
     grad_norm: float = 0.0
+    top_k_hits: torch.Tensor | None = None  # [B] DFlash2: labels among the unary top-K
+    selector_correct: torch.Tensor | None = None  # [B] DFlash2: the selector's teacher-forced pick right
 
 
 def forward_backward(
@@ -345,16 +360,33 @@ def forward_backward(
     if weight_total == 0:
         return StepResult(0.0, 0.0, torch.zeros(block_size), torch.zeros(block_size))
     loss = torch.zeros((), dtype=torch.float64)
-    correct, count = torch.zeros(block_size), torch.zeros(block_size)
+    result = StepResult(0.0, weight_total, torch.zeros(block_size), torch.zeros(block_size))
     for m, batch in enumerate(micro_batches):
         batch = batch.to(dist.device)
         with no_grad_sync(model, skip=m < len(micro_batches) - 1):
             parts = forward_loss(model, target, batch, cfg, block_size, dist.device)
             (parts.weighted_sum * (dist.world / weight_total)).backward()
         loss += float(parts.weighted_sum.detach())
-        correct += parts.correct.cpu()
-        count += parts.count.cpu()
-    return StepResult(float(all_reduce_sum(loss)) / weight_total, weight_total, correct, count)
+        result.correct += parts.correct.cpu()
+        result.count += parts.count.cpu()
+        if parts.top_k_hits is not None:  # DFlash2's selector figures
+            result.top_k_hits = parts.top_k_hits.cpu() + (0 if result.top_k_hits is None else result.top_k_hits)
+            result.selector_correct = parts.selector_correct.cpu() + (
+                0 if result.selector_correct is None else result.selector_correct
+            )
+    result.loss = float(all_reduce_sum(loss)) / weight_total
+    return result
+
+
+def selector_metrics(top_k_hits: torch.Tensor | None, selector_correct: torch.Tensor | None, count) -> dict:
+    """DFlash2's figures per block position 1..B-1: how often the label is among the unary top-K, and
+    how often the selector, teacher-forced, picks it (the walk's per-position accuracy); {} for DFlash."""
+    if top_k_hits is None:
+        return {}
+    n = count[1:].clamp(min=1)
+    acc, tau_est = estimated_acceptance(selector_correct, count)
+    return {"top_k_coverage": (top_k_hits[1:] / n).tolist(), "selector_accuracy": acc,
+            "selector_estimated_acceptance": tau_est}  # fmt: skip
 
 
 class Window:
@@ -363,6 +395,7 @@ class Window:
     def __init__(self) -> None:
         self.loss = self.weight = 0.0
         self.correct = self.count = 0.0
+        self.top_k_hits = self.selector_correct = None  # DFlash2
         self.tokens = 0
         self.t0 = time.perf_counter()
 
@@ -371,15 +404,20 @@ class Window:
         self.weight += result.weight_total
         self.correct += all_reduce_sum(result.correct)
         self.count += all_reduce_sum(result.count)
+        if result.top_k_hits is not None:
+            hits, picked = all_reduce_sum(result.top_k_hits), all_reduce_sum(result.selector_correct)
+            self.top_k_hits = hits if self.top_k_hits is None else self.top_k_hits + hits
+            self.selector_correct = picked if self.selector_correct is None else self.selector_correct + picked
         self.tokens += sum(int((b.context_positions < (1 << 40)).sum()) for b in micro_batches) * world
 
     def metrics(self, lr: float, grad_norm: float, epoch: int) -> dict:
         acc, tau_est = estimated_acceptance(self.correct, self.count)
-        return {
+        metrics = {
             "loss": self.loss / self.weight, "position_accuracy": acc, "estimated_acceptance": tau_est,
             "tokens_per_s": self.tokens / (time.perf_counter() - self.t0), "lr": lr, "grad_norm": grad_norm,
             "epoch": epoch,
         }  # fmt: skip
+        return metrics | selector_metrics(self.top_k_hits, self.selector_correct, self.count)
 
 
 def held_out_metrics(model, target: TargetModel, cfg: TrainConfig, dist: Dist, eval_records, eval_tau_records) -> dict:

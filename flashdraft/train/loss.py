@@ -69,6 +69,51 @@ class LossParts:
     weight_total: torch.Tensor  # sum of the weights (scalar, no grad)
     correct: torch.Tensor  # [B] argmax == label count per block position
     count: torch.Tensor  # [B] trained positions per block position
+    # DFlash2, per block position [B]: the label among the unary top-K; the selector's teacher-forced pick right
+    top_k_hits: torch.Tensor | None = None
+    selector_correct: torch.Tensor | None = None
+
+
+SELECTOR_MISSING_LABEL = ("inject", "skip")  # a label outside the unary top-K: put it in the candidate set, or skip
+
+
+def selector_loss(
+    selector, hidden: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, predecessors: torch.Tensor,
+    missing_label: str = "inject",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """DFlash2's candidate-selector cross-entropy at M trained positions, teacher-forced: the true
+    predecessor (the anchor for block position 1) chooses among the unary top-K.
+
+    hidden [M, H], logits [M, V] (unary, as served), labels [M], predecessors [M] (IGNORE: unknown,
+    the position is left out). The unary scores are detached: the selector learns what to add to
+    them, the backbone objective alone trains the unary head. A label outside the top-K is put in
+    place of the K-th candidate ("inject", with its own unary score) or the position is left out
+    ("skip"). Returns (per-position CE [M], 0 where left out; used [M]; label in the top-K [M];
+    selector's argmax == label [M])."""
+    unary = logits.detach()
+    unary_top, candidates = unary.topk(selector.top_k, dim=-1)  # [M, K]
+    in_top_k = (candidates == labels[:, None]).any(-1)  # [M]
+    if missing_label == "inject":
+        candidates = candidates.clone()
+        candidates[:, -1] = torch.where(in_top_k, candidates[:, -1], labels)
+        unary_top = unary.gather(1, candidates)
+    used = predecessors != IGNORE
+    if missing_label == "skip":
+        used = used & in_top_k
+    projected = selector.hidden_projection(hidden)  # [M, r]
+    scores = unary_top + selector.pair_scores(projected, predecessors.clamp(min=0), candidates).float()  # [M, K]
+    target = (candidates == labels[:, None]).float().argmax(-1)  # the label's slot (0 when it is not there: unused)
+    per_position = torch.where(used, F.cross_entropy(scores, target, reduction="none"), 0.0)
+    correct = used & (scores.argmax(-1) == target) & (candidates.gather(1, target[:, None])[:, 0] == labels)
+    return per_position, used, in_top_k, correct
+
+
+def block_predecessors(block_ids: torch.Tensor, labels: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[N, K * B] the true token before each block position: the anchor before position 1, the label of
+    position k - 1 before position k >= 2 (IGNORE where that label is untrained: unknown here)."""
+    previous = labels.roll(1, dims=1)
+    first = torch.arange(labels.shape[1], device=labels.device) % block_size == 1
+    return torch.where(first, block_ids.roll(1, dims=1), previous)
 
 
 def block_loss(
@@ -81,12 +126,19 @@ def block_loss(
     kl_weight: float = 0.0,
     weighting: str = "decay",
     dpace_alpha: float = 0.5,
+    selector=None,
+    block_ids: torch.Tensor | None = None,
+    selector_loss_weight: float = 0.0,
+    selector_missing_label: str = "inject",
 ) -> LossParts:
     """hidden: [N, K * B, H] drafter output; labels: [N, K * B] (IGNORE where untrained).
 
     target_topk: (values, indices) [N, K * B, k] the target's top-k logits for each label
     position (aligned with labels), used only when kl_weight > 0. weighting: "decay" (gamma)
     or "dpace" (dpace_alpha); the D-PACE weights come from the hard CE's label probability.
+    selector (DFlash2, with block_ids [N, K * B]): its teacher-forced cross-entropy (`selector_loss`),
+    weighted per position as the backbone's and scaled by selector_loss_weight, is added; its
+    top-K coverage and accuracy are counted either way.
     """
     block_pos = torch.arange(labels.shape[1], device=labels.device) % block_size  # [K * B]
     trained = labels != IGNORE  # [N, K * B]
@@ -114,7 +166,18 @@ def block_loss(
     count = torch.zeros(block_size, device=hidden.device)
     correct.index_add_(0, pos, (logits.argmax(-1) == target).float())
     count.index_add_(0, pos, torch.ones_like(w))
-    return LossParts((w * per_token).sum(), w.sum().detach(), correct, count)
+    weighted_sum = (w * per_token).sum()
+    if selector is None:
+        return LossParts(weighted_sum, w.sum().detach(), correct, count)
+    predecessors = block_predecessors(block_ids, labels, block_size)[trained]  # [M]
+    per_selector, _, in_top_k, picked = selector_loss(selector, hidden[trained], logits, target, predecessors,
+                                                      selector_missing_label)  # fmt: skip
+    if selector_loss_weight > 0:
+        weighted_sum = weighted_sum + selector_loss_weight * (w * per_selector).sum()
+    top_k_hits, selector_correct = torch.zeros_like(count), torch.zeros_like(count)
+    top_k_hits.index_add_(0, pos, in_top_k.float())
+    selector_correct.index_add_(0, pos, picked.float())
+    return LossParts(weighted_sum, w.sum().detach(), correct, count, top_k_hits, selector_correct)
 
 
 def estimated_acceptance(correct: torch.Tensor, count: torch.Tensor) -> tuple[list[float], float]:

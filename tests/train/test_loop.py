@@ -13,7 +13,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.run_dir import RunLock, complete_checkpoints, latest_checkpoint
 from flashdraft.train.data import OnlineRecords, make_batch
 from flashdraft.train.loop import TrainConfig, forward_loss, train
-from tests.conftest import MASK, make_drafter, make_target
+from tests.conftest import MASK, make_dflash2_drafter, make_drafter, make_target
 from tests.train.helpers import make_records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,18 +57,20 @@ def test_training_forward_predicts_what_the_inference_path_predicts(target, reco
         torch.testing.assert_close(train_logits[0, j * 4 + 1 : j * 4 + 4], infer_logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["dflash", "dflash2"])
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(target, records, tmp_path, optimizer):
-    straight = train(_cfg(optimizer=optimizer), make_drafter(), target, records, tmp_path / "a")
+def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(target, records, tmp_path, optimizer, family):
+    new_drafter = make_dflash2_drafter if family == "dflash2" else make_drafter
+    straight = train(_cfg(optimizer=optimizer), new_drafter(), target, records, tmp_path / "a")
 
     def crash(step):
         if step == 4:
             raise KeyboardInterrupt  # killed after the step-3 checkpoint, mid step 5
 
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(optimizer=optimizer), make_drafter(), target, records, tmp_path / "b", on_step=crash)
+        train(_cfg(optimizer=optimizer), new_drafter(), target, records, tmp_path / "b", on_step=crash)
     assert latest_checkpoint(tmp_path / "b").name == "step-0000003"
-    resumed = train(_cfg(optimizer=optimizer), make_drafter(seed=99), target, records, tmp_path / "b", resume=True)
+    resumed = train(_cfg(optimizer=optimizer), new_drafter(seed=99), target, records, tmp_path / "b", resume=True)
     for key, value in straight.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[key]), key
     final = load_drafter(latest_checkpoint(tmp_path / "b") / "drafter")

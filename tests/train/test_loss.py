@@ -5,12 +5,15 @@ import torch
 from flashdraft.train.blocks import IGNORE
 from flashdraft.train.loss import (
     block_loss,
+    block_predecessors,
     dpace_weights,
     estimated_acceptance,
     label_weight_total,
     position_weights,
     recipe_decay_gamma,
+    selector_loss,
 )
+from tests.conftest import make_dflash2_drafter
 
 
 def test_decay_weights_are_exp_minus_k_minus_one_over_gamma_and_zero_at_anchor():
@@ -87,3 +90,62 @@ def test_dpace_normaliser_is_known_from_labels_alone_so_any_partition_sums_to_th
     whole = label_weight_total(labels, 4, None, "dpace")
     assert whole == label_weight_total(labels[:1], 4, None, "dpace") + label_weight_total(labels[1:], 4, None, "dpace")
     assert whole == 3  # the second sequence's first block and both blocks of the other
+
+
+def test_selector_predecessors_are_the_anchor_then_the_true_previous_label_within_each_block():
+    block_ids = torch.tensor([[10, 9, 9, 9, 20, 9, 9, 9]])  # two blocks of 4: anchors 10 and 20, mask 9
+    labels = torch.tensor([[IGNORE, 11, 12, IGNORE, IGNORE, 21, IGNORE, 23]])
+    pred = block_predecessors(block_ids, labels, 4)
+    assert pred[0, [1, 2, 3, 5, 6, 7]].tolist() == [10, 11, 12, 20, 21, IGNORE]  # position 7 follows an untrained one
+
+
+def _selector_case():
+    drafter = make_dflash2_drafter()  # top-K 4 over 64 tokens
+    gen = torch.Generator().manual_seed(0)
+    hidden, logits = torch.randn(6, 64, generator=gen), torch.randn(6, 64, generator=gen, requires_grad=True)
+    labels = logits.detach().argsort(-1, descending=True)[torch.arange(6), torch.tensor([0, 1, 3, 5, 9, 2])]
+    predecessors = torch.tensor([3, 7, 8, IGNORE, 40, 2])
+    return drafter.candidate_selector, hidden, logits, labels, predecessors
+
+
+def test_selector_loss_is_the_teacher_forced_cross_entropy_over_the_top_k_with_a_missing_label_injected():
+    selector, hidden, logits, labels, predecessors = _selector_case()
+    ce, used, in_top_k, _ = selector_loss(selector, hidden, logits, labels, predecessors, "inject")
+    assert in_top_k.tolist() == [True, True, True, False, False, True]  # ranks 0, 1, 3 in; 5 and 9 out
+    assert used.tolist() == [True, True, True, False, True, True]  # no predecessor at 3; 4 injected
+    for m in (0, 4):  # written out: candidates = the top-K, the K-th replaced by a missing label
+        ids = logits[m].detach().topk(4).indices.clone()
+        if labels[m] not in ids:
+            ids[-1] = labels[m]
+        scores = logits[m].detach()[ids] + selector.pair_scores(selector.hidden_projection(hidden[m]),
+                                                                predecessors[m], ids)  # fmt: skip
+        expected = torch.nn.functional.cross_entropy(scores[None], (ids == labels[m]).nonzero()[0])
+        torch.testing.assert_close(ce[m], expected)
+    ce.sum().backward()
+    assert logits.grad is None or float(logits.grad.abs().sum()) == 0  # the unary scores are not trained by it
+    assert float(selector.hidden_projection.weight.grad.abs().sum()) > 0
+
+
+def test_selector_loss_skip_leaves_positions_whose_label_is_outside_the_top_k_out():
+    selector, hidden, logits, labels, predecessors = _selector_case()
+    ce, used, _, _ = selector_loss(selector, hidden, logits, labels, predecessors, "skip")
+    assert used.tolist() == [True, True, True, False, False, True]
+    assert ce[3].item() == ce[4].item() == 0.0 and bool((ce[used] >= 0).all())
+
+
+def test_block_loss_of_a_dflash2_drafter_adds_the_weighted_selector_loss_and_counts_its_figures():
+    drafter = make_dflash2_drafter()
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 64, bias=False)
+    hidden = torch.randn(1, 8, 64)
+    block_ids = torch.tensor([[5, 63, 63, 63, 6, 63, 63, 63]])
+    labels = torch.tensor([[IGNORE, 1, 2, 3, IGNORE, 4, 7, 0]])
+    plain = block_loss(hidden, labels, head, 4, gamma=2.0)
+    parts = [block_loss(hidden, labels, head, 4, gamma=2.0, selector=drafter.candidate_selector, block_ids=block_ids,
+                        selector_loss_weight=weight) for weight in (0.0, 0.5, 1.0)]  # fmt: skip
+    torch.testing.assert_close(parts[0].weighted_sum, plain.weighted_sum)
+    selector_half = parts[1].weighted_sum - plain.weighted_sum  # the selector term at weight 0.5
+    torch.testing.assert_close(parts[2].weighted_sum - parts[1].weighted_sum, selector_half)
+    assert parts[1].weighted_sum.item() > plain.weighted_sum.item()
+    assert parts[1].weight_total == plain.weight_total  # the normaliser is the backbone's, known from labels
+    assert parts[1].top_k_hits[1:].sum() <= parts[1].count[1:].sum() and parts[1].selector_correct[0] == 0

@@ -181,3 +181,43 @@ def test_train_draft_vocab_size_gives_an_own_head_over_the_most_frequent_tokens_
     # vLLM 0.33 DFlashQwen3ForCausalLM.load_weights: "d2t" -> draft_id_to_target_id, "lm_head.*" kept as is
     assert {"d2t", "lm_head.weight"} <= keys and (torch.arange(40) + d2t).tolist() == ids
     assert json.loads((exported / "config.json").read_text())["draft_vocab_size"] == 40
+
+
+def test_a_dflash2_drafter_made_by_init_trains_offline_and_online_and_evaluates_offline_equal_online(
+    workdir, capsys
+):
+    target = str(workdir / "target")
+    init = workdir / "dflash2-init"
+    assert main(["init", "--target-model", target, "--out", str(init), "--family", "dflash2", "--selector-rank", "8",
+                 "--selector-top-k", "4", "--target-layer-ids", "0,2", "--block-size", "4"]) == 0  # fmt: skip
+    train = ["train", "--target-model", target, "--init", str(init), "--batch-size", "2", "--num-anchors", "8",
+             "--lr", "3e-3", "--epochs", "10", "--save-every", "2", "--log-every", "1"]  # fmt: skip
+    offline = ["--cached-hidden-states", str(workdir / "cache")]
+    assert main([*train, *offline, "--out", str(workdir / "d2-straight"), "--max-steps", "4"]) == 0
+    straight = load_drafter(workdir / "d2-straight/checkpoints/step-0000004/drafter")
+    assert not torch.equal(straight.candidate_selector.hidden_projection.weight, torch.zeros(8, 64))  # trained
+    metrics = json.loads((workdir / "d2-straight/metrics.jsonl").read_text().splitlines()[-1])
+    assert len(metrics["top_k_coverage"]) == len(metrics["selector_accuracy"]) == 3
+    assert main([*train, "--completions", str(workdir / "c.json"), "--out", str(workdir / "d2-online"),
+                 "--max-steps", "2"]) == 0  # fmt: skip
+    capsys.readouterr()
+    report = workdir / "d2-eval.json"
+    assert main(["eval", "--checkpoint", str(workdir / "d2-straight"), "--target-model", target, "--completions",
+                 str(workdir / "c.json"), "--online", "--check-consistency", "--json", str(report)]) == 0  # fmt: skip
+    assert json.loads(report.read_text())["lossless"] is True
+
+
+def test_a_dflash2_drafter_from_a_trained_dflash_one_drafts_exactly_as_it_at_step_0(workdir, capsys):
+    target = str(workdir / "target")
+    dflash = workdir / "offline"  # trained by the first test of this file
+    if not dflash.exists():
+        assert _train(workdir, "--cached-hidden-states", str(workdir / "cache"), "--out", str(dflash)) == 0
+    assert main(["init", "--target-model", target, "--out", str(workdir / "from-dflash"), "--family", "dflash2",
+                 "--from-drafter", str(dflash), "--selector-rank", "8"]) == 0  # fmt: skip
+    taus = []
+    for drafter in (dflash, workdir / "from-dflash"):
+        out = workdir / f"{drafter.name}-tau.json"
+        assert main(["eval", "--checkpoint", str(drafter), "--target-model", target, "--cached-hidden-states",
+                     str(workdir / "cache"), "--json", str(out)]) == 0  # fmt: skip
+        taus.append([p["acceptance_lengths"] for p in json.loads(out.read_text())["per_prompt"]])
+    assert taus[0] == taus[1]
