@@ -72,6 +72,21 @@ def run_flags(name: str) -> list[str]:
     return [*weighting, *optimizer, *flags, "--num-anchors", anchors]
 
 
+def prepare(work: Path) -> None:
+    """The completions and fp32 caches of the training and held-out sets, and the shared init (reused when there)."""
+    work.mkdir(parents=True, exist_ok=True)
+    tiny = ["--target-model", "tiny"]
+    for name, prompts in {"train": TRAIN_PROMPTS, **HELD_OUT}.items():
+        if not (work / f"{name}.json").exists():
+            flashdraft(["generate", *tiny, "--prompts", prompts, "--out", str(work / f"{name}.json"),
+                        "--max-new-tokens", str(MAX_NEW_TOKENS), "--batch-size", "64"])  # fmt: skip
+        if not (work / f"cache-{name}" / "manifest.json").exists():
+            flashdraft(["cache", *tiny, "--completions", str(work / f"{name}.json"), "--out",
+                        str(work / f"cache-{name}"), "--layers", LAYERS, "--dtype", "fp32"])  # fmt: skip
+    if not (work / "init" / "model.safetensors").exists():
+        flashdraft(["init", *tiny, "--out", str(work / "init"), *INIT_ARGS])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", required=True)
@@ -82,18 +97,8 @@ def main() -> None:
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
     tiny = ["--target-model", "tiny"]
-    sets = {"train": TRAIN_PROMPTS, **HELD_OUT}
-    for name, prompts in sets.items():
-        if not (work / f"{name}.json").exists():
-            flashdraft(["generate", *tiny, "--prompts", prompts, "--out", str(work / f"{name}.json"),
-                        "--max-new-tokens", str(MAX_NEW_TOKENS), "--batch-size", "64"])  # fmt: skip
-        if not (work / f"cache-{name}" / "manifest.json").exists():
-            flashdraft(["cache", *tiny, "--completions", str(work / f"{name}.json"), "--out",
-                        str(work / f"cache-{name}"), "--layers", LAYERS, "--dtype", "fp32"])  # fmt: skip
-    if not (work / "init" / "model.safetensors").exists():
-        flashdraft(["init", *tiny, "--out", str(work / "init"), *INIT_ARGS])
+    prepare(work)
     if args.data_only:
         return
     results = []

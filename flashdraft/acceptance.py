@@ -339,13 +339,16 @@ class LimitedBatchProposer(LimitedProposer):
 
 
 def as_proposer(
-    drafter: DFlashDrafter | ProposerFactory | Proposer, target: TargetModel, limit: DraftLimit | None = None
-) -> Proposer:
+    drafter: DFlashDrafter | ProposerFactory | Proposer, target: TargetModel, limit: DraftLimit | None = None,
+    use_selector: bool = True,
+) -> Proposer:  # fmt: skip
     """A fresh proposer for one sequence: a DFlash drafter gets its own KV cache, a
     `ProposerFactory` makes one; a stateless proposer serves every sequence itself. With a
-    `limit`, it verifies only the drafts the limit keeps."""
+    `limit`, it verifies only the drafts the limit keeps. `use_selector` False: a DFlash2 drafter
+    drafts its unary argmax (what it would without its selector, for comparison)."""
     if isinstance(drafter, DFlashDrafter):
         proposer = DFlashProposer(drafter, target)
+        proposer.use_selector = use_selector
         if limit is not None:  # drafts the limit never verifies need no logits
             proposer.limit = limit
     else:

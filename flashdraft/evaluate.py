@@ -25,7 +25,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.hybrid import HybridDrafter, HybridRule
 from flashdraft.model import DFlashDrafter
 from flashdraft.ngram import NGramProposer
-from flashdraft.offline import drafter_shape, evaluate_offline
+from flashdraft.offline import drafter_shape, evaluate_offline, selector_figures
 from flashdraft.records import EvalRecord, FeatureSource, Log, fit_prompts, invalid_reason, load_eval_records
 from flashdraft.results import EvalResult, PromptResult, difference, first_difference, speedup_bound
 from flashdraft.run_dir import LoadedDrafter, load_any_drafter
@@ -395,6 +395,9 @@ def _evaluate_candidate(
         online = evaluate_online(c.drafter, target, records, baseline, c.block_size, cfg.max_blocks, max_new_tokens,
                                  cfg.temperature, cfg.seed, limit, rounding)  # fmt: skip
     summary = (online if cfg.online else offline).to_json()
+    if isinstance(c.drafter, DFlashDrafter) and c.drafter.candidate_selector is not None and cfg.temperature <= 0:
+        summary["selector"] = selector_figures(c.drafter, target, records, online if cfg.online else offline,
+                                               features, cfg.max_blocks)  # fmt: skip
     summary |= {"checkpoint": c.label, "checkpoint_form": c.form, "drafter_path": c.path,
                 "drafter_type": _drafter_type(c.drafter),
                 "num_speculative_tokens": cfg.num_speculative_tokens,

@@ -124,6 +124,13 @@ def _draft_limit(summary: dict[str, Any]) -> str:
         f", verifying drafts up to the first under probability {p}" if p is not None else "")  # fmt: skip
 
 
+def selector_line(s: dict[str, Any]) -> str:
+    """What a DFlash2 drafter's candidate selector adds (`flashdraft.offline.selector_figures`), in words."""
+    return (f"candidate selector (DFlash2): τ {s['tau']:.3f} walking it, {s['unary_tau']:.3f} drafting the unary "
+            f"argmax ({s['gain']:.3f}x); the target's token is in the unary top-{s['top_k']} at "
+            f"{s['top_k_coverage']:.1%} of the {s['verified_positions']} verified positions")
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The terminal view: pooled figures, then the per-prompt table."""
     title = (
@@ -134,6 +141,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         ref = summary["reference"]
         title += f"\nreference {ref['checkpoint']}: block size {ref['block_size']}, {_context(ref)}"
     parts = [title, _text_table(_figure_header(summary), figure_rows(summary)), _text_table(*prompt_rows(summary))]
+    if summary.get("selector"):
+        parts.append(selector_line(summary["selector"]))
     if "consistency" in summary:
         c = summary["consistency"]
         parts.append(
@@ -263,6 +272,8 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
         f"![tau per prompt]({plots['tau_per_prompt'].name})",
         "",
     ]
+    if summary.get("selector"):
+        lines += ["## Candidate selector", "", selector_line(summary["selector"]) + ".", ""]
     if "consistency" in summary:
         c = summary["consistency"]
         lines += ["## Offline vs online", "",

@@ -16,12 +16,13 @@ from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
 from flashdraft.evaluate import records_from_prompts
 from flashdraft.model import DFlashDrafter
-from flashdraft.offline import evaluate_offline
+from flashdraft.offline import evaluate_offline, selector_figures
 from flashdraft.records import EvalRecord, FeatureSource
 from flashdraft.results import EvalResult, PromptResult, speedup_bound
 from flashdraft.run_dir import load_any_drafter
 from flashdraft.target import TargetModel
 from tests.conftest import (
+    DFLASH2,
     make_dflash2_drafter,
     make_drafter,
     make_reduced_vocab_drafter,
@@ -116,6 +117,23 @@ def test_offline_tau_equals_online_tau_for_a_dflash2_drafter_walking_its_selecto
     offline = evaluate_offline(drafter, target, records)
     assert [p.acceptance_lengths for p in offline.per_prompt] == online_lengths(target, drafter, records)
     assert offline.per_prompt[0].tau > 1.5
+
+
+def test_selector_figures_give_the_unary_path_tau_and_the_top_k_coverage_of_the_verified_positions():
+    target = make_target("qwen3")
+    records = greedy_records(target)
+    neutral = overfit(make_drafter(**DFLASH2), target, records[0])  # trained backbone, selector still neutral
+    walked = evaluate_offline(neutral, target, records)
+    figures = selector_figures(neutral, target, records, walked)
+    assert figures["unary_per_prompt"] == [p.acceptance_lengths for p in walked.per_prompt]  # W = 0: the same path
+    assert figures["gain"] == 1.0 and figures["verified_positions"] > len(walked.lengths)
+    full = overfit(make_drafter(**(DFLASH2 | {"selector_top_k": 64})), target, records[0])  # K = V: every token
+    assert selector_figures(full, target, records, evaluate_offline(full, target, records))["top_k_coverage"] == 1.0
+    with torch.no_grad():
+        neutral.candidate_selector.hidden_projection.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
+    moved = selector_figures(neutral, target, records, evaluate_offline(neutral, target, records))
+    assert moved["unary_per_prompt"] == figures["unary_per_prompt"]  # the unary path ignores the selector
+    assert moved["tau"] != figures["tau"] and 0 < moved["top_k_coverage"] < 1
 
 
 def test_offline_tau_equals_online_tau_with_a_sliding_window_shorter_than_the_context():

@@ -204,7 +204,10 @@ def test_a_dflash2_drafter_made_by_init_trains_offline_and_online_and_evaluates_
     report = workdir / "d2-eval.json"
     assert main(["eval", "--checkpoint", str(workdir / "d2-straight"), "--target-model", target, "--completions",
                  str(workdir / "c.json"), "--online", "--check-consistency", "--json", str(report)]) == 0  # fmt: skip
-    assert json.loads(report.read_text())["lossless"] is True
+    figures = json.loads(report.read_text())
+    assert figures["lossless"] is True and figures["consistency"]["identical"] is True
+    assert figures["selector"]["top_k"] == 4 and figures["selector"]["unary_tau"] > 0
+    assert "candidate selector (DFlash2): τ" in capsys.readouterr().out
 
 
 def test_a_dflash2_drafter_from_a_trained_dflash_one_drafts_exactly_as_it_at_step_0(workdir, capsys):
