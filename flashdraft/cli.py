@@ -152,9 +152,7 @@ def _print_layers(cfg) -> None:
     for i, attention in enumerate(cfg.layer_attention):
         print(f"  layer {i}: {attention.describe()}")
     print(f"  causality: {cfg.causality_source}")
-    if cfg.family == "dflash2":
-        print(f"  DFlash2: conv kernel {cfg.conv_kernel_size}, group {cfg.conv_group_size}; selector rank "
-              f"{cfg.selector_rank}, top-{cfg.selector_top_k}")  # fmt: skip
+    print(f"  architecture: {cfg.describe_family()}")
 
 
 # init flags that shape a fresh drafter; --from-drafter takes its shape from the drafter instead

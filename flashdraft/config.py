@@ -134,6 +134,13 @@ class DrafterConfig:
         """The `architectures` entry servers build this drafter from."""
         return ARCHITECTURES[self.family]
 
+    def describe_family(self) -> str:
+        """The architecture and, for DFlash2, its module sizes (doctor, init and eval say it)."""
+        if self.family != "dflash2":
+            return self.architecture
+        return (f"{self.architecture} (conv kernel {self.conv_kernel_size}, group {self.conv_group_size}; selector "
+                f"rank {self.selector_rank}, top-{self.selector_top_k})")  # fmt: skip
+
     @property
     def num_context_layers(self) -> int:
         return len(self.target_layer_ids)

@@ -204,7 +204,7 @@ def test_init_family_dflash2_takes_the_published_module_sizes_and_block_8_unless
     cfg = load_drafter(tmp_path / "d").config
     assert (cfg.architecture, cfg.block_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank,
             cfg.selector_top_k) == ("DFlash2DraftModel", 8, 2, 16, 256, 16)  # fmt: skip
-    assert "DFlash2: conv kernel 2, group 16; selector rank 256, top-16" in out
+    assert "architecture: DFlash2DraftModel (conv kernel 2, group 16; selector rank 256, top-16)" in out
     rc, _, err = init(capsys, target_dir, tmp_path / "e", "--family", "dflash2", "--conv-kernel-size", 3,
                       "--conv-group-size", 8, "--selector-rank", 12, "--selector-top-k", 5)  # fmt: skip
     assert rc == 0, err

@@ -8,7 +8,7 @@ from flashdraft.checkpoint import save_drafter
 from flashdraft.decode import speculative_generate
 from flashdraft.hybrid import HybridDrafter, HybridProposer, HybridRule
 from flashdraft.ngram import NGramProposer
-from tests.conftest import make_drafter, make_flat_target, make_target, run_cli
+from tests.conftest import make_dflash2_drafter, make_drafter, make_flat_target, make_target, run_cli
 from tests.test_evaluate import overfit
 from tests.test_ngram import PROMPTS, greedy_records
 
@@ -42,6 +42,31 @@ def test_hybrid_is_lossless_and_offline_equals_online_step_for_step(setup, rule)
         online = speculative_generate(target, hybrid, r.prompt_ids, len(r.completion_ids))
         assert online.output_ids == r.completion_ids
         assert offline(target, hybrid, r) == online.acceptance_lengths
+
+
+@pytest.mark.parametrize("rule", [NEVER_NGRAM, HybridRule(2, 0.5)], ids=str)
+def test_hybrid_with_a_dflash2_drafter_is_lossless_and_offline_equals_online_step_for_step(setup, rule):
+    target, records, _ = setup
+    hybrid = HybridDrafter(overfit(make_dflash2_drafter(), target, records[0]), NGramProposer(target.vocab_size),
+                           rule)  # fmt: skip
+    for r in records:
+        online = speculative_generate(target, hybrid, r.prompt_ids, len(r.completion_ids))
+        assert online.output_ids == r.completion_ids
+        assert offline(target, hybrid, r) == online.acceptance_lengths
+
+
+def test_a_hybrid_step_that_proposes_the_dflash2_walk_samples_it_with_its_own_draw(setup):
+    target, records, _ = setup
+    proposer = HybridDrafter(make_dflash2_drafter(block_size=4), NGramProposer(target.vocab_size),
+                             NEVER_NGRAM).new_proposer(target)  # fmt: skip
+    prompt = records[0].prompt_ids
+    target.set_context_layers(proposer.context_layer_ids)
+    features = target.forward(torch.tensor([prompt])).context_features
+    with torch.no_grad():
+        rows = proposer.propose(prompt, len(prompt), features, torch.arange(len(prompt))[None], 4)
+        drafts, q = proposer.draw(rows, 1.0, torch.Generator().manual_seed(0))
+        expected = proposer.dflash.draw(rows, 1.0, torch.Generator().manual_seed(0))
+    assert torch.equal(drafts, expected[0]) and torch.equal(q, expected[1])
 
 
 def test_always_and_never_ngram_reproduce_ngram_and_dflash_exactly(setup):
