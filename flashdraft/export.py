@@ -13,7 +13,7 @@ from flashdraft.drafter_init import mask_token_string
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import write_text_atomic
 from flashdraft.run_dir import LoadedDrafter, load_any_drafter
-from flashdraft.serving import mixes_sliding_and_full, serving_commands
+from flashdraft.serving import V2_RUNNER, mixes_sliding_and_full, serving_commands
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -23,14 +23,27 @@ def serving_snippet(target: str, drafter_dir: str, cfg: DrafterConfig) -> str:
     vllm, sglang = serving_commands(cfg, target, drafter_dir)
     sglang = sglang.replace(" --speculative-draft-model-path", " \\\n    --speculative-draft-model-path")
     b = cfg.block_size
-    v2 = ("\nIts layers mix sliding and full attention: vLLM 0.33 serves it only with the V2 model runner\n"
-          "(`VLLM_USE_V2_MODEL_RUNNER=1`).\n" if mixes_sliding_and_full(cfg) else "")  # fmt: skip
+    name = "DFlash2" if cfg.family == "dflash2" else "DFlash"
+    if cfg.family == "dflash2":  # the V1 runner's silent fallback and the conv's block: both wrong without a word
+        v2 = (f"\nA DFlash2 drafter (`DFlash2DraftModel`: a convolution around each sublayer and a candidate\n"
+              f"selector). vLLM 0.33 runs it only with the V2 model runner (`{V2_RUNNER}`); on the\n"
+              f"default V1 runner the same checkpoint is drafted as plain DFlash, without the selector and the\n"
+              f"convolutions, and nothing says so. vLLM takes the convolutions' block from\n"
+              f"`1 + num_speculative_tokens`, so `num_speculative_tokens` must be {b - 1}: any other value\n"
+              f"convolves across another block than the drafter was trained with. The vLLM method stays\n"
+              f"`dflash` (the checkpoint's `architectures` selects DFlash2); SGLang serves it as\n"
+              f"`DFLASH`.\n")  # fmt: skip
+    elif mixes_sliding_and_full(cfg):
+        v2 = (f"\nIts layers mix sliding and full attention: vLLM 0.33 serves it only with the V2 model runner\n"
+              f"(`{V2_RUNNER}`).\n")  # fmt: skip
+    else:
+        v2 = ""
     head = ("no\nLM head: it borrows the target's" if cfg.draft_vocab_size is None else
             f"its own LM head\nover {cfg.draft_vocab_size} tokens (`d2t` maps them to the target's; vLLM serves it, "
             f"SGLang's DFlash\nignores that head)")  # fmt: skip
-    return f"""# DFlash drafter
+    return f"""# {name} drafter
 
-Exported by flashdraft in the public DFlash format (`config.json` + `model.safetensors`),
+Exported by flashdraft in the public {name} format (`config.json` + `model.safetensors`),
 block size {b} ({b - 1} drafted tokens per step). It has no embedding and {head}, so serve it with its target model.
 
 Layers, as both servers run them: {cfg.describe_layers()}.

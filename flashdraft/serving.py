@@ -2,8 +2,9 @@
 (`flashdraft doctor DRAFTER --serving`, printed by `flashdraft export` too), then the exact
 command lines.
 
-The rules were read from vLLM 0.33.0 (`vllm/model_executor/models/qwen3_dflash.py` and the
-files named per rule) and SGLang 0.5.23 (`sglang/srt/models/dflash.py`,
+The rules were read from vLLM 0.33.0 (`vllm/model_executor/models/qwen3_dflash.py`, for DFlash2
+`qwen3_dflash2.py` and `v1/worker/gpu/spec_decode/dflash2/`, and the files named per rule) and
+SGLang 0.5.23 (`sglang/srt/models/dflash.py`, which also reads DFlash2's fields,
 `sglang/srt/speculative/dflash_utils.py`, `dflash_worker_v2.py`). Both servers build the
 drafter's config through transformers' `Qwen3Config`, so each server's view of the layers is
 derived here from config.json as written (not from flashdraft's resolved `DrafterConfig`):
@@ -26,6 +27,7 @@ VLLM = "vLLM 0.33.0"
 SGLANG = "SGLang 0.5.23"
 SLIDING, FULL = "sliding_attention", "full_attention"
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER=1"
+VLLM_DFLASH2 = "qwen3_dflash2.py (v1/worker/gpu/spec_decode/dflash2/)"
 REEXPORT = ("re-export it (flashdraft export --checkpoint DIR --out NEW writes layer_types, sliding_window, "
             "use_sliding_window and is_causal resolved, which both servers read alike)")  # fmt: skip
 
@@ -35,12 +37,20 @@ def mixes_sliding_and_full(cfg: DrafterConfig) -> bool:
     return 0 < cfg.layer_types.count(SLIDING) < len(cfg.layer_types)
 
 
+def needs_v2_runner(cfg: DrafterConfig) -> bool:
+    """vLLM 0.33.0 needs the V2 model runner for mixed layers (else it refuses them) and for any
+    DFlash2 drafter (else it drafts it as plain DFlash, without conv and selector, silently)."""
+    return cfg.family == "dflash2" or mixes_sliding_and_full(cfg)
+
+
 def serving_commands(cfg: DrafterConfig, target: str, drafter_dir: str) -> tuple[str, str]:
     """The vLLM and SGLang command lines that serve `drafter_dir` with `target`: vLLM needs
-    num_speculative_tokens (it ignores block_size) and, for mixed layers, the V2 runner;
-    SGLang is given its draft tokens (= block_size, anchor included) explicitly."""
+    num_speculative_tokens (it ignores block_size; DFlash2's conv takes its block from it) and,
+    for DFlash2 or mixed layers, the V2 runner; its method stays "dflash" for DFlash2 (the
+    checkpoint's architectures selects the model). SGLang is given its draft tokens (=
+    block_size, anchor included) explicitly."""
     spec = json.dumps({"method": "dflash", "model": drafter_dir, "num_speculative_tokens": cfg.block_size - 1})
-    env = f"{V2_RUNNER} " if mixes_sliding_and_full(cfg) else ""
+    env = f"{V2_RUNNER} " if needs_v2_runner(cfg) else ""
     vllm = f"{env}vllm serve {target} --speculative-config '{spec}'"
     sglang = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
               f"--speculative-draft-model-path {drafter_dir} "
@@ -129,9 +139,11 @@ def check_serving(path: Path, target, checks: Checks, target_name: str | None = 
     """Every serving rule for the drafter directory `path` (with `target`, a TargetModel or
     TargetHead, the mask token against its tokenizer), then the command lines."""
     from flashdraft.checkpoint import INDEX_NAME, expected_shapes, read_shapes, weight_files
+    from flashdraft.model import is_dflash2_parameter
 
-    checks.about(f"serving rules, read from {VLLM} (vllm/model_executor/models/qwen3_dflash.py, ...) and {SGLANG} "
-                 f"(sglang/srt/models/dflash.py, speculative/dflash_utils.py, dflash_worker_v2.py)")  # fmt: skip
+    checks.about(f"serving rules, read from {VLLM} (vllm/model_executor/models/qwen3_dflash.py, qwen3_dflash2.py, "
+                 f"v1/worker/gpu/spec_decode/dflash2/, ...) and {SGLANG} (sglang/srt/models/dflash.py, "
+                 f"speculative/dflash_utils.py, dflash_worker_v2.py)")  # fmt: skip
     try:
         raw = json.loads((path / "config.json").read_text())
         cfg = DrafterConfig.from_dict(raw, source=str(path / "config.json"))
@@ -142,11 +154,18 @@ def check_serving(path: Path, target, checks: Checks, target_name: str | None = 
 
     # format: what both loaders are given
     arch, model_type = raw.get("architectures"), raw.get("model_type")
+    dflash2 = cfg.family == "dflash2"
+    if dflash2:  # vLLM's method stays "dflash": the architectures entry alone selects DFlash2
+        maps = (f"{VLLM} models/registry.py maps DFlash2DraftModel to {VLLM_DFLASH2}, V2 runner only, with "
+                f"--speculative-config method \"dflash\" as for DFlash (architectures selects DFlash2); {SGLANG} "
+                f"--speculative-algorithm DFLASH to models/dflash.py, which reads DFlash2's fields")  # fmt: skip
+    else:
+        maps = (f"{VLLM} models/registry.py maps DFlashDraftModel to qwen3_dflash.py DFlashQwen3ForCausalLM, "
+                f"{SGLANG} to models/dflash.py DFlashDraftModel")  # fmt: skip
     checks.check(
-        arch == ["DFlashDraftModel"] and model_type == "qwen3",
-        f"format: config.json architectures {arch}, model_type {model_type!r} (expected ['DFlashDraftModel'], "
-        f"'qwen3': {VLLM} models/registry.py maps DFlashDraftModel to qwen3_dflash.py DFlashQwen3ForCausalLM, "
-        f"{SGLANG} to models/dflash.py DFlashDraftModel; both read config.json through transformers' Qwen3Config)",
+        arch == [cfg.architecture] and model_type == "qwen3",
+        f"format: config.json architectures {arch}, model_type {model_type!r} (expected ['{cfg.architecture}'], "
+        f"'qwen3': {maps}; both read config.json through transformers' Qwen3Config)",
         REEXPORT,
     )
     try:
@@ -160,12 +179,19 @@ def check_serving(path: Path, target, checks: Checks, target_name: str | None = 
     problems += [f"'{k}' {list(found[k])}, expected {list(v)}" for k, v in expected.items()
                  if k in found and tuple(found[k]) != v]  # fmt: skip
     problems += [f"'{k}' unexpected" for k in found if k not in expected and not (k == "t2d" and "d2t" in expected)]
+    if dflash2:  # a conv or selector tensor left out is served uninitialised, without a word
+        extra = sum(map(is_dflash2_parameter, expected))
+        keys = (f"every public key with its shape, DFlash2's {extra} included (layers.i.attention_conv / mlp_conv "
+                f"base_kernel and candidate_selector predecessor_codebook / successor_codebook without '.weight', as "
+                f"published; {VLLM} {VLLM_DFLASH2} and {SGLANG} models/dflash.py load them by these names; neither "
+                f"notices a missing tensor)")  # fmt: skip
+    else:
+        keys = (f"every public key with its shape ({VLLM} qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights "
+                f"stacks q/k/v and gate/up and refuses unknown names; {SGLANG} models/dflash.py "
+                f"DFlashDraftModel.load_weights skips unknown names; neither notices a missing tensor)")  # fmt: skip
     checks.check(
         not problems,
-        f"format: {len(found)} tensors, every public key with its shape ({VLLM} qwen3_dflash.py "
-        f"DFlashQwen3ForCausalLM.load_weights stacks q/k/v and gate/up and refuses unknown names; {SGLANG} "
-        f"models/dflash.py DFlashDraftModel.load_weights skips unknown names; neither notices a missing tensor)"
-        + (f": {'; '.join(problems[:4])}" if problems else ""),
+        f"format: {len(found)} tensors, {keys}" + (f": {'; '.join(problems[:4])}" if problems else ""),
         "re-export the drafter with flashdraft export (it loads strictly and writes every tensor)",
     )
 
@@ -193,8 +219,15 @@ def check_serving(path: Path, target, checks: Checks, target_name: str | None = 
             checks.fail(f"{line} in flashdraft, but {VLLM} serves it {_describe(v)} and {SGLANG} "
                         f"{_describe(s)}", REEXPORT)  # fmt: skip
 
-    # vLLM 0.33's default runner has one KV group: mixed sliding/full layers need the V2 runner
-    if mixes_sliding_and_full(cfg):
+    # vLLM 0.33's default runner has one KV group: mixed sliding/full layers need the V2 runner;
+    # and only the V2 runner has DFlash2's spec-decode code
+    if dflash2:
+        mixed = "; its layers also mix sliding and full attention, which V1 refuses" * mixes_sliding_and_full(cfg)
+        checks.warn(f"V2 runner: DFlash2DraftModel: {VLLM} runs {VLLM_DFLASH2} only with {V2_RUNNER}; its default "
+                    f"V1 runner drafts the same checkpoint as plain DFlash (qwen3_dflash.py), without the candidate "
+                    f"selector and the convolutions, and says nothing{mixed}",
+                    f"launch vLLM with {V2_RUNNER} (the vLLM command below does); SGLang needs nothing")  # fmt: skip
+    elif mixes_sliding_and_full(cfg):
         checks.warn(f"V2 runner: layers mix sliding and full attention: {VLLM} qwen3_dflash.py "
                     f"_resolve_layer_attention raises NotImplementedError unless {V2_RUNNER}",
                     f"launch vLLM with {V2_RUNNER} (the vLLM command below does); SGLang needs nothing")  # fmt: skip
@@ -207,7 +240,12 @@ def check_serving(path: Path, target, checks: Checks, target_name: str | None = 
     _check_file_modes(path, [path / "config.json", *files, *index], checks)
 
     # a reduced vocabulary with its own LM head: vLLM's convention, which SGLang's DFlash does not load
-    if cfg.draft_vocab_size is not None:
+    if dflash2:  # DrafterConfig refuses draft_vocab_size for DFlash2: this always holds
+        checks.ok(f"vocabulary: the full target vocabulary (no draft_vocab_size, no d2t): DFlash2's candidate "
+                  f"selector ranks the target's lm_head logits, codebooks [{cfg.vocab_size}, {cfg.selector_rank}] "
+                  f"(vocab_size, selector_rank), as {VLLM} qwen3_dflash2.py and {SGLANG} models/dflash.py "
+                  f"load it")  # fmt: skip
+    elif cfg.draft_vocab_size is not None:
         own = f"draft_vocab_size {cfg.draft_vocab_size} with its own lm_head" + (" and d2t" if "d2t" in found else "")
         checks.warn(
             f"vocabulary: {own}: {VLLM} serves it (qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights loads "
@@ -221,25 +259,42 @@ def check_serving(path: Path, target, checks: Checks, target_name: str | None = 
         checks.ok(f"vocabulary: no own LM head: both servers draft with the target's lm_head ({VLLM} "
                   f"llm_base_proposer.py _maybe_share_lm_head; {SGLANG} speculative/dflash_worker_v2.py)")  # fmt: skip
 
-    checks.ok(
-        f"block size: block_size {cfg.block_size}: {VLLM} ignores it and needs num_speculative_tokens "
-        f"{cfg.block_size - 1} (= block_size - 1; config/speculative.py SpeculativeConfig.__post_init__ refuses "
-        f"none); {SGLANG} defaults --speculative-num-draft-tokens to block_size, anchor included "
-        f"(arg_groups/speculative_hook.py _handle_dflash); both commands below give them"
-    )
+    b = cfg.block_size
+    if dflash2:  # the conv's taps stop at the block boundary: the block must be the trained one
+        checks.ok(f"block size: block_size {b}: {VLLM} {VLLM_DFLASH2} takes the convolutions' block length from "
+                  f"1 + num_speculative_tokens, not from block_size: num_speculative_tokens {b - 1} (= block_size - "
+                  f"1); any other value convolves across a different block than the drafter was trained with; the "
+                  f"vLLM command below gives {b - 1}")  # fmt: skip
+        checks.ok(f"SGLang DFlash2: --speculative-algorithm DFLASH with --speculative-num-draft-tokens {b} (= "
+                  f"block_size, anchor included): {SGLANG} models/dflash.py reads DFlash2's fields (conv_kernel_size "
+                  f"{cfg.conv_kernel_size}, conv_group_size {cfg.conv_group_size}, selector_rank {cfg.selector_rank}, "
+                  f"selector_top_k {cfg.selector_top_k}, block_size {b}); the SGLang command below gives "
+                  f"them")  # fmt: skip
+    else:
+        checks.ok(
+            f"block size: block_size {b}: {VLLM} ignores it and needs num_speculative_tokens {b - 1} (= block_size "
+            f"- 1; config/speculative.py SpeculativeConfig.__post_init__ refuses none); {SGLANG} defaults "
+            f"--speculative-num-draft-tokens to block_size, anchor included (arg_groups/speculative_hook.py "
+            f"_handle_dflash); both commands below give them"
+        )
 
     # the z-lab reference's DFlash2 scalings: flashdraft applies them, plain DFlash serving does not
     changed = {n: cfg.reference_option(n) for n, default in REFERENCE_OPTIONS.items()
                if cfg.reference_option(n) not in (default, 0)}  # fmt: skip
     where = (f"{VLLM} qwen3_dflash.py and {SGLANG} models/dflash.py DFlashDraftModel read none of them; only "
              f"the DFlash2 models do (qwen3_dflash2.py, DFlash2DraftModel)")  # fmt: skip
-    for name, value in changed.items():
-        checks.warn(f"scalings: dflash_config.{name} {value}: flashdraft trains and evaluates with it, but {where}",
-                    "expect served acceptance to differ from flashdraft's; train without it to serve it as plain "
-                    "DFlash")  # fmt: skip
-    if not changed:
-        checks.ok(f"scalings: input_embedding_scale, output_multiplier, final_logit_softcapping at their defaults: "
-                  f"{where}")  # fmt: skip
+    if dflash2:  # served as trained: the DFlash2 models read them
+        values = ", ".join(f"{n} {cfg.reference_option(n)}" for n in REFERENCE_OPTIONS)
+        checks.ok(f"scalings: {values}: {VLLM} qwen3_dflash2.py and {SGLANG} models/dflash.py read them for a "
+                  f"DFlash2DraftModel, as flashdraft trains and evaluates with them")  # fmt: skip
+    else:
+        for name, value in changed.items():
+            checks.warn(f"scalings: dflash_config.{name} {value}: flashdraft trains and evaluates with it, but "
+                        f"{where}", "expect served acceptance to differ from flashdraft's; train without it to "
+                        "serve it as plain DFlash")  # fmt: skip
+        if not changed:
+            checks.ok(f"scalings: input_embedding_scale, output_multiplier, final_logit_softcapping at their "
+                      f"defaults: {where}")  # fmt: skip
 
     name = target_name or (str(target.path) if target is not None and getattr(target, "path", None)
                            else "<target-model>")  # fmt: skip

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
-from tests.conftest import make_drafter, make_hf_model, make_tokenizer
+from tests.conftest import make_dflash2_drafter, make_drafter, make_hf_model, make_tokenizer
 
 
 def doctor(capsys, *argv) -> tuple[int, str, str]:
@@ -271,6 +271,8 @@ def test_serving_on_the_tiny_drafter_lists_every_rule_with_its_server_and_the_co
     assert "vLLM:   vllm serve " in out and '"num_speculative_tokens": 15' in out
     assert "SGLang: python -m sglang.launch_server --model-path " in out and "--speculative-num-draft-tokens 16" in out
     assert "2 layers (0-1 full non-causal; is_causal: false)" in out  # the plain description too
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in out.split("vLLM:   ")[1]  # plain DFlash, one kind of layer
+    assert not any("DFlash2" in line for line in lines if not line.startswith("ok   scalings: ")), out
 
 
 def test_serving_on_a_sliding_drafter_gives_each_layer_its_causality_and_the_v2_runner(files, tmp_path, capsys):
@@ -339,3 +341,53 @@ def test_serving_warns_that_sglang_ignores_a_reduced_vocabulary_and_the_referenc
 def test_serving_needs_a_drafter_directory(files, capsys):
     rc, out, err = doctor(capsys, files["run"], "--serving")
     assert rc == 2 and "--serving: checks a drafter directory" in err and "flashdraft export" in err
+
+
+DFLASH2_RULES = ["format: config.json architectures ['DFlash2DraftModel'], model_type 'qwen3'",
+                 "tensors, every public key with its shape, DFlash2's", "V2 runner: DFlash2DraftModel: ",
+                 "vocabulary: the full target vocabulary", "block size: block_size 8: vLLM 0.33.0 qwen3_dflash2.py",
+                 "SGLang DFlash2: ", "scalings: "]  # fmt: skip
+
+
+def test_serving_on_a_dflash2_drafter_lists_each_dflash2_rule_and_the_commands(files, tmp_path, capsys):
+    # as published: every layer sliding and is_causal false, so only DFlash2 itself needs the V2 runner
+    d = save_readable(make_dflash2_drafter(layer_types=["sliding_attention"] * 2, sliding_window=6, is_causal=False),
+                      tmp_path / "d")  # fmt: skip
+    rc, out, err = doctor(capsys, d, "--serving", "--target-model", files["target"])
+    assert rc == 0 and not fail_lines(out), out
+    lines = rule_lines(out)
+    for rule in SERVING_RULES + DFLASH2_RULES:
+        assert any(rule in line for line in lines), (rule, out)
+    dflash2 = [line for line in lines if any(rule in line for rule in DFLASH2_RULES)]
+    assert len(dflash2) == len(DFLASH2_RULES) and all("vLLM 0.33.0" in x or "SGLang 0.5.23" in x for x in dflash2)
+    assert "maps DFlash2DraftModel to qwen3_dflash2.py (v1/worker/gpu/spec_decode/dflash2/), V2 runner only, with " \
+           "--speculative-config method \"dflash\" as for DFlash" in out  # fmt: skip
+    assert "candidate_selector predecessor_codebook / successor_codebook without '.weight', as published" in out
+    assert "warn V2 runner: DFlash2DraftModel: vLLM 0.33.0 runs qwen3_dflash2.py (v1/worker/gpu/spec_decode/" \
+           "dflash2/) only with VLLM_USE_V2_MODEL_RUNNER=1; its default V1 runner drafts the same checkpoint as " \
+           "plain DFlash (qwen3_dflash.py), without the candidate selector and the convolutions" in out  # fmt: skip
+    assert "ok   vocabulary: the full target vocabulary (no draft_vocab_size, no d2t)" in out
+    assert "takes the convolutions' block length from 1 + num_speculative_tokens, not from block_size: " \
+           "num_speculative_tokens 7 (= block_size - 1); any other value convolves across a different " \
+           "block" in out  # fmt: skip
+    assert "ok   SGLang DFlash2: --speculative-algorithm DFLASH with --speculative-num-draft-tokens 8 (= block_size" \
+           in out and "conv_kernel_size 2, conv_group_size 16, selector_rank 8, selector_top_k 4" in out  # fmt: skip
+    spec = json.dumps({"method": "dflash", "model": str(d), "num_speculative_tokens": 7})
+    assert f"vLLM:   VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {files['target']} --speculative-config '{spec}'" in out
+    assert f"SGLang: python -m sglang.launch_server --model-path {files['target']} --speculative-algorithm DFLASH " \
+           f"--speculative-draft-model-path {d} --speculative-num-draft-tokens 8" in out  # fmt: skip
+
+
+@pytest.mark.parametrize("rename", [None, ".weight"])
+def test_serving_fails_a_dflash2_drafter_whose_codebook_is_missing_or_misnamed(files, tmp_path, capsys, rename):
+    d = save_readable(make_dflash2_drafter(), tmp_path / "d")
+    state = load_file(d / "model.safetensors")
+    codebook = state.pop("candidate_selector.successor_codebook")
+    if rename:  # the nn.Linear habit; the published name has no `.weight`
+        state["candidate_selector.successor_codebook" + rename] = codebook
+    save_file(state, str(d / "model.safetensors"))
+    rc, out, err = doctor(capsys, d, "--serving")
+    tensors = [line for line in fail_lines(out) if "every public key with its shape, DFlash2's 11 included" in line]
+    assert rc == 1 and len(tensors) == 1, out
+    assert "neither notices a missing tensor): 'candidate_selector.successor_codebook' missing" in tensors[0]
+    assert ("'candidate_selector.successor_codebook.weight' unexpected" in tensors[0]) == bool(rename)

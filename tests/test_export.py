@@ -9,7 +9,7 @@ from flashdraft.cli import main
 from flashdraft.errors import FlashdraftError
 from flashdraft.export import export_drafter
 from flashdraft.run_dir import save_checkpoint
-from tests.conftest import make_drafter, make_target, save_target
+from tests.conftest import make_dflash2_drafter, make_drafter, make_target, save_target
 
 
 def write_form(form: str, tmp_path, drafter) -> str:
@@ -48,7 +48,8 @@ def test_export_readme_has_the_vllm_and_sglang_command_lines(tmp_path):
     readme = (tmp_path / "out" / "README.md").read_text()
     out = str(tmp_path / "out")
     spec = json.dumps({"method": "dflash", "model": out, "num_speculative_tokens": 7})
-    assert f"vllm serve Qwen/Qwen3-8B --speculative-config '{spec}'" in readme
+    assert f"\nvllm serve Qwen/Qwen3-8B --speculative-config '{spec}'" in readme  # no V2 runner: one layer kind
+    assert readme.startswith("# DFlash drafter") and "DFlash2" not in readme
     assert "python -m sglang.launch_server --model-path Qwen/Qwen3-8B --speculative-algorithm DFLASH" in readme
     assert f"--speculative-draft-model-path {out}" in readme
     assert "at the time of writing" in readme
@@ -106,3 +107,48 @@ def test_export_cli_prints_each_layers_causality_and_the_serving_rules(capsys, t
     readme = (out_dir / "README.md").read_text()
     assert f"VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {target}" in readme and "--speculative-num-draft-tokens 8" in readme
     assert "0 sliding 6 causal, 1 full non-causal" in readme and f"flashdraft doctor {out_dir} --serving" in readme
+
+
+@pytest.mark.parametrize("form", ["directory", "run"])
+def test_export_of_a_dflash2_drafter_writes_the_published_contract_and_reloads_identically(tmp_path, form):
+    drafter = make_dflash2_drafter(layer_types=["sliding_attention"] * 2, sliding_window=6, is_causal=False)
+    export_drafter(write_form(form, tmp_path, drafter), tmp_path / "out", target_name="Qwen/Qwen3-8B")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"target_layer_ids": [0, 2], "mask_token_id": 63, "conv_kernel_size": 2,
+                                       "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4,
+                                       "block_size": 8}  # fmt: skip
+    assert config["is_causal"] is False and "draft_vocab_size" not in config
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as sf:
+        keys = set(sf.keys())
+    published = {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+                 "candidate_selector.hidden_projection.weight"}  # fmt: skip
+    for i in range(2):
+        for conv in ("attention_conv", "mlp_conv"):
+            published |= {f"layers.{i}.{conv}.base_kernel", f"layers.{i}.{conv}.kernel_projection.weight"}
+    assert published <= keys and not any(k.endswith(("codebook.weight", "base_kernel.weight")) for k in keys)
+    loaded = load_drafter(tmp_path / "out")
+    assert loaded.config.family == "dflash2"
+    assert loaded.config.to_dict() | {"dtype": None} == drafter.config.to_dict() | {"dtype": None}
+    assert loaded.state_dict().keys() == drafter.state_dict().keys()
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value.to(torch.bfloat16).float()), key
+
+
+def test_export_cli_of_a_dflash2_drafter_prints_its_rules_and_the_readme_gives_its_commands(capsys, tmp_path):
+    target = save_target(tmp_path / "target", kind="qwen3")
+    src = save_drafter(make_dflash2_drafter(), tmp_path / "src")
+    out_dir = tmp_path / "out"
+    assert main(["export", "--checkpoint", str(src), "--out", str(out_dir), "--target-model", str(target)]) == 0
+    out = capsys.readouterr().out
+    assert "ok   format: config.json architectures ['DFlash2DraftModel'], model_type 'qwen3'" in out
+    assert "warn V2 runner: DFlash2DraftModel: vLLM 0.33.0 runs qwen3_dflash2.py" in out
+    assert "ok   SGLang DFlash2: --speculative-algorithm DFLASH with --speculative-num-draft-tokens 8" in out
+    assert "FAIL" not in out
+    spec = json.dumps({"method": "dflash", "model": str(out_dir), "num_speculative_tokens": 7})
+    readme = (out_dir / "README.md").read_text()
+    assert readme.startswith("# DFlash2 drafter")
+    assert f"VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {target} --speculative-config '{spec}'" in readme
+    assert "--speculative-algorithm DFLASH \\\n" in readme and "--speculative-num-draft-tokens 8" in readme
+    assert "on the\ndefault V1 runner the same checkpoint is drafted as plain DFlash" in readme
+    assert "`num_speculative_tokens` must be 7" in readme
