@@ -36,7 +36,9 @@ def test_dry_run_prints_every_check_with_figures_and_passes():
     flex = next(r for r in rows if r["check"] == "flex_vs_dense")
     assert flex["passed"] and flex["blocks"] > 1 and "sliding_attention" in flex["layer_types"]
     verify = next(r for r in rows if r["check"] == "target_verify_cost")
-    assert verify["t1_ms"] > 0 and verify["ratio"] == round(verify["t16_ms"] / verify["t1_ms"], 2)
+    # the ratio is rounded from the unrounded times: within half a last digit of the rounded times' ratio, plus
+    # what rounding the times to 3 decimals can move it
+    assert verify["t1_ms"] > 0 and abs(verify["ratio"] - verify["t16_ms"] / verify["t1_ms"]) < 0.01
     loop = next(r for r in rows if r["check"] == "spec_loop_overhead")
     assert loop["steps"] > 1 and loop["verify_ms"] > 0 and loop["drafter_ms"] > 0
     trained = [r for r in rows if r["check"] == "train_step" and "skipped" not in r]
