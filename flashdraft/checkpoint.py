@@ -9,6 +9,7 @@ wrongly shaped tensor is an error that names it, with the shape found and expect
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -215,10 +216,35 @@ def load_drafter(
     return _build(cfg, state, str(directory), device, dtype)
 
 
+def fold_conventions(cfg: DrafterConfig, state: dict[str, torch.Tensor]) -> tuple[DrafterConfig, dict]:
+    """The same drafter in flashdraft's conventions (`server_fields`: "folded"): a (1 + w) RMSNorm
+    (use_gemma_norm) is a plain one with weight 1 + w; GPT-J rotation of a head's rotary dims
+    (pairs 2i, 2i + 1) is NeoX rotation (pairs i, i + d/2) of the same dims permuted, so q/k rows
+    and the q/k norm weights are permuted alike: attention scores are unchanged."""
+    if cfg.in_own_conventions:
+        return cfg, state
+    state = dict(state)
+    if cfg.gemma_norm:
+        for key in [k for k in state if k.endswith("norm.weight")]:
+            state[key] = state[key] + 1
+    if not cfg.rope_neox_style:
+        d, hd = cfg.rotary_dim, cfg.head_dim
+        order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2), torch.arange(d, hd)])  # NeoX slot <- GPT-J
+        for key in list(state):
+            name = key.rsplit(".", 2)
+            if len(name) == 3 and name[1] in ("q_proj", "k_proj"):  # [heads * hd, H] or [heads * hd]
+                t = state[key]
+                state[key] = t.view(-1, hd, *t.shape[1:])[:, order].reshape(t.shape)
+            elif len(name) == 3 and name[1] in ("q_norm", "k_norm"):
+                state[key] = state[key][order]
+    return replace(cfg, gemma_norm=False, rope_neox_style=True), state
+
+
 def _build(
     cfg: DrafterConfig, state: dict[str, torch.Tensor], source: str, device: str | torch.device, dtype: torch.dtype
 ) -> DFlashDrafter:
     check_vocabulary_map(cfg, state, source)
+    cfg, state = fold_conventions(cfg, state)
     state = {k: v for k, v in state.items() if k not in OPTIONAL_TENSORS}
     if "d2t" in state:
         state["d2t"] = state["d2t"].long()

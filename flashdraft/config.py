@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.errors import FlashdraftError
+from flashdraft.server_fields import refuse_unsupported
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DEFAULT_BLOCK_SIZE = 16  # the anchor + 15 drafts: the public drafters' block
@@ -38,7 +39,8 @@ _OWN = {
     "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "attention_bias",
     "layer_types", "sliding_window", "use_sliding_window", "hidden_act", "dflash_config",
     "architectures", "model_type", "tie_word_embeddings", "is_causal", "draft_vocab_size",
-    "target_hidden_size", *DFLASH2_FIELDS,
+    "target_hidden_size", *DFLASH2_FIELDS, "partial_rotary_factor", "use_gemma_norm", "is_neox_style",
+    "rope_is_neox_style", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
 }  # fmt: skip
 # dflash_config fields resolved on load into the fields above (and not written back)
 _RESOLVED_DFLASH = ("causal", "use_swa", "swa_window_size", "block_size", *DFLASH2_FIELDS)
@@ -122,6 +124,12 @@ class DrafterConfig:
     conv_group_size: int = 0  # channels sharing one dynamic kernel correction
     selector_rank: int = 0  # rank of the candidate selector's codebooks
     selector_top_k: int = 0  # unary candidates per position the selector chooses among
+    # RoPE rotates the first int(head_dim * factor) dims of each q/k head (vLLM get_rope, SGLang)
+    partial_rotary_factor: float = 1.0
+    # conventions of stored weights that flashdraft folds into its own on load (`server_fields`):
+    # (1 + w) RMSNorms (SGLang use_gemma_norm) and GPT-J rotation (is_neox_style false)
+    gemma_norm: bool = False
+    rope_neox_style: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -140,6 +148,16 @@ class DrafterConfig:
             return self.architecture
         return (f"{self.architecture} (conv kernel {self.conv_kernel_size}, group {self.conv_group_size}; selector "
                 f"rank {self.selector_rank}, top-{self.selector_top_k})")  # fmt: skip
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each q/k head that RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def in_own_conventions(self) -> bool:
+        """True when the weights follow flashdraft's conventions (plain RMSNorms, NeoX rotation)."""
+        return not self.gemma_norm and self.rope_neox_style
 
     @property
     def num_context_layers(self) -> int:
@@ -233,6 +251,13 @@ class DrafterConfig:
             not isinstance(self.draft_vocab_size, int) or not 1 <= self.draft_vocab_size <= self.vocab_size
         ):
             raise bad("draft_vocab_size", self.draft_vocab_size, f"an integer in 1..{self.vocab_size} (vocab_size)")
+        factor = self.partial_rotary_factor
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
+            raise bad("partial_rotary_factor", factor, "a number in (0, 1]")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise bad("partial_rotary_factor", factor,
+                      f"a factor giving an even rotary width of 2 or more (head_dim {self.head_dim} x {factor} = "
+                      f"{self.head_dim * factor:g})")  # fmt: skip
         if self.family not in ARCHITECTURES:
             raise bad("architectures", self.family, f"one of {', '.join(ARCHITECTURES.values())}")
         for name in DFLASH2_FIELDS:
@@ -283,6 +308,13 @@ class DrafterConfig:
         for name in ("is_causal", "draft_vocab_size"):
             if own[name] is None:  # absent, not null: servers read a present null differently
                 del own[name]
+        # written only where they change something, in the spellings both servers read alike
+        if own["partial_rotary_factor"] == 1.0:
+            del own["partial_rotary_factor"]
+        if own.pop("gemma_norm"):
+            own["use_gemma_norm"] = True
+        if not own.pop("rope_neox_style"):
+            own["is_neox_style"] = own["rope_is_neox_style"] = False
         causal = {a.causal for a in self.layer_attention}
         if len(causal) == 1:  # say it when every layer shares one causality: no server has to guess
             own["is_causal"] = causal.pop()
@@ -314,11 +346,14 @@ class DrafterConfig:
                 raise FlashdraftError(f"{source}: field 'dflash_config.{name}' is missing")
         rope_theta = d.get("rope_theta")
         rope_scaling = d.get("rope_scaling")
+        refuse_unsupported(d, source)
         if rope_theta is None and isinstance(d.get("rope_parameters"), dict):
             # transformers 5 writes rope_parameters instead of rope_theta/rope_scaling
             params = dict(d["rope_parameters"])
             rope_theta = params.pop("rope_theta", 1e6)
             rope_scaling = params if params.get("rope_type", "default") != "default" else None
+        rope_scaling, partial_rotary_factor = _resolve_rotary_width(d, rope_scaling, source)
+        gemma_norm, neox_style = _stored_conventions(d, source)
         if "sliding_attention" in (d.get("layer_types") or []) and d.get("use_sliding_window") is False:
             warnings.warn(
                 f"{source}: layer_types has sliding_attention layers but use_sliding_window is false; "
@@ -347,6 +382,10 @@ class DrafterConfig:
             )
         extra_dflash = {k: v for k, v in dflash.items()
                         if k not in ("target_layer_ids", "mask_token_id", *_RESOLVED_DFLASH)}  # fmt: skip
+        for name in REFERENCE_OPTIONS:  # the reference reads them from dflash_config, then the top level
+            value = _draft_value(d, dflash, name, source)
+            if value is not None:
+                extra_dflash[name] = value
         extra = {k: v for k, v in d.items() if k not in _OWN}
         if extra_dflash:
             extra["dflash_config"] = extra_dflash
@@ -377,6 +416,9 @@ class DrafterConfig:
                 draft_vocab_size=d.get("draft_vocab_size"),
                 family=family,
                 **{name: value or 0 for name, value in dflash2.items()},
+                partial_rotary_factor=partial_rotary_factor,
+                gemma_norm=gemma_norm,
+                rope_neox_style=neox_style,
                 extra=extra,
             )
         except FlashdraftError as e:  # name the file, not just "config"
@@ -396,6 +438,57 @@ class DrafterConfig:
         except json.JSONDecodeError as e:
             raise FlashdraftError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
         return cls.from_dict(d, source=str(path))
+
+
+def _resolve_rotary_width(d: dict[str, Any], rope_scaling: dict | None, source: str) -> tuple[dict | None, float]:
+    """(rope_scaling without the rotary-width keys, partial_rotary_factor) from every spelling the servers
+    read: rope_parameters.partial_rotary_factor (vLLM get_rope), the top-level partial_rotary_factor
+    (SGLang; transformers folds it into rope_parameters), rope_scaling.rope_dim (SGLang, the rotary
+    width itself, over the factor). Spellings that disagree are refused: the servers would differ."""
+    params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+    nested, top = params.get("partial_rotary_factor"), d.get("partial_rotary_factor")
+    if nested is not None and top is not None and nested != top:
+        raise FlashdraftError(
+            f"{source}: field 'rope_parameters.partial_rotary_factor' is {nested!r} but 'partial_rotary_factor' is "
+            f"{top!r}; expected one value (vLLM 0.33.0 reads the first, SGLang 0.5.23 the second)"
+        )
+    factor = nested if nested is not None else top
+    scaling = dict(rope_scaling) if isinstance(rope_scaling, dict) else rope_scaling
+    rope_dim = None
+    if isinstance(scaling, dict):
+        rope_dim = scaling.pop("rope_dim", None)
+        inner = scaling.pop("partial_rotary_factor", None)
+        factor = inner if factor is None else factor
+        scaling = scaling if scaling.get("rope_type", scaling.get("type", "default")) != "default" else None
+    if rope_dim is not None:
+        head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+        if not isinstance(rope_dim, int) or isinstance(rope_dim, bool) or not 0 < rope_dim <= head_dim:
+            raise FlashdraftError(f"{source}: field 'rope_scaling.rope_dim' is {rope_dim!r}; expected an integer in "
+                                  f"1..{head_dim} (head_dim)")  # fmt: skip
+        if factor is not None and int(head_dim * factor) != rope_dim:
+            raise FlashdraftError(
+                f"{source}: field 'rope_scaling.rope_dim' is {rope_dim} but partial_rotary_factor {factor} gives "
+                f"{int(head_dim * factor)} rotary dims; expected them to agree (SGLang 0.5.23 rotates rope_dim dims, "
+                f"vLLM 0.33.0 head_dim x partial_rotary_factor)"
+            )
+        factor = rope_dim / head_dim
+    return scaling, 1.0 if factor is None else factor
+
+
+def _stored_conventions(d: dict[str, Any], source: str) -> tuple[bool, bool]:
+    """(gemma_norm, neox_style) of the stored weights: use_gemma_norm (SGLang's (1 + w) RMSNorms) and
+    is_neox_style / rope_is_neox_style (false: GPT-J rotation); the two rotation spellings must agree."""
+    gemma = d.get("use_gemma_norm")
+    if gemma is not None and not isinstance(gemma, bool):
+        raise FlashdraftError(f"{source}: field 'use_gemma_norm' is {gemma!r}; expected true, false or absent")
+    styles = {name: d[name] for name in ("is_neox_style", "rope_is_neox_style") if d.get(name) is not None}
+    for name, value in styles.items():
+        if not isinstance(value, bool):
+            raise FlashdraftError(f"{source}: field '{name}' is {value!r}; expected true, false or absent")
+    if len(set(styles.values())) > 1:
+        raise FlashdraftError(f"{source}: fields 'is_neox_style' and 'rope_is_neox_style' disagree ({styles}); "
+                              f"expected one rotation style")  # fmt: skip
+    return bool(gemma), next(iter(styles.values()), True)
 
 
 def _family(architectures: Any, source: str) -> str:

@@ -21,6 +21,7 @@ import torch
 from flashdraft.checkpoint import STATE_DICT_SUFFIXES
 from flashdraft.checks import Checks
 from flashdraft.errors import FlashdraftError
+from flashdraft.server_fields import fields_set
 from flashdraft.target import TargetModel
 
 
@@ -203,6 +204,11 @@ def check_drafter_dir(path: Path, target: TargetModel | None, checks: Checks, ve
         checks.fail(str(e), "correct config.json (see the public DFlash drafter format)")
         return
     checks.about(f"drafter directory {path}: {_describe_config(cfg)}")
+    for field, value in fields_set(json.loads((path / "config.json").read_text())):
+        done = {"honoured": "flashdraft computes it", "folded": "flashdraft folds it into the weights on load (the "
+                "same drafter; export writes it in its own conventions, which both servers read alike)"}
+        checks.about(f"config.json sets {field.name} = {json.dumps(value)}: {field.effect}; read by "
+                     f"{field.read_by}; {done.get(field.handling, 'refused')}")  # fmt: skip
     try:
         where = weight_files(path)
     except FlashdraftError as e:

@@ -89,7 +89,9 @@ def _config_fields(base: DrafterConfig, source: str, target: TargetModel) -> dic
             f"{source}: field 'draft_vocab_size' is {base.draft_vocab_size}; expected absent: flashdraft init makes "
             f"drafters that borrow the target's LM head (a reduced vocabulary needs its d2t map from data)"
         )
-    return {f.name: getattr(base, f.name) for f in fields(DrafterConfig)}
+    # fresh weights are in flashdraft's own conventions whatever the published ones (server_fields: "folded")
+    return {f.name: getattr(base, f.name) for f in fields(DrafterConfig)} | {"gemma_norm": False,
+                                                                              "rope_neox_style": True}
 
 
 def _resolve_layer_types(n: int, layer_types: list[str] | None, fields_: dict, source: str) -> list[str]:

@@ -46,9 +46,15 @@ def qwen3_config(cfg: DrafterConfig) -> Qwen3Config:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [N, heads, P, head_dim]; cos/sin: [N, P, head_dim]
+    """NeoX rotation of the first rotary_dim dims of each head (all of them unless partial_rotary_factor
+    < 1: the rest pass through, as vLLM's get_rope and SGLang rotate them)."""
+    # x: [N, heads, P, head_dim]; cos/sin: [N, P, rotary_dim]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat([rotated * cos + rotate_half(rotated) * sin, passed], dim=-1)
 
 
 def attention_mask(
@@ -330,13 +336,17 @@ class CandidateSelector(nn.Module):
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
+        if not cfg.in_own_conventions:  # `checkpoint.fold_conventions` converts such weights on load
+            raise ValueError("a drafter is built in flashdraft's conventions: fold gemma norms / GPT-J rotation first")
         self.config = cfg
         qwen3 = qwen3_config(cfg)
         self.fc = nn.Linear(cfg.num_context_layers * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(cfg, qwen3, i) for i in range(cfg.num_hidden_layers))
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(qwen3)
+        rope = qwen3_config(cfg)
+        rope.head_dim = cfg.rotary_dim  # cos/sin for the rotated dims only (partial_rotary_factor)
+        self.rotary_emb = Qwen3RotaryEmbedding(rope)
         self.candidate_selector = None
         if cfg.family == "dflash2":
             self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank,
