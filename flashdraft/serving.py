@@ -22,6 +22,7 @@ from typing import Any
 from flashdraft.checks import Checks
 from flashdraft.config import DEFAULT_MASK_TOKEN, REFERENCE_OPTIONS, DrafterConfig, LayerAttention
 from flashdraft.errors import FlashdraftError
+from flashdraft.server_fields import fields_set
 
 VLLM = "vLLM 0.33.0"
 SGLANG = "SGLang 0.5.23"
@@ -238,6 +239,7 @@ def check_serving(path: Path, target, checks: Checks, target_name: str | None = 
     _check_mask_token(cfg, target, checks)
     index = [path / INDEX_NAME] if (path / INDEX_NAME).is_file() else []
     _check_file_modes(path, [path / "config.json", *files, *index], checks)
+    _check_server_fields(raw, checks)
 
     # a reduced vocabulary with its own LM head: vLLM's convention, which SGLang's DFlash does not load
     if dflash2:  # DrafterConfig refuses draft_vocab_size for DFlash2: this always holds
@@ -348,6 +350,22 @@ def _check_mask_token(cfg: DrafterConfig, target, checks: Checks) -> None:
     else:
         checks.ok(f"{field} {cfg.mask_token!r} is token {vocab_id} of the target's tokenizer, mask_token_id "
                   f"({src} accepts the pair)")  # fmt: skip
+
+
+def _check_server_fields(raw: dict[str, Any], checks: Checks) -> None:
+    """Fields one server reads and the other does not (`server_fields`): flashdraft computes the drafter
+    as their reader does, but served from this config.json the two servers would differ; a re-export
+    writes the same drafter in the spelling both read alike."""
+    one_sided = [(f, v) for f, v in fields_set(raw)
+                 if f.handling == "folded" or f.name in ("rope_scaling.rope_dim", "use_gemma_norm")]  # fmt: skip
+    if not one_sided:
+        checks.ok(f"server fields: none that only one of {VLLM} and {SGLANG} reads (is_neox_style, "
+                  f"rope_is_neox_style, use_gemma_norm, rope_scaling.rope_dim; flashdraft/server_fields.py)")
+    for field, value in one_sided:
+        checks.warn(f"server fields: {field.name} = {json.dumps(value)}: {field.effect}; read by {field.read_by}, "
+                    f"so served from this config.json the servers may compute different drafters",
+                    "re-export it (flashdraft export --checkpoint DIR --out NEW): the same drafter, its weights in "
+                    "flashdraft's conventions, which both servers read alike")  # fmt: skip
 
 
 def _check_file_modes(directory: Path, files: list[Path], checks: Checks) -> None:

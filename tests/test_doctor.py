@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
-from tests.conftest import make_dflash2_drafter, make_drafter, make_hf_model, make_tokenizer
+from tests.conftest import make_dflash2_drafter, make_drafter, make_hf_model, make_tokenizer, run_cli
 
 
 def doctor(capsys, *argv) -> tuple[int, str, str]:
@@ -243,7 +243,7 @@ def test_an_unfinished_cache_says_to_rerun_the_same_command(files, tmp_path, cap
 SERVING_RULES = ["format: config.json architectures", "tensors, every public key with its shape", "target layers: ",
                  "causality layer 0 ", "V2 runner: ", "mask token: mask_token_id",
                  "mask token: dflash_config.mask_token", "file modes: ", "vocabulary: ", "block size: ",
-                 "scalings: "]  # fmt: skip
+                 "scalings: ", "server fields: "]  # fmt: skip
 
 
 def rule_lines(out: str) -> list[str]:
@@ -391,3 +391,15 @@ def test_serving_fails_a_dflash2_drafter_whose_codebook_is_missing_or_misnamed(f
     assert rc == 1 and len(tensors) == 1, out
     assert "neither notices a missing tensor): 'candidate_selector.successor_codebook' missing" in tensors[0]
     assert ("'candidate_selector.successor_codebook.weight' unexpected" in tensors[0]) == bool(rename)
+
+
+def test_serving_warns_of_a_field_only_one_server_reads_and_names_the_re_export_that_fixes_it(tmp_path, capsys):
+    drafter = make_drafter()
+    save_drafter(drafter, tmp_path / "d")
+    config = json.loads((tmp_path / "d" / "config.json").read_text()) | {"use_gemma_norm": True}
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    rc, out, _ = run_cli(capsys, "doctor", tmp_path / "d", "--serving")
+    assert rc == 0
+    line = next(x for x in out.splitlines() if "server fields: use_gemma_norm" in x)
+    assert line.startswith("warn") and "SGLang 0.5.23" in line and "re-export" in out
+    assert "config.json sets use_gemma_norm = true" in out  # the plain description lists it too
