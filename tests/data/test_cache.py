@@ -234,7 +234,10 @@ def test_a_cache_into_a_foreign_directory_is_refused(hybrid_dir, completions, tm
 
 def test_two_process_torchrun_gives_the_same_completions_and_cache_as_one(hybrid_dir, tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 5)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(ROOT))
+    # the ranks run at this process's thread count: the 1-rank run is in this process, and a kernel's
+    # summation order (so the features' last bits) depends on its thread count
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), TRANSFORMERS_VERBOSITY="error",
+               PYTHONPATH=str(ROOT))  # fmt: skip
 
     def run(world: int, name: str) -> Path:
         d = tmp_path / name
