@@ -119,13 +119,14 @@ def cmd_init(args: argparse.Namespace) -> None:
     from flashdraft.checkpoint import save_drafter
     from flashdraft.config import DrafterConfig
     from flashdraft.drafter_init import SHAPE_FIELDS, copy_target_layers, new_drafter_for_target
+    from flashdraft.run_dir import drafter_config_path
     from flashdraft.target_weights import TargetHead
 
     dflash2 = {name: getattr(args, name) for name in DFLASH2_FIELDS}
     if args.from_drafter:
         return _init_from_drafter(args, dflash2)
     # a published config is read before the target, so a broken one costs no model load
-    base = DrafterConfig.load(Path(args.config)) if args.config else None
+    base = DrafterConfig.load(drafter_config_path(args.config)) if args.config else None
     target = TargetHead.load(args.target_model)  # shapes, tokenizer and final norm (decoder layers only if copied)
     drafter = new_drafter_for_target(
         target, num_layers=args.draft_layers, block_size=args.block_size, mask_token_id=args.mask_token_id,
@@ -235,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
     p.add_argument("--out", required=True)
     p.add_argument("--config", default=None, metavar="CONFIG_JSON",
-                   help="start from this drafter config.json (e.g. a published one); the flags below override its "
+                   help="start from this drafter's config.json (a config.json, a drafter directory, tiny-drafter or a "
+                        "training run; e.g. a published one); the flags below override its "
                         "fields, and hidden_size, vocab_size and num_target_layers must match the target")  # fmt: skip
     p.add_argument("--draft-layers", type=_positive, default=None,
                    help="default: --config's, else the --layer-types count, else 1")  # fmt: skip
@@ -381,7 +383,8 @@ def _add_data_commands(sub) -> None:
     p.add_argument("--completions", required=True, help="completions file from flashdraft generate")
     p.add_argument("--out", required=True, help="cache directory (a re-run resumes it)")
     p.add_argument("--layers", type=_target_layer_ids, default=None, help="target layer ids, e.g. 1,6,11")
-    p.add_argument("--draft-config", default=None, help="take the layer ids from this drafter (directory or config)")
+    p.add_argument("--draft-config", default=None,
+                   help="take the layer ids from this drafter (directory, tiny-drafter, training run or config.json)")
     p.add_argument("--num-prompts", type=_positive, default=None, help="cache only the first N records")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                    help="storage dtype of the features; auto (default): the dtype the target computes them in "
@@ -739,7 +742,8 @@ def _add_train_command(sub) -> None:
     source.add_argument("--cached-hidden-states", help="cache directory (offline mode)")
     source.add_argument("--completions", help="completions file (online mode: the target runs in the loop)")
     p.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, run_config.json; required)")
-    p.add_argument("--init", help="start from this drafter directory instead of a fresh one")
+    p.add_argument("--init", help="start from this drafter (directory, tiny-drafter, training run or "
+                   ".pt/.safetensors) instead of a fresh one")
     p.add_argument("--draft-layers", type=_positive, default=None, help="default 1 (with --init/--resume: its own)")
     p.add_argument(
         "--block-size",

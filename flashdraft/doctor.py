@@ -27,9 +27,9 @@ from flashdraft.target import TargetModel
 
 def resolve(path: str | Path) -> Path:
     """PATH, or the directory of the drafter shipped with flashdraft by that name (`tiny-drafter`)."""
-    from flashdraft.run_dir import BUILTIN_DRAFTERS
+    from flashdraft.run_dir import resolve_drafter
 
-    return BUILTIN_DRAFTERS[str(path)] if not Path(path).exists() and str(path) in BUILTIN_DRAFTERS else Path(path)
+    return resolve_drafter(path)
 
 
 def kind_of(path: Path) -> str:

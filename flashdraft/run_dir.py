@@ -244,19 +244,41 @@ class LoadedDrafter:
         return f"{self.path} ({form})"
 
 
-def _load_drafter_directory(path: Path, device, dtype: torch.dtype, verify: bool) -> LoadedDrafter:
-    """A drafter directory, a training run (its newest complete checkpoint) or one checkpoint."""
-    form = "drafter directory"
-    if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
+def resolve_drafter(path: str | Path) -> Path:
+    """PATH when it exists, else the directory of the drafter shipped with flashdraft by that
+    name (`tiny-drafter`): the one name resolution of every option that takes a drafter. A local
+    directory of that name wins (`export --out tiny-drafter` then `eval --checkpoint tiny-drafter`)."""
+    given = Path(path)
+    return BUILTIN_DRAFTERS[str(path)] if not given.exists() and str(path) in BUILTIN_DRAFTERS else given
+
+
+def _drafter_directory(path: Path) -> tuple[str, Path]:
+    """(form, drafter directory) of a drafter directory, a training run (its newest complete
+    checkpoint) or one checkpoint; any other directory is returned as a drafter directory."""
+    if not (path / "config.json").is_file() and (path / CHECKPOINTS).is_dir():
         last = latest_checkpoint(path)
         if last is None:
             raise FlashdraftError(
                 f"{path}: no complete checkpoint (expected {path / CHECKPOINTS}/step-NNNNNNN/drafter/ with a "
                 f"COMPLETE marker in step-NNNNNNN/)"
             )
-        form, path = "training run", last / "drafter"
-    elif not (path / "config.json").is_file() and (path / "drafter").is_dir() and (path / "COMPLETE").is_file():
-        form, path = "training checkpoint", path / "drafter"
+        return "training run", last / "drafter"
+    if not (path / "config.json").is_file() and (path / "drafter").is_dir() and (path / COMPLETE).is_file():
+        return "training checkpoint", path / "drafter"
+    return "drafter directory", path
+
+
+def drafter_config_path(path: str | Path) -> Path:
+    """The config.json of a drafter given in any directory form `load_any_drafter` takes (a
+    drafter directory or a shipped drafter's name, a training run, one checkpoint), or PATH
+    itself when it is a file (a config.json)."""
+    path = resolve_drafter(path)
+    return _drafter_directory(path)[1] / "config.json" if path.is_dir() else path
+
+
+def _load_drafter_directory(path: Path, device, dtype: torch.dtype, verify: bool) -> LoadedDrafter:
+    """A drafter directory, a training run (its newest complete checkpoint) or one checkpoint."""
+    form, path = _drafter_directory(path)
     if form != "drafter directory" and verify:
         verify_checkpoint(path.parent, only="drafter/")
     drafter = load_drafter(path, device=device, dtype=dtype)
@@ -290,7 +312,7 @@ def load_any_drafter(
       fc's context-layer count, the mask token from the argument else the target's tokenizer,
       block size from the argument else 16 (the usual one); RoPE and norm eps from the target.
     """
-    path = BUILTIN_DRAFTERS.get(str(path), Path(path))
+    path = resolve_drafter(path)
     if path.is_dir():
         return _load_drafter_directory(path, device, dtype, verify)
     if path.suffix not in STATE_DICT_SUFFIXES:

@@ -54,3 +54,18 @@ def test_init_layers_from_target_copies_the_target_layer_and_refuses_a_count_mis
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "2 target layers for a drafter of 1 layers" in err[0]
     assert not (tmp_path / "e").exists()
+
+
+def test_init_config_and_train_init_take_the_shipped_tiny_drafter_by_name(tmp_path, capsys):
+    from flashdraft.run_dir import BUILTIN_DRAFTERS
+    from flashdraft.target_weights import TargetHead
+    from flashdraft.train.run import _starting_drafter
+
+    assert main(["init", "--target-model", "tiny", "--out", str(tmp_path / "d"), "--config", "tiny-drafter",
+                 "--seed", "1"]) == 0, capsys.readouterr().err  # fmt: skip
+    cfg = load_drafter(tmp_path / "d").config
+    assert cfg.target_layer_ids == [1, 2, 3] and cfg.num_hidden_layers == 2 and cfg.block_size == 16
+    shape = dict(draft_layers=None, block_size=None, mask_token_id=None, target_layer_ids=None)
+    drafter = _starting_drafter(TargetHead.load("tiny"), None, "tiny-drafter", shape, seed=0, verify=True)
+    shipped = load_drafter(BUILTIN_DRAFTERS["tiny-drafter"])
+    assert torch.equal(drafter.fc.weight, shipped.fc.weight)  # loaded, not a fresh drafter

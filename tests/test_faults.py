@@ -45,7 +45,10 @@ from flashdraft.run_dir import complete_checkpoints, latest_checkpoint, verify_c
 from tests.conftest import save_target
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
+# subprocesses at this process's thread count (conftest's): their results are compared bit for bit with
+# runs in this process, and a kernel's summation order depends on its thread count
+ENV = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), PYTHONPATH=str(ROOT),
+           TRANSFORMERS_VERBOSITY="error")
 PROGRESS_BAR = re.compile(r"\d+%\|")  # tqdm's lines on stderr are progress, not messages
 
 
@@ -78,7 +81,7 @@ def ref(tmp_path_factory) -> dict:
 def kill_at_random_moment(argv: list[str], started, seed: int, delay: float = 0.08) -> None:
     """Run `flashdraft ARGV` slowed, wait until `started()` is true (its first finished unit is
     on disk), then SIGKILL it a random 0.2-1.2 s later, while it is still running."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
+    env = dict(ENV)
     proc = subprocess.Popen([sys.executable, "-m", "tests.fault_runner", str(delay), *argv], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     try:

@@ -758,11 +758,12 @@ def doctor_cache(
 
 
 def drafter_layer_ids(path: str | Path) -> tuple[list[int], Any]:
-    """target_layer_ids of a drafter directory or config.json (and the config itself)."""
+    """target_layer_ids (and the config itself) of a drafter directory or a shipped drafter's
+    name (`tiny-drafter`), a training run or checkpoint, or a config.json."""
     from flashdraft.config import DrafterConfig
+    from flashdraft.run_dir import drafter_config_path
 
-    path = Path(path)
-    config = DrafterConfig.load(path / "config.json" if path.is_dir() else path)
+    config = DrafterConfig.load(drafter_config_path(path))
     return list(config.target_layer_ids), config
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # torch's numerics, so FSDP == one process
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # torch's numerics, as one process
 
 from flashdraft.errors import FlashdraftError
 

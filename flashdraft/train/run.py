@@ -16,7 +16,7 @@ from flashdraft.distributed import init_distributed, load_dtype
 from flashdraft.drafter_init import new_drafter_for_target
 from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
-from flashdraft.run_dir import latest_checkpoint, verify_checkpoint
+from flashdraft.run_dir import latest_checkpoint, load_any_drafter, verify_checkpoint
 from flashdraft.target import TargetModel
 from flashdraft.target_weights import TargetHead
 from flashdraft.train.data import OnlineRecords
@@ -98,7 +98,7 @@ def _starting_drafter(
         drafter = load_drafter(last / "drafter")  # weights are restored again by the loop, with the optimizer
         source = f"{last / 'drafter'} (--resume)"
     elif init:
-        drafter, source = load_drafter(init), f"{init} (--init)"
+        drafter, source = load_any_drafter(init, target, verify=verify).drafter, f"{init} (--init)"
     else:
         return new_drafter_for_target(target, shape["draft_layers"] or 1, shape["block_size"] or DEFAULT_BLOCK_SIZE,
                                       shape["mask_token_id"], shape["target_layer_ids"], seed=seed)  # fmt: skip

@@ -234,7 +234,10 @@ def test_a_cache_into_a_foreign_directory_is_refused(hybrid_dir, completions, tm
 
 def test_two_process_torchrun_gives_the_same_completions_and_cache_as_one(hybrid_dir, tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 5)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(ROOT))
+    # the ranks run at this process's thread count: the 1-rank run is in this process, and a kernel's
+    # summation order (so the features' last bits) depends on its thread count
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), TRANSFORMERS_VERBOSITY="error",
+               PYTHONPATH=str(ROOT))  # fmt: skip
 
     def run(world: int, name: str) -> Path:
         d = tmp_path / name
@@ -277,7 +280,20 @@ def test_round_trip_on_the_builtin_tiny_target(tmp_path, capsys):
     assert "all checks passed" in capsys.readouterr().out
 
 
-def test_layer_ids_come_from_layers_or_a_drafter_or_the_reference_default(tmp_path, capsys):
+def test_draft_config_and_doctor_checkpoint_take_the_shipped_tiny_drafter_by_name(tmp_path, capsys):
+    c, out = tmp_path / "c.json", tmp_path / "cache"
+    assert run_cli(["generate", "--target-model", "tiny", "--prompts", "builtin:code", "--num-prompts", "1",
+                    "--max-new-tokens", "4", "--out", str(c)]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert run_cli(["cache", "--target-model", "tiny", "--completions", str(c), "--out", str(out),
+                    "--draft-config", "tiny-drafter"]) == 0, capsys.readouterr().err  # fmt: skip
+    assert "reference default" not in capsys.readouterr().out  # the drafter's ids, not a guess
+    assert HiddenStateCache(out).layer_ids == [1, 2, 3]  # tiny-drafter's target_layer_ids
+    assert run_cli(["doctor", str(out), "--checkpoint", "tiny-drafter", "--no-verify"]) == 0
+    assert "all checks passed" in capsys.readouterr().out
+
+
+def test_layer_ids_come_from_layers_or_a_drafter_or_the_reference_default(tmp_path, capsys, monkeypatch):
     from flashdraft.data.cache import resolve_layer_ids
 
     target = make_target("qwen3", num_layers=6)
@@ -295,6 +311,14 @@ def test_layer_ids_come_from_layers_or_a_drafter_or_the_reference_default(tmp_pa
     assert resolve_layer_ids(make_target("qwen3"), None, str(tmp_path / "d" / "config.json")) == [1, 3]
     with pytest.raises(FlashdraftError, match="not both"):
         resolve_layer_ids(target, [1], str(tmp_path / "d"))
+    # a run directory gives its newest checkpoint's ids; a local directory named like a shipped drafter wins
+    for step, ids in ((1, [0, 3]), (2, [1, 2])):
+        save_drafter(make_drafter(target_layer_ids=ids), tmp_path / f"run/checkpoints/step-{step:07d}/drafter")
+        (tmp_path / f"run/checkpoints/step-{step:07d}/COMPLETE").write_text(f"step {step}\n")
+    assert resolve_layer_ids(make_target("qwen3"), None, str(tmp_path / "run")) == [1, 2]
+    save_drafter(make_drafter(target_layer_ids=[0, 2]), tmp_path / "tiny-drafter")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_layer_ids(make_target("qwen3"), None, "tiny-drafter") == [0, 2]
 
 
 def test_listing_records_for_eval_reads_token_ids_only_and_features_on_demand(

@@ -126,7 +126,7 @@ def test_online_features_give_the_same_loss_as_cached_features(target, records):
 
 
 @pytest.mark.parametrize("weighting", ["decay", "dpace"])
-def test_gradient_accumulation_equals_one_larger_batch(target, records, tmp_path, weighting):
+def test_gradient_accumulation_matches_one_larger_batch_within_rounding(target, records, tmp_path, weighting):
     # AdamW: Muon's bf16 orthogonalisation would blur the last bits this compares (see the gloo test)
     big = train(_cfg(batch_size=4, max_steps=2, loss_weighting=weighting, optimizer="adamw"), make_drafter(), target,
                 records, tmp_path / "a")  # fmt: skip
@@ -155,7 +155,31 @@ def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, r
     assert after["eval_estimated_acceptance"] > before["eval_estimated_acceptance"] + 0.03
 
 
-def test_two_gloo_processes_ddp_and_fsdp_train_the_same_weights_as_one(tmp_path):
+# Muon runs Newton-Schulz in bf16: a last-bit (fp32) change of its input flips the odd bf16 rounding, and a
+# flip moves that step's orthogonalised update by about 1 % (a 1-ulp perturbation, measured); compounding over
+# 3 steps through momentum and the next gradients gives 5.9 % of the update between 1 and 2 ranks here. Twice
+# that is the tolerance, for any two different summation orders (accumulation, all-reduce, reduce-scatter).
+MUON_TOLERANCE = 0.12  # ||difference|| / ||update|| of each matrix
+
+
+def _shard_local_muon_gap(matrices: dict[str, torch.Tensor]) -> float:
+    """How far a Muon that orthogonalises each of 2 row shards lands from one over the whole
+    matrix (the bug the FSDP comparison guards against): the least relative difference."""
+    from flashdraft.train.optim import _zeropower_via_newtonschulz
+
+    ns = torch.optim.Muon([torch.nn.Parameter(torch.zeros(2, 2))]).defaults
+    gaps = []
+    for i, value in enumerate(matrices.values()):
+        x = torch.randn(value.shape, generator=torch.Generator().manual_seed(i))
+        whole = _zeropower_via_newtonschulz(x, ns["ns_coefficients"], ns["ns_steps"], ns["eps"])
+        shards = [_zeropower_via_newtonschulz(h, ns["ns_coefficients"], ns["ns_steps"], ns["eps"]) for h in x.chunk(2)]
+        gaps.append(float((torch.cat(shards) - whole).norm() / whole.norm()))
+    return min(gaps)
+
+
+def test_two_gloo_ranks_with_ddp_or_fsdp_train_what_one_rank_trains_within_rounding(tmp_path):
+    """DDP and FSDP2 on 2 ranks sum gradients in other orders than one rank accumulating (and
+    than each other): AdamW weights agree within 1e-5, Muon's matrices within 12 % of their update."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     worker = str(REPO / "tests/train/ddp_worker.py")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -170,26 +194,28 @@ def test_two_gloo_processes_ddp_and_fsdp_train_the_same_weights_as_one(tmp_path)
         done = subprocess.run([*torchrun, "--nproc-per-node", procs, worker, str(tmp_path / name), batch, accum,
                                *options], env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
         assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
-    for one_name, name in (("one", "ddp"), ("one", "fsdp"), ("one-dpace", "ddp-dpace")):
+    # AdamW normalises each element's step, so a last-bit gradient difference moves a weight by at most about
+    # lr x (its relative change): measured up to 1.2e-6 (1 vs 2 ranks) and 9e-8 (DDP vs FSDP) after 3 steps of
+    # lr 3e-3; a rank-local loss normaliser or an unaveraged gradient is off by about the update (~1e-3)
+    for one_name, name in (("one", "ddp"), ("one", "fsdp"), ("ddp", "fsdp"), ("one-dpace", "ddp-dpace")):
         one = load_drafter(latest_checkpoint(tmp_path / one_name) / "drafter")
         other = load_drafter(latest_checkpoint(tmp_path / name) / "drafter")
         for key, value in one.state_dict().items():
             torch.testing.assert_close(value, other.state_dict()[key], rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
-    # Muon orthogonalises each update in bf16 (torch.optim.Muon's Newton-Schulz), which turns the last-bit
-    # differences of an all-reduce against accumulation into ~5 % of the update: not bitwise, but the same
-    # update (a rank-local Muon would be 100 % off); the AdamW part (norms) agrees as above.
     init = make_drafter(block_size=4).state_dict()
-    one = load_drafter(latest_checkpoint(tmp_path / "one-muon") / "drafter").state_dict()
-    ddp = load_drafter(latest_checkpoint(tmp_path / "ddp-muon") / "drafter").state_dict()
-    for key, value in one.items():
-        if value.ndim == 2:
-            assert float((ddp[key] - value).norm() / (value - init[key]).norm()) < 0.15, key
-        else:
-            torch.testing.assert_close(value, ddp[key], rtol=1e-4, atol=1e-5, msg=key)
-    # under FSDP2 Muon orthogonalises the whole gathered matrix, as DDP does: the same weights, bit for bit
-    # (a shard's own orthogonalisation is about 40 % off the whole matrix's)
-    fsdp = load_drafter(latest_checkpoint(tmp_path / "fsdp-muon") / "drafter").state_dict()
-    assert all(torch.equal(fsdp[key], ddp[key]) for key in ddp)
+    weights = {name: load_drafter(latest_checkpoint(tmp_path / name) / "drafter").state_dict()
+               for name in ("one-muon", "ddp-muon", "fsdp-muon")}  # fmt: skip
+    matrices = {key: value for key, value in init.items() if value.ndim == 2}
+    # under FSDP2 Muon orthogonalises the whole gathered matrix, as DDP does; a shard's own orthogonalisation
+    # would be 37-78 % off: the tolerance must stay well below that
+    assert _shard_local_muon_gap(matrices) > 2.5 * MUON_TOLERANCE
+    for a, b in (("one-muon", "ddp-muon"), ("ddp-muon", "fsdp-muon")):
+        for key, value in weights[a].items():
+            if key in matrices:
+                update = (value - init[key]).norm()
+                assert float((weights[b][key] - value).norm() / update) < MUON_TOLERANCE, f"{a} {b} {key}"
+            else:  # norms: AdamW, as above
+                torch.testing.assert_close(value, weights[b][key], rtol=1e-4, atol=1e-5, msg=f"{a} {b} {key}")
 
 
 def test_two_rank_fsdp_run_stopped_after_a_checkpoint_resumes_bit_identically_with_muon_and_adamw(tmp_path):
