@@ -2,10 +2,12 @@
 
     ddp_worker.py RUN_DIR BATCH GRAD_ACCUM [ddp|fsdp] [decay|dpace] [adamw|muon] [full|stop|resume]
 
-The last argument makes a 4-step run that saves every 2 steps: `full` runs it through, `stop`
+DRAFTER_FAMILY=dflash2 in the environment trains a DFlash2 drafter (convolutions and selector). The last
+argument makes a 4-step run that saves every 2 steps: `full` runs it through, `stop`
 leaves it after its step-2 checkpoint (a preempted job), `resume` continues it with --resume.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,7 +18,7 @@ torch.set_num_threads(1)
 
 from flashdraft.distributed import init_distributed  # noqa: E402
 from flashdraft.train.loop import TrainConfig, train  # noqa: E402
-from tests.conftest import make_drafter, make_target  # noqa: E402
+from tests.conftest import make_dflash2_drafter, make_drafter, make_target  # noqa: E402
 from tests.train.helpers import make_records  # noqa: E402
 
 
@@ -42,7 +44,8 @@ if __name__ == "__main__":
             raise Preempted
 
     try:
-        train(cfg, make_drafter(block_size=4), target, records, run_dir, resume=mode == "resume", dist=dist,
+        new_drafter = make_dflash2_drafter if os.environ.get("DRAFTER_FAMILY") == "dflash2" else make_drafter
+        train(cfg, new_drafter(block_size=4), target, records, run_dir, resume=mode == "resume", dist=dist,
               on_step=preempt)  # fmt: skip
     except Preempted:
         pass

@@ -197,7 +197,15 @@ def test_two_gloo_ranks_with_ddp_or_fsdp_train_what_one_rank_trains_within_round
     # AdamW normalises each element's step, so a last-bit gradient difference moves a weight by at most about
     # lr x (its relative change): measured up to 1.2e-6 (1 vs 2 ranks) and 9e-8 (DDP vs FSDP) after 3 steps of
     # lr 3e-3; a rank-local loss normaliser or an unaveraged gradient is off by about the update (~1e-3)
-    for one_name, name in (("one", "ddp"), ("one", "fsdp"), ("ddp", "fsdp"), ("one-dpace", "ddp-dpace")):
+    # a DFlash2 drafter (convolutions, selector loss) under FSDP2, as the D-PACE pair above
+    for name, (procs, batch, accum) in {"one-dflash2": ("1", "1", "4"), "fsdp-dflash2": ("2", "2", "1")}.items():
+        done = subprocess.run([*torchrun, "--nproc-per-node", procs, worker, str(tmp_path / name), batch, accum,
+                               "fsdp", "dpace"], env=env | {"DRAFTER_FAMILY": "dflash2"}, capture_output=True,
+                              text=True, timeout=240)  # fmt: skip
+        assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
+    pairs = (("one", "ddp"), ("one", "fsdp"), ("ddp", "fsdp"), ("one-dpace", "ddp-dpace"),
+             ("one-dflash2", "fsdp-dflash2"))
+    for one_name, name in pairs:
         one = load_drafter(latest_checkpoint(tmp_path / one_name) / "drafter")
         other = load_drafter(latest_checkpoint(tmp_path / name) / "drafter")
         for key, value in one.state_dict().items():
