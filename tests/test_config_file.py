@@ -194,6 +194,14 @@ def test_the_qwen36_configs_are_the_published_layout_and_agree_with_it():
     assert train_args("--config", CONFIGS / "qwen3.6-27b-online.yaml").completions
 
 
+def test_the_dflash2_config_is_the_published_qwen38_dflash2_layout():
+    from tests.test_config import PUBLIC_QWEN38_DFLASH2_CONFIG
+
+    drafter = json.loads((CONFIGS / "qwen3.8-27b-dflash2.json").read_text())
+    assert drafter == PUBLIC_QWEN38_DFLASH2_CONFIG
+    assert DrafterConfig.from_dict(drafter).family == "dflash2"
+
+
 def test_options_from_file_is_usable_alone_and_refuses_excluded_keys(tmp_path):
     from flashdraft.config_file import options_from_file
 
