@@ -14,7 +14,8 @@ selector. Runs, each N steps:
 - `dflash`, `dflash2` (selector loss, missing label injected), `dflash2-skip` (... skipped): from
   the shared init;
 - `dflash-more` (the trained `dflash` drafter, N more steps) and `dflash2-from` (`init --family
-  dflash2 --from-drafter` of it, N steps): what DFlash2 adds to a trained drafter.
+  dflash2 --from-drafter` of it, N steps): what DFlash2 adds to a trained drafter; with the
+  selector loss weighted 0.3 and 3 instead of 1 (`dflash2-from-sel0.3`, `dflash2-from-sel3`).
 `--lanes 2` trains two runs at a time (one thread each). Every stage resumes: outputs that exist
 are reused. `--step-cost` times one drafting step (drafter forward + LM head + the selector's
 walk) of the trained `dflash` and `dflash2` drafters, interleaved, after a 200-token context.
@@ -42,8 +43,10 @@ RUNS = {  # name: (init, extra train flags)
     "dflash2-skip": ("init-dflash2", ["--selector-missing-label", "skip"]),
     "dflash-more": ("run-dflash", []),  # its newest checkpoint's drafter
     "dflash2-from": ("init-dflash2-from", []),
+    "dflash2-from-sel0.3": ("init-dflash2-from", ["--selector-loss-weight", "0.3"]),
+    "dflash2-from-sel3": ("init-dflash2-from", ["--selector-loss-weight", "3"]),
 }
-SECOND_PHASE = ("dflash-more", "dflash2-from")  # start from the trained `dflash`
+SECOND_PHASE = ("dflash-more", "dflash2-from", "dflash2-from-sel0.3", "dflash2-from-sel3")  # from the trained `dflash`
 
 
 def train_command(work: Path, name: str, steps: int) -> list[str]:
@@ -150,9 +153,8 @@ def main() -> None:
     for row in rows:
         print(json.dumps(row), flush=True)
     by = {r["run"]: r for r in rows}
-    ratios = {"dflash2 / dflash": "dflash2", "dflash2-skip / dflash": "dflash2-skip",
-              "dflash2-from / dflash-more": "dflash2-from"}  # fmt: skip
-    base = {"dflash2": "dflash", "dflash2-skip": "dflash", "dflash2-from": "dflash-more"}
+    base = {name: "dflash-more" if name in SECOND_PHASE else "dflash" for name in RUNS if name.startswith("dflash2")}
+    ratios = {f"{name} / {base[name]}": name for name in base}
     summary = {"machine": platform.machine(), "threads": 1, "lanes": args.lanes, "steps": args.steps,
                "ratios": {label: {s: round(by[run][f"tau_{s}"] / by[base[run]][f"tau_{s}"], 4) for s in HELD_OUT}
                           for label, run in ratios.items()}}  # fmt: skip

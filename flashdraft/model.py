@@ -216,13 +216,12 @@ class GroupedDynamicCausalConv(nn.Module):
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
 
     def _convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int, block: int) -> torch.Tensor:
-        # x [N, Q, H]; delta [N, Q, K, groups]
-        out = torch.zeros_like(x)
-        for tap in range(self.kernel_size):
-            # per channel weight: the static tap plus its group's correction at this position
-            weight = self.base_kernel[side, tap] + delta[:, :, tap].repeat_interleave(self.group_size, dim=-1)
-            out = out + weight * shift_within_blocks(x, block, tap)
-        return out
+        # x [N, Q, H]; delta [N, Q, K, groups]; per channel and tap: the static weight plus its group's correction
+        k = self.kernel_size
+        base = self.base_kernel[side].view(k, self.groups, self.group_size)
+        weight = (base + delta.unsqueeze(-1)).view(*x.shape[:2], k, -1)  # [N, Q, K, H]
+        taps = torch.stack([shift_within_blocks(x, block, tap) for tap in range(k)], dim=2)  # [N, Q, K, H]
+        return (weight * taps).sum(2)
 
     def prepare(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sublayer input convolved, the output side's corrections [N, Q, K, groups])."""
@@ -306,22 +305,31 @@ class CandidateSelector(nn.Module):
         temperature > 0: each draft sampled from softmax(score / T) over the K candidates; returns
         (drafts, q [N, k, V]: the distribution each was drawn from, zero outside its top-K)."""
         unary_top, candidates = unary.float().topk(self.top_k, dim=-1)  # [N, k, K]
-        projected = self.hidden_projection(hidden).float()  # [N, k, r]
-        rows = torch.full_like(unary, float("-inf") if temperature <= 0 else 0.0, dtype=torch.float32)
-        drafts = candidates.new_empty(candidates.shape[:2])  # [N, k]
-        predecessor = anchors
+        # candidates in token order: the first best score is then the lowest token id, as an argmax over V
+        candidates, order = candidates.sort(-1)
+        unary_top = unary_top.gather(-1, order)
+        # every pair score at once: a predecessor is the anchor (position 0) or one of the K candidates
+        # before it, so the walk itself only indexes K x K tables
+        successors = self.successor_codebook[candidates] * self.hidden_projection(hidden).unsqueeze(-2)  # [N, k, K, r]
+        successors = successors.float()
+        from_anchor = (successors[:, 0] * self.predecessor_codebook[anchors].float().unsqueeze(1)).sum(-1)  # [N, K]
+        between = self.predecessor_codebook[candidates[:, :-1]].float() @ successors[:, 1:].transpose(-1, -2)
+        # between [N, k - 1, K (predecessor), K (successor)]
+        chosen = candidates.new_empty(candidates.shape[:2])  # [N, k]: index among the K
+        chose_from = torch.empty_like(unary_top)  # [N, k, K]: the scores (or q) each position chose from
+        rows_n = torch.arange(candidates.shape[0], device=candidates.device)
         for t in range(candidates.shape[1]):
-            scores = unary_top[:, t] + self.pair_scores(projected[:, t], predecessor, candidates[:, t])  # [N, K]
+            pair = from_anchor if t == 0 else between[rows_n, t - 1, chosen[:, t - 1]]  # [N, K]
+            scores = unary_top[:, t] + pair
             if temperature <= 0:
-                rows[:, t].scatter_(-1, candidates[:, t], scores)
-                predecessor = rows[:, t].argmax(-1)  # ties: the lowest token id, as an argmax over V
+                chosen[:, t] = scores.argmax(-1)
+                chose_from[:, t] = scores
             else:
-                probs = torch.softmax(scores / temperature, dim=-1)
-                rows[:, t].scatter_(-1, candidates[:, t], probs)
-                choice = torch.multinomial(probs, 1, generator=generator)[:, 0]
-                predecessor = candidates[:, t].gather(-1, choice[:, None])[:, 0]
-            drafts[:, t] = predecessor
-        return drafts, rows
+                chose_from[:, t] = probs = torch.softmax(scores / temperature, dim=-1)
+                chosen[:, t] = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        rows = torch.full_like(unary, float("-inf") if temperature <= 0 else 0.0, dtype=torch.float32)
+        rows.scatter_(-1, candidates, chose_from)
+        return candidates.gather(-1, chosen[..., None])[..., 0], rows
 
     @torch.no_grad()
     def reset_neutral(self, generator: torch.Generator) -> None:
