@@ -15,7 +15,8 @@ selector. Runs, each N steps:
   the shared init;
 - `dflash-more` (the trained `dflash` drafter, N more steps) and `dflash2-from` (`init --family
   dflash2 --from-drafter` of it, N steps): what DFlash2 adds to a trained drafter; with the
-  selector loss weighted 0.3 and 3 instead of 1 (`dflash2-from-sel0.3`, `dflash2-from-sel3`).
+  selector loss weighted 0.1, 0.3 and 3 instead of 1 (`dflash2-from-sel0.1`, ...); and from the
+  shared init with 0.3 (`dflash2-sel0.3`).
 `--lanes 2` trains two runs at a time (one thread each). Every stage resumes: outputs that exist
 are reused. `--step-cost` times one drafting step (drafter forward + LM head + the selector's
 walk) of the trained `dflash` and `dflash2` drafters, interleaved, after a 200-token context.
@@ -41,12 +42,15 @@ RUNS = {  # name: (init, extra train flags)
     "dflash": ("init", []),
     "dflash2": ("init-dflash2", ["--selector-missing-label", "inject"]),
     "dflash2-skip": ("init-dflash2", ["--selector-missing-label", "skip"]),
+    "dflash2-sel0.3": ("init-dflash2", ["--selector-loss-weight", "0.3"]),
     "dflash-more": ("run-dflash", []),  # its newest checkpoint's drafter
     "dflash2-from": ("init-dflash2-from", []),
+    "dflash2-from-sel0.1": ("init-dflash2-from", ["--selector-loss-weight", "0.1"]),
     "dflash2-from-sel0.3": ("init-dflash2-from", ["--selector-loss-weight", "0.3"]),
     "dflash2-from-sel3": ("init-dflash2-from", ["--selector-loss-weight", "3"]),
 }
-SECOND_PHASE = ("dflash-more", "dflash2-from", "dflash2-from-sel0.3", "dflash2-from-sel3")  # from the trained `dflash`
+SECOND_PHASE = ("dflash-more", "dflash2-from", "dflash2-from-sel0.1", "dflash2-from-sel0.3",
+                "dflash2-from-sel3")  # start from the trained `dflash`
 
 
 def train_command(work: Path, name: str, steps: int) -> list[str]:

@@ -203,9 +203,14 @@ def test_two_gloo_ranks_with_ddp_or_fsdp_train_what_one_rank_trains_within_round
                                "fsdp", "dpace"], env=env | {"DRAFTER_FAMILY": "dflash2"}, capture_output=True,
                               text=True, timeout=240)  # fmt: skip
         assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
-    pairs = (("one", "ddp"), ("one", "fsdp"), ("ddp", "fsdp"), ("one-dpace", "ddp-dpace"),
-             ("one-dflash2", "fsdp-dflash2"))
-    for one_name, name in pairs:
+    # its random (as if trained) convolutions and selector magnify the last bits more: measured up to 0.2 % of
+    # each tensor's update (1.4e-5 of 6e-3); an unaveraged or rank-local gradient would be off by about all of it
+    one, fsdp = (load_drafter(latest_checkpoint(tmp_path / n) / "drafter").state_dict()
+                 for n in ("one-dflash2", "fsdp-dflash2"))  # fmt: skip
+    start = make_dflash2_drafter(block_size=4).state_dict()
+    for key, value in one.items():
+        assert float((fsdp[key] - value).abs().max()) < 0.02 * float((value - start[key]).abs().max()), key
+    for one_name, name in (("one", "ddp"), ("one", "fsdp"), ("ddp", "fsdp"), ("one-dpace", "ddp-dpace")):
         one = load_drafter(latest_checkpoint(tmp_path / one_name) / "drafter")
         other = load_drafter(latest_checkpoint(tmp_path / name) / "drafter")
         for key, value in one.state_dict().items():
