@@ -1,7 +1,7 @@
 """Acceptance: what a speculative step commits, for live decoding and for the offline walk.
 
 One rule decides every step. A proposer drafts k tokens after the anchor (k is its choice:
-B - 1 for a full DFlash block; fewer when it verifies only the first drafts); the target
+B - 1 for a full DFlash block, B for a DSpark one; fewer when it verifies only the first drafts); the target
 scores [anchor, d1 .. dk]; the leading drafts it agrees with are accepted (greedy: equal to
 its argmax; sampled: the lossless accept/resample rule), and its next token is the bonus.
 `flashdraft.decode` applies the rule to the target's logits while decoding; the offline
@@ -46,7 +46,7 @@ class Proposer(Protocol):
     ) -> torch.Tensor:  # fmt: skip
         """tokens: everything committed, ending with the anchor (at anchor_pos); new_context:
         features [1, C, n * H] of tokens committed since the last call, at new_positions [1, C].
-        Returns logits [k, V] for the k <= block - 1 drafts to verify (one-hot rows for a
+        Returns logits [k, V] for the k <= block drafts to verify (one-hot rows for a
         deterministic drafter); the step verifies exactly these k."""
         ...
 
@@ -184,6 +184,14 @@ def inference_blocks(anchor_tokens: torch.Tensor, block: int, mask_token_id: int
 UNSURE_CHUNK = 4  # rows of the drafter's LM head computed at a time under an adaptive limit
 
 
+def confident_prefix(confidence: torch.Tensor, threshold: float | None) -> int:
+    """How many leading drafts a confidence cut keeps: those before the first whose confidence [k] is under the
+    threshold (DeepSpec's `_confident_prefix_length`; None or 0: all of them)."""
+    if not threshold:
+        return confidence.shape[0]
+    return int((confidence >= threshold).int().cumprod(0).sum())
+
+
 def draft_confidence(logits: torch.Tensor) -> torch.Tensor:
     """The drafter's top probability at each draft position: logits [k, V] -> [k]."""
     return torch.softmax(logits.float(), -1).amax(-1)
@@ -204,6 +212,9 @@ class DFlashProposer:
         # a DFlash2 drafter drafts its selector's walk; False: the unary argmax (what the selector adds, by comparison)
         self.use_selector = True
         self._last_walk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # DSpark: the confidence [K, k] of each draft of the last proposal's greedy walk (None without the head)
+        self.last_confidence: torch.Tensor | None = None
+        self._walk_length = 0  # DSpark: drafts of the last proposal before its confidence cut
         # drafts the limit never verifies get no logits (the LM head is costly): none past its k, and
         # under an adaptive p, `propose` stops after the chunk of rows holding the first unsure draft
         self.limit: DraftLimit | None = None
@@ -215,17 +226,28 @@ class DFlashProposer:
         self, anchor_tokens: list[int], anchor_positions: list[int], new_context: torch.Tensor | None,
         new_positions: torch.Tensor, block: int,
     ) -> list[torch.Tensor]:  # fmt: skip
-        """Logits [B - 1, V] after each anchor, all blocks in one drafter forward."""
+        """Logits [k, V] after each anchor (k: the drafts of a block, B - 1 or, anchor-first, B), all blocks in one
+        drafter forward; DFlash2 and DSpark: the rows of their greedy walks (a DSpark confidence cut shortens them)."""
         drafts = self._block_hidden(anchor_tokens, anchor_positions, new_context, new_positions, block)  # [K, k, H]
         # contiguous rows: the LM head as one matmul (on a strided 3-D view torch takes a bmm, 2-3x slower on CPU)
         logits = self.drafter.logits(drafts.reshape(-1, drafts.shape[-1]), self.target.lm_head)
         logits = logits.view(*drafts.shape[:2], -1)  # [K, k, V]
         selector = self.drafter.candidate_selector
+        anchors = torch.tensor(anchor_tokens, device=logits.device)
         if selector is not None and self.use_selector:  # DFlash2: the rows of the selector's greedy walk
-            anchors = torch.tensor(anchor_tokens, device=logits.device)
             self._last_walk = (drafts[-1:], logits[-1:], anchors[-1:])  # what `draw` re-walks when sampling
             logits = selector.walk(drafts, logits, anchors)[1]
-        return list(logits)
+        if self.drafter.markov_head is None:
+            return list(logits)
+        # DSpark: the rows of the greedy Markov walk, each draft's logits corrected by the draft before it
+        self._last_walk = (drafts[-1:], logits[-1:], anchors[-1:])
+        _, logits, previous = self.drafter.markov_walk(logits, anchors)
+        self._walk_length = logits.shape[1]
+        if self.drafter.confidence_head is None:
+            return list(logits)
+        self.last_confidence = self.drafter.confidence(drafts, previous)  # [K, k]
+        threshold = self.limit.confidence_threshold if self.limit is not None else None
+        return [rows[: confident_prefix(c, threshold)] for rows, c in zip(logits, self.last_confidence, strict=True)]
 
     def draw(
         self, logits: torch.Tensor, temperature: float, generator: torch.Generator | None
@@ -233,18 +255,31 @@ class DFlashProposer:
         """The drafts of the last proposal and the distribution q [k, V] each was drawn from. A DFlash2
         drafter samples its selector's walk: each draft from softmax(score / T) over its K candidates,
         given the draft sampled before it; q is that sparse distribution, which verification uses."""
-        if self.drafter.candidate_selector is None or not self.use_selector or temperature <= 0:
+        if temperature <= 0 or (self.drafter.markov_head is None and (self.drafter.candidate_selector is None
+                                                                      or not self.use_selector)):  # fmt: skip
             return sample_drafts(logits, temperature, generator)
-        hidden, unary, anchor = self._last_walk
+        hidden, base, anchor = self._last_walk
         k = logits.shape[0]  # a limit may verify fewer drafts than were proposed
-        drafts, q = self.drafter.candidate_selector.walk(hidden[:, :k], unary[:, :k], anchor, temperature, generator)
+        if self.drafter.markov_head is None:
+            drafts, q = self.drafter.candidate_selector.walk(hidden[:, :k], base[:, :k], anchor, temperature, generator)
+            return drafts[0], q[0]
+        # DSpark: the Markov walk sampled, each draft given the one sampled before it; a confidence cut is the
+        # sampled walk's own (the greedy walk's cut of `logits` does not apply to it)
+        threshold = self.limit.confidence_threshold if self.limit is not None else None
+        if threshold is not None:
+            k = self._walk_length
+        drafts, q, previous = self.drafter.markov_walk(base[:, :k], anchor, temperature, generator)
+        if threshold is not None:
+            n = confident_prefix(self.drafter.confidence(hidden[0, :k], previous[0]), threshold)
+            drafts, q = drafts[:, :n], q[:, :n]
         return drafts[0], q[0]
 
     def _block_hidden(
         self, anchor_tokens: list[int], anchor_positions: list[int], new_context: torch.Tensor | None,
         new_positions: torch.Tensor, block: int,
     ) -> torch.Tensor:  # fmt: skip
-        """The drafter's final hidden states [K, k, H] at the first k (the limit's, else B - 1) draft positions."""
+        """The drafter's final hidden states [K, k, H] at the first k (the limit's, else all) draft positions: block
+        positions 1.. in the fill-in layout, 0.. in the anchor-first one (`DrafterConfig.first_draft_position`)."""
         device = self.target.device
         blocks = inference_blocks(torch.tensor(anchor_tokens, device=device), block, self.drafter.config.mask_token_id)
         if new_context is not None:
@@ -253,19 +288,21 @@ class DFlashProposer:
             self.target.embed(blocks.reshape(1, -1)), torch.tensor([anchor_positions], device=device), new_context,
             new_positions, cache=self.cache,
         )  # fmt: skip
+        first = self.drafter.config.first_draft_position
         k = self.limit.num_speculative_tokens if self.limit is not None else None
-        end = None if k is None else 1 + k
-        return hidden.view(len(anchor_tokens), block, -1)[:, 1:end]
+        end = None if k is None else first + k
+        return hidden.view(len(anchor_tokens), block, -1)[:, first:end]
 
     def propose(
         self, tokens: list[int], anchor_pos: int, new_context: torch.Tensor | None, new_positions: torch.Tensor,
         block: int,
     ) -> torch.Tensor:  # fmt: skip
         """Logits [k, V] for the positions after the anchor (tokens[-1] at anchor_pos): the first k
-        the limit allows (default block - 1), and under an adaptive limit only up to the chunk of rows
+        the limit allows (default: every draft of the block), and under an adaptive limit only up to the chunk of rows
         that holds the first draft the drafter is unsure of."""
         threshold = self.limit.adaptive_threshold if self.limit is not None else None
-        if threshold is None or self.drafter.candidate_selector is not None:  # a walk needs every row before its own
+        walks = self.drafter.candidate_selector is not None or self.drafter.markov_head is not None
+        if threshold is None or walks:  # a walk needs every row before its own
             return self.propose_anchors([tokens[-1]], [anchor_pos], new_context, new_positions, block)[0]
         hidden = self._block_hidden([tokens[-1]], [anchor_pos], new_context, new_positions, block)[0]  # [k, H]
         rows = []
@@ -289,6 +326,9 @@ class DraftLimit:
 
     num_speculative_tokens: int | None = None
     adaptive_threshold: float | None = None
+    # DSpark: verify only the drafts before the first whose confidence head estimate is under this (the servers'
+    # adaptive verification; applied by the drafter's proposer, which has the estimates)
+    confidence_threshold: float | None = None
 
     def count(self, logits: torch.Tensor) -> int:
         """How many leading drafts of logits [k, V] to verify (0 .. k)."""

@@ -66,6 +66,12 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {"candidate_selector.predecessor_codebook": (cfg.vocab_size, r),
                    "candidate_selector.successor_codebook": (cfg.vocab_size, r),
                    "candidate_selector.hidden_projection.weight": (r, h)}  # fmt: skip
+    if cfg.family == "dspark":  # vLLM 0.33.0 qwen3_dspark.py: markov_w2 is [draft vocab, r]
+        r, v = cfg.markov_rank, cfg.vocab_size
+        shapes |= {"markov_head.markov_w1.weight": (v, r), "markov_head.markov_w2.weight": (v, r)}
+        if cfg.confidence_head:
+            shapes |= {"confidence_head.proj.weight": (1, h + (r if cfg.confidence_head_with_markov else 0)),
+                       "confidence_head.proj.bias": (1,)}  # fmt: skip
     if cfg.draft_vocab_size is not None:  # an own LM head over a reduced vocabulary (vLLM's convention)
         shapes["lm_head.weight"] = (cfg.draft_vocab_size, h)
         if cfg.draft_vocab_size < cfg.vocab_size:
@@ -183,6 +189,9 @@ def check_state_shapes(cfg: DrafterConfig, found: dict[str, tuple[int, ...]], so
     for key, shape in expected.items():
         if key not in found:
             why = " (DFlash2's: servers would not notice it missing and serve it random)" * is_dflash2_parameter(key)
+            if key.startswith("confidence_head."):
+                why = (" (enable_confidence_head is true: SGLang 0.5.23 refuses the checkpoint, vLLM 0.33.0 drops "
+                       "the head)")
             raise FlashdraftError(f"{source}: tensor '{key}' is missing; expected shape {list(shape)}{why}")
         if tuple(found[key]) != shape:
             raise FlashdraftError(f"{source}: tensor '{key}' has shape {list(found[key])}; expected {list(shape)}")
@@ -195,6 +204,12 @@ def check_state_shapes(cfg: DrafterConfig, found: dict[str, tuple[int, ...]], so
                 f"not part of a {cfg.num_hidden_layers}-layer {cfg.architecture}"
                 + (" (a DFlash2 tensor: config.json would say architectures [\"DFlash2DraftModel\"])"
                    if is_dflash2_parameter(key) and cfg.family != "dflash2" else "")
+                + (" (a DSpark tensor: config.json would say architectures [\"Qwen3DSparkModel\"], and "
+                   "enable_confidence_head true for the confidence head)" if key.startswith(("markov_head.",
+                   "confidence_head.")) else "")
+                + (" (the target's own embedding or LM head, which DeepSpec checkpoints copy: flashdraft drafters "
+                   "borrow the target's; remove it from the file if it equals the target's)"
+                   if key in ("embed_tokens.weight", "lm_head.weight") and cfg.draft_vocab_size is None else "")
             )
 
 

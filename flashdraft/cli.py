@@ -8,7 +8,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from flashdraft.config import ARCHITECTURES, DEFAULT_BLOCK_SIZE, DFLASH2_FIELDS
+from flashdraft.config import ARCHITECTURES, DEFAULT_BLOCK_SIZE, DFLASH2_FIELDS, DSPARK_MARKOV_RANK
 from flashdraft.errors import FlashdraftError
 
 
@@ -133,7 +133,7 @@ def cmd_init(args: argparse.Namespace) -> None:
         target_layer_ids=args.target_layer_ids, seed=args.seed, layer_types=args.layer_types,
         sliding_window=args.sliding_window, is_causal=args.is_causal,
         shape={name: getattr(args, name) for name in SHAPE_FIELDS}, base=base, base_source=str(args.config),
-        family=args.family, dflash2=dflash2,
+        family=args.family, dflash2=dflash2, dspark=_dspark_settings(args),
     )  # fmt: skip
     if args.layers_from_target:
         copy_target_layers(drafter, target, args.layers_from_target)
@@ -149,11 +149,24 @@ def cmd_init(args: argparse.Namespace) -> None:
     _print_layers(cfg)
 
 
+# --confidence-head: the DSpark confidence head's input, as config fields (enable, with_markov)
+CONFIDENCE_HEADS = {"none": (False, False), "hidden": (True, False), "with-markov": (True, True)}
+
+
+def _dspark_settings(args: argparse.Namespace) -> dict:
+    """DSpark's init flags as `new_drafter_for_target(dspark=...)` takes them (None: not given)."""
+    settings = {"markov_rank": args.markov_rank}
+    if args.confidence_head is not None:
+        settings["confidence_head"], settings["confidence_head_with_markov"] = CONFIDENCE_HEADS[args.confidence_head]
+    return settings
+
+
 def _print_layers(cfg) -> None:
     for i, attention in enumerate(cfg.layer_attention):
         print(f"  layer {i}: {attention.describe()}")
     print(f"  causality: {cfg.causality_source}")
     print(f"  architecture: {cfg.describe_family()}")
+    print(f"  layout: {cfg.describe_layout()}")
 
 
 # init flags that shape a fresh drafter; --from-drafter takes its shape from the drafter instead
@@ -171,7 +184,7 @@ def _init_from_drafter(args: argparse.Namespace, dflash2: dict) -> None:
 
     if args.family != "dflash2":
         raise FlashdraftError(f"--from-drafter {args.from_drafter}: expected --family dflash2 (the family to turn "
-                              f"the drafter into)")  # fmt: skip
+                              f"the drafter into; a DSpark drafter's layout differs: it starts fresh)")  # fmt: skip
     given = [name for name in _FRESH_ONLY if getattr(args, name) is not None]
     if given:
         flag = "--" + given[0].replace("_", "-")
@@ -264,9 +277,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start the drafter's layers from these full-attention layers of the target, one per "
                         "drafter layer (e.g. 2,5 for tiny); default: random init")  # fmt: skip
     p.add_argument("--family", choices=list(ARCHITECTURES), default=None,
-                   help="dflash (DFlashDraftModel) or dflash2 (DFlash2DraftModel: a grouped dynamic causal "
-                        "convolution around each sublayer and a candidate selector; block size 8 by default); "
-                        "default: --config's, else dflash")  # fmt: skip
+                   help="dflash (DFlashDraftModel), dflash2 (DFlash2DraftModel: a grouped dynamic causal "
+                        "convolution around each sublayer and a candidate selector; block size 8 by default) or "
+                        "dspark (Qwen3DSparkModel: the anchor-first block, a Markov head and a confidence head; block "
+                        "size 7 by default); default: --config's, else dflash")  # fmt: skip
+    p.add_argument("--markov-rank", type=_positive, default=None,
+                   help=f"DSpark (--family dspark): rank of the Markov head; default: --config's, else "
+                        f"{DSPARK_MARKOV_RANK}")  # fmt: skip
+    p.add_argument("--confidence-head", choices=list(CONFIDENCE_HEADS), default=None,
+                   help="DSpark: the confidence head and its input (none; hidden: the hidden state; with-markov: also "
+                        "the previous draft's Markov embedding); default: --config's, else with-markov")  # fmt: skip
     for name, published in DFLASH2_FIELDS.items():
         p.add_argument("--" + name.replace("_", "-"), type=_positive, default=None,
                        help=f"DFlash2 (--family dflash2); default: --config's, else {published} (as published)")
@@ -788,6 +808,11 @@ def _add_train_command(sub) -> None:
     knob("noise_std", _nonnegative_float, "noise on context features only")
     knob("selector_loss_weight", _nonnegative_float, "DFlash2: weight of the candidate selector's cross-entropy over "
          "the unary top-K, teacher-forced on the true predecessor, added to the backbone loss")
+    knob("dspark_ce_weight", _nonnegative_float, "DSpark: weight of the cross-entropy (the paper's 0.1)")
+    knob("dspark_tv_weight", _nonnegative_float, "DSpark: weight of the L1 distance |p_draft - p_target|_1 to the "
+         "target's distribution (the paper's 0.9; needs a cache with --with-target-logits, or online training)")
+    knob("confidence_loss_weight", _nonnegative_float, "DSpark: weight of the confidence head's BCE against the "
+         "acceptance probability 1 - |p_draft - p_target|_1 / 2 (the paper's 1.0)")
     knob("selector_missing_label", _selector_missing_label, "DFlash2: a label outside the unary top-K is put in the "
          "candidate set (inject, the default) or its position is left out of the selector loss (skip)")
     p.add_argument("--draft-vocab-size", type=_positive, default=None,

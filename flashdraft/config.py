@@ -25,12 +25,22 @@ DEFAULT_BLOCK_SIZE = 16  # the anchor + 15 drafts: the public drafters' block
 
 # The drafter families flashdraft builds, by the `architectures` entry that names each. A family
 # is data on one drafter module (`flashdraft.model`): which optional parts it has.
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}
+# other `architectures` names read as a family, never written: SpecForge's DSpark name, which vLLM 0.33.0's registry
+# maps to its DeepSeek-V4 DSpark (the Qwen3 one is Qwen3DSparkModel, which SGLang 0.5.23 also builds)
+ARCHITECTURE_ALIASES = {"DSparkDraftModel": "dspark"}
 # DFlash2's dflash_config fields (vLLM 0.33.0 `qwen3_dflash2.py`), with the published checkpoint's
 # values (z-lab/Qwen3.8-27B-DFlash2): the grouped dynamic causal convolution around each sublayer
 # and the candidate selector over the unary top-K
 DFLASH2_FIELDS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 DFLASH2_BLOCK_SIZE = 8  # the published DFlash2 drafter's block
+# DSpark (DeepSeek, DeepSpec; vLLM 0.33.0 `qwen3_dspark.py`): the anchor-first block of the paper (gamma 7: the anchor
+# and 6 masks, all 7 drafting) and the Markov head's rank of the DeepSpec configs
+DSPARK_BLOCK_SIZE = 7
+DSPARK_MARKOV_RANK = 256
+# the config fields of a DSpark drafter as vLLM 0.33.0 reads them (top level), which flashdraft writes
+DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                 "dspark_draft_topk", "sample_from_anchor")  # fmt: skip
 # Fields this class owns; anything else found in a config.json is kept in `extra` and
 # written back unchanged, so a public config survives a load/save round trip.
 _OWN = {
@@ -41,9 +51,11 @@ _OWN = {
     "architectures", "model_type", "tie_word_embeddings", "is_causal", "draft_vocab_size",
     "target_hidden_size", *DFLASH2_FIELDS, "partial_rotary_factor", "use_gemma_norm", "is_neox_style",
     "rope_is_neox_style", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
+    *DSPARK_FIELDS, "target_layer_ids", "mask_token_id", "projector_type", "dspark_config",
 }  # fmt: skip
 # dflash_config fields resolved on load into the fields above (and not written back)
-_RESOLVED_DFLASH = ("causal", "use_swa", "swa_window_size", "block_size", *DFLASH2_FIELDS)
+_RESOLVED_DFLASH = ("causal", "use_swa", "swa_window_size", "block_size", *DFLASH2_FIELDS, *DSPARK_FIELDS,
+                    "projector_type")  # fmt: skip
 # dflash_config fields of the z-lab reference that change the drafter's computation, with
 # the value that changes nothing
 REFERENCE_OPTIONS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
@@ -124,6 +136,13 @@ class DrafterConfig:
     conv_group_size: int = 0  # channels sharing one dynamic kernel correction
     selector_rank: int = 0  # rank of the candidate selector's codebooks
     selector_top_k: int = 0  # unary candidates per position the selector chooses among
+    # DSpark ("dspark"): the Markov head's rank (0 in the other families), the confidence head and whether it reads
+    # the Markov embedding of the previous token, and vLLM's dspark_draft_topk (the Markov bias applied to the top-k
+    # base candidates only, every other token excluded; None: the whole vocabulary)
+    markov_rank: int = 0
+    confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    draft_top_k: int | None = None
     # RoPE rotates the first int(head_dim * factor) dims of each q/k head (vLLM get_rope, SGLang)
     partial_rotary_factor: float = 1.0
     # conventions of stored weights that flashdraft folds into its own on load (`server_fields`):
@@ -142,8 +161,35 @@ class DrafterConfig:
         """The `architectures` entry servers build this drafter from."""
         return ARCHITECTURES[self.family]
 
+    @property
+    def first_draft_position(self) -> int:
+        """The block position of the first draft: 1 in the fill-in layout (DFlash, DFlash2: position k drafts the
+        token at anchor + k, the anchor itself drafts nothing), 0 in the anchor-first layout (DSpark: position k
+        drafts the token after anchor + k, so every position drafts). The layout is part of the format: a drafter
+        read in the other layout drafts every token one place off (accepted under 1 %, vLLM #56792)."""
+        return 0 if self.family == "dspark" else 1
+
+    @property
+    def drafts_per_block(self) -> int:
+        """Tokens one block drafts: block_size - 1 (fill-in) or block_size (anchor-first)."""
+        return self.block_size - self.first_draft_position
+
+    def describe_layout(self) -> str:
+        """The block layout in words (doctor, init, eval and export say it)."""
+        if self.first_draft_position == 0:
+            return (f"anchor-first (DSpark): the anchor and {self.block_size - 1} masks, every position drafting the "
+                    f"token after its own: {self.drafts_per_block} drafts per block")  # fmt: skip
+        return (f"fill-in (DFlash): the anchor and {self.block_size - 1} masks, each mask drafting the token at its "
+                f"position: {self.drafts_per_block} drafts per block")  # fmt: skip
+
     def describe_family(self) -> str:
-        """The architecture and, for DFlash2, its module sizes (doctor, init and eval say it)."""
+        """The architecture and, for DFlash2 and DSpark, its module sizes (doctor, init and eval say it)."""
+        if self.family == "dspark":
+            confidence = "none"
+            if self.confidence_head:
+                confidence = "with the Markov input" if self.confidence_head_with_markov else "hidden state only"
+            top_k = f"; Markov bias on the top-{self.draft_top_k} base candidates" if self.draft_top_k else ""
+            return f"{self.architecture} (Markov head rank {self.markov_rank}; confidence head: {confidence}{top_k})"
         if self.family != "dflash2":
             return self.architecture
         return (f"{self.architecture} (conv kernel {self.conv_kernel_size}, group {self.conv_group_size}; selector "
@@ -278,6 +324,7 @@ class DrafterConfig:
             if self.draft_vocab_size is not None:
                 raise bad("draft_vocab_size", self.draft_vocab_size,
                           "absent in a DFlash2 drafter: its selector covers the full target vocabulary")  # fmt: skip
+        self._validate_dspark(bad)
         options = self.dflash_options
         for name in ("input_embedding_scale", "output_multiplier"):
             value = options.get(name)
@@ -291,6 +338,35 @@ class DrafterConfig:
         if mask_token is not None and (not isinstance(mask_token, str) or not mask_token):
             raise bad("dflash_config.mask_token", mask_token, "a non-empty string (the mask token's text)")
 
+    def _validate_dspark(self, bad) -> None:
+        if self.family != "dspark":
+            for name, value in (("markov_rank", self.markov_rank), ("enable_confidence_head", self.confidence_head),
+                                ("dspark_draft_topk", self.draft_top_k)):  # fmt: skip
+                if value:
+                    raise bad(name, value, f"absent in a {self.architecture}: a DSpark field; a DSpark drafter says "
+                                           f"architectures [\"Qwen3DSparkModel\"]")  # fmt: skip
+            return
+        if not isinstance(self.markov_rank, int) or isinstance(self.markov_rank, bool) or self.markov_rank < 1:
+            raise bad("markov_rank", self.markov_rank,
+                      "a positive integer (a DSpark drafter's Markov head; vLLM 0.33.0 and SGLang 0.5.23 refuse 0)")
+        for name, value in (("enable_confidence_head", self.confidence_head),
+                            ("confidence_head_with_markov", self.confidence_head_with_markov)):  # fmt: skip
+            if not isinstance(value, bool):
+                raise bad(name, value, "true or false")
+        top_k = self.draft_top_k
+        if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool)
+                                  or not 1 <= top_k <= self.vocab_size):  # fmt: skip
+            raise bad("dspark_draft_topk", top_k, f"an integer in 1..{self.vocab_size} (vocab_size) or absent")
+        if self.draft_vocab_size is not None:
+            raise bad("draft_vocab_size", self.draft_vocab_size,
+                      "absent in a DSpark drafter: flashdraft builds its Markov head over the full target vocabulary")
+        for name in REFERENCE_OPTIONS:  # vLLM's qwen3_dspark.py reads none of them: it would serve another drafter
+            value = self.dflash_options.get(name)
+            if value is not None and value != REFERENCE_OPTIONS[name] and not (name == "final_logit_softcapping"
+                                                                              and value == 0):  # fmt: skip
+                raise bad(f"dflash_config.{name}", value, "absent in a DSpark drafter (vLLM 0.33.0 qwen3_dspark.py "
+                                                          "does not read it)")  # fmt: skip
+
     # -- public config.json ------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -303,8 +379,22 @@ class DrafterConfig:
             value = own.pop(name)
             if self.family == "dflash2":  # as published: DFlash2's fields and its block in dflash_config
                 dflash[name] = value
+        for name in ("markov_rank", "confidence_head", "confidence_head_with_markov", "draft_top_k"):
+            own.pop(name)
         if self.family == "dflash2":
             dflash["block_size"] = self.block_size
+        if self.family == "dspark":
+            # vLLM 0.33.0 reads these at the top level, DeepSpec too (with target_layer_ids and mask_token_id there);
+            # both confidence fields are always written: absent, the servers differ (SGLang 0.5.23 builds a
+            # confidence head and reads its Markov input as on, vLLM as off)
+            dflash["block_size"] = self.block_size
+            own.update(markov_rank=self.markov_rank, markov_head_type="vanilla",
+                       enable_confidence_head=self.confidence_head,
+                       confidence_head_with_markov=self.confidence_head and self.confidence_head_with_markov,
+                       sample_from_anchor=True, target_layer_ids=dflash["target_layer_ids"],
+                       mask_token_id=dflash["mask_token_id"])  # fmt: skip
+            if self.draft_top_k is not None:
+                own["dspark_draft_topk"] = self.draft_top_k
         for name in ("is_causal", "draft_vocab_size"):
             if own[name] is None:  # absent, not null: servers read a present null differently
                 del own[name]
@@ -333,6 +423,8 @@ class DrafterConfig:
         if not isinstance(d, dict):
             raise FlashdraftError(f"{source}: expected a JSON object, found {type(d).__name__}")
         dflash = d.get("dflash_config")
+        if dflash is None and "target_layer_ids" in d:  # DeepSpec's dialect: its fields at the top level
+            dflash = {}
         if not isinstance(dflash, dict):
             raise FlashdraftError(f"{source}: field 'dflash_config' is {dflash!r}; expected an object with "
                                   f"target_layer_ids and mask_token_id (is this a DFlash drafter?)")  # fmt: skip
@@ -342,7 +434,7 @@ class DrafterConfig:
             if name not in d:
                 raise FlashdraftError(f"{source}: field '{name}' is missing; expected an integer")
         for name in ("target_layer_ids", "mask_token_id"):
-            if name not in dflash:
+            if _draft_value(d, dflash, name, source) is None:
                 raise FlashdraftError(f"{source}: field 'dflash_config.{name}' is missing")
         rope_theta = d.get("rope_theta")
         rope_scaling = d.get("rope_scaling")
@@ -370,7 +462,9 @@ class DrafterConfig:
                 f"(hidden_size): a drafter narrower than its target needs its own embeddings, which flashdraft "
                 f"does not support"
             )
-        family = _family(d.get("architectures"), source)
+        family = _family(d, dflash, source)
+        default_block = DSPARK_BLOCK_SIZE if family == "dspark" else DEFAULT_BLOCK_SIZE
+        dspark = _dspark_fields(d, dflash, family, source)
         block_size = _draft_value(d, dflash, "block_size", source)
         dflash2 = {name: _draft_value(d, dflash, name, source) for name in DFLASH2_FIELDS}
         if family == "dflash" and any(v is not None for v in dflash2.values()):
@@ -387,6 +481,7 @@ class DrafterConfig:
             if value is not None:
                 extra_dflash[name] = value
         extra = {k: v for k, v in d.items() if k not in _OWN}
+        layer_ids = _draft_value(d, dflash, "target_layer_ids", source)
         if extra_dflash:
             extra["dflash_config"] = extra_dflash
         try:
@@ -399,11 +494,9 @@ class DrafterConfig:
                 intermediate_size=d["intermediate_size"],
                 vocab_size=d["vocab_size"],
                 num_target_layers=d["num_target_layers"],
-                target_layer_ids=list(dflash["target_layer_ids"])
-                if isinstance(dflash["target_layer_ids"], list)
-                else dflash["target_layer_ids"],
-                mask_token_id=dflash["mask_token_id"],
-                block_size=block_size if block_size is not None else DEFAULT_BLOCK_SIZE,
+                target_layer_ids=list(layer_ids) if isinstance(layer_ids, list) else layer_ids,
+                mask_token_id=_draft_value(d, dflash, "mask_token_id", source),
+                block_size=block_size if block_size is not None else default_block,
                 rms_norm_eps=d.get("rms_norm_eps", 1e-6),
                 rope_theta=rope_theta if rope_theta is not None else 1e6,
                 rope_scaling=rope_scaling,
@@ -416,6 +509,7 @@ class DrafterConfig:
                 draft_vocab_size=d.get("draft_vocab_size"),
                 family=family,
                 **{name: value or 0 for name, value in dflash2.items()},
+                **dspark,
                 partial_rotary_factor=partial_rotary_factor,
                 gemma_norm=gemma_norm,
                 rope_neox_style=neox_style,
@@ -491,17 +585,72 @@ def _stored_conventions(d: dict[str, Any], source: str) -> tuple[bool, bool]:
     return bool(gemma), next(iter(styles.values()), True)
 
 
-def _family(architectures: Any, source: str) -> str:
-    """The drafter family an `architectures` list names (absent: DFlash, as the first public drafters)."""
+def _family(d: dict[str, Any], dflash: dict[str, Any], source: str) -> str:
+    """The drafter family a config names: its `architectures` list (absent: DFlash, as the first public drafters;
+    SpecForge's DSparkDraftModel: DSpark), or SpecForge's `projector_type: dspark` in dflash_config."""
+    architectures = d.get("architectures")
+    family = None
     if architectures is None:
-        return "dflash"
-    for family, name in ARCHITECTURES.items():
+        family = "dflash"
+    for name, known in [*((n, f) for f, n in ARCHITECTURES.items()), *ARCHITECTURE_ALIASES.items()]:
         if architectures == [name]:
-            return family
-    raise FlashdraftError(
-        f"{source}: field 'architectures' is {architectures!r}; expected [\"DFlashDraftModel\"] or "
-        f"[\"DFlash2DraftModel\"] (the drafter families flashdraft builds)"
-    )
+            family = known
+    if family is None:
+        names = " or ".join(f'["{n}"]' for n in [*ARCHITECTURES.values(), *ARCHITECTURE_ALIASES])
+        raise FlashdraftError(f"{source}: field 'architectures' is {architectures!r}; expected {names} (the drafter "
+                              f"families flashdraft builds)")  # fmt: skip
+    projector = _draft_value(d, dflash, "projector_type", source)
+    if projector == "dspark" and family != "dflash2":  # SpecForge writes its DSpark drafters as DFlash + projector
+        family = "dspark"
+    elif projector is not None:
+        raise FlashdraftError(f"{source}: field 'projector_type' is {projector!r} with architectures "
+                              f"{architectures!r}; expected absent, or 'dspark' (SpecForge's DSpark)")  # fmt: skip
+    return family
+
+
+def _dspark_value(d: dict[str, Any], dflash: dict[str, Any], name: str, source: str) -> Any:
+    """A DSpark field in every spelling SGLang 0.5.23 `parse_dspark_draft_config` reads: the top level (vLLM 0.33.0,
+    DeepSpec), dflash_config (SpecForge), dspark_config, and the prefixed `dspark_<name>`; spellings that disagree
+    are refused (the servers would build different drafters)."""
+    short = name.removeprefix("dspark_")
+    nested = d.get("dspark_config") if isinstance(d.get("dspark_config"), dict) else {}
+    spellings = {name: d.get(name), f"dflash_config.{name}": dflash.get(name),
+                 f"dspark_config.{name}": nested.get(name), f"dspark_{short}": d.get(f"dspark_{short}")}  # fmt: skip
+    found = {where: value for where, value in spellings.items() if value is not None}
+    if len({json.dumps(v, sort_keys=True) for v in found.values()}) > 1:
+        raise FlashdraftError(f"{source}: fields {', '.join(found)} disagree ({found}); expected one value")
+    return next(iter(found.values()), None)
+
+
+def _dspark_fields(d: dict[str, Any], dflash: dict[str, Any], family: str, source: str) -> dict[str, Any]:
+    """The DSpark fields of a config, as DrafterConfig keywords ({} outside the family, where they are refused)."""
+    values = {name: _dspark_value(d, dflash, name, source) for name in DSPARK_FIELDS}
+    # the refused values in the spellings `refuse_unsupported` (the top level) does not see
+    if values["markov_head_type"] not in (None, "vanilla") or values["sample_from_anchor"] is False:
+        name = "markov_head_type" if values["markov_head_type"] not in (None, "vanilla") else "sample_from_anchor"
+        raise FlashdraftError(f"{source}: field '{name}' (nested or prefixed) is {values[name]!r}; expected "
+                              f"{'vanilla' if name == 'markov_head_type' else 'true'} or absent (see the top-level "
+                              f"field in flashdraft's table of server fields)")  # fmt: skip
+    if family != "dspark":
+        switches = ("markov_rank", "enable_confidence_head", "confidence_head_with_markov", "dspark_draft_topk")
+        name = next((n for n in switches if values[n] is not None), None)
+        if name is not None:
+            raise FlashdraftError(
+                f"{source}: field '{name}' is {values[name]!r} but architectures is {d.get('architectures')!r}; "
+                f"expected architectures [\"Qwen3DSparkModel\"] with DSpark's fields, or none of them"
+            )
+        return {}
+    confidence = values["enable_confidence_head"]
+    with_markov = values["confidence_head_with_markov"]
+    if confidence and with_markov is None:
+        raise FlashdraftError(
+            f"{source}: field 'confidence_head_with_markov' is missing with enable_confidence_head true; expected true "
+            f"or false (absent, vLLM 0.33.0 reads false and SGLang 0.5.23 true: the servers would build other heads)"
+        )
+    return {"markov_rank": values["markov_rank"] if values["markov_rank"] is not None else 0,
+            "confidence_head": bool(confidence) if isinstance(confidence, bool | None) else confidence,
+            "confidence_head_with_markov": bool(with_markov) if isinstance(with_markov, bool | None) else with_markov,
+            "draft_top_k": values["dspark_draft_topk"]}  # fmt: skip
 
 
 def _draft_value(d: dict[str, Any], dflash: dict[str, Any], name: str, source: str) -> Any:

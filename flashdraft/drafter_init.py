@@ -10,6 +10,8 @@ from flashdraft.config import (
     DEFAULT_BLOCK_SIZE,
     DFLASH2_BLOCK_SIZE,
     DFLASH2_FIELDS,
+    DSPARK_BLOCK_SIZE,
+    DSPARK_MARKOV_RANK,
     LAYER_ORDER_RULE,
     DrafterConfig,
     default_target_layer_ids,
@@ -68,7 +70,8 @@ def _target_fields(target: TargetModel) -> dict:
         rope_theta=(getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 1e6),
         max_position_embeddings=tc.max_position_embeddings, layer_types=[], sliding_window=None, is_causal=None,
         num_hidden_layers=None, block_size=None, target_layer_ids=None, mask_token_id=None, family="dflash",
-        **dict.fromkeys(DFLASH2_FIELDS, 0),
+        **dict.fromkeys(DFLASH2_FIELDS, 0), markov_rank=0, confidence_head=False, confidence_head_with_markov=False,
+        draft_top_k=None,
     )  # fmt: skip
 
 
@@ -125,6 +128,7 @@ def new_drafter_for_target(
     base_source: str = "--config",
     family: str | None = None,
     dflash2: dict | None = None,
+    dspark: dict | None = None,
 ) -> DFlashDrafter:
     """A fresh drafter for `target`. Its fields come from `base` (a published drafter config,
     `init --config`, checked against the target) where given, else from the target (as before:
@@ -132,9 +136,11 @@ def new_drafter_for_target(
     overrides them. `shape` holds overrides of SHAPE_FIELDS; `layer_types` is one type for all
     layers or one per layer (it sets the layer count when `num_layers` is None). `family` is "dflash" or
     "dflash2" (default: the --config's, else dflash); `dflash2` overrides DFlash2's module sizes
-    (DFLASH2_FIELDS, defaults: the --config's, else the published checkpoint's)."""
+    (DFLASH2_FIELDS, defaults: the --config's, else the published checkpoint's); `dspark` DSpark's (markov_rank,
+    confidence_head, confidence_head_with_markov; defaults: the --config's, else rank 256 and a confidence head
+    with the Markov input)."""
     fields_ = _config_fields(base, base_source, target) if base is not None else _target_fields(target)
-    _set_family(fields_, family, dflash2 or {})
+    _set_family(fields_, family, dflash2 or {}, dspark or {})
     source = f"{base_source} with the init flags" if base is not None else "flashdraft init"
     if layer_types and len(layer_types) > 1 and num_layers is not None and num_layers != len(layer_types):
         raise FlashdraftError(
@@ -164,7 +170,8 @@ def new_drafter_for_target(
         raise FlashdraftError(
             f"--mask-token-id {mask_token_id} is outside the target's vocabulary (0..{target.vocab_size - 1})"
         )
-    default_block = DFLASH2_BLOCK_SIZE if fields_["family"] == "dflash2" else DEFAULT_BLOCK_SIZE
+    default_block = {"dflash2": DFLASH2_BLOCK_SIZE, "dspark": DSPARK_BLOCK_SIZE}.get(fields_["family"],
+                                                                                   DEFAULT_BLOCK_SIZE)  # fmt: skip
     block_size = block_size or fields_["block_size"] or default_block
     if block_size < 2:
         raise FlashdraftError(f"--block-size {block_size}: expected at least 2 (the anchor plus one draft)")
@@ -203,8 +210,9 @@ def new_drafter_for_target(
     return drafter
 
 
-def _set_family(fields_: dict, family: str | None, sizes: dict) -> None:
-    """The family and, for DFlash2, its module sizes: a flag's, else the --config's, else the published one's."""
+def _set_family(fields_: dict, family: str | None, sizes: dict, dspark: dict | None = None) -> None:
+    """The family and its module sizes (DFlash2's, DSpark's): a flag's, else the --config's, else the published
+    one's (DSpark: rank 256, a confidence head with the Markov input)."""
     family = family or fields_["family"]
     given = {name: value for name, value in sizes.items() if value is not None}
     if family != "dflash2" and given:
@@ -212,6 +220,17 @@ def _set_family(fields_: dict, family: str | None, sizes: dict) -> None:
         raise FlashdraftError(f"{flag} {next(iter(given.values()))}: a DFlash2 module size; give --family dflash2")
     for name, published in DFLASH2_FIELDS.items():
         fields_[name] = (given.get(name) or fields_[name] or published) if family == "dflash2" else 0
+    given = {name: value for name, value in (dspark or {}).items() if value is not None}
+    if family != "dspark" and given:
+        flag = "--" + next(iter(given)).replace("_", "-")
+        raise FlashdraftError(f"{flag} {next(iter(given.values()))}: a DSpark setting; give --family dspark")
+    if family == "dspark":
+        was_dspark = fields_["family"] == "dspark"  # a DSpark --config keeps its heads unless a flag changes them
+        fields_["markov_rank"] = given.get("markov_rank") or fields_["markov_rank"] or DSPARK_MARKOV_RANK
+        for name in ("confidence_head", "confidence_head_with_markov"):
+            fields_[name] = given[name] if name in given else (fields_[name] if was_dspark else True)
+    else:
+        fields_.update(markov_rank=0, confidence_head=False, confidence_head_with_markov=False, draft_top_k=None)
     fields_["family"] = family
 
 

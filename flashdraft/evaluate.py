@@ -25,7 +25,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.hybrid import HybridDrafter, HybridRule
 from flashdraft.model import DFlashDrafter
 from flashdraft.ngram import NGramProposer
-from flashdraft.offline import drafter_shape, evaluate_offline, selector_figures
+from flashdraft.offline import confidence_figures, drafter_shape, evaluate_offline, selector_figures
 from flashdraft.records import EvalRecord, FeatureSource, Log, fit_prompts, invalid_reason, load_eval_records
 from flashdraft.results import EvalResult, PromptResult, difference, first_difference, speedup_bound
 from flashdraft.run_dir import LoadedDrafter, load_any_drafter
@@ -224,6 +224,8 @@ class EvalConfig:
     # verify fewer drafts per step, drafter and reference alike (`DraftLimit`)
     num_speculative_tokens: int | None = None
     adaptive_threshold: float | None = None
+    # DSpark: cut each block before its first draft whose confidence-head estimate is under this
+    confidence_threshold: float | None = None
     # for a bare state dict, and for the baseline
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None
@@ -339,14 +341,23 @@ def _check_cache_layers(cfg: EvalConfig, candidates: list[Candidate], records: l
 
 
 def _draft_limit(cfg: EvalConfig, c: Candidate) -> DraftLimit | None:
-    """The drafts a step verifies, checked against the candidate's block (None: all B - 1)."""
-    k, p = cfg.num_speculative_tokens, cfg.adaptive_threshold
-    if k is not None and k > c.block_size - 1:
+    """The drafts a step verifies, checked against the candidate's block (None: all of its drafts). A confidence
+    threshold applies to a DSpark drafter with a confidence head (the others have no estimate: they verify all)."""
+    k, p, c_min = cfg.num_speculative_tokens, cfg.adaptive_threshold, cfg.confidence_threshold
+    drafts = c.block_size - (c.drafter.config.first_draft_position if isinstance(c.drafter, DFlashDrafter) else 1)
+    if k is not None and k > drafts:
         raise FlashdraftError(
-            f"--num-speculative-tokens {k}: {c.label} drafts blocks of {c.block_size} (anchor + "
-            f"{c.block_size - 1} drafts); expected at most {c.block_size - 1}"
+            f"--num-speculative-tokens {k}: {c.label} drafts blocks of {c.block_size} ({drafts} drafts); expected at "
+            f"most {drafts}"
         )
-    return DraftLimit(k, p) if k is not None or p is not None else None
+    if c_min is not None and c.label == cfg.checkpoint and not _has_confidence_head(c.drafter):
+        raise FlashdraftError(f"--confidence-threshold {c_min}: {c.label} has no confidence head; expected a DSpark "
+                              f"drafter made with one (init --family dspark --confidence-head ...)")  # fmt: skip
+    return DraftLimit(k, p, c_min) if k is not None or p is not None or c_min is not None else None
+
+
+def _has_confidence_head(drafter) -> bool:
+    return isinstance(drafter, DFlashDrafter) and drafter.confidence_head is not None
 
 
 def _lower_precision(stored: torch.dtype, computed: torch.dtype) -> bool:
@@ -398,10 +409,16 @@ def _evaluate_candidate(
     if isinstance(c.drafter, DFlashDrafter) and c.drafter.candidate_selector is not None and cfg.temperature <= 0:
         summary["selector"] = selector_figures(c.drafter, target, records, online if cfg.online else offline,
                                                features, cfg.max_blocks)  # fmt: skip
+    if _has_confidence_head(c.drafter) and cfg.temperature <= 0:
+        uncut = online if cfg.online else offline
+        if cfg.confidence_threshold or uncut is None:  # the figures are of the uncut walk
+            uncut = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks)
+        summary["confidence"] = confidence_figures(c.drafter, target, records, uncut, features, cfg.max_blocks,
+                                                   cfg.confidence_threshold)  # fmt: skip
     summary |= {"checkpoint": c.label, "checkpoint_form": c.form, "drafter_path": c.path,
                 "drafter_type": _drafter_type(c.drafter),
                 "num_speculative_tokens": cfg.num_speculative_tokens,
-                "adaptive_threshold": cfg.adaptive_threshold}  # fmt: skip
+                "adaptive_threshold": cfg.adaptive_threshold, "confidence_threshold": cfg.confidence_threshold}  # fmt: skip
     if cfg.check_consistency:
         mismatches = consistency_mismatches(records, baseline, offline, online)
         summary["consistency"] = {"identical": not mismatches, "mismatches": mismatches,

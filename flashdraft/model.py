@@ -341,6 +341,47 @@ class CandidateSelector(nn.Module):
         self.hidden_projection.weight.zero_()
 
 
+class MarkovHead(nn.Module):
+    """DSpark's vanilla Markov head (vLLM 0.33.0 `qwen3_dspark.py` DSparkMarkovHead, DeepSpec VanillaMarkov): the
+    logits of a draft get the bias W2 W1[p] from the token p drafted just before it (the anchor before the first).
+    markov_w1 [V, r] embeds the previous token, markov_w2 [V, r] projects it back to the vocabulary."""
+
+    def __init__(self, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def embed(self, previous: torch.Tensor) -> torch.Tensor:
+        """The Markov embedding W1[p] of previous tokens [...] -> [..., r]."""
+        return self.markov_w1(previous)
+
+    def bias(self, previous: torch.Tensor) -> torch.Tensor:
+        """The transition bias W2 W1[p]: previous tokens [...] -> [..., V]."""
+        return self.markov_w2(self.embed(previous))
+
+
+class ConfidenceHead(nn.Module):
+    """DSpark's confidence head: c = sigmoid(w . [h; W1[p]] + b), an estimate of the probability that a draft is
+    accepted, from the final hidden state h at its position and (confidence_head_with_markov) the Markov embedding
+    of the token before it. Computed in float32, as vLLM 0.33.0 and SGLang 0.5.23 compute it."""
+
+    def __init__(self, hidden_size: int, markov_rank: int, with_markov: bool) -> None:
+        super().__init__()
+        self.with_markov = with_markov
+        self.proj = nn.Linear(hidden_size + (markov_rank if with_markov else 0), 1)
+
+    def forward(self, hidden: torch.Tensor, markov_embedding: torch.Tensor | None) -> torch.Tensor:
+        """The confidence logit [...] of hidden [..., H] and markov_embedding [..., r] (sigmoid it for c)."""
+        features = torch.cat([hidden, markov_embedding.to(hidden.dtype)], -1) if self.with_markov else hidden
+        return F.linear(features.float(), self.proj.weight.float(), self.proj.bias.float()).squeeze(-1)
+
+
+def is_family_parameter(name: str) -> bool:
+    """True for the parameters DFlash2 or DSpark add to the shared backbone (convolutions, candidate selector,
+    Markov and confidence heads): a new drafter's backbone draws do not depend on them."""
+    return is_dflash2_parameter(name) or name.startswith(("markov_head.", "confidence_head."))
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -359,6 +400,11 @@ class DFlashDrafter(nn.Module):
         if cfg.family == "dflash2":
             self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank,
                                                         cfg.selector_top_k)  # fmt: skip
+        self.markov_head = self.confidence_head = None
+        if cfg.family == "dspark":
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
+            if cfg.confidence_head:
+                self.confidence_head = ConfidenceHead(cfg.hidden_size, cfg.markov_rank, cfg.confidence_head_with_markov)
         # A reduced vocabulary (draft_vocab_size): an own LM head over draft ids, and d2t mapping
         # them to target ids (target id = i + d2t[i], the EAGLE-3 convention vLLM serves).
         self.lm_head = None
@@ -380,7 +426,7 @@ class DFlashDrafter(nn.Module):
         as a DFlash one of that shape and seed."""
         gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
-            if is_dflash2_parameter(name):
+            if is_family_parameter(name):
                 continue
             with torch.no_grad():
                 if name.endswith("norm.weight"):
@@ -389,17 +435,67 @@ class DFlashDrafter(nn.Module):
                     p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-        self.reset_dflash2_parts(gen)
+        self.reset_family_parts(gen)
 
-    def reset_dflash2_parts(self, generator: torch.Generator) -> None:
-        """DFlash2's parts as its trainers start them: identity convolutions and a neutral selector,
-        so the drafter drafts exactly as its backbone alone (greedy) until they are trained."""
+    def reset_family_parts(self, generator: torch.Generator) -> None:
+        """DFlash2's and DSpark's parts as their trainers start them, so the drafter drafts exactly as its backbone
+        alone (greedy) until they are trained: identity convolutions and a neutral selector; a Markov head whose W2
+        is 0 (no bias; W1 random, so W2 gets a gradient from the first step) and a confidence head at 0.5."""
+        if self.markov_head is not None:
+            with torch.no_grad():
+                rank = self.markov_head.markov_w1.weight.shape[1]
+                self.markov_head.markov_w1.weight.copy_(torch.randn(self.markov_head.markov_w1.weight.shape,
+                                                                    generator=generator) * rank**-0.5)  # fmt: skip
+                self.markov_head.markov_w2.weight.zero_()
+        if self.confidence_head is not None:
+            with torch.no_grad():
+                self.confidence_head.proj.weight.zero_()
+                self.confidence_head.proj.bias.zero_()
         for layer in self.layers:
             for conv in (layer.attention_conv, layer.mlp_conv):
                 if conv is not None:
                     conv.reset_identity()
         if self.candidate_selector is not None:
             self.candidate_selector.reset_neutral(generator)
+
+    def markov_walk(
+        self, base: torch.Tensor, anchors: torch.Tensor, temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """DSpark's sequential drafting of N blocks (vLLM 0.33.0 `dspark/speculator.py` _sample_sequential): from
+        base logits [N, k, V] (the LM head at the k draft positions) and the anchors [N], position t's logits are
+        base[t] + W2 W1[the draft at t - 1] (the anchor for t = 0), and its draft is their argmax (temperature 0) or
+        a draw from softmax(logits / T). With dspark_draft_topk, only the top-k base candidates of a position get
+        the bias; the rest are excluded (as vLLM's _sample_sequential_topk).
+
+        Returns (drafts [N, k]; rows [N, k, V]: the corrected logits (greedy, their argmax the drafts) or the
+        distribution q each draft was drawn from (sampling, what verification uses); previous [N, k]: the token
+        each position's bias came from)."""
+        top_k = self.config.draft_top_k
+        if top_k is not None:  # the excluded tokens never get a bias: -inf before it
+            keep = base.topk(top_k, dim=-1).indices
+            base = torch.full_like(base, float("-inf")).scatter(-1, keep, base.gather(-1, keep))
+        drafts = anchors.new_empty(base.shape[:2])
+        previous = torch.empty_like(drafts)
+        rows = torch.empty(base.shape, dtype=torch.float32, device=base.device)
+        before = anchors
+        for t in range(base.shape[1]):
+            previous[:, t] = before
+            logits = base[:, t].float() + self.markov_head.bias(before).float()  # [N, V]
+            if temperature <= 0:
+                rows[:, t] = logits
+                before = logits.argmax(-1)
+            else:
+                rows[:, t] = q = torch.softmax(logits / temperature, dim=-1)
+                before = torch.multinomial(q, 1, generator=generator)[:, 0]
+            drafts[:, t] = before
+        return drafts, rows, previous
+
+    def confidence(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """DSpark's confidence c in [0, 1] of each draft: hidden [..., H] at its position, previous [...] the token
+        drafted before it."""
+        embedding = self.markov_head.embed(previous) if self.confidence_head.with_markov else None
+        return torch.sigmoid(self.confidence_head(hidden, embedding))
 
     def target_ids(self) -> torch.Tensor | None:
         """The target id of each draft-vocabulary id [draft_vocab_size]; None with the full vocabulary."""

@@ -100,3 +100,93 @@ def selector_figures(
     return {"top_k": top_k, "tau": walked.tau, "unary_tau": unary.tau, "gain": walked.tau / unary.tau if unary.tau
             else None, "top_k_coverage": hits / verified if verified else None, "verified_positions": verified,
             "unary_per_prompt": [p.acceptance_lengths for p in unary.per_prompt]}  # fmt: skip
+
+
+def walked_steps(lengths: list[int]) -> list[tuple[int, int]]:
+    """(anchor index, tokens committed) of each step of a walk with these acceptance lengths."""
+    steps, i = [], 0
+    for n in lengths:
+        steps.append((i, n))
+        i += n
+    return steps
+
+
+def _rows_at_steps(drafter: DFlashDrafter, target: TargetModel, record: EvalRecord, features: torch.Tensor,
+                   steps: list[tuple[int, int]], limit: DraftLimit | None = None):  # fmt: skip
+    """What a fresh proposer drafts at each step's anchor: (its rows [k, V], the greedy walk's confidence [k] or
+    None) per step, the anchors drafted in chunks as the offline walk drafts them."""
+    p, completion, b = len(record.prompt_ids), record.completion_ids, drafter.config.block_size
+    proposer = as_proposer(drafter, target, limit)
+    inner = getattr(proposer, "inner", proposer)  # the DFlash proposer under a limit's wrapper
+    per_call, fed, out = inner.anchors_per_call(b), 0, []
+    for start in range(0, len(steps), per_call):
+        chunk = steps[start : start + per_call]
+        end = p + chunk[-1][0]  # context strictly before the chunk's last anchor
+        logits = proposer.propose_anchors([completion[a] for a, _ in chunk], [p + a for a, _ in chunk],
+                                          features[None, fed:end], torch.arange(fed, end)[None], b)  # fmt: skip
+        fed = end
+        confidence = inner.last_confidence
+        out += [(rows, None if confidence is None else confidence[j]) for j, rows in enumerate(logits)]
+    return out
+
+
+CONFIDENCE_BINS = 10  # equal-width bins of the estimate for the calibration error
+CONFIDENCE_SWEEP = (0.3, 0.5, 0.7, 0.9)  # thresholds whose cut eval reports beside the one asked for
+
+
+@torch.no_grad()
+def confidence_figures(
+    drafter: DFlashDrafter, target: TargetModel, records: list[EvalRecord], walked: EvalResult,
+    features: FeatureSource | None = None, max_blocks: int | None = None, threshold: float | None = None,
+) -> dict:  # fmt: skip
+    """A DSpark drafter's confidence head against what happened, beside its greedy evaluation `walked` (without a
+    confidence cut): at every draft position a step reached (all drafts before it accepted), the head's estimate
+    c and whether the draft was accepted, per block position (mean estimate against observed acceptance) and over
+    all (expected calibration error over CONFIDENCE_BINS bins); then, for each threshold of CONFIDENCE_SWEEP and
+    `threshold`, the τ of cutting each block before its first draft with c under it (the servers' adaptive
+    verification) and its cost: the drafts verified per step, against the uncut block's."""
+    features = features or FeatureSource(target)
+    k_max = drafter.config.drafts_per_block
+    predicted, observed, reached = torch.zeros(k_max), torch.zeros(k_max), torch.zeros(k_max)
+    pairs: list[tuple[float, bool]] = []
+    verified_full = 0
+    for record, walk in zip(records, walked.per_prompt, strict=True):
+        f = features(record, drafter.config.target_layer_ids)
+        steps = walked_steps(walk.acceptance_lengths)
+        for (i, _), (rows, confidence) in zip(steps, _rows_at_steps(drafter, target, record, f, steps), strict=True):
+            drafts, left = rows.argmax(-1).tolist(), len(record.completion_ids) - 1 - i
+            verified_full += min(len(drafts), left)
+            for j in range(min(len(drafts), left)):
+                accepted = drafts[j] == record.completion_ids[i + 1 + j]
+                c = float(confidence[j])
+                predicted[j] += c
+                observed[j] += accepted
+                reached[j] += 1
+                pairs.append((c, accepted))
+                if not accepted:
+                    break
+    n = reached.clamp(min=1)
+    ece = 0.0
+    for b in range(CONFIDENCE_BINS):
+        inside = [(c, a) for c, a in pairs if b / CONFIDENCE_BINS <= c < (b + 1) / CONFIDENCE_BINS
+                  or (b == CONFIDENCE_BINS - 1 and c == 1.0)]  # fmt: skip
+        if inside:
+            ece += len(inside) / len(pairs) * abs(sum(c for c, _ in inside) / len(inside)
+                                                  - sum(a for _, a in inside) / len(inside))  # fmt: skip
+    cuts = []
+    for t in sorted({*CONFIDENCE_SWEEP, *([threshold] if threshold else [])}):
+        limit = DraftLimit(confidence_threshold=t)
+        cut = evaluate_offline(drafter, target, records, features, walked.block_size, max_blocks, limit)
+        verified = 0
+        for record, walk in zip(records, cut.per_prompt, strict=True):
+            f = features(record, drafter.config.target_layer_ids)
+            steps = walked_steps(walk.acceptance_lengths)
+            for (i, _), (rows, _) in zip(steps, _rows_at_steps(drafter, target, record, f, steps, limit), strict=True):
+                verified += min(rows.shape[0], len(record.completion_ids) - 1 - i)
+        cuts.append({"threshold": t, "tau": cut.tau, "steps": cut.num_steps,
+                     "drafts_verified_per_step": verified / max(cut.num_steps, 1)})  # fmt: skip
+    return {"positions_reached": reached.int().tolist(), "predicted": (predicted / n).tolist(),
+            "observed": (observed / n).tolist(), "expected_calibration_error": ece if pairs else None,
+            "uncut": {"tau": walked.tau, "steps": walked.num_steps,
+                      "drafts_verified_per_step": verified_full / max(walked.num_steps, 1)},
+            "cuts": cuts}  # fmt: skip

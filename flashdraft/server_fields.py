@@ -33,6 +33,7 @@ class ServerField:
     effect: str  # what a non-neutral value does to the drafter
     neutral: tuple = (None,)  # values that change nothing (None: absent)
     example: Any = None  # a non-neutral value (the table test uses it)
+    family: str | None = None  # a field of one drafter family only ("dspark"); None: every family's
 
 
 SERVER_FIELDS: tuple[ServerField, ...] = (
@@ -94,11 +95,36 @@ SERVER_FIELDS: tuple[ServerField, ...] = (
     ServerField("draft_vocab_size", f"{VLLM} compute_logits (d2t); {SGLANG} does not serve it", "honoured",
                 "an own LM head over a reduced vocabulary", (None,), 32),
     # -- family switches --
-    ServerField("architectures", f"{VLLM} models/registry.py, {SGLANG} models/dflash.py", "honoured",
-                "DFlashDraftModel or DFlash2DraftModel (its modules); any other family is refused",
-                (None, ["DFlashDraftModel"]), ["DSparkDraftModel"]),
+    ServerField("architectures", f"{VLLM} models/registry.py, {SGLANG} models/dflash.py / dspark.py", "honoured",
+                "DFlashDraftModel, DFlash2DraftModel or Qwen3DSparkModel (its modules and block layout; SpecForge's "
+                "DSparkDraftModel is read as Qwen3DSparkModel); any other family is refused",
+                (None, ["DFlashDraftModel"]), ["Qwen3DSparkModel"]),
     ServerField("projector_type", f"{SGLANG} models/dflash.py", "refused",
-                "another projector family in place of fc + hidden_norm", (None,), "dspark"),
+                "another projector family in place of fc + hidden_norm ('dspark', SpecForge's DSpark spelling, is read "
+                "as the DSpark family)", (None,), "domino"),
+    ServerField("dflash_config.projector_type", f"{SGLANG} models/dflash.py (SpecForge writes it here)", "refused",
+                "as projector_type", (None,), "domino"),
+    # -- DSpark (vLLM qwen3_dspark.py and v1/worker/gpu/spec_decode/dspark/; SGLang models/dspark.py and
+    # speculative/dspark_components/dspark_config.py, which also reads dflash_config.X, dspark_config.X, dspark_X) --
+    ServerField("markov_rank", f"{VLLM} qwen3_dspark.py DSparkMarkovHead, {SGLANG} build_markov_head", "honoured",
+                "the rank of the Markov head: each draft's logits get W2 W1[previous draft]", (None, 0), 4, "dspark"),
+    ServerField("enable_confidence_head", f"{VLLM} qwen3_dspark.py (absent: off), {SGLANG} build_confidence_head "
+                f"(absent: on)", "honoured", "a confidence head estimating each draft's acceptance; written always",
+                (None, False), True, "dspark"),
+    ServerField("confidence_head_with_markov", f"{VLLM} qwen3_dspark.py (absent: false), {SGLANG} "
+                f"build_confidence_head (absent: markov_rank > 0)", "honoured",
+                "the confidence head also reads the previous draft's Markov embedding; written always", (None, False),
+                True, "dspark"),
+    ServerField("dspark_draft_topk", f"{VLLM} dspark/speculator.py _sample_sequential_topk ({SGLANG} does not read "
+                f"it)", "honoured", "the Markov bias is added to the top-k base candidates only; the rest are excluded",
+                (None,), 2, "dspark"),
+    ServerField("markov_head_type", f"{SGLANG} build_markov_head ({VLLM} builds the vanilla head only)", "refused",
+                "a gated or recurrent Markov head (gate_proj / joint_proj tensors)", (None, "vanilla"), "gated"),
+    ServerField("sample_from_anchor", f"{VLLM} dspark/speculator.py ({SGLANG} always drafts anchor-first)", "refused",
+                "false: the fill-in layout (1 + N queries), which SGLang would serve anchor-first", (None, True),
+                False),
+    ServerField("speculators_model_type", f"{SGLANG} models/dspark.py (refused there)", "refused",
+                "'dspark': the speculators layout (slot j drafts anchor + j, slot 0 unused)", (None,), "dspark"),
     ServerField("is_domino", f"{SGLANG} models/dflash.py", "refused", "the Domino projector family", (None, False),
                 True),
 )

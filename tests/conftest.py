@@ -145,3 +145,18 @@ def make_dflash2_drafter(seed: int = 0, **overrides) -> DFlashDrafter:
             if "_conv." in name or name.startswith("candidate_selector."):
                 p.add_(torch.randn(p.shape, generator=gen) * (0.3 if "base_kernel" in name else 0.5))
     return drafter
+
+
+DSPARK = dict(family="dspark", markov_rank=8, confidence_head=True, confidence_head_with_markov=True, block_size=7)
+
+
+def make_dspark_drafter(seed: int = 0, **overrides) -> DFlashDrafter:
+    """A DSpark drafter whose Markov and confidence heads are not the neutral start (random, as if trained), so the
+    Markov bias changes what it drafts and the confidence varies."""
+    drafter = make_drafter(seed, **(DSPARK | overrides))
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.startswith(("markov_head.", "confidence_head.")):
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if "markov" in name else 0.3))
+    return drafter

@@ -71,18 +71,22 @@ def make_batch(
     block_size: int,
     mask_token_id: int,
     max_length: int | None = None,
+    first_draft: int = 1,
 ) -> Batch:
-    """Pad the sequences (context) and their blocks (anchors) into one batch."""
+    """Pad the sequences (context) and their blocks (anchors) into one batch, labelled in the layout whose first
+    drafting position is `first_draft` (1 fill-in, 0 anchor-first)."""
     rows = []
     for record, index in zip(records, indices, strict=True):
         seq_len = len(record.input_ids) if max_length is None else min(len(record.input_ids), max_length)
         ids, loss_mask = record.input_ids[:seq_len].long(), record.loss_mask[:seq_len].bool()
         anchors = sample_anchors(loss_mask, num_anchors, record_generator(seed, epoch, index))
-        block_ids, labels = build_blocks(ids, loss_mask, anchors, block_size, mask_token_id)
+        block_ids, labels = build_blocks(ids, loss_mask, anchors, block_size, mask_token_id, first_draft)
         topk = None
         if record.target_topk is not None:
-            # the target's logits at position t predict token t + 1: label at anchor + k <- row anchor + k - 1
-            rows_for_labels = (anchors[:, None] + torch.arange(block_size) - 1).clamp(0, seq_len - 1).reshape(-1)
+            # the target's logits at position t predict token t + 1: the label of block position k sits at
+            # anchor + k + 1 - first_draft, so it is row anchor + k - first_draft
+            rows_for_labels = (anchors[:, None] + torch.arange(block_size) - first_draft).clamp(0, seq_len - 1)
+            rows_for_labels = rows_for_labels.reshape(-1)
             topk = tuple(t[:seq_len][rows_for_labels] for t in record.target_topk)
         rows.append((record.context_features[:seq_len], anchors, block_ids, labels, topk))
 
@@ -123,8 +127,9 @@ class OnlineRecords:
     """Records whose context features come from running the frozen target now, for users who
     cannot store a cache. `records` need input_ids and loss_mask (e.g. completions)."""
 
-    def __init__(self, records: list, target, layer_ids: list[int]) -> None:
-        self.records, self.target, self.layer_ids = records, target, layer_ids
+    def __init__(self, records: list, target, layer_ids: list[int], topk: int = 0) -> None:
+        # topk > 0: also the target's top-k logits at every position (a DSpark drafter's distribution terms)
+        self.records, self.target, self.layer_ids, self.topk = records, target, layer_ids, topk
 
     def __len__(self) -> int:
         return len(self.records)
@@ -133,7 +138,11 @@ class OnlineRecords:
         record = self.records[i]
         self.target.set_context_layers(self.layer_ids)
         out = self.target.forward(record.input_ids[None].to(self.target.device))
-        return _Online(record.input_ids, record.loss_mask, out.context_features[0].cpu(), None)
+        topk = None
+        if self.topk:
+            values, indices = out.logits[0].float().topk(self.topk, dim=-1)  # [T, k], as the cache stores them
+            topk = (values.cpu(), indices.cpu())
+        return _Online(record.input_ids, record.loss_mask, out.context_features[0].cpu(), topk)
 
 
 @dataclass

@@ -51,7 +51,7 @@ from flashdraft.run_dir import (
 from flashdraft.stop import StopRequests
 from flashdraft.target import TargetModel
 from flashdraft.train.data import Batch, add_context_noise, make_batch, record_generator
-from flashdraft.train.loss import block_loss, estimated_acceptance, label_weight_total
+from flashdraft.train.loss import DSparkLoss, block_loss, estimated_acceptance, label_weight_total
 from flashdraft.train.optim import Optimizers, build_optimizers
 
 
@@ -84,6 +84,10 @@ class TrainConfig:
     # unary top-K ("inject" it into the candidates, or "skip" the position; docs/benchmarks.md compares them)
     selector_loss_weight: float = 0.3  # measured best of 0.1 / 0.3 / 1 / 3 from scratch and from a DFlash drafter
     selector_missing_label: str = "inject"
+    # DSpark: the paper's loss terms (0.1 CE + 0.9 |p_draft - p_target|_1 + 1.0 confidence BCE; `loss.DSparkLoss`)
+    dspark_ce_weight: float = 0.1
+    dspark_tv_weight: float = 0.9
+    confidence_loss_weight: float = 1.0
     noise_std: float = 0.0  # Gaussian noise on context features (never on labels)
     seed: int = 0
     save_every: int = 200
@@ -97,6 +101,7 @@ class TrainConfig:
     target_layer_ids: list[int] = field(default_factory=list, metadata={"recorded": True})
     mask_token_id: int = field(default=-1, metadata={"recorded": True})
     block_size: int = field(default=0, metadata={"recorded": True})
+    first_draft_position: int = field(default=1, metadata={"recorded": True})  # the layout: 0 anchor-first (DSpark)
     data_fingerprint: str = field(default="", metadata={"recorded": True})
     target_fingerprint: str = field(default="", metadata={"recorded": True})
 
@@ -184,9 +189,10 @@ class MetricsWriter:
 
 def forward_loss(
     model, target: TargetModel, batch: Batch, cfg: TrainConfig, block_size: int, device, kl_weight: float | None = None,
-    weighting: str | None = None, selector_loss_weight: float | None = None,
+    weighting: str | None = None, selector_loss_weight: float | None = None, held_out: bool = False,
 ):  # fmt: skip
-    """The drafter's loss parts on one micro-batch (bf16 autocast on GPU); the target only embeds."""
+    """The drafter's loss parts on one micro-batch (bf16 autocast on GPU); the target only embeds. held_out: a
+    DSpark drafter's loss is its hard CE alone (its distribution figures still counted where the target's are known)."""
     kl_weight = cfg.kl_weight if kl_weight is None else kl_weight
     selector_loss_weight = cfg.selector_loss_weight if selector_loss_weight is None else selector_loss_weight
     weighting = cfg.loss_weighting if weighting is None else weighting
@@ -200,10 +206,16 @@ def forward_loss(
             block_embeds = target.embed(batch.block_ids)  # [N, K * B, H], frozen
         hidden = model(block_embeds, batch.anchor_positions, batch.context_features.to(block_embeds.dtype),
                        batch.context_positions)  # fmt: skip
-        head = partial(unwrap(model).logits, target_lm_head=target.lm_head)  # the target's head, as served
+        drafter = unwrap(model)
+        head = partial(drafter.logits, target_lm_head=target.lm_head)  # the target's head, as served
+        dspark = None
+        if drafter.markov_head is not None:
+            dspark = DSparkLoss(1.0, 0.0, 0.0) if held_out else DSparkLoss(cfg.dspark_ce_weight, cfg.dspark_tv_weight,
+                                                                            cfg.confidence_loss_weight)  # fmt: skip
         return block_loss(hidden, batch.labels, head, block_size, cfg.loss_decay_gamma, batch.target_topk, kl_weight,
-                          weighting, cfg.dpace_alpha, unwrap(model).candidate_selector, batch.block_ids,
-                          selector_loss_weight, cfg.selector_missing_label)  # fmt: skip
+                          weighting, cfg.dpace_alpha, drafter.candidate_selector, batch.block_ids,
+                          selector_loss_weight, cfg.selector_missing_label, cfg.first_draft_position, drafter,
+                          dspark)  # fmt: skip
 
 
 @torch.no_grad()
@@ -215,14 +227,15 @@ def evaluate_loss(model, target, records, cfg: TrainConfig, block_size: int, mas
     selector figures come beside it."""
     model.eval()
     total = weight = 0.0
-    correct = count = top_k_hits = selector_correct = None
+    correct = count = top_k_hits = selector_correct = accept_rate = confidence = None
     vocabulary = unwrap(model).vocabulary_mask()
     for start in range(0, len(records), cfg.batch_size):
         idx = list(range(start, min(len(records), start + cfg.batch_size)))
         batch = make_batch([records[i] for i in idx], idx, 0, cfg.seed + 1, cfg.num_anchors, block_size,
-                           mask_token_id, cfg.max_length).to(device).with_labels_in(vocabulary)  # fmt: skip
+                           mask_token_id, cfg.max_length, cfg.first_draft_position).to(device)  # fmt: skip
+        batch = batch.with_labels_in(vocabulary)
         parts = forward_loss(model, target, batch, cfg, block_size, device, kl_weight=0.0, weighting="decay",
-                             selector_loss_weight=0.0)  # fmt: skip
+                             selector_loss_weight=0.0, held_out=True)  # fmt: skip
         total += float(parts.weighted_sum)
         weight += float(parts.weight_total)
         correct = parts.correct if correct is None else correct + parts.correct
@@ -230,11 +243,16 @@ def evaluate_loss(model, target, records, cfg: TrainConfig, block_size: int, mas
         if parts.top_k_hits is not None:
             top_k_hits = parts.top_k_hits + (0 if top_k_hits is None else top_k_hits)
             selector_correct = parts.selector_correct + (0 if selector_correct is None else selector_correct)
+        if parts.accept_rate is not None:
+            accept_rate = parts.accept_rate + (0 if accept_rate is None else accept_rate)
+        if parts.confidence is not None:
+            confidence = parts.confidence + (0 if confidence is None else confidence)
     model.train()
-    acc, tau = estimated_acceptance(correct, count)
-    selector = {f"eval_{k}": v for k, v in selector_metrics(top_k_hits, selector_correct, count).items()}
+    acc, tau = estimated_acceptance(correct, count, cfg.first_draft_position)
+    family = selector_metrics(top_k_hits, selector_correct, count) | dspark_metrics(accept_rate, confidence, count,
+                                                                                   cfg.first_draft_position)
     return {"eval_loss": total / max(weight, 1e-9), "eval_position_accuracy": acc, "eval_estimated_acceptance": tau,
-            **selector}  # fmt: skip
+            **{f"eval_{k}": v for k, v in family.items()}}  # fmt: skip
 
 
 @torch.no_grad()
@@ -281,7 +299,10 @@ def _write_run_config(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict:
     config_dict = asdict(cfg)
     if resume and config_path.exists():
         previous = json.loads(config_path.read_text())
-        changed = {k for k in config_dict if k not in RESUMABLE_CHANGES and previous.get(k) != config_dict[k]}
+        # a field newer than the run's record compares as its default: what that run computed
+        defaults = {f.name: f.default for f in fields(TrainConfig)}
+        changed = {k for k in config_dict
+                   if k not in RESUMABLE_CHANGES and previous.get(k, defaults.get(k)) != config_dict[k]}  # fmt: skip
         if changed:
             raise FlashdraftError(
                 f"{config_path}: --resume with a different configuration ({', '.join(sorted(changed))}); "
@@ -330,7 +351,7 @@ def global_batch(cfg: TrainConfig, records, step: int, steps_per_epoch: int, dis
     for m in range(cfg.grad_accum):
         idx = mine[m * cfg.batch_size : (m + 1) * cfg.batch_size]
         batch = make_batch([records[i] for i in idx], idx, epoch, cfg.seed, cfg.num_anchors, cfg.block_size,
-                           cfg.mask_token_id, cfg.max_length)  # fmt: skip
+                           cfg.mask_token_id, cfg.max_length, cfg.first_draft_position)  # fmt: skip
         micro_batches.append(add_context_noise(batch, cfg.noise_std, record_generator(cfg.seed + 1, epoch, idx[0])))
     return micro_batches, global_indices
 
@@ -344,6 +365,8 @@ class StepResult:
     grad_norm: float = 0.0
     top_k_hits: torch.Tensor | None = None  # [B] DFlash2: labels among the unary top-K
     selector_correct: torch.Tensor | None = None  # [B] DFlash2: the selector's teacher-forced pick right
+    accept_rate: torch.Tensor | None = None  # [B] DSpark: summed acceptance probabilities 1 - |p_draft - p_target| / 2
+    confidence: torch.Tensor | None = None  # [B] DSpark: summed confidence-head estimates
 
 
 def forward_backward(
@@ -354,8 +377,8 @@ def forward_backward(
     block_size = cfg.block_size
     vocabulary = unwrap(model).vocabulary_mask()  # a reduced vocabulary trains only the labels it can draft
     micro_batches = [b.with_labels_in(vocabulary) for b in micro_batches]
-    weight_total = sum(label_weight_total(b.labels, block_size, cfg.loss_decay_gamma, cfg.loss_weighting)
-                       for b in micro_batches)  # fmt: skip
+    weight_total = sum(label_weight_total(b.labels, block_size, cfg.loss_decay_gamma, cfg.loss_weighting,
+                                          cfg.first_draft_position) for b in micro_batches)  # fmt: skip
     weight_total = float(all_reduce_sum(torch.tensor(weight_total, dtype=torch.float64)))
     if weight_total == 0:
         return StepResult(0.0, 0.0, torch.zeros(block_size), torch.zeros(block_size))
@@ -374,6 +397,10 @@ def forward_backward(
             result.selector_correct = parts.selector_correct.cpu() + (
                 0 if result.selector_correct is None else result.selector_correct
             )
+        for name in ("accept_rate", "confidence"):  # DSpark's figures
+            if getattr(parts, name) is not None:
+                setattr(result, name, getattr(parts, name).cpu() + (getattr(result, name) if getattr(result, name)
+                                                                   is not None else 0))  # fmt: skip
     result.loss = float(all_reduce_sum(loss)) / weight_total
     return result
 
@@ -389,13 +416,30 @@ def selector_metrics(top_k_hits: torch.Tensor | None, selector_correct: torch.Te
             "selector_estimated_acceptance": tau_est}  # fmt: skip
 
 
+def dspark_metrics(accept_rate: torch.Tensor | None, confidence: torch.Tensor | None, count, first_draft: int
+                   ) -> dict:  # fmt: skip
+    """DSpark's figures per drafting position: the mean acceptance probability 1 - |p_draft - p_target|_1 / 2 and
+    its expected accepted length (DeepSpec's accept_rate@k and tau_probabilistic), and the confidence head's mean
+    estimate beside it (calibrated when the two agree); {} for the other families."""
+    if accept_rate is None:
+        return {}
+    n = count[first_draft:].clamp(min=1)
+    rate = accept_rate[first_draft:] / n
+    metrics = {"accept_rate": rate.tolist(), "expected_accepted_length": float(1 + rate.cumprod(0).sum())}
+    if confidence is not None:
+        metrics["confidence_mean"] = (confidence[first_draft:] / n).tolist()
+    return metrics
+
+
 class Window:
     """Training figures summed over the steps since the last log line."""
 
-    def __init__(self) -> None:
+    def __init__(self, first_draft: int = 1) -> None:
         self.loss = self.weight = 0.0
         self.correct = self.count = 0.0
         self.top_k_hits = self.selector_correct = None  # DFlash2
+        self.accept_rate = self.confidence = None  # DSpark
+        self.first_draft = first_draft  # the layout's first drafting position (0: anchor-first)
         self.tokens = 0
         self.t0 = time.perf_counter()
 
@@ -408,16 +452,21 @@ class Window:
             hits, picked = all_reduce_sum(result.top_k_hits), all_reduce_sum(result.selector_correct)
             self.top_k_hits = hits if self.top_k_hits is None else self.top_k_hits + hits
             self.selector_correct = picked if self.selector_correct is None else self.selector_correct + picked
+        for name in ("accept_rate", "confidence"):
+            if getattr(result, name) is not None:
+                value = all_reduce_sum(getattr(result, name))
+                setattr(self, name, value if getattr(self, name) is None else getattr(self, name) + value)
         self.tokens += sum(int((b.context_positions < (1 << 40)).sum()) for b in micro_batches) * world
 
     def metrics(self, lr: float, grad_norm: float, epoch: int) -> dict:
-        acc, tau_est = estimated_acceptance(self.correct, self.count)
+        acc, tau_est = estimated_acceptance(self.correct, self.count, self.first_draft)
         metrics = {
             "loss": self.loss / self.weight, "position_accuracy": acc, "estimated_acceptance": tau_est,
             "tokens_per_s": self.tokens / (time.perf_counter() - self.t0), "lr": lr, "grad_norm": grad_norm,
             "epoch": epoch,
         }  # fmt: skip
-        return metrics | selector_metrics(self.top_k_hits, self.selector_correct, self.count)
+        return (metrics | selector_metrics(self.top_k_hits, self.selector_correct, self.count)
+                | dspark_metrics(self.accept_rate, self.confidence, self.count, self.first_draft))
 
 
 def held_out_metrics(model, target: TargetModel, cfg: TrainConfig, dist: Dist, eval_records, eval_tau_records) -> dict:
@@ -509,6 +558,7 @@ def train(
             f"--eval-cached-hidden-states or --eval-completions"
         )
     cfg.target_layer_ids, cfg.mask_token_id, cfg.block_size = dcfg.target_layer_ids, dcfg.mask_token_id, dcfg.block_size
+    cfg.first_draft_position = dcfg.first_draft_position
     cfg.target_fingerprint = cfg.target_fingerprint or target.fingerprint()
     steps_per_epoch, total_steps = _steps(cfg, len(records), dist.world)
     lock = RunLock(run_dir) if dist.is_main else None
@@ -523,7 +573,7 @@ def train(
         writer = MetricsWriter(run_dir, list(report_to), config_dict, start_step) if dist.is_main else None
         bar = Progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc="train",
                        disable=not dist.is_main, dynamic_ncols=True)  # fmt: skip
-        window = Window()
+        window = Window(cfg.first_draft_position)
         best = read_best(run_dir) if resume else None
         # SIGTERM/SIGINT: finish the step in flight, checkpoint it, stop (a second signal changes nothing)
         with StopRequests("step", dist.prefix()) as stop:
@@ -549,7 +599,7 @@ def train(
                 done = step + 1
                 if done % cfg.log_every == 0 or done == total_steps:
                     _log(bar, writer, done, window.metrics(optimizer.last_lr(), grad_norm, epoch))
-                    window = Window()
+                    window = Window(cfg.first_draft_position)
                 if cfg.eval_every and (done % cfg.eval_every == 0 or done == total_steps):
                     held_out = held_out_metrics(model, target, cfg, dist, eval_records, eval_tau_records)
                     if writer is not None and held_out:

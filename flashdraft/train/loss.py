@@ -20,33 +20,36 @@ from flashdraft.train.blocks import IGNORE
 
 # the decay the published drafters use per block size (reference doc, section 4)
 RECIPE_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+DSPARK_DECAY_GAMMA = 4.0  # the DSpark paper's exp(-k / 4) over its anchor-first block, whatever its size
 
 
-def recipe_decay_gamma(block_size: int) -> float:
-    """The recipe's gamma for this block size; 0 (no decay) where the recipe gives none."""
-    return RECIPE_DECAY_GAMMA.get(block_size, 0.0)
+def recipe_decay_gamma(block_size: int, family: str = "dflash") -> float:
+    """The recipe's gamma for this block size (DSpark: its paper's 4); 0 (no decay) where the recipe gives none."""
+    return DSPARK_DECAY_GAMMA if family == "dspark" else RECIPE_DECAY_GAMMA.get(block_size, 0.0)
 
 
-def position_weights(block_size: int, gamma: float | None) -> torch.Tensor:
-    """[B] weight per block position: 0 at the anchor, exp(-(k - 1) / gamma) after (1 without decay:
-    gamma None or 0)."""
-    k = torch.arange(block_size, dtype=torch.float32)
-    w = torch.ones(block_size) if not gamma else torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
+def position_weights(block_size: int, gamma: float | None, first_draft: int = 1) -> torch.Tensor:
+    """[B] weight per block position: 0 before the layout's first draft (the anchor, fill-in), exp(-j / gamma)
+    at its j-th draft (1 without decay: gamma None or 0)."""
+    j = torch.arange(block_size, dtype=torch.float32) - first_draft
+    w = torch.ones(block_size) if not gamma else torch.exp(-j / gamma)
+    w[:first_draft] = 0.0
     return w
 
 
 LOSS_WEIGHTINGS = ("decay", "dpace")
 
 
-def label_weight_total(labels: torch.Tensor, block_size: int, gamma: float | None, weighting: str = "decay") -> float:
+def label_weight_total(
+    labels: torch.Tensor, block_size: int, gamma: float | None, weighting: str = "decay", first_draft: int = 1
+) -> float:
     """The normaliser of labels [N, K * B]: decay: the sum of the trained positions' weights;
     dpace: the number of blocks with a trained position (a D-PACE block's weights sum to its
     expected accepted length, so the loss is a mean over blocks)."""
     trained = labels != IGNORE
     if weighting == "dpace":
         return float(trained.view(labels.shape[0], -1, block_size).any(-1).sum())
-    w = position_weights(block_size, gamma)[torch.arange(labels.shape[1]) % block_size]  # [K * B]
+    w = position_weights(block_size, gamma, first_draft)[torch.arange(labels.shape[1]) % block_size]  # [K * B]
     return float((w * trained).sum())
 
 
@@ -72,6 +75,39 @@ class LossParts:
     # DFlash2, per block position [B]: the label among the unary top-K; the selector's teacher-forced pick right
     top_k_hits: torch.Tensor | None = None
     selector_correct: torch.Tensor | None = None
+    # DSpark, per block position [B]: the probability of acceptance 1 - |p_draft - p_target|_1 / 2 (needs the target's
+    # distribution) and the confidence head's estimate of it, summed over trained positions
+    accept_rate: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DSparkLoss:
+    """DSpark's loss terms (the paper, DeepSpec `compute_dspark_loss`): per position, ce x cross-entropy + tv x the
+    L1 distance |p_draft - p_target|_1 (twice the total variation; DeepSpec's "l1_loss") + confidence x the binary
+    cross-entropy of the confidence head against the acceptance probability 1 - |p_draft - p_target|_1 / 2
+    (detached), all with the position weights of the run. p_draft carries the Markov bias, teacher-forced."""
+
+    ce: float = 0.1
+    tv: float = 0.9
+    confidence: float = 1.0
+
+    @property
+    def needs_target(self) -> bool:
+        return self.tv > 0 or self.confidence > 0
+
+
+def target_distribution_terms(
+    logits: torch.Tensor, target_topk: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """|p_draft - p_target|_1 per position [M] from the drafter's logits [M, V] and the target's top-k (values,
+    indices) [M, k], its distribution renormalised over them (zero elsewhere, so the draft's mass outside them
+    counts in full)."""
+    values, indices = target_topk
+    p_target = torch.softmax(values.float(), -1)  # [M, k]
+    p_draft = torch.softmax(logits.float(), -1)  # [M, V]
+    on_top = p_draft.gather(1, indices)  # [M, k]
+    return (on_top - p_target).abs().sum(-1) + (1 - on_top.sum(-1)).clamp(min=0)
 
 
 SELECTOR_MISSING_LABEL = ("inject", "skip")  # a label outside the unary top-K: put it in the candidate set, or skip
@@ -108,12 +144,15 @@ def selector_loss(
     return per_position, used, in_top_k, correct
 
 
-def block_predecessors(block_ids: torch.Tensor, labels: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[N, K * B] the true token before each block position: the anchor before position 1, the label of
-    position k - 1 before position k >= 2 (IGNORE where that label is untrained: unknown here)."""
+def block_predecessors(block_ids: torch.Tensor, labels: torch.Tensor, block_size: int, first_draft: int = 1
+                       ) -> torch.Tensor:  # fmt: skip
+    """[N, K * B] the true token before each block position's label: the anchor before the first draft (position
+    1 fill-in, 0 anchor-first), the label of position k - 1 after it (IGNORE where that label is untrained:
+    unknown here)."""
     previous = labels.roll(1, dims=1)
-    first = torch.arange(labels.shape[1], device=labels.device) % block_size == 1
-    return torch.where(first, block_ids.roll(1, dims=1), previous)
+    first = torch.arange(labels.shape[1], device=labels.device) % block_size == first_draft
+    anchors = block_ids.view(block_ids.shape[0], -1, block_size)[:, :, :1].expand(-1, -1, block_size)
+    return torch.where(first, anchors.reshape(block_ids.shape), previous)
 
 
 def block_loss(
@@ -130,6 +169,9 @@ def block_loss(
     block_ids: torch.Tensor | None = None,
     selector_loss_weight: float = 0.0,
     selector_missing_label: str = "inject",
+    first_draft: int = 1,
+    drafter=None,
+    dspark: DSparkLoss | None = None,
 ) -> LossParts:
     """hidden: [N, K * B, H] drafter output; labels: [N, K * B] (IGNORE where untrained).
 
@@ -139,6 +181,9 @@ def block_loss(
     selector (DFlash2, with block_ids [N, K * B]): its teacher-forced cross-entropy (`selector_loss`),
     weighted per position as the backbone's and scaled by selector_loss_weight, is added; its
     top-K coverage and accuracy are counted either way.
+    first_draft: the layout's first drafting position (0: anchor-first). dspark (with `drafter`, a DSpark
+    drafter, and block_ids): the logits get the Markov bias of the true previous token, and the loss is
+    `DSparkLoss`'s terms; the target's distribution comes from target_topk.
     """
     block_pos = torch.arange(labels.shape[1], device=labels.device) % block_size  # [K * B]
     trained = labels != IGNORE  # [N, K * B]
@@ -146,6 +191,10 @@ def block_loss(
     logits = lm_head(hidden[trained]).float()  # [M, V]
     target = labels[trained]  # [M]
     pos = block_pos.expand_as(labels)[trained]  # [M]
+    predecessors = None
+    if dspark is not None:  # teacher-forced: the Markov bias of the true token before each label (never a later one)
+        predecessors = block_predecessors(block_ids, labels, block_size, first_draft)[trained]  # [M], all known
+        logits = logits + drafter.markov_head.bias(predecessors).float()
     per_token = F.cross_entropy(logits, target, reduction="none")  # [M]
     if weighting == "dpace":
         label_prob = torch.zeros(labels.shape, device=hidden.device)  # [N, K * B]
@@ -153,7 +202,27 @@ def block_loss(
         per_block = (labels.shape[0], -1, block_size)
         w = dpace_weights(label_prob.view(per_block), trained.view(per_block), dpace_alpha).view(labels.shape)[trained]
     else:
-        w = position_weights(block_size, gamma).to(hidden.device)[pos]  # [M]
+        w = position_weights(block_size, gamma, first_draft).to(hidden.device)[pos]  # [M]
+    accept_rate = confidence_sum = None
+    if dspark is not None:
+        per_token = dspark.ce * per_token
+        l1 = None
+        if target_topk is not None:
+            l1 = target_distribution_terms(logits, (target_topk[0][trained], target_topk[1][trained]))  # [M]
+        elif dspark.needs_target:
+            raise ValueError("DSpark's distribution terms need the target's top-k logits (a cache made with "
+                             "--with-target-logits K, or online training)")
+        if l1 is not None:
+            per_token = per_token + dspark.tv * l1
+            accept = (1 - l1 / 2).clamp(0, 1)  # [M]: the probability a draft sampled from p_draft is accepted
+            accept_rate = torch.zeros(block_size, device=hidden.device).index_add_(0, pos, accept.detach())
+        if drafter.confidence_head is not None and l1 is not None:
+            embedding = drafter.markov_head.embed(predecessors) if drafter.confidence_head.with_markov else None
+            confidence_logit = drafter.confidence_head(hidden[trained], embedding)  # [M]
+            bce = F.binary_cross_entropy_with_logits(confidence_logit, accept.detach(), reduction="none")
+            per_token = per_token + dspark.confidence * bce
+            confidence_sum = torch.zeros(block_size, device=hidden.device)
+            confidence_sum.index_add_(0, pos, torch.sigmoid(confidence_logit).detach())
     if kl_weight > 0:
         if target_topk is None:
             raise ValueError("kl_weight > 0 needs the target's top-k logits (cache made with --with-target-logits)")
@@ -168,7 +237,8 @@ def block_loss(
     count.index_add_(0, pos, torch.ones_like(w))
     weighted_sum = (w * per_token).sum()
     if selector is None:
-        return LossParts(weighted_sum, w.sum().detach(), correct, count)
+        return LossParts(weighted_sum, w.sum().detach(), correct, count, accept_rate=accept_rate,
+                         confidence=confidence_sum)  # fmt: skip
     predecessors = block_predecessors(block_ids, labels, block_size)[trained]  # [M]
     per_selector, _, in_top_k, picked = selector_loss(selector, hidden[trained], logits, target, predecessors,
                                                       selector_missing_label)  # fmt: skip
@@ -180,9 +250,10 @@ def block_loss(
     return LossParts(weighted_sum, w.sum().detach(), correct, count, top_k_hits, selector_correct)
 
 
-def estimated_acceptance(correct: torch.Tensor, count: torch.Tensor) -> tuple[list[float], float]:
-    """Per-position accuracy (positions 1..B-1) and 1 + sum_k prod_{j<=k} acc_j."""
-    acc = (correct[1:] / count[1:].clamp(min=1)).tolist()
+def estimated_acceptance(correct: torch.Tensor, count: torch.Tensor, first_draft: int = 1) -> tuple[list[float], float]:
+    """Per-position accuracy (the drafting positions: 1..B-1 fill-in, 0..B-1 anchor-first) and
+    1 + sum_k prod_{j<=k} acc_j."""
+    acc = (correct[first_draft:] / count[first_draft:].clamp(min=1)).tolist()
     tau, running = 1.0, 1.0
     for a in acc:
         running *= a

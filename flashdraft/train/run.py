@@ -37,9 +37,14 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
+# the target's top logits kept per position when it runs in the loop for a DSpark drafter's distribution terms
+ONLINE_TARGET_TOPK = 256
+
+
 def load_training_records(target: TargetModel, layer_ids: list[int], cached: str | None, completions: str | None,
-                 allow_foreign: bool = False, verify: bool = True):  # fmt: skip
-    """Training records and a fingerprint of the data they come from."""
+                 allow_foreign: bool = False, verify: bool = True, online_topk: int = 0):  # fmt: skip
+    """Training records and a fingerprint of the data they come from (online: with the target's top-`online_topk`
+    logits at every position when > 0)."""
     if cached:
         from flashdraft.data.cache import MANIFEST, HiddenStateCache
 
@@ -53,7 +58,7 @@ def load_training_records(target: TargetModel, layer_ids: list[int], cached: str
     for r in comps.records:
         ids = torch.tensor(r.prompt_ids + r.completion_ids)
         sequences.append(SequenceRecord(ids, torch.arange(len(ids)) >= len(r.prompt_ids)))
-    return OnlineRecords(sequences, target, layer_ids), _digest(Path(completions))
+    return OnlineRecords(sequences, target, layer_ids, min(online_topk, target.vocab_size)), _digest(Path(completions))
 
 
 def eval_tau_records(
@@ -173,9 +178,19 @@ def run_training(
                      target_layer_ids=target_layer_ids)  # fmt: skip
         drafter = _starting_drafter(target, run_dir if resume else None, init, shape, cfg.seed, verify)
         layer_ids = drafter.config.target_layer_ids
+        dspark = drafter.config.family == "dspark"
+        needs_target = dspark and (cfg.dspark_tv_weight > 0 or cfg.confidence_loss_weight > 0)
+        online_topk = ONLINE_TARGET_TOPK if needs_target else 0
         records, cfg.data_fingerprint = load_training_records(
-            target, layer_ids, cached_hidden_states, completions, allow_foreign, verify
+            target, layer_ids, cached_hidden_states, completions, allow_foreign, verify, online_topk
         )
+        if needs_target and not getattr(records, "topk", 0):
+            raise FlashdraftError(
+                f"{cached_hidden_states}: holds no target logits; a DSpark drafter's loss needs the target's "
+                f"distribution at every label (--dspark-tv-weight {cfg.dspark_tv_weight}, --confidence-loss-weight "
+                f"{cfg.confidence_loss_weight}); expected a cache made with flashdraft cache --with-target-logits K, "
+                f"online training (--completions), or both weights 0 (hard CE only)"
+            )
         drafter = _with_vocabulary(drafter, draft_vocab_size, records, target, cfg, dist)
         if cfg.kl_weight > 0 and not getattr(records, "topk", 0):
             raise FlashdraftError(
@@ -183,11 +198,11 @@ def run_training(
                 f"expected a cache made with flashdraft cache --with-target-logits K (or --kl-weight 0, the recipe)"
             )
         if cfg.loss_decay_gamma is None:
-            cfg.loss_decay_gamma = recipe_decay_gamma(drafter.config.block_size)
+            cfg.loss_decay_gamma = recipe_decay_gamma(drafter.config.block_size, drafter.config.family)
         eval_records = tau_records = None
         if eval_cached_hidden_states or eval_completions:
             eval_records, _ = load_training_records(
-                target, layer_ids, eval_cached_hidden_states, eval_completions, allow_foreign, verify
+                target, layer_ids, eval_cached_hidden_states, eval_completions, allow_foreign, verify, online_topk
             )
             tau_records = eval_tau_records(eval_cached_hidden_states, eval_completions, target, allow_foreign,
                                            verify)  # fmt: skip
