@@ -474,7 +474,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         block_size=args.block_size, online=args.online, temperature=args.temperature,
         check_consistency=args.check_consistency, reference=args.reference, target_layer_ids=args.target_layer_ids,
         mask_token_id=args.mask_token_id, num_speculative_tokens=args.num_speculative_tokens,
-        adaptive_threshold=args.adaptive_threshold, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+        adaptive_threshold=args.adaptive_threshold, confidence_threshold=args.confidence_threshold,
+        ngram_max=args.ngram_max, ngram_min=args.ngram_min,
         seed=args.seed, verify=not args.no_verify, allow_foreign=args.allow_foreign_completions,
         long_prompts=args.long_prompts,
     )  # fmt: skip
@@ -563,6 +564,10 @@ def _add_eval_commands(sub) -> None:
                    help="verify drafts only up to the first whose top drafter probability is under P "
                         "(none if the first is: a plain greedy step; lossless; with --num-speculative-tokens, "
                         "at most K)")  # fmt: skip
+    p.add_argument("--confidence-threshold", type=_probability, default=None, metavar="C",
+                   help="DSpark: verify drafts only up to the first whose confidence-head estimate is under C (the "
+                        "servers' adaptive verification, lossless); eval always reports the head's calibration and "
+                        "the tau and cost of cutting at 0.3/0.5/0.7/0.9 and C")  # fmt: skip
     p.add_argument("--online", action="store_true", help="real speculative decoding with the target, timed")
     p.add_argument("--temperature", type=_temperature, default=0.0, help="online sampling temperature (0 = greedy)")
     p.add_argument(

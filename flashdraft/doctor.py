@@ -135,7 +135,8 @@ def _describe_config(cfg) -> str:
     return (
         f"{cfg.describe_family()}, {cfg.num_hidden_layers} layers ({cfg.describe_layers()}), hidden {cfg.hidden_size}, "
         f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} kv heads x {cfg.head_dim}, intermediate "
-        f"{cfg.intermediate_size}, vocab {cfg.vocab_size}, block size {cfg.block_size}, mask token "
+        f"{cfg.intermediate_size}, vocab {cfg.vocab_size}, block size {cfg.block_size} ({cfg.describe_layout()}), "
+        f"mask token "
         f"{cfg.mask_token_id}, target_layer_ids {cfg.target_layer_ids} of {cfg.num_target_layers} target layers"
     )
 

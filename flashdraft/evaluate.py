@@ -187,7 +187,8 @@ def _describe_drafter(label: str, loaded, block_size: int, target: TargetModel) 
         f"kv heads x {cfg.head_dim}, intermediate {cfg.intermediate_size}; fc.weight {fc} holds "
         f"{fc[1] // cfg.hidden_size} context layers, target_layer_ids {cfg.target_layer_ids} of "
         f"{cfg.num_target_layers}; block size {cfg.block_size} (evaluating with {block_size}); "
-        f"mask token {cfg.mask_token_id} {mask!r}"
+        f"mask token {cfg.mask_token_id} {mask!r}",
+        f"  {cfg.describe_family()}; layout {cfg.describe_layout()}",
     ]
     return lines + [f"  assumed: {note}" for note in loaded.assumed]
 
@@ -350,6 +351,12 @@ def _draft_limit(cfg: EvalConfig, c: Candidate) -> DraftLimit | None:
             f"--num-speculative-tokens {k}: {c.label} drafts blocks of {c.block_size} ({drafts} drafts); expected at "
             f"most {drafts}"
         )
+    if k is not None and k < drafts and isinstance(c.drafter, DFlashDrafter) and c.drafter.config.family == "dspark":
+        raise FlashdraftError(
+            f"--num-speculative-tokens {k}: {c.label} is a DSpark drafter, which servers draft with a block of "
+            f"num_speculative_tokens positions (its non-causal layers then see a shorter block, not the first {k} "
+            f"drafts of this one); expected --block-size {k} to evaluate that block"
+        )
     if c_min is not None and c.label == cfg.checkpoint and not _has_confidence_head(c.drafter):
         raise FlashdraftError(f"--confidence-threshold {c_min}: {c.label} has no confidence head; expected a DSpark "
                               f"drafter made with one (init --family dspark --confidence-head ...)")  # fmt: skip
@@ -418,7 +425,8 @@ def _evaluate_candidate(
     summary |= {"checkpoint": c.label, "checkpoint_form": c.form, "drafter_path": c.path,
                 "drafter_type": _drafter_type(c.drafter),
                 "num_speculative_tokens": cfg.num_speculative_tokens,
-                "adaptive_threshold": cfg.adaptive_threshold, "confidence_threshold": cfg.confidence_threshold}  # fmt: skip
+                "adaptive_threshold": cfg.adaptive_threshold,
+                "confidence_threshold": cfg.confidence_threshold}  # fmt: skip
     if cfg.check_consistency:
         mismatches = consistency_mismatches(records, baseline, offline, online)
         summary["consistency"] = {"identical": not mismatches, "mismatches": mismatches,

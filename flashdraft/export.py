@@ -23,8 +23,15 @@ def serving_snippet(target: str, drafter_dir: str, cfg: DrafterConfig) -> str:
     vllm, sglang = serving_commands(cfg, target, drafter_dir)
     sglang = sglang.replace(" --speculative-draft-model-path", " \\\n    --speculative-draft-model-path")
     b = cfg.block_size
-    name = "DFlash2" if cfg.family == "dflash2" else "DFlash"
-    if cfg.family == "dflash2":  # the V1 runner's silent fallback and the conv's block: both wrong without a word
+    name = {"dflash2": "DFlash2", "dspark": "DSpark"}.get(cfg.family, "DFlash")
+    drafts = cfg.drafts_per_block
+    if cfg.family == "dspark":
+        v2 = (f"\nA DSpark drafter (`Qwen3DSparkModel`): {cfg.describe_layout()}; a Markov head\n"
+              f"(rank {cfg.markov_rank}) drafts the block left to right"
+              + (", and a confidence head estimates each draft's acceptance" if cfg.confidence_head else "")
+              + f".\nvLLM serves it with method `dspark` and `num_speculative_tokens` {b} (= block_size: a shorter\n"
+              f"block changes every draft); SGLang with `DSPARK` and `--speculative-dspark-block-size` {b}.\n")
+    elif cfg.family == "dflash2":  # the V1 runner's silent fallback and the conv's block: both wrong without a word
         v2 = (f"\nA DFlash2 drafter (`DFlash2DraftModel`: a convolution around each sublayer and a candidate\n"
               f"selector). vLLM 0.33 runs it only with the V2 model runner (`{V2_RUNNER}`); on the\n"
               f"default V1 runner the same checkpoint is drafted as plain DFlash, without the selector and the\n"
@@ -44,14 +51,14 @@ def serving_snippet(target: str, drafter_dir: str, cfg: DrafterConfig) -> str:
     return f"""# {name} drafter
 
 Exported by flashdraft in the public {name} format (`config.json` + `model.safetensors`),
-block size {b} ({b - 1} drafted tokens per step). It has no embedding and {head}, so serve it with its target model.
+block size {b} ({drafts} drafted tokens per step). It has no embedding and {head}, so serve it with its target model.
 
 Layers, as both servers run them: {cfg.describe_layers()}.
 {v2}
 ## Serving
 
 These are the command lines of vLLM 0.33.0 and SGLang 0.5.23 at the time of writing (vLLM
-ignores `block_size`: `num_speculative_tokens` is {b - 1}); check your server's documentation if
+ignores `block_size`: `num_speculative_tokens` is {drafts}); check your server's documentation if
 they have changed.
 `flashdraft doctor {drafter_dir} --serving` checks every serving rule.
 

@@ -120,8 +120,10 @@ def _context(summary: dict[str, Any]) -> str:
 def _draft_limit(summary: dict[str, Any]) -> str:
     """Which drafts each step verified, when not all B - 1."""
     k, p = summary.get("num_speculative_tokens"), summary.get("adaptive_threshold")
+    c = summary.get("confidence_threshold")
     return (f", verifying the first {k} drafts" if k is not None else "") + (
-        f", verifying drafts up to the first under probability {p}" if p is not None else "")  # fmt: skip
+        f", verifying drafts up to the first under probability {p}" if p is not None else "") + (
+        f", verifying drafts up to the first with confidence under {c}" if c is not None else "")  # fmt: skip
 
 
 def selector_line(s: dict[str, Any]) -> str:
@@ -129,6 +131,22 @@ def selector_line(s: dict[str, Any]) -> str:
     return (f"candidate selector (DFlash2): τ {s['tau']:.3f} walking it, {s['unary_tau']:.3f} drafting the unary "
             f"argmax ({s['gain']:.3f}x); the target's token is in the unary top-{s['top_k']} at "
             f"{s['top_k_coverage']:.1%} of the {s['verified_positions']} verified positions")
+
+
+def confidence_lines(s: dict[str, Any]) -> list[str]:
+    """A DSpark drafter's confidence head (`flashdraft.offline.confidence_figures`), in words: its calibration per
+    block position, then the τ and cost of each confidence cut against the uncut block."""
+    ece = s["expected_calibration_error"]
+    pairs = ", ".join(f"{p:.2f}/{o:.2f}" for p, o, n in zip(s["predicted"], s["observed"], s["positions_reached"],
+                                                           strict=True) if n)  # fmt: skip
+    lines = [f"confidence head (DSpark): predicted/observed acceptance per draft position {pairs}; expected "
+             f"calibration error {'-' if ece is None else f'{ece:.3f}'}"]  # fmt: skip
+    u = s["uncut"]
+    lines.append(f"  uncut: τ {u['tau']:.3f}, {u['drafts_verified_per_step']:.2f} drafts verified per step")
+    for cut in s["cuts"]:
+        lines.append(f"  cut at confidence {cut['threshold']}: τ {cut['tau']:.3f}, "
+                     f"{cut['drafts_verified_per_step']:.2f} drafts verified per step")  # fmt: skip
+    return lines
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -143,6 +161,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     parts = [title, _text_table(_figure_header(summary), figure_rows(summary)), _text_table(*prompt_rows(summary))]
     if summary.get("selector"):
         parts.append(selector_line(summary["selector"]))
+    if summary.get("confidence"):
+        parts.append("\n".join(confidence_lines(summary["confidence"])))
     if "consistency" in summary:
         c = summary["consistency"]
         parts.append(
@@ -274,6 +294,9 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
     ]
     if summary.get("selector"):
         lines += ["## Candidate selector", "", selector_line(summary["selector"]) + ".", ""]
+    if summary.get("confidence"):
+        first, *cuts = confidence_lines(summary["confidence"])
+        lines += ["## Confidence head", "", first + ".", "", *[f"- {c.strip()}" for c in cuts], ""]
     if "consistency" in summary:
         c = summary["consistency"]
         lines += ["## Offline vs online", "",

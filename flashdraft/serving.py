@@ -29,6 +29,7 @@ SGLANG = "SGLang 0.5.23"
 SLIDING, FULL = "sliding_attention", "full_attention"
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER=1"
 VLLM_DFLASH2 = "qwen3_dflash2.py (v1/worker/gpu/spec_decode/dflash2/)"
+VLLM_DSPARK = "qwen3_dspark.py (v1/worker/gpu/spec_decode/dspark/speculator.py)"
 REEXPORT = ("re-export it (flashdraft export --checkpoint DIR --out NEW writes layer_types, sliding_window, "
             "use_sliding_window and is_causal resolved, which both servers read alike)")  # fmt: skip
 
@@ -50,6 +51,11 @@ def serving_commands(cfg: DrafterConfig, target: str, drafter_dir: str) -> tuple
     for DFlash2 or mixed layers, the V2 runner; its method stays "dflash" for DFlash2 (the
     checkpoint's architectures selects the model). SGLang is given its draft tokens (=
     block_size, anchor included) explicitly."""
+    if cfg.family == "dspark":  # every position drafts: N = block_size queries (the anchor and N - 1 masks)
+        spec = json.dumps({"method": "dspark", "model": drafter_dir, "num_speculative_tokens": cfg.block_size})
+        sglang = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DSPARK "
+                  f"--speculative-draft-model-path {drafter_dir} --speculative-dspark-block-size {cfg.block_size}")
+        return f"vllm serve {target} --speculative-config '{spec}'", sglang
     spec = json.dumps({"method": "dflash", "model": drafter_dir, "num_speculative_tokens": cfg.block_size - 1})
     env = f"{V2_RUNNER} " if needs_v2_runner(cfg) else ""
     vllm = f"{env}vllm serve {target} --speculative-config '{spec}'"
@@ -155,8 +161,12 @@ def check_serving(path: Path, target, checks: Checks, target_name: str | None = 
 
     # format: what both loaders are given
     arch, model_type = raw.get("architectures"), raw.get("model_type")
-    dflash2 = cfg.family == "dflash2"
-    if dflash2:  # vLLM's method stays "dflash": the architectures entry alone selects DFlash2
+    dflash2, dspark = cfg.family == "dflash2", cfg.family == "dspark"
+    if dspark:
+        maps = (f"{VLLM} models/registry.py maps Qwen3DSparkModel to {VLLM_DSPARK} with --speculative-config method "
+                f"\"dspark\" (its DSparkDraftModel is DeepSeek-V4's); {SGLANG} --speculative-algorithm DSPARK to "
+                f"models/dspark.py Qwen3DSparkModel")  # fmt: skip
+    elif dflash2:  # vLLM's method stays "dflash": the architectures entry alone selects DFlash2
         maps = (f"{VLLM} models/registry.py maps DFlash2DraftModel to {VLLM_DFLASH2}, V2 runner only, with "
                 f"--speculative-config method \"dflash\" as for DFlash (architectures selects DFlash2); {SGLANG} "
                 f"--speculative-algorithm DFLASH to models/dflash.py, which reads DFlash2's fields")  # fmt: skip
@@ -180,7 +190,13 @@ def check_serving(path: Path, target, checks: Checks, target_name: str | None = 
     problems += [f"'{k}' {list(found[k])}, expected {list(v)}" for k, v in expected.items()
                  if k in found and tuple(found[k]) != v]  # fmt: skip
     problems += [f"'{k}' unexpected" for k in found if k not in expected and not (k == "t2d" and "d2t" in expected)]
-    if dflash2:  # a conv or selector tensor left out is served uninitialised, without a word
+    if dspark:  # SGLang refuses a missing confidence tensor; vLLM drops the head without a word
+        keys = (f"every public key with its shape, the Markov head's markov_head.markov_w1 / markov_w2.weight "
+                f"[{cfg.vocab_size}, {cfg.markov_rank}]" + (" and confidence_head.proj.weight / bias"
+                                                             if cfg.confidence_head else "")
+                + f" included ({VLLM} qwen3_dspark.py load_weights drops a confidence head it does not find; "
+                  f"{SGLANG} models/dspark.py refuses unknown Markov weights and a missing confidence head)")
+    elif dflash2:  # a conv or selector tensor left out is served uninitialised, without a word
         extra = sum(map(is_dflash2_parameter, expected))
         keys = (f"every public key with its shape, DFlash2's {extra} included (layers.i.attention_conv / mlp_conv "
                 f"base_kernel and candidate_selector predecessor_codebook / successor_codebook without '.weight', as "
@@ -236,13 +252,20 @@ def check_serving(path: Path, target, checks: Checks, target_name: str | None = 
         checks.ok(f"V2 runner: layers all {cfg.layer_types[0]}: {VLLM}'s default model runner serves them "
                   f"({V2_RUNNER} is needed only for drafters mixing sliding and full layers)")  # fmt: skip
 
+    _check_layout(raw, cfg, checks)
+    if dspark:
+        _check_dspark(raw, cfg, checks)
     _check_mask_token(cfg, target, checks)
     index = [path / INDEX_NAME] if (path / INDEX_NAME).is_file() else []
     _check_file_modes(path, [path / "config.json", *files, *index], checks)
     _check_server_fields(raw, checks)
 
     # a reduced vocabulary with its own LM head: vLLM's convention, which SGLang's DFlash does not load
-    if dflash2:  # DrafterConfig refuses draft_vocab_size for DFlash2: this always holds
+    if dspark:  # DrafterConfig refuses draft_vocab_size for DSpark: this always holds
+        checks.ok(f"vocabulary: the full target vocabulary (no draft_vocab_size, no d2t): the Markov head's bias is "
+                  f"over the target's lm_head vocabulary, as {VLLM} qwen3_dspark.py and {SGLANG} models/dspark.py "
+                  f"load it")  # fmt: skip
+    elif dflash2:  # DrafterConfig refuses draft_vocab_size for DFlash2: this always holds
         checks.ok(f"vocabulary: the full target vocabulary (no draft_vocab_size, no d2t): DFlash2's candidate "
                   f"selector ranks the target's lm_head logits, codebooks [{cfg.vocab_size}, {cfg.selector_rank}] "
                   f"(vocab_size, selector_rank), as {VLLM} qwen3_dflash2.py and {SGLANG} models/dflash.py "
@@ -262,7 +285,12 @@ def check_serving(path: Path, target, checks: Checks, target_name: str | None = 
                   f"llm_base_proposer.py _maybe_share_lm_head; {SGLANG} speculative/dflash_worker_v2.py)")  # fmt: skip
 
     b = cfg.block_size
-    if dflash2:  # the conv's taps stop at the block boundary: the block must be the trained one
+    if dspark:  # the layers are non-causal in the block: a block of another length computes other drafts
+        checks.ok(f"block size: block_size {b}: {VLLM} {VLLM_DSPARK} drafts num_speculative_tokens N queries (the "
+                  f"anchor and N - 1 masks, all drafting), so N must be {b} (= block_size): a shorter block changes "
+                  f"what every position of the non-causal layers sees; {SGLANG} takes "
+                  f"--speculative-dspark-block-size {b}; both commands below give it")  # fmt: skip
+    elif dflash2:  # the conv's taps stop at the block boundary: the block must be the trained one
         checks.ok(f"block size: block_size {b}: {VLLM} {VLLM_DFLASH2} takes the convolutions' block length from "
                   f"1 + num_speculative_tokens, not from block_size: num_speculative_tokens {b - 1} (= block_size - "
                   f"1); any other value convolves across a different block than the drafter was trained with; the "
@@ -303,6 +331,42 @@ def check_serving(path: Path, target, checks: Checks, target_name: str | None = 
     vllm_cmd, sglang_cmd = serving_commands(cfg, name, str(path))
     checks.about(f"vLLM:   {vllm_cmd}")
     checks.about(f"SGLang: {sglang_cmd}")
+
+
+def _check_layout(raw: dict[str, Any], cfg: DrafterConfig, checks: Checks) -> None:
+    """The block layout each server drafts a drafter with: the family's, from its architectures."""
+    if cfg.family == "dspark":
+        checks.ok(f"layout: {cfg.describe_layout()}: {VLLM} dspark/speculator.py (sample_from_anchor "
+                  f"{json.dumps(raw.get('sample_from_anchor', True))}: N queries, sample_pos = query_pos + 1) and "
+                  f"{SGLANG} models/dspark.py (DeepSpec's slot k -> anchor + k + 1) draft it so; trained and "
+                  f"evaluated so by flashdraft (a DFlash-layout decode of it is accepted under 1 %, vLLM #56792)")
+    else:
+        checks.ok(f"layout: {cfg.describe_layout()}: {VLLM} and {SGLANG} draft a {cfg.architecture} so (1 + N "
+                  f"queries, the masks at the drafted positions)")  # fmt: skip
+
+
+def _check_dspark(raw: dict[str, Any], cfg: DrafterConfig, checks: Checks) -> None:
+    """DSpark's heads as each server builds them from config.json as written."""
+    absent = [name for name in ("enable_confidence_head", "confidence_head_with_markov") if name not in raw]
+    checks.check(not absent,
+                 f"confidence head: enable_confidence_head {json.dumps(raw.get('enable_confidence_head'))}, "
+                 f"confidence_head_with_markov {json.dumps(raw.get('confidence_head_with_markov'))} written ({VLLM} "
+                 f"qwen3_dspark.py reads absent fields as false, {SGLANG} build_confidence_head as true)",
+                 "re-export it (flashdraft export writes both fields)")  # fmt: skip
+    if cfg.confidence_head:
+        checks.warn(f"adaptive verification: the confidence head estimates each draft's acceptance; {VLLM} can cut "
+                    f"each block where it drops (enable_adaptive_verification) and {SGLANG} schedules blocks on it: "
+                    f"the commands below verify whole blocks, as flashdraft eval measures by default",
+                    "measure a cut first: flashdraft eval --confidence-threshold C reports its τ and drafts verified "
+                    "per step (a server's own thresholds may differ)")  # fmt: skip
+    else:
+        checks.ok("adaptive verification: no confidence head: both servers verify whole blocks")
+    if cfg.draft_top_k is not None:
+        checks.warn(f"dspark_draft_topk {cfg.draft_top_k}: {VLLM} dspark/speculator.py adds the Markov bias to the "
+                    f"top-{cfg.draft_top_k} base candidates only (flashdraft drafts so); {SGLANG} does not read it and "
+                    f"biases the whole vocabulary", "serve it with vLLM, or drop dspark_draft_topk for SGLang")
+    checks.ok(f"Markov head: vanilla, rank {cfg.markov_rank}: {VLLM} DSparkMarkovHead and {SGLANG} VanillaMarkov "
+              f"add W2 W1[previous draft] to each position's logits, drafting left to right from the anchor")
 
 
 def _check_mask_token(cfg: DrafterConfig, target, checks: Checks) -> None:
