@@ -34,6 +34,8 @@ class ServerField:
     neutral: tuple = (None,)  # values that change nothing (None: absent)
     example: Any = None  # a non-neutral value (the table test uses it)
     family: str | None = None  # a field of one drafter family only ("dspark"); None: every family's
+    # values of a refused field that are read, not refused, though not neutral: a family they name ("dspark")
+    read_as_family: tuple = ()
 
 
 SERVER_FIELDS: tuple[ServerField, ...] = (
@@ -101,9 +103,9 @@ SERVER_FIELDS: tuple[ServerField, ...] = (
                 (None, ["DFlashDraftModel"]), ["Qwen3DSparkModel"]),
     ServerField("projector_type", f"{SGLANG} models/dflash.py", "refused",
                 "another projector family in place of fc + hidden_norm ('dspark', SpecForge's DSpark spelling, is read "
-                "as the DSpark family)", (None,), "domino"),
+                "as the DSpark family)", (None,), "domino", read_as_family=("dspark",)),
     ServerField("dflash_config.projector_type", f"{SGLANG} models/dflash.py (SpecForge writes it here)", "refused",
-                "as projector_type", (None,), "domino"),
+                "as projector_type", (None,), "domino", read_as_family=("dspark",)),
     # -- DSpark (vLLM qwen3_dspark.py and v1/worker/gpu/spec_decode/dspark/; SGLang models/dspark.py and
     # speculative/dspark_components/dspark_config.py, which also reads dflash_config.X, dspark_config.X, dspark_X) --
     ServerField("markov_rank", f"{VLLM} qwen3_dspark.py DSparkMarkovHead, {SGLANG} build_markov_head", "honoured",
@@ -152,7 +154,7 @@ def refuse_unsupported(d: dict[str, Any], source: str) -> None:
         if field.handling != "refused":
             continue
         value = value_of(d, field.name)
-        if not is_neutral(field, value):
+        if not is_neutral(field, value) and value not in field.read_as_family:
             raise FlashdraftError(
                 f"{source}: field '{field.name}' is {value!r}; read by {field.read_by}: {field.effect}, which "
                 f"flashdraft does not build (expected {_neutral_words(field)})"

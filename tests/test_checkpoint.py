@@ -209,3 +209,45 @@ def test_dflash2_tensors_under_a_dflash_config_and_misshaped_codebooks_are_refus
     with pytest.raises(FlashdraftError, match=r"'candidate_selector.predecessor_codebook' has shape \[64, 16\]; "
                                               r"expected \[64, 8\]"):  # fmt: skip
         load_drafter(tmp_path / "b")
+
+
+def test_a_dspark_drafter_saves_vllms_tensor_names_and_reloads_identically(tmp_path):
+    from tests.conftest import make_dspark_drafter
+
+    drafter = make_dspark_drafter(confidence_head_with_markov=False)
+    save_drafter(drafter, tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    # vLLM 0.33.0 qwen3_dspark.py: model.markov_head.markov_w1 (Embedding) / markov_w2 (ParallelLMHead), and
+    # confidence_head.proj with bias, over the hidden state alone without confidence_head_with_markov
+    assert {k: v for k, v in shapes.items() if k.startswith(("markov_head.", "confidence_head."))} == {
+        "markov_head.markov_w1.weight": (64, 8), "markov_head.markov_w2.weight": (64, 8),
+        "confidence_head.proj.weight": (1, 64), "confidence_head.proj.bias": (1,)}  # fmt: skip
+    loaded = load_drafter(tmp_path)
+    for name, p in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], p), name
+
+
+def test_a_dspark_checkpoint_read_in_the_fill_in_layout_or_missing_a_head_tensor_is_refused(tmp_path):
+    from tests.conftest import make_dspark_drafter
+
+    save_drafter(make_dspark_drafter(), tmp_path / "dspark")
+    config = json.loads((tmp_path / "dspark/config.json").read_text())
+    # relabelled as a DFlash drafter (decoded fill-in): its Markov tensors are refused by name
+    for name in ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                 "sample_from_anchor"):  # fmt: skip
+        config.pop(name)
+    config["architectures"] = ["DFlashDraftModel"]
+    (tmp_path / "dspark/config.json").write_text(json.dumps(config))
+    with pytest.raises(FlashdraftError, match="unexpected tensor '(markov|confidence)_head.*a DSpark tensor"):
+        load_drafter(tmp_path / "dspark")
+    # a DFlash checkpoint relabelled as DSpark (decoded anchor-first): the heads are missing
+    save_drafter(make_drafter(block_size=7), tmp_path / "dflash")
+    config = json.loads((tmp_path / "dflash/config.json").read_text()) | {
+        "architectures": ["Qwen3DSparkModel"], "markov_rank": 8, "enable_confidence_head": False,
+        "confidence_head_with_markov": False}  # fmt: skip
+    (tmp_path / "dflash/config.json").write_text(json.dumps(config))
+    with pytest.raises(FlashdraftError, match="tensor 'markov_head.markov_w1.weight' is missing"):
+        load_drafter(tmp_path / "dflash")

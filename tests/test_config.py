@@ -219,3 +219,68 @@ def test_dflash2_fields_and_block_size_are_read_from_the_top_level_too_and_a_con
 def test_a_dflash2_config_without_its_fields_or_with_bad_ones_is_refused_by_name(change, name):
     with pytest.raises(FlashdraftError, match=name):
         DrafterConfig.from_dict(PUBLIC_QWEN38_DFLASH2_CONFIG | change, source="x/config.json")
+
+
+# -- DSpark ---------------------------------------------------------------------------------------
+
+
+def _dspark_dict(**changes):
+    d = make_drafter_config(family="dspark", markov_rank=8, confidence_head=True, confidence_head_with_markov=True,
+                            block_size=7).to_dict()
+    d.update(changes)
+    return d
+
+
+def test_a_dspark_config_is_written_in_vllms_flat_fields_and_round_trips():
+    d = _dspark_dict()
+    assert d["architectures"] == ["Qwen3DSparkModel"]
+    assert {k: d[k] for k in ("markov_rank", "markov_head_type", "enable_confidence_head",
+                              "confidence_head_with_markov", "sample_from_anchor", "block_size")} == {
+        "markov_rank": 8, "markov_head_type": "vanilla", "enable_confidence_head": True,
+        "confidence_head_with_markov": True, "sample_from_anchor": True, "block_size": 7}  # fmt: skip
+    # DeepSpec reads target_layer_ids and mask_token_id at the top level, the DFlash loaders in dflash_config
+    assert d["target_layer_ids"] == d["dflash_config"]["target_layer_ids"] == [0, 2]
+    cfg = DrafterConfig.from_dict(d)
+    assert cfg.to_dict() == d and cfg.first_draft_position == 0 and cfg.drafts_per_block == 7
+
+
+def test_deepspec_and_specforge_dialects_of_a_dspark_config_read_as_the_same_drafter():
+    cfg = DrafterConfig.from_dict(_dspark_dict())
+    deepspec = {k: v for k, v in _dspark_dict().items() if k != "dflash_config"}  # Qwen3DSparkModel, top level
+    assert DrafterConfig.from_dict(deepspec).to_dict() == cfg.to_dict()
+    specforge = {k: v for k, v in _dspark_dict(architectures=["DSparkDraftModel"]).items()
+                 if k not in ("markov_rank", "enable_confidence_head", "confidence_head_with_markov")}  # fmt: skip
+    specforge["dflash_config"] = {**specforge["dflash_config"], "markov_rank": 8, "enable_confidence_head": True,
+                                  "confidence_head_with_markov": True, "projector_type": "dspark"}  # fmt: skip
+    assert DrafterConfig.from_dict(specforge).to_dict() == cfg.to_dict()
+    specforge["architectures"] = ["DFlashDraftModel"]  # projector_type alone names the family
+    assert DrafterConfig.from_dict(specforge).family == "dspark"
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"markov_rank": 0}, "'markov_rank' is 0; expected a positive integer"),
+        ({"confidence_head_with_markov": None}, "'confidence_head_with_markov' is missing"),
+        ({"dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 63, "markov_rank": 16}},
+         "fields markov_rank, dflash_config.markov_rank disagree"),
+        ({"markov_head_type": None, "dspark_markov_head_type": "rnn"}, "'markov_head_type' \\(nested or prefixed\\) is 'rnn'"),
+        ({"markov_head_type": "gated"}, "'markov_head_type' is 'gated'; read by"),
+        ({"sample_from_anchor": False}, "'sample_from_anchor' is False; read by"),
+        ({"speculators_model_type": "dspark"}, "'speculators_model_type' is 'dspark'; read by"),
+        ({"draft_vocab_size": 32}, "'draft_vocab_size' is 32; expected absent in a DSpark drafter"),
+        ({"dspark_draft_topk": 0}, "'dspark_draft_topk' is 0"),
+        ({"architectures": ["DFlashDraftModel"]}, "'markov_rank' is 8 but architectures is \\['DFlashDraftModel'\\]"),
+    ],
+)  # fmt: skip
+def test_a_dspark_config_with_a_bad_ambiguous_or_unbuilt_field_is_refused_by_name(changes, message):
+    d = _dspark_dict(**changes)
+    d = {k: v for k, v in d.items() if v is not None}
+    with pytest.raises(FlashdraftError, match=message):
+        DrafterConfig.from_dict(d, source="x/config.json")
+
+
+def test_a_dspark_config_without_block_size_gets_the_papers_7():
+    d = _dspark_dict()
+    del d["block_size"], d["dflash_config"]["block_size"]
+    assert DrafterConfig.from_dict(d).block_size == 7

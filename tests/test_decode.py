@@ -7,7 +7,7 @@ import torch
 
 from flashdraft.acceptance import DraftLimit
 from flashdraft.decode import autoregressive_generate, speculative_generate
-from tests.conftest import EOS, make_dflash2_drafter, make_drafter, make_flat_target, make_target
+from tests.conftest import EOS, make_dflash2_drafter, make_drafter, make_dspark_drafter, make_flat_target, make_target
 
 PROMPT = [5, 9, 17, 3, 22, 40, 11, 8, 30, 2, 14, 27]
 
@@ -148,6 +148,46 @@ def test_dflash2_sampling_keeps_the_target_law_of_a_token_drafted_after_a_sample
     n, counts, accepted_twice = 600, torch.zeros(64), 0
     for _ in range(n):
         out = speculative_generate(target, drafter, prompt, 3, temperature=1.0, generator=gen)
+        counts[out.output_ids[2]] += 1
+        accepted_twice += out.acceptance_lengths[0] >= 2
+    assert accepted_twice > 60  # the walk's second draft was verified often enough to matter
+    top = torch.topk(law, 8).indices
+    observed = torch.cat([counts[top], (n - counts[top].sum()).unsqueeze(0)])
+    expected = torch.cat([law[top], (1 - law[top].sum()).unsqueeze(0)]) * n
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < 26.1, (observed, expected)  # 8 degrees of freedom, p = 0.001
+
+
+@pytest.mark.parametrize("limit", [None, DraftLimit(confidence_threshold=0.5)], ids=str)
+def test_greedy_speculative_with_a_dspark_drafter_equals_greedy(any_target, limit):
+    drafter = make_dspark_drafter()
+    plain = autoregressive_generate(any_target, PROMPT, 30)
+    spec = speculative_generate(any_target, drafter, PROMPT, 30, limit=limit)
+    assert spec.output_ids == plain.output_ids
+    assert sum(spec.acceptance_lengths) == len(spec.output_ids) - 1
+
+
+@pytest.mark.parametrize("limit", [None, DraftLimit(confidence_threshold=0.5)], ids=["uncut", "confidence-cut"])
+def test_dspark_sampling_keeps_the_target_law_of_a_token_drafted_after_a_sampled_predecessor(limit):
+    # the third generated token: with the first draft accepted it is the Markov walk's second draft, drawn from
+    # q given the sampled first draft (and, cut, verified only when the sampled walk's confidence allows)
+    target = make_flat_target("qwen3")
+    model = target.model
+    drafter = make_dspark_drafter(block_size=3)
+    with torch.no_grad():  # a Markov bias near the flat target's scale, so drafts are accepted often
+        drafter.markov_head.markov_w2.weight.mul_(0.5)
+    prompt = PROMPT[:5]
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)  # [64]
+        two = torch.tensor([prompt + [t] for t in range(64)])
+        p2 = torch.softmax(model(two).logits[:, -1], -1)  # [64 (t1), 64 (t2)]
+        three = torch.tensor([prompt + [t1, t2] for t1 in range(64) for t2 in range(64)])
+        p3 = torch.softmax(model(three).logits[:, -1], -1).view(64, 64, 64)
+        law = torch.einsum("a,ab,abc->c", p1, p2, p3)
+    gen = torch.Generator().manual_seed(0)
+    n, counts, accepted_twice = 600, torch.zeros(64), 0
+    for _ in range(n):
+        out = speculative_generate(target, drafter, prompt, 3, temperature=1.0, generator=gen, limit=limit)
         counts[out.output_ids[2]] += 1
         accepted_twice += out.acceptance_lengths[0] >= 2
     assert accepted_twice > 60  # the walk's second draft was verified often enough to matter

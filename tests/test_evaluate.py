@@ -16,7 +16,8 @@ from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
 from flashdraft.evaluate import records_from_prompts
 from flashdraft.model import DFlashDrafter
-from flashdraft.offline import evaluate_offline, selector_figures
+from flashdraft.acceptance import DraftLimit
+from flashdraft.offline import confidence_figures, evaluate_offline, selector_figures
 from flashdraft.records import EvalRecord, FeatureSource
 from flashdraft.results import EvalResult, PromptResult, speedup_bound
 from flashdraft.run_dir import load_any_drafter
@@ -24,6 +25,7 @@ from flashdraft.target import TargetModel
 from tests.conftest import (
     DFLASH2,
     make_dflash2_drafter,
+    make_dspark_drafter,
     make_drafter,
     make_reduced_vocab_drafter,
     make_target,
@@ -50,22 +52,24 @@ def online_lengths(target, drafter, records, block_size=None) -> list[list[int]]
 
 
 def overfit(drafter: DFlashDrafter, target: TargetModel, record: EvalRecord, steps: int = 40) -> DFlashDrafter:
-    """A few dozen Adam steps of hard CE on every anchor of one sequence: a drafter that accepts."""
+    """A few dozen Adam steps of hard CE on every anchor of one sequence, in the drafter's layout (a DSpark one:
+    every position, the Markov head frozen): a drafter that accepts."""
     b, p, m = drafter.config.block_size, len(record.prompt_ids), len(record.completion_ids)
+    first = drafter.config.first_draft_position
     target.set_context_layers(drafter.config.target_layer_ids)
     features = target.forward(torch.tensor([record.input_ids])).context_features  # [1, P + M, n * H]
     completion = torch.tensor(record.completion_ids + [0] * b)
     anchors = torch.arange(m - 1)
     block = torch.full((m - 1, b), drafter.config.mask_token_id)
     block[:, 0] = completion[anchors]
-    label_index = anchors[:, None] + torch.arange(1, b)[None]  # [K, B - 1]
+    label_index = anchors[:, None] + torch.arange(1, b + 1 - first)[None]  # [K, drafts]
     labels = torch.where(label_index < m, completion[label_index], -100)
     embeds = target.embed(block.reshape(1, -1))
-    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    opt = torch.optim.Adam([p for n, p in drafter.named_parameters() if not n.startswith("markov_head.")], lr=3e-3)
     drafter.train()
     for _ in range(steps):
         hidden = drafter(embeds, (p + anchors)[None], features, torch.arange(p + m)[None])
-        logits = drafter.logits(hidden.view(m - 1, b, -1)[:, 1:], target.lm_head)
+        logits = drafter.logits(hidden.view(m - 1, b, -1)[:, first:], target.lm_head)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         opt.zero_grad()
         loss.backward()
@@ -567,3 +571,57 @@ def test_stored_features_of_the_wrong_shape_are_refused():
     with pytest.raises(FlashdraftError, match=r"record r: stored context features have shape \[6, 64\]; "
                                               r"expected \[6, 128\]"):  # fmt: skip
         evaluate_offline(make_drafter(), target, [record])
+
+
+# -- DSpark -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dspark_setup():
+    target = make_target("hybrid")
+    records = greedy_records(target)
+    drafter = overfit(make_dspark_drafter(), target, records[0])
+    with torch.no_grad():  # a Markov bias near the logits' scale: it moves some drafts, not all
+        drafter.markov_head.markov_w2.weight.mul_(0.3)
+    return target, records, drafter
+
+
+@pytest.mark.parametrize("threshold", [None, 0.5], ids=["uncut", "confidence-0.5"])
+def test_offline_tau_equals_online_tau_for_a_dspark_drafter_walking_its_markov_head(dspark_setup, threshold):
+    target, records, drafter = dspark_setup
+    limit = DraftLimit(confidence_threshold=threshold) if threshold else None
+    offline = evaluate_offline(drafter, target, records, limit=limit)
+    online = []
+    for r in records:
+        out = speculative_generate(target, drafter, r.prompt_ids, len(r.completion_ids), limit=limit)
+        assert out.output_ids == r.completion_ids
+        online.append(out.acceptance_lengths)
+    assert [p.acceptance_lengths for p in offline.per_prompt] == online
+    assert offline.per_prompt[0].tau > (1.5 if threshold is None else 1.2)  # position 0 drafts: anchor-first
+
+
+def test_a_dspark_drafter_decoded_in_the_fill_in_layout_is_accepted_far_less_than_as_trained(dspark_setup):
+    target, records, drafter = dspark_setup
+    as_trained = evaluate_offline(drafter, target, records[:1]).tau
+    fill_in = DFlashDrafter(DrafterConfig.from_dict({**drafter.config.to_dict(), "architectures": ["DFlashDraftModel"]}
+                                                    | dict.fromkeys(["markov_rank", "enable_confidence_head",
+                                                                     "confidence_head_with_markov"], None)))
+    fill_in.load_state_dict({k: v for k, v in drafter.state_dict().items()
+                             if not k.startswith(("markov_head.", "confidence_head."))})  # fmt: skip
+    assert evaluate_offline(fill_in.eval(), target, records[:1]).tau < as_trained - 0.5
+
+
+def test_confidence_figures_compare_the_heads_estimates_with_observed_acceptance_and_price_each_cut(dspark_setup):
+    target, records, drafter = dspark_setup
+    walked = evaluate_offline(drafter, target, records)
+    figures = confidence_figures(drafter, target, records, walked, threshold=0.6)
+    reached = figures["positions_reached"]
+    assert reached[0] == walked.num_steps and reached == sorted(reached, reverse=True)  # position 0 every step
+    assert all(0 <= x <= 1 for x in figures["predicted"] + figures["observed"])
+    assert 0 <= figures["expected_calibration_error"] <= 1
+    assert [c["threshold"] for c in figures["cuts"]] == [0.3, 0.5, 0.6, 0.7, 0.9]
+    assert figures["uncut"]["drafts_verified_per_step"] <= 7
+    verified = [c["drafts_verified_per_step"] for c in figures["cuts"]]
+    assert verified == sorted(verified, reverse=True)  # a higher threshold verifies fewer drafts
+    cut = evaluate_offline(drafter, target, records, limit=DraftLimit(confidence_threshold=0.6))
+    assert figures["cuts"][2]["tau"] == cut.tau

@@ -3,7 +3,14 @@ import torch
 
 from flashdraft.config import LayerAttention
 from flashdraft.model import PAD_POSITION, attention_mask
-from tests.conftest import DFLASH2, make_dflash2_drafter, make_drafter, make_reduced_vocab_drafter
+from tests.conftest import (
+    DFLASH2,
+    DSPARK,
+    make_dflash2_drafter,
+    make_drafter,
+    make_dspark_drafter,
+    make_reduced_vocab_drafter,
+)
 
 H, CTX = 64, 128  # hidden size; 2 context layers * hidden
 
@@ -283,3 +290,88 @@ def test_dflash2_sampled_walk_draws_each_position_from_its_sparse_q_given_the_dr
         values, ids = unary[0, 1].topk(selector.top_k)
         scores = values + selector.pair_scores(selector.hidden_projection(hidden[0, 1]), drafts[0, 0], ids)
         torch.testing.assert_close(q[0, 1, ids], torch.softmax(scores / 0.7, -1))
+
+
+# -- DSpark -----------------------------------------------------------------------------------------
+
+
+def _dspark_block(drafter, seed=0):
+    """Base logits [2, 7, V] and hidden states [2, 7, H] of two DSpark blocks, and their anchors [2]."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks, anchors = torch.randn(1, 14, 64, generator=gen), torch.tensor([[5, 12]])
+    ctx, pos = torch.randn(1, 17, 128, generator=gen), torch.arange(17)[None]
+    with torch.no_grad():
+        hidden = drafter(blocks, anchors, ctx, pos).view(2, 7, -1)
+    base = (hidden @ torch.randn(64, drafter.config.vocab_size, generator=gen)).float()  # a stand-in LM head
+    return base, hidden, torch.tensor([3, 9])
+
+
+def test_dspark_greedy_walk_adds_to_each_position_the_markov_bias_of_the_draft_before_it():
+    drafter = make_dspark_drafter()
+    base, _, anchors = _dspark_block(drafter)
+    drafts, rows, previous = drafter.markov_walk(base, anchors)
+    w1, w2 = drafter.markov_head.markov_w1.weight.detach(), drafter.markov_head.markov_w2.weight.detach()
+    before = anchors
+    for t in range(7):  # a plain loop: position t's logits get W2 W1[draft t - 1], the anchor's at t = 0
+        logits = base[:, t] + w1[before] @ w2.T  # [2, V]
+        assert torch.equal(previous[:, t], before)
+        torch.testing.assert_close(rows[:, t], logits, rtol=1e-5, atol=1e-5)
+        before = logits.argmax(-1)
+        assert torch.equal(drafts[:, t], before)
+    assert not torch.equal(drafts, base.argmax(-1))  # the bias changes what is drafted
+
+
+def test_dspark_markov_bias_never_reads_a_later_position_changing_one_leaves_every_draft_before_it():
+    drafter = make_dspark_drafter()
+    base, _, anchors = _dspark_block(drafter)
+    drafts, rows, _ = drafter.markov_walk(base, anchors)
+    changed = base.clone()
+    changed[:, 4:] = torch.randn(changed[:, 4:].shape)
+    drafts2, rows2, _ = drafter.markov_walk(changed, anchors)
+    assert torch.equal(drafts2[:, :4], drafts[:, :4]) and torch.equal(rows2[:, :4], rows[:, :4])
+
+
+def test_dspark_sampled_walk_draws_each_position_from_the_q_it_returns_given_the_draft_sampled_before():
+    drafter = make_dspark_drafter()
+    base, _, anchors = _dspark_block(drafter)
+    drafts, q, previous = drafter.markov_walk(base, anchors, 1.5, torch.Generator().manual_seed(0))
+    assert torch.equal(previous[:, 1:], drafts[:, :-1]) and torch.equal(previous[:, 0], anchors)
+    with torch.no_grad():
+        expected = torch.softmax((base + drafter.markov_head.bias(previous)) / 1.5, -1)
+    torch.testing.assert_close(q, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_dspark_draft_topk_biases_only_the_base_top_k_and_never_drafts_another_token():
+    drafter = make_dspark_drafter(draft_top_k=3)
+    base, _, anchors = _dspark_block(drafter)
+    top = base.topk(3, dim=-1).indices
+    for temperature in (0.0, 1.0):
+        drafts, rows, _ = drafter.markov_walk(base, anchors, temperature, torch.Generator().manual_seed(1))
+        assert bool((drafts[..., None] == top).any(-1).all())
+        outside = torch.ones_like(rows, dtype=torch.bool).scatter(-1, top, False)
+        assert bool((rows[outside] == (float("-inf") if temperature == 0 else 0.0)).all())
+
+
+@pytest.mark.parametrize("with_markov", [True, False])
+def test_dspark_confidence_is_the_sigmoid_of_its_linear_head_over_hidden_and_markov_embedding(with_markov):
+    drafter = make_dspark_drafter(confidence_head_with_markov=with_markov)
+    _, hidden, _ = _dspark_block(drafter)
+    previous = torch.randint(0, drafter.config.vocab_size, (2, 7))
+    proj = drafter.confidence_head.proj
+    features = hidden
+    if with_markov:
+        features = torch.cat([hidden, drafter.markov_head.markov_w1.weight[previous]], -1)
+    with torch.no_grad():
+        expected = torch.sigmoid(features @ proj.weight[0] + proj.bias[0])
+        torch.testing.assert_close(drafter.confidence(hidden, previous), expected, rtol=1e-5, atol=1e-6)
+    assert proj.weight.shape == (1, 64 + (8 if with_markov else 0))
+
+
+def test_dspark_neutral_start_has_no_markov_bias_and_the_same_backbone_as_a_dflash_drafter_of_the_seed():
+    dspark, dflash = make_drafter(3, **DSPARK), make_drafter(3, block_size=7)
+    for name, p in dflash.state_dict().items():
+        assert torch.equal(dspark.state_dict()[name], p), name
+    assert not dspark.markov_head.markov_w2.weight.any() and dspark.markov_head.markov_w1.weight.std() > 0
+    base, hidden, anchors = _dspark_block(dspark)
+    assert torch.equal(dspark.markov_walk(base, anchors)[0], base.argmax(-1))
+    assert torch.equal(dspark.confidence(hidden, torch.zeros(2, 7, dtype=torch.long)), torch.full((2, 7), 0.5))

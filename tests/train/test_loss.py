@@ -12,8 +12,10 @@ from flashdraft.train.loss import (
     position_weights,
     recipe_decay_gamma,
     selector_loss,
+    target_distribution_terms,
 )
-from tests.conftest import make_dflash2_drafter
+from flashdraft.train.loss import DSparkLoss
+from tests.conftest import make_dflash2_drafter, make_dspark_drafter
 
 
 def test_decay_weights_are_exp_minus_k_minus_one_over_gamma_and_zero_at_anchor():
@@ -149,3 +151,66 @@ def test_block_loss_of_a_dflash2_drafter_adds_the_weighted_selector_loss_and_cou
     assert parts[1].weighted_sum.item() > plain.weighted_sum.item()
     assert parts[1].weight_total == plain.weight_total  # the normaliser is the backbone's, known from labels
     assert parts[1].top_k_hits[1:].sum() <= parts[1].count[1:].sum() and parts[1].selector_correct[0] == 0
+
+
+# -- DSpark -------------------------------------------------------------------------------------------
+
+
+def test_dspark_decay_is_exp_minus_k_over_4_from_block_position_0_and_the_normaliser_counts_it():
+    w = position_weights(7, recipe_decay_gamma(7, "dspark"), first_draft=0)
+    torch.testing.assert_close(w, torch.exp(-torch.arange(7.0) / 4))
+    labels = torch.tensor([[1, 2, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE]])
+    assert math.isclose(label_weight_total(labels, 7, 4.0, first_draft=0), 1 + math.exp(-0.25), rel_tol=1e-6)
+    acc, tau = estimated_acceptance(torch.tensor([2.0, 1.0, 0, 0, 0, 0, 0]), torch.tensor([2.0, 2, 1, 1, 1, 1, 1]),
+                                    first_draft=0)  # fmt: skip
+    assert acc[:2] == [1.0, 0.5] and tau == 2.5
+
+
+def test_dspark_predecessors_are_the_anchor_at_position_0_then_the_previous_label():
+    block_ids = torch.tensor([[5, 63, 63, 9, 63, 63]])
+    labels = torch.tensor([[1, 2, 3, 4, IGNORE, IGNORE]])
+    assert block_predecessors(block_ids, labels, 3, first_draft=0).tolist() == [[5, 1, 2, 9, 4, IGNORE]]
+
+
+def test_the_l1_distance_to_a_top_k_target_counts_the_draft_mass_outside_it_and_is_exact_with_the_whole_vocab():
+    gen = torch.Generator().manual_seed(0)
+    logits, target = torch.randn(5, 64, generator=gen), torch.randn(5, 64, generator=gen)
+    full = (torch.softmax(logits, -1) - torch.softmax(target, -1)).abs().sum(-1)
+    values, indices = target.topk(64, -1)
+    torch.testing.assert_close(target_distribution_terms(logits, (values, indices)), full)
+    values, indices = target.topk(4, -1)  # renormalised over 4: the rest of the draft's mass is distance
+    p_target = torch.zeros(5, 64).scatter(1, indices, torch.softmax(values, -1))
+    torch.testing.assert_close(target_distribution_terms(logits, (values, indices)),
+                               (torch.softmax(logits, -1) - p_target).abs().sum(-1))  # fmt: skip
+
+
+def test_dspark_block_loss_is_the_papers_weighted_ce_l1_and_confidence_bce_with_the_teacher_forced_markov_bias():
+    drafter = make_dspark_drafter(block_size=3)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 64, bias=False)
+    hidden = torch.randn(1, 6, 64)
+    block_ids = torch.tensor([[5, 63, 63, 9, 63, 63]])
+    labels = torch.tensor([[1, 2, 3, 4, IGNORE, IGNORE]])
+    topk = torch.randn(1, 6, 64).topk(64, -1)
+    topk = (topk.values, topk.indices)
+    terms = DSparkLoss(0.1, 0.9, 1.0)
+    parts = block_loss(hidden, labels, head, 3, 4.0, topk, first_draft=0, drafter=drafter, block_ids=block_ids,
+                       dspark=terms)  # fmt: skip
+    trained = labels[0] != IGNORE
+    predecessors = torch.tensor([5, 1, 2, 9])  # the anchor, then the true previous token: never a later one
+    with torch.no_grad():
+        logits = head(hidden[0, trained]) + drafter.markov_head.bias(predecessors)
+        p_target = torch.softmax(topk[0][0, trained], -1).gather(1, topk[1][0, trained].argsort(-1))
+        l1 = (torch.softmax(logits, -1) - p_target).abs().sum(-1)
+        accept = 1 - l1 / 2
+        c = drafter.confidence(hidden[0, trained], predecessors)
+        bce = -(accept * c.log() + (1 - accept) * (1 - c).log())
+        ce = torch.nn.functional.cross_entropy(logits, labels[0, trained], reduction="none")
+        w = torch.exp(-torch.tensor([0.0, 1, 2, 0]) / 4)
+        expected = (w * (0.1 * ce + 0.9 * l1 + bce)).sum()
+    torch.testing.assert_close(parts.weighted_sum.detach(), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(parts.accept_rate, torch.stack([accept[0] + accept[3], accept[1], accept[2]]))
+    torch.testing.assert_close(parts.confidence, torch.stack([c[0] + c[3], c[1], c[2]]))
+    parts.weighted_sum.backward()  # every head gets a gradient: the Markov head through CE and L1, the confidence
+    assert drafter.markov_head.markov_w2.weight.grad.abs().sum() > 0  # head through its BCE
+    assert drafter.confidence_head.proj.weight.grad.abs().sum() > 0
