@@ -151,8 +151,9 @@ def main() -> None:
         return
     prepare(work)
     if not (work / "cache-train-logits" / "manifest.json").exists():
-        flashdraft(["cache", *TINY, "--completions", str(work / "train.json"), "--out", str(work / "cache-train-logits"),
-                    "--layers", LAYERS, "--dtype", "fp32", "--with-target-logits", "64"])  # fmt: skip
+        flashdraft(["cache", *TINY, "--completions", str(work / "train.json"), "--out",
+                    str(work / "cache-train-logits"), "--layers", LAYERS, "--dtype", "fp32",
+                    "--with-target-logits", "64"])  # fmt: skip
     for init, (block, extra) in INITS.items():
         if not (work / init / "model.safetensors").exists():
             flashdraft(["init", *TINY, "--out", str(work / init), *init_args(block), *extra])

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
-from tests.conftest import make_dflash2_drafter, make_drafter, make_hf_model, make_tokenizer, run_cli
+from tests.conftest import make_dflash2_drafter, make_drafter, make_dspark_drafter, make_hf_model, make_tokenizer, run_cli
 
 
 def doctor(capsys, *argv) -> tuple[int, str, str]:
@@ -403,3 +403,35 @@ def test_serving_warns_of_a_field_only_one_server_reads_and_names_the_re_export_
     line = next(x for x in out.splitlines() if "server fields: use_gemma_norm" in x)
     assert line.startswith("warn") and "SGLang 0.5.23" in line and "re-export" in out
     assert "config.json sets use_gemma_norm = true" in out  # the plain description lists it too
+
+
+DSPARK_RULES = ["format: config.json architectures ['Qwen3DSparkModel'], model_type 'qwen3'",
+                "the Markov head's markov_head.markov_w1 / markov_w2.weight [64, 8] and confidence_head.proj",
+                "layout: anchor-first (DSpark)", "confidence head: enable_confidence_head true",
+                "adaptive verification: ", "Markov head: vanilla, rank 8", "vocabulary: the full target vocabulary",
+                "block size: block_size 7: vLLM 0.33.0 qwen3_dspark.py"]  # fmt: skip
+
+
+def test_serving_on_a_dspark_drafter_lists_each_dspark_rule_and_the_commands(files, tmp_path, capsys):
+    d = save_readable(make_dspark_drafter(), tmp_path / "d")
+    rc, out, err = doctor(capsys, d, "--serving", "--target-model", files["target"])
+    assert rc == 0 and not fail_lines(out), out
+    lines = rule_lines(out)
+    for rule in SERVING_RULES + DSPARK_RULES:
+        assert any(rule in line for line in lines), (rule, out)
+    assert "warn adaptive verification: the confidence head estimates each draft's acceptance" in out
+    assert "so N must be 7 (= block_size)" in out
+    spec = json.dumps({"method": "dspark", "model": str(d), "num_speculative_tokens": 7})
+    assert f"vLLM:   vllm serve {files['target']} --speculative-config '{spec}'" in out
+    assert f"SGLang: python -m sglang.launch_server --model-path {files['target']} --speculative-algorithm DSPARK " \
+           f"--speculative-draft-model-path {d} --speculative-dspark-block-size 7" in out  # fmt: skip
+
+
+def test_serving_fails_a_dspark_config_that_leaves_the_confidence_fields_to_the_servers_defaults(files, tmp_path,
+                                                                                                  capsys):  # fmt: skip
+    d = save_readable(make_dspark_drafter(confidence_head=False, confidence_head_with_markov=False), tmp_path / "d")
+    config = json.loads((d / "config.json").read_text())
+    del config["enable_confidence_head"], config["confidence_head_with_markov"]
+    (d / "config.json").write_text(json.dumps(config))
+    rc, out, _ = doctor(capsys, d, "--serving", "--target-model", files["target"])
+    assert rc == 1 and any("confidence head: enable_confidence_head null" in line for line in fail_lines(out)), out

@@ -243,3 +243,32 @@ def test_init_config_of_the_published_dflash2_drafter_round_trips_field_by_field
         if key != "dtype":
             assert written[key] == value, key
     assert load_drafter(tmp_path / "d").candidate_selector is not None
+
+
+# -- DSpark ---------------------------------------------------------------------------------------
+
+
+def test_init_family_dspark_takes_rank_256_a_confidence_head_with_markov_input_and_block_7_unless_given(
+    target_dir, tmp_path, capsys
+):
+    rc, out, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--family",
+                           "dspark", "--draft-layers", 1)  # fmt: skip
+    assert rc == 0, err
+    cfg = load_drafter(tmp_path / "d").config
+    assert (cfg.architecture, cfg.block_size, cfg.markov_rank, cfg.confidence_head, cfg.confidence_head_with_markov,
+            cfg.first_draft_position) == ("Qwen3DSparkModel", 7, 256, True, True, 0)  # fmt: skip
+    assert "layout: anchor-first (DSpark)" in out and "Markov head rank 256" in out
+    rc, _, err = init(capsys, target_dir, tmp_path / "e", "--family", "dspark", "--markov-rank", 16,
+                      "--confidence-head", "hidden")  # fmt: skip
+    assert rc == 0, err
+    cfg = load_drafter(tmp_path / "e").config
+    assert (cfg.block_size, cfg.markov_rank, cfg.confidence_head, cfg.confidence_head_with_markov) == (
+        4, 16, True, False)  # fmt: skip
+    assert init(capsys, target_dir, tmp_path / "f", "--family", "dspark", "--confidence-head", "none")[0] == 0
+    assert load_drafter(tmp_path / "f").confidence_head is None
+
+
+def test_a_dspark_setting_without_family_dspark_is_a_one_line_error(target_dir, tmp_path, capsys):
+    rc, _, err = init(capsys, target_dir, tmp_path / "d", "--markov-rank", 8)
+    assert "--markov-rank 8: a DSpark setting; give --family dspark" in one_line_error(rc, err)
+    assert not (tmp_path / "d").exists()

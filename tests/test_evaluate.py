@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 import flashdraft.acceptance as acceptance
+from flashdraft.acceptance import DraftLimit
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
 from flashdraft.config import DrafterConfig
@@ -16,7 +17,6 @@ from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
 from flashdraft.evaluate import records_from_prompts
 from flashdraft.model import DFlashDrafter
-from flashdraft.acceptance import DraftLimit
 from flashdraft.offline import confidence_figures, evaluate_offline, selector_figures
 from flashdraft.records import EvalRecord, FeatureSource
 from flashdraft.results import EvalResult, PromptResult, speedup_bound
@@ -25,8 +25,8 @@ from flashdraft.target import TargetModel
 from tests.conftest import (
     DFLASH2,
     make_dflash2_drafter,
-    make_dspark_drafter,
     make_drafter,
+    make_dspark_drafter,
     make_reduced_vocab_drafter,
     make_target,
     make_tokenizer,

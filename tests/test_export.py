@@ -9,7 +9,7 @@ from flashdraft.cli import main
 from flashdraft.errors import FlashdraftError
 from flashdraft.export import export_drafter
 from flashdraft.run_dir import save_checkpoint
-from tests.conftest import make_dflash2_drafter, make_drafter, make_target, save_target
+from tests.conftest import make_dflash2_drafter, make_drafter, make_dspark_drafter, make_target, save_target
 
 
 def write_form(form: str, tmp_path, drafter) -> str:
@@ -152,3 +152,19 @@ def test_export_cli_of_a_dflash2_drafter_prints_its_rules_and_the_readme_gives_i
     assert "--speculative-algorithm DFLASH \\\n" in readme and "--speculative-num-draft-tokens 8" in readme
     assert "on the\ndefault V1 runner the same checkpoint is drafted as plain DFlash" in readme
     assert "`num_speculative_tokens` must be 7" in readme
+
+
+def test_export_cli_of_a_dspark_drafter_prints_its_rules_and_the_readme_gives_its_commands(capsys, tmp_path):
+    target = save_target(tmp_path / "target", kind="qwen3")
+    src = save_drafter(make_dspark_drafter(), tmp_path / "src")
+    out_dir = tmp_path / "out"
+    assert main(["export", "--checkpoint", str(src), "--out", str(out_dir), "--target-model", str(target)]) == 0
+    out = capsys.readouterr().out
+    assert "ok   layout: anchor-first (DSpark)" in out and "FAIL" not in out
+    readme = (out_dir / "README.md").read_text()
+    assert readme.startswith("# DSpark drafter") and "block size 7 (7 drafted tokens per step)" in readme
+    spec = json.dumps({"method": "dspark", "model": str(out_dir), "num_speculative_tokens": 7})
+    assert f"vllm serve {target} --speculative-config '{spec}'" in readme
+    assert "--speculative-algorithm DSPARK" in readme and "--speculative-dspark-block-size 7" in readme
+    reloaded = load_drafter(out_dir)
+    assert reloaded.config.family == "dspark" and reloaded.confidence_head is not None

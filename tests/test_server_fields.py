@@ -202,3 +202,48 @@ def test_fields_set_lists_what_a_config_changes(setup):
     listed = {f.name: v for f, v in fields_set(d)}
     assert listed["use_gemma_norm"] is True and listed["partial_rotary_factor"] == 0.5
     assert "logit_scale" not in listed and value_of(d, "dflash_config.mask_token_id") is not None
+
+
+# DSpark's own fields, on a DSpark drafter: each changes its drafts or its confidence, offline == online holds
+DSPARK_COMPANIONS = {"enable_confidence_head": {"confidence_head_with_markov": False},
+                     "confidence_head_with_markov": {"enable_confidence_head": True}}  # fmt: skip
+
+
+@pytest.mark.parametrize("field", [f for f in SERVER_FIELDS if f.family == "dspark"], ids=lambda f: f.name)
+def test_an_honoured_dspark_field_changes_the_drafts_or_the_confidence_and_offline_equals_online(setup, field,
+                                                                                                 tmp_path):  # fmt: skip
+    from flashdraft.model import DFlashDrafter
+    from tests.conftest import make_dspark_drafter
+
+    target, _, records = setup
+    base = make_dspark_drafter(1, confidence_head=False, confidence_head_with_markov=False)
+    d = _with(base.config.to_dict(), field.name, field.example)
+    for name, value in DSPARK_COMPANIONS.get(field.name, {}).items():
+        d = _with(d, name, value)
+    cfg = DrafterConfig.from_dict(d, source="x/config.json")
+    fresh = make_dspark_drafter(2, **{k: getattr(cfg, k) for k in ("markov_rank", "confidence_head",
+                                                                    "confidence_head_with_markov", "draft_top_k")})
+    state = {k: base.state_dict()[k] if k in base.state_dict() and base.state_dict()[k].shape == v.shape else v
+             for k, v in fresh.state_dict().items()}  # fmt: skip
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(state)
+    drafter.eval()
+
+    def computed(m):
+        logits = _logits(m, target)[0, :7]  # the first block's base logits [7, V]
+        drafts, _, previous = m.markov_walk(logits[None], torch.tensor([3]))
+        if m.confidence_head is not None:
+            gen = torch.Generator().manual_seed(0)
+            hidden = torch.randn(7, 64, generator=gen)
+            return drafts, m.confidence(hidden, previous[0])
+        return drafts, None
+
+    with torch.no_grad():
+        (drafts, c), (base_drafts, _) = computed(drafter), computed(base)
+    assert c is not None or not torch.equal(drafts, base_drafts), field.name
+    offline = evaluate_offline(drafter, target, records)
+    assert [p.acceptance_lengths for p in offline.per_prompt] == online_lengths(target, drafter, records)
+    save_drafter(drafter, tmp_path)
+    reloaded = load_drafter(tmp_path).config
+    assert all(getattr(reloaded, k) == getattr(cfg, k) for k in ("markov_rank", "confidence_head",
+                                                                 "confidence_head_with_markov", "draft_top_k"))

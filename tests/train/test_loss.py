@@ -4,6 +4,7 @@ import torch
 
 from flashdraft.train.blocks import IGNORE
 from flashdraft.train.loss import (
+    DSparkLoss,
     block_loss,
     block_predecessors,
     dpace_weights,
@@ -14,7 +15,6 @@ from flashdraft.train.loss import (
     selector_loss,
     target_distribution_terms,
 )
-from flashdraft.train.loss import DSparkLoss
 from tests.conftest import make_dflash2_drafter, make_dspark_drafter
 
 

@@ -224,3 +224,46 @@ def test_a_dflash2_drafter_from_a_trained_dflash_one_drafts_exactly_as_it_at_ste
                      str(workdir / "cache"), "--json", str(out)]) == 0  # fmt: skip
         taus.append([p["acceptance_lengths"] for p in json.loads(out.read_text())["per_prompt"]])
     assert taus[0] == taus[1]
+
+
+def test_a_dspark_drafter_made_by_init_trains_offline_and_online_and_evaluates_offline_equal_online(
+    workdir, capsys
+):
+    target = str(workdir / "target")
+    init = workdir / "dspark-init"
+    assert main(["init", "--target-model", target, "--out", str(init), "--family", "dspark", "--markov-rank", "8",
+                 "--target-layer-ids", "0,2", "--block-size", "4"]) == 0  # fmt: skip
+    train = ["train", "--target-model", target, "--init", str(init), "--batch-size", "2", "--num-anchors", "8",
+             "--lr", "3e-3", "--epochs", "10", "--save-every", "2", "--log-every", "1"]  # fmt: skip
+    # the paper's loss needs the target's distribution: a cache without logits is refused, one with them trains
+    capsys.readouterr()
+    assert main([*train, "--cached-hidden-states", str(workdir / "cache"), "--out", str(workdir / "ds-none"),
+                 "--max-steps", "2"]) == 2  # fmt: skip
+    assert "holds no target logits; a DSpark drafter's loss needs" in capsys.readouterr().err
+    assert main(["cache", "--target-model", target, "--completions", str(workdir / "c.json"), "--out",
+                 str(workdir / "cache-logits"), "--layers", "0,2", "--dtype", "fp32",
+                 "--with-target-logits", "16"]) == 0  # fmt: skip
+    assert main([*train, "--cached-hidden-states", str(workdir / "cache-logits"), "--out", str(workdir / "ds"),
+                 "--max-steps", "4"]) == 0  # fmt: skip
+    trained = load_drafter(workdir / "ds/checkpoints/step-0000004/drafter")
+    assert trained.markov_head.markov_w2.weight.abs().sum() > 0  # the Markov head learned from its zero start
+    metrics = json.loads((workdir / "ds/metrics.jsonl").read_text().splitlines()[-1])
+    assert len(metrics["position_accuracy"]) == len(metrics["accept_rate"]) == len(metrics["confidence_mean"]) == 4
+    assert main([*train, "--completions", str(workdir / "c.json"), "--out", str(workdir / "ds-online"),
+                 "--max-steps", "2"]) == 0  # fmt: skip
+    assert "accept_rate" in json.loads((workdir / "ds-online/metrics.jsonl").read_text().splitlines()[-1])
+    capsys.readouterr()
+    report = workdir / "ds-eval.json"
+    assert main(["eval", "--checkpoint", str(workdir / "ds"), "--target-model", target, "--completions",
+                 str(workdir / "c.json"), "--online", "--check-consistency", "--confidence-threshold", "0.5",
+                 "--json", str(report)]) == 0  # fmt: skip
+    figures = json.loads(report.read_text())
+    assert figures["lossless"] is True and figures["consistency"]["identical"] is True
+    assert figures["confidence_threshold"] == 0.5 and len(figures["confidence"]["predicted"]) == 4
+    assert "confidence head (DSpark): predicted/observed acceptance" in capsys.readouterr().out
+    assert main(["eval", "--checkpoint", str(workdir / "ds"), "--target-model", target, "--completions",
+                 str(workdir / "c.json"), "--num-speculative-tokens", "2"]) == 2  # fmt: skip
+    assert "expected --block-size 2" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(workdir / "offline"), "--target-model", target, "--completions",
+                 str(workdir / "c.json"), "--confidence-threshold", "0.5"]) == 2  # fmt: skip
+    assert "has no confidence head" in capsys.readouterr().err
