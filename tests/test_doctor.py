@@ -13,7 +13,14 @@ from safetensors.torch import load_file, save_file
 
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
-from tests.conftest import make_dflash2_drafter, make_drafter, make_dspark_drafter, make_hf_model, make_tokenizer, run_cli
+from tests.conftest import (
+    make_dflash2_drafter,
+    make_drafter,
+    make_dspark_drafter,
+    make_hf_model,
+    make_tokenizer,
+    run_cli,
+)
 
 
 def doctor(capsys, *argv) -> tuple[int, str, str]:
