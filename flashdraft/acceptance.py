@@ -285,8 +285,8 @@ class DFlashProposer:
         if new_context is not None:
             new_context = new_context.to(next(self.drafter.parameters()).dtype)
         hidden = self.drafter(  # [1, K * B, H]
-            self.target.embed(blocks.reshape(1, -1)), torch.tensor([anchor_positions], device=device), new_context,
-            new_positions, cache=self.cache,
+            self.drafter.embed(blocks.reshape(1, -1), self.target), torch.tensor([anchor_positions], device=device),
+            new_context, new_positions, cache=self.cache,
         )  # fmt: skip
         first = self.drafter.config.first_draft_position
         k = self.limit.num_speculative_tokens if self.limit is not None else None

@@ -82,6 +82,18 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
 # EAGLE-3 drafters also ship t2d ([vocab] bool, target id -> in the draft vocabulary); vLLM skips it,
 # flashdraft checks it agrees with d2t and drops it.
 OPTIONAL_TENSORS = ("t2d",)
+# A full-vocabulary embedding and LM head of the drafter's own (DeepSpec saves frozen copies of the target's):
+# vLLM 0.33.0 uses them in place of the target's when present, so the drafter keeps them; SGLang 0.5.23's DSpark
+# skips them (`doctor --serving` compares them with the target's)
+OWN_VOCABULARY_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+
+
+def own_vocabulary_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, int]]:
+    """The optional own embedding and LM head a checkpoint may carry, with their shapes ({} with a reduced
+    vocabulary, whose lm_head is required and whose embedding is the target's)."""
+    if cfg.draft_vocab_size is not None:
+        return {}
+    return dict.fromkeys(OWN_VOCABULARY_TENSORS, (cfg.vocab_size, cfg.hidden_size))
 
 
 def check_vocabulary_map(cfg: DrafterConfig, state: dict[str, torch.Tensor], source: str) -> None:
@@ -195,8 +207,14 @@ def check_state_shapes(cfg: DrafterConfig, found: dict[str, tuple[int, ...]], so
             raise FlashdraftError(f"{source}: tensor '{key}' is missing; expected shape {list(shape)}{why}")
         if tuple(found[key]) != shape:
             raise FlashdraftError(f"{source}: tensor '{key}' has shape {list(found[key])}; expected {list(shape)}")
+    own = own_vocabulary_shapes(cfg)
     for key in found:
         if key in OPTIONAL_TENSORS and "d2t" in expected:
+            continue
+        if key in own:
+            if tuple(found[key]) != own[key]:
+                raise FlashdraftError(f"{source}: tensor '{key}' has shape {list(found[key])}; expected "
+                                      f"{list(own[key])} (the drafter's own full-vocabulary copy)")  # fmt: skip
             continue
         if key not in expected:
             raise FlashdraftError(
@@ -207,9 +225,6 @@ def check_state_shapes(cfg: DrafterConfig, found: dict[str, tuple[int, ...]], so
                 + (" (a DSpark tensor: config.json would say architectures [\"Qwen3DSparkModel\"], and "
                    "enable_confidence_head true for the confidence head)" if key.startswith(("markov_head.",
                    "confidence_head.")) else "")
-                + (" (the target's own embedding or LM head, which DeepSpec checkpoints copy: flashdraft drafters "
-                   "borrow the target's; remove it from the file if it equals the target's)"
-                   if key in ("embed_tokens.weight", "lm_head.weight") and cfg.draft_vocab_size is None else "")
             )
 
 
@@ -264,7 +279,8 @@ def _build(
     if "d2t" in state:
         state["d2t"] = state["d2t"].long()
     with torch.device("meta"):
-        model = DFlashDrafter(cfg)
+        model = DFlashDrafter(cfg, own_embedding="embed_tokens.weight" in state,
+                              own_lm_head="lm_head.weight" in state and cfg.draft_vocab_size is None)  # fmt: skip
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary_emb = type(model.rotary_emb)(model.rotary_emb.config)  # buffers were on meta
     return model.to(device=device, dtype=dtype).eval()

@@ -383,7 +383,10 @@ def is_family_parameter(name: str) -> bool:
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, own_embedding: bool = False, own_lm_head: bool = False) -> None:
+        """own_embedding / own_lm_head: the checkpoint carries `embed_tokens.weight` / `lm_head.weight` over the full
+        vocabulary (DeepSpec's frozen copies of the target's), which vLLM 0.33.0 then uses in place of the target's;
+        kept frozen, as DeepSpec trains them."""
         super().__init__()
         if not cfg.in_own_conventions:  # `checkpoint.fold_conventions` converts such weights on load
             raise ValueError("a drafter is built in flashdraft's conventions: fold gemma norms / GPT-J rotation first")
@@ -407,7 +410,11 @@ class DFlashDrafter(nn.Module):
                 self.confidence_head = ConfidenceHead(cfg.hidden_size, cfg.markov_rank, cfg.confidence_head_with_markov)
         # A reduced vocabulary (draft_vocab_size): an own LM head over draft ids, and d2t mapping
         # them to target ids (target id = i + d2t[i], the EAGLE-3 convention vLLM serves).
-        self.lm_head = None
+        self.lm_head = self.embed_tokens = None
+        if own_embedding:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size).requires_grad_(False)
+        if own_lm_head and cfg.draft_vocab_size is None:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).requires_grad_(False)
         if cfg.draft_vocab_size is not None:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
             if cfg.draft_vocab_size < cfg.vocab_size:
@@ -457,6 +464,10 @@ class DFlashDrafter(nn.Module):
                     conv.reset_identity()
         if self.candidate_selector is not None:
             self.candidate_selector.reset_neutral(generator)
+
+    def embed(self, token_ids: torch.Tensor, target) -> torch.Tensor:
+        """The block's input embeddings: its own embedding when the checkpoint has one, else the target's."""
+        return target.embed(token_ids) if self.embed_tokens is None else self.embed_tokens(token_ids)
 
     def markov_walk(
         self, base: torch.Tensor, anchors: torch.Tensor, temperature: float = 0.0,

@@ -145,7 +145,7 @@ def _causality_source(raw: dict[str, Any], cfg: DrafterConfig, layer_type: str) 
 def check_serving(path: Path, target, checks: Checks, target_name: str | None = None) -> None:
     """Every serving rule for the drafter directory `path` (with `target`, a TargetModel or
     TargetHead, the mask token against its tokenizer), then the command lines."""
-    from flashdraft.checkpoint import INDEX_NAME, expected_shapes, read_shapes, weight_files
+    from flashdraft.checkpoint import INDEX_NAME, expected_shapes, own_vocabulary_shapes, read_shapes, weight_files
     from flashdraft.model import is_dflash2_parameter
 
     checks.about(f"serving rules, read from {VLLM} (vllm/model_executor/models/qwen3_dflash.py, qwen3_dflash2.py, "
@@ -189,7 +189,9 @@ def check_serving(path: Path, target, checks: Checks, target_name: str | None = 
     problems = [f"'{k}' missing" for k in expected if k not in found]
     problems += [f"'{k}' {list(found[k])}, expected {list(v)}" for k, v in expected.items()
                  if k in found and tuple(found[k]) != v]  # fmt: skip
-    problems += [f"'{k}' unexpected" for k in found if k not in expected and not (k == "t2d" and "d2t" in expected)]
+    own = own_vocabulary_shapes(cfg)
+    problems += [f"'{k}' unexpected" for k in found if k not in expected and k not in own
+                 and not (k == "t2d" and "d2t" in expected)]  # fmt: skip
     if dspark:  # SGLang refuses a missing confidence tensor; vLLM drops the head without a word
         keys = (f"every public key with its shape, the Markov head's markov_head.markov_w1 / markov_w2.weight "
                 f"[{cfg.vocab_size}, {cfg.markov_rank}]" + (" and confidence_head.proj.weight / bias"
@@ -260,6 +262,13 @@ def check_serving(path: Path, target, checks: Checks, target_name: str | None = 
     _check_file_modes(path, [path / "config.json", *files, *index], checks)
     _check_server_fields(raw, checks)
 
+    carried = [k for k in own if k in found]
+    if carried:  # DeepSpec's frozen copies of the target's: identical serving only if they still are
+        checks.warn(f"own vocabulary tensors: {', '.join(carried)} [{cfg.vocab_size}, {cfg.hidden_size}]: {VLLM} "
+                    f"qwen3_dspark.py / qwen3_dflash.py use them in place of the target's (and flashdraft does); "
+                    f"{SGLANG} models/dspark.py skips them and uses the target's",
+                    "if they are the target's copies (DeepSpec freezes them so), both servers draft alike; if they "
+                    "were trained, serve the drafter with vLLM")  # fmt: skip
     # a reduced vocabulary with its own LM head: vLLM's convention, which SGLang's DFlash does not load
     if dspark:  # DrafterConfig refuses draft_vocab_size for DSpark: this always holds
         checks.ok(f"vocabulary: the full target vocabulary (no draft_vocab_size, no d2t): the Markov head's bias is "

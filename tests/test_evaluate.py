@@ -625,3 +625,26 @@ def test_confidence_figures_compare_the_heads_estimates_with_observed_acceptance
     assert verified == sorted(verified, reverse=True)  # a higher threshold verifies fewer drafts
     cut = evaluate_offline(drafter, target, records, limit=DraftLimit(confidence_threshold=0.6))
     assert figures["cuts"][2]["tau"] == cut.tau
+
+
+def test_a_deepspec_checkpoint_with_its_copies_of_the_targets_embedding_and_head_loads_and_drafts_the_same(
+    dspark_setup, tmp_path
+):
+    from safetensors.torch import load_file
+
+    target, records, drafter = dspark_setup
+    save_drafter(drafter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["dflash_config"]  # DeepSpec's dialect: target_layer_ids and mask_token_id at the top level
+    (tmp_path / "config.json").write_text(json.dumps(config | {"num_anchors": 512}))
+    state = load_file(tmp_path / "model.safetensors")
+    with torch.no_grad():  # DeepSpec's Qwen3DSparkModel saves frozen copies of the target's embedding and head
+        state["embed_tokens.weight"] = target.embed(torch.arange(target.vocab_size)).contiguous()
+        state["lm_head.weight"] = target.lm_head_weight.detach().clone()
+    save_file(state, tmp_path / "model.safetensors")
+    loaded = load_any_drafter(tmp_path, target).drafter
+    assert loaded.embed_tokens is not None and loaded.lm_head is not None
+    assert not any(p.requires_grad for p in [*loaded.embed_tokens.parameters(), *loaded.lm_head.parameters()])
+    same = [p.acceptance_lengths for p in evaluate_offline(drafter, target, records).per_prompt]
+    assert [p.acceptance_lengths for p in evaluate_offline(loaded, target, records).per_prompt] == same
+    assert online_lengths(target, loaded, records) == same

@@ -203,7 +203,7 @@ def forward_loss(
     )
     with autocast:
         with torch.no_grad():
-            block_embeds = target.embed(batch.block_ids)  # [N, K * B, H], frozen
+            block_embeds = unwrap(model).embed(batch.block_ids, target)  # [N, K * B, H], frozen
         hidden = model(block_embeds, batch.anchor_positions, batch.context_features.to(block_embeds.dtype),
                        batch.context_positions)  # fmt: skip
         drafter = unwrap(model)
