@@ -18,7 +18,7 @@ torch.set_num_threads(1)
 
 from flashdraft.distributed import init_distributed  # noqa: E402
 from flashdraft.train.loop import TrainConfig, train  # noqa: E402
-from tests.conftest import make_dflash2_drafter, make_drafter, make_target  # noqa: E402
+from tests.conftest import make_dflash2_drafter, make_drafter, make_dspark_drafter, make_target  # noqa: E402
 from tests.train.helpers import make_records  # noqa: E402
 
 
@@ -35,7 +35,8 @@ if __name__ == "__main__":
     steps = dict(max_steps=4, epochs=4, save_every=2) if mode else dict(max_steps=3, save_every=100)
     dist = init_distributed("cpu", collectives=True)
     target = make_target("hybrid")
-    records = make_records(target, n=8)
+    family = os.environ.get("DRAFTER_FAMILY", "dflash")
+    records = make_records(target, n=8, topk=16 if family == "dspark" else 0)  # DSpark's loss: the target's logits
     cfg = TrainConfig(batch_size=batch_size, grad_accum=grad_accum, lr=3e-3, num_anchors=6, log_every=1, fsdp=fsdp,
                       loss_weighting=weighting, optimizer=optimizer, **steps)  # fmt: skip
 
@@ -44,7 +45,7 @@ if __name__ == "__main__":
             raise Preempted
 
     try:
-        new_drafter = make_dflash2_drafter if os.environ.get("DRAFTER_FAMILY") == "dflash2" else make_drafter
+        new_drafter = {"dflash": make_drafter, "dflash2": make_dflash2_drafter, "dspark": make_dspark_drafter}[family]
         train(cfg, new_drafter(block_size=4), target, records, run_dir, resume=mode == "resume", dist=dist,
               on_step=preempt)  # fmt: skip
     except Preempted:

@@ -13,7 +13,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.run_dir import RunLock, complete_checkpoints, latest_checkpoint
 from flashdraft.train.data import OnlineRecords, make_batch
 from flashdraft.train.loop import TrainConfig, forward_loss, train
-from tests.conftest import MASK, make_dflash2_drafter, make_drafter, make_target
+from tests.conftest import MASK, make_dflash2_drafter, make_drafter, make_dspark_drafter, make_target
 from tests.train.helpers import make_records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,10 +57,18 @@ def test_training_forward_predicts_what_the_inference_path_predicts(target, reco
         torch.testing.assert_close(train_logits[0, j * 4 + 1 : j * 4 + 4], infer_logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["dflash", "dflash2"])
+@pytest.fixture(scope="module")
+def records_with_logits(target):
+    return make_records(target, n=8, topk=16)
+
+
+@pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(target, records, tmp_path, optimizer, family):
-    new_drafter = make_dflash2_drafter if family == "dflash2" else make_drafter
+def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(target, records, records_with_logits, tmp_path,
+                                                              optimizer, family):  # fmt: skip
+    new_drafter = {"dflash": make_drafter, "dflash2": make_dflash2_drafter, "dspark": make_dspark_drafter}[family]
+    if family == "dspark":  # the paper's loss: the target's distribution at every label
+        records = records_with_logits
     straight = train(_cfg(optimizer=optimizer), new_drafter(), target, records, tmp_path / "a")
 
     def crash(step):
@@ -197,19 +205,21 @@ def test_two_gloo_ranks_with_ddp_or_fsdp_train_what_one_rank_trains_within_round
     # AdamW normalises each element's step, so a last-bit gradient difference moves a weight by at most about
     # lr x (its relative change): measured up to 1.2e-6 (1 vs 2 ranks) and 9e-8 (DDP vs FSDP) after 3 steps of
     # lr 3e-3; a rank-local loss normaliser or an unaveraged gradient is off by about the update (~1e-3)
-    # a DFlash2 drafter (convolutions, selector loss) under FSDP2, as the D-PACE pair above
-    for name, (procs, batch, accum) in {"one-dflash2": ("1", "1", "4"), "fsdp-dflash2": ("2", "2", "1")}.items():
-        done = subprocess.run([*torchrun, "--nproc-per-node", procs, worker, str(tmp_path / name), batch, accum,
-                               "fsdp", "dpace"], env=env | {"DRAFTER_FAMILY": "dflash2"}, capture_output=True,
-                              text=True, timeout=240)  # fmt: skip
-        assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
-    # its random (as if trained) convolutions and selector magnify the last bits more: measured up to 0.2 % of
-    # each tensor's update (1.4e-5 of 6e-3); an unaveraged or rank-local gradient would be off by about all of it
-    one, fsdp = (load_drafter(latest_checkpoint(tmp_path / n) / "drafter").state_dict()
-                 for n in ("one-dflash2", "fsdp-dflash2"))  # fmt: skip
-    start = make_dflash2_drafter(block_size=4).state_dict()
-    for key, value in one.items():
-        assert float((fsdp[key] - value).abs().max()) < 0.02 * float((value - start[key]).abs().max()), key
+    # a DFlash2 drafter (convolutions, selector loss) and a DSpark one (Markov and confidence heads, the paper's
+    # loss) under FSDP2, as the D-PACE pair above
+    for family, new_drafter in (("dflash2", make_dflash2_drafter), ("dspark", make_dspark_drafter)):
+        pair = {f"one-{family}": ("1", "1", "4"), f"fsdp-{family}": ("2", "2", "1")}
+        for name, (procs, batch, accum) in pair.items():
+            done = subprocess.run([*torchrun, "--nproc-per-node", procs, worker, str(tmp_path / name), batch, accum,
+                                   "fsdp", "dpace"], env=env | {"DRAFTER_FAMILY": family}, capture_output=True,
+                                  text=True, timeout=240)  # fmt: skip
+            assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
+        # random (as if trained) family parts magnify the last bits more: measured up to 0.2 % of each tensor's
+        # update (1.4e-5 of 6e-3); an unaveraged or rank-local gradient would be off by about all of it
+        one, fsdp = (load_drafter(latest_checkpoint(tmp_path / n) / "drafter").state_dict() for n in pair)
+        start = new_drafter(block_size=4).state_dict()
+        for key, value in one.items():
+            assert float((fsdp[key] - value).abs().max()) < 0.02 * float((value - start[key]).abs().max()), key
     for one_name, name in (("one", "ddp"), ("one", "fsdp"), ("ddp", "fsdp"), ("one-dpace", "ddp-dpace")):
         one = load_drafter(latest_checkpoint(tmp_path / one_name) / "drafter")
         other = load_drafter(latest_checkpoint(tmp_path / name) / "drafter")
