@@ -102,10 +102,12 @@ class HybridProposer:
                 self._run_drafter(tokens, anchor_pos, block, device)
             self.choices["ngram_lookup"] += 1
             return self.ngram.one_hot(ngram_draft, device)
-        logits = self._run_drafter(tokens, anchor_pos, block, device)  # [B - 1, V]
+        logits = self._run_drafter(tokens, anchor_pos, block, device)  # [k, V]: B - 1 drafts, B anchor-first (DSpark)
         if match_length > 0:
-            probs = torch.softmax(logits.float(), dim=-1)
-            q_ngram = probs.gather(1, torch.tensor(ngram_draft, device=probs.device)[:, None])[:, 0]  # [B - 1]
+            # the drafter's rows at the n-gram's positions (it drafts B - 1; a DSpark drafter one more, or fewer cut)
+            probs = torch.softmax(logits[: len(ngram_draft)].float(), dim=-1)
+            ngram_draft = ngram_draft[: probs.shape[0]]
+            q_ngram = probs.gather(1, torch.tensor(ngram_draft, device=probs.device)[:, None])[:, 0]  # [k]
             if self.rule.prefers_ngram(q_ngram, probs.max(-1).values):
                 self.choices["ngram_by_confidence"] += 1
                 return self.ngram.one_hot(ngram_draft, device)

@@ -8,7 +8,14 @@ from flashdraft.checkpoint import save_drafter
 from flashdraft.decode import speculative_generate
 from flashdraft.hybrid import HybridDrafter, HybridProposer, HybridRule
 from flashdraft.ngram import NGramProposer
-from tests.conftest import make_dflash2_drafter, make_drafter, make_flat_target, make_target, run_cli
+from tests.conftest import (
+    make_dflash2_drafter,
+    make_drafter,
+    make_dspark_drafter,
+    make_flat_target,
+    make_target,
+    run_cli,
+)
 from tests.test_evaluate import overfit
 from tests.test_ngram import PROMPTS, greedy_records
 
@@ -30,8 +37,8 @@ def setup(request):
 def offline(target, hybrid, record):
     target.set_context_layers(hybrid.context_layer_ids)
     features = target.forward(torch.tensor([record.input_ids])).context_features[0]
-    return offline_acceptance_lengths(as_proposer(hybrid, target), record.prompt_ids, record.completion_ids, 8,
-                                      features)  # fmt: skip
+    return offline_acceptance_lengths(as_proposer(hybrid, target), record.prompt_ids, record.completion_ids,
+                                      hybrid.block_size, features)  # fmt: skip
 
 
 @pytest.mark.parametrize("rule", RULES, ids=str)
@@ -44,10 +51,14 @@ def test_hybrid_is_lossless_and_offline_equals_online_step_for_step(setup, rule)
         assert offline(target, hybrid, r) == online.acceptance_lengths
 
 
+@pytest.mark.parametrize("family", ["dflash2", "dspark"])
 @pytest.mark.parametrize("rule", [NEVER_NGRAM, HybridRule(2, 0.5)], ids=str)
-def test_hybrid_with_a_dflash2_drafter_is_lossless_and_offline_equals_online_step_for_step(setup, rule):
+def test_hybrid_with_a_dflash2_or_dspark_drafter_is_lossless_and_offline_equals_online_step_for_step(
+    setup, rule, family
+):
     target, records, _ = setup
-    hybrid = HybridDrafter(overfit(make_dflash2_drafter(), target, records[0]), NGramProposer(target.vocab_size),
+    new_drafter = make_dflash2_drafter if family == "dflash2" else make_dspark_drafter
+    hybrid = HybridDrafter(overfit(new_drafter(), target, records[0]), NGramProposer(target.vocab_size),
                            rule)  # fmt: skip
     for r in records:
         online = speculative_generate(target, hybrid, r.prompt_ids, len(r.completion_ids))
