@@ -213,7 +213,7 @@ def test_dflash2_fields_and_block_size_are_read_from_the_top_level_too_and_a_con
         ({"dflash_config": PUBLIC_QWEN38_DFLASH2_CONFIG["dflash_config"] | {"selector_top_k": 0}},
          "dflash_config.selector_top_k"),
         ({"draft_vocab_size": 32000}, "draft_vocab_size"),
-        ({"architectures": ["DSparkDraftModel"]}, "architectures"),
+        ({"architectures": ["LlamaForCausalLMEagle3"]}, "architectures"),
     ],
 )  # fmt: skip
 def test_a_dflash2_config_without_its_fields_or_with_bad_ones_is_refused_by_name(change, name):
