@@ -196,3 +196,48 @@ def test_dspark_sampling_keeps_the_target_law_of_a_token_drafted_after_a_sampled
     expected = torch.cat([law[top], (1 - law[top].sum()).unsqueeze(0)]) * n
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     assert chi2 < 26.1, (observed, expected)  # 8 degrees of freedom, p = 0.001
+
+
+def _deepspec_reference_loop(target, drafter, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """DeepSpec's evaluator (`deepspec/eval/dspark/evaluator.py`, `draft_ops.build_dspark_proposal`) as a plain
+    loop, everything recomputed each step (no caches): the block [anchor, mask x (B - 1)] at positions anchor..,
+    context = the target's features of every token before the anchor; the drafts sampled left to right from
+    lm_head(h_k) + W2 W1[previous] (the anchor first); the target verifies [anchor, drafts] greedily."""
+    cfg = drafter.config
+    target.set_context_layers(cfg.target_layer_ids)
+    with torch.no_grad():
+        out = [int(target.forward(torch.tensor([prompt])).logits[0, -1].argmax())]
+        lengths = []
+        while len(out) < max_new_tokens:
+            tokens = prompt + out
+            anchor = len(tokens) - 1
+            features = target.forward(torch.tensor([tokens[:-1]])).context_features  # [1, anchor, n * H]
+            block = torch.full((1, cfg.block_size), cfg.mask_token_id)
+            block[0, 0] = tokens[-1]
+            hidden = drafter(target.embed(block), torch.tensor([[anchor]]), features, torch.arange(anchor)[None])
+            base = target.lm_head(hidden[0])  # [B, V]: every position drafts (anchor-first)
+            drafts, previous = [], tokens[-1]
+            for k in range(cfg.block_size):
+                previous = int((base[k] + drafter.markov_head.bias(torch.tensor(previous))).argmax())
+                drafts.append(previous)
+            verify = target.forward(torch.tensor([tokens + drafts])).logits[0, anchor:].argmax(-1).tolist()
+            a = 0
+            while a < len(drafts) and drafts[a] == verify[a]:
+                a += 1
+            committed = (drafts[:a] + [verify[a]])[: max_new_tokens - len(out)]
+            out += committed
+            lengths.append(len(committed))
+    return out, lengths
+
+
+def test_dspark_decoding_equals_deepspecs_evaluator_loop_step_for_step(any_target):
+    from tests.test_evaluate import greedy_records, overfit
+
+    record = greedy_records(any_target, 30)[0]
+    drafter = overfit(make_dspark_drafter(), any_target, record)
+    with torch.no_grad():
+        drafter.markov_head.markov_w2.weight.mul_(0.3)  # a bias that moves some drafts, not all
+    reference, lengths = _deepspec_reference_loop(any_target, drafter, record.prompt_ids, 30)
+    spec = speculative_generate(any_target, drafter, record.prompt_ids, 30)
+    assert spec.output_ids == reference and spec.acceptance_lengths == lengths
+    assert max(lengths) > 2  # drafts past the first were accepted: the walk was exercised
