@@ -13,7 +13,8 @@ flashdraft's default recipe (D-PACE + Muon), batch 8, 16 anchors, lr 6e-3. Runs,
 - `dflash` (B = 8), `dflash2` (B = 8, selector loss 0.3), `dspark` (B = 7, the paper's loss: 0.1 CE + 0.9 L1
   + 1.0 confidence BCE, decay gamma 4 where decay applies);
 - `dspark-ce`: the DSpark drafter on hard CE alone (what the distribution terms add);
-- `dflash-b16`: flashdraft's default DFlash block, for scale.
+- `dflash-b16`: flashdraft's default DFlash block, for scale;
+- `dspark-decay`: the paper's position decay exp(-k / 4) in place of D-PACE.
 `--lanes 2` trains two runs at a time (one thread each). Every stage resumes: outputs that exist are reused.
 `--step-cost` times one drafting step (drafter forward + LM head + the family's walk) of the trained
 `dflash`, `dflash2` and `dspark` drafters, interleaved, after a 200-token context.
@@ -48,6 +49,7 @@ RUNS = {  # name: (init, cache, extra train flags)
     "dspark-ce": ("init-dspark-b7", "cache-train", ["--dspark-ce-weight", "1", "--dspark-tv-weight", "0",
                                                     "--confidence-loss-weight", "0"]),
     "dflash-b16": ("init-dflash-b16", "cache-train", []),
+    "dspark-decay": ("init-dspark-b7", "cache-train-logits", ["--loss-weighting", "decay"]),
 }
 
 
@@ -163,7 +165,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     by = {r["run"]: r for r in rows}
     ratios = {f"{a} / {b}": (a, b) for a, b in [("dspark", "dflash"), ("dspark", "dflash2"), ("dflash2", "dflash"),
-                                                ("dspark", "dspark-ce")] if a in by and b in by}  # fmt: skip
+                                                ("dspark", "dspark-ce"), ("dspark-decay", "dspark")]
+              if a in by and b in by}  # fmt: skip
     summary = {"machine": platform.machine(), "threads": 1, "lanes": args.lanes, "steps": args.steps,
                "ratios": {label: {s: round(by[a][f"tau_{s}"] / by[b][f"tau_{s}"], 4) for s in HELD_OUT}
                           for label, (a, b) in ratios.items()}}  # fmt: skip
