@@ -88,9 +88,13 @@ def test_missing_tensor_is_named(tmp_path):
 
 def test_unexpected_tensor_is_named(tmp_path):
     drafter = make_drafter()
-    state = drafter.state_dict() | {"embed_tokens.weight": torch.zeros(64, 64)}
+    state = drafter.state_dict() | {"layers.2.mlp.up_proj.weight": torch.zeros(128, 64)}
     _write(tmp_path, state, drafter.config.to_dict())
-    with pytest.raises(FlashdraftError, match="unexpected tensor 'embed_tokens.weight'"):
+    with pytest.raises(FlashdraftError, match="unexpected tensor 'layers.2.mlp.up_proj.weight'"):
+        load_drafter(tmp_path)
+    # an own embedding is read only over the full vocabulary (DeepSpec's copy of the target's)
+    _write(tmp_path, drafter.state_dict() | {"embed_tokens.weight": torch.zeros(32, 64)}, drafter.config.to_dict())
+    with pytest.raises(FlashdraftError, match=r"'embed_tokens.weight' has shape \[32, 64\]; expected \[64, 64\]"):
         load_drafter(tmp_path)
 
 
