@@ -116,8 +116,8 @@ def _truncate(d: Path) -> None:
 DRAFTER_DAMAGE = {
     "missing tensor": (_state_edit(lambda s: s.pop("layers.1.mlp.up_proj.weight")),
                        "tensor 'layers.1.mlp.up_proj.weight' is missing; expected shape [128, 64]"),
-    "unexpected tensor": (_state_edit(lambda s: s.update({"embed_tokens.weight": torch.zeros(64, 64)})),
-                          "unexpected tensor 'embed_tokens.weight' with shape [64, 64]"),
+    "unexpected tensor": (_state_edit(lambda s: s.update({"layers.2.mlp.up_proj.weight": torch.zeros(128, 64)})),
+                          "unexpected tensor 'layers.2.mlp.up_proj.weight' with shape [128, 64]"),
     "mis-shaped tensor": (_state_edit(lambda s: s.update({"layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)})),
                           "tensor 'layers.0.self_attn.k_proj.weight' has shape [64, 64]; expected [32, 64]"),
     "fc not a multiple of hidden": (_state_edit(lambda s: s.update({"fc.weight": torch.zeros(64, 100)})),
