@@ -25,7 +25,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.hybrid import HybridDrafter, HybridRule
 from flashdraft.model import DFlashDrafter
 from flashdraft.ngram import NGramProposer
-from flashdraft.offline import confidence_figures, drafter_shape, evaluate_offline, selector_figures
+from flashdraft.offline import confidence_figures, drafter_shape, drafts_of, evaluate_offline, selector_figures
 from flashdraft.records import EvalRecord, FeatureSource, Log, fit_prompts, invalid_reason, load_eval_records
 from flashdraft.results import EvalResult, PromptResult, difference, first_difference, speedup_bound
 from flashdraft.run_dir import LoadedDrafter, load_any_drafter
@@ -139,6 +139,7 @@ def evaluate_online(
         greedy_tokens_per_s=greedy_tokens / greedy_seconds if greedy_seconds > 0 else None,
         draft_ms=1000 * draft_s / steps, verify_ms=1000 * verify_s / steps, greedy_step_ms=1000 * greedy_step,
         speedup_bound=speedup_bound(tau_of(all_lengths), greedy_step, draft_s / steps, verify_s / steps),
+        drafts_per_block=drafts_of(drafter, b),
     )  # fmt: skip
 
 

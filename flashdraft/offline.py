@@ -33,6 +33,13 @@ def drafter_shape(
     return block_size, ids, len(ids) or None
 
 
+def drafts_of(drafter: DFlashDrafter | ProposerFactory | Proposer, block_size: int) -> int:
+    """Drafts a block of `block_size` verifies at most: one fewer (fill-in), all of them (a DSpark drafter)."""
+    inner = getattr(drafter, "drafter", drafter)  # the hybrid's DFlash drafter
+    first = inner.config.first_draft_position if isinstance(inner, DFlashDrafter) else 1
+    return block_size - first
+
+
 @torch.no_grad()
 def evaluate_offline(
     drafter: DFlashDrafter | ProposerFactory | Proposer,
@@ -56,7 +63,7 @@ def evaluate_offline(
         lengths = offline_acceptance_lengths(proposer, record.prompt_ids, record.completion_ids, b, f, max_blocks,
                                              target.device)  # fmt: skip
         per_prompt.append(PromptResult(record.id, lengths))
-    return EvalResult("offline", b, layer_ids, context_layers, per_prompt)
+    return EvalResult("offline", b, layer_ids, context_layers, per_prompt, drafts_per_block=drafts_of(drafter, b))
 
 
 @torch.no_grad()

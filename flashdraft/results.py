@@ -50,6 +50,12 @@ class EvalResult:
     verify_ms: float | None = None
     greedy_step_ms: float | None = None
     speedup_bound: float | None = None  # `speedup_bound` of these and the τ of every step
+    # drafts a step can verify: block_size - 1 (fill-in), block_size (anchor-first, DSpark); None: block_size - 1
+    drafts_per_block: int | None = None
+
+    @property
+    def max_drafts(self) -> int:
+        return self.block_size - 1 if self.drafts_per_block is None else self.drafts_per_block
 
     @property
     def lengths(self) -> list[int]:
@@ -70,8 +76,8 @@ class EvalResult:
 
     @property
     def histogram(self) -> list[int]:
-        """counts[n - 1] = steps that committed n tokens, n = 1..B."""
-        counts = [0] * self.block_size
+        """counts[n - 1] = steps that committed n tokens, n = 1 .. drafts + 1 (B, or B + 1 anchor-first)."""
+        counts = [0] * (self.max_drafts + 1)
         for n in self.lengths:
             counts[n - 1] += 1
         return counts
@@ -80,7 +86,7 @@ class EvalResult:
     def position_acceptance(self) -> list[float]:
         """[k - 1] = share of steps whose k-th draft was accepted, k = 1..B-1."""
         steps = max(self.num_steps, 1)
-        return [sum(n > k for n in self.lengths) / steps for k in range(1, self.block_size)]
+        return [sum(n > k for n in self.lengths) / steps for k in range(1, self.max_drafts + 1)]
 
     @property
     def lossless(self) -> bool | None:

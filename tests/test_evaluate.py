@@ -598,6 +598,8 @@ def test_offline_tau_equals_online_tau_for_a_dspark_drafter_walking_its_markov_h
         online.append(out.acceptance_lengths)
     assert [p.acceptance_lengths for p in offline.per_prompt] == online
     assert offline.per_prompt[0].tau > (1.5 if threshold is None else 1.2)  # position 0 drafts: anchor-first
+    figures = offline.to_json()  # a step commits up to B + 1 tokens: all 7 drafts and the bonus
+    assert len(figures["histogram"]) == 8 and len(figures["position_acceptance"]) == 7
 
 
 def test_a_dspark_drafter_decoded_in_the_fill_in_layout_is_accepted_far_less_than_as_trained(dspark_setup):
