@@ -85,25 +85,14 @@ def selector_figures(
     unary = evaluate_offline(drafter, target, records, features, b, max_blocks, use_selector=False)
     top_k, hits, verified = drafter.candidate_selector.top_k, 0, 0
     for record, walk in zip(records, walked.per_prompt, strict=True):
-        p, completion = len(record.prompt_ids), record.completion_ids
         f = features(record, drafter.config.target_layer_ids)
-        steps, i = [], 0  # (anchor index, committed) of each step of the walk
-        for n in walk.acceptance_lengths:
-            steps.append((i, n))
-            i += n
-        proposer = as_proposer(drafter, target, use_selector=False)
-        per_call, fed = proposer.anchors_per_call(b), 0
-        for start in range(0, len(steps), per_call):
-            chunk = steps[start : start + per_call]
-            end = p + chunk[-1][0]  # context strictly before the chunk's last anchor
-            logits = proposer.propose_anchors([completion[a] for a, _ in chunk], [p + a for a, _ in chunk],
-                                              f[None, fed:end], torch.arange(fed, end)[None], b)  # fmt: skip
-            fed = end
-            for (a, n), rows in zip(chunk, logits, strict=True):
-                candidates = rows.topk(top_k, dim=-1).indices  # [B - 1, K]
-                for j in range(min(n, b - 1)):
-                    verified += 1
-                    hits += bool((candidates[j] == completion[a + 1 + j]).any())
+        steps = walked_steps(walk.acceptance_lengths)
+        unary_rows = _rows_at_steps(drafter, target, record, f, steps, b, use_selector=False)
+        for (a, n), (rows, _) in zip(steps, unary_rows, strict=True):
+            candidates = rows.topk(top_k, dim=-1).indices  # [B - 1, K]
+            for j in range(min(n, b - 1)):
+                verified += 1
+                hits += bool((candidates[j] == record.completion_ids[a + 1 + j]).any())
     return {"top_k": top_k, "tau": walked.tau, "unary_tau": unary.tau, "gain": walked.tau / unary.tau if unary.tau
             else None, "top_k_coverage": hits / verified if verified else None, "verified_positions": verified,
             "unary_per_prompt": [p.acceptance_lengths for p in unary.per_prompt]}  # fmt: skip
@@ -119,11 +108,13 @@ def walked_steps(lengths: list[int]) -> list[tuple[int, int]]:
 
 
 def _rows_at_steps(drafter: DFlashDrafter, target: TargetModel, record: EvalRecord, features: torch.Tensor,
-                   steps: list[tuple[int, int]], limit: DraftLimit | None = None):  # fmt: skip
+                   steps: list[tuple[int, int]], block: int, limit: DraftLimit | None = None,
+                   use_selector: bool = True):  # fmt: skip
     """What a fresh proposer drafts at each step's anchor: (its rows [k, V], the greedy walk's confidence [k] or
-    None) per step, the anchors drafted in chunks as the offline walk drafts them."""
-    p, completion, b = len(record.prompt_ids), record.completion_ids, drafter.config.block_size
-    proposer = as_proposer(drafter, target, limit)
+    None) per step, the anchors drafted in chunks as the offline walk drafts them (`use_selector` as in
+    `as_proposer`)."""
+    p, completion, b = len(record.prompt_ids), record.completion_ids, block
+    proposer = as_proposer(drafter, target, limit, use_selector)
     inner = getattr(proposer, "inner", proposer)  # the DFlash proposer under a limit's wrapper
     per_call, fed, out = inner.anchors_per_call(b), 0, []
     for start in range(0, len(steps), per_call):
@@ -153,14 +144,15 @@ def confidence_figures(
     `threshold`, the τ of cutting each block before its first draft with c under it (the servers' adaptive
     verification) and its cost: the drafts verified per step, against the uncut block's."""
     features = features or FeatureSource(target)
-    k_max = drafter.config.drafts_per_block
+    k_max = drafts_of(drafter, walked.block_size)
     predicted, observed, reached = torch.zeros(k_max), torch.zeros(k_max), torch.zeros(k_max)
     pairs: list[tuple[float, bool]] = []
     verified_full = 0
     for record, walk in zip(records, walked.per_prompt, strict=True):
         f = features(record, drafter.config.target_layer_ids)
         steps = walked_steps(walk.acceptance_lengths)
-        for (i, _), (rows, confidence) in zip(steps, _rows_at_steps(drafter, target, record, f, steps), strict=True):
+        rows_at = _rows_at_steps(drafter, target, record, f, steps, walked.block_size)
+        for (i, _), (rows, confidence) in zip(steps, rows_at, strict=True):
             drafts, left = rows.argmax(-1).tolist(), len(record.completion_ids) - 1 - i
             verified_full += min(len(drafts), left)
             for j in range(min(len(drafts), left)):
@@ -188,7 +180,8 @@ def confidence_figures(
         for record, walk in zip(records, cut.per_prompt, strict=True):
             f = features(record, drafter.config.target_layer_ids)
             steps = walked_steps(walk.acceptance_lengths)
-            for (i, _), (rows, _) in zip(steps, _rows_at_steps(drafter, target, record, f, steps, limit), strict=True):
+            rows_at = _rows_at_steps(drafter, target, record, f, steps, walked.block_size, limit)
+            for (i, _), (rows, _) in zip(steps, rows_at, strict=True):
                 verified += min(rows.shape[0], len(record.completion_ids) - 1 - i)
         cuts.append({"threshold": t, "tau": cut.tau, "steps": cut.num_steps,
                      "drafts_verified_per_step": verified / max(cut.num_steps, 1)})  # fmt: skip
