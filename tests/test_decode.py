@@ -128,54 +128,10 @@ def test_greedy_speculative_with_a_dflash2_drafter_equals_greedy(any_target, lim
     assert sum(spec.acceptance_lengths) == len(spec.output_ids) - 1
 
 
-def test_dflash2_sampling_keeps_the_target_law_of_a_token_drafted_after_a_sampled_predecessor():
-    # the third generated token: with block 4 and the first draft accepted it is the walk's second draft,
-    # drawn from the selector's q given the sampled first draft; its law must be the target's exactly
-    target = make_flat_target("qwen3")
+def _assert_the_third_token_keeps_the_target_law(target, drafter, limit: DraftLimit | None = None) -> None:
+    """Sampled at T = 1 from 600 seeds, the third generated token has the target's law (chi2 over its top 8 and the
+    rest), and the drafter's second draft was verified often enough to matter."""
     model = target.model
-    drafter = make_dflash2_drafter(block_size=4, selector_top_k=16)  # q is zero on 48 of the 64 tokens
-    with torch.no_grad():  # pair scores near the flat target's scale, so drafts are accepted often
-        drafter.candidate_selector.hidden_projection.weight.mul_(0.3)
-    prompt = PROMPT[:5]
-    with torch.no_grad():
-        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)  # [64]
-        two = torch.tensor([prompt + [t] for t in range(64)])
-        p2 = torch.softmax(model(two).logits[:, -1], -1)  # [64 (t1), 64 (t2)]
-        three = torch.tensor([prompt + [t1, t2] for t1 in range(64) for t2 in range(64)])
-        p3 = torch.softmax(model(three).logits[:, -1], -1).view(64, 64, 64)
-        law = torch.einsum("a,ab,abc->c", p1, p2, p3)
-    gen = torch.Generator().manual_seed(0)
-    n, counts, accepted_twice = 600, torch.zeros(64), 0
-    for _ in range(n):
-        out = speculative_generate(target, drafter, prompt, 3, temperature=1.0, generator=gen)
-        counts[out.output_ids[2]] += 1
-        accepted_twice += out.acceptance_lengths[0] >= 2
-    assert accepted_twice > 60  # the walk's second draft was verified often enough to matter
-    top = torch.topk(law, 8).indices
-    observed = torch.cat([counts[top], (n - counts[top].sum()).unsqueeze(0)])
-    expected = torch.cat([law[top], (1 - law[top].sum()).unsqueeze(0)]) * n
-    chi2 = float(((observed - expected) ** 2 / expected).sum())
-    assert chi2 < 26.1, (observed, expected)  # 8 degrees of freedom, p = 0.001
-
-
-@pytest.mark.parametrize("limit", [None, DraftLimit(confidence_threshold=0.5)], ids=str)
-def test_greedy_speculative_with_a_dspark_drafter_equals_greedy(any_target, limit):
-    drafter = make_dspark_drafter()
-    plain = autoregressive_generate(any_target, PROMPT, 30)
-    spec = speculative_generate(any_target, drafter, PROMPT, 30, limit=limit)
-    assert spec.output_ids == plain.output_ids
-    assert sum(spec.acceptance_lengths) == len(spec.output_ids) - 1
-
-
-@pytest.mark.parametrize("limit", [None, DraftLimit(confidence_threshold=0.5)], ids=["uncut", "confidence-cut"])
-def test_dspark_sampling_keeps_the_target_law_of_a_token_drafted_after_a_sampled_predecessor(limit):
-    # the third generated token: with the first draft accepted it is the Markov walk's second draft, drawn from
-    # q given the sampled first draft (and, cut, verified only when the sampled walk's confidence allows)
-    target = make_flat_target("qwen3")
-    model = target.model
-    drafter = make_dspark_drafter(block_size=3)
-    with torch.no_grad():  # a Markov bias near the flat target's scale, so drafts are accepted often
-        drafter.markov_head.markov_w2.weight.mul_(0.5)
     prompt = PROMPT[:5]
     with torch.no_grad():
         p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)  # [64]
@@ -196,6 +152,36 @@ def test_dspark_sampling_keeps_the_target_law_of_a_token_drafted_after_a_sampled
     expected = torch.cat([law[top], (1 - law[top].sum()).unsqueeze(0)]) * n
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     assert chi2 < 26.1, (observed, expected)  # 8 degrees of freedom, p = 0.001
+
+
+def test_dflash2_sampling_keeps_the_target_law_of_a_token_drafted_after_a_sampled_predecessor():
+    # the third generated token: with block 4 and the first draft accepted it is the walk's second draft,
+    # drawn from the selector's q given the sampled first draft; its law must be the target's exactly
+    target = make_flat_target("qwen3")
+    drafter = make_dflash2_drafter(block_size=4, selector_top_k=16)  # q is zero on 48 of the 64 tokens
+    with torch.no_grad():  # pair scores near the flat target's scale, so drafts are accepted often
+        drafter.candidate_selector.hidden_projection.weight.mul_(0.3)
+    _assert_the_third_token_keeps_the_target_law(target, drafter)
+
+
+@pytest.mark.parametrize("limit", [None, DraftLimit(confidence_threshold=0.5)], ids=str)
+def test_greedy_speculative_with_a_dspark_drafter_equals_greedy(any_target, limit):
+    drafter = make_dspark_drafter()
+    plain = autoregressive_generate(any_target, PROMPT, 30)
+    spec = speculative_generate(any_target, drafter, PROMPT, 30, limit=limit)
+    assert spec.output_ids == plain.output_ids
+    assert sum(spec.acceptance_lengths) == len(spec.output_ids) - 1
+
+
+@pytest.mark.parametrize("limit", [None, DraftLimit(confidence_threshold=0.5)], ids=["uncut", "confidence-cut"])
+def test_dspark_sampling_keeps_the_target_law_of_a_token_drafted_after_a_sampled_predecessor(limit):
+    # the third generated token: with the first draft accepted it is the Markov walk's second draft, drawn from
+    # q given the sampled first draft (and, cut, verified only when the sampled walk's confidence allows)
+    target = make_flat_target("qwen3")
+    drafter = make_dspark_drafter(block_size=3)
+    with torch.no_grad():  # a Markov bias near the flat target's scale, so drafts are accepted often
+        drafter.markov_head.markov_w2.weight.mul_(0.5)
+    _assert_the_third_token_keeps_the_target_law(target, drafter, limit)
 
 
 def _deepspec_reference_loop(target, drafter, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[int]]:
