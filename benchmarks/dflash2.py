@@ -28,13 +28,10 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from recipe import BASE_TRAIN_ARGS, HELD_OUT, INIT_ARGS, flashdraft, prepare
+from recipe import BASE_TRAIN_ARGS, HELD_OUT, INIT_ARGS, drafting_step_ms, flashdraft, prepare, run_lanes
 
 TINY = ["--target-model", "tiny"]
 RECIPE = ["--num-anchors", "16"]  # flashdraft's defaults otherwise: D-PACE + Muon
@@ -65,25 +62,6 @@ def train_command(work: Path, name: str, steps: int) -> list[str]:
             "--max-steps", str(steps), *extra, "--resume"]  # fmt: skip
 
 
-def run_lanes(work: Path, names: list[str], steps: int, lanes: int) -> None:
-    """Train `names`, `lanes` at a time, each logging to WORK/train-NAME.log."""
-    pending, running = list(names), []
-    while pending or running:
-        while pending and len(running) < lanes:
-            name = pending.pop(0)
-            print(f"$ train {name}", file=sys.stderr, flush=True)
-            log = open(work / f"train-{name}.log", "a")  # noqa: SIM115 (closed when the run ends)
-            running.append((name, subprocess.Popen(train_command(work, name, steps), stdout=log, stderr=log), log))
-        time.sleep(5)
-        for item in list(running):
-            name, proc, log = item
-            if proc.poll() is not None:
-                log.close()
-                running.remove(item)
-                if proc.returncode != 0:
-                    raise SystemExit(f"train {name} exited {proc.returncode}; see {work / f'train-{name}.log'}")
-
-
 def evaluate(work: Path, name: str) -> dict:
     row = {"run": name}
     for set_name in HELD_OUT:
@@ -101,36 +79,10 @@ def evaluate(work: Path, name: str) -> dict:
 
 
 def step_cost(work: Path, repeats: int = 5) -> dict:
-    """Median seconds of one drafting step per drafter, interleaved: 40 steps after a 200-token context."""
-    import torch
-
-    from flashdraft.acceptance import DFlashProposer
-    from flashdraft.records import load_eval_records
-    from flashdraft.run_dir import load_any_drafter
-    from flashdraft.target import TargetModel
-
-    torch.set_num_threads(1)
-    target = TargetModel.load("tiny")
-    drafters = {name: load_any_drafter(work / f"run-{name}").drafter for name in ("dflash", "dflash2")}
-    records, _ = load_eval_records(target, completions=str(work / "code.json"))
-    record = next(r for r in records if len(r.input_ids) >= 260)
-    target.set_context_layers(drafters["dflash"].config.target_layer_ids)
-    with torch.no_grad():
-        features = target.forward(torch.tensor([record.input_ids[:240]])).context_features  # [1, 240, 3H]
-    times: dict[str, list[float]] = {name: [] for name in drafters}
-    with torch.no_grad():
-        for _ in range(repeats):
-            for name, drafter in drafters.items():
-                proposer = DFlashProposer(drafter, target)
-                proposer.propose(record.input_ids[:201], 200, features[:, :200], torch.arange(200)[None], 16)
-                start = time.perf_counter()
-                for i in range(200, 240):
-                    proposer.propose(record.input_ids[: i + 2], i + 1, features[:, i : i + 1],
-                                     torch.tensor([[i]]), 16)  # fmt: skip
-                times[name].append((time.perf_counter() - start) / 40)
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    return {"step_ms": {k: round(v * 1e3, 3) for k, v in medians.items()},
-            "dflash2_over_dflash": round(medians["dflash2"] / medians["dflash"], 4)}  # fmt: skip
+    """Median milliseconds of one drafting step per trained drafter (`recipe.drafting_step_ms`) and their ratios."""
+    ms = drafting_step_ms(work, ["dflash", "dflash2"], repeats)
+    return {"step_ms": {k: round(v, 3) for k, v in ms.items()},
+            "dflash2_over_dflash": round(ms["dflash2"] / ms["dflash"], 4)}  # fmt: skip
 
 
 def main() -> None:
@@ -148,11 +100,12 @@ def main() -> None:
     prepare(work)
     if not (work / "init-dflash2" / "model.safetensors").exists():
         flashdraft(["init", *TINY, "--out", str(work / "init-dflash2"), *INIT_ARGS, "--family", "dflash2"])
-    run_lanes(work, [n for n in RUNS if n not in SECOND_PHASE], args.steps, args.lanes)
+    command = lambda n: train_command(work, n, args.steps)  # noqa: E731
+    run_lanes(work, [n for n in RUNS if n not in SECOND_PHASE], command, args.lanes)
     if not (work / "init-dflash2-from" / "model.safetensors").exists():
         flashdraft(["init", *TINY, "--out", str(work / "init-dflash2-from"), "--family", "dflash2",
                     "--from-drafter", str(work / "run-dflash")])  # fmt: skip
-    run_lanes(work, list(SECOND_PHASE), args.steps, args.lanes)
+    run_lanes(work, list(SECOND_PHASE), command, args.lanes)
     rows = [evaluate(work, name) for name in RUNS]
     for row in rows:
         print(json.dumps(row), flush=True)

@@ -26,13 +26,10 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from recipe import BASE_TRAIN_ARGS, HELD_OUT, INIT_ARGS, LAYERS, flashdraft, prepare
+from recipe import BASE_TRAIN_ARGS, HELD_OUT, INIT_ARGS, LAYERS, drafting_step_ms, flashdraft, prepare, run_lanes
 
 TINY = ["--target-model", "tiny"]
 RECIPE = ["--num-anchors", "16"]  # flashdraft's defaults otherwise: D-PACE + Muon
@@ -66,25 +63,6 @@ def train_command(work: Path, name: str, steps: int) -> list[str]:
             "--max-steps", str(steps), *extra, "--resume"]  # fmt: skip
 
 
-def run_lanes(work: Path, names: list[str], steps: int, lanes: int) -> None:
-    """Train `names`, `lanes` at a time, each logging to WORK/train-NAME.log."""
-    pending, running = list(names), []
-    while pending or running:
-        while pending and len(running) < lanes:
-            name = pending.pop(0)
-            print(f"$ train {name}", file=sys.stderr, flush=True)
-            log = open(work / f"train-{name}.log", "a")  # noqa: SIM115 (closed when the run ends)
-            running.append((name, subprocess.Popen(train_command(work, name, steps), stdout=log, stderr=log), log))
-        time.sleep(5)
-        for item in list(running):
-            name, proc, log = item
-            if proc.poll() is not None:
-                log.close()
-                running.remove(item)
-                if proc.returncode != 0:
-                    raise SystemExit(f"train {name} exited {proc.returncode}; see {work / f'train-{name}.log'}")
-
-
 def evaluate(work: Path, name: str) -> dict:
     row = {"run": name}
     for set_name in HELD_OUT:
@@ -104,38 +82,11 @@ def evaluate(work: Path, name: str) -> dict:
 
 
 def step_cost(work: Path, repeats: int = 5) -> dict:
-    """Median seconds of one drafting step per drafter, interleaved: 40 steps after a 200-token context."""
-    import torch
-
-    from flashdraft.acceptance import DFlashProposer
-    from flashdraft.records import load_eval_records
-    from flashdraft.run_dir import load_any_drafter
-    from flashdraft.target import TargetModel
-
-    torch.set_num_threads(1)
-    target = TargetModel.load("tiny")
-    drafters = {name: load_any_drafter(work / f"run-{name}").drafter for name in ("dflash", "dflash2", "dspark")}
-    records, _ = load_eval_records(target, completions=str(work / "code.json"))
-    record = next(r for r in records if len(r.input_ids) >= 260)
-    target.set_context_layers(drafters["dflash"].config.target_layer_ids)
-    with torch.no_grad():
-        features = target.forward(torch.tensor([record.input_ids[:240]])).context_features  # [1, 240, 3H]
-    times: dict[str, list[float]] = {name: [] for name in drafters}
-    with torch.no_grad():
-        for _ in range(repeats):
-            for name, drafter in drafters.items():
-                block = drafter.config.block_size
-                proposer = DFlashProposer(drafter, target)
-                proposer.propose(record.input_ids[:201], 200, features[:, :200], torch.arange(200)[None], block)
-                start = time.perf_counter()
-                for i in range(200, 240):
-                    proposer.propose(record.input_ids[: i + 2], i + 1, features[:, i : i + 1],
-                                     torch.tensor([[i]]), block)  # fmt: skip
-                times[name].append((time.perf_counter() - start) / 40)
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    return {"step_ms": {k: round(v * 1e3, 3) for k, v in medians.items()},
-            "dspark_over_dflash": round(medians["dspark"] / medians["dflash"], 4),
-            "dflash2_over_dflash": round(medians["dflash2"] / medians["dflash"], 4)}  # fmt: skip
+    """Median milliseconds of one drafting step per trained drafter (`recipe.drafting_step_ms`) and their ratios."""
+    ms = drafting_step_ms(work, ["dflash", "dflash2", "dspark"], repeats)
+    return {"step_ms": {k: round(v, 3) for k, v in ms.items()},
+            "dspark_over_dflash": round(ms["dspark"] / ms["dflash"], 4),
+            "dflash2_over_dflash": round(ms["dflash2"] / ms["dflash"], 4)}  # fmt: skip
 
 
 def main() -> None:
@@ -159,7 +110,7 @@ def main() -> None:
     for init, (block, extra) in INITS.items():
         if not (work / init / "model.safetensors").exists():
             flashdraft(["init", *TINY, "--out", str(work / init), *init_args(block), *extra])
-    run_lanes(work, args.runs, args.steps, args.lanes)
+    run_lanes(work, args.runs, lambda n: train_command(work, n, args.steps), args.lanes)
     rows = [evaluate(work, name) for name in args.runs]
     for row in rows:
         print(json.dumps(row), flush=True)

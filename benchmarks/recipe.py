@@ -44,6 +44,60 @@ def flashdraft(args: list[str], log: Path | None = None) -> None:
             subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
 
 
+def run_lanes(work: Path, names: list[str], command, lanes: int) -> None:
+    """Train `names`, `lanes` at a time, `command(name)` each (its argv), logging to WORK/train-NAME.log."""
+    pending, running = list(names), []
+    while pending or running:
+        while pending and len(running) < lanes:
+            name = pending.pop(0)
+            print(f"$ train {name}", file=sys.stderr, flush=True)
+            log = open(work / f"train-{name}.log", "a")  # noqa: SIM115 (closed when the run ends)
+            running.append((name, subprocess.Popen(command(name), stdout=log, stderr=log), log))
+        time.sleep(5)
+        for item in list(running):
+            name, proc, log = item
+            if proc.poll() is not None:
+                log.close()
+                running.remove(item)
+                if proc.returncode != 0:
+                    raise SystemExit(f"train {name} exited {proc.returncode}; see {work / f'train-{name}.log'}")
+
+
+def drafting_step_ms(work: Path, names: list[str], repeats: int = 5) -> dict[str, float]:
+    """Median milliseconds of one drafting step of each trained WORK/run-NAME drafter (its forward, LM head and
+    family walk), interleaved: 40 steps after a 200-token context of a code record, one thread."""
+    import statistics
+
+    import torch
+
+    from flashdraft.acceptance import DFlashProposer
+    from flashdraft.records import load_eval_records
+    from flashdraft.run_dir import load_any_drafter
+    from flashdraft.target import TargetModel
+
+    torch.set_num_threads(1)
+    target = TargetModel.load("tiny")
+    drafters = {name: load_any_drafter(work / f"run-{name}").drafter for name in names}
+    records, _ = load_eval_records(target, completions=str(work / "code.json"))
+    record = next(r for r in records if len(r.input_ids) >= 260)
+    target.set_context_layers(drafters[names[0]].config.target_layer_ids)
+    with torch.no_grad():
+        features = target.forward(torch.tensor([record.input_ids[:240]])).context_features  # [1, 240, 3H]
+    times: dict[str, list[float]] = {name: [] for name in drafters}
+    with torch.no_grad():
+        for _ in range(repeats):
+            for name, drafter in drafters.items():
+                block = drafter.config.block_size
+                proposer = DFlashProposer(drafter, target)
+                proposer.propose(record.input_ids[:201], 200, features[:, :200], torch.arange(200)[None], block)
+                start = time.perf_counter()
+                for i in range(200, 240):
+                    proposer.propose(record.input_ids[: i + 2], i + 1, features[:, i : i + 1],
+                                     torch.tensor([[i]]), block)  # fmt: skip
+                times[name].append((time.perf_counter() - start) / 40)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
 def run_flags(name: str) -> list[str]:
     """Train flags of a run shorthand (module docstring)."""
     flags, parts = [], name.split("-")
