@@ -90,6 +90,15 @@ def _target_layer_ids(value: str) -> list[int]:
     return ids
 
 
+def _context_buckets(value: str) -> list[int]:
+    from flashdraft.results import parse_context_buckets
+
+    try:
+        return parse_context_buckets(value)
+    except FlashdraftError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
+
+
 def _layer_types(value: str) -> list[str]:
     from flashdraft.drafter_init import parse_layer_types
 
@@ -477,7 +486,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         adaptive_threshold=args.adaptive_threshold, confidence_threshold=args.confidence_threshold,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min,
         seed=args.seed, verify=not args.no_verify, allow_foreign=args.allow_foreign_completions,
-        long_prompts=args.long_prompts,
+        long_prompts=args.long_prompts, context_buckets=args.context_buckets,
     )  # fmt: skip
     print()
     print(format_summary(summary))
@@ -579,6 +588,9 @@ def _add_eval_commands(sub) -> None:
                    "n-gram baseline)")  # fmt: skip
     p.add_argument("--json", help="write every figure to this JSON file")
     p.add_argument("--report", help="write report.md and PNG plots into this directory")
+    p.add_argument("--context-buckets", type=_context_buckets, default=None, metavar="EDGES",
+                   help="context-length buckets of the by-context figures, e.g. 0,512,2048,8192 (tokens before a "
+                        "step's anchor; default: powers of two spanning the records)")  # fmt: skip
     p.add_argument(
         "--target-layer-ids",
         type=_target_layer_ids,

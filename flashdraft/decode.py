@@ -41,6 +41,8 @@ class GenerationResult:
     stop_reason: str = "length"  # "eos" or "length"
     draft_seconds: float = 0.0  # speculative: summed over steps, the drafter proposing and its drafts sampled
     verify_seconds: float = 0.0  # speculative: summed over steps, the target's forward over [anchor, drafts]
+    # per step (speculative: draft and verify seconds; plain: one forward's seconds, the prefill left out)
+    step_seconds: list = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -90,14 +92,18 @@ def autoregressive_generate(
     cache = target.new_cache()
     ids = torch.tensor([prompt_ids], device=target.device)
     out: list[int] = []
+    step_seconds: list[float] = []
     while len(out) < max_new_tokens:
+        start = _clock(target.device)
         logits = target.forward(ids, cache).logits_at(-1, None)[0, 0]
         token = int(_sample(logits, temperature, generator))
+        if out:  # the first forward is the prefill, not a decoding step
+            step_seconds.append(_clock(target.device) - start)
         out.append(token)
         if token in stop_ids:
-            return GenerationResult(out, stop_reason="eos")
+            return GenerationResult(out, stop_reason="eos", step_seconds=step_seconds)
         ids = torch.tensor([[token]], device=target.device)
-    return GenerationResult(out)
+    return GenerationResult(out, step_seconds=step_seconds)
 
 
 @torch.no_grad()
@@ -153,8 +159,10 @@ def speculative_generate(
         draft, q = draw_drafts(proposer, draft_logits, temperature, generator)  # [k], q [k, V] when sampling
         drafted = _clock(device)
         verify = target.forward(torch.tensor([tokens[-1:] + draft.tolist()], device=device), cache)
+        verified = _clock(device)
         result.draft_seconds += drafted - start
-        result.verify_seconds += _clock(device) - drafted
+        result.verify_seconds += verified - drafted
+        result.step_seconds.append((drafted - start, verified - drafted))
         if temperature <= 0:
             a, bonus = accept_greedy_in_chunks(draft, verify.logits_at)
         else:

@@ -12,7 +12,7 @@ named "ngram" in place of a checkpoint, or the hybrid of a DFlash drafter and th
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,7 +27,14 @@ from flashdraft.model import DFlashDrafter
 from flashdraft.ngram import NGramProposer
 from flashdraft.offline import confidence_figures, drafter_shape, drafts_of, evaluate_offline, selector_figures
 from flashdraft.records import EvalRecord, FeatureSource, Log, fit_prompts, invalid_reason, load_eval_records
-from flashdraft.results import EvalResult, PromptResult, difference, first_difference, speedup_bound
+from flashdraft.results import (
+    EvalResult,
+    PromptResult,
+    difference,
+    first_difference,
+    record_context_edges,
+    speedup_bound,
+)
 from flashdraft.run_dir import LoadedDrafter, load_any_drafter
 from flashdraft.target import TargetModel
 
@@ -50,6 +57,7 @@ def records_from_prompts(
 class GreedyRun:
     output_ids: list[int]
     seconds: float
+    step_seconds: list[float]  # each forward after the prefill
 
 
 def _max_new_tokens(record: EvalRecord, default: int) -> int:
@@ -86,7 +94,7 @@ def greedy_baseline(
             _generator(seed, index, target),
         )  # fmt: skip
         _sync(target)
-        runs.append(GreedyRun(out.output_ids, time.perf_counter() - start))
+        runs.append(GreedyRun(out.output_ids, time.perf_counter() - start, out.step_seconds))
     return runs
 
 
@@ -103,12 +111,14 @@ def evaluate_online(
     seed: int = 0,
     limit: DraftLimit | None = None,
     round_context_to: torch.dtype | None = None,
+    context_edges: list[int] | None = None,
 ) -> EvalResult:
     """Online τ: real speculative decoding of every record's prompt (verifying the drafts
     `limit` keeps), timed after a warm-up, each output checked against plain greedy decoding
     (`baseline`) when temperature is 0, and the speed-up set against its bound. Acceptance
     lengths are cut to the first `max_blocks` steps (the output and the timing are not).
-    `round_context_to`: live context features rounded to a cache's dtype (`speculative_generate`)."""
+    `round_context_to`: live context features rounded to a cache's dtype (`speculative_generate`);
+    `context_edges`: the buckets of `EvalResult.by_context`."""
     b, layer_ids, context_layers = drafter_shape(drafter, block_size)
     speculative_generate(target, drafter, records[0].prompt_ids, min(8, max_new_tokens), temperature, b,
                          _generator(seed, -1, target), limit)  # fmt: skip
@@ -126,8 +136,9 @@ def evaluate_online(
         draft_s, verify_s = draft_s + out.draft_seconds, verify_s + out.verify_seconds
         all_lengths += out.acceptance_lengths  # every step: the bound is of what was timed
         lossless = out.output_ids == plain.output_ids if temperature <= 0 else None
-        lengths = out.acceptance_lengths[:max_blocks] if max_blocks is not None else out.acceptance_lengths
-        per_prompt.append(PromptResult(record.id, lengths, out.output_ids, lossless))
+        kept = len(out.acceptance_lengths) if max_blocks is None else max_blocks
+        per_prompt.append(PromptResult(record.id, out.acceptance_lengths[:kept], out.output_ids, lossless,
+                                       len(record.prompt_ids), out.step_seconds[:kept]))  # fmt: skip
     spec_tokens = sum(len(p.output_ids) for p in per_prompt)
     greedy_tokens = sum(len(r.output_ids) for r in baseline)
     greedy_seconds = sum(r.seconds for r in baseline)
@@ -139,7 +150,10 @@ def evaluate_online(
         greedy_tokens_per_s=greedy_tokens / greedy_seconds if greedy_seconds > 0 else None,
         draft_ms=1000 * draft_s / steps, verify_ms=1000 * verify_s / steps, greedy_step_ms=1000 * greedy_step,
         speedup_bound=speedup_bound(tau_of(all_lengths), greedy_step, draft_s / steps, verify_s / steps),
-        drafts_per_block=drafts_of(drafter, b),
+        drafts_per_block=drafts_of(drafter, b), context_edges=context_edges,
+        # forward k + 1 after the prefill reads the prompt and k generated tokens before its input
+        greedy_steps=[(len(r.prompt_ids) + k, s) for r, run in zip(records, baseline, strict=True)
+                      for k, s in enumerate(run.step_seconds)],
     )  # fmt: skip
 
 
@@ -236,6 +250,8 @@ class EvalConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     seed: int = 0
+    # edges of the context-length buckets of `by_context` (None: powers of two spanning the records)
+    context_buckets: list[int] | None = None
 
 
 def _load_candidates(
@@ -409,10 +425,11 @@ def _evaluate_candidate(
     limit = _draft_limit(cfg, c)
     rounding = _consistency_rounding(cfg, c, records)
     if not cfg.online or cfg.check_consistency:
-        offline = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks, limit)
+        offline = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks, limit,
+                                   context_edges=cfg.context_buckets)  # fmt: skip
     if cfg.online or cfg.check_consistency:
         online = evaluate_online(c.drafter, target, records, baseline, c.block_size, cfg.max_blocks, max_new_tokens,
-                                 cfg.temperature, cfg.seed, limit, rounding)  # fmt: skip
+                                 cfg.temperature, cfg.seed, limit, rounding, cfg.context_buckets)  # fmt: skip
     summary = (online if cfg.online else offline).to_json()
     if isinstance(c.drafter, DFlashDrafter) and c.drafter.candidate_selector is not None and cfg.temperature <= 0:
         summary["selector"] = selector_figures(c.drafter, target, records, online if cfg.online else offline,
@@ -432,10 +449,17 @@ def _evaluate_candidate(
         mismatches = consistency_mismatches(records, baseline, offline, online)
         summary["consistency"] = {"identical": not mismatches, "mismatches": mismatches,
                                   "offline_tau": offline.tau, "online_tau": online.tau,
+                                  "by_context_identical": _bucket_figures(offline) == _bucket_figures(online),
                                   # live features rounded to the cache's dtype (None: as computed)
                                   "live_features_rounded_to": str(rounding).removeprefix("torch.") if rounding
                                   else None}  # fmt: skip
     return summary
+
+
+def _bucket_figures(result: EvalResult) -> list[tuple]:
+    """What offline and online must share per context bucket (not the online-only timings)."""
+    return [(b["context_from"], b["context_to"], b["steps"], b["tau"], b["position_acceptance"])
+            for b in result.by_context]  # fmt: skip
 
 
 def run_eval(
@@ -481,6 +505,8 @@ def run_eval(
                 f"{_max_new_tokens(record, max_new_tokens)} new tokens to decode")  # fmt: skip
     if cfg.cached_hidden_states is not None:
         _check_cache_layers(cfg, candidates, records, log)
+    if cfg.context_buckets is None:  # one set of buckets for drafter and reference alike
+        cfg = replace(cfg, context_buckets=record_context_edges(records, max_new_tokens))
     results = [_evaluate_candidate(cfg, c, target, records, baseline, features, max_new_tokens) for c in candidates]
     main = results[0] | {"target": str(cfg.target_model), "records_source": source, "max_blocks": cfg.max_blocks,
                          "max_new_tokens": max_new_tokens if cfg.online else None,

@@ -50,10 +50,12 @@ def evaluate_offline(
     max_blocks: int | None = None,
     limit: DraftLimit | None = None,
     use_selector: bool = True,
+    context_edges: list[int] | None = None,
 ) -> EvalResult:
     """Offline τ of `drafter` (a DFlash drafter, the hybrid, or a stateless `Proposer` such as
     the n-gram baseline) on `records`, each walked for at most `max_blocks` steps, verifying the
-    drafts `limit` keeps (`use_selector` False: a DFlash2 drafter's unary argmax path)."""
+    drafts `limit` keeps (`use_selector` False: a DFlash2 drafter's unary argmax path);
+    `context_edges`: the buckets of `EvalResult.by_context`."""
     b, layer_ids, context_layers = drafter_shape(drafter, block_size)
     features = features or FeatureSource(target)
     per_prompt = []
@@ -62,8 +64,9 @@ def evaluate_offline(
         proposer = as_proposer(drafter, target, limit, use_selector)
         lengths = offline_acceptance_lengths(proposer, record.prompt_ids, record.completion_ids, b, f, max_blocks,
                                              target.device)  # fmt: skip
-        per_prompt.append(PromptResult(record.id, lengths))
-    return EvalResult("offline", b, layer_ids, context_layers, per_prompt, drafts_per_block=drafts_of(drafter, b))
+        per_prompt.append(PromptResult(record.id, lengths, prompt_length=len(record.prompt_ids)))
+    return EvalResult("offline", b, layer_ids, context_layers, per_prompt, drafts_per_block=drafts_of(drafter, b),
+                      context_edges=context_edges)  # fmt: skip
 
 
 @torch.no_grad()

@@ -1,6 +1,7 @@
 """Presenting an evaluation summary (`evaluate.run_eval`'s dict, the `--json` content): a
 terminal table, and a Markdown report with PNG plots (histogram of acceptance lengths,
-per-position acceptance, τ per prompt), the reference side by side when there is one.
+per-position acceptance, τ per prompt, τ and per-position acceptance against context length),
+the reference side by side when there is one.
 
 Everything here reads only the summary dict, so a report can be rebuilt from a saved JSON.
 """
@@ -17,6 +18,8 @@ PLOTS = {
     "histogram": "histogram.png",
     "position_acceptance": "position_acceptance.png",
     "tau_per_prompt": "tau_per_prompt.png",
+    "tau_by_context": "tau_by_context.png",
+    "position_acceptance_by_context": "position_acceptance_by_context.png",
 }
 
 
@@ -93,6 +96,31 @@ def prompt_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def _bucket_name(bucket: dict[str, Any]) -> str:
+    return f"{bucket['context_from']}-{bucket['context_to']}"
+
+
+def context_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Header and one row per context bucket (tokens before a step's anchor): steps, τ, the first drafts'
+    acceptance, online the bucket's step costs and speed-up bound; the reference's τ beside them."""
+    ref = summary.get("reference")
+    online = summary["mode"] == "online"
+    header = ["context", "steps", "τ", "draft 1", "draft 2", "draft 3"]
+    header += ["t(draft) ms", "t(verify) ms", "t(greedy) ms", "bound"] if online else []
+    header += ["ref τ"] if ref else []
+    ref_tau = {_bucket_name(b): b["tau"] for b in ref["by_context"]} if ref else {}
+    rows = []
+    for b in summary["by_context"]:
+        accepted = b["position_acceptance"] or []
+        row = [_bucket_name(b), _fmt(b["steps"]), _fmt(b["tau"])] + [_fmt(_at(accepted, k)) for k in range(3)]
+        if online:
+            row += [_fmt(b[k]) for k in ("draft_ms", "verify_ms", "greedy_step_ms", "speedup_bound")]
+        if ref:
+            row.append(_fmt(ref_tau.get(_bucket_name(b))))
+        rows.append(row)
+    return header, rows
+
+
 def _text_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
@@ -158,7 +186,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary.get("reference"):
         ref = summary["reference"]
         title += f"\nreference {ref['checkpoint']}: block size {ref['block_size']}, {_context(ref)}"
-    parts = [title, _text_table(_figure_header(summary), figure_rows(summary)), _text_table(*prompt_rows(summary))]
+    parts = [title, _text_table(_figure_header(summary), figure_rows(summary)), _text_table(*prompt_rows(summary)),
+             "by context length (tokens before the step's anchor):\n" + _text_table(*context_rows(summary))]
     if summary.get("selector"):
         parts.append(selector_line(summary["selector"]))
     if summary.get("confidence"):
@@ -230,6 +259,43 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     ax.set(xlabel="prompt", ylabel="τ", title="τ per prompt")
     paths["tau_per_prompt"] = out_dir / PLOTS["tau_per_prompt"]
     _save_png(fig, paths["tau_per_prompt"])
+    return paths | _context_plots(summary, names, results, out_dir)
+
+
+def _context_plots(summary: dict[str, Any], names: list[str], results: list[dict], out_dir: Path) -> dict[str, Path]:
+    """τ against context length (each bucket at its midpoint) for drafter and reference, and the drafter's
+    per-position acceptance against context length (one line per draft position)."""
+    from matplotlib.figure import Figure
+
+    def mid(b: dict) -> float:
+        return (b["context_from"] + b["context_to"]) / 2
+
+    paths = {}
+    fig = Figure(figsize=(8, 4))
+    ax = fig.add_subplot()
+    for name, r in zip(names, results, strict=True):
+        filled = [b for b in r["by_context"] if b["steps"]]
+        ax.plot([mid(b) for b in filled], [b["tau"] for b in filled], marker="o", label=name)
+    ax.set(xlabel="context length (tokens before the anchor; bucket midpoints)", ylabel="τ",
+           title="τ by context length")  # fmt: skip
+    if len(results) > 1:
+        ax.legend()
+    paths["tau_by_context"] = out_dir / PLOTS["tau_by_context"]
+    _save_png(fig, paths["tau_by_context"])
+
+    fig = Figure(figsize=(8, 4))
+    ax = fig.add_subplot()
+    filled = [b for b in summary["by_context"] if b["steps"]]
+    drafts = len(summary["position_acceptance"])
+    for k in range(min(drafts, 8)):  # the first drafts carry most of τ; more lines would not read
+        ax.plot([mid(b) for b in filled], [b["position_acceptance"][k] for b in filled], marker="o",
+                label=f"draft {k + 1}")  # fmt: skip
+    ax.set(xlabel="context length (tokens before the anchor; bucket midpoints)", ylim=(0, 1.05),
+           ylabel="share of steps accepting draft k", title="Per-position acceptance by context length")  # fmt: skip
+    if filled:
+        ax.legend(fontsize="small", ncol=2)
+    paths["position_acceptance_by_context"] = out_dir / PLOTS["position_acceptance_by_context"]
+    _save_png(fig, paths["position_acceptance_by_context"])
     return paths
 
 
@@ -290,6 +356,16 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
         _markdown_table(*prompt_rows(summary)),
         "",
         f"![tau per prompt]({plots['tau_per_prompt'].name})",
+        "",
+        "## By context length",
+        "",
+        "Each step counted in the bucket of its context: the tokens before its anchor.",
+        "",
+        _markdown_table(*context_rows(summary)),
+        "",
+        f"![tau by context]({plots['tau_by_context'].name})",
+        "",
+        f"![per-position acceptance by context]({plots['position_acceptance_by_context'].name})",
         "",
     ]
     if summary.get("selector"):

@@ -5,14 +5,21 @@ Figures: τ = total committed / steps (pooled over prompts; its ceiling is B), t
 per-prompt τ, the histogram of committed lengths 1..B, and per-position acceptance: the
 share of steps whose k-th draft was accepted (committed length > k), so τ = 1 + Σ_k of it.
 Online, the speed-up over plain decoding and the bound that τ and the measured costs imply.
+
+Each figure also by context length (`by_context`): a step falls in the bucket of the tokens
+before its anchor (prompt + tokens committed before it), so long-context decay shows, with the
+measured draft and verify cost of each bucket online (a drafter's full-attention layers read
+the whole context every step).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from flashdraft.acceptance import tau_of
+from flashdraft.errors import FlashdraftError
 
 
 def speedup_bound(tau: float, greedy_step_s: float, draft_s: float, verify_s: float) -> float | None:
@@ -23,16 +30,66 @@ def speedup_bound(tau: float, greedy_step_s: float, draft_s: float, verify_s: fl
     return tau * greedy_step_s / step if step > 0 else None
 
 
+def position_acceptance_of(lengths: list[int], max_drafts: int) -> list[float]:
+    """[k - 1] = share of steps (committing `lengths`) whose k-th draft was accepted, k = 1..max_drafts."""
+    steps = max(len(lengths), 1)
+    return [sum(n > k for n in lengths) / steps for k in range(1, max_drafts + 1)]
+
+
+def parse_context_buckets(spec: str, flag: str = "--context-buckets") -> list[int]:
+    """Bucket edges from '0,512,2048,...': at least two, non-negative, strictly increasing."""
+    try:
+        edges = [int(x) for x in spec.split(",")]
+    except ValueError:
+        edges = []
+    if len(edges) < 2 or edges[0] < 0 or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
+        raise FlashdraftError(f"{flag} {spec!r}: expected at least two strictly increasing non-negative token "
+                              f"counts, e.g. 0,512,2048,8192")  # fmt: skip
+    return edges
+
+
+def default_context_edges(contexts: list[int]) -> list[int]:
+    """Powers of two spanning `contexts`: from the largest at or under the shortest to the first past the
+    longest (0 first when a context is under 2)."""
+    if not contexts:
+        return [0, 1]
+    low, high = min(contexts), max(contexts)
+    edge = 1 << int(math.log2(low)) if low >= 2 else 0
+    edges = [edge]
+    while edges[-1] <= high:
+        edges.append(max(2 * edges[-1], 2))
+    return edges
+
+
+def record_context_edges(records: list, max_new_tokens: int) -> list[int]:
+    """Default `by_context` buckets: powers of two spanning every context a step of these records can have,
+    from the shortest prompt to the longest prompt and completion."""
+    ends = [len(r.prompt_ids) + (len(r.completion_ids) or max_new_tokens) for r in records]
+    return default_context_edges([min(len(r.prompt_ids) for r in records), max(ends) - 1])
+
+
 @dataclass
 class PromptResult:
     id: str
     acceptance_lengths: list[int]  # tokens committed per step
     output_ids: list[int] | None = None  # online: the speculative output
     lossless: bool | None = None  # online, greedy: output equals plain greedy decoding
+    prompt_length: int = 0  # tokens before the first step's anchor
+    # online, per step: (draft seconds, verify seconds), as timed by `speculative_generate`
+    step_seconds: list[tuple[float, float]] | None = None
 
     @property
     def tau(self) -> float:
         return tau_of(self.acceptance_lengths)
+
+    @property
+    def step_contexts(self) -> list[int]:
+        """Tokens before each step's anchor: the prompt and everything committed before the step."""
+        contexts, context = [], self.prompt_length
+        for n in self.acceptance_lengths:
+            contexts.append(context)
+            context += n
+        return contexts
 
 
 @dataclass
@@ -52,6 +109,9 @@ class EvalResult:
     speedup_bound: float | None = None  # `speedup_bound` of these and the τ of every step
     # drafts a step can verify: block_size - 1 (fill-in), block_size (anchor-first, DSpark); None: block_size - 1
     drafts_per_block: int | None = None
+    context_edges: list[int] | None = None  # `by_context` bucket edges; None: `default_context_edges`
+    # online: (context before the input token, seconds) of every plain-decoding forward after the prefill
+    greedy_steps: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def max_drafts(self) -> int:
@@ -85,8 +145,40 @@ class EvalResult:
     @property
     def position_acceptance(self) -> list[float]:
         """[k - 1] = share of steps whose k-th draft was accepted, k = 1..B-1."""
-        steps = max(self.num_steps, 1)
-        return [sum(n > k for n in self.lengths) / steps for k in range(1, self.max_drafts + 1)]
+        return position_acceptance_of(self.lengths, self.max_drafts)
+
+    @property
+    def by_context(self) -> list[dict[str, Any]]:
+        """τ and per-position acceptance of the steps in each context bucket [context_from, context_to);
+        online also each bucket's mean draft and verify time, the plain-decoding step time at those
+        contexts and the speed-up bound they imply."""
+        steps = []  # (context, committed, (draft s, verify s) or None) of every step
+        for p in self.per_prompt:
+            timed = p.step_seconds or [None] * len(p.acceptance_lengths)
+            steps += zip(p.step_contexts, p.acceptance_lengths, timed, strict=True)
+        edges = self.context_edges or default_context_edges([c for c, _, _ in steps])
+        buckets = []
+        for low, high in zip(edges, edges[1:], strict=False):
+            inside = [(n, t) for c, n, t in steps if low <= c < high]
+            lengths = [n for n, _ in inside]
+            bucket: dict[str, Any] = {"context_from": low, "context_to": high, "steps": len(lengths),
+                                      "tau": tau_of(lengths) if lengths else None,
+                                      "position_acceptance": position_acceptance_of(lengths, self.max_drafts)
+                                      if lengths else None}  # fmt: skip
+            if self.mode == "online":
+                bucket |= self._bucket_costs([t for _, t in inside if t is not None], bucket["tau"], low, high)
+            buckets.append(bucket)
+        return buckets
+
+    def _bucket_costs(self, timed: list[tuple[float, float]], tau: float | None, low: int, high: int) -> dict:
+        greedy = [s for c, s in self.greedy_steps if low <= c < high]
+        draft_s = sum(d for d, _ in timed) / len(timed) if timed else None
+        verify_s = sum(v for _, v in timed) / len(timed) if timed else None
+        greedy_s = sum(greedy) / len(greedy) if greedy else None
+        bound = (speedup_bound(tau, greedy_s, draft_s, verify_s)
+                 if None not in (tau, greedy_s, draft_s, verify_s) else None)  # fmt: skip
+        return {"draft_ms": _ms(draft_s), "verify_ms": _ms(verify_s), "greedy_step_ms": _ms(greedy_s),
+                "speedup_bound": bound}  # fmt: skip
 
     @property
     def lossless(self) -> bool | None:
@@ -107,7 +199,8 @@ class EvalResult:
     def to_json(self) -> dict[str, Any]:
         per_prompt = []
         for p in self.per_prompt:
-            row: dict[str, Any] = {"id": p.id, "acceptance_lengths": p.acceptance_lengths, "tau": p.tau,
+            row: dict[str, Any] = {"id": p.id, "prompt_length": p.prompt_length,
+                                   "acceptance_lengths": p.acceptance_lengths, "tau": p.tau,
                                    "num_steps": len(p.acceptance_lengths)}  # fmt: skip
             if self.mode == "online":
                 row |= {"output_ids": p.output_ids, "lossless": p.lossless}
@@ -124,6 +217,7 @@ class EvalResult:
             "num_prompts": len(self.per_prompt),
             "histogram": self.histogram,
             "position_acceptance": self.position_acceptance,
+            "by_context": self.by_context,
             "lossless": self.lossless,
             "speedup": self.speedup,
             "speculative_tokens_per_s": self.speculative_tokens_per_s,
@@ -135,6 +229,10 @@ class EvalResult:
             "speedup_of_bound": self.speedup_of_bound,
             "per_prompt": per_prompt,
         }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
 
 
 def _pad(values: list, length: int, fill) -> list:

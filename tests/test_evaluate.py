@@ -650,3 +650,24 @@ def test_a_deepspec_checkpoint_with_its_copies_of_the_targets_embedding_and_head
     same = [p.acceptance_lengths for p in evaluate_offline(drafter, target, records).per_prompt]
     assert [p.acceptance_lengths for p in evaluate_offline(loaded, target, records).per_prompt] == same
     assert online_lengths(target, loaded, records) == same
+
+
+def test_by_context_is_the_same_offline_and_online_bucket_for_bucket_with_costs_online(capsys, tmp_path, target_dir):
+    target = TargetModel.load(target_dir)
+    long_prompt = (PROMPTS[0] * 6)[:70]  # contexts from 6 to 100 tokens: several buckets
+    record = EvalRecord("o", long_prompt, autoregressive_generate(target, long_prompt, 30).output_ids)
+    save_drafter(overfit(make_drafter(), target, record), tmp_path / "d")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": " ".join(f"w{t}" for t in p)}) + "\n"
+                               for i, p in enumerate([PROMPTS[1], long_prompt])))  # fmt: skip
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
+                           prompts, "--max-new-tokens", 30, "--online", "--check-consistency", "--context-buckets",
+                           "0,16,64,512", "--json", tmp_path / "out.json")  # fmt: skip
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert summary["consistency"]["by_context_identical"] and summary["consistency"]["identical"]
+    buckets = summary["by_context"]
+    assert [(b["context_from"], b["context_to"]) for b in buckets] == [(0, 16), (16, 64), (64, 512)]
+    assert sum(b["steps"] for b in buckets) == summary["num_steps"] and all(b["steps"] for b in buckets)
+    assert all(b["draft_ms"] > 0 and b["verify_ms"] > 0 and b["speedup_bound"] > 0 for b in buckets)
+    assert "by context length" in out and "0-16" in out

@@ -21,7 +21,7 @@ def summary(online: bool = False, reference: bool = False) -> dict:
     return s
 
 
-def test_report_writes_markdown_and_the_three_plots(tmp_path):
+def test_report_writes_markdown_and_every_plot(tmp_path):
     path = write_report(summary(), tmp_path / "report")
     text = path.read_text()
     assert path.name == "report.md"
@@ -59,3 +59,10 @@ def test_report_can_be_rebuilt_from_the_saved_json(tmp_path):
         write_report(json.loads((tmp_path / "out.json").read_text()), tmp_path / "r").read_text()
         == write_report(s, tmp_path / "r2").read_text()
     )
+
+
+def test_report_and_summary_show_tau_by_context_for_drafter_and_reference(tmp_path):
+    s = summary(reference=True)  # empty prompts: contexts 0, 1, 5 (a) and 0, 3 (b) fall in [0, 2), [2, 4), [4, 8)
+    text = write_report(s, tmp_path).read_text()
+    assert "## By context length" in text and "| 0-2 | 3 | 2.667 | 0.667 | 0.667 | 0.333 | 1.333 |" in text
+    assert "by context length" in format_summary(s) and "ref τ" in format_summary(s)

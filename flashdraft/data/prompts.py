@@ -29,7 +29,8 @@ from flashdraft.errors import FlashdraftError
 
 BUILTIN_CODE = Path(__file__).parent / "builtin_code.jsonl"
 BUILTIN_SPLITS = {"builtin:code": "train", "builtin:code:train": "train", "builtin:code:heldout": "heldout"}
-BUILTIN_SPECS = [*BUILTIN_SPLITS, "builtin:stdlib[:N]", "builtin:stdlib:heldout[:N]"]
+BUILTIN_SPECS = [*BUILTIN_SPLITS, "builtin:stdlib[:N]", "builtin:stdlib:heldout[:N]", "builtin:long[:N]",
+                 "builtin:long:heldout[:N]"]
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -58,11 +59,12 @@ class Prompt:
 def load_prompts(spec: str, num_prompts: int | None = None, quiet: bool = False) -> list[Prompt]:
     """Read prompts from `spec`: a .jsonl file, a .parquet file or dataset directory, or a
     built-in set (`builtin:code` = train split, `builtin:code:heldout`, `builtin:stdlib[:N]`,
-    `builtin:stdlib:heldout[:N]`). Returns the first
+    `builtin:stdlib:heldout[:N]`, and the long-context `builtin:long[:N]`, `builtin:long:heldout[:N]`,
+    `data/long_context.py`). Returns the first
     `num_prompts` (all if None) in file order."""
     stats = {"trailing_assistant_removed": 0}
-    if spec.startswith("builtin:stdlib"):
-        rows, source = _stdlib_rows(spec), spec
+    if spec.startswith(("builtin:stdlib", "builtin:long")):
+        rows, source = _split_rows(spec), spec
     elif spec.startswith("builtin:"):
         if spec not in BUILTIN_SPLITS:
             raise FlashdraftError(f"--prompts {spec}: unknown built-in set; expected one of {', '.join(BUILTIN_SPECS)}")
@@ -117,19 +119,26 @@ def _read_jsonl(path: Path):
             yield f"{path}:{number}", row
 
 
-def _stdlib_rows(spec: str) -> list[tuple[str, dict[str, str]]]:
-    """Rows of `builtin:stdlib[:heldout][:N]`: windows of the standard library's files that
-    share no line with the built-in coding prompts (see data/stdlib.py)."""
+def _split_rows(spec: str) -> list[tuple[str, dict[str, str]]]:
+    """Rows of `builtin:stdlib[:heldout][:N]` (windows of the standard library's files that share no line
+    with the built-in coding prompts, data/stdlib.py) or `builtin:long[:heldout][:N]` (long-context cuts of
+    them, data/long_context.py)."""
+    name = spec.split(":")[1]
     parts = spec.split(":")[2:]
     split = "heldout" if parts[:1] == ["heldout"] else "train"
     parts = parts[1:] if split == "heldout" else parts
-    if len(parts) > 1 or (parts and not (parts[0].isdigit() and int(parts[0]) > 0)):
+    if name not in ("stdlib", "long") or len(parts) > 1 or (parts and not (parts[0].isdigit() and int(parts[0]) > 0)):
         raise FlashdraftError(
-            f"--prompts {spec}: unknown built-in set; expected builtin:stdlib[:N] or builtin:stdlib:heldout[:N] "
-            f"with N a positive number of prompts"
+            f"--prompts {spec}: unknown built-in set; expected one of {', '.join(BUILTIN_SPECS)} with N a positive "
+            f"number of prompts"
         )
-    code_prompts = [row["prompt"] for _, row in _read_jsonl(BUILTIN_CODE)]
-    windows = stdlib_prompts(split, avoid_texts=code_prompts)
+    if name == "long":
+        from flashdraft.data.long_context import long_prompts
+
+        windows = long_prompts(split)
+    else:
+        code_prompts = [row["prompt"] for _, row in _read_jsonl(BUILTIN_CODE)]
+        windows = stdlib_prompts(split, avoid_texts=code_prompts)
     if parts:
         windows = windows[: int(parts[0])]
     return [(f"{spec} {pid}", {"id": pid, "prompt": text}) for pid, text in windows]

@@ -38,6 +38,7 @@ from flashdraft.files import DiskFullError, append_whole, write_text_atomic
 from flashdraft.model import DFlashDrafter
 from flashdraft.offline import evaluate_offline
 from flashdraft.progress import Progress
+from flashdraft.results import record_context_edges
 from flashdraft.run_dir import (
     CHECKPOINTS,
     RunLock,
@@ -260,9 +261,12 @@ def evaluate_tau(drafter: DFlashDrafter, target: TargetModel, records: list, max
     """Real τ on held-out records: the offline walk that equals live speculative decoding."""
     was_training = drafter.training
     drafter.eval()
-    result = evaluate_offline(drafter, target, records, max_blocks=max_blocks)
+    result = evaluate_offline(drafter, target, records, max_blocks=max_blocks,
+                              context_edges=record_context_edges(records, 0))  # fmt: skip
     drafter.train(was_training)
-    return {"eval_tau": result.tau, "eval_tau_prompt_mean": result.tau_prompt_mean, "eval_tau_steps": result.num_steps}
+    by_context = [{k: b[k] for k in ("context_from", "context_to", "steps", "tau")} for b in result.by_context]
+    return {"eval_tau": result.tau, "eval_tau_prompt_mean": result.tau_prompt_mean, "eval_tau_steps": result.num_steps,
+            "eval_tau_by_context": by_context}  # fmt: skip
 
 
 def _nonfinite_input(micro_batches: list[Batch], records) -> str:
