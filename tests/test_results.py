@@ -3,6 +3,7 @@
 import pytest
 
 from flashdraft.errors import FlashdraftError
+from flashdraft.records import EvalRecord
 from flashdraft.results import (
     EvalResult,
     PromptResult,
@@ -10,7 +11,6 @@ from flashdraft.results import (
     parse_context_buckets,
     record_context_edges,
 )
-from flashdraft.records import EvalRecord
 
 
 def result(mode: str = "offline", **kwargs) -> EvalResult:
