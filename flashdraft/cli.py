@@ -328,7 +328,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         args.target_model, args.prompts, args.out, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=args.seed, batch_size=args.batch_size, backend=args.backend,
         base_url=args.base_url, server_model=args.server_model, chat_template=args.chat_template, device=args.device,
-        target_dtype=args.target_dtype, long_prompts=args.long_prompts,
+        target_dtype=args.target_dtype, long_prompts=args.long_prompts, min_prompt_tokens=args.min_prompt_tokens,
     )  # fmt: skip
 
 
@@ -403,6 +403,9 @@ def _add_data_commands(sub) -> None:
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the tokenizer's chat template (default: where the target has one)")  # fmt: skip
     _long_prompts_arg(p)
+    p.add_argument("--min-prompt-tokens", type=_positive, default=0, metavar="N",
+                   help="leave out turns whose prompt (template applied, earlier turns included) has fewer than N "
+                        "tokens: long-context rows from any dataset")  # fmt: skip
     device_args(p)
     p.set_defaults(func=cmd_generate)
 

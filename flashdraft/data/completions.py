@@ -63,6 +63,9 @@ class GenerationSettings:
     base_url: str | None = None
     server_model: str | None = None
     long_prompts: str = "error"  # prompts longer than the context minus max_new_tokens: error, skip, truncate
+    # turns whose prompt has fewer tokens are left out (selects long-context rows from any dataset); a
+    # multi-turn prompt's short turns are still answered when a later turn needs their answer as context
+    min_prompt_tokens: int = 0
 
 
 # settings a resumed run may change: they decide nothing about records that fit the context
@@ -206,6 +209,7 @@ def _answer_turns(
     answers: dict[str, list[str]] = {p.id: [] for p in batch}
     records: dict[str, list[CompletionRecord]] = {p.id: [] for p in batch}
     dropped: set[str] = set()
+    short: set[str] = set()  # record ids under settings.min_prompt_tokens: answered for context, not kept
     truncated_from: dict[str, int] = {}
     for turn in range(max(len(p.turns) for p in batch)):
         active, texts, prompt_ids = [], [], []
@@ -218,6 +222,11 @@ def _answer_turns(
                 raise FlashdraftError(
                     f"prompt {p.record_id(turn)!r}: encodes to no tokens; expected a non-empty prompt"
                 )
+            if len(ids) < settings.min_prompt_tokens:
+                short.add(p.record_id(turn))
+                if turn == len(p.turns) - 1:  # no later turn reads its answer: not answered at all
+                    stats["shorter"] = stats.get("shorter", 0) + 1
+                    continue
             fitted = fit_prompt(p.record_id(turn), ids, limit, settings.long_prompts, stats, settings.prompts)
             if fitted is None:
                 dropped.add(p.id)
@@ -237,7 +246,8 @@ def _answer_turns(
             records[p.id].append(CompletionRecord(rid, text, ids, out, completion, reason, source,
                                                   truncated_from.get(rid)))  # fmt: skip
             answers[p.id].append(completion)
-    return [r for p in batch for r in records[p.id]]
+    stats["shorter"] = stats.get("shorter", 0) + sum(r.id in short for p in batch for r in records[p.id])
+    return [r for p in batch for r in records[p.id] if r.id not in short]
 
 
 def local_completer(target: TargetModel, settings: GenerationSettings):
@@ -303,11 +313,13 @@ def _check_header(found: dict, expected: dict, where: str) -> None:
     fp, want = found.get("target", {}).get("fingerprint"), expected["target"]["fingerprint"]
     if fp != want:
         raise FlashdraftError(f"{where}: made by target fingerprint {fp}, this target is {want}; use another --out")
+    defaults = asdict(GenerationSettings(prompts=""))  # a setting added since a file was written: its default
     for key, value in expected["generation"].items():
-        if key not in RESUMABLE_CHANGES and found.get("generation", {}).get(key) != value:
+        stored = found.get("generation", {}).get(key, defaults.get(key))
+        if key not in RESUMABLE_CHANGES and stored != value:
             raise FlashdraftError(
-                f"{where}: generation setting '{key}' is {found.get('generation', {}).get(key)!r}, this run uses "
-                f"{value!r}; resume with the same settings or use another --out"
+                f"{where}: generation setting '{key}' is {stored!r}, this run uses {value!r}; resume with the same "
+                f"settings or use another --out"
             )
 
 
@@ -428,6 +440,9 @@ def generate_completions(
                                                                       settings.max_new_tokens))  # fmt: skip
         if note:
             print(f"{dist.prefix()}{note} (--long-prompts {settings.long_prompts})")
+        if long_prompts.get("shorter"):
+            print(f"{dist.prefix()}{long_prompts['shorter']} turns shorter than --min-prompt-tokens "
+                  f"{settings.min_prompt_tokens} left out")  # fmt: skip
         # every rank has finished or stopped (its part complete) before rank 0 merges; all stop together
         if any_rank(stop.requested):
             signum = stop.signum or signal.SIGTERM  # a rank that got no signal stops with its peers
@@ -568,10 +583,12 @@ def run_generate(
     device: str | None = None,
     target_dtype: str | None = None,
     long_prompts: str = "error",
+    min_prompt_tokens: int = 0,
 ) -> Path:
     """`flashdraft generate`, one rank of it under torchrun. chat_template None = use the
     target's template where it has one; long_prompts: what to do with a prompt longer than the
-    target's context minus max_new_tokens ("error", "skip" or "truncate")."""
+    target's context minus max_new_tokens ("error", "skip" or "truncate"); min_prompt_tokens:
+    leave out turns whose prompt is shorter (long-context data from any dataset)."""
     from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, load_prompts
     from flashdraft.distributed import init_distributed, load_dtype, lock_on_main, pick_device
 
@@ -601,6 +618,7 @@ def run_generate(
             prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
             chat_template=use_template, backend=backend, base_url=base_url,
             server_model=client.model if client else None, long_prompts=long_prompts,
+            min_prompt_tokens=min_prompt_tokens,
         )  # fmt: skip
         return generate_completions(target, prompt_list, out, settings, batch_size, dist, client)
     finally:

@@ -224,3 +224,18 @@ def test_openai_backend_records_token_ids_from_the_server_or_retokenised(hybrid_
 def test_openai_backend_names_an_unreachable_server():
     with pytest.raises(FlashdraftError, match=r"http://127\.0\.0\.1:9/v1/models: cannot reach the server"):
         OpenAIClient("http://127.0.0.1:9", timeout=5)
+
+
+def test_min_prompt_tokens_keeps_only_long_turns_and_answers_short_ones_a_later_turn_reads(tmp_path, capsys):
+    target = make_target("qwen3")
+    # "mt": a short first turn whose answer is context for its long second turn; "short": one short turn
+    prompts = [Prompt("mt", ["t1 t2", "t3"]), Prompt("short", ["t4"]), Prompt("long", [" ".join(["t5"] * 12)])]
+    generate_completions(target, prompts, tmp_path / "all.json", settings(), batch_size=3)
+    full = {r.id: r for r in load_completions(tmp_path / "all.json", target, quiet=True)}
+    least = min(len(full["mt/turn2"].prompt_ids), len(full["long"].prompt_ids))
+    assert least > max(len(full["mt/turn1"].prompt_ids), len(full["short"].prompt_ids))
+    generate_completions(target, prompts, tmp_path / "c.json", settings(min_prompt_tokens=least), batch_size=3)
+    records = {r.id: r for r in load_completions(tmp_path / "c.json", target, quiet=True)}
+    assert sorted(records) == ["long", "mt/turn2"]
+    assert records["mt/turn2"].prompt_ids == full["mt/turn2"].prompt_ids  # the first turn's answer is its context
+    assert f"2 turns shorter than --min-prompt-tokens {least} left out" in capsys.readouterr().out
