@@ -289,7 +289,9 @@ def build_cache(
         print(
             f"caching {len(records)} records in {len(shards)} shards to {directory}: layers {layer_ids}, "
             f"{settings['dtype']}, {len(shards) - len(todo)} shards already done, about {format_bytes(needed)} "
-            f"to write"
+            f"to write ({width * feature_dtype.itemsize} bytes per token: {len(layer_ids)} layers x "
+            f"{target.hidden_size} x {feature_dtype.itemsize}; a 32k-token sequence "
+            f"{format_bytes(32768 * width * feature_dtype.itemsize)})"
         )
     built = 0
     with StopRequests("record", dist.prefix()) as stop:

@@ -42,13 +42,15 @@ def test_offline_training_from_a_cache_writes_a_loadable_public_drafter(workdir)
                                 "grad_norm"} <= set(json.loads(lines[-1]))  # fmt: skip
 
 
-def test_held_out_evaluation_reports_real_tau_from_the_offline_evaluator(workdir):
+def test_held_out_evaluation_reports_real_tau_from_the_offline_evaluator_by_context_too(workdir):
     out = workdir / "with-eval"
     assert _train(workdir, "--cached-hidden-states", str(workdir / "cache"), "--out", str(out), "--max-steps", "2",
                   "--eval-every", "2", "--eval-cached-hidden-states", str(workdir / "cache")) == 0  # fmt: skip
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"eval_loss", "eval_estimated_acceptance", "eval_tau", "eval_tau_steps"} <= set(last)
     assert 1.0 <= last["eval_tau"] <= 4 and last["eval_tau_steps"] > 0
+    buckets = last["eval_tau_by_context"]  # the same walk by context length: its steps add up
+    assert sum(b["steps"] for b in buckets) == last["eval_tau_steps"] and buckets[0]["context_from"] >= 0
 
 
 def test_online_training_from_completions_runs_the_target_in_the_loop(workdir):
