@@ -13,9 +13,10 @@ shipped recipe otherwise (D-PACE + Muon, 16 anchors, batch 8):
 - `long-yarn`: the same with YaRN (factor 8 over the 512 positions stage 1 was trained at);
 - `sliding-short` / `sliding-long`: every layer a sliding window of SLIDING_WINDOW tokens, short / long data.
 Held out: `builtin:long:heldout`, every long held-out file continued from one cut after 128, 512, 1,024,
-2,048 and 3,584 tokens of context, 96 new tokens each, with the n-gram baseline beside it. Every stage is
-one `flashdraft` command and resumes: outputs that exist are reused. Prints one JSON line per run and a
-closing JSON summary.
+2,048 and 3,584 tokens of context, 96 new tokens each, with the n-gram baseline beside it. Online, the
+cost side: each bucket's draft and verify time per step for a drafter of each family and attention layout,
+and the speed-up bound they imply. Every stage is one `flashdraft` command and resumes: outputs that exist
+are reused. Prints one JSON line per run and a closing JSON summary.
 """
 
 from __future__ import annotations
@@ -44,6 +45,15 @@ TRAIN_ARGS = ["--loss-weighting", "dpace", "--dpace-alpha", "0.5", "--optimizer"
 SLIDING_WINDOW = 512
 YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512}
 LOSS_BUCKETS = (0, 128, 512, 1024, 2048, 3072, 4096)
+# the cost side, online: drafters of each family and attention layout, tiny-drafter's shape (untrained but for
+# the shipped one: a step's cost does not depend on the weights), on the first COST_PROMPTS held-out prompts
+COST_PROMPTS = 25  # 5 files x 5 context lengths
+COST_DRAFTERS = {
+    "dflash-full": None,  # the shipped tiny-drafter
+    "dflash-sliding": ["--layer-types", "sliding", "--sliding-window", str(512)],
+    "dflash2-sliding": ["--family", "dflash2", "--layer-types", "sliding", "--sliding-window", str(512)],
+    "dspark-full": ["--family", "dspark"],
+}
 
 
 def prepare(work: Path) -> None:
@@ -122,6 +132,30 @@ def target_loss_by_position(limit: int = 4096) -> dict:
                                                                    strict=False)]}  # fmt: skip
 
 
+def online_costs(work: Path) -> dict:
+    """Per context bucket, each drafter's measured draft and verify ms per step and the speed-up bound, online
+    (one eval run each, after a warm-up; compare them as ratios within this run)."""
+    out = {}
+    for name, init_args in COST_DRAFTERS.items():
+        checkpoint = "tiny-drafter"
+        if init_args is not None:
+            checkpoint = str(work / f"init-cost-{name}")
+            if not (Path(checkpoint) / "config.json").exists():
+                flashdraft(["init", "--target-model", "tiny", "--out", checkpoint, "--draft-layers", "2",
+                            "--target-layer-ids", LAYERS, *init_args])  # fmt: skip
+        path = work / f"online-{name}.json"
+        if not path.exists():
+            flashdraft(["eval", "--checkpoint", checkpoint, "--target-model", "tiny", "--completions",
+                        str(work / "heldout.json"), "--num-prompts", str(COST_PROMPTS), "--online",
+                        "--context-buckets", BUCKETS, "--json", str(path)])  # fmt: skip
+        figures = json.loads(path.read_text())
+        out[name] = [{"context": f"{b['context_from']}-{b['context_to']}", "steps": b["steps"],
+                      **{k: None if b[k] is None else round(b[k], 3) for k in ("draft_ms", "verify_ms",
+                                                                               "greedy_step_ms", "speedup_bound")}}
+                     for b in figures["by_context"]]  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", required=True)
@@ -163,6 +197,7 @@ def main() -> None:
     summary = {"machine": platform.machine(), "threads": args.threads, "steps": args.steps,
                "buckets": [b["context"] for b in results["shipped"]], "by_context": results, "ngram": ngram,
                "ratio_per_bucket": ratios, "target_loss_by_position": target_loss_by_position(),
+               "online_costs": online_costs(work),
                "python": sys.version.split()[0]}  # fmt: skip
     print(json.dumps(summary))
 
