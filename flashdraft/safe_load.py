@@ -56,8 +56,8 @@ def load_tensors_only(path: Path, hint: str = "", mmap: bool = False) -> Any:
         names = sorted(set(re.findall(r"GLOBAL ([\w.]+)", str(e))))
         found = f"names {', '.join(names)}" if names else f"holds what torch's safe loader refuses ({_first_line(e)})"
         raise UnsafeFileError(
-            f"{path}: a pickle that {found}, not only tensors and plain containers; loading it could run code the "
-            f"file carries, so flashdraft does not" + (f"; {hint}" if hint else "")
+            f"{path}: a pickle that {found}; expected only tensors and plain containers, as loading anything else "
+            f"could run code the file carries (none of it was run)" + (f"; {hint}" if hint else "")
         ) from None
     except Exception as e:  # torch raises many types for a truncated or foreign file
         raise FlashdraftError(f"{path}: not readable by torch.load ({type(e).__name__}: {_first_line(e)}); "
