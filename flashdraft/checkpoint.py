@@ -21,6 +21,7 @@ from flashdraft.config import DEFAULT_BLOCK_SIZE, DrafterConfig
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import nbytes, write_atomic, write_text_atomic
 from flashdraft.model import DFlashDrafter, is_dflash2_parameter
+from flashdraft.safe_load import load_tensors_only
 
 if TYPE_CHECKING:
     from flashdraft.target import TargetModel
@@ -323,16 +324,15 @@ def read_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise FlashdraftError(f"{path}: no such file; expected a drafter state dict ({', '.join(STATE_DICT_SUFFIXES)})")
-    try:
-        if path.suffix == ".safetensors":
+    if path.suffix != ".safetensors":
+        state = load_tensors_only(path, "save the weights as tensors alone (torch.save(drafter.state_dict())) or "
+                                  "as safetensors")  # fmt: skip
+    else:
+        try:
             with safe_open(str(path), framework="pt") as sf:
                 state = {k: sf.get_tensor(k) for k in sf.keys()}
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except (SafetensorError, OSError, RuntimeError, EOFError) as e:
-        raise FlashdraftError(f"{path}: not a readable state dict (truncated or corrupt: {e})") from None
-    except Exception as e:  # torch.load refuses pickled objects other than tensors and containers
-        raise FlashdraftError(f"{path}: not a plain state dict of tensors ({type(e).__name__})") from None
+        except (SafetensorError, OSError, RuntimeError, EOFError) as e:
+            raise FlashdraftError(f"{path}: not a readable state dict (truncated or corrupt: {e})") from None
     while isinstance(state, dict) and len(state) == 1 and next(iter(state)) in _WRAPPER_KEYS:
         state = next(iter(state.values()))
     if isinstance(state, dict):

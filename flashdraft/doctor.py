@@ -21,6 +21,7 @@ import torch
 from flashdraft.checkpoint import STATE_DICT_SUFFIXES
 from flashdraft.checks import Checks
 from flashdraft.errors import FlashdraftError
+from flashdraft.safe_load import UnsafeFileError
 from flashdraft.server_fields import fields_set
 from flashdraft.target import TargetModel
 
@@ -255,6 +256,8 @@ def check_state_dict(path: Path, target: TargetModel | None, checks: Checks) -> 
 
     try:
         state = read_state_dict_file(path)
+    except UnsafeFileError:
+        raise  # a file that would run code is refused outright (exit 2)
     except FlashdraftError as e:
         checks.fail(str(e), "copy the file again, or save the drafter's state_dict() with torch.save/safetensors")
         return
@@ -290,7 +293,7 @@ def check_state_dict(path: Path, target: TargetModel | None, checks: Checks) -> 
 def check_run(path: Path, target: TargetModel | None, checks: Checks, verify: bool, single: bool = False) -> None:
     """A training run (its newest complete checkpoint) or one checkpoint directory: checksums,
     trainer state, the drafter, and run_config.json against the drafter."""
-    from flashdraft.run_dir import COMPLETE, checkpoint_problems
+    from flashdraft.run_dir import COMPLETE, checkpoint_problems, load_trainer_state
 
     if single:
         step_dir, run_dir = path, path.parent.parent if path.parent.name == "checkpoints" else None
@@ -325,7 +328,7 @@ def check_run(path: Path, target: TargetModel | None, checks: Checks, verify: bo
     trainer = step_dir / "trainer.pt"
     if trainer.is_file():
         try:
-            state = torch.load(trainer, map_location="cpu", weights_only=True)
+            state = load_trainer_state(step_dir, verify=False)  # checked above; an unsafe pickle is exit 2
             step = int(step_dir.name.removeprefix("step-")) if step_dir.name.startswith("step-") else None
             checks.check(
                 step is None or state.get("step") == step,
@@ -333,9 +336,10 @@ def check_run(path: Path, target: TargetModel | None, checks: Checks, verify: bo
                 f"{state.get('num_records')} records, world size {state.get('world_size')}",
                 "trainer.pt belongs to another checkpoint; copy the checkpoint directory whole",
             )
-        except Exception as e:  # torch.load raises many types for a damaged or foreign file
-            checks.fail(f"{trainer}: cannot be read ({type(e).__name__})", "copy the checkpoint again; --resume "
-                        "needs it (eval and export do not)")  # fmt: skip
+        except UnsafeFileError:
+            raise  # not a problem to list: a file that would run code is refused outright
+        except FlashdraftError as e:
+            checks.fail(str(e), "copy the checkpoint again; --resume needs it (eval and export do not)")
     else:
         checks.fail(f"{trainer}: missing", "copy the checkpoint directory whole; --resume needs it")
     drafter_dir = step_dir / "drafter"

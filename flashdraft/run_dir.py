@@ -48,8 +48,11 @@ from flashdraft.files import (
     nbytes,
     sha256_file,
     torch_save,
+    write_atomic,
+    write_text_atomic,
 )
 from flashdraft.model import DFlashDrafter
+from flashdraft.safe_load import UnsafeFileError, load_tensors_only, to_plain
 
 # drafters shipped with flashdraft, loadable by name (`--checkpoint tiny-drafter`)
 BUILTIN_DRAFTERS = {"tiny-drafter": Path(__file__).parent / "assets" / "tiny-drafter"}
@@ -76,7 +79,8 @@ def save_checkpoint(
         save_drafter_state(drafter_config, drafter_state, tmp / "drafter")
         with disk_full_is_an_error(final / "trainer.pt", f"the trainer state of checkpoint step {step}",
                                    nbytes(trainer_state)):  # fmt: skip
-            torch_save(trainer_state, tmp / "trainer.pt")
+            # only what torch.load(weights_only=True) reads: a run can be resumed without trusting it
+            torch_save(to_plain(trainer_state, f"the trainer state of step {step}"), tmp / "trainer.pt")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         sums = {str(p.relative_to(tmp)): sha256_file(p) for p in files}
         with disk_full_is_an_error(final, f"checkpoint step {step}'s checksums"):
@@ -205,9 +209,65 @@ def checkpoint_problems(path: Path, only: str = "") -> list[str]:
 
 
 def load_trainer_state(path: Path, verify: bool = True) -> dict:
+    """The trainer state of checkpoint `path`, read without running anything it carries: a
+    received run directory is data (a matching checksums.json proves nothing about who wrote it)."""
     if verify:
         verify_checkpoint(path)
-    return torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+    state = load_tensors_only(path / "trainer.pt", convert_hint(path))
+    if not isinstance(state, dict):
+        raise FlashdraftError(f"{path / 'trainer.pt'}: holds a {type(state).__name__}; expected the dict of a "
+                              f"flashdraft trainer state (step, optimizer, RNG)")  # fmt: skip
+    return state
+
+
+def refuse_unsafe_trainer_state(path: Path) -> None:
+    """Refuse checkpoint `path` when its trainer.pt is a pickle only executing code could load,
+    though the command reads only the drafter: such a run is not one to keep using unawares."""
+    if (path / "trainer.pt").is_file():
+        load_tensors_only(path / "trainer.pt", convert_hint(path), mmap=True)
+
+
+def _run_of(checkpoint: Path) -> Path:
+    return checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINTS else checkpoint
+
+
+def convert_hint(checkpoint: Path) -> str:
+    """What to do with a refused trainer.pt: the command that converts the run, for a trusted run."""
+    return f"if you made this run yourself or trust who did, convert it: flashdraft convert-run {_run_of(checkpoint)}"
+
+
+def convert_run(path: str | Path) -> list[str]:
+    """Rewrite each complete checkpoint's trainer.pt that only a full unpickle reads (an older
+    state holding numpy values) as tensors and plain containers, its checksum updated; one line
+    per checkpoint. `path`: a run or one checkpoint. The full unpickle runs whatever code the file
+    carries: for runs the user trusts, who asked for this by running `flashdraft convert-run`."""
+    path = Path(path)
+    checkpoints = [path] if (path / COMPLETE).is_file() else complete_checkpoints(path)
+    if not checkpoints:
+        raise FlashdraftError(f"{path}: no complete checkpoint; expected a training run directory or one of its "
+                              f"{CHECKPOINTS}/step-NNNNNNN directories")  # fmt: skip
+    lock = RunLock(_run_of(checkpoints[0]))  # no trainer writes or deletes checkpoints meanwhile
+    try:
+        return [_convert_checkpoint(checkpoint) for checkpoint in checkpoints]
+    finally:
+        lock.release()
+
+
+def _convert_checkpoint(checkpoint: Path) -> str:
+    verify_checkpoint(checkpoint)  # a damaged file is not given a new checksum
+    trainer = checkpoint / "trainer.pt"
+    try:
+        load_tensors_only(trainer)
+        return f"{trainer}: already tensors and plain containers; left as it is"
+    except UnsafeFileError:
+        pass
+    state = torch.load(trainer, map_location="cpu", weights_only=False)  # trusted: the user asked for it
+    plain = to_plain(state, str(trainer), convert=True)
+    write_atomic(trainer, lambda tmp: torch_save(plain, tmp), f"the converted {trainer}")
+    sums_path = checkpoint / "checksums.json"
+    sums = json.loads(sums_path.read_text()) | {"trainer.pt": sha256_file(trainer)}
+    write_text_atomic(sums_path, json.dumps(sums, indent=2), f"the checksums of {checkpoint}")
+    return f"{trainer}: converted to tensors and plain containers (checksums.json updated)"
 
 
 class RunLock(OutputLock):
@@ -279,8 +339,10 @@ def drafter_config_path(path: str | Path) -> Path:
 def _load_drafter_directory(path: Path, device, dtype: torch.dtype, verify: bool) -> LoadedDrafter:
     """A drafter directory, a training run (its newest complete checkpoint) or one checkpoint."""
     form, path = _drafter_directory(path)
-    if form != "drafter directory" and verify:
-        verify_checkpoint(path.parent, only="drafter/")
+    if form != "drafter directory":
+        refuse_unsafe_trainer_state(path.parent)
+        if verify:
+            verify_checkpoint(path.parent, only="drafter/")
     drafter = load_drafter(path, device=device, dtype=dtype)
     where = weight_files(path)
     with safe_open(str(where["fc.weight"]), framework="pt") as sf:

@@ -32,6 +32,7 @@ from torch import nn
 
 from flashdraft.errors import FlashdraftError
 from flashdraft.linear_attention import BlockRecord, install_short_block_path, state_after
+from flashdraft.safe_load import HF_LOCAL, hf_load_error
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub: targets are local directories
 # transformers warns on every process that fla is absent; flashdraft reports the backend itself
@@ -207,10 +208,10 @@ class TargetModel:
         hf_logging.disable_progress_bar()  # "Loading weights" bars would bury flashdraft's own output
         path = resolve_target_path(name_or_path)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(path, **HF_LOCAL)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **HF_LOCAL)
         except (OSError, ValueError, KeyError) as e:
-            raise FlashdraftError(f"{path}: cannot load the target model ({str(e).splitlines()[0]})") from None
+            raise hf_load_error(path, "the target model", e) from None
         return cls(model.to(device), tokenizer, path)
 
     # -- facts -----------------------------------------------------------------------

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from flashdraft.errors import FlashdraftError
+from flashdraft.safe_load import HF_LOCAL, hf_load_error
 from flashdraft.target import (
     TargetModel,
     check_layer_ids,
@@ -236,12 +237,10 @@ class TargetHead:
         path = resolve_target_path(name_or_path)
         device = torch.device(device)
         try:
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            config = AutoConfig.from_pretrained(path, **HF_LOCAL)
+            tokenizer = AutoTokenizer.from_pretrained(path, **HF_LOCAL)
         except (OSError, ValueError, KeyError) as e:
-            raise FlashdraftError(
-                f"{path}: cannot load the target's config or tokenizer ({str(e).splitlines()[0]})"
-            ) from None
+            raise hf_load_error(path, "the target's config or tokenizer", e) from None
         try:  # as from_pretrained: the file if there is one, else derived from the model config
             generation = GenerationConfig.from_pretrained(path, local_files_only=True)
         except OSError:

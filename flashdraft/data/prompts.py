@@ -26,6 +26,7 @@ from typing import Any
 
 from flashdraft.data.stdlib import stdlib_prompts
 from flashdraft.errors import FlashdraftError
+from flashdraft.safe_load import refuse_script
 
 BUILTIN_CODE = Path(__file__).parent / "builtin_code.jsonl"
 BUILTIN_SPLITS = {"builtin:code": "train", "builtin:code:train": "train", "builtin:code:heldout": "heldout"}
@@ -155,6 +156,7 @@ def _read_dataset(path: Path):
         if path.is_dir() and any((path / name).exists() for name in ("state.json", "dataset_dict.json")):
             ds = datasets.load_from_disk(str(path))
         elif path.is_dir():
+            refuse_script(path)
             ds = datasets.load_dataset(str(path))
         elif path.suffix == ".parquet":
             ds = datasets.load_dataset("parquet", data_files=str(path))
