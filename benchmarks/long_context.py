@@ -2,12 +2,12 @@
 drafter shape trained with and without long data, and the target's own loss by position beside it
 (so a drafter's fall is never blamed on a target that breaks).
 
-    python benchmarks/long_context.py --work WORKDIR --steps 2000 \
+    python benchmarks/long_context.py --work WORKDIR --steps 400 \
         [--runs short long long-yarn sliding-short sliding-long] [--threads 1]
 
 Every run starts from the shipped `tiny-drafter` (stage 1: native RoPE, completions of a few hundred
 tokens) and trains --steps more with a fresh optimizer (warm start from the weights only), the
-shipped recipe otherwise (D-PACE + Muon, 16 anchors, batch 8):
+shipped recipe otherwise (D-PACE + Muon, 16 anchors; batch 4, lr 3e-3: a short re-warm):
 - `short`: on short data (`builtin:stdlib`, the stage-1 distribution): the same shape trained on short data only;
 - `long`: on long data (`builtin:long`: contexts of 128 to 3,584 tokens), native RoPE;
 - `long-yarn`: the same with YaRN (factor 8 over the 512 positions stage 1 was trained at);
@@ -40,8 +40,8 @@ DATA = {  # name: (prompts, new tokens)
     "train-short": ("builtin:stdlib:800", 128),
 }
 TRAIN_ARGS = ["--loss-weighting", "dpace", "--dpace-alpha", "0.5", "--optimizer", "muon", "--lr", "3e-3",
-              "--warmup-fraction", "0.05", "--num-anchors", "16", "--batch-size", "8", "--epochs", "100",
-              "--save-every", "500", "--log-every", "50"]  # fmt: skip
+              "--warmup-fraction", "0.05", "--num-anchors", "16", "--batch-size", "4", "--epochs", "100",
+              "--save-every", "100", "--log-every", "25"]  # fmt: skip
 SLIDING_WINDOW = 512
 YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512}
 LOSS_BUCKETS = (0, 128, 512, 1024, 2048, 3072, 4096)
@@ -159,7 +159,7 @@ def online_costs(work: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", required=True)
-    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--runs", nargs="+", default=["short", "long", "long-yarn", "sliding-short", "sliding-long"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data-only", action="store_true", help="make completions and caches, then stop")
