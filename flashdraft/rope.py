@@ -94,24 +94,24 @@ def check_scaling(scaling: Any, where: str, strict: bool = False) -> None:
                               f"takes {', '.join((*required, *optional))}")  # fmt: skip
 
 
-def parse_rope_scaling(text: str, flag: str = "--rope-scaling") -> dict:
+def parse_rope_scaling(text: str) -> dict:
     """A scaling as a flag gives it (JSON), checked strictly; {"rope_type": "default"} means native RoPE (it
-    removes a scaling the drafter has). Raises FlashdraftError naming the flag."""
+    removes a scaling the drafter has). Raises FlashdraftError saying what was found and expected."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise FlashdraftError(f"{flag} {text!r}: not valid JSON ({e.msg} at column {e.colno}); expected an object "
-                              f"such as {EXAMPLE}") from None  # fmt: skip
+        raise FlashdraftError(f"{text!r} is not valid JSON ({e.msg} at column {e.colno}); expected an object such "
+                              f"as {EXAMPLE}") from None  # fmt: skip
     if not isinstance(value, dict) or not value:
-        raise FlashdraftError(f"{flag} {text!r}: expected a JSON object such as {EXAMPLE}")
+        raise FlashdraftError(f"{text!r}: expected a JSON object such as {EXAMPLE}")
     if "rope_theta" in value:  # one base frequency per drafter: the config's rope_theta (init --rope-theta)
-        raise FlashdraftError(f"{flag} {text!r}: rope_theta is not a scaling key; expected it out of {flag} "
-                              f"(the drafter keeps its rope_theta; init --rope-theta sets it)")  # fmt: skip
-    scaling = normalized(value, flag) or {"rope_type": "default"}
-    check_scaling(scaling, flag, strict=True)
-    if any(k in scaling for k in _WIDTH):
-        raise FlashdraftError(f"{flag} {text!r}: {', '.join(k for k in _WIDTH if k in scaling)} is the rotary "
-                              f"width, not a scaling; expected only scaling keys")  # fmt: skip
+        raise FlashdraftError(f"{text!r}: rope_theta is not a scaling key; expected it left out (the drafter keeps "
+                              f"its rope_theta; init --rope-theta sets it)")  # fmt: skip
+    wrong = [k for k in _WIDTH if k in value]
+    if wrong:
+        raise FlashdraftError(f"{text!r}: {wrong[0]} is the rotary width, not a scaling key; expected it left out")
+    scaling = normalized(value, "the scaling")
+    check_scaling(scaling, "the scaling", strict=True)
     return scaling
 
 
