@@ -360,7 +360,7 @@ def cmd_doctor(args: argparse.Namespace) -> None:
     load = TargetModel.load if kind == "cache" else TargetHead.load
     target = load(args.target_model) if args.target_model else None
     if not run_doctor(args.path, target, args.checkpoint, samples=args.samples, tolerance=args.tolerance,
-                      verify=not args.no_verify, serving=args.serving,
+                      verify=not args.no_verify, serving=args.serving, max_model_len=args.max_model_len,
                       target_name=args.target_model if args.target_model != "tiny" else None):  # fmt: skip
         sys.exit(1)
 
@@ -453,6 +453,9 @@ def _add_data_commands(sub) -> None:
                    "ids, causality per layer, mask token, file modes, V2 runner, reduced vocabulary, block size) as "
                    "ok/warn/FAIL, and the exact vLLM and SGLang command lines; exit 1 when a rule fails (warnings "
                    "do not)")  # fmt: skip
+    p.add_argument("--max-model-len", type=_positive, default=None,
+                   help="with --serving: the context the drafter is served at (vLLM --max-model-len); default the "
+                        "target's max_position_embeddings; warned past the drafter's trained context")  # fmt: skip
     p.add_argument("--samples", type=_positive, default=4, help="records re-run through the target")
     p.add_argument("--tolerance", type=float, default=None,
                    help="max relative error per layer (default: bf16 1e-2, fp16 2e-3, fp32 1e-4)")  # fmt: skip
