@@ -292,3 +292,16 @@ def test_a_dspark_setting_without_family_dspark_is_a_one_line_error(target_dir, 
     rc, _, err = init(capsys, target_dir, tmp_path / "d", "--markov-rank", 8)
     assert "--markov-rank 8: a DSpark setting; give --family dspark" in one_line_error(rc, err)
     assert not (tmp_path / "d").exists()
+
+
+def test_a_drafter_turned_dflash2_or_rescaled_keeps_its_trained_context_and_weights():
+    from flashdraft.drafter_init import dflash2_from_drafter, with_rope_scaling
+    from tests.conftest import make_drafter
+
+    drafter = make_drafter(trained_context_length=77)
+    assert dflash2_from_drafter(drafter).config.trained_context_length == 77  # init --from-drafter
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    scaled = with_rope_scaling(drafter, yarn)
+    assert scaled.config.rope_scaling == yarn and scaled.config.trained_context_length == 77
+    assert all(torch.equal(v, scaled.state_dict()[k]) for k, v in drafter.state_dict().items())
+    assert with_rope_scaling(scaled, {"rope_type": "default"}).config.rope_scaling is None
