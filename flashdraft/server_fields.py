@@ -40,8 +40,8 @@ class ServerField:
 
 SERVER_FIELDS: tuple[ServerField, ...] = (
     # -- RoPE --
-    ServerField("rope_theta", f"{VLLM} get_rope, {SGLANG} get_rope", "honoured", "RoPE base frequency",
-                (None, 1e6, 1000000), 1e4),
+    ServerField("rope_theta", f"{VLLM} get_rope, {SGLANG} get_rope (also as rope_parameters.rope_theta)", "honoured",
+                "RoPE base frequency (absent: transformers' 10000)", (None, 1e4, 10000), 5e5),
     ServerField("rope_scaling", f"{VLLM} get_rope, {SGLANG} get_rope (transformers' rope types; transformers 5 reads "
                 f"the same dict as rope_parameters, and takes rope_scaling when both are given)", "honoured",
                 "scaled RoPE (linear, dynamic, yarn, ...); flashdraft reads either key, refuses the two disagreeing, "
