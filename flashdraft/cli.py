@@ -124,6 +124,20 @@ def _positive_float(value: str) -> float:
     return x
 
 
+def _rope_scaling(value: str) -> dict:
+    from flashdraft.rope import parse_rope_scaling
+
+    try:
+        return parse_rope_scaling(value)
+    except FlashdraftError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+ROPE_SCALING_HELP = ("the drafter's RoPE scaling as JSON, e.g. '{\"rope_type\": \"yarn\", \"factor\": 4, "
+                     "\"original_max_position_embeddings\": 1024}' (YaRN: original = the context trained at before); "
+                     "'{\"rope_type\": \"default\"}' for native RoPE; written as rope_scaling and rope_parameters")
+
+
 def cmd_init(args: argparse.Namespace) -> None:
     from flashdraft.checkpoint import save_drafter
     from flashdraft.config import DrafterConfig
@@ -181,7 +195,7 @@ def _print_layers(cfg) -> None:
 # init flags that shape a fresh drafter; --from-drafter takes its shape from the drafter instead
 _FRESH_ONLY = ("config", "draft_layers", "mask_token_id", "target_layer_ids", "layer_types", "sliding_window",
                "is_causal", "layers_from_target", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "rope_theta", "max_position_embeddings")  # fmt: skip
+               "head_dim", "rope_theta", "max_position_embeddings", "rope_scaling")  # fmt: skip
 
 
 def _init_from_drafter(args: argparse.Namespace, dflash2: dict) -> None:
@@ -282,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
                         ("max_position_embeddings", _positive)]:  # fmt: skip
         p.add_argument("--" + name.replace("_", "-"), type=type_, default=None, help="default: --config's, else the "
                        "target's")  # fmt: skip
+    p.add_argument("--rope-scaling", type=_rope_scaling, default=None,
+                   help=f"{ROPE_SCALING_HELP}; default: --config's, else native")  # fmt: skip
     p.add_argument("--layers-from-target", type=_layer_list, default=None,
                    help="start the drafter's layers from these full-attention layers of the target, one per "
                         "drafter layer (e.g. 2,5 for tiny); default: random init")  # fmt: skip
@@ -353,7 +369,7 @@ def cmd_doctor(args: argparse.Namespace) -> None:
     load = TargetModel.load if kind == "cache" else TargetHead.load
     target = load(args.target_model) if args.target_model else None
     if not run_doctor(args.path, target, args.checkpoint, samples=args.samples, tolerance=args.tolerance,
-                      verify=not args.no_verify, serving=args.serving,
+                      verify=not args.no_verify, serving=args.serving, max_model_len=args.max_model_len,
                       target_name=args.target_model if args.target_model != "tiny" else None):  # fmt: skip
         sys.exit(1)
 
@@ -449,6 +465,9 @@ def _add_data_commands(sub) -> None:
                    "ids, causality per layer, mask token, file modes, V2 runner, reduced vocabulary, block size) as "
                    "ok/warn/FAIL, and the exact vLLM and SGLang command lines; exit 1 when a rule fails (warnings "
                    "do not)")  # fmt: skip
+    p.add_argument("--max-model-len", type=_positive, default=None,
+                   help="with --serving: the context the drafter is served at (vLLM --max-model-len); default the "
+                        "target's max_position_embeddings; warned past the drafter's trained context")  # fmt: skip
     p.add_argument("--samples", type=_positive, default=4, help="records re-run through the target")
     p.add_argument("--tolerance", type=float, default=None,
                    help="max relative error per layer (default: bf16 1e-2, fp16 2e-3, fp32 1e-4)")  # fmt: skip
@@ -852,6 +871,8 @@ def _add_train_command(sub) -> None:
                    help="continue from the newest complete checkpoint (after a crash, a full disk, or a stop by "
                         "SIGTERM/SIGINT, which checkpoints the step in flight and exits 143/130)")  # fmt: skip
     knob("fsdp", None, "FSDP2 instead of DDP under torchrun")
+    knob("rope_scaling", _rope_scaling, f"{ROPE_SCALING_HELP}; default: the drafter's own. Stage 2 of the "
+         "long-context recipe: --init STAGE1 (its weights only: a fresh optimizer and schedule) with YaRN on long data")
     p.add_argument("--report-to", nargs="*", default=[], choices=["wandb"])
     p.add_argument("--allow-foreign-completions", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--no-verify", action="store_true",

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.errors import FlashdraftError
+from flashdraft.rope import as_scaling, check_scaling, read_rope, rope_fields
 from flashdraft.server_fields import refuse_unsupported
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -51,7 +52,7 @@ _OWN = {
     "architectures", "model_type", "tie_word_embeddings", "is_causal", "draft_vocab_size",
     "target_hidden_size", *DFLASH2_FIELDS, "partial_rotary_factor", "use_gemma_norm", "is_neox_style",
     "rope_is_neox_style", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
-    *DSPARK_FIELDS, "target_layer_ids", "mask_token_id", "projector_type", "dspark_config",
+    *DSPARK_FIELDS, "target_layer_ids", "mask_token_id", "projector_type", "dspark_config", "trained_context_length",
 }  # fmt: skip
 # dflash_config fields resolved on load into the fields above (and not written back)
 _RESOLVED_DFLASH = ("causal", "use_swa", "swa_window_size", "block_size", *DFLASH2_FIELDS, *DSPARK_FIELDS,
@@ -149,9 +150,13 @@ class DrafterConfig:
     # (1 + w) RMSNorms (SGLang use_gemma_norm) and GPT-J rotation (is_neox_style false)
     gemma_norm: bool = False
     rope_neox_style: bool = True
+    # the longest context (tokens before the anchor + the block) flashdraft trained this drafter at, over every
+    # stage; a field of flashdraft's own (servers ignore it); None: not recorded (trained elsewhere or before)
+    trained_context_length: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.rope_scaling = as_scaling(self.rope_scaling)  # rope_type default: native RoPE, stored as None
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         self.validate()
@@ -297,6 +302,10 @@ class DrafterConfig:
             not isinstance(self.draft_vocab_size, int) or not 1 <= self.draft_vocab_size <= self.vocab_size
         ):
             raise bad("draft_vocab_size", self.draft_vocab_size, f"an integer in 1..{self.vocab_size} (vocab_size)")
+        check_scaling(self.rope_scaling, f"{source}: field 'rope_scaling'")
+        reach = self.trained_context_length
+        if reach is not None and (not isinstance(reach, int) or isinstance(reach, bool) or reach < 1):
+            raise bad("trained_context_length", reach, "a positive integer or absent (not recorded)")
         factor = self.partial_rotary_factor
         if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
             raise bad("partial_rotary_factor", factor, "a number in (0, 1]")
@@ -395,9 +404,11 @@ class DrafterConfig:
                        mask_token_id=dflash["mask_token_id"])  # fmt: skip
             if self.draft_top_k is not None:
                 own["dspark_draft_topk"] = self.draft_top_k
-        for name in ("is_causal", "draft_vocab_size"):
+        for name in ("is_causal", "draft_vocab_size", "trained_context_length"):
             if own[name] is None:  # absent, not null: servers read a present null differently
                 del own[name]
+        # both schemas, saying the same: a reader of either keeps the scaling
+        own.update(rope_fields(self.rope_theta, self.rope_scaling, self.partial_rotary_factor))
         # written only where they change something, in the spellings both servers read alike
         if own["partial_rotary_factor"] == 1.0:
             del own["partial_rotary_factor"]
@@ -436,15 +447,8 @@ class DrafterConfig:
         for name in ("target_layer_ids", "mask_token_id"):
             if _draft_value(d, dflash, name, source) is None:
                 raise FlashdraftError(f"{source}: field 'dflash_config.{name}' is missing")
-        rope_theta = d.get("rope_theta")
-        rope_scaling = d.get("rope_scaling")
         refuse_unsupported(d, source)
-        if rope_theta is None and isinstance(d.get("rope_parameters"), dict):
-            # transformers 5 writes rope_parameters instead of rope_theta/rope_scaling
-            params = dict(d["rope_parameters"])
-            rope_theta = params.pop("rope_theta", 1e6)
-            rope_scaling = params if params.get("rope_type", "default") != "default" else None
-        rope_scaling, partial_rotary_factor = _resolve_rotary_width(d, rope_scaling, source)
+        rope = read_rope(d, source)  # either schema, as transformers 5 reads it; disagreeing ones refused
         gemma_norm, neox_style = _stored_conventions(d, source)
         if "sliding_attention" in (d.get("layer_types") or []) and d.get("use_sliding_window") is False:
             warnings.warn(
@@ -498,8 +502,8 @@ class DrafterConfig:
                 mask_token_id=_draft_value(d, dflash, "mask_token_id", source),
                 block_size=block_size if block_size is not None else default_block,
                 rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-                rope_theta=rope_theta if rope_theta is not None else 1e6,
-                rope_scaling=rope_scaling,
+                rope_theta=rope.theta,
+                rope_scaling=rope.scaling,
                 max_position_embeddings=d.get("max_position_embeddings", 40960),
                 attention_bias=d.get("attention_bias", False),
                 layer_types=layer_types,
@@ -510,7 +514,8 @@ class DrafterConfig:
                 family=family,
                 **{name: value or 0 for name, value in dflash2.items()},
                 **dspark,
-                partial_rotary_factor=partial_rotary_factor,
+                partial_rotary_factor=rope.partial_rotary_factor,
+                trained_context_length=d.get("trained_context_length"),
                 gemma_norm=gemma_norm,
                 rope_neox_style=neox_style,
                 extra=extra,
@@ -532,41 +537,6 @@ class DrafterConfig:
         except json.JSONDecodeError as e:
             raise FlashdraftError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
         return cls.from_dict(d, source=str(path))
-
-
-def _resolve_rotary_width(d: dict[str, Any], rope_scaling: dict | None, source: str) -> tuple[dict | None, float]:
-    """(rope_scaling without the rotary-width keys, partial_rotary_factor) from every spelling the servers
-    read: rope_parameters.partial_rotary_factor (vLLM get_rope), the top-level partial_rotary_factor
-    (SGLang; transformers folds it into rope_parameters), rope_scaling.rope_dim (SGLang, the rotary
-    width itself, over the factor). Spellings that disagree are refused: the servers would differ."""
-    params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
-    nested, top = params.get("partial_rotary_factor"), d.get("partial_rotary_factor")
-    if nested is not None and top is not None and nested != top:
-        raise FlashdraftError(
-            f"{source}: field 'rope_parameters.partial_rotary_factor' is {nested!r} but 'partial_rotary_factor' is "
-            f"{top!r}; expected one value (vLLM 0.33.0 reads the first, SGLang 0.5.23 the second)"
-        )
-    factor = nested if nested is not None else top
-    scaling = dict(rope_scaling) if isinstance(rope_scaling, dict) else rope_scaling
-    rope_dim = None
-    if isinstance(scaling, dict):
-        rope_dim = scaling.pop("rope_dim", None)
-        inner = scaling.pop("partial_rotary_factor", None)
-        factor = inner if factor is None else factor
-        scaling = scaling if scaling.get("rope_type", scaling.get("type", "default")) != "default" else None
-    if rope_dim is not None:
-        head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
-        if not isinstance(rope_dim, int) or isinstance(rope_dim, bool) or not 0 < rope_dim <= head_dim:
-            raise FlashdraftError(f"{source}: field 'rope_scaling.rope_dim' is {rope_dim!r}; expected an integer in "
-                                  f"1..{head_dim} (head_dim)")  # fmt: skip
-        if factor is not None and int(head_dim * factor) != rope_dim:
-            raise FlashdraftError(
-                f"{source}: field 'rope_scaling.rope_dim' is {rope_dim} but partial_rotary_factor {factor} gives "
-                f"{int(head_dim * factor)} rotary dims; expected them to agree (SGLang 0.5.23 rotates rope_dim dims, "
-                f"vLLM 0.33.0 head_dim x partial_rotary_factor)"
-            )
-        factor = rope_dim / head_dim
-    return scaling, 1.0 if factor is None else factor
 
 
 def _stored_conventions(d: dict[str, Any], source: str) -> tuple[bool, bool]:

@@ -80,11 +80,13 @@ def _flag_value(action: argparse.Action, value: Any, where: str) -> Any:
         if action.choices is not None and any(item not in action.choices for item in items):
             raise bad(f"a list of {', '.join(map(str, action.choices))}")
         return [str(item) for item in items]
-    if isinstance(value, bool) or isinstance(value, dict):
+    if isinstance(value, bool):
         raise bad("a value")
-    # lists as the flag writes them (layer ids 1,6,11); numbers as text, so YAML's 6e-4 (a
-    # string to YAML 1.1) and 6.0e-4 (a float) both parse
+    # lists as the flag writes them (layer ids 1,6,11), a mapping as JSON (--rope-scaling); numbers as text, so
+    # YAML's 6e-4 (a string to YAML 1.1) and 6.0e-4 (a float) both parse
     text = ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
+    if isinstance(value, dict):
+        text = json.dumps(value)
     converted = text
     if action.type is not None:
         try:

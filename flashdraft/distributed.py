@@ -162,9 +162,22 @@ def any_rank(flag: bool) -> bool:
     in a collective for a rank that has left."""
     if not torch.distributed.is_initialized():
         return flag
+    return bool(all_reduce_sum(torch.tensor([float(flag)], device=_scalar_device())).item() > 0)
+
+
+def all_reduce_max(value: int) -> int:
+    """The largest `value` over the ranks (every rank must call it at the same point)."""
+    if not torch.distributed.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=_scalar_device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _scalar_device() -> torch.device:
+    """Where a collective's scalar lives: NCCL reduces only CUDA tensors."""
     nccl = torch.distributed.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    return bool(all_reduce_sum(torch.tensor([float(flag)], device=device)).item() > 0)
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 def on_main(dist: Dist, work, failing: str):

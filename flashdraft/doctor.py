@@ -84,11 +84,16 @@ def run_doctor(
     verify: bool = True,
     serving: bool = False,
     target_name: str | None = None,
+    max_model_len: int | None = None,
 ) -> bool:
     """Check PATH (and against `target` and the drafter `checkpoint`; with `serving`, a drafter
-    directory against the servers' rules, commands naming `target_name`); True when none fails."""
+    directory against the servers' rules, commands naming `target_name`, long-context guards at
+    `max_model_len` or the target's context); True when none fails."""
     path = resolve(path)
     kind = kind_of(path)
+    if max_model_len is not None and not serving:
+        raise FlashdraftError(f"--max-model-len {max_model_len}: the context a drafter is served at; expected "
+                              f"--serving with it")  # fmt: skip
     if serving and kind != "drafter":
         raise FlashdraftError(
             f"--serving: checks a drafter directory as vLLM and SGLang load it; {path} is a {kind} (for a run or "
@@ -111,7 +116,7 @@ def run_doctor(
         if serving:
             from flashdraft.serving import check_serving
 
-            check_serving(path, target, checks, target_name)
+            check_serving(path, target, checks, target_name, max_model_len)
     elif kind in ("run", "checkpoint"):
         check_run(path, target, checks, verify, single=kind == "checkpoint")
     elif kind == "state dict":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import torch
 
@@ -19,6 +19,7 @@ from flashdraft.config import (
 )
 from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter, is_dflash2_parameter
+from flashdraft.rope import as_scaling
 from flashdraft.target import TargetModel
 
 
@@ -42,7 +43,7 @@ LAYER_TYPE_NAMES = {"sliding": "sliding_attention", "full": "full_attention",
                     "sliding_attention": "sliding_attention", "full_attention": "full_attention"}  # fmt: skip
 # Shape fields `init` can set; each defaults to the --config's value, else the target's.
 SHAPE_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
-                "max_position_embeddings")  # fmt: skip
+                "max_position_embeddings", "rope_scaling")  # fmt: skip
 # Fields a drafter must share with its target (it borrows the target's embedding and LM head,
 # and reads its layers' outputs).
 TARGET_FIELDS = ("hidden_size", "vocab_size", "num_target_layers")
@@ -92,9 +93,11 @@ def _config_fields(base: DrafterConfig, source: str, target: TargetModel) -> dic
             f"{source}: field 'draft_vocab_size' is {base.draft_vocab_size}; expected absent: flashdraft init makes "
             f"drafters that borrow the target's LM head (a reduced vocabulary needs its d2t map from data)"
         )
-    # fresh weights are in flashdraft's own conventions whatever the published ones (server_fields: "folded")
+    # fresh weights are in flashdraft's own conventions whatever the published ones (server_fields: "folded"), and
+    # untrained: no trained context
     return {f.name: getattr(base, f.name) for f in fields(DrafterConfig)} | {"gemma_norm": False,
-                                                                              "rope_neox_style": True}
+                                                                              "rope_neox_style": True,
+                                                                              "trained_context_length": None}
 
 
 def _resolve_layer_types(n: int, layer_types: list[str] | None, fields_: dict, source: str) -> list[str]:
@@ -258,6 +261,18 @@ def dflash2_from_drafter(
     missing, unexpected = new.load_state_dict(drafter.state_dict(), strict=False)
     assert not unexpected and all(is_dflash2_parameter(k) for k in missing), (missing, unexpected)
     return new.to(next(drafter.parameters()).dtype)
+
+
+def with_rope_scaling(drafter: DFlashDrafter, scaling: dict | None) -> DFlashDrafter:
+    """`drafter`'s weights under the RoPE scaling `scaling` ({"rope_type": "default"} or None: native RoPE), e.g.
+    stage 2 of the long-context recipe: YaRN on stage 1's weights (`train --init STAGE1 --rope-scaling ...`)."""
+    scaling = as_scaling(scaling)
+    if scaling == drafter.config.rope_scaling:
+        return drafter
+    cfg = drafter.config
+    new = DFlashDrafter(replace(cfg, rope_scaling=scaling, extra=dict(cfg.extra)))
+    new.load_state_dict(drafter.state_dict())  # the rotary tables are buffers of the config, not weights
+    return new.to(next(drafter.parameters()))
 
 
 def mask_token_string(cfg: DrafterConfig, target) -> str | None:

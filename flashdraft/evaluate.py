@@ -23,6 +23,7 @@ from flashdraft.config import DEFAULT_BLOCK_SIZE
 from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
 from flashdraft.hybrid import HybridDrafter, HybridRule
+from flashdraft.long_context import eval_guards
 from flashdraft.model import DFlashDrafter
 from flashdraft.ngram import NGramProposer
 from flashdraft.offline import confidence_figures, drafter_shape, drafts_of, evaluate_offline, selector_figures
@@ -495,6 +496,8 @@ def run_eval(
     if max_new_tokens is None:  # enough for max_blocks steps of the largest block
         max_new_tokens = cfg.max_blocks * max(c.block_size for c in candidates) + 1 if cfg.max_blocks else 256
     records, baseline, source = _prepare_records(cfg, target, max_new_tokens, log)
+    for line in eval_guards([(c.label, c.drafter) for c in candidates], target, records, max_new_tokens):
+        log(line)  # evaluated past the trained context, RoPE unlike the target's, context read per step
     note = _cache_precision_note(cfg, records)
     if note:
         log(note)

@@ -40,7 +40,7 @@ def qwen3_config(cfg: DrafterConfig) -> Qwen3Config:
         max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=cfg.rms_norm_eps,
         rope_theta=cfg.rope_theta,
-        rope_scaling=cfg.rope_scaling,
+        rope_scaling=dict(cfg.rope_scaling) if cfg.rope_scaling else None,  # a copy: transformers adds rope_theta to it
         vocab_size=cfg.vocab_size,
     )
 

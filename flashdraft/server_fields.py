@@ -40,10 +40,12 @@ class ServerField:
 
 SERVER_FIELDS: tuple[ServerField, ...] = (
     # -- RoPE --
-    ServerField("rope_theta", f"{VLLM} get_rope, {SGLANG} get_rope", "honoured", "RoPE base frequency",
-                (None, 1e6, 1000000), 1e4),
-    ServerField("rope_scaling", f"{VLLM} get_rope, {SGLANG} get_rope (transformers' rope types)", "honoured",
-                "scaled RoPE (linear, dynamic, yarn, ...)", (None, {}), {"rope_type": "linear", "factor": 4.0}),
+    ServerField("rope_theta", f"{VLLM} get_rope, {SGLANG} get_rope (also as rope_parameters.rope_theta)", "honoured",
+                "RoPE base frequency (absent: transformers' 10000)", (None, 1e4, 10000), 5e5),
+    ServerField("rope_scaling", f"{VLLM} get_rope, {SGLANG} get_rope (transformers' rope types; transformers 5 reads "
+                f"the same dict as rope_parameters, and takes rope_scaling when both are given)", "honoured",
+                "scaled RoPE (linear, dynamic, yarn, ...); flashdraft reads either key, refuses the two disagreeing, "
+                "and writes both", (None, {}), {"rope_type": "linear", "factor": 4.0}),
     ServerField("rope_parameters.partial_rotary_factor", f"{VLLM} get_rope (transformers 5 rope_parameters)",
                 "honoured", "RoPE rotates only the first factor x head_dim dims of each q/k head", (None, 1.0), 0.5),
     ServerField("partial_rotary_factor", f"{SGLANG} models/dflash.py (transformers folds it into "

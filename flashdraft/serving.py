@@ -22,6 +22,7 @@ from typing import Any
 from flashdraft.checks import Checks
 from flashdraft.config import DEFAULT_MASK_TOKEN, REFERENCE_OPTIONS, DrafterConfig, LayerAttention
 from flashdraft.errors import FlashdraftError
+from flashdraft.long_context import serving_guards
 from flashdraft.server_fields import fields_set
 
 VLLM = "vLLM 0.33.0"
@@ -142,9 +143,11 @@ def _causality_source(raw: dict[str, Any], cfg: DrafterConfig, layer_type: str) 
 # -- the rules ---------------------------------------------------------------------------------
 
 
-def check_serving(path: Path, target, checks: Checks, target_name: str | None = None) -> None:
+def check_serving(path: Path, target, checks: Checks, target_name: str | None = None,
+                  max_model_len: int | None = None) -> None:  # fmt: skip
     """Every serving rule for the drafter directory `path` (with `target`, a TargetModel or
-    TargetHead, the mask token against its tokenizer), then the command lines."""
+    TargetHead, the mask token against its tokenizer), the long-context guards at the served
+    context (`max_model_len`, else the target's), then the command lines."""
     from flashdraft.checkpoint import INDEX_NAME, expected_shapes, own_vocabulary_shapes, read_shapes, weight_files
     from flashdraft.model import is_dflash2_parameter
 
@@ -334,6 +337,14 @@ def check_serving(path: Path, target, checks: Checks, target_name: str | None = 
         if not changed:
             checks.ok(f"scalings: input_embedding_scale, output_multiplier, final_logit_softcapping at their "
                       f"defaults: {where}")  # fmt: skip
+
+    for guard in serving_guards(cfg, target, max_model_len):  # past the trained context, RoPE, context read
+        if guard.level == "warn":
+            checks.warn(guard.line, guard.fix)
+        elif guard.level == "ok":
+            checks.ok(guard.line)
+        else:
+            checks.about(guard.line)
 
     name = target_name or (str(target.path) if target is not None and getattr(target, "path", None)
                            else "<target-model>")  # fmt: skip

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from flashdraft.config import DrafterConfig, default_target_layer_ids
@@ -47,7 +49,78 @@ def test_transformers5_rope_parameters_are_read():
     del d["rope_theta"], d["rope_scaling"]
     d["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 5e6, "factor": 4.0}
     cfg = DrafterConfig.from_dict(d)
-    assert cfg.rope_theta == 5e6 and cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0}
+    # original_max_position_embeddings filled from max_position_embeddings, as transformers 5.23 fills it
+    assert cfg.rope_theta == 5e6
+    assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144}
+
+
+YARN = {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 4096}
+
+
+def test_rope_parameters_beside_a_top_level_rope_theta_load_their_scaling_as_transformers_reads_it():
+    from transformers import Qwen3Config
+
+    d = PUBLIC_QWEN36_CONFIG | {"rope_parameters": YARN}  # rope_theta at the top level, rope_scaling null
+    cfg = DrafterConfig.from_dict(d)
+    expected = Qwen3Config.from_dict(json.loads(json.dumps(d))).rope_parameters  # a copy: transformers edits it
+    assert cfg.rope_scaling == YARN and cfg.rope_theta == expected["rope_theta"] == 1e7
+    assert {k: v for k, v in expected.items() if k != "rope_theta"} == YARN
+
+
+@pytest.mark.parametrize("legacy, params, named", [
+    ({"rope_type": "linear", "factor": 4}, YARN, "original_max_position_embeddings, rope_type"),
+    (YARN | {"factor": 8}, YARN, "factor"),
+    (YARN | {"original_max_position_embeddings": 1024}, YARN, "original_max_position_embeddings"),
+    (YARN, YARN | {"beta_fast": 16}, "beta_fast"),
+    ({"rope_type": "default"}, YARN, "factor, original_max_position_embeddings, rope_type"),
+])  # fmt: skip
+def test_rope_scaling_and_rope_parameters_that_disagree_are_refused_naming_both(legacy, params, named):
+    d = PUBLIC_QWEN36_CONFIG | {"rope_scaling": legacy, "rope_parameters": params}
+    with pytest.raises(FlashdraftError, match=rf"x/config.json: fields 'rope_scaling' .* and 'rope_parameters' .* "
+                                              rf"disagree on {named};"):  # fmt: skip
+        DrafterConfig.from_dict(d, source="x/config.json")
+
+
+def test_rope_theta_beside_a_different_nested_rope_theta_is_refused_naming_both():
+    d = PUBLIC_QWEN36_CONFIG | {"rope_parameters": YARN | {"rope_theta": 5e5}}
+    with pytest.raises(FlashdraftError, match=r"'rope_parameters.rope_theta' \(500000.0\) and 'rope_theta' "
+                                              r"\(10000000\) disagree"):  # fmt: skip
+        DrafterConfig.from_dict(d, source="x/config.json")
+
+
+def test_both_schemas_saying_the_same_load_and_the_legacy_type_spelling_is_read():
+    legacy = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    d = PUBLIC_QWEN36_CONFIG | {"rope_scaling": legacy, "rope_parameters": YARN | {"rope_theta": 10000000}}
+    assert DrafterConfig.from_dict(d).rope_scaling == YARN
+
+
+@pytest.mark.parametrize("scaling, expected", [
+    ({"rope_type": "ntk-by-parts", "factor": 2}, "rope_type 'ntk-by-parts'; expected one of default, linear"),
+    ({"rope_type": "linear"}, "expected factor too"),
+    ({"rope_type": "linear", "factor": "4"}, "factor '4'; expected a positive number"),
+])  # fmt: skip
+def test_a_rope_scaling_flashdraft_cannot_compute_is_refused_naming_the_field(scaling, expected):
+    with pytest.raises(FlashdraftError, match=rf"x/config.json: field 'rope_scaling' is .*{expected}"):
+        DrafterConfig.from_dict(PUBLIC_QWEN36_CONFIG | {"rope_scaling": scaling}, source="x/config.json")
+
+
+def test_the_config_is_written_in_both_rope_schemas_with_partial_rotary_inside_rope_parameters():
+    cfg = make_drafter_config(rope_scaling=YARN, rope_theta=1e4, partial_rotary_factor=0.5)
+    d = cfg.to_dict()
+    assert d["rope_theta"] == 1e4 and d["rope_scaling"] == YARN and d["partial_rotary_factor"] == 0.5
+    assert d["rope_parameters"] == YARN | {"rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    reread = DrafterConfig.from_dict(d)
+    assert (reread.rope_theta, reread.rope_scaling, reread.partial_rotary_factor) == (1e4, YARN, 0.5)
+    native = make_drafter_config().to_dict()
+    assert native["rope_scaling"] is None and native["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e6}
+
+
+def test_trained_context_length_is_kept_absent_when_unknown_and_refused_when_not_a_count():
+    assert "trained_context_length" not in make_drafter_config().to_dict()
+    cfg = DrafterConfig.from_dict(make_drafter_config(trained_context_length=3000).to_dict())
+    assert cfg.trained_context_length == 3000 and cfg.to_dict()["trained_context_length"] == 3000
+    with pytest.raises(FlashdraftError, match="'trained_context_length' is -1; expected a positive integer"):
+        DrafterConfig.from_dict(PUBLIC_QWEN36_CONFIG | {"trained_context_length": -1}, source="x/config.json")
 
 
 @pytest.mark.parametrize(

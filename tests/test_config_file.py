@@ -210,3 +210,9 @@ def test_options_from_file_is_usable_alone_and_refuses_excluded_keys(tmp_path):
     assert options_from_file(path, train) == {"lr": 0.5, "draft_layers": 2}
     with pytest.raises(FlashdraftError, match="unknown key 'lr'"):
         options_from_file(path, train, exclude=("lr",))
+
+
+def test_a_mapping_in_the_file_reaches_a_json_flag_as_the_flag_parses_it(tmp_path):
+    yarn = {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 1024}
+    options = {"target-model": "tiny", "completions": "c.json", "out": "run", "rope-scaling": yarn}
+    assert train_args("--config", write(tmp_path / "run.yaml", options)).rope_scaling == yarn

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flashdraft.checkpoint import save_drafter
+from flashdraft.checkpoint import load_drafter, save_drafter
 from flashdraft.cli import main
 from tests.conftest import (
     make_dflash2_drafter,
@@ -442,3 +442,46 @@ def test_serving_fails_a_dspark_config_that_leaves_the_confidence_fields_to_the_
     (d / "config.json").write_text(json.dumps(config))
     rc, out, _ = doctor(capsys, d, "--serving", "--target-model", files["target"])
     assert rc == 1 and any("confidence head: enable_confidence_head null" in line for line in fail_lines(out)), out
+
+
+def test_serving_names_the_trained_context_and_warns_when_served_past_it(files, tmp_path, capsys):
+    drafter = files["run"] / "checkpoints" / "step-0000002" / "drafter"
+    trained = json.loads((drafter / "config.json").read_text())["trained_context_length"]
+    d = save_readable(load_drafter(drafter), tmp_path / "d")
+    rc, out, err = doctor(capsys, d, "--serving", "--max-model-len", trained)
+    assert rc == 0, out + err
+    assert f"ok   trained context: {trained} tokens (trained_context_length) covers the served context" in out
+    assert "context read per step at" in out and "layers 0-1 (full)" in out
+    rc, out, err = doctor(capsys, d, "--serving", "--max-model-len", 32768)
+    assert rc == 0, out + err  # a warning, not a failure
+    assert f"warn trained context: the served context (--max-model-len) is 32768 tokens, past the {trained} tokens " \
+           f"the drafter was trained at (trained_context_length)" in out  # fmt: skip
+    assert "layers 0-1 (full) 32768 each: 65536 per step in all" in out
+    rc, out, err = doctor(capsys, "tiny-drafter", "--serving")
+    assert "trained context: unknown (config.json has no trained_context_length" in out
+    assert "the served context (the drafter's max_position_embeddings): 4096 tokens" in out
+
+
+def test_serving_warns_when_the_target_has_rope_scaling_the_drafter_lacks(files, tmp_path, capsys):
+    target = tmp_path / "yarn-target"
+    shutil.copytree(files["target"], target)
+    config = json.loads((target / "config.json").read_text())
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    config["rope_parameters"] = {**config.get("rope_parameters", {}), **yarn}
+    (target / "config.json").write_text(json.dumps(config))
+    d = save_readable(make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
+                      tmp_path / "d")  # fmt: skip
+    rc, out, err = doctor(capsys, d, "--serving", "--target-model", target)
+    assert rc == 0, out + err
+    assert "warn rope scaling: the drafter's native (no scaling) differs from the target's yarn factor 4, " \
+           "original_max_position_embeddings 128" in out and "--rope-scaling" in out  # fmt: skip
+    served = config["max_position_embeddings"]
+    assert f"layer 0 (sliding 6) 6, layer 1 (full) {served}: {served + 6} per step in all" in out
+    rc, out, err = doctor(capsys, save_readable(make_drafter(rope_scaling=yarn), tmp_path / "y"), "--serving",
+                          "--target-model", target)  # fmt: skip
+    assert "ok   rope scaling: the drafter's yarn factor 4, original_max_position_embeddings 128 is the target's" in out
+
+
+def test_max_model_len_without_serving_is_one_line_exit_2(files, capsys):
+    rc, out, err = doctor(capsys, files["drafter"], "--max-model-len", 4096)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "expected --serving with it" in err

@@ -129,8 +129,28 @@ def test_init_config_round_trips_a_published_config_field_by_field(target_dir, t
     assert rc == 0, err
     written = json.loads((tmp_path / "d" / "config.json").read_text())
     assert written["dtype"] == "float32"  # the weights as written; the only field flashdraft changes here
+    # and the RoPE in transformers 5's schema beside the legacy one, saying the same
+    assert written.pop("rope_parameters") == {"rope_type": "default", "rope_theta": published["rope_theta"]}
     assert {k: v for k, v in written.items() if k != "dtype"} == {k: v for k, v in published.items() if k != "dtype"}
     load_drafter(tmp_path / "d")
+
+
+def test_init_rope_scaling_writes_both_schemas_and_a_published_trained_context_is_not_carried(target_dir, tmp_path,
+                                                                                             capsys):  # fmt: skip
+    yarn = {"rope_type": "yarn", "factor": 8, "original_max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(published_for_tiny(trained_context_length=32768)))
+    rc, _, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--config",
+                         tmp_path / "config.json", "--rope-scaling", json.dumps(yarn))  # fmt: skip
+    assert rc == 0, err
+    written = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert written["rope_scaling"] == yarn and written["rope_parameters"] == yarn | {"rope_theta": 10000000}
+    assert "trained_context_length" not in written  # untrained: its weights are fresh
+    # native RoPE given explicitly removes the --config's scaling
+    (tmp_path / "yarn.json").write_text(json.dumps(published_for_tiny(rope_scaling=yarn)))
+    rc, _, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "n", "--config",
+                         tmp_path / "yarn.json", "--rope-scaling", '{"rope_type": "default"}')  # fmt: skip
+    assert rc == 0, err
+    assert load_drafter(tmp_path / "n").config.rope_scaling is None
 
 
 def test_init_config_flags_override_its_fields_and_keep_the_rest(target_dir, tmp_path, capsys):
@@ -272,3 +292,16 @@ def test_a_dspark_setting_without_family_dspark_is_a_one_line_error(target_dir, 
     rc, _, err = init(capsys, target_dir, tmp_path / "d", "--markov-rank", 8)
     assert "--markov-rank 8: a DSpark setting; give --family dspark" in one_line_error(rc, err)
     assert not (tmp_path / "d").exists()
+
+
+def test_a_drafter_turned_dflash2_or_rescaled_keeps_its_trained_context_and_weights():
+    from flashdraft.drafter_init import dflash2_from_drafter, with_rope_scaling
+    from tests.conftest import make_drafter
+
+    drafter = make_drafter(trained_context_length=77)
+    assert dflash2_from_drafter(drafter).config.trained_context_length == 77  # init --from-drafter
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    scaled = with_rope_scaling(drafter, yarn)
+    assert scaled.config.rope_scaling == yarn and scaled.config.trained_context_length == 77
+    assert all(torch.equal(v, scaled.state_dict()[k]) for k, v in drafter.state_dict().items())
+    assert with_rope_scaling(scaled, {"rope_type": "default"}).config.rope_scaling is None

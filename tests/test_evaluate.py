@@ -322,6 +322,21 @@ def test_eval_says_which_causality_each_drafter_layer_gets(capsys, tmp_path, tar
     assert "2 layers (0 sliding 6 causal, 1 full non-causal; servers' default: no is_causal)" in out
 
 
+def test_eval_warns_when_its_records_run_past_the_drafters_trained_context(capsys, tmp_path, target_dir,
+                                                                            prompts_file):  # fmt: skip
+    drafter = make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+                           trained_context_length=8)  # fmt: skip
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", save_drafter(drafter, tmp_path / "d"), "--target-model",
+                           target_dir, "--prompts", prompts_file, "--num-prompts", 1, "--max-new-tokens", 16,
+                           "--online")  # fmt: skip
+    assert rc == 0, err
+    line = next(x for x in out.splitlines() if "trained context" in x)
+    longest = int(line.split("(prompt + completion) is ")[1].split()[0])
+    assert longest > 8 and line.startswith(f"{tmp_path / 'd'}: warning: trained context: the longest record evaluated")
+    assert "past the 8 tokens the drafter was trained at (trained_context_length)" in line and "; fix: " in line
+    assert f"layer 0 (sliding 6) 6, layer 1 (full) {longest}: {longest + 6} per step in all" in out
+
+
 def test_training_run_directory_means_its_newest_complete_checkpoint(tmp_path):
     for step, complete, seed in [(100, True, 1), (200, True, 2), (300, False, 3)]:
         step_dir = tmp_path / "run" / "checkpoints" / f"step-{step:07d}"

@@ -168,3 +168,25 @@ def test_export_cli_of_a_dspark_drafter_prints_its_rules_and_the_readme_gives_it
     assert "--speculative-algorithm DSPARK" in readme and "--speculative-dspark-block-size 7" in readme
     reloaded = load_drafter(out_dir)
     assert reloaded.config.family == "dspark" and reloaded.confidence_head is not None
+
+
+def test_a_drafter_exported_with_yarn_reloads_with_it_in_flashdraft_transformers_5_and_a_legacy_reader(tmp_path):
+    from transformers import Qwen3Config
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    drafter = make_drafter(rope_scaling=yarn, max_position_embeddings=512, trained_context_length=120)
+    export_drafter(save_drafter(drafter, tmp_path / "src"), tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    reloaded = load_drafter(tmp_path / "out")
+    assert reloaded.config.rope_scaling == yarn and reloaded.config.trained_context_length == 120  # flashdraft
+    gen = torch.Generator().manual_seed(0)
+    blocks, ctx = torch.randn(1, 8, 64, generator=gen), torch.randn(1, 300, 128, generator=gen)
+    with torch.no_grad():  # the same drafter at long positions, where YaRN changes the rotation
+        args = (blocks, torch.tensor([[300]]), ctx, torch.arange(300)[None])
+        torch.testing.assert_close(reloaded(*args), drafter(*args))
+    params = Qwen3Config.from_dict(json.loads(json.dumps(written))).rope_parameters  # transformers 5
+    assert params["rope_type"] == "yarn" and params["factor"] == 4.0 and params["rope_theta"] == written["rope_theta"]
+    assert params["original_max_position_embeddings"] == 128
+    legacy = written["rope_scaling"]  # a reader of the legacy key alone
+    assert legacy["rope_type"] == "yarn" and legacy["factor"] == 4.0
+    assert legacy["original_max_position_embeddings"] == 128

@@ -24,6 +24,9 @@ COMPANIONS = {
     "dflash_config.use_swa": {"dflash_config.swa_window_size": 3},
     "dflash_config.causal": {"is_causal": DELETE},  # the top-level is_causal (written by flashdraft) wins over it
     "layer_types": {"sliding_window": 3, "use_sliding_window": True},
+    # written in both RoPE schemas: changed in one, the other goes (a disagreement is refused)
+    "rope_theta": {"rope_parameters": DELETE},
+    "rope_scaling": {"rope_parameters": DELETE},
 }
 # honoured fields that leave the argmax alone: they only show when sampling
 ONLY_WHEN_SAMPLING = {"dflash_config.output_multiplier", "dflash_config.final_logit_softcapping"}

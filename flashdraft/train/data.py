@@ -47,6 +47,11 @@ class Batch:
             target_topk=topk,
         )
 
+    def context_reach(self, block_size: int) -> int:
+        """The longest context a block of the batch trains at: its anchor's position (the context before it) plus
+        the block, i.e. one past the furthest position a block query is rotated to."""
+        return int(self.anchor_positions.max()) + block_size
+
     def with_labels_in(self, vocabulary: torch.Tensor | None) -> Batch:
         """Only labels inside `vocabulary` ([V] bool, a drafter's reduced vocabulary) stay trained:
         a drafter cannot draft the others, so they are not its loss (None: all labels)."""

@@ -24,6 +24,7 @@ import torch
 from flashdraft.checkpoint import load_drafter
 from flashdraft.distributed import (
     Dist,
+    all_reduce_max,
     all_reduce_sum,
     any_rank,
     full_state_dict,
@@ -98,6 +99,9 @@ class TrainConfig:
     eval_max_blocks: int = 32  # speculative steps per held-out record for the real (offline) τ
     keep_best: bool = False  # also keep RUN/best/: the drafter of the best held-out τ (held-out loss without τ)
     fsdp: bool = False
+    # the drafter's RoPE scaling for this run (stage 2 of the long-context recipe: YaRN on a warm start); None: the
+    # drafter's own; {"rope_type": "default"}: native RoPE
+    rope_scaling: dict | None = None
     # filled in at start, for the record (not options)
     target_layer_ids: list[int] = field(default_factory=list, metadata={"recorded": True})
     mask_token_id: int = field(default=-1, metadata={"recorded": True})
@@ -584,6 +588,9 @@ def train(
             for step in bar:
                 epoch = step // steps_per_epoch
                 micro_batches, indices = global_batch(cfg, records, step, steps_per_epoch, dist)
+                # the checkpoint records the longest context trained at, over this run and the one it started from
+                reach = all_reduce_max(max(b.context_reach(cfg.block_size) for b in micro_batches))
+                dcfg.trained_context_length = max(dcfg.trained_context_length or 0, reach)
                 result = forward_backward(model, target, micro_batches, cfg, dist)
                 if result.weight_total == 0:
                     raise FlashdraftError(f"step {step}: records {indices} have no supervised completion tokens")

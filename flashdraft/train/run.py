@@ -13,9 +13,10 @@ import torch
 from flashdraft.checkpoint import check_drafter_matches_target, load_drafter
 from flashdraft.config import DEFAULT_BLOCK_SIZE
 from flashdraft.distributed import init_distributed, load_dtype
-from flashdraft.drafter_init import new_drafter_for_target
+from flashdraft.drafter_init import new_drafter_for_target, with_rope_scaling
 from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
+from flashdraft.rope import describe_scaling
 from flashdraft.run_dir import latest_checkpoint, load_any_drafter, verify_checkpoint
 from flashdraft.target import TargetModel
 from flashdraft.target_weights import TargetHead
@@ -92,10 +93,12 @@ def _check_agrees(config, source: str, **given) -> None:
 
 
 def _starting_drafter(
-    target: TargetModel, resume_from: Path | None, init: str | None, shape: dict, seed: int, verify: bool
+    target: TargetModel, resume_from: Path | None, init: str | None, shape: dict, seed: int, verify: bool,
+    rope_scaling: dict | None = None,
 ) -> DFlashDrafter:
-    """The newest complete checkpoint of `resume_from`, else `init`, else a fresh drafter of
-    `shape` (draft_layers, block_size, mask_token_id, target_layer_ids; None: the default)."""
+    """The newest complete checkpoint of `resume_from`, else `init` (its weights only: the loop starts a fresh
+    optimizer and schedule), else a fresh drafter of `shape` (draft_layers, block_size, mask_token_id,
+    target_layer_ids; None: the default); under `rope_scaling` when given (None: the drafter's own)."""
     last = latest_checkpoint(resume_from) if resume_from is not None else None
     if last is not None:
         if verify:
@@ -105,11 +108,13 @@ def _starting_drafter(
     elif init:
         drafter, source = load_any_drafter(init, target, verify=verify).drafter, f"{init} (--init)"
     else:
-        return new_drafter_for_target(target, shape["draft_layers"] or 1, shape["block_size"] or DEFAULT_BLOCK_SIZE,
-                                      shape["mask_token_id"], shape["target_layer_ids"], seed=seed)  # fmt: skip
-    check_drafter_matches_target(drafter.config, target, source)
-    _check_agrees(drafter.config, source, **shape)
-    return drafter
+        drafter = new_drafter_for_target(target, shape["draft_layers"] or 1, shape["block_size"] or DEFAULT_BLOCK_SIZE,
+                                         shape["mask_token_id"], shape["target_layer_ids"], seed=seed)  # fmt: skip
+        source = None
+    if source is not None:
+        check_drafter_matches_target(drafter.config, target, source)
+        _check_agrees(drafter.config, source, **shape)
+    return drafter if rope_scaling is None else with_rope_scaling(drafter, rope_scaling)
 
 
 def _with_vocabulary(
@@ -176,7 +181,8 @@ def run_training(
         run_dir = Path(out)
         shape = dict(draft_layers=draft_layers, block_size=block_size, mask_token_id=mask_token_id,
                      target_layer_ids=target_layer_ids)  # fmt: skip
-        drafter = _starting_drafter(target, run_dir if resume else None, init, shape, cfg.seed, verify)
+        drafter = _starting_drafter(target, run_dir if resume else None, init, shape, cfg.seed, verify,
+                                    cfg.rope_scaling)  # fmt: skip
         layer_ids = drafter.config.target_layer_ids
         dspark = drafter.config.family == "dspark"
         needs_target = dspark and (cfg.dspark_tv_weight > 0 or cfg.confidence_loss_weight > 0)
@@ -210,7 +216,9 @@ def run_training(
             print(
                 f"target {target.path}: {target.num_layers} layers, linear-attention backend {target.linear_backend}; "
                 f"drafter {drafter.config.num_hidden_layers} layers, context layers {layer_ids}, block size "
-                f"{drafter.config.block_size}, mask token {drafter.config.mask_token_id}; {len(records)} records "
+                f"{drafter.config.block_size}, mask token {drafter.config.mask_token_id}, RoPE "
+                f"{describe_scaling(drafter.config.rope_scaling)}, trained context so far "
+                f"{drafter.config.trained_context_length or 'none recorded'}; {len(records)} records "
                 f"({'offline cache' if cached_hidden_states else 'online target features'})",
                 flush=True,
             )

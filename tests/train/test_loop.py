@@ -257,3 +257,25 @@ def test_two_rank_fsdp_run_stopped_after_a_checkpoint_resumes_bit_identically_wi
     resumed = load_drafter(latest_checkpoint(tmp_path / "resumed") / "drafter").state_dict()
     assert latest_checkpoint(tmp_path / "resumed").name == "step-0000004"
     assert all(torch.equal(full[key], resumed[key]) for key in full)
+
+
+def test_the_checkpoint_records_the_longest_context_trained_at_and_a_warm_start_keeps_the_longer(target, records,
+                                                                                                 tmp_path):  # fmt: skip
+    from flashdraft.distributed import Dist
+    from flashdraft.train.loop import global_batch
+
+    cfg = _cfg(max_steps=3, max_length=14)  # records are 30 tokens: truncated to 14
+    train(cfg, make_drafter(), target, records, tmp_path / "short")
+    steps_per_epoch = len(records) // cfg.batch_size
+    reach = max(b.context_reach(cfg.block_size) for step in range(3)
+                for b in global_batch(cfg, records, step, steps_per_epoch, Dist())[0])  # fmt: skip
+    assert reach <= 14 - 1 + cfg.block_size  # the last anchor inside the truncated sequence, plus the block
+    short = load_drafter(latest_checkpoint(tmp_path / "short") / "drafter")
+    assert short.config.trained_context_length == reach
+    # stage 2 on the full sequences, warm-started from stage 1: its longer context
+    train(_cfg(max_steps=3), short, target, records, tmp_path / "long")
+    long = load_drafter(latest_checkpoint(tmp_path / "long") / "drafter").config.trained_context_length
+    assert reach < long <= len(records[0].input_ids) - 1 + cfg.block_size
+    # warm-started from a drafter trained longer elsewhere: its own, the larger, stays
+    train(_cfg(max_steps=1), make_drafter(trained_context_length=5000), target, records, tmp_path / "kept")
+    assert load_drafter(latest_checkpoint(tmp_path / "kept") / "drafter").config.trained_context_length == 5000

@@ -269,3 +269,40 @@ def test_a_dspark_drafter_made_by_init_trains_offline_and_online_and_evaluates_o
     assert main(["eval", "--checkpoint", str(workdir / "offline"), "--target-model", target, "--completions",
                  str(workdir / "c.json"), "--confidence-threshold", "0.5"]) == 2  # fmt: skip
     assert "has no confidence head" in capsys.readouterr().err
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def test_stage_two_warm_starts_from_stage_one_weights_only_under_the_rope_scaling_given(workdir, capsys):
+    cache = ["--cached-hidden-states", str(workdir / "cache")]
+    stage1, stage2 = workdir / "stage1", workdir / "stage2"
+    assert _train(workdir, *cache, "--out", str(stage1), "--max-steps", "2", "--max-length", "12") == 0
+    assert _train(workdir, *cache, "--out", str(stage2), "--max-steps", "2", "--init", str(stage1),
+                  "--rope-scaling", json.dumps(YARN)) == 0  # fmt: skip
+    first = load_drafter(stage1 / "checkpoints/step-0000002/drafter").config
+    second = load_drafter(stage2 / "checkpoints/step-0000002/drafter").config
+    assert first.rope_scaling is None and second.rope_scaling == YARN
+    assert first.trained_context_length <= 12 - 1 + 4 < second.trained_context_length  # the longer of both
+    # weights only: a fresh optimizer and schedule (stage 2 starts at step 0, at the warm-up's first learning rate)
+    lr = [json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["lr"] for run in (stage1, stage2)]
+    assert lr[0] == lr[1] and torch.load(stage2 / "checkpoints/step-0000002/trainer.pt")["step"] == 2
+    assert "RoPE yarn factor 4, original_max_position_embeddings 16" in capsys.readouterr().out
+    # a resume under another scaling is refused: the run's configuration records it
+    assert _train(workdir, *cache, "--out", str(stage2), "--max-steps", "3", "--init", str(stage1), "--resume") == 2
+    assert "rope_scaling" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, expected", [
+    ('{"rope_type": "yarn", "factor": 4', "is not valid JSON"),
+    ('{"rope_type": "ntk", "factor": 4}', "rope_type 'ntk'; expected one of default, linear"),
+    ('{"rope_type": "yarn", "original_max_position_embeddings": 16}', "expected factor too"),
+    ('{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 16, "scale": 2}', "unknown key 'scale'"),
+])  # fmt: skip
+def test_a_rope_scaling_flag_that_does_not_parse_is_one_line_and_exit_2(workdir, capsys, value, expected):
+    with pytest.raises(SystemExit) as stopped:  # argparse's error, on one line
+        _train(workdir, "--completions", "c.json", "--out", str(workdir / "never"), "--rope-scaling", value)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--rope-scaling" in err and expected in err
+    assert not (workdir / "never").exists()
