@@ -472,7 +472,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
         hybrid_ngram_prior=args.hybrid_ngram_prior, completions=args.completions, prompts=args.prompts,
         num_prompts=args.num_prompts, max_blocks=args.max_blocks, max_new_tokens=args.max_new_tokens,
         block_size=args.block_size, online=args.online, temperature=args.temperature,
-        check_consistency=args.check_consistency, reference=args.reference, target_layer_ids=args.target_layer_ids,
+        serving_rule=args.serving_rule, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        use_generation_config=not args.no_generation_config, check_consistency=args.check_consistency,
+        reference=args.reference, target_layer_ids=args.target_layer_ids,
         mask_token_id=args.mask_token_id, num_speculative_tokens=args.num_speculative_tokens,
         adaptive_threshold=args.adaptive_threshold, confidence_threshold=args.confidence_threshold,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min,
@@ -530,6 +532,24 @@ def cmd_export(args: argparse.Namespace) -> None:
     checks.summary()
 
 
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    from flashdraft.serving_rules import DEFAULT_RULE, RULES
+
+    p.add_argument("--serving-rule", choices=list(RULES), default=DEFAULT_RULE,
+                   help=f"how the server drafts and verifies at T > 0 (default {DEFAULT_RULE}: vLLM's default, "
+                        "argmax drafts accepted with p(d); vllm-probabilistic: sampled drafts, min(1, p/q); sglang: "
+                        "DFlash argmax, DFlash2/DSpark sampled walks; flashdraft doctor DIR --serving prints each)")
+    p.add_argument("--top-k", type=_positive, default=None,
+                   help="T > 0: keep the K likeliest target tokens (default: the target's generation_config.json)")
+    p.add_argument("--top-p", type=_probability, default=None,
+                   help="T > 0: keep the likeliest target tokens holding P of the mass (default: generation config)")
+    p.add_argument("--min-p", type=_probability, default=None,
+                   help="T > 0, vLLM rules: drop target tokens under P x the top probability (default: generation "
+                        "config)")  # fmt: skip
+    p.add_argument("--no-generation-config", action="store_true",
+                   help="ignore the target's generation_config.json sampling defaults (top_k, top_p, min_p)")
+
+
 def _add_eval_commands(sub) -> None:
     p = sub.add_parser("eval", help="τ of a drafter offline (target completions) or online, vs a reference")
     p.add_argument("--checkpoint", help="drafter directory, training run directory or .pt/.safetensors")
@@ -569,7 +589,10 @@ def _add_eval_commands(sub) -> None:
                         "servers' adaptive verification, lossless); eval always reports the head's calibration and "
                         "the tau and cost of cutting at 0.3/0.5/0.7/0.9 and C")  # fmt: skip
     p.add_argument("--online", action="store_true", help="real speculative decoding with the target, timed")
-    p.add_argument("--temperature", type=_temperature, default=0.0, help="online sampling temperature (0 = greedy)")
+    p.add_argument("--temperature", type=_temperature, default=0.0,
+                   help="sampling temperature (0 = greedy); offline at T > 0 the completions must be the target's "
+                        "samples at the settings (--prompts: eval samples them)")  # fmt: skip
+    _sampling_args(p)
     p.add_argument(
         "--check-consistency",
         action="store_true",

@@ -419,11 +419,57 @@ def test_more_speculative_tokens_than_the_block_drafts_are_refused(capsys, tmp_p
     assert "records" not in out  # refused before any decoding
 
 
-def test_sampling_temperature_is_refused_offline(capsys, tmp_path, target_dir, prompts_file):
-    save_drafter(make_drafter(), tmp_path / "d")
+@pytest.mark.parametrize("rule", ["vllm", "vllm-probabilistic", "sglang"])
+def test_sampled_eval_reports_its_rule_and_a_tau_that_agrees_with_its_expected_value(
+    capsys, tmp_path, target_dir, prompts_file, rule
+):  # fmt: skip
+    target = TargetModel.load(target_dir)
+    record = EvalRecord("o", PROMPTS[0], autoregressive_generate(target, PROMPTS[0], 30).output_ids)
+    save_drafter(overfit(make_dspark_drafter(), target, record), tmp_path / "d")
     rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
-                           prompts_file, "--temperature", 0.7)  # fmt: skip
-    assert rc == 2 and "--temperature 0.7" in err and len(err.strip().splitlines()) == 1
+                           prompts_file, "--num-prompts", 3, "--max-new-tokens", 30, "--online", "--temperature", 0.6,
+                           "--top-p", 0.95, "--top-k", 20, "--serving-rule", rule, "--json", tmp_path / "out.json")
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert summary["serving_rule"] == rule and f"serving rule {rule} (" in out
+    assert summary["sampling"] | {"source": None} == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": None,
+                                                       "source": None}  # fmt: skip
+    assert summary["expected_tau_stderr"] > 0 and summary["tau_stderr_given_drafts"] > 0
+    assert abs(summary["tau"] - summary["expected_tau"]) < 4 * summary["tau_stderr_given_drafts"]
+
+
+def test_check_consistency_at_a_temperature_is_step_for_step_under_the_one_hot_rule(
+    capsys, tmp_path, target_dir, prompts_file
+):  # fmt: skip
+    # argmax drafts accepted with p(d): the bonus after a rejection is never the rejected draft, so the greedy walk
+    # over the sampled output commits what decoding committed
+    target = TargetModel.load(target_dir)
+    record = EvalRecord("o", PROMPTS[0], autoregressive_generate(target, PROMPTS[0], 30).output_ids)
+    save_drafter(overfit(make_dflash2_drafter(), target, record), tmp_path / "d")
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
+                           prompts_file, "--num-prompts", 3, "--max-new-tokens", 30, "--temperature", 0.8,
+                           "--check-consistency", "--json", tmp_path / "out.json")  # fmt: skip
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert summary["consistency"]["identical"] and max(summary["histogram"][1:]) > 0
+
+
+def test_check_consistency_at_a_temperature_of_a_sampled_walk_is_refused(capsys, tmp_path, target_dir, prompts_file):
+    save_drafter(make_dflash2_drafter(), tmp_path / "d")
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
+                           prompts_file, "--temperature", 0.7, "--check-consistency", "--serving-rule", "sglang")
+    assert rc == 2 and "--check-consistency at --temperature 0.7" in err and len(err.strip().splitlines()) == 1
+    assert "records" not in out  # refused before any decoding
+
+
+def test_offline_at_a_temperature_refuses_completions_made_at_another(capsys, tmp_path, target_dir, prompts_file):
+    save_drafter(make_drafter(), tmp_path / "d")
+    rc, _, err = run_cli(capsys, "generate", "--target-model", target_dir, "--prompts", prompts_file, "--out",
+                         tmp_path / "c.json", "--max-new-tokens", 8)  # fmt: skip
+    assert rc == 0, err
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir,
+                           "--completions", tmp_path / "c.json", "--temperature", 0.7)  # fmt: skip
+    assert rc == 2 and "made at temperature 0.0" in err and "--prompts" in err and len(err.strip().splitlines()) == 1
 
 
 def test_drafter_made_for_another_target_is_refused(capsys, tmp_path, target_dir, prompts_file):
