@@ -19,8 +19,9 @@ from flashdraft.evaluate import records_from_prompts
 from flashdraft.model import DFlashDrafter
 from flashdraft.offline import confidence_figures, evaluate_offline, selector_figures
 from flashdraft.records import EvalRecord, FeatureSource
-from flashdraft.results import EvalResult, PromptResult, speedup_bound
+from flashdraft.results import EvalResult, PromptResult, expected_tau_figures, speedup_bound
 from flashdraft.run_dir import load_any_drafter
+from flashdraft.serving_rules import SamplingFilters
 from flashdraft.target import TargetModel
 from tests.conftest import (
     DFLASH2,
@@ -213,6 +214,39 @@ def test_offline_equals_online_when_the_completion_ends_at_a_stop_token():
     drafter = overfit(make_drafter(), target, record)
     offline = evaluate_offline(drafter, target, [record])
     assert [offline.per_prompt[0].acceptance_lengths] == online_lengths(target, drafter, [record])
+
+
+@pytest.mark.parametrize("rule", ["vllm", "sglang"])
+def test_offline_tau_at_a_temperature_agrees_with_online_sampling_over_many_seeds(rule):
+    # a DSpark drafter: its Markov walk is the argmax walk under vllm (offline: the greedy walk's match), sampled
+    # under sglang (offline: accepting each completion token with min(1, q / p)); offline walks the target's own
+    # samples, online decodes, each seed anew; the sampled τ, and offline's expected τ, agree with online's
+    target = make_target("qwen3")
+    drafter = make_dspark_drafter()
+    with torch.no_grad():  # a peaked p at T = 0.6 and a Markov bias the trained drafter can use, so drafts are
+        target.model.get_output_embeddings().weight.mul_(3)  # accepted often enough to matter
+        drafter.markov_head.markov_w2.weight.mul_(0.1)
+    drafter = overfit(drafter, target, greedy_records(target, 30)[0])
+    prompts = [PROMPTS[0]] * 3  # the drafter's own: three samples each seed
+    temperature, filters = 0.6, SamplingFilters(top_k=20, top_p=0.95)
+    offline, expected, online = [], [], []
+    for seed in range(20):
+        gens = [torch.Generator().manual_seed(1000 * seed + i) for i in range(len(prompts))]
+        records = [EvalRecord(f"r{i}", p, autoregressive_generate(target, p, 16, temperature, g, filters).output_ids)
+                   for i, (p, g) in enumerate(zip(prompts, gens, strict=True))]  # fmt: skip
+        walked = evaluate_offline(drafter, target, records, rule=rule, temperature=temperature, filters=filters,
+                                  seed=seed)  # fmt: skip
+        offline.append(walked.tau)
+        expected.append(expected_tau_figures(walked)["expected_tau"])
+        lengths = [n for p, g in zip(prompts, gens, strict=True) for n in speculative_generate(
+            target, drafter, p, 16, temperature, generator=g, filters=filters, rule=rule).acceptance_lengths]
+        online.append(sum(lengths) / len(lengths))
+    on = torch.tensor(online)
+    for off in (torch.tensor(offline), torch.tensor(expected)):
+        error = (off.var() / len(off) + on.var() / len(on)) ** 0.5
+        assert abs(float(off.mean() - on.mean())) < 4 * float(error), (off.mean(), on.mean(), error)
+    assert float(on.mean()) > 1.3  # drafts were accepted often enough for the comparison to matter
+    assert float(torch.tensor(expected).var()) < float(torch.tensor(offline).var())  # the estimate is less noisy
 
 
 def test_max_blocks_keeps_the_first_steps_of_the_walk():
