@@ -216,17 +216,20 @@ def test_offline_equals_online_when_the_completion_ends_at_a_stop_token():
     assert [offline.per_prompt[0].acceptance_lengths] == online_lengths(target, drafter, [record])
 
 
-@pytest.mark.parametrize("rule", ["vllm", "sglang"])
-def test_offline_tau_at_a_temperature_agrees_with_online_sampling_over_many_seeds(rule):
-    # a DSpark drafter: its Markov walk is the argmax walk under vllm (offline: the greedy walk's match), sampled
-    # under sglang (offline: accepting each completion token with min(1, q / p)); offline walks the target's own
-    # samples, online decodes, each seed anew; the sampled τ, and offline's expected τ, agree with online's
+@pytest.mark.parametrize("rule, family", [("vllm", "dflash"), ("vllm-probabilistic", "dflash"), ("sglang", "dspark")])
+def test_offline_tau_at_a_temperature_agrees_with_online_sampling_over_many_seeds(rule, family):
+    # offline walks the target's own samples (argmax drafts: the greedy walk's match; sampled drafts, DFlash's per
+    # position or DSpark's Markov walk: each completion token accepted with min(1, q / p)); online decodes, each
+    # seed anew; the sampled τ, and offline's expected τ, agree with online's
     target = make_target("qwen3")
-    drafter = make_dspark_drafter()
+    drafter = make_dspark_drafter() if family == "dspark" else make_drafter()
     with torch.no_grad():  # a peaked p at T = 0.6 and a Markov bias the trained drafter can use, so drafts are
         target.model.get_output_embeddings().weight.mul_(3)  # accepted often enough to matter
-        drafter.markov_head.markov_w2.weight.mul_(0.1)
+        if family == "dspark":
+            drafter.markov_head.markov_w2.weight.mul_(0.1)
     drafter = overfit(drafter, target, greedy_records(target, 30)[0])
+    if family == "dflash":  # a diffuse q, the argmax kept: sampled drafts often differ from it, so the rules' τ differ
+        drafter.config.extra.setdefault("dflash_config", {})["output_multiplier"] = 0.2
     prompts = [PROMPTS[0]] * 3  # the drafter's own: three samples each seed
     temperature, filters = 0.6, SamplingFilters(top_k=20, top_p=0.95)
     offline, expected, online = [], [], []
@@ -244,7 +247,7 @@ def test_offline_tau_at_a_temperature_agrees_with_online_sampling_over_many_seed
     on = torch.tensor(online)
     for off in (torch.tensor(offline), torch.tensor(expected)):
         error = (off.var() / len(off) + on.var() / len(on)) ** 0.5
-        assert abs(float(off.mean() - on.mean())) < 4 * float(error), (off.mean(), on.mean(), error)
+        assert abs(float(off.mean() - on.mean())) < 3 * float(error), (off.mean(), on.mean(), error)
     assert float(on.mean()) > 1.3  # drafts were accepted often enough for the comparison to matter
     assert float(torch.tensor(expected).var()) < float(torch.tensor(offline).var())  # the estimate is less noisy
 
