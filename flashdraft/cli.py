@@ -344,8 +344,9 @@ def cmd_doctor(args: argparse.Namespace) -> None:
     load = TargetModel.load if kind == "cache" else TargetHead.load
     target = load(args.target_model) if args.target_model else None
     if not run_doctor(args.path, target, args.checkpoint, samples=args.samples, tolerance=args.tolerance,
-                      verify=not args.no_verify, serving=args.serving,
-                      target_name=args.target_model if args.target_model != "tiny" else None):  # fmt: skip
+                      verify=not args.no_verify, serving=args.serving or args.serving_command is not None,
+                      target_name=args.target_model if args.target_model != "tiny" else None,
+                      serving_command=args.serving_command):  # fmt: skip
         sys.exit(1)
 
 
@@ -437,6 +438,9 @@ def _add_data_commands(sub) -> None:
                    "ids, causality per layer, mask token, file modes, V2 runner, reduced vocabulary, block size) as "
                    "ok/warn/FAIL, and the exact vLLM and SGLang command lines; exit 1 when a rule fails (warnings "
                    "do not)")  # fmt: skip
+    p.add_argument("--serving-command", default=None, metavar="CMD",
+                   help="with --serving: the sampling rule this vllm/sglang command line implies at T > 0 (the "
+                        "--serving-rule eval takes), in place of the rules of the commands doctor prints")
     p.add_argument("--samples", type=_positive, default=4, help="records re-run through the target")
     p.add_argument("--tolerance", type=float, default=None,
                    help="max relative error per layer (default: bf16 1e-2, fp16 2e-3, fp32 1e-4)")  # fmt: skip

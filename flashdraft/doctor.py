@@ -83,6 +83,7 @@ def run_doctor(
     verify: bool = True,
     serving: bool = False,
     target_name: str | None = None,
+    serving_command: str | None = None,
 ) -> bool:
     """Check PATH (and against `target` and the drafter `checkpoint`; with `serving`, a drafter
     directory against the servers' rules, commands naming `target_name`); True when none fails."""
@@ -110,7 +111,7 @@ def run_doctor(
         if serving:
             from flashdraft.serving import check_serving
 
-            check_serving(path, target, checks, target_name)
+            check_serving(path, target, checks, target_name, serving_command)
     elif kind in ("run", "checkpoint"):
         check_run(path, target, checks, verify, single=kind == "checkpoint")
     elif kind == "state dict":

@@ -208,3 +208,26 @@ def expected_committed(alpha: torch.Tensor, cap: int) -> tuple[float, float]:
     mean = 1.0 + float(reach.sum())
     second = 1.0 + float(((2 * m - 1) * reach).sum())  # E[n^2] = sum_m (2m - 1) P(n >= m)
     return mean, max(second - mean * mean, 0.0)
+
+
+# -- the rule a serving command implies ------------------------------------------------------------
+
+
+def rule_of_command(command: str) -> ServingRule:
+    """The rule a vLLM or SGLang serving command line implies: vLLM's draft_sample_method in --speculative-config
+    (absent: greedy, its default), SGLang's one rule (its DFlash2/DSpark walks are sampled;
+    SGLANG_DSPARK_USE_GREEDY_DRAFT=1 is not modelled)."""
+    if "sglang" in command:
+        return RULES["sglang"]
+    if "vllm" not in command:
+        raise FlashdraftError(f"--serving-command {command!r}: expected a 'vllm serve ...' or "
+                              f"'python -m sglang.launch_server ...' command line")  # fmt: skip
+    import re
+
+    method = re.search(r'"?draft_sample_method"?\s*[:=]\s*"?(\w+)', command)
+    if method is None or method.group(1) == "greedy":
+        return RULES["vllm"]
+    if method.group(1) == "probabilistic":
+        return RULES["vllm-probabilistic"]
+    raise FlashdraftError(f"--serving-command: draft_sample_method {method.group(1)!r} is not built (expected greedy "
+                          f"or probabilistic)")  # fmt: skip

@@ -18,6 +18,7 @@ from flashdraft.serving_rules import (
     expected_committed,
     filters_for,
     resolve_filters,
+    rule_of_command,
     serving_rule,
     target_probs,
 )
@@ -152,3 +153,14 @@ def test_under_the_vllm_default_rule_drafts_are_the_argmax_walk_at_t1_accepted_w
                 variance += float(p_d[j] * (1 - p_d[j]))
     assert abs(observed - predicted) < 4 * variance**0.5, (observed, predicted, variance**0.5)
     assert observed > 30  # drafts were accepted often enough for the law to be seen
+
+
+def test_a_serving_command_implies_its_servers_rule():
+    spec = '{"method": "dflash", "model": "d", "num_speculative_tokens": 7}'
+    assert rule_of_command(f"vllm serve Qwen/Qwen3-8B --speculative-config '{spec}'").name == "vllm"
+    probabilistic = spec.replace("}", ', "draft_sample_method": "probabilistic"}')
+    assert rule_of_command(f"vllm serve Qwen/Qwen3-8B --speculative-config '{probabilistic}'").name == \
+        "vllm-probabilistic"  # fmt: skip
+    assert rule_of_command("python -m sglang.launch_server --speculative-algorithm DSPARK").name == "sglang"
+    with pytest.raises(FlashdraftError, match="expected a 'vllm serve"):
+        rule_of_command("trtllm-serve model")
