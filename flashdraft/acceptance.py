@@ -25,13 +25,15 @@ is asked for all anchors of a stretch at once; the walk uses the drafts it lands
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from flashdraft.config import DEFAULT_BLOCK_SIZE
+from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
+from flashdraft.serving_rules import ServingRule, serving_rule
 from flashdraft.target import TargetModel
 
 
@@ -73,7 +75,7 @@ class ProposerFactory(Protocol):
     block_size: int  # its default block
     context_layer_ids: list[int]
 
-    def new_proposer(self, target: TargetModel) -> Proposer: ...
+    def new_proposer(self, target: TargetModel, rule: ServingRule | str | None = None) -> Proposer: ...
 
 
 # -- the rule -----------------------------------------------------------------------------
@@ -111,32 +113,6 @@ def accept_greedy_in_chunks(
         start, end = end, k + 1
 
 
-def accept_sampled(
-    draft: torch.Tensor,
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None = None,
-) -> tuple[int, int]:
-    """Lossless speculative sampling for one block.
-
-    draft: [k]; draft_probs: [k, V] the drafter's distribution q at each position;
-    target_probs: [k + 1, V] the target's p after each block token. Accept d(j+1) with
-    probability min(1, p(d) / q(d)); on the first rejection sample from normalize(max(0, p - q)).
-    """
-    for k in range(draft.shape[0]):
-        d = int(draft[k])
-        p, q = target_probs[k], draft_probs[k]
-        u = torch.rand((), generator=generator, device=p.device)
-        if u * q[d] <= p[d]:  # u < p/q without dividing by a zero q
-            continue
-        residual = (p - q).clamp(min=0)
-        total = residual.sum()
-        residual = residual / total if total > 0 else p
-        return k, int(torch.multinomial(residual, 1, generator=generator))
-    last = target_probs[draft.shape[0]]
-    return draft.shape[0], int(torch.multinomial(last, 1, generator=generator))
-
-
 def sample_drafts(
     logits: torch.Tensor, temperature: float, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -148,11 +124,28 @@ def sample_drafts(
     return torch.multinomial(q, 1, generator=generator)[:, 0], q
 
 
+def drafting_family(proposer: Proposer) -> str | None:
+    """The drafter family a proposer drafts as (`flashdraft.serving_rules`), None without a drafter (n-gram)."""
+    return getattr(proposer, "family", None)
+
+
 def draw_drafts(
+    proposer: Proposer, logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
+    rule: ServingRule | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """What a step verifies of a proposal [k, V] under the serving rule: the argmax walk (the rows' argmax, q None:
+    one-hot) at temperature 0 or where the rule drafts the argmax at T > 0; else sampled, by the proposer's own
+    `draw` when it has one (DFlash2 and DSpark walk, each draft given the one sampled before), else
+    `sample_drafts`. Returns drafts [k] and q [k, V] or None."""
+    if temperature <= 0 or not serving_rule(rule).samples_drafts(drafting_family(proposer)):
+        return logits.argmax(-1), None
+    return sampled_draw(proposer, logits, temperature, generator)
+
+
+def sampled_draw(
     proposer: Proposer, logits: torch.Tensor, temperature: float, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What a step verifies of a proposal: the proposer's own `draw` when it has one (DFlash2's walk
-    draws each draft given the one before), else `sample_drafts`."""
+    """Sampled drafts [k] and their q [k, V]: the proposer's own `draw`, else `sample_drafts`."""
     draw = getattr(proposer, "draw", None)
     return draw(logits, temperature, generator) if draw is not None else sample_drafts(logits, temperature, generator)
 
@@ -205,19 +198,29 @@ def anchors_per_forward(block_size: int, vocab_size: int) -> int:
 class DFlashProposer:
     """Drafts blocks with a DFlash drafter, keeping committed context in its KV cache."""
 
-    def __init__(self, drafter: DFlashDrafter, target: TargetModel) -> None:
+    def __init__(self, drafter: DFlashDrafter, target: TargetModel, rule: ServingRule | str | None = None) -> None:
         self.drafter, self.target = drafter, target
         self.context_layer_ids = drafter.config.target_layer_ids
         self.cache = drafter.new_cache()
         # a DFlash2 drafter drafts its selector's walk; False: the unary argmax (what the selector adds, by comparison)
         self.use_selector = True
+        # DSpark: dspark_draft_topk as the serving rule's server reads it (vLLM: honoured; SGLang: ignored)
+        self.honour_draft_top_k = serving_rule(rule).honours_draft_top_k
         self._last_walk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # every block of the last call: hidden [K, k, H], base logits [K, k, V], anchors [K] (`path_distributions`)
+        self._blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # DSpark: the confidence [K, k] of each draft of the last proposal's greedy walk (None without the head)
         self.last_confidence: torch.Tensor | None = None
         self._walk_length = 0  # DSpark: drafts of the last proposal before its confidence cut
         # drafts the limit never verifies get no logits (the LM head is costly): none past its k, and
         # under an adaptive p, `propose` stops after the chunk of rows holding the first unsure draft
         self.limit: DraftLimit | None = None
+
+    @property
+    def family(self) -> str:
+        """The family it drafts as (a DFlash2 drafter without its selector drafts as DFlash)."""
+        family = self.drafter.config.family
+        return "dflash" if family == "dflash2" and not self.use_selector else family
 
     def anchors_per_call(self, block: int) -> int:
         return anchors_per_forward(block, self.target.vocab_size)
@@ -234,6 +237,7 @@ class DFlashProposer:
         logits = logits.view(*drafts.shape[:2], -1)  # [K, k, V]
         selector = self.drafter.candidate_selector
         anchors = torch.tensor(anchor_tokens, device=logits.device)
+        self._blocks = (drafts, logits, anchors)
         if selector is not None and self.use_selector:  # DFlash2: the rows of the selector's greedy walk
             self._last_walk = (drafts[-1:], logits[-1:], anchors[-1:])  # what `draw` re-walks when sampling
             logits = selector.walk(drafts, logits, anchors)[1]
@@ -241,7 +245,7 @@ class DFlashProposer:
             return list(logits)
         # DSpark: the rows of the greedy Markov walk, each draft's logits corrected by the draft before it
         self._last_walk = (drafts[-1:], logits[-1:], anchors[-1:])
-        _, logits, previous = self.drafter.markov_walk(logits, anchors)
+        _, logits, previous = self.drafter.markov_walk(logits, anchors, honour_draft_top_k=self.honour_draft_top_k)
         self._walk_length = logits.shape[1]
         if self.drafter.confidence_head is None:
             return list(logits)
@@ -268,11 +272,26 @@ class DFlashProposer:
         threshold = self.limit.confidence_threshold if self.limit is not None else None
         if threshold is not None:
             k = self._walk_length
-        drafts, q, previous = self.drafter.markov_walk(base[:, :k], anchor, temperature, generator)
+        drafts, q, previous = self.drafter.markov_walk(base[:, :k], anchor, temperature, generator,
+                                                       honour_draft_top_k=self.honour_draft_top_k)  # fmt: skip
         if threshold is not None:
             n = confident_prefix(self.drafter.confidence(hidden[0, :k], previous[0]), threshold)
             drafts, q = drafts[:, :n], q[:, :n]
         return drafts[0], q[0]
+
+    def path_distributions(self, j: int, path: torch.Tensor, temperature: float) -> torch.Tensor:
+        """q [k, V]: the distribution the sampled walk of block j of the last call draws each draft from when the
+        drafts before it are path [k]'s tokens (the first from the anchor): what the offline walk at T > 0 needs
+        along a completion. DFlash: softmax(logits / T) per position, independent of the path."""
+        hidden, base, anchors = self._blocks
+        k = path.shape[0]
+        hidden, base, anchors, path = hidden[j : j + 1, :k], base[j : j + 1, :k], anchors[j : j + 1], path[None]
+        if self.drafter.markov_head is not None:
+            return self.drafter.markov_walk(base, anchors, temperature, path=path,
+                                            honour_draft_top_k=self.honour_draft_top_k)[1][0]  # fmt: skip
+        if self.drafter.candidate_selector is not None and self.use_selector:
+            return self.drafter.candidate_selector.walk(hidden, base, anchors, temperature, path=path)[1][0]
+        return torch.softmax(base[0].float() / temperature, -1)
 
     def _block_hidden(
         self, anchor_tokens: list[int], anchor_positions: list[int], new_context: torch.Tensor | None,
@@ -358,10 +377,17 @@ class LimitedProposer:
         logits = self.inner.propose(tokens, anchor_pos, new_context, new_positions, block)
         return logits[: self.limit.count(logits)]
 
+    @property
+    def family(self) -> str | None:
+        return drafting_family(self.inner)
+
     def draw(
         self, logits: torch.Tensor, temperature: float, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return draw_drafts(self.inner, logits, temperature, generator)
+        return sampled_draw(self.inner, logits, temperature, generator)
+
+    def path_distributions(self, j: int, path: torch.Tensor, temperature: float) -> torch.Tensor:
+        return self.inner.path_distributions(j, path, temperature)
 
 
 class LimitedBatchProposer(LimitedProposer):
@@ -380,19 +406,20 @@ class LimitedBatchProposer(LimitedProposer):
 
 def as_proposer(
     drafter: DFlashDrafter | ProposerFactory | Proposer, target: TargetModel, limit: DraftLimit | None = None,
-    use_selector: bool = True,
+    use_selector: bool = True, rule: ServingRule | str | None = None,
 ) -> Proposer:  # fmt: skip
     """A fresh proposer for one sequence: a DFlash drafter gets its own KV cache, a
     `ProposerFactory` makes one; a stateless proposer serves every sequence itself. With a
     `limit`, it verifies only the drafts the limit keeps. `use_selector` False: a DFlash2 drafter
-    drafts its unary argmax (what it would without its selector, for comparison)."""
+    drafts its unary argmax (what it would without its selector, for comparison). `rule`: the serving rule
+    (`flashdraft.serving_rules`) whose reading of the drafter's fields it drafts with."""
     if isinstance(drafter, DFlashDrafter):
-        proposer = DFlashProposer(drafter, target)
+        proposer = DFlashProposer(drafter, target, rule)
         proposer.use_selector = use_selector
         if limit is not None:  # drafts the limit never verifies need no logits
             proposer.limit = limit
     else:
-        proposer = drafter.new_proposer(target) if isinstance(drafter, ProposerFactory) else drafter
+        proposer = drafter.new_proposer(target, rule) if isinstance(drafter, ProposerFactory) else drafter
     return limit.wrap(proposer) if limit is not None else proposer
 
 
@@ -401,6 +428,57 @@ def default_block_size(drafter: DFlashDrafter | ProposerFactory | Proposer) -> i
     if isinstance(drafter, DFlashDrafter):
         return drafter.config.block_size
     return drafter.block_size if isinstance(drafter, ProposerFactory) else DEFAULT_BLOCK_SIZE
+
+
+# -- the offline walk ----------------------------------------------------------------------
+
+
+@dataclass
+class OfflineSampling:
+    """What the offline walk needs at T > 0 (module `flashdraft.offline` states what is exact): the target's filtered
+    p along the completion and the rule drafts are drawn under. `probs_at(start, end)`: rows [end - start, V], row r
+    the target's p of completion[start + r + 1] after completion[.. start + r]."""
+
+    probs_at: Callable[[int, int], torch.Tensor]
+    temperature: float
+    rule: ServingRule
+    generator: torch.Generator | None = None
+    expected: list[float] = field(default_factory=list)  # per step: the estimate of its expected committed length
+
+    def step(self, proposer: Proposer, j: int, rows: torch.Tensor, completion: torch.Tensor, i: int) -> int:
+        """The tokens the step at anchor index i commits, drawn from their law given that the target's output is
+        `completion` [M] (rows [k, V]: the proposal of block j of the proposer's last call); appends the step's
+        expected committed length to `expected`.
+
+        With the drafts' q (sampled: the drafter's along the completion; argmax: one-hot) and the target's p,
+        P(draft t accepted | accepted before, output token c_t) = rho_t = min(1, q_t(c_t) / p_t(c_t)), so the walk
+        accepts c_t with probability rho_t (one-hot: rho_t = [d_t == c_t], the greedy walk's match). The expected
+        length is estimated by importance weighting along the completion: P(a >= t) = E[prod_{s < t} rho_s x
+        alpha_t], alpha_t = sum_x min(p_t(x), q_t(x)) (one-hot: p_t(d_t))."""
+        left = completion.shape[0] - 1 - i
+        k = min(rows.shape[0], left)
+        path = completion[i + 1 : i + 1 + k]  # [k]
+        p = self.probs_at(i, i + k)  # [k, V]
+        p_path = p.gather(-1, path[:, None])[:, 0]
+        if bool((p_path <= 0).any()):
+            t = int((p_path <= 0).int().argmax())
+            raise FlashdraftError(
+                f"completion token {i + 1 + t} ({int(path[t])}) has probability 0 under these sampling settings: the "
+                f"completions must be the target's samples at the settings evaluated (flashdraft generate with them)"
+            )
+        if self.rule.samples_drafts(drafting_family(proposer)):
+            q = proposer.path_distributions(j, path, self.temperature)[:k]  # [k, V]
+            alpha = torch.minimum(p, q).sum(-1)
+            rho = (q.gather(-1, path[:, None])[:, 0] / p_path).clamp(max=1.0)
+            coins = torch.rand(k, generator=self.generator, device=rho.device) < rho
+        else:
+            drafts = rows[:k].argmax(-1)
+            alpha = p.gather(-1, drafts[:, None])[:, 0]
+            rho = coins = (drafts == path).float()
+        reach = torch.cat([rho.new_ones(1), rho.double().cumprod(0)[:-1]]) * alpha.double()  # [k] P(a >= t) terms
+        self.expected.append(1.0 + float(reach[: max(left - 1, 0)].sum()))
+        a = int(coins.int().cumprod(0).sum())
+        return min(a + 1, left)
 
 
 # -- the offline walk ----------------------------------------------------------------------
@@ -416,12 +494,14 @@ def offline_acceptance_lengths(
     max_blocks: int | None = None,
     device: torch.device | str = "cpu",
     anchors_per_call: int | None = None,
+    sampling: OfflineSampling | None = None,
 ) -> list[int]:
     """Walk one completion as the target's own output (module docstring), at most `max_blocks`
     steps. features: [P + M, n * H] context features of prompt + completion for the
     proposer's layers (None when it wants none). A proposer with state (a cache) must be a
     fresh one per completion. `anchors_per_call` caps how many anchors a `BatchProposer`
-    drafts per call (default: its own choice); the lengths do not depend on it."""
+    drafts per call (default: its own choice); the lengths do not depend on it. `sampling`: the walk of a
+    sampled completion at T > 0 (`OfflineSampling.step`); None: greedy."""
     p, m = len(prompt_ids), len(completion_ids)
     tokens = prompt_ids + completion_ids
     completion = torch.tensor(completion_ids, device=device)
@@ -429,7 +509,7 @@ def offline_acceptance_lengths(
         features = features.to(device)
     batched = isinstance(proposer, BatchProposer)
     per_call = 1 if not batched else anchors_per_call or proposer.anchors_per_call(block_size)
-    drafts: dict[int, torch.Tensor] = {}  # anchor index -> drafted tokens [k]
+    drafts: dict[int, tuple[int, torch.Tensor]] = {}  # anchor index -> (its block in the call, rows [k, V])
     lengths: list[int] = []
     i = fed = 0  # anchor index; context positions [0, fed) were given to the proposer
     while i < m - 1 and (max_blocks is None or len(lengths) < max_blocks):
@@ -447,8 +527,12 @@ def offline_acceptance_lengths(
                                                   new_context, positions, block_size)  # fmt: skip
             else:
                 logits = [proposer.propose(tokens[: end + 1], end, new_context, positions, block_size)]
-            drafts = {a: x.argmax(-1) for a, x in zip(anchors, logits, strict=True)}
-        n = committed_length(drafts[i], completion, i)
+            drafts = {a: (j, x) for j, (a, x) in enumerate(zip(anchors, logits, strict=True))}
+        j, rows = drafts[i]
+        if sampling is None:
+            n = committed_length(rows.argmax(-1), completion, i)
+        else:
+            n = sampling.step(proposer, j, rows, completion, i)
         lengths.append(n)
         i += n
     return lengths

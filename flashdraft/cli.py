@@ -369,8 +369,10 @@ def cmd_doctor(args: argparse.Namespace) -> None:
     load = TargetModel.load if kind == "cache" else TargetHead.load
     target = load(args.target_model) if args.target_model else None
     if not run_doctor(args.path, target, args.checkpoint, samples=args.samples, tolerance=args.tolerance,
-                      verify=not args.no_verify, serving=args.serving, max_model_len=args.max_model_len,
-                      target_name=args.target_model if args.target_model != "tiny" else None):  # fmt: skip
+                      verify=not args.no_verify, serving=args.serving or args.serving_command is not None,
+                      max_model_len=args.max_model_len,
+                      target_name=args.target_model if args.target_model != "tiny" else None,
+                      serving_command=args.serving_command):  # fmt: skip
         sys.exit(1)
 
 
@@ -468,6 +470,9 @@ def _add_data_commands(sub) -> None:
     p.add_argument("--max-model-len", type=_positive, default=None,
                    help="with --serving: the context the drafter is served at (vLLM --max-model-len); default the "
                         "target's max_position_embeddings; warned past the drafter's trained context")  # fmt: skip
+    p.add_argument("--serving-command", default=None, metavar="CMD",
+                   help="with --serving: the sampling rule this vllm/sglang command line implies at T > 0 (the "
+                        "--serving-rule eval takes), in place of the rules of the commands doctor prints")
     p.add_argument("--samples", type=_positive, default=4, help="records re-run through the target")
     p.add_argument("--tolerance", type=float, default=None,
                    help="max relative error per layer (default: bf16 1e-2, fp16 2e-3, fp32 1e-4)")  # fmt: skip
@@ -503,7 +508,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
         hybrid_ngram_prior=args.hybrid_ngram_prior, completions=args.completions, prompts=args.prompts,
         num_prompts=args.num_prompts, max_blocks=args.max_blocks, max_new_tokens=args.max_new_tokens,
         block_size=args.block_size, online=args.online, temperature=args.temperature,
-        check_consistency=args.check_consistency, reference=args.reference, target_layer_ids=args.target_layer_ids,
+        serving_rule=args.serving_rule, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        use_generation_config=not args.no_generation_config, check_consistency=args.check_consistency,
+        reference=args.reference, target_layer_ids=args.target_layer_ids,
         mask_token_id=args.mask_token_id, num_speculative_tokens=args.num_speculative_tokens,
         adaptive_threshold=args.adaptive_threshold, confidence_threshold=args.confidence_threshold,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min,
@@ -561,6 +568,24 @@ def cmd_export(args: argparse.Namespace) -> None:
     checks.summary()
 
 
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    from flashdraft.serving_rules import DEFAULT_RULE, RULES
+
+    p.add_argument("--serving-rule", choices=list(RULES), default=DEFAULT_RULE,
+                   help=f"how the server drafts and verifies at T > 0 (default {DEFAULT_RULE}: vLLM's default, "
+                        "argmax drafts accepted with p(d); vllm-probabilistic: sampled drafts, min(1, p/q); sglang: "
+                        "DFlash argmax, DFlash2/DSpark sampled walks; flashdraft doctor DIR --serving prints each)")
+    p.add_argument("--top-k", type=_positive, default=None,
+                   help="T > 0: keep the K likeliest target tokens (default: the target's generation_config.json)")
+    p.add_argument("--top-p", type=_probability, default=None,
+                   help="T > 0: keep the likeliest target tokens holding P of the mass (default: generation config)")
+    p.add_argument("--min-p", type=_probability, default=None,
+                   help="T > 0, vLLM rules: drop target tokens under P x the top probability (default: generation "
+                        "config)")  # fmt: skip
+    p.add_argument("--no-generation-config", action="store_true",
+                   help="ignore the target's generation_config.json sampling defaults (top_k, top_p, min_p)")
+
+
 def _add_eval_commands(sub) -> None:
     p = sub.add_parser("eval", help="τ of a drafter offline (target completions) or online, vs a reference")
     p.add_argument("--checkpoint", help="drafter directory, training run directory or .pt/.safetensors")
@@ -600,7 +625,10 @@ def _add_eval_commands(sub) -> None:
                         "servers' adaptive verification, lossless); eval always reports the head's calibration and "
                         "the tau and cost of cutting at 0.3/0.5/0.7/0.9 and C")  # fmt: skip
     p.add_argument("--online", action="store_true", help="real speculative decoding with the target, timed")
-    p.add_argument("--temperature", type=_temperature, default=0.0, help="online sampling temperature (0 = greedy)")
+    p.add_argument("--temperature", type=_temperature, default=0.0,
+                   help="sampling temperature (0 = greedy); offline at T > 0 the completions must be the target's "
+                        "samples at the settings (--prompts: eval samples them)")  # fmt: skip
+    _sampling_args(p)
     p.add_argument(
         "--check-consistency",
         action="store_true",

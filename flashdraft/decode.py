@@ -6,7 +6,8 @@ anchor) and drafts a block [anchor, mask, ..., mask] in one pass; the target ver
 block in one pass; the longest agreeing prefix plus the target's bonus token is committed,
 the target cache is rolled back to the committed tokens, and their features become new
 drafter context. Greedy is token-identical to `autoregressive_generate`; with temperature > 0 the
-accept/resample rule keeps the target's distribution exactly.
+serving rule's accept/resample rule (`flashdraft.serving_rules`) keeps the law of the target's output, sampled
+with the same filters, exactly.
 """
 
 from __future__ import annotations
@@ -21,13 +22,21 @@ from flashdraft.acceptance import (
     Proposer,
     ProposerFactory,
     accept_greedy_in_chunks,
-    accept_sampled,
     as_proposer,
     default_block_size,
     draw_drafts,
     tau_of,
 )
 from flashdraft.model import DFlashDrafter
+from flashdraft.serving_rules import (
+    NO_FILTERS,
+    SamplingFilters,
+    ServingRule,
+    expected_committed,
+    serving_rule,
+    target_probs,
+    verify,
+)
 from flashdraft.target import TargetModel
 
 
@@ -43,17 +52,23 @@ class GenerationResult:
     verify_seconds: float = 0.0  # speculative: summed over steps, the target's forward over [anchor, drafts]
     # per step (speculative: draft and verify seconds; plain: one forward's seconds, the prefill left out)
     step_seconds: list = field(default_factory=list)
+    # speculative: per step, the mean and variance of its committed length given its drafts (from the acceptance
+    # probabilities the verification computed; greedy: the committed length, variance 0)
+    expected_lengths: list[float] = field(default_factory=list)
+    length_variances: list[float] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
         return tau_of(self.acceptance_lengths)
 
 
-def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    if temperature <= 0 or logits.shape[0] == 0:  # no drafts: nothing to draw
+def _sample(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None, filters: SamplingFilters = NO_FILTERS
+) -> torch.Tensor:
+    """One token of logits [V]: the argmax at temperature 0, else a draw from the filtered p."""
+    if temperature <= 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).reshape(probs.shape[:-1])
+    return torch.multinomial(target_probs(logits, temperature, filters), 1, generator=generator)[0]
 
 
 def _truncate(tokens: list[int], budget: int, stop_ids: set[int]) -> tuple[list[int], bool]:
@@ -85,9 +100,10 @@ def autoregressive_generate(
     max_new_tokens: int,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    filters: SamplingFilters = NO_FILTERS,
 ) -> GenerationResult:
     """Plain autoregressive decoding with the target's cache: one token per forward, the argmax at
-    temperature 0, else sampled."""
+    temperature 0, else sampled from p after `filters` (`flashdraft.serving_rules.target_probs`)."""
     stop_ids = set(target.stop_token_ids)
     cache = target.new_cache()
     ids = torch.tensor([prompt_ids], device=target.device)
@@ -96,7 +112,7 @@ def autoregressive_generate(
     while len(out) < max_new_tokens:
         start = _clock(target.device)
         logits = target.forward(ids, cache).logits_at(-1, None)[0, 0]
-        token = int(_sample(logits, temperature, generator))
+        token = int(_sample(logits, temperature, generator, filters))
         if out:  # the first forward is the prefill, not a decoding step
             step_seconds.append(_clock(target.device) - start)
         out.append(token)
@@ -117,6 +133,8 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     limit: DraftLimit | None = None,
     round_context_to: torch.dtype | None = None,
+    filters: SamplingFilters = NO_FILTERS,
+    rule: ServingRule | str | None = None,
 ) -> GenerationResult:
     """Generate with drafter + target; returns the tokens, each step's committed count and the
     time spent drafting and verifying.
@@ -131,9 +149,13 @@ def speculative_generate(
     back) before the proposer sees them, as a hidden-state cache in that dtype stores them;
     `eval --check-consistency` against such a cache uses it to compare the same features.
     None (real decoding): the features as the target computed them.
+
+    At temperature > 0, `rule` (`flashdraft.serving_rules`; default vLLM's) decides how drafts are drawn and
+    verified, and `filters` (top-k, top-p, min-p: those the rule's server applies) shape the target's p.
     """
     block = block_size or default_block_size(drafter)
-    proposer = as_proposer(drafter, target, limit)
+    rule = serving_rule(rule)
+    proposer = as_proposer(drafter, target, limit, rule=rule)
     if block < 2:
         raise ValueError(f"block_size {block} < 2")
     target.set_context_layers(proposer.context_layer_ids)
@@ -142,7 +164,7 @@ def speculative_generate(
     cache = target.new_cache()
 
     prefill = target.forward(torch.tensor([prompt_ids], device=device), cache)
-    first = int(_sample(prefill.logits_at(-1, None)[0, 0], temperature, generator))
+    first = int(_sample(prefill.logits_at(-1, None)[0, 0], temperature, generator, filters))
     result = GenerationResult([first])
     if first in stop_ids:
         result.stop_reason = "eos"
@@ -156,29 +178,36 @@ def speculative_generate(
         tokens = prompt_ids + result.output_ids
         start = _clock(device)
         draft_logits = proposer.propose(tokens, anchor_pos, new_context, new_positions, block)  # [k, V]
-        draft, q = draw_drafts(proposer, draft_logits, temperature, generator)  # [k], q [k, V] when sampling
+        draft, q = draw_drafts(proposer, draft_logits, temperature, generator, rule)  # [k], q [k, V] or None (one-hot)
         drafted = _clock(device)
-        verify = target.forward(torch.tensor([tokens[-1:] + draft.tolist()], device=device), cache)
-        verified = _clock(device)
+        verified = target.forward(torch.tensor([tokens[-1:] + draft.tolist()], device=device), cache)
+        verified_at = _clock(device)
         result.draft_seconds += drafted - start
-        result.verify_seconds += verified - drafted
-        result.step_seconds.append((drafted - start, verified - drafted))
+        result.verify_seconds += verified_at - drafted
+        result.step_seconds.append((drafted - start, verified_at - drafted))
+        budget = max_new_tokens - len(result.output_ids)
         if temperature <= 0:
-            a, bonus = accept_greedy_in_chunks(draft, verify.logits_at)
+            a, bonus = accept_greedy_in_chunks(draft, verified.logits_at)
         else:
-            p = torch.softmax(verify.logits[0].float() / temperature, -1)
-            a, bonus = accept_sampled(draft, q, p, generator)
+            a, bonus, alpha = verify(draft, q, target_probs(verified.logits[0], temperature, filters), generator)
+            # an accepted stop token ends the step: the step commits at most up to the first drafted one
+            stop_at = next((j + 1 for j, t in enumerate(draft.tolist()) if t in stop_ids), budget)
+            mean, variance = expected_committed(alpha, min(budget, stop_at))
 
         proposed = draft[:a].tolist() + [bonus]
-        committed, stopped = _truncate(proposed, max_new_tokens - len(result.output_ids), stop_ids)
+        committed, stopped = _truncate(proposed, budget, stop_ids)
         result.output_ids += committed
         result.acceptance_lengths.append(len(committed))
+        if temperature <= 0:
+            mean, variance = float(len(committed)), 0.0
+        result.expected_lengths.append(mean)
+        result.length_variances.append(variance)
         if stopped:
             result.stop_reason = "eos"
             break
         # the anchor and the accepted drafts stay in the target cache; the bonus is the next anchor
         target.rollback(cache, a + 1)
-        new_context = verify.context_features[:, : a + 1] if verify.context_features is not None else None
+        new_context = verified.context_features[:, : a + 1] if verified.context_features is not None else None
         new_context = _rounded(new_context, round_context_to)
         new_positions = anchor_pos + torch.arange(a + 1, device=device)[None]
         anchor_pos += a + 1

@@ -85,6 +85,7 @@ def run_doctor(
     serving: bool = False,
     target_name: str | None = None,
     max_model_len: int | None = None,
+    serving_command: str | None = None,
 ) -> bool:
     """Check PATH (and against `target` and the drafter `checkpoint`; with `serving`, a drafter
     directory against the servers' rules, commands naming `target_name`, long-context guards at
@@ -116,7 +117,8 @@ def run_doctor(
         if serving:
             from flashdraft.serving import check_serving
 
-            check_serving(path, target, checks, target_name, max_model_len)
+            check_serving(path, target, checks, target_name, max_model_len=max_model_len,
+                          serving_command=serving_command)
     elif kind in ("run", "checkpoint"):
         check_run(path, target, checks, verify, single=kind == "checkpoint")
     elif kind == "state dict":

@@ -26,17 +26,35 @@ from flashdraft.hybrid import HybridDrafter, HybridRule
 from flashdraft.long_context import eval_guards
 from flashdraft.model import DFlashDrafter
 from flashdraft.ngram import NGramProposer
-from flashdraft.offline import confidence_figures, drafter_shape, drafts_of, evaluate_offline, selector_figures
+from flashdraft.offline import (
+    confidence_figures,
+    drafter_shape,
+    drafts_of,
+    evaluate_offline,
+    record_generator,
+    selector_figures,
+)
 from flashdraft.records import EvalRecord, FeatureSource, Log, fit_prompts, invalid_reason, load_eval_records
 from flashdraft.results import (
     EvalResult,
     PromptResult,
     difference,
+    expected_tau_figures,
     first_difference,
     record_context_edges,
     speedup_bound,
 )
 from flashdraft.run_dir import LoadedDrafter, load_any_drafter
+from flashdraft.serving_rules import (
+    DEFAULT_RULE,
+    NO_FILTERS,
+    SamplingFilters,
+    ServingRule,
+    check_filters,
+    filters_for,
+    resolve_filters,
+    serving_rule,
+)
 from flashdraft.target import TargetModel
 
 NGRAM = "ngram"  # in place of a checkpoint (--drafter ngram, --reference ngram): the n-gram baseline
@@ -66,10 +84,6 @@ def _max_new_tokens(record: EvalRecord, default: int) -> int:
     return len(record.completion_ids) if record.completion_ids else default
 
 
-def _generator(seed: int, index: int, target: TargetModel) -> torch.Generator:
-    return torch.Generator(device=target.device).manual_seed(seed * 1_000_003 + index)
-
-
 def _sync(target: TargetModel) -> None:
     if target.device.type == "cuda":
         torch.cuda.synchronize(target.device)
@@ -82,17 +96,18 @@ def greedy_baseline(
     max_new_tokens: int = 256,
     temperature: float = 0.0,
     seed: int = 0,
+    filters: SamplingFilters = NO_FILTERS,
 ) -> list[GreedyRun]:
-    """Plain decoding of every record's prompt, timed after a warm-up run."""
-    warm_up = _generator(seed, -1, target)
-    autoregressive_generate(target, records[0].prompt_ids, min(8, max_new_tokens), temperature, warm_up)
+    """Plain decoding of every record's prompt (sampled with `filters` at temperature > 0), timed after a warm-up."""
+    warm_up = record_generator(seed, -1, target)
+    autoregressive_generate(target, records[0].prompt_ids, min(8, max_new_tokens), temperature, warm_up, filters)
     runs = []
     for index, record in enumerate(records):
         _sync(target)
         start = time.perf_counter()
         out = autoregressive_generate(
             target, record.prompt_ids, _max_new_tokens(record, max_new_tokens), temperature,
-            _generator(seed, index, target),
+            record_generator(seed, index, target), filters,
         )  # fmt: skip
         _sync(target)
         runs.append(GreedyRun(out.output_ids, time.perf_counter() - start, out.step_seconds))
@@ -112,17 +127,19 @@ def evaluate_online(
     seed: int = 0,
     limit: DraftLimit | None = None,
     round_context_to: torch.dtype | None = None,
+    filters: SamplingFilters = NO_FILTERS,
+    rule: ServingRule | str | None = None,
     context_edges: list[int] | None = None,
 ) -> EvalResult:
     """Online τ: real speculative decoding of every record's prompt (verifying the drafts
-    `limit` keeps), timed after a warm-up, each output checked against plain greedy decoding
-    (`baseline`) when temperature is 0, and the speed-up set against its bound. Acceptance
-    lengths are cut to the first `max_blocks` steps (the output and the timing are not).
+    `limit` keeps; at temperature > 0 under `rule` with `filters`), timed after a warm-up, each output checked
+    against plain greedy decoding (`baseline`) when temperature is 0, and the speed-up set against its bound.
+    Acceptance lengths are cut to the first `max_blocks` steps (the output and the timing are not).
     `round_context_to`: live context features rounded to a cache's dtype (`speculative_generate`);
     `context_edges`: the buckets of `EvalResult.by_context`."""
     b, layer_ids, context_layers = drafter_shape(drafter, block_size)
     speculative_generate(target, drafter, records[0].prompt_ids, min(8, max_new_tokens), temperature, b,
-                         _generator(seed, -1, target), limit)  # fmt: skip
+                         record_generator(seed, -1, target), limit, filters=filters, rule=rule)  # fmt: skip
     per_prompt, all_lengths = [], []
     seconds = draft_s = verify_s = 0.0
     for index, (record, plain) in enumerate(zip(records, baseline, strict=True)):
@@ -130,16 +147,18 @@ def evaluate_online(
         start = time.perf_counter()
         out = speculative_generate(
             target, drafter, record.prompt_ids, _max_new_tokens(record, max_new_tokens), temperature, b,
-            _generator(seed, index, target), limit, round_context_to,
+            record_generator(seed, index, target), limit, round_context_to, filters, rule,
         )  # fmt: skip
         _sync(target)
         seconds += time.perf_counter() - start
         draft_s, verify_s = draft_s + out.draft_seconds, verify_s + out.verify_seconds
         all_lengths += out.acceptance_lengths  # every step: the bound is of what was timed
         lossless = out.output_ids == plain.output_ids if temperature <= 0 else None
-        kept = len(out.acceptance_lengths) if max_blocks is None else max_blocks
-        per_prompt.append(PromptResult(record.id, out.acceptance_lengths[:kept], out.output_ids, lossless,
-                                       len(record.prompt_ids), out.step_seconds[:kept]))  # fmt: skip
+        kept = slice(None, max_blocks)
+        per_prompt.append(PromptResult(record.id, out.acceptance_lengths[kept], out.output_ids, lossless,
+                                       prompt_length=len(record.prompt_ids), step_seconds=out.step_seconds[kept],
+                                       expected_lengths=out.expected_lengths[kept],
+                                       length_variances=out.length_variances[kept]))  # fmt: skip
     spec_tokens = sum(len(p.output_ids) for p in per_prompt)
     greedy_tokens = sum(len(r.output_ids) for r in baseline)
     greedy_seconds = sum(r.seconds for r in baseline)
@@ -159,13 +178,15 @@ def evaluate_online(
 
 
 def consistency_mismatches(
-    records: list[EvalRecord], baseline: list[GreedyRun], offline: EvalResult, online: EvalResult
+    records: list[EvalRecord], baseline: list[GreedyRun] | None, offline: EvalResult, online: EvalResult
 ) -> list[str]:
     """Why offline and online τ are not the same walk, one line per record (empty if they are):
-    a completion that is not the target's greedy output, or acceptance lengths that differ."""
+    a completion that is not the target's greedy output, or acceptance lengths that differ. `baseline` None: the
+    offline walk went over the online outputs themselves (sampled under a one-hot rule), nothing to compare them to."""
     mismatches = []
-    for record, run, off, on in zip(records, baseline, offline.per_prompt, online.per_prompt, strict=True):
-        k = first_difference(run.output_ids, record.completion_ids)
+    runs = baseline if baseline is not None else [None] * len(records)
+    for record, run, off, on in zip(records, runs, offline.per_prompt, online.per_prompt, strict=True):
+        k = first_difference(run.output_ids, record.completion_ids) if run is not None else None
         if k is not None:
             mismatches.append(
                 f"record {record.id}: its completion is not the target's greedy output (first differs at token "
@@ -236,6 +257,13 @@ class EvalConfig:
     block_size: int | None = None
     online: bool = False
     temperature: float = 0.0
+    # at temperature > 0: the server's rule (`flashdraft.serving_rules`) and the request's filters (None: the
+    # target's generation_config.json values unless use_generation_config is off)
+    serving_rule: str = DEFAULT_RULE
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    use_generation_config: bool = True
     check_consistency: bool = False
     reference: str | None = None
     # verify fewer drafts per step, drafter and reference alike (`DraftLimit`)
@@ -311,10 +339,10 @@ def _drafter_type(drafter: DFlashDrafter | HybridDrafter | Proposer) -> str:
 
 
 def _prepare_records(
-    cfg: EvalConfig, target: TargetModel, max_new_tokens: int, log: Log
+    cfg: EvalConfig, target: TargetModel, max_new_tokens: int, log: Log, filters: SamplingFilters = NO_FILTERS
 ) -> tuple[list[EvalRecord], list[GreedyRun] | None, str]:
-    """The records to evaluate (completions decoded greedily where a prompt source gave none),
-    their plain-decoding baseline when online, and a description of where they came from."""
+    """The records to evaluate (completions decoded where a prompt source gave none: greedily, or offline at
+    T > 0 sampled with the settings), their plain-decoding baseline when online, and where they came from."""
     records, source = load_eval_records(target, cached_hidden_states=cfg.cached_hidden_states,
                                         completions=cfg.completions, prompts=cfg.prompts,
                                         num_prompts=cfg.num_prompts, verify=cfg.verify,
@@ -324,10 +352,10 @@ def _prepare_records(
     records = fit_prompts(records, target, max_new_tokens, cfg.long_prompts, str(cfg.prompts), log)
     baseline = None
     if cfg.online or cfg.check_consistency or not records[0].completion_ids:
-        baseline = greedy_baseline(target, records, max_new_tokens, cfg.temperature, cfg.seed)
+        baseline = greedy_baseline(target, records, max_new_tokens, cfg.temperature, cfg.seed, filters)
         for record, run in zip(records, baseline, strict=True):
-            if not record.completion_ids and cfg.temperature <= 0:
-                record.completion_ids = list(run.output_ids)  # the target's greedy output
+            if not record.completion_ids and (cfg.temperature <= 0 or not cfg.online):
+                record.completion_ids = list(run.output_ids)  # the target's output: greedy, or sampled (offline)
     valid, valid_baseline = [], []
     for index, record in enumerate(records):
         reason = invalid_reason(record, target.vocab_size)
@@ -419,19 +447,31 @@ def _cache_precision_note(cfg: EvalConfig, records: list[EvalRecord]) -> str | N
 
 def _evaluate_candidate(
     cfg: EvalConfig, c: Candidate, target: TargetModel, records: list[EvalRecord], baseline: list[GreedyRun] | None,
-    features: FeatureSource, max_new_tokens: int,
+    features: FeatureSource, max_new_tokens: int, filters: SamplingFilters = NO_FILTERS,
 ) -> dict[str, Any]:  # fmt: skip
-    """One drafter's summary: offline, online, or both with the consistency check."""
+    """One drafter's summary: offline, online, or both with the consistency check (at T > 0: the offline walk over
+    the online outputs, which under a one-hot rule commits what live decoding committed, step for step)."""
     offline = online = None
     limit = _draft_limit(cfg, c)
-    rounding = _consistency_rounding(cfg, c, records)
-    if not cfg.online or cfg.check_consistency:
+    rule = serving_rule(cfg.serving_rule)
+    sampled_check = cfg.check_consistency and cfg.temperature > 0
+    rounding = _consistency_rounding(cfg, c, records) if not sampled_check else None
+    if (not cfg.online or cfg.check_consistency) and not sampled_check:
         offline = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks, limit,
+                                   rule=rule, temperature=cfg.temperature, filters=filters, seed=cfg.seed,
                                    context_edges=cfg.context_buckets)  # fmt: skip
     if cfg.online or cfg.check_consistency:
         online = evaluate_online(c.drafter, target, records, baseline, c.block_size, cfg.max_blocks, max_new_tokens,
-                                 cfg.temperature, cfg.seed, limit, rounding, cfg.context_buckets)  # fmt: skip
+                                 cfg.temperature, cfg.seed, limit, rounding, filters, rule,
+                                 context_edges=cfg.context_buckets)  # fmt: skip
+    if sampled_check:
+        outputs = [EvalRecord(r.id, r.prompt_ids, o.output_ids)
+                   for r, o in zip(records, online.per_prompt, strict=True)]  # fmt: skip
+        offline = evaluate_offline(c.drafter, target, outputs, FeatureSource(target), c.block_size,
+                                   cfg.max_blocks, limit, rule=rule,
+                                   context_edges=cfg.context_buckets)  # fmt: skip
     summary = (online if cfg.online else offline).to_json()
+    summary |= sampling_figures(cfg, rule, filters, online if cfg.online else offline)
     if isinstance(c.drafter, DFlashDrafter) and c.drafter.candidate_selector is not None and cfg.temperature <= 0:
         summary["selector"] = selector_figures(c.drafter, target, records, online if cfg.online else offline,
                                                features, cfg.max_blocks)  # fmt: skip
@@ -447,7 +487,7 @@ def _evaluate_candidate(
                 "adaptive_threshold": cfg.adaptive_threshold,
                 "confidence_threshold": cfg.confidence_threshold}  # fmt: skip
     if cfg.check_consistency:
-        mismatches = consistency_mismatches(records, baseline, offline, online)
+        mismatches = consistency_mismatches(records, baseline if not sampled_check else None, offline, online)
         summary["consistency"] = {"identical": not mismatches, "mismatches": mismatches,
                                   "offline_tau": offline.tau, "online_tau": online.tau,
                                   "by_context_identical": _bucket_figures(offline) == _bucket_figures(online),
@@ -463,6 +503,87 @@ def _bucket_figures(result: EvalResult) -> list[tuple]:
             for b in result.by_context]  # fmt: skip
 
 
+# -- sampling at T > 0 (`flashdraft.serving_rules`) ------------------------------------------
+
+
+def _family(drafter: DFlashDrafter | HybridDrafter | Proposer) -> str | None:
+    inner = drafter.drafter if isinstance(drafter, HybridDrafter) else drafter
+    return inner.config.family if isinstance(inner, DFlashDrafter) else None
+
+
+def sampling_settings(cfg: EvalConfig, target: TargetModel, log: Log) -> SamplingFilters:
+    """The filters the requests get at T > 0 (the given ones, else the target's generation_config.json values),
+    without those the rule's server does not apply; logged with the rule. Greedy: none."""
+    if cfg.temperature <= 0:
+        return NO_FILTERS
+    rule = serving_rule(cfg.serving_rule)
+    given = resolve_filters(target.path, cfg.top_k, cfg.top_p, cfg.min_p, cfg.use_generation_config)
+    check_filters(given, rule)
+    filters = filters_for(given, rule)
+    dropped = sorted(set(given.active()) - set(filters.active()))
+    settings = ", ".join(f"{k} {v} ({filters.source.get(k)})" for k, v in filters.active().items()) or "no filters"
+    log(f"sampling: temperature {cfg.temperature}, {settings}"
+        + (f"; {', '.join(dropped)} from the generation config dropped: {rule.server} does not apply it"
+           if dropped else ""))  # fmt: skip
+    log(f"serving rule {rule.describe()}")
+    return filters
+
+
+def check_sampling(cfg: EvalConfig, candidates: list[Candidate]) -> None:
+    """What eval cannot do at T > 0, refused by name before any decoding."""
+    if cfg.temperature <= 0:
+        return
+    rule = serving_rule(cfg.serving_rule)
+    for c in candidates:
+        family = _family(c.drafter)
+        sampled = rule.samples_drafts(family)
+        if cfg.check_consistency and sampled:
+            raise FlashdraftError(
+                f"--check-consistency at --temperature {cfg.temperature}: {c.label} is a {family} drafter, whose "
+                f"drafts {rule.name} samples; offline and online are then equal in law, not step for step (the "
+                f"check holds where drafts are the argmax walk: --serving-rule vllm, or sglang for DFlash)"
+            )
+        if not cfg.online and sampled and cfg.confidence_threshold and family == "dspark":
+            raise FlashdraftError(f"--confidence-threshold with --temperature {cfg.temperature} offline: the cut of a "
+                                  f"sampled DSpark walk is not built offline; expected --online")  # fmt: skip
+
+
+def check_sampled_completions(cfg: EvalConfig, filters: SamplingFilters) -> None:
+    """Offline at T > 0 the completions must be the target's samples at the settings evaluated: those eval samples
+    itself from --prompts, or a file (or a cache of one) generated at this temperature without filters (flashdraft
+    generate applies none)."""
+    if cfg.temperature <= 0 or cfg.online or cfg.check_consistency or cfg.prompts is not None:
+        return
+    generation = _source_generation(cfg)
+    made_at = (generation or {}).get("temperature")
+    if made_at != cfg.temperature or filters.active():
+        wanted = f"temperature {cfg.temperature}" + "".join(f", {k} {v}" for k, v in filters.active().items())
+        raise FlashdraftError(
+            f"{cfg.completions or cfg.cached_hidden_states}: completions made at temperature {made_at}; offline τ at "
+            f"{wanted} needs the target's samples at those settings (give --prompts: eval samples them itself"
+            + (", or --no-generation-config" if filters.source and not cfg.top_k and not cfg.top_p else "") + ")"
+        )
+
+
+def _source_generation(cfg: EvalConfig) -> dict | None:
+    """The generation settings a completions file (or the file a cache was built from) records."""
+    import json
+    from pathlib import Path
+
+    if cfg.completions is not None:
+        return json.loads(Path(cfg.completions).read_text()).get("generation")
+    from flashdraft.data.cache import HiddenStateCache
+
+    completions = HiddenStateCache(cfg.cached_hidden_states, verify=False).manifest.get("completions") or {}
+    return completions.get("generation")
+
+
+def sampling_figures(cfg: EvalConfig, rule: ServingRule, filters: SamplingFilters, result: EvalResult) -> dict:
+    """The summary's sampling fields: the rule and settings evaluated, and τ beside its expected value."""
+    return {"serving_rule": rule.name, "sampling": {"temperature": cfg.temperature, **filters.to_json()}} \
+        | expected_tau_figures(result)  # fmt: skip
+
+
 def run_eval(
     cfg: EvalConfig, log: Log = print, target: TargetModel | None = None, drafter: LoadedDrafter | None = None
 ) -> dict[str, Any]:
@@ -470,17 +591,14 @@ def run_eval(
     records and step budget), and return the summary that `--json` writes. `target` and
     `drafter`: already loaded (`flashdraft.api`), used in place of cfg.target_model and
     cfg.checkpoint."""
-    if cfg.temperature > 0 and (not cfg.online or cfg.check_consistency):
-        raise FlashdraftError(
-            f"--temperature {cfg.temperature}: offline τ and --check-consistency are defined for greedy decoding; "
-            f"use --online without --check-consistency for sampling"
-        )
+    serving_rule(cfg.serving_rule)  # an unknown name fails before anything loads
     if cfg.drafter == "hybrid" and cfg.checkpoint == NGRAM:
         raise FlashdraftError("the hybrid needs a DFlash drafter: give its checkpoint, not 'ngram'")
     from flashdraft.target_weights import TargetHead
 
     # offline from a cache needs no target forward: only tokenizer, config, embeddings and LM head
     offline_only = cfg.cached_hidden_states is not None and not (cfg.online or cfg.check_consistency)
+    offline_only = offline_only and cfg.temperature <= 0  # at T > 0 the walk reads the target's p
     if target is None:
         target = (TargetHead if offline_only else TargetModel).load(cfg.target_model, device=cfg.device,
                                                                     dtype=cfg.dtype)  # fmt: skip
@@ -492,10 +610,13 @@ def run_eval(
     candidates = _load_candidates(cfg, target, log, drafter)
     for c in candidates:
         _draft_limit(cfg, c)  # a k past the block fails before any decoding
+    check_sampling(cfg, candidates)
+    filters = sampling_settings(cfg, target, log)
+    check_sampled_completions(cfg, filters)
     max_new_tokens = cfg.max_new_tokens
     if max_new_tokens is None:  # enough for max_blocks steps of the largest block
         max_new_tokens = cfg.max_blocks * max(c.block_size for c in candidates) + 1 if cfg.max_blocks else 256
-    records, baseline, source = _prepare_records(cfg, target, max_new_tokens, log)
+    records, baseline, source = _prepare_records(cfg, target, max_new_tokens, log, filters)
     for line in eval_guards([(c.label, c.drafter) for c in candidates], target, records, max_new_tokens):
         log(line)  # evaluated past the trained context, RoPE unlike the target's, context read per step
     note = _cache_precision_note(cfg, records)
@@ -510,7 +631,8 @@ def run_eval(
         _check_cache_layers(cfg, candidates, records, log)
     if cfg.context_buckets is None:  # one set of buckets for drafter and reference alike
         cfg = replace(cfg, context_buckets=record_context_edges(records, max_new_tokens))
-    results = [_evaluate_candidate(cfg, c, target, records, baseline, features, max_new_tokens) for c in candidates]
+    results = [_evaluate_candidate(cfg, c, target, records, baseline, features, max_new_tokens, filters)
+               for c in candidates]  # fmt: skip
     main = results[0] | {"target": str(cfg.target_model), "records_source": source, "max_blocks": cfg.max_blocks,
                          "max_new_tokens": max_new_tokens if cfg.online else None,
                          "target_forwards_offline": features.target_forwards}  # fmt: skip

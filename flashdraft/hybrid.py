@@ -33,6 +33,7 @@ import torch
 from flashdraft.acceptance import DFlashProposer, sample_drafts
 from flashdraft.model import DFlashDrafter
 from flashdraft.ngram import NGramProposer
+from flashdraft.serving_rules import ServingRule
 from flashdraft.target import TargetModel
 
 BRANCHES = ("ngram_lookup", "ngram_by_confidence", "dflash")  # what a step proposed, and why
@@ -115,6 +116,12 @@ class HybridProposer:
         self._proposed_dflash = True
         return logits
 
+    @property
+    def family(self) -> str | None:
+        """The family of the last proposal (None: the n-gram's, always the argmax with q one-hot): the serving rule
+        decides from it how the step's drafts are drawn (`flashdraft.acceptance.draw_drafts`)."""
+        return self.dflash.family if self._proposed_dflash else None
+
     def draw(
         self, logits: torch.Tensor, temperature: float, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -122,6 +129,9 @@ class HybridProposer:
         if self._proposed_dflash:
             return self.dflash.draw(logits, temperature, generator)
         return sample_drafts(logits, temperature, generator)
+
+    def path_distributions(self, j: int, path: torch.Tensor, temperature: float) -> torch.Tensor:
+        return self.dflash.path_distributions(j, path, temperature)
 
 
 class HybridDrafter:
@@ -136,5 +146,5 @@ class HybridDrafter:
     def __repr__(self) -> str:
         return f"hybrid (DFlash + {self.ngram!r}; {self.rule})"
 
-    def new_proposer(self, target: TargetModel) -> HybridProposer:
-        return HybridProposer(DFlashProposer(self.drafter, target), self.ngram, self.rule)
+    def new_proposer(self, target: TargetModel, rule: ServingRule | str | None = None) -> HybridProposer:
+        return HybridProposer(DFlashProposer(self.drafter, target, rule), self.ngram, self.rule)

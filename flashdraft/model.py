@@ -296,14 +296,16 @@ class CandidateSelector(nn.Module):
 
     def walk(
         self, hidden: torch.Tensor, unary: torch.Tensor, anchors: torch.Tensor, temperature: float = 0.0,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | None = None, path: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The selector's drafts for N blocks: hidden [N, k, H] and unary logits [N, k, V] at the k
         draft positions, anchors [N]. Greedy (temperature 0): each position takes the best score
         given the token chosen before it; returns (drafts [N, k], scores [N, k, V]: each row the
         scores its position chose from, -inf outside its top-K, so its argmax is the draft).
         temperature > 0: each draft sampled from softmax(score / T) over the K candidates; returns
-        (drafts, q [N, k, V]: the distribution each was drawn from, zero outside its top-K)."""
+        (drafts, q [N, k, V]: the distribution each was drawn from, zero outside its top-K). `path` [N, k]: each
+        position's predecessor is path's token before it (the rows along a given continuation; a path token outside
+        the previous position's top-K scores with its own codebook row)."""
         unary_top, candidates = unary.float().topk(self.top_k, dim=-1)  # [N, k, K]
         # candidates in token order: the first best score is then the lowest token id, as an argmax over V
         candidates, order = candidates.sort(-1)
@@ -319,7 +321,10 @@ class CandidateSelector(nn.Module):
         chose_from = torch.empty_like(unary_top)  # [N, k, K]: the scores (or q) each position chose from
         rows_n = torch.arange(candidates.shape[0], device=candidates.device)
         for t in range(candidates.shape[1]):
-            pair = from_anchor if t == 0 else between[rows_n, t - 1, chosen[:, t - 1]]  # [N, K]
+            if path is not None and t > 0:  # [N, K]: < P[path token] * W h_t, S[c] >
+                pair = (successors[:, t] * self.predecessor_codebook[path[:, t - 1]].float().unsqueeze(1)).sum(-1)
+            else:
+                pair = from_anchor if t == 0 else between[rows_n, t - 1, chosen[:, t - 1]]  # [N, K]
             scores = unary_top[:, t] + pair
             if temperature <= 0:
                 chosen[:, t] = scores.argmax(-1)
@@ -471,7 +476,7 @@ class DFlashDrafter(nn.Module):
 
     def markov_walk(
         self, base: torch.Tensor, anchors: torch.Tensor, temperature: float = 0.0,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | None = None, path: torch.Tensor | None = None, honour_draft_top_k: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """DSpark's sequential drafting of N blocks (vLLM 0.33.0 `dspark/speculator.py` _sample_sequential): from
         base logits [N, k, V] (the LM head at the k draft positions) and the anchors [N], position t's logits are
@@ -481,8 +486,10 @@ class DFlashDrafter(nn.Module):
 
         Returns (drafts [N, k]; rows [N, k, V]: the corrected logits (greedy, their argmax the drafts) or the
         distribution q each draft was drawn from (sampling, what verification uses); previous [N, k]: the token
-        each position's bias came from)."""
-        top_k = self.config.draft_top_k
+        each position's bias came from). `path` [N, k]: each position's predecessor is path's token before it (the
+        distributions along a given continuation, not a walk); `honour_draft_top_k` False: as SGLang, which ignores
+        dspark_draft_topk."""
+        top_k = self.config.draft_top_k if honour_draft_top_k else None
         if top_k is not None:  # the excluded tokens never get a bias: -inf before it
             keep = base.topk(top_k, dim=-1).indices
             base = torch.full_like(base, float("-inf")).scatter(-1, keep, base.gather(-1, keep))
@@ -499,6 +506,8 @@ class DFlashDrafter(nn.Module):
             else:
                 rows[:, t] = q = torch.softmax(logits / temperature, dim=-1)
                 before = torch.multinomial(q, 1, generator=generator)[:, 0]
+            if path is not None:
+                before = path[:, t]
             drafts[:, t] = before
         return drafts, rows, previous
 

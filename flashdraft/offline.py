@@ -1,6 +1,19 @@
 """Offline τ of a drafter: the acceptance walk (`flashdraft.acceptance`) over each record's
 completion, with context features from the record's cache or one target forward. Needs no
 target forward when the features come from a cache; training reports held-out τ with it.
+
+At T > 0 (`evaluate_offline(temperature=...)`) the completions must be the target's own samples at the settings
+evaluated (temperature, and the filters the serving rule applies). Then:
+- exact (in law): the walk's acceptance lengths. Given the output token c_t, a draft at t is accepted with
+  probability rho_t = min(1, q_t(c_t) / p_t(c_t)) (Bayes: P(draft x, accepted) = min(p(x), q(x)), P(output x) =
+  p(x)); the walk accepts with that probability, so (output, acceptance lengths) has the law of live decoding's.
+  Under a one-hot rule (argmax drafts) rho_t = [d_t == c_t]: the greedy walk's match, no draw at all.
+- estimate: `expected_tau`, each step's expected committed length by importance weighting along the completion,
+  1 + sum_t prod_{s < t} rho_s x alpha_t with alpha_t = sum_x min(p_t(x), q_t(x)) (one-hot: p_t(d_t)); unbiased
+  for the step's expected length given its context, but only the completion's path is weighted, so its error
+  shrinks with the number of steps, not per step.
+Both need the target's p at every completion position: one target forward per record (a cache's features still
+feed the drafter).
 """
 
 from __future__ import annotations
@@ -9,6 +22,7 @@ import torch
 
 from flashdraft.acceptance import (
     DraftLimit,
+    OfflineSampling,
     Proposer,
     ProposerFactory,
     as_proposer,
@@ -18,6 +32,7 @@ from flashdraft.acceptance import (
 from flashdraft.model import DFlashDrafter
 from flashdraft.records import EvalRecord, FeatureSource
 from flashdraft.results import EvalResult, PromptResult
+from flashdraft.serving_rules import NO_FILTERS, SamplingFilters, ServingRule, serving_rule, target_probs
 from flashdraft.target import TargetModel
 
 
@@ -50,23 +65,51 @@ def evaluate_offline(
     max_blocks: int | None = None,
     limit: DraftLimit | None = None,
     use_selector: bool = True,
+    rule: ServingRule | str | None = None,
+    temperature: float = 0.0,
+    filters: SamplingFilters = NO_FILTERS,
+    seed: int = 0,
     context_edges: list[int] | None = None,
 ) -> EvalResult:
     """Offline τ of `drafter` (a DFlash drafter, the hybrid, or a stateless `Proposer` such as
     the n-gram baseline) on `records`, each walked for at most `max_blocks` steps, verifying the
-    drafts `limit` keeps (`use_selector` False: a DFlash2 drafter's unary argmax path);
+    drafts `limit` keeps (`use_selector` False: a DFlash2 drafter's unary argmax path), drafted as `rule`'s server
+    reads the drafter. temperature > 0: the walk of sampled completions (module docstring), seeded per record.
     `context_edges`: the buckets of `EvalResult.by_context`."""
     b, layer_ids, context_layers = drafter_shape(drafter, block_size)
     features = features or FeatureSource(target)
+    rule = serving_rule(rule)
     per_prompt = []
-    for record in records:
+    for index, record in enumerate(records):
         f = features(record, layer_ids) if layer_ids else None
-        proposer = as_proposer(drafter, target, limit, use_selector)
+        proposer = as_proposer(drafter, target, limit, use_selector, rule)
+        sampling = _sampling_along(target, record, rule, temperature, filters, seed, index) if temperature > 0 else None
         lengths = offline_acceptance_lengths(proposer, record.prompt_ids, record.completion_ids, b, f, max_blocks,
-                                             target.device)  # fmt: skip
-        per_prompt.append(PromptResult(record.id, lengths, prompt_length=len(record.prompt_ids)))
-    return EvalResult("offline", b, layer_ids, context_layers, per_prompt, drafts_per_block=drafts_of(drafter, b),
-                      context_edges=context_edges)  # fmt: skip
+                                             target.device, sampling=sampling)  # fmt: skip
+        per_prompt.append(PromptResult(record.id, lengths, expected_lengths=sampling.expected if sampling else None,
+                                       prompt_length=len(record.prompt_ids)))  # fmt: skip
+    return EvalResult("offline", b, layer_ids, context_layers, per_prompt, temperature,
+                      drafts_per_block=drafts_of(drafter, b), context_edges=context_edges)  # fmt: skip
+
+
+def _sampling_along(
+    target: TargetModel, record: EvalRecord, rule: ServingRule, temperature: float, filters: SamplingFilters,
+    seed: int, index: int,
+) -> OfflineSampling:  # fmt: skip
+    """The target's filtered p along the record's completion (one forward; rows computed when the walk reads them)
+    and the record's generator for the walk's acceptance draws."""
+    out = target.forward(torch.tensor([record.input_ids], device=target.device))
+    p = len(record.prompt_ids)
+
+    def probs_at(start: int, end: int) -> torch.Tensor:  # [end - start, V]: p of completion[start + 1 .. end]
+        return target_probs(out.logits_at(p + start, p + end)[0], temperature, filters)
+
+    return OfflineSampling(probs_at, temperature, rule, record_generator(seed, index, target))
+
+
+def record_generator(seed: int, index: int, target: TargetModel) -> torch.Generator:
+    """The generator of record `index`'s draws: its own, so a record's draws do not depend on the others."""
+    return torch.Generator(device=target.device).manual_seed(seed * 1_000_003 + index)
 
 
 @torch.no_grad()

@@ -77,6 +77,10 @@ class PromptResult:
     prompt_length: int = 0  # tokens before the first step's anchor
     # online, per step: (draft seconds, verify seconds), as timed by `speculative_generate`
     step_seconds: list[tuple[float, float]] | None = None
+    # per step: its expected committed length given its drafts (online; offline at T > 0 an unbiased estimate)
+    # and, online, the variance of its committed length given its drafts (`expected_tau_figures`)
+    expected_lengths: list[float] | None = None
+    length_variances: list[float] | None = None
 
     @property
     def tau(self) -> float:
@@ -274,3 +278,21 @@ def difference(result: dict[str, Any], reference: dict[str, Any]) -> dict[str, A
             if p["id"] in ref_prompts
         ],
     }
+
+
+def expected_tau_figures(result: EvalResult) -> dict[str, Any]:
+    """τ without the noise of the acceptance draws: `expected_tau`, the mean over steps of each step's expected
+    committed length given its drafts (from the acceptance probabilities verification computes: E = 1 + sum_k
+    prod_{i <= k} alpha_i), with `expected_tau_stderr`, its standard error over steps (std / sqrt(steps)); online
+    also `tau_stderr_given_drafts`, sqrt(sum of each step's variance given its drafts) / steps: how far the sampled
+    τ falls from expected_tau by the acceptance draws alone (the two agree when |tau - expected_tau| is within a
+    few of it). None where the walk computed none."""
+    expected = [e for p in result.per_prompt for e in (p.expected_lengths or [])]
+    variances = [v for p in result.per_prompt for v in (p.length_variances or [])]
+    n = len(expected)
+    if n == 0 or n != result.num_steps:
+        return {"expected_tau": None, "expected_tau_stderr": None, "tau_stderr_given_drafts": None}
+    mean = sum(expected) / n
+    spread = (sum((e - mean) ** 2 for e in expected) / (n - 1)) ** 0.5 if n > 1 else 0.0
+    given_drafts = sum(variances) ** 0.5 / n if len(variances) == n else None
+    return {"expected_tau": mean, "expected_tau_stderr": spread / n**0.5, "tau_stderr_given_drafts": given_drafts}

@@ -143,11 +143,14 @@ def _causality_source(raw: dict[str, Any], cfg: DrafterConfig, layer_type: str) 
 # -- the rules ---------------------------------------------------------------------------------
 
 
-def check_serving(path: Path, target, checks: Checks, target_name: str | None = None,
-                  max_model_len: int | None = None) -> None:  # fmt: skip
+def check_serving(
+    path: Path, target, checks: Checks, target_name: str | None = None, max_model_len: int | None = None,
+    serving_command: str | None = None,
+) -> None:
     """Every serving rule for the drafter directory `path` (with `target`, a TargetModel or
     TargetHead, the mask token against its tokenizer), the long-context guards at the served
-    context (`max_model_len`, else the target's), then the command lines."""
+    context (`max_model_len`, else the target's), then the command lines and the sampling rule each
+    implies (`serving_command`: that command's only)."""
     from flashdraft.checkpoint import INDEX_NAME, expected_shapes, own_vocabulary_shapes, read_shapes, weight_files
     from flashdraft.model import is_dflash2_parameter
 
@@ -351,6 +354,20 @@ def check_serving(path: Path, target, checks: Checks, target_name: str | None = 
     vllm_cmd, sglang_cmd = serving_commands(cfg, name, str(path))
     checks.about(f"vLLM:   {vllm_cmd}")
     checks.about(f"SGLang: {sglang_cmd}")
+    _sampling_rules(cfg, checks, [vllm_cmd, sglang_cmd] if serving_command is None else [serving_command])
+
+
+def _sampling_rules(cfg: DrafterConfig, checks: Checks, commands: list[str]) -> None:
+    """The rule each command verifies with at T > 0 (`flashdraft.serving_rules`; eval --serving-rule takes its name)."""
+    from flashdraft.serving_rules import RULES, rule_of_command
+
+    for command in commands:
+        rule = rule_of_command(command)
+        checks.about(f"sampling at T > 0 under {command.split(' --')[0]}: eval --serving-rule {rule.name}; "
+                     f"{rule.describe(cfg.family)}")  # fmt: skip
+    if len(commands) > 1:
+        checks.about(f"  with \"draft_sample_method\": \"probabilistic\" in vLLM's --speculative-config: "
+                     f"{RULES['vllm-probabilistic'].describe(cfg.family)}")  # fmt: skip
 
 
 def _check_layout(raw: dict[str, Any], cfg: DrafterConfig, checks: Checks) -> None:

@@ -7,7 +7,6 @@ from flashdraft.acceptance import (
     DraftLimit,
     accept_greedy,
     accept_greedy_in_chunks,
-    accept_sampled,
     as_proposer,
     committed_length,
     draw_drafts,
@@ -16,6 +15,7 @@ from flashdraft.acceptance import (
 from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.ngram import NGramProposer
 from flashdraft.offline import evaluate_offline
+from flashdraft.serving_rules import verify
 from tests.conftest import make_dflash2_drafter, make_drafter, make_target
 from tests.test_evaluate import overfit
 from tests.test_ngram import PROMPTS, greedy_records
@@ -32,16 +32,18 @@ def test_greedy_rule_online_and_offline_commit_the_same_prefix():
     assert committed_length(torch.tensor([2, 4, 8]), completion, 3) == 2  # all agree, but 2 tokens are left
 
 
-def test_accept_sampled_keeps_the_target_distribution():
-    # context-free synthetic target: the emitted pair must follow p0 x p1 whatever q is
+@pytest.mark.parametrize("one_hot", [False, True], ids=["q the drafter's", "q one-hot"])
+def test_verification_keeps_the_target_distribution_with_sampled_or_argmax_drafts(one_hot):
+    # context-free synthetic target: the emitted pair must follow p0 x p1 whatever q is, and whether the drafts were
+    # sampled from q (min(1, p/q)) or are fixed with q one-hot (accept with p(d), resample p without d)
     gen = torch.Generator().manual_seed(0)
     p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
     q = torch.tensor([[0.1, 0.1, 0.7, 0.1], [0.4, 0.4, 0.1, 0.1]])
     counts = torch.zeros(4, 4)
     n = 12000
     for _ in range(n):
-        draft = torch.multinomial(q, 1, generator=gen).squeeze(1)
-        a, bonus = accept_sampled(draft, q, p, gen)
+        draft = q.argmax(-1) if one_hot else torch.multinomial(q, 1, generator=gen).squeeze(1)
+        a, bonus, _ = verify(draft, None if one_hot else q, p, gen)
         emitted = draft[:a].tolist() + [bonus]
         if len(emitted) < 2:  # the second token comes from the next step: draw it from p1 directly
             emitted.append(int(torch.multinomial(p[1], 1, generator=gen)))
@@ -218,13 +220,13 @@ def _one_proposal(proposer, target, prompt, block):
 
 @torch.no_grad()
 def test_a_dflash2_draw_samples_each_draft_from_the_q_it_returns_given_the_draft_before():
-    # accept_sampled is lossless only if each draft was drawn from the q verification is given:
+    # verification is lossless only if each draft was drawn from the q it is given:
     # for DFlash2 that q depends on the draft sampled before it, so check it conditionally
     target = make_target("qwen3")
     proposer = DFlashProposer(make_dflash2_drafter(block_size=4), target)
     logits = _one_proposal(proposer, target, [5, 9, 17, 3, 22], 4)
     gen = torch.Generator().manual_seed(0)
-    draws = [draw_drafts(proposer, logits, 1.0, gen) for _ in range(3000)]
+    draws = [draw_drafts(proposer, logits, 1.0, gen, "sglang") for _ in range(3000)]
     first = torch.stack([d for d, _ in draws])[:, 0]
     q0 = draws[0][1][0]
     assert all(torch.equal(q[0], q0) for _, q in draws)  # position 0's q does not depend on any draw

@@ -7,6 +7,7 @@ import torch
 
 from flashdraft.acceptance import DraftLimit
 from flashdraft.decode import autoregressive_generate, speculative_generate
+from flashdraft.serving_rules import NO_FILTERS, RULES, SamplingFilters, filters_for, target_probs
 from tests.conftest import EOS, make_dflash2_drafter, make_drafter, make_dspark_drafter, make_flat_target, make_target
 
 PROMPT = [5, 9, 17, 3, 22, 40, 11, 8, 30, 2, 14, 27]
@@ -71,8 +72,9 @@ def test_max_new_tokens_is_respected_inside_a_block():
     assert len(spec.output_ids) == 13 and spec.output_ids == plain.output_ids
 
 
+@pytest.mark.parametrize("rule", ["vllm", "vllm-probabilistic"])
 @pytest.mark.parametrize("limit", [None, DraftLimit(num_speculative_tokens=2, adaptive_threshold=0.1)], ids=str)
-def test_speculative_sampling_matches_target_distribution_end_to_end(limit):
+def test_speculative_sampling_matches_target_distribution_end_to_end(limit, rule):
     # second generated token (the first one a speculative step produces) vs its exact law; with
     # a limit the drafts are cut by the drafter's own confidence, which must not bias the law
     target = make_flat_target("hybrid")
@@ -88,7 +90,8 @@ def test_speculative_sampling_matches_target_distribution_end_to_end(limit):
     n = 600
     counts = torch.zeros(64)
     for _ in range(n):
-        out = speculative_generate(target, drafter, prompt, 2, temperature=1.0, generator=gen, limit=limit).output_ids
+        out = speculative_generate(target, drafter, prompt, 2, temperature=1.0, generator=gen, limit=limit,
+                                   rule=rule).output_ids  # fmt: skip
         counts[out[1]] += 1
     # chi-square over the 8 likeliest second tokens plus "other"
     top = torch.topk(law, 8).indices
@@ -128,25 +131,30 @@ def test_greedy_speculative_with_a_dflash2_drafter_equals_greedy(any_target, lim
     assert sum(spec.acceptance_lengths) == len(spec.output_ids) - 1
 
 
-def _assert_the_third_token_keeps_the_target_law(target, drafter, limit: DraftLimit | None = None) -> None:
-    """Sampled at T = 1 from 600 seeds, the third generated token has the target's law (chi2 over its top 8 and the
-    rest), and the drafter's second draft was verified often enough to matter."""
+def _assert_the_third_token_keeps_the_target_law(
+    target, drafter, limit: DraftLimit | None = None, rule: str = "sglang", temperature: float = 1.0,
+    filters: SamplingFilters = NO_FILTERS, min_accepted_twice: int = 60,
+) -> None:  # fmt: skip
+    """Sampled at `temperature` with `filters` from 600 seeds under `rule` (default: one that samples DFlash2's and
+    DSpark's walks), the third generated token has the law of plain sampling with those settings (chi2 over its top
+    8 and the rest), and the drafter's second draft was verified often enough to matter."""
     model = target.model
     prompt = PROMPT[:5]
     with torch.no_grad():
-        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)  # [64]
+        p1 = target_probs(model(torch.tensor([prompt])).logits[0, -1], temperature, filters)  # [64]
         two = torch.tensor([prompt + [t] for t in range(64)])
-        p2 = torch.softmax(model(two).logits[:, -1], -1)  # [64 (t1), 64 (t2)]
+        p2 = target_probs(model(two).logits[:, -1], temperature, filters)  # [64 (t1), 64 (t2)]
         three = torch.tensor([prompt + [t1, t2] for t1 in range(64) for t2 in range(64)])
-        p3 = torch.softmax(model(three).logits[:, -1], -1).view(64, 64, 64)
+        p3 = target_probs(model(three).logits[:, -1], temperature, filters).view(64, 64, 64)
         law = torch.einsum("a,ab,abc->c", p1, p2, p3)
     gen = torch.Generator().manual_seed(0)
     n, counts, accepted_twice = 600, torch.zeros(64), 0
     for _ in range(n):
-        out = speculative_generate(target, drafter, prompt, 3, temperature=1.0, generator=gen, limit=limit)
+        out = speculative_generate(target, drafter, prompt, 3, temperature=temperature, generator=gen, limit=limit,
+                                   filters=filters, rule=rule)  # fmt: skip
         counts[out.output_ids[2]] += 1
         accepted_twice += out.acceptance_lengths[0] >= 2
-    assert accepted_twice > 60  # the walk's second draft was verified often enough to matter
+    assert accepted_twice > min_accepted_twice  # the walk's second draft was verified often enough to matter
     top = torch.topk(law, 8).indices
     observed = torch.cat([counts[top], (n - counts[top].sum()).unsqueeze(0)])
     expected = torch.cat([law[top], (1 - law[top].sum()).unsqueeze(0)]) * n
@@ -227,3 +235,19 @@ def test_dspark_decoding_equals_deepspecs_evaluator_loop_step_for_step(any_targe
     spec = speculative_generate(any_target, drafter, record.prompt_ids, 30)
     assert spec.output_ids == reference and spec.acceptance_lengths == lengths
     assert max(lengths) > 2  # drafts past the first were accepted: the walk was exercised
+
+
+@pytest.mark.parametrize("rule", ["vllm", "vllm-probabilistic", "sglang"])
+def test_sampling_with_top_k_top_p_and_min_p_keeps_the_law_of_plain_sampling_under_every_rule(rule):
+    # the third token at T = 0.8 with top-k, top-p and (the vLLM rules) min-p: a DSpark drafter's Markov walk is
+    # sampled (vllm-probabilistic, sglang) or the argmax walk with q one-hot (vllm); its law must be plain sampling's
+    target = make_flat_target("qwen3")
+    drafter = make_dspark_drafter(block_size=3)
+    with torch.no_grad():  # a Markov bias near the flat target's scale, so drafts are accepted often
+        drafter.markov_head.markov_w2.weight.mul_(0.5)
+    filters = filters_for(SamplingFilters(top_k=24, top_p=0.9, min_p=0.05), RULES[rule])
+    # an argmax draft is accepted with p(d) alone, rarely twice on this flat target (the one-hot rule's law is also
+    # tested on its own: test_serving_rules, test_acceptance)
+    twice = 3 if rule == "vllm" else 30
+    _assert_the_third_token_keeps_the_target_law(target, drafter, rule=rule, temperature=0.6, filters=filters,
+                                                 min_accepted_twice=twice)  # fmt: skip

@@ -282,6 +282,18 @@ def test_serving_on_the_tiny_drafter_lists_every_rule_with_its_server_and_the_co
     assert not any("DFlash2" in line for line in lines if not line.startswith("ok   scalings: ")), out
 
 
+def test_serving_prints_the_sampling_rule_of_each_command_and_of_a_command_given(capsys):
+    rc, out, err = doctor(capsys, "tiny-drafter", "--serving")
+    assert rc == 0, out + err
+    assert "sampling at T > 0 under vllm serve <target-model>: eval --serving-rule vllm; " in out
+    assert "sampling at T > 0 under python -m sglang.launch_server: eval --serving-rule sglang; " in out
+    assert "dflash: argmax walk, q one-hot, accept with p(d)" in out
+    spec = '{"method": "dflash", "draft_sample_method": "probabilistic"}'
+    rc, out, err = doctor(capsys, "tiny-drafter", "--serving-command", f"vllm serve m --speculative-config '{spec}'")
+    assert rc == 0, out + err
+    assert "eval --serving-rule vllm-probabilistic; " in out and "--serving-rule sglang" not in out
+
+
 def test_serving_on_a_sliding_drafter_gives_each_layer_its_causality_and_the_v2_runner(files, tmp_path, capsys):
     d = save_readable(make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
                       tmp_path / "d")  # fmt: skip

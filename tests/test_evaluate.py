@@ -19,8 +19,9 @@ from flashdraft.evaluate import records_from_prompts
 from flashdraft.model import DFlashDrafter
 from flashdraft.offline import confidence_figures, evaluate_offline, selector_figures
 from flashdraft.records import EvalRecord, FeatureSource
-from flashdraft.results import EvalResult, PromptResult, speedup_bound
+from flashdraft.results import EvalResult, PromptResult, expected_tau_figures, speedup_bound
 from flashdraft.run_dir import load_any_drafter
+from flashdraft.serving_rules import SamplingFilters
 from flashdraft.target import TargetModel
 from tests.conftest import (
     DFLASH2,
@@ -213,6 +214,42 @@ def test_offline_equals_online_when_the_completion_ends_at_a_stop_token():
     drafter = overfit(make_drafter(), target, record)
     offline = evaluate_offline(drafter, target, [record])
     assert [offline.per_prompt[0].acceptance_lengths] == online_lengths(target, drafter, [record])
+
+
+@pytest.mark.parametrize("rule, family", [("vllm", "dflash"), ("vllm-probabilistic", "dflash"), ("sglang", "dspark")])
+def test_offline_tau_at_a_temperature_agrees_with_online_sampling_over_many_seeds(rule, family):
+    # offline walks the target's own samples (argmax drafts: the greedy walk's match; sampled drafts, DFlash's per
+    # position or DSpark's Markov walk: each completion token accepted with min(1, q / p)); online decodes, each
+    # seed anew; the sampled τ, and offline's expected τ, agree with online's
+    target = make_target("qwen3")
+    drafter = make_dspark_drafter() if family == "dspark" else make_drafter()
+    with torch.no_grad():  # a peaked p at T = 0.6 and a Markov bias the trained drafter can use, so drafts are
+        target.model.get_output_embeddings().weight.mul_(3)  # accepted often enough to matter
+        if family == "dspark":
+            drafter.markov_head.markov_w2.weight.mul_(0.1)
+    drafter = overfit(drafter, target, greedy_records(target, 30)[0])
+    if family == "dflash":  # a diffuse q, the argmax kept: sampled drafts often differ from it, so the rules' τ differ
+        drafter.config.extra.setdefault("dflash_config", {})["output_multiplier"] = 0.2
+    prompts = [PROMPTS[0]] * 3  # the drafter's own: three samples each seed
+    temperature, filters = 0.6, SamplingFilters(top_k=20, top_p=0.95)
+    offline, expected, online = [], [], []
+    for seed in range(20):
+        gens = [torch.Generator().manual_seed(1000 * seed + i) for i in range(len(prompts))]
+        records = [EvalRecord(f"r{i}", p, autoregressive_generate(target, p, 16, temperature, g, filters).output_ids)
+                   for i, (p, g) in enumerate(zip(prompts, gens, strict=True))]  # fmt: skip
+        walked = evaluate_offline(drafter, target, records, rule=rule, temperature=temperature, filters=filters,
+                                  seed=seed)  # fmt: skip
+        offline.append(walked.tau)
+        expected.append(expected_tau_figures(walked)["expected_tau"])
+        lengths = [n for p, g in zip(prompts, gens, strict=True) for n in speculative_generate(
+            target, drafter, p, 16, temperature, generator=g, filters=filters, rule=rule).acceptance_lengths]
+        online.append(sum(lengths) / len(lengths))
+    on = torch.tensor(online)
+    for off in (torch.tensor(offline), torch.tensor(expected)):
+        error = (off.var() / len(off) + on.var() / len(on)) ** 0.5
+        assert abs(float(off.mean() - on.mean())) < 3 * float(error), (off.mean(), on.mean(), error)
+    assert float(on.mean()) > 1.3  # drafts were accepted often enough for the comparison to matter
+    assert float(torch.tensor(expected).var()) < float(torch.tensor(offline).var())  # the estimate is less noisy
 
 
 def test_max_blocks_keeps_the_first_steps_of_the_walk():
@@ -434,11 +471,57 @@ def test_more_speculative_tokens_than_the_block_drafts_are_refused(capsys, tmp_p
     assert "records" not in out  # refused before any decoding
 
 
-def test_sampling_temperature_is_refused_offline(capsys, tmp_path, target_dir, prompts_file):
-    save_drafter(make_drafter(), tmp_path / "d")
+@pytest.mark.parametrize("rule", ["vllm", "vllm-probabilistic", "sglang"])
+def test_sampled_eval_reports_its_rule_and_a_tau_that_agrees_with_its_expected_value(
+    capsys, tmp_path, target_dir, prompts_file, rule
+):  # fmt: skip
+    target = TargetModel.load(target_dir)
+    record = EvalRecord("o", PROMPTS[0], autoregressive_generate(target, PROMPTS[0], 30).output_ids)
+    save_drafter(overfit(make_dspark_drafter(), target, record), tmp_path / "d")
     rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
-                           prompts_file, "--temperature", 0.7)  # fmt: skip
-    assert rc == 2 and "--temperature 0.7" in err and len(err.strip().splitlines()) == 1
+                           prompts_file, "--num-prompts", 3, "--max-new-tokens", 30, "--online", "--temperature", 0.6,
+                           "--top-p", 0.95, "--top-k", 20, "--serving-rule", rule, "--json", tmp_path / "out.json")
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert summary["serving_rule"] == rule and f"serving rule {rule} (" in out
+    assert summary["sampling"] | {"source": None} == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": None,
+                                                       "source": None}  # fmt: skip
+    assert summary["expected_tau_stderr"] > 0 and summary["tau_stderr_given_drafts"] > 0
+    assert abs(summary["tau"] - summary["expected_tau"]) < 4 * summary["tau_stderr_given_drafts"]
+
+
+def test_check_consistency_at_a_temperature_is_step_for_step_under_the_one_hot_rule(
+    capsys, tmp_path, target_dir, prompts_file
+):  # fmt: skip
+    # argmax drafts accepted with p(d): the bonus after a rejection is never the rejected draft, so the greedy walk
+    # over the sampled output commits what decoding committed
+    target = TargetModel.load(target_dir)
+    record = EvalRecord("o", PROMPTS[0], autoregressive_generate(target, PROMPTS[0], 30).output_ids)
+    save_drafter(overfit(make_dflash2_drafter(), target, record), tmp_path / "d")
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
+                           prompts_file, "--num-prompts", 3, "--max-new-tokens", 30, "--temperature", 0.8,
+                           "--check-consistency", "--json", tmp_path / "out.json")  # fmt: skip
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert summary["consistency"]["identical"] and max(summary["histogram"][1:]) > 0
+
+
+def test_check_consistency_at_a_temperature_of_a_sampled_walk_is_refused(capsys, tmp_path, target_dir, prompts_file):
+    save_drafter(make_dflash2_drafter(), tmp_path / "d")
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
+                           prompts_file, "--temperature", 0.7, "--check-consistency", "--serving-rule", "sglang")
+    assert rc == 2 and "--check-consistency at --temperature 0.7" in err and len(err.strip().splitlines()) == 1
+    assert "records" not in out  # refused before any decoding
+
+
+def test_offline_at_a_temperature_refuses_completions_made_at_another(capsys, tmp_path, target_dir, prompts_file):
+    save_drafter(make_drafter(), tmp_path / "d")
+    rc, _, err = run_cli(capsys, "generate", "--target-model", target_dir, "--prompts", prompts_file, "--out",
+                         tmp_path / "c.json", "--max-new-tokens", 8)  # fmt: skip
+    assert rc == 0, err
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir,
+                           "--completions", tmp_path / "c.json", "--temperature", 0.7)  # fmt: skip
+    assert rc == 2 and "made at temperature 0.0" in err and "--prompts" in err and len(err.strip().splitlines()) == 1
 
 
 def test_drafter_made_for_another_target_is_refused(capsys, tmp_path, target_dir, prompts_file):
