@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from flashdraft.checkpoint import load_drafter, save_drafter
 from flashdraft.cli import main
+from flashdraft.run_dir import BUILTIN_DRAFTERS
 from tests.conftest import (
     make_dflash2_drafter,
     make_drafter,
@@ -469,7 +470,15 @@ def test_serving_names_the_trained_context_and_warns_when_served_past_it(files, 
     assert f"warn trained context: the served context (--max-model-len) is 32768 tokens, past the {trained} tokens " \
            f"the drafter was trained at (trained_context_length)" in out  # fmt: skip
     assert "layers 0-1 (full) 32768 each: 65536 per step in all" in out
-    rc, out, err = doctor(capsys, "tiny-drafter", "--serving")
+    rc, out, err = doctor(capsys, "tiny-drafter", "--serving")  # stage 2 of the long-context recipe: 3,748 tokens
+    assert "warn trained context: the served context (the drafter's max_position_embeddings) is 4096 tokens, past " \
+           "the 3748 tokens the drafter was trained at" in out  # fmt: skip
+    unknown = tmp_path / "unknown"
+    shutil.copytree(BUILTIN_DRAFTERS["tiny-drafter"], unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    del config["trained_context_length"]  # a drafter from before the field, or from another trainer
+    (unknown / "config.json").write_text(json.dumps(config))
+    rc, out, err = doctor(capsys, unknown, "--serving")
     assert "trained context: unknown (config.json has no trained_context_length" in out
     assert "the served context (the drafter's max_position_embeddings): 4096 tokens" in out
 
