@@ -346,7 +346,7 @@ class DraftLimit:
     num_speculative_tokens: int | None = None
     adaptive_threshold: float | None = None
     # DSpark: verify only the drafts before the first whose confidence head estimate is under this (the servers'
-    # adaptive verification; applied by the drafter's proposer, which has the estimates)
+    # DeepSpec's evaluator's threshold cut, not the servers' adaptive verification; applied by the drafter's proposer)
     confidence_threshold: float | None = None
 
     def count(self, logits: torch.Tensor) -> int:

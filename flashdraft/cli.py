@@ -621,9 +621,10 @@ def _add_eval_commands(sub) -> None:
                         "(none if the first is: a plain greedy step; lossless; with --num-speculative-tokens, "
                         "at most K)")  # fmt: skip
     p.add_argument("--confidence-threshold", type=_probability, default=None, metavar="C",
-                   help="DSpark: verify drafts only up to the first whose confidence-head estimate is under C (the "
-                        "servers' adaptive verification, lossless); eval always reports the head's calibration and "
-                        "the tau and cost of cutting at 0.3/0.5/0.7/0.9 and C")  # fmt: skip
+                   help="DSpark: verify drafts only up to the first whose confidence-head estimate is under C "
+                        "(DeepSpec's evaluator's threshold cut, not the servers' adaptive verification; lossless); "
+                        "eval always reports the head's calibration and the tau and cost of cutting at "
+                        "0.3/0.5/0.7/0.9 and C")  # fmt: skip
     p.add_argument("--online", action="store_true", help="real speculative decoding with the target, timed")
     p.add_argument("--temperature", type=_temperature, default=0.0,
                    help="sampling temperature (0 = greedy); offline at T > 0 the completions must be the target's "

@@ -254,6 +254,12 @@ class DrafterConfig:
         """dflash_config fields beyond target_layer_ids and mask_token_id (mask_token, ...)."""
         return dict(self.extra.get("dflash_config") or {})
 
+    @property
+    def attention_value_scale(self) -> float | None:
+        """dflash_config.attention_value_scale: every layer's attention values (block and context) times it, as
+        vLLM 0.33.0 qwen3_dflash.py (v_scale) and SGLang 0.5.23 models/dflash.py compute them (None: unscaled)."""
+        return (self.extra.get("dflash_config") or {}).get("attention_value_scale")
+
     def reference_option(self, name: str) -> Any:
         """input_embedding_scale, output_multiplier or final_logit_softcapping (default if unset)."""
         value = (self.extra.get("dflash_config") or {}).get(name)  # no copy: read on every drafting step
@@ -335,7 +341,7 @@ class DrafterConfig:
                           "absent in a DFlash2 drafter: its selector covers the full target vocabulary")  # fmt: skip
         self._validate_dspark(bad)
         options = self.dflash_options
-        for name in ("input_embedding_scale", "output_multiplier"):
+        for name in ("input_embedding_scale", "output_multiplier", "attention_value_scale"):
             value = options.get(name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
                                       or value == float("inf")):  # fmt: skip
@@ -375,6 +381,10 @@ class DrafterConfig:
                                                                               and value == 0):  # fmt: skip
                 raise bad(f"dflash_config.{name}", value, "absent in a DSpark drafter (vLLM 0.33.0 qwen3_dspark.py "
                                                           "does not read it)")  # fmt: skip
+        if self.attention_value_scale not in (None, 1, 1.0):  # read by the DFlash models only
+            raise bad("dflash_config.attention_value_scale", self.attention_value_scale,
+                      "absent in a DSpark drafter (vLLM 0.33.0 qwen3_dspark.py and SGLang 0.5.23 models/dspark.py do "
+                      "not read it)")  # fmt: skip
 
     # -- public config.json ------------------------------------------------------------
 

@@ -31,11 +31,11 @@ def serving_snippet(target: str, drafter_dir: str, cfg: DrafterConfig) -> str:
               + (", and a confidence head estimates each draft's acceptance" if cfg.confidence_head else "")
               + f".\nvLLM serves it with method `dspark` and `num_speculative_tokens` {b} (= block_size: a shorter\n"
               f"block changes every draft); SGLang with `DSPARK` and `--speculative-dspark-block-size` {b}.\n")
-    elif cfg.family == "dflash2":  # the V1 runner's silent fallback and the conv's block: both wrong without a word
+    elif cfg.family == "dflash2":  # the runner it needs and the conv's block
         v2 = (f"\nA DFlash2 drafter (`DFlash2DraftModel`: a convolution around each sublayer and a candidate\n"
-              f"selector). vLLM 0.33 runs it only with the V2 model runner (`{V2_RUNNER}`); on the\n"
-              f"default V1 runner the same checkpoint is drafted as plain DFlash, without the selector and the\n"
-              f"convolutions, and nothing says so. vLLM takes the convolutions' block from\n"
+              f"selector). vLLM 0.33 runs it on the V2 model runner, its default (the command pins it:\n"
+              f"`{V2_RUNNER}`); the V1 runner, chosen when a feature V2 lacks is asked for, refuses it\n"
+              f"with an error. vLLM takes the convolutions' block from\n"
               f"`1 + num_speculative_tokens`, so `num_speculative_tokens` must be {b - 1}: any other value\n"
               f"convolves across another block than the drafter was trained with. The vLLM method stays\n"
               f"`dflash` (the checkpoint's `architectures` selects DFlash2); SGLang serves it as\n"

@@ -154,11 +154,14 @@ class DrafterAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(hd, eps=cfg.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(hd, eps=cfg.rms_norm_eps)
         self.layer_idx = layer_idx
+        self.v_scale = cfg.attention_value_scale  # MiMo drafters: the servers scale V in every layer
 
     def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, p, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(n, p, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(n, p, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.v_scale is not None:  # block and context V alike, as both servers' draft caches hold them
+            v = v * self.v_scale
         return apply_rope(k, cos, sin), v  # [N, kv_heads, P, head_dim]
 
     def forward(

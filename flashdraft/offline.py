@@ -187,8 +187,9 @@ def confidence_figures(
     confidence cut): at every draft position a step reached (all drafts before it accepted), the head's estimate
     c and whether the draft was accepted, per block position (mean estimate against observed acceptance) and over
     all (expected calibration error over CONFIDENCE_BINS bins); then, for each threshold of CONFIDENCE_SWEEP and
-    `threshold`, the τ of cutting each block before its first draft with c under it (the servers' adaptive
-    verification) and its cost: the drafts verified per step, against the uncut block's."""
+    `threshold`, the τ of cutting each block before its first draft with c under it (DeepSpec's evaluator's cut;
+    the servers' adaptive verification chooses differently) and its cost: the drafts verified per step, against
+    the uncut block's."""
     features = features or FeatureSource(target)
     k_max = drafts_of(drafter, walked.block_size)
     predicted, observed, reached = torch.zeros(k_max), torch.zeros(k_max), torch.zeros(k_max)

@@ -96,6 +96,9 @@ SERVER_FIELDS: tuple[ServerField, ...] = (
                 f"top level)", "honoured", "cap * tanh(logits / cap)", (None, 0, 0.0), 3.0),
     ServerField("dflash_config.input_embedding_scale", f"{VLLM} qwen3_dflash2.py, {REFERENCE} (also read at the "
                 f"top level)", "honoured", "multiplies the block's input embeddings", (None, 1.0, 1), 2.0),
+    ServerField("dflash_config.attention_value_scale", f"{VLLM} qwen3_dflash.py v_scale (DFlash, DFlash2), {SGLANG} "
+                f"models/dflash.py (MiMo drafters; neither server's DSpark model reads it: refused there)", "honoured",
+                "every layer's attention values, block and context, times the scale", (None, 1.0, 1), 3.0),
     ServerField("draft_vocab_size", f"{VLLM} compute_logits (d2t); {SGLANG} does not serve it", "honoured",
                 "an own LM head over a reduced vocabulary", (None,), 32),
     # -- family switches --
@@ -129,8 +132,6 @@ SERVER_FIELDS: tuple[ServerField, ...] = (
                 False),
     ServerField("speculators_model_type", f"{SGLANG} models/dspark.py (refused there)", "refused",
                 "'dspark': the speculators layout (slot j drafts anchor + j, slot 0 unused)", (None,), "dspark"),
-    ServerField("is_domino", f"{SGLANG} models/dflash.py", "refused", "the Domino projector family", (None, False),
-                True),
 )
 
 BY_NAME = {f.name: f for f in SERVER_FIELDS}

@@ -41,8 +41,8 @@ def mixes_sliding_and_full(cfg: DrafterConfig) -> bool:
 
 
 def needs_v2_runner(cfg: DrafterConfig) -> bool:
-    """vLLM 0.33.0 needs the V2 model runner for mixed layers (else it refuses them) and for any
-    DFlash2 drafter (else it drafts it as plain DFlash, without conv and selector, silently)."""
+    """Drafters vLLM 0.33.0 serves only on its V2 model runner (its default): mixed layers and any DFlash2 drafter;
+    the V1 runner (chosen when a feature V2 lacks is asked for) refuses them with an error. The command pins V2."""
     return cfg.family == "dflash2" or mixes_sliding_and_full(cfg)
 
 
@@ -173,7 +173,7 @@ def check_serving(
                 f"\"dspark\" (its DSparkDraftModel is DeepSeek-V4's); {SGLANG} --speculative-algorithm DSPARK to "
                 f"models/dspark.py Qwen3DSparkModel")  # fmt: skip
     elif dflash2:  # vLLM's method stays "dflash": the architectures entry alone selects DFlash2
-        maps = (f"{VLLM} models/registry.py maps DFlash2DraftModel to {VLLM_DFLASH2}, V2 runner only, with "
+        maps = (f"{VLLM} models/registry.py maps DFlash2DraftModel to {VLLM_DFLASH2}, V2 runner (its default), with "
                 f"--speculative-config method \"dflash\" as for DFlash (architectures selects DFlash2); {SGLANG} "
                 f"--speculative-algorithm DFLASH to models/dflash.py, which reads DFlash2's fields")  # fmt: skip
     else:
@@ -244,21 +244,20 @@ def check_serving(
             checks.fail(f"{line} in flashdraft, but {VLLM} serves it {_describe(v)} and {SGLANG} "
                         f"{_describe(s)}", REEXPORT)  # fmt: skip
 
-    # vLLM 0.33's default runner has one KV group: mixed sliding/full layers need the V2 runner;
-    # and only the V2 runner has DFlash2's spec-decode code
+    # vLLM 0.33.0 runs its V2 model runner by default (config/vllm.py use_v2_model_runner); its V1 runner, chosen
+    # when a feature V2 lacks is asked for, refuses DFlash2, DSpark and mixed layers (_validate_v1_model_runner)
     if dflash2:
-        mixed = "; its layers also mix sliding and full attention, which V1 refuses" * mixes_sliding_and_full(cfg)
-        checks.warn(f"V2 runner: DFlash2DraftModel: {VLLM} runs {VLLM_DFLASH2} only with {V2_RUNNER}; its default "
-                    f"V1 runner drafts the same checkpoint as plain DFlash (qwen3_dflash.py), without the candidate "
-                    f"selector and the convolutions, and says nothing{mixed}",
-                    f"launch vLLM with {V2_RUNNER} (the vLLM command below does); SGLang needs nothing")  # fmt: skip
+        mixed = "; its layers also mix sliding and full attention, which V1 refuses too" * mixes_sliding_and_full(cfg)
+        checks.ok(f"V2 runner: DFlash2DraftModel: {VLLM} runs {VLLM_DFLASH2} on its V2 model runner, its default; "
+                  f"its V1 runner (chosen when a feature V2 lacks is asked for) refuses it with \"Model Runner V1 does "
+                  f"not support: DFlash candidate-head drafts\"{mixed}; the vLLM command below pins V2 ({V2_RUNNER})")
     elif mixes_sliding_and_full(cfg):
-        checks.warn(f"V2 runner: layers mix sliding and full attention: {VLLM} qwen3_dflash.py "
-                    f"_resolve_layer_attention raises NotImplementedError unless {V2_RUNNER}",
-                    f"launch vLLM with {V2_RUNNER} (the vLLM command below does); SGLang needs nothing")  # fmt: skip
+        checks.ok(f"V2 runner: layers mix sliding and full attention: {VLLM} serves them on its V2 model runner, its "
+                  f"default; its V1 runner refuses them (\"Model Runner V1 does not support: mixed sliding/full "
+                  f"dflash drafts\"); the vLLM command below pins V2 ({V2_RUNNER})")  # fmt: skip
     else:
-        checks.ok(f"V2 runner: layers all {cfg.layer_types[0]}: {VLLM}'s default model runner serves them "
-                  f"({V2_RUNNER} is needed only for drafters mixing sliding and full layers)")  # fmt: skip
+        checks.ok(f"V2 runner: layers all {cfg.layer_types[0]}: either {VLLM} model runner serves them (V2, its "
+                  f"default; V1 refuses mixed layers and the candidate-head and DSpark families only)")
 
     _check_layout(raw, cfg, checks)
     if dspark:
@@ -391,11 +390,12 @@ def _check_dspark(raw: dict[str, Any], cfg: DrafterConfig, checks: Checks) -> No
                  f"qwen3_dspark.py reads absent fields as false, {SGLANG} build_confidence_head as true)",
                  "re-export it (flashdraft export writes both fields)")  # fmt: skip
     if cfg.confidence_head:
-        checks.warn(f"adaptive verification: the confidence head estimates each draft's acceptance; {VLLM} can cut "
-                    f"each block where it drops (enable_adaptive_verification) and {SGLANG} schedules blocks on it: "
-                    f"the commands below verify whole blocks, as flashdraft eval measures by default",
-                    "measure a cut first: flashdraft eval --confidence-threshold C reports its τ and drafts verified "
-                    "per step (a server's own thresholds may differ)")  # fmt: skip
+        checks.warn(f"adaptive verification: the confidence head estimates each draft's acceptance; {VLLM}'s "
+                    f"adaptive verification (enable_adaptive_verification, off by default) picks a batch budget from "
+                    f"expected accepted tokens over cost, {SGLANG}'s ragged verify planner is opt-in: the commands "
+                    f"below verify whole blocks, as flashdraft eval measures by default",
+                    "flashdraft eval --confidence-threshold C reports DeepSpec's evaluator's threshold cut (its τ and "
+                    "drafts verified per step), not either server's rule")  # fmt: skip
     else:
         checks.ok("adaptive verification: no confidence head: both servers verify whole blocks")
     if cfg.draft_top_k is not None:

@@ -304,8 +304,8 @@ def test_serving_on_a_sliding_drafter_gives_each_layer_its_causality_and_the_v2_
     assert "ok   causality layer 0 (sliding_attention): sliding window 6, causal within the block (servers' " \
            "default for sliding_attention); vLLM 0.33.0 and SGLang 0.5.23 serve it the same" in out  # fmt: skip
     assert "ok   causality layer 1 (full_attention): full, non-causal within the block" in out
-    assert "warn V2 runner: layers mix sliding and full attention: vLLM 0.33.0 qwen3_dflash.py " \
-           "_resolve_layer_attention raises NotImplementedError unless VLLM_USE_V2_MODEL_RUNNER=1" in out  # fmt: skip
+    assert "ok   V2 runner: layers mix sliding and full attention: vLLM 0.33.0 serves them on its V2 model runner, " \
+           "its default; its V1 runner refuses them" in out  # fmt: skip
     assert f"vLLM:   VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {files['target']} " in out
     assert "ok   file modes: readable by other users (config.json 0644, model.safetensors 0644" in out
     assert "warn mask token: dflash_config.mask_token absent" in out  # a flashdraft save without a target
@@ -380,12 +380,13 @@ def test_serving_on_a_dflash2_drafter_lists_each_dflash2_rule_and_the_commands(f
         assert any(rule in line for line in lines), (rule, out)
     dflash2 = [line for line in lines if any(rule in line for rule in DFLASH2_RULES)]
     assert len(dflash2) == len(DFLASH2_RULES) and all("vLLM 0.33.0" in x or "SGLang 0.5.23" in x for x in dflash2)
-    assert "maps DFlash2DraftModel to qwen3_dflash2.py (v1/worker/gpu/spec_decode/dflash2/), V2 runner only, with " \
+    assert "maps DFlash2DraftModel to qwen3_dflash2.py (v1/worker/gpu/spec_decode/dflash2/), V2 runner (its " \
+           "default), with " \
            "--speculative-config method \"dflash\" as for DFlash" in out  # fmt: skip
     assert "candidate_selector predecessor_codebook / successor_codebook without '.weight', as published" in out
-    assert "warn V2 runner: DFlash2DraftModel: vLLM 0.33.0 runs qwen3_dflash2.py (v1/worker/gpu/spec_decode/" \
-           "dflash2/) only with VLLM_USE_V2_MODEL_RUNNER=1; its default V1 runner drafts the same checkpoint as " \
-           "plain DFlash (qwen3_dflash.py), without the candidate selector and the convolutions" in out  # fmt: skip
+    assert "ok   V2 runner: DFlash2DraftModel: vLLM 0.33.0 runs qwen3_dflash2.py (v1/worker/gpu/spec_decode/" \
+           "dflash2/) on its V2 model runner, its default; its V1 runner (chosen when a feature V2 lacks is asked " \
+           "for) refuses it with \"Model Runner V1 does not support: DFlash candidate-head drafts\"" in out
     assert "ok   vocabulary: the full target vocabulary (no draft_vocab_size, no d2t)" in out
     assert "takes the convolutions' block length from 1 + num_speculative_tokens, not from block_size: " \
            "num_speculative_tokens 7 (= block_size - 1); any other value convolves across a different " \

@@ -538,8 +538,10 @@ CONFLICTS = {
     "a server for local generation": (lambda f, t: generate_args(f, f["prompts"], t / "c.json", "--base-url",
                                                                  "http://x"),
                                       "--base-url and --server-model are for --backend openai"),
-    "sampling offline": (lambda f, t: [*eval_args(f, f["drafter"]), "--temperature", "0.7"],
-                         "--temperature 0.7: offline τ and --check-consistency are defined for greedy decoding"),
+    "step-for-step check of sampled drafts": (lambda f, t: [*eval_args(f, f["drafter"]), "--temperature", "0.7",
+                                                            "--check-consistency", "--serving-rule",
+                                                            "vllm-probabilistic"],
+                                              "--check-consistency at --temperature 0.7"),
 }  # fmt: skip
 
 

@@ -101,7 +101,7 @@ def test_export_cli_prints_each_layers_causality_and_the_serving_rules(capsys, t
     assert f"serving rules (flashdraft doctor {out_dir} --serving):" in out
     assert "ok   causality layer 0 (sliding_attention): sliding window 6, causal within the block" in out
     assert "ok   causality layer 1 (full_attention): full, non-causal within the block" in out
-    assert "warn V2 runner: layers mix sliding and full attention" in out
+    assert "ok   V2 runner: layers mix sliding and full attention" in out
     assert "ok   mask token: dflash_config.mask_token '<mask>' is token 63 of the target's tokenizer" in out
     assert f"vLLM:   VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {target} --speculative-config" in out
     readme = (out_dir / "README.md").read_text()
@@ -142,7 +142,7 @@ def test_export_cli_of_a_dflash2_drafter_prints_its_rules_and_the_readme_gives_i
     assert main(["export", "--checkpoint", str(src), "--out", str(out_dir), "--target-model", str(target)]) == 0
     out = capsys.readouterr().out
     assert "ok   format: config.json architectures ['DFlash2DraftModel'], model_type 'qwen3'" in out
-    assert "warn V2 runner: DFlash2DraftModel: vLLM 0.33.0 runs qwen3_dflash2.py" in out
+    assert "ok   V2 runner: DFlash2DraftModel: vLLM 0.33.0 runs qwen3_dflash2.py" in out
     assert "ok   SGLang DFlash2: --speculative-algorithm DFLASH with --speculative-num-draft-tokens 8" in out
     assert "FAIL" not in out
     spec = json.dumps({"method": "dflash", "model": str(out_dir), "num_speculative_tokens": 7})
@@ -150,7 +150,7 @@ def test_export_cli_of_a_dflash2_drafter_prints_its_rules_and_the_readme_gives_i
     assert readme.startswith("# DFlash2 drafter")
     assert f"VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {target} --speculative-config '{spec}'" in readme
     assert "--speculative-algorithm DFLASH \\\n" in readme and "--speculative-num-draft-tokens 8" in readme
-    assert "on the\ndefault V1 runner the same checkpoint is drafted as plain DFlash" in readme
+    assert "the V1 runner, chosen when a feature V2 lacks is asked for, refuses it\nwith an error" in readme
     assert "`num_speculative_tokens` must be 7" in readme
 
 

@@ -121,8 +121,9 @@ def test_the_table_lists_every_field_of_section_9_of_the_reference_doc():
                  "dflash_config.causal", "dflash_config.use_swa", "dflash_config.swa_window_size",
                  "add_swa_attention_sink_bias", "attention_sink_bias", "logit_scale", "dflash_config.output_multiplier",
                  "dflash_config.final_logit_softcapping", "dflash_config.input_embedding_scale", "draft_vocab_size",
-                 "architectures", "projector_type", "is_domino"):  # fmt: skip
+                 "architectures", "projector_type", "dflash_config.attention_value_scale"):  # fmt: skip
         assert name in names, name
+    assert "is_domino" not in names  # SGLang derives it from projector_type: not a field
     assert all(f.handling in ("honoured", "folded", "refused") and f.read_by for f in SERVER_FIELDS)
 
 
@@ -250,3 +251,12 @@ def test_an_honoured_dspark_field_changes_the_drafts_or_the_confidence_and_offli
     reloaded = load_drafter(tmp_path).config
     assert all(getattr(reloaded, k) == getattr(cfg, k) for k in ("markov_rank", "confidence_head",
                                                                  "confidence_head_with_markov", "draft_top_k"))
+
+
+def test_attention_value_scale_in_a_dspark_drafter_is_refused_naming_the_dspark_models_that_ignore_it():
+    from tests.conftest import DSPARK, make_drafter_config
+
+    raw = make_drafter_config(**DSPARK).to_dict()
+    raw["dflash_config"] = {**raw.get("dflash_config", {}), "attention_value_scale": 0.5}
+    with pytest.raises(FlashdraftError, match="dflash_config.attention_value_scale.*qwen3_dspark.py"):
+        DrafterConfig.from_dict(raw, source="x")
