@@ -440,8 +440,9 @@ def _add_data_commands(sub) -> None:
                    help="storage dtype of the features; auto (default): the dtype the target computes them in "
                         "(fp32 on CPU, bf16 on GPU; see --target-dtype), so offline τ equals live τ step for step; "
                         "bf16 halves an fp32 cache, offline τ then within rounding of live τ")  # fmt: skip
-    p.add_argument("--with-target-logits", type=int, default=0, metavar="K",
-                   help="also store the target's top-K logits per token (separate files)")  # fmt: skip
+    p.add_argument("--with-target-logits", type=int, default=None, metavar="K",
+                   help="also store the target's top-K logits per token (separate files); default none, 64 for a "
+                        "--draft-config DSpark drafter (its loss reads them)")  # fmt: skip
     p.add_argument("--records-per-shard", type=_positive, default=64)
     p.add_argument("--allow-foreign-completions", "--allow-foreign", dest="allow_foreign", action="store_true",
                    help="accept completions made by another target")  # fmt: skip

@@ -759,6 +759,9 @@ def doctor_cache(
 # -- the commands ------------------------------------------------------------------------------
 
 
+DSPARK_TARGET_LOGITS = 64  # a DSpark drafter's default loss (TV to the target's distribution) reads these
+
+
 def drafter_layer_ids(path: str | Path) -> tuple[list[int], Any]:
     """target_layer_ids (and the config itself) of a drafter directory or a shipped drafter's
     name (`tiny-drafter`), a training run or checkpoint, or a config.json."""
@@ -809,7 +812,7 @@ def run_cache(
     draft_config: str | None = None,
     num_prompts: int | None = None,
     dtype: str = AUTO,
-    with_target_logits: int = 0,
+    with_target_logits: int | None = None,
     records_per_shard: int = 64,
     allow_foreign: bool = False,
     device: str | None = None,
@@ -817,7 +820,8 @@ def run_cache(
     force: bool = False,
 ) -> Path:
     """`flashdraft cache`, one rank of it under torchrun. `force`: write even when the estimate
-    says the filesystem cannot hold the cache."""
+    says the filesystem cannot hold the cache. `with_target_logits` None: none, unless `draft_config`
+    is a DSpark drafter, whose default loss needs them (DSPARK_TARGET_LOGITS)."""
     from flashdraft.data.completions import load_completions
     from flashdraft.distributed import init_distributed, load_dtype, lock_on_main, pick_device
 
@@ -829,6 +833,13 @@ def run_cache(
         dev = pick_device(dist, device)
         target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))
         layer_ids = resolve_layer_ids(target, layers, draft_config)
+        if with_target_logits is None:
+            with_target_logits = 0
+            if draft_config is not None and drafter_layer_ids(draft_config)[1].family == "dspark":
+                with_target_logits = DSPARK_TARGET_LOGITS
+                if dist.is_main:
+                    print(f"{draft_config} is a DSpark drafter: storing the target's top {with_target_logits} "
+                          f"logits its loss reads (--with-target-logits 0 to leave them out)")  # fmt: skip
         loaded = load_completions(completions, target, allow_foreign=allow_foreign, quiet=not dist.is_main)
         return build_cache(target, loaded, out, layer_ids, dtype, records_per_shard, with_target_logits,
                            num_prompts, dist, force)  # fmt: skip

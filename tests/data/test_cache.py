@@ -362,3 +362,19 @@ def test_a_cache_its_filesystem_cannot_hold_is_refused_before_any_forward_unless
     assert not list(out.glob("*.safetensors")) and not (out / ".lock").exists()
     assert run_cli(argv + ["--force"]) == 0
     assert len(HiddenStateCache(out)) == 5
+
+
+def test_a_dspark_draft_config_caches_the_target_logits_its_loss_reads_unless_told_not_to(tmp_path, capsys):
+    c, d = tmp_path / "c.json", tmp_path / "dspark"
+    assert run_cli(["generate", "--target-model", "tiny", "--prompts", "builtin:code", "--num-prompts", "1",
+                    "--max-new-tokens", "4", "--out", str(c)]) == 0  # fmt: skip
+    assert run_cli(["init", "--target-model", "tiny", "--out", str(d), "--family", "dspark", "--draft-layers", "1",
+                    "--target-layer-ids", "1,2,3"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert run_cli(["cache", "--target-model", "tiny", "--completions", str(c), "--out", str(tmp_path / "with"),
+                    "--draft-config", str(d)]) == 0  # fmt: skip
+    assert "DSpark drafter: storing the target's top 64 logits" in capsys.readouterr().out
+    assert HiddenStateCache(tmp_path / "with").topk == 64
+    assert run_cli(["cache", "--target-model", "tiny", "--completions", str(c), "--out", str(tmp_path / "without"),
+                    "--draft-config", str(d), "--with-target-logits", "0"]) == 0  # fmt: skip
+    assert HiddenStateCache(tmp_path / "without").topk == 0
