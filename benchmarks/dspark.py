@@ -81,6 +81,18 @@ def evaluate(work: Path, name: str) -> dict:
     return row
 
 
+def prepare_families(work: Path) -> None:
+    """`recipe.prepare`'s data and caches, the training cache with the target's top-64 logits, and the inits."""
+    prepare(work)
+    if not (work / "cache-train-logits" / "manifest.json").exists():
+        flashdraft(["cache", *TINY, "--completions", str(work / "train.json"), "--out",
+                    str(work / "cache-train-logits"), "--layers", LAYERS, "--dtype", "fp32",
+                    "--with-target-logits", "64"])  # fmt: skip
+    for init, (block, extra) in INITS.items():
+        if not (work / init / "model.safetensors").exists():
+            flashdraft(["init", *TINY, "--out", str(work / init), *init_args(block), *extra])
+
+
 def step_cost(work: Path, repeats: int = 5) -> dict:
     """Median milliseconds of one drafting step per trained drafter (`recipe.drafting_step_ms`) and their ratios."""
     ms = drafting_step_ms(work, ["dflash", "dflash2", "dspark"], repeats)
@@ -102,14 +114,7 @@ def main() -> None:
     if args.step_cost:
         print(json.dumps({"machine": platform.machine(), "threads": 1, **step_cost(work)}))
         return
-    prepare(work)
-    if not (work / "cache-train-logits" / "manifest.json").exists():
-        flashdraft(["cache", *TINY, "--completions", str(work / "train.json"), "--out",
-                    str(work / "cache-train-logits"), "--layers", LAYERS, "--dtype", "fp32",
-                    "--with-target-logits", "64"])  # fmt: skip
-    for init, (block, extra) in INITS.items():
-        if not (work / init / "model.safetensors").exists():
-            flashdraft(["init", *TINY, "--out", str(work / init), *init_args(block), *extra])
+    prepare_families(work)
     run_lanes(work, args.runs, lambda n: train_command(work, n, args.steps), args.lanes)
     rows = [evaluate(work, name) for name in args.runs]
     for row in rows:

@@ -345,6 +345,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         temperature=args.temperature, seed=args.seed, batch_size=args.batch_size, backend=args.backend,
         base_url=args.base_url, server_model=args.server_model, chat_template=args.chat_template, device=args.device,
         target_dtype=args.target_dtype, long_prompts=args.long_prompts, min_prompt_tokens=args.min_prompt_tokens,
+        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, use_generation_config=not args.no_generation_config,
     )  # fmt: skip
 
 
@@ -414,6 +415,7 @@ def _add_data_commands(sub) -> None:
     p.add_argument("--max-new-tokens", type=_positive, default=256)
     p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per record, independent of batching)")
+    _filter_args(p)
     p.add_argument("--batch-size", type=_positive, default=8, help="prompts per forward (or concurrent requests)")
     p.add_argument("--backend", choices=["local", "openai"], default="local")
     p.add_argument("--base-url", help="OpenAI-compatible server for --backend openai, e.g. http://localhost:8000/v1")
@@ -576,6 +578,11 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help=f"how the server drafts and verifies at T > 0 (default {DEFAULT_RULE}: vLLM's default, "
                         "argmax drafts accepted with p(d); vllm-probabilistic: sampled drafts, min(1, p/q); sglang: "
                         "DFlash argmax, DFlash2/DSpark sampled walks; flashdraft doctor DIR --serving prints each)")
+    _filter_args(p)
+
+
+def _filter_args(p: argparse.ArgumentParser) -> None:
+    """The target-side sampling filters of a request at T > 0 (generate and eval)."""
     p.add_argument("--top-k", type=_positive, default=None,
                    help="T > 0: keep the K likeliest target tokens (default: the target's generation_config.json)")
     p.add_argument("--top-p", type=_probability, default=None,

@@ -52,6 +52,7 @@ from flashdraft.serving_rules import (
     ServingRule,
     check_filters,
     filters_for,
+    greedy_filters_note,
     resolve_filters,
     serving_rule,
 )
@@ -515,6 +516,9 @@ def sampling_settings(cfg: EvalConfig, target: TargetModel, log: Log) -> Samplin
     """The filters the requests get at T > 0 (the given ones, else the target's generation_config.json values),
     without those the rule's server does not apply; logged with the rule. Greedy: none."""
     if cfg.temperature <= 0:
+        note = greedy_filters_note(cfg.top_k, cfg.top_p, cfg.min_p)
+        if note:
+            log(note)
         return NO_FILTERS
     rule = serving_rule(cfg.serving_rule)
     given = resolve_filters(target.path, cfg.top_k, cfg.top_p, cfg.min_p, cfg.use_generation_config)
@@ -550,18 +554,23 @@ def check_sampling(cfg: EvalConfig, candidates: list[Candidate]) -> None:
 
 def check_sampled_completions(cfg: EvalConfig, filters: SamplingFilters) -> None:
     """Offline at T > 0 the completions must be the target's samples at the settings evaluated: those eval samples
-    itself from --prompts, or a file (or a cache of one) generated at this temperature without filters (flashdraft
-    generate applies none)."""
+    itself from --prompts, or a file (or a cache of one) generated at this temperature with the same filters
+    (`flashdraft generate --temperature T --top-k K ...`)."""
     if cfg.temperature <= 0 or cfg.online or cfg.check_consistency or cfg.prompts is not None:
         return
-    generation = _source_generation(cfg)
-    made_at = (generation or {}).get("temperature")
-    if made_at != cfg.temperature or filters.active():
-        wanted = f"temperature {cfg.temperature}" + "".join(f", {k} {v}" for k, v in filters.active().items())
+    generation = _source_generation(cfg) or {}
+    made_at = generation.get("temperature")
+    made_with = SamplingFilters(generation.get("top_k"), generation.get("top_p"), generation.get("min_p")).active()
+    if made_at != cfg.temperature or made_with != filters.active():
+        def settings(t, active):
+            return f"temperature {t}" + "".join(f", {k} {v}" for k, v in active.items())
+
+        from_config = filters.source and any(v != "given" for v in filters.source.values())
         raise FlashdraftError(
-            f"{cfg.completions or cfg.cached_hidden_states}: completions made at temperature {made_at}; offline τ at "
-            f"{wanted} needs the target's samples at those settings (give --prompts: eval samples them itself"
-            + (", or --no-generation-config" if filters.source and not cfg.top_k and not cfg.top_p else "") + ")"
+            f"{cfg.completions or cfg.cached_hidden_states}: completions made at {settings(made_at, made_with)}; "
+            f"offline τ at {settings(cfg.temperature, filters.active())} needs the target's samples at those "
+            f"settings (generate them with these settings, or give --prompts: eval samples them itself"
+            + (", or --no-generation-config" if from_config else "") + ")"
         )
 
 

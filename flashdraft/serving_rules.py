@@ -125,6 +125,15 @@ def resolve_filters(
     return SamplingFilters(given["top_k"], given["top_p"], given["min_p"], source)
 
 
+def greedy_filters_note(top_k: int | None, top_p: float | None, min_p: float | None) -> str | None:
+    """A line saying filters given at temperature 0 change nothing (None when none were given)."""
+    given = [f"--{name} {v}" for name, v in (("top-k", top_k), ("top-p", top_p), ("min-p", min_p)) if v is not None]
+    if not given:
+        return None
+    return (f"note: {', '.join(given)} changes nothing at temperature 0 (greedy decoding takes the top token, which "
+            f"every filter keeps)")  # fmt: skip
+
+
 def check_filters(filters: SamplingFilters, rule: ServingRule) -> None:
     """A filter the rule's server does not apply in verification, given explicitly, is refused (one from a
     generation config is dropped by `filters_for`, as the server drops it)."""

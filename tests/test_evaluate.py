@@ -524,6 +524,23 @@ def test_offline_at_a_temperature_refuses_completions_made_at_another(capsys, tm
     assert rc == 2 and "made at temperature 0.0" in err and "--prompts" in err and len(err.strip().splitlines()) == 1
 
 
+def test_offline_at_a_temperature_reads_completions_generated_with_its_filters_and_refuses_others(
+    capsys, tmp_path, target_dir, prompts_file
+):  # fmt: skip
+    save_drafter(make_drafter(), tmp_path / "d")
+    rc, out, err = run_cli(capsys, "generate", "--target-model", target_dir, "--prompts", prompts_file, "--out",
+                           tmp_path / "c.json", "--max-new-tokens", 8, "--temperature", 0.7, "--top-k", 5,
+                           "--top-p", 0.9)  # fmt: skip
+    assert rc == 0 and "sampling: temperature 0.7, top_k 5 (given), top_p 0.9 (given)" in out, err
+    eval_args = ["eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--completions",
+                 tmp_path / "c.json", "--temperature", 0.7]  # fmt: skip
+    rc, out, err = run_cli(capsys, *eval_args, "--top-k", 5, "--top-p", 0.9, "--json", tmp_path / "e.json")
+    assert rc == 0, err
+    assert json.loads((tmp_path / "e.json").read_text())["sampling"]["top_k"] == 5
+    rc, out, err = run_cli(capsys, *eval_args, "--top-k", 5)  # the samples were made with top-p 0.9 too
+    assert rc == 2 and "made at temperature 0.7, top_k 5, top_p 0.9" in err and len(err.strip().splitlines()) == 1
+
+
 def test_drafter_made_for_another_target_is_refused(capsys, tmp_path, target_dir, prompts_file):
     save_drafter(make_drafter(num_target_layers=6), tmp_path / "d")
     rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",

@@ -41,6 +41,7 @@ from flashdraft.distributed import Dist, any_rank
 from flashdraft.errors import FlashdraftError, Interrupted
 from flashdraft.files import DiskFullError, append_whole, write_text_atomic
 from flashdraft.progress import Progress as tqdm  # plain lines in logs; the name generate_completions uses
+from flashdraft.serving_rules import NO_FILTERS, SamplingFilters, greedy_filters_note, resolve_filters, target_probs
 from flashdraft.stop import StopRequests
 from flashdraft.target import TargetModel
 
@@ -66,6 +67,10 @@ class GenerationSettings:
     # turns whose prompt has fewer tokens are left out (selects long-context rows from any dataset); a
     # multi-turn prompt's short turns are still answered when a later turn needs their answer as context
     min_prompt_tokens: int = 0
+    # T > 0: the filters applied to the target's p, in vLLM's order (`serving_rules.target_probs`); None: off
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
 
 
 # settings a resumed run may change: they decide nothing about records that fit the context
@@ -142,8 +147,10 @@ def generate_batch(
     max_new_tokens: int,
     temperature: float = 0.0,
     generators: list[torch.Generator] | None = None,
+    filters: SamplingFilters = NO_FILTERS,
 ) -> list[tuple[list[int], str]]:
-    """Decode every prompt with the target's cache; returns (completion ids, stop reason) each.
+    """Decode every prompt with the target's cache (at temperature > 0 sampled from the target's p with `filters`,
+    as the servers sample); returns (completion ids, stop reason) each.
 
     Prompts are left-padded to one width; the attention mask hides the padding and position
     ids count only real tokens, so each row decodes as it would alone. Rows that stopped
@@ -177,7 +184,7 @@ def generate_batch(
         if temperature <= 0:
             tokens = logits.argmax(-1).tolist()
         else:
-            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            probs = target_probs(logits, temperature, filters)  # [N, V]
             tokens = [int(torch.multinomial(probs[i], 1, generator=generators[i])) for i in range(n)]
         for i, token in enumerate(tokens):
             if reasons[i] == "length" and len(outputs[i]) < max_new_tokens:
@@ -250,6 +257,11 @@ def _answer_turns(
     return [r for p in batch for r in records[p.id] if r.id not in short]
 
 
+def settings_filters(settings: GenerationSettings) -> SamplingFilters:
+    """The target-side filters a generate run samples with."""
+    return SamplingFilters(settings.top_k, settings.top_p, settings.min_p)
+
+
 def local_completer(target: TargetModel, settings: GenerationSettings):
     def complete(items: list[tuple[str, list[int]]]) -> list[tuple[list[int], str, str]]:
         generators = None
@@ -258,7 +270,7 @@ def local_completer(target: TargetModel, settings: GenerationSettings):
                 torch.Generator(device=target.device).manual_seed(record_seed(settings.seed, rid)) for rid, _ in items
             ]
         outs = generate_batch(target, [ids for _, ids in items], settings.max_new_tokens, settings.temperature,
-                              generators)  # fmt: skip
+                              generators, settings_filters(settings))  # fmt: skip
         return [(ids, reason, "target") for ids, reason in outs]
 
     return complete
@@ -273,7 +285,7 @@ def openai_completer(target: TargetModel, settings: GenerationSettings, client: 
     def one(item: tuple[str, list[int]]) -> tuple[list[int], str, str]:
         rid, prompt_ids = item
         choice = client.complete(prompt_ids, settings.max_new_tokens, settings.temperature,
-                                 record_seed(settings.seed, rid))  # fmt: skip
+                                 record_seed(settings.seed, rid), settings_filters(settings).active())  # fmt: skip
         finish = choice.get("finish_reason")
         if finish not in ("stop", "length"):
             raise FlashdraftError(f"record {rid!r}: server finish_reason is {finish!r}; expected 'stop' or 'length'")
@@ -584,11 +596,17 @@ def run_generate(
     target_dtype: str | None = None,
     long_prompts: str = "error",
     min_prompt_tokens: int = 0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    use_generation_config: bool = True,
 ) -> Path:
     """`flashdraft generate`, one rank of it under torchrun. chat_template None = use the
     target's template where it has one; long_prompts: what to do with a prompt longer than the
     target's context minus max_new_tokens ("error", "skip" or "truncate"); min_prompt_tokens:
-    leave out turns whose prompt is shorter (long-context data from any dataset)."""
+    leave out turns whose prompt is shorter (long-context data from any dataset). At temperature > 0, top_k /
+    top_p / min_p filter the target's p (None: the target's generation_config.json values, as the servers apply
+    them, unless use_generation_config is off); greedy decoding needs none."""
     from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, load_prompts
     from flashdraft.distributed import init_distributed, load_dtype, lock_on_main, pick_device
 
@@ -614,11 +632,20 @@ def run_generate(
             print(f"target {target.path} on {dev}: " + ("chat template applied" if use_template else
                   "no chat template, prompts used as plain text"))  # fmt: skip
         client = OpenAIClient(base_url, server_model) if backend == "openai" else None
+        filters = NO_FILTERS
+        note = greedy_filters_note(top_k, top_p, min_p) if temperature <= 0 else None
+        if note and dist.is_main:
+            print(note)
+        if temperature > 0:
+            filters = resolve_filters(target.path, top_k, top_p, min_p, use_generation_config)
+            if dist.is_main:
+                settings_line = ", ".join(f"{k} {v} ({filters.source[k]})" for k, v in filters.active().items())
+                print(f"sampling: temperature {temperature}, {settings_line or 'no filters'}")
         settings = GenerationSettings(
             prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
             chat_template=use_template, backend=backend, base_url=base_url,
             server_model=client.model if client else None, long_prompts=long_prompts,
-            min_prompt_tokens=min_prompt_tokens,
+            min_prompt_tokens=min_prompt_tokens, **{k: v for k, v in filters.active().items()},
         )  # fmt: skip
         return generate_completions(target, prompt_list, out, settings, batch_size, dist, client)
     finally:

@@ -40,7 +40,10 @@ class OpenAIClient:
             raise FlashdraftError(f"{self.base}/models: the server lists no model; pass --server-model")
         return models[0]["id"]
 
-    def complete(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> dict:
+    def complete(
+        self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int, filters: dict | None = None
+    ) -> dict:
+        """One completion; `filters` (top_k, top_p, min_p) go in the request body as vLLM and SGLang read them."""
         body = {
             "model": self.model,
             "prompt": prompt_ids,  # token ids: the server sees exactly the locally rendered prompt
@@ -48,6 +51,7 @@ class OpenAIClient:
             "temperature": temperature,
             "seed": seed,
             "return_token_ids": True,  # vLLM returns choices[0].token_ids; others ignore it
+            **(filters or {}),
         }
         choices = self._request("/completions", body).get("choices") or []
         if not choices:

@@ -16,6 +16,7 @@ from flashdraft.data.completions import (
 from flashdraft.data.prompts import Prompt, load_prompts
 from flashdraft.decode import autoregressive_generate
 from flashdraft.errors import FlashdraftError
+from flashdraft.serving_rules import SamplingFilters
 from flashdraft.target import TargetModel
 from tests.conftest import VOCAB, make_target
 from tests.data.conftest import run_cli, write_prompts
@@ -54,6 +55,20 @@ def test_sampling_is_per_record_seeded_so_batching_does_not_change_it():
     plain = autoregressive_generate(target, PROMPTS[0], 8, temperature=1.5, generator=gens(0)[0])
     assert together[0][0] == plain.output_ids
     assert generate_batch(target, PROMPTS, 8, 1.5, gens(1)) != together
+
+
+def test_sampling_with_filters_draws_as_plain_sampling_with_them_and_only_inside_them():
+    target = make_target("hybrid")
+    gens = lambda: [torch.Generator().manual_seed(record_seed(0, f"r{i}")) for i in range(len(PROMPTS))]  # noqa: E731
+    filters = SamplingFilters(top_k=3, top_p=0.9)
+    batched = generate_batch(target, PROMPTS, 8, 1.5, gens(), filters)
+    plain = [autoregressive_generate(target, p, 8, 1.5, g, filters).output_ids for p, g in zip(PROMPTS, gens(),
+                                                                                             strict=True)]  # fmt: skip
+    assert [ids for ids, _ in batched] == plain
+    assert [ids for ids, _ in generate_batch(target, PROMPTS, 8, 1.5, gens())] != plain  # the filters drew otherwise
+    # top-k 1 keeps only the top token: sampling at any temperature is greedy decoding
+    assert generate_batch(target, PROMPTS, 8, 1.5, gens(), SamplingFilters(top_k=1)) == generate_batch(target,
+                                                                                                      PROMPTS, 8)
 
 
 def settings(**kw) -> GenerationSettings:
@@ -219,6 +234,21 @@ def test_openai_backend_records_token_ids_from_the_server_or_retokenised(hybrid_
         assert [r["completion_ids"] for r in data["records"]] == [
             target.tokenizer(target.tokenizer.decode(ids, skip_special_tokens=True))["input_ids"] for ids in local
         ]
+
+
+def test_openai_backend_sends_the_sampling_filters_and_records_them(hybrid_dir, tmp_path):
+    target = TargetModel.load(hybrid_dir)
+    server = FakeServer(target, True)
+    try:
+        assert run_cli(["generate", "--target-model", str(hybrid_dir), "--prompts",
+                        str(write_prompts(tmp_path / "p.jsonl", 2)), "--out", str(tmp_path / "c.json"),
+                        "--max-new-tokens", "4", "--backend", "openai", "--base-url", server.url, "--temperature",
+                        "0.6", "--top-k", "20", "--top-p", "0.95"]) == 0  # fmt: skip
+    finally:
+        server.close()
+    assert all(q["top_k"] == 20 and q["top_p"] == 0.95 and "min_p" not in q for q in server.requests)
+    generation = json.loads((tmp_path / "c.json").read_text())["generation"]
+    assert (generation["top_k"], generation["top_p"], generation["min_p"]) == (20, 0.95, None)
 
 
 def test_openai_backend_names_an_unreachable_server():
