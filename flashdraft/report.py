@@ -58,6 +58,11 @@ def figure_rows(summary: dict[str, Any]) -> list[list[str]]:
         ("τ (mean of prompts)", summary["tau_prompt_mean"], ref and ref["tau_prompt_mean"],
          diff and diff["tau_prompt_mean"]),
     ]  # fmt: skip
+    if summary.get("expected_tau") is not None:  # T > 0: τ without the noise of the acceptance draws
+        rows.append(("expected τ given the drafts", summary["expected_tau"], ref and ref.get("expected_tau"),
+                     diff and diff.get("expected_tau")))  # fmt: skip
+        rows.append(("  its standard error", summary["expected_tau_stderr"], ref and ref.get("expected_tau_stderr"),
+                     None))  # fmt: skip
     if summary["mode"] == "online":
         rows += [
             ("lossless (all prompts)", summary["lossless"], ref and ref["lossless"], None),
@@ -154,6 +159,18 @@ def _draft_limit(summary: dict[str, Any]) -> str:
         f", verifying drafts up to the first with confidence under {c}" if c is not None else "")  # fmt: skip
 
 
+def sampling_line(summary: dict[str, Any]) -> str:
+    """How the steps were drafted and verified: greedy (every server alike), or the temperature, the target-side
+    filters and the serving rule (`flashdraft.serving_rules`)."""
+    sampling = summary.get("sampling") or {}
+    temperature = sampling.get("temperature", summary.get("temperature", 0.0))
+    if not temperature or temperature <= 0:
+        return "greedy decoding (temperature 0: the same under every server's rule)"
+    filters = "".join(f", {k.replace('_', '-')} {sampling[k]}" for k in ("top_k", "top_p", "min_p")
+                      if sampling.get(k) is not None)  # fmt: skip
+    return f"sampled at temperature {temperature}{filters}, under the {summary.get('serving_rule')} serving rule"
+
+
 def selector_line(s: dict[str, Any]) -> str:
     """What a DFlash2 drafter's candidate selector adds (`flashdraft.offline.selector_figures`), in words."""
     return (f"candidate selector (DFlash2): τ {s['tau']:.3f} walking it, {s['unary_tau']:.3f} drafting the unary "
@@ -183,6 +200,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{summary['mode']} evaluation of {summary['checkpoint']}: {summary['num_prompts']} prompts, "
         f"block size {summary['block_size']}, {_context(summary)}"
     )
+    title += "\n" + sampling_line(summary)
     if summary.get("reference"):
         ref = summary["reference"]
         title += f"\nreference {ref['checkpoint']}: block size {ref['block_size']}, {_context(ref)}"
@@ -327,6 +345,7 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
         f"- mode: **{summary['mode']}**; target `{summary.get('target')}`; records: {summary.get('records_source')}",
         f"- block size {summary['block_size']}{_draft_limit(summary)}; {context}; at most "
         f"{summary.get('max_blocks') or 'all'} blocks per prompt",
+        f"- {sampling_line(summary)}",
     ]
     if summary.get("reference"):
         ref = summary["reference"]

@@ -268,6 +268,7 @@ def difference(result: dict[str, Any], reference: dict[str, Any]) -> dict[str, A
         "histogram": [a - b for a, b in zip(hist_a, hist_b, strict=True)],
         "position_acceptance": [a - b for a, b in zip(pos_a, pos_b, strict=True)],
         "speedup": sub(result["speedup"], reference["speedup"]),
+        "expected_tau": sub(result.get("expected_tau"), reference.get("expected_tau")),
         "per_prompt": [
             {
                 "id": p["id"],

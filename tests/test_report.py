@@ -1,7 +1,8 @@
 import json
+import re
 
 from flashdraft.report import PLOTS, format_summary, write_report
-from flashdraft.results import EvalResult, PromptResult, difference
+from flashdraft.results import EvalResult, PromptResult, difference, expected_tau_figures
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -50,6 +51,22 @@ def test_terminal_summary_lists_every_figure_and_prompt():
                    "draft 3 accepted", "ref τ"]:  # fmt: skip
         assert figure in text, figure
     assert "\nb " in text
+
+
+def test_summary_and_report_name_the_sampling_rule_and_show_expected_tau_at_a_temperature(tmp_path):
+    prompts = [PromptResult("a", [1, 4, 2], expected_lengths=[1.5, 3.0, 2.0]), PromptResult("b", [3, 1],
+               expected_lengths=[2.5, 1.0])]  # fmt: skip
+    result = EvalResult("offline", 4, [0, 2], 2, prompts, 0.6)
+    s = result.to_json() | expected_tau_figures(result) | {"checkpoint": "d", "serving_rule": "sglang",
+                                                            "sampling": {"temperature": 0.6, "top_k": 20,
+                                                                         "top_p": 0.95, "min_p": None}}  # fmt: skip
+    text = format_summary(s)
+    assert "sampled at temperature 0.6, top-k 20, top-p 0.95, under the sglang serving rule" in text
+    assert re.search(r"expected τ given the drafts +2.000\n  its standard error +0.354", text)
+    report = write_report(s, tmp_path).read_text()
+    assert "| expected τ given the drafts | 2.000 |" in report and "under the sglang serving rule" in report
+    greedy = summary()
+    assert "greedy decoding" in format_summary(greedy) and "expected τ" not in format_summary(greedy)
 
 
 def test_report_can_be_rebuilt_from_the_saved_json(tmp_path):
