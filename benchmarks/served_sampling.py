@@ -32,7 +32,7 @@ RUNS = RUNS | {
     "dflash-published": ("init-dflash-b8", "cache-train", ["--loss-weighting", "decay", "--optimizer", "adamw"]),
     "dflash2-sel1": ("init-dflash2-b8", "cache-train", ["--selector-loss-weight", "1"]),
 }
-DEFAULT_RUNS = ["dflash", "dflash-published", "dflash2", "dflash2-sel1", "dspark", "dspark-ce", "dspark-decay"]
+DEFAULT_RUNS = ["dflash", "dflash-published", "dflash2", "dflash2-sel1", "dspark", "dspark-ce"]
 SAMPLING = ["--temperature", "0.6", "--top-p", "0.95", "--top-k", "20"]  # Qwen3's generation_config.json
 RULES = ("vllm", "sglang")
 # each run against its family's default

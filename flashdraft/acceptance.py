@@ -293,6 +293,22 @@ class DFlashProposer:
             return self.drafter.candidate_selector.walk(hidden, base, anchors, temperature, path=path)[1][0]
         return torch.softmax(base[0].float() / temperature, -1)
 
+    def path_confidence(self, j: int, path: torch.Tensor) -> torch.Tensor | None:
+        """DSpark: the confidence [k] of each draft of block j of the last call when the drafts before it are path
+        [k]'s tokens (the first after the anchor): what a walk that reached each position along a completion
+        estimated there, greedy or sampled alike (a draft's confidence reads the token before it, not its own).
+        None without a confidence head."""
+        if self.drafter.confidence_head is None:
+            return None
+        hidden, _, anchors = self._blocks
+        k = path.shape[0]
+        previous = torch.cat([anchors[j : j + 1], path])[:k]  # [k]: the anchor, then path's tokens
+        return self.drafter.confidence(hidden[j, :k], previous)
+
+    def block_drafts(self, j: int) -> int:
+        """Drafts block j of the last call holds before any confidence cut."""
+        return self._blocks[0].shape[1]
+
     def _block_hidden(
         self, anchor_tokens: list[int], anchor_positions: list[int], new_context: torch.Tensor | None,
         new_positions: torch.Tensor, block: int,
@@ -389,6 +405,12 @@ class LimitedProposer:
     def path_distributions(self, j: int, path: torch.Tensor, temperature: float) -> torch.Tensor:
         return self.inner.path_distributions(j, path, temperature)
 
+    def path_confidence(self, j: int, path: torch.Tensor) -> torch.Tensor | None:
+        return self.inner.path_confidence(j, path)
+
+    def block_drafts(self, j: int) -> int:
+        return self.inner.block_drafts(j)
+
 
 class LimitedBatchProposer(LimitedProposer):
     """`LimitedProposer` of a `BatchProposer`: the offline walk still drafts many anchors per call."""
@@ -443,7 +465,13 @@ class OfflineSampling:
     temperature: float
     rule: ServingRule
     generator: torch.Generator | None = None
+    # DSpark: verify only the drafts before the first whose confidence is under this (a sampled walk's own cut)
+    confidence_threshold: float | None = None
     expected: list[float] = field(default_factory=list)  # per step: the estimate of its expected committed length
+    verified: list[int] = field(default_factory=list)  # per step: the drafts it verified
+    # every draft position a step reached (all drafts before it accepted): (position, the drafter's confidence
+    # there or None, its acceptance probability alpha given the context, whether the walk accepted it)
+    reached: list[tuple[int, float | None, float, bool]] = field(default_factory=list)
 
     def step(self, proposer: Proposer, j: int, rows: torch.Tensor, completion: torch.Tensor, i: int) -> int:
         """The tokens the step at anchor index i commits, drawn from their law given that the target's output is
@@ -454,10 +482,25 @@ class OfflineSampling:
         P(draft t accepted | accepted before, output token c_t) = rho_t = min(1, q_t(c_t) / p_t(c_t)), so the walk
         accepts c_t with probability rho_t (one-hot: rho_t = [d_t == c_t], the greedy walk's match). The expected
         length is estimated by importance weighting along the completion: P(a >= t) = E[prod_{s < t} rho_s x
-        alpha_t], alpha_t = sum_x min(p_t(x), q_t(x)) (one-hot: p_t(d_t))."""
+        alpha_t], alpha_t = sum_x min(p_t(x), q_t(x)) (one-hot: p_t(d_t)).
+
+        A DSpark confidence cut of a sampled walk is exact too: a position's confidence reads the draft before it,
+        which at a reached position is the completion's token, so the cut along the completion is the live walk's.
+        """
         left = completion.shape[0] - 1 - i
+        sampled = self.rule.samples_drafts(drafting_family(proposer))
         k = min(rows.shape[0], left)
+        if sampled and self.confidence_threshold is not None:  # `rows` hold the greedy walk's cut: not this walk's
+            k = min(proposer.block_drafts(j), left)
         path = completion[i + 1 : i + 1 + k]  # [k]
+        confidence = getattr(proposer, "path_confidence", lambda *_: None)(j, path)  # [k] or None
+        if sampled and self.confidence_threshold is not None and confidence is not None:
+            k = confident_prefix(confidence, self.confidence_threshold)
+            path, confidence = path[:k], confidence[:k]
+        self.verified.append(k)
+        if k == 0:  # nothing verified: the step commits the target's token
+            self.expected.append(1.0)
+            return 1
         p = self.probs_at(i, i + k)  # [k, V]
         p_path = p.gather(-1, path[:, None])[:, 0]
         if bool((p_path <= 0).any()):
@@ -466,7 +509,7 @@ class OfflineSampling:
                 f"completion token {i + 1 + t} ({int(path[t])}) has probability 0 under these sampling settings: the "
                 f"completions must be the target's samples at the settings evaluated (flashdraft generate with them)"
             )
-        if self.rule.samples_drafts(drafting_family(proposer)):
+        if sampled:
             q = proposer.path_distributions(j, path, self.temperature)[:k]  # [k, V]
             alpha = torch.minimum(p, q).sum(-1)
             rho = (q.gather(-1, path[:, None])[:, 0] / p_path).clamp(max=1.0)
@@ -478,6 +521,9 @@ class OfflineSampling:
         reach = torch.cat([rho.new_ones(1), rho.double().cumprod(0)[:-1]]) * alpha.double()  # [k] P(a >= t) terms
         self.expected.append(1.0 + float(reach[: max(left - 1, 0)].sum()))
         a = int(coins.int().cumprod(0).sum())
+        for t in range(min(a + 1, k)):
+            self.reached.append((t, None if confidence is None else float(confidence[t]), float(alpha[t]),
+                                 t < a))  # fmt: skip
         return min(a + 1, left)
 
 

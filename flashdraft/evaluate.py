@@ -476,12 +476,8 @@ def _evaluate_candidate(
     if isinstance(c.drafter, DFlashDrafter) and c.drafter.candidate_selector is not None and cfg.temperature <= 0:
         summary["selector"] = selector_figures(c.drafter, target, records, online if cfg.online else offline,
                                                features, cfg.max_blocks)  # fmt: skip
-    if _has_confidence_head(c.drafter) and cfg.temperature <= 0:
-        uncut = online if cfg.online else offline
-        if cfg.confidence_threshold or uncut is None:  # the figures are of the uncut walk
-            uncut = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks)
-        summary["confidence"] = confidence_figures(c.drafter, target, records, uncut, features, cfg.max_blocks,
-                                                   cfg.confidence_threshold)  # fmt: skip
+    if _has_confidence_head(c.drafter):
+        summary["confidence"] = _confidence(cfg, c, target, records, offline, online, features, filters, rule)
     summary |= {"checkpoint": c.label, "checkpoint_form": c.form, "drafter_path": c.path,
                 "drafter_type": _drafter_type(c.drafter),
                 "num_speculative_tokens": cfg.num_speculative_tokens,
@@ -496,6 +492,30 @@ def _evaluate_candidate(
                                   "live_features_rounded_to": str(rounding).removeprefix("torch.") if rounding
                                   else None}  # fmt: skip
     return summary
+
+
+def _confidence(
+    cfg: EvalConfig, c: Candidate, target: TargetModel, records: list[EvalRecord], offline: EvalResult | None,
+    online: EvalResult | None, features: FeatureSource, filters: SamplingFilters, rule: ServingRule,
+) -> dict[str, Any]:  # fmt: skip
+    """A DSpark drafter's confidence figures (`confidence_figures`) of the uncut walk at the temperature and rule
+    evaluated; at T > 0 online, over the online outputs (the target's samples) walked offline."""
+    if cfg.temperature <= 0:
+        uncut = online if cfg.online else offline
+        if cfg.confidence_threshold or uncut is None:  # the figures are of the uncut walk
+            uncut = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks)
+        return confidence_figures(c.drafter, target, records, uncut, features, cfg.max_blocks,
+                                  cfg.confidence_threshold)  # fmt: skip
+    sampling = {"rule": rule, "temperature": cfg.temperature, "filters": filters, "seed": cfg.seed}
+    uncut = offline if not cfg.online and not cfg.confidence_threshold else None
+    if cfg.online:
+        records = [EvalRecord(r.id, r.prompt_ids, o.output_ids) for r, o in zip(records, online.per_prompt,
+                                                                                 strict=True)]  # fmt: skip
+        features = FeatureSource(target)
+    if uncut is None:
+        uncut = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks, **sampling)
+    return confidence_figures(c.drafter, target, records, uncut, features, cfg.max_blocks, cfg.confidence_threshold,
+                              **sampling)  # fmt: skip
 
 
 def _bucket_figures(result: EvalResult) -> list[tuple]:
@@ -547,9 +567,6 @@ def check_sampling(cfg: EvalConfig, candidates: list[Candidate]) -> None:
                 f"drafts {rule.name} samples; offline and online are then equal in law, not step for step (the "
                 f"check holds where drafts are the argmax walk: --serving-rule vllm, or sglang for DFlash)"
             )
-        if not cfg.online and sampled and cfg.confidence_threshold and family == "dspark":
-            raise FlashdraftError(f"--confidence-threshold with --temperature {cfg.temperature} offline: the cut of a "
-                                  f"sampled DSpark walk is not built offline; expected --online")  # fmt: skip
 
 
 def check_sampled_completions(cfg: EvalConfig, filters: SamplingFilters) -> None:

@@ -28,6 +28,7 @@ from flashdraft.acceptance import (
     as_proposer,
     default_block_size,
     offline_acceptance_lengths,
+    tau_of,
 )
 from flashdraft.model import DFlashDrafter
 from flashdraft.records import EvalRecord, FeatureSource
@@ -81,15 +82,31 @@ def evaluate_offline(
     rule = serving_rule(rule)
     per_prompt = []
     for index, record in enumerate(records):
-        f = features(record, layer_ids) if layer_ids else None
-        proposer = as_proposer(drafter, target, limit, use_selector, rule)
-        sampling = _sampling_along(target, record, rule, temperature, filters, seed, index) if temperature > 0 else None
-        lengths = offline_acceptance_lengths(proposer, record.prompt_ids, record.completion_ids, b, f, max_blocks,
-                                             target.device, sampling=sampling)  # fmt: skip
+        lengths, sampling = walk_record(drafter, target, record, index, features, b, max_blocks, limit, use_selector,
+                                        rule, temperature, filters, seed)  # fmt: skip
         per_prompt.append(PromptResult(record.id, lengths, expected_lengths=sampling.expected if sampling else None,
                                        prompt_length=len(record.prompt_ids)))  # fmt: skip
     return EvalResult("offline", b, layer_ids, context_layers, per_prompt, temperature,
                       drafts_per_block=drafts_of(drafter, b), context_edges=context_edges)  # fmt: skip
+
+
+def walk_record(
+    drafter: DFlashDrafter | ProposerFactory | Proposer, target: TargetModel, record: EvalRecord, index: int,
+    features: FeatureSource, block: int, max_blocks: int | None, limit: DraftLimit | None, use_selector: bool,
+    rule: ServingRule, temperature: float, filters: SamplingFilters, seed: int,
+) -> tuple[list[int], OfflineSampling | None]:  # fmt: skip
+    """The offline walk of record `index` (`evaluate_offline`'s arguments): its acceptance lengths and, at
+    temperature > 0, what the sampled walk recorded along it (the same draws for the same seed and index)."""
+    layer_ids = drafter_shape(drafter, block)[1]
+    f = features(record, layer_ids) if layer_ids else None
+    proposer = as_proposer(drafter, target, limit, use_selector, rule)
+    sampling = None
+    if temperature > 0:
+        sampling = _sampling_along(target, record, rule, temperature, filters, seed, index)
+        sampling.confidence_threshold = limit.confidence_threshold if limit is not None else None
+    lengths = offline_acceptance_lengths(proposer, record.prompt_ids, record.completion_ids, block, f, max_blocks,
+                                         target.device, sampling=sampling)  # fmt: skip
+    return lengths, sampling
 
 
 def _sampling_along(
@@ -182,58 +199,111 @@ CONFIDENCE_SWEEP = (0.3, 0.5, 0.7, 0.9)  # thresholds whose cut eval reports bes
 def confidence_figures(
     drafter: DFlashDrafter, target: TargetModel, records: list[EvalRecord], walked: EvalResult,
     features: FeatureSource | None = None, max_blocks: int | None = None, threshold: float | None = None,
+    rule: ServingRule | str | None = None, temperature: float = 0.0, filters: SamplingFilters = NO_FILTERS,
+    seed: int = 0,
 ) -> dict:  # fmt: skip
-    """A DSpark drafter's confidence head against what happened, beside its greedy evaluation `walked` (without a
-    confidence cut): at every draft position a step reached (all drafts before it accepted), the head's estimate
-    c and whether the draft was accepted, per block position (mean estimate against observed acceptance) and over
-    all (expected calibration error over CONFIDENCE_BINS bins); then, for each threshold of CONFIDENCE_SWEEP and
-    `threshold`, the τ of cutting each block before its first draft with c under it (DeepSpec's evaluator's cut;
-    the servers' adaptive verification chooses differently) and its cost: the drafts verified per step, against
-    the uncut block's."""
+    """A DSpark drafter's confidence head against what happened, beside its evaluation `walked` (without a
+    confidence cut; at temperature > 0 over the target's samples `records`, under `rule` with `filters`, seeded as
+    `evaluate_offline`): at every draft position a step reached (all drafts before it accepted), the head's
+    estimate c, the draft's acceptance probability there (greedy: 1 or 0, whether the draft is the target's
+    token; one-hot rule: p(d); sampled walk: sum min(p, q)) and whether it was accepted, per block position (mean
+    estimate against mean probability and observed share) and over all (expected calibration error against the
+    probability, over CONFIDENCE_BINS bins); then, for each threshold of CONFIDENCE_SWEEP and `threshold`, the τ
+    of cutting each block before its first draft with c under it (DeepSpec's evaluator's cut; vLLM's adaptive
+    verification budgets by expected accepted tokens instead, SGLang's planner is opt-in) and its cost: the
+    drafts verified per step, against the uncut block's."""
     features = features or FeatureSource(target)
+    rule = serving_rule(rule)
     k_max = drafts_of(drafter, walked.block_size)
-    predicted, observed, reached = torch.zeros(k_max), torch.zeros(k_max), torch.zeros(k_max)
-    pairs: list[tuple[float, bool]] = []
-    verified_full = 0
+    if temperature > 0:
+        reached, verified_full = _sampled_positions(drafter, target, records, features, walked.block_size, max_blocks,
+                                                    None, rule, temperature, filters, seed)  # fmt: skip
+    else:
+        reached, verified_full = _greedy_positions(drafter, target, records, features, walked)
+    predicted, probability, observed, count = (torch.zeros(k_max) for _ in range(4))
+    for j, c, alpha, accepted in reached:
+        predicted[j] += c
+        probability[j] += alpha
+        observed[j] += accepted
+        count[j] += 1
+    ece = 0.0
+    for b in range(CONFIDENCE_BINS):
+        inside = [(c, alpha) for _, c, alpha, _ in reached if b / CONFIDENCE_BINS <= c < (b + 1) / CONFIDENCE_BINS
+                  or (b == CONFIDENCE_BINS - 1 and c == 1.0)]  # fmt: skip
+        if inside:
+            ece += len(inside) / len(reached) * abs(sum(c for c, _ in inside) / len(inside)
+                                                    - sum(a for _, a in inside) / len(inside))  # fmt: skip
+    cuts = []
+    for t in sorted({*CONFIDENCE_SWEEP, *([threshold] if threshold else [])}):
+        limit = DraftLimit(confidence_threshold=t)
+        if temperature > 0:
+            lengths, verified = [], 0
+            for index, record in enumerate(records):
+                n, sampling = walk_record(drafter, target, record, index, features, walked.block_size, max_blocks,
+                                          limit, True, rule, temperature, filters, seed)  # fmt: skip
+                lengths += n
+                verified += sum(sampling.verified)
+            tau, steps = tau_of(lengths), len(lengths)
+        else:
+            cut = evaluate_offline(drafter, target, records, features, walked.block_size, max_blocks, limit)
+            verified = _greedy_verified(drafter, target, records, features, cut, limit)
+            tau, steps = cut.tau, cut.num_steps
+        cuts.append({"threshold": t, "tau": tau, "steps": steps, "drafts_verified_per_step": verified / max(steps, 1)})
+    n = count.clamp(min=1)
+    return {"positions_reached": count.int().tolist(), "predicted": (predicted / n).tolist(),
+            "acceptance_probability": (probability / n).tolist(), "observed": (observed / n).tolist(),
+            "expected_calibration_error": ece if reached else None,
+            "uncut": {"tau": walked.tau, "steps": walked.num_steps,
+                      "drafts_verified_per_step": verified_full / max(walked.num_steps, 1)},
+            "cuts": cuts}  # fmt: skip
+
+
+def _greedy_positions(
+    drafter: DFlashDrafter, target: TargetModel, records: list[EvalRecord], features: FeatureSource,
+    walked: EvalResult,
+) -> tuple[list[tuple[int, float, float, bool]], int]:  # fmt: skip
+    """(position, confidence, acceptance probability, accepted) of every draft position the greedy walk `walked`
+    reached (the probability is 1 or 0: the draft is the target's token or not), and the drafts it verified."""
+    reached, verified = [], 0
     for record, walk in zip(records, walked.per_prompt, strict=True):
         f = features(record, drafter.config.target_layer_ids)
         steps = walked_steps(walk.acceptance_lengths)
         rows_at = _rows_at_steps(drafter, target, record, f, steps, walked.block_size)
         for (i, _), (rows, confidence) in zip(steps, rows_at, strict=True):
             drafts, left = rows.argmax(-1).tolist(), len(record.completion_ids) - 1 - i
-            verified_full += min(len(drafts), left)
+            verified += min(len(drafts), left)
             for j in range(min(len(drafts), left)):
                 accepted = drafts[j] == record.completion_ids[i + 1 + j]
-                c = float(confidence[j])
-                predicted[j] += c
-                observed[j] += accepted
-                reached[j] += 1
-                pairs.append((c, accepted))
+                reached.append((j, float(confidence[j]), float(accepted), accepted))
                 if not accepted:
                     break
-    n = reached.clamp(min=1)
-    ece = 0.0
-    for b in range(CONFIDENCE_BINS):
-        inside = [(c, a) for c, a in pairs if b / CONFIDENCE_BINS <= c < (b + 1) / CONFIDENCE_BINS
-                  or (b == CONFIDENCE_BINS - 1 and c == 1.0)]  # fmt: skip
-        if inside:
-            ece += len(inside) / len(pairs) * abs(sum(c for c, _ in inside) / len(inside)
-                                                  - sum(a for _, a in inside) / len(inside))  # fmt: skip
-    cuts = []
-    for t in sorted({*CONFIDENCE_SWEEP, *([threshold] if threshold else [])}):
-        limit = DraftLimit(confidence_threshold=t)
-        cut = evaluate_offline(drafter, target, records, features, walked.block_size, max_blocks, limit)
-        verified = 0
-        for record, walk in zip(records, cut.per_prompt, strict=True):
-            f = features(record, drafter.config.target_layer_ids)
-            steps = walked_steps(walk.acceptance_lengths)
-            rows_at = _rows_at_steps(drafter, target, record, f, steps, walked.block_size, limit)
-            for (i, _), (rows, _) in zip(steps, rows_at, strict=True):
-                verified += min(rows.shape[0], len(record.completion_ids) - 1 - i)
-        cuts.append({"threshold": t, "tau": cut.tau, "steps": cut.num_steps,
-                     "drafts_verified_per_step": verified / max(cut.num_steps, 1)})  # fmt: skip
-    return {"positions_reached": reached.int().tolist(), "predicted": (predicted / n).tolist(),
-            "observed": (observed / n).tolist(), "expected_calibration_error": ece if pairs else None,
-            "uncut": {"tau": walked.tau, "steps": walked.num_steps,
-                      "drafts_verified_per_step": verified_full / max(walked.num_steps, 1)},
-            "cuts": cuts}  # fmt: skip
+    return reached, verified
+
+
+def _greedy_verified(drafter: DFlashDrafter, target: TargetModel, records: list[EvalRecord], features: FeatureSource,
+                     walked: EvalResult, limit: DraftLimit) -> int:  # fmt: skip
+    """The drafts the greedy walk `walked` under a confidence cut verified, over all its steps."""
+    verified = 0
+    for record, walk in zip(records, walked.per_prompt, strict=True):
+        f = features(record, drafter.config.target_layer_ids)
+        steps = walked_steps(walk.acceptance_lengths)
+        rows_at = _rows_at_steps(drafter, target, record, f, steps, walked.block_size, limit)
+        for (i, _), (rows, _) in zip(steps, rows_at, strict=True):
+            verified += min(rows.shape[0], len(record.completion_ids) - 1 - i)
+    return verified
+
+
+def _sampled_positions(
+    drafter: DFlashDrafter, target: TargetModel, records: list[EvalRecord], features: FeatureSource, block: int,
+    max_blocks: int | None, limit: DraftLimit | None, rule: ServingRule, temperature: float,
+    filters: SamplingFilters, seed: int,
+) -> tuple[list[tuple[int, float, float, bool]], int]:  # fmt: skip
+    """The same at temperature > 0: the draft positions the sampled walk of each record reached (with the seed and
+    index `evaluate_offline` draws with, so the walk is the evaluation's), and the drafts it verified."""
+    reached, verified = [], 0
+    for index, record in enumerate(records):
+        _, sampling = walk_record(drafter, target, record, index, features, block, max_blocks, limit, True, rule,
+                                  temperature, filters, seed)  # fmt: skip
+        reached += sampling.reached
+        verified += sum(sampling.verified)
+    return reached, verified

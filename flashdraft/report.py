@@ -182,14 +182,15 @@ def confidence_lines(s: dict[str, Any]) -> list[str]:
     """A DSpark drafter's confidence head (`flashdraft.offline.confidence_figures`), in words: its calibration per
     block position, then the τ and cost of each confidence cut against the uncut block."""
     ece = s["expected_calibration_error"]
-    pairs = ", ".join(f"{p:.2f}/{o:.2f}" for p, o, n in zip(s["predicted"], s["observed"], s["positions_reached"],
+    accepted = s.get("acceptance_probability", s["observed"])  # the rule's acceptance probability (greedy: observed)
+    pairs = ", ".join(f"{p:.2f}/{o:.2f}" for p, o, n in zip(s["predicted"], accepted, s["positions_reached"],
                                                            strict=True) if n)  # fmt: skip
-    lines = [f"confidence head (DSpark): predicted/observed acceptance per draft position {pairs}; expected "
-             f"calibration error {'-' if ece is None else f'{ece:.3f}'}"]  # fmt: skip
+    lines = [f"confidence head (DSpark): predicted/actual acceptance probability per draft position {pairs}; "
+             f"expected calibration error {'-' if ece is None else f'{ece:.3f}'}"]  # fmt: skip
     u = s["uncut"]
     lines.append(f"  uncut: τ {u['tau']:.3f}, {u['drafts_verified_per_step']:.2f} drafts verified per step")
     for cut in s["cuts"]:
-        lines.append(f"  cut at confidence {cut['threshold']}: τ {cut['tau']:.3f}, "
+        lines.append(f"  cut at confidence {cut['threshold']} (DeepSpec's evaluator's cut): τ {cut['tau']:.3f}, "
                      f"{cut['drafts_verified_per_step']:.2f} drafts verified per step")  # fmt: skip
     return lines
 

@@ -208,6 +208,8 @@ class EvalResult:
                                    "num_steps": len(p.acceptance_lengths)}  # fmt: skip
             if self.mode == "online":
                 row |= {"output_ids": p.output_ids, "lossless": p.lossless}
+            if p.expected_lengths is not None:  # T > 0: each step's expected committed length given its drafts
+                row["expected_lengths"] = p.expected_lengths
             per_prompt.append(row)
         return {
             "mode": self.mode,
@@ -284,16 +286,33 @@ def difference(result: dict[str, Any], reference: dict[str, Any]) -> dict[str, A
 def expected_tau_figures(result: EvalResult) -> dict[str, Any]:
     """τ without the noise of the acceptance draws: `expected_tau`, the mean over steps of each step's expected
     committed length given its drafts (from the acceptance probabilities verification computes: E = 1 + sum_k
-    prod_{i <= k} alpha_i), with `expected_tau_stderr`, its standard error over steps (std / sqrt(steps)); online
-    also `tau_stderr_given_drafts`, sqrt(sum of each step's variance given its drafts) / steps: how far the sampled
-    τ falls from expected_tau by the acceptance draws alone (the two agree when |tau - expected_tau| is within a
-    few of it). None where the walk computed none."""
+    prod_{i <= k} alpha_i), with `expected_tau_stderr`, its standard error with the prompts as the units (a prompt's
+    steps share its sampled continuation, so they are not independent: over 30 seeds the spread of expected_tau
+    was 0.97-0.98x this and 1.44-1.46x the error that treats steps as independent, `benchmarks/expected_tau_error.py`;
+    one prompt: that error); online also
+    `tau_stderr_given_drafts`, sqrt(sum of each step's variance given its drafts) / steps: how far the sampled τ
+    falls from expected_tau by the acceptance draws alone (the two agree when |tau - expected_tau| is within a few
+    of it). None where the walk computed none."""
     expected = [e for p in result.per_prompt for e in (p.expected_lengths or [])]
     variances = [v for p in result.per_prompt for v in (p.length_variances or [])]
     n = len(expected)
     if n == 0 or n != result.num_steps:
         return {"expected_tau": None, "expected_tau_stderr": None, "tau_stderr_given_drafts": None}
     mean = sum(expected) / n
-    spread = (sum((e - mean) ** 2 for e in expected) / (n - 1)) ** 0.5 if n > 1 else 0.0
     given_drafts = sum(variances) ** 0.5 / n if len(variances) == n else None
-    return {"expected_tau": mean, "expected_tau_stderr": spread / n**0.5, "tau_stderr_given_drafts": given_drafts}
+    return {"expected_tau": mean, "expected_tau_stderr": _clustered_stderr(result, mean),
+            "tau_stderr_given_drafts": given_drafts}  # fmt: skip
+
+
+def _clustered_stderr(result: EvalResult, mean: float) -> float:
+    """Standard error of the steps' mean expected length with each prompt's steps one unit (the ratio estimator's
+    linearised variance, G / (G - 1) sum_g (S_g - mean n_g)^2 / N^2 over G prompts with S_g the sum of their n_g
+    steps' expected lengths, N steps in all); with one prompt, std over steps / sqrt(steps)."""
+    units = [(sum(p.expected_lengths), len(p.expected_lengths)) for p in result.per_prompt if p.expected_lengths]
+    steps = sum(k for _, k in units)
+    if len(units) < 2:
+        values = [e for p in result.per_prompt for e in (p.expected_lengths or [])]
+        spread = (sum((e - mean) ** 2 for e in values) / (steps - 1)) ** 0.5 if steps > 1 else 0.0
+        return spread / steps**0.5
+    g = len(units)
+    return (g / (g - 1) * sum((s - mean * k) ** 2 for s, k in units)) ** 0.5 / steps

@@ -17,11 +17,11 @@ from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
 from flashdraft.evaluate import records_from_prompts
 from flashdraft.model import DFlashDrafter
-from flashdraft.offline import confidence_figures, evaluate_offline, selector_figures
+from flashdraft.offline import confidence_figures, evaluate_offline, selector_figures, walk_record
 from flashdraft.records import EvalRecord, FeatureSource
 from flashdraft.results import EvalResult, PromptResult, expected_tau_figures, speedup_bound
 from flashdraft.run_dir import load_any_drafter
-from flashdraft.serving_rules import SamplingFilters
+from flashdraft.serving_rules import SamplingFilters, serving_rule
 from flashdraft.target import TargetModel
 from tests.conftest import (
     DFLASH2,
@@ -216,18 +216,26 @@ def test_offline_equals_online_when_the_completion_ends_at_a_stop_token():
     assert [offline.per_prompt[0].acceptance_lengths] == online_lengths(target, drafter, [record])
 
 
-@pytest.mark.parametrize("rule, family", [("vllm", "dflash"), ("vllm-probabilistic", "dflash"), ("sglang", "dspark")])
+@pytest.mark.parametrize("rule, family", [("vllm", "dflash"), ("vllm-probabilistic", "dflash"), ("sglang", "dspark"),
+                                          ("sglang", "dspark-cut")])  # fmt: skip
 def test_offline_tau_at_a_temperature_agrees_with_online_sampling_over_many_seeds(rule, family):
     # offline walks the target's own samples (argmax drafts: the greedy walk's match; sampled drafts, DFlash's per
     # position or DSpark's Markov walk: each completion token accepted with min(1, q / p)); online decodes, each
-    # seed anew; the sampled τ, and offline's expected τ, agree with online's
+    # seed anew; the sampled τ, and offline's expected τ, agree with online's. dspark-cut: the sampled walk cut
+    # at its first draft with confidence under 0.5 (offline: the confidence along the completion)
     target = make_target("qwen3")
-    drafter = make_dspark_drafter() if family == "dspark" else make_drafter()
+    drafter = make_dspark_drafter() if family.startswith("dspark") else make_drafter()
+    limit = DraftLimit(confidence_threshold=0.5) if family == "dspark-cut" else None
     with torch.no_grad():  # a peaked p at T = 0.6 and a Markov bias the trained drafter can use, so drafts are
         target.model.get_output_embeddings().weight.mul_(3)  # accepted often enough to matter
-        if family == "dspark":
+        if family.startswith("dspark"):
             drafter.markov_head.markov_w2.weight.mul_(0.1)
     drafter = overfit(drafter, target, greedy_records(target, 30)[0])
+    if family == "dspark-cut":  # confidence spread across 0.5 (as trained it sits near 0.07 everywhere): cuts vary
+        with torch.no_grad():
+            head = drafter.confidence_head.proj
+            head.bias.copy_(head.bias * 40 + 2.66 * 40 + 4)
+            head.weight.mul_(40)
     if family == "dflash":  # a diffuse q, the argmax kept: sampled drafts often differ from it, so the rules' τ differ
         drafter.config.extra.setdefault("dflash_config", {})["output_multiplier"] = 0.2
     prompts = [PROMPTS[0]] * 3  # the drafter's own: three samples each seed
@@ -237,12 +245,13 @@ def test_offline_tau_at_a_temperature_agrees_with_online_sampling_over_many_seed
         gens = [torch.Generator().manual_seed(1000 * seed + i) for i in range(len(prompts))]
         records = [EvalRecord(f"r{i}", p, autoregressive_generate(target, p, 16, temperature, g, filters).output_ids)
                    for i, (p, g) in enumerate(zip(prompts, gens, strict=True))]  # fmt: skip
-        walked = evaluate_offline(drafter, target, records, rule=rule, temperature=temperature, filters=filters,
-                                  seed=seed)  # fmt: skip
+        walked = evaluate_offline(drafter, target, records, limit=limit, rule=rule, temperature=temperature,
+                                  filters=filters, seed=seed)  # fmt: skip
         offline.append(walked.tau)
         expected.append(expected_tau_figures(walked)["expected_tau"])
         lengths = [n for p, g in zip(prompts, gens, strict=True) for n in speculative_generate(
-            target, drafter, p, 16, temperature, generator=g, filters=filters, rule=rule).acceptance_lengths]
+            target, drafter, p, 16, temperature, generator=g, limit=limit, filters=filters,
+            rule=rule).acceptance_lengths]
         online.append(sum(lengths) / len(lengths))
     on = torch.tensor(online)
     for off in (torch.tensor(offline), torch.tensor(expected)):
@@ -250,6 +259,10 @@ def test_offline_tau_at_a_temperature_agrees_with_online_sampling_over_many_seed
         assert abs(float(off.mean() - on.mean())) < 3 * float(error), (off.mean(), on.mean(), error)
     assert float(on.mean()) > 1.3  # drafts were accepted often enough for the comparison to matter
     assert float(torch.tensor(expected).var()) < float(torch.tensor(offline).var())  # the estimate is less noisy
+    if limit is not None:  # the cut cut: blocks verified at several lengths short of all 7 drafts
+        verified = walk_record(drafter, target, records[0], 0, FeatureSource(target), drafter.config.block_size, None,
+                               limit, True, serving_rule(rule), temperature, filters, 0)[1].verified  # fmt: skip
+        assert len(set(verified)) > 1 and min(verified) < drafter.config.block_size
 
 
 def test_max_blocks_keeps_the_first_steps_of_the_walk():
@@ -742,6 +755,27 @@ def test_confidence_figures_compare_the_heads_estimates_with_observed_acceptance
     assert verified == sorted(verified, reverse=True)  # a higher threshold verifies fewer drafts
     cut = evaluate_offline(drafter, target, records, limit=DraftLimit(confidence_threshold=0.6))
     assert figures["cuts"][2]["tau"] == cut.tau
+    assert figures["acceptance_probability"] == figures["observed"]  # greedy: accepted or not, no chance
+
+
+def test_confidence_figures_at_a_temperature_are_against_the_rules_acceptance_and_price_cuts_as_evaluated(
+    dspark_setup,
+):  # fmt: skip
+    target, records, drafter = dspark_setup
+    temperature, filters = 0.8, SamplingFilters(top_k=20)
+    samples = [EvalRecord(r.id, r.prompt_ids, autoregressive_generate(target, r.prompt_ids, 24, temperature,
+                          torch.Generator().manual_seed(i), filters).output_ids)
+               for i, r in enumerate(records)]  # fmt: skip
+    by_rule = {}
+    for rule in ("vllm", "sglang"):  # DSpark: the argmax walk accepted with p(d); a sampled walk, min(1, p / q)
+        sampling = {"rule": rule, "temperature": temperature, "filters": filters, "seed": 3}
+        walked = evaluate_offline(drafter, target, samples, **sampling)
+        figures = by_rule[rule] = confidence_figures(drafter, target, samples, walked, threshold=0.6, **sampling)
+        assert figures["positions_reached"][0] == walked.num_steps and 0 <= figures["expected_calibration_error"] <= 1
+        assert all(0 <= x <= 1 for x in figures["predicted"] + figures["acceptance_probability"] + figures["observed"])
+        cut = evaluate_offline(drafter, target, samples, limit=DraftLimit(confidence_threshold=0.6), **sampling)
+        assert figures["cuts"][2]["tau"] == cut.tau  # the cut walked with the evaluation's own draws
+    assert by_rule["vllm"]["acceptance_probability"] != by_rule["sglang"]["acceptance_probability"]
 
 
 def test_a_deepspec_checkpoint_with_its_copies_of_the_targets_embedding_and_head_loads_and_drafts_the_same(

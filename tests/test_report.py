@@ -62,7 +62,7 @@ def test_summary_and_report_name_the_sampling_rule_and_show_expected_tau_at_a_te
                                                                          "top_p": 0.95, "min_p": None}}  # fmt: skip
     text = format_summary(s)
     assert "sampled at temperature 0.6, top-k 20, top-p 0.95, under the sglang serving rule" in text
-    assert re.search(r"expected τ given the drafts +2.000\n  its standard error +0.354", text)
+    assert re.search(r"expected τ given the drafts +2.000\n  its standard error +0.200", text)
     report = write_report(s, tmp_path).read_text()
     assert "| expected τ given the drafts | 2.000 |" in report and "under the sglang serving rule" in report
     greedy = summary()

@@ -262,7 +262,15 @@ def test_a_dspark_drafter_made_by_init_trains_offline_and_online_and_evaluates_o
     figures = json.loads(report.read_text())
     assert figures["lossless"] is True and figures["consistency"]["identical"] is True
     assert figures["confidence_threshold"] == 0.5 and len(figures["confidence"]["predicted"]) == 4
-    assert "confidence head (DSpark): predicted/observed acceptance" in capsys.readouterr().out
+    assert "confidence head (DSpark): predicted/actual acceptance probability" in capsys.readouterr().out
+    # sampled: the head against the acceptance of the rule evaluated, the cut of its sampled walk offline too
+    for mode in ("--online", "--no-verify"):
+        assert main(["eval", "--checkpoint", str(workdir / "ds"), "--target-model", target, "--prompts",
+                     str(workdir / "prompts.jsonl"), "--num-prompts", "2", mode, "--temperature", "0.7",
+                     "--serving-rule", "sglang",
+                     "--confidence-threshold", "0.5", "--max-new-tokens", "12", "--json", str(report)]) == 0
+        figures = json.loads(report.read_text())
+        assert figures["serving_rule"] == "sglang" and figures["confidence"]["positions_reached"][0] > 0
     assert main(["eval", "--checkpoint", str(workdir / "ds"), "--target-model", target, "--completions",
                  str(workdir / "c.json"), "--num-speculative-tokens", "2"]) == 2  # fmt: skip
     assert "expected --block-size 2" in capsys.readouterr().err
