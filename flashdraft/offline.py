@@ -216,8 +216,8 @@ def confidence_figures(
     rule = serving_rule(rule)
     k_max = drafts_of(drafter, walked.block_size)
     if temperature > 0:
-        reached, verified_full = _sampled_positions(drafter, target, records, features, walked.block_size, max_blocks,
-                                                    None, rule, temperature, filters, seed)  # fmt: skip
+        reached, verified_full, _ = _sampled_positions(drafter, target, records, features, walked.block_size,
+                                                       max_blocks, None, rule, temperature, filters, seed)  # fmt: skip
     else:
         reached, verified_full = _greedy_positions(drafter, target, records, features, walked)
     predicted, probability, observed, count = (torch.zeros(k_max) for _ in range(4))
@@ -237,12 +237,8 @@ def confidence_figures(
     for t in sorted({*CONFIDENCE_SWEEP, *([threshold] if threshold else [])}):
         limit = DraftLimit(confidence_threshold=t)
         if temperature > 0:
-            lengths, verified = [], 0
-            for index, record in enumerate(records):
-                n, sampling = walk_record(drafter, target, record, index, features, walked.block_size, max_blocks,
-                                          limit, True, rule, temperature, filters, seed)  # fmt: skip
-                lengths += n
-                verified += sum(sampling.verified)
+            _, verified, lengths = _sampled_positions(drafter, target, records, features, walked.block_size,
+                                                      max_blocks, limit, rule, temperature, filters, seed)  # fmt: skip
             tau, steps = tau_of(lengths), len(lengths)
         else:
             cut = evaluate_offline(drafter, target, records, features, walked.block_size, max_blocks, limit)
@@ -297,13 +293,15 @@ def _sampled_positions(
     drafter: DFlashDrafter, target: TargetModel, records: list[EvalRecord], features: FeatureSource, block: int,
     max_blocks: int | None, limit: DraftLimit | None, rule: ServingRule, temperature: float,
     filters: SamplingFilters, seed: int,
-) -> tuple[list[tuple[int, float, float, bool]], int]:  # fmt: skip
-    """The same at temperature > 0: the draft positions the sampled walk of each record reached (with the seed and
-    index `evaluate_offline` draws with, so the walk is the evaluation's), and the drafts it verified."""
-    reached, verified = [], 0
+) -> tuple[list[tuple[int, float, float, bool]], int, list[int]]:  # fmt: skip
+    """The same at temperature > 0: the draft positions the walk of each record under `limit` reached (with the
+    seed and index `evaluate_offline` draws with, so the walk is the evaluation's), the drafts it verified, and
+    its acceptance lengths."""
+    reached, verified, lengths = [], 0, []
     for index, record in enumerate(records):
-        _, sampling = walk_record(drafter, target, record, index, features, block, max_blocks, limit, True, rule,
-                                  temperature, filters, seed)  # fmt: skip
+        walk, sampling = walk_record(drafter, target, record, index, features, block, max_blocks, limit, True, rule,
+                                     temperature, filters, seed)  # fmt: skip
         reached += sampling.reached
         verified += sum(sampling.verified)
-    return reached, verified
+        lengths += walk
+    return reached, verified, lengths
