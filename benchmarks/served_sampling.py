@@ -10,7 +10,8 @@ and DFlash2 blocks of 8, a DSpark block of 7), plus the target's sampled complet
 chat settings (`generate --temperature 0.6 --top-p 0.95 --top-k 20`, seed 0) and their caches. At T > 0 τ is
 offline over those samples (exact in law; under a one-hot rule the argmax walk's match, no draw), one seed, the same
 samples for every drafter, with `expected_tau` (each step's expected committed length given its drafts) beside it.
-Runs (800 steps each by default): `dspark.py`'s `dflash`, `dflash2`, `dspark`, `dspark-ce`, `dspark-decay`, and
+Runs (800 steps each by default; two at a time, one thread each): `dspark.py`'s `dflash`, `dflash2`, `dspark`,
+`dspark-ce` (and, on request, `dspark-decay`, `dflash-b16`), and
 - `dflash-published`: DFlash B = 8 on the published recipe (position decay + AdamW) instead of D-PACE + Muon;
 - `dflash2-sel1`: DFlash2 with selector loss weight 1 instead of 0.3.
 Every stage resumes: outputs that exist are reused.

@@ -19,7 +19,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.serving_rules import SamplingFilters
 from flashdraft.target import TargetModel
 from tests.conftest import VOCAB, make_target
-from tests.data.conftest import run_cli, write_prompts
+from tests.data.conftest import run_cli, save_target, write_prompts
 
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12], [20, 21]]  # different lengths: left padding in a batch
 
@@ -249,6 +249,19 @@ def test_openai_backend_sends_the_sampling_filters_and_records_them(hybrid_dir, 
     assert all(q["top_k"] == 20 and q["top_p"] == 0.95 and "min_p" not in q for q in server.requests)
     generation = json.loads((tmp_path / "c.json").read_text())["generation"]
     assert (generation["top_k"], generation["top_p"], generation["min_p"]) == (20, 0.95, None)
+
+
+def test_generate_samples_with_the_targets_generation_config_filters_unless_told_not_to(tmp_path, capsys):
+    target_dir = save_target(tmp_path / "target", "qwen3")
+    (target_dir / "generation_config.json").write_text(json.dumps({"top_k": 3, "top_p": 0.9}))
+    prompts = str(write_prompts(tmp_path / "p.jsonl", 2))
+    common = ["generate", "--target-model", str(target_dir), "--prompts", prompts, "--max-new-tokens", "6",
+              "--temperature", "0.8"]  # fmt: skip
+    assert run_cli([*common, "--out", str(tmp_path / "a.json")]) == 0
+    assert "top_k 3 (" in capsys.readouterr().out
+    assert run_cli([*common, "--out", str(tmp_path / "b.json"), "--no-generation-config"]) == 0
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text())["generation"] for n in "ab")
+    assert (a["top_k"], a["top_p"]) == (3, 0.9) and (b["top_k"], b["top_p"]) == (None, None)
 
 
 def test_openai_backend_names_an_unreachable_server():
