@@ -140,8 +140,10 @@ def test_gradient_accumulation_matches_one_larger_batch_within_rounding(target, 
                 records, tmp_path / "a")  # fmt: skip
     accum = train(_cfg(batch_size=2, grad_accum=2, max_steps=2, loss_weighting=weighting, optimizer="adamw"),
                   make_drafter(), target, records, tmp_path / "b")  # fmt: skip
+    # atol: Adam divides by sqrt(v), so a near-zero gradient element's last-bit difference between the two
+    # summation orders reaches ~1e-5 of the weight on some CPUs (1.2e-5 on an x86_64 without AVX-512)
     for key, value in big.state_dict().items():
-        torch.testing.assert_close(value, accum.state_dict()[key], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(value, accum.state_dict()[key], rtol=1e-4, atol=5e-5)
 
 
 @pytest.mark.parametrize("weighting, optimizer", [("decay", "adamw"), ("dpace", "adamw"), ("dpace", "muon")])
