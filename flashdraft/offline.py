@@ -18,6 +18,8 @@ feed the drafter).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from flashdraft.acceptance import (
@@ -94,34 +96,36 @@ def walk_record(
     drafter: DFlashDrafter | ProposerFactory | Proposer, target: TargetModel, record: EvalRecord, index: int,
     features: FeatureSource, block: int, max_blocks: int | None, limit: DraftLimit | None, use_selector: bool,
     rule: ServingRule, temperature: float, filters: SamplingFilters, seed: int,
+    probs_at: Callable[[int, int], torch.Tensor] | None = None,
 ) -> tuple[list[int], OfflineSampling | None]:  # fmt: skip
     """The offline walk of record `index` (`evaluate_offline`'s arguments): its acceptance lengths and, at
-    temperature > 0, what the sampled walk recorded along it (the same draws for the same seed and index)."""
+    temperature > 0, what the sampled walk recorded along it (the same draws for the same seed and index).
+    `probs_at`: the record's `target_probs_along`, when already computed (one target forward serves many walks)."""
     layer_ids = drafter_shape(drafter, block)[1]
     f = features(record, layer_ids) if layer_ids else None
     proposer = as_proposer(drafter, target, limit, use_selector, rule)
     sampling = None
     if temperature > 0:
-        sampling = _sampling_along(target, record, rule, temperature, filters, seed, index)
-        sampling.confidence_threshold = limit.confidence_threshold if limit is not None else None
+        probs_at = probs_at or target_probs_along(target, record, temperature, filters)
+        sampling = OfflineSampling(probs_at, temperature, rule, record_generator(seed, index, target),
+                                   limit.confidence_threshold if limit is not None else None)  # fmt: skip
     lengths = offline_acceptance_lengths(proposer, record.prompt_ids, record.completion_ids, block, f, max_blocks,
                                          target.device, sampling=sampling)  # fmt: skip
     return lengths, sampling
 
 
-def _sampling_along(
-    target: TargetModel, record: EvalRecord, rule: ServingRule, temperature: float, filters: SamplingFilters,
-    seed: int, index: int,
-) -> OfflineSampling:  # fmt: skip
-    """The target's filtered p along the record's completion (one forward; rows computed when the walk reads them)
-    and the record's generator for the walk's acceptance draws."""
+def target_probs_along(
+    target: TargetModel, record: EvalRecord, temperature: float, filters: SamplingFilters
+) -> Callable[[int, int], torch.Tensor]:  # fmt: skip
+    """The target's filtered p along the record's completion (one forward; rows computed when a walk reads them):
+    `probs_at(start, end)` gives [end - start, V], the p of completion[start + 1 .. end]."""
     out = target.forward(torch.tensor([record.input_ids], device=target.device))
     p = len(record.prompt_ids)
 
-    def probs_at(start: int, end: int) -> torch.Tensor:  # [end - start, V]: p of completion[start + 1 .. end]
+    def probs_at(start: int, end: int) -> torch.Tensor:
         return target_probs(out.logits_at(p + start, p + end)[0], temperature, filters)
 
-    return OfflineSampling(probs_at, temperature, rule, record_generator(seed, index, target))
+    return probs_at
 
 
 def record_generator(seed: int, index: int, target: TargetModel) -> torch.Generator:
@@ -215,9 +219,11 @@ def confidence_figures(
     features = features or FeatureSource(target)
     rule = serving_rule(rule)
     k_max = drafts_of(drafter, walked.block_size)
-    if temperature > 0:
-        reached, verified_full, _ = _sampled_positions(drafter, target, records, features, walked.block_size,
-                                                       max_blocks, None, rule, temperature, filters, seed)  # fmt: skip
+    thresholds = sorted({*CONFIDENCE_SWEEP, *([threshold] if threshold else [])})
+    if temperature > 0:  # the uncut walk and every cut over each record's one target forward
+        walks = _sampled_walks(drafter, target, records, features, walked.block_size, max_blocks,
+                               [None, *thresholds], rule, temperature, filters, seed)  # fmt: skip
+        reached, verified_full, _ = walks[0]
     else:
         reached, verified_full = _greedy_positions(drafter, target, records, features, walked)
     predicted, probability, observed, count = (torch.zeros(k_max) for _ in range(4))
@@ -234,11 +240,10 @@ def confidence_figures(
             ece += len(inside) / len(reached) * abs(sum(c for c, _ in inside) / len(inside)
                                                     - sum(a for _, a in inside) / len(inside))  # fmt: skip
     cuts = []
-    for t in sorted({*CONFIDENCE_SWEEP, *([threshold] if threshold else [])}):
+    for n, t in enumerate(thresholds, 1):
         limit = DraftLimit(confidence_threshold=t)
         if temperature > 0:
-            _, verified, lengths = _sampled_positions(drafter, target, records, features, walked.block_size,
-                                                      max_blocks, limit, rule, temperature, filters, seed)  # fmt: skip
+            _, verified, lengths = walks[n]
             tau, steps = tau_of(lengths), len(lengths)
         else:
             cut = evaluate_offline(drafter, target, records, features, walked.block_size, max_blocks, limit)
@@ -289,19 +294,21 @@ def _greedy_verified(drafter: DFlashDrafter, target: TargetModel, records: list[
     return verified
 
 
-def _sampled_positions(
+def _sampled_walks(
     drafter: DFlashDrafter, target: TargetModel, records: list[EvalRecord], features: FeatureSource, block: int,
-    max_blocks: int | None, limit: DraftLimit | None, rule: ServingRule, temperature: float,
+    max_blocks: int | None, thresholds: list[float | None], rule: ServingRule, temperature: float,
     filters: SamplingFilters, seed: int,
-) -> tuple[list[tuple[int, float, float, bool]], int, list[int]]:  # fmt: skip
-    """The same at temperature > 0: the draft positions the walk of each record under `limit` reached (with the
-    seed and index `evaluate_offline` draws with, so the walk is the evaluation's), the drafts it verified, and
-    its acceptance lengths."""
-    reached, verified, lengths = [], 0, []
+) -> list[tuple[list[tuple[int, float, float, bool]], int, list[int]]]:  # fmt: skip
+    """At temperature > 0, per confidence threshold (None: uncut): the draft positions the walk of each record
+    reached (drawn with the seed and index `evaluate_offline` draws with, so each walk is that evaluation's), the
+    drafts it verified, and its acceptance lengths; one target forward per record serves every threshold."""
+    out: list[tuple[list, int, list[int]]] = [([], 0, []) for _ in thresholds]
     for index, record in enumerate(records):
-        walk, sampling = walk_record(drafter, target, record, index, features, block, max_blocks, limit, True, rule,
-                                     temperature, filters, seed)  # fmt: skip
-        reached += sampling.reached
-        verified += sum(sampling.verified)
-        lengths += walk
-    return reached, verified, lengths
+        probs_at = target_probs_along(target, record, temperature, filters)
+        for n, t in enumerate(thresholds):
+            limit = DraftLimit(confidence_threshold=t) if t is not None else None
+            walk, sampling = walk_record(drafter, target, record, index, features, block, max_blocks, limit, True,
+                                         rule, temperature, filters, seed, probs_at)  # fmt: skip
+            reached, verified, lengths = out[n]
+            out[n] = (reached + sampling.reached, verified + sum(sampling.verified), lengths + walk)
+    return out
