@@ -56,8 +56,8 @@ def init_args(block: int) -> list[str]:
     return args
 
 
-def train_command(work: Path, name: str, steps: int) -> list[str]:
-    init, cache, extra = RUNS[name]
+def train_command(work: Path, name: str, steps: int, runs: dict = RUNS) -> list[str]:
+    init, cache, extra = runs[name]
     return [sys.executable, "-m", "flashdraft", "train", *TINY, "--cached-hidden-states", str(work / cache),
             "--out", str(work / f"run-{name}"), "--init", str(work / init), *BASE_TRAIN_ARGS, *RECIPE,
             "--max-steps", str(steps), *extra, "--resume"]  # fmt: skip

@@ -87,15 +87,7 @@ def main() -> None:
     work = Path(args.work)
     prepare_families(work)
 
-    def command(name: str) -> list[str]:
-        init, cache, extra = RUNS[name]
-        argv = train_command(work, "dflash", args.steps)  # dspark.py's command, this run's init, cache and flags
-        argv[argv.index("--cached-hidden-states") + 1] = str(work / cache)
-        argv[argv.index("--init") + 1] = str(work / init)
-        argv[argv.index("--out") + 1] = str(work / f"run-{name}")
-        return [*argv, *extra]
-
-    run_lanes(work, args.runs, command, args.lanes)
+    run_lanes(work, args.runs, lambda name: train_command(work, name, args.steps, RUNS), args.lanes)
     prepare_sampled(work)
     rows = [evaluate(work, name) for name in args.runs]
     for row in rows:

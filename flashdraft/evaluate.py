@@ -506,16 +506,13 @@ def _confidence(
             uncut = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks)
         return confidence_figures(c.drafter, target, records, uncut, features, cfg.max_blocks,
                                   cfg.confidence_threshold)  # fmt: skip
-    sampling = {"rule": rule, "temperature": cfg.temperature, "filters": filters, "seed": cfg.seed}
-    uncut = offline if not cfg.online and not cfg.confidence_threshold else None
+    walked = online if cfg.online else offline  # at T > 0 confidence_figures walks the uncut walk itself
     if cfg.online:
         records = [EvalRecord(r.id, r.prompt_ids, o.output_ids) for r, o in zip(records, online.per_prompt,
                                                                                  strict=True)]  # fmt: skip
         features = FeatureSource(target)
-    if uncut is None:
-        uncut = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks, **sampling)
-    return confidence_figures(c.drafter, target, records, uncut, features, cfg.max_blocks, cfg.confidence_threshold,
-                              **sampling)  # fmt: skip
+    return confidence_figures(c.drafter, target, records, walked, features, cfg.max_blocks, cfg.confidence_threshold,
+                              rule=rule, temperature=cfg.temperature, filters=filters, seed=cfg.seed)  # fmt: skip
 
 
 def _bucket_figures(result: EvalResult) -> list[tuple]:

@@ -207,15 +207,15 @@ def confidence_figures(
     seed: int = 0,
 ) -> dict:  # fmt: skip
     """A DSpark drafter's confidence head against what happened, beside its evaluation `walked` (without a
-    confidence cut; at temperature > 0 over the target's samples `records`, under `rule` with `filters`, seeded as
-    `evaluate_offline`): at every draft position a step reached (all drafts before it accepted), the head's
-    estimate c, the draft's acceptance probability there (greedy: 1 or 0, whether the draft is the target's
-    token; one-hot rule: p(d); sampled walk: sum min(p, q)) and whether it was accepted, per block position (mean
-    estimate against mean probability and observed share) and over all (expected calibration error against the
-    probability, over CONFIDENCE_BINS bins); then, for each threshold of CONFIDENCE_SWEEP and `threshold`, the τ
-    of cutting each block before its first draft with c under it (DeepSpec's evaluator's cut; vLLM's adaptive
-    verification budgets by expected accepted tokens instead, SGLang's planner is opt-in) and its cost: the
-    drafts verified per step, against the uncut block's."""
+    confidence cut; at temperature > 0 only its block size is read: the uncut walk over the target's samples
+    `records`, under `rule` with `filters`, is walked here, seeded as `evaluate_offline`): at every draft position
+    a step reached (all drafts before it accepted), the head's estimate c, the draft's acceptance probability there
+    (greedy: 1 or 0, whether the draft is the target's token; one-hot rule: p(d); sampled walk: sum min(p, q)) and
+    whether it was accepted, per block position (mean estimate against mean probability and observed share) and
+    over all (expected calibration error against the probability, over CONFIDENCE_BINS bins); then, for each
+    threshold of CONFIDENCE_SWEEP and `threshold`, the τ of cutting each block before its first draft with c under
+    it (DeepSpec's evaluator's cut; vLLM's adaptive verification budgets by expected accepted tokens instead,
+    SGLang's planner is opt-in) and its cost: the drafts verified per step, against the uncut block's."""
     features = features or FeatureSource(target)
     rule = serving_rule(rule)
     k_max = drafts_of(drafter, walked.block_size)
@@ -251,11 +251,12 @@ def confidence_figures(
             tau, steps = cut.tau, cut.num_steps
         cuts.append({"threshold": t, "tau": tau, "steps": steps, "drafts_verified_per_step": verified / max(steps, 1)})
     n = count.clamp(min=1)
+    # the uncut walk: `walked` greedy; at T > 0 the one whose positions these are (the evaluation's own draws)
+    tau, steps = (tau_of(walks[0][2]), len(walks[0][2])) if temperature > 0 else (walked.tau, walked.num_steps)
     return {"positions_reached": count.int().tolist(), "predicted": (predicted / n).tolist(),
             "acceptance_probability": (probability / n).tolist(), "observed": (observed / n).tolist(),
             "expected_calibration_error": ece if reached else None,
-            "uncut": {"tau": walked.tau, "steps": walked.num_steps,
-                      "drafts_verified_per_step": verified_full / max(walked.num_steps, 1)},
+            "uncut": {"tau": tau, "steps": steps, "drafts_verified_per_step": verified_full / max(steps, 1)},
             "cuts": cuts}  # fmt: skip
 
 
