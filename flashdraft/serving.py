@@ -46,18 +46,25 @@ def needs_v2_runner(cfg: DrafterConfig) -> bool:
     return cfg.family == "dflash2" or mixes_sliding_and_full(cfg)
 
 
+def vllm_speculative_config(cfg: DrafterConfig, drafter_dir: str) -> dict[str, Any]:
+    """vLLM's --speculative-config for `drafter_dir`: DSpark drafts at every position (N = block_size queries, the
+    anchor and N - 1 masks); DFlash and DFlash2 draft the block_size - 1 masks (vLLM ignores block_size)."""
+    if cfg.family == "dspark":
+        return {"method": "dspark", "model": drafter_dir, "num_speculative_tokens": cfg.block_size}
+    return {"method": "dflash", "model": drafter_dir, "num_speculative_tokens": cfg.block_size - 1}
+
+
 def serving_commands(cfg: DrafterConfig, target: str, drafter_dir: str) -> tuple[str, str]:
     """The vLLM and SGLang command lines that serve `drafter_dir` with `target`: vLLM needs
     num_speculative_tokens (it ignores block_size; DFlash2's conv takes its block from it) and,
     for DFlash2 or mixed layers, the V2 runner; its method stays "dflash" for DFlash2 (the
     checkpoint's architectures selects the model). SGLang is given its draft tokens (=
     block_size, anchor included) explicitly."""
-    if cfg.family == "dspark":  # every position drafts: N = block_size queries (the anchor and N - 1 masks)
-        spec = json.dumps({"method": "dspark", "model": drafter_dir, "num_speculative_tokens": cfg.block_size})
+    spec = json.dumps(vllm_speculative_config(cfg, drafter_dir))
+    if cfg.family == "dspark":
         sglang = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DSPARK "
                   f"--speculative-draft-model-path {drafter_dir} --speculative-dspark-block-size {cfg.block_size}")
         return f"vllm serve {target} --speculative-config '{spec}'", sglang
-    spec = json.dumps({"method": "dflash", "model": drafter_dir, "num_speculative_tokens": cfg.block_size - 1})
     env = f"{V2_RUNNER} " if needs_v2_runner(cfg) else ""
     vllm = f"{env}vllm serve {target} --speculative-config '{spec}'"
     sglang = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
