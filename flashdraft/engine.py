@@ -98,7 +98,7 @@ def _get(url: str, timeout: float = 10.0) -> str:
         return resp.read().decode()
 
 
-def _last_error(log: Path) -> str:
+def last_error_line(log: Path) -> str:
     """The engine's own reason for dying: the last line of its log that names an error."""
     try:
         lines = log.read_text(errors="replace").splitlines()
@@ -166,7 +166,7 @@ class VllmServer:
             if self.process.poll() is not None:
                 raise FlashdraftError(
                     f"vLLM server ({self.python}) exited with code {self.process.returncode} before it was ready: "
-                    f"{_last_error(self.log_path)} (log: {self.log_path})"
+                    f"{last_error_line(self.log_path)} (log: {self.log_path})"
                 )
             try:
                 _get(self.base_url + "/health", timeout=2.0)

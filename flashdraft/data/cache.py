@@ -33,6 +33,7 @@ import hashlib
 import json
 import random
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,12 +65,14 @@ VERSION = 1
 MANIFEST = "manifest.json"
 PROGRESS = ".progress"
 LOCK = ".lock"  # while a cache run writes the directory (`flashdraft.files.OutputLock`)
+CAPTURE_DIR = "engine-capture"  # states captured by the serving engine while the cache is built (`engine_capture`)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 AUTO = "auto"  # --dtype auto: store features in the dtype the target computes them in
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # relative error ||cached - fresh|| / ||fresh|| a stored layer may show from storage rounding
 # alone (bf16 keeps 8 bits of mantissa, fp16 11); doctor --tolerance overrides
 DEFAULT_TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-4}
+FeaturesOf = Callable[[CompletionRecord], torch.Tensor]  # a record's context features [T, n * H], computed elsewhere
 
 
 def shard_name(k: int) -> str:
@@ -140,11 +143,15 @@ def _tokens_digest(records: list[CompletionRecord]) -> str:
 
 @torch.no_grad()
 def _cache_record(
-    target: TargetModel, record: CompletionRecord, dtype: torch.dtype, layer_ids: list[int], topk: int
-) -> dict[str, torch.Tensor]:
+    target: TargetModel, record: CompletionRecord, dtype: torch.dtype, layer_ids: list[int], topk: int,
+    features_of: FeaturesOf | None = None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
     tokens = record.prompt_ids + record.completion_ids
-    out = target.forward(torch.tensor([tokens], device=target.device))
-    features = out.context_features[0].to(dtype).cpu()  # [T, n * H]
+    if features_of is not None:  # captured elsewhere (the serving engine) and verified there
+        out, features = None, features_of(record).to(dtype)  # [T, n * H]
+    else:
+        out = target.forward(torch.tensor([tokens], device=target.device))
+        features = out.context_features[0].to(dtype).cpu()  # [T, n * H]
     bad = ~torch.isfinite(features)
     if bad.any():
         token, column = (int(x) for x in bad.nonzero()[0])
@@ -166,7 +173,7 @@ def _cache_record(
 
 def _build_shard(
     target: TargetModel, directory: Path, k: int, records: list[CompletionRecord], settings: dict, dist: Dist,
-    bar: Progress, stop: StopRequests | None = None,
+    bar: Progress, stop: StopRequests | None = None, features_of: FeaturesOf | None = None,
 ) -> dict | None:  # fmt: skip
     """Compute and write shard k; None when a stop was requested first (after the record in
     flight: nothing of the shard is written, a re-run computes it again)."""
@@ -180,7 +187,7 @@ def _build_shard(
     logits = {"values": torch.empty(total, topk), "indices": torch.empty(total, topk, dtype=torch.int32)}
     entries, offset = [], 0
     for r in records:
-        item = _cache_record(target, r, dtype, settings["layer_ids"], topk)
+        item = _cache_record(target, r, dtype, settings["layer_ids"], topk, features_of)
         n = len(item["input_ids"])
         for name in shard:
             shard[name][offset : offset + n] = item[name]
@@ -254,11 +261,15 @@ def build_cache(
     num_records: int | None = None,
     dist: Dist | None = None,
     force: bool = False,
+    features_of: FeaturesOf | None = None,
+    engine: dict | None = None,
 ) -> Path:
     """Build (or resume) the cache of `completions` in `out`; returns its directory. `dtype`:
     bf16/fp16/fp32, or auto = the dtype the target computes in (exact offline τ). A cache its
     filesystem cannot hold is refused before any forward unless `force`. SIGTERM/SIGINT stop
-    it after the record in flight (`Interrupted`), the finished shards kept for a re-run."""
+    it after the record in flight (`Interrupted`), the finished shards kept for a re-run.
+    `features_of`: each record's features as captured elsewhere (`engine_capture`), in place of the target's
+    forward; `engine`: what captured them, recorded in the manifest's computed_with."""
     dist = dist or Dist()
     directory = Path(out)
     dtype = resolve_dtype_flag(dtype, target.dtype)  # the settings hold the resolved dtype: a resume compares it
@@ -275,6 +286,8 @@ def build_cache(
     }
     computed_with = {"device": target.device.type, "target_dtype": DTYPE_NAMES.get(target.model.dtype,
                      str(target.model.dtype)), "linear_backend": target.linear_backend}  # fmt: skip
+    if engine is not None:
+        computed_with = {"device": engine.get("device", "engine"), "target_dtype": engine["dtype"], "engine": engine}
     on_main(dist, lambda: _check_or_write_settings(directory, settings), f"{directory}: its settings check")
 
     shards = [records[i : i + records_per_shard] for i in range(0, len(records), records_per_shard)]
@@ -298,7 +311,7 @@ def build_cache(
         with Progress(total=sum(len(shards[k]) for k in mine), desc=f"{dist.prefix()}cache", unit="record") as bar:
             for k in mine:
                 try:
-                    meta = _build_shard(target, directory, k, shards[k], settings, dist, bar, stop)
+                    meta = _build_shard(target, directory, k, shards[k], settings, dist, bar, stop, features_of)
                 except DiskFullError as e:
                     rest = [r for j in mine[built:] for r in shards[j]]
                     e.then = (f"free about {format_bytes(estimate_bytes(rest, width, feature_dtype, topk))} for the "
@@ -376,6 +389,14 @@ def _finish(directory: Path, target: TargetModel, completions: Completions, shar
           + (f" (removed {len(stale)} stale shard files)" if stale else ""))  # fmt: skip
 
 
+def check_new_cache_directory(directory: Path) -> None:
+    """A directory with anything but a cache run's own entries is not written into."""
+    if directory.is_dir() and any(p.name not in (LOCK, CAPTURE_DIR) for p in directory.iterdir()):
+        if not ((directory / MANIFEST).exists() or (directory / PROGRESS).exists()):
+            raise FlashdraftError(f"{directory}: exists and is not a flashdraft cache; expected an empty or new "
+                                  f"directory")  # fmt: skip
+
+
 def _check_or_write_settings(directory: Path, settings: dict) -> None:
     """A directory holding a cache with other settings is refused, never mixed."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -389,8 +410,8 @@ def _check_or_write_settings(directory: Path, settings: dict) -> None:
                  "hidden_size": m["hidden_size"], "dtype": m["dtype"], "dtype_flag": dtype_flag,
                  "records_per_shard": m["records_per_shard"],
                  "topk": (m.get("target_topk") or {}).get("k", 0)}  # fmt: skip
-    elif any(p.name != LOCK for p in directory.iterdir()):
-        raise FlashdraftError(f"{directory}: exists and is not a flashdraft cache; expected an empty or new directory")
+    else:
+        check_new_cache_directory(directory)
     if found is not None:
         for key, value in settings.items():
             if found.get(key) != value:
