@@ -1,0 +1,103 @@
+"""The engine as a process: its environment found or refused, its counters parsed, its server always stopped."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flashdraft.engine import SpecCounters, VllmServer, engine_python, parse_spec_counters
+from flashdraft.errors import FlashdraftError
+
+METRICS = """# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.
+vllm:spec_decode_num_drafts_total{engine="0",model_name="t"} 23.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="t"} 1.79e+09
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="t"} 161.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="t"} 46.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="t"} 4.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="0"} 17.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="1"} 6.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="t",position="1"} 1.0
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="t",position="0"} 1.79e+09
+vllm:num_requests_running{engine="0",model_name="t"} 0.0
+"""
+
+
+def test_counters_are_read_from_prometheus_text_and_summed_over_engines():
+    c = parse_spec_counters(METRICS)
+    assert (c.drafts, c.draft_tokens, c.accepted) == (23, 161, 50)
+    assert c.accepted_per_position == [17, 7]
+
+
+def test_a_server_without_speculative_decoding_has_no_counters():
+    assert parse_spec_counters('vllm:num_requests_running{engine="0"} 0.0\n') is None
+
+
+def test_counter_differences_are_one_requests_share():
+    before = SpecCounters(10, 70, 20, [8, 5])
+    after = SpecCounters(33, 231, 66, [25, 11, 4])
+    assert after - before == SpecCounters(23, 161, 46, [17, 6, 4])
+
+
+def test_a_missing_engine_environment_is_one_error_naming_the_fix(tmp_path):
+    with pytest.raises(FlashdraftError, match=r"not an executable Python; run `make engine`.*--engine-python"):
+        engine_python(tmp_path / "nowhere" / "python")
+
+
+def test_a_server_that_dies_at_start_is_an_error_with_its_own_reason(tmp_path):
+    # a stand-in "engine" whose server module fails as vLLM does: the reason comes from its log
+    fake = tmp_path / "vllm" / "entrypoints" / "openai"
+    fake.mkdir(parents=True)
+    for d in (tmp_path / "vllm", tmp_path / "vllm" / "entrypoints", fake):
+        (d / "__init__.py").write_text("")
+    (fake / "api_server.py").write_text("raise ValueError('Unsupported CPU attention configuration: head_dim=16')\n")
+    server = VllmServer(Path(sys.executable), "model", tmp_path / "server.log")
+    os.environ["PYTHONPATH"], old = str(tmp_path), os.environ.get("PYTHONPATH")
+    try:
+        with pytest.raises(FlashdraftError, match="exited with code 1 before it was ready: ValueError: Unsupported CPU"):
+            server.__enter__()
+    finally:
+        os.environ.pop("PYTHONPATH") if old is None else os.environ.__setitem__("PYTHONPATH", old)
+
+
+def test_the_server_and_its_children_are_stopped_on_an_error(tmp_path):
+    # a stand-in server that answers /health and starts a child; an error inside the block stops both
+    fake = tmp_path / "vllm" / "entrypoints" / "openai"
+    fake.mkdir(parents=True)
+    for d in (tmp_path / "vllm", tmp_path / "vllm" / "entrypoints", fake):
+        (d / "__init__.py").write_text("")
+    (fake / "api_server.py").write_text(
+        "import http.server, subprocess, sys\n"
+        "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(tmp_path / 'child.pid')!r}, 'w').write(str(child.pid))\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n        self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        "http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()\n"
+    )
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(tmp_path)
+    try:
+        with pytest.raises(RuntimeError, match="inside"):
+            with VllmServer(Path(sys.executable), "model", tmp_path / "server.log") as server:
+                assert server.base_url.startswith("http://127.0.0.1:")
+                leader = server.process.pid
+                raise RuntimeError("inside the block")
+    finally:
+        os.environ.pop("PYTHONPATH") if old is None else os.environ.__setitem__("PYTHONPATH", old)
+    child = int((tmp_path / "child.pid").read_text())
+    time.sleep(0.2)
+    assert not _running(leader) and not _running(child)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan killed here waits for a reaper that a container may not run)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
