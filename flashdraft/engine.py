@@ -124,6 +124,7 @@ class VllmServer:
     extra_args: list[str] = field(default_factory=list)
     enforce_eager: bool = True  # CUDA graphs / compilation change speed only, not what is served
     port: int = 0
+    info: EngineInfo | None = None  # which vLLM `python` has (`engine_info`), when read
     process: subprocess.Popen | None = None
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ import os
 import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from flashdraft.files import DiskFullError, append_whole, write_text_atomic
 from flashdraft.progress import Progress as tqdm  # plain lines in logs; the name generate_completions uses
 from flashdraft.serving_rules import NO_FILTERS, SamplingFilters, greedy_filters_note, resolve_filters, target_probs
 from flashdraft.stop import StopRequests
-from flashdraft.target import TargetModel
+from flashdraft.target import TargetModel, resolve_target_path
 
 FORMAT = "flashdraft.completions"
 VERSION = 1
@@ -60,7 +61,7 @@ class GenerationSettings:
     temperature: float = 0.0
     seed: int = 0
     chat_template: bool = False  # whether the tokenizer's chat template was applied
-    backend: str = "local"  # "local" or "openai"
+    backend: str = "local"  # "local", "openai" (a server given by its URL) or "vllm" (a server this run started)
     base_url: str | None = None
     server_model: str | None = None
     long_prompts: str = "error"  # prompts longer than the context minus max_new_tokens: error, skip, truncate
@@ -71,6 +72,7 @@ class GenerationSettings:
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    engine_version: str | None = None  # backend "vllm": the engine's distribution and version
 
 
 # settings a resumed run may change: they decide nothing about records that fit the context
@@ -414,7 +416,7 @@ def generate_completions(
     if dist.is_main:
         print(f"{len(done)} records already in {out}; {len(todo)} prompts to answer"
               + (f" over {dist.world} ranks" if dist.world > 1 else ""))  # fmt: skip
-    if settings.backend == "openai":
+    if settings.backend in ("openai", "vllm"):
         complete = openai_completer(target, settings, client, workers=batch_size)
     else:
         complete = local_completer(target, settings)
@@ -579,6 +581,30 @@ def load_completions(
 # -- the command ------------------------------------------------------------------------------
 
 
+def _start_engine(engine: str, python: str | None, target: TargetModel, out: Path, target_dtype: str | None):
+    """The engine's server for `generate --engine` (not yet entered): the target alone, in the dtype asked for
+    (default float32: outputs equal to flashdraft's local fp32 generation)."""
+    from flashdraft.engine import VllmServer, engine_info, engine_python
+
+    if engine != "vllm":
+        raise FlashdraftError(f"--engine {engine}: expected vllm")
+    py = engine_python(python)
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(target_dtype or "", "float32")
+    server = VllmServer(py, str(resolve_target_path(target.path)), out.with_name(out.name + ".vllm.log"), dtype=dtype)
+    server.info = engine_info(py)
+    print(f"starting {server.info.describe()}: {' '.join(server.command())}")
+    return server
+
+
+def report_truncated(path: Path) -> None:
+    """How many completions stopped at max_new_tokens rather than at a stop token: training on them is fine, but
+    a share near 1 says the budget cuts answers short."""
+    records = json.loads(path.read_text()).get("records", [])
+    cut = sum(r.get("stop_reason") == "length" for r in records)
+    print(f"{cut} of {len(records)} completions truncated at max_new_tokens (stop_reason length), "
+          f"{len(records) - cut} ended by a stop token")
+
+
 def run_generate(
     target_model: str,
     prompts: str,
@@ -600,8 +626,12 @@ def run_generate(
     top_p: float | None = None,
     min_p: float | None = None,
     use_generation_config: bool = True,
+    engine: str | None = None,
+    engine_python: str | None = None,
 ) -> Path:
-    """`flashdraft generate`, one rank of it under torchrun. chat_template None = use the
+    """`flashdraft generate`, one rank of it under torchrun. `engine` "vllm": the completions come from a vLLM
+    server started for this run (`engine_python`'s environment; 127.0.0.1, stopped at the end), token ids as it
+    returned them. chat_template None = use the
     target's template where it has one; long_prompts: what to do with a prompt longer than the
     target's context minus max_new_tokens ("error", "skip" or "truncate"); min_prompt_tokens:
     leave out turns whose prompt is shorter (long-context data from any dataset). At temperature > 0, top_k /
@@ -614,14 +644,17 @@ def run_generate(
         raise FlashdraftError("--backend openai needs --base-url (the server, e.g. http://localhost:8000/v1)")
     if backend != "openai" and (base_url or server_model):
         raise FlashdraftError("--base-url and --server-model are for --backend openai; this run generates locally")
+    if engine is not None and (backend != "local" or base_url):
+        raise FlashdraftError(f"--engine {engine} starts its own server: drop --backend openai and --base-url")
     if long_prompts not in LONG_PROMPT_POLICIES:
         raise FlashdraftError(f"--long-prompts {long_prompts}: expected one of {', '.join(LONG_PROMPT_POLICIES)}")
     dist = init_distributed()
     lock = None
+    stack = ExitStack()  # the engine's server, when this run started one: stopped on every way out
     try:
         # before the target loads (minutes for a large one): a second writer of OUT is refused at once
         lock = lock_on_main(dist, Path(out).with_name(Path(out).name + ".lock"), Path(out), "flashdraft generate")
-        dev = pick_device(dist, "cpu" if backend == "openai" else device)
+        dev = pick_device(dist, "cpu" if backend == "openai" or engine else device)
         target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))
         prompt_list = load_prompts(prompts, num_prompts, quiet=not dist.is_main)
         has_template = has_chat_template(target.tokenizer)
@@ -631,6 +664,10 @@ def run_generate(
         if dist.is_main:
             print(f"target {target.path} on {dev}: " + ("chat template applied" if use_template else
                   "no chat template, prompts used as plain text"))  # fmt: skip
+        server = _start_engine(engine, engine_python, target, Path(out), target_dtype) if engine else None
+        if server is not None:
+            stack.enter_context(server)
+            backend, base_url = "openai", server.base_url
         client = OpenAIClient(base_url, server_model) if backend == "openai" else None
         filters = NO_FILTERS
         note = greedy_filters_note(top_k, top_p, min_p) if temperature <= 0 else None
@@ -643,12 +680,18 @@ def run_generate(
                 print(f"sampling: temperature {temperature}, {settings_line or 'no filters'}")
         settings = GenerationSettings(
             prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-            chat_template=use_template, backend=backend, base_url=base_url,
-            server_model=client.model if client else None, long_prompts=long_prompts,
+            chat_template=use_template, backend=backend if server is None else engine,
+            base_url=base_url if server is None else None,
+            server_model=client.model if client and server is None else None, long_prompts=long_prompts,
             min_prompt_tokens=min_prompt_tokens, **{k: v for k, v in filters.active().items()},
+            engine_version=server.info.describe() if server is not None else None,
         )  # fmt: skip
-        return generate_completions(target, prompt_list, out, settings, batch_size, dist, client)
+        path = generate_completions(target, prompt_list, out, settings, batch_size, dist, client)
+        if dist.is_main:
+            report_truncated(path)
+        return path
     finally:
+        stack.close()
         if lock is not None:
             lock.release()
         dist.close()
