@@ -195,9 +195,11 @@ def _start_engine(drafter, drafter_dir: str, target: TargetModel, python: str | 
     return server
 
 
-def run_served(checkpoint: str, drafter, block_size: int, target: TargetModel, records: list[EvalRecord],
-               max_tokens: list[int], temperature: float, filters: SamplingFilters, seed: int,
-               engine_python_path: str | None = None, server_url: str | None = None, log=print) -> dict[str, Any]:  # fmt: skip
+def run_served(
+    checkpoint: str, drafter, block_size: int, target: TargetModel, records: list[EvalRecord], max_tokens: list[int],
+    temperature: float, filters: SamplingFilters, seed: int, engine_python_path: str | None = None,
+    server_url: str | None = None, log=print,
+) -> dict[str, Any]:  # fmt: skip
     """`eval --served vllm`: serve `drafter` (exported from `checkpoint` to the public format) with the target in
     vLLM, send each record's prompt, and return the `served` figures with flashdraft's own beside them and the
     check's verdict (`served["check"]["passed"]`)."""
@@ -247,8 +249,10 @@ def run_served(checkpoint: str, drafter, block_size: int, target: TargetModel, r
     return served
 
 
-def _greedy_figures(served: dict, requests: list[ServedRequest], records: list[EvalRecord], max_tokens: list[int],
-                    own: EvalResult, drafter, target: TargetModel, block_size: int, drafts: int) -> list[str]:  # fmt: skip
+def _greedy_figures(
+    served: dict, requests: list[ServedRequest], records: list[EvalRecord], max_tokens: list[int], own: EvalResult,
+    drafter, target: TargetModel, block_size: int, drafts: int,
+) -> list[str]:  # fmt: skip
     """T = 0: flashdraft's greedy outputs, its walk with the last step uncut, and the mismatches."""
     greedy = [r.completion_ids if r.completion_ids else autoregressive_generate(target, r.prompt_ids, n).output_ids
               for r, n in zip(records[: len(requests)], max_tokens, strict=False)]  # fmt: skip

@@ -77,8 +77,9 @@ def run_capture(python: Path, target: TargetModel, layer_ids: list[int], sequenc
     log(f"capturing {len(sequences)} sequences with {engine_info(python).describe()} ({python}): aux layer ids "
         f"{job['aux_layer_ids']} for target layers {layer_ids}, {job['dtype']}; log {log_path}")  # fmt: skip
     with open(log_path, "w") as out:
-        done = subprocess.run([str(python), str(SCRIPTS / "flashdraft_vllm_capture.py"), str(directory / "job.json")],
-                              env=engine_env(python), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+        command = [str(python), str(SCRIPTS / "flashdraft_vllm_capture.py"), str(directory / "job.json")]
+        done = subprocess.run(command, env=engine_env(python), stdout=out, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL)  # fmt: skip
     if done.returncode != 0:
         raise FlashdraftError(f"the engine's capture failed (exit {done.returncode}): {last_error_line(log_path)} "
                               f"(log: {log_path})")  # fmt: skip
@@ -101,8 +102,9 @@ def check_sample(name: str, tokens: list[int], states: torch.Tensor, engine_toke
     """What every captured sample must be: one state per token, for every layer, of the tokens sent, finite and
     not all zero."""
     if states.dim() != 3 or states.shape[1:] != (len(layer_ids), hidden):
-        raise FlashdraftError(f"sample {name}: captured states have shape {list(states.shape)}, expected "
-                              f"[{len(tokens)}, {len(layer_ids)}, {hidden}] (tokens, layers {layer_ids}, hidden)")  # fmt: skip
+        expected = f"[{len(tokens)}, {len(layer_ids)}, {hidden}]"
+        raise FlashdraftError(f"sample {name}: captured states have shape {list(states.shape)}, expected {expected} "
+                              f"(tokens, layers {layer_ids}, hidden)")  # fmt: skip
     if states.shape[0] != len(tokens):
         raise FlashdraftError(f"sample {name}: {states.shape[0]} captured states for {len(tokens)} tokens (short "
                               f"states: prefix caching? vLLM #44485); expected one per token")  # fmt: skip
@@ -235,7 +237,8 @@ def run_engine_cache(
     target_model: str, completions: str, out: str, engine_python_path: str | None = None,
     layers: list[int] | None = None, draft_config: str | None = None, num_prompts: int | None = None,
     dtype: str = AUTO, records_per_shard: int = 64, allow_foreign: bool = False, target_dtype: str | None = None,
-    force: bool = False, device: str | None = None, verify_share: float = VERIFY_SHARE, settings: EngineSettings | None = None, log=print,
+    force: bool = False, device: str | None = None, verify_share: float = VERIFY_SHARE,
+    settings: EngineSettings | None = None, log=print,
 ) -> Path:  # fmt: skip
     """`flashdraft cache --engine vllm`: the same verified cache as `flashdraft cache`, its states captured by the
     engine and checked against the target (which is loaded for that, on the CPU unless a GPU is free)."""

@@ -4,10 +4,10 @@ and good states pass. The engine itself is stood in for by files written as its 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
-import pytest
 from flashdraft.data.completions import CompletionRecord
 from flashdraft.data.engine_capture import PROBE, aux_layer_ids, probe_tokens, verify_capture
 from flashdraft.errors import FlashdraftError
