@@ -168,11 +168,16 @@ def _sampled_check(requests: list[ServedRequest], own: EvalResult) -> dict[str, 
             "combined_stderr": stderr, "z": Z_SERVED, "within": abs(difference) <= Z_SERVED * stderr}  # fmt: skip
 
 
-def check_servable(drafter_config, engine_is_cpu: bool, description: str) -> None:
+def check_servable(drafter_config, target: TargetModel, engine_is_cpu: bool, description: str) -> None:
     """What the CPU build cannot run, refused before a server starts (it runs vLLM's V1 model runner only, which
-    refuses DFlash2, DSpark and drafters mixing sliding and full layers)."""
+    refuses DFlash2, DSpark and drafters mixing sliding and full layers; hybrid targets only in bf16 with equal
+    key and value head dims in their linear-attention layers, so never as the fp32 transformers forward)."""
     if not engine_is_cpu:
         return
+    if target.is_hybrid:
+        raise FlashdraftError(f"--served vllm: {description} (the CPU build) runs a hybrid (linear-attention) target "
+                              f"only in bf16 with equal key and value head dims, not as flashdraft's forward; serve "
+                              f"it on a GPU engine (`pip install vllm`) or pass --server URL of one")  # fmt: skip
     if drafter_config.family != "dflash" or needs_v2_runner(drafter_config):
         what = ("a " + drafter_config.family + " drafter") if drafter_config.family != "dflash" else \
             "a drafter mixing sliding and full layers"  # fmt: skip
@@ -185,7 +190,7 @@ def _start_engine(drafter, drafter_dir: str, target: TargetModel, python: str | 
                   seed: int, log) -> VllmServer:  # fmt: skip
     py = engine_python(python)
     info = engine_info(py)
-    check_servable(drafter.config, info.cpu, info.describe())
+    check_servable(drafter.config, target, info.cpu, info.describe())
     server = VllmServer(py, str(resolve_target_path(target.path)), work / "vllm-server.log",
                         dtype={torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(target.dtype, "float32"),
                         max_model_len=max_len, seed=seed,
@@ -271,3 +276,36 @@ def _greedy_figures(
         "outputs_equal_greedy": [r.output_ids == g for r, g in zip(requests, greedy, strict=True)],
     }  # fmt: skip
     return greedy_mismatches(requests, greedy, own, uncut, drafts)
+
+
+def format_served(served: dict[str, Any]) -> str:
+    """The terminal's side-by-side of the engine's figures and flashdraft's, with the difference explained."""
+    own = served.get("flashdraft", {})
+    setting = "greedy" if served["temperature"] <= 0 else f"T {served['temperature']:g}, rule {served['rule']}"
+    lines = [f"served by {served['engine']} ({setting}), {len(served['requests'])} requests one at a time",
+             f"{'':34}{'served':>10}{'flashdraft':>12}"]  # fmt: skip
+
+    def row(name: str, a, b) -> None:
+        fmt = lambda x: "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)  # noqa: E731
+        lines.append(f"{name:34}{fmt(a):>10}{fmt(b):>12}")
+
+    row("τ = 1 + accepted / drafts", served["tau"], own.get("tau_uncut"))
+    row("τ delivered (tokens / steps)", served["tau_delivered"], own.get("tau"))
+    row("drafting steps", served["drafts"], own.get("steps"))
+    if served["temperature"] <= 0:
+        lines.append(f"accepted per position: served {served['accepted_per_position']}, flashdraft "
+                     f"{own.get('accepted_per_position_uncut')}")  # fmt: skip
+        lines.append(f"the engine counts the last step's drafts accepted past each output's end (max_tokens or a "
+                     f"stop token): {served['accepted_past_output']} tokens here, delivered to no one; flashdraft's "
+                     f"first row counts them as the engine does (its last step walked over the target's greedy "
+                     f"continuation), its second row is what was delivered")  # fmt: skip
+    elif "expected_tau" in own:
+        lines.append(f"expected τ under {served['rule']}'s rule over the served outputs {own['expected_tau']:.3f} ± "
+                     f"{own['expected_tau_stderr']:.3f}; served τ delivered {own['served_tau_delivered']:.3f}, "
+                     f"difference {own['difference']:+.3f} (allowed {Z_SERVED:g} x "
+                     f"{own['combined_stderr']:.3f})")  # fmt: skip
+    check = served["check"]
+    lines.append("served check: passed" if check["passed"] else
+                 "served check: FAILED: " + "; ".join(check["problems"][:3])
+                 + (f" (and {len(check['problems']) - 3} more)" if len(check["problems"]) > 3 else ""))  # fmt: skip
+    return "\n".join(lines)
