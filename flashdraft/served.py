@@ -23,7 +23,7 @@ from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.decode import autoregressive_generate
 from flashdraft.engine import SpecCounters, VllmServer, engine_info, engine_python, read_spec_counters, server_version
 from flashdraft.errors import FlashdraftError
-from flashdraft.offline import drafts_of, evaluate_offline
+from flashdraft.offline import drafts_of, evaluate_offline, target_probs_along
 from flashdraft.records import EvalRecord, FeatureSource
 from flashdraft.results import EvalResult, expected_tau_figures
 from flashdraft.serving import needs_v2_runner, vllm_speculative_config
@@ -168,6 +168,34 @@ def _sampled_check(requests: list[ServedRequest], own: EvalResult) -> dict[str, 
             "combined_stderr": stderr, "z": Z_SERVED, "within": abs(difference) <= Z_SERVED * stderr}  # fmt: skip
 
 
+@torch.no_grad()
+def sampling_fidelity(target: TargetModel, outputs: list[EvalRecord], temperature: float,
+                      filters: SamplingFilters) -> dict[str, Any]:  # fmt: skip
+    """Are the served outputs samples of the target's p (at `temperature`, after `filters`)? A token p gives no
+    mass is impossible; otherwise the score z = sum_t (log p(x_t) + H(p_t)) / sqrt(sum_t Var_p(log p)) is about
+    N(0, 1) for true samples (E[log p(x)] = -H(p)): an engine sampling from another distribution drifts from 0."""
+    score = variance = 0.0
+    tokens, impossible = 0, None
+    for r in outputs:
+        if not r.completion_ids:
+            continue
+        probs = target_probs_along(target, r, temperature, filters)(-1, len(r.completion_ids) - 1)  # [M, V]
+        picked = probs.gather(1, torch.tensor(r.completion_ids, device=probs.device)[:, None])[:, 0]
+        zero = (picked <= 0).nonzero()
+        if len(zero) and impossible is None:
+            impossible = f"request {r.id} token {int(zero[0])} has probability 0 under the target's filtered p"
+        logp = torch.where(probs > 0, probs.log(), torch.zeros_like(probs))
+        entropy = -(probs * logp).sum(-1)
+        second = (probs * logp * logp).sum(-1)
+        kept = picked > 0
+        score += float((picked[kept].log() + entropy[kept]).sum())
+        variance += float((second - entropy**2)[kept].sum())
+        tokens += len(r.completion_ids)
+    z = score / variance**0.5 if variance > 0 else 0.0
+    return {"tokens": tokens, "log_likelihood_z": z, "impossible_token": impossible,
+            "samples_of_target": impossible is None and abs(z) <= Z_SERVED}  # fmt: skip
+
+
 def check_servable(drafter_config, target: TargetModel, engine_is_cpu: bool, description: str) -> None:
     """What the CPU build cannot run, refused before a server starts (it runs vLLM's V1 model runner only, which
     refuses DFlash2, DSpark and drafters mixing sliding and full layers; hybrid targets only in bf16 with equal
@@ -245,6 +273,13 @@ def run_served(
         else:
             sampled = _sampled_check(requests, own)
             served["flashdraft"] |= sampled
+            fidelity = sampling_fidelity(target, outputs, temperature, filters)
+            served["outputs"] = fidelity
+            if not fidelity["samples_of_target"]:
+                z = fidelity["log_likelihood_z"]
+                why = fidelity["impossible_token"] or f"log-likelihood score z = {z:+.1f}"
+                problems.append(f"{engine.description}'s outputs are not samples of the target's p at T "
+                                f"{temperature:g} ({why}, past {Z_SERVED:g} over {fidelity['tokens']} tokens)")  # fmt: skip
             if not sampled["within"]:
                 problems.append(f"served τ {sampled['served_tau_delivered']:.3f} is {sampled['difference']:+.3f} "
                                 f"from flashdraft's expected τ {sampled['expected_tau']:.3f} under vLLM's rule, past "
