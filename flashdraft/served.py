@@ -6,7 +6,9 @@ drafting steps, and its accepted drafts per position once the last step is count
 verifies all of the last step's drafts and counts those accepted past the output's end (`max_tokens` or a stop
 token), though it delivers none of them; flashdraft walks that step over the target's greedy continuation to count
 them the same way, and reports the overrun. At T > 0 two runs draw different acceptances, so the served τ is held
-against flashdraft's expected τ under the engine's rule over the same outputs, within `Z_SERVED` standard errors.
+against flashdraft's expected τ under the engine's rule over the same outputs, within `Z_LIMIT` standard errors,
+and the outputs themselves must be samples of the target's filtered p (`target_samples.sampling_fidelity`): an
+engine whose speculative sampling is wrong fails one or the other.
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.decode import autoregressive_generate
 from flashdraft.engine import SpecCounters, VllmServer, engine_info, engine_python, read_spec_counters, server_version
 from flashdraft.errors import FlashdraftError
-from flashdraft.offline import drafts_of, evaluate_offline, target_probs_along
+from flashdraft.offline import drafts_of, evaluate_offline
 from flashdraft.records import EvalRecord, FeatureSource
 from flashdraft.results import EvalResult, expected_tau_figures
 from flashdraft.serving import needs_v2_runner, vllm_speculative_config
 from flashdraft.serving_rules import SamplingFilters
 from flashdraft.target import TargetModel, resolve_target_path
+from flashdraft.target_samples import Z_LIMIT, sampling_fidelity
 
-Z_SERVED = 3.0  # T > 0: |served τ - expected τ| within this many combined standard errors (two-sided p ~ 0.003)
 ENGINE_RULE = "vllm"  # the rule a vLLM started with default settings verifies under (draft_sample_method greedy)
 
 
@@ -165,35 +167,7 @@ def _sampled_check(requests: list[ServedRequest], own: EvalResult) -> dict[str, 
     difference = tau - expected["expected_tau"]
     return {"served_tau_delivered": tau, "expected_tau": expected["expected_tau"],
             "expected_tau_stderr": expected["expected_tau_stderr"], "difference": difference,
-            "combined_stderr": stderr, "z": Z_SERVED, "within": abs(difference) <= Z_SERVED * stderr}  # fmt: skip
-
-
-@torch.no_grad()
-def sampling_fidelity(target: TargetModel, outputs: list[EvalRecord], temperature: float,
-                      filters: SamplingFilters) -> dict[str, Any]:  # fmt: skip
-    """Are the served outputs samples of the target's p (at `temperature`, after `filters`)? A token p gives no
-    mass is impossible; otherwise the score z = sum_t (log p(x_t) + H(p_t)) / sqrt(sum_t Var_p(log p)) is about
-    N(0, 1) for true samples (E[log p(x)] = -H(p)): an engine sampling from another distribution drifts from 0."""
-    score = variance = 0.0
-    tokens, impossible = 0, None
-    for r in outputs:
-        if not r.completion_ids:
-            continue
-        probs = target_probs_along(target, r, temperature, filters)(-1, len(r.completion_ids) - 1)  # [M, V]
-        picked = probs.gather(1, torch.tensor(r.completion_ids, device=probs.device)[:, None])[:, 0]
-        zero = (picked <= 0).nonzero()
-        if len(zero) and impossible is None:
-            impossible = f"request {r.id} token {int(zero[0])} has probability 0 under the target's filtered p"
-        logp = torch.where(probs > 0, probs.log(), torch.zeros_like(probs))
-        entropy = -(probs * logp).sum(-1)
-        second = (probs * logp * logp).sum(-1)
-        kept = picked > 0
-        score += float((picked[kept].log() + entropy[kept]).sum())
-        variance += float((second - entropy**2)[kept].sum())
-        tokens += len(r.completion_ids)
-    z = score / variance**0.5 if variance > 0 else 0.0
-    return {"tokens": tokens, "log_likelihood_z": z, "impossible_token": impossible,
-            "samples_of_target": impossible is None and abs(z) <= Z_SERVED}  # fmt: skip
+            "combined_stderr": stderr, "z": Z_LIMIT, "within": abs(difference) <= Z_LIMIT * stderr}  # fmt: skip
 
 
 def check_servable(drafter_config, target: TargetModel, engine_is_cpu: bool, description: str) -> None:
@@ -275,15 +249,13 @@ def run_served(
             served["flashdraft"] |= sampled
             fidelity = sampling_fidelity(target, outputs, temperature, filters)
             served["outputs"] = fidelity
-            if not fidelity["samples_of_target"]:
-                z = fidelity["log_likelihood_z"]
-                why = fidelity["impossible_token"] or f"log-likelihood score z = {z:+.1f}"
+            if fidelity["problems"]:
                 problems.append(f"{engine.description}'s outputs are not samples of the target's p at T "
-                                f"{temperature:g} ({why}, past {Z_SERVED:g} over {fidelity['tokens']} tokens)")  # fmt: skip
+                                f"{temperature:g}: {fidelity['problems'][-1]}")  # fmt: skip
             if not sampled["within"]:
                 problems.append(f"served τ {sampled['served_tau_delivered']:.3f} is {sampled['difference']:+.3f} "
                                 f"from flashdraft's expected τ {sampled['expected_tau']:.3f} under vLLM's rule, past "
-                                f"{Z_SERVED:g} standard errors ({sampled['combined_stderr']:.3f}): "
+                                f"{Z_LIMIT:g} standard errors ({sampled['combined_stderr']:.3f}): "
                                 f"{engine.description} does not serve this drafter as vLLM's rule says")  # fmt: skip
     served["check"] = {"passed": not problems, "problems": problems}
     return served
@@ -337,7 +309,7 @@ def format_served(served: dict[str, Any]) -> str:
     elif "expected_tau" in own:
         lines.append(f"expected τ under {served['rule']}'s rule over the served outputs {own['expected_tau']:.3f} ± "
                      f"{own['expected_tau_stderr']:.3f}; served τ delivered {own['served_tau_delivered']:.3f}, "
-                     f"difference {own['difference']:+.3f} (allowed {Z_SERVED:g} x "
+                     f"difference {own['difference']:+.3f} (allowed {Z_LIMIT:g} x "
                      f"{own['combined_stderr']:.3f})")  # fmt: skip
     check = served["check"]
     lines.append("served check: passed" if check["passed"] else

@@ -596,6 +596,35 @@ def _start_engine(engine: str, python: str | None, target: TargetModel, out: Pat
     return server
 
 
+def check_engine_completions(target: TargetModel, path: Path, settings: GenerationSettings,
+                             filters: SamplingFilters, share: float) -> None:  # fmt: skip
+    """The engine's completions checked, not trusted: a `share` of them (at least one) teacher-forced through the
+    target: at T = 0 each token its argmax (near-ties aside), at T > 0 samples of its filtered p; refused otherwise
+    (the file stays, for inspection)."""
+    import random
+
+    from flashdraft.records import EvalRecord
+    from flashdraft.target_samples import greedy_agreement, sampling_fidelity
+
+    records = json.loads(path.read_text()).get("records", [])
+    picks = random.Random(0).sample(records, min(len(records), max(1, round(share * len(records)))))
+    outputs = [EvalRecord(r["id"], r["prompt_ids"], r["completion_ids"]) for r in picks]
+    if settings.temperature <= 0:
+        found = greedy_agreement(target, outputs)
+        print(f"checked {len(outputs)} of {len(records)} completions against the target: {found['greedy']} its "
+              f"greedy output, {found['near_ties']} past a near-tie (logits within "
+              f"{found['tie_margin']:g})")  # fmt: skip
+    else:
+        found = sampling_fidelity(target, outputs, settings.temperature, filters)
+        print(f"checked {len(outputs)} of {len(records)} completions against the target: log-likelihood score "
+              f"z = {found['log_likelihood_z']:+.2f} over {found['tokens']} tokens (samples of its p: |z| <= "
+              f"{found['z_limit']:g})")  # fmt: skip
+    if found["problems"]:
+        raise FlashdraftError(f"{path}: {settings.engine_version}'s completions are not the target's: "
+                              f"{found['problems'][0]}" + (f" (and {len(found['problems']) - 1} more)"
+                                                          if len(found["problems"]) > 1 else ""))  # fmt: skip
+
+
 def report_truncated(path: Path) -> None:
     """How many completions stopped at max_new_tokens rather than at a stop token: training on them is fine, but
     a share near 1 says the budget cuts answers short."""
@@ -628,6 +657,7 @@ def run_generate(
     use_generation_config: bool = True,
     engine: str | None = None,
     engine_python: str | None = None,
+    verify_share: float = 0.05,
 ) -> Path:
     """`flashdraft generate`, one rank of it under torchrun. `engine` "vllm": the completions come from a vLLM
     server started for this run (`engine_python`'s environment; 127.0.0.1, stopped at the end), token ids as it
@@ -689,6 +719,8 @@ def run_generate(
         path = generate_completions(target, prompt_list, out, settings, batch_size, dist, client)
         if dist.is_main:
             report_truncated(path)
+            if server is not None:
+                check_engine_completions(target, path, settings, filters, verify_share)
         return path
     finally:
         stack.close()
