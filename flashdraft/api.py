@@ -164,7 +164,7 @@ def evaluate_drafter(
     baseline); `hybrid`: the drafter together with the n-gram lookup (`eval --drafter hybrid`).
     `target`: a loaded `Target` (its device and dtype are used), or its name or directory:
     then it is loaded as the evaluation needs it (offline from a cache: its head only).
-    `options`: the fields of `flashdraft.evaluate.EvalConfig`, named as eval's flags: one of
+    `options`: the fields of `flashdraft.evaluate.EvalConfig` (`EvalConfig.option_names()`, eval's options): one of
     cached_hidden_states, completions or prompts (with num_prompts); online,
     check_consistency, reference, max_blocks, max_new_tokens, block_size, temperature,
     num_speculative_tokens, adaptive_threshold, seed, ... `log`: where eval's lines go

@@ -119,3 +119,27 @@ def options_from_file(
             raise FlashdraftError(f"{path}: key {key!r} is given twice (with - and _ spellings)")
         values[action.dest] = _flag_value(action, value, f"{path}: key {key!r}")
     return values
+
+
+def train_options(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace) -> argparse.Namespace:
+    """`flashdraft train`'s options: --config's file under the flags given (which override it);
+    then what is required, wherever it was given. `parser`: flashdraft's, `args`: `argv` parsed."""
+    train = parser.commands["train"]
+    if args.config:
+        values = options_from_file(args.config, train, exclude=("config",))
+        sources = [k for k in ("cached_hidden_states", "completions") if values.get(k) is not None]
+        if len(sources) > 1:
+            raise FlashdraftError(f"{args.config}: keys 'cached-hidden-states' and 'completions' are both given; "
+                                  f"expected one (offline or online)")  # fmt: skip
+        train.set_defaults(**values)
+        args = parser.parse_args(argv)
+        other = {"cached_hidden_states": "completions", "completions": "cached_hidden_states"}
+        if sources and getattr(args, other[sources[0]]) is not None:
+            setattr(args, sources[0], None)  # the command line's data source replaces the file's
+    missing = [flag for flag in ("--target-model", "--out") if getattr(args, flag[2:].replace("-", "_")) is None]
+    if missing:
+        train.error(f"the following arguments are required: {', '.join(missing)}, as flags or --config keys")
+    if args.cached_hidden_states is None and args.completions is None:
+        train.error("one of the arguments --cached-hidden-states --completions is required, as a flag or a "
+                    "--config key")  # fmt: skip
+    return args

@@ -27,6 +27,7 @@ from flashdraft.acceptance import (
     draw_drafts,
     tau_of,
 )
+from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
 from flashdraft.serving_rules import (
     NO_FILTERS,
@@ -212,3 +213,43 @@ def speculative_generate(
         new_positions = anchor_pos + torch.arange(a + 1, device=device)[None]
         anchor_pos += a + 1
     return result
+
+
+@dataclass
+class GreedyComparison:
+    """One prompt decoded speculatively and plainly, greedy, each timed (`flashdraft speculate`)."""
+
+    speculative: GenerationResult
+    plain: GenerationResult
+    speculative_seconds: float
+    plain_seconds: float
+
+    @property
+    def lossless(self) -> bool:
+        return self.speculative.output_ids == self.plain.output_ids
+
+    def summary(self) -> str:
+        spec, plain = self.speculative, self.plain
+        return (
+            f"tokens {len(spec.output_ids)}, steps {len(spec.acceptance_lengths)}, tau {spec.tau:.2f}, "
+            f"lossless {self.lossless}, speculative {len(spec.output_ids) / self.speculative_seconds:.1f} tok/s, "
+            f"greedy {len(plain.output_ids) / self.plain_seconds:.1f} tok/s"
+        )
+
+    def check_lossless(self) -> None:
+        if not self.lossless:
+            raise FlashdraftError("speculative output differs from greedy decoding (not lossless)")
+
+
+def compare_with_greedy(
+    target: TargetModel, drafter: DFlashDrafter, prompt_ids: list[int], max_new_tokens: int,
+    block_size: int | None = None,
+) -> GreedyComparison:  # fmt: skip
+    """Greedy speculative decoding of `prompt_ids` beside plain greedy decoding, each timed: the
+    two outputs must be the same tokens."""
+    t0 = time.perf_counter()
+    spec = speculative_generate(target, drafter, prompt_ids, max_new_tokens, block_size=block_size)
+    t_spec = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    plain = autoregressive_generate(target, prompt_ids, max_new_tokens)
+    return GreedyComparison(spec, plain, t_spec, time.perf_counter() - t0)

@@ -75,6 +75,17 @@ def kind_of(path: Path) -> str:
     )
 
 
+def load_target_for(path: str | Path, target_model: str | None) -> TargetModel | None:
+    """The target `doctor PATH --target-model T` checks against: the whole model for a cache (its
+    records are re-run through it), else only its shapes, tokenizer and fingerprint (a `TargetHead`);
+    None without T. An unusable PATH is an error before the target is loaded."""
+    from flashdraft.target_weights import TargetHead
+
+    kind = kind_of(Path(path))
+    load = TargetModel.load if kind == "cache" else TargetHead.load
+    return load(target_model) if target_model else None
+
+
 def run_doctor(
     path: str | Path,
     target: TargetModel | None = None,

@@ -1,11 +1,15 @@
-"""A fresh, untrained drafter shaped for a given target (`flashdraft init`)."""
+"""A fresh, untrained drafter shaped for a given target, or a DFlash2 one on a trained DFlash
+drafter's backbone (`flashdraft init`)."""
 
 from __future__ import annotations
 
 from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from flashdraft.checkpoint import check_drafter_matches_target, save_drafter
 from flashdraft.config import (
     DEFAULT_BLOCK_SIZE,
     DFLASH2_BLOCK_SIZE,
@@ -20,23 +24,9 @@ from flashdraft.config import (
 from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter, is_dflash2_parameter
 from flashdraft.rope import as_scaling
-from flashdraft.target import TargetModel
-
-
-def pick_mask_token(target: TargetModel) -> int:
-    """The tokenizer's mask token, else its pad token, else an unused special token."""
-    tok = target.tokenizer
-    for attr in ("mask_token_id", "pad_token_id"):
-        token_id = getattr(tok, attr, None)
-        if token_id is not None and token_id not in target.stop_token_ids:
-            return int(token_id)
-    for token, token_id in sorted(tok.get_added_vocab().items(), key=lambda kv: kv[1]):
-        if token_id not in target.stop_token_ids and ("unused" in token or "reserved" in token):
-            return int(token_id)
-    raise FlashdraftError(
-        f"{target.path}: the tokenizer has no mask, pad or unused special token; give --mask-token-id"
-    )
-
+from flashdraft.run_dir import drafter_config_path, load_any_drafter
+from flashdraft.target import TargetModel, pick_mask_token
+from flashdraft.target_weights import TargetHead
 
 # Layer types as `init --layer-types` accepts them: the short names and the config's own.
 LAYER_TYPE_NAMES = {"sliding": "sliding_attention", "full": "full_attention",
@@ -307,3 +297,47 @@ def copy_target_layers(drafter: DFlashDrafter, target, layer_ids: list[int]) -> 
                 )
             with torch.no_grad():
                 own[name].copy_(tensor)
+
+
+def init_drafter(
+    target_model: str, out: str | Path, *, config: str | Path | None = None,
+    layers_from_target: list[int] | None = None, **options: Any,
+) -> tuple[DFlashDrafter, TargetHead]:  # fmt: skip
+    """`flashdraft init`: a fresh drafter for `target_model` written to `out`, and the target's head it was
+    shaped from. `config`: a drafter config to start from (read before the target, so a broken one costs no
+    model load); `layers_from_target`: target layers to start the drafter's layers from; `options`: those of
+    `new_drafter_for_target`."""
+    base = DrafterConfig.load(drafter_config_path(config)) if config else None
+    target = TargetHead.load(target_model)  # shapes, tokenizer and final norm (decoder layers only if copied)
+    drafter = new_drafter_for_target(target, base=base, base_source=str(config), **options)
+    if layers_from_target:
+        copy_target_layers(drafter, target, layers_from_target)
+    save_drafter(drafter, out)
+    return drafter, target
+
+
+# init flags that shape a fresh drafter; --from-drafter takes its shape from the drafter instead
+FRESH_ONLY = ("config", "draft_layers", "mask_token_id", "target_layer_ids", "layer_types", "sliding_window",
+              "is_causal", "layers_from_target", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "rope_theta", "max_position_embeddings", "rope_scaling")  # fmt: skip
+
+
+def init_from_drafter(
+    target_model: str, source: str, out: str | Path, *, family: str | None, sizes: dict, block_size: int | None,
+    seed: int, fresh: dict[str, Any],
+) -> DFlashDrafter:  # fmt: skip
+    """`init --family dflash2 --from-drafter SOURCE`: SOURCE's backbone with DFlash2's parts started neutral,
+    written to `out`. `fresh`: the FRESH_ONLY options as given (each must be None)."""
+    if family != "dflash2":
+        raise FlashdraftError(f"--from-drafter {source}: expected --family dflash2 (the family to turn "
+                              f"the drafter into; a DSpark drafter's layout differs: it starts fresh)")  # fmt: skip
+    given = [name for name in FRESH_ONLY if fresh.get(name) is not None]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise FlashdraftError(f"{flag}: --from-drafter takes the drafter's shape and layers as they are; leave it out")
+    target = TargetHead.load(target_model)
+    drafter = load_any_drafter(source, target).drafter
+    check_drafter_matches_target(drafter.config, target, str(source))
+    new = dflash2_from_drafter(drafter, sizes, block_size, seed)
+    save_drafter(new, out)
+    return new

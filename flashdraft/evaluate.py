@@ -12,7 +12,7 @@ named "ngram" in place of a checkpoint, or the hybrid of a DFlash drafter and th
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -231,17 +231,21 @@ def _describe_drafter(label: str, loaded, block_size: int, target: TargetModel) 
     return lines + [f"  assumed: {note}" for note in loaded.assumed]
 
 
+_CALL = {"call": True}  # an EvalConfig field `evaluate_drafter` sets from its own arguments, not an option
+
+
 @dataclass
 class EvalConfig:
     """What `flashdraft eval` evaluates, on which records, how. `checkpoint` or `reference`
     "ngram" is the n-gram baseline (prompt lookup of the last ngram_max..ngram_min tokens),
     with the DFlash drafter's block size when set against one. `drafter` "hybrid" evaluates
     the checkpoint together with that lookup under `HybridRule(hybrid_min_match,
-    hybrid_ngram_prior)`."""
+    hybrid_ngram_prior)`. The fields are eval's options by name (`option_names`), except
+    those `evaluate_drafter` sets from its own arguments (what is evaluated, where)."""
 
-    checkpoint: str
-    target_model: str
-    drafter: str = "dflash"  # or "hybrid"
+    checkpoint: str = field(metadata=_CALL)
+    target_model: str = field(metadata=_CALL)
+    drafter: str = field(default="dflash", metadata=_CALL)  # or "hybrid"
     hybrid_min_match: int | None = None  # None: HybridRule's default
     hybrid_ngram_prior: float | None = None
     # records: exactly one source
@@ -277,11 +281,28 @@ class EvalConfig:
     mask_token_id: int | None = None
     ngram_max: int = 3
     ngram_min: int = 1
-    device: str = "cpu"
-    dtype: torch.dtype = torch.float32
+    device: str = field(default="cpu", metadata=_CALL)
+    dtype: torch.dtype = field(default=torch.float32, metadata=_CALL)
     seed: int = 0
     # edges of the context-length buckets of `by_context` (None: powers of two spanning the records)
     context_buckets: list[int] | None = None
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The fields a user chooses (`flashdraft eval` has an option for each, named alike)."""
+        return [f.name for f in fields(cls) if not f.metadata.get("call")]
+
+
+def require_consistent(summary: dict[str, Any]) -> None:
+    """Refuse a `--check-consistency` summary (the drafter's, then the reference's) whose offline and online
+    acceptance lengths differ."""
+    for result in [summary] + ([summary["reference"]] if summary.get("reference") else []):
+        consistency = result.get("consistency")
+        if consistency and not consistency["identical"]:
+            raise FlashdraftError(
+                f"{result['checkpoint']}: offline and online acceptance lengths differ on "
+                f"{len(consistency['mismatches'])} records; first: {consistency['mismatches'][0]}"
+            )
 
 
 def _load_candidates(

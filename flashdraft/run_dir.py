@@ -38,7 +38,6 @@ from flashdraft.checkpoint import (
     weight_files,
 )
 from flashdraft.config import DEFAULT_BLOCK_SIZE, DrafterConfig, default_target_layer_ids
-from flashdraft.drafter_init import pick_mask_token
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import (
     DiskFullError,
@@ -53,6 +52,7 @@ from flashdraft.files import (
 )
 from flashdraft.model import DFlashDrafter
 from flashdraft.safe_load import UnsafeFileError, load_tensors_only, to_plain
+from flashdraft.target import pick_mask_token
 
 # drafters shipped with flashdraft, loadable by name (`--checkpoint tiny-drafter`)
 BUILTIN_DRAFTERS = {"tiny-drafter": Path(__file__).parent / "assets" / "tiny-drafter"}

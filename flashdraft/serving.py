@@ -363,6 +363,15 @@ def check_serving(
     _sampling_rules(cfg, checks, [vllm_cmd, sglang_cmd] if serving_command is None else [serving_command])
 
 
+def print_serving_checks(directory: str | Path, target, target_name: str | None = None) -> bool:
+    """A drafter directory's serving rules as `flashdraft doctor DIR --serving` prints them (what
+    `flashdraft export` closes with); True when none fails."""
+    print(f"serving rules (flashdraft doctor {directory} --serving):")
+    checks = Checks()
+    check_serving(Path(directory), target, checks, target_name=target_name)
+    return checks.summary()
+
+
 def _sampling_rules(cfg: DrafterConfig, checks: Checks, commands: list[str]) -> None:
     """The rule each command verifies with at T > 0 (`flashdraft.serving_rules`; eval --serving-rule takes its name)."""
     from flashdraft.serving_rules import RULES, rule_of_command

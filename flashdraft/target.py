@@ -112,6 +112,21 @@ def stop_token_ids_of(generation_config, config, tokenizer) -> list[int]:
     return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
+def pick_mask_token(target: TargetModel) -> int:
+    """The tokenizer's mask token, else its pad token, else an unused special token."""
+    tok = target.tokenizer
+    for attr in ("mask_token_id", "pad_token_id"):
+        token_id = getattr(tok, attr, None)
+        if token_id is not None and token_id not in target.stop_token_ids:
+            return int(token_id)
+    for token, token_id in sorted(tok.get_added_vocab().items(), key=lambda kv: kv[1]):
+        if token_id not in target.stop_token_ids and ("unused" in token or "reserved" in token):
+            return int(token_id)
+    raise FlashdraftError(
+        f"{target.path}: the tokenizer has no mask, pad or unused special token; give --mask-token-id"
+    )
+
+
 def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
     bad = [i for i in layer_ids if not 0 <= i < num_layers]
     if bad:

@@ -69,3 +69,29 @@ def test_init_config_and_train_init_take_the_shipped_tiny_drafter_by_name(tmp_pa
     drafter = _starting_drafter(TargetHead.load("tiny"), None, "tiny-drafter", shape, seed=0, verify=True)
     shipped = load_drafter(BUILTIN_DRAFTERS["tiny-drafter"])
     assert torch.equal(drafter.fc.weight, shipped.fc.weight)  # loaded, not a fresh drafter
+
+
+def _dests(command: str) -> set[str]:
+    from flashdraft.cli import build_parser
+
+    return {a.dest for a in build_parser().commands[command]._actions if a.dest != "help"}
+
+
+def test_eval_options_are_the_eval_config_fields_by_name():
+    from flashdraft.evaluate import EvalConfig
+
+    # what evaluate_drafter takes as its own arguments, and what eval writes after
+    own = {"checkpoint", "drafter", "target_model", "device", "dtype", "json", "report"}
+    assert _dests("eval") - own == set(EvalConfig.option_names())
+
+
+@pytest.mark.parametrize("command", ["generate", "cache", "parity"])
+def test_each_option_is_a_keyword_of_the_function_the_command_calls(command):
+    import inspect
+
+    from flashdraft.data.cache import run_cache
+    from flashdraft.data.completions import run_generate
+    from flashdraft.parity import run_parity_command
+
+    function = {"generate": run_generate, "cache": run_cache, "parity": run_parity_command}[command]
+    assert _dests(command) == set(inspect.signature(function).parameters)

@@ -11,8 +11,9 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from flashdraft.cli import _train_args, build_parser
+from flashdraft.cli import build_parser
 from flashdraft.config import DrafterConfig
+from flashdraft.config_file import train_options
 from flashdraft.errors import FlashdraftError
 from flashdraft.train.loop import TrainConfig
 from tests.conftest import run_cli
@@ -25,7 +26,7 @@ def train_args(*argv):
     """The options `flashdraft train ARGV` would run with (nothing runs)."""
     parser = build_parser()
     argv = ["train", *map(str, argv)]
-    return _train_args(parser, argv, parser.parse_args(argv))
+    return train_options(parser, argv, parser.parse_args(argv))
 
 
 def one_line_error(capsys, *argv) -> str:

@@ -1,0 +1,18 @@
+"""The commands of `flashdraft`, one module each: `add_parser(sub)` declares its options and
+returns its parser, `run(args)` does it. COMMANDS is their order in `flashdraft --help`."""
+
+from flashdraft.commands import (
+    cache,
+    convert_run,
+    demo,
+    doctor,
+    eval,
+    export,
+    generate,
+    init,
+    parity,
+    speculate,
+    train,
+)
+
+COMMANDS = (init, speculate, generate, cache, doctor, parity, eval, export, train, convert_run, demo)

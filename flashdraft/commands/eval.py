@@ -1,0 +1,149 @@
+"""`flashdraft eval`: τ of a drafter offline or online, against a reference. Each option is an
+`EvalConfig` field of the same name (`EvalConfig.option_names`), passed to `evaluate_drafter`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from flashdraft.commands.options import (
+    block_size,
+    context_buckets,
+    long_prompts_arg,
+    positive,
+    probability,
+    sampling_args,
+    target_layer_ids,
+    temperature,
+)
+from flashdraft.config import DEFAULT_BLOCK_SIZE
+from flashdraft.errors import FlashdraftError
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("eval", help="τ of a drafter offline (target completions) or online, vs a reference")
+    _drafter_args(p)
+    _record_args(p)
+    _step_args(p)
+    _output_args(p)
+    _loading_args(p)
+    return p
+
+
+def _drafter_args(p: argparse.ArgumentParser) -> None:
+    """What drafts: a drafter, the n-gram baseline or both (the hybrid)."""
+    p.add_argument("--checkpoint", help="drafter directory, training run directory or .pt/.safetensors")
+    p.add_argument("--drafter", choices=["dflash", "ngram", "hybrid"], default="dflash",
+                   help="ngram: the training-free n-gram prompt-lookup baseline (no --checkpoint); hybrid: the "
+                   "--checkpoint drafter and the lookup, choosing per step (docs/tiny.md)")  # fmt: skip
+    p.add_argument("--hybrid-min-match", type=int, default=None,
+                   help="hybrid: propose the n-gram draft without running the drafter when it matched this many "
+                   "tokens (default: the tuned rule's, docs/benchmarks.md)")  # fmt: skip
+    p.add_argument("--hybrid-ngram-prior", type=float, default=None,
+                   help="hybrid: floor of the drafter's probability of n-gram tokens when comparing the drafts "
+                   "(default: the tuned rule's)")  # fmt: skip
+    p.add_argument("--ngram-max", type=positive, default=3, help="longest n-gram the baseline looks up")
+    p.add_argument("--ngram-min", type=positive, default=1, help="shortest n-gram the baseline looks up")
+
+
+def _record_args(p: argparse.ArgumentParser) -> None:
+    """The target, the records and how far each is walked."""
+    p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
+    p.add_argument("--cached-hidden-states", help="hidden-state cache directory (offline: no target forward)")
+    p.add_argument("--completions", help="completions file from flashdraft generate")
+    p.add_argument("--prompts", help="prompt file or builtin:code[:heldout]; completions are decoded greedily")
+    p.add_argument("--num-prompts", type=positive, default=None)
+    p.add_argument("--max-blocks", type=positive, default=None, help="steps per prompt (default: whole completion)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive,
+        default=None,
+        help="tokens to decode per prompt without completions (default: max-blocks x B + 1, else 256)",
+    )
+    p.add_argument("--block-size", type=block_size, default=None,
+                   help=f"default: the drafter's (n-gram: {DEFAULT_BLOCK_SIZE}, or the drafter's)")  # fmt: skip
+
+
+def _step_args(p: argparse.ArgumentParser) -> None:
+    """Which drafts a step verifies, live or offline, greedy or sampled."""
+    p.add_argument("--num-speculative-tokens", type=positive, default=None, metavar="K",
+                   help="verify only the first K of the B - 1 drafts each step (vLLM's name; default all)")  # fmt: skip
+    p.add_argument("--adaptive-threshold", type=probability, default=None, metavar="P",
+                   help="verify drafts only up to the first whose top drafter probability is under P "
+                        "(none if the first is: a plain greedy step; lossless; with --num-speculative-tokens, "
+                        "at most K)")  # fmt: skip
+    p.add_argument("--confidence-threshold", type=probability, default=None, metavar="C",
+                   help="DSpark: verify drafts only up to the first whose confidence-head estimate is under C "
+                        "(DeepSpec's evaluator's threshold cut, not the servers' adaptive verification; lossless); "
+                        "eval always reports the head's calibration and the tau and cost of cutting at "
+                        "0.3/0.5/0.7/0.9 and C")  # fmt: skip
+    p.add_argument("--online", action="store_true", help="real speculative decoding with the target, timed")
+    p.add_argument("--temperature", type=temperature, default=0.0,
+                   help="sampling temperature (0 = greedy); offline at T > 0 the completions must be the target's "
+                        "samples at the settings (--prompts: eval samples them)")  # fmt: skip
+    sampling_args(p)
+
+
+def _output_args(p: argparse.ArgumentParser) -> None:
+    """What is compared and written."""
+    p.add_argument(
+        "--check-consistency",
+        action="store_true",
+        help="run offline and online and require identical acceptance lengths",
+    )
+    p.add_argument("--reference", help="a second drafter, evaluated on the same records and steps ('ngram': the "
+                   "n-gram baseline)")  # fmt: skip
+    p.add_argument("--json", help="write every figure to this JSON file")
+    p.add_argument("--report", help="write report.md and PNG plots into this directory")
+    p.add_argument("--context-buckets", type=context_buckets, default=None, metavar="EDGES",
+                   help="context-length buckets of the by-context figures, e.g. 0,512,2048,8192 (tokens before a "
+                        "step's anchor; default: powers of two spanning the records)")  # fmt: skip
+
+
+def _loading_args(p: argparse.ArgumentParser) -> None:
+    """How the drafter, the records and the target are loaded."""
+    p.add_argument(
+        "--target-layer-ids",
+        type=target_layer_ids,
+        default=None,
+        help="for a bare state dict: the target layers its fc was trained on (e.g. 1,6,11)",
+    )
+    p.add_argument("--mask-token-id", type=int, default=None, help="for a bare state dict")
+    p.add_argument("--allow-foreign-completions", dest="allow_foreign", action="store_true",
+                   help="accept completions made by another target")  # fmt: skip
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="skip the sha256 check of a cache or training checkpoint (sizes still checked)")  # fmt: skip
+    long_prompts_arg(p)
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from flashdraft.api import evaluate_drafter
+    from flashdraft.evaluate import EvalConfig, require_consistent
+    from flashdraft.report import format_summary, write_report
+
+    hf_logging.disable_progress_bar()  # eval prints what it loaded itself; an error stays one line
+    if (args.drafter == "ngram") == (args.checkpoint is not None):
+        raise FlashdraftError("give --checkpoint for a DFlash drafter (alone or --drafter hybrid), or --drafter ngram "
+                              "(which takes none)")  # fmt: skip
+    summary = evaluate_drafter(
+        args.checkpoint or "ngram", args.target_model, hybrid=args.drafter == "hybrid", device=args.device,
+        dtype={"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype), log=print,
+        **{name: getattr(args, name) for name in EvalConfig.option_names()},
+    )  # fmt: skip
+    print()
+    print(format_summary(summary))
+    if args.json:
+        from flashdraft.files import write_json_atomic
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(Path(args.json), summary, what="the evaluation figures (--json)")
+        print(f"wrote {args.json}")
+    if args.report:
+        print(f"wrote {write_report(summary, args.report)}")
+    require_consistent(summary)
