@@ -45,6 +45,7 @@ from flashdraft.results import (
     speedup_bound,
 )
 from flashdraft.run_dir import LoadedDrafter, load_any_drafter
+from flashdraft.served import run_served
 from flashdraft.serving_rules import (
     DEFAULT_RULE,
     NO_FILTERS,
@@ -286,6 +287,12 @@ class EvalConfig:
     seed: int = 0
     # edges of the context-length buckets of `by_context` (None: powers of two spanning the records)
     context_buckets: list[int] | None = None
+    # the drafter served by a real engine ("vllm", `flashdraft.served`): started for the run from engine_python's
+    # environment, or the running `server`; check_served makes a disagreement the exit status
+    served: str | None = None
+    check_served: bool = False
+    server: str | None = None
+    engine_python: str | None = None
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -642,7 +649,8 @@ def run_eval(
 
     # offline from a cache needs no target forward: only tokenizer, config, embeddings and LM head
     offline_only = cfg.cached_hidden_states is not None and not (cfg.online or cfg.check_consistency)
-    offline_only = offline_only and cfg.temperature <= 0  # at T > 0 the walk reads the target's p
+    offline_only = offline_only and cfg.temperature <= 0 and not cfg.served  # at T > 0 the walk reads the target's p
+    check_served_options(cfg)
     if target is None:
         target = (TargetHead if offline_only else TargetModel).load(cfg.target_model, device=cfg.device,
                                                                     dtype=cfg.dtype)  # fmt: skip
@@ -683,4 +691,24 @@ def run_eval(
     if cfg.reference:
         main["reference"] = results[1]
         main["difference"] = difference(results[0], results[1])
+    if cfg.served:
+        limits = [_max_new_tokens(r, max_new_tokens) for r in records]
+        c = candidates[0]
+        main["served"] = run_served(cfg.checkpoint, c.drafter, c.block_size, target, records, limits, cfg.temperature,
+                                    filters, cfg.seed, cfg.engine_python, cfg.server, log)  # fmt: skip
     return main
+
+
+def check_served_options(cfg: EvalConfig) -> None:
+    """--served's options, and what it can serve: one DFlash-family drafter (the engine knows no n-gram or hybrid)."""
+    if not cfg.served:
+        given = [flag for flag, value in (("--check-served", cfg.check_served), ("--server", cfg.server),
+                                          ("--engine-python", cfg.engine_python)) if value]  # fmt: skip
+        if given:
+            raise FlashdraftError(f"{', '.join(given)}: options of --served vllm, which this run does not ask for")
+        return
+    if cfg.checkpoint == NGRAM or cfg.drafter == "hybrid":
+        raise FlashdraftError("--served vllm serves a DFlash-family drafter (--checkpoint); the n-gram baseline and "
+                              "the hybrid are flashdraft's, not the engine's")  # fmt: skip
+    if cfg.server and cfg.engine_python:
+        raise FlashdraftError("--server URL uses a running engine; --engine-python starts one: give one of them")

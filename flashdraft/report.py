@@ -220,6 +220,10 @@ def format_summary(summary: dict[str, Any]) -> str:
                if c.get("live_features_rounded_to") else "") + ")"
             + "".join(f"\n  {m}" for m in c["mismatches"])
         )
+    if summary.get("served"):
+        from flashdraft.served import format_served
+
+        parts.append(format_served(summary["served"]))
     return "\n\n".join(parts)
 
 

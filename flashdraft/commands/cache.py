@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from flashdraft.commands.options import command_options, device_args, positive, stops, target_layer_ids
+from flashdraft.commands.options import (
+    command_options,
+    device_args,
+    engine_args,
+    positive,
+    stops,
+    target_layer_ids,
+    verify_share_arg,
+)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -31,6 +39,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="write even when the size estimate (tokens x layers x hidden x dtype bytes) exceeds the "
                         "free space of --out's filesystem (refused by default, before any forward)")  # fmt: skip
+    engine_args(p, "capture the hidden states (vLLM's extract_hidden_states)")
+    verify_share_arg(p, 0.05, "samples (besides a known-answer probe every run recomputes)")
+    p.add_argument("--tensor-parallel-size", type=positive, default=1, help="with --engine: the engine's TP size")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="with --engine: capture with the engine's prefix caching on (off by default: it has "
+                        "returned fewer states than tokens, vLLM #44485; each sample's length is checked)")  # fmt: skip
     device_args(p)
     return p
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from flashdraft.commands.options import (
@@ -95,6 +96,20 @@ def _output_args(p: argparse.ArgumentParser) -> None:
                    "n-gram baseline)")  # fmt: skip
     p.add_argument("--json", help="write every figure to this JSON file")
     p.add_argument("--report", help="write report.md and PNG plots into this directory")
+    p.add_argument("--served", choices=["vllm"], default=None,
+                   help="also serve the drafter in vLLM (started on 127.0.0.1 for this run, or --server), read the "
+                        "engine's spec-decode counters per request and set them beside flashdraft's walk of the same "
+                        "outputs (the `served` figures)")  # fmt: skip
+    p.add_argument("--check-served", action="store_true",
+                   help="with --served: exit 1 unless the engine served as flashdraft computes (T = 0: each "
+                        "request's output, steps and per-position acceptance equal; T > 0: served τ within the "
+                        "error of the expected τ, outputs samples of the target's p)")  # fmt: skip
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="with --served: a running vLLM serving this drafter (e.g. http://127.0.0.1:8000), in place "
+                        "of one started for the run")  # fmt: skip
+    p.add_argument("--engine-python", default=None, metavar="PATH",
+                   help="with --served: the Python of an environment with vLLM (default: "
+                        "$FLASHDRAFT_ENGINE_PYTHON, else the .venv-engine the project's set-up makes)")  # fmt: skip
     p.add_argument("--context-buckets", type=context_buckets, default=None, metavar="EDGES",
                    help="context-length buckets of the by-context figures, e.g. 0,512,2048,8192 (tokens before a "
                         "step's anchor; default: powers of two spanning the records)")  # fmt: skip
@@ -147,3 +162,8 @@ def run(args: argparse.Namespace) -> None:
     if args.report:
         print(f"wrote {write_report(summary, args.report)}")
     require_consistent(summary)
+    served = summary.get("served")
+    if args.check_served and served is not None and not served["check"]["passed"]:
+        print(f"error: flashdraft eval: {served['engine']} did not serve the drafter as flashdraft computes it: "
+              f"{served['check']['problems'][0]}", file=sys.stderr)
+        sys.exit(1)

@@ -8,11 +8,13 @@ import argparse
 from flashdraft.commands.options import (
     command_options,
     device_args,
+    engine_args,
     filter_args,
     long_prompts_arg,
     positive,
     stops,
     temperature,
+    verify_share_arg,
 )
 
 
@@ -41,6 +43,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--min-prompt-tokens", type=positive, default=0, metavar="N",
                    help="leave out turns whose prompt (template applied, earlier turns included) has fewer than N "
                         "tokens: long-context rows from any dataset")  # fmt: skip
+    engine_args(p, "generate")
+    verify_share_arg(p, 0.05, "completions")
     device_args(p)
     return p
 

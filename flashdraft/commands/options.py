@@ -173,3 +173,19 @@ def filter_args(p: argparse.ArgumentParser) -> None:
                         "config)")  # fmt: skip
     p.add_argument("--no-generation-config", dest="use_generation_config", action="store_false",
                    help="ignore the target's generation_config.json sampling defaults (top_k, top_p, min_p)")
+
+
+def engine_args(p: argparse.ArgumentParser, what: str) -> None:
+    """The serving engine a command runs `what` with (flashdraft.engine): vLLM, in its own environment."""
+    p.add_argument("--engine", choices=["vllm"], default=None,
+                   help=f"{what} with the serving engine: vLLM started on 127.0.0.1 for this run and stopped after "
+                        f"it (its environment: `make engine`), its output checked against the target")  # fmt: skip
+    p.add_argument("--engine-python", default=None, metavar="PATH",
+                   help="the Python of an environment with vLLM (default: $FLASHDRAFT_ENGINE_PYTHON, else the "
+                        ".venv-engine the project's set-up makes)")  # fmt: skip
+
+
+def verify_share_arg(p: argparse.ArgumentParser, default: float, what: str) -> None:
+    p.add_argument("--verify-share", type=float, default=default, metavar="S",
+                   help=f"with --engine: the share of {what} recomputed by the transformers forward to check the "
+                        f"engine's (at least one; default {default:g})")  # fmt: skip

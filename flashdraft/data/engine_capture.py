@@ -234,11 +234,12 @@ def remove_capture(out: Path) -> None:
 
 
 def run_engine_cache(
-    target_model: str, completions: str, out: str, engine_python_path: str | None = None,
-    layers: list[int] | None = None, draft_config: str | None = None, num_prompts: int | None = None,
-    dtype: str = AUTO, records_per_shard: int = 64, allow_foreign: bool = False, target_dtype: str | None = None,
-    force: bool = False, device: str | None = None, verify_share: float = VERIFY_SHARE,
-    settings: EngineSettings | None = None, log=print,
+    target_model: str, completions: str, out: str, layers: list[int] | None = None, draft_config: str | None = None,
+    num_prompts: int | None = None, dtype: str = AUTO, with_target_logits: int | None = None,
+    records_per_shard: int = 64, allow_foreign: bool = False, device: str | None = None,
+    target_dtype: str | None = None, force: bool = False, engine_python: str | None = None,
+    verify_share: float = VERIFY_SHARE, tensor_parallel_size: int = 1, enable_prefix_caching: bool = False,
+    log=print,
 ) -> Path:  # fmt: skip
     """`flashdraft cache --engine vllm`: the same verified cache as `flashdraft cache`, its states captured by the
     engine and checked against the target (which is loaded for that, on the CPU unless a GPU is free)."""
@@ -246,6 +247,10 @@ def run_engine_cache(
     from flashdraft.distributed import load_dtype
     from flashdraft.files import OutputLock
 
+    if with_target_logits:
+        raise FlashdraftError(f"--with-target-logits {with_target_logits} with --engine: the engine captures hidden "
+                              f"states only; cache the logits without --engine (the transformers forward)")  # fmt: skip
+    settings = EngineSettings(tensor_parallel_size, enable_prefix_caching)
     check_new_cache_directory(Path(out))  # before the engine writes its states into it
     lock = OutputLock(Path(out) / LOCK, Path(out), "flashdraft cache")
     try:
@@ -255,8 +260,8 @@ def run_engine_cache(
         layer_ids = resolve_layer_ids(target, layers, draft_config)
         loaded = load_completions(completions, target, allow_foreign=allow_foreign)
         records = loaded.records[:num_prompts] if num_prompts is not None else loaded.records
-        features_of, engine = capture_features(target, records, Path(out), layer_ids, engine_python_path,
-                                               settings or EngineSettings(), verify_share, log)  # fmt: skip
+        features_of, engine = capture_features(target, records, Path(out), layer_ids, engine_python, settings,
+                                               verify_share, log)  # fmt: skip
         directory = build_cache(target, loaded, out, layer_ids, dtype, records_per_shard, 0, num_prompts,
                                 force=force, features_of=features_of, engine=engine)  # fmt: skip
         remove_capture(Path(out))
