@@ -126,6 +126,7 @@ class VllmServer:
     port: int = 0
     info: EngineInfo | None = None  # which vLLM `python` has (`engine_info`), when read
     process: subprocess.Popen | None = None
+    startup_seconds: float | None = None  # from the process's start to its first healthy answer
 
     def __post_init__(self) -> None:
         self.port = self.port or free_port()
@@ -147,6 +148,7 @@ class VllmServer:
 
     def __enter__(self) -> VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(self.command(), env=engine_env(self.python), stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -156,6 +158,7 @@ class VllmServer:
         except BaseException:
             self.stop()
             raise
+        self.startup_seconds = time.monotonic() - started
         return self
 
     def __exit__(self, *exc) -> None:

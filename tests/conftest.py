@@ -81,7 +81,10 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
     """`flashdraft ARGV` in-process: (exit code, stdout, stderr)."""
     from flashdraft.cli import main
 
-    rc = main([str(a) for a in argv])
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:  # a failed check (doctor, eval --check-served) exits 1 this way
+        rc = int(e.code)
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -160,3 +163,42 @@ def make_dspark_drafter(seed: int = 0, **overrides) -> DFlashDrafter:
             if name.startswith(("markov_head.", "confidence_head.")):
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if "markov" in name else 0.3))
     return drafter
+
+
+# -- the serving engine's tests (`make test` makes its environment, .venv-engine) ------------------------------
+
+
+def save_engine_target(directory: Path, seed: int = 0) -> Path:
+    """A tiny dense Qwen3 target the CPU engine runs: head_dim 32 (vLLM's CPU attention takes 32 to 512)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512))  # fmt: skip
+    with torch.no_grad():  # sharp logits, no stop: greedy far from ties, every output max_new_tokens long
+        model.get_output_embeddings().weight.mul_(8.0)
+        model.get_output_embeddings().weight[EOS] = 0.0
+    model.float().eval().save_pretrained(directory)
+    make_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def engine_models(tmp_path_factory) -> dict[str, Path]:
+    """What the engine tests serve: the target, 8 prompts with greedy completions of 48 tokens, a drafter trained
+    60 steps (mixed acceptance: τ about 3) and one trained 200 steps (near its data: τ about 7 greedy)."""
+    from flashdraft.cli import main
+
+    d = tmp_path_factory.mktemp("engine")
+    target = save_engine_target(d / "target")
+    prompts = write_word_prompts(d / "prompts.jsonl", 8)
+    quiet = ["--target-model", str(target)]
+    assert main(["generate", *quiet, "--prompts", str(prompts), "--out", str(d / "greedy.json"),
+                 "--max-new-tokens", "48"]) == 0  # fmt: skip
+    assert main(["init", *quiet, "--out", str(d / "init"), "--draft-layers", "1", "--target-layer-ids", "0,2",
+                 "--block-size", "8", "--head-dim", "32"]) == 0  # fmt: skip
+    for name, steps in (("drafter", 60), ("overfit", 200)):
+        assert main(["train", *quiet, "--completions", str(d / "greedy.json"), "--out", str(d / name), "--init",
+                     str(d / "init"), "--epochs", "1000", "--max-steps", str(steps), "--lr", "3e-3"]) == 0  # fmt: skip
+    return {"target": target, "prompts": prompts, "completions": d / "greedy.json", "drafter": d / "drafter",
+            "overfit": d / "overfit", "dir": d}  # fmt: skip

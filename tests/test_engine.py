@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -47,23 +46,20 @@ def test_a_missing_engine_environment_is_one_error_naming_the_fix(tmp_path):
         engine_python(tmp_path / "nowhere" / "python")
 
 
-def test_a_server_that_dies_at_start_is_an_error_with_its_own_reason(tmp_path):
+def test_a_server_that_dies_at_start_is_an_error_with_its_own_reason(tmp_path, monkeypatch):
     # a stand-in "engine" whose server module fails as vLLM does: the reason comes from its log
     fake = tmp_path / "vllm" / "entrypoints" / "openai"
     fake.mkdir(parents=True)
     for d in (tmp_path / "vllm", tmp_path / "vllm" / "entrypoints", fake):
         (d / "__init__.py").write_text("")
     (fake / "api_server.py").write_text("raise ValueError('Unsupported CPU attention configuration: head_dim=16')\n")
-    server = VllmServer(Path(sys.executable), "model", tmp_path / "server.log")
-    os.environ["PYTHONPATH"], old = str(tmp_path), os.environ.get("PYTHONPATH")
-    try:
-        with pytest.raises(FlashdraftError, match="exited with code 1 before it was ready: ValueError: Unsupported CPU"):
-            server.__enter__()
-    finally:
-        os.environ.pop("PYTHONPATH") if old is None else os.environ.__setitem__("PYTHONPATH", old)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(FlashdraftError, match="exited with code 1 before it was ready: ValueError: Unsupported CPU"):
+        with VllmServer(Path(sys.executable), "model", tmp_path / "server.log"):
+            pass
 
 
-def test_the_server_and_its_children_are_stopped_on_an_error(tmp_path):
+def test_the_server_and_its_children_are_stopped_on_an_error(tmp_path, monkeypatch):
     # a stand-in server that answers /health and starts a child; an error inside the block stops both
     fake = tmp_path / "vllm" / "entrypoints" / "openai"
     fake.mkdir(parents=True)
@@ -79,16 +75,12 @@ def test_the_server_and_its_children_are_stopped_on_an_error(tmp_path):
         "    def log_message(self, *a): pass\n"
         "http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()\n"
     )
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(tmp_path)
-    try:
-        with pytest.raises(RuntimeError, match="inside"):
-            with VllmServer(Path(sys.executable), "model", tmp_path / "server.log") as server:
-                assert server.base_url.startswith("http://127.0.0.1:")
-                leader = server.process.pid
-                raise RuntimeError("inside the block")
-    finally:
-        os.environ.pop("PYTHONPATH") if old is None else os.environ.__setitem__("PYTHONPATH", old)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match="inside"):
+        with VllmServer(Path(sys.executable), "model", tmp_path / "server.log") as server:
+            assert server.base_url.startswith("http://127.0.0.1:")
+            leader = server.process.pid
+            raise RuntimeError("inside the block")
     child = int((tmp_path / "child.pid").read_text())
     time.sleep(0.2)
     assert not _running(leader) and not _running(child)

@@ -712,6 +712,29 @@ def _check_alignment(cache: HiddenStateCache, target: TargetModel, checks: Check
                  f"GPU in bf16 and checked on CPU may need a larger --tolerance)")  # fmt: skip
 
 
+def _about_engine(computed_with: dict, dtype: torch.dtype, checks: Checks) -> None:
+    """What captured the states, when a serving engine did (`cache --engine`), and where its settings differ from
+    what serving and training read."""
+    engine = computed_with.get("engine")
+    if not engine:
+        return
+    verified = engine.get("verification") or {}
+    chunked = {None: "the engine's default", True: "on", False: "off"}[engine.get("chunked_prefill")]
+    checks.about(f"captured by {engine['engine']} {engine['version']}: {engine['dtype']}, TP "
+                 f"{engine['tensor_parallel_size']}, prefix caching {'on' if engine['prefix_caching'] else 'off'}, "
+                 f"chunked prefill {chunked}, aux layer ids {engine['aux_layer_ids']}; verified against the target: "
+                 f"{len(verified.get('samples_recomputed', []))} sequences recomputed (the probe first), worst "
+                 f"relative error {verified.get('worst_relative_error', float('nan')):.2e}")  # fmt: skip
+    if engine["prefix_caching"]:
+        checks.warn("captured with prefix caching on: engines have returned fewer states than tokens under it (vLLM "
+                    "#44485); every sample's length was checked at capture",
+                    "capture without --enable-prefix-caching for a cache nobody needs to re-check")  # fmt: skip
+    if engine["dtype"] != DTYPE_NAMES[dtype]:
+        checks.warn(f"the engine computed in {engine['dtype']}, the cache stores {DTYPE_NAMES[dtype]}: offline τ is "
+                    f"then within rounding of served τ, not equal",
+                    "capture with --dtype auto for the engine's own precision")  # fmt: skip
+
+
 def doctor_cache(
     directory: str | Path,
     target: TargetModel | None = None,
@@ -744,6 +767,7 @@ def doctor_cache(
     completions = cache.manifest.get("completions") or {}
     checks.about(f"fingerprints: target {cache.target_fingerprint} ({cache.manifest['target'].get('path')}), "
                  f"completions {completions.get('file')} made by {completions.get('target_fingerprint')}")  # fmt: skip
+    _about_engine(cache.manifest.get("computed_with") or {}, cache.dtype, checks)
     checks.ok(f"{directory / MANIFEST}: shard sizes and record layout agree with the manifest")
     files = [(s["file"], s["sha256"]) for s in cache._shards]
     files += [(s["topk_file"], s["topk_sha256"]) for s in cache._shards if cache.topk]

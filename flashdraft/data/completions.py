@@ -697,6 +697,7 @@ def run_generate(
         server = _start_engine(engine, engine_python, target, Path(out), target_dtype) if engine else None
         if server is not None:
             stack.enter_context(server)
+            print(f"{server.info.describe()} ready after {server.startup_seconds:.1f} s at {server.base_url}")
             backend, base_url = "openai", server.base_url
         client = OpenAIClient(base_url, server_model) if backend == "openai" else None
         filters = NO_FILTERS

