@@ -48,7 +48,8 @@ def build_target(directory: Path, hidden: int, layers: int) -> Path:
 def timed_generate(target: Path, out: Path, args: argparse.Namespace, engine: bool) -> tuple[float, str]:
     cmd = [sys.executable, "-m", "flashdraft", "generate", "--target-model", str(target), "--prompts",
            "builtin:code", "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
-           "--batch-size", str(args.batch_size), "--out", str(out)] + (["--engine", "vllm"] if engine else [])  # fmt: skip
+           "--batch-size", str(args.batch_size), "--out", str(out)]  # fmt: skip
+    cmd += ["--engine", "vllm"] if engine else []
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:

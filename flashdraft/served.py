@@ -226,7 +226,8 @@ def run_served(
         with server:
             engine = Engine(server.base_url, server.info.describe(), server.command(), server.info.cpu,
                             str(server.log_path))  # fmt: skip
-            log(f"{engine.description} ready after {server.startup_seconds:.1f} s at {engine.base_url}; sending {len(records)} requests one at a time")
+            log(f"{engine.description} ready after {server.startup_seconds:.1f} s at {engine.base_url}; sending "
+                f"{len(records)} requests one at a time")
             requests, failure = send_requests(engine, records, max_tokens, temperature, seed, filters,
                                               target.stop_token_ids)  # fmt: skip
     outputs = [EvalRecord(r.id, r.prompt_ids, r.output_ids) for r in requests]
