@@ -1,12 +1,20 @@
 """Run by `torchrun` in test_loop.py: train a few steps on a tiny random target.
 
     ddp_worker.py RUN_DIR BATCH GRAD_ACCUM [ddp|fsdp] [decay|dpace] [adamw|muon] [full|stop|resume]
+    ddp_worker.py --plan PLAN.json
 
 DRAFTER_FAMILY=dflash2 in the environment trains a DFlash2 drafter (convolutions and selector). The last
 argument makes a 4-step run that saves every 2 steps: `full` runs it through, `stop`
 leaves it after its step-2 checkpoint (a preempted job), `resume` continues it with --resume.
+
+`--plan` runs many variants in one 2-rank launch (a launch costs two interpreters importing torch): a JSON list
+of {"run_dir", "procs", "batch", "accum", "fsdp", "weighting", "optimizer", "family"}. The 1-process runs go
+first, split between the two ranks, each before any process group exists (exactly what a 1-process torchrun
+runs: rank 0 of 1, nothing wrapped, no collectives); then the group is made and the 2-rank runs follow, one
+after another. Every run starts from a freshly made target and records (its seeds), as in a fresh process.
 """
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -16,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 torch.set_num_threads(1)
 
-from flashdraft.distributed import init_distributed  # noqa: E402
+from flashdraft.distributed import Dist, init_distributed  # noqa: E402
 from flashdraft.train.loop import TrainConfig, train  # noqa: E402
 from tests.conftest import make_dflash2_drafter, make_drafter, make_dspark_drafter, make_target  # noqa: E402
 from tests.train.helpers import make_records  # noqa: E402
@@ -26,16 +34,10 @@ class Preempted(Exception):
     pass
 
 
-if __name__ == "__main__":
-    run_dir, batch_size, grad_accum = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    fsdp = len(sys.argv) > 4 and sys.argv[4] == "fsdp"
-    weighting = sys.argv[5] if len(sys.argv) > 5 else "decay"
-    optimizer = sys.argv[6] if len(sys.argv) > 6 else "adamw"
-    mode = sys.argv[7] if len(sys.argv) > 7 else None
+def run(run_dir: Path, batch_size: int, grad_accum: int, fsdp: bool, weighting: str, optimizer: str,
+        mode: str | None, family: str, dist: Dist) -> None:  # fmt: skip
     steps = dict(max_steps=4, epochs=4, save_every=2) if mode else dict(max_steps=3, save_every=100)
-    dist = init_distributed("cpu", collectives=True)
     target = make_target("hybrid")
-    family = os.environ.get("DRAFTER_FAMILY", "dflash")
     records = make_records(target, n=8, topk=16 if family == "dspark" else 0)  # DSpark's loss: the target's logits
     cfg = TrainConfig(batch_size=batch_size, grad_accum=grad_accum, lr=3e-3, num_anchors=6, log_every=1, fsdp=fsdp,
                       loss_weighting=weighting, optimizer=optimizer, **steps)  # fmt: skip
@@ -50,4 +52,33 @@ if __name__ == "__main__":
               on_step=preempt)  # fmt: skip
     except Preempted:
         pass
+
+
+def run_plan(plan: list[dict]) -> None:
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    ones = [p for p in plan if p["procs"] == 1]
+    for p in ones[rank::world]:  # before the process group: all_reduce and FSDP see one process
+        run(Path(p["run_dir"]), p["batch"], p["accum"], p["fsdp"], p["weighting"], p["optimizer"], None,
+            p["family"], Dist())  # fmt: skip
+    dist = init_distributed("cpu", collectives=True)
+    for p in plan:
+        if p["procs"] != 1:
+            assert p["procs"] == dist.world, p
+            run(Path(p["run_dir"]), p["batch"], p["accum"], p["fsdp"], p["weighting"], p["optimizer"], None,
+                p["family"], dist)  # fmt: skip
+    dist.close()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--plan":
+        run_plan(json.loads(Path(sys.argv[2]).read_text()))
+        sys.exit(0)
+    run_dir, batch_size, grad_accum = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    fsdp = len(sys.argv) > 4 and sys.argv[4] == "fsdp"
+    weighting = sys.argv[5] if len(sys.argv) > 5 else "decay"
+    optimizer = sys.argv[6] if len(sys.argv) > 6 else "adamw"
+    mode = sys.argv[7] if len(sys.argv) > 7 else None
+    dist = init_distributed("cpu", collectives=True)
+    run(run_dir, batch_size, grad_accum, fsdp, weighting, optimizer, mode, os.environ.get("DRAFTER_FAMILY", "dflash"),
+        dist)  # fmt: skip
     dist.close()

@@ -192,38 +192,39 @@ def _shard_local_muon_gap(matrices: dict[str, torch.Tensor]) -> float:
 def test_two_gloo_ranks_with_ddp_or_fsdp_train_what_one_rank_trains_within_rounding(tmp_path):
     """DDP and FSDP2 on 2 ranks sum gradients in other orders than one rank accumulating (and
     than each other): AdamW weights agree within 1e-5, Muon's matrices within 12 % of their update."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    worker = str(REPO / "tests/train/ddp_worker.py")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    runs = {"one": ("1", "2", "2", "ddp", "decay"), "ddp": ("2", "2", "1", "ddp", "decay"),
-            "fsdp": ("2", "2", "1", "fsdp", "decay"),
+    runs = {"one": (1, 2, 2, "ddp", "decay"), "ddp": (2, 2, 1, "ddp", "decay"), "fsdp": (2, 2, 1, "fsdp", "decay"),
             # D-PACE's normaliser must not be rank-local: 2 ranks x 1 micro-batch == 1 rank x 2 (x 4 accumulation)
-            "one-dpace": ("1", "1", "4", "ddp", "dpace"), "ddp-dpace": ("2", "2", "1", "ddp", "dpace"),
-            "one-muon": ("1", "2", "2", "ddp", "decay", "muon"),
-            "ddp-muon": ("2", "2", "1", "ddp", "decay", "muon"),
-            "fsdp-muon": ("2", "2", "1", "fsdp", "decay", "muon")}  # fmt: skip
-    for name, (procs, batch, accum, *options) in runs.items():
-        done = subprocess.run([*torchrun, "--nproc-per-node", procs, worker, str(tmp_path / name), batch, accum,
-                               *options], env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
-        assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
-    # AdamW normalises each element's step, so a last-bit gradient difference moves a weight by at most about
-    # lr x (its relative change): measured up to 1.2e-6 (1 vs 2 ranks) and 9e-8 (DDP vs FSDP) after 3 steps of
-    # lr 3e-3; a rank-local loss normaliser or an unaveraged gradient is off by about the update (~1e-3)
+            "one-dpace": (1, 1, 4, "ddp", "dpace"), "ddp-dpace": (2, 2, 1, "ddp", "dpace"),
+            "one-muon": (1, 2, 2, "ddp", "decay", "muon"), "ddp-muon": (2, 2, 1, "ddp", "decay", "muon"),
+            "fsdp-muon": (2, 2, 1, "fsdp", "decay", "muon")}  # fmt: skip
+    plan = [dict(run_dir=str(tmp_path / name), procs=procs, batch=batch, accum=accum, fsdp=mode == "fsdp",
+                 weighting=weighting, optimizer=(options or ["adamw"])[0], family="dflash")
+            for name, (procs, batch, accum, mode, weighting, *options) in runs.items()]  # fmt: skip
+    pairs = {family: {f"one-{family}": (1, 1, 4), f"fsdp-{family}": (2, 2, 1)} for family in ("dflash2", "dspark")}
+    plan += [dict(run_dir=str(tmp_path / name), procs=procs, batch=batch, accum=accum, fsdp=True, weighting="dpace",
+                  optimizer="adamw", family=family)
+             for family, pair in pairs.items() for name, (procs, batch, accum) in pair.items()]  # fmt: skip
+    # one 2-rank launch runs all 13 (the 1-process runs split between its ranks before the group exists)
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(REPO / "tests/train/ddp_worker.py"), "--plan", str(tmp_path / "plan.json")],
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)), capture_output=True,
+                          text=True, timeout=480)  # fmt: skip
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
+    assert all(latest_checkpoint(Path(p["run_dir"])).name == "step-0000002" for p in plan)  # steps 0-2
     # a DFlash2 drafter (convolutions, selector loss) and a DSpark one (Markov and confidence heads, the paper's
     # loss) under FSDP2, as the D-PACE pair above
     for family, new_drafter in (("dflash2", make_dflash2_drafter), ("dspark", make_dspark_drafter)):
-        pair = {f"one-{family}": ("1", "1", "4"), f"fsdp-{family}": ("2", "2", "1")}
-        for name, (procs, batch, accum) in pair.items():
-            done = subprocess.run([*torchrun, "--nproc-per-node", procs, worker, str(tmp_path / name), batch, accum,
-                                   "fsdp", "dpace"], env=env | {"DRAFTER_FAMILY": family}, capture_output=True,
-                                  text=True, timeout=240)  # fmt: skip
-            assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
+        pair = pairs[family]
         # random (as if trained) family parts magnify the last bits more: measured up to 0.2 % of each tensor's
         # update (1.4e-5 of 6e-3); an unaveraged or rank-local gradient would be off by about all of it
         one, fsdp = (load_drafter(latest_checkpoint(tmp_path / n) / "drafter").state_dict() for n in pair)
         start = new_drafter(block_size=4).state_dict()
         for key, value in one.items():
             assert float((fsdp[key] - value).abs().max()) < 0.02 * float((value - start[key]).abs().max()), key
+    # AdamW normalises each element's step, so a last-bit gradient difference moves a weight by at most about
+    # lr x (its relative change): measured up to 1.2e-6 (1 vs 2 ranks) and 9e-8 (DDP vs FSDP) after 3 steps of
+    # lr 3e-3; a rank-local loss normaliser or an unaveraged gradient is off by about the update (~1e-3)
     for one_name, name in (("one", "ddp"), ("one", "fsdp"), ("ddp", "fsdp"), ("one-dpace", "ddp-dpace")):
         one = load_drafter(latest_checkpoint(tmp_path / one_name) / "drafter")
         other = load_drafter(latest_checkpoint(tmp_path / name) / "drafter")
