@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 from flashdraft.data.stdlib import stdlib_files, stdlib_root
@@ -71,10 +71,14 @@ def long_prompts(split: str) -> list[tuple[str, str]]:
     file's lengths together; train: by a hash of the id); ids name the file, the cut's line and the context's
     length in tokens (`long/{file}:{line}/{tokens}`)."""
     train, held_out = stdlib_files()
-    root = stdlib_root()
+    return list(_long_prompts(split, tuple(sorted(train if split == "train" else held_out)), stdlib_root()))
+
+
+@lru_cache(maxsize=2)  # a process that asks again (a test suite, several prompt specs) tokenises the files once
+def _long_prompts(split: str, files: tuple[Path, ...], root: Path) -> tuple[tuple[str, str], ...]:
     lengths = HELD_OUT_LENGTHS if split == "heldout" else TRAIN_LENGTHS
     out = []
-    for path in sorted(train if split == "train" else held_out):
+    for path in files:
         if not _usable(path, root):
             continue
         text = path.read_text(encoding="utf-8", errors="replace")
@@ -101,4 +105,4 @@ def long_prompts(split: str) -> list[tuple[str, str]]:
                     out.append((f"long/{rel}:{cut + 1}/{length}", context))
     if split == "train":  # hash order: the first N spread over many files (held out: file by file, all lengths)
         out.sort(key=lambda row: hashlib.sha256(row[0].encode()).digest())
-    return out
+    return tuple(out)
