@@ -1,7 +1,7 @@
 """The serving engine in the loop, measured in one run: completions, served τ, a verified capture.
 
     .venv/bin/python benchmarks/engine.py --work WORKDIR [--num-prompts 32] [--max-new-tokens 128]
-        [--hidden 512] [--layers 8] [--batch-size 8] [--train-steps 300]
+        [--hidden 512] [--layers 8] [--batch-size 8] [--train-steps 300] [--parts completions,served,capture]
 
 Builds a dense Qwen3 target (random weights, sharpened logits, the built-in tiny target's tokenizer; the CPU
 engine does not run the built-in hybrid `tiny`), then:
@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--train-steps", type=int, default=300)
+    parser.add_argument("--parts", default="completions,served,capture", help="which parts to run (comma-separated)")
     args = parser.parse_args()
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -95,8 +96,10 @@ def main() -> None:
         "ratio_without_startup": local_s / (engine_s - startup_s) if startup_s else None,
         "identical_tokens": [r["completion_ids"] for r in local] == [r["completion_ids"] for r in engine],
     }))  # fmt: skip
-    served_part(target, work, args)
-    capture_part(target, work)
+    if "served" in args.parts:
+        served_part(target, work, args)
+    if "capture" in args.parts:
+        capture_part(target, work)
 
 
 def served_part(target: Path, work: Path, args: argparse.Namespace) -> None:
