@@ -24,8 +24,9 @@ check fails or a check raises. The checks, in order:
 
 6. served: `flashdraft eval --served vllm --check-served` at T = 0 on the GPU engine (`make engine` on that machine:
    vllm 0.33.0) for each family the CPU engine cannot serve: DFlash2, DSpark, and a DFlash drafter mixing sliding
-   and full layers (V2 model runner), each trained 40 steps (acceptance mixed, not all-or-nothing) on a tiny dense target's greedy completions; passed
-   when every request's output, steps and per-position acceptance equal flashdraft's. In --dry-run only the plain
+   and full layers (V2 model runner), each trained 40 steps (acceptance mixed, not all-or-nothing) on a tiny
+   dense target's greedy completions; passed when every request's output, steps and per-position acceptance
+   equal flashdraft's. In --dry-run only the plain
    DFlash case runs, on the CPU engine, and only when asked (`--checks served`): it starts vLLM (about a minute).
 7. engine_capture: `flashdraft cache --engine vllm` from a tiny hybrid (Gated DeltaNet) target in bf16 on the GPU
    engine, verified against the transformers forward (all-zero states from hybrid targets: vLLM #46301); skipped
