@@ -14,6 +14,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -127,6 +128,7 @@ class VllmServer:
     info: EngineInfo | None = None  # which vLLM `python` has (`engine_info`), when read
     process: subprocess.Popen | None = None
     startup_seconds: float | None = None  # from the process's start to its first healthy answer
+    _previous_sigterm: object = None  # flashdraft's SIGTERM handler while the server runs
 
     def __post_init__(self) -> None:
         self.port = self.port or free_port()
@@ -147,6 +149,10 @@ class VllmServer:
         return cmd + self.extra_args
 
     def __enter__(self) -> VllmServer:
+        # the server runs in its own session (a Ctrl-C meant for flashdraft must not kill it mid-request), so
+        # flashdraft stops it itself: on errors and Ctrl-C by leaving this block, on SIGTERM by raising here
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         with open(self.log_path, "w") as log:
@@ -156,13 +162,16 @@ class VllmServer:
         try:
             self._wait_ready()
         except BaseException:
-            self.stop()
+            self.__exit__()
             raise
         self.startup_seconds = time.monotonic() - started
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -197,6 +206,10 @@ class VllmServer:
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(f"{signal.Signals(signum).name}: the engine's server is stopped")
 
 
 def server_version(base_url: str) -> str:

@@ -13,6 +13,7 @@ engine whose speculative sampling is wrong fails one or the other.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,16 +189,17 @@ def check_servable(drafter_config, target: TargetModel, engine_is_cpu: bool, des
                               f"--server URL of one")  # fmt: skip
 
 
-def _start_engine(drafter, drafter_dir: str, target: TargetModel, python: str | None, work: Path, max_len: int | None,
-                  seed: int, log) -> VllmServer:  # fmt: skip
+def _start_engine(drafter, drafter_dir: str, target: TargetModel, python: str | None, work: Path, seed: int,
+                  log) -> VllmServer:  # fmt: skip
+    """The server for `eval --served` (not yet entered), at vLLM's default context, the target's: nearer the end of
+    --max-model-len the engine drafts fewer tokens than the block, which flashdraft's walk would not."""
     py = engine_python(python)
     info = engine_info(py)
     check_servable(drafter.config, target, info.cpu, info.describe())
     server = VllmServer(py, str(resolve_target_path(target.path)), work / "vllm-server.log",
                         dtype={torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(target.dtype, "float32"),
-                        max_model_len=max_len, seed=seed,
-                        speculative_config=vllm_speculative_config(drafter.config, drafter_dir))  # fmt: skip
-    server.info = info
+                        seed=seed, speculative_config=vllm_speculative_config(drafter.config, drafter_dir),
+                        info=info)  # fmt: skip
     log(f"starting {info.describe()}: {' '.join(server.command())}")
     return server
 
@@ -221,8 +223,7 @@ def run_served(
                                           target.stop_token_ids)  # fmt: skip
     else:
         export_drafter(checkpoint, work / "drafter", target, block_size=block_size)
-        # vLLM's default context (the target's): nearer its end the engine drafts fewer tokens than the block
-        server = _start_engine(drafter, str(work / "drafter"), target, engine_python_path, work, None, seed, log)
+        server = _start_engine(drafter, str(work / "drafter"), target, engine_python_path, work, seed, log)
         with server:
             engine = Engine(server.base_url, server.info.describe(), server.command(), server.info.cpu,
                             str(server.log_path))  # fmt: skip
@@ -230,6 +231,7 @@ def run_served(
                 f"{len(records)} requests one at a time")
             requests, failure = send_requests(engine, records, max_tokens, temperature, seed, filters,
                                               target.stop_token_ids)  # fmt: skip
+        shutil.rmtree(work / "drafter", ignore_errors=True)  # a copy of the checkpoint; the server's log stays
     outputs = [EvalRecord(r.id, r.prompt_ids, r.output_ids) for r in requests]
     served = {"engine": engine.description, "base_url": engine.base_url, "command": engine.command,
               "log": engine.log, "rule": ENGINE_RULE, "temperature": temperature, "sampling": filters.to_json(),

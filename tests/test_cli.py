@@ -94,4 +94,11 @@ def test_each_option_is_a_keyword_of_the_function_the_command_calls(command):
     from flashdraft.parity import run_parity_command
 
     function = {"generate": run_generate, "cache": run_cache, "parity": run_parity_command}[command]
+    if command == "cache":  # --engine vllm hands every option but itself to the engine's capture instead
+        from flashdraft.data.engine_capture import run_engine_cache
+
+        engine_only = {"engine", "engine_python", "verify_share", "tensor_parallel_size", "enable_prefix_caching"}
+        assert _dests(command) - {"engine"} == set(inspect.signature(run_engine_cache).parameters) - {"log"}
+        assert _dests(command) - engine_only == set(inspect.signature(function).parameters)
+        return
     assert _dests(command) == set(inspect.signature(function).parameters)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,30 +61,51 @@ def test_a_server_that_dies_at_start_is_an_error_with_its_own_reason(tmp_path, m
             pass
 
 
-def test_the_server_and_its_children_are_stopped_on_an_error(tmp_path, monkeypatch):
-    # a stand-in server that answers /health and starts a child; an error inside the block stops both
-    fake = tmp_path / "vllm" / "entrypoints" / "openai"
+FAKE_SERVER = """import http.server, subprocess, sys
+port = int(sys.argv[sys.argv.index('--port') + 1])
+child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])
+open(sys.argv[sys.argv.index('--model') + 1], 'w').write(str(child.pid))
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()
+"""
+
+
+def _fake_vllm(root: Path) -> None:
+    """A stand-in vLLM whose server answers /health and starts a child process (writing its pid to --model)."""
+    fake = root / "vllm" / "entrypoints" / "openai"
     fake.mkdir(parents=True)
-    for d in (tmp_path / "vllm", tmp_path / "vllm" / "entrypoints", fake):
+    for d in (root / "vllm", root / "vllm" / "entrypoints", fake):
         (d / "__init__.py").write_text("")
-    (fake / "api_server.py").write_text(
-        "import http.server, subprocess, sys\n"
-        "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
-        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-        f"open({str(tmp_path / 'child.pid')!r}, 'w').write(str(child.pid))\n"
-        "class H(http.server.BaseHTTPRequestHandler):\n"
-        "    def do_GET(self):\n        self.send_response(200); self.end_headers()\n"
-        "    def log_message(self, *a): pass\n"
-        "http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()\n"
-    )
+    (fake / "api_server.py").write_text(FAKE_SERVER)
+
+
+def test_the_server_and_its_children_are_stopped_on_an_error(tmp_path, monkeypatch):
+    _fake_vllm(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     with pytest.raises(RuntimeError, match="inside"):
-        with VllmServer(Path(sys.executable), "model", tmp_path / "server.log") as server:
+        with VllmServer(Path(sys.executable), str(tmp_path / "child.pid"), tmp_path / "server.log") as server:
             assert server.base_url.startswith("http://127.0.0.1:")
             leader = server.process.pid
             raise RuntimeError("inside the block")
-    child = int((tmp_path / "child.pid").read_text())
     time.sleep(0.2)
+    assert not _running(leader) and not _running(int((tmp_path / "child.pid").read_text()))
+
+
+def test_sigterm_to_flashdraft_stops_the_server_too(tmp_path):
+    # the server runs in its own session, so a signal to flashdraft does not reach it: flashdraft stops it
+    _fake_vllm(tmp_path)
+    script = (f"import os, signal, sys, time\nfrom pathlib import Path\nfrom flashdraft.engine import VllmServer\n"
+              f"with VllmServer(Path(sys.executable), {str(tmp_path / 'child.pid')!r}, Path({str(tmp_path)!r}) / "
+              f"'server.log') as s:\n    print(s.process.pid, flush=True)\n    os.kill(os.getpid(), signal.SIGTERM)\n"
+              f"    time.sleep(60)\n")  # fmt: skip
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).parents[1])])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode != 0 and "SIGTERM: the engine's server is stopped" in done.stderr
+    time.sleep(0.2)
+    leader, child = int(done.stdout.split()[0]), int((tmp_path / "child.pid").read_text())
     assert not _running(leader) and not _running(child)
 
 

@@ -590,8 +590,8 @@ def _start_engine(engine: str, python: str | None, target: TargetModel, out: Pat
         raise FlashdraftError(f"--engine {engine}: expected vllm")
     py = engine_python(python)
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(target_dtype or "", "float32")
-    server = VllmServer(py, str(resolve_target_path(target.path)), out.with_name(out.name + ".vllm.log"), dtype=dtype)
-    server.info = engine_info(py)
+    server = VllmServer(py, str(resolve_target_path(target.path)), out.with_name(out.name + ".vllm.log"), dtype=dtype,
+                        info=engine_info(py))  # fmt: skip
     print(f"starting {server.info.describe()}: {' '.join(server.command())}")
     return server
 
