@@ -644,7 +644,7 @@ class HiddenStateCache:
 # -- doctor ----------------------------------------------------------------------------------
 
 
-def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
 
 
@@ -652,12 +652,12 @@ def _diagnose(target: TargetModel, tokens: torch.Tensor, cached: torch.Tensor, l
     """Say what a mismatching layer block matches instead: another layer, or shifted tokens."""
     hidden = target.model(input_ids=tokens[None], output_hidden_states=True).hidden_states  # L + 1 x [1, T, H]
     for k, h in enumerate(hidden):
-        if k != layer + 1 and _relative_error(cached, h[0]) <= tol:
+        if k != layer + 1 and relative_error(cached, h[0]) <= tol:
             return f"; it matches hidden_states[{k}] instead of hidden_states[{layer + 1}] (layer offset off by one?)"
     fresh = hidden[layer + 1][0]
     for shift in (1, -1):
         a, b = (cached[shift:], fresh[:-shift]) if shift > 0 else (cached[:shift], fresh[-shift:])
-        if _relative_error(a, b) <= tol:
+        if relative_error(a, b) <= tol:
             return f"; it matches the fresh features shifted by {shift} token (token alignment off by one?)"
     return ""
 
@@ -700,7 +700,7 @@ def _check_alignment(cache: HiddenStateCache, target: TargetModel, checks: Check
         fresh = target.forward(tokens[None]).context_features[0].cpu()  # [T, n * H]
         for j, layer in enumerate(cache.layer_ids):
             block = slice(j * cache.hidden_size, (j + 1) * cache.hidden_size)
-            err = _relative_error(r.context_features[:, block], fresh[:, block])
+            err = relative_error(r.context_features[:, block], fresh[:, block])
             worst = max(worst, err)
             if err > tol:
                 hint = _diagnose(target, tokens, r.context_features[:, block].to(target.device), layer, tol)

@@ -30,6 +30,7 @@ from flashdraft.data.cache import (
     LOCK,
     build_cache,
     check_new_cache_directory,
+    relative_error,
     resolve_layer_ids,
 )
 from flashdraft.data.completions import CompletionRecord
@@ -137,10 +138,6 @@ class LayerMatch:
     best_error: float  # the relative error to that layer
 
 
-def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp(min=1e-12))
-
-
 @torch.no_grad()
 def compare_with_target(target: TargetModel, name: str, tokens: list[int], states: torch.Tensor,
                         layer_ids: list[int]) -> list[LayerMatch]:  # fmt: skip
@@ -150,7 +147,7 @@ def compare_with_target(target: TargetModel, name: str, tokens: list[int], state
     matches = []
     for j, layer in enumerate(layer_ids):
         got = states[:, j].float()
-        errors = {k: _relative_error(got, fresh[k + 1][0].float().cpu()) for k in (layer - 1, layer, layer + 1)
+        errors = {k: relative_error(got, fresh[k + 1][0].float().cpu()) for k in (layer - 1, layer, layer + 1)
                   if 0 <= k + 1 < len(fresh)}  # fmt: skip
         want = fresh[layer + 1][0].float().cpu()
         cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
