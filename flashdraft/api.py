@@ -21,12 +21,15 @@ from typing import Any
 
 import torch
 
+from flashdraft.acceptance import DraftLimit
 from flashdraft.checkpoint import check_drafter_matches_target
 from flashdraft.decode import GenerationResult, autoregressive_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
 from flashdraft.records import Log, quiet
 from flashdraft.run_dir import LoadedDrafter, load_any_drafter
+from flashdraft.serving_rules import NO_FILTERS, request_filters, resolve_filters
+from flashdraft.serving_rules import serving_rule as _serving_rule
 from flashdraft.target import TargetModel
 from flashdraft.train.loop import TrainConfig
 
@@ -62,12 +65,27 @@ class Target(TargetModel):
         return _encode(self, prompt)
 
     def generate(
-        self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        *,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        use_generation_config: bool = True,
     ) -> GenerationResult:
         """Plain decoding, one token per forward (greedy at temperature 0): what speculative
-        decoding must reproduce. Only the new tokens are returned (`.output_ids`)."""
+        decoding must reproduce. Only the new tokens are returned (`.output_ids`). At
+        temperature > 0 the target's p is filtered by `top_k`, `top_p`, `min_p` (each None: the
+        target's generation_config.json value, as the servers apply it, unless
+        `use_generation_config` is off)."""
+        filters = NO_FILTERS
+        if temperature > 0:
+            filters = resolve_filters(self.path, top_k, top_p, min_p, use_generation_config)
         return autoregressive_generate(self, self.encode(prompt), max_new_tokens, temperature,
-                                       _generator(seed, self.device))  # fmt: skip
+                                       _generator(seed, self.device), filters)  # fmt: skip
 
 
 @dataclass
@@ -131,14 +149,33 @@ class Drafter(LoadedDrafter):
         temperature: float = 0.0,
         block_size: int | None = None,
         seed: int | None = None,
+        serving_rule: str | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        use_generation_config: bool = True,
+        num_speculative_tokens: int | None = None,
+        adaptive_threshold: float | None = None,
+        confidence_threshold: float | None = None,
     ) -> GenerationResult:
         """Speculative decoding of `prompt` (a string or token ids) with this drafter and
         `target`: `.output_ids` (new tokens only; greedy equals `target.generate`, sampling keeps
         the target's distribution), `.acceptance_lengths` (tokens committed per step), `.tau`,
-        and the seconds spent drafting and verifying. `block_size`: default the drafter's."""
+        `.expected_lengths`, and the seconds spent drafting and verifying. `block_size`: default
+        the drafter's. The rest as eval's flags: at temperature > 0, `serving_rule` (a name of
+        `flashdraft.serving_rules.RULES`; default vLLM's) decides how drafts are drawn and
+        verified, and `top_k`, `top_p`, `min_p` filter the target's p as that rule's server does
+        (each None: the target's generation_config.json value unless `use_generation_config` is
+        off; one the server does not apply, given, is refused); `num_speculative_tokens`,
+        `adaptive_threshold` and `confidence_threshold` verify fewer drafts per step."""
         self.check_fits(target)
+        rule = _serving_rule(serving_rule)
+        filters = request_filters(target.path, temperature, top_k, top_p, min_p, rule, use_generation_config)
+        limits = (num_speculative_tokens, adaptive_threshold, confidence_threshold)
+        limit = DraftLimit(*limits) if any(v is not None for v in limits) else None
         return speculative_generate(target, self.drafter, _encode(target, prompt), max_new_tokens, temperature,
-                                    block_size, _generator(seed, target.device))  # fmt: skip
+                                    block_size, _generator(seed, target.device), limit, filters=filters,
+                                    rule=rule)  # fmt: skip
 
 
 def _default_device_dtype(device: str | None, dtype: torch.dtype | None) -> tuple[str, torch.dtype]:

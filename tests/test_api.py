@@ -103,3 +103,38 @@ def test_train_drafter_trains_a_loadable_drafter_and_leaves_the_config_as_it_was
     trained = Drafter.from_pretrained(checkpoint)
     assert trained.form == "training checkpoint" and trained.config.target_layer_ids == [0, 2]
     assert Drafter.from_pretrained(tmp_path / "run").path == trained.path  # the run: its newest checkpoint
+
+
+def test_drafter_generate_applies_the_requests_filters_top_k_1_sampling_is_greedy(files):
+    # top-k 1 leaves the target one token at each position: sampling at T 1 must then give greedy's tokens
+    target = Target.from_pretrained(files / "target")
+    drafter = Drafter.from_pretrained(files / "drafter", target)
+    greedy = target.generate("t1 t2 t3", max_new_tokens=16).output_ids
+    assert target.generate("t1 t2 t3", max_new_tokens=16, temperature=1.0, seed=3, top_k=1).output_ids == greedy
+    for rule in ("vllm", "vllm-probabilistic"):
+        out = drafter.generate(target, "t1 t2 t3", max_new_tokens=16, temperature=1.0, seed=3, top_k=1,
+                               serving_rule=rule)  # fmt: skip
+        assert out.output_ids == greedy, rule
+    unfiltered = [drafter.generate(target, "t1 t2 t3", max_new_tokens=16, temperature=1.0, seed=s).output_ids
+                  for s in range(3)]  # fmt: skip
+    assert any(ids != greedy for ids in unfiltered)  # without the filter T 1 samples something else
+
+
+def test_drafter_generate_refuses_a_filter_the_rules_server_does_not_apply_and_an_unknown_rule(files):
+    target = Target.from_pretrained(files / "target")
+    drafter = Drafter.from_pretrained(files / "drafter", target)
+    with pytest.raises(FlashdraftError, match=r"--min-p 0.1: SGLang .* does not apply min_p"):
+        drafter.generate(target, [1, 2, 3], max_new_tokens=4, temperature=1.0, min_p=0.1, serving_rule="sglang")
+    with pytest.raises(FlashdraftError, match=r"--serving-rule 'vllm-greedy': expected one of"):
+        drafter.generate(target, [1, 2, 3], max_new_tokens=4, temperature=1.0, serving_rule="vllm-greedy")
+
+
+def test_drafter_generate_verifies_at_most_num_speculative_tokens_per_step_and_stays_lossless():
+    target = Target.from_pretrained("tiny")
+    drafter = Drafter.from_pretrained("tiny-drafter", target)
+    prompt = "def add(a, b):"
+    unlimited = drafter.generate(target, prompt, max_new_tokens=32)
+    assert max(unlimited.acceptance_lengths) > 2  # the shipped drafter gets several drafts accepted in a step
+    out = drafter.generate(target, prompt, max_new_tokens=32, num_speculative_tokens=1)
+    assert out.output_ids == unlimited.output_ids == target.generate(prompt, max_new_tokens=32).output_ids
+    assert max(out.acceptance_lengths) <= 2
