@@ -39,7 +39,7 @@ demo: $(STAMP)
 	$(BIN)/flashdraft demo --out demo-out
 
 test: $(STAMP) $(ENGINE_STAMP)
-	$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(BIN)/python -m pytest -n auto; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check flashdraft tests scripts benchmarks

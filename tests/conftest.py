@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,28 @@ def engine_models(tmp_path_factory) -> dict[str, Path]:
                      str(d / "init"), "--epochs", "1000", "--max-steps", str(steps), "--lr", "3e-3"]) == 0  # fmt: skip
     return {"target": target, "prompts": prompts, "completions": d / "greedy.json", "drafter": d / "drafter",
             "overfit": d / "overfit", "dir": d}  # fmt: skip
+
+
+# -- running the suite on every core (`make test`: pytest -n auto, pytest-xdist) --------------------------------------
+
+ENGINE_FILES = {str(p.relative_to(Path(__file__).parent.parent)) for p in Path(__file__).parent.rglob("test_*.py")
+                if "@pytest.mark.engine" in p.read_text()}  # fmt: skip
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Whole test files to whichever worker is free (their module fixtures are built once), and the files with the
+    engine's tests together on one worker: one vLLM server at a time, `engine_models` built once. (xdist's own
+    loadgroup would do the latter per test, but its group marks do not reach pytest 9's node ids.)"""
+    from xdist.scheduler import LoadFileScheduling
+
+    class EngineFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return "engine" if file in ENGINE_FILES else file
+
+    return EngineFilesTogether(config, log)
+
+
+if os.environ.get("PYTEST_XDIST_WORKER") and (os.cpu_count() or 1) > 1:
+    # vLLM's CPU worker would spin OpenMP threads on every core, beside the other workers' tests: it gets one core
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str((os.cpu_count() or 1) - 1))
