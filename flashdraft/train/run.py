@@ -47,7 +47,8 @@ def load_training_records(target: TargetModel, layer_ids: list[int], cached: str
     """Training records and a fingerprint of the data they come from (online: with the target's top-`online_topk`
     logits at every position when > 0)."""
     if cached:
-        from flashdraft.data.cache import MANIFEST, HiddenStateCache
+        from flashdraft.data.cache import MANIFEST
+        from flashdraft.data.cache_reader import HiddenStateCache
 
         cache = HiddenStateCache(cached, verify=verify)
         cache.check_compatible(target, layer_ids)
@@ -69,7 +70,7 @@ def eval_tau_records(
     from flashdraft.records import EvalRecord, records_from_cache
 
     if cached:
-        from flashdraft.data.cache import HiddenStateCache
+        from flashdraft.data.cache_reader import HiddenStateCache
 
         return records_from_cache(HiddenStateCache(cached, verify=verify))
     from flashdraft.data.completions import load_completions
