@@ -18,8 +18,10 @@ from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, load_prompts
 from flashdraft.distributed import Dist, init_distributed, load_dtype, lock_on_main, pick_device
 from flashdraft.errors import FlashdraftError
+from flashdraft.records import EvalRecord
 from flashdraft.serving_rules import NO_FILTERS, SamplingFilters, greedy_filters_note, resolve_filters
 from flashdraft.target import TargetModel, resolve_target_path
+from flashdraft.target_samples import greedy_agreement, sampling_fidelity
 
 
 def _start_engine(engine: str, python: str | None, target: TargetModel, out: Path, target_dtype: str | None):
@@ -42,9 +44,6 @@ def check_engine_completions(target: TargetModel, path: Path, settings: Generati
     """The engine's completions checked, not trusted: a `share` of them (at least one) teacher-forced through the
     target: at T = 0 each token its argmax (near-ties aside), at T > 0 samples of its filtered p; refused otherwise
     (the file stays, for inspection)."""
-    from flashdraft.records import EvalRecord
-    from flashdraft.target_samples import greedy_agreement, sampling_fidelity
-
     records = json.loads(path.read_text()).get("records", [])
     picks = random.Random(0).sample(records, min(len(records), max(1, round(share * len(records)))))
     outputs = [EvalRecord(r["id"], r["prompt_ids"], r["completion_ids"]) for r in picks]
