@@ -124,7 +124,7 @@ def served_part(target: Path, work: Path, args: argparse.Namespace) -> None:
 
 
 def capture_part(target: Path, work: Path) -> None:
-    from flashdraft.data.cache import HiddenStateCache
+    from flashdraft.data.cache_reader import HiddenStateCache
 
     common = ["--target-model", target, "--completions", work / "local.json", "--layers", "1,4,6"]
     engine_s, _ = flashdraft("cache", *common, "--out", work / "cache-engine", "--engine", "vllm")

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.data.cache import HiddenStateCache, build_cache
+from flashdraft.data.cache import build_cache
+from flashdraft.data.cache_reader import HiddenStateCache
 from flashdraft.data.completions import CompletionRecord, Completions
 from flashdraft.drafter_init import new_drafter_for_target
 from flashdraft.ngram import NGramProposer

@@ -249,7 +249,7 @@ def generate_completions(target_model: str | Path, prompts: str, out: str | Path
     a re-run resumes it). `prompts`: a .jsonl/.parquet file, a dataset directory or
     builtin:code[:heldout]; `options`, as generate's flags: num_prompts, max_new_tokens,
     temperature, seed, batch_size, backend, base_url, chat_template, device, ..."""
-    from flashdraft.data.completions import run_generate
+    from flashdraft.data.generate import run_generate
 
     return run_generate(str(target_model), prompts, str(out), **options)
 

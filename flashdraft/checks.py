@@ -1,6 +1,6 @@
 """A report of checks, one line each: facts, passed checks, warnings and failures with their fix.
 `flashdraft doctor` prints one for every kind of file; the cache format's own checks
-(`flashdraft.data.cache.doctor_cache`) write into it too."""
+(`flashdraft.data.cache_doctor.doctor_cache`) write into it too."""
 
 from __future__ import annotations
 

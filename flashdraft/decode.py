@@ -123,6 +123,22 @@ def autoregressive_generate(
     return GenerationResult(out, step_seconds=step_seconds)
 
 
+def _accept(
+    draft: torch.Tensor, q: torch.Tensor | None, verified, temperature: float, generator: torch.Generator | None,
+    filters: SamplingFilters, budget: int, stop_ids: set[int],
+) -> tuple[int, int, tuple[float, float] | None]:  # fmt: skip
+    """One step's verification of `draft` [k] against the target's forward `verified`: (accepted drafts a, the bonus
+    token, and at temperature > 0 the mean and variance of the step's committed length given its drafts; None
+    greedy)."""
+    if temperature <= 0:
+        a, bonus = accept_greedy_in_chunks(draft, verified.logits_at)
+        return a, bonus, None
+    a, bonus, alpha = verify(draft, q, target_probs(verified.logits[0], temperature, filters), generator)
+    # an accepted stop token ends the step: the step commits at most up to the first drafted one
+    stop_at = next((j + 1 for j, t in enumerate(draft.tolist()) if t in stop_ids), budget)
+    return a, bonus, expected_committed(alpha, min(budget, stop_at))
+
+
 @torch.no_grad()
 def speculative_generate(
     target: TargetModel,
@@ -187,20 +203,11 @@ def speculative_generate(
         result.verify_seconds += verified_at - drafted
         result.step_seconds.append((drafted - start, verified_at - drafted))
         budget = max_new_tokens - len(result.output_ids)
-        if temperature <= 0:
-            a, bonus = accept_greedy_in_chunks(draft, verified.logits_at)
-        else:
-            a, bonus, alpha = verify(draft, q, target_probs(verified.logits[0], temperature, filters), generator)
-            # an accepted stop token ends the step: the step commits at most up to the first drafted one
-            stop_at = next((j + 1 for j, t in enumerate(draft.tolist()) if t in stop_ids), budget)
-            mean, variance = expected_committed(alpha, min(budget, stop_at))
-
-        proposed = draft[:a].tolist() + [bonus]
-        committed, stopped = _truncate(proposed, budget, stop_ids)
+        a, bonus, moments = _accept(draft, q, verified, temperature, generator, filters, budget, stop_ids)
+        committed, stopped = _truncate(draft[:a].tolist() + [bonus], budget, stop_ids)
         result.output_ids += committed
         result.acceptance_lengths.append(len(committed))
-        if temperature <= 0:
-            mean, variance = float(len(committed)), 0.0
+        mean, variance = moments if moments is not None else (float(len(committed)), 0.0)  # greedy: as committed
         result.expected_lengths.append(mean)
         result.length_variances.append(variance)
         if stopped:

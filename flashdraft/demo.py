@@ -192,7 +192,7 @@ def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: P
 
 def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoSettings | None = None) -> dict:
     from flashdraft.data.cache import run_cache
-    from flashdraft.data.completions import run_generate
+    from flashdraft.data.generate import run_generate
     from flashdraft.evaluate import EvalConfig
     from flashdraft.evaluate import run_eval as evaluate
     from flashdraft.records import quiet

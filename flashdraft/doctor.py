@@ -118,7 +118,7 @@ def run_doctor(
         )
     checks = Checks()
     if kind == "cache":
-        from flashdraft.data.cache import doctor_cache
+        from flashdraft.data.cache_doctor import doctor_cache
 
         layer_ids = _checkpoint_config(checkpoint).target_layer_ids if checkpoint else None
         doctor_cache(path, target=target, layer_ids=layer_ids, samples=samples, tolerance=tolerance, verify=verify,

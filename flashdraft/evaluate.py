@@ -623,7 +623,7 @@ def _source_generation(cfg: EvalConfig) -> dict | None:
 
     if cfg.completions is not None:
         return json.loads(Path(cfg.completions).read_text()).get("generation")
-    from flashdraft.data.cache import HiddenStateCache
+    from flashdraft.data.cache_reader import HiddenStateCache
 
     completions = HiddenStateCache(cfg.cached_hidden_states, verify=False).manifest.get("completions") or {}
     return completions.get("generation")

@@ -8,6 +8,10 @@ embedding and no LM head, it borrows the target's.
 One forward serves inference (one block per sequence, committed context K/V cached across
 steps) and training (many blocks per sequence, each seeing only context strictly before
 its own anchor); the mask rule is the same in both, built by `attention_mask`.
+
+The module is over 600 lines because the drafter is one file, as the reference's is: the mask, the attention, the
+layer, each family's parts (DFlash2's convolution and candidate selector, DSpark's Markov and confidence heads) and
+the forward that composes them read together, and the checkpoint names their parameters after this layout.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ class FeatureSource:
 
 
 def records_from_cache(cache, num_records: int | None = None) -> list[EvalRecord]:
-    """Records of a `flashdraft.data.cache.HiddenStateCache`: listing them reads token ids only;
+    """Records of a `flashdraft.data.cache_reader.HiddenStateCache`: listing them reads token ids only;
     each record reads its features when it is evaluated, so memory holds one record's at a time."""
     records = []
     ids, prompt_lengths = cache.ids, cache.prompt_lengths
@@ -137,7 +137,7 @@ def load_eval_records(
             f"(found {len(given)})"
         )
     if cached_hidden_states is not None:
-        from flashdraft.data.cache import HiddenStateCache
+        from flashdraft.data.cache_reader import HiddenStateCache
 
         cache = HiddenStateCache(cached_hidden_states, verify=verify)
         cache.check_compatible(target, cache.layer_ids)

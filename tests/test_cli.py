@@ -90,7 +90,7 @@ def test_each_option_is_a_keyword_of_the_function_the_command_calls(command):
     import inspect
 
     from flashdraft.data.cache import run_cache
-    from flashdraft.data.completions import run_generate
+    from flashdraft.data.generate import run_generate
     from flashdraft.parity import run_parity_command
 
     function = {"generate": run_generate, "cache": run_cache, "parity": run_parity_command}[command]

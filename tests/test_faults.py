@@ -37,7 +37,8 @@ from safetensors.torch import load_file
 
 from flashdraft.checkpoint import load_drafter
 from flashdraft.cli import main
-from flashdraft.data.cache import MANIFEST, PROGRESS, HiddenStateCache
+from flashdraft.data.cache import MANIFEST, PROGRESS
+from flashdraft.data.cache_reader import HiddenStateCache
 from flashdraft.data.completions import load_completions
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file

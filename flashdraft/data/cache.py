@@ -1,4 +1,4 @@
-"""`flashdraft cache`: the hidden-state cache a drafter trains on, its reader, and its doctor.
+"""`flashdraft cache`: the hidden-state cache a drafter trains on: its on-disk format and its builder.
 
 The target runs once over prompt + completion of every record; per token the cache keeps
 the input id, the loss mask (True on completion tokens) and the context features of
@@ -22,27 +22,22 @@ run leaves either a finished shard or nothing, and a re-run redoes only unfinish
 shards. Under torchrun rank r builds the shards k with k % world == r; rank 0 writes the
 manifest. Results do not depend on the number of ranks: shard contents are fixed by R.
 
-Why one module of ~750 lines: it is the one owner of this on-disk format. Writer, reader and
-checks change together whenever the format does (a field, a dtype, the shard layout), and
-splitting them would put the format's knowledge in three places.
+The format's facts (names, dtypes, tolerances) live here, with the writer; the reader
+(`cache_reader.HiddenStateCache`) and the checks (`cache_doctor.doctor_cache`) import them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import random
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from flashdraft.checks import Checks
 from flashdraft.config import LAYER_ORDER_RULE, strictly_increasing
 from flashdraft.data.completions import CompletionRecord, Completions
 from flashdraft.distributed import Dist, any_rank, on_main
@@ -94,6 +89,11 @@ def resolve_dtype_flag(dtype: str, target_dtype: torch.dtype) -> str:
     if dtype not in DTYPES:
         raise FlashdraftError(f"--dtype {dtype}: expected {AUTO} or one of {', '.join(DTYPES)}")
     return dtype
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||: how far stored features `a` are from fresh ones `b` (compared with DEFAULT_TOLERANCE)."""
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
 
 
 def _save_atomic(tensors: dict[str, torch.Tensor], path: Path, what: str = "") -> None:
@@ -284,16 +284,11 @@ def build_cache(
         "records_per_shard": records_per_shard,
         "topk": topk,
     }
-    computed_with = {"device": target.device.type, "target_dtype": DTYPE_NAMES.get(target.model.dtype,
-                     str(target.model.dtype)), "linear_backend": target.linear_backend}  # fmt: skip
-    if engine is not None:
-        computed_with = {"device": engine.get("device", "engine"), "target_dtype": engine["dtype"], "engine": engine}
     on_main(dist, lambda: _check_or_write_settings(directory, settings), f"{directory}: its settings check")
 
     shards = [records[i : i + records_per_shard] for i in range(0, len(records), records_per_shard)]
     finished = _finished_shards(directory)
     todo = [k for k, shard in enumerate(shards) if not _is_finished(directory, finished.get(k), shard, topk)]
-    mine = [k for k in todo if k % dist.world == dist.rank]
     width, feature_dtype = len(layer_ids) * target.hidden_size, DTYPES[dtype]
     left = [r for k in todo for r in shards[k]]
     needed = on_main(dist, lambda: _check_space(directory, left, width, len(layer_ids), feature_dtype, topk, force),
@@ -306,6 +301,20 @@ def build_cache(
             f"{target.hidden_size} x {feature_dtype.itemsize}; a 32k-token sequence "
             f"{format_bytes(32768 * width * feature_dtype.itemsize)})"
         )
+    mine = [k for k in todo if k % dist.world == dist.rank]
+    _build_shards(target, directory, shards, mine, settings, dist, features_of)
+    if dist.is_main:
+        _finish(directory, target, completions, shards, settings, _computed_with(target, engine))
+    dist.barrier()
+    return directory
+
+
+def _build_shards(target: TargetModel, directory: Path, shards: list[list[CompletionRecord]], mine: list[int],
+                  settings: dict, dist: Dist, features_of: FeaturesOf | None) -> None:  # fmt: skip
+    """This rank's shards `mine`, one after another; a stop (SIGTERM/SIGINT) on any rank stops all after the record
+    in flight (`Interrupted`), and a full disk says how much the shards still to write need."""
+    topk, feature_dtype = settings["topk"], DTYPES[settings["dtype_flag"]]
+    width = len(settings["layer_ids"]) * target.hidden_size
     built = 0
     with StopRequests("record", dist.prefix()) as stop:
         with Progress(total=sum(len(shards[k]) for k in mine), desc=f"{dist.prefix()}cache", unit="record") as bar:
@@ -329,10 +338,13 @@ def build_cache(
             raise Interrupted(signum, f"{signal.Signals(signum).name}: {done} of {len(shards)} shards finished in "
                               f"{directory} (the one in flight is computed again)" if dist.is_main else "")  # fmt: skip
 
-    if dist.is_main:
-        _finish(directory, target, completions, shards, settings, computed_with)
-    dist.barrier()
-    return directory
+
+def _computed_with(target: TargetModel, engine: dict | None) -> dict:
+    """The manifest's computed_with: the target's device, dtype and linear backend, or the engine that captured."""
+    if engine is not None:
+        return {"device": engine.get("device", "engine"), "target_dtype": engine["dtype"], "engine": engine}
+    return {"device": target.device.type, "target_dtype": DTYPE_NAMES.get(target.model.dtype, str(target.model.dtype)),
+            "linear_backend": target.linear_backend}  # fmt: skip
 
 
 def _finish(directory: Path, target: TargetModel, completions: Completions, shards: list, settings: dict,
@@ -424,381 +436,6 @@ def _check_or_write_settings(directory: Path, settings: dict) -> None:
     (directory / PROGRESS).mkdir(exist_ok=True)
     write_json_atomic(directory / PROGRESS / "settings.json", settings, indent=1)
 
-
-# -- reading -----------------------------------------------------------------------------
-
-
-@dataclass
-class CachedRecord:
-    id: str
-    input_ids: torch.Tensor  # [T] long, prompt + completion
-    loss_mask: torch.Tensor  # [T] bool, True on completion tokens
-    context_features: torch.Tensor  # [T, len(layer_ids) * hidden], as stored
-    prompt_length: int
-    target_topk: tuple[torch.Tensor, torch.Tensor] | None  # (values [T, k], indices [T, k] long)
-
-
-def _require(manifest: dict, key: str, kind: type | tuple, where: Path) -> Any:
-    value = manifest.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise FlashdraftError(f"{where}: field '{key}' is {value!r}; expected {getattr(kind, '__name__', kind)}")
-    return value
-
-
-class HiddenStateCache:
-    """A finished cache directory, read one record at a time through memory-mapped shards."""
-
-    def __init__(self, directory: str | Path, verify: bool = True) -> None:
-        self.directory = Path(directory)
-        path = self.directory / MANIFEST
-        if not path.is_file():
-            hint = " (an unfinished run: re-run flashdraft cache)" if (self.directory / PROGRESS).is_dir() else ""
-            raise FlashdraftError(f"{self.directory}: no {MANIFEST}; not a finished hidden-state cache{hint}")
-        try:
-            manifest = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise FlashdraftError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise FlashdraftError(f"{path}: field 'format' is {manifest.get('format')!r}; expected {FORMAT!r}")
-        if manifest.get("version") != VERSION:
-            raise FlashdraftError(f"{path}: field 'version' is {manifest.get('version')!r}; expected {VERSION}")
-        self.manifest = manifest
-        self.layer_ids: list[int] = _require(manifest, "layer_ids", list, path)
-        self.hidden_size: int = _require(manifest, "hidden_size", int, path)
-        self.target_fingerprint: str = _require(manifest, "target", dict, path).get("fingerprint")
-        dtype_name = _require(manifest, "dtype", str, path)
-        by_name = {v: k for k, v in DTYPE_NAMES.items()}
-        if dtype_name not in by_name:
-            raise FlashdraftError(f"{path}: field 'dtype' is {dtype_name!r}; expected one of {', '.join(by_name)}")
-        self.dtype: torch.dtype = by_name[dtype_name]
-        self.topk: int = (manifest.get("target_topk") or {}).get("k", 0)
-        self._shards: list[dict] = _require(manifest, "shards", list, path)
-        self._records: list[dict] = _require(manifest, "records", list, path)
-        for s in self._shards:
-            self._check_file(s["file"], s["bytes"], s["sha256"] if verify else None)
-            if self.topk:
-                self._check_file(s["topk_file"], s["topk_bytes"], s["topk_sha256"] if verify else None)
-        self._check_layout()
-
-    def _check_file(self, name: str, size: int, sha256: str | None) -> None:
-        path = self.directory / name
-        if not path.is_file():
-            raise FlashdraftError(f"{path}: missing; {MANIFEST} lists it (re-run flashdraft cache to rebuild it)")
-        found = path.stat().st_size
-        if found != size:
-            raise FlashdraftError(
-                f"{path}: {found} bytes, {MANIFEST} says {size} (truncated or replaced); "
-                f"re-run flashdraft cache to rebuild it"
-            )
-        if sha256 is not None and sha256_file(path) != sha256:
-            raise FlashdraftError(f"{path}: sha256 differs from {MANIFEST} (corrupted or replaced); re-run flashdraft "
-                                  f"cache to rebuild it")  # fmt: skip
-
-    def _check_layout(self) -> None:
-        """Records tile each shard exactly, and each shard's tensors (their safetensors headers:
-        nothing is read) hold as many tokens as its records, so no read can run past a record
-        or miss tokens the manifest does not describe."""
-        where = self.directory / MANIFEST
-        width = len(self.layer_ids) * self.hidden_size
-        ends = [0] * len(self._shards)
-        for r in self._records:
-            k, name = r.get("shard"), r.get("id")
-            if not isinstance(k, int) or not 0 <= k < len(self._shards):
-                raise FlashdraftError(f"{where}: record {name!r} has shard {k!r}; expected 0..{len(self._shards) - 1}")
-            length, prompt = r.get("length"), r.get("prompt_length")
-            if (
-                r.get("offset") != ends[k]
-                or not isinstance(length, int)
-                or not isinstance(prompt, int)
-                or not (0 < prompt < length)
-            ):
-                raise FlashdraftError(
-                    f"{where}: record {name!r} has offset {r.get('offset')!r}, length {length!r}, prompt_length "
-                    f"{prompt!r}; expected offset {ends[k]} (right after the previous record of "
-                    f"{self._shards[k]['file']}) and 0 < prompt_length < length"
-                )
-            ends[k] += length
-        for k, s in enumerate(self._shards):
-            if ends[k] != s["num_tokens"]:
-                raise FlashdraftError(
-                    f"{where}: the records of {s['file']} hold {ends[k]} tokens, the shard entry says "
-                    f"{s['num_tokens']}; the manifest does not describe this shard (rebuild the cache)"
-                )
-            expected = {"input_ids": [ends[k]], "loss_mask": [ends[k]], "context_features": [ends[k], width]}
-            if self.topk:
-                expected_topk = {"values": [ends[k], self.topk], "indices": [ends[k], self.topk]}
-            for name, want in [(s["file"], expected)] + ([(s["topk_file"], expected_topk)] if self.topk else []):
-                with self._open(name) as f:
-                    for key, shape in want.items():
-                        found = f.get_slice(key).get_shape() if key in f.keys() else None
-                        if found != shape:
-                            raise FlashdraftError(
-                                f"{self.directory / name}: tensor '{key}' has shape {found}; expected {shape} "
-                                f"(the tokens {MANIFEST} lists for it); rebuild the cache"
-                            )
-
-    # -- facts --------------------------------------------------------------------------
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    @property
-    def ids(self) -> list[str]:
-        return [r["id"] for r in self._records]
-
-    @property
-    def lengths(self) -> list[int]:
-        """Token count of every record (for length-aware batching without reading shards)."""
-        return [r["length"] for r in self._records]
-
-    @property
-    def prompt_lengths(self) -> list[int]:
-        return [r["prompt_length"] for r in self._records]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.lengths)
-
-    # -- records ------------------------------------------------------------------------
-
-    def _open(self, name: str):
-        """A shard, memory-mapped for one read. Not kept open: pages a kept mapping touched
-        would stay in this process's resident memory, which would then grow with every record read."""
-        try:
-            return safe_open(str(self.directory / name), framework="pt")
-        except (SafetensorError, OSError) as e:
-            raise FlashdraftError(f"{self.directory / name}: unreadable safetensors file ({e})") from None
-
-    def _span(self, i: int) -> tuple[dict, dict, int, int]:
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"record {i} of a cache with {len(self)} records")
-        r = self._records[i]
-        shard = self._shards[r["shard"]]
-        return r, shard, r["offset"], r["offset"] + r["length"]
-
-    def token_ids(self, i: int) -> torch.Tensor:
-        """Record i's prompt + completion ids [T] (long), without reading its features."""
-        _, shard, lo, hi = self._span(i)
-        with self._open(shard["file"]) as f:
-            return f.get_slice("input_ids")[lo:hi].long()
-
-    def features(self, i: int) -> torch.Tensor:
-        """Record i's context features [T, n * H], refused when any is NaN/Inf (naming where)."""
-        r, shard, lo, hi = self._span(i)
-        with self._open(shard["file"]) as f:
-            features = f.get_slice("context_features")[lo:hi]
-        bad = ~torch.isfinite(features)
-        if bad.any():
-            token, column = (int(x) for x in bad.nonzero()[0])
-            raise FlashdraftError(
-                f"{self.directory / shard['file']}: record {r['id']!r} has NaN/Inf context features at token {token} "
-                f"of layer {self.layer_ids[column // self.hidden_size]}; expected finite values (a damaged or "
-                f"foreign cache: rebuild it with flashdraft cache)"
-            )
-        return features
-
-    def __getitem__(self, i: int) -> CachedRecord:
-        r, shard, lo, hi = self._span(i)
-        topk = None
-        if self.topk:
-            with self._open(shard["topk_file"]) as t:
-                topk = (t.get_slice("values")[lo:hi], t.get_slice("indices")[lo:hi].long())
-        with self._open(shard["file"]) as f:
-            return CachedRecord(
-                id=r["id"],
-                input_ids=f.get_slice("input_ids")[lo:hi].long(),
-                loss_mask=f.get_slice("loss_mask")[lo:hi],
-                context_features=f.get_slice("context_features")[lo:hi],
-                prompt_length=r["prompt_length"],
-                target_topk=topk,
-            )
-
-    # -- compatibility --------------------------------------------------------------------
-
-    def check_compatible(self, target: TargetModel | None = None, layer_ids: list[int] | None = None) -> None:
-        """Raise naming the cause if this cache cannot feed a drafter for `target` with
-        context layers `layer_ids`."""
-        where = self.directory / MANIFEST
-        if layer_ids is not None and list(layer_ids) != list(self.layer_ids):
-            raise FlashdraftError(
-                f"{where}: cache holds layer ids {self.layer_ids}, the drafter's target_layer_ids are "
-                f"{list(layer_ids)}; rebuild the cache with flashdraft cache --layers {','.join(map(str, layer_ids))}"
-            )
-        if target is not None:
-            if target.hidden_size != self.hidden_size:
-                raise FlashdraftError(
-                    f"{where}: cache hidden size is {self.hidden_size}, the target's is {target.hidden_size}; "
-                    f"the cache was made for another target"
-                )
-            fingerprint = target.fingerprint()
-            if fingerprint != self.target_fingerprint:
-                raise FlashdraftError(
-                    f"{where}: cache made by target fingerprint {self.target_fingerprint}, this target "
-                    f"({target.path}) has fingerprint {fingerprint}; the features come from another target"
-                )
-            bad = [i for i in self.layer_ids if not 0 <= i < target.num_layers]
-            if bad:
-                raise FlashdraftError(f"{where}: layer ids {bad} outside the target's {target.num_layers} layers")
-
-
-# -- doctor ----------------------------------------------------------------------------------
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
-
-
-def _diagnose(target: TargetModel, tokens: torch.Tensor, cached: torch.Tensor, layer: int, tol: float) -> str:
-    """Say what a mismatching layer block matches instead: another layer, or shifted tokens."""
-    hidden = target.model(input_ids=tokens[None], output_hidden_states=True).hidden_states  # L + 1 x [1, T, H]
-    for k, h in enumerate(hidden):
-        if k != layer + 1 and relative_error(cached, h[0]) <= tol:
-            return f"; it matches hidden_states[{k}] instead of hidden_states[{layer + 1}] (layer offset off by one?)"
-    fresh = hidden[layer + 1][0]
-    for shift in (1, -1):
-        a, b = (cached[shift:], fresh[:-shift]) if shift > 0 else (cached[:shift], fresh[-shift:])
-        if relative_error(a, b) <= tol:
-            return f"; it matches the fresh features shifted by {shift} token (token alignment off by one?)"
-    return ""
-
-
-@torch.no_grad()
-def _check_layout(cache: HiddenStateCache, checks: Checks, rebuild: str) -> None:
-    """Dtypes and loss masks of every record as the manifest says; features finite."""
-    layout_errors, nonfinite = [], []
-    for s in cache._shards:
-        with cache._open(s["file"]) as f:
-            for name, dtype in (("input_ids", "I32"), ("loss_mask", "BOOL")):
-                if f.get_slice(name).get_dtype() != dtype:
-                    layout_errors.append(f"{s['file']} {name} is {f.get_slice(name).get_dtype()}, expected {dtype}")
-    for i in range(len(cache)):
-        r = cache[i]
-        expected = torch.arange(len(r.input_ids)) >= r.prompt_length
-        if not torch.equal(r.loss_mask, expected) or r.context_features.dtype != cache.dtype:
-            layout_errors.append(f"record {r.id}: loss mask or dtype disagrees with the manifest")
-        try:
-            cache.features(i)
-        except FlashdraftError as e:
-            nonfinite.append(str(e).split(": ", 1)[1])
-    layout = "record layout (dtypes, loss masks)" + (": " + "; ".join(layout_errors[:3]) if layout_errors else "")
-    checks.check(not layout_errors, layout, rebuild)
-    checks.check(not nonfinite, f"context features finite in all {len(cache)} records"
-                 + (f": {len(nonfinite)} records are not; first: {nonfinite[0]}" if nonfinite else ""),
-                 rebuild + " (with --dtype bf16 if fp16 overflowed)")  # fmt: skip
-
-
-def _check_alignment(cache: HiddenStateCache, target: TargetModel, checks: Checks, samples: int,
-                     tolerance: float | None, seed: int, rebuild: str) -> None:  # fmt: skip
-    """`samples` random records against a fresh target forward, layer by layer."""
-    tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[DTYPE_NAMES[cache.dtype]]
-    picks = sorted(random.Random(seed).sample(range(len(cache)), min(samples, len(cache))))
-    target.set_context_layers(cache.layer_ids)
-    worst, problems = 0.0, []
-    for i in picks:
-        r = cache[i]
-        tokens = r.input_ids.to(target.device)
-        fresh = target.forward(tokens[None]).context_features[0].cpu()  # [T, n * H]
-        for j, layer in enumerate(cache.layer_ids):
-            block = slice(j * cache.hidden_size, (j + 1) * cache.hidden_size)
-            err = relative_error(r.context_features[:, block], fresh[:, block])
-            worst = max(worst, err)
-            if err > tol:
-                hint = _diagnose(target, tokens, r.context_features[:, block].to(target.device), layer, tol)
-                problems.append(f"record {r.id} layer {layer}: relative error {err:.2e}{hint}")
-    checks.check(not problems, f"alignment of {len(picks)} records with a fresh forward: worst relative "
-                 f"error {worst:.2e} (tolerance {tol:.0e})" + ("; " + "; ".join(problems[:3])
-                                                             if problems else ""),
-                 f"the features are not this target's layers {cache.layer_ids}: {rebuild} (a cache built on "
-                 f"GPU in bf16 and checked on CPU may need a larger --tolerance)")  # fmt: skip
-
-
-def _about_engine(computed_with: dict, dtype: torch.dtype, checks: Checks) -> None:
-    """What captured the states, when a serving engine did (`cache --engine`), and where its settings differ from
-    what serving and training read."""
-    engine = computed_with.get("engine")
-    if not engine:
-        return
-    verified = engine.get("verification") or {}
-    chunked = {None: "the engine's default", True: "on", False: "off"}[engine.get("chunked_prefill")]
-    checks.about(f"captured by {engine['engine']} {engine['version']}: {engine['dtype']}, TP "
-                 f"{engine['tensor_parallel_size']}, prefix caching {'on' if engine['prefix_caching'] else 'off'}, "
-                 f"chunked prefill {chunked}, aux layer ids {engine['aux_layer_ids']}; verified against the target: "
-                 f"{len(verified.get('samples_recomputed', []))} sequences recomputed (the probe first), worst "
-                 f"relative error {verified.get('worst_relative_error', float('nan')):.2e}")  # fmt: skip
-    if engine["prefix_caching"]:
-        checks.warn("captured with prefix caching on: engines have returned fewer states than tokens under it (vLLM "
-                    "#44485); every sample's length was checked at capture",
-                    "capture without --enable-prefix-caching for a cache nobody needs to re-check")  # fmt: skip
-    if engine["dtype"] != DTYPE_NAMES[dtype]:
-        checks.warn(f"the engine computed in {engine['dtype']}, the cache stores {DTYPE_NAMES[dtype]}: offline τ is "
-                    f"then within rounding of served τ, not equal",
-                    "capture with --dtype auto for the engine's own precision")  # fmt: skip
-
-
-def doctor_cache(
-    directory: str | Path,
-    target: TargetModel | None = None,
-    layer_ids: list[int] | None = None,
-    samples: int = 4,
-    tolerance: float | None = None,
-    seed: int = 0,
-    verify: bool = True,
-    checks=None,
-) -> bool:
-    """Check a cache: manifest, every shard's size and (with `verify`) sha256, record layout,
-    finite features, and with a target its fingerprint and the alignment of `samples` records
-    against a fresh forward; with a drafter's `layer_ids`, that they equal the cache's. Prints
-    one line per check (`flashdraft.checks.Checks`); returns True when all pass."""
-    directory = Path(directory)
-    own = checks is None
-    checks = checks or Checks()
-    rebuild = "re-run flashdraft cache with the same arguments into a new --out"
-    try:
-        cache = HiddenStateCache(directory, verify=False)
-    except FlashdraftError as e:
-        unfinished = not (directory / MANIFEST).exists() and (directory / PROGRESS).is_dir()
-        checks.fail(str(e), "re-run the same flashdraft cache command: it keeps the finished shards" if unfinished
-                    else rebuild)  # fmt: skip
-        return checks.summary() if own else False
-    checks.about(f"hidden-state cache {directory}: {len(cache)} records, {cache.num_tokens} tokens, "
-                 f"{len(cache._shards)} shards of {cache.manifest.get('records_per_shard')} records; layers "
-                 f"{cache.layer_ids} (context-layer count {len(cache.layer_ids)}), hidden {cache.hidden_size}, "
-                 f"{DTYPE_NAMES[cache.dtype]}, target top-k {cache.topk or 'none'}")  # fmt: skip
-    completions = cache.manifest.get("completions") or {}
-    checks.about(f"fingerprints: target {cache.target_fingerprint} ({cache.manifest['target'].get('path')}), "
-                 f"completions {completions.get('file')} made by {completions.get('target_fingerprint')}")  # fmt: skip
-    _about_engine(cache.manifest.get("computed_with") or {}, cache.dtype, checks)
-    checks.ok(f"{directory / MANIFEST}: shard sizes and record layout agree with the manifest")
-    files = [(s["file"], s["sha256"]) for s in cache._shards]
-    files += [(s["topk_file"], s["topk_sha256"]) for s in cache._shards if cache.topk]
-    if verify:
-        bad = [name for name, sha in files if sha256_file(directory / name) != sha]
-        checks.check(not bad, f"sha256 of {len(files)} shard files" + (f": {', '.join(bad)} differ" if bad else ""),
-                     f"the files were corrupted or replaced; copy the cache again or {rebuild}")  # fmt: skip
-    else:
-        checks.about(f"sha256 of {len(files)} shard files not checked (--no-verify)")
-
-    _check_layout(cache, checks, rebuild)
-    # a cache written before the rule (--layers 2,0) feeds no drafter a server would run
-    ordered = strictly_increasing(cache.layer_ids)
-    checks.check(ordered, f"layer ids {cache.layer_ids} " + ("are" if ordered else "are not") +
-                 f" {LAYER_ORDER_RULE}", f"re-run flashdraft cache with --layers "
-                 f"{','.join(map(str, sorted(set(cache.layer_ids))))} into a new --out")  # fmt: skip
-
-    if layer_ids is not None:
-        same = list(layer_ids) == cache.layer_ids
-        checks.check(same, f"layer ids {cache.layer_ids} " + ("equal" if same else "differ from") +
-                     f" the drafter's target_layer_ids {list(layer_ids)}",
-                     f"flashdraft cache --layers {','.join(map(str, layer_ids or []))} for this drafter")  # fmt: skip
-    if target is not None:
-        try:
-            cache.check_compatible(target)
-            checks.ok(f"target fingerprint {cache.target_fingerprint} and hidden size match {target.path}")
-        except FlashdraftError as e:
-            checks.fail(str(e), "use the target that built the cache, or cache this target's own completions")
-        else:
-            _check_alignment(cache, target, checks, samples, tolerance, seed, rebuild)
-    return checks.summary() if own else not checks.failures
 
 
 # -- the commands ------------------------------------------------------------------------------

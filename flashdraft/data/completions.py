@@ -1,4 +1,5 @@
-"""`flashdraft generate`: the target's own completions of a prompt set, and their loader.
+"""The target's own completions of a prompt set (`flashdraft generate`; the command's run is `data/generate.py`), and
+their loader.
 
 A completions file is one JSON object: a header (format, version, target fingerprint,
 generation settings, where the token ids came from) and `records`, one per answered user
@@ -22,7 +23,6 @@ import os
 import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,10 +41,10 @@ from flashdraft.data.prompts import (
 from flashdraft.distributed import Dist, any_rank
 from flashdraft.errors import FlashdraftError, Interrupted
 from flashdraft.files import DiskFullError, append_whole, write_text_atomic
-from flashdraft.progress import Progress as tqdm  # plain lines in logs; the name generate_completions uses
-from flashdraft.serving_rules import NO_FILTERS, SamplingFilters, greedy_filters_note, resolve_filters, target_probs
+from flashdraft.progress import Progress as tqdm  # plain lines in logs; the name the generation loop uses
+from flashdraft.serving_rules import NO_FILTERS, SamplingFilters, target_probs
 from flashdraft.stop import StopRequests
-from flashdraft.target import TargetModel, resolve_target_path
+from flashdraft.target import TargetModel
 
 FORMAT = "flashdraft.completions"
 VERSION = 1
@@ -317,8 +317,6 @@ def part_paths(out: Path) -> list[Path]:
     return sorted(out.parent.glob(out.name + ".part*.jsonl"))
 
 
-_part_paths = part_paths  # the old name, still used by generate_completions (being changed on another branch)
-
 
 def _check_header(found: dict, expected: dict, where: str) -> None:
     if not isinstance(found, dict) or found.get("format") != FORMAT:
@@ -422,34 +420,13 @@ def generate_completions(
         complete = local_completer(target, settings)
 
     long_prompts: dict[str, int] = {}
-    answered = 0
     part = out.with_name(f"{out.name}.part{dist.rank}.jsonl")
     # SIGTERM/SIGINT: finish the batch in flight (its records appended whole), then stop
     with StopRequests("batch", dist.prefix()) as stop:
+        answered = 0
         if mine:
-            _cut_incomplete_line(part)
-            fd = os.open(part, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-            try:
-                with tqdm(total=len(mine), desc=f"{dist.prefix()}generate", unit="prompt") as bar:
-                    if os.fstat(fd).st_size == 0:
-                        append_whole(fd, (json.dumps(header) + "\n").encode(), part, "the part file's header")
-                    for start in range(0, len(mine), batch_size):
-                        if stop.requested:
-                            break
-                        batch = mine[start : start + batch_size]
-                        records = _answer_turns(target, batch, settings, complete, long_prompts)
-                        # a batch's records are appended whole or not at all: a full disk loses only them
-                        append_whole(fd, "".join(record_json(r) + "\n" for r in records).encode(), part,
-                                     f"the completions of {len(batch)} prompts")  # fmt: skip
-                        answered += len(batch)
-                        bar.update(len(batch))
-            except DiskFullError as e:
-                e.then = (f"free space and re-run the same command: the records already in {part.name} are kept, "
-                          f"{len(mine) - answered} prompts{' of this rank' if dist.world > 1 else ''} "
-                          f"remain")  # fmt: skip
-                raise
-            finally:
-                os.close(fd)
+            answered = _answer_into_part(target, mine, part, header, settings, complete, batch_size, dist, stop,
+                                         long_prompts)  # fmt: skip
         note = describe_long_prompts(long_prompts, prompt_token_limit(target.context_length,
                                                                       settings.max_new_tokens))  # fmt: skip
         if note:
@@ -463,18 +440,56 @@ def generate_completions(
             told = f"{answered} of {len(mine)} prompts answered" + (" by rank 0" if dist.world > 1 else "")
             raise Interrupted(signum, f"{signal.Signals(signum).name}: {told}, their records kept in {part} (not "
                               f"merged into {out} yet)" if dist.is_main else "")  # fmt: skip
-    if dist.is_main and (todo or _part_paths(out)):
-        done = _read_existing(out, header)
-        order = [p.record_id(t) for p in prompts for t in range(len(p.turns))]
-        records = [done.pop(rid) for rid in order if rid in done]
-        if done:
-            print(f"keeping {len(done)} records of earlier runs whose prompts are not in this run")
-        records += list(done.values())
-        _write_final(out, header, records)
-        for part in _part_paths(out):
-            part.unlink()
-        print(f"wrote {len(records)} records to {out}")
+    if dist.is_main and (todo or part_paths(out)):
+        _merge(out, header, prompts)
     return out
+
+
+def _answer_into_part(target: TargetModel, mine: list[Prompt], part: Path, header: dict,
+                      settings: GenerationSettings, complete, batch_size: int, dist: Dist, stop: StopRequests,
+                      long_prompts: dict[str, int]) -> int:  # fmt: skip
+    """Answer this rank's prompts batch by batch until done or a stop is requested, appending each batch's records
+    whole to its part file (after the header line, in a new file); returns how many prompts were answered."""
+    answered = 0
+    _cut_incomplete_line(part)
+    fd = os.open(part, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        with tqdm(total=len(mine), desc=f"{dist.prefix()}generate", unit="prompt") as bar:
+            if os.fstat(fd).st_size == 0:
+                append_whole(fd, (json.dumps(header) + "\n").encode(), part, "the part file's header")
+            for start in range(0, len(mine), batch_size):
+                if stop.requested:
+                    break
+                batch = mine[start : start + batch_size]
+                records = _answer_turns(target, batch, settings, complete, long_prompts)
+                # a batch's records are appended whole or not at all: a full disk loses only them
+                append_whole(fd, "".join(record_json(r) + "\n" for r in records).encode(), part,
+                             f"the completions of {len(batch)} prompts")  # fmt: skip
+                answered += len(batch)
+                bar.update(len(batch))
+    except DiskFullError as e:
+        e.then = (f"free space and re-run the same command: the records already in {part.name} are kept, "
+                  f"{len(mine) - answered} prompts{' of this rank' if dist.world > 1 else ''} "
+                  f"remain")  # fmt: skip
+        raise
+    finally:
+        os.close(fd)
+    return answered
+
+
+def _merge(out: Path, header: dict, prompts: list[Prompt]) -> None:
+    """Rank 0, once every rank's part is complete: every record (earlier runs' included) into OUT in the prompts'
+    order, then the parts removed."""
+    done = _read_existing(out, header)
+    order = [p.record_id(t) for p in prompts for t in range(len(p.turns))]
+    records = [done.pop(rid) for rid in order if rid in done]
+    if done:
+        print(f"keeping {len(done)} records of earlier runs whose prompts are not in this run")
+    records += list(done.values())
+    _write_final(out, header, records)
+    for part in part_paths(out):
+        part.unlink()
+    print(f"wrote {len(records)} records to {out}")
 
 
 # -- loading -------------------------------------------------------------------------------
@@ -576,155 +591,3 @@ def load_completions(
     if not records:
         raise FlashdraftError(f"{path}: no valid records (of {len(raw)})")
     return Completions(path, header, records, skipped)
-
-
-# -- the command ------------------------------------------------------------------------------
-
-
-def _start_engine(engine: str, python: str | None, target: TargetModel, out: Path, target_dtype: str | None):
-    """The engine's server for `generate --engine` (not yet entered): the target alone, in the dtype asked for
-    (default float32: outputs equal to flashdraft's local fp32 generation)."""
-    from flashdraft.engine import VllmServer, engine_info, engine_python
-
-    if engine != "vllm":
-        raise FlashdraftError(f"--engine {engine}: expected vllm")
-    py = engine_python(python)
-    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(target_dtype or "", "float32")
-    server = VllmServer(py, str(resolve_target_path(target.path)), out.with_name(out.name + ".vllm.log"), dtype=dtype,
-                        info=engine_info(py))  # fmt: skip
-    print(f"starting {server.info.describe()}: {' '.join(server.command())}")
-    return server
-
-
-def check_engine_completions(target: TargetModel, path: Path, settings: GenerationSettings,
-                             filters: SamplingFilters, share: float) -> None:  # fmt: skip
-    """The engine's completions checked, not trusted: a `share` of them (at least one) teacher-forced through the
-    target: at T = 0 each token its argmax (near-ties aside), at T > 0 samples of its filtered p; refused otherwise
-    (the file stays, for inspection)."""
-    import random
-
-    from flashdraft.records import EvalRecord
-    from flashdraft.target_samples import greedy_agreement, sampling_fidelity
-
-    records = json.loads(path.read_text()).get("records", [])
-    picks = random.Random(0).sample(records, min(len(records), max(1, round(share * len(records)))))
-    outputs = [EvalRecord(r["id"], r["prompt_ids"], r["completion_ids"]) for r in picks]
-    if settings.temperature <= 0:
-        found = greedy_agreement(target, outputs)
-        print(f"checked {len(outputs)} of {len(records)} completions against the target: {found['greedy']} its "
-              f"greedy output, {found['near_ties']} past a near-tie (logits within "
-              f"{found['tie_margin']:g})")  # fmt: skip
-    else:
-        found = sampling_fidelity(target, outputs, settings.temperature, filters)
-        print(f"checked {len(outputs)} of {len(records)} completions against the target: log-likelihood score "
-              f"z = {found['log_likelihood_z']:+.2f} over {found['tokens']} tokens (samples of its p: |z| <= "
-              f"{found['z_limit']:g})")  # fmt: skip
-    if found["problems"]:
-        raise FlashdraftError(f"{path}: {settings.engine_version}'s completions are not the target's: "
-                              f"{found['problems'][0]}" + (f" (and {len(found['problems']) - 1} more)"
-                                                          if len(found["problems"]) > 1 else ""))  # fmt: skip
-
-
-def report_truncated(path: Path) -> None:
-    """How many completions stopped at max_new_tokens rather than at a stop token: training on them is fine, but
-    a share near 1 says the budget cuts answers short."""
-    records = json.loads(path.read_text()).get("records", [])
-    cut = sum(r.get("stop_reason") == "length" for r in records)
-    print(f"{cut} of {len(records)} completions truncated at max_new_tokens (stop_reason length), "
-          f"{len(records) - cut} ended by a stop token")
-
-
-def run_generate(
-    target_model: str,
-    prompts: str,
-    out: str,
-    num_prompts: int | None = None,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    seed: int = 0,
-    batch_size: int = 8,
-    backend: str = "local",
-    base_url: str | None = None,
-    server_model: str | None = None,
-    chat_template: bool | None = None,
-    device: str | None = None,
-    target_dtype: str | None = None,
-    long_prompts: str = "error",
-    min_prompt_tokens: int = 0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    use_generation_config: bool = True,
-    engine: str | None = None,
-    engine_python: str | None = None,
-    verify_share: float = 0.05,
-) -> Path:
-    """`flashdraft generate`, one rank of it under torchrun. `engine` "vllm": the completions come from a vLLM
-    server started for this run (`engine_python`'s environment; 127.0.0.1, stopped at the end), token ids as it
-    returned them. chat_template None = use the
-    target's template where it has one; long_prompts: what to do with a prompt longer than the
-    target's context minus max_new_tokens ("error", "skip" or "truncate"); min_prompt_tokens:
-    leave out turns whose prompt is shorter (long-context data from any dataset). At temperature > 0, top_k /
-    top_p / min_p filter the target's p (None: the target's generation_config.json values, as the servers apply
-    them, unless use_generation_config is off); greedy decoding needs none."""
-    from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, load_prompts
-    from flashdraft.distributed import init_distributed, load_dtype, lock_on_main, pick_device
-
-    if backend == "openai" and not base_url:
-        raise FlashdraftError("--backend openai needs --base-url (the server, e.g. http://localhost:8000/v1)")
-    if backend != "openai" and (base_url or server_model):
-        raise FlashdraftError("--base-url and --server-model are for --backend openai; this run generates locally")
-    if engine is not None and (backend != "local" or base_url):
-        raise FlashdraftError(f"--engine {engine} starts its own server: drop --backend openai and --base-url")
-    if long_prompts not in LONG_PROMPT_POLICIES:
-        raise FlashdraftError(f"--long-prompts {long_prompts}: expected one of {', '.join(LONG_PROMPT_POLICIES)}")
-    dist = init_distributed()
-    lock = None
-    stack = ExitStack()  # the engine's server, when this run started one: stopped on every way out
-    try:
-        # before the target loads (minutes for a large one): a second writer of OUT is refused at once
-        lock = lock_on_main(dist, Path(out).with_name(Path(out).name + ".lock"), Path(out), "flashdraft generate")
-        dev = pick_device(dist, "cpu" if backend == "openai" or engine else device)
-        target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))
-        prompt_list = load_prompts(prompts, num_prompts, quiet=not dist.is_main)
-        has_template = has_chat_template(target.tokenizer)
-        if chat_template and not has_template:
-            raise FlashdraftError(f"{target.path}: the tokenizer has no chat template; drop --chat-template")
-        use_template = has_template if chat_template is None else chat_template
-        if dist.is_main:
-            print(f"target {target.path} on {dev}: " + ("chat template applied" if use_template else
-                  "no chat template, prompts used as plain text"))  # fmt: skip
-        server = _start_engine(engine, engine_python, target, Path(out), target_dtype) if engine else None
-        if server is not None:
-            stack.enter_context(server)
-            print(f"{server.info.describe()} ready after {server.startup_seconds:.1f} s at {server.base_url}")
-            backend, base_url = "openai", server.base_url
-        client = OpenAIClient(base_url, server_model) if backend == "openai" else None
-        filters = NO_FILTERS
-        note = greedy_filters_note(top_k, top_p, min_p) if temperature <= 0 else None
-        if note and dist.is_main:
-            print(note)
-        if temperature > 0:
-            filters = resolve_filters(target.path, top_k, top_p, min_p, use_generation_config)
-            if dist.is_main:
-                settings_line = ", ".join(f"{k} {v} ({filters.source[k]})" for k, v in filters.active().items())
-                print(f"sampling: temperature {temperature}, {settings_line or 'no filters'}")
-        settings = GenerationSettings(
-            prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-            chat_template=use_template, backend=backend if server is None else engine,
-            base_url=base_url if server is None else None,
-            server_model=client.model if client and server is None else None, long_prompts=long_prompts,
-            min_prompt_tokens=min_prompt_tokens, **{k: v for k, v in filters.active().items()},
-            engine_version=server.info.describe() if server is not None else None,
-        )  # fmt: skip
-        path = generate_completions(target, prompt_list, out, settings, batch_size, dist, client)
-        if dist.is_main:
-            report_truncated(path)
-            if server is not None:
-                check_engine_completions(target, path, settings, filters, verify_share)
-        return path
-    finally:
-        stack.close()
-        if lock is not None:
-            lock.release()
-        dist.close()

@@ -17,7 +17,7 @@ from flashdraft.train.blocks import IGNORE, build_blocks, sample_anchors
 
 
 class TrainRecord(Protocol):
-    """A sequence as stored by the cache (`flashdraft.data.cache.CachedRecord`)."""
+    """A sequence as stored by the cache (`flashdraft.data.cache_reader.CachedRecord`)."""
 
     input_ids: torch.Tensor  # [T] long, prompt + completion
     loss_mask: torch.Tensor  # [T] bool, True on completion tokens

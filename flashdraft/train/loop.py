@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
-import time
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
@@ -35,7 +33,7 @@ from flashdraft.distributed import (
     wrap_model,
 )
 from flashdraft.errors import FlashdraftError, Interrupted
-from flashdraft.files import DiskFullError, append_whole, write_text_atomic
+from flashdraft.files import DiskFullError, write_text_atomic
 from flashdraft.model import DFlashDrafter
 from flashdraft.offline import evaluate_offline
 from flashdraft.progress import Progress
@@ -54,6 +52,7 @@ from flashdraft.stop import StopRequests
 from flashdraft.target import TargetModel
 from flashdraft.train.data import Batch, add_context_noise, make_batch, record_generator
 from flashdraft.train.loss import DSparkLoss, block_loss, estimated_acceptance, label_weight_total
+from flashdraft.train.metrics import MetricsWriter, StepResult, Window, dspark_metrics, selector_metrics
 from flashdraft.train.optim import Optimizers, build_optimizers
 
 
@@ -138,58 +137,6 @@ def check_no_shortcut(drafter: DFlashDrafter, target: TargetModel) -> None:
             f"drafter hidden_size/vocab_size {drafter.config.hidden_size}/{drafter.config.vocab_size} differ from "
             f"the target's {target.hidden_size}/{target.vocab_size}"
         )
-
-
-class MetricsWriter:
-    """metrics.jsonl always; TensorBoard when installed; W&B when asked."""
-
-    def __init__(self, run_dir: Path, report_to: list[str], config: dict, start_step: int = 0) -> None:
-        path = run_dir / "metrics.jsonl"
-        # rows after the checkpoint resumed from are written again by the resumed run, and a row
-        # cut short by a kill is not a row: keep only complete rows up to start_step
-        kept = []
-        for line in path.read_text().splitlines(keepends=True) if path.exists() else []:
-            try:
-                if line.endswith("\n") and json.loads(line)["step"] <= start_step:
-                    kept.append(line)
-            except (json.JSONDecodeError, KeyError, TypeError):
-                pass
-        write_text_atomic(path, "".join(kept), "the metrics kept from before the resumed step")
-        self.path = path
-        # rows are appended whole or not at all (`append_whole`): a full disk leaves complete rows
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-        self.tb = self.wandb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-        except ImportError:
-            pass
-        if "wandb" in report_to:
-            try:
-                import wandb
-            except ImportError:
-                raise FlashdraftError(
-                    "--report-to wandb: the wandb package is not installed (pip install wandb)"
-                ) from None
-            self.wandb = wandb.init(project="flashdraft", dir=str(run_dir), config=config)
-
-    def write(self, step: int, metrics: dict) -> None:
-        append_whole(self.fd, (json.dumps({"step": step, **metrics}) + "\n").encode(), self.path,
-                     f"the metrics row of step {step}")  # fmt: skip
-        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-        if self.tb is not None:
-            for k, v in scalars.items():
-                self.tb.add_scalar(k, v, step)
-        if self.wandb is not None:
-            self.wandb.log(scalars, step=step)
-
-    def close(self) -> None:
-        os.close(self.fd)
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
 
 
 def forward_loss(
@@ -364,19 +311,6 @@ def global_batch(cfg: TrainConfig, records, step: int, steps_per_epoch: int, dis
     return micro_batches, global_indices
 
 
-@dataclass
-class StepResult:
-    loss: float  # the global batch's mean loss
-    weight_total: float  # its total loss weight (all ranks)
-    correct: torch.Tensor  # [B] this rank's accepted-position counts
-    count: torch.Tensor  # [B]
-    grad_norm: float = 0.0
-    top_k_hits: torch.Tensor | None = None  # [B] DFlash2: labels among the unary top-K
-    selector_correct: torch.Tensor | None = None  # [B] DFlash2: the selector's teacher-forced pick right
-    accept_rate: torch.Tensor | None = None  # [B] DSpark: summed acceptance probabilities 1 - |p_draft - p_target| / 2
-    confidence: torch.Tensor | None = None  # [B] DSpark: summed confidence-head estimates
-
-
 def forward_backward(
     model, target: TargetModel, micro_batches: list[Batch], cfg: TrainConfig, dist: Dist
 ) -> StepResult:
@@ -411,70 +345,6 @@ def forward_backward(
                                                                    is not None else 0))  # fmt: skip
     result.loss = float(all_reduce_sum(loss)) / weight_total
     return result
-
-
-def selector_metrics(top_k_hits: torch.Tensor | None, selector_correct: torch.Tensor | None, count) -> dict:
-    """DFlash2's figures per block position 1..B-1: how often the label is among the unary top-K, and
-    how often the selector, teacher-forced, picks it (the walk's per-position accuracy); {} for DFlash."""
-    if top_k_hits is None:
-        return {}
-    n = count[1:].clamp(min=1)
-    acc, tau_est = estimated_acceptance(selector_correct, count)
-    return {"top_k_coverage": (top_k_hits[1:] / n).tolist(), "selector_accuracy": acc,
-            "selector_estimated_acceptance": tau_est}  # fmt: skip
-
-
-def dspark_metrics(accept_rate: torch.Tensor | None, confidence: torch.Tensor | None, count, first_draft: int
-                   ) -> dict:  # fmt: skip
-    """DSpark's figures per drafting position: the mean acceptance probability 1 - |p_draft - p_target|_1 / 2 and
-    its expected accepted length (DeepSpec's accept_rate@k and tau_probabilistic), and the confidence head's mean
-    estimate beside it (calibrated when the two agree); {} for the other families."""
-    if accept_rate is None:
-        return {}
-    n = count[first_draft:].clamp(min=1)
-    rate = accept_rate[first_draft:] / n
-    metrics = {"accept_rate": rate.tolist(), "expected_accepted_length": float(1 + rate.cumprod(0).sum())}
-    if confidence is not None:
-        metrics["confidence_mean"] = (confidence[first_draft:] / n).tolist()
-    return metrics
-
-
-class Window:
-    """Training figures summed over the steps since the last log line."""
-
-    def __init__(self, first_draft: int = 1) -> None:
-        self.loss = self.weight = 0.0
-        self.correct = self.count = 0.0
-        self.top_k_hits = self.selector_correct = None  # DFlash2
-        self.accept_rate = self.confidence = None  # DSpark
-        self.first_draft = first_draft  # the layout's first drafting position (0: anchor-first)
-        self.tokens = 0
-        self.t0 = time.perf_counter()
-
-    def add(self, result: StepResult, micro_batches: list[Batch], world: int) -> None:
-        self.loss += result.loss * result.weight_total
-        self.weight += result.weight_total
-        self.correct += all_reduce_sum(result.correct)
-        self.count += all_reduce_sum(result.count)
-        if result.top_k_hits is not None:
-            hits, picked = all_reduce_sum(result.top_k_hits), all_reduce_sum(result.selector_correct)
-            self.top_k_hits = hits if self.top_k_hits is None else self.top_k_hits + hits
-            self.selector_correct = picked if self.selector_correct is None else self.selector_correct + picked
-        for name in ("accept_rate", "confidence"):
-            if getattr(result, name) is not None:
-                value = all_reduce_sum(getattr(result, name))
-                setattr(self, name, value if getattr(self, name) is None else getattr(self, name) + value)
-        self.tokens += sum(int((b.context_positions < (1 << 40)).sum()) for b in micro_batches) * world
-
-    def metrics(self, lr: float, grad_norm: float, epoch: int) -> dict:
-        acc, tau_est = estimated_acceptance(self.correct, self.count, self.first_draft)
-        metrics = {
-            "loss": self.loss / self.weight, "position_accuracy": acc, "estimated_acceptance": tau_est,
-            "tokens_per_s": self.tokens / (time.perf_counter() - self.t0), "lr": lr, "grad_norm": grad_norm,
-            "epoch": epoch,
-        }  # fmt: skip
-        return (metrics | selector_metrics(self.top_k_hits, self.selector_correct, self.count)
-                | dspark_metrics(self.accept_rate, self.confidence, self.count, self.first_draft))
 
 
 def held_out_metrics(model, target: TargetModel, cfg: TrainConfig, dist: Dist, eval_records, eval_tau_records) -> dict:
@@ -536,6 +406,60 @@ def _save(run_dir: Path, step: int, model, optimizer: Optimizers, cfg: TrainConf
     on_main(dist, save, f"step {step}: writing its checkpoint")
 
 
+def _check_keep_best(cfg: TrainConfig, eval_records, eval_tau_records) -> None:
+    """--keep-best needs held-out evaluations to rank."""
+    held_out_set = eval_records is not None or bool(eval_tau_records)
+    if cfg.keep_best and not (cfg.eval_every > 0 and held_out_set):
+        raise FlashdraftError(
+            f"--keep-best ranks held-out evaluations; found --eval-every {cfg.eval_every} and "
+            f"{'a' if held_out_set else 'no'} held-out set; expected --eval-every N > 0 and "
+            f"--eval-cached-hidden-states or --eval-completions"
+        )
+
+
+def _record_layout(cfg: TrainConfig, drafter: DFlashDrafter, target: TargetModel) -> None:
+    """The configuration's recorded fields: the drafter's layout and the target's fingerprint."""
+    dcfg = drafter.config
+    cfg.target_layer_ids, cfg.mask_token_id, cfg.block_size = dcfg.target_layer_ids, dcfg.mask_token_id, dcfg.block_size
+    cfg.first_draft_position = dcfg.first_draft_position
+    cfg.target_fingerprint = cfg.target_fingerprint or target.fingerprint()
+
+
+def _optimizer_step(model, target: TargetModel, optimizer: Optimizers, micro_batches: list[Batch], indices: list,
+                    records, cfg: TrainConfig, dist: Dist, step: int, epoch: int, run_dir: Path
+                    ) -> tuple[StepResult, float]:  # fmt: skip
+    """One step on the global batch: gradients, their clipped norm, the update. A batch without supervised tokens or
+    a non-finite loss stops the run, naming the records. Returns the step's figures and its gradient norm."""
+    # the checkpoint records the longest context trained at, over this run and the one it started from
+    reach = all_reduce_max(max(b.context_reach(cfg.block_size) for b in micro_batches))
+    drafter_config = unwrap(model).config
+    drafter_config.trained_context_length = max(drafter_config.trained_context_length or 0, reach)
+    result = forward_backward(model, target, micro_batches, cfg, dist)
+    if result.weight_total == 0:
+        raise FlashdraftError(f"step {step}: records {indices} have no supervised completion tokens")
+    if not math.isfinite(result.loss):
+        raise FlashdraftError(
+            f"step {step}: loss is {result.loss} on records {indices} (epoch {epoch})"
+            f"{_nonfinite_input(micro_batches, records)}; stopped, last good checkpoint kept in "
+            f"{run_dir / 'checkpoints'}"
+        )
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+    optimizer.step()
+    optimizer.zero_grad()
+    return result, grad_norm
+
+
+def _interrupted(stop: StopRequests, bar: Progress, run_dir: Path, done: int, total_steps: int, dist: Dist
+                 ) -> Interrupted:  # fmt: skip
+    """The stop after step `done` (its checkpoint written), for every rank to raise."""
+    bar.n = done  # the bar's count lags behind its loop; the line it closes with says where
+    bar.close()
+    signum = stop.signum or signal.SIGTERM  # a rank that got none stops with its peers
+    where = run_dir / CHECKPOINTS / f"step-{done:07d}"
+    return Interrupted(signum, f"{signal.Signals(signum).name} after step {done} of {total_steps}: "
+                       f"checkpoint {where}" if dist.is_main else "", "--resume")  # fmt: skip
+
+
 def train(
     cfg: TrainConfig,
     drafter: DFlashDrafter,
@@ -556,18 +480,9 @@ def train(
     eval_tau_records: held-out `flashdraft.records.EvalRecord`s for the real offline τ.
     """
     dist = dist or Dist()
-    dcfg = drafter.config
     check_no_shortcut(drafter, target)
-    held_out_set = eval_records is not None or bool(eval_tau_records)
-    if cfg.keep_best and not (cfg.eval_every > 0 and held_out_set):
-        raise FlashdraftError(
-            f"--keep-best ranks held-out evaluations; found --eval-every {cfg.eval_every} and "
-            f"{'a' if held_out_set else 'no'} held-out set; expected --eval-every N > 0 and "
-            f"--eval-cached-hidden-states or --eval-completions"
-        )
-    cfg.target_layer_ids, cfg.mask_token_id, cfg.block_size = dcfg.target_layer_ids, dcfg.mask_token_id, dcfg.block_size
-    cfg.first_draft_position = dcfg.first_draft_position
-    cfg.target_fingerprint = cfg.target_fingerprint or target.fingerprint()
+    _check_keep_best(cfg, eval_records, eval_tau_records)
+    _record_layout(cfg, drafter, target)
     steps_per_epoch, total_steps = _steps(cfg, len(records), dist.world)
     lock = RunLock(run_dir) if dist.is_main else None
     writer = None
@@ -588,24 +503,10 @@ def train(
             for step in bar:
                 epoch = step // steps_per_epoch
                 micro_batches, indices = global_batch(cfg, records, step, steps_per_epoch, dist)
-                # the checkpoint records the longest context trained at, over this run and the one it started from
-                reach = all_reduce_max(max(b.context_reach(cfg.block_size) for b in micro_batches))
-                dcfg.trained_context_length = max(dcfg.trained_context_length or 0, reach)
-                result = forward_backward(model, target, micro_batches, cfg, dist)
-                if result.weight_total == 0:
-                    raise FlashdraftError(f"step {step}: records {indices} have no supervised completion tokens")
-                if not math.isfinite(result.loss):
-                    raise FlashdraftError(
-                        f"step {step}: loss is {result.loss} on records {indices} (epoch {epoch})"
-                        f"{_nonfinite_input(micro_batches, records)}; stopped, last good checkpoint kept in "
-                        f"{run_dir / 'checkpoints'}"
-                    )
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-                optimizer.step()
-                optimizer.zero_grad()
+                result, grad_norm = _optimizer_step(model, target, optimizer, micro_batches, indices, records, cfg,
+                                                    dist, step, epoch, run_dir)  # fmt: skip
                 if on_step is not None:
                     on_step(step)
-
                 window.add(result, micro_batches, dist.world)
                 done = step + 1
                 if done % cfg.log_every == 0 or done == total_steps:
@@ -626,12 +527,7 @@ def train(
                 if done < total_steps and any_rank(stop.requested):
                     if not saved:
                         _save(run_dir, done, model, optimizer, cfg, config_dict, len(records), dist)
-                    bar.n = done  # the bar's count lags behind its loop; the line it closes with says where
-                    bar.close()
-                    signum = stop.signum or signal.SIGTERM  # a rank that got none stops with its peers
-                    where = run_dir / CHECKPOINTS / f"step-{done:07d}"
-                    raise Interrupted(signum, f"{signal.Signals(signum).name} after step {done} of {total_steps}: "
-                                      f"checkpoint {where}" if dist.is_main else "", "--resume")  # fmt: skip
+                    raise _interrupted(stop, bar, run_dir, done, total_steps, dist)
     except DiskFullError as e:
         e.then = ("free space (or move the run) and re-run the same command with --resume: it continues from the "
                   "newest complete checkpoint")  # fmt: skip

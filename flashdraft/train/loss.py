@@ -191,46 +191,21 @@ def block_loss(
     logits = lm_head(hidden[trained]).float()  # [M, V]
     target = labels[trained]  # [M]
     pos = block_pos.expand_as(labels)[trained]  # [M]
+    topk = None  # the target's top-k at the trained positions, [M, k] each, where a term reads them
+    if target_topk is not None and (dspark is not None or kl_weight > 0):
+        topk = (target_topk[0][trained], target_topk[1][trained])
     predecessors = None
     if dspark is not None:  # teacher-forced: the Markov bias of the true token before each label (never a later one)
         predecessors = block_predecessors(block_ids, labels, block_size, first_draft)[trained]  # [M], all known
         logits = logits + drafter.markov_head.bias(predecessors).float()
     per_token = F.cross_entropy(logits, target, reduction="none")  # [M]
-    if weighting == "dpace":
-        label_prob = torch.zeros(labels.shape, device=hidden.device)  # [N, K * B]
-        label_prob[trained] = torch.exp(-per_token.detach())
-        per_block = (labels.shape[0], -1, block_size)
-        w = dpace_weights(label_prob.view(per_block), trained.view(per_block), dpace_alpha).view(labels.shape)[trained]
-    else:
-        w = position_weights(block_size, gamma, first_draft).to(hidden.device)[pos]  # [M]
+    w = _label_weights(per_token, labels, trained, pos, block_size, gamma, weighting, dpace_alpha, first_draft)
     accept_rate = confidence_sum = None
     if dspark is not None:
-        per_token = dspark.ce * per_token
-        l1 = None
-        if target_topk is not None:
-            l1 = target_distribution_terms(logits, (target_topk[0][trained], target_topk[1][trained]))  # [M]
-        elif dspark.needs_target:
-            raise ValueError("DSpark's distribution terms need the target's top-k logits (a cache made with "
-                             "--with-target-logits K, or online training)")
-        if l1 is not None:
-            per_token = per_token + dspark.tv * l1
-            accept = (1 - l1 / 2).clamp(0, 1)  # [M]: the probability a draft sampled from p_draft is accepted
-            accept_rate = torch.zeros(block_size, device=hidden.device).index_add_(0, pos, accept.detach())
-        if drafter.confidence_head is not None and l1 is not None:
-            embedding = drafter.markov_head.embed(predecessors) if drafter.confidence_head.with_markov else None
-            confidence_logit = drafter.confidence_head(hidden[trained], embedding)  # [M]
-            bce = F.binary_cross_entropy_with_logits(confidence_logit, accept.detach(), reduction="none")
-            per_token = per_token + dspark.confidence * bce
-            confidence_sum = torch.zeros(block_size, device=hidden.device)
-            confidence_sum.index_add_(0, pos, torch.sigmoid(confidence_logit).detach())
+        per_token, accept_rate, confidence_sum = _dspark_terms(per_token, logits, hidden[trained], topk, pos,
+                                                               block_size, predecessors, drafter, dspark)  # fmt: skip
     if kl_weight > 0:
-        if target_topk is None:
-            raise ValueError("kl_weight > 0 needs the target's top-k logits (cache made with --with-target-logits)")
-        values, indices = target_topk[0][trained].float(), target_topk[1][trained]
-        teacher = torch.softmax(values, -1)  # [M, k], renormalised over the stored top-k
-        student = torch.log_softmax(logits, -1).gather(1, indices)  # [M, k]
-        kl = (teacher * (teacher.clamp_min(1e-12).log() - student)).sum(-1)
-        per_token = (1 - kl_weight) * per_token + kl_weight * kl
+        per_token = (1 - kl_weight) * per_token + kl_weight * _kl_to_target(logits, topk)
     correct = torch.zeros(block_size, device=hidden.device)
     count = torch.zeros(block_size, device=hidden.device)
     correct.index_add_(0, pos, (logits.argmax(-1) == target).float())
@@ -248,6 +223,60 @@ def block_loss(
     top_k_hits.index_add_(0, pos, in_top_k.float())
     selector_correct.index_add_(0, pos, picked.float())
     return LossParts(weighted_sum, w.sum().detach(), correct, count, top_k_hits, selector_correct)
+
+
+def _label_weights(per_token: torch.Tensor, labels: torch.Tensor, trained: torch.Tensor, pos: torch.Tensor,
+                   block_size: int, gamma: float | None, weighting: str, dpace_alpha: float, first_draft: int
+                   ) -> torch.Tensor:  # fmt: skip
+    """Each trained position's weight [M]: D-PACE's from the hard CE's label probability (per_token [M]), or the
+    decay by block position (pos [M])."""
+    if weighting == "dpace":
+        label_prob = torch.zeros(labels.shape, device=per_token.device)  # [N, K * B]
+        label_prob[trained] = torch.exp(-per_token.detach())
+        per_block = (labels.shape[0], -1, block_size)
+        weights = dpace_weights(label_prob.view(per_block), trained.view(per_block), dpace_alpha)
+        return weights.view(labels.shape)[trained]
+    return position_weights(block_size, gamma, first_draft).to(per_token.device)[pos]  # [M]
+
+
+def _dspark_terms(
+    per_token: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, topk: tuple[torch.Tensor, torch.Tensor] | None,
+    pos: torch.Tensor, block_size: int, predecessors: torch.Tensor, drafter, dspark: DSparkLoss,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """DSpark's loss per trained position [M] from the hard CE per_token [M]: its CE share, the |p_draft -
+    p_target|_1 term where the target's top-k is known, the confidence head's BCE to the acceptance probability;
+    with the acceptance probabilities and confidence estimates summed per block position ([B], None where not
+    computed). hidden [M, H], logits [M, V] and topk [M, k] are the trained positions'."""
+    accept_rate = confidence_sum = None
+    per_token = dspark.ce * per_token
+    l1 = None
+    if topk is not None:
+        l1 = target_distribution_terms(logits, topk)  # [M]
+    elif dspark.needs_target:
+        raise ValueError("DSpark's distribution terms need the target's top-k logits (a cache made with "
+                         "--with-target-logits K, or online training)")
+    if l1 is not None:
+        per_token = per_token + dspark.tv * l1
+        accept = (1 - l1 / 2).clamp(0, 1)  # [M]: the probability a draft sampled from p_draft is accepted
+        accept_rate = torch.zeros(block_size, device=hidden.device).index_add_(0, pos, accept.detach())
+    if drafter.confidence_head is not None and l1 is not None:
+        embedding = drafter.markov_head.embed(predecessors) if drafter.confidence_head.with_markov else None
+        confidence_logit = drafter.confidence_head(hidden, embedding)  # [M]
+        bce = F.binary_cross_entropy_with_logits(confidence_logit, accept.detach(), reduction="none")
+        per_token = per_token + dspark.confidence * bce
+        confidence_sum = torch.zeros(block_size, device=hidden.device)
+        confidence_sum.index_add_(0, pos, torch.sigmoid(confidence_logit).detach())
+    return per_token, accept_rate, confidence_sum
+
+
+def _kl_to_target(logits: torch.Tensor, topk: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """KL(target || draft) per trained position [M], the target's distribution renormalised over its stored top-k."""
+    if topk is None:
+        raise ValueError("kl_weight > 0 needs the target's top-k logits (cache made with --with-target-logits)")
+    values, indices = topk[0].float(), topk[1]
+    teacher = torch.softmax(values, -1)  # [M, k], renormalised over the stored top-k
+    student = torch.log_softmax(logits, -1).gather(1, indices)  # [M, k]
+    return (teacher * (teacher.clamp_min(1e-12).log() - student)).sum(-1)
 
 
 def estimated_acceptance(correct: torch.Tensor, count: torch.Tensor, first_draft: int = 1) -> tuple[list[float], float]:

@@ -47,7 +47,8 @@ def load_training_records(target: TargetModel, layer_ids: list[int], cached: str
     """Training records and a fingerprint of the data they come from (online: with the target's top-`online_topk`
     logits at every position when > 0)."""
     if cached:
-        from flashdraft.data.cache import MANIFEST, HiddenStateCache
+        from flashdraft.data.cache import MANIFEST
+        from flashdraft.data.cache_reader import HiddenStateCache
 
         cache = HiddenStateCache(cached, verify=verify)
         cache.check_compatible(target, layer_ids)
@@ -69,7 +70,7 @@ def eval_tau_records(
     from flashdraft.records import EvalRecord, records_from_cache
 
     if cached:
-        from flashdraft.data.cache import HiddenStateCache
+        from flashdraft.data.cache_reader import HiddenStateCache
 
         return records_from_cache(HiddenStateCache(cached, verify=verify))
     from flashdraft.data.completions import load_completions
@@ -143,6 +144,38 @@ def _with_vocabulary(
     return drafter
 
 
+def _held_out_records(target: TargetModel, layer_ids: list[int], cached: str | None, completions: str | None,
+                      allow_foreign: bool, verify: bool, online_topk: int) -> tuple:  # fmt: skip
+    """The held-out set, if one is given: as training records (loss, estimated acceptance) and as evaluation records
+    (the real offline τ); (None, None) without one."""
+    if not (cached or completions):
+        return None, None
+    records, _ = load_training_records(target, layer_ids, cached, completions, allow_foreign, verify, online_topk)
+    return records, eval_tau_records(cached, completions, target, allow_foreign, verify)
+
+
+def _refuse_without_target_distribution(cfg: TrainConfig, cached_hidden_states: str | None) -> None:
+    """A DSpark drafter's distribution terms read the target's logits, which this cache does not hold."""
+    raise FlashdraftError(
+        f"{cached_hidden_states}: holds no target logits; a DSpark drafter's loss needs the target's "
+        f"distribution at every label (--dspark-tv-weight {cfg.dspark_tv_weight}, --confidence-loss-weight "
+        f"{cfg.confidence_loss_weight}); expected a cache made with flashdraft cache --with-target-logits K, "
+        f"online training (--completions), or both weights 0 (hard CE only)"
+    )
+
+
+def _describe_run(target: TargetModel, drafter: DFlashDrafter, num_records: int, offline: bool) -> str:
+    """The line a run starts with: target, drafter and data."""
+    return (
+        f"target {target.path}: {target.num_layers} layers, linear-attention backend {target.linear_backend}; "
+        f"drafter {drafter.config.num_hidden_layers} layers, context layers {drafter.config.target_layer_ids}, block "
+        f"size {drafter.config.block_size}, mask token {drafter.config.mask_token_id}, RoPE "
+        f"{describe_scaling(drafter.config.rope_scaling)}, trained context so far "
+        f"{drafter.config.trained_context_length or 'none recorded'}; {num_records} records "
+        f"({'offline cache' if offline else 'online target features'})"
+    )
+
+
 def run_training(
     cfg: TrainConfig,
     target_model: str,
@@ -191,12 +224,7 @@ def run_training(
             target, layer_ids, cached_hidden_states, completions, allow_foreign, verify, online_topk
         )
         if needs_target and not getattr(records, "topk", 0):
-            raise FlashdraftError(
-                f"{cached_hidden_states}: holds no target logits; a DSpark drafter's loss needs the target's "
-                f"distribution at every label (--dspark-tv-weight {cfg.dspark_tv_weight}, --confidence-loss-weight "
-                f"{cfg.confidence_loss_weight}); expected a cache made with flashdraft cache --with-target-logits K, "
-                f"online training (--completions), or both weights 0 (hard CE only)"
-            )
+            _refuse_without_target_distribution(cfg, cached_hidden_states)
         drafter = _with_vocabulary(drafter, draft_vocab_size, records, target, cfg, dist)
         if cfg.kl_weight > 0 and not getattr(records, "topk", 0):
             raise FlashdraftError(
@@ -205,23 +233,10 @@ def run_training(
             )
         if cfg.loss_decay_gamma is None:
             cfg.loss_decay_gamma = recipe_decay_gamma(drafter.config.block_size, drafter.config.family)
-        eval_records = tau_records = None
-        if eval_cached_hidden_states or eval_completions:
-            eval_records, _ = load_training_records(
-                target, layer_ids, eval_cached_hidden_states, eval_completions, allow_foreign, verify, online_topk
-            )
-            tau_records = eval_tau_records(eval_cached_hidden_states, eval_completions, target, allow_foreign,
-                                           verify)  # fmt: skip
+        eval_records, tau_records = _held_out_records(target, layer_ids, eval_cached_hidden_states, eval_completions,
+                                                      allow_foreign, verify, online_topk)  # fmt: skip
         if dist.is_main:
-            print(
-                f"target {target.path}: {target.num_layers} layers, linear-attention backend {target.linear_backend}; "
-                f"drafter {drafter.config.num_hidden_layers} layers, context layers {layer_ids}, block size "
-                f"{drafter.config.block_size}, mask token {drafter.config.mask_token_id}, RoPE "
-                f"{describe_scaling(drafter.config.rope_scaling)}, trained context so far "
-                f"{drafter.config.trained_context_length or 'none recorded'}; {len(records)} records "
-                f"({'offline cache' if cached_hidden_states else 'online target features'})",
-                flush=True,
-            )
+            print(_describe_run(target, drafter, len(records), offline=bool(cached_hidden_states)), flush=True)
         train(cfg, drafter, target, records, run_dir, resume=resume, eval_records=eval_records,
               report_to=report_to, dist=dist, eval_tau_records=tau_records, verify=verify)  # fmt: skip
         final = latest_checkpoint(run_dir)

@@ -10,7 +10,9 @@ import torch
 
 import flashdraft.data.cache as cache_module
 from flashdraft.checkpoint import save_drafter
-from flashdraft.data.cache import HiddenStateCache, build_cache, doctor_cache
+from flashdraft.data.cache import build_cache
+from flashdraft.data.cache_doctor import doctor_cache
+from flashdraft.data.cache_reader import HiddenStateCache
 from flashdraft.data.completions import load_completions
 from flashdraft.errors import FlashdraftError
 from flashdraft.target import TargetModel

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from flashdraft.data.cache import CAPTURE_DIR, HiddenStateCache
+from flashdraft.data.cache import CAPTURE_DIR
+from flashdraft.data.cache_reader import HiddenStateCache
 from flashdraft.data.completions import CompletionRecord
 from flashdraft.data.engine_capture import PROBE, aux_layer_ids, probe_tokens, verify_capture
 from flashdraft.errors import FlashdraftError

@@ -1,0 +1,184 @@
+"""`flashdraft generate`, one rank of the command: its options checked, the target loaded, the engine's server
+started when asked (`--engine vllm`), the completions generated (`completions.generate_completions`), then how many
+were cut at max_new_tokens, and an engine's checked against the target.
+
+A module of its own, apart from the completions format: checking an engine's completions reads the evaluation's
+teacher-forced figures (`flashdraft.target_samples`), a later stage than the completions the evaluation reads.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from contextlib import ExitStack
+from pathlib import Path
+
+from flashdraft.data.completions import GenerationSettings, generate_completions
+from flashdraft.data.openai_client import OpenAIClient
+from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, load_prompts
+from flashdraft.distributed import Dist, init_distributed, load_dtype, lock_on_main, pick_device
+from flashdraft.errors import FlashdraftError
+from flashdraft.records import EvalRecord
+from flashdraft.serving_rules import NO_FILTERS, SamplingFilters, greedy_filters_note, resolve_filters
+from flashdraft.target import TargetModel, resolve_target_path
+from flashdraft.target_samples import greedy_agreement, sampling_fidelity
+
+
+def _start_engine(engine: str, python: str | None, target: TargetModel, out: Path, target_dtype: str | None):
+    """The engine's server for `generate --engine` (not yet entered): the target alone, in the dtype asked for
+    (default float32: outputs equal to flashdraft's local fp32 generation)."""
+    from flashdraft.engine import VllmServer, engine_info, engine_python
+
+    if engine != "vllm":
+        raise FlashdraftError(f"--engine {engine}: expected vllm")
+    py = engine_python(python)
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(target_dtype or "", "float32")
+    server = VllmServer(py, str(resolve_target_path(target.path)), out.with_name(out.name + ".vllm.log"), dtype=dtype,
+                        info=engine_info(py))  # fmt: skip
+    print(f"starting {server.info.describe()}: {' '.join(server.command())}")
+    return server
+
+
+def check_engine_completions(target: TargetModel, path: Path, settings: GenerationSettings,
+                             filters: SamplingFilters, share: float) -> None:  # fmt: skip
+    """The engine's completions checked, not trusted: a `share` of them (at least one) teacher-forced through the
+    target: at T = 0 each token its argmax (near-ties aside), at T > 0 samples of its filtered p; refused otherwise
+    (the file stays, for inspection)."""
+    records = json.loads(path.read_text()).get("records", [])
+    picks = random.Random(0).sample(records, min(len(records), max(1, round(share * len(records)))))
+    outputs = [EvalRecord(r["id"], r["prompt_ids"], r["completion_ids"]) for r in picks]
+    if settings.temperature <= 0:
+        found = greedy_agreement(target, outputs)
+        print(f"checked {len(outputs)} of {len(records)} completions against the target: {found['greedy']} its "
+              f"greedy output, {found['near_ties']} past a near-tie (logits within "
+              f"{found['tie_margin']:g})")  # fmt: skip
+    else:
+        found = sampling_fidelity(target, outputs, settings.temperature, filters)
+        print(f"checked {len(outputs)} of {len(records)} completions against the target: log-likelihood score "
+              f"z = {found['log_likelihood_z']:+.2f} over {found['tokens']} tokens (samples of its p: |z| <= "
+              f"{found['z_limit']:g})")  # fmt: skip
+    if found["problems"]:
+        raise FlashdraftError(f"{path}: {settings.engine_version}'s completions are not the target's: "
+                              f"{found['problems'][0]}" + (f" (and {len(found['problems']) - 1} more)"
+                                                          if len(found["problems"]) > 1 else ""))  # fmt: skip
+
+
+def report_truncated(path: Path) -> None:
+    """How many completions stopped at max_new_tokens rather than at a stop token: training on them is fine, but
+    a share near 1 says the budget cuts answers short."""
+    records = json.loads(path.read_text()).get("records", [])
+    cut = sum(r.get("stop_reason") == "length" for r in records)
+    print(f"{cut} of {len(records)} completions truncated at max_new_tokens (stop_reason length), "
+          f"{len(records) - cut} ended by a stop token")
+
+
+def _check_options(backend: str, base_url: str | None, server_model: str | None, engine: str | None,
+                   long_prompts: str) -> None:  # fmt: skip
+    """Refuse options that contradict each other, before the target loads."""
+    if backend == "openai" and not base_url:
+        raise FlashdraftError("--backend openai needs --base-url (the server, e.g. http://localhost:8000/v1)")
+    if backend != "openai" and (base_url or server_model):
+        raise FlashdraftError("--base-url and --server-model are for --backend openai; this run generates locally")
+    if engine is not None and (backend != "local" or base_url):
+        raise FlashdraftError(f"--engine {engine} starts its own server: drop --backend openai and --base-url")
+    if long_prompts not in LONG_PROMPT_POLICIES:
+        raise FlashdraftError(f"--long-prompts {long_prompts}: expected one of {', '.join(LONG_PROMPT_POLICIES)}")
+
+
+def _use_chat_template(target: TargetModel, chat_template: bool | None, device, dist: Dist) -> bool:
+    """--chat-template, or (None) whether the target's tokenizer has one."""
+    has_template = has_chat_template(target.tokenizer)
+    if chat_template and not has_template:
+        raise FlashdraftError(f"{target.path}: the tokenizer has no chat template; drop --chat-template")
+    use_template = has_template if chat_template is None else chat_template
+    if dist.is_main:
+        print(f"target {target.path} on {device}: " + ("chat template applied" if use_template else
+              "no chat template, prompts used as plain text"))  # fmt: skip
+    return use_template
+
+
+def _sampling_filters(target: TargetModel, temperature: float, top_k: int | None, top_p: float | None,
+                      min_p: float | None, use_generation_config: bool, dist: Dist) -> SamplingFilters:  # fmt: skip
+    """The filters applied to the target's p at temperature > 0 (none when greedy, saying so when some were given)."""
+    note = greedy_filters_note(top_k, top_p, min_p) if temperature <= 0 else None
+    if note and dist.is_main:
+        print(note)
+    if temperature <= 0:
+        return NO_FILTERS
+    filters = resolve_filters(target.path, top_k, top_p, min_p, use_generation_config)
+    if dist.is_main:
+        settings_line = ", ".join(f"{k} {v} ({filters.source[k]})" for k, v in filters.active().items())
+        print(f"sampling: temperature {temperature}, {settings_line or 'no filters'}")
+    return filters
+
+
+def run_generate(
+    target_model: str,
+    prompts: str,
+    out: str,
+    num_prompts: int | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 8,
+    backend: str = "local",
+    base_url: str | None = None,
+    server_model: str | None = None,
+    chat_template: bool | None = None,
+    device: str | None = None,
+    target_dtype: str | None = None,
+    long_prompts: str = "error",
+    min_prompt_tokens: int = 0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    use_generation_config: bool = True,
+    engine: str | None = None,
+    engine_python: str | None = None,
+    verify_share: float = 0.05,
+) -> Path:
+    """`flashdraft generate`, one rank of it under torchrun. `engine` "vllm": the completions come from a vLLM
+    server started for this run (`engine_python`'s environment; 127.0.0.1, stopped at the end), token ids as it
+    returned them. chat_template None = use the
+    target's template where it has one; long_prompts: what to do with a prompt longer than the
+    target's context minus max_new_tokens ("error", "skip" or "truncate"); min_prompt_tokens:
+    leave out turns whose prompt is shorter (long-context data from any dataset). At temperature > 0, top_k /
+    top_p / min_p filter the target's p (None: the target's generation_config.json values, as the servers apply
+    them, unless use_generation_config is off); greedy decoding needs none."""
+    _check_options(backend, base_url, server_model, engine, long_prompts)
+    dist = init_distributed()
+    lock = None
+    stack = ExitStack()  # the engine's server, when this run started one: stopped on every way out
+    try:
+        # before the target loads (minutes for a large one): a second writer of OUT is refused at once
+        lock = lock_on_main(dist, Path(out).with_name(Path(out).name + ".lock"), Path(out), "flashdraft generate")
+        dev = pick_device(dist, "cpu" if backend == "openai" or engine else device)
+        target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))
+        prompt_list = load_prompts(prompts, num_prompts, quiet=not dist.is_main)
+        use_template = _use_chat_template(target, chat_template, dev, dist)
+        server = _start_engine(engine, engine_python, target, Path(out), target_dtype) if engine else None
+        if server is not None:
+            stack.enter_context(server)
+            print(f"{server.info.describe()} ready after {server.startup_seconds:.1f} s at {server.base_url}")
+            backend, base_url = "openai", server.base_url
+        client = OpenAIClient(base_url, server_model) if backend == "openai" else None
+        filters = _sampling_filters(target, temperature, top_k, top_p, min_p, use_generation_config, dist)
+        settings = GenerationSettings(
+            prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+            chat_template=use_template, backend=backend if server is None else engine,
+            base_url=base_url if server is None else None,
+            server_model=client.model if client and server is None else None, long_prompts=long_prompts,
+            min_prompt_tokens=min_prompt_tokens, **{k: v for k, v in filters.active().items()},
+            engine_version=server.info.describe() if server is not None else None,
+        )  # fmt: skip
+        path = generate_completions(target, prompt_list, out, settings, batch_size, dist, client)
+        if dist.is_main:
+            report_truncated(path)
+            if server is not None:
+                check_engine_completions(target, path, settings, filters, verify_share)
+        return path
+    finally:
+        stack.close()
+        if lock is not None:
+            lock.release()
+        dist.close()
