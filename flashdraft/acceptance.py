@@ -32,6 +32,7 @@ import torch
 
 from flashdraft.config import DEFAULT_BLOCK_SIZE
 from flashdraft.errors import FlashdraftError
+from flashdraft.families import family_of
 from flashdraft.model import DFlashDrafter
 from flashdraft.serving_rules import ServingRule, serving_rule
 from flashdraft.target import TargetModel
@@ -124,11 +125,6 @@ def sample_drafts(
     return torch.multinomial(q, 1, generator=generator)[:, 0], q
 
 
-def drafting_family(proposer: Proposer) -> str | None:
-    """The drafter family a proposer drafts as (`flashdraft.serving_rules`), None without a drafter (n-gram)."""
-    return getattr(proposer, "family", None)
-
-
 def draw_drafts(
     proposer: Proposer, logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
     rule: ServingRule | str | None = None,
@@ -137,7 +133,7 @@ def draw_drafts(
     one-hot) at temperature 0 or where the rule drafts the argmax at T > 0; else sampled, by the proposer's own
     `draw` when it has one (DFlash2 and DSpark walk, each draft given the one sampled before), else
     `sample_drafts`. Returns drafts [k] and q [k, V] or None."""
-    if temperature <= 0 or not serving_rule(rule).samples_drafts(drafting_family(proposer)):
+    if temperature <= 0 or not serving_rule(rule).samples_drafts(family_of(proposer)):
         return logits.argmax(-1), None
     return sampled_draw(proposer, logits, temperature, generator)
 
@@ -395,7 +391,7 @@ class LimitedProposer:
 
     @property
     def family(self) -> str | None:
-        return drafting_family(self.inner)
+        return family_of(self.inner)
 
     def draw(
         self, logits: torch.Tensor, temperature: float, generator: torch.Generator | None
@@ -488,7 +484,7 @@ class OfflineSampling:
         which at a reached position is the completion's token, so the cut along the completion is the live walk's.
         """
         left = completion.shape[0] - 1 - i
-        sampled = self.rule.samples_drafts(drafting_family(proposer))
+        sampled = self.rule.samples_drafts(family_of(proposer))
         k = min(rows.shape[0], left)
         if sampled and self.confidence_threshold is not None:  # `rows` hold the greedy walk's cut: not this walk's
             k = min(proposer.block_drafts(j), left)

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from flashdraft.config import DEFAULT_BLOCK_SIZE, DrafterConfig
 from flashdraft.errors import FlashdraftError
+from flashdraft.families import family
 from flashdraft.files import nbytes, write_atomic, write_text_atomic
 from flashdraft.model import DFlashDrafter, is_dflash2_parameter
 from flashdraft.safe_load import load_tensors_only
@@ -271,6 +272,12 @@ def fold_conventions(cfg: DrafterConfig, state: dict[str, torch.Tensor]) -> tupl
     return replace(cfg, gemma_norm=False, rope_neox_style=True), state
 
 
+def drafter_class(cfg: DrafterConfig) -> type[DFlashDrafter]:
+    """The module class of the drafter's family (`Family.model`; by default the one DFlash module, whose optional
+    parts the family's fields switch on)."""
+    return family(cfg.family).model or DFlashDrafter
+
+
 def _build(
     cfg: DrafterConfig, state: dict[str, torch.Tensor], source: str, device: str | torch.device, dtype: torch.dtype
 ) -> DFlashDrafter:
@@ -280,7 +287,7 @@ def _build(
     if "d2t" in state:
         state["d2t"] = state["d2t"].long()
     with torch.device("meta"):
-        model = DFlashDrafter(cfg, own_embedding="embed_tokens.weight" in state,
+        model = drafter_class(cfg)(cfg, own_embedding="embed_tokens.weight" in state,
                               own_lm_head="lm_head.weight" in state and cfg.draft_vocab_size is None)  # fmt: skip
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary_emb = type(model.rotary_emb)(model.rotary_emb.config)  # buffers were on meta

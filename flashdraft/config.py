@@ -18,26 +18,24 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.errors import FlashdraftError
-from flashdraft.rope import as_scaling, check_scaling, read_rope, rope_fields
+from flashdraft.families import DEFAULT_BLOCK_SIZE, FAMILIES, by_architectures, family
+from flashdraft.rope import (
+    DEFAULT_MAX_POSITIONS,
+    DRAFTER_THETA,
+    as_scaling,
+    check_scaling,
+    read_rope,
+    rope_fields,
+)
 from flashdraft.server_fields import refuse_unsupported
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-DEFAULT_BLOCK_SIZE = 16  # the anchor + 15 drafts: the public drafters' block
 
-# The drafter families flashdraft builds, by the `architectures` entry that names each. A family
-# is data on one drafter module (`flashdraft.model`): which optional parts it has.
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}
-# other `architectures` names read as a family, never written: SpecForge's DSpark name, which vLLM 0.33.0's registry
-# maps to its DeepSeek-V4 DSpark (the Qwen3 one is Qwen3DSparkModel, which SGLang 0.5.23 also builds)
-ARCHITECTURE_ALIASES = {"DSparkDraftModel": "dspark"}
 # DFlash2's dflash_config fields (vLLM 0.33.0 `qwen3_dflash2.py`), with the published checkpoint's
 # values (z-lab/Qwen3.8-27B-DFlash2): the grouped dynamic causal convolution around each sublayer
 # and the candidate selector over the unary top-K
 DFLASH2_FIELDS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
-DFLASH2_BLOCK_SIZE = 8  # the published DFlash2 drafter's block
-# DSpark (DeepSeek, DeepSpec; vLLM 0.33.0 `qwen3_dspark.py`): the anchor-first block of the paper (gamma 7: the anchor
-# and 6 masks, all 7 drafting) and the Markov head's rank of the DeepSpec configs
-DSPARK_BLOCK_SIZE = 7
+# DSpark (DeepSeek, DeepSpec; vLLM 0.33.0 `qwen3_dspark.py`): the Markov head's rank of the DeepSpec configs
 DSPARK_MARKOV_RANK = 256
 # the config fields of a DSpark drafter as vLLM 0.33.0 reads them (top level), which flashdraft writes
 DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
@@ -120,9 +118,9 @@ class DrafterConfig:
     mask_token_id: int
     block_size: int = DEFAULT_BLOCK_SIZE
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 1e6
+    rope_theta: float = DRAFTER_THETA
     rope_scaling: dict | None = None
-    max_position_embeddings: int = 40960
+    max_position_embeddings: int = DEFAULT_MAX_POSITIONS
     attention_bias: bool = False
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int | None = None
@@ -131,7 +129,7 @@ class DrafterConfig:
     is_causal: bool | None = None
     # a reduced drafter vocabulary with its own LM head and `d2t` (None: the target's LM head)
     draft_vocab_size: int | None = None
-    # "dflash" or "dflash2" (ARCHITECTURES); DFlash2's module sizes, 0 in a DFlash drafter
+    # a name of `flashdraft.families.FAMILIES`; DFlash2's module sizes, 0 in the other families
     family: str = "dflash"
     conv_kernel_size: int = 0  # taps of the grouped dynamic causal convolution
     conv_group_size: int = 0  # channels sharing one dynamic kernel correction
@@ -164,20 +162,19 @@ class DrafterConfig:
     @property
     def architecture(self) -> str:
         """The `architectures` entry servers build this drafter from."""
-        return ARCHITECTURES[self.family]
+        return family(self.family).architecture
 
     @property
     def first_draft_position(self) -> int:
-        """The block position of the first draft: 1 in the fill-in layout (DFlash, DFlash2: position k drafts the
-        token at anchor + k, the anchor itself drafts nothing), 0 in the anchor-first layout (DSpark: position k
-        drafts the token after anchor + k, so every position drafts). The layout is part of the format: a drafter
-        read in the other layout drafts every token one place off (accepted under 1 %, vLLM #56792)."""
-        return 0 if self.family == "dspark" else 1
+        """The block position of the first draft, the family's (`Family.first_draft_position`): 1 fill-in (DFlash,
+        DFlash2), 0 anchor-first (DSpark). The layout is part of the format: a drafter read in the other layout drafts
+        every token one place off (accepted under 1 %, vLLM #56792)."""
+        return family(self.family).first_draft_position
 
     @property
     def drafts_per_block(self) -> int:
         """Tokens one block drafts: block_size - 1 (fill-in) or block_size (anchor-first)."""
-        return self.block_size - self.first_draft_position
+        return family(self.family).drafts_per_block(self.block_size)
 
     def describe_layout(self) -> str:
         """The block layout in words (doctor, init, eval and export say it)."""
@@ -319,8 +316,8 @@ class DrafterConfig:
             raise bad("partial_rotary_factor", factor,
                       f"a factor giving an even rotary width of 2 or more (head_dim {self.head_dim} x {factor} = "
                       f"{self.head_dim * factor:g})")  # fmt: skip
-        if self.family not in ARCHITECTURES:
-            raise bad("architectures", self.family, f"one of {', '.join(ARCHITECTURES.values())}")
+        if self.family not in FAMILIES:
+            raise bad("architectures", self.family, f"one of {', '.join(f.architecture for f in FAMILIES.values())}")
         for name in DFLASH2_FIELDS:
             value = getattr(self, name)
             if self.family == "dflash2" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -477,7 +474,6 @@ class DrafterConfig:
                 f"does not support"
             )
         family = _family(d, dflash, source)
-        default_block = DSPARK_BLOCK_SIZE if family == "dspark" else DEFAULT_BLOCK_SIZE
         dspark = _dspark_fields(d, dflash, family, source)
         block_size = _draft_value(d, dflash, "block_size", source)
         dflash2 = {name: _draft_value(d, dflash, name, source) for name in DFLASH2_FIELDS}
@@ -510,11 +506,11 @@ class DrafterConfig:
                 num_target_layers=d["num_target_layers"],
                 target_layer_ids=list(layer_ids) if isinstance(layer_ids, list) else layer_ids,
                 mask_token_id=_draft_value(d, dflash, "mask_token_id", source),
-                block_size=block_size if block_size is not None else default_block,
+                block_size=block_size if block_size is not None else FAMILIES[family].default_block_size,
                 rms_norm_eps=d.get("rms_norm_eps", 1e-6),
                 rope_theta=rope.theta,
                 rope_scaling=rope.scaling,
-                max_position_embeddings=d.get("max_position_embeddings", 40960),
+                max_position_embeddings=d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
                 attention_bias=d.get("attention_bias", False),
                 layer_types=layer_types,
                 sliding_window=sliding_window,
@@ -566,26 +562,17 @@ def _stored_conventions(d: dict[str, Any], source: str) -> tuple[bool, bool]:
 
 
 def _family(d: dict[str, Any], dflash: dict[str, Any], source: str) -> str:
-    """The drafter family a config names: its `architectures` list (absent: DFlash, as the first public drafters;
-    SpecForge's DSparkDraftModel: DSpark), or SpecForge's `projector_type: dspark` in dflash_config."""
-    architectures = d.get("architectures")
-    family = None
-    if architectures is None:
-        family = "dflash"
-    for name, known in [*((n, f) for f, n in ARCHITECTURES.items()), *ARCHITECTURE_ALIASES.items()]:
-        if architectures == [name]:
-            family = known
-    if family is None:
-        names = " or ".join(f'["{n}"]' for n in [*ARCHITECTURES.values(), *ARCHITECTURE_ALIASES])
-        raise FlashdraftError(f"{source}: field 'architectures' is {architectures!r}; expected {names} (the drafter "
-                              f"families flashdraft builds)")  # fmt: skip
+    """The drafter family a config names: its `architectures` list (`families.by_architectures`), or SpecForge's
+    `projector_type: dspark` in dflash_config."""
+    architectures_ = d.get("architectures")
+    name = by_architectures(architectures_, source)
     projector = _draft_value(d, dflash, "projector_type", source)
-    if projector == "dspark" and family != "dflash2":  # SpecForge writes its DSpark drafters as DFlash + projector
-        family = "dspark"
+    if projector == "dspark" and name != "dflash2":  # SpecForge writes its DSpark drafters as DFlash + projector
+        name = "dspark"
     elif projector is not None:
         raise FlashdraftError(f"{source}: field 'projector_type' is {projector!r} with architectures "
-                              f"{architectures!r}; expected absent, or 'dspark' (SpecForge's DSpark)")  # fmt: skip
-    return family
+                              f"{architectures_!r}; expected absent, or 'dspark' (SpecForge's DSpark)")  # fmt: skip
+    return name
 
 
 def _dspark_value(d: dict[str, Any], dflash: dict[str, Any], name: str, source: str) -> Any:

@@ -9,12 +9,9 @@ from typing import Any
 
 import torch
 
-from flashdraft.checkpoint import check_drafter_matches_target, save_drafter
+from flashdraft.checkpoint import check_drafter_matches_target, drafter_class, save_drafter
 from flashdraft.config import (
-    DEFAULT_BLOCK_SIZE,
-    DFLASH2_BLOCK_SIZE,
     DFLASH2_FIELDS,
-    DSPARK_BLOCK_SIZE,
     DSPARK_MARKOV_RANK,
     LAYER_ORDER_RULE,
     DrafterConfig,
@@ -22,8 +19,9 @@ from flashdraft.config import (
     strictly_increasing,
 )
 from flashdraft.errors import FlashdraftError
+from flashdraft.families import FAMILIES
 from flashdraft.model import DFlashDrafter, is_dflash2_parameter
-from flashdraft.rope import as_scaling
+from flashdraft.rope import as_scaling, target_theta
 from flashdraft.run_dir import drafter_config_path, load_any_drafter
 from flashdraft.target import TargetModel, pick_mask_token
 from flashdraft.target_weights import TargetHead
@@ -58,7 +56,7 @@ def _target_fields(target: TargetModel) -> dict:
         num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
         head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads, intermediate_size=tc.intermediate_size,
         vocab_size=target.vocab_size, num_target_layers=target.num_layers, rms_norm_eps=tc.rms_norm_eps,
-        rope_theta=(getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 1e6),
+        rope_theta=target_theta(tc),
         max_position_embeddings=tc.max_position_embeddings, layer_types=[], sliding_window=None, is_causal=None,
         num_hidden_layers=None, block_size=None, target_layer_ids=None, mask_token_id=None, family="dflash",
         **dict.fromkeys(DFLASH2_FIELDS, 0), markov_rank=0, confidence_head=False, confidence_head_with_markov=False,
@@ -163,9 +161,7 @@ def new_drafter_for_target(
         raise FlashdraftError(
             f"--mask-token-id {mask_token_id} is outside the target's vocabulary (0..{target.vocab_size - 1})"
         )
-    default_block = {"dflash2": DFLASH2_BLOCK_SIZE, "dspark": DSPARK_BLOCK_SIZE}.get(fields_["family"],
-                                                                                   DEFAULT_BLOCK_SIZE)  # fmt: skip
-    block_size = block_size or fields_["block_size"] or default_block
+    block_size = block_size or fields_["block_size"] or FAMILIES[fields_["family"]].default_block_size
     if block_size < 2:
         raise FlashdraftError(f"--block-size {block_size}: expected at least 2 (the anchor plus one draft)")
     if target_layer_ids is not None and not strictly_increasing(target_layer_ids):
@@ -191,7 +187,7 @@ def new_drafter_for_target(
     # the mask token's string, which SGLang checks the id against (a --config is kept as published)
     if base is None and (token := mask_token_string(cfg, target)) is not None:
         cfg.extra["dflash_config"] = {**cfg.dflash_options, "mask_token": token}
-    drafter = DFlashDrafter(cfg)
+    drafter = drafter_class(cfg)(cfg)
     drafter.init_weights(seed)
     # The drafter's output goes through the target's LM head: start its final norm at the
     # target's, so the first logits have the target's scale (a unit norm over a tied
@@ -246,7 +242,8 @@ def dflash2_from_drafter(
     _set_family(fields_, "dflash2", sizes or {})
     if block_size is not None:
         fields_["block_size"] = block_size
-    new = DFlashDrafter(DrafterConfig(**fields_))
+    new_cfg = DrafterConfig(**fields_)
+    new = drafter_class(new_cfg)(new_cfg)
     new.init_weights(seed)  # DFlash2's parts start neutral; the backbone is then replaced by the drafter's
     missing, unexpected = new.load_state_dict(drafter.state_dict(), strict=False)
     assert not unexpected and all(is_dflash2_parameter(k) for k in missing), (missing, unexpected)
@@ -260,7 +257,8 @@ def with_rope_scaling(drafter: DFlashDrafter, scaling: dict | None) -> DFlashDra
     if scaling == drafter.config.rope_scaling:
         return drafter
     cfg = drafter.config
-    new = DFlashDrafter(replace(cfg, rope_scaling=scaling, extra=dict(cfg.extra)))
+    new_cfg = replace(cfg, rope_scaling=scaling, extra=dict(cfg.extra))
+    new = drafter_class(new_cfg)(new_cfg)
     new.load_state_dict(drafter.state_dict())  # the rotary tables are buffers of the config, not weights
     return new.to(next(drafter.parameters()))
 

@@ -22,6 +22,7 @@ from flashdraft.checkpoint import check_drafter_matches_target
 from flashdraft.config import DEFAULT_BLOCK_SIZE
 from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
+from flashdraft.families import drafts_per_block, family_of
 from flashdraft.hybrid import HybridDrafter, HybridRule
 from flashdraft.long_context import eval_guards
 from flashdraft.model import DFlashDrafter
@@ -29,7 +30,6 @@ from flashdraft.ngram import NGramProposer
 from flashdraft.offline import (
     confidence_figures,
     drafter_shape,
-    drafts_of,
     evaluate_offline,
     record_generator,
     selector_figures,
@@ -172,7 +172,7 @@ def evaluate_online(
         greedy_tokens_per_s=greedy_tokens / greedy_seconds if greedy_seconds > 0 else None,
         draft_ms=1000 * draft_s / steps, verify_ms=1000 * verify_s / steps, greedy_step_ms=1000 * greedy_step,
         speedup_bound=speedup_bound(tau_of(all_lengths), greedy_step, draft_s / steps, verify_s / steps),
-        drafts_per_block=drafts_of(drafter, b), context_edges=context_edges,
+        drafts_per_block=drafts_per_block(drafter, b), context_edges=context_edges,
         # forward k + 1 after the prefill reads the prompt and k generated tokens before its input
         greedy_steps=[(len(r.prompt_ids) + k, s) for r, run in zip(records, baseline, strict=True)
                       for k, s in enumerate(run.step_seconds)],
@@ -420,13 +420,13 @@ def _draft_limit(cfg: EvalConfig, c: Candidate) -> DraftLimit | None:
     """The drafts a step verifies, checked against the candidate's block (None: all of its drafts). A confidence
     threshold applies to a DSpark drafter with a confidence head (the others have no estimate: they verify all)."""
     k, p, c_min = cfg.num_speculative_tokens, cfg.adaptive_threshold, cfg.confidence_threshold
-    drafts = c.block_size - (c.drafter.config.first_draft_position if isinstance(c.drafter, DFlashDrafter) else 1)
+    drafts = drafts_per_block(c.drafter, c.block_size)  # a hybrid's: its drafter's
     if k is not None and k > drafts:
         raise FlashdraftError(
             f"--num-speculative-tokens {k}: {c.label} drafts blocks of {c.block_size} ({drafts} drafts); expected at "
             f"most {drafts}"
         )
-    if k is not None and k < drafts and isinstance(c.drafter, DFlashDrafter) and c.drafter.config.family == "dspark":
+    if k is not None and k < drafts and family_of(c.drafter) == "dspark":
         raise FlashdraftError(
             f"--num-speculative-tokens {k}: {c.label} is a DSpark drafter, which servers draft with a block of "
             f"num_speculative_tokens positions (its non-causal layers then see a shorter block, not the first {k} "
@@ -552,11 +552,6 @@ def _bucket_figures(result: EvalResult) -> list[tuple]:
 # -- sampling at T > 0 (`flashdraft.serving_rules`) ------------------------------------------
 
 
-def _family(drafter: DFlashDrafter | HybridDrafter | Proposer) -> str | None:
-    inner = drafter.drafter if isinstance(drafter, HybridDrafter) else drafter
-    return inner.config.family if isinstance(inner, DFlashDrafter) else None
-
-
 def sampling_settings(cfg: EvalConfig, target: TargetModel, log: Log) -> SamplingFilters:
     """The filters the requests get at T > 0 (the given ones, else the target's generation_config.json values),
     without those the rule's server does not apply; logged with the rule. Greedy: none."""
@@ -584,7 +579,7 @@ def check_sampling(cfg: EvalConfig, candidates: list[Candidate]) -> None:
         return
     rule = serving_rule(cfg.serving_rule)
     for c in candidates:
-        family = _family(c.drafter)
+        family = family_of(c.drafter)
         sampled = rule.samples_drafts(family)
         if cfg.check_consistency and sampled:
             raise FlashdraftError(

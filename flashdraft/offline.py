@@ -32,6 +32,7 @@ from flashdraft.acceptance import (
     offline_acceptance_lengths,
     tau_of,
 )
+from flashdraft.families import drafts_per_block
 from flashdraft.model import DFlashDrafter
 from flashdraft.records import EvalRecord, FeatureSource
 from flashdraft.results import EvalResult, PromptResult
@@ -49,13 +50,6 @@ def drafter_shape(
         return block_size, cfg.target_layer_ids, drafter.fc.weight.shape[1] // cfg.hidden_size
     ids = list(drafter.context_layer_ids)
     return block_size, ids, len(ids) or None
-
-
-def drafts_of(drafter: DFlashDrafter | ProposerFactory | Proposer, block_size: int) -> int:
-    """Drafts a block of `block_size` verifies at most: one fewer (fill-in), all of them (a DSpark drafter)."""
-    inner = getattr(drafter, "drafter", drafter)  # the hybrid's DFlash drafter
-    first = inner.config.first_draft_position if isinstance(inner, DFlashDrafter) else 1
-    return block_size - first
 
 
 @torch.no_grad()
@@ -89,7 +83,7 @@ def evaluate_offline(
         per_prompt.append(PromptResult(record.id, lengths, expected_lengths=sampling.expected if sampling else None,
                                        prompt_length=len(record.prompt_ids)))  # fmt: skip
     return EvalResult("offline", b, layer_ids, context_layers, per_prompt, temperature,
-                      drafts_per_block=drafts_of(drafter, b), context_edges=context_edges)  # fmt: skip
+                      drafts_per_block=drafts_per_block(drafter, b), context_edges=context_edges)  # fmt: skip
 
 
 def walk_record(
@@ -218,7 +212,7 @@ def confidence_figures(
     SGLang's planner is opt-in) and its cost: the drafts verified per step, against the uncut block's."""
     features = features or FeatureSource(target)
     rule = serving_rule(rule)
-    k_max = drafts_of(drafter, walked.block_size)
+    k_max = drafts_per_block(drafter, walked.block_size)
     thresholds = sorted({*CONFIDENCE_SWEEP, *([threshold] if threshold else [])})
     if temperature > 0:  # the uncut walk and every cut over each record's one target forward
         walks = _sampled_walks(drafter, target, records, features, walked.block_size, max_blocks,

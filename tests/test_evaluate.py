@@ -845,3 +845,18 @@ def test_by_context_is_the_same_offline_and_online_bucket_for_bucket_with_costs_
     assert sum(b["steps"] for b in buckets) == summary["num_steps"] and all(b["steps"] for b in buckets)
     assert all(b["draft_ms"] > 0 and b["verify_ms"] > 0 and b["speedup_bound"] > 0 for b in buckets)
     assert "by context length" in out and "0-16" in out
+
+
+def test_a_hybrid_of_a_dspark_drafter_verifies_every_position_of_its_block(capsys, tmp_path, target_dir,
+                                                                         prompts_file):
+    # the block's drafts are the family's (anchor-first: all 7 of a block of 7), the hybrid's as its drafter's
+    save_drafter(make_dspark_drafter(), tmp_path / "d")
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--drafter",
+                           "hybrid", "--prompts", prompts_file, "--num-prompts", 1, "--max-blocks", 2,
+                           "--num-speculative-tokens", 7, "--json", tmp_path / "out.json")  # fmt: skip
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert summary["drafter_type"] == "hybrid" and len(summary["position_acceptance"]) == 7
+    rc, _, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--drafter",
+                         "hybrid", "--prompts", prompts_file, "--num-prompts", 1, "--num-speculative-tokens", 8)
+    assert rc == 2 and "expected at most 7" in err
