@@ -23,6 +23,7 @@ from flashdraft.families import family
 from flashdraft.files import nbytes, write_atomic, write_text_atomic
 from flashdraft.model import DFlashDrafter, is_dflash2_parameter
 from flashdraft.safe_load import load_tensors_only
+from flashdraft.server_fields import SGLANG, VLLM
 
 if TYPE_CHECKING:
     from flashdraft.target import TargetModel
@@ -204,8 +205,8 @@ def check_state_shapes(cfg: DrafterConfig, found: dict[str, tuple[int, ...]], so
         if key not in found:
             why = " (DFlash2's: servers would not notice it missing and serve it random)" * is_dflash2_parameter(key)
             if key.startswith("confidence_head."):
-                why = (" (enable_confidence_head is true: SGLang 0.5.23 refuses the checkpoint, vLLM 0.33.0 drops "
-                       "the head)")
+                why = (f" (enable_confidence_head is true: {SGLANG} refuses the checkpoint, {VLLM} drops "
+                       f"the head)")
             raise FlashdraftError(f"{source}: tensor '{key}' is missing; expected shape {list(shape)}{why}")
         if tuple(found[key]) != shape:
             raise FlashdraftError(f"{source}: tensor '{key}' has shape {list(found[key])}; expected {list(shape)}")

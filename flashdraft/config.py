@@ -27,7 +27,7 @@ from flashdraft.rope import (
     read_rope,
     rope_fields,
 )
-from flashdraft.server_fields import refuse_unsupported
+from flashdraft.server_fields import SGLANG, VLLM, refuse_unsupported
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -360,7 +360,7 @@ class DrafterConfig:
             return
         if not isinstance(self.markov_rank, int) or isinstance(self.markov_rank, bool) or self.markov_rank < 1:
             raise bad("markov_rank", self.markov_rank,
-                      "a positive integer (a DSpark drafter's Markov head; vLLM 0.33.0 and SGLang 0.5.23 refuse 0)")
+                      f"a positive integer (a DSpark drafter's Markov head; {VLLM} and {SGLANG} refuse 0)")
         for name, value in (("enable_confidence_head", self.confidence_head),
                             ("confidence_head_with_markov", self.confidence_head_with_markov)):  # fmt: skip
             if not isinstance(value, bool):
@@ -376,12 +376,12 @@ class DrafterConfig:
             value = self.dflash_options.get(name)
             if value is not None and value != REFERENCE_OPTIONS[name] and not (name == "final_logit_softcapping"
                                                                               and value == 0):  # fmt: skip
-                raise bad(f"dflash_config.{name}", value, "absent in a DSpark drafter (vLLM 0.33.0 qwen3_dspark.py "
-                                                          "does not read it)")  # fmt: skip
+                raise bad(f"dflash_config.{name}", value, f"absent in a DSpark drafter ({VLLM} qwen3_dspark.py "
+                                                          f"does not read it)")  # fmt: skip
         if self.attention_value_scale not in (None, 1, 1.0):  # read by the DFlash models only
             raise bad("dflash_config.attention_value_scale", self.attention_value_scale,
-                      "absent in a DSpark drafter (vLLM 0.33.0 qwen3_dspark.py and SGLang 0.5.23 models/dspark.py do "
-                      "not read it)")  # fmt: skip
+                      f"absent in a DSpark drafter ({VLLM} qwen3_dspark.py and {SGLANG} models/dspark.py do "
+                      f"not read it)")  # fmt: skip
 
     # -- public config.json ------------------------------------------------------------
 
@@ -612,7 +612,7 @@ def _dspark_fields(d: dict[str, Any], dflash: dict[str, Any], family: str, sourc
     if confidence and with_markov is None:
         raise FlashdraftError(
             f"{source}: field 'confidence_head_with_markov' is missing with enable_confidence_head true; expected true "
-            f"or false (absent, vLLM 0.33.0 reads false and SGLang 0.5.23 true: the servers would build other heads)"
+            f"or false (absent, {VLLM} reads false and {SGLANG} true: the servers would build other heads)"
         )
     return {"markov_rank": values["markov_rank"] if values["markov_rank"] is not None else 0,
             "confidence_head": bool(confidence) if isinstance(confidence, bool | None) else confidence,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashdraft.errors import FlashdraftError
+from flashdraft.server_fields import SGLANG, VLLM
 
 # The scaled RoPE types flashdraft computes (transformers' ROPE_INIT_FUNCTIONS, which the drafter's rotary
 # embedding calls), with the keys transformers 5.23's validators require and the ones they accept besides.
@@ -177,7 +178,7 @@ def resolve_rotary_width(d: dict[str, Any], rope_scaling: dict | None, source: s
     if nested is not None and top is not None and nested != top:
         raise FlashdraftError(
             f"{source}: field 'rope_parameters.partial_rotary_factor' is {nested!r} but 'partial_rotary_factor' is "
-            f"{top!r}; expected one value (vLLM 0.33.0 reads the first, SGLang 0.5.23 the second)"
+            f"{top!r}; expected one value ({VLLM} reads the first, {SGLANG} the second)"
         )
     factor = nested if nested is not None else top
     scaling = dict(rope_scaling) if isinstance(rope_scaling, dict) else rope_scaling
@@ -195,8 +196,8 @@ def resolve_rotary_width(d: dict[str, Any], rope_scaling: dict | None, source: s
         if factor is not None and int(head_dim * factor) != rope_dim:
             raise FlashdraftError(
                 f"{source}: field 'rope_scaling.rope_dim' is {rope_dim} but partial_rotary_factor {factor} gives "
-                f"{int(head_dim * factor)} rotary dims; expected them to agree (SGLang 0.5.23 rotates rope_dim dims, "
-                f"vLLM 0.33.0 head_dim x partial_rotary_factor)"
+                f"{int(head_dim * factor)} rotary dims; expected them to agree ({SGLANG} rotates rope_dim dims, "
+                f"{VLLM} head_dim x partial_rotary_factor)"
             )
         factor = rope_dim / head_dim
     return scaling, 1.0 if factor is None else factor
