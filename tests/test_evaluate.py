@@ -8,8 +8,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-import flashdraft.acceptance as acceptance
-from flashdraft.acceptance import DraftLimit
+import flashdraft.proposers as proposers
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
 from flashdraft.config import DrafterConfig
@@ -19,6 +18,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.evaluate import records_from_prompts
 from flashdraft.model import DFlashDrafter
 from flashdraft.offline import confidence_figures, evaluate_offline, selector_figures, walk_record
+from flashdraft.proposers import DraftLimit
 from flashdraft.records import EvalRecord, FeatureSource
 from flashdraft.results import EvalResult, PromptResult, expected_tau_figures, speedup_bound
 from flashdraft.run_dir import load_any_drafter
@@ -193,13 +193,13 @@ def test_live_features_rounded_to_a_cache_dtype_reach_the_drafter_rounded_and_wa
     records = greedy_records(target)
     drafter = overfit(make_drafter(), target, records[0])  # layers [0, 2]
     seen = []
-    propose = acceptance.DFlashProposer.propose
+    propose = proposers.DFlashProposer.propose
 
     def spy(self, tokens, pos, context, *rest):
         seen.append(context)
         return propose(self, tokens, pos, context, *rest)
 
-    monkeypatch.setattr(acceptance.DFlashProposer, "propose", spy)
+    monkeypatch.setattr(proposers.DFlashProposer, "propose", spy)
     taus = []
     for r in records:
         target.set_context_layers([0, 2])
@@ -225,7 +225,7 @@ def test_offline_walk_does_not_depend_on_how_many_anchors_one_forward_drafts(mon
     records = greedy_records(target)
     drafter = overfit(make_drafter(), target, records[0])
     expected = [p.acceptance_lengths for p in evaluate_offline(drafter, target, records).per_prompt]
-    monkeypatch.setattr(acceptance, "anchors_per_forward", lambda b, v: per_forward)
+    monkeypatch.setattr(proposers, "anchors_per_forward", lambda b, v: per_forward)
     assert [p.acceptance_lengths for p in evaluate_offline(drafter, target, records).per_prompt] == expected
 
 

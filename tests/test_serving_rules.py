@@ -6,9 +6,9 @@ import torch
 
 import flashdraft
 import flashdraft.decode as decode
-from flashdraft.acceptance import DFlashProposer
 from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
+from flashdraft.proposers import DFlashProposer
 from flashdraft.records import EvalRecord
 from flashdraft.server_fields import SGLANG
 from flashdraft.serving_rules import (
