@@ -11,13 +11,12 @@ import torch
 
 from flashdraft.checkpoint import check_drafter_matches_target, drafter_class, save_drafter
 from flashdraft.config import (
-    DFLASH2_FIELDS,
-    DSPARK_MARKOV_RANK,
     LAYER_ORDER_RULE,
     DrafterConfig,
     default_target_layer_ids,
     strictly_increasing,
 )
+from flashdraft.config_spellings import DFLASH2_FIELDS, DSPARK_MARKOV_RANK
 from flashdraft.errors import FlashdraftError
 from flashdraft.families import FAMILIES
 from flashdraft.model import DFlashDrafter, is_dflash2_parameter
@@ -103,6 +102,33 @@ def _resolve_layer_types(n: int, layer_types: list[str] | None, fields_: dict, s
     return list(written)
 
 
+def _layers(
+    num_layers: int | None, layer_types: list[str] | None, sliding_window: int | None, fields_: dict, source: str
+) -> tuple[int, list[str], int | None]:
+    """(layer count, layer types, sliding window) from the init flags, else the --config's fields, checked."""
+    if layer_types and len(layer_types) > 1 and num_layers is not None and num_layers != len(layer_types):
+        raise FlashdraftError(
+            f"--layer-types has {len(layer_types)} entries for --draft-layers {num_layers}; expected one per "
+            f"drafter layer, or a single type for all"
+        )
+    n = num_layers or (len(layer_types) if layer_types and len(layer_types) > 1 else None)
+    n = n or fields_["num_hidden_layers"] or 1
+    types = _resolve_layer_types(n, layer_types, fields_, source)
+    sliding = "sliding_attention" in types
+    if sliding_window is not None and not sliding:
+        raise FlashdraftError(
+            f"--sliding-window {sliding_window}: no drafter layer is sliding_attention (layer_types {types}); give "
+            f"--layer-types with sliding layers, or leave the window out"
+        )
+    window = sliding_window if sliding_window is not None else fields_["sliding_window"]
+    if sliding and window is None:
+        raise FlashdraftError(
+            f"--layer-types {','.join(types)}: sliding layers need --sliding-window N (the keys a sliding layer "
+            f"sees; the Qwen3.6-27B drafter uses 2048)"
+        )
+    return n, types, window
+
+
 def new_drafter_for_target(
     target: TargetModel,
     num_layers: int | None = None,
@@ -133,26 +159,7 @@ def new_drafter_for_target(
     fields_ = _config_fields(base, base_source, target) if base is not None else _target_fields(target)
     _set_family(fields_, family, dflash2 or {}, dspark or {})
     source = f"{base_source} with the init flags" if base is not None else "flashdraft init"
-    if layer_types and len(layer_types) > 1 and num_layers is not None and num_layers != len(layer_types):
-        raise FlashdraftError(
-            f"--layer-types has {len(layer_types)} entries for --draft-layers {num_layers}; expected one per "
-            f"drafter layer, or a single type for all"
-        )
-    n = num_layers or (len(layer_types) if layer_types and len(layer_types) > 1 else None)
-    n = n or fields_["num_hidden_layers"] or 1
-    types = _resolve_layer_types(n, layer_types, fields_, base_source)
-    sliding = "sliding_attention" in types
-    if sliding_window is not None and not sliding:
-        raise FlashdraftError(
-            f"--sliding-window {sliding_window}: no drafter layer is sliding_attention (layer_types {types}); give "
-            f"--layer-types with sliding layers, or leave the window out"
-        )
-    window = sliding_window if sliding_window is not None else fields_["sliding_window"]
-    if sliding and window is None:
-        raise FlashdraftError(
-            f"--layer-types {','.join(types)}: sliding layers need --sliding-window N (the keys a sliding layer "
-            f"sees; the Qwen3.6-27B drafter uses 2048)"
-        )
+    n, types, window = _layers(num_layers, layer_types, sliding_window, fields_, base_source)
     if mask_token_id is None:
         mask_token_id = fields_["mask_token_id"]
         if mask_token_id is None:

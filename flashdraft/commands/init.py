@@ -16,7 +16,7 @@ from flashdraft.commands.options import (
     rope_scaling,
     target_layer_ids,
 )
-from flashdraft.config import DFLASH2_FIELDS, DSPARK_MARKOV_RANK
+from flashdraft.config_spellings import DFLASH2_FIELDS, DSPARK_MARKOV_RANK
 from flashdraft.families import FAMILIES
 
 # --confidence-head: the DSpark confidence head's input, as config fields (enable, with_markov)
