@@ -7,7 +7,8 @@ reference): a `sliding_attention` layer is causal within the block, a `full_atte
 is not, unless the config says otherwise (`is_causal`, then `dflash_config.causal`);
 `dflash_config.use_swa` / `swa_window_size` are other spellings of the layer types and the
 window. On load every spelling is resolved into `layer_types`, `sliding_window` and
-`is_causal`, and those are what flashdraft writes, so no server has to guess."""
+`is_causal` (`flashdraft.config_spellings` reads the dialects and spellings), and those are what flashdraft writes,
+so no server has to guess. The family's facts (architecture, default block, layout) are `flashdraft.families`'."""
 
 from __future__ import annotations
 
