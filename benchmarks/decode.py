@@ -31,10 +31,10 @@ import time
 
 import torch
 
-from flashdraft.acceptance import DraftLimit
 from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.hybrid import HybridDrafter, HybridRule
 from flashdraft.ngram import NGramProposer
+from flashdraft.proposers import DraftLimit
 from flashdraft.records import load_eval_records
 from flashdraft.results import speedup_bound
 from flashdraft.run_dir import load_any_drafter

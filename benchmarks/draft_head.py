@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from flashdraft.acceptance import DFlashProposer
+from flashdraft.proposers import DFlashProposer
 from flashdraft.run_dir import load_any_drafter
 from flashdraft.target_weights import TargetHead
 from flashdraft.train.vocab import with_draft_vocabulary

@@ -28,10 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdraft.acceptance import DFlashProposer, committed_length, offline_acceptance_lengths, tau_of
+from flashdraft.acceptance import committed_length, tau_of
 from flashdraft.hybrid import BRANCHES, HybridDrafter, HybridRule
 from flashdraft.model import DFlashDrafter
 from flashdraft.ngram import NGramProposer, lookup_match
+from flashdraft.offline import offline_acceptance_lengths
+from flashdraft.proposers import DFlashProposer
 from flashdraft.records import EvalRecord, FeatureSource, invalid_reason, load_eval_records
 from flashdraft.run_dir import load_any_drafter
 from flashdraft.target import TargetModel

@@ -70,7 +70,7 @@ def drafting_step_ms(work: Path, names: list[str], repeats: int = 5) -> dict[str
 
     import torch
 
-    from flashdraft.acceptance import DFlashProposer
+    from flashdraft.proposers import DFlashProposer
     from flashdraft.records import load_eval_records
     from flashdraft.run_dir import load_any_drafter
     from flashdraft.target import TargetModel

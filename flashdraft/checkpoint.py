@@ -19,9 +19,11 @@ from safetensors.torch import save_file
 
 from flashdraft.config import DEFAULT_BLOCK_SIZE, DrafterConfig
 from flashdraft.errors import FlashdraftError
+from flashdraft.families import family
 from flashdraft.files import nbytes, write_atomic, write_text_atomic
 from flashdraft.model import DFlashDrafter, is_dflash2_parameter
 from flashdraft.safe_load import load_tensors_only
+from flashdraft.server_fields import SGLANG, VLLM
 
 if TYPE_CHECKING:
     from flashdraft.target import TargetModel
@@ -203,8 +205,8 @@ def check_state_shapes(cfg: DrafterConfig, found: dict[str, tuple[int, ...]], so
         if key not in found:
             why = " (DFlash2's: servers would not notice it missing and serve it random)" * is_dflash2_parameter(key)
             if key.startswith("confidence_head."):
-                why = (" (enable_confidence_head is true: SGLang 0.5.23 refuses the checkpoint, vLLM 0.33.0 drops "
-                       "the head)")
+                why = (f" (enable_confidence_head is true: {SGLANG} refuses the checkpoint, {VLLM} drops "
+                       f"the head)")
             raise FlashdraftError(f"{source}: tensor '{key}' is missing; expected shape {list(shape)}{why}")
         if tuple(found[key]) != shape:
             raise FlashdraftError(f"{source}: tensor '{key}' has shape {list(found[key])}; expected {list(shape)}")
@@ -271,6 +273,12 @@ def fold_conventions(cfg: DrafterConfig, state: dict[str, torch.Tensor]) -> tupl
     return replace(cfg, gemma_norm=False, rope_neox_style=True), state
 
 
+def drafter_class(cfg: DrafterConfig) -> type[DFlashDrafter]:
+    """The module class of the drafter's family (`Family.model`; by default the one DFlash module, whose optional
+    parts the family's fields switch on)."""
+    return family(cfg.family).model or DFlashDrafter
+
+
 def _build(
     cfg: DrafterConfig, state: dict[str, torch.Tensor], source: str, device: str | torch.device, dtype: torch.dtype
 ) -> DFlashDrafter:
@@ -280,7 +288,7 @@ def _build(
     if "d2t" in state:
         state["d2t"] = state["d2t"].long()
     with torch.device("meta"):
-        model = DFlashDrafter(cfg, own_embedding="embed_tokens.weight" in state,
+        model = drafter_class(cfg)(cfg, own_embedding="embed_tokens.weight" in state,
                               own_lm_head="lm_head.weight" in state and cfg.draft_vocab_size is None)  # fmt: skip
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary_emb = type(model.rotary_emb)(model.rotary_emb.config)  # buffers were on meta

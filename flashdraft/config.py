@@ -7,59 +7,24 @@ reference): a `sliding_attention` layer is causal within the block, a `full_atte
 is not, unless the config says otherwise (`is_causal`, then `dflash_config.causal`);
 `dflash_config.use_swa` / `swa_window_size` are other spellings of the layer types and the
 window. On load every spelling is resolved into `layer_types`, `sliding_window` and
-`is_causal`, and those are what flashdraft writes, so no server has to guess."""
+`is_causal` (`flashdraft.config_spellings` reads the dialects and spellings), and those are what flashdraft writes,
+so no server has to guess. The family's facts (architecture, default block, layout) are `flashdraft.families`'."""
 
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flashdraft.config_spellings import DFLASH2_FIELDS, REFERENCE_OPTIONS, config_fields
 from flashdraft.errors import FlashdraftError
-from flashdraft.rope import as_scaling, check_scaling, read_rope, rope_fields
-from flashdraft.server_fields import refuse_unsupported
+from flashdraft.families import DEFAULT_BLOCK_SIZE, FAMILIES, family
+from flashdraft.rope import DEFAULT_MAX_POSITIONS, DRAFTER_THETA, as_scaling, check_scaling, rope_fields
+from flashdraft.server_fields import SGLANG, VLLM
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-DEFAULT_BLOCK_SIZE = 16  # the anchor + 15 drafts: the public drafters' block
 
-# The drafter families flashdraft builds, by the `architectures` entry that names each. A family
-# is data on one drafter module (`flashdraft.model`): which optional parts it has.
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}
-# other `architectures` names read as a family, never written: SpecForge's DSpark name, which vLLM 0.33.0's registry
-# maps to its DeepSeek-V4 DSpark (the Qwen3 one is Qwen3DSparkModel, which SGLang 0.5.23 also builds)
-ARCHITECTURE_ALIASES = {"DSparkDraftModel": "dspark"}
-# DFlash2's dflash_config fields (vLLM 0.33.0 `qwen3_dflash2.py`), with the published checkpoint's
-# values (z-lab/Qwen3.8-27B-DFlash2): the grouped dynamic causal convolution around each sublayer
-# and the candidate selector over the unary top-K
-DFLASH2_FIELDS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
-DFLASH2_BLOCK_SIZE = 8  # the published DFlash2 drafter's block
-# DSpark (DeepSeek, DeepSpec; vLLM 0.33.0 `qwen3_dspark.py`): the anchor-first block of the paper (gamma 7: the anchor
-# and 6 masks, all 7 drafting) and the Markov head's rank of the DeepSpec configs
-DSPARK_BLOCK_SIZE = 7
-DSPARK_MARKOV_RANK = 256
-# the config fields of a DSpark drafter as vLLM 0.33.0 reads them (top level), which flashdraft writes
-DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
-                 "dspark_draft_topk", "sample_from_anchor")  # fmt: skip
-# Fields this class owns; anything else found in a config.json is kept in `extra` and
-# written back unchanged, so a public config survives a load/save round trip.
-_OWN = {
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "intermediate_size", "vocab_size", "num_target_layers", "block_size", "rms_norm_eps",
-    "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "attention_bias",
-    "layer_types", "sliding_window", "use_sliding_window", "hidden_act", "dflash_config",
-    "architectures", "model_type", "tie_word_embeddings", "is_causal", "draft_vocab_size",
-    "target_hidden_size", *DFLASH2_FIELDS, "partial_rotary_factor", "use_gemma_norm", "is_neox_style",
-    "rope_is_neox_style", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
-    *DSPARK_FIELDS, "target_layer_ids", "mask_token_id", "projector_type", "dspark_config", "trained_context_length",
-}  # fmt: skip
-# dflash_config fields resolved on load into the fields above (and not written back)
-_RESOLVED_DFLASH = ("causal", "use_swa", "swa_window_size", "block_size", *DFLASH2_FIELDS, *DSPARK_FIELDS,
-                    "projector_type")  # fmt: skip
-# dflash_config fields of the z-lab reference that change the drafter's computation, with
-# the value that changes nothing
-REFERENCE_OPTIONS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
 DEFAULT_MASK_TOKEN = "<|MASK|>"  # SGLang's default dflash_config.mask_token
 
 
@@ -120,9 +85,9 @@ class DrafterConfig:
     mask_token_id: int
     block_size: int = DEFAULT_BLOCK_SIZE
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 1e6
+    rope_theta: float = DRAFTER_THETA
     rope_scaling: dict | None = None
-    max_position_embeddings: int = 40960
+    max_position_embeddings: int = DEFAULT_MAX_POSITIONS
     attention_bias: bool = False
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int | None = None
@@ -131,7 +96,7 @@ class DrafterConfig:
     is_causal: bool | None = None
     # a reduced drafter vocabulary with its own LM head and `d2t` (None: the target's LM head)
     draft_vocab_size: int | None = None
-    # "dflash" or "dflash2" (ARCHITECTURES); DFlash2's module sizes, 0 in a DFlash drafter
+    # a name of `flashdraft.families.FAMILIES`; DFlash2's module sizes, 0 in the other families
     family: str = "dflash"
     conv_kernel_size: int = 0  # taps of the grouped dynamic causal convolution
     conv_group_size: int = 0  # channels sharing one dynamic kernel correction
@@ -164,20 +129,19 @@ class DrafterConfig:
     @property
     def architecture(self) -> str:
         """The `architectures` entry servers build this drafter from."""
-        return ARCHITECTURES[self.family]
+        return family(self.family).architecture
 
     @property
     def first_draft_position(self) -> int:
-        """The block position of the first draft: 1 in the fill-in layout (DFlash, DFlash2: position k drafts the
-        token at anchor + k, the anchor itself drafts nothing), 0 in the anchor-first layout (DSpark: position k
-        drafts the token after anchor + k, so every position drafts). The layout is part of the format: a drafter
-        read in the other layout drafts every token one place off (accepted under 1 %, vLLM #56792)."""
-        return 0 if self.family == "dspark" else 1
+        """The block position of the first draft, the family's (`Family.first_draft_position`): 1 fill-in (DFlash,
+        DFlash2), 0 anchor-first (DSpark). The layout is part of the format: a drafter read in the other layout drafts
+        every token one place off (accepted under 1 %, vLLM #56792)."""
+        return family(self.family).first_draft_position
 
     @property
     def drafts_per_block(self) -> int:
         """Tokens one block drafts: block_size - 1 (fill-in) or block_size (anchor-first)."""
-        return self.block_size - self.first_draft_position
+        return family(self.family).drafts_per_block(self.block_size)
 
     def describe_layout(self) -> str:
         """The block layout in words (doctor, init, eval and export say it)."""
@@ -291,6 +255,13 @@ class DrafterConfig:
                       f"indices in 0..{self.num_target_layers - 1} (num_target_layers)")  # fmt: skip
         if not strictly_increasing(ids):  # the servers' rule: other orders reach the drafter permuted or are refused
             raise bad("dflash_config.target_layer_ids", ids, f"{LAYER_ORDER_RULE} (e.g. {sorted(set(ids))})")
+        self._validate_layers(bad)
+        self._validate_rope(source, bad)
+        self._validate_dflash2(bad)
+        self._validate_dspark(bad)
+        self._validate_options(bad)
+
+    def _validate_layers(self, bad) -> None:
         if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
             raise bad("dflash_config.mask_token_id", self.mask_token_id, f"a token id in 0..{self.vocab_size - 1}")
         if len(self.layer_types) != self.num_hidden_layers:
@@ -308,6 +279,8 @@ class DrafterConfig:
             not isinstance(self.draft_vocab_size, int) or not 1 <= self.draft_vocab_size <= self.vocab_size
         ):
             raise bad("draft_vocab_size", self.draft_vocab_size, f"an integer in 1..{self.vocab_size} (vocab_size)")
+
+    def _validate_rope(self, source: str, bad) -> None:
         check_scaling(self.rope_scaling, f"{source}: field 'rope_scaling'")
         reach = self.trained_context_length
         if reach is not None and (not isinstance(reach, int) or isinstance(reach, bool) or reach < 1):
@@ -319,8 +292,10 @@ class DrafterConfig:
             raise bad("partial_rotary_factor", factor,
                       f"a factor giving an even rotary width of 2 or more (head_dim {self.head_dim} x {factor} = "
                       f"{self.head_dim * factor:g})")  # fmt: skip
-        if self.family not in ARCHITECTURES:
-            raise bad("architectures", self.family, f"one of {', '.join(ARCHITECTURES.values())}")
+
+    def _validate_dflash2(self, bad) -> None:
+        if self.family not in FAMILIES:
+            raise bad("architectures", self.family, f"one of {', '.join(f.architecture for f in FAMILIES.values())}")
         for name in DFLASH2_FIELDS:
             value = getattr(self, name)
             if self.family == "dflash2" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -339,7 +314,8 @@ class DrafterConfig:
             if self.draft_vocab_size is not None:
                 raise bad("draft_vocab_size", self.draft_vocab_size,
                           "absent in a DFlash2 drafter: its selector covers the full target vocabulary")  # fmt: skip
-        self._validate_dspark(bad)
+
+    def _validate_options(self, bad) -> None:
         options = self.dflash_options
         for name in ("input_embedding_scale", "output_multiplier", "attention_value_scale"):
             value = options.get(name)
@@ -363,7 +339,7 @@ class DrafterConfig:
             return
         if not isinstance(self.markov_rank, int) or isinstance(self.markov_rank, bool) or self.markov_rank < 1:
             raise bad("markov_rank", self.markov_rank,
-                      "a positive integer (a DSpark drafter's Markov head; vLLM 0.33.0 and SGLang 0.5.23 refuse 0)")
+                      f"a positive integer (a DSpark drafter's Markov head; {VLLM} and {SGLANG} refuse 0)")
         for name, value in (("enable_confidence_head", self.confidence_head),
                             ("confidence_head_with_markov", self.confidence_head_with_markov)):  # fmt: skip
             if not isinstance(value, bool):
@@ -379,12 +355,12 @@ class DrafterConfig:
             value = self.dflash_options.get(name)
             if value is not None and value != REFERENCE_OPTIONS[name] and not (name == "final_logit_softcapping"
                                                                               and value == 0):  # fmt: skip
-                raise bad(f"dflash_config.{name}", value, "absent in a DSpark drafter (vLLM 0.33.0 qwen3_dspark.py "
-                                                          "does not read it)")  # fmt: skip
+                raise bad(f"dflash_config.{name}", value, f"absent in a DSpark drafter ({VLLM} qwen3_dspark.py "
+                                                          f"does not read it)")  # fmt: skip
         if self.attention_value_scale not in (None, 1, 1.0):  # read by the DFlash models only
             raise bad("dflash_config.attention_value_scale", self.attention_value_scale,
-                      "absent in a DSpark drafter (vLLM 0.33.0 qwen3_dspark.py and SGLang 0.5.23 models/dspark.py do "
-                      "not read it)")  # fmt: skip
+                      f"absent in a DSpark drafter ({VLLM} qwen3_dspark.py and {SGLANG} models/dspark.py do "
+                      f"not read it)")  # fmt: skip
 
     # -- public config.json ------------------------------------------------------------
 
@@ -441,95 +417,10 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> DrafterConfig:
-        if not isinstance(d, dict):
-            raise FlashdraftError(f"{source}: expected a JSON object, found {type(d).__name__}")
-        dflash = d.get("dflash_config")
-        if dflash is None and "target_layer_ids" in d:  # DeepSpec's dialect: its fields at the top level
-            dflash = {}
-        if not isinstance(dflash, dict):
-            raise FlashdraftError(f"{source}: field 'dflash_config' is {dflash!r}; expected an object with "
-                                  f"target_layer_ids and mask_token_id (is this a DFlash drafter?)")  # fmt: skip
-        required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                    "vocab_size", "num_target_layers"]  # fmt: skip
-        for name in required:
-            if name not in d:
-                raise FlashdraftError(f"{source}: field '{name}' is missing; expected an integer")
-        for name in ("target_layer_ids", "mask_token_id"):
-            if _draft_value(d, dflash, name, source) is None:
-                raise FlashdraftError(f"{source}: field 'dflash_config.{name}' is missing")
-        refuse_unsupported(d, source)
-        rope = read_rope(d, source)  # either schema, as transformers 5 reads it; disagreeing ones refused
-        gemma_norm, neox_style = _stored_conventions(d, source)
-        if "sliding_attention" in (d.get("layer_types") or []) and d.get("use_sliding_window") is False:
-            warnings.warn(
-                f"{source}: layer_types has sliding_attention layers but use_sliding_window is false; "
-                f"transformers-based loaders would run them as FULL attention. flashdraft honours "
-                f"layer_types (window {d.get('sliding_window')}); check what your server does.",
-                stacklevel=2,
-            )
-        heads = d["num_attention_heads"]
-        layer_types, sliding_window, is_causal = _resolve_attention_spellings(d, dflash, source)
-        target_hidden = d.get("target_hidden_size")
-        if target_hidden is not None and target_hidden != d["hidden_size"]:
-            raise FlashdraftError(
-                f"{source}: field 'target_hidden_size' is {target_hidden!r}; expected {d['hidden_size']} "
-                f"(hidden_size): a drafter narrower than its target needs its own embeddings, which flashdraft "
-                f"does not support"
-            )
-        family = _family(d, dflash, source)
-        default_block = DSPARK_BLOCK_SIZE if family == "dspark" else DEFAULT_BLOCK_SIZE
-        dspark = _dspark_fields(d, dflash, family, source)
-        block_size = _draft_value(d, dflash, "block_size", source)
-        dflash2 = {name: _draft_value(d, dflash, name, source) for name in DFLASH2_FIELDS}
-        if family == "dflash" and any(v is not None for v in dflash2.values()):
-            name = next(n for n, v in dflash2.items() if v is not None)
-            raise FlashdraftError(
-                f"{source}: field 'dflash_config.{name}' is {dflash2[name]!r} but architectures is "
-                f"{d.get('architectures')!r}; expected architectures [\"DFlash2DraftModel\"] with DFlash2's fields, "
-                f"or none of them (vLLM builds the DFlash2 modules from architectures and would ignore them)"
-            )
-        extra_dflash = {k: v for k, v in dflash.items()
-                        if k not in ("target_layer_ids", "mask_token_id", *_RESOLVED_DFLASH)}  # fmt: skip
-        for name in REFERENCE_OPTIONS:  # the reference reads them from dflash_config, then the top level
-            value = _draft_value(d, dflash, name, source)
-            if value is not None:
-                extra_dflash[name] = value
-        extra = {k: v for k, v in d.items() if k not in _OWN}
-        layer_ids = _draft_value(d, dflash, "target_layer_ids", source)
-        if extra_dflash:
-            extra["dflash_config"] = extra_dflash
+        """A config.json as written, in any dialect and spelling the servers read (`flashdraft.config_spellings`)."""
+        fields_ = config_fields(d, source)
         try:
-            return cls(
-                hidden_size=d["hidden_size"],
-                num_hidden_layers=d["num_hidden_layers"],
-                num_attention_heads=heads,
-                num_key_value_heads=d.get("num_key_value_heads", heads),
-                head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-                intermediate_size=d["intermediate_size"],
-                vocab_size=d["vocab_size"],
-                num_target_layers=d["num_target_layers"],
-                target_layer_ids=list(layer_ids) if isinstance(layer_ids, list) else layer_ids,
-                mask_token_id=_draft_value(d, dflash, "mask_token_id", source),
-                block_size=block_size if block_size is not None else default_block,
-                rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-                rope_theta=rope.theta,
-                rope_scaling=rope.scaling,
-                max_position_embeddings=d.get("max_position_embeddings", 40960),
-                attention_bias=d.get("attention_bias", False),
-                layer_types=layer_types,
-                sliding_window=sliding_window,
-                hidden_act=d.get("hidden_act", "silu"),
-                is_causal=is_causal,
-                draft_vocab_size=d.get("draft_vocab_size"),
-                family=family,
-                **{name: value or 0 for name, value in dflash2.items()},
-                **dspark,
-                partial_rotary_factor=rope.partial_rotary_factor,
-                trained_context_length=d.get("trained_context_length"),
-                gemma_norm=gemma_norm,
-                rope_neox_style=neox_style,
-                extra=extra,
-            )
+            return cls(**fields_)
         except FlashdraftError as e:  # name the file, not just "config"
             raise FlashdraftError(str(e).replace("config:", f"{source}:", 1)) from None
         except TypeError as e:
@@ -547,130 +438,3 @@ class DrafterConfig:
         except json.JSONDecodeError as e:
             raise FlashdraftError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
         return cls.from_dict(d, source=str(path))
-
-
-def _stored_conventions(d: dict[str, Any], source: str) -> tuple[bool, bool]:
-    """(gemma_norm, neox_style) of the stored weights: use_gemma_norm (SGLang's (1 + w) RMSNorms) and
-    is_neox_style / rope_is_neox_style (false: GPT-J rotation); the two rotation spellings must agree."""
-    gemma = d.get("use_gemma_norm")
-    if gemma is not None and not isinstance(gemma, bool):
-        raise FlashdraftError(f"{source}: field 'use_gemma_norm' is {gemma!r}; expected true, false or absent")
-    styles = {name: d[name] for name in ("is_neox_style", "rope_is_neox_style") if d.get(name) is not None}
-    for name, value in styles.items():
-        if not isinstance(value, bool):
-            raise FlashdraftError(f"{source}: field '{name}' is {value!r}; expected true, false or absent")
-    if len(set(styles.values())) > 1:
-        raise FlashdraftError(f"{source}: fields 'is_neox_style' and 'rope_is_neox_style' disagree ({styles}); "
-                              f"expected one rotation style")  # fmt: skip
-    return bool(gemma), next(iter(styles.values()), True)
-
-
-def _family(d: dict[str, Any], dflash: dict[str, Any], source: str) -> str:
-    """The drafter family a config names: its `architectures` list (absent: DFlash, as the first public drafters;
-    SpecForge's DSparkDraftModel: DSpark), or SpecForge's `projector_type: dspark` in dflash_config."""
-    architectures = d.get("architectures")
-    family = None
-    if architectures is None:
-        family = "dflash"
-    for name, known in [*((n, f) for f, n in ARCHITECTURES.items()), *ARCHITECTURE_ALIASES.items()]:
-        if architectures == [name]:
-            family = known
-    if family is None:
-        names = " or ".join(f'["{n}"]' for n in [*ARCHITECTURES.values(), *ARCHITECTURE_ALIASES])
-        raise FlashdraftError(f"{source}: field 'architectures' is {architectures!r}; expected {names} (the drafter "
-                              f"families flashdraft builds)")  # fmt: skip
-    projector = _draft_value(d, dflash, "projector_type", source)
-    if projector == "dspark" and family != "dflash2":  # SpecForge writes its DSpark drafters as DFlash + projector
-        family = "dspark"
-    elif projector is not None:
-        raise FlashdraftError(f"{source}: field 'projector_type' is {projector!r} with architectures "
-                              f"{architectures!r}; expected absent, or 'dspark' (SpecForge's DSpark)")  # fmt: skip
-    return family
-
-
-def _dspark_value(d: dict[str, Any], dflash: dict[str, Any], name: str, source: str) -> Any:
-    """A DSpark field in every spelling SGLang 0.5.23 `parse_dspark_draft_config` reads: the top level (vLLM 0.33.0,
-    DeepSpec), dflash_config (SpecForge), dspark_config, and the prefixed `dspark_<name>`; spellings that disagree
-    are refused (the servers would build different drafters)."""
-    short = name.removeprefix("dspark_")
-    nested = d.get("dspark_config") if isinstance(d.get("dspark_config"), dict) else {}
-    spellings = {name: d.get(name), f"dflash_config.{name}": dflash.get(name),
-                 f"dspark_config.{name}": nested.get(name), f"dspark_{short}": d.get(f"dspark_{short}")}  # fmt: skip
-    found = {where: value for where, value in spellings.items() if value is not None}
-    if len({json.dumps(v, sort_keys=True) for v in found.values()}) > 1:
-        raise FlashdraftError(f"{source}: fields {', '.join(found)} disagree ({found}); expected one value")
-    return next(iter(found.values()), None)
-
-
-def _dspark_fields(d: dict[str, Any], dflash: dict[str, Any], family: str, source: str) -> dict[str, Any]:
-    """The DSpark fields of a config, as DrafterConfig keywords ({} outside the family, where they are refused)."""
-    values = {name: _dspark_value(d, dflash, name, source) for name in DSPARK_FIELDS}
-    # the refused values in the spellings `refuse_unsupported` (the top level) does not see
-    if values["markov_head_type"] not in (None, "vanilla") or values["sample_from_anchor"] is False:
-        name = "markov_head_type" if values["markov_head_type"] not in (None, "vanilla") else "sample_from_anchor"
-        raise FlashdraftError(f"{source}: field '{name}' (nested or prefixed) is {values[name]!r}; expected "
-                              f"{'vanilla' if name == 'markov_head_type' else 'true'} or absent (see the top-level "
-                              f"field in flashdraft's table of server fields)")  # fmt: skip
-    if family != "dspark":
-        switches = ("markov_rank", "enable_confidence_head", "confidence_head_with_markov", "dspark_draft_topk")
-        name = next((n for n in switches if values[n] is not None), None)
-        if name is not None:
-            raise FlashdraftError(
-                f"{source}: field '{name}' is {values[name]!r} but architectures is {d.get('architectures')!r}; "
-                f"expected architectures [\"Qwen3DSparkModel\"] with DSpark's fields, or none of them"
-            )
-        return {}
-    confidence = values["enable_confidence_head"]
-    with_markov = values["confidence_head_with_markov"]
-    if confidence and with_markov is None:
-        raise FlashdraftError(
-            f"{source}: field 'confidence_head_with_markov' is missing with enable_confidence_head true; expected true "
-            f"or false (absent, vLLM 0.33.0 reads false and SGLang 0.5.23 true: the servers would build other heads)"
-        )
-    return {"markov_rank": values["markov_rank"] if values["markov_rank"] is not None else 0,
-            "confidence_head": bool(confidence) if isinstance(confidence, bool | None) else confidence,
-            "confidence_head_with_markov": bool(with_markov) if isinstance(with_markov, bool | None) else with_markov,
-            "draft_top_k": values["dspark_draft_topk"]}  # fmt: skip
-
-
-def _draft_value(d: dict[str, Any], dflash: dict[str, Any], name: str, source: str) -> Any:
-    """A field servers read from dflash_config first, then the top level (vLLM 0.33.0
-    `qwen3_dflash2.py` `_draft_value`); both present and different is refused."""
-    nested, top = dflash.get(name), d.get(name)
-    if nested is not None and top is not None and nested != top:
-        raise FlashdraftError(
-            f"{source}: field 'dflash_config.{name}' is {nested!r} but the top-level '{name}' is {top!r}; expected "
-            f"one value (servers read dflash_config's, other loaders the top level's)"
-        )
-    return nested if nested is not None else top
-
-
-def _resolve_attention_spellings(
-    d: dict[str, Any], dflash: dict[str, Any], source: str
-) -> tuple[list[str], int | None, bool | None]:
-    """(layer_types, sliding_window, is_causal) from every spelling servers read, resolved as
-    vLLM 0.33.0 does (`_resolve_layer_attention`, `_dflash_layer_causal`): `use_swa` makes every
-    layer sliding when layer_types has none (those layers stay non-causal: causality comes from
-    the layer types as written); `swa_window_size` overrides `sliding_window`; causality is the
-    top-level `is_causal`, else `dflash_config.causal`, else the layer types' default."""
-    written = d.get("layer_types")
-    layer_types = list(written) if isinstance(written, list) else []
-    if written is not None and not isinstance(written, list):
-        raise FlashdraftError(f"{source}: field 'layer_types' is {written!r}; expected a list, one entry per layer")
-    use_swa = dflash.get("use_swa", False)
-    if not isinstance(use_swa, bool):
-        raise FlashdraftError(f"{source}: field 'dflash_config.use_swa' is {use_swa!r}; expected true or false")
-    is_causal = d.get("is_causal")
-    if is_causal is None:
-        is_causal = dflash.get("causal")
-        if is_causal is not None and not isinstance(is_causal, bool):
-            raise FlashdraftError(f"{source}: field 'dflash_config.causal' is {is_causal!r}; expected true or false")
-    num_layers = d["num_hidden_layers"]
-    if use_swa and "sliding_attention" not in layer_types and isinstance(num_layers, int):
-        if is_causal is None:
-            is_causal = False  # the layers written as full (or untyped) keep their non-causal default
-        layer_types = ["sliding_attention"] * num_layers
-    window = d.get("sliding_window")
-    if dflash.get("swa_window_size") is not None and "sliding_attention" in layer_types:
-        window = dflash["swa_window_size"]
-    return layer_types, window, is_causal

@@ -17,18 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashdraft.acceptance import (
-    DraftLimit,
-    Proposer,
-    ProposerFactory,
-    accept_greedy_in_chunks,
-    as_proposer,
-    default_block_size,
-    draw_drafts,
-    tau_of,
-)
+from flashdraft.acceptance import accept_greedy_in_chunks, tau_of
 from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
+from flashdraft.proposers import DraftLimit, Proposer, ProposerFactory, as_proposer, default_block_size, draw_drafts
 from flashdraft.serving_rules import (
     NO_FILTERS,
     SamplingFilters,

@@ -9,21 +9,18 @@ from typing import Any
 
 import torch
 
-from flashdraft.checkpoint import check_drafter_matches_target, save_drafter
+from flashdraft.checkpoint import check_drafter_matches_target, drafter_class, save_drafter
 from flashdraft.config import (
-    DEFAULT_BLOCK_SIZE,
-    DFLASH2_BLOCK_SIZE,
-    DFLASH2_FIELDS,
-    DSPARK_BLOCK_SIZE,
-    DSPARK_MARKOV_RANK,
     LAYER_ORDER_RULE,
     DrafterConfig,
     default_target_layer_ids,
     strictly_increasing,
 )
+from flashdraft.config_spellings import DFLASH2_FIELDS, DSPARK_MARKOV_RANK
 from flashdraft.errors import FlashdraftError
+from flashdraft.families import FAMILIES
 from flashdraft.model import DFlashDrafter, is_dflash2_parameter
-from flashdraft.rope import as_scaling
+from flashdraft.rope import as_scaling, target_theta
 from flashdraft.run_dir import drafter_config_path, load_any_drafter
 from flashdraft.target import TargetModel, pick_mask_token
 from flashdraft.target_weights import TargetHead
@@ -58,7 +55,7 @@ def _target_fields(target: TargetModel) -> dict:
         num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
         head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads, intermediate_size=tc.intermediate_size,
         vocab_size=target.vocab_size, num_target_layers=target.num_layers, rms_norm_eps=tc.rms_norm_eps,
-        rope_theta=(getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 1e6),
+        rope_theta=target_theta(tc),
         max_position_embeddings=tc.max_position_embeddings, layer_types=[], sliding_window=None, is_causal=None,
         num_hidden_layers=None, block_size=None, target_layer_ids=None, mask_token_id=None, family="dflash",
         **dict.fromkeys(DFLASH2_FIELDS, 0), markov_rank=0, confidence_head=False, confidence_head_with_markov=False,
@@ -105,6 +102,33 @@ def _resolve_layer_types(n: int, layer_types: list[str] | None, fields_: dict, s
     return list(written)
 
 
+def _layers(
+    num_layers: int | None, layer_types: list[str] | None, sliding_window: int | None, fields_: dict, source: str
+) -> tuple[int, list[str], int | None]:
+    """(layer count, layer types, sliding window) from the init flags, else the --config's fields, checked."""
+    if layer_types and len(layer_types) > 1 and num_layers is not None and num_layers != len(layer_types):
+        raise FlashdraftError(
+            f"--layer-types has {len(layer_types)} entries for --draft-layers {num_layers}; expected one per "
+            f"drafter layer, or a single type for all"
+        )
+    n = num_layers or (len(layer_types) if layer_types and len(layer_types) > 1 else None)
+    n = n or fields_["num_hidden_layers"] or 1
+    types = _resolve_layer_types(n, layer_types, fields_, source)
+    sliding = "sliding_attention" in types
+    if sliding_window is not None and not sliding:
+        raise FlashdraftError(
+            f"--sliding-window {sliding_window}: no drafter layer is sliding_attention (layer_types {types}); give "
+            f"--layer-types with sliding layers, or leave the window out"
+        )
+    window = sliding_window if sliding_window is not None else fields_["sliding_window"]
+    if sliding and window is None:
+        raise FlashdraftError(
+            f"--layer-types {','.join(types)}: sliding layers need --sliding-window N (the keys a sliding layer "
+            f"sees; the Qwen3.6-27B drafter uses 2048)"
+        )
+    return n, types, window
+
+
 def new_drafter_for_target(
     target: TargetModel,
     num_layers: int | None = None,
@@ -135,26 +159,7 @@ def new_drafter_for_target(
     fields_ = _config_fields(base, base_source, target) if base is not None else _target_fields(target)
     _set_family(fields_, family, dflash2 or {}, dspark or {})
     source = f"{base_source} with the init flags" if base is not None else "flashdraft init"
-    if layer_types and len(layer_types) > 1 and num_layers is not None and num_layers != len(layer_types):
-        raise FlashdraftError(
-            f"--layer-types has {len(layer_types)} entries for --draft-layers {num_layers}; expected one per "
-            f"drafter layer, or a single type for all"
-        )
-    n = num_layers or (len(layer_types) if layer_types and len(layer_types) > 1 else None)
-    n = n or fields_["num_hidden_layers"] or 1
-    types = _resolve_layer_types(n, layer_types, fields_, base_source)
-    sliding = "sliding_attention" in types
-    if sliding_window is not None and not sliding:
-        raise FlashdraftError(
-            f"--sliding-window {sliding_window}: no drafter layer is sliding_attention (layer_types {types}); give "
-            f"--layer-types with sliding layers, or leave the window out"
-        )
-    window = sliding_window if sliding_window is not None else fields_["sliding_window"]
-    if sliding and window is None:
-        raise FlashdraftError(
-            f"--layer-types {','.join(types)}: sliding layers need --sliding-window N (the keys a sliding layer "
-            f"sees; the Qwen3.6-27B drafter uses 2048)"
-        )
+    n, types, window = _layers(num_layers, layer_types, sliding_window, fields_, base_source)
     if mask_token_id is None:
         mask_token_id = fields_["mask_token_id"]
         if mask_token_id is None:
@@ -163,9 +168,7 @@ def new_drafter_for_target(
         raise FlashdraftError(
             f"--mask-token-id {mask_token_id} is outside the target's vocabulary (0..{target.vocab_size - 1})"
         )
-    default_block = {"dflash2": DFLASH2_BLOCK_SIZE, "dspark": DSPARK_BLOCK_SIZE}.get(fields_["family"],
-                                                                                   DEFAULT_BLOCK_SIZE)  # fmt: skip
-    block_size = block_size or fields_["block_size"] or default_block
+    block_size = block_size or fields_["block_size"] or FAMILIES[fields_["family"]].default_block_size
     if block_size < 2:
         raise FlashdraftError(f"--block-size {block_size}: expected at least 2 (the anchor plus one draft)")
     if target_layer_ids is not None and not strictly_increasing(target_layer_ids):
@@ -191,7 +194,7 @@ def new_drafter_for_target(
     # the mask token's string, which SGLang checks the id against (a --config is kept as published)
     if base is None and (token := mask_token_string(cfg, target)) is not None:
         cfg.extra["dflash_config"] = {**cfg.dflash_options, "mask_token": token}
-    drafter = DFlashDrafter(cfg)
+    drafter = drafter_class(cfg)(cfg)
     drafter.init_weights(seed)
     # The drafter's output goes through the target's LM head: start its final norm at the
     # target's, so the first logits have the target's scale (a unit norm over a tied
@@ -246,7 +249,8 @@ def dflash2_from_drafter(
     _set_family(fields_, "dflash2", sizes or {})
     if block_size is not None:
         fields_["block_size"] = block_size
-    new = DFlashDrafter(DrafterConfig(**fields_))
+    new_cfg = DrafterConfig(**fields_)
+    new = drafter_class(new_cfg)(new_cfg)
     new.init_weights(seed)  # DFlash2's parts start neutral; the backbone is then replaced by the drafter's
     missing, unexpected = new.load_state_dict(drafter.state_dict(), strict=False)
     assert not unexpected and all(is_dflash2_parameter(k) for k in missing), (missing, unexpected)
@@ -260,7 +264,8 @@ def with_rope_scaling(drafter: DFlashDrafter, scaling: dict | None) -> DFlashDra
     if scaling == drafter.config.rope_scaling:
         return drafter
     cfg = drafter.config
-    new = DFlashDrafter(replace(cfg, rope_scaling=scaling, extra=dict(cfg.extra)))
+    new_cfg = replace(cfg, rope_scaling=scaling, extra=dict(cfg.extra))
+    new = drafter_class(new_cfg)(new_cfg)
     new.load_state_dict(drafter.state_dict())  # the rotary tables are buffers of the config, not weights
     return new.to(next(drafter.parameters()))
 

@@ -1,7 +1,7 @@
 """`flashdraft eval`: how good is a drafter. τ offline (the acceptance walk over the target's
 own completions, `flashdraft.offline`) and online (real speculative decoding, timed, its
 speed-up set against the bound τ and the measured step costs imply, and checked lossless
-against plain decoding), optionally both (`--check-consistency`: the same
+against plain decoding, `flashdraft.online`), optionally both (`--check-consistency`: the same
 acceptance lengths, step for step) and against a reference drafter on the same records.
 
 Any `Proposer` is evaluated alike: a DFlash drafter, the n-gram baseline (`flashdraft.ngram`),
@@ -11,17 +11,16 @@ named "ngram" in place of a checkpoint, or the hybrid of a DFlash drafter and th
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
-from flashdraft.acceptance import DraftLimit, Proposer, tau_of
 from flashdraft.checkpoint import check_drafter_matches_target
 from flashdraft.config import DEFAULT_BLOCK_SIZE
-from flashdraft.decode import autoregressive_generate, speculative_generate
+from flashdraft.decode import autoregressive_generate
 from flashdraft.errors import FlashdraftError
+from flashdraft.families import drafts_per_block, family_of
 from flashdraft.hybrid import HybridDrafter, HybridRule
 from flashdraft.long_context import eval_guards
 from flashdraft.model import DFlashDrafter
@@ -29,20 +28,17 @@ from flashdraft.ngram import NGramProposer
 from flashdraft.offline import (
     confidence_figures,
     drafter_shape,
-    drafts_of,
     evaluate_offline,
-    record_generator,
     selector_figures,
 )
+from flashdraft.online import GreedyRun, consistency_mismatches, evaluate_online, greedy_baseline, max_new_tokens_of
+from flashdraft.proposers import DraftLimit, Proposer
 from flashdraft.records import EvalRecord, FeatureSource, Log, fit_prompts, invalid_reason, load_eval_records
 from flashdraft.results import (
     EvalResult,
-    PromptResult,
     difference,
     expected_tau_figures,
-    first_difference,
     record_context_edges,
-    speedup_bound,
 )
 from flashdraft.run_dir import LoadedDrafter, load_any_drafter
 from flashdraft.served import run_served
@@ -69,138 +65,6 @@ def records_from_prompts(
     return [
         EvalRecord(pid, ids, autoregressive_generate(target, ids, max_new_tokens).output_ids) for pid, ids in prompts
     ]
-
-
-# -- online --------------------------------------------------------------------------------
-
-
-@dataclass
-class GreedyRun:
-    output_ids: list[int]
-    seconds: float
-    step_seconds: list[float]  # each forward after the prefill
-
-
-def _max_new_tokens(record: EvalRecord, default: int) -> int:
-    # with a completion, generate exactly as many tokens, so online walks the same steps
-    return len(record.completion_ids) if record.completion_ids else default
-
-
-def _sync(target: TargetModel) -> None:
-    if target.device.type == "cuda":
-        torch.cuda.synchronize(target.device)
-
-
-@torch.no_grad()
-def greedy_baseline(
-    target: TargetModel,
-    records: list[EvalRecord],
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    seed: int = 0,
-    filters: SamplingFilters = NO_FILTERS,
-) -> list[GreedyRun]:
-    """Plain decoding of every record's prompt (sampled with `filters` at temperature > 0), timed after a warm-up."""
-    warm_up = record_generator(seed, -1, target)
-    autoregressive_generate(target, records[0].prompt_ids, min(8, max_new_tokens), temperature, warm_up, filters)
-    runs = []
-    for index, record in enumerate(records):
-        _sync(target)
-        start = time.perf_counter()
-        out = autoregressive_generate(
-            target, record.prompt_ids, _max_new_tokens(record, max_new_tokens), temperature,
-            record_generator(seed, index, target), filters,
-        )  # fmt: skip
-        _sync(target)
-        runs.append(GreedyRun(out.output_ids, time.perf_counter() - start, out.step_seconds))
-    return runs
-
-
-@torch.no_grad()
-def evaluate_online(
-    drafter: DFlashDrafter | HybridDrafter | Proposer,
-    target: TargetModel,
-    records: list[EvalRecord],
-    baseline: list[GreedyRun],
-    block_size: int | None = None,
-    max_blocks: int | None = None,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    seed: int = 0,
-    limit: DraftLimit | None = None,
-    round_context_to: torch.dtype | None = None,
-    filters: SamplingFilters = NO_FILTERS,
-    rule: ServingRule | str | None = None,
-    context_edges: list[int] | None = None,
-) -> EvalResult:
-    """Online τ: real speculative decoding of every record's prompt (verifying the drafts
-    `limit` keeps; at temperature > 0 under `rule` with `filters`), timed after a warm-up, each output checked
-    against plain greedy decoding (`baseline`) when temperature is 0, and the speed-up set against its bound.
-    Acceptance lengths are cut to the first `max_blocks` steps (the output and the timing are not).
-    `round_context_to`: live context features rounded to a cache's dtype (`speculative_generate`);
-    `context_edges`: the buckets of `EvalResult.by_context`."""
-    b, layer_ids, context_layers = drafter_shape(drafter, block_size)
-    speculative_generate(target, drafter, records[0].prompt_ids, min(8, max_new_tokens), temperature, b,
-                         record_generator(seed, -1, target), limit, filters=filters, rule=rule)  # fmt: skip
-    per_prompt, all_lengths = [], []
-    seconds = draft_s = verify_s = 0.0
-    for index, (record, plain) in enumerate(zip(records, baseline, strict=True)):
-        _sync(target)
-        start = time.perf_counter()
-        out = speculative_generate(
-            target, drafter, record.prompt_ids, _max_new_tokens(record, max_new_tokens), temperature, b,
-            record_generator(seed, index, target), limit, round_context_to, filters, rule,
-        )  # fmt: skip
-        _sync(target)
-        seconds += time.perf_counter() - start
-        draft_s, verify_s = draft_s + out.draft_seconds, verify_s + out.verify_seconds
-        all_lengths += out.acceptance_lengths  # every step: the bound is of what was timed
-        lossless = out.output_ids == plain.output_ids if temperature <= 0 else None
-        kept = slice(None, max_blocks)
-        per_prompt.append(PromptResult(record.id, out.acceptance_lengths[kept], out.output_ids, lossless,
-                                       prompt_length=len(record.prompt_ids), step_seconds=out.step_seconds[kept],
-                                       expected_lengths=out.expected_lengths[kept],
-                                       length_variances=out.length_variances[kept]))  # fmt: skip
-    spec_tokens = sum(len(p.output_ids) for p in per_prompt)
-    greedy_tokens = sum(len(r.output_ids) for r in baseline)
-    greedy_seconds = sum(r.seconds for r in baseline)
-    steps = max(len(all_lengths), 1)
-    greedy_step = greedy_seconds / max(greedy_tokens, 1)
-    return EvalResult(
-        "online", b, layer_ids, context_layers, per_prompt, temperature,
-        speculative_tokens_per_s=spec_tokens / seconds if seconds > 0 else None,
-        greedy_tokens_per_s=greedy_tokens / greedy_seconds if greedy_seconds > 0 else None,
-        draft_ms=1000 * draft_s / steps, verify_ms=1000 * verify_s / steps, greedy_step_ms=1000 * greedy_step,
-        speedup_bound=speedup_bound(tau_of(all_lengths), greedy_step, draft_s / steps, verify_s / steps),
-        drafts_per_block=drafts_of(drafter, b), context_edges=context_edges,
-        # forward k + 1 after the prefill reads the prompt and k generated tokens before its input
-        greedy_steps=[(len(r.prompt_ids) + k, s) for r, run in zip(records, baseline, strict=True)
-                      for k, s in enumerate(run.step_seconds)],
-    )  # fmt: skip
-
-
-def consistency_mismatches(
-    records: list[EvalRecord], baseline: list[GreedyRun] | None, offline: EvalResult, online: EvalResult
-) -> list[str]:
-    """Why offline and online τ are not the same walk, one line per record (empty if they are):
-    a completion that is not the target's greedy output, or acceptance lengths that differ. `baseline` None: the
-    offline walk went over the online outputs themselves (sampled under a one-hot rule), nothing to compare them to."""
-    mismatches = []
-    runs = baseline if baseline is not None else [None] * len(records)
-    for record, run, off, on in zip(records, runs, offline.per_prompt, online.per_prompt, strict=True):
-        k = first_difference(run.output_ids, record.completion_ids) if run is not None else None
-        if k is not None:
-            mismatches.append(
-                f"record {record.id}: its completion is not the target's greedy output (first differs at token "
-                f"{k}); the check needs greedy completions"
-            )
-            continue
-        k = first_difference(off.acceptance_lengths, on.acceptance_lengths)
-        if k is not None:
-            x = off.acceptance_lengths[k] if k < len(off.acceptance_lengths) else "nothing"
-            y = on.acceptance_lengths[k] if k < len(on.acceptance_lengths) else "nothing"
-            mismatches.append(f"record {record.id} step {k + 1}: offline committed {x}, online {y}")
-    return mismatches
 
 
 # -- the eval command -----------------------------------------------------------------------
@@ -420,13 +284,13 @@ def _draft_limit(cfg: EvalConfig, c: Candidate) -> DraftLimit | None:
     """The drafts a step verifies, checked against the candidate's block (None: all of its drafts). A confidence
     threshold applies to a DSpark drafter with a confidence head (the others have no estimate: they verify all)."""
     k, p, c_min = cfg.num_speculative_tokens, cfg.adaptive_threshold, cfg.confidence_threshold
-    drafts = c.block_size - (c.drafter.config.first_draft_position if isinstance(c.drafter, DFlashDrafter) else 1)
+    drafts = drafts_per_block(c.drafter, c.block_size)  # a hybrid's: its drafter's
     if k is not None and k > drafts:
         raise FlashdraftError(
             f"--num-speculative-tokens {k}: {c.label} drafts blocks of {c.block_size} ({drafts} drafts); expected at "
             f"most {drafts}"
         )
-    if k is not None and k < drafts and isinstance(c.drafter, DFlashDrafter) and c.drafter.config.family == "dspark":
+    if k is not None and k < drafts and family_of(c.drafter) == "dspark":
         raise FlashdraftError(
             f"--num-speculative-tokens {k}: {c.label} is a DSpark drafter, which servers draft with a block of "
             f"num_speculative_tokens positions (its non-causal layers then see a shorter block, not the first {k} "
@@ -552,11 +416,6 @@ def _bucket_figures(result: EvalResult) -> list[tuple]:
 # -- sampling at T > 0 (`flashdraft.serving_rules`) ------------------------------------------
 
 
-def _family(drafter: DFlashDrafter | HybridDrafter | Proposer) -> str | None:
-    inner = drafter.drafter if isinstance(drafter, HybridDrafter) else drafter
-    return inner.config.family if isinstance(inner, DFlashDrafter) else None
-
-
 def sampling_settings(cfg: EvalConfig, target: TargetModel, log: Log) -> SamplingFilters:
     """The filters the requests get at T > 0 (the given ones, else the target's generation_config.json values),
     without those the rule's server does not apply; logged with the rule. Greedy: none."""
@@ -584,7 +443,7 @@ def check_sampling(cfg: EvalConfig, candidates: list[Candidate]) -> None:
         return
     rule = serving_rule(cfg.serving_rule)
     for c in candidates:
-        family = _family(c.drafter)
+        family = family_of(c.drafter)
         sampled = rule.samples_drafts(family)
         if cfg.check_consistency and sampled:
             raise FlashdraftError(
@@ -678,7 +537,7 @@ def run_eval(
     if cfg.online and not cfg.check_consistency:
         for record in records:
             log(f"record {record.id}: {len(record.prompt_ids)} prompt tokens, "
-                f"{_max_new_tokens(record, max_new_tokens)} new tokens to decode")  # fmt: skip
+                f"{max_new_tokens_of(record, max_new_tokens)} new tokens to decode")  # fmt: skip
     if cfg.cached_hidden_states is not None:
         _check_cache_layers(cfg, candidates, records, log)
     if cfg.context_buckets is None:  # one set of buckets for drafter and reference alike
@@ -692,7 +551,7 @@ def run_eval(
         main["reference"] = results[1]
         main["difference"] = difference(results[0], results[1])
     if cfg.served:
-        limits = [_max_new_tokens(r, max_new_tokens) for r in records]
+        limits = [max_new_tokens_of(r, max_new_tokens) for r in records]
         c = candidates[0]
         main["served"] = run_served(cfg.checkpoint, c.drafter, c.block_size, target, records, limits, cfg.temperature,
                                     filters, cfg.seed, cfg.engine_python, cfg.server, log)  # fmt: skip

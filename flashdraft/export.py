@@ -11,8 +11,10 @@ from flashdraft.checkpoint import check_drafter_matches_target, save_drafter
 from flashdraft.config import DrafterConfig
 from flashdraft.drafter_init import mask_token_string
 from flashdraft.errors import FlashdraftError
+from flashdraft.families import family
 from flashdraft.files import write_text_atomic
 from flashdraft.run_dir import LoadedDrafter, load_any_drafter
+from flashdraft.server_fields import SGLANG, VLLM
 from flashdraft.serving import V2_RUNNER, mixes_sliding_and_full, serving_commands
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -23,7 +25,7 @@ def serving_snippet(target: str, drafter_dir: str, cfg: DrafterConfig) -> str:
     vllm, sglang = serving_commands(cfg, target, drafter_dir)
     sglang = sglang.replace(" --speculative-draft-model-path", " \\\n    --speculative-draft-model-path")
     b = cfg.block_size
-    name = {"dflash2": "DFlash2", "dspark": "DSpark"}.get(cfg.family, "DFlash")
+    name = family(cfg.family).title
     drafts = cfg.drafts_per_block
     if cfg.family == "dspark":
         v2 = (f"\nA DSpark drafter (`Qwen3DSparkModel`): {cfg.describe_layout()}; a Markov head\n"
@@ -33,7 +35,7 @@ def serving_snippet(target: str, drafter_dir: str, cfg: DrafterConfig) -> str:
               f"block changes every draft); SGLang with `DSPARK` and `--speculative-dspark-block-size` {b}.\n")
     elif cfg.family == "dflash2":  # the runner it needs and the conv's block
         v2 = (f"\nA DFlash2 drafter (`DFlash2DraftModel`: a convolution around each sublayer and a candidate\n"
-              f"selector). vLLM 0.33 runs it on the V2 model runner, its default (the command pins it:\n"
+              f"selector). {VLLM} runs it on the V2 model runner, its default (the command pins it:\n"
               f"`{V2_RUNNER}`); the V1 runner, chosen when a feature V2 lacks is asked for, refuses it\n"
               f"with an error. vLLM takes the convolutions' block from\n"
               f"`1 + num_speculative_tokens`, so `num_speculative_tokens` must be {b - 1}: any other value\n"
@@ -41,7 +43,7 @@ def serving_snippet(target: str, drafter_dir: str, cfg: DrafterConfig) -> str:
               f"`dflash` (the checkpoint's `architectures` selects DFlash2); SGLang serves it as\n"
               f"`DFLASH`.\n")  # fmt: skip
     elif mixes_sliding_and_full(cfg):
-        v2 = (f"\nIts layers mix sliding and full attention: vLLM 0.33 serves it only with the V2 model runner\n"
+        v2 = (f"\nIts layers mix sliding and full attention: {VLLM} serves it only with the V2 model runner\n"
               f"(`{V2_RUNNER}`).\n")  # fmt: skip
     else:
         v2 = ""
@@ -57,7 +59,7 @@ Layers, as both servers run them: {cfg.describe_layers()}.
 {v2}
 ## Serving
 
-These are the command lines of vLLM 0.33.0 and SGLang 0.5.23 at the time of writing (vLLM
+These are the command lines of {VLLM} and {SGLANG} at the time of writing (vLLM
 ignores `block_size`: `num_speculative_tokens` is {drafts}); check your server's documentation if
 they have changed.
 `flashdraft doctor {drafter_dir} --serving` checks every serving rule.

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdraft.acceptance import DFlashProposer, sample_drafts
+from flashdraft.acceptance import sample_drafts
 from flashdraft.model import DFlashDrafter
 from flashdraft.ngram import NGramProposer
+from flashdraft.proposers import DFlashProposer
 from flashdraft.serving_rules import ServingRule
 from flashdraft.target import TargetModel
 
@@ -63,7 +64,7 @@ def expected_accepted(probs: torch.Tensor) -> torch.Tensor:
 
 
 class HybridProposer:
-    """A `flashdraft.acceptance.Proposer` for one sequence: the n-gram or the DFlash draft, by
+    """A `flashdraft.proposers.Proposer` for one sequence: the n-gram or the DFlash draft, by
     `HybridRule`. `skip_drafter=False` runs the drafter on every step (its output unused when
     the n-gram is taken outright): the same proposals, for checking that skipping is exact."""
 
@@ -119,7 +120,7 @@ class HybridProposer:
     @property
     def family(self) -> str | None:
         """The family of the last proposal (None: the n-gram's, always the argmax with q one-hot): the serving rule
-        decides from it how the step's drafts are drawn (`flashdraft.acceptance.draw_drafts`)."""
+        decides from it how the step's drafts are drawn (`flashdraft.proposers.draw_drafts`)."""
         return self.dflash.family if self._proposed_dflash else None
 
     def draw(
@@ -135,7 +136,7 @@ class HybridProposer:
 
 
 class HybridDrafter:
-    """A DFlash drafter and prompt lookup under one rule; `flashdraft.acceptance.as_proposer`
+    """A DFlash drafter and prompt lookup under one rule; `flashdraft.proposers.as_proposer`
     asks it for a fresh `HybridProposer` (its own drafter cache) per sequence."""
 
     def __init__(self, drafter: DFlashDrafter, ngram: NGramProposer, rule: HybridRule = HybridRule()) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashdraft.config import DrafterConfig
-from flashdraft.rope import as_scaling, describe_scaling, scaling_key
+from flashdraft.rope import describe_scaling, scaling_key, target_rope
 
 RECIPE = ("train it further on long data: stage 2 of the long-context recipe, flashdraft train --init DRAFTER "
           "--rope-scaling '{\"rope_type\": \"yarn\", ...}' (docs/pipeline.md)")  # fmt: skip
@@ -56,17 +56,6 @@ def describe_layer_reads(cfg: DrafterConfig, length: int) -> str:
              + f" ({f'sliding {window}' if window else 'full'}) {n}" + (" each" if last > first else "")
              for first, last, n, window in runs]  # fmt: skip
     return f"{', '.join(parts)}: {sum(reads)} per step in all"
-
-
-def target_rope(config: Any) -> tuple[float | None, dict | None]:
-    """(rope_theta, scaling) of a target's transformers config (transformers 5 rope_parameters, flat or per layer
-    type: its full-attention layers'; else the legacy fields)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if isinstance(params.get("full_attention"), dict):
-        params = params["full_attention"]
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
-    return theta, as_scaling(scaling or None, "the target's rope_parameters")
 
 
 def context_guards(cfg: DrafterConfig, length: int, what: str, target_config: Any = None) -> list[Guard]:

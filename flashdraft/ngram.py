@@ -61,7 +61,7 @@ def lookup_match(
 
 
 class NGramProposer:
-    """A `flashdraft.acceptance.Proposer` drafting by prompt lookup; deterministic and stateless,
+    """A `flashdraft.proposers.Proposer` drafting by prompt lookup; deterministic and stateless,
     so one instance serves any number of sequences, online or offline."""
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1) -> None:

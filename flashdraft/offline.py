@@ -1,6 +1,13 @@
-"""Offline τ of a drafter: the acceptance walk (`flashdraft.acceptance`) over each record's
-completion, with context features from the record's cache or one target forward. Needs no
-target forward when the features come from a cache; training reports held-out τ with it.
+"""Offline τ of a drafter: the acceptance walk over each record's completion, with context features from the
+record's cache or one target forward. Needs no target forward when the features come from a cache; training reports
+held-out τ with it.
+
+The walk, for a prompt P (P tokens) and the target's completion c[0..M-1]: the anchor index i starts at 0 (c[0]
+comes from the prefill); the proposer drafts from prompt + c[..i] and the context features of positions < P + i, fed
+as decoding feeds them (only those committed since its last call); a = the leading drafts equal to c[i + 1 ..]
+(`flashdraft.acceptance`, the rule live decoding applies); the step commits n = min(a + 1, M - 1 - i) tokens and
+i += n. A proposer that can draft many anchors in one call (the DFlash drafter: each block sees only context before
+its own anchor) is asked for all anchors of a stretch at once (`draft_anchors`); the walk uses the drafts it lands on.
 
 At T > 0 (`evaluate_offline(temperature=...)`) the completions must be the target's own samples at the settings
 evaluated (temperature, and the filters the serving rule applies). Then:
@@ -19,24 +26,169 @@ feed the drafter).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from flashdraft.acceptance import (
+from flashdraft.acceptance import committed_length, tau_of
+from flashdraft.errors import FlashdraftError
+from flashdraft.families import drafts_per_block, family_of
+from flashdraft.model import DFlashDrafter
+from flashdraft.proposers import (
+    BatchProposer,
     DraftLimit,
-    OfflineSampling,
     Proposer,
     ProposerFactory,
     as_proposer,
+    confident_prefix,
     default_block_size,
-    offline_acceptance_lengths,
-    tau_of,
 )
-from flashdraft.model import DFlashDrafter
 from flashdraft.records import EvalRecord, FeatureSource
 from flashdraft.results import EvalResult, PromptResult
 from flashdraft.serving_rules import NO_FILTERS, SamplingFilters, ServingRule, serving_rule, target_probs
 from flashdraft.target import TargetModel
+
+# -- the walk ----------------------------------------------------------------------------------
+
+
+@dataclass
+class OfflineSampling:
+    """What the offline walk needs at T > 0 (module `flashdraft.offline` states what is exact): the target's filtered
+    p along the completion and the rule drafts are drawn under. `probs_at(start, end)`: rows [end - start, V], row r
+    the target's p of completion[start + r + 1] after completion[.. start + r]."""
+
+    probs_at: Callable[[int, int], torch.Tensor]
+    temperature: float
+    rule: ServingRule
+    generator: torch.Generator | None = None
+    # DSpark: verify only the drafts before the first whose confidence is under this (a sampled walk's own cut)
+    confidence_threshold: float | None = None
+    expected: list[float] = field(default_factory=list)  # per step: the estimate of its expected committed length
+    verified: list[int] = field(default_factory=list)  # per step: the drafts it verified
+    # every draft position a step reached (all drafts before it accepted): (position, the drafter's confidence
+    # there or None, its acceptance probability alpha given the context, whether the walk accepted it)
+    reached: list[tuple[int, float | None, float, bool]] = field(default_factory=list)
+
+    def step(self, proposer: Proposer, j: int, rows: torch.Tensor, completion: torch.Tensor, i: int) -> int:
+        """The tokens the step at anchor index i commits, drawn from their law given that the target's output is
+        `completion` [M] (rows [k, V]: the proposal of block j of the proposer's last call); appends the step's
+        expected committed length to `expected`.
+
+        With the drafts' q (sampled: the drafter's along the completion; argmax: one-hot) and the target's p,
+        P(draft t accepted | accepted before, output token c_t) = rho_t = min(1, q_t(c_t) / p_t(c_t)), so the walk
+        accepts c_t with probability rho_t (one-hot: rho_t = [d_t == c_t], the greedy walk's match). The expected
+        length is estimated by importance weighting along the completion: P(a >= t) = E[prod_{s < t} rho_s x
+        alpha_t], alpha_t = sum_x min(p_t(x), q_t(x)) (one-hot: p_t(d_t)).
+
+        A DSpark confidence cut of a sampled walk is exact too: a position's confidence reads the draft before it,
+        which at a reached position is the completion's token, so the cut along the completion is the live walk's.
+        """
+        left = completion.shape[0] - 1 - i
+        sampled = self.rule.samples_drafts(family_of(proposer))
+        k = min(rows.shape[0], left)
+        if sampled and self.confidence_threshold is not None:  # `rows` hold the greedy walk's cut: not this walk's
+            k = min(proposer.block_drafts(j), left)
+        path = completion[i + 1 : i + 1 + k]  # [k]
+        confidence = getattr(proposer, "path_confidence", lambda *_: None)(j, path)  # [k] or None
+        if sampled and self.confidence_threshold is not None and confidence is not None:
+            k = confident_prefix(confidence, self.confidence_threshold)
+            path, confidence = path[:k], confidence[:k]
+        self.verified.append(k)
+        if k == 0:  # nothing verified: the step commits the target's token
+            self.expected.append(1.0)
+            return 1
+        p = self.probs_at(i, i + k)  # [k, V]
+        p_path = p.gather(-1, path[:, None])[:, 0]
+        if bool((p_path <= 0).any()):
+            t = int((p_path <= 0).int().argmax())
+            raise FlashdraftError(
+                f"completion token {i + 1 + t} ({int(path[t])}) has probability 0 under these sampling settings: the "
+                f"completions must be the target's samples at the settings evaluated (flashdraft generate with them)"
+            )
+        if sampled:
+            q = proposer.path_distributions(j, path, self.temperature)[:k]  # [k, V]
+            alpha = torch.minimum(p, q).sum(-1)
+            rho = (q.gather(-1, path[:, None])[:, 0] / p_path).clamp(max=1.0)
+            coins = torch.rand(k, generator=self.generator, device=rho.device) < rho
+        else:
+            drafts = rows[:k].argmax(-1)
+            alpha = p.gather(-1, drafts[:, None])[:, 0]
+            rho = coins = (drafts == path).float()
+        reach = torch.cat([rho.new_ones(1), rho.double().cumprod(0)[:-1]]) * alpha.double()  # [k] P(a >= t) terms
+        self.expected.append(1.0 + float(reach[: max(left - 1, 0)].sum()))
+        a = int(coins.int().cumprod(0).sum())
+        for t in range(min(a + 1, k)):
+            self.reached.append((t, None if confidence is None else float(confidence[t]), float(alpha[t]),
+                                 t < a))  # fmt: skip
+        return min(a + 1, left)
+
+
+@torch.no_grad()
+def offline_acceptance_lengths(
+    proposer: Proposer,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    block_size: int,
+    features: torch.Tensor | None = None,
+    max_blocks: int | None = None,
+    device: torch.device | str = "cpu",
+    anchors_per_call: int | None = None,
+    sampling: OfflineSampling | None = None,
+) -> list[int]:
+    """Walk one completion as the target's own output (module docstring), at most `max_blocks`
+    steps. features: [P + M, n * H] context features of prompt + completion for the
+    proposer's layers (None when it wants none). A proposer with state (a cache) must be a
+    fresh one per completion. `anchors_per_call` caps how many anchors a `BatchProposer`
+    drafts per call (default: its own choice); the lengths do not depend on it. `sampling`: the walk of a
+    sampled completion at T > 0 (`OfflineSampling.step`); None: greedy."""
+    p, m = len(prompt_ids), len(completion_ids)
+    tokens = prompt_ids + completion_ids
+    completion = torch.tensor(completion_ids, device=device)
+    if features is not None:
+        features = features.to(device)
+    batched = isinstance(proposer, BatchProposer)
+    per_call = 1 if not batched else anchors_per_call or proposer.anchors_per_call(block_size)  # 1: `propose`
+    drafts: dict[int, tuple[int, torch.Tensor]] = {}  # anchor index -> (its block in the call, rows [k, V])
+    lengths: list[int] = []
+    i = fed = 0  # anchor index; context positions [0, fed) were given to the proposer
+    while i < m - 1 and (max_blocks is None or len(lengths) < max_blocks):
+        if i not in drafts:
+            # draft every anchor from i on in one call; the walk uses those it lands on, and it
+            # lands on at most (steps left) more anchors, so drafting more would be wasted
+            k = per_call if max_blocks is None else min(per_call, max_blocks - len(lengths))
+            anchors = list(range(i, min(i + k, m - 1)))  # completion indices
+            logits, fed = draft_anchors(proposer, anchors, tokens, p, features, fed, block_size, device)
+            drafts = {a: (j, x) for j, (a, x) in enumerate(zip(anchors, logits, strict=True))}
+        j, rows = drafts[i]
+        if sampling is None:
+            n = committed_length(rows.argmax(-1), completion, i)
+        else:
+            n = sampling.step(proposer, j, rows, completion, i)
+        lengths.append(n)
+        i += n
+    return lengths
+
+
+def draft_anchors(
+    proposer: Proposer, anchors: list[int], tokens: list[int], p: int, features: torch.Tensor | None, fed: int,
+    block: int, device: torch.device | str,
+) -> tuple[list[torch.Tensor], int]:  # fmt: skip
+    """The proposals [k, V] at the completion indices `anchors` of prompt + completion `tokens` (prompt length p), in
+    one call (a proposer that is not a `BatchProposer` drafts one anchor per call), given the context features
+    [P + M, n * H] of the positions from `fed` to the last anchor (those before `fed` were given before); returns
+    them and the new `fed`."""
+    end = p + anchors[-1]  # context strictly before the last anchor
+    new_context = features[None, fed:end] if features is not None else None
+    positions = torch.arange(fed, end, device=device)[None]
+    if isinstance(proposer, BatchProposer):
+        logits = proposer.propose_anchors([tokens[p + a] for a in anchors], [p + a for a in anchors], new_context,
+                                          positions, block)  # fmt: skip
+    else:
+        logits = [proposer.propose(tokens[: end + 1], end, new_context, positions, block)]
+    return logits, end
+
+
+# -- offline τ of records ---------------------------------------------------------------------
 
 
 def drafter_shape(
@@ -49,13 +201,6 @@ def drafter_shape(
         return block_size, cfg.target_layer_ids, drafter.fc.weight.shape[1] // cfg.hidden_size
     ids = list(drafter.context_layer_ids)
     return block_size, ids, len(ids) or None
-
-
-def drafts_of(drafter: DFlashDrafter | ProposerFactory | Proposer, block_size: int) -> int:
-    """Drafts a block of `block_size` verifies at most: one fewer (fill-in), all of them (a DSpark drafter)."""
-    inner = getattr(drafter, "drafter", drafter)  # the hybrid's DFlash drafter
-    first = inner.config.first_draft_position if isinstance(inner, DFlashDrafter) else 1
-    return block_size - first
 
 
 @torch.no_grad()
@@ -89,7 +234,7 @@ def evaluate_offline(
         per_prompt.append(PromptResult(record.id, lengths, expected_lengths=sampling.expected if sampling else None,
                                        prompt_length=len(record.prompt_ids)))  # fmt: skip
     return EvalResult("offline", b, layer_ids, context_layers, per_prompt, temperature,
-                      drafts_per_block=drafts_of(drafter, b), context_edges=context_edges)  # fmt: skip
+                      drafts_per_block=drafts_per_block(drafter, b), context_edges=context_edges)  # fmt: skip
 
 
 def walk_record(
@@ -180,16 +325,13 @@ def _rows_at_steps(drafter: DFlashDrafter, target: TargetModel, record: EvalReco
     """What a fresh proposer drafts at each step's anchor: (its rows [k, V], the greedy walk's confidence [k] or
     None) per step, the anchors drafted in chunks as the offline walk drafts them (`use_selector` as in
     `as_proposer`)."""
-    p, completion, b = len(record.prompt_ids), record.completion_ids, block
     proposer = as_proposer(drafter, target, limit, use_selector)
     inner = getattr(proposer, "inner", proposer)  # the DFlash proposer under a limit's wrapper
-    per_call, fed, out = inner.anchors_per_call(b), 0, []
+    per_call, fed, out = inner.anchors_per_call(block), 0, []
     for start in range(0, len(steps), per_call):
-        chunk = steps[start : start + per_call]
-        end = p + chunk[-1][0]  # context strictly before the chunk's last anchor
-        logits = proposer.propose_anchors([completion[a] for a, _ in chunk], [p + a for a, _ in chunk],
-                                          features[None, fed:end], torch.arange(fed, end)[None], b)  # fmt: skip
-        fed = end
+        anchors = [a for a, _ in steps[start : start + per_call]]
+        logits, fed = draft_anchors(proposer, anchors, record.input_ids, len(record.prompt_ids), features, fed, block,
+                                    target.device)  # fmt: skip
         confidence = inner.last_confidence
         out += [(rows, None if confidence is None else confidence[j]) for j, rows in enumerate(logits)]
     return out
@@ -218,7 +360,7 @@ def confidence_figures(
     SGLang's planner is opt-in) and its cost: the drafts verified per step, against the uncut block's."""
     features = features or FeatureSource(target)
     rule = serving_rule(rule)
-    k_max = drafts_of(drafter, walked.block_size)
+    k_max = drafts_per_block(drafter, walked.block_size)
     thresholds = sorted({*CONFIDENCE_SWEEP, *([threshold] if threshold else [])})
     if temperature > 0:  # the uncut walk and every cut over each record's one target forward
         walks = _sampled_walks(drafter, target, records, features, walked.block_size, max_blocks,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashdraft.errors import FlashdraftError
+from flashdraft.server_fields import SGLANG, VLLM
 
 # The scaled RoPE types flashdraft computes (transformers' ROPE_INIT_FUNCTIONS, which the drafter's rotary
 # embedding calls), with the keys transformers 5.23's validators require and the ones they accept besides.
@@ -34,6 +35,9 @@ _FILLED = ("yarn", "llama3", "longrope")
 _WIDTH = ("partial_rotary_factor", "rope_dim")
 DEFAULT_THETA = 10_000.0  # transformers 5.23 RotaryEmbeddingConfigMixin.default_theta: a config without rope_theta
 DEFAULT_MAX_POSITIONS = 40960  # DrafterConfig's max_position_embeddings when a config has none
+# a drafter's rope_theta when nothing names one: DrafterConfig's default, and a fresh drafter's when its target's config
+# names none (a config.json read without one takes transformers' DEFAULT_THETA, as the servers read it)
+DRAFTER_THETA = 1e6
 EXAMPLE = '{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 1024}'
 
 
@@ -174,7 +178,7 @@ def resolve_rotary_width(d: dict[str, Any], rope_scaling: dict | None, source: s
     if nested is not None and top is not None and nested != top:
         raise FlashdraftError(
             f"{source}: field 'rope_parameters.partial_rotary_factor' is {nested!r} but 'partial_rotary_factor' is "
-            f"{top!r}; expected one value (vLLM 0.33.0 reads the first, SGLang 0.5.23 the second)"
+            f"{top!r}; expected one value ({VLLM} reads the first, {SGLANG} the second)"
         )
     factor = nested if nested is not None else top
     scaling = dict(rope_scaling) if isinstance(rope_scaling, dict) else rope_scaling
@@ -192,8 +196,8 @@ def resolve_rotary_width(d: dict[str, Any], rope_scaling: dict | None, source: s
         if factor is not None and int(head_dim * factor) != rope_dim:
             raise FlashdraftError(
                 f"{source}: field 'rope_scaling.rope_dim' is {rope_dim} but partial_rotary_factor {factor} gives "
-                f"{int(head_dim * factor)} rotary dims; expected them to agree (SGLang 0.5.23 rotates rope_dim dims, "
-                f"vLLM 0.33.0 head_dim x partial_rotary_factor)"
+                f"{int(head_dim * factor)} rotary dims; expected them to agree ({SGLANG} rotates rope_dim dims, "
+                f"{VLLM} head_dim x partial_rotary_factor)"
             )
         factor = rope_dim / head_dim
     return scaling, 1.0 if factor is None else factor
@@ -222,3 +226,22 @@ def describe_scaling(scaling: dict | None) -> str:
     parts = [f"factor {factor:g}" if factor is not None else ""] + (
         [f"original_max_position_embeddings {original}"] if original is not None else [])
     return f"{kind} {', '.join(p for p in parts if p)}".strip()
+
+
+def target_rope(config: Any) -> tuple[float | None, dict | None]:
+    """(rope_theta, scaling) of a target's transformers config (transformers 5 rope_parameters, flat or per layer
+    type: its full-attention layers'; else the legacy fields); rope_theta None when it names none. The one reader of a
+    target's RoPE: init copies its rope_theta (`target_theta`), the long-context guards compare against both."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    return theta, as_scaling(scaling or None, "the target's rope_parameters")
+
+
+def target_theta(config: Any) -> float:
+    """The target's rope_theta (`target_rope`), DRAFTER_THETA when its config names none: what a drafter made for
+    it starts with."""
+    theta = target_rope(config)[0]
+    return DRAFTER_THETA if theta is None else theta

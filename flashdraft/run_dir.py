@@ -51,6 +51,7 @@ from flashdraft.files import (
     write_text_atomic,
 )
 from flashdraft.model import DFlashDrafter
+from flashdraft.rope import target_theta
 from flashdraft.safe_load import UnsafeFileError, load_tensors_only, to_plain
 from flashdraft.target import pick_mask_token
 
@@ -410,7 +411,7 @@ def load_any_drafter(
         block_size = DEFAULT_BLOCK_SIZE
         assumed.append(f"block size {block_size}: the usual one (give --block-size if it was trained with another)")
     tc = target.config
-    rope_theta = (getattr(tc, "rope_parameters", None) or {}).get("rope_theta") or getattr(tc, "rope_theta", 1e6)
+    rope_theta = target_theta(tc)
     assumed.append(f"rope_theta {rope_theta}, rms_norm_eps {tc.rms_norm_eps}, all layers full attention: target's")
     cfg = infer_drafter_config(
         shapes, str(path), vocab_size=target.vocab_size, num_target_layers=target.num_layers,

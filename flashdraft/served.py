@@ -26,7 +26,8 @@ from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.decode import autoregressive_generate
 from flashdraft.engine import SpecCounters, VllmServer, engine_info, engine_python, read_spec_counters, server_version
 from flashdraft.errors import FlashdraftError
-from flashdraft.offline import drafts_of, evaluate_offline
+from flashdraft.families import drafts_per_block
+from flashdraft.offline import evaluate_offline
 from flashdraft.records import EvalRecord, FeatureSource
 from flashdraft.results import EvalResult, expected_tau_figures
 from flashdraft.serving import needs_v2_runner, vllm_speculative_config
@@ -214,7 +215,7 @@ def run_served(
     check's verdict (`served["check"]["passed"]`)."""
     from flashdraft.export import export_drafter
 
-    drafts = drafts_of(drafter, block_size)
+    drafts = drafts_per_block(drafter, block_size)
     work = Path(tempfile.mkdtemp(prefix="flashdraft-served-"))
     if server_url is not None:
         engine = Engine(server_url.rstrip("/").removesuffix("/v1"), f"vllm {server_version(server_url)}", None,

@@ -22,11 +22,10 @@ from typing import Any
 from flashdraft.checks import Checks
 from flashdraft.config import DEFAULT_MASK_TOKEN, REFERENCE_OPTIONS, DrafterConfig, LayerAttention
 from flashdraft.errors import FlashdraftError
+from flashdraft.families import family
 from flashdraft.long_context import serving_guards
-from flashdraft.server_fields import fields_set
+from flashdraft.server_fields import SGLANG, VLLM, fields_set
 
-VLLM = "vLLM 0.33.0"
-SGLANG = "SGLang 0.5.23"
 SLIDING, FULL = "sliding_attention", "full_attention"
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER=1"
 VLLM_DFLASH2 = "qwen3_dflash2.py (v1/worker/gpu/spec_decode/dflash2/)"
@@ -41,35 +40,33 @@ def mixes_sliding_and_full(cfg: DrafterConfig) -> bool:
 
 
 def needs_v2_runner(cfg: DrafterConfig) -> bool:
-    """Drafters vLLM 0.33.0 serves only on its V2 model runner (its default): mixed layers and any DFlash2 drafter;
-    the V1 runner (chosen when a feature V2 lacks is asked for) refuses them with an error. The command pins V2."""
-    return cfg.family == "dflash2" or mixes_sliding_and_full(cfg)
+    """Drafters vLLM 0.33.0 serves only on its V2 model runner (its default): mixed layers and the families that say
+    so (DFlash2); the V1 runner (chosen when a feature V2 lacks is asked for) refuses them with an error. The command
+    pins V2."""
+    return family(cfg.family).v2_runner_only or mixes_sliding_and_full(cfg)
 
 
 def vllm_speculative_config(cfg: DrafterConfig, drafter_dir: str) -> dict[str, Any]:
-    """vLLM's --speculative-config for `drafter_dir`: DSpark drafts at every position (N = block_size queries, the
-    anchor and N - 1 masks); DFlash and DFlash2 draft the block_size - 1 masks (vLLM ignores block_size)."""
-    if cfg.family == "dspark":
-        return {"method": "dspark", "model": drafter_dir, "num_speculative_tokens": cfg.block_size}
-    return {"method": "dflash", "model": drafter_dir, "num_speculative_tokens": cfg.block_size - 1}
+    """vLLM's --speculative-config for `drafter_dir`: the family's method, and num_speculative_tokens the block's
+    drafts (vLLM ignores block_size): DSpark drafts at every position (N = block_size queries, the anchor and N - 1
+    masks), DFlash and DFlash2 the block_size - 1 masks."""
+    return {"method": family(cfg.family).vllm_method, "model": drafter_dir,
+            "num_speculative_tokens": cfg.drafts_per_block}  # fmt: skip
 
 
 def serving_commands(cfg: DrafterConfig, target: str, drafter_dir: str) -> tuple[str, str]:
     """The vLLM and SGLang command lines that serve `drafter_dir` with `target`: vLLM needs
     num_speculative_tokens (it ignores block_size; DFlash2's conv takes its block from it) and,
     for DFlash2 or mixed layers, the V2 runner; its method stays "dflash" for DFlash2 (the
-    checkpoint's architectures selects the model). SGLang is given its draft tokens (=
-    block_size, anchor included) explicitly."""
+    checkpoint's architectures selects the model). SGLang is given the block (anchor included)
+    explicitly, by its family's flag."""
+    fam = family(cfg.family)
     spec = json.dumps(vllm_speculative_config(cfg, drafter_dir))
-    if cfg.family == "dspark":
-        sglang = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DSPARK "
-                  f"--speculative-draft-model-path {drafter_dir} --speculative-dspark-block-size {cfg.block_size}")
-        return f"vllm serve {target} --speculative-config '{spec}'", sglang
-    env = f"{V2_RUNNER} " if needs_v2_runner(cfg) else ""
+    # the pin is for vLLM's dflash method (DFlash2, mixed layers); its dspark method's command is written unpinned
+    env = f"{V2_RUNNER} " if fam.vllm_method == "dflash" and needs_v2_runner(cfg) else ""
     vllm = f"{env}vllm serve {target} --speculative-config '{spec}'"
-    sglang = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-              f"--speculative-draft-model-path {drafter_dir} "
-              f"--speculative-num-draft-tokens {cfg.block_size}")  # fmt: skip
+    sglang = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {fam.sglang_algorithm} "
+              f"--speculative-draft-model-path {drafter_dir} {fam.sglang_block_flag} {cfg.block_size}")  # fmt: skip
     return vllm, sglang
 
 
@@ -147,6 +144,199 @@ def _causality_source(raw: dict[str, Any], cfg: DrafterConfig, layer_type: str) 
     return f"servers' default for {layer_type}"
 
 
+# -- what each server does with a family's drafter -----------------------------------------------
+
+
+def full_vocabulary(why: str, checks: Checks) -> None:
+    """The vocabulary line of a family drafting over the full target vocabulary (DrafterConfig refuses a
+    draft_vocab_size there: it always holds)."""
+    checks.ok(f"vocabulary: the full target vocabulary (no draft_vocab_size, no d2t): {why}")
+
+
+class DFlashServing:
+    """What vLLM and SGLang do with a DFlash drafter, in the serving checks' words. DFlash2's and DSpark's classes
+    override what differs; a family without a class of its own is checked as DFlash."""
+
+    # format: the registries' entry for the architecture (both read config.json through transformers' Qwen3Config)
+    registry = (f"{VLLM} models/registry.py maps DFlashDraftModel to qwen3_dflash.py DFlashQwen3ForCausalLM, "
+                f"{SGLANG} to models/dflash.py DFlashDraftModel")  # fmt: skip
+
+    def tensors(self, cfg: DrafterConfig, expected: dict[str, tuple[int, ...]]) -> str:
+        """The tensors both loaders read, and what they do with one missing or unknown."""
+        return (f"every public key with its shape ({VLLM} qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights "
+                f"stacks q/k/v and gate/up and refuses unknown names; {SGLANG} models/dflash.py "
+                f"DFlashDraftModel.load_weights skips unknown names; neither notices a missing tensor)")  # fmt: skip
+
+    def runner(self, cfg: DrafterConfig, checks: Checks) -> None:
+        """vLLM 0.33.0 runs its V2 model runner by default (config/vllm.py use_v2_model_runner); its V1 runner, chosen
+        when a feature V2 lacks is asked for, refuses DFlash2, DSpark and mixed layers (_validate_v1_model_runner)."""
+        if mixes_sliding_and_full(cfg):
+            checks.ok(f"V2 runner: layers mix sliding and full attention: {VLLM} serves them on its V2 model runner, "
+                      f"its default; its V1 runner refuses them (\"Model Runner V1 does not support: mixed "
+                      f"sliding/full dflash drafts\"); the vLLM command below pins V2 ({V2_RUNNER})")  # fmt: skip
+        else:
+            checks.ok(f"V2 runner: layers all {cfg.layer_types[0]}: either {VLLM} model runner serves them (V2, its "
+                      f"default; V1 refuses mixed layers and the candidate-head and DSpark families only)")
+
+    def layout(self, raw: dict[str, Any], cfg: DrafterConfig, checks: Checks) -> None:
+        """The block layout each server drafts the drafter with: the family's, from its architectures."""
+        checks.ok(f"layout: {cfg.describe_layout()}: {VLLM} and {SGLANG} draft a {cfg.architecture} so (1 + N "
+                  f"queries, the masks at the drafted positions)")  # fmt: skip
+
+    def heads(self, raw: dict[str, Any], cfg: DrafterConfig, checks: Checks) -> None:
+        """The family's own heads as each server builds them (DFlash has none)."""
+
+    def vocabulary(self, cfg: DrafterConfig, found: dict[str, Any], checks: Checks) -> None:
+        """A reduced vocabulary with its own LM head: vLLM's convention, which SGLang's DFlash does not load."""
+        if cfg.draft_vocab_size is None:
+            checks.ok(f"vocabulary: no own LM head: both servers draft with the target's lm_head ({VLLM} "
+                      f"llm_base_proposer.py _maybe_share_lm_head; {SGLANG} speculative/dflash_worker_v2.py)")
+            return
+        own = f"draft_vocab_size {cfg.draft_vocab_size} with its own lm_head" + (" and d2t" if "d2t" in found else "")
+        checks.warn(
+            f"vocabulary: {own}: {VLLM} serves it (qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights loads "
+            f"lm_head and maps d2t to draft_id_to_target_id, compute_logits places the drafts in the target "
+            f"vocabulary); {SGLANG} does not: models/dflash.py DFlashDraftModel has no lm_head, its load_weights "
+            f"skips lm_head.weight and d2t without a word, and speculative/dflash_worker_v2.py drafts with the "
+            f"target's lm_head over the full vocabulary",
+            "serve this drafter with vLLM (on SGLang its drafts would come from another head than it was trained with)",
+        )
+
+    def block(self, cfg: DrafterConfig, checks: Checks) -> None:
+        b = cfg.block_size
+        checks.ok(
+            f"block size: block_size {b}: {VLLM} ignores it and needs num_speculative_tokens {b - 1} (= block_size "
+            f"- 1; config/speculative.py SpeculativeConfig.__post_init__ refuses none); {SGLANG} defaults "
+            f"--speculative-num-draft-tokens to block_size, anchor included (arg_groups/speculative_hook.py "
+            f"_handle_dflash); both commands below give them"
+        )
+
+    def scalings(self, cfg: DrafterConfig, checks: Checks) -> None:
+        """The z-lab reference's DFlash2 scalings: flashdraft applies them, plain DFlash serving does not."""
+        changed = {n: cfg.reference_option(n) for n, default in REFERENCE_OPTIONS.items()
+                   if cfg.reference_option(n) not in (default, 0)}  # fmt: skip
+        where = (f"{VLLM} qwen3_dflash.py and {SGLANG} models/dflash.py DFlashDraftModel read none of them; only "
+                 f"the DFlash2 models do (qwen3_dflash2.py, DFlash2DraftModel)")  # fmt: skip
+        for name, value in changed.items():
+            checks.warn(f"scalings: dflash_config.{name} {value}: flashdraft trains and evaluates with it, but "
+                        f"{where}", "expect served acceptance to differ from flashdraft's; train without it to "
+                        "serve it as plain DFlash")  # fmt: skip
+        if not changed:
+            checks.ok(f"scalings: input_embedding_scale, output_multiplier, final_logit_softcapping at their "
+                      f"defaults: {where}")  # fmt: skip
+
+
+class DFlash2Serving(DFlashServing):
+    # vLLM's method stays "dflash": the architectures entry alone selects DFlash2
+    registry = (f"{VLLM} models/registry.py maps DFlash2DraftModel to {VLLM_DFLASH2}, V2 runner (its default), with "
+                f"--speculative-config method \"dflash\" as for DFlash (architectures selects DFlash2); {SGLANG} "
+                f"--speculative-algorithm DFLASH to models/dflash.py, which reads DFlash2's fields")  # fmt: skip
+
+    def tensors(self, cfg: DrafterConfig, expected: dict[str, tuple[int, ...]]) -> str:
+        # a conv or selector tensor left out is served uninitialised, without a word
+        from flashdraft.model import is_dflash2_parameter
+
+        extra = sum(map(is_dflash2_parameter, expected))
+        return (f"every public key with its shape, DFlash2's {extra} included (layers.i.attention_conv / mlp_conv "
+                f"base_kernel and candidate_selector predecessor_codebook / successor_codebook without '.weight', as "
+                f"published; {VLLM} {VLLM_DFLASH2} and {SGLANG} models/dflash.py load them by these names; neither "
+                f"notices a missing tensor)")  # fmt: skip
+
+    def runner(self, cfg: DrafterConfig, checks: Checks) -> None:
+        mixed = "; its layers also mix sliding and full attention, which V1 refuses too" * mixes_sliding_and_full(cfg)
+        checks.ok(f"V2 runner: DFlash2DraftModel: {VLLM} runs {VLLM_DFLASH2} on its V2 model runner, its default; "
+                  f"its V1 runner (chosen when a feature V2 lacks is asked for) refuses it with \"Model Runner V1 does "
+                  f"not support: DFlash candidate-head drafts\"{mixed}; the vLLM command below pins V2 ({V2_RUNNER})")
+
+    def vocabulary(self, cfg: DrafterConfig, found: dict[str, Any], checks: Checks) -> None:
+        full_vocabulary(f"DFlash2's candidate selector ranks the target's lm_head logits, codebooks "
+                        f"[{cfg.vocab_size}, {cfg.selector_rank}] (vocab_size, selector_rank), as {VLLM} "
+                        f"qwen3_dflash2.py and {SGLANG} models/dflash.py load it", checks)  # fmt: skip
+
+    def block(self, cfg: DrafterConfig, checks: Checks) -> None:
+        # the conv's taps stop at the block boundary: the block must be the trained one
+        b = cfg.block_size
+        checks.ok(f"block size: block_size {b}: {VLLM} {VLLM_DFLASH2} takes the convolutions' block length from "
+                  f"1 + num_speculative_tokens, not from block_size: num_speculative_tokens {b - 1} (= block_size - "
+                  f"1); any other value convolves across a different block than the drafter was trained with; the "
+                  f"vLLM command below gives {b - 1}")  # fmt: skip
+        checks.ok(f"SGLang DFlash2: --speculative-algorithm DFLASH with --speculative-num-draft-tokens {b} (= "
+                  f"block_size, anchor included): {SGLANG} models/dflash.py reads DFlash2's fields (conv_kernel_size "
+                  f"{cfg.conv_kernel_size}, conv_group_size {cfg.conv_group_size}, selector_rank {cfg.selector_rank}, "
+                  f"selector_top_k {cfg.selector_top_k}, block_size {b}); the SGLang command below gives "
+                  f"them")  # fmt: skip
+
+    def scalings(self, cfg: DrafterConfig, checks: Checks) -> None:
+        # served as trained: the DFlash2 models read them
+        values = ", ".join(f"{n} {cfg.reference_option(n)}" for n in REFERENCE_OPTIONS)
+        checks.ok(f"scalings: {values}: {VLLM} qwen3_dflash2.py and {SGLANG} models/dflash.py read them for a "
+                  f"DFlash2DraftModel, as flashdraft trains and evaluates with them")  # fmt: skip
+
+
+class DSparkServing(DFlashServing):
+    registry = (f"{VLLM} models/registry.py maps Qwen3DSparkModel to {VLLM_DSPARK} with --speculative-config method "
+                f"\"dspark\" (its DSparkDraftModel is DeepSeek-V4's); {SGLANG} --speculative-algorithm DSPARK to "
+                f"models/dspark.py Qwen3DSparkModel")  # fmt: skip
+
+    def layout(self, raw: dict[str, Any], cfg: DrafterConfig, checks: Checks) -> None:
+        checks.ok(f"layout: {cfg.describe_layout()}: {VLLM} dspark/speculator.py (sample_from_anchor "
+                  f"{json.dumps(raw.get('sample_from_anchor', True))}: N queries, sample_pos = query_pos + 1) and "
+                  f"{SGLANG} models/dspark.py (DeepSpec's slot k -> anchor + k + 1) draft it so; trained and "
+                  f"evaluated so by flashdraft (a DFlash-layout decode of it is accepted under 1 %, vLLM #56792)")
+
+    def heads(self, raw: dict[str, Any], cfg: DrafterConfig, checks: Checks) -> None:
+        """DSpark's heads as each server builds them from config.json as written."""
+        absent = [name for name in ("enable_confidence_head", "confidence_head_with_markov") if name not in raw]
+        checks.check(not absent,
+                     f"confidence head: enable_confidence_head {json.dumps(raw.get('enable_confidence_head'))}, "
+                     f"confidence_head_with_markov {json.dumps(raw.get('confidence_head_with_markov'))} written "
+                     f"({VLLM} qwen3_dspark.py reads absent fields as false, {SGLANG} build_confidence_head as true)",
+                     "re-export it (flashdraft export writes both fields)")  # fmt: skip
+        if cfg.confidence_head:
+            checks.warn(f"adaptive verification: the confidence head estimates each draft's acceptance; {VLLM}'s "
+                        f"adaptive verification (enable_adaptive_verification, off by default) picks a batch budget "
+                        f"from expected accepted tokens over cost, {SGLANG}'s ragged verify planner is opt-in: the "
+                        f"commands below verify whole blocks, as flashdraft eval measures by default",
+                        "flashdraft eval --confidence-threshold C reports DeepSpec's evaluator's threshold cut (its τ "
+                        "and drafts verified per step), not either server's rule")  # fmt: skip
+        else:
+            checks.ok("adaptive verification: no confidence head: both servers verify whole blocks")
+        if cfg.draft_top_k is not None:
+            checks.warn(f"dspark_draft_topk {cfg.draft_top_k}: {VLLM} dspark/speculator.py adds the Markov bias to "
+                        f"the top-{cfg.draft_top_k} base candidates only (flashdraft drafts so); {SGLANG} does not "
+                        f"read it and biases the whole vocabulary", "serve it with vLLM, or drop dspark_draft_topk "
+                        "for SGLang")  # fmt: skip
+        checks.ok(f"Markov head: vanilla, rank {cfg.markov_rank}: {VLLM} DSparkMarkovHead and {SGLANG} VanillaMarkov "
+                  f"add W2 W1[previous draft] to each position's logits, drafting left to right from the anchor")
+
+    def tensors(self, cfg: DrafterConfig, expected: dict[str, tuple[int, ...]]) -> str:
+        # SGLang refuses a missing confidence tensor; vLLM drops the head without a word
+        return (f"every public key with its shape, the Markov head's markov_head.markov_w1 / markov_w2.weight "
+                f"[{cfg.vocab_size}, {cfg.markov_rank}]" + (" and confidence_head.proj.weight / bias"
+                                                             if cfg.confidence_head else "")
+                + f" included ({VLLM} qwen3_dspark.py load_weights drops a confidence head it does not find; "
+                  f"{SGLANG} models/dspark.py refuses unknown Markov weights and a missing confidence head)")
+
+    def block(self, cfg: DrafterConfig, checks: Checks) -> None:
+        # the layers are non-causal in the block: a block of another length computes other drafts
+        checks.ok(f"block size: block_size {cfg.block_size}: {VLLM} {VLLM_DSPARK} drafts num_speculative_tokens N "
+                  f"queries (the anchor and N - 1 masks, all drafting), so N must be {cfg.block_size} (= block_size): "
+                  f"a shorter block changes what every position of the non-causal layers sees; {SGLANG} takes "
+                  f"--speculative-dspark-block-size {cfg.block_size}; both commands below give it")  # fmt: skip
+
+    def vocabulary(self, cfg: DrafterConfig, found: dict[str, Any], checks: Checks) -> None:
+        full_vocabulary(f"the Markov head's bias is over the target's lm_head vocabulary, as {VLLM} qwen3_dspark.py "
+                        f"and {SGLANG} models/dspark.py load it", checks)  # fmt: skip
+
+
+SERVING = {"dflash": DFlashServing(), "dflash2": DFlash2Serving(), "dspark": DSparkServing()}
+
+
+def serving_of(cfg: DrafterConfig) -> DFlashServing:
+    """What the servers do with the drafter's family (a family without its own class: as DFlash)."""
+    return SERVING.get(cfg.family, SERVING["dflash"])
+
+
 # -- the rules ---------------------------------------------------------------------------------
 
 
@@ -158,46 +348,76 @@ def check_serving(
     TargetHead, the mask token against its tokenizer), the long-context guards at the served
     context (`max_model_len`, else the target's), then the command lines and the sampling rule each
     implies (`serving_command`: that command's only)."""
-    from flashdraft.checkpoint import INDEX_NAME, expected_shapes, own_vocabulary_shapes, read_shapes, weight_files
-    from flashdraft.model import is_dflash2_parameter
+    from flashdraft.checkpoint import INDEX_NAME
 
     checks.about(f"serving rules, read from {VLLM} (vllm/model_executor/models/qwen3_dflash.py, qwen3_dflash2.py, "
                  f"v1/worker/gpu/spec_decode/dflash2/, ...) and {SGLANG} (sglang/srt/models/dflash.py, "
                  f"speculative/dflash_utils.py, dflash_worker_v2.py)")  # fmt: skip
+    read = _read_config(path, checks)
+    if read is None:
+        return
+    raw, cfg = read
+    served = serving_of(cfg)
+    checks.check(
+        raw.get("architectures") == [cfg.architecture] and raw.get("model_type") == "qwen3",
+        f"format: config.json architectures {raw.get('architectures')}, model_type {raw.get('model_type')!r} "
+        f"(expected ['{cfg.architecture}'], 'qwen3': {served.registry}; both read config.json through transformers' "
+        f"Qwen3Config)", REEXPORT,
+    )  # fmt: skip
+    tensors = _check_tensors(path, cfg, served, checks)
+    if tensors is None:
+        return
+    found, files, carried = tensors
+    _check_layers(raw, cfg, checks)
+    served.runner(cfg, checks)
+    served.layout(raw, cfg, checks)
+    served.heads(raw, cfg, checks)
+    _check_mask_token(cfg, target, checks)
+    index = [path / INDEX_NAME] if (path / INDEX_NAME).is_file() else []
+    _check_file_modes(path, [path / "config.json", *files, *index], checks)
+    _check_server_fields(raw, checks)
+    if carried:  # DeepSpec's frozen copies of the target's: identical serving only if they still are
+        checks.warn(f"own vocabulary tensors: {', '.join(carried)} [{cfg.vocab_size}, {cfg.hidden_size}]: {VLLM} "
+                    f"qwen3_dspark.py / qwen3_dflash.py use them in place of the target's (and flashdraft does); "
+                    f"{SGLANG} models/dspark.py skips them and uses the target's",
+                    "if they are the target's copies (DeepSpec freezes them so), both servers draft alike; if they "
+                    "were trained, serve the drafter with vLLM")  # fmt: skip
+    served.vocabulary(cfg, found, checks)
+    served.block(cfg, checks)
+    served.scalings(cfg, checks)
+    _check_guards(cfg, target, max_model_len, checks)
+    name = target_name or (str(target.path) if target is not None and getattr(target, "path", None)
+                           else "<target-model>")  # fmt: skip
+    vllm_cmd, sglang_cmd = serving_commands(cfg, name, str(path))
+    checks.about(f"vLLM:   {vllm_cmd}")
+    checks.about(f"SGLang: {sglang_cmd}")
+    _sampling_rules(cfg, checks, [vllm_cmd, sglang_cmd] if serving_command is None else [serving_command])
+
+
+def _read_config(path: Path, checks: Checks) -> tuple[dict[str, Any], DrafterConfig] | None:
+    """config.json as written and as flashdraft reads it; None (a failed check) when it cannot be read."""
     try:
         raw = json.loads((path / "config.json").read_text())
-        cfg = DrafterConfig.from_dict(raw, source=str(path / "config.json"))
+        return raw, DrafterConfig.from_dict(raw, source=str(path / "config.json"))
     except (OSError, json.JSONDecodeError, FlashdraftError) as e:
         checks.fail(f"format: {path / 'config.json'} cannot be read as a DFlash drafter config ({e})",
                     "correct config.json (see the public DFlash drafter format)")  # fmt: skip
-        return
+        return None
 
-    # format: what both loaders are given
-    arch, model_type = raw.get("architectures"), raw.get("model_type")
-    dflash2, dspark = cfg.family == "dflash2", cfg.family == "dspark"
-    if dspark:
-        maps = (f"{VLLM} models/registry.py maps Qwen3DSparkModel to {VLLM_DSPARK} with --speculative-config method "
-                f"\"dspark\" (its DSparkDraftModel is DeepSeek-V4's); {SGLANG} --speculative-algorithm DSPARK to "
-                f"models/dspark.py Qwen3DSparkModel")  # fmt: skip
-    elif dflash2:  # vLLM's method stays "dflash": the architectures entry alone selects DFlash2
-        maps = (f"{VLLM} models/registry.py maps DFlash2DraftModel to {VLLM_DFLASH2}, V2 runner (its default), with "
-                f"--speculative-config method \"dflash\" as for DFlash (architectures selects DFlash2); {SGLANG} "
-                f"--speculative-algorithm DFLASH to models/dflash.py, which reads DFlash2's fields")  # fmt: skip
-    else:
-        maps = (f"{VLLM} models/registry.py maps DFlashDraftModel to qwen3_dflash.py DFlashQwen3ForCausalLM, "
-                f"{SGLANG} to models/dflash.py DFlashDraftModel")  # fmt: skip
-    checks.check(
-        arch == [cfg.architecture] and model_type == "qwen3",
-        f"format: config.json architectures {arch}, model_type {model_type!r} (expected ['{cfg.architecture}'], "
-        f"'qwen3': {maps}; both read config.json through transformers' Qwen3Config)",
-        REEXPORT,
-    )
+
+def _check_tensors(
+    path: Path, cfg: DrafterConfig, served: DFlashServing, checks: Checks
+) -> tuple[dict[str, Any], list[Path], list[str]] | None:
+    """Every tensor the servers load, with its shape: (shapes found, weight files, own vocabulary tensors carried);
+    None (a failed check) when the weights cannot be read."""
+    from flashdraft.checkpoint import expected_shapes, own_vocabulary_shapes, read_shapes, weight_files
+
     try:
         found = read_shapes(path)
         files = sorted(set(weight_files(path).values()))
     except FlashdraftError as e:
         checks.fail(f"format: {e}", "copy the drafter directory again (or re-export it)")
-        return
+        return None
     expected = expected_shapes(cfg)
     problems = [f"'{k}' missing" for k in expected if k not in found]
     problems += [f"'{k}' {list(found[k])}, expected {list(v)}" for k, v in expected.items()
@@ -205,37 +425,25 @@ def check_serving(
     own = own_vocabulary_shapes(cfg)
     problems += [f"'{k}' unexpected" for k in found if k not in expected and k not in own
                  and not (k == "t2d" and "d2t" in expected)]  # fmt: skip
-    if dspark:  # SGLang refuses a missing confidence tensor; vLLM drops the head without a word
-        keys = (f"every public key with its shape, the Markov head's markov_head.markov_w1 / markov_w2.weight "
-                f"[{cfg.vocab_size}, {cfg.markov_rank}]" + (" and confidence_head.proj.weight / bias"
-                                                             if cfg.confidence_head else "")
-                + f" included ({VLLM} qwen3_dspark.py load_weights drops a confidence head it does not find; "
-                  f"{SGLANG} models/dspark.py refuses unknown Markov weights and a missing confidence head)")
-    elif dflash2:  # a conv or selector tensor left out is served uninitialised, without a word
-        extra = sum(map(is_dflash2_parameter, expected))
-        keys = (f"every public key with its shape, DFlash2's {extra} included (layers.i.attention_conv / mlp_conv "
-                f"base_kernel and candidate_selector predecessor_codebook / successor_codebook without '.weight', as "
-                f"published; {VLLM} {VLLM_DFLASH2} and {SGLANG} models/dflash.py load them by these names; neither "
-                f"notices a missing tensor)")  # fmt: skip
-    else:
-        keys = (f"every public key with its shape ({VLLM} qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights "
-                f"stacks q/k/v and gate/up and refuses unknown names; {SGLANG} models/dflash.py "
-                f"DFlashDraftModel.load_weights skips unknown names; neither notices a missing tensor)")  # fmt: skip
     checks.check(
         not problems,
-        f"format: {len(found)} tensors, {keys}" + (f": {'; '.join(problems[:4])}" if problems else ""),
+        f"format: {len(found)} tensors, {served.tensors(cfg, expected)}"
+        + (f": {'; '.join(problems[:4])}" if problems else ""),
         "re-export the drafter with flashdraft export (it loads strictly and writes every tensor)",
     )
+    return found, files, [k for k in own if k in found]
 
-    # target layers: validated strictly increasing on load, said here with the servers' reason
+
+def _check_layers(raw: dict[str, Any], cfg: DrafterConfig, checks: Checks) -> None:
+    """The target layers captured, and the in-block causality and window of every layer as each server resolves
+    it from config.json."""
+    # validated strictly increasing on load, said here with the servers' reason
     checks.ok(
         f"target layers: target_layer_ids {cfg.target_layer_ids} unique and strictly increasing: both servers "
         f"capture target layers in layer order, the output of layer l as hidden state l + 1 ({VLLM} "
         f"eagle3_utils.py get_eagle3_aux_layers_from_config, qwen2.py forward; {SGLANG} models/qwen3.py "
         f"set_dflash_layers_to_capture, models/qwen3_5_text.py refuses other orders)"
     )
-
-    # in-block causality and window of every layer, as each server resolves it from config.json
     checks.about(f"{SGLANG} reads only the top-level is_causal (models/dflash.py _get_dflash_attention_type); "
                  f"{VLLM} also reads dflash_config.causal (qwen3_dflash.py _dflash_layer_causal); flashdraft's "
                  f"load and export write either as is_causal")  # fmt: skip
@@ -251,116 +459,16 @@ def check_serving(
             checks.fail(f"{line} in flashdraft, but {VLLM} serves it {_describe(v)} and {SGLANG} "
                         f"{_describe(s)}", REEXPORT)  # fmt: skip
 
-    # vLLM 0.33.0 runs its V2 model runner by default (config/vllm.py use_v2_model_runner); its V1 runner, chosen
-    # when a feature V2 lacks is asked for, refuses DFlash2, DSpark and mixed layers (_validate_v1_model_runner)
-    if dflash2:
-        mixed = "; its layers also mix sliding and full attention, which V1 refuses too" * mixes_sliding_and_full(cfg)
-        checks.ok(f"V2 runner: DFlash2DraftModel: {VLLM} runs {VLLM_DFLASH2} on its V2 model runner, its default; "
-                  f"its V1 runner (chosen when a feature V2 lacks is asked for) refuses it with \"Model Runner V1 does "
-                  f"not support: DFlash candidate-head drafts\"{mixed}; the vLLM command below pins V2 ({V2_RUNNER})")
-    elif mixes_sliding_and_full(cfg):
-        checks.ok(f"V2 runner: layers mix sliding and full attention: {VLLM} serves them on its V2 model runner, its "
-                  f"default; its V1 runner refuses them (\"Model Runner V1 does not support: mixed sliding/full "
-                  f"dflash drafts\"); the vLLM command below pins V2 ({V2_RUNNER})")  # fmt: skip
-    else:
-        checks.ok(f"V2 runner: layers all {cfg.layer_types[0]}: either {VLLM} model runner serves them (V2, its "
-                  f"default; V1 refuses mixed layers and the candidate-head and DSpark families only)")
 
-    _check_layout(raw, cfg, checks)
-    if dspark:
-        _check_dspark(raw, cfg, checks)
-    _check_mask_token(cfg, target, checks)
-    index = [path / INDEX_NAME] if (path / INDEX_NAME).is_file() else []
-    _check_file_modes(path, [path / "config.json", *files, *index], checks)
-    _check_server_fields(raw, checks)
-
-    carried = [k for k in own if k in found]
-    if carried:  # DeepSpec's frozen copies of the target's: identical serving only if they still are
-        checks.warn(f"own vocabulary tensors: {', '.join(carried)} [{cfg.vocab_size}, {cfg.hidden_size}]: {VLLM} "
-                    f"qwen3_dspark.py / qwen3_dflash.py use them in place of the target's (and flashdraft does); "
-                    f"{SGLANG} models/dspark.py skips them and uses the target's",
-                    "if they are the target's copies (DeepSpec freezes them so), both servers draft alike; if they "
-                    "were trained, serve the drafter with vLLM")  # fmt: skip
-    # a reduced vocabulary with its own LM head: vLLM's convention, which SGLang's DFlash does not load
-    if dspark:  # DrafterConfig refuses draft_vocab_size for DSpark: this always holds
-        checks.ok(f"vocabulary: the full target vocabulary (no draft_vocab_size, no d2t): the Markov head's bias is "
-                  f"over the target's lm_head vocabulary, as {VLLM} qwen3_dspark.py and {SGLANG} models/dspark.py "
-                  f"load it")  # fmt: skip
-    elif dflash2:  # DrafterConfig refuses draft_vocab_size for DFlash2: this always holds
-        checks.ok(f"vocabulary: the full target vocabulary (no draft_vocab_size, no d2t): DFlash2's candidate "
-                  f"selector ranks the target's lm_head logits, codebooks [{cfg.vocab_size}, {cfg.selector_rank}] "
-                  f"(vocab_size, selector_rank), as {VLLM} qwen3_dflash2.py and {SGLANG} models/dflash.py "
-                  f"load it")  # fmt: skip
-    elif cfg.draft_vocab_size is not None:
-        own = f"draft_vocab_size {cfg.draft_vocab_size} with its own lm_head" + (" and d2t" if "d2t" in found else "")
-        checks.warn(
-            f"vocabulary: {own}: {VLLM} serves it (qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights loads "
-            f"lm_head and maps d2t to draft_id_to_target_id, compute_logits places the drafts in the target "
-            f"vocabulary); {SGLANG} does not: models/dflash.py DFlashDraftModel has no lm_head, its load_weights "
-            f"skips lm_head.weight and d2t without a word, and speculative/dflash_worker_v2.py drafts with the "
-            f"target's lm_head over the full vocabulary",
-            "serve this drafter with vLLM (on SGLang its drafts would come from another head than it was trained with)",
-        )
-    else:
-        checks.ok(f"vocabulary: no own LM head: both servers draft with the target's lm_head ({VLLM} "
-                  f"llm_base_proposer.py _maybe_share_lm_head; {SGLANG} speculative/dflash_worker_v2.py)")  # fmt: skip
-
-    b = cfg.block_size
-    if dspark:  # the layers are non-causal in the block: a block of another length computes other drafts
-        checks.ok(f"block size: block_size {b}: {VLLM} {VLLM_DSPARK} drafts num_speculative_tokens N queries (the "
-                  f"anchor and N - 1 masks, all drafting), so N must be {b} (= block_size): a shorter block changes "
-                  f"what every position of the non-causal layers sees; {SGLANG} takes "
-                  f"--speculative-dspark-block-size {b}; both commands below give it")  # fmt: skip
-    elif dflash2:  # the conv's taps stop at the block boundary: the block must be the trained one
-        checks.ok(f"block size: block_size {b}: {VLLM} {VLLM_DFLASH2} takes the convolutions' block length from "
-                  f"1 + num_speculative_tokens, not from block_size: num_speculative_tokens {b - 1} (= block_size - "
-                  f"1); any other value convolves across a different block than the drafter was trained with; the "
-                  f"vLLM command below gives {b - 1}")  # fmt: skip
-        checks.ok(f"SGLang DFlash2: --speculative-algorithm DFLASH with --speculative-num-draft-tokens {b} (= "
-                  f"block_size, anchor included): {SGLANG} models/dflash.py reads DFlash2's fields (conv_kernel_size "
-                  f"{cfg.conv_kernel_size}, conv_group_size {cfg.conv_group_size}, selector_rank {cfg.selector_rank}, "
-                  f"selector_top_k {cfg.selector_top_k}, block_size {b}); the SGLang command below gives "
-                  f"them")  # fmt: skip
-    else:
-        checks.ok(
-            f"block size: block_size {b}: {VLLM} ignores it and needs num_speculative_tokens {b - 1} (= block_size "
-            f"- 1; config/speculative.py SpeculativeConfig.__post_init__ refuses none); {SGLANG} defaults "
-            f"--speculative-num-draft-tokens to block_size, anchor included (arg_groups/speculative_hook.py "
-            f"_handle_dflash); both commands below give them"
-        )
-
-    # the z-lab reference's DFlash2 scalings: flashdraft applies them, plain DFlash serving does not
-    changed = {n: cfg.reference_option(n) for n, default in REFERENCE_OPTIONS.items()
-               if cfg.reference_option(n) not in (default, 0)}  # fmt: skip
-    where = (f"{VLLM} qwen3_dflash.py and {SGLANG} models/dflash.py DFlashDraftModel read none of them; only "
-             f"the DFlash2 models do (qwen3_dflash2.py, DFlash2DraftModel)")  # fmt: skip
-    if dflash2:  # served as trained: the DFlash2 models read them
-        values = ", ".join(f"{n} {cfg.reference_option(n)}" for n in REFERENCE_OPTIONS)
-        checks.ok(f"scalings: {values}: {VLLM} qwen3_dflash2.py and {SGLANG} models/dflash.py read them for a "
-                  f"DFlash2DraftModel, as flashdraft trains and evaluates with them")  # fmt: skip
-    else:
-        for name, value in changed.items():
-            checks.warn(f"scalings: dflash_config.{name} {value}: flashdraft trains and evaluates with it, but "
-                        f"{where}", "expect served acceptance to differ from flashdraft's; train without it to "
-                        "serve it as plain DFlash")  # fmt: skip
-        if not changed:
-            checks.ok(f"scalings: input_embedding_scale, output_multiplier, final_logit_softcapping at their "
-                      f"defaults: {where}")  # fmt: skip
-
-    for guard in serving_guards(cfg, target, max_model_len):  # past the trained context, RoPE, context read
+def _check_guards(cfg: DrafterConfig, target, max_model_len: int | None, checks: Checks) -> None:
+    """The long-context guards at the served context: past the trained context, RoPE, context read."""
+    for guard in serving_guards(cfg, target, max_model_len):
         if guard.level == "warn":
             checks.warn(guard.line, guard.fix)
         elif guard.level == "ok":
             checks.ok(guard.line)
         else:
             checks.about(guard.line)
-
-    name = target_name or (str(target.path) if target is not None and getattr(target, "path", None)
-                           else "<target-model>")  # fmt: skip
-    vllm_cmd, sglang_cmd = serving_commands(cfg, name, str(path))
-    checks.about(f"vLLM:   {vllm_cmd}")
-    checks.about(f"SGLang: {sglang_cmd}")
-    _sampling_rules(cfg, checks, [vllm_cmd, sglang_cmd] if serving_command is None else [serving_command])
 
 
 def print_serving_checks(directory: str | Path, target, target_name: str | None = None) -> bool:
@@ -383,43 +491,6 @@ def _sampling_rules(cfg: DrafterConfig, checks: Checks, commands: list[str]) -> 
     if len(commands) > 1:
         checks.about(f"  with \"draft_sample_method\": \"probabilistic\" in vLLM's --speculative-config: "
                      f"{RULES['vllm-probabilistic'].describe(cfg.family)}")  # fmt: skip
-
-
-def _check_layout(raw: dict[str, Any], cfg: DrafterConfig, checks: Checks) -> None:
-    """The block layout each server drafts a drafter with: the family's, from its architectures."""
-    if cfg.family == "dspark":
-        checks.ok(f"layout: {cfg.describe_layout()}: {VLLM} dspark/speculator.py (sample_from_anchor "
-                  f"{json.dumps(raw.get('sample_from_anchor', True))}: N queries, sample_pos = query_pos + 1) and "
-                  f"{SGLANG} models/dspark.py (DeepSpec's slot k -> anchor + k + 1) draft it so; trained and "
-                  f"evaluated so by flashdraft (a DFlash-layout decode of it is accepted under 1 %, vLLM #56792)")
-    else:
-        checks.ok(f"layout: {cfg.describe_layout()}: {VLLM} and {SGLANG} draft a {cfg.architecture} so (1 + N "
-                  f"queries, the masks at the drafted positions)")  # fmt: skip
-
-
-def _check_dspark(raw: dict[str, Any], cfg: DrafterConfig, checks: Checks) -> None:
-    """DSpark's heads as each server builds them from config.json as written."""
-    absent = [name for name in ("enable_confidence_head", "confidence_head_with_markov") if name not in raw]
-    checks.check(not absent,
-                 f"confidence head: enable_confidence_head {json.dumps(raw.get('enable_confidence_head'))}, "
-                 f"confidence_head_with_markov {json.dumps(raw.get('confidence_head_with_markov'))} written ({VLLM} "
-                 f"qwen3_dspark.py reads absent fields as false, {SGLANG} build_confidence_head as true)",
-                 "re-export it (flashdraft export writes both fields)")  # fmt: skip
-    if cfg.confidence_head:
-        checks.warn(f"adaptive verification: the confidence head estimates each draft's acceptance; {VLLM}'s "
-                    f"adaptive verification (enable_adaptive_verification, off by default) picks a batch budget from "
-                    f"expected accepted tokens over cost, {SGLANG}'s ragged verify planner is opt-in: the commands "
-                    f"below verify whole blocks, as flashdraft eval measures by default",
-                    "flashdraft eval --confidence-threshold C reports DeepSpec's evaluator's threshold cut (its τ and "
-                    "drafts verified per step), not either server's rule")  # fmt: skip
-    else:
-        checks.ok("adaptive verification: no confidence head: both servers verify whole blocks")
-    if cfg.draft_top_k is not None:
-        checks.warn(f"dspark_draft_topk {cfg.draft_top_k}: {VLLM} dspark/speculator.py adds the Markov bias to the "
-                    f"top-{cfg.draft_top_k} base candidates only (flashdraft drafts so); {SGLANG} does not read it and "
-                    f"biases the whole vocabulary", "serve it with vLLM, or drop dspark_draft_topk for SGLang")
-    checks.ok(f"Markov head: vanilla, rank {cfg.markov_rank}: {VLLM} DSparkMarkovHead and {SGLANG} VanillaMarkov "
-              f"add W2 W1[previous draft] to each position's logits, drafting left to right from the anchor")
 
 
 def _check_mask_token(cfg: DrafterConfig, target, checks: Checks) -> None:

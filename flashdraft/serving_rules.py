@@ -22,9 +22,8 @@ from pathlib import Path
 import torch
 
 from flashdraft.errors import FlashdraftError
+from flashdraft.families import FAMILIES
 from flashdraft.server_fields import SGLANG, VLLM
-
-FAMILIES = ("dflash", "dflash2", "dspark")  # DrafterConfig.family; None: a proposer without a drafter (n-gram)
 
 SAMPLED = "sampled walk at T, q the drafter's, accept min(1, p/q), resample max(p - q, 0)"
 ONE_HOT = "argmax walk, q one-hot, accept with p(d), resample p without d"
@@ -34,14 +33,16 @@ ONE_HOT = "argmax walk, q one-hot, accept with p(d), resample p without d"
 class ServingRule:
     name: str
     server: str
-    sampled_families: frozenset[str]  # families drafting a sampled walk at T > 0; the rest draft the argmax walk
+    # families drafting a sampled walk at T > 0 (None: every family of `flashdraft.families`); the rest, and a proposer
+    # without a drafter (family None: the n-gram), draft the argmax walk
+    sampled_families: frozenset[str] | None
     honours_draft_top_k: bool  # DSpark's dspark_draft_topk: the Markov bias on the top-k base candidates only
     target_filters: tuple[str, ...]  # applied to the target's logits before verifying, in this order
     source: str  # where the rule is read
 
     def samples_drafts(self, family: str | None) -> bool:
         """Whether a proposer of this family draws its drafts at T > 0 (False: argmax walk, q one-hot)."""
-        return family in self.sampled_families
+        return family is not None and (self.sampled_families is None or family in self.sampled_families)
 
     def describe(self, family: str | None = None) -> str:
         families = [family] if family else list(FAMILIES)
@@ -58,7 +59,7 @@ RULES: dict[str, ServingRule] = {
         "config/speculative.py draft_sample_method = 'greedy'; rejection_sampler_utils.py draft_log_prob = 0.0",
     ),
     "vllm-probabilistic": ServingRule(
-        "vllm-probabilistic", f"{VLLM}, draft_sample_method probabilistic", frozenset(FAMILIES), True,
+        "vllm-probabilistic", f"{VLLM}, draft_sample_method probabilistic", None, True,
         ("temperature", "min_p", "top_k", "top_p"),
         "rejection_sampler_utils.py: accept if target_logprob > log(u) + draft_logprob",
     ),

@@ -1,20 +1,11 @@
 import pytest
 import torch
 
-from flashdraft.acceptance import (
-    BatchProposer,
-    DFlashProposer,
-    DraftLimit,
-    accept_greedy,
-    accept_greedy_in_chunks,
-    as_proposer,
-    committed_length,
-    draw_drafts,
-    offline_acceptance_lengths,
-)
+from flashdraft.acceptance import accept_greedy, accept_greedy_in_chunks, committed_length
 from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.ngram import NGramProposer
-from flashdraft.offline import evaluate_offline
+from flashdraft.offline import evaluate_offline, offline_acceptance_lengths
+from flashdraft.proposers import BatchProposer, DFlashProposer, DraftLimit, as_proposer, draw_drafts
 from flashdraft.serving_rules import verify
 from tests.conftest import make_dflash2_drafter, make_drafter, make_target
 from tests.test_evaluate import overfit

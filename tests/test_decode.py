@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from flashdraft.acceptance import DraftLimit
 from flashdraft.decode import autoregressive_generate, speculative_generate
+from flashdraft.proposers import DraftLimit
 from flashdraft.serving_rules import NO_FILTERS, RULES, SamplingFilters, filters_for, target_probs
 from tests.conftest import EOS, make_dflash2_drafter, make_drafter, make_dspark_drafter, make_flat_target, make_target
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from flashdraft.checkpoint import load_drafter, save_drafter
 from flashdraft.cli import main
 from flashdraft.run_dir import BUILTIN_DRAFTERS
+from flashdraft.server_fields import SGLANG, VLLM
 from tests.conftest import (
     make_dflash2_drafter,
     make_drafter,
@@ -273,7 +274,7 @@ def test_serving_on_the_tiny_drafter_lists_every_rule_with_its_server_and_the_co
     for rule in SERVING_RULES:
         assert any(rule in line for line in lines), (rule, out)
     serving = [line for line in lines if any(rule in line for rule in SERVING_RULES)]
-    assert all("vLLM 0.33.0" in line or "SGLang 0.5.23" in line for line in serving), serving
+    assert all(VLLM in line or SGLANG in line for line in serving), serving
     assert "causality layer 1 (full_attention): full, non-causal within the block" in out
     assert "V2 runner: layers all full_attention" in out
     assert "vLLM:   vllm serve " in out and '"num_speculative_tokens": 15' in out
@@ -302,9 +303,9 @@ def test_serving_on_a_sliding_drafter_gives_each_layer_its_causality_and_the_v2_
     assert rc == 0 and not fail_lines(out), out
     assert "2 layers (0 sliding 6 causal, 1 full non-causal; servers' default: no is_causal)" in out
     assert "ok   causality layer 0 (sliding_attention): sliding window 6, causal within the block (servers' " \
-           "default for sliding_attention); vLLM 0.33.0 and SGLang 0.5.23 serve it the same" in out  # fmt: skip
+           f"default for sliding_attention); {VLLM} and {SGLANG} serve it the same" in out  # fmt: skip
     assert "ok   causality layer 1 (full_attention): full, non-causal within the block" in out
-    assert "ok   V2 runner: layers mix sliding and full attention: vLLM 0.33.0 serves them on its V2 model runner, " \
+    assert f"ok   V2 runner: layers mix sliding and full attention: {VLLM} serves them on its V2 model runner, " \
            "its default; its V1 runner refuses them" in out  # fmt: skip
     assert f"vLLM:   VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {files['target']} " in out
     assert "ok   file modes: readable by other users (config.json 0644, model.safetensors 0644" in out
@@ -332,8 +333,8 @@ def test_serving_fails_a_drafter_relying_on_dflash_config_causal_which_sglang_do
     fails = fail_lines(out)
     assert rc == 1 and len(fails) == 1, out
     assert "causality layer 0 (sliding_attention): sliding window 6, non-causal within the block " \
-           "(dflash_config.causal: false, read by vLLM only) in flashdraft, but vLLM 0.33.0 serves it sliding " \
-           "window 6, non-causal within the block and SGLang 0.5.23 sliding window 6, causal within the block" \
+           f"(dflash_config.causal: false, read by vLLM only) in flashdraft, but {VLLM} serves it sliding " \
+           f"window 6, non-causal within the block and {SGLANG} sliding window 6, causal within the block" \
            in fails[0]  # fmt: skip
     assert "re-export it" in fails[0]
 
@@ -344,7 +345,7 @@ def test_serving_fails_a_mask_token_string_the_tokenizer_knows_by_another_id(fil
     fails = fail_lines(out)
     assert rc == 1 and len(fails) == 1, out
     assert "mask token: dflash_config.mask_token '<mask>' is token 63 of the target's tokenizer, not " \
-           "mask_token_id 60: SGLang 0.5.23 speculative/dflash_worker_v2.py _resolve_mask_token_id refuses the " \
+           f"mask_token_id 60: {SGLANG} speculative/dflash_worker_v2.py _resolve_mask_token_id refuses the " \
            "pair" in fails[0]  # fmt: skip
 
 
@@ -353,7 +354,7 @@ def test_serving_warns_that_sglang_ignores_a_reduced_vocabulary_and_the_referenc
                       tmp_path / "d")  # fmt: skip
     rc, out, err = doctor(capsys, d, "--serving")
     assert rc == 0, out
-    assert "warn vocabulary: draft_vocab_size 32 with its own lm_head and d2t: vLLM 0.33.0 serves it" in out
+    assert f"warn vocabulary: draft_vocab_size 32 with its own lm_head and d2t: {VLLM} serves it" in out
     assert "DFlashDraftModel has no lm_head, its load_weights skips lm_head.weight and d2t" in out
     assert "warn scalings: dflash_config.output_multiplier 2.0: flashdraft trains and evaluates with it" in out
 
@@ -365,7 +366,7 @@ def test_serving_needs_a_drafter_directory(files, capsys):
 
 DFLASH2_RULES = ["format: config.json architectures ['DFlash2DraftModel'], model_type 'qwen3'",
                  "tensors, every public key with its shape, DFlash2's", "V2 runner: DFlash2DraftModel: ",
-                 "vocabulary: the full target vocabulary", "block size: block_size 8: vLLM 0.33.0 qwen3_dflash2.py",
+                 "vocabulary: the full target vocabulary", f"block size: block_size 8: {VLLM} qwen3_dflash2.py",
                  "SGLang DFlash2: ", "scalings: "]  # fmt: skip
 
 
@@ -379,12 +380,12 @@ def test_serving_on_a_dflash2_drafter_lists_each_dflash2_rule_and_the_commands(f
     for rule in SERVING_RULES + DFLASH2_RULES:
         assert any(rule in line for line in lines), (rule, out)
     dflash2 = [line for line in lines if any(rule in line for rule in DFLASH2_RULES)]
-    assert len(dflash2) == len(DFLASH2_RULES) and all("vLLM 0.33.0" in x or "SGLang 0.5.23" in x for x in dflash2)
+    assert len(dflash2) == len(DFLASH2_RULES) and all(VLLM in x or SGLANG in x for x in dflash2)
     assert "maps DFlash2DraftModel to qwen3_dflash2.py (v1/worker/gpu/spec_decode/dflash2/), V2 runner (its " \
            "default), with " \
            "--speculative-config method \"dflash\" as for DFlash" in out  # fmt: skip
     assert "candidate_selector predecessor_codebook / successor_codebook without '.weight', as published" in out
-    assert "ok   V2 runner: DFlash2DraftModel: vLLM 0.33.0 runs qwen3_dflash2.py (v1/worker/gpu/spec_decode/" \
+    assert f"ok   V2 runner: DFlash2DraftModel: {VLLM} runs qwen3_dflash2.py (v1/worker/gpu/spec_decode/" \
            "dflash2/) on its V2 model runner, its default; its V1 runner (chosen when a feature V2 lacks is asked " \
            "for) refuses it with \"Model Runner V1 does not support: DFlash candidate-head drafts\"" in out
     assert "ok   vocabulary: the full target vocabulary (no draft_vocab_size, no d2t)" in out
@@ -422,7 +423,7 @@ def test_serving_warns_of_a_field_only_one_server_reads_and_names_the_re_export_
     rc, out, _ = run_cli(capsys, "doctor", tmp_path / "d", "--serving")
     assert rc == 0
     line = next(x for x in out.splitlines() if "server fields: use_gemma_norm" in x)
-    assert line.startswith("warn") and "SGLang 0.5.23" in line and "re-export" in out
+    assert line.startswith("warn") and SGLANG in line and "re-export" in out
     assert "config.json sets use_gemma_norm = true" in out  # the plain description lists it too
 
 
@@ -430,7 +431,7 @@ DSPARK_RULES = ["format: config.json architectures ['Qwen3DSparkModel'], model_t
                 "the Markov head's markov_head.markov_w1 / markov_w2.weight [64, 8] and confidence_head.proj",
                 "layout: anchor-first (DSpark)", "confidence head: enable_confidence_head true",
                 "adaptive verification: ", "Markov head: vanilla, rank 8", "vocabulary: the full target vocabulary",
-                "block size: block_size 7: vLLM 0.33.0 qwen3_dspark.py"]  # fmt: skip
+                f"block size: block_size 7: {VLLM} qwen3_dspark.py"]  # fmt: skip
 
 
 def test_serving_on_a_dspark_drafter_lists_each_dspark_rule_and_the_commands(files, tmp_path, capsys):

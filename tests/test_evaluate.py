@@ -8,8 +8,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-import flashdraft.acceptance as acceptance
-from flashdraft.acceptance import DraftLimit
+import flashdraft.proposers as proposers
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
 from flashdraft.config import DrafterConfig
@@ -19,6 +18,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.evaluate import records_from_prompts
 from flashdraft.model import DFlashDrafter
 from flashdraft.offline import confidence_figures, evaluate_offline, selector_figures, walk_record
+from flashdraft.proposers import DraftLimit
 from flashdraft.records import EvalRecord, FeatureSource
 from flashdraft.results import EvalResult, PromptResult, expected_tau_figures, speedup_bound
 from flashdraft.run_dir import load_any_drafter
@@ -193,13 +193,13 @@ def test_live_features_rounded_to_a_cache_dtype_reach_the_drafter_rounded_and_wa
     records = greedy_records(target)
     drafter = overfit(make_drafter(), target, records[0])  # layers [0, 2]
     seen = []
-    propose = acceptance.DFlashProposer.propose
+    propose = proposers.DFlashProposer.propose
 
     def spy(self, tokens, pos, context, *rest):
         seen.append(context)
         return propose(self, tokens, pos, context, *rest)
 
-    monkeypatch.setattr(acceptance.DFlashProposer, "propose", spy)
+    monkeypatch.setattr(proposers.DFlashProposer, "propose", spy)
     taus = []
     for r in records:
         target.set_context_layers([0, 2])
@@ -225,7 +225,7 @@ def test_offline_walk_does_not_depend_on_how_many_anchors_one_forward_drafts(mon
     records = greedy_records(target)
     drafter = overfit(make_drafter(), target, records[0])
     expected = [p.acceptance_lengths for p in evaluate_offline(drafter, target, records).per_prompt]
-    monkeypatch.setattr(acceptance, "anchors_per_forward", lambda b, v: per_forward)
+    monkeypatch.setattr(proposers, "anchors_per_forward", lambda b, v: per_forward)
     assert [p.acceptance_lengths for p in evaluate_offline(drafter, target, records).per_prompt] == expected
 
 
@@ -848,3 +848,18 @@ def test_by_context_is_the_same_offline_and_online_bucket_for_bucket_with_costs_
     assert sum(b["steps"] for b in buckets) == summary["num_steps"] and all(b["steps"] for b in buckets)
     assert all(b["draft_ms"] > 0 and b["verify_ms"] > 0 and b["speedup_bound"] > 0 for b in buckets)
     assert "by context length" in out and "0-16" in out
+
+
+def test_a_hybrid_of_a_dspark_drafter_verifies_every_position_of_its_block(capsys, tmp_path, target_dir,
+                                                                         prompts_file):
+    # the block's drafts are the family's (anchor-first: all 7 of a block of 7), the hybrid's as its drafter's
+    save_drafter(make_dspark_drafter(), tmp_path / "d")
+    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--drafter",
+                           "hybrid", "--prompts", prompts_file, "--num-prompts", 1, "--max-blocks", 2,
+                           "--num-speculative-tokens", 7, "--json", tmp_path / "out.json")  # fmt: skip
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert summary["drafter_type"] == "hybrid" and len(summary["position_acceptance"]) == 7
+    rc, _, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--drafter",
+                         "hybrid", "--prompts", prompts_file, "--num-prompts", 1, "--num-speculative-tokens", 8)
+    assert rc == 2 and "expected at most 7" in err

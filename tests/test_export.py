@@ -9,6 +9,7 @@ from flashdraft.cli import main
 from flashdraft.errors import FlashdraftError
 from flashdraft.export import export_drafter
 from flashdraft.run_dir import save_checkpoint
+from flashdraft.server_fields import VLLM
 from tests.conftest import make_dflash2_drafter, make_drafter, make_dspark_drafter, make_target, save_target
 
 
@@ -142,7 +143,7 @@ def test_export_cli_of_a_dflash2_drafter_prints_its_rules_and_the_readme_gives_i
     assert main(["export", "--checkpoint", str(src), "--out", str(out_dir), "--target-model", str(target)]) == 0
     out = capsys.readouterr().out
     assert "ok   format: config.json architectures ['DFlash2DraftModel'], model_type 'qwen3'" in out
-    assert "ok   V2 runner: DFlash2DraftModel: vLLM 0.33.0 runs qwen3_dflash2.py" in out
+    assert f"ok   V2 runner: DFlash2DraftModel: {VLLM} runs qwen3_dflash2.py" in out
     assert "ok   SGLang DFlash2: --speculative-algorithm DFLASH with --speculative-num-draft-tokens 8" in out
     assert "FAIL" not in out
     spec = json.dumps({"method": "dflash", "model": str(out_dir), "num_speculative_tokens": 7})

@@ -3,11 +3,12 @@ import json
 import pytest
 import torch
 
-from flashdraft.acceptance import DFlashProposer, as_proposer, offline_acceptance_lengths
 from flashdraft.checkpoint import save_drafter
 from flashdraft.decode import speculative_generate
 from flashdraft.hybrid import HybridDrafter, HybridProposer, HybridRule
 from flashdraft.ngram import NGramProposer
+from flashdraft.offline import offline_acceptance_lengths
+from flashdraft.proposers import DFlashProposer, as_proposer
 from tests.conftest import (
     make_dflash2_drafter,
     make_drafter,

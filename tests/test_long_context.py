@@ -4,9 +4,10 @@ each drafter layer reads per step."""
 from types import SimpleNamespace
 
 from flashdraft.hybrid import HybridDrafter
-from flashdraft.long_context import context_guards, eval_guards, layer_reads, target_rope
+from flashdraft.long_context import context_guards, eval_guards, layer_reads
 from flashdraft.ngram import NGramProposer
 from flashdraft.records import EvalRecord
+from flashdraft.rope import target_rope
 from tests.conftest import make_drafter, make_drafter_config, make_target
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}

@@ -1,9 +1,14 @@
 """RoPE scaling as the flags give it and as doctor and eval describe it (the config.json schemas: test_config)."""
 
+from types import SimpleNamespace
+
 import pytest
 
+from flashdraft.config import DrafterConfig
+from flashdraft.drafter_init import new_drafter_for_target
 from flashdraft.errors import FlashdraftError
-from flashdraft.rope import describe_scaling, parse_rope_scaling, rope_fields
+from flashdraft.rope import DRAFTER_THETA, describe_scaling, parse_rope_scaling, rope_fields, target_rope, target_theta
+from tests.conftest import make_target
 
 YARN = {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 1024}
 
@@ -31,3 +36,15 @@ def test_both_schemas_are_written_with_the_same_scaling_and_theta():
     fields = rope_fields(1e7, YARN, 0.25)
     assert fields["rope_scaling"] == YARN and fields["rope_theta"] == 1e7
     assert fields["rope_parameters"] == YARN | {"rope_theta": 1e7, "partial_rotary_factor": 0.25}
+
+
+def test_a_drafter_for_a_target_starts_from_the_one_reading_of_its_rope_theta():
+    # init and the long-context guards read a target's rope_theta alike: per layer type its full-attention layers',
+    # a transformers 4 config's top-level field, else the drafter's default
+    per_type = SimpleNamespace(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5.0},
+                                                "sliding_attention": {"rope_type": "default", "rope_theta": 1.0}})
+    assert target_theta(per_type) == 5.0 == target_rope(per_type)[0]
+    assert target_theta(SimpleNamespace(rope_theta=2e5)) == 2e5
+    assert target_theta(SimpleNamespace()) == DRAFTER_THETA == DrafterConfig.__dataclass_fields__["rope_theta"].default
+    target = make_target("qwen3")
+    assert new_drafter_for_target(target).config.rope_theta == target_rope(target.config)[0]

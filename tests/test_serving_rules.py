@@ -6,10 +6,11 @@ import torch
 
 import flashdraft
 import flashdraft.decode as decode
-from flashdraft.acceptance import DFlashProposer
 from flashdraft.decode import autoregressive_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
+from flashdraft.proposers import DFlashProposer
 from flashdraft.records import EvalRecord
+from flashdraft.server_fields import SGLANG
 from flashdraft.serving_rules import (
     RULES,
     SamplingFilters,
@@ -71,7 +72,7 @@ def test_the_generation_config_supplies_the_filters_a_request_leaves_unset(tmp_p
 
 
 def test_a_filter_the_rules_server_does_not_apply_is_refused_when_given_and_dropped_from_a_generation_config():
-    with pytest.raises(FlashdraftError, match="--min-p 0.1: SGLang 0.5.23 does not apply min_p"):
+    with pytest.raises(FlashdraftError, match=f"--min-p 0.1: {SGLANG} does not apply min_p"):
         check_filters(SamplingFilters(min_p=0.1, source={"min_p": "given"}), RULES["sglang"])
     from_config = SamplingFilters(top_k=20, min_p=0.1, source={"min_p": "generation_config.json"})
     check_filters(from_config, RULES["sglang"])

@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from flashdraft.commands.options import positive
+from flashdraft.server_fields import SGLANG, VLLM
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -22,7 +23,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="check a cache or completions file against this drafter (layer ids, vocabulary)")  # fmt: skip
     p.add_argument("--no-verify", action="store_true", help="skip sha256 checks (sizes and layout still checked)")
     p.add_argument("--serving", action="store_true",
-                   help="a drafter directory: also each serving rule of vLLM 0.33.0 and SGLang 0.5.23 (format, layer "
+                   help=f"a drafter directory: also each serving rule of {VLLM} and {SGLANG} (format, layer "
                    "ids, causality per layer, mask token, file modes, V2 runner, reduced vocabulary, block size) as "
                    "ok/warn/FAIL, and the exact vLLM and SGLang command lines; exit 1 when a rule fails (warnings "
                    "do not)")  # fmt: skip

@@ -16,7 +16,8 @@ from flashdraft.commands.options import (
     rope_scaling,
     target_layer_ids,
 )
-from flashdraft.config import ARCHITECTURES, DEFAULT_BLOCK_SIZE, DFLASH2_FIELDS, DSPARK_MARKOV_RANK
+from flashdraft.config_spellings import DFLASH2_FIELDS, DSPARK_MARKOV_RANK
+from flashdraft.families import FAMILIES
 
 # --confidence-head: the DSpark confidence head's input, as config fields (enable, with_markov)
 CONFIDENCE_HEADS = {"none": (False, False), "hidden": (True, False), "with-markov": (True, True)}
@@ -44,7 +45,8 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-layers", type=positive, default=None,
                    help="default: --config's, else the --layer-types count, else 1")  # fmt: skip
     p.add_argument("--block-size", type=block_size, default=None,
-                   help=f"default: --config's, else {DEFAULT_BLOCK_SIZE}")  # fmt: skip
+                   help=f"default: --config's, else the family's ("
+                        f"{', '.join(f'{f.name} {f.default_block_size}' for f in FAMILIES.values())})")  # fmt: skip
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target-layer-ids", type=target_layer_ids, default=None,
@@ -71,11 +73,11 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
 
 def _family_args(p: argparse.ArgumentParser) -> None:
     """The architecture and the module sizes of DSpark and DFlash2."""
-    p.add_argument("--family", choices=list(ARCHITECTURES), default=None,
+    p.add_argument("--family", choices=list(FAMILIES), default=None,
                    help="dflash (DFlashDraftModel), dflash2 (DFlash2DraftModel: a grouped dynamic causal "
-                        "convolution around each sublayer and a candidate selector; block size 8 by default) or "
-                        "dspark (Qwen3DSparkModel: the anchor-first block, a Markov head and a confidence head; block "
-                        "size 7 by default); default: --config's, else dflash")  # fmt: skip
+                        "convolution around each sublayer and a candidate selector) or dspark (Qwen3DSparkModel: the "
+                        "anchor-first block, a Markov head and a confidence head); default: --config's, else "
+                        "dflash")  # fmt: skip
     p.add_argument("--markov-rank", type=positive, default=None,
                    help=f"DSpark (--family dspark): rank of the Markov head; default: --config's, else "
                         f"{DSPARK_MARKOV_RANK}")  # fmt: skip

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashdraft.acceptance import DFlashProposer
 from flashdraft.checkpoint import load_drafter
 from flashdraft.errors import FlashdraftError
+from flashdraft.proposers import DFlashProposer
 from flashdraft.run_dir import RunLock, complete_checkpoints, latest_checkpoint
 from flashdraft.train.data import OnlineRecords, make_batch
 from flashdraft.train.loop import TrainConfig, forward_loss, train
