@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from flashdraft.acceptance import DraftLimit
 from flashdraft.checkpoint import check_drafter_matches_target
 from flashdraft.decode import GenerationResult, autoregressive_generate, speculative_generate
 from flashdraft.errors import FlashdraftError
 from flashdraft.model import DFlashDrafter
+from flashdraft.proposers import DraftLimit
 from flashdraft.records import Log, quiet
 from flashdraft.run_dir import LoadedDrafter, load_any_drafter
 from flashdraft.serving_rules import NO_FILTERS, request_filters, resolve_filters
