@@ -212,15 +212,14 @@ ENGINE_FILES = {str(p.relative_to(Path(__file__).parent.parent)) for p in Path(_
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """Whole test files to whichever worker is free (their module fixtures are built once), and the files with the
-    engine's tests together on one worker: one vLLM server at a time, `engine_models` built once. (xdist's own
-    loadgroup would do the latter per test, but its group marks do not reach pytest 9's node ids.)"""
-    from xdist.scheduler import LoadFileScheduling
+    """The files with the engine's tests together on one worker, first (one vLLM server at a time, `engine_models`
+    built once); every other test to whichever worker is free, in collection order (a module's fixtures are built at
+    most once a worker). xdist's own loadgroup would group per test, but its marks do not reach pytest 9's node ids."""
+    from xdist.scheduler import LoadScopeScheduling
 
-    class EngineFilesTogether(LoadFileScheduling):
+    class EngineFilesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            file = nodeid.split("::", 1)[0]
-            return "engine" if file in ENGINE_FILES else file
+            return "engine" if nodeid.split("::", 1)[0] in ENGINE_FILES else nodeid
 
     return EngineFilesTogether(config, log)
 
