@@ -170,7 +170,7 @@ class Drafter(LoadedDrafter):
         `adaptive_threshold` and `confidence_threshold` verify fewer drafts per step."""
         self.check_fits(target)
         rule = _serving_rule(serving_rule)
-        filters = request_filters(target.path, temperature, top_k, top_p, min_p, rule, use_generation_config)
+        filters, _ = request_filters(target.path, temperature, top_k, top_p, min_p, rule, use_generation_config)
         limits = (num_speculative_tokens, adaptive_threshold, confidence_threshold)
         limit = DraftLimit(*limits) if any(v is not None for v in limits) else None
         return speculative_generate(target, self.drafter, _encode(target, prompt), max_new_tokens, temperature,

@@ -47,10 +47,8 @@ from flashdraft.serving_rules import (
     NO_FILTERS,
     SamplingFilters,
     ServingRule,
-    check_filters,
-    filters_for,
     greedy_filters_note,
-    resolve_filters,
+    request_filters,
     serving_rule,
 )
 from flashdraft.target import TargetModel
@@ -425,10 +423,8 @@ def sampling_settings(cfg: EvalConfig, target: TargetModel, log: Log) -> Samplin
             log(note)
         return NO_FILTERS
     rule = serving_rule(cfg.serving_rule)
-    given = resolve_filters(target.path, cfg.top_k, cfg.top_p, cfg.min_p, cfg.use_generation_config)
-    check_filters(given, rule)
-    filters = filters_for(given, rule)
-    dropped = sorted(set(given.active()) - set(filters.active()))
+    filters, dropped = request_filters(target.path, cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, rule,
+                                       cfg.use_generation_config)  # fmt: skip
     settings = ", ".join(f"{k} {v} ({filters.source.get(k)})" for k, v in filters.active().items()) or "no filters"
     log(f"sampling: temperature {cfg.temperature}, {settings}"
         + (f"; {', '.join(dropped)} from the generation config dropped: {rule.server} does not apply it"

@@ -156,15 +156,16 @@ def filters_for(filters: SamplingFilters, rule: ServingRule) -> SamplingFilters:
 def request_filters(
     target_path: str | Path | None, temperature: float, top_k: int | None, top_p: float | None, min_p: float | None,
     rule: ServingRule, use_generation_config: bool = True,
-) -> SamplingFilters:  # fmt: skip
-    """The filters a request at `temperature` gets under `rule`: none when greedy; else those given, then the
-    target's generation_config.json values, without those the rule's server does not apply (one given explicitly
-    that it does not apply is refused)."""
+) -> tuple[SamplingFilters, list[str]]:  # fmt: skip
+    """The filters a request at `temperature` gets under `rule`, and the names of those the generation config set
+    that the rule's server drops: none when greedy; else those given, then the target's generation_config.json
+    values, without those the rule's server does not apply (one given explicitly that it does not apply is refused)."""
     if temperature <= 0:
-        return NO_FILTERS
+        return NO_FILTERS, []
     given = resolve_filters(target_path, top_k, top_p, min_p, use_generation_config)
     check_filters(given, rule)
-    return filters_for(given, rule)
+    filters = filters_for(given, rule)
+    return filters, sorted(set(given.active()) - set(filters.active()))
 
 
 def target_probs(logits: torch.Tensor, temperature: float, filters: SamplingFilters = NO_FILTERS) -> torch.Tensor:
