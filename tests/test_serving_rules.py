@@ -12,12 +12,14 @@ from flashdraft.proposers import DFlashProposer
 from flashdraft.records import EvalRecord
 from flashdraft.server_fields import SGLANG
 from flashdraft.serving_rules import (
+    NO_FILTERS,
     RULES,
     SamplingFilters,
     acceptance_probabilities,
     check_filters,
     expected_committed,
     filters_for,
+    request_filters,
     resolve_filters,
     rule_of_command,
     serving_rule,
@@ -165,3 +167,17 @@ def test_a_serving_command_implies_its_servers_rule():
     assert rule_of_command("python -m sglang.launch_server --speculative-algorithm DSPARK").name == "sglang"
     with pytest.raises(FlashdraftError, match="expected a 'vllm serve"):
         rule_of_command("trtllm-serve model")
+
+
+def test_a_requests_filters_come_from_the_generation_config_and_drop_what_the_rules_server_does_not_apply(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 5, "min_p": 0.1, "temperature": 0.6}))
+    filters, dropped = request_filters(tmp_path, 0.7, None, 0.9, None, RULES["sglang"])
+    assert (filters.top_k, filters.top_p, filters.min_p) == (5, 0.9, None) and dropped == ["min_p"]
+    assert filters.source["top_k"] == str(tmp_path / "generation_config.json") and filters.source["top_p"] == "given"
+    filters, dropped = request_filters(tmp_path, 0.7, None, None, None, RULES["vllm"])  # vLLM applies min-p
+    assert (filters.top_k, filters.min_p) == (5, 0.1) and dropped == []
+    assert request_filters(tmp_path, 0.7, None, None, None, RULES["sglang"], use_generation_config=False) == (
+        SamplingFilters(), [])  # fmt: skip
+    assert request_filters(tmp_path, 0.0, 3, None, None, RULES["vllm"]) == (NO_FILTERS, [])  # greedy: none
+    with pytest.raises(FlashdraftError, match=r"--min-p 0.2: SGLang .* does not apply min_p"):
+        request_filters(tmp_path, 0.7, None, None, 0.2, RULES["sglang"])
