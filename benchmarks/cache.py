@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.config import default_target_layer_ids
 from flashdraft.data.cache import DTYPES, build_cache
 from flashdraft.data.completions import CompletionRecord, Completions
-from flashdraft.target import TargetModel
+from flashdraft.drafter.config import default_target_layer_ids
+from flashdraft.target.model import TargetModel
 
 
 def random_completions(target: TargetModel, records: int, tokens: int, where: Path) -> Completions:

@@ -1,6 +1,6 @@
 """Speculative against plain greedy decoding on the built-in target: tokens/s, speed-up and τ
 for trained drafters (`--checkpoint`, repeatable), each also as the hybrid with prompt lookup
-(`flashdraft.hybrid`, drafter "hybrid:DIR"), and the n-gram prompt-lookup baseline.
+(`flashdraft.decoding.hybrid`, drafter "hybrid:DIR"), and the n-gram prompt-lookup baseline.
 
     .venv/bin/python benchmarks/decode.py [--target-model tiny] [--checkpoint DIR ...] [--num-prompts 8]
         [--max-new-tokens 256] [--block-size B] [--threads 1] [--num-speculative-tokens 1,2,4,8,15]
@@ -31,14 +31,14 @@ import time
 
 import torch
 
-from flashdraft.decode import autoregressive_generate, speculative_generate
-from flashdraft.hybrid import HybridDrafter, HybridRule
-from flashdraft.ngram import NGramProposer
-from flashdraft.proposers import DraftLimit
-from flashdraft.records import load_eval_records
-from flashdraft.results import speedup_bound
-from flashdraft.run_dir import load_any_drafter
-from flashdraft.target import TargetModel
+from flashdraft.decoding.generate import autoregressive_generate, speculative_generate
+from flashdraft.decoding.hybrid import HybridDrafter, HybridRule
+from flashdraft.decoding.ngram import NGramProposer
+from flashdraft.decoding.proposers import DraftLimit
+from flashdraft.drafter.run_dir import load_any_drafter
+from flashdraft.evaluation.records import load_eval_records
+from flashdraft.evaluation.results import speedup_bound
+from flashdraft.target.model import TargetModel
 
 
 def verify_cost(target: TargetModel, prefix_ids: list[int], repeats: int = 40) -> dict:

@@ -51,7 +51,7 @@ SECOND_PHASE = ("dflash-more", "dflash2-from", "dflash2-from-sel0.1", "dflash2-f
 
 
 def train_command(work: Path, name: str, steps: int) -> list[str]:
-    from flashdraft.run_dir import latest_checkpoint
+    from flashdraft.drafter.run_dir import latest_checkpoint
 
     init, extra = RUNS[name]
     init_dir = work / init

@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from flashdraft.proposers import DFlashProposer
-from flashdraft.run_dir import load_any_drafter
-from flashdraft.target_weights import TargetHead
+from flashdraft.decoding.proposers import DFlashProposer
+from flashdraft.drafter.run_dir import load_any_drafter
+from flashdraft.target.weights import TargetHead
 from flashdraft.train.vocab import with_draft_vocabulary
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from flashdraft.target import resolve_target_path
+from flashdraft.target.model import resolve_target_path
 
 
 def build_target(directory: Path, hidden: int, layers: int) -> Path:

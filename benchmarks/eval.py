@@ -27,11 +27,11 @@ import torch
 from flashdraft.data.cache import build_cache
 from flashdraft.data.cache_reader import HiddenStateCache
 from flashdraft.data.completions import CompletionRecord, Completions
-from flashdraft.drafter_init import new_drafter_for_target
-from flashdraft.ngram import NGramProposer
-from flashdraft.offline import evaluate_offline
-from flashdraft.records import FeatureSource, records_from_cache
-from flashdraft.target import TargetModel
+from flashdraft.decoding.ngram import NGramProposer
+from flashdraft.drafter.init import new_drafter_for_target
+from flashdraft.evaluation.offline import evaluate_offline
+from flashdraft.evaluation.records import FeatureSource, records_from_cache
+from flashdraft.target.model import TargetModel
 
 
 def random_completions(target: TargetModel, records: int, tokens: int, where: Path) -> Completions:

@@ -24,7 +24,7 @@ import torch
 
 from flashdraft.data.completions import generate_batch
 from flashdraft.data.prompts import encode_text, load_prompts
-from flashdraft.target import TargetModel
+from flashdraft.target.model import TargetModel
 
 
 def main() -> None:

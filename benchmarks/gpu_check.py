@@ -57,12 +57,12 @@ import torch
 import torch.multiprocessing as mp
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
-from flashdraft.config import DrafterConfig
-from flashdraft.decode import speculative_generate
+from flashdraft.decoding.generate import speculative_generate
 from flashdraft.distributed import Dist, init_distributed, wrap_model
-from flashdraft.model import DFlashDrafter
-from flashdraft.parity import run_parity
-from flashdraft.target import TargetModel
+from flashdraft.drafter.config import DrafterConfig
+from flashdraft.drafter.model import DFlashDrafter
+from flashdraft.target.model import TargetModel
+from flashdraft.target.parity import run_parity
 from flashdraft.train.data import make_batch
 from flashdraft.train.loop import TrainConfig, forward_loss  # the loop's own forward + loss
 from flashdraft.train.loss import block_loss

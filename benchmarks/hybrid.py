@@ -28,15 +28,15 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdraft.acceptance import committed_length, tau_of
-from flashdraft.hybrid import BRANCHES, HybridDrafter, HybridRule
-from flashdraft.model import DFlashDrafter
-from flashdraft.ngram import NGramProposer, lookup_match
-from flashdraft.offline import offline_acceptance_lengths
-from flashdraft.proposers import DFlashProposer
-from flashdraft.records import EvalRecord, FeatureSource, invalid_reason, load_eval_records
-from flashdraft.run_dir import load_any_drafter
-from flashdraft.target import TargetModel
+from flashdraft.decoding.acceptance import committed_length, tau_of
+from flashdraft.decoding.hybrid import BRANCHES, HybridDrafter, HybridRule
+from flashdraft.decoding.ngram import NGramProposer, lookup_match
+from flashdraft.decoding.proposers import DFlashProposer
+from flashdraft.drafter.model import DFlashDrafter
+from flashdraft.drafter.run_dir import load_any_drafter
+from flashdraft.evaluation.offline import offline_acceptance_lengths
+from flashdraft.evaluation.records import EvalRecord, FeatureSource, invalid_reason, load_eval_records
+from flashdraft.target.model import TargetModel
 
 NEVER = 10**6  # a min_match no lookup reaches
 NO_DRAFT = -1  # no token: without a match prompt lookup proposes nothing, so the step commits the bonus only

@@ -71,7 +71,7 @@ def prepare(work: Path) -> None:
 
 def make_init(work: Path, run: str) -> Path:
     """The shipped tiny-drafter's weights under the run's attention and RoPE (a config change, the same tensors)."""
-    from flashdraft.run_dir import BUILTIN_DRAFTERS
+    from flashdraft.drafter.run_dir import BUILTIN_DRAFTERS
 
     init = work / f"init-{run}"
     if (init / "config.json").exists():
@@ -110,7 +110,7 @@ def target_loss_by_position(limit: int = 4096) -> dict:
 
     from flashdraft.data.long_context import _usable
     from flashdraft.data.stdlib import stdlib_files, stdlib_root
-    from flashdraft.target import TargetModel
+    from flashdraft.target.model import TargetModel
 
     target = TargetModel.load("tiny")
     sums, counts, files = torch.zeros(len(LOSS_BUCKETS) - 1), torch.zeros(len(LOSS_BUCKETS) - 1), 0

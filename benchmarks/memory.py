@@ -1,7 +1,7 @@
 """Peak memory of `flashdraft cache` and offline `flashdraft eval`/`train`: flat in the number
 of records (features are streamed shard by shard when caching and read one record at a time
 when evaluating) and flat in the depth of the target (offline reads only its embeddings and
-LM head, `flashdraft/target_weights.py`).
+LM head, `flashdraft/target/weights.py`).
 
     .venv/bin/python benchmarks/memory.py [--experiment records|tiny|depth|all] [--records 100,300,1000]
         [--tokens 256] [--depths 4,16,48] [--no-whole] [--workdir DIR]
@@ -81,9 +81,9 @@ def write_completions(path: Path, target_dir: Path, fingerprint: str, count: int
 
 
 def records_experiment(root: Path, counts: list[int], tokens: int) -> None:
-    from flashdraft.checkpoint import save_drafter
-    from flashdraft.drafter_init import new_drafter_for_target
-    from flashdraft.target_weights import TargetHead
+    from flashdraft.drafter.checkpoint import save_drafter
+    from flashdraft.drafter.init import new_drafter_for_target
+    from flashdraft.target.weights import TargetHead
 
     write_target(root / "target")
     target = TargetHead.load(root / "target")
@@ -143,9 +143,9 @@ def offline_commands(target: Path, drafter: Path, cache: Path, run: Path) -> dic
 def depth_experiment(root: Path, depths: list[int], whole: bool) -> None:
     """Peak RSS and time of offline eval and train against target depth at equal width, through
     the target head (as shipped) and, with `whole`, through the whole loaded target (as before)."""
-    from flashdraft.checkpoint import save_drafter
-    from flashdraft.drafter_init import new_drafter_for_target
-    from flashdraft.target_weights import TargetHead
+    from flashdraft.drafter.checkpoint import save_drafter
+    from flashdraft.drafter.init import new_drafter_for_target
+    from flashdraft.target.weights import TargetHead
 
     rows = []
     for depth in depths:
@@ -176,10 +176,10 @@ def depth_experiment(root: Path, depths: list[int], whole: bool) -> None:
 def tiny_experiment(root: Path) -> None:
     """Offline eval of 5 prompts x 15 blocks on the built-in target: seconds of `main` (after the
     interpreter and torch started), against the whole-target path and the interpreter start."""
-    from flashdraft.checkpoint import save_drafter
     from flashdraft.cli import main as flashdraft
-    from flashdraft.drafter_init import new_drafter_for_target
-    from flashdraft.target_weights import TargetHead
+    from flashdraft.drafter.checkpoint import save_drafter
+    from flashdraft.drafter.init import new_drafter_for_target
+    from flashdraft.target.weights import TargetHead
 
     save_drafter(new_drafter_for_target(TargetHead.load("tiny"), 1, 16), root / "tiny-drafter")
     assert flashdraft(["generate", "--target-model", "tiny", "--prompts", "builtin:code:heldout", "--num-prompts", "5",

@@ -70,10 +70,10 @@ def drafting_step_ms(work: Path, names: list[str], repeats: int = 5) -> dict[str
 
     import torch
 
-    from flashdraft.proposers import DFlashProposer
-    from flashdraft.records import load_eval_records
-    from flashdraft.run_dir import load_any_drafter
-    from flashdraft.target import TargetModel
+    from flashdraft.decoding.proposers import DFlashProposer
+    from flashdraft.drafter.run_dir import load_any_drafter
+    from flashdraft.evaluation.records import load_eval_records
+    from flashdraft.target.model import TargetModel
 
     torch.set_num_threads(1)
     target = TargetModel.load("tiny")

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from flashdraft.target import TargetModel
+from flashdraft.target.model import TargetModel
 
 
 def main() -> None:

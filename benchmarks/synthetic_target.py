@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from flashdraft.target_weights import LANGUAGE_MODEL_PREFIX
+from flashdraft.target.weights import LANGUAGE_MODEL_PREFIX
 
 
 def write_tokenizer(directory: Path, vocab_size: int, eos: int, pad: int) -> None:
@@ -104,7 +104,7 @@ class RandomFeatureTarget:
         self.layer_ids = list(layer_ids)
 
     def forward(self, input_ids: torch.Tensor, cache=None):
-        from flashdraft.target import TargetOutput
+        from flashdraft.target.model import TargetOutput
 
         n, t = input_ids.shape
         features = torch.randn(n, t, len(self.layer_ids) * self.head.hidden_size, generator=self.gen)
@@ -128,7 +128,7 @@ def write_random_cache(directory: Path, head, layer_ids: list[int], records: int
 
 def write_random_drafter(directory: Path, cfg, seed: int = 0) -> Path:
     """A drafter of config `cfg` with random bf16 weights (norms at 1), written tensor by tensor."""
-    from flashdraft.checkpoint import expected_shapes, save_drafter_state
+    from flashdraft.drafter.checkpoint import expected_shapes, save_drafter_state
 
     gen = torch.Generator().manual_seed(seed)
     state = {}
@@ -146,8 +146,8 @@ import json, os, sys, time
 import torch
 from flashdraft.cli import main
 if os.environ.get("BENCH_WHOLE_TARGET"):  # the path before TargetHead: offline commands load the whole target
-    from flashdraft.target import TargetModel
-    from flashdraft.target_weights import TargetHead
+    from flashdraft.target.model import TargetModel
+    from flashdraft.target.weights import TargetHead
     TargetHead.load = staticmethod(lambda path, **kw: TargetModel.load(path, **kw))
 start = time.perf_counter()
 rc = main(sys.argv[1:])

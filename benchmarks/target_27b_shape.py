@@ -59,7 +59,7 @@ def target_config():
 
 
 def drafter_config():
-    from flashdraft.config import DrafterConfig
+    from flashdraft.drafter.config import DrafterConfig
 
     return DrafterConfig(
         hidden_size=HIDDEN, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--max-blocks", type=int, default=15)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from flashdraft.target_weights import TargetHead
+    from flashdraft.target.weights import TargetHead
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.workdir or tmp)

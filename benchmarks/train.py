@@ -29,8 +29,8 @@ SIZES = {  # hidden, layers, heads, kv heads, head_dim, intermediate, vocab, con
 
 
 def run_one(name: str, steps: int, seq_len: int, num_anchors: int, block: int) -> dict:
-    from flashdraft.config import DrafterConfig
-    from flashdraft.model import DFlashDrafter
+    from flashdraft.drafter.config import DrafterConfig
+    from flashdraft.drafter.model import DFlashDrafter
     from flashdraft.train.blocks import build_blocks, sample_anchors
     from flashdraft.train.loss import block_loss
 

@@ -6,8 +6,8 @@
     summary = evaluate_drafter(drafter, target, prompts="builtin:code:heldout")  # eval --json's dict
     run = train_drafter(TrainConfig(max_steps=100), "tiny", "run", completions="train.json")
 
-Each is a thin layer over the module that does the work (`flashdraft.target`,
-`flashdraft.run_dir`, `flashdraft.decode`, `flashdraft.evaluate`, `flashdraft.train.run`,
+Each is a thin layer over the module that does the work (`flashdraft.target.model`,
+`flashdraft.drafter.run_dir`, `flashdraft.decoding.generate`, `flashdraft.evaluation.run`, `flashdraft.train.run`,
 `flashdraft.data`): the same checks, the same errors (`FlashdraftError`, one line naming the
 file or field), the same figures as the command line.
 """
@@ -21,16 +21,16 @@ from typing import Any
 
 import torch
 
-from flashdraft.checkpoint import check_drafter_matches_target
-from flashdraft.decode import GenerationResult, autoregressive_generate, speculative_generate
+from flashdraft.decoding.generate import GenerationResult, autoregressive_generate, speculative_generate
+from flashdraft.decoding.proposers import DraftLimit
+from flashdraft.decoding.serving_rules import NO_FILTERS, request_filters, resolve_filters
+from flashdraft.decoding.serving_rules import serving_rule as _serving_rule
+from flashdraft.drafter.checkpoint import check_drafter_matches_target
+from flashdraft.drafter.model import DFlashDrafter
+from flashdraft.drafter.run_dir import LoadedDrafter, load_any_drafter
 from flashdraft.errors import FlashdraftError
-from flashdraft.model import DFlashDrafter
-from flashdraft.proposers import DraftLimit
-from flashdraft.records import Log, quiet
-from flashdraft.run_dir import LoadedDrafter, load_any_drafter
-from flashdraft.serving_rules import NO_FILTERS, request_filters, resolve_filters
-from flashdraft.serving_rules import serving_rule as _serving_rule
-from flashdraft.target import TargetModel
+from flashdraft.evaluation.records import Log, quiet
+from flashdraft.target.model import TargetModel
 from flashdraft.train.loop import TrainConfig
 
 # the public names are flashdraft.__all__ (the package re-exports them from here)
@@ -48,7 +48,7 @@ def _encode(target: TargetModel, prompt: Prompt) -> list[int]:
 
 
 class Target(TargetModel):
-    """A frozen target LM as DFlash sees it (a `flashdraft.target.TargetModel`): its tokenizer
+    """A frozen target LM as DFlash sees it (a `flashdraft.target.model.TargetModel`): its tokenizer
     (`.tokenizer`), its layers' hidden states and its cache with rollback."""
 
     @classmethod
@@ -91,7 +91,7 @@ class Target(TargetModel):
 @dataclass
 class Drafter(LoadedDrafter):
     """A DFlash drafter and where it came from: `.model` (the `torch.nn.Module`), `.config`
-    (`flashdraft.config.DrafterConfig`), `.path` (what was read), `.form` ("drafter
+    (`flashdraft.drafter.config.DrafterConfig`), `.path` (what was read), `.form` ("drafter
     directory", "training run", "training checkpoint" or "state dict") and `.assumed` (what a
     bare state dict could not tell, in words)."""
 
@@ -122,12 +122,12 @@ class Drafter(LoadedDrafter):
 
     @property
     def model(self) -> DFlashDrafter:
-        """The drafter module (`flashdraft.model.DFlashDrafter`)."""
+        """The drafter module (`flashdraft.drafter.model.DFlashDrafter`)."""
         return self.drafter
 
     @property
     def config(self):
-        """The drafter's `flashdraft.config.DrafterConfig` (as config.json says)."""
+        """The drafter's `flashdraft.drafter.config.DrafterConfig` (as config.json says)."""
         return self.drafter.config
 
     def check_fits(self, target: TargetModel) -> None:
@@ -163,7 +163,7 @@ class Drafter(LoadedDrafter):
         the target's distribution), `.acceptance_lengths` (tokens committed per step), `.tau`,
         `.expected_lengths`, and the seconds spent drafting and verifying. `block_size`: default
         the drafter's. The rest as eval's flags: at temperature > 0, `serving_rule` (a name of
-        `flashdraft.serving_rules.RULES`; default vLLM's) decides how drafts are drawn and
+        `flashdraft.decoding.serving_rules.RULES`; default vLLM's) decides how drafts are drawn and
         verified, and `top_k`, `top_p`, `min_p` filter the target's p as that rule's server does
         (each None: the target's generation_config.json value unless `use_generation_config` is
         off; one the server does not apply, given, is refused); `num_speculative_tokens`,
@@ -201,12 +201,12 @@ def evaluate_drafter(
     baseline); `hybrid`: the drafter together with the n-gram lookup (`eval --drafter hybrid`).
     `target`: a loaded `Target` (its device and dtype are used), or its name or directory:
     then it is loaded as the evaluation needs it (offline from a cache: its head only).
-    `options`: the fields of `flashdraft.evaluate.EvalConfig` (`EvalConfig.option_names()`, eval's options): one of
+    `options`: the fields of `evaluation.run.EvalConfig` (`EvalConfig.option_names()`, eval's options): one of
     cached_hidden_states, completions or prompts (with num_prompts); online,
     check_consistency, reference, max_blocks, max_new_tokens, block_size, temperature,
     num_speculative_tokens, adaptive_threshold, seed, ... `log`: where eval's lines go
     (`print` to see them)."""
-    from flashdraft.evaluate import EvalConfig, run_eval
+    from flashdraft.evaluation.run import EvalConfig, run_eval
 
     loaded_target = target if isinstance(target, TargetModel) else None
     if loaded_target is not None:

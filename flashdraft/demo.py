@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.config import DEFAULT_BLOCK_SIZE
+from flashdraft.drafter.config import DEFAULT_BLOCK_SIZE
 from flashdraft.errors import FlashdraftError
 
 
@@ -130,7 +130,7 @@ def training_curve(metrics_path: Path, out_png: Path) -> None:
 def _check_same_target(out: Path, target_model: str) -> None:
     """A demo directory from another target (say, before an update of the built-in one) is
     refused up front, with the way out, rather than at some stage deep in the run."""
-    from flashdraft.target_weights import TargetHead
+    from flashdraft.target.weights import TargetHead
 
     previous = out / "completions-train.json"
     if not previous.is_file():
@@ -150,10 +150,10 @@ def _check_same_target(out: Path, target_model: str) -> None:
 def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: Path, deadline: float) -> tuple:
     """Train until `deadline` (perf_counter; sized by timing two steps here), or reuse a finished
     run; returns (the best held-out checkpoint's drafter directory, untrained drafter directory, facts)."""
-    from flashdraft.checkpoint import save_drafter
-    from flashdraft.drafter_init import new_drafter_for_target
-    from flashdraft.run_dir import latest_checkpoint, read_best
-    from flashdraft.target_weights import TargetHead
+    from flashdraft.drafter.checkpoint import save_drafter
+    from flashdraft.drafter.init import new_drafter_for_target
+    from flashdraft.drafter.run_dir import latest_checkpoint, read_best
+    from flashdraft.target.weights import TargetHead
     from flashdraft.train.loop import TrainConfig
     from flashdraft.train.run import load_training_records, run_training
 
@@ -193,12 +193,12 @@ def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: P
 def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoSettings | None = None) -> dict:
     from flashdraft.data.cache import run_cache
     from flashdraft.data.generate import run_generate
-    from flashdraft.evaluate import EvalConfig
-    from flashdraft.evaluate import run_eval as evaluate
-    from flashdraft.records import quiet
-    from flashdraft.report import write_report
-    from flashdraft.run_dir import BUILTIN_DRAFTERS
-    from flashdraft.target import TargetModel
+    from flashdraft.drafter.run_dir import BUILTIN_DRAFTERS
+    from flashdraft.evaluation.records import quiet
+    from flashdraft.evaluation.report import write_report
+    from flashdraft.evaluation.run import EvalConfig
+    from flashdraft.evaluation.run import run_eval as evaluate
+    from flashdraft.target.model import TargetModel
 
     s = settings or DemoSettings()
     if minutes <= 0:

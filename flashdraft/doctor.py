@@ -6,7 +6,7 @@ flashdraft, `tiny-drafter`), a training run directory (its newest complete check
 checkpoint of it, a bare `.pt`/`.safetensors` state dict, or a completions file. This module
 recognises the kind and runs its checks; with `--target-model` and `--checkpoint` (a drafter) it
 also checks PATH against them; with `--serving` (a drafter directory) it adds the serving rules
-of vLLM and SGLang (`flashdraft.serving`). Every check prints one line, `ok`, `warn ...; fix: ...`
+of vLLM and SGLang (`flashdraft.serving.checks`). Every check prints one line, `ok`, `warn ...; fix: ...`
 or `FAIL ...; fix: ...`; facts (shapes, layer ids, fingerprints) are printed indented.
 """
 
@@ -18,17 +18,17 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.checkpoint import STATE_DICT_SUFFIXES
 from flashdraft.checks import Checks
+from flashdraft.drafter.checkpoint import STATE_DICT_SUFFIXES
+from flashdraft.drafter.server_fields import fields_set
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import UnsafeFileError
-from flashdraft.server_fields import fields_set
-from flashdraft.target import TargetModel
+from flashdraft.target.model import TargetModel
 
 
 def resolve(path: str | Path) -> Path:
     """PATH, or the directory of the drafter shipped with flashdraft by that name (`tiny-drafter`)."""
-    from flashdraft.run_dir import resolve_drafter
+    from flashdraft.drafter.run_dir import resolve_drafter
 
     return resolve_drafter(path)
 
@@ -79,7 +79,7 @@ def load_target_for(path: str | Path, target_model: str | None) -> TargetModel |
     """The target `doctor PATH --target-model T` checks against: the whole model for a cache (its
     records are re-run through it), else only its shapes, tokenizer and fingerprint (a `TargetHead`);
     None without T. An unusable PATH is an error before the target is loaded."""
-    from flashdraft.target_weights import TargetHead
+    from flashdraft.target.weights import TargetHead
 
     kind = kind_of(Path(path))
     load = TargetModel.load if kind == "cache" else TargetHead.load
@@ -126,7 +126,7 @@ def run_doctor(
     elif kind == "drafter":
         check_drafter_dir(path, target, checks, verify)
         if serving:
-            from flashdraft.serving import check_serving
+            from flashdraft.serving.checks import check_serving
 
             check_serving(path, target, checks, target_name, max_model_len=max_model_len,
                           serving_command=serving_command)
@@ -162,7 +162,7 @@ def _describe_config(cfg) -> str:
 
 def _shape_problems(cfg, found: dict[str, tuple[int, ...]]) -> list[str]:
     """Every missing, mis-shaped and unexpected tensor (the loader stops at the first)."""
-    from flashdraft.checkpoint import expected_shapes
+    from flashdraft.drafter.checkpoint import expected_shapes
 
     expected = expected_shapes(cfg)
     problems = [f"tensor '{k}' is missing (expected {list(v)})" for k, v in expected.items() if k not in found]
@@ -214,8 +214,8 @@ def check_drafter_dir(path: Path, target: TargetModel | None, checks: Checks, ve
     layer ids, and with a target hidden size, vocabulary, layers and mask token."""
     from safetensors import safe_open
 
-    from flashdraft.checkpoint import weight_files
-    from flashdraft.config import DrafterConfig
+    from flashdraft.drafter.checkpoint import weight_files
+    from flashdraft.drafter.config import DrafterConfig
 
     fix_files = "copy the drafter directory again (or re-export it)"
     try:
@@ -269,8 +269,8 @@ def check_drafter_dir(path: Path, target: TargetModel | None, checks: Checks, ve
 
 def check_state_dict(path: Path, target: TargetModel | None, checks: Checks) -> None:
     """A bare state dict: what its shapes say, and with a target whether it loads strictly."""
-    from flashdraft.checkpoint import read_state_dict_file
-    from flashdraft.run_dir import load_any_drafter
+    from flashdraft.drafter.checkpoint import read_state_dict_file
+    from flashdraft.drafter.run_dir import load_any_drafter
 
     try:
         state = read_state_dict_file(path)
@@ -311,7 +311,7 @@ def check_state_dict(path: Path, target: TargetModel | None, checks: Checks) -> 
 def check_run(path: Path, target: TargetModel | None, checks: Checks, verify: bool, single: bool = False) -> None:
     """A training run (its newest complete checkpoint) or one checkpoint directory: checksums,
     trainer state, the drafter, and run_config.json against the drafter."""
-    from flashdraft.run_dir import COMPLETE, checkpoint_problems, load_trainer_state
+    from flashdraft.drafter.run_dir import COMPLETE, checkpoint_problems, load_trainer_state
 
     if single:
         step_dir, run_dir = path, path.parent.parent if path.parent.name == "checkpoints" else None
@@ -372,7 +372,7 @@ def check_run(path: Path, target: TargetModel | None, checks: Checks, verify: bo
 
 
 def _check_run_config(config_path: Path, drafter_dir: Path, target: TargetModel | None, checks: Checks) -> None:
-    from flashdraft.config import DrafterConfig
+    from flashdraft.drafter.config import DrafterConfig
 
     try:
         run = json.loads(config_path.read_text())

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.decode import autoregressive_generate
-from flashdraft.target import TINY_DIR, TargetModel
+from flashdraft.decoding.generate import autoregressive_generate
+from flashdraft.target.model import TINY_DIR, TargetModel
 
 PROMPTS = [
     "def fibonacci(n):\n",

@@ -18,9 +18,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from flashdraft.config import DrafterConfig
-from flashdraft.model import DFlashDrafter
-from flashdraft.target import TargetModel
+from flashdraft.drafter.config import DrafterConfig
+from flashdraft.drafter.model import DFlashDrafter
+from flashdraft.target.model import TargetModel
 
 # Tiny models are fastest on one thread, and one thread per test process never
 # oversubscribes the CI machine's 2 cores.

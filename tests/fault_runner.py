@@ -15,7 +15,7 @@ import time
 
 import flashdraft.data.cache as cache
 import flashdraft.data.completions as completions
-import flashdraft.run_dir as run_dir
+import flashdraft.drafter.run_dir as run_dir
 import flashdraft.train.loop as loop
 from flashdraft.cli import main
 

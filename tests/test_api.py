@@ -15,7 +15,7 @@ import torch
 
 import flashdraft
 from flashdraft import Drafter, FlashdraftError, Target, TrainConfig
-from flashdraft.checkpoint import save_drafter
+from flashdraft.drafter.checkpoint import save_drafter
 from tests.conftest import make_drafter, run_cli, save_target, write_word_prompts
 
 ROOT = Path(__file__).resolve().parent.parent

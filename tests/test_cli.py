@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from flashdraft.checkpoint import load_drafter
 from flashdraft.cli import main
+from flashdraft.drafter.checkpoint import load_drafter
 from tests.conftest import MASK, save_target
 
 
@@ -41,7 +41,7 @@ def test_speculate_checks_losslessness_against_greedy(target_dir, tmp_path, caps
 
 
 def test_init_layers_from_target_copies_the_target_layer_and_refuses_a_count_mismatch(target_dir, tmp_path, capsys):
-    from flashdraft.target_weights import TargetHead
+    from flashdraft.target.weights import TargetHead
 
     out = tmp_path / "d"
     args = ["init", "--target-model", str(target_dir), "--out", str(out), "--draft-layers", "1"]
@@ -57,8 +57,8 @@ def test_init_layers_from_target_copies_the_target_layer_and_refuses_a_count_mis
 
 
 def test_init_config_and_train_init_take_the_shipped_tiny_drafter_by_name(tmp_path, capsys):
-    from flashdraft.run_dir import BUILTIN_DRAFTERS
-    from flashdraft.target_weights import TargetHead
+    from flashdraft.drafter.run_dir import BUILTIN_DRAFTERS
+    from flashdraft.target.weights import TargetHead
     from flashdraft.train.run import _starting_drafter
 
     assert main(["init", "--target-model", "tiny", "--out", str(tmp_path / "d"), "--config", "tiny-drafter",
@@ -78,7 +78,7 @@ def _dests(command: str) -> set[str]:
 
 
 def test_eval_options_are_the_eval_config_fields_by_name():
-    from flashdraft.evaluate import EvalConfig
+    from flashdraft.evaluation.run import EvalConfig
 
     # what evaluate_drafter takes as its own arguments, and what eval writes after
     own = {"checkpoint", "drafter", "target_model", "device", "dtype", "json", "report"}
@@ -91,7 +91,7 @@ def test_each_option_is_a_keyword_of_the_function_the_command_calls(command):
 
     from flashdraft.data.cache import run_cache
     from flashdraft.data.generate import run_generate
-    from flashdraft.parity import run_parity_command
+    from flashdraft.target.parity import run_parity_command
 
     function = {"generate": run_generate, "cache": run_cache, "parity": run_parity_command}[command]
     if command == "cache":  # --engine vllm hands every option but itself to the engine's capture instead

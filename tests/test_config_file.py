@@ -12,12 +12,12 @@ import yaml
 from safetensors.torch import load_file
 
 from flashdraft.cli import build_parser
-from flashdraft.config import DrafterConfig
 from flashdraft.config_file import train_options
+from flashdraft.drafter.config import DrafterConfig
 from flashdraft.errors import FlashdraftError
 from flashdraft.train.loop import TrainConfig
 from tests.conftest import run_cli
-from tests.test_config import PUBLIC_QWEN36_CONFIG
+from tests.drafter.test_config import PUBLIC_QWEN36_CONFIG
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -196,7 +196,7 @@ def test_the_qwen36_configs_are_the_published_layout_and_agree_with_it():
 
 
 def test_the_dflash2_config_is_the_published_qwen38_dflash2_layout():
-    from tests.test_config import PUBLIC_QWEN38_DFLASH2_CONFIG
+    from tests.drafter.test_config import PUBLIC_QWEN38_DFLASH2_CONFIG
 
     drafter = json.loads((CONFIGS / "qwen3.8-27b-dflash2.json").read_text())
     assert drafter == PUBLIC_QWEN38_DFLASH2_CONFIG

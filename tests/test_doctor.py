@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flashdraft.checkpoint import load_drafter, save_drafter
 from flashdraft.cli import main
-from flashdraft.run_dir import BUILTIN_DRAFTERS
-from flashdraft.server_fields import SGLANG, VLLM
+from flashdraft.drafter.checkpoint import load_drafter, save_drafter
+from flashdraft.drafter.run_dir import BUILTIN_DRAFTERS
+from flashdraft.drafter.server_fields import SGLANG, VLLM
 from tests.conftest import (
     make_dflash2_drafter,
     make_drafter,

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
+from flashdraft.drafter.checkpoint import save_drafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
 from tests.conftest import make_drafter, make_hf_model, make_tokenizer

@@ -35,14 +35,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flashdraft.checkpoint import load_drafter
 from flashdraft.cli import main
 from flashdraft.data.cache import MANIFEST, PROGRESS
 from flashdraft.data.cache_reader import HiddenStateCache
 from flashdraft.data.completions import load_completions
+from flashdraft.drafter.checkpoint import load_drafter
+from flashdraft.drafter.run_dir import complete_checkpoints, latest_checkpoint, verify_checkpoint
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
-from flashdraft.run_dir import complete_checkpoints, latest_checkpoint, verify_checkpoint
 from tests.conftest import save_target
 
 ROOT = Path(__file__).resolve().parents[1]

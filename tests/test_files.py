@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft.checkpoint import save_drafter
+from flashdraft.drafter.checkpoint import save_drafter
+from flashdraft.drafter.run_dir import save_best, save_checkpoint
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import OutputLock, current_umask, write_atomic
-from flashdraft.run_dir import save_best, save_checkpoint
 from tests.conftest import make_drafter, save_target
 from tests.data.conftest import run_cli, write_prompts
 

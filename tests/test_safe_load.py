@@ -18,12 +18,12 @@ import torch
 
 from flashdraft.cli import main
 from flashdraft.data.prompts import load_prompts
+from flashdraft.drafter.run_dir import latest_checkpoint
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
-from flashdraft.run_dir import latest_checkpoint
 from flashdraft.safe_load import to_plain
-from flashdraft.target import TargetModel
-from flashdraft.target_weights import TargetHead
+from flashdraft.target.model import TargetModel
+from flashdraft.target.weights import TargetHead
 from tests.conftest import make_drafter, run_cli, save_target, write_word_prompts
 
 

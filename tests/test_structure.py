@@ -147,8 +147,8 @@ def test_the_import_graph_sees_module_level_and_deferred_imports():
     # the checks above are only as good as the graph: known edges of both kinds are in it
     top, every = import_graph(deferred=False), import_graph(deferred=True)
     assert "flashdraft.data.completions" in top["flashdraft.data.cache"]  # `from flashdraft.data.completions import`
-    assert "flashdraft.data.cache_reader" not in top["flashdraft.records"]  # imported inside a function
-    assert "flashdraft.data.cache_reader" in every["flashdraft.records"]
+    assert "flashdraft.data.cache_reader" not in top["flashdraft.evaluation.records"]  # imported inside a function
+    assert "flashdraft.data.cache_reader" in every["flashdraft.evaluation.records"]
     assert "flashdraft.api" in every["flashdraft"] and "flashdraft.api" not in top["flashdraft"]  # TYPE_CHECKING
     assert cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}) == [["a", "b", "c", "a"]]
 

@@ -4,10 +4,10 @@ import json
 
 import torch
 
-from flashdraft.checkpoint import load_drafter
 from flashdraft.cli import main
-from flashdraft.decode import autoregressive_generate, speculative_generate
-from flashdraft.target import TINY_DIR, TargetModel
+from flashdraft.decoding.generate import autoregressive_generate, speculative_generate
+from flashdraft.drafter.checkpoint import load_drafter
+from flashdraft.target.model import TINY_DIR, TargetModel
 
 
 def test_tiny_target_is_a_small_hybrid_with_mask_and_end_of_text_tokens():
@@ -37,7 +37,7 @@ def test_init_on_tiny_then_load_gives_a_drafter_that_decodes_losslessly(tmp_path
 
 def test_shipped_tiny_drafter_loads_strictly_by_name_and_reproduces_its_recorded_acceptance_lengths():
     from flashdraft.data.prompts import encode_text, load_prompts
-    from flashdraft.run_dir import BUILTIN_DRAFTERS, load_any_drafter
+    from flashdraft.drafter.run_dir import BUILTIN_DRAFTERS, load_any_drafter
 
     record = json.loads((BUILTIN_DRAFTERS["tiny-drafter"] / "training.json").read_text())
     loaded = load_any_drafter("tiny-drafter")

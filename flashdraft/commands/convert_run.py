@@ -1,5 +1,5 @@
 """`flashdraft convert-run`: an older run's trainer.pt files rewritten as tensors alone
-(`flashdraft.run_dir.convert_run`), for a run its user trusts."""
+(`flashdraft.drafter.run_dir.convert_run`), for a run its user trusts."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
-    from flashdraft.run_dir import convert_run
+    from flashdraft.drafter.run_dir import convert_run
 
     for line in convert_run(args.run):
         print(line)

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from flashdraft.commands.options import positive
-from flashdraft.server_fields import SGLANG, VLLM
+from flashdraft.drafter.server_fields import SGLANG, VLLM
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

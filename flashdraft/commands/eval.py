@@ -17,7 +17,7 @@ from flashdraft.commands.options import (
     target_layer_ids,
     temperature,
 )
-from flashdraft.config import DEFAULT_BLOCK_SIZE
+from flashdraft.drafter.config import DEFAULT_BLOCK_SIZE
 from flashdraft.errors import FlashdraftError
 
 
@@ -139,8 +139,8 @@ def run(args: argparse.Namespace) -> None:
     from transformers.utils import logging as hf_logging
 
     from flashdraft.api import evaluate_drafter
-    from flashdraft.evaluate import EvalConfig, require_consistent
-    from flashdraft.report import format_summary, write_report
+    from flashdraft.evaluation.report import format_summary, write_report
+    from flashdraft.evaluation.run import EvalConfig, require_consistent
 
     hf_logging.disable_progress_bar()  # eval prints what it loaded itself; an error stays one line
     if (args.drafter == "ngram") == (args.checkpoint is not None):

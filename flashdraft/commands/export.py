@@ -1,5 +1,5 @@
 """`flashdraft export`: any checkpoint form written in the public format, with its serving
-commands and the serving rules checked (`flashdraft.export`, `flashdraft.serving`)."""
+commands and the serving rules checked (`flashdraft.serving.export`, `flashdraft.serving.checks`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from flashdraft.commands.options import block_size, target_layer_ids
-from flashdraft.config import DEFAULT_BLOCK_SIZE
+from flashdraft.drafter.config import DEFAULT_BLOCK_SIZE
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -27,10 +27,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> None:
     from transformers.utils import logging as hf_logging
 
-    from flashdraft.config import DrafterConfig
-    from flashdraft.export import export_drafter
-    from flashdraft.serving import print_serving_checks
-    from flashdraft.target_weights import TargetHead
+    from flashdraft.drafter.config import DrafterConfig
+    from flashdraft.serving.checks import print_serving_checks
+    from flashdraft.serving.export import export_drafter
+    from flashdraft.target.weights import TargetHead
 
     hf_logging.disable_progress_bar()
     target = TargetHead.load(args.target_model) if args.target_model else None  # shapes and tokenizer only

@@ -1,5 +1,5 @@
 """`flashdraft init`: a fresh, untrained drafter for a target (or a DFlash2 one from a trained
-DFlash drafter); the drafter is built in `flashdraft.drafter_init`."""
+DFlash drafter); the drafter is built in `flashdraft.drafter.init`."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from flashdraft.commands.options import (
     rope_scaling,
     target_layer_ids,
 )
-from flashdraft.config_spellings import DFLASH2_FIELDS, DSPARK_MARKOV_RANK
-from flashdraft.families import FAMILIES
+from flashdraft.drafter.config_spellings import DFLASH2_FIELDS, DSPARK_MARKOV_RANK
+from flashdraft.drafter.families import FAMILIES
 
 # --confidence-head: the DSpark confidence head's input, as config fields (enable, with_markov)
 CONFIDENCE_HEADS = {"none": (False, False), "hidden": (True, False), "with-markov": (True, True)}
@@ -90,7 +90,7 @@ def _family_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from flashdraft.drafter_init import FRESH_ONLY, SHAPE_FIELDS, init_drafter, init_from_drafter
+    from flashdraft.drafter.init import FRESH_ONLY, SHAPE_FIELDS, init_drafter, init_from_drafter
 
     dflash2 = {name: getattr(args, name) for name in DFLASH2_FIELDS}
     if args.from_drafter:

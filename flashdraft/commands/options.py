@@ -86,7 +86,7 @@ def layer_list(value: str) -> list[int]:
 def target_layer_ids(value: str) -> list[int]:
     """Target layer ids a drafter or cache reads, e.g. 1,6,11: unique and strictly increasing, the
     order vLLM and SGLang capture them in (else they reach the drafter permuted, or are refused)."""
-    from flashdraft.config import LAYER_ORDER_RULE, strictly_increasing
+    from flashdraft.drafter.config import LAYER_ORDER_RULE, strictly_increasing
 
     ids = _ints(value)
     if not ids or min(ids) < 0:
@@ -99,7 +99,7 @@ def target_layer_ids(value: str) -> list[int]:
 
 
 def context_buckets(value: str) -> list[int]:
-    from flashdraft.results import parse_context_buckets
+    from flashdraft.evaluation.results import parse_context_buckets
 
     try:
         return parse_context_buckets(value)
@@ -108,7 +108,7 @@ def context_buckets(value: str) -> list[int]:
 
 
 def layer_types(value: str) -> list[str]:
-    from flashdraft.drafter_init import parse_layer_types
+    from flashdraft.drafter.init import parse_layer_types
 
     try:
         return parse_layer_types(value)
@@ -117,7 +117,7 @@ def layer_types(value: str) -> list[str]:
 
 
 def rope_scaling(value: str) -> dict:
-    from flashdraft.rope import parse_rope_scaling
+    from flashdraft.drafter.rope import parse_rope_scaling
 
     try:
         return parse_rope_scaling(value)
@@ -153,7 +153,7 @@ def device_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
     """The server's rule at T > 0 and the request's filters (eval)."""
-    from flashdraft.serving_rules import DEFAULT_RULE, RULES
+    from flashdraft.decoding.serving_rules import DEFAULT_RULE, RULES
 
     p.add_argument("--serving-rule", choices=list(RULES), default=DEFAULT_RULE,
                    help=f"how the server drafts and verifies at T > 0 (default {DEFAULT_RULE}: vLLM's default, "
@@ -176,7 +176,7 @@ def filter_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_args(p: argparse.ArgumentParser, what: str) -> None:
-    """The serving engine a command runs `what` with (flashdraft.engine): vLLM, in its own environment."""
+    """The serving engine a command runs `what` with (flashdraft.serving.engine): vLLM, in its own environment."""
     p.add_argument("--engine", choices=["vllm"], default=None,
                    help=f"{what} with the serving engine: vLLM started on 127.0.0.1 for this run and stopped after "
                         f"it (its environment: `make engine`), its output checked against the target")  # fmt: skip

@@ -1,5 +1,5 @@
 """`flashdraft parity`: linear-attention backends compared layer by layer
-(`flashdraft.parity.run_parity_command`, which takes each option by name); exit 1 below the threshold."""
+(`flashdraft.target.parity.run_parity_command`, which takes each option by name); exit 1 below the threshold."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
-    from flashdraft.parity import run_parity_command
+    from flashdraft.target.parity import run_parity_command
 
     if not run_parity_command(**command_options(args)):
         sys.exit(1)

@@ -1,5 +1,5 @@
 """`flashdraft speculate`: one prompt decoded speculatively, checked against greedy
-(`flashdraft.decode.compare_with_greedy`)."""
+(`flashdraft.decoding.generate.compare_with_greedy`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> None:
     from flashdraft.api import Drafter, Target
-    from flashdraft.decode import compare_with_greedy
+    from flashdraft.decoding.generate import compare_with_greedy
 
     target = Target.from_pretrained(args.target_model)
     drafter = Drafter.from_pretrained(args.checkpoint, target)

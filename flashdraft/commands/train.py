@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import fields
 
 from flashdraft.commands.options import ROPE_SCALING_HELP, block_size, positive, rope_scaling, stops, target_layer_ids
-from flashdraft.config import DEFAULT_BLOCK_SIZE
+from flashdraft.drafter.config import DEFAULT_BLOCK_SIZE
 
 
 def _nonnegative_float(value: str) -> float:

@@ -1,2 +1,2 @@
-"""Training and evaluation data: prompts, target-regenerated completions, and the
-hidden-state cache the drafter trains on."""
+"""Training and evaluation data: prompts, the target's own completions and the hidden-state cache the drafter
+trains on. Uses the serving (engine), decoding (sampling rules), drafter and target wings."""

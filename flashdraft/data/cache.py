@@ -38,9 +38,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from flashdraft.config import LAYER_ORDER_RULE, strictly_increasing
 from flashdraft.data.completions import CompletionRecord, Completions
 from flashdraft.distributed import Dist, any_rank, on_main
+from flashdraft.drafter.config import LAYER_ORDER_RULE, strictly_increasing
 from flashdraft.errors import FlashdraftError, Interrupted
 from flashdraft.files import (
     DiskFullError,
@@ -53,7 +53,7 @@ from flashdraft.files import (
 )
 from flashdraft.progress import Progress
 from flashdraft.stop import StopRequests
-from flashdraft.target import TargetModel
+from flashdraft.target.model import TargetModel
 
 FORMAT = "flashdraft.hidden-state-cache"
 VERSION = 1
@@ -447,8 +447,8 @@ DSPARK_TARGET_LOGITS = 64  # a DSpark drafter's default loss (TV to the target's
 def drafter_layer_ids(path: str | Path) -> tuple[list[int], Any]:
     """target_layer_ids (and the config itself) of a drafter directory or a shipped drafter's
     name (`tiny-drafter`), a training run or checkpoint, or a config.json."""
-    from flashdraft.config import DrafterConfig
-    from flashdraft.run_dir import drafter_config_path
+    from flashdraft.drafter.config import DrafterConfig
+    from flashdraft.drafter.run_dir import drafter_config_path
 
     config = DrafterConfig.load(drafter_config_path(path))
     return list(config.target_layer_ids), config
@@ -457,7 +457,7 @@ def drafter_layer_ids(path: str | Path) -> tuple[list[int], Any]:
 def resolve_layer_ids(target: TargetModel, layers: list[int] | None, draft_config: str | None) -> list[int]:
     """--layers, or a drafter's target_layer_ids (checked against the target), or the
     reference default for a drafter of up to 5 layers."""
-    from flashdraft.config import default_target_layer_ids
+    from flashdraft.drafter.config import default_target_layer_ids
 
     if layers is not None and draft_config is not None:
         raise FlashdraftError("give --layers or --draft-config, not both")

@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 
 from flashdraft.checks import Checks
-from flashdraft.config import LAYER_ORDER_RULE, strictly_increasing
 from flashdraft.data.cache import DEFAULT_TOLERANCE, DTYPE_NAMES, MANIFEST, PROGRESS, relative_error
 from flashdraft.data.cache_reader import HiddenStateCache
+from flashdraft.drafter.config import LAYER_ORDER_RULE, strictly_increasing
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
-from flashdraft.target import TargetModel
+from flashdraft.target.model import TargetModel
 
 
 def _diagnose(target: TargetModel, tokens: torch.Tensor, cached: torch.Tensor, layer: int, tol: float) -> str:

@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from flashdraft.data.cache import DTYPE_NAMES, FORMAT, MANIFEST, PROGRESS, VERSION
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
-from flashdraft.target import TargetModel
+from flashdraft.target.model import TargetModel
 
 
 @dataclass

@@ -11,7 +11,7 @@ already answered, and at the end rank 0 merges everything into OUT through a tem
 file and `os.replace`, so OUT is never half written and no record appears twice.
 
 Generation runs the target locally in batches (left padding with an attention mask;
-greedy output equals `flashdraft.decode.autoregressive_generate` token for token), or calls an
+greedy output equals `flashdraft.decoding.generate.autoregressive_generate` token for token), or calls an
 OpenAI-compatible server (vLLM, SGLang) with the prompt's token ids.
 """
 
@@ -38,13 +38,13 @@ from flashdraft.data.prompts import (
     prompt_token_limit,
     render_conversation,
 )
+from flashdraft.decoding.serving_rules import NO_FILTERS, SamplingFilters, target_probs
 from flashdraft.distributed import Dist, any_rank
 from flashdraft.errors import FlashdraftError, Interrupted
 from flashdraft.files import DiskFullError, append_whole, write_text_atomic
 from flashdraft.progress import Progress as tqdm  # plain lines in logs; the name the generation loop uses
-from flashdraft.serving_rules import NO_FILTERS, SamplingFilters, target_probs
 from flashdraft.stop import StopRequests
-from flashdraft.target import TargetModel
+from flashdraft.target.model import TargetModel
 
 FORMAT = "flashdraft.completions"
 VERSION = 1

@@ -34,9 +34,9 @@ from flashdraft.data.cache import (
     resolve_layer_ids,
 )
 from flashdraft.data.completions import CompletionRecord
-from flashdraft.engine import SCRIPTS, engine_env, engine_info, engine_python, last_error_line
 from flashdraft.errors import FlashdraftError
-from flashdraft.target import TargetModel, resolve_target_path
+from flashdraft.serving.engine import SCRIPTS, engine_env, engine_info, engine_python, last_error_line
+from flashdraft.target.model import TargetModel, resolve_target_path
 
 VERIFY_SHARE = 0.05  # default share of samples recomputed by transformers (at least one), besides the probe
 PROBE = "known-answer-probe"  # the probe's name among the captured sequences

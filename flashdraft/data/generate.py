@@ -3,7 +3,7 @@ started when asked (`--engine vllm`), the completions generated (`completions.ge
 were cut at max_new_tokens, and an engine's checked against the target.
 
 A module of its own, apart from the completions format: checking an engine's completions reads the evaluation's
-teacher-forced figures (`flashdraft.target_samples`), a later stage than the completions the evaluation reads.
+teacher-forced figures (`flashdraft.decoding.target_samples`), a later stage than the completions the evaluation reads.
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ from pathlib import Path
 from flashdraft.data.completions import GenerationSettings, generate_completions
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, load_prompts
+from flashdraft.decoding.serving_rules import NO_FILTERS, SamplingFilters, greedy_filters_note, resolve_filters
+from flashdraft.decoding.target_samples import greedy_agreement, sampling_fidelity
 from flashdraft.distributed import Dist, init_distributed, load_dtype, lock_on_main, pick_device
 from flashdraft.errors import FlashdraftError
-from flashdraft.records import EvalRecord
-from flashdraft.serving_rules import NO_FILTERS, SamplingFilters, greedy_filters_note, resolve_filters
-from flashdraft.target import TargetModel, resolve_target_path
-from flashdraft.target_samples import greedy_agreement, sampling_fidelity
+from flashdraft.evaluation.records import EvalRecord
+from flashdraft.target.model import TargetModel, resolve_target_path
 
 
 def _start_engine(engine: str, python: str | None, target: TargetModel, out: Path, target_dtype: str | None):
     """The engine's server for `generate --engine` (not yet entered): the target alone, in the dtype asked for
     (default float32: outputs equal to flashdraft's local fp32 generation)."""
-    from flashdraft.engine import VllmServer, engine_info, engine_python
+    from flashdraft.serving.engine import VllmServer, engine_info, engine_python
 
     if engine != "vllm":
         raise FlashdraftError(f"--engine {engine}: expected vllm")

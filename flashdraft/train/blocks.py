@@ -7,7 +7,7 @@ position is trained, position k on the token at anchor + k + 1. Anchors are draw
 positions where the anchor token and the token after it are both supervised (completion
 tokens), as at inference the anchor is always a token the target produced. The attention
 rule itself (context strictly before the anchor, own block bidirectional, never another
-block) lives in `flashdraft.model.attention_mask`.
+block) lives in `flashdraft.drafter.model.attention_mask`.
 """
 
 from __future__ import annotations

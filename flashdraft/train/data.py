@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from flashdraft.model import PAD_POSITION
+from flashdraft.drafter.model import PAD_POSITION
 from flashdraft.train.blocks import IGNORE, build_blocks, sample_anchors
 
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.checkpoint import load_drafter
 from flashdraft.distributed import (
     Dist,
     all_reduce_max,
@@ -32,13 +31,9 @@ from flashdraft.distributed import (
     unwrap,
     wrap_model,
 )
-from flashdraft.errors import FlashdraftError, Interrupted
-from flashdraft.files import DiskFullError, write_text_atomic
-from flashdraft.model import DFlashDrafter
-from flashdraft.offline import evaluate_offline
-from flashdraft.progress import Progress
-from flashdraft.results import record_context_edges
-from flashdraft.run_dir import (
+from flashdraft.drafter.checkpoint import load_drafter
+from flashdraft.drafter.model import DFlashDrafter
+from flashdraft.drafter.run_dir import (
     CHECKPOINTS,
     RunLock,
     latest_checkpoint,
@@ -48,8 +43,13 @@ from flashdraft.run_dir import (
     save_best,
     save_checkpoint,
 )
+from flashdraft.errors import FlashdraftError, Interrupted
+from flashdraft.evaluation.offline import evaluate_offline
+from flashdraft.evaluation.results import record_context_edges
+from flashdraft.files import DiskFullError, write_text_atomic
+from flashdraft.progress import Progress
 from flashdraft.stop import StopRequests
-from flashdraft.target import TargetModel
+from flashdraft.target.model import TargetModel
 from flashdraft.train.data import Batch, add_context_noise, make_batch, record_generator
 from flashdraft.train.loss import DSparkLoss, block_loss, estimated_acceptance, label_weight_total
 from flashdraft.train.metrics import MetricsWriter, StepResult, Window, dspark_metrics, selector_metrics
@@ -477,7 +477,7 @@ def train(
     """Train `drafter` on `records` (cache or online records) into `run_dir`.
 
     eval_records: held-out training records for loss and estimated acceptance;
-    eval_tau_records: held-out `flashdraft.records.EvalRecord`s for the real offline τ.
+    eval_tau_records: held-out `flashdraft.evaluation.records.EvalRecord`s for the real offline τ.
     """
     dist = dist or Dist()
     check_no_shortcut(drafter, target)

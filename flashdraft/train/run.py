@@ -10,16 +10,16 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.checkpoint import check_drafter_matches_target, load_drafter
-from flashdraft.config import DEFAULT_BLOCK_SIZE
 from flashdraft.distributed import init_distributed, load_dtype
-from flashdraft.drafter_init import new_drafter_for_target, with_rope_scaling
+from flashdraft.drafter.checkpoint import check_drafter_matches_target, load_drafter
+from flashdraft.drafter.config import DEFAULT_BLOCK_SIZE
+from flashdraft.drafter.init import new_drafter_for_target, with_rope_scaling
+from flashdraft.drafter.model import DFlashDrafter
+from flashdraft.drafter.rope import describe_scaling
+from flashdraft.drafter.run_dir import latest_checkpoint, load_any_drafter, verify_checkpoint
 from flashdraft.errors import FlashdraftError
-from flashdraft.model import DFlashDrafter
-from flashdraft.rope import describe_scaling
-from flashdraft.run_dir import latest_checkpoint, load_any_drafter, verify_checkpoint
-from flashdraft.target import TargetModel
-from flashdraft.target_weights import TargetHead
+from flashdraft.target.model import TargetModel
+from flashdraft.target.weights import TargetHead
 from flashdraft.train.data import OnlineRecords
 from flashdraft.train.loop import TrainConfig, train
 from flashdraft.train.loss import recipe_decay_gamma
@@ -67,7 +67,7 @@ def eval_tau_records(
     cached: str | None, completions: str | None, target: TargetModel, allow_foreign: bool, verify: bool = True
 ) -> list:
     """Held-out records for the real τ (the offline evaluator)."""
-    from flashdraft.records import EvalRecord, records_from_cache
+    from flashdraft.evaluation.records import EvalRecord, records_from_cache
 
     if cached:
         from flashdraft.data.cache_reader import HiddenStateCache

@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import torch
 
+from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
-from flashdraft.model import DFlashDrafter
 
 
 def draft_vocabulary(records, size: int, vocab_size: int, always: list[int]) -> list[int]:

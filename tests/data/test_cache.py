@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import flashdraft.data.cache as cache_module
-from flashdraft.checkpoint import save_drafter
 from flashdraft.data.cache import build_cache
 from flashdraft.data.cache_doctor import doctor_cache
 from flashdraft.data.cache_reader import HiddenStateCache
 from flashdraft.data.completions import load_completions
+from flashdraft.drafter.checkpoint import save_drafter
 from flashdraft.errors import FlashdraftError
-from flashdraft.target import TargetModel
+from flashdraft.target.model import TargetModel
 from tests.conftest import make_drafter, make_target
 from tests.data.conftest import run_cli, write_prompts
 
@@ -326,7 +326,7 @@ def test_layer_ids_come_from_layers_or_a_drafter_or_the_reference_default(tmp_pa
 def test_listing_records_for_eval_reads_token_ids_only_and_features_on_demand(
     hybrid_dir, completions, tmp_path, monkeypatch
 ):
-    from flashdraft.records import records_from_cache
+    from flashdraft.evaluation.records import records_from_cache
 
     target = TargetModel.load(hybrid_dir)
     loaded = load_completions(completions, target, quiet=True)

@@ -14,10 +14,10 @@ from flashdraft.data.completions import (
     record_seed,
 )
 from flashdraft.data.prompts import Prompt, load_prompts
-from flashdraft.decode import autoregressive_generate
+from flashdraft.decoding.generate import autoregressive_generate
+from flashdraft.decoding.serving_rules import SamplingFilters
 from flashdraft.errors import FlashdraftError
-from flashdraft.serving_rules import SamplingFilters
-from flashdraft.target import TargetModel
+from flashdraft.target.model import TargetModel
 from tests.conftest import VOCAB, make_target
 from tests.conftest import run_cli as run_captured
 from tests.data.conftest import run_cli, save_target, write_prompts

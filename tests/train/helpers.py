@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdraft.decode import autoregressive_generate
-from flashdraft.target import TargetModel
+from flashdraft.decoding.generate import autoregressive_generate
+from flashdraft.target.model import TargetModel
 
 
 @dataclass

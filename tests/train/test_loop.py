@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashdraft.checkpoint import load_drafter
+from flashdraft.decoding.proposers import DFlashProposer
+from flashdraft.drafter.checkpoint import load_drafter
+from flashdraft.drafter.run_dir import RunLock, complete_checkpoints, latest_checkpoint
 from flashdraft.errors import FlashdraftError
-from flashdraft.proposers import DFlashProposer
-from flashdraft.run_dir import RunLock, complete_checkpoints, latest_checkpoint
 from flashdraft.train.data import OnlineRecords, make_batch
 from flashdraft.train.loop import TrainConfig, forward_loss, train
 from tests.conftest import MASK, make_dflash2_drafter, make_drafter, make_dspark_drafter, make_target

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from flashdraft.checkpoint import load_drafter
 from flashdraft.cli import main
+from flashdraft.drafter.checkpoint import load_drafter
 from tests.conftest import save_target
 
 

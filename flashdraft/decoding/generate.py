@@ -1,0 +1,261 @@
+"""Speculative decoding with a DFlash drafter (section 3 of the reference doc), and the
+plain decoding it must reproduce.
+
+One step: the drafter sees the committed context (features of every token before the
+anchor) and drafts a block [anchor, mask, ..., mask] in one pass; the target verifies the
+block in one pass; the longest agreeing prefix plus the target's bonus token is committed,
+the target cache is rolled back to the committed tokens, and their features become new
+drafter context. Greedy is token-identical to `autoregressive_generate`; with temperature > 0 the
+serving rule's accept/resample rule (`flashdraft.decoding.serving_rules`) keeps the law of the target's output, sampled
+with the same filters, exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from flashdraft.decoding.acceptance import accept_greedy_in_chunks, tau_of
+from flashdraft.decoding.proposers import (
+    DraftLimit,
+    Proposer,
+    ProposerFactory,
+    as_proposer,
+    default_block_size,
+    draw_drafts,
+)
+from flashdraft.decoding.serving_rules import (
+    NO_FILTERS,
+    SamplingFilters,
+    ServingRule,
+    expected_committed,
+    serving_rule,
+    target_probs,
+    verify,
+)
+from flashdraft.drafter.model import DFlashDrafter
+from flashdraft.errors import FlashdraftError
+from flashdraft.target.model import TargetModel
+
+
+@dataclass
+class GenerationResult:
+    """One generation: the new tokens and, for speculative decoding, how many each step
+    committed (`tau`: their mean) and the time spent drafting and verifying."""
+
+    output_ids: list[int]  # generated tokens only (prompt excluded)
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per step (a + 1)
+    stop_reason: str = "length"  # "eos" or "length"
+    draft_seconds: float = 0.0  # speculative: summed over steps, the drafter proposing and its drafts sampled
+    verify_seconds: float = 0.0  # speculative: summed over steps, the target's forward over [anchor, drafts]
+    # per step (speculative: draft and verify seconds; plain: one forward's seconds, the prefill left out)
+    step_seconds: list = field(default_factory=list)
+    # speculative: per step, the mean and variance of its committed length given its drafts (from the acceptance
+    # probabilities the verification computed; greedy: the committed length, variance 0)
+    expected_lengths: list[float] = field(default_factory=list)
+    length_variances: list[float] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        return tau_of(self.acceptance_lengths)
+
+
+def _sample(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None, filters: SamplingFilters = NO_FILTERS
+) -> torch.Tensor:
+    """One token of logits [V]: the argmax at temperature 0, else a draw from the filtered p."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    return torch.multinomial(target_probs(logits, temperature, filters), 1, generator=generator)[0]
+
+
+def _truncate(tokens: list[int], budget: int, stop_ids: set[int]) -> tuple[list[int], bool]:
+    """Cut new tokens at the budget or just after the first stop token."""
+    for i, t in enumerate(tokens[:budget]):
+        if t in stop_ids:
+            return tokens[: i + 1], True
+    return tokens[:budget], False
+
+
+def _rounded(features: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """`features` cast to `dtype` and back: what a cache stored in `dtype` holds for them."""
+    if features is None or dtype is None:
+        return features
+    return features.to(dtype).to(features.dtype)
+
+
+def _clock(device: torch.device) -> float:
+    """perf_counter after the device's queued work has finished."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.no_grad()
+def autoregressive_generate(
+    target: TargetModel,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    filters: SamplingFilters = NO_FILTERS,
+) -> GenerationResult:
+    """Plain autoregressive decoding with the target's cache: one token per forward, the argmax at
+    temperature 0, else sampled from p after `filters` (`flashdraft.decoding.serving_rules.target_probs`)."""
+    stop_ids = set(target.stop_token_ids)
+    cache = target.new_cache()
+    ids = torch.tensor([prompt_ids], device=target.device)
+    out: list[int] = []
+    step_seconds: list[float] = []
+    while len(out) < max_new_tokens:
+        start = _clock(target.device)
+        logits = target.forward(ids, cache).logits_at(-1, None)[0, 0]
+        token = int(_sample(logits, temperature, generator, filters))
+        if out:  # the first forward is the prefill, not a decoding step
+            step_seconds.append(_clock(target.device) - start)
+        out.append(token)
+        if token in stop_ids:
+            return GenerationResult(out, stop_reason="eos", step_seconds=step_seconds)
+        ids = torch.tensor([[token]], device=target.device)
+    return GenerationResult(out, step_seconds=step_seconds)
+
+
+def _accept(
+    draft: torch.Tensor, q: torch.Tensor | None, verified, temperature: float, generator: torch.Generator | None,
+    filters: SamplingFilters, budget: int, stop_ids: set[int],
+) -> tuple[int, int, tuple[float, float] | None]:  # fmt: skip
+    """One step's verification of `draft` [k] against the target's forward `verified`: (accepted drafts a, the bonus
+    token, and at temperature > 0 the mean and variance of the step's committed length given its drafts; None
+    greedy)."""
+    if temperature <= 0:
+        a, bonus = accept_greedy_in_chunks(draft, verified.logits_at)
+        return a, bonus, None
+    a, bonus, alpha = verify(draft, q, target_probs(verified.logits[0], temperature, filters), generator)
+    # an accepted stop token ends the step: the step commits at most up to the first drafted one
+    stop_at = next((j + 1 for j, t in enumerate(draft.tolist()) if t in stop_ids), budget)
+    return a, bonus, expected_committed(alpha, min(budget, stop_at))
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: TargetModel,
+    drafter: DFlashDrafter | ProposerFactory | Proposer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    block_size: int | None = None,
+    generator: torch.Generator | None = None,
+    limit: DraftLimit | None = None,
+    round_context_to: torch.dtype | None = None,
+    filters: SamplingFilters = NO_FILTERS,
+    rule: ServingRule | str | None = None,
+) -> GenerationResult:
+    """Generate with drafter + target; returns the tokens, each step's committed count and the
+    time spent drafting and verifying.
+
+    `drafter` is a DFlash drafter, a `ProposerFactory` (the hybrid) or any `Proposer`; `limit`
+    cuts each step's drafts (fewer verified tokens, still lossless). The first token comes from
+    the prefill, as in plain decoding; every later token comes from a speculative step. A step
+    commits min(a + 1, tokens still allowed), cut after a stop token, so the acceptance
+    lengths add up to len(output_ids) - 1.
+
+    `round_context_to`: the target's context features are rounded to this dtype (and cast
+    back) before the proposer sees them, as a hidden-state cache in that dtype stores them;
+    `eval --check-consistency` against such a cache uses it to compare the same features.
+    None (real decoding): the features as the target computed them.
+
+    At temperature > 0, `rule` (`flashdraft.decoding.serving_rules`; default vLLM's) decides how drafts are drawn and
+    verified, and `filters` (top-k, top-p, min-p: those the rule's server applies) shape the target's p.
+    """
+    block = block_size or default_block_size(drafter)
+    rule = serving_rule(rule)
+    proposer = as_proposer(drafter, target, limit, rule=rule)
+    if block < 2:
+        raise ValueError(f"block_size {block} < 2")
+    target.set_context_layers(proposer.context_layer_ids)
+    stop_ids = set(target.stop_token_ids)
+    device = target.device
+    cache = target.new_cache()
+
+    prefill = target.forward(torch.tensor([prompt_ids], device=device), cache)
+    first = int(_sample(prefill.logits_at(-1, None)[0, 0], temperature, generator, filters))
+    result = GenerationResult([first])
+    if first in stop_ids:
+        result.stop_reason = "eos"
+        return result
+    # drafter context not yet in its cache: features [1, C, n * H] at positions [1, C]
+    new_context = _rounded(prefill.context_features, round_context_to)
+    new_positions = torch.arange(len(prompt_ids), device=device)[None]
+    anchor_pos = len(prompt_ids)
+
+    while len(result.output_ids) < max_new_tokens:
+        tokens = prompt_ids + result.output_ids
+        start = _clock(device)
+        draft_logits = proposer.propose(tokens, anchor_pos, new_context, new_positions, block)  # [k, V]
+        draft, q = draw_drafts(proposer, draft_logits, temperature, generator, rule)  # [k], q [k, V] or None (one-hot)
+        drafted = _clock(device)
+        verified = target.forward(torch.tensor([tokens[-1:] + draft.tolist()], device=device), cache)
+        verified_at = _clock(device)
+        result.draft_seconds += drafted - start
+        result.verify_seconds += verified_at - drafted
+        result.step_seconds.append((drafted - start, verified_at - drafted))
+        budget = max_new_tokens - len(result.output_ids)
+        a, bonus, moments = _accept(draft, q, verified, temperature, generator, filters, budget, stop_ids)
+        committed, stopped = _truncate(draft[:a].tolist() + [bonus], budget, stop_ids)
+        result.output_ids += committed
+        result.acceptance_lengths.append(len(committed))
+        mean, variance = moments if moments is not None else (float(len(committed)), 0.0)  # greedy: as committed
+        result.expected_lengths.append(mean)
+        result.length_variances.append(variance)
+        if stopped:
+            result.stop_reason = "eos"
+            break
+        # the anchor and the accepted drafts stay in the target cache; the bonus is the next anchor
+        target.rollback(cache, a + 1)
+        new_context = verified.context_features[:, : a + 1] if verified.context_features is not None else None
+        new_context = _rounded(new_context, round_context_to)
+        new_positions = anchor_pos + torch.arange(a + 1, device=device)[None]
+        anchor_pos += a + 1
+    return result
+
+
+@dataclass
+class GreedyComparison:
+    """One prompt decoded speculatively and plainly, greedy, each timed (`flashdraft speculate`)."""
+
+    speculative: GenerationResult
+    plain: GenerationResult
+    speculative_seconds: float
+    plain_seconds: float
+
+    @property
+    def lossless(self) -> bool:
+        return self.speculative.output_ids == self.plain.output_ids
+
+    def summary(self) -> str:
+        spec, plain = self.speculative, self.plain
+        return (
+            f"tokens {len(spec.output_ids)}, steps {len(spec.acceptance_lengths)}, tau {spec.tau:.2f}, "
+            f"lossless {self.lossless}, speculative {len(spec.output_ids) / self.speculative_seconds:.1f} tok/s, "
+            f"greedy {len(plain.output_ids) / self.plain_seconds:.1f} tok/s"
+        )
+
+    def check_lossless(self) -> None:
+        if not self.lossless:
+            raise FlashdraftError("speculative output differs from greedy decoding (not lossless)")
+
+
+def compare_with_greedy(
+    target: TargetModel, drafter: DFlashDrafter, prompt_ids: list[int], max_new_tokens: int,
+    block_size: int | None = None,
+) -> GreedyComparison:  # fmt: skip
+    """Greedy speculative decoding of `prompt_ids` beside plain greedy decoding, each timed: the
+    two outputs must be the same tokens."""
+    t0 = time.perf_counter()
+    spec = speculative_generate(target, drafter, prompt_ids, max_new_tokens, block_size=block_size)
+    t_spec = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    plain = autoregressive_generate(target, prompt_ids, max_new_tokens)
+    return GreedyComparison(spec, plain, t_spec, time.perf_counter() - t0)

@@ -1,0 +1,187 @@
+"""Evaluation records: a prompt, the target's completion, and the context features a drafter
+reads (from a hidden-state cache, else from one target forward); where they come from
+(a cache, a completions file, a prompt source) and which can be evaluated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from flashdraft.errors import FlashdraftError
+from flashdraft.target.model import TargetModel
+
+Log = Callable[[str], None]
+
+
+def quiet(_: str) -> None:
+    """A `Log` that prints nothing."""
+
+
+@dataclass
+class EvalRecord:
+    """A prompt and the target's completion, with context features when a cache holds them
+    (as a tensor, or read only when needed through `load_features`: a cache can be large)."""
+
+    id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    context_features: torch.Tensor | None = None  # [P + M, len(layer_ids) * H]
+    layer_ids: list[int] = field(default_factory=list)  # target layers in the stored features, in order
+    load_features: Callable[[], torch.Tensor] | None = None  # reads context_features on demand
+    feature_dtype: torch.dtype | None = None  # the dtype a cache stores its features in (None: not from a cache)
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+    def stored_features(self) -> torch.Tensor | None:
+        if self.context_features is not None:
+            return self.context_features
+        return self.load_features() if self.load_features is not None else None
+
+
+def invalid_reason(record: EvalRecord, vocab_size: int) -> str | None:
+    """Why a record cannot be evaluated, or None."""
+    if not record.prompt_ids:
+        return "empty prompt (the first anchor needs context before it)"
+    if len(record.completion_ids) < 2:
+        return f"completion has {len(record.completion_ids)} tokens; a step needs at least 2"
+    bad = [t for t in record.input_ids if not 0 <= t < vocab_size]
+    if bad:
+        return f"token id {bad[0]} outside the target's vocabulary (0..{vocab_size - 1})"
+    return None
+
+
+def select_layers(features: torch.Tensor, held: list[int], wanted: list[int], hidden: int) -> torch.Tensor:
+    """The columns of `features` ([T, len(held) * H], layers in `held` order) for `wanted`."""
+    if held == wanted:
+        return features
+    parts = [features[:, held.index(i) * hidden : (held.index(i) + 1) * hidden] for i in wanted]
+    return torch.cat(parts, dim=-1)
+
+
+class FeatureSource:
+    """Context features of a record for given target layers: sliced from the record's own
+    (a cache) when they hold every layer, else from one target forward over prompt +
+    completion. Logs each record's token count and feature statistics the first time."""
+
+    def __init__(self, target: TargetModel, log: Log = quiet) -> None:
+        self.target, self.log = target, log
+        self.target_forwards = 0  # offline from a cache must leave this at 0
+        self._logged: set[tuple[str, tuple[int, ...]]] = set()
+
+    def __call__(self, record: EvalRecord, layer_ids: list[int]) -> torch.Tensor:
+        hidden = self.target.hidden_size
+        stored = record.stored_features() if record.layer_ids and set(layer_ids) <= set(record.layer_ids) else None
+        if stored is not None:
+            expected = [len(record.input_ids), len(record.layer_ids) * hidden]
+            if list(stored.shape) != expected:
+                raise FlashdraftError(
+                    f"record {record.id}: stored context features have shape {list(stored.shape)}; expected "
+                    f"{expected} ({len(record.input_ids)} tokens, {len(record.layer_ids)} layers x hidden {hidden})"
+                )
+            features, origin = select_layers(stored, record.layer_ids, layer_ids, hidden), "cache"
+        else:
+            self.target.set_context_layers(layer_ids)
+            ids = torch.tensor([record.input_ids], device=self.target.device)
+            features, origin = self.target.forward(ids).context_features[0], "target forward"
+            self.target_forwards += 1
+        key = (record.id, tuple(layer_ids))
+        if key not in self._logged:
+            self._logged.add(key)
+            stats = features.float()
+            if not torch.isfinite(stats).all():
+                raise FlashdraftError(f"record {record.id}: context features for layers {layer_ids} contain NaN/Inf")
+            self.log(
+                f"record {record.id}: {len(record.prompt_ids)} prompt + {len(record.completion_ids)} completion "
+                f"tokens, features {list(features.shape)} of layers {layer_ids} ({origin}) "
+                f"mean {stats.mean():.4f} std {stats.std():.4f}"
+            )
+        return features
+
+
+def records_from_cache(cache, num_records: int | None = None) -> list[EvalRecord]:
+    """Records of a `flashdraft.data.cache_reader.HiddenStateCache`: listing them reads token ids only;
+    each record reads its features when it is evaluated, so memory holds one record's at a time."""
+    records = []
+    ids, prompt_lengths = cache.ids, cache.prompt_lengths
+    for index in range(len(cache) if num_records is None else min(len(cache), num_records)):
+        tokens, p = cache.token_ids(index).tolist(), prompt_lengths[index]
+        records.append(
+            EvalRecord(str(ids[index]), tokens[:p], tokens[p:], layer_ids=list(cache.layer_ids),
+                       load_features=lambda index=index: cache.features(index), feature_dtype=cache.dtype)
+        )  # fmt: skip
+    return records
+
+
+def load_eval_records(
+    target: TargetModel,
+    *,
+    cached_hidden_states: str | None = None,
+    completions: str | None = None,
+    prompts: str | None = None,
+    num_prompts: int | None = None,
+    verify: bool = True,
+    allow_foreign: bool = False,
+) -> tuple[list[EvalRecord], str]:
+    """Records from a hidden-state cache (its sha256 checked unless not `verify`), a completions
+    file (another target's refused unless `allow_foreign`) or a prompt source (then without
+    completions: the caller decodes them). Returns (records, source description)."""
+    given = [x for x in (cached_hidden_states, completions, prompts) if x is not None]
+    if len(given) != 1:
+        raise FlashdraftError(
+            "give exactly one record source: --cached-hidden-states DIR, --completions C.json or --prompts P "
+            f"(found {len(given)})"
+        )
+    if cached_hidden_states is not None:
+        from flashdraft.data.cache_reader import HiddenStateCache
+
+        cache = HiddenStateCache(cached_hidden_states, verify=verify)
+        cache.check_compatible(target, cache.layer_ids)
+        records = records_from_cache(cache, num_prompts)
+        return records, f"hidden-state cache {cached_hidden_states} (layers {list(cache.layer_ids)})"
+    if completions is not None:
+        from flashdraft.data.completions import load_completions
+
+        # prints the valid count and each skip
+        loaded = load_completions(completions, target, allow_foreign=allow_foreign).records
+        if num_prompts is not None:
+            loaded = loaded[:num_prompts]
+        records = [EvalRecord(str(r.id), list(r.prompt_ids), list(r.completion_ids)) for r in loaded]
+        return records, f"completions {completions}"
+    from flashdraft.data.prompts import encode_text, has_chat_template, load_prompts, render_conversation
+
+    tok = target.tokenizer
+    chat = has_chat_template(tok)
+    records = []
+    for prompt in load_prompts(prompts, num_prompts, quiet=True):
+        # the first user turn: later turns need the target's earlier answers in the prompt
+        text = render_conversation(tok, prompt.conversation([]), chat)
+        records.append(EvalRecord(prompt.id, encode_text(tok, text, chat), []))
+    return records, f"prompts {prompts} ({'chat template' if chat else 'no chat template'})"
+
+
+def fit_prompts(
+    records: list[EvalRecord], target: TargetModel, max_new_tokens: int, policy: str, source: str, log: Log
+) -> list[EvalRecord]:
+    """Records still to be decoded (no completion) whose prompt leaves no room for
+    `max_new_tokens` in the target's context: refused, skipped or truncated (`--long-prompts`)."""
+    from flashdraft.data.prompts import describe_long_prompts, fit_prompt, prompt_token_limit
+
+    if all(r.completion_ids for r in records):
+        return records
+    limit = prompt_token_limit(target.context_length, max_new_tokens)
+    stats: dict[str, int] = {}
+    kept = []
+    for r in records:
+        ids = r.prompt_ids if r.completion_ids else fit_prompt(r.id, r.prompt_ids, limit, policy, stats, source)
+        if ids is not None:
+            r.prompt_ids = ids
+            kept.append(r)
+    note = describe_long_prompts(stats, limit)
+    if note:
+        log(f"{note} (--long-prompts {policy})")
+    return kept

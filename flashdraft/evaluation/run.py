@@ -1,0 +1,575 @@
+"""`flashdraft eval`: how good is a drafter. τ offline (the acceptance walk over the target's
+own completions, `flashdraft.evaluation.offline`) and online (real speculative decoding, timed, its
+speed-up set against the bound τ and the measured step costs imply, and checked lossless
+against plain decoding, `flashdraft.evaluation.online`), optionally both (`--check-consistency`: the same
+acceptance lengths, step for step) and against a reference drafter on the same records.
+
+Any `Proposer` is evaluated alike: a DFlash drafter, the n-gram baseline (`flashdraft.decoding.ngram`),
+named "ngram" in place of a checkpoint, or the hybrid of a DFlash drafter and the n-gram lookup
+(`flashdraft.decoding.hybrid`, `drafter="hybrid"`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+
+from flashdraft.decoding.generate import autoregressive_generate
+from flashdraft.decoding.hybrid import HybridDrafter, HybridRule
+from flashdraft.decoding.ngram import NGramProposer
+from flashdraft.decoding.proposers import DraftLimit, Proposer
+from flashdraft.decoding.serving_rules import (
+    DEFAULT_RULE,
+    NO_FILTERS,
+    SamplingFilters,
+    ServingRule,
+    greedy_filters_note,
+    request_filters,
+    serving_rule,
+)
+from flashdraft.drafter.checkpoint import check_drafter_matches_target
+from flashdraft.drafter.config import DEFAULT_BLOCK_SIZE
+from flashdraft.drafter.families import drafts_per_block, family_of
+from flashdraft.drafter.long_context import eval_guards
+from flashdraft.drafter.model import DFlashDrafter
+from flashdraft.drafter.run_dir import LoadedDrafter, load_any_drafter
+from flashdraft.errors import FlashdraftError
+from flashdraft.evaluation.offline import (
+    confidence_figures,
+    drafter_shape,
+    evaluate_offline,
+    selector_figures,
+)
+from flashdraft.evaluation.online import (
+    GreedyRun,
+    consistency_mismatches,
+    evaluate_online,
+    greedy_baseline,
+    max_new_tokens_of,
+)
+from flashdraft.evaluation.records import EvalRecord, FeatureSource, Log, fit_prompts, invalid_reason, load_eval_records
+from flashdraft.evaluation.results import (
+    EvalResult,
+    difference,
+    expected_tau_figures,
+    record_context_edges,
+)
+from flashdraft.evaluation.served import run_served
+from flashdraft.target.model import TargetModel
+
+NGRAM = "ngram"  # in place of a checkpoint (--drafter ngram, --reference ngram): the n-gram baseline
+
+
+def records_from_prompts(
+    target: TargetModel, prompts: list[tuple[str, list[int]]], max_new_tokens: int
+) -> list[EvalRecord]:
+    """Records whose completions are the target's greedy output for each (id, prompt_ids)."""
+    return [
+        EvalRecord(pid, ids, autoregressive_generate(target, ids, max_new_tokens).output_ids) for pid, ids in prompts
+    ]
+
+
+# -- the eval command -----------------------------------------------------------------------
+
+
+@dataclass
+class Candidate:
+    """One drafter of an eval run, as evaluated."""
+
+    label: str  # as given: a checkpoint, or "ngram"
+    drafter: DFlashDrafter | HybridDrafter | Proposer
+    block_size: int
+    form: str  # the checkpoint's form ("drafter directory", ...) or the n-gram settings
+    path: str | None  # what was loaded; None for the n-gram baseline
+
+
+def _describe_drafter(label: str, loaded, block_size: int, target: TargetModel) -> list[str]:
+    cfg, fc = loaded.drafter.config, list(loaded.drafter.fc.weight.shape)
+    mask = target.tokenizer.convert_ids_to_tokens(cfg.mask_token_id)
+    lines = [
+        f"{label} {loaded.describe()}: {cfg.num_hidden_layers} layers "
+        f"({cfg.describe_layers()}), {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} "
+        f"kv heads x {cfg.head_dim}, intermediate {cfg.intermediate_size}; fc.weight {fc} holds "
+        f"{fc[1] // cfg.hidden_size} context layers, target_layer_ids {cfg.target_layer_ids} of "
+        f"{cfg.num_target_layers}; block size {cfg.block_size} (evaluating with {block_size}); "
+        f"mask token {cfg.mask_token_id} {mask!r}",
+        f"  {cfg.describe_family()}; layout {cfg.describe_layout()}",
+    ]
+    return lines + [f"  assumed: {note}" for note in loaded.assumed]
+
+
+_CALL = {"call": True}  # an EvalConfig field `evaluate_drafter` sets from its own arguments, not an option
+
+
+@dataclass
+class EvalConfig:
+    """What `flashdraft eval` evaluates, on which records, how. `checkpoint` or `reference`
+    "ngram" is the n-gram baseline (prompt lookup of the last ngram_max..ngram_min tokens),
+    with the DFlash drafter's block size when set against one. `drafter` "hybrid" evaluates
+    the checkpoint together with that lookup under `HybridRule(hybrid_min_match,
+    hybrid_ngram_prior)`. The fields are eval's options by name (`option_names`), except
+    those `evaluate_drafter` sets from its own arguments (what is evaluated, where)."""
+
+    checkpoint: str = field(metadata=_CALL)
+    target_model: str = field(metadata=_CALL)
+    drafter: str = field(default="dflash", metadata=_CALL)  # or "hybrid"
+    hybrid_min_match: int | None = None  # None: HybridRule's default
+    hybrid_ngram_prior: float | None = None
+    # records: exactly one source
+    cached_hidden_states: str | None = None
+    completions: str | None = None
+    prompts: str | None = None
+    num_prompts: int | None = None
+    allow_foreign: bool = False
+    long_prompts: str = "error"
+    verify: bool = True
+    # what is walked
+    max_blocks: int | None = None
+    max_new_tokens: int | None = None
+    block_size: int | None = None
+    online: bool = False
+    temperature: float = 0.0
+    # at temperature > 0: the server's rule (`flashdraft.decoding.serving_rules`) and the request's filters (None: the
+    # target's generation_config.json values unless use_generation_config is off)
+    serving_rule: str = DEFAULT_RULE
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    use_generation_config: bool = True
+    check_consistency: bool = False
+    reference: str | None = None
+    # verify fewer drafts per step, drafter and reference alike (`DraftLimit`)
+    num_speculative_tokens: int | None = None
+    adaptive_threshold: float | None = None
+    # DSpark: cut each block before its first draft whose confidence-head estimate is under this
+    confidence_threshold: float | None = None
+    # for a bare state dict, and for the baseline
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+    ngram_max: int = 3
+    ngram_min: int = 1
+    device: str = field(default="cpu", metadata=_CALL)
+    dtype: torch.dtype = field(default=torch.float32, metadata=_CALL)
+    seed: int = 0
+    # edges of the context-length buckets of `by_context` (None: powers of two spanning the records)
+    context_buckets: list[int] | None = None
+    # the drafter served by a real engine ("vllm", `evaluation.served`): started for the run from engine_python's
+    # environment, or the running `server`; check_served makes a disagreement the exit status
+    served: str | None = None
+    check_served: bool = False
+    server: str | None = None
+    engine_python: str | None = None
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The fields a user chooses (`flashdraft eval` has an option for each, named alike)."""
+        return [f.name for f in fields(cls) if not f.metadata.get("call")]
+
+
+def require_consistent(summary: dict[str, Any]) -> None:
+    """Refuse a `--check-consistency` summary (the drafter's, then the reference's) whose offline and online
+    acceptance lengths differ."""
+    for result in [summary] + ([summary["reference"]] if summary.get("reference") else []):
+        consistency = result.get("consistency")
+        if consistency and not consistency["identical"]:
+            raise FlashdraftError(
+                f"{result['checkpoint']}: offline and online acceptance lengths differ on "
+                f"{len(consistency['mismatches'])} records; first: {consistency['mismatches'][0]}"
+            )
+
+
+def _load_candidates(
+    cfg: EvalConfig, target: TargetModel, log: Log, drafter: LoadedDrafter | None = None
+) -> list[Candidate]:
+    """The drafter (`drafter` when already loaded) and the reference, loaded and described;
+    the n-gram baseline drafts blocks as long as the DFlash drafter's it is set against."""
+    specs = [("drafter", cfg.checkpoint)] + ([("reference", cfg.reference)] if cfg.reference else [])
+    loaded_by_role = {}
+    for role, path in specs:
+        if role == "drafter" and drafter is not None:
+            check_drafter_matches_target(drafter.drafter.config, target, str(drafter.path))
+            loaded_by_role[role] = drafter
+        elif path != NGRAM:
+            loaded = load_any_drafter(path, target, block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids,
+                                      mask_token_id=cfg.mask_token_id, device=cfg.device, dtype=cfg.dtype,
+                                      verify=cfg.verify)  # fmt: skip
+            check_drafter_matches_target(loaded.drafter.config, target, str(loaded.path))
+            loaded_by_role[role] = loaded
+    ngram_block = cfg.block_size or next((x.drafter.config.block_size for x in loaded_by_role.values()),
+                                         DEFAULT_BLOCK_SIZE)  # fmt: skip
+    candidates: list[Candidate] = []
+    for role, path in specs:
+        if path == NGRAM:
+            proposer = NGramProposer(target.vocab_size, cfg.ngram_max, cfg.ngram_min)
+            log(f"{role} {proposer!r}: no model, no context features; block size {ngram_block}")
+            candidates.append(Candidate(NGRAM, proposer, ngram_block, repr(proposer), None))
+            continue
+        loaded = loaded_by_role[role]
+        b = cfg.block_size or loaded.drafter.config.block_size
+        for line in _describe_drafter(role, loaded, b, target):
+            log(line)
+        drafter, form = loaded.drafter, loaded.form
+        if role == "drafter" and cfg.drafter == "hybrid":
+            drafter = _hybrid(cfg, drafter, target)
+            form = f"{form}, {drafter!r}"
+            log(f"{role} evaluated as {drafter!r}")
+        candidates.append(Candidate(str(path), drafter, b, form, str(loaded.path)))
+    return candidates
+
+
+def _hybrid(cfg: EvalConfig, drafter: DFlashDrafter, target: TargetModel) -> HybridDrafter:
+    default = HybridRule()
+    rule = HybridRule(default.min_match if cfg.hybrid_min_match is None else cfg.hybrid_min_match,
+                      default.ngram_prior if cfg.hybrid_ngram_prior is None else cfg.hybrid_ngram_prior)  # fmt: skip
+    if rule.min_match < 0 or not 0.0 <= rule.ngram_prior <= 1.0:
+        raise FlashdraftError(
+            f"--hybrid-min-match {rule.min_match}, --hybrid-ngram-prior {rule.ngram_prior}: expected min_match >= 0 "
+            f"and 0 <= ngram_prior <= 1"
+        )
+    return HybridDrafter(drafter, NGramProposer(target.vocab_size, cfg.ngram_max, cfg.ngram_min), rule)
+
+
+def _drafter_type(drafter: DFlashDrafter | HybridDrafter | Proposer) -> str:
+    return "dflash" if isinstance(drafter, DFlashDrafter) else "hybrid" if isinstance(drafter, HybridDrafter) else NGRAM
+
+
+def _prepare_records(
+    cfg: EvalConfig, target: TargetModel, max_new_tokens: int, log: Log, filters: SamplingFilters = NO_FILTERS
+) -> tuple[list[EvalRecord], list[GreedyRun] | None, str]:
+    """The records to evaluate (completions decoded where a prompt source gave none: greedily, or offline at
+    T > 0 sampled with the settings), their plain-decoding baseline when online, and where they came from."""
+    records, source = load_eval_records(target, cached_hidden_states=cfg.cached_hidden_states,
+                                        completions=cfg.completions, prompts=cfg.prompts,
+                                        num_prompts=cfg.num_prompts, verify=cfg.verify,
+                                        allow_foreign=cfg.allow_foreign)  # fmt: skip
+    if not records:
+        raise FlashdraftError(f"{source}: no records")
+    records = fit_prompts(records, target, max_new_tokens, cfg.long_prompts, str(cfg.prompts), log)
+    baseline = None
+    if cfg.online or cfg.check_consistency or not records[0].completion_ids:
+        baseline = greedy_baseline(target, records, max_new_tokens, cfg.temperature, cfg.seed, filters)
+        for record, run in zip(records, baseline, strict=True):
+            if not record.completion_ids and (cfg.temperature <= 0 or not cfg.online):
+                record.completion_ids = list(run.output_ids)  # the target's output: greedy, or sampled (offline)
+    valid, valid_baseline = [], []
+    for index, record in enumerate(records):
+        reason = invalid_reason(record, target.vocab_size)
+        if reason is not None and not (cfg.online and cfg.temperature > 0 and not record.completion_ids):
+            log(f"  skipped record {record.id}: {reason}")
+            continue
+        valid.append(record)
+        if baseline is not None:
+            valid_baseline.append(baseline[index])
+    steps = f"at most {cfg.max_blocks} steps each" if cfg.max_blocks else "every step of each completion"
+    log(f"records: {len(valid)} valid of {len(records)} from {source}; {steps}")
+    if not valid:
+        raise FlashdraftError(f"{source}: none of the {len(records)} records can be evaluated")
+    return valid, valid_baseline if baseline is not None else None, source
+
+
+def _check_cache_layers(cfg: EvalConfig, candidates: list[Candidate], records: list[EvalRecord], log: Log) -> None:
+    """The drafter must find its layers in the cache; a reference without them reads fresh
+    target features."""
+    for c in candidates:
+        ids = drafter_shape(c.drafter, c.block_size)[1]
+        if not set(ids) <= set(records[0].layer_ids):
+            if c is candidates[0]:
+                raise FlashdraftError(
+                    f"{cfg.cached_hidden_states}: the cache holds target layers {records[0].layer_ids}; the drafter "
+                    f"needs target_layer_ids {ids} (re-run flashdraft cache with these layers)"
+                )
+            log(f"reference target_layer_ids {ids} are not all in the cache: its features come from a "
+                f"fresh target forward")  # fmt: skip
+
+
+def _draft_limit(cfg: EvalConfig, c: Candidate) -> DraftLimit | None:
+    """The drafts a step verifies, checked against the candidate's block (None: all of its drafts). A confidence
+    threshold applies to a DSpark drafter with a confidence head (the others have no estimate: they verify all)."""
+    k, p, c_min = cfg.num_speculative_tokens, cfg.adaptive_threshold, cfg.confidence_threshold
+    drafts = drafts_per_block(c.drafter, c.block_size)  # a hybrid's: its drafter's
+    if k is not None and k > drafts:
+        raise FlashdraftError(
+            f"--num-speculative-tokens {k}: {c.label} drafts blocks of {c.block_size} ({drafts} drafts); expected at "
+            f"most {drafts}"
+        )
+    if k is not None and k < drafts and family_of(c.drafter) == "dspark":
+        raise FlashdraftError(
+            f"--num-speculative-tokens {k}: {c.label} is a DSpark drafter, which servers draft with a block of "
+            f"num_speculative_tokens positions (its non-causal layers then see a shorter block, not the first {k} "
+            f"drafts of this one); expected --block-size {k} to evaluate that block"
+        )
+    if c_min is not None and c.label == cfg.checkpoint and not _has_confidence_head(c.drafter):
+        raise FlashdraftError(f"--confidence-threshold {c_min}: {c.label} has no confidence head; expected a DSpark "
+                              f"drafter made with one (init --family dspark --confidence-head ...)")  # fmt: skip
+    return DraftLimit(k, p, c_min) if k is not None or p is not None or c_min is not None else None
+
+
+def _has_confidence_head(drafter) -> bool:
+    return isinstance(drafter, DFlashDrafter) and drafter.confidence_head is not None
+
+
+def _lower_precision(stored: torch.dtype, computed: torch.dtype) -> bool:
+    """Whether storing features computed in `computed` as `stored` rounds them (fewer mantissa bits)."""
+    return torch.finfo(stored).eps > torch.finfo(computed).eps
+
+
+def _consistency_rounding(cfg: EvalConfig, c: Candidate, records: list[EvalRecord]) -> torch.dtype | None:
+    """The dtype live features are rounded to under --check-consistency: the cache's, for a
+    drafter whose offline features come from a cache that rounded them (so both walks read the
+    same features); None otherwise (no check, no cache, a cache that rounded nothing, or the
+    offline walk reads a fresh target forward)."""
+    layer_ids = drafter_shape(c.drafter, c.block_size)[1]
+    dtype = records[0].feature_dtype
+    if not cfg.check_consistency or dtype is None or not layer_ids or not set(layer_ids) <= set(records[0].layer_ids):
+        return None
+    # storing in the compute dtype, or in fp32 (which holds bf16 and fp16 exactly), rounds nothing
+    return None if dtype in (cfg.dtype, torch.float32) else dtype
+
+
+def _cache_precision_note(cfg: EvalConfig, records: list[EvalRecord]) -> str | None:
+    """One line when the cache rounded the features below the precision live decoding computes
+    them in: then offline τ is only within rounding of live τ."""
+    stored = records[0].feature_dtype
+    if stored is None or not _lower_precision(stored, cfg.dtype):
+        return None
+    name, computed = (str(d).removeprefix("torch.") for d in (stored, cfg.dtype))
+    check = (f"; --check-consistency rounds the live features to {name} as the cache did, so its comparison "
+             f"stays exact" if cfg.check_consistency else "")  # fmt: skip
+    return (f"note: the cache stores context features in {name}, the target computes them in "
+            f"{computed}: offline τ is within rounding of live τ, not step for step (a cache "
+            f"built with --dtype auto keeps them exact){check}")  # fmt: skip
+
+
+def _evaluate_candidate(
+    cfg: EvalConfig, c: Candidate, target: TargetModel, records: list[EvalRecord], baseline: list[GreedyRun] | None,
+    features: FeatureSource, max_new_tokens: int, filters: SamplingFilters = NO_FILTERS,
+) -> dict[str, Any]:  # fmt: skip
+    """One drafter's summary: offline, online, or both with the consistency check (at T > 0: the offline walk over
+    the online outputs, which under a one-hot rule commits what live decoding committed, step for step)."""
+    offline = online = None
+    limit = _draft_limit(cfg, c)
+    rule = serving_rule(cfg.serving_rule)
+    sampled_check = cfg.check_consistency and cfg.temperature > 0
+    rounding = _consistency_rounding(cfg, c, records) if not sampled_check else None
+    if (not cfg.online or cfg.check_consistency) and not sampled_check:
+        offline = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks, limit,
+                                   rule=rule, temperature=cfg.temperature, filters=filters, seed=cfg.seed,
+                                   context_edges=cfg.context_buckets)  # fmt: skip
+    if cfg.online or cfg.check_consistency:
+        online = evaluate_online(c.drafter, target, records, baseline, c.block_size, cfg.max_blocks, max_new_tokens,
+                                 cfg.temperature, cfg.seed, limit, rounding, filters, rule,
+                                 context_edges=cfg.context_buckets)  # fmt: skip
+    if sampled_check:
+        outputs = [EvalRecord(r.id, r.prompt_ids, o.output_ids)
+                   for r, o in zip(records, online.per_prompt, strict=True)]  # fmt: skip
+        offline = evaluate_offline(c.drafter, target, outputs, FeatureSource(target), c.block_size,
+                                   cfg.max_blocks, limit, rule=rule,
+                                   context_edges=cfg.context_buckets)  # fmt: skip
+    summary = (online if cfg.online else offline).to_json()
+    summary |= sampling_figures(cfg, rule, filters, online if cfg.online else offline)
+    if isinstance(c.drafter, DFlashDrafter) and c.drafter.candidate_selector is not None and cfg.temperature <= 0:
+        summary["selector"] = selector_figures(c.drafter, target, records, online if cfg.online else offline,
+                                               features, cfg.max_blocks)  # fmt: skip
+    if _has_confidence_head(c.drafter):
+        summary["confidence"] = _confidence(cfg, c, target, records, offline, online, features, filters, rule)
+    summary |= {"checkpoint": c.label, "checkpoint_form": c.form, "drafter_path": c.path,
+                "drafter_type": _drafter_type(c.drafter),
+                "num_speculative_tokens": cfg.num_speculative_tokens,
+                "adaptive_threshold": cfg.adaptive_threshold,
+                "confidence_threshold": cfg.confidence_threshold}  # fmt: skip
+    if cfg.check_consistency:
+        mismatches = consistency_mismatches(records, baseline if not sampled_check else None, offline, online)
+        summary["consistency"] = {"identical": not mismatches, "mismatches": mismatches,
+                                  "offline_tau": offline.tau, "online_tau": online.tau,
+                                  "by_context_identical": _bucket_figures(offline) == _bucket_figures(online),
+                                  # live features rounded to the cache's dtype (None: as computed)
+                                  "live_features_rounded_to": str(rounding).removeprefix("torch.") if rounding
+                                  else None}  # fmt: skip
+    return summary
+
+
+def _confidence(
+    cfg: EvalConfig, c: Candidate, target: TargetModel, records: list[EvalRecord], offline: EvalResult | None,
+    online: EvalResult | None, features: FeatureSource, filters: SamplingFilters, rule: ServingRule,
+) -> dict[str, Any]:  # fmt: skip
+    """A DSpark drafter's confidence figures (`confidence_figures`) of the uncut walk at the temperature and rule
+    evaluated; at T > 0 online, over the online outputs (the target's samples) walked offline."""
+    if cfg.temperature <= 0:
+        uncut = online if cfg.online else offline
+        if cfg.confidence_threshold or uncut is None:  # the figures are of the uncut walk
+            uncut = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks)
+        return confidence_figures(c.drafter, target, records, uncut, features, cfg.max_blocks,
+                                  cfg.confidence_threshold)  # fmt: skip
+    walked = online if cfg.online else offline  # at T > 0 confidence_figures walks the uncut walk itself
+    if cfg.online:
+        records = [EvalRecord(r.id, r.prompt_ids, o.output_ids) for r, o in zip(records, online.per_prompt,
+                                                                                 strict=True)]  # fmt: skip
+        features = FeatureSource(target)
+    return confidence_figures(c.drafter, target, records, walked, features, cfg.max_blocks, cfg.confidence_threshold,
+                              rule=rule, temperature=cfg.temperature, filters=filters, seed=cfg.seed)  # fmt: skip
+
+
+def _bucket_figures(result: EvalResult) -> list[tuple]:
+    """What offline and online must share per context bucket (not the online-only timings)."""
+    return [(b["context_from"], b["context_to"], b["steps"], b["tau"], b["position_acceptance"])
+            for b in result.by_context]  # fmt: skip
+
+
+# -- sampling at T > 0 (`flashdraft.decoding.serving_rules`) ------------------------------------------
+
+
+def sampling_settings(cfg: EvalConfig, target: TargetModel, log: Log) -> SamplingFilters:
+    """The filters the requests get at T > 0 (the given ones, else the target's generation_config.json values),
+    without those the rule's server does not apply; logged with the rule. Greedy: none."""
+    if cfg.temperature <= 0:
+        note = greedy_filters_note(cfg.top_k, cfg.top_p, cfg.min_p)
+        if note:
+            log(note)
+        return NO_FILTERS
+    rule = serving_rule(cfg.serving_rule)
+    filters, dropped = request_filters(target.path, cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, rule,
+                                       cfg.use_generation_config)  # fmt: skip
+    settings = ", ".join(f"{k} {v} ({filters.source.get(k)})" for k, v in filters.active().items()) or "no filters"
+    log(f"sampling: temperature {cfg.temperature}, {settings}"
+        + (f"; {', '.join(dropped)} from the generation config dropped: {rule.server} does not apply it"
+           if dropped else ""))  # fmt: skip
+    log(f"serving rule {rule.describe()}")
+    return filters
+
+
+def check_sampling(cfg: EvalConfig, candidates: list[Candidate]) -> None:
+    """What eval cannot do at T > 0, refused by name before any decoding."""
+    if cfg.temperature <= 0:
+        return
+    rule = serving_rule(cfg.serving_rule)
+    for c in candidates:
+        family = family_of(c.drafter)
+        sampled = rule.samples_drafts(family)
+        if cfg.check_consistency and sampled:
+            raise FlashdraftError(
+                f"--check-consistency at --temperature {cfg.temperature}: {c.label} is a {family} drafter, whose "
+                f"drafts {rule.name} samples; offline and online are then equal in law, not step for step (the "
+                f"check holds where drafts are the argmax walk: --serving-rule vllm, or sglang for DFlash)"
+            )
+
+
+def check_sampled_completions(cfg: EvalConfig, filters: SamplingFilters) -> None:
+    """Offline at T > 0 the completions must be the target's samples at the settings evaluated: those eval samples
+    itself from --prompts, or a file (or a cache of one) generated at this temperature with the same filters
+    (`flashdraft generate --temperature T --top-k K ...`)."""
+    if cfg.temperature <= 0 or cfg.online or cfg.check_consistency or cfg.prompts is not None:
+        return
+    generation = _source_generation(cfg) or {}
+    made_at = generation.get("temperature")
+    made_with = SamplingFilters(generation.get("top_k"), generation.get("top_p"), generation.get("min_p")).active()
+    if made_at != cfg.temperature or made_with != filters.active():
+        def settings(t, active):
+            return f"temperature {t}" + "".join(f", {k} {v}" for k, v in active.items())
+
+        from_config = filters.source and any(v != "given" for v in filters.source.values())
+        raise FlashdraftError(
+            f"{cfg.completions or cfg.cached_hidden_states}: completions made at {settings(made_at, made_with)}; "
+            f"offline τ at {settings(cfg.temperature, filters.active())} needs the target's samples at those "
+            f"settings (generate them with these settings, or give --prompts: eval samples them itself"
+            + (", or --no-generation-config" if from_config else "") + ")"
+        )
+
+
+def _source_generation(cfg: EvalConfig) -> dict | None:
+    """The generation settings a completions file (or the file a cache was built from) records."""
+    import json
+    from pathlib import Path
+
+    if cfg.completions is not None:
+        return json.loads(Path(cfg.completions).read_text()).get("generation")
+    from flashdraft.data.cache_reader import HiddenStateCache
+
+    completions = HiddenStateCache(cfg.cached_hidden_states, verify=False).manifest.get("completions") or {}
+    return completions.get("generation")
+
+
+def sampling_figures(cfg: EvalConfig, rule: ServingRule, filters: SamplingFilters, result: EvalResult) -> dict:
+    """The summary's sampling fields: the rule and settings evaluated, and τ beside its expected value."""
+    return {"serving_rule": rule.name, "sampling": {"temperature": cfg.temperature, **filters.to_json()}} \
+        | expected_tau_figures(result)  # fmt: skip
+
+
+def run_eval(
+    cfg: EvalConfig, log: Log = print, target: TargetModel | None = None, drafter: LoadedDrafter | None = None
+) -> dict[str, Any]:
+    """`flashdraft eval`: load, print what was loaded, evaluate (and the reference on the same
+    records and step budget), and return the summary that `--json` writes. `target` and
+    `drafter`: already loaded (`flashdraft.api`), used in place of cfg.target_model and
+    cfg.checkpoint."""
+    serving_rule(cfg.serving_rule)  # an unknown name fails before anything loads
+    if cfg.drafter == "hybrid" and cfg.checkpoint == NGRAM:
+        raise FlashdraftError("the hybrid needs a DFlash drafter: give its checkpoint, not 'ngram'")
+    from flashdraft.target.weights import TargetHead
+
+    # offline from a cache needs no target forward: only tokenizer, config, embeddings and LM head
+    offline_only = cfg.cached_hidden_states is not None and not (cfg.online or cfg.check_consistency)
+    offline_only = offline_only and cfg.temperature <= 0 and not cfg.served  # at T > 0 the walk reads the target's p
+    check_served_options(cfg)
+    if target is None:
+        target = (TargetHead if offline_only else TargetModel).load(cfg.target_model, device=cfg.device,
+                                                                    dtype=cfg.dtype)  # fmt: skip
+    tok = target.tokenizer
+    log(
+        f"target {target.path}: {target.num_layers} layers, hidden {target.hidden_size}; tokenizer "
+        f"{type(tok).__name__} with {len(tok)} tokens, LM head vocabulary {target.vocab_size}"
+    )
+    candidates = _load_candidates(cfg, target, log, drafter)
+    for c in candidates:
+        _draft_limit(cfg, c)  # a k past the block fails before any decoding
+    check_sampling(cfg, candidates)
+    filters = sampling_settings(cfg, target, log)
+    check_sampled_completions(cfg, filters)
+    max_new_tokens = cfg.max_new_tokens
+    if max_new_tokens is None:  # enough for max_blocks steps of the largest block
+        max_new_tokens = cfg.max_blocks * max(c.block_size for c in candidates) + 1 if cfg.max_blocks else 256
+    records, baseline, source = _prepare_records(cfg, target, max_new_tokens, log, filters)
+    for line in eval_guards([(c.label, c.drafter) for c in candidates], target, records, max_new_tokens):
+        log(line)  # evaluated past the trained context, RoPE unlike the target's, context read per step
+    note = _cache_precision_note(cfg, records)
+    if note:
+        log(note)
+    features = FeatureSource(target, log)  # logs each record's tokens and feature statistics offline
+    if cfg.online and not cfg.check_consistency:
+        for record in records:
+            log(f"record {record.id}: {len(record.prompt_ids)} prompt tokens, "
+                f"{max_new_tokens_of(record, max_new_tokens)} new tokens to decode")  # fmt: skip
+    if cfg.cached_hidden_states is not None:
+        _check_cache_layers(cfg, candidates, records, log)
+    if cfg.context_buckets is None:  # one set of buckets for drafter and reference alike
+        cfg = replace(cfg, context_buckets=record_context_edges(records, max_new_tokens))
+    results = [_evaluate_candidate(cfg, c, target, records, baseline, features, max_new_tokens, filters)
+               for c in candidates]  # fmt: skip
+    main = results[0] | {"target": str(cfg.target_model), "records_source": source, "max_blocks": cfg.max_blocks,
+                         "max_new_tokens": max_new_tokens if cfg.online else None,
+                         "target_forwards_offline": features.target_forwards}  # fmt: skip
+    if cfg.reference:
+        main["reference"] = results[1]
+        main["difference"] = difference(results[0], results[1])
+    if cfg.served:
+        limits = [max_new_tokens_of(r, max_new_tokens) for r in records]
+        c = candidates[0]
+        main["served"] = run_served(cfg.checkpoint, c.drafter, c.block_size, target, records, limits, cfg.temperature,
+                                    filters, cfg.seed, cfg.engine_python, cfg.server, log)  # fmt: skip
+    return main
+
+
+def check_served_options(cfg: EvalConfig) -> None:
+    """--served's options, and what it can serve: one DFlash-family drafter (the engine knows no n-gram or hybrid)."""
+    if not cfg.served:
+        given = [flag for flag, value in (("--check-served", cfg.check_served), ("--server", cfg.server),
+                                          ("--engine-python", cfg.engine_python)) if value]  # fmt: skip
+        if given:
+            raise FlashdraftError(f"{', '.join(given)}: options of --served vllm, which this run does not ask for")
+        return
+    if cfg.checkpoint == NGRAM or cfg.drafter == "hybrid":
+        raise FlashdraftError("--served vllm serves a DFlash-family drafter (--checkpoint); the n-gram baseline and "
+                              "the hybrid are flashdraft's, not the engine's")  # fmt: skip
+    if cfg.server and cfg.engine_python:
+        raise FlashdraftError("--server URL uses a running engine; --engine-python starts one: give one of them")

@@ -1,0 +1,428 @@
+"""Target adapters: a local Hugging Face causal LM (Qwen3, Qwen3.5/3.6 hybrids, Llama) or
+the built-in `tiny` target, with context features, incremental forward and exact rollback.
+
+Context features are the outputs of decoder layers `target_layer_ids`, that is
+`hidden_states[l + 1]` of `output_hidden_states` (index 0 is the embedding output); they
+are captured with forward hooks so the other layers' outputs are never kept.
+
+Rollback after partial acceptance (section 6 of the reference doc): attention layers crop
+their KV cache; linear-attention layers (Gated DeltaNet) cannot be cut back, so before each
+forward their conv and recurrent states are copied, the inputs of each linear layer are
+captured during the forward, and rollback restores the copy and re-runs only those linear
+layers over the accepted prefix. That recomputes the recurrence exactly and costs far less
+than re-running the whole target (see `benchmarks/rollback.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from flashdraft.errors import FlashdraftError
+from flashdraft.safe_load import HF_LOCAL, hf_load_error
+from flashdraft.target.linear_attention import BlockRecord, install_short_block_path, state_after
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub: targets are local directories
+# transformers warns on every process that fla is absent; flashdraft reports the backend itself
+logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
+
+TINY_DIR = Path(__file__).parents[1] / "assets" / "tiny"
+
+
+def _route_linear_attention_by_device(modeling_module) -> None:
+    """With fla installed (the `gpu` extra), transformers binds Gated DeltaNet to fla's triton
+    kernels whatever the device, and they fail on CPU tensors ("0 active drivers"). Route CPU
+    calls to the torch fallback and leave CUDA calls to fla; done once per modeling module."""
+    if find_spec("fla") is None:
+        return
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        kernel = getattr(modeling_module, name, None)
+        if kernel is None or getattr(kernel, "_flashdraft_routed", False):
+            continue
+        torch_fn = inspect.unwrap(kernel)
+
+        @functools.wraps(kernel)  # __wrapped__ = kernel, so inspect.unwrap still reaches torch_fn
+        def routed(query, *args, _kernel=kernel, _torch_fn=torch_fn, **kwargs):
+            return (_kernel if query.is_cuda else _torch_fn)(query, *args, **kwargs)
+
+        routed._flashdraft_routed = True
+        setattr(modeling_module, name, routed)
+
+
+def resolve_target_path(name_or_path: str | Path) -> Path:
+    path = TINY_DIR if str(name_or_path) == "tiny" else Path(name_or_path)
+    if not (path / "config.json").is_file():
+        if str(name_or_path) == "tiny":
+            raise FlashdraftError(f"{path}: the built-in tiny target is missing; run scripts/train_tiny_target.py")
+        raise FlashdraftError(
+            f"{path}: not a local model directory (no config.json); --target-model takes a local Hugging Face "
+            f"directory or the word 'tiny' (nothing is downloaded)"
+        )
+    return path
+
+
+# -- identity and small facts, shared with `flashdraft.target.weights.TargetHead` --------------
+
+SAMPLES_PER_TENSOR = 1024  # the fingerprint hashes about this many strided values of each tensor
+
+
+def sample_stride(numel: int) -> int:
+    return max(1, numel // SAMPLES_PER_TENSOR)
+
+
+def strided_sample(t: torch.Tensor) -> torch.Tensor:
+    """flat[::stride] of a tensor as the model holds it, as fp32 on the CPU."""
+    flat = t.detach().reshape(-1)
+    return flat[:: sample_stride(flat.numel())].float().cpu()
+
+
+def fingerprint_of(config, tokenizer, samples) -> str:
+    """Hash of the text config, the vocabulary and (state dict name, strided sample) pairs in
+    sorted name order: what identifies a target, however and wherever it was loaded."""
+    h = hashlib.sha256()
+    # where and in which dtype the target was loaded must not change its identity
+    config = {k: v for k, v in config.to_dict().items()
+              if k not in ("_name_or_path", "dtype", "torch_dtype", "transformers_version")}  # fmt: skip
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    h.update(str(sorted(tokenizer.get_vocab().items())).encode())
+    for name, sample in samples:
+        h.update(name.encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def stop_token_ids_of(generation_config, config, tokenizer) -> list[int]:
+    """EOS ids from the generation config, else the model config, else the tokenizer."""
+    eos = generation_config.eos_token_id if generation_config else None
+    eos = eos if eos is not None else config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def pick_mask_token(target: TargetModel) -> int:
+    """The tokenizer's mask token, else its pad token, else an unused special token."""
+    tok = target.tokenizer
+    for attr in ("mask_token_id", "pad_token_id"):
+        token_id = getattr(tok, attr, None)
+        if token_id is not None and token_id not in target.stop_token_ids:
+            return int(token_id)
+    for token, token_id in sorted(tok.get_added_vocab().items(), key=lambda kv: kv[1]):
+        if token_id not in target.stop_token_ids and ("unused" in token or "reserved" in token):
+            return int(token_id)
+    raise FlashdraftError(
+        f"{target.path}: the tokenizer has no mask, pad or unused special token; give --mask-token-id"
+    )
+
+
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise FlashdraftError(
+            f"target_layer_ids {layer_ids}: {bad} outside the target's {num_layers} layers "
+            f"(0..{num_layers - 1}); the drafter was made for another target"
+        )
+
+
+def norm_multiplier(norm_class: str, weight: torch.Tensor) -> torch.Tensor:
+    """What an RMS norm multiplies by, in fp32: Qwen3.5 norms store (weight - 1) and compute
+    x * (1 + weight); the others store the weight itself."""
+    weight = weight.detach().float()
+    return weight + 1.0 if norm_class.startswith("Qwen3_5") else weight
+
+
+@dataclass
+class TargetCache:
+    """The target's cache plus what rollback needs from the last forward."""
+
+    kv: object  # transformers DynamicCache (attention KV and linear-attention states)
+    length: int = 0  # tokens whose state is in the cache
+    last_forward_tokens: int = 0  # new tokens of the last forward (re-fed pending tokens excluded)
+    last_pending: int = 0  # pending tokens the last forward re-fed first
+    last_input_ids: torch.Tensor | None = None  # [N, last_pending + last_forward_tokens]
+    pending: torch.Tensor | None = None  # [N, P] accepted tokens to re-feed before the next input (deferred mode)
+    linear_snapshot: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    linear_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    linear_blocks: dict[int, BlockRecord] = field(default_factory=dict)  # short-block forwards' records
+
+
+@dataclass
+class TargetOutput:
+    """A forward's outputs. Logits are computed from `hidden` when first read, and `logits_at`
+    computes only some rows: decoding reads the last row of a prefill and greedy verification the
+    rows up to the first rejected draft, while the LM head over every row is a large share of a
+    short block's cost on a CPU (tiny, 17 tokens: 0.7 of 6.2 ms)."""
+
+    hidden: torch.Tensor | None  # [N, T, hidden] after the final norm
+    context_features: torch.Tensor | None  # [N, T, len(layer_ids) * hidden]
+    lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    _logits: torch.Tensor | None = None
+
+    @property
+    def logits(self) -> torch.Tensor:  # [N, T, vocab]
+        if self._logits is None:
+            self._logits = self.lm_head(self.hidden)
+        return self._logits
+
+    def logits_at(self, start: int, end: int) -> torch.Tensor:  # [N, end - start, vocab]
+        return self._logits[:, start:end] if self._logits is not None else self.lm_head(self.hidden[:, start:end])
+
+
+class TargetModel:
+    """A frozen causal LM seen through what DFlash needs of it."""
+
+    def __init__(self, model: nn.Module, tokenizer, path: Path) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.path = path
+        self.config = model.config.get_text_config()
+        self.decoder = model.get_decoder()
+        self.layers: nn.ModuleList = self.decoder.layers
+        self.layer_types: list[str] = list(
+            getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers)
+        )
+        self.linear_layers = [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+        self._context_layer_ids: list[int] = []
+        # "recompute" takes short blocks' linear states from their records (no re-run): on CPU it beat
+        # "deferred" (re-feeding the accepted tokens) from 2 accepted tokens on (benchmarks/rollback.py)
+        self.rollback_mode = "recompute"
+        self._captured: dict[int, torch.Tensor] = {}
+        self._capture_cache: TargetCache | None = None
+        for i, layer in enumerate(self.layers):
+            layer.register_forward_hook(self._layer_output_hook(i))
+        for i in self.linear_layers:
+            self.layers[i].linear_attn.register_forward_pre_hook(self._linear_input_hook(i), with_kwargs=True)
+        if self.linear_layers:
+            gated_delta_net = type(self.layers[self.linear_layers[0]].linear_attn)
+            _route_linear_attention_by_device(sys.modules[gated_delta_net.__module__])
+        if self.linear_backend == "torch":  # without fla kernels, short blocks take the direct solve
+            for i in self.linear_layers:
+                install_short_block_path(self.layers[i].linear_attn)
+
+    # -- loading ---------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls, name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> TargetModel:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" bars would bury flashdraft's own output
+        path = resolve_target_path(name_or_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, **HF_LOCAL)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **HF_LOCAL)
+        except (OSError, ValueError, KeyError) as e:
+            raise hf_load_error(path, "the target model", e) from None
+        return cls(model.to(device), tokenizer, path)
+
+    # -- facts -----------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def context_length(self) -> int | None:
+        """Positions the target was built for (max_position_embeddings); None if it does not say."""
+        return getattr(self.config, "max_position_embeddings", None)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.linear_layers)
+
+    @property
+    def linear_backend(self) -> str:
+        """Which Gated DeltaNet implementation runs: fla kernels (GPU) or the torch fallback."""
+        if not self.is_hybrid:
+            return "none"
+        return "fla" if find_spec("fla") is not None and self.device.type == "cuda" else "torch"
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return stop_token_ids_of(self.model.generation_config, self.config, self.tokenizer)
+
+    def fingerprint(self) -> str:
+        """A cheap hash of config, tokenizer and weights (a strided sample of every tensor);
+        `flashdraft.target.weights.TargetHead` computes the same value from the files alone."""
+        samples = ((name, strided_sample(t)) for name, t in sorted(self.model.state_dict().items()))
+        return fingerprint_of(self.config, self.tokenizer, samples)
+
+    # -- frozen pieces borrowed by the drafter ----------------------------------------
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(input_ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
+        return self.model.get_output_embeddings().weight
+
+    def final_norm_weight(self) -> torch.Tensor | None:
+        """The multiplier of the target's final norm (fp32, [hidden]); None if it has none."""
+        norm = getattr(self.decoder, "norm", None)
+        weight = getattr(norm, "weight", None)
+        return None if weight is None else norm_multiplier(type(norm).__name__, weight)
+
+    # -- context features ----------------------------------------------------------------
+
+    def set_context_layers(self, layer_ids: list[int]) -> None:
+        check_layer_ids(layer_ids, self.num_layers)
+        self._context_layer_ids = list(layer_ids)
+
+    def _layer_output_hook(self, index: int):
+        def hook(module, args, output):
+            if index in self._context_layer_ids:
+                self._captured[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def _linear_input_hook(self, index: int):
+        def hook(module, args, kwargs):
+            module.last_block = None  # set again by a short-block forward
+            if self._capture_cache is not None:
+                x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                self._capture_cache.linear_inputs[index] = x
+
+        return hook
+
+    # -- forward, cache, rollback --------------------------------------------------------
+
+    def new_cache(self) -> TargetCache:
+        from transformers import DynamicCache
+
+        kv = DynamicCache(config=self.config)
+        return TargetCache(kv=kv)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, cache: TargetCache | None = None) -> TargetOutput:
+        """Run the target on input_ids [N, T] after the cache's tokens, appending to the cache.
+
+        Returns logits [N, T, V] and the context features [N, T, n * H] of the set layers.
+        """
+        num_pending = 0
+        if cache is not None and cache.pending is not None:  # deferred rollback: re-feed accepted tokens first
+            num_pending = cache.pending.shape[1]
+            input_ids = torch.cat([cache.pending, input_ids], dim=1)
+            cache.pending = None
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        if cache is not None:
+            positions = positions + cache.length
+            self._snapshot_linear_states(cache)
+        self._captured = {}
+        self._capture_cache = cache
+        try:
+            out = self.decoder(  # the LM head runs when logits are read (TargetOutput)
+                input_ids=input_ids,
+                position_ids=positions.expand(input_ids.shape[0], -1),
+                past_key_values=cache.kv if cache is not None else None,
+                use_cache=cache is not None,
+            )
+        finally:
+            self._capture_cache = None
+        if cache is not None:
+            cache.length += input_ids.shape[1]
+            cache.last_forward_tokens = input_ids.shape[1] - num_pending
+            cache.last_pending, cache.last_input_ids = num_pending, input_ids
+            blocks = {i: getattr(self.layers[i].linear_attn, "last_block", None) for i in self.linear_layers}
+            cache.linear_blocks = {i: b for i, b in blocks.items() if b is not None}
+        features = None
+        if self._context_layer_ids:
+            features = torch.cat([self._captured[i] for i in self._context_layer_ids], dim=-1)[:, num_pending:]
+        self._captured = {}
+        return TargetOutput(out.last_hidden_state[:, num_pending:], features, self.lm_head)
+
+    def _snapshot_linear_states(self, cache: TargetCache) -> None:
+        cache.linear_snapshot = {}
+        cache.linear_inputs = {}
+        layers = getattr(cache.kv, "layers", [])
+        for i in self.linear_layers:
+            if i < len(layers) and layers[i].has_previous_state.get(0):
+                layer = layers[i]
+                cache.linear_snapshot[i] = (layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
+
+    @torch.no_grad()
+    def rollback(self, cache: TargetCache, keep: int) -> None:
+        """Keep only the first `keep` tokens of the last forward in the cache (exactly).
+
+        Attention layers crop their KV. Linear-attention states go back to their copy from
+        before the forward and then, by `rollback_mode`: "recompute" re-runs only the linear
+        layers' token mixers over the kept tokens now; "deferred" crops everything back and
+        re-feeds the kept tokens at the front of the next forward (one call instead of two,
+        which is cheaper where per-call overhead dominates, as on CPU); a forward that began
+        with re-fed tokens is rolled back the "recompute" way, so re-fed tokens never pile up.
+        """
+        drop = cache.last_forward_tokens - keep
+        if drop < 0 or keep < 0:
+            raise ValueError(f"rollback keep={keep} outside the last forward's {cache.last_forward_tokens} tokens")
+        if drop == 0:
+            return
+        if self.linear_layers and len(cache.linear_snapshot) != len(self.linear_layers):
+            raise RuntimeError("rollback of linear-attention states needs a cached forward before this one")
+        # Deferring twice in a row would re-feed the tokens deferred last time again, and so on
+        # until a block is accepted whole: the re-fed prefix, and each verification, would grow
+        # with every partially accepted step. So a forward that re-fed deferred tokens is rolled
+        # back by recomputing, which commits them for good.
+        if self.linear_layers and self.rollback_mode == "deferred" and cache.last_pending == 0:
+            total = cache.last_forward_tokens
+            for i, layer in enumerate(cache.kv.layers):
+                if i in self.linear_layers:
+                    conv, recurrent = cache.linear_snapshot[i]
+                    layer.conv_states[0].copy_(conv)
+                    layer.recurrent_states[0].copy_(recurrent)
+                else:
+                    layer.crop(-total)
+            cache.pending = cache.last_input_ids[:, :keep]
+            cache.length -= total
+            cache.last_forward_tokens = 0
+            cache.linear_inputs, cache.linear_blocks = {}, {}
+            return
+        for i, layer in enumerate(cache.kv.layers):
+            if i not in self.linear_layers:
+                layer.crop(-drop)
+        if self.linear_layers:
+            kept = cache.last_pending + keep  # re-fed deferred tokens come first in the captured inputs
+            for i in self.linear_layers:
+                layer, record = cache.kv.layers[i], cache.linear_blocks.get(i)
+                conv, recurrent = cache.linear_snapshot[i]  # the states before the forward
+                if kept > 0 and record is not None:  # a short-block forward: its record gives the prefix's states
+                    conv, recurrent = state_after(record, recurrent, kept)
+                layer.conv_states[0].copy_(conv)
+                layer.recurrent_states[0].copy_(recurrent)
+                if kept > 0 and record is None:
+                    # re-run only this layer's token mixer over the accepted prefix
+                    self.layers[i].linear_attn(hidden_states=cache.linear_inputs[i][:, :kept], cache_params=cache.kv)
+        cache.length -= drop
+        cache.last_forward_tokens, cache.last_pending = keep, 0
+        cache.linear_inputs, cache.linear_blocks = {}, {}
