@@ -89,9 +89,9 @@ def test_eval_options_are_the_eval_config_fields_by_name():
 def test_each_option_is_a_keyword_of_the_function_the_command_calls(command):
     import inspect
 
+    from flashdraft.commands.parity import run_parity_command
     from flashdraft.data.cache import run_cache
     from flashdraft.data.generate import run_generate
-    from flashdraft.target.parity import run_parity_command
 
     function = {"generate": run_generate, "cache": run_cache, "parity": run_parity_command}[command]
     if command == "cache":  # --engine vllm hands every option but itself to the engine's capture instead

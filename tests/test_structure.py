@@ -1,11 +1,13 @@
-"""The package's shape, read from its source with `ast` (nothing is imported): no import cycle among flashdraft's
-modules, no module over 600 lines unless its docstring says why, no function over 80 lines.
+"""The package's shape, read from its source with `ast` (nothing is imported): the wings import down their order
+only, no import cycle among flashdraft's modules, no module over 600 lines unless its docstring says why, no
+function over 80 lines.
 
 Data flows one way (prompts → completions → cache → training → checkpoint → evaluation → report, docs/design.md):
-a cycle would mean a stage reads a later one. Imports at module level are checked apart from all imports (inside
-functions and `if TYPE_CHECKING:` too): a deferred import still is a dependency, only one resolved later. A module's
-reason to be longer is a sentence of its docstring containing STATED_REASON, e.g. "over 600 lines because the
-drafter is one file, like the reference". Each failure lists every offender as file:line name.
+an import up the wing order, or a cycle, would mean a stage reads a later one. Imports at module level are checked
+apart from all imports (inside functions and `if TYPE_CHECKING:` too): a deferred import still is a dependency,
+only one resolved later. A module's reason to be longer is a sentence of its docstring containing STATED_REASON,
+e.g. "over 600 lines because the drafter is one file, like the reference".
+Each failure lists every offender as file:line name.
 """
 
 from __future__ import annotations
@@ -17,6 +19,16 @@ PACKAGE = Path(__file__).resolve().parent.parent / "flashdraft"
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 STATED_REASON = "over 600 lines because"
+
+# The wings, lowest first: a module imports its own wing and those before it, never one after (docs/design.md).
+# The components (target, drafter, decoding, serving) come before the stages that use them (data, evaluation,
+# training); evaluation precedes training because training's held-out τ is evaluation's offline walk.
+SHARED = ("errors", "files", "safe_load", "progress", "stop", "distributed", "config_file", "checks")
+WING_ORDER = ("shared", "target", "drafter", "decoding", "serving", "data", "evaluation", "train", "top", "commands",
+              "cli")  # fmt: skip
+TOP = ("api", "demo", "doctor")  # what the commands call; above them only the parser and the package itself
+CLI = ("cli", "__main__")
+MAX_ROOT_MODULES = 15
 
 
 def module_name(path: Path) -> str:
@@ -129,6 +141,58 @@ def describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
     steps = [f"{modules[a][0].relative_to(PACKAGE.parent)}:{graph[a][b]} imports {b}"
              for a, b in zip(cycle, cycle[1:], strict=False)]  # fmt: skip
     return " -> ".join(cycle) + "\n    " + "\n    ".join(steps)
+
+
+def wing_of(module: str) -> str:
+    """The wing a module lives in: its subpackage, or for a module at the root "shared", "top" or "cli"."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] in CLI:
+        return "cli"
+    if parts[1] in TOP:
+        return "top"
+    if parts[1] in SHARED:
+        return "shared"
+    if parts[1] in WING_ORDER:
+        return parts[1]
+    raise AssertionError(f"{module}: in no wing of WING_ORDER ({', '.join(WING_ORDER)}) and not a shared or top module")
+
+
+def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    modules = sources()
+    found = []
+    for importer, targets in sorted(graph.items()):
+        for imported_module, line in sorted(targets.items()):
+            low, high = wing_of(imported_module), wing_of(importer)
+            if WING_ORDER.index(low) > WING_ORDER.index(high):
+                where = modules[importer][0].relative_to(PACKAGE.parent)
+                found.append(f"{where}:{line} imports {imported_module} ({high} -> {low}, up the wing order)")
+    return found
+
+
+def test_every_module_lives_in_a_known_wing():
+    for name in sources():
+        assert wing_of(name) in WING_ORDER, name
+    wings = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert wings == set(WING_ORDER) - {"shared", "top", "cli"}, f"wing folders {sorted(wings)} against WING_ORDER"
+
+
+def test_imports_run_down_the_wing_order_only():
+    found = upward_imports(import_graph(deferred=True))
+    assert not found, "imports against the wing order:\n" + "\n".join(found)
+
+
+def test_the_wing_check_names_an_upward_import():
+    # a target module importing evaluation is named with its file and line; the reverse is fine
+    graph = {"flashdraft.target.model": {"flashdraft.evaluation.offline": 7}, "flashdraft.evaluation.offline": {
+        "flashdraft.target.model": 3}}  # fmt: skip
+    assert upward_imports(graph) == ["flashdraft/target/model.py:7 imports flashdraft.evaluation.offline "
+                                     "(target -> evaluation, up the wing order)"]  # fmt: skip
+
+
+def test_the_root_holds_at_most_15_modules_each_shared_top_or_cli():
+    root = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    assert len(root) <= MAX_ROOT_MODULES, root
+    assert set(root) <= set(SHARED + TOP + CLI), sorted(set(root) - set(SHARED + TOP + CLI))
 
 
 def test_no_import_cycle_among_module_level_imports():

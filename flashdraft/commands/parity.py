@@ -1,5 +1,6 @@
 """`flashdraft parity`: linear-attention backends compared layer by layer
-(`flashdraft.target.parity.run_parity_command`, which takes each option by name); exit 1 below the threshold."""
+(`run_parity_command`, which takes each option by name, over `flashdraft.target.parity`); exit 1 below the
+threshold. The prompts are rendered here: the target wing knows no prompt sets."""
 
 from __future__ import annotations
 
@@ -22,7 +23,39 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
-    from flashdraft.target.parity import run_parity_command
-
     if not run_parity_command(**command_options(args)):
         sys.exit(1)
+
+
+def run_parity_command(
+    target_model: str,
+    prompts: str = "builtin:code:heldout",
+    num_prompts: int = 8,
+    layers: list[int] | None = None,
+    checkpoint: str | None = None,
+    threshold: float = 0.9999,
+    device: str | None = None,
+    target_dtype: str | None = None,
+) -> bool:
+    """`flashdraft parity`: prints the table; returns whether every layer passed."""
+    from flashdraft.data.cache import drafter_layer_ids
+    from flashdraft.data.prompts import encode_text, has_chat_template, load_prompts, render_conversation
+    from flashdraft.distributed import Dist, load_dtype, pick_device
+    from flashdraft.errors import FlashdraftError
+    from flashdraft.target.model import TargetModel
+    from flashdraft.target.parity import print_parity, run_parity
+
+    dev = pick_device(Dist(), device)
+    target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))
+    if layers is not None and checkpoint is not None:
+        raise FlashdraftError("give --layers or --checkpoint, not both")
+    layer_ids = drafter_layer_ids(checkpoint)[0] if checkpoint else layers
+    use_template = has_chat_template(target.tokenizer)
+    token_ids = [
+        encode_text(target.tokenizer, render_conversation(target.tokenizer, p.conversation([]), use_template),
+                    use_template)
+        for p in load_prompts(prompts, num_prompts)
+    ]  # fmt: skip
+    result = run_parity(target, token_ids, layer_ids, threshold)
+    print_parity(result, len(token_ids), sum(map(len, token_ids)))
+    return result.passed

@@ -17,10 +17,9 @@ from flashdraft.data.completions import GenerationSettings, generate_completions
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, load_prompts
 from flashdraft.decoding.serving_rules import NO_FILTERS, SamplingFilters, greedy_filters_note, resolve_filters
-from flashdraft.decoding.target_samples import greedy_agreement, sampling_fidelity
+from flashdraft.decoding.target_samples import EngineOutput, greedy_agreement, sampling_fidelity
 from flashdraft.distributed import Dist, init_distributed, load_dtype, lock_on_main, pick_device
 from flashdraft.errors import FlashdraftError
-from flashdraft.evaluation.records import EvalRecord
 from flashdraft.target.model import TargetModel, resolve_target_path
 
 
@@ -46,7 +45,7 @@ def check_engine_completions(target: TargetModel, path: Path, settings: Generati
     (the file stays, for inspection)."""
     records = json.loads(path.read_text()).get("records", [])
     picks = random.Random(0).sample(records, min(len(records), max(1, round(share * len(records)))))
-    outputs = [EvalRecord(r["id"], r["prompt_ids"], r["completion_ids"]) for r in picks]
+    outputs = [EngineOutput(r["id"], r["prompt_ids"], r["completion_ids"]) for r in picks]
     if settings.temperature <= 0:
         found = greedy_agreement(target, outputs)
         print(f"checked {len(outputs)} of {len(records)} completions against the target: {found['greedy']} its "

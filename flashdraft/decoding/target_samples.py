@@ -4,13 +4,13 @@ aside), at T > 0 samples of its filtered p. One teacher-forced forward per seque
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from flashdraft.decoding.serving_rules import SamplingFilters
-from flashdraft.evaluation.offline import target_probs_along
-from flashdraft.evaluation.records import EvalRecord
+from flashdraft.decoding.serving_rules import SamplingFilters, target_probs
 from flashdraft.target.model import TargetModel
 
 Z_LIMIT = 3.0  # |z| of the log-likelihood score past which outputs are not the target's samples (p ~ 0.003)
@@ -18,8 +18,39 @@ Z_LIMIT = 3.0  # |z| of the log-likelihood score past which outputs are not the 
 TIE_MARGIN = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.02}
 
 
+class TokenRecord(Protocol):
+    """What these checks read of a record: evaluation's `EvalRecord` is one, and so is an `EngineOutput`."""
+
+    id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """The tokens an engine returned for one prompt."""
+
+    id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+
+
+def target_probs_along(
+    target: TargetModel, record: TokenRecord, temperature: float, filters: SamplingFilters
+) -> Callable[[int, int], torch.Tensor]:  # fmt: skip
+    """The target's filtered p along the record's completion (one forward; rows computed when a walk reads them):
+    `probs_at(start, end)` gives [end - start, V], the p of completion[start + 1 .. end]."""
+    out = target.forward(torch.tensor([record.prompt_ids + record.completion_ids], device=target.device))
+    p = len(record.prompt_ids)
+
+    def probs_at(start: int, end: int) -> torch.Tensor:
+        return target_probs(out.logits_at(p + start, p + end)[0], temperature, filters)
+
+    return probs_at
+
+
 @torch.no_grad()
-def greedy_agreement(target: TargetModel, outputs: list[EvalRecord]) -> dict[str, Any]:
+def greedy_agreement(target: TargetModel, outputs: Sequence[TokenRecord]) -> dict[str, Any]:
     """T = 0: the first token of each output that is not the target's argmax given the tokens before it. Past a
     near-tie (`TIE_MARGIN`) the output is no longer the target's greedy one; a larger margin means it never was."""
     tie = TIE_MARGIN.get(target.dtype, 0.1)
@@ -28,7 +59,7 @@ def greedy_agreement(target: TargetModel, outputs: list[EvalRecord]) -> dict[str
         if not r.completion_ids:
             greedy += 1
             continue
-        out = target.forward(torch.tensor([r.input_ids], device=target.device))
+        out = target.forward(torch.tensor([r.prompt_ids + r.completion_ids], device=target.device))
         p = len(r.prompt_ids)
         logits = out.logits_at(p - 1, p + len(r.completion_ids) - 1)[0].float()  # [M, V]
         tokens = torch.tensor(r.completion_ids, device=logits.device)
@@ -47,7 +78,7 @@ def greedy_agreement(target: TargetModel, outputs: list[EvalRecord]) -> dict[str
 
 
 @torch.no_grad()
-def sampling_fidelity(target: TargetModel, outputs: list[EvalRecord], temperature: float,
+def sampling_fidelity(target: TargetModel, outputs: Sequence[TokenRecord], temperature: float,
                       filters: SamplingFilters) -> dict[str, Any]:  # fmt: skip
     """T > 0: are the outputs samples of the target's p (at `temperature`, after `filters`)? A token p gives no
     mass is impossible; otherwise the score z = sum_t (log p(x_t) + H(p_t)) / sqrt(sum_t Var_p(log p)) is about

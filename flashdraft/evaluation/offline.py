@@ -40,7 +40,8 @@ from flashdraft.decoding.proposers import (
     confident_prefix,
     default_block_size,
 )
-from flashdraft.decoding.serving_rules import NO_FILTERS, SamplingFilters, ServingRule, serving_rule, target_probs
+from flashdraft.decoding.serving_rules import NO_FILTERS, SamplingFilters, ServingRule, serving_rule
+from flashdraft.decoding.target_samples import target_probs_along
 from flashdraft.drafter.families import drafts_per_block, family_of
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
@@ -257,20 +258,6 @@ def walk_record(
     lengths = offline_acceptance_lengths(proposer, record.prompt_ids, record.completion_ids, block, f, max_blocks,
                                          target.device, sampling=sampling)  # fmt: skip
     return lengths, sampling
-
-
-def target_probs_along(
-    target: TargetModel, record: EvalRecord, temperature: float, filters: SamplingFilters
-) -> Callable[[int, int], torch.Tensor]:  # fmt: skip
-    """The target's filtered p along the record's completion (one forward; rows computed when a walk reads them):
-    `probs_at(start, end)` gives [end - start, V], the p of completion[start + 1 .. end]."""
-    out = target.forward(torch.tensor([record.input_ids], device=target.device))
-    p = len(record.prompt_ids)
-
-    def probs_at(start: int, end: int) -> torch.Tensor:
-        return target_probs(out.logits_at(p + start, p + end)[0], temperature, filters)
-
-    return probs_at
 
 
 def record_generator(seed: int, index: int, target: TargetModel) -> torch.Generator:

@@ -152,34 +152,3 @@ def print_parity(result: ParityResult, num_prompts: int, num_tokens: int) -> Non
     worst = min(c for cosines in result.min_cosine.values() for c in cosines)
     verdict = "PASS" if result.passed else "FAIL"
     print(f"{verdict}: minimum cosine {worst:.6f}, threshold {result.threshold}")
-
-
-def run_parity_command(
-    target_model: str,
-    prompts: str = "builtin:code:heldout",
-    num_prompts: int = 8,
-    layers: list[int] | None = None,
-    checkpoint: str | None = None,
-    threshold: float = 0.9999,
-    device: str | None = None,
-    target_dtype: str | None = None,
-) -> bool:
-    """`flashdraft parity`: prints the table; returns whether every layer passed."""
-    from flashdraft.data.cache import drafter_layer_ids
-    from flashdraft.data.prompts import encode_text, has_chat_template, load_prompts, render_conversation
-    from flashdraft.distributed import Dist, load_dtype, pick_device
-
-    dev = pick_device(Dist(), device)
-    target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))
-    if layers is not None and checkpoint is not None:
-        raise FlashdraftError("give --layers or --checkpoint, not both")
-    layer_ids = drafter_layer_ids(checkpoint)[0] if checkpoint else layers
-    use_template = has_chat_template(target.tokenizer)
-    token_ids = [
-        encode_text(target.tokenizer, render_conversation(target.tokenizer, p.conversation([]), use_template),
-                    use_template)
-        for p in load_prompts(prompts, num_prompts)
-    ]  # fmt: skip
-    result = run_parity(target, token_ids, layer_ids, threshold)
-    print_parity(result, len(token_ids), sum(map(len, token_ids)))
-    return result.passed

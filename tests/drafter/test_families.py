@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from flashdraft.drafter import families
 from flashdraft.decoding.hybrid import HybridDrafter
 from flashdraft.decoding.ngram import NGramProposer
+from flashdraft.drafter import families
 from flashdraft.drafter.checkpoint import load_drafter, save_drafter
 from flashdraft.drafter.config import DrafterConfig
 from flashdraft.drafter.families import FAMILIES, Family, drafts_per_block, family_of
