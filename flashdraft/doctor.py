@@ -369,6 +369,33 @@ def check_run(path: Path, target: TargetModel | None, checks: Checks, verify: bo
         checks.about("no run_config.json beside the checkpoint: settings of the run not checked")
         return
     _check_run_config(run_dir / "run_config.json", drafter_dir, target, checks)
+    _check_learned(run_dir, checks)
+
+
+def _check_learned(run_dir: Path, checks: Checks) -> None:
+    """The run's last τ in metrics.jsonl (held-out, else the training estimate) against an untrained drafter's."""
+    import json
+
+    from flashdraft.evaluation.results import accepts_nothing_problem
+    from flashdraft.train.learning import likely_causes
+
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    for key, what in (("eval_tau", "held-out τ"), ("estimated_acceptance", "estimated τ (training batches)")):
+        found = [r for r in rows if isinstance(r.get(key), (int, float))]
+        if found:
+            step, tau = found[-1].get("step"), float(found[-1][key])
+            problem = accepts_nothing_problem(tau, f"{what} at step {step}")
+            if problem is None:
+                checks.ok(f"{what} {tau:.3f} at step {step} (metrics.jsonl): the drafter accepts drafts")
+                return
+            config = json.loads((run_dir / "run_config.json").read_text())
+            causes, fixes = likely_causes(config.get("lr") or 0.0, int(step or 0), config.get("num_anchors") or 0,
+                                          None)  # fmt: skip
+            likely = f" (likely: {', '.join(causes)})" if causes else ""
+            checks.fail(problem + likely, f"train again with {fixes}" if fixes else "check the data and the lr")
+            return
+    checks.about(f"{metrics}: no τ logged: whether the drafter learned is not checked")
 
 
 def _check_run_config(config_path: Path, drafter_dir: Path, target: TargetModel | None, checks: Checks) -> None:

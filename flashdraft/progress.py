@@ -20,6 +20,7 @@ class Progress(tqdm):
     def __init__(self, *args, **kwargs) -> None:
         out = kwargs.get("file") or sys.stderr
         self.plain = not (hasattr(out, "isatty") and out.isatty())
+        self._finished_shown = False
         if self.plain:
             kwargs["mininterval"] = max(kwargs.get("mininterval", 0.1), LOG_INTERVAL_S)
             kwargs["dynamic_ncols"] = False
@@ -32,9 +33,11 @@ class Progress(tqdm):
         if not self.plain:
             return super().display(msg, pos)
         line = self.__str__() if msg is None else msg
-        if line:
+        finished = msg is None and self.total is not None and self.n >= self.total
+        if line and not (finished and self._finished_shown):  # close() redraws the last line: once is enough
             self.fp.write(line + "\n")
             self.fp.flush()
+            self._finished_shown = finished
         return True
 
 

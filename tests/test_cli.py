@@ -30,7 +30,20 @@ def test_user_error_is_one_line_and_exit_code_2_unless_debug(tmp_path, capsys):
     assert main(["speculate", "--target-model", str(tmp_path / "none"), "--checkpoint", "x", "--prompt", "p"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
     with pytest.raises(Exception, match="not a local model directory"):
-        main(["--debug", "speculate", "--target-model", str(tmp_path / "none"), "--checkpoint", "x", "--prompt", "p"])
+        main(["--debug", "speculate", "--target-model", str(tmp_path / "none"), "--checkpoint", "tiny-drafter",
+              "--prompt", "p"])  # fmt: skip
+
+
+def test_an_input_path_that_does_not_exist_is_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    from flashdraft.target.model import TargetModel
+
+    monkeypatch.setattr(TargetModel, "load", lambda *a, **k: pytest.fail("the target was loaded"))
+    for command, flag in (("eval", "--checkpoint"), ("eval", "--cached-hidden-states"), ("cache", "--completions")):
+        argv = [command, "--target-model", "tiny", flag, str(tmp_path / "runn"), "--out", str(tmp_path / "o")]
+        if command == "eval":
+            argv = [a for a in argv if a not in ("--out", str(tmp_path / "o"))]
+        assert main(argv) == 2
+        assert capsys.readouterr().err == f"error: {flag} {tmp_path / 'runn'}: no such file or directory\n"
 
 
 def test_speculate_checks_losslessness_against_greedy(target_dir, tmp_path, capsys):

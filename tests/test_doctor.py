@@ -149,9 +149,19 @@ def test_a_bare_state_dict_shows_its_shapes_and_loads_for_a_target(files, tmp_pa
 # -- training runs -------------------------------------------------------------------------------------
 
 
-def test_a_training_run_checks_its_newest_checkpoint_and_run_config(files, capsys):
-    rc, out, err = doctor(capsys, files["run"], "--target-model", files["target"])
+def _learned_copy(run: Path, to: Path) -> Path:
+    """A copy of the fixture's two-step run, its metrics as if its held-out τ had been measured at 1.8."""
+    copy = shutil.copytree(run, to)
+    with (copy / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 2, "eval_tau": 1.8}) + "\n")
+    return copy
+
+
+def test_a_training_run_checks_its_newest_checkpoint_and_run_config(files, tmp_path, capsys):
+    run = _learned_copy(files["run"], tmp_path / "run")
+    rc, out, err = doctor(capsys, run, "--target-model", files["target"])
     assert rc == 0, out
+    assert "ok   held-out τ 1.800 at step 2 (metrics.jsonl): the drafter accepts drafts" in out
     assert "complete checkpoints ['step-0000001', 'step-0000002']" in out
     assert "newest complete checkpoint: step-0000002" in out and "every file matches checksums.json" in out
     assert "trainer.pt: step 2, 4 records, world size 1" in out
@@ -160,8 +170,16 @@ def test_a_training_run_checks_its_newest_checkpoint_and_run_config(files, capsy
     assert "run's target fingerprint" in out and "all checks passed" in out
 
 
+def test_a_run_whose_drafter_accepts_nothing_is_a_problem_with_its_likely_cause(files, capsys):
+    rc, out, err = doctor(capsys, files["run"])  # two steps: its τ is an untrained drafter's
+    assert rc == 1 and "all checks passed" not in out
+    assert fail_lines(out) == ["FAIL estimated τ (training batches) at step 2 1.000 is within 0.05 of 1.0: the "
+                               "drafter accepts (almost) nothing, like an untrained one (likely: only 2 optimizer "
+                               "steps); fix: train again with --max-steps 1000"]  # fmt: skip
+
+
 def test_a_damaged_or_mismatched_run_fails_naming_the_file(files, tmp_path, capsys):
-    run = shutil.copytree(files["run"], tmp_path / "run")
+    run = _learned_copy(files["run"], tmp_path / "run")
     weights = run / "checkpoints/step-0000002/drafter/model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # a flipped bit in the last weight

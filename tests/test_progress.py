@@ -23,3 +23,13 @@ def test_progress_on_a_terminal_is_tqdms_redrawn_bar():
     for _ in Progress(range(3), desc="train", file=screen, mininterval=0):
         pass
     assert "\r" in screen.getvalue()
+
+
+def test_a_finished_bar_in_a_log_ends_with_one_100_percent_line():
+    log = io.StringIO()
+    with Progress(total=4, desc="cache", file=log, mininterval=0) as bar:
+        for _ in range(4):
+            bar.update(1)
+        bar.set_postfix(loss="1.0")  # a redraw of the finished bar, then close() draws it again
+    finished = [line for line in log.getvalue().splitlines() if "100%" in line]
+    assert len(finished) == 1, log.getvalue()

@@ -45,6 +45,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="with --engine: capture with the engine's prefix caching on (off by default: it has "
                         "returned fewer states than tokens, vLLM #44485; each sample's length is checked)")  # fmt: skip
+    p.add_argument("--verbose", action="store_true", help="a line per record: its tokens and feature statistics")
     device_args(p)
     return p
 

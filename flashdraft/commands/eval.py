@@ -96,6 +96,8 @@ def _output_args(p: argparse.ArgumentParser) -> None:
                    "n-gram baseline)")  # fmt: skip
     p.add_argument("--json", help="write every figure to this JSON file")
     p.add_argument("--report", help="write report.md and PNG plots into this directory")
+    p.add_argument("--verbose", action="store_true", help="a line per record while evaluating, and the per-position, "
+                   "per-prompt and per-context-length tables in the summary")  # fmt: skip
     p.add_argument("--served", choices=["vllm"], default=None,
                    help="also serve the drafter in vLLM (started on 127.0.0.1 for this run, or --server), read the "
                         "engine's spec-decode counters per request and set them beside flashdraft's walk of the same "
@@ -152,7 +154,7 @@ def run(args: argparse.Namespace) -> None:
         **{name: getattr(args, name) for name in EvalConfig.option_names()},
     )  # fmt: skip
     print()
-    print(format_summary(summary))
+    print(format_summary(summary, verbose=args.verbose))
     if args.json:
         from flashdraft.files import write_json_atomic
 
@@ -160,6 +162,8 @@ def run(args: argparse.Namespace) -> None:
         write_json_atomic(Path(args.json), summary, what="the evaluation figures (--json)")
         print(f"wrote {args.json}")
     if args.report:
+        if Path(args.report).exists():
+            print(f"{args.report} exists: its report.md and plots are replaced")
         print(f"wrote {write_report(summary, args.report)}")
     require_consistent(summary)
     served = summary.get("served")

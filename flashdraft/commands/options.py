@@ -4,6 +4,7 @@ option groups (sampling filters, long prompts, device, a long command's exit sta
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from flashdraft.errors import FlashdraftError
@@ -189,3 +190,18 @@ def verify_share_arg(p: argparse.ArgumentParser, default: float, what: str) -> N
     p.add_argument("--verify-share", type=float, default=default, metavar="S",
                    help=f"with --engine: the share of {what} recomputed by the transformers forward to check the "
                         f"engine's (at least one; default {default:g})")  # fmt: skip
+
+
+# options naming an input that must exist (a built-in drafter's name aside): checked before any model loads
+INPUT_PATHS = ("checkpoint", "init", "cached_hidden_states", "completions", "eval_cached_hidden_states",
+               "eval_completions")  # fmt: skip
+
+
+def require_inputs(args: argparse.Namespace) -> None:
+    """An input option naming no file or directory is one line, before the command loads anything."""
+    from flashdraft.drafter.run_dir import BUILTIN_DRAFTERS
+
+    for name in INPUT_PATHS:
+        value = getattr(args, name, None)
+        if value is not None and str(value) not in BUILTIN_DRAFTERS and not Path(value).exists():
+            raise FlashdraftError(f"--{name.replace('_', '-')} {value}: no such file or directory")

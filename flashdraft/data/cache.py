@@ -173,7 +173,7 @@ def _cache_record(
 
 def _build_shard(
     target: TargetModel, directory: Path, k: int, records: list[CompletionRecord], settings: dict, dist: Dist,
-    bar: Progress, stop: StopRequests | None = None, features_of: FeaturesOf | None = None,
+    bar: Progress, stop: StopRequests | None = None, features_of: FeaturesOf | None = None, verbose: bool = False,
 ) -> dict | None:  # fmt: skip
     """Compute and write shard k; None when a stop was requested first (after the record in
     flight: nothing of the shard is written, a re-run computes it again)."""
@@ -194,15 +194,14 @@ def _build_shard(
         if topk:
             logits["values"][offset : offset + n] = item["topk_values"]
             logits["indices"][offset : offset + n] = item["topk_indices"]
-        features = item["context_features"].float()
-        bar.write(
-            f"{dist.prefix()}{r.id}: {n} tokens ({len(r.completion_ids)} supervised), "
-            f"features mean {features.mean():+.4f} std {features.std():.4f}"
-        )
+        if verbose:
+            features = item["context_features"].float()
+            bar.write(f"{dist.prefix()}{r.id}: {n} tokens ({len(r.completion_ids)} supervised), "
+                      f"features mean {features.mean():+.4f} std {features.std():.4f}")  # fmt: skip
         bar.update(1)
         entries.append({"id": r.id, "offset": offset, "length": n, "prompt_length": len(r.prompt_ids)})
         offset += n
-        del item, features
+        del item
         if stop is not None and stop.requested:
             return None
     what = f"cache shard {k} (records {records[0].id} to {records[-1].id})"
@@ -263,13 +262,15 @@ def build_cache(
     force: bool = False,
     features_of: FeaturesOf | None = None,
     engine: dict | None = None,
+    verbose: bool = False,
 ) -> Path:
     """Build (or resume) the cache of `completions` in `out`; returns its directory. `dtype`:
     bf16/fp16/fp32, or auto = the dtype the target computes in (exact offline τ). A cache its
     filesystem cannot hold is refused before any forward unless `force`. SIGTERM/SIGINT stop
     it after the record in flight (`Interrupted`), the finished shards kept for a re-run.
     `features_of`: each record's features as captured elsewhere (`engine_capture`), in place of the target's
-    forward; `engine`: what captured them, recorded in the manifest's computed_with."""
+    forward; `engine`: what captured them, recorded in the manifest's computed_with. `verbose`: a line per record
+    (its tokens and feature statistics) above the progress bar."""
     dist = dist or Dist()
     directory = Path(out)
     dtype = resolve_dtype_flag(dtype, target.dtype)  # the settings hold the resolved dtype: a resume compares it
@@ -302,7 +303,7 @@ def build_cache(
             f"{format_bytes(32768 * width * feature_dtype.itemsize)})"
         )
     mine = [k for k in todo if k % dist.world == dist.rank]
-    _build_shards(target, directory, shards, mine, settings, dist, features_of)
+    _build_shards(target, directory, shards, mine, settings, dist, features_of, verbose)
     if dist.is_main:
         _finish(directory, target, completions, shards, settings, _computed_with(target, engine))
     dist.barrier()
@@ -310,7 +311,7 @@ def build_cache(
 
 
 def _build_shards(target: TargetModel, directory: Path, shards: list[list[CompletionRecord]], mine: list[int],
-                  settings: dict, dist: Dist, features_of: FeaturesOf | None) -> None:  # fmt: skip
+                  settings: dict, dist: Dist, features_of: FeaturesOf | None, verbose: bool) -> None:  # fmt: skip
     """This rank's shards `mine`, one after another; a stop (SIGTERM/SIGINT) on any rank stops all after the record
     in flight (`Interrupted`), and a full disk says how much the shards still to write need."""
     topk, feature_dtype = settings["topk"], DTYPES[settings["dtype_flag"]]
@@ -320,7 +321,8 @@ def _build_shards(target: TargetModel, directory: Path, shards: list[list[Comple
         with Progress(total=sum(len(shards[k]) for k in mine), desc=f"{dist.prefix()}cache", unit="record") as bar:
             for k in mine:
                 try:
-                    meta = _build_shard(target, directory, k, shards[k], settings, dist, bar, stop, features_of)
+                    meta = _build_shard(target, directory, k, shards[k], settings, dist, bar, stop, features_of,
+                                        verbose)
                 except DiskFullError as e:
                     rest = [r for j in mine[built:] for r in shards[j]]
                     e.then = (f"free about {format_bytes(estimate_bytes(rest, width, feature_dtype, topk))} for the "
@@ -398,7 +400,8 @@ def _finish(directory: Path, target: TargetModel, completions: Completions, shar
     for p in stale:
         p.unlink()
     print(f"wrote {directory / MANIFEST}: {len(manifest_records)} records, {manifest['num_tokens']} tokens"
-          + (f" (removed {len(stale)} stale shard files)" if stale else ""))  # fmt: skip
+          + (f" (removed {len(stale)} stale shard files)" if stale else "")
+          + f"; `flashdraft doctor {directory}` checks it, --verbose prints a line per record")  # fmt: skip
 
 
 def check_new_cache_directory(directory: Path) -> None:
@@ -499,6 +502,7 @@ def run_cache(
     allow_foreign: bool = False,
     device: str | None = None,
     target_dtype: str | None = None,
+    verbose: bool = False,
     force: bool = False,
 ) -> Path:
     """`flashdraft cache`, one rank of it under torchrun. `force`: write even when the estimate
@@ -524,7 +528,7 @@ def run_cache(
                           f"logits its loss reads (--with-target-logits 0 to leave them out)")  # fmt: skip
         loaded = load_completions(completions, target, allow_foreign=allow_foreign, quiet=not dist.is_main)
         return build_cache(target, loaded, out, layer_ids, dtype, records_per_shard, with_target_logits,
-                           num_prompts, dist, force)  # fmt: skip
+                           num_prompts, dist, force, verbose=verbose)  # fmt: skip
     finally:
         if lock is not None:
             lock.release()

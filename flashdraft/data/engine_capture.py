@@ -236,7 +236,7 @@ def run_engine_cache(
     records_per_shard: int = 64, allow_foreign: bool = False, device: str | None = None,
     target_dtype: str | None = None, force: bool = False, engine_python: str | None = None,
     verify_share: float = VERIFY_SHARE, tensor_parallel_size: int = 1, enable_prefix_caching: bool = False,
-    log=print,
+    verbose: bool = False, log=print,
 ) -> Path:  # fmt: skip
     """`flashdraft cache --engine vllm`: the same verified cache as `flashdraft cache`, its states captured by the
     engine and checked against the target (which is loaded for that, on the CPU unless a GPU is free)."""
@@ -260,7 +260,7 @@ def run_engine_cache(
         features_of, engine = capture_features(target, records, Path(out), layer_ids, engine_python, settings,
                                                verify_share, log)  # fmt: skip
         directory = build_cache(target, loaded, out, layer_ids, dtype, records_per_shard, 0, num_prompts,
-                                force=force, features_of=features_of, engine=engine)  # fmt: skip
+                                force=force, features_of=features_of, engine=engine, verbose=verbose)  # fmt: skip
         remove_capture(Path(out))
     finally:
         lock.release()

@@ -12,6 +12,7 @@ import io
 from pathlib import Path
 from typing import Any
 
+from flashdraft.evaluation.results import accepts_nothing_problem
 from flashdraft.files import write_atomic, write_text_atomic
 
 PLOTS = {
@@ -49,8 +50,9 @@ def _at(values: list, index: int):
     return values[index] if index < len(values) else None
 
 
-def figure_rows(summary: dict[str, Any]) -> list[list[str]]:
-    """[figure, drafter, (reference, difference)] rows of every pooled figure."""
+def figure_rows(summary: dict[str, Any], per_position: bool = True) -> list[list[str]]:
+    """[figure, drafter, (reference, difference)] rows of every pooled figure (`per_position`: with the histogram
+    of committed lengths and the acceptance of each draft position)."""
     ref, diff = summary.get("reference"), summary.get("difference")
     rows: list[tuple[str, Any, Any, Any]] = [
         ("steps", summary["num_steps"], ref and ref["num_steps"], diff and diff["num_steps"]),
@@ -72,7 +74,7 @@ def figure_rows(summary: dict[str, Any]) -> list[list[str]]:
             ("speed-up", summary["speedup"], ref and ref["speedup"], diff and diff["speedup"]),
         ]  # fmt: skip
         rows += [(name, summary.get(key), ref and ref.get(key), None) for name, key in TIMING_ROWS]
-    length = max(len(summary["histogram"]), len(ref["histogram"]) if ref else 0)
+    length = max(len(summary["histogram"]), len(ref["histogram"]) if ref else 0) if per_position else 0
     for n in range(1, length + 1):
         rows.append((f"steps committing {n}", _at(summary["histogram"], n - 1),
                      ref and _at(ref["histogram"], n - 1), diff and diff["histogram"][n - 1]))  # fmt: skip
@@ -195,8 +197,9 @@ def confidence_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
-def format_summary(summary: dict[str, Any]) -> str:
-    """The terminal view: pooled figures, then the per-prompt table."""
+def format_summary(summary: dict[str, Any], verbose: bool = True) -> str:
+    """The terminal view: pooled figures, then (`verbose`) the per-position figures and the per-prompt and
+    per-context-length tables; a τ within noise of 1.0 as a problem line first."""
     title = (
         f"{summary['mode']} evaluation of {summary['checkpoint']}: {summary['num_prompts']} prompts, "
         f"block size {summary['block_size']}, {_context(summary)}"
@@ -205,8 +208,15 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary.get("reference"):
         ref = summary["reference"]
         title += f"\nreference {ref['checkpoint']}: block size {ref['block_size']}, {_context(ref)}"
-    parts = [title, _text_table(_figure_header(summary), figure_rows(summary)), _text_table(*prompt_rows(summary)),
-             "by context length (tokens before the step's anchor):\n" + _text_table(*context_rows(summary))]
+    problem = accepts_nothing_problem(summary["tau"], "τ") if summary.get("checkpoint") != "ngram" else None
+    if problem:
+        title = f"problem: {problem} (trained enough? `flashdraft doctor RUN` says what the run logged)\n" + title
+    parts = [title, _text_table(_figure_header(summary), figure_rows(summary, per_position=verbose))]
+    if verbose:
+        parts += [_text_table(*prompt_rows(summary)),
+                  "by context length (tokens before the step's anchor):\n" + _text_table(*context_rows(summary))]
+    else:
+        parts.append("per draft position, per prompt and per context length: --verbose, --report DIR or --json FILE")
     if summary.get("selector"):
         parts.append(selector_line(summary["selector"]))
     if summary.get("confidence"):

@@ -21,6 +21,24 @@ from typing import Any
 from flashdraft.decoding.acceptance import tau_of
 from flashdraft.errors import FlashdraftError
 
+# τ this close to 1.0 is what a drafter that accepts (almost) nothing gets, as an untrained one does: random drafts
+# over a real vocabulary are accepted well under 1 % of steps, a drafter that learned anything clears 1.05 at once
+ACCEPTS_NOTHING_MARGIN = 0.05
+
+
+def accepts_nothing(tau: float) -> bool:
+    """Whether τ is within noise of 1.0: the drafter's drafts are (almost) never accepted."""
+    return tau < 1.0 + ACCEPTS_NOTHING_MARGIN
+
+
+def accepts_nothing_problem(tau: float, what: str) -> str | None:
+    """The problem line for a τ within noise of 1.0 (`what`: which τ, e.g. "held-out τ"), else None."""
+    if not accepts_nothing(tau):
+        return None
+    return (f"{what} {tau:.3f} is within {ACCEPTS_NOTHING_MARGIN} of 1.0: the drafter accepts (almost) nothing, like "
+            f"an untrained one")
+
+
 
 def speedup_bound(tau: float, greedy_step_s: float, draft_s: float, verify_s: float) -> float | None:
     """The speed-up τ and the measured per-step costs allow: a step commits τ tokens in

@@ -49,7 +49,15 @@ from flashdraft.evaluation.online import (
     greedy_baseline,
     max_new_tokens_of,
 )
-from flashdraft.evaluation.records import EvalRecord, FeatureSource, Log, fit_prompts, invalid_reason, load_eval_records
+from flashdraft.evaluation.records import (
+    EvalRecord,
+    FeatureSource,
+    Log,
+    fit_prompts,
+    invalid_reason,
+    load_eval_records,
+    quiet,
+)
 from flashdraft.evaluation.results import (
     EvalResult,
     difference,
@@ -159,6 +167,7 @@ class EvalConfig:
     # environment, or the running `server`; check_served makes a disagreement the exit status
     served: str | None = None
     check_served: bool = False
+    verbose: bool = False  # a line per record while evaluating (its tokens, feature statistics, tokens to decode)
     server: str | None = None
     engine_python: str | None = None
 
@@ -535,8 +544,9 @@ def run_eval(
     note = _cache_precision_note(cfg, records)
     if note:
         log(note)
-    features = FeatureSource(target, log)  # logs each record's tokens and feature statistics offline
-    if cfg.online and not cfg.check_consistency:
+    record_log = log if cfg.verbose else quiet
+    features = FeatureSource(target, record_log)  # each record's tokens and feature statistics offline
+    if cfg.online and not cfg.check_consistency and cfg.verbose:
         for record in records:
             log(f"record {record.id}: {len(record.prompt_ids)} prompt tokens, "
                 f"{max_new_tokens_of(record, max_new_tokens)} new tokens to decode")  # fmt: skip

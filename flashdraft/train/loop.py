@@ -51,18 +51,21 @@ from flashdraft.progress import Progress
 from flashdraft.stop import StopRequests
 from flashdraft.target.model import TargetModel
 from flashdraft.train.data import Batch, add_context_noise, make_batch, record_generator
+from flashdraft.train.learning import LearningCheck, mean_record_length
 from flashdraft.train.loss import DSparkLoss, block_loss, estimated_acceptance, label_weight_total
 from flashdraft.train.metrics import MetricsWriter, StepResult, Window, dspark_metrics, selector_metrics
-from flashdraft.train.optim import Optimizers, build_optimizers
+from flashdraft.train.optim import Optimizers, build_optimizers, warmup_steps
+from flashdraft.train.recipe import PUBLISHED_RECIPE, Recipe
 
 
 @dataclass
 class TrainConfig:
     """Everything that decides what a run computes; written to RUN/run_config.json."""
 
-    epochs: int = 1
-    max_steps: int | None = None
-    lr: float = 6e-4
+    # None: the recipe's (`apply_recipe`, `recipe.py`): the published one, or the tiny target's on `tiny`
+    epochs: int | None = None  # whole epochs, when no --max-steps is given
+    max_steps: int | None = None  # the steps run, over as many epochs as they take
+    lr: float | None = None
     warmup_fraction: float = 0.04
     min_lr_fraction: float = 0.0
     weight_decay: float = 0.0
@@ -73,7 +76,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     batch_size: int = 4  # sequences per micro-batch per rank
     grad_accum: int = 1
-    num_anchors: int = 512
+    num_anchors: int | None = None  # anchors (blocks) sampled per sequence
     max_length: int | None = None
     # per-position weights: "dpace" (dpace_alpha; measured 1.10-1.13x the held-out tau of "decay" at equal
     # steps, docs/benchmarks.md) or "decay" (loss_decay_gamma, the published recipe)
@@ -113,6 +116,17 @@ class TrainConfig:
     def option_names(cls) -> list[str]:
         """The fields a user chooses (`flashdraft train` has an option for each)."""
         return [f.name for f in fields(cls) if not f.metadata.get("recorded")]
+
+    def apply_recipe(self, recipe: Recipe) -> list[str]:
+        """Fill the fields left None from `recipe`; returns their names. The step budget is the recipe's only where
+        neither --epochs nor --max-steps was given."""
+        filled = [name for name in ("lr", "num_anchors") if getattr(self, name) is None]
+        for name in filled:
+            setattr(self, name, getattr(recipe, name))
+        if self.epochs is None and self.max_steps is None:
+            self.epochs, self.max_steps = recipe.epochs, recipe.max_steps
+            filled.append("max_steps" if recipe.max_steps is not None else "epochs")
+        return filled
 
 
 # settings a resumed run may change: they decide how long it runs and what it writes, not what it computes
@@ -236,7 +250,8 @@ def _nonfinite_input(micro_batches: list[Batch], records) -> str:
 
 
 def _steps(cfg: TrainConfig, num_records: int, world: int) -> tuple[int, int]:
-    """(steps per epoch, total steps) of the run."""
+    """(steps per epoch, total steps) of the run: --max-steps when given, over as many epochs as that takes (as
+    transformers' `max_steps` overrides `num_train_epochs`), else --epochs whole epochs."""
     global_batch = cfg.batch_size * cfg.grad_accum * world
     steps_per_epoch = num_records // global_batch
     if steps_per_epoch == 0:
@@ -244,8 +259,18 @@ def _steps(cfg: TrainConfig, num_records: int, world: int) -> tuple[int, int]:
             f"{num_records} training records are fewer than one global batch of {global_batch} "
             f"(batch size {cfg.batch_size} x grad accum {cfg.grad_accum} x {world} ranks)"
         )
-    total_steps = steps_per_epoch * cfg.epochs
-    return steps_per_epoch, total_steps if cfg.max_steps is None else min(total_steps, cfg.max_steps)
+    return steps_per_epoch, steps_per_epoch * cfg.epochs if cfg.max_steps is None else cfg.max_steps
+
+
+def describe_steps(cfg: TrainConfig, steps_per_epoch: int, total_steps: int, num_records: int, world: int) -> list[str]:
+    """The run's first lines: how many steps and epochs it does and why; an --eval-every past its end."""
+    why = f"--max-steps {cfg.max_steps}" if cfg.max_steps is not None else f"--epochs {cfg.epochs}, no --max-steps"
+    lines = [f"training {total_steps} steps ({why}): {total_steps / steps_per_epoch:.3g} epochs of {steps_per_epoch} "
+             f"steps ({num_records} records, {cfg.batch_size * cfg.grad_accum * world} a step)"]
+    if cfg.eval_every > total_steps:
+        lines.append(f"--eval-every {cfg.eval_every} is past the run's {total_steps} steps: held-out evaluation runs "
+                     f"once, after the last step")
+    return lines
 
 
 def _write_run_config(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict:
@@ -355,6 +380,34 @@ def held_out_metrics(model, target: TargetModel, cfg: TrainConfig, dist: Dist, e
     if eval_tau_records:
         held_out |= evaluate_tau(unwrap(model), target, eval_tau_records, cfg.eval_max_blocks)
     return held_out
+
+
+def _prepare(cfg: TrainConfig, drafter: DFlashDrafter, target: TargetModel, records, dist: Dist, eval_records,
+             eval_tau_records) -> tuple[int, int, LearningCheck]:  # fmt: skip
+    """The checks before a run, its recorded layout, its steps (said in its first lines) and its learning check."""
+    cfg.apply_recipe(PUBLISHED_RECIPE)  # what run_training left unset (a no-op after it)
+    check_no_shortcut(drafter, target)
+    _check_keep_best(cfg, eval_records, eval_tau_records)
+    _record_layout(cfg, drafter, target)
+    steps_per_epoch, total_steps = _steps(cfg, len(records), dist.world)
+    if dist.is_main:
+        print("\n".join(describe_steps(cfg, steps_per_epoch, total_steps, len(records), dist.world)), flush=True)
+    learning = LearningCheck(cfg.lr, total_steps, warmup_steps(total_steps, cfg.warmup_fraction), cfg.num_anchors,
+                             mean_record_length(records), bool(eval_tau_records))  # fmt: skip
+    return steps_per_epoch, total_steps, learning
+
+
+def _report_held_out(bar: Progress, writer: MetricsWriter | None, learning: LearningCheck, step: int,
+                     held_out: dict) -> None:  # fmt: skip
+    _warn(bar, learning.see(step, held_out.get("eval_tau"), held_out=True))
+    if writer is not None and held_out:
+        writer.write(step, held_out)
+        bar.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in held_out.items() if isinstance(v, float)))
+
+
+def _warn(bar: Progress, line: str | None) -> None:
+    if line is not None and not bar.disable:
+        bar.write(line)
 
 
 def _log(bar: Progress, writer: MetricsWriter | None, step: int, metrics: dict) -> None:
@@ -480,10 +533,8 @@ def train(
     eval_tau_records: held-out `flashdraft.evaluation.records.EvalRecord`s for the real offline τ.
     """
     dist = dist or Dist()
-    check_no_shortcut(drafter, target)
-    _check_keep_best(cfg, eval_records, eval_tau_records)
-    _record_layout(cfg, drafter, target)
-    steps_per_epoch, total_steps = _steps(cfg, len(records), dist.world)
+    steps_per_epoch, total_steps, learning = _prepare(cfg, drafter, target, records, dist, eval_records,
+                                                      eval_tau_records)  # fmt: skip
     lock = RunLock(run_dir) if dist.is_main else None
     writer = None
     try:
@@ -510,14 +561,13 @@ def train(
                 window.add(result, micro_batches, dist.world)
                 done = step + 1
                 if done % cfg.log_every == 0 or done == total_steps:
-                    _log(bar, writer, done, window.metrics(optimizer.last_lr(), grad_norm, epoch))
+                    metrics = window.metrics(optimizer.last_lr(), grad_norm, epoch)
+                    _log(bar, writer, done, metrics)
+                    _warn(bar, learning.see(done, metrics["estimated_acceptance"], held_out=False))
                     window = Window(cfg.first_draft_position)
                 if cfg.eval_every and (done % cfg.eval_every == 0 or done == total_steps):
                     held_out = held_out_metrics(model, target, cfg, dist, eval_records, eval_tau_records)
-                    if writer is not None and held_out:
-                        writer.write(done, held_out)
-                        bar.write(f"step {done}: " + ", ".join(f"{k} {v:.3f}" for k, v in held_out.items()
-                                                               if isinstance(v, float)))  # fmt: skip
+                    _report_held_out(bar, writer, learning, done, held_out)
                     if cfg.keep_best:
                         best = _keep_if_best(run_dir, done, model, held_out, best, cfg, dist)
                 saved = done % cfg.save_every == 0 or done == total_steps
@@ -528,6 +578,8 @@ def train(
                     if not saved:
                         _save(run_dir, done, model, optimizer, cfg, config_dict, len(records), dist)
                     raise _interrupted(stop, bar, run_dir, done, total_steps, dist)
+        if dist.is_main and learning.verdict():
+            print(learning.verdict(), flush=True)
     except DiskFullError as e:
         e.then = ("free space (or move the run) and re-run the same command with --resume: it continues from the "
                   "newest complete checkpoint")  # fmt: skip

@@ -19,9 +19,14 @@ from flashdraft.errors import FlashdraftError
 OPTIMIZERS = ("adamw", "muon")
 
 
+def warmup_steps(total_steps: int, warmup_fraction: float) -> int:
+    """The steps of the schedule's linear warm-up (at least one)."""
+    return max(1, int(round(total_steps * warmup_fraction)))
+
+
 def lr_lambda(total_steps: int, warmup_fraction: float, min_lr_fraction: float = 0.0):
     """Linear warm-up then cosine decay to min_lr_fraction (multiplier of the base lr)."""
-    warmup = max(1, int(round(total_steps * warmup_fraction)))
+    warmup = warmup_steps(total_steps, warmup_fraction)
 
     def f(step: int) -> float:
         if step < warmup:

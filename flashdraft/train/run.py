@@ -23,6 +23,7 @@ from flashdraft.target.weights import TargetHead
 from flashdraft.train.data import OnlineRecords
 from flashdraft.train.loop import TrainConfig, train
 from flashdraft.train.loss import recipe_decay_gamma
+from flashdraft.train.recipe import recipe_for
 from flashdraft.train.vocab import draft_vocabulary, with_draft_vocabulary
 
 
@@ -235,8 +236,12 @@ def run_training(
             cfg.loss_decay_gamma = recipe_decay_gamma(drafter.config.block_size, drafter.config.family)
         eval_records, tau_records = _held_out_records(target, layer_ids, eval_cached_hidden_states, eval_completions,
                                                       allow_foreign, verify, online_topk)  # fmt: skip
+        recipe = recipe_for(target_model)
+        chosen = cfg.apply_recipe(recipe)
         if dist.is_main:
             print(_describe_run(target, drafter, len(records), offline=bool(cached_hidden_states)), flush=True)
+            if chosen:
+                print(f"defaults: {recipe.describe()} for {', '.join(chosen)} (set by no flag)", flush=True)
         train(cfg, drafter, target, records, run_dir, resume=resume, eval_records=eval_records,
               report_to=report_to, dist=dist, eval_tau_records=tau_records, verify=verify)  # fmt: skip
         final = latest_checkpoint(run_dir)

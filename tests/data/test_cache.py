@@ -33,6 +33,13 @@ def completions(hybrid_dir, tmp_path_factory) -> Path:
     return d / "c.json"
 
 
+def test_cache_is_quiet_per_record_unless_verbose_and_says_so(hybrid_dir, completions, tmp_path, capsys):
+    assert run_cli(["cache", "--target-model", str(hybrid_dir), "--completions", str(completions), "--out",
+                    str(tmp_path / "cache"), "--layers", "0,2"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "features mean" not in printed and "--verbose prints a line per record" in printed
+
+
 def files_of(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
 
@@ -40,7 +47,7 @@ def files_of(directory: Path) -> dict[str, bytes]:
 def test_generate_cache_doctor_round_trip(hybrid_dir, completions, tmp_path, capsys):
     out = tmp_path / "cache"
     assert run_cli(["cache", "--target-model", str(hybrid_dir), "--completions", str(completions), "--out", str(out),
-                 "--layers", "0,2", "--records-per-shard", "2"]) == 0  # fmt: skip
+                 "--layers", "0,2", "--records-per-shard", "2", "--verbose"]) == 0  # fmt: skip
     printed = capsys.readouterr().out
     assert "q0: " in printed and "features mean" in printed and "std" in printed  # per-record statistics
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json"] + [f"shard-0000{k}.safetensors" for k in range(3)]

@@ -11,8 +11,10 @@ from flashdraft.decoding.proposers import DFlashProposer
 from flashdraft.drafter.checkpoint import load_drafter
 from flashdraft.drafter.run_dir import RunLock, complete_checkpoints, latest_checkpoint
 from flashdraft.errors import FlashdraftError
+from flashdraft.target.model import TINY_DIR
 from flashdraft.train.data import OnlineRecords, make_batch
-from flashdraft.train.loop import TrainConfig, forward_loss, train
+from flashdraft.train.loop import TrainConfig, describe_steps, forward_loss, train
+from flashdraft.train.recipe import PUBLISHED_RECIPE, TINY_RECIPE, recipe_for
 from tests.conftest import MASK, make_dflash2_drafter, make_drafter, make_dspark_drafter, make_target
 from tests.train.helpers import make_records
 
@@ -284,3 +286,35 @@ def test_the_checkpoint_records_the_longest_context_trained_at_and_a_warm_start_
     # warm-started from a drafter trained longer elsewhere: its own, the larger, stays
     train(_cfg(max_steps=1), make_drafter(trained_context_length=5000), target, records, tmp_path / "kept")
     assert load_drafter(latest_checkpoint(tmp_path / "kept") / "drafter").config.trained_context_length == 5000
+
+
+def test_max_steps_runs_that_many_steps_over_as_many_epochs_as_it_takes(target, records, tmp_path, capsys):
+    # 8 records at batch 2: 4 steps an epoch; --epochs 1 would stop at 4, --max-steps 10 runs 10 (2.5 epochs)
+    train(_cfg(epochs=1, max_steps=10, save_every=100), make_drafter(), target, records, tmp_path)
+    assert latest_checkpoint(tmp_path).name == "step-0000010"
+    assert "training 10 steps (--max-steps 10): 2.5 epochs of 4 steps (8 records, 2 a step)" in capsys.readouterr().out
+
+
+def test_the_first_lines_say_the_epochs_run_and_an_eval_every_past_the_end():
+    lines = describe_steps(_cfg(epochs=3, max_steps=None, eval_every=100), 4, 12, 8, 1)
+    assert lines[0] == "training 12 steps (--epochs 3, no --max-steps): 3 epochs of 4 steps (8 records, 2 a step)"
+    assert lines[1].startswith("--eval-every 100 is past the run's 12 steps")
+    assert len(describe_steps(_cfg(eval_every=4), 4, 6, 8, 1)) == 1
+
+
+def test_a_run_that_learns_nothing_is_warned_about_and_its_verdict_is_a_problem(target, records, tmp_path, capsys):
+    train(_cfg(lr=1e-12, max_steps=8, save_every=100), make_drafter(), target, records, tmp_path)
+    out, err = capsys.readouterr()
+    warning = [line for line in (out + err).splitlines() if line.startswith("warning: step")]
+    assert len(warning) == 1 and "--lr 1e-12 is small" in warning[0] and "only 8 optimizer steps" in warning[0]
+    assert "problem: step 8: estimated τ (training batches)" in out
+
+
+def test_the_recipe_fills_only_what_no_one_chose_and_tiny_gets_its_own():
+    assert recipe_for("tiny") is TINY_RECIPE and recipe_for(TINY_DIR) is TINY_RECIPE
+    cfg = TrainConfig(lr=1e-3)
+    assert cfg.apply_recipe(TINY_RECIPE) == ["num_anchors", "max_steps"]
+    assert (cfg.lr, cfg.num_anchors, cfg.epochs, cfg.max_steps) == (1e-3, 8, None, 1000)
+    given_epochs = TrainConfig(epochs=3)
+    assert given_epochs.apply_recipe(PUBLISHED_RECIPE) == ["lr", "num_anchors"]
+    assert (given_epochs.epochs, given_epochs.max_steps, given_epochs.num_anchors) == (3, None, 512)
