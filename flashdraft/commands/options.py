@@ -189,3 +189,25 @@ def verify_share_arg(p: argparse.ArgumentParser, default: float, what: str) -> N
     p.add_argument("--verify-share", type=float, default=default, metavar="S",
                    help=f"with --engine: the share of {what} recomputed by the transformers forward to check the "
                         f"engine's (at least one; default {default:g})")  # fmt: skip
+
+
+def chat_template_kwargs(value: str) -> dict:
+    from flashdraft.data.chat_mode import parse_kwargs
+
+    try:
+        return parse_kwargs(value, "--chat-template-kwargs")
+    except FlashdraftError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
+
+
+def chat_mode_args(p: argparse.ArgumentParser) -> None:
+    """The chat template's mode a command renders prompts in (generate, eval): `data/chat_mode.py`."""
+    p.add_argument("--chat-template-kwargs", type=chat_template_kwargs, default=None, metavar="JSON",
+                   help="keyword arguments of the chat template, as the servers' request field of the name, e.g. "
+                        "'{\"enable_thinking\": false}' (default: the template's own; a prompt row's "
+                        "chat_template_kwargs over them); recorded per record with the template's hash")  # fmt: skip
+    thinking = p.add_mutually_exclusive_group()
+    thinking.add_argument("--enable-thinking", dest="enable_thinking", action="store_const", const=True,
+                          default=None, help="shorthand of enable_thinking true (Qwen3-style thinking templates)")
+    thinking.add_argument("--disable-thinking", dest="enable_thinking", action="store_const", const=False,
+                          help="shorthand of enable_thinking false: the template writes an empty think block")
