@@ -200,7 +200,9 @@ def _build_shard(
             f"features mean {features.mean():+.4f} std {features.std():.4f}"
         )
         bar.update(1)
-        entries.append({"id": r.id, "offset": offset, "length": n, "prompt_length": len(r.prompt_ids)})
+        entries.append({"id": r.id, "offset": offset, "length": n, "prompt_length": len(r.prompt_ids),
+                        **{k: getattr(r, k) for k in ("chat_template_kwargs", "reasoning_end")
+                           if getattr(r, k) is not None}})  # the record's chat mode, for train and eval  # fmt: skip
         offset += n
         del item, features
         if stop is not None and stop.requested:

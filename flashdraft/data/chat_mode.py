@@ -219,7 +219,23 @@ def mode_mix(records: list[dict[str, Any]]) -> dict[str, Any] | None:
             "records": len(records),
             "with_reasoning": sum(r.get("reasoning_end") is not None for r in records),
             "reasoning_not_closed": sum(r.get("reasoning_end") == NOT_CLOSED for r in records),
-            "reasoning_token_share": reasoning / total if total else 0.0}  # fmt: skip
+            "completion_tokens": total, "reasoning_token_share": reasoning / total if total else 0.0}  # fmt: skip
+
+
+def combine_mixes(earlier: dict[str, Any] | None, later: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The mode mix of two sets of records together (a drafter trained in stages: `--init` from a trained one)."""
+    if not earlier or not later:
+        return later or earlier
+    per_kwargs = Counter()
+    for mix in (earlier, later):
+        for k in mix["records_per_kwargs"]:
+            per_kwargs[json.dumps(k["chat_template_kwargs"], sort_keys=True)] += k["records"]
+    total = earlier.get("completion_tokens", 0) + later.get("completion_tokens", 0)
+    reasoning = sum(m["reasoning_token_share"] * m.get("completion_tokens", 0) for m in (earlier, later))
+    return {"records_per_kwargs": [{"chat_template_kwargs": json.loads(k), "records": n}
+                                   for k, n in sorted(per_kwargs.items())],
+            **{name: earlier[name] + later[name] for name in ("records", "with_reasoning", "reasoning_not_closed")},
+            "completion_tokens": total, "reasoning_token_share": reasoning / total if total else 0.0}  # fmt: skip
 
 
 def describe_mix(mix: dict[str, Any] | None) -> str:
