@@ -164,7 +164,9 @@ def load_eval_records(
         if num_prompts is not None:
             loaded = loaded[:num_prompts]
         records = [EvalRecord(str(r.id), list(r.prompt_ids), list(r.completion_ids),
-                              chat_template_kwargs=r.chat_template_kwargs, messages=r.messages) for r in loaded]
+                              chat_template_kwargs=r.chat_template_kwargs,
+                              messages=r.messages if r.prompt_truncated_from is None else None)
+                   for r in loaded]  # fmt: skip
         return records, f"completions {completions}"
     from flashdraft.data.chat_mode import merged, resolve_mode
     from flashdraft.data.prompts import encode_text, has_chat_template, load_prompts, render_conversation
@@ -198,6 +200,8 @@ def fit_prompts(
     for r in records:
         ids = r.prompt_ids if r.completion_ids else fit_prompt(r.id, r.prompt_ids, limit, policy, stats, source)
         if ids is not None:
+            if len(ids) < len(r.prompt_ids):  # truncated: no longer what its messages render to
+                r.messages = None
             r.prompt_ids = ids
             kept.append(r)
     note = describe_long_prompts(stats, limit)

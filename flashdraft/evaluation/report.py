@@ -195,6 +195,23 @@ def confidence_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
+def mode_lines(summary: dict[str, Any]) -> list[str]:
+    """The chat mode evaluated, the one trained (where they differ) and τ by segment, where the summary has them."""
+    from flashdraft.data.chat_mode import describe_mix
+    from flashdraft.evaluation.modes import segment_line
+
+    lines = [f"chat mode: {describe_mix(summary['chat_mode'])}"] if summary.get("chat_mode") else []
+    if summary.get("chat_mode_warning"):
+        lines.append(f"warning: {summary['chat_mode_warning']}")
+    segments = segment_line(summary.get("by_segment"))
+    if segments:
+        lines.append(segments + " (each step in the segment of the first token it commits)")
+    served = segment_line((summary.get("served") or {}).get("by_segment"))
+    if served:
+        lines.append(f"served outputs {served}")
+    return lines
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The terminal view: pooled figures, then the per-prompt table."""
     title = (
@@ -207,6 +224,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         title += f"\nreference {ref['checkpoint']}: block size {ref['block_size']}, {_context(ref)}"
     parts = [title, _text_table(_figure_header(summary), figure_rows(summary)), _text_table(*prompt_rows(summary)),
              "by context length (tokens before the step's anchor):\n" + _text_table(*context_rows(summary))]
+    parts += mode_lines(summary)
     if summary.get("selector"):
         parts.append(selector_line(summary["selector"]))
     if summary.get("confidence"):
@@ -351,6 +369,7 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
         f"- block size {summary['block_size']}{_draft_limit(summary)}; {context}; at most "
         f"{summary.get('max_blocks') or 'all'} blocks per prompt",
         f"- {sampling_line(summary)}",
+        *[f"- {line}" for line in mode_lines(summary)],
     ]
     if summary.get("reference"):
         ref = summary["reference"]
