@@ -167,7 +167,8 @@ def reasoning_markers(tokenizer) -> ReasoningMarkers | None:
     return None
 
 
-def reasoning_end(prompt_ids: list[int], completion_ids: list[int], markers: ReasoningMarkers | None) -> int | str | None:
+def reasoning_end(prompt_ids: list[int], completion_ids: list[int],
+                  markers: ReasoningMarkers | None) -> int | str | None:  # fmt: skip
     """The index in `completion_ids` of the token that ends its reasoning (`</think>`), NOT_CLOSED when it stops
     inside its reasoning, None when it has no reasoning segment."""
     if markers is None:
@@ -242,10 +243,11 @@ def describe_mix(mix: dict[str, Any] | None) -> str:
     """One line of a mode mix."""
     if mix is None:
         return "no chat template (plain text prompts)"
-    kinds = ", ".join(f"{describe_kwargs(k['chat_template_kwargs'])}: {k['records']}" for k in mix["records_per_kwargs"])
+    kinds = ", ".join(f"{describe_kwargs(k['chat_template_kwargs'])}: {k['records']}"
+                      for k in mix["records_per_kwargs"])  # fmt: skip
     return (f"{kinds} records; {mix['with_reasoning']} of {mix['records']} with a reasoning segment "
-            f"({mix['reasoning_token_share']:.0%} of all completion tokens in reasoning), {mix['reasoning_not_closed']} not closed "
-            f"(stopped inside their reasoning: they train reasoning only)")
+            f"({mix['reasoning_token_share']:.0%} of all completion tokens in reasoning), "
+            f"{mix['reasoning_not_closed']} not closed (stopped inside their reasoning: they train reasoning only)")
 
 
 def mode_difference(trained: dict[str, Any] | None, evaluated: dict[str, Any] | None) -> str | None:

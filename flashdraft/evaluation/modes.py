@@ -21,8 +21,7 @@ from flashdraft.data.chat_mode import (
 )
 from flashdraft.evaluation.records import EvalRecord
 from flashdraft.evaluation.results import EvalResult
-
-TRAINED_MODE = "trained_chat_mode"  # the drafter config.json's field (kept in DrafterConfig.extra)
+from flashdraft.serving.chat_mode import TRAINED_MODE
 
 
 def walked_completion(result: EvalResult, record: EvalRecord, index: int) -> list[int]:

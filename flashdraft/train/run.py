@@ -83,14 +83,15 @@ def _record_mode(drafter: DFlashDrafter, records, resumed: bool, main: bool) -> 
     """The drafter's config records the chat mode mix it was trained on (`trained_chat_mode`; over the drafter it
     started from with --init; a resumed run's checkpoint holds it already)."""
     from flashdraft.data.chat_mode import combine_mixes, describe_mix
+    from flashdraft.serving.chat_mode import TRAINED_MODE
 
     extra = drafter.config.extra
     if not resumed:
-        mix = combine_mixes(extra.get("trained_chat_mode"), data_mode_mix(records))
+        mix = combine_mixes(extra.get(TRAINED_MODE), data_mode_mix(records))
         if mix is not None:
-            extra["trained_chat_mode"] = mix
-    if extra.get("trained_chat_mode") and main:
-        print(f"chat mode trained on: {describe_mix(extra['trained_chat_mode'])}", flush=True)
+            extra[TRAINED_MODE] = mix
+    if extra.get(TRAINED_MODE) and main:
+        print(f"chat mode trained on: {describe_mix(extra[TRAINED_MODE])}", flush=True)
 
 
 def eval_tau_records(
