@@ -17,7 +17,13 @@ from flashdraft.data.chat_mode import check_engine_render, describe_mix, resolve
 from flashdraft.data.completions import GenerationSettings, generate_completions
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, load_prompts
-from flashdraft.decoding.serving_rules import NO_FILTERS, SamplingFilters, greedy_filters_note, resolve_filters
+from flashdraft.decoding.serving_rules import (
+    NO_FILTERS,
+    SamplingFilters,
+    greedy_filters_note,
+    greedy_in_effect_note,
+    resolve_filters,
+)
 from flashdraft.decoding.target_samples import EngineOutput, greedy_agreement, sampling_fidelity
 from flashdraft.distributed import Dist, init_distributed, load_dtype, lock_on_main, pick_device
 from flashdraft.errors import FlashdraftError
@@ -109,6 +115,8 @@ def _sampling_filters(target: TargetModel, temperature: float, top_k: int | None
     if temperature <= 0:
         return NO_FILTERS
     filters = resolve_filters(target.path, top_k, top_p, min_p, use_generation_config)
+    if dist.is_main and greedy_in_effect_note(temperature, filters):
+        print(greedy_in_effect_note(temperature, filters))
     if dist.is_main:
         settings_line = ", ".join(f"{k} {v} ({filters.source[k]})" for k, v in filters.active().items())
         print(f"sampling: temperature {temperature}, {settings_line or 'no filters'}")

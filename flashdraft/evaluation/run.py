@@ -26,6 +26,7 @@ from flashdraft.decoding.serving_rules import (
     SamplingFilters,
     ServingRule,
     greedy_filters_note,
+    greedy_in_effect_note,
     request_filters,
     serving_rule,
 )
@@ -442,6 +443,8 @@ def sampling_settings(cfg: EvalConfig, target: TargetModel, log: Log) -> Samplin
         + (f"; {', '.join(dropped)} from the generation config dropped: {rule.server} does not apply it"
            if dropped else ""))  # fmt: skip
     log(f"serving rule {rule.describe()}")
+    if greedy_in_effect_note(cfg.temperature, filters):
+        log(greedy_in_effect_note(cfg.temperature, filters))
     return filters
 
 
