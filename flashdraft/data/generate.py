@@ -123,6 +123,15 @@ def _sampling_filters(target: TargetModel, temperature: float, top_k: int | None
     return filters
 
 
+def _engine_render_check(server, client: OpenAIClient, target: TargetModel):
+    """The check each prompt gets with an engine: rendered by it as its chat clients' requests are, equal to
+    flashdraft's (`chat_mode.check_engine_render`)."""
+    def check(record_id: str, messages: list, kwargs: dict, ids: list[int]) -> None:
+        check_engine_render(client, server.info.describe(), record_id, messages, kwargs, ids, target.tokenizer)
+
+    return check
+
+
 def run_generate(
     target_model: str,
     prompts: str,
@@ -189,10 +198,7 @@ def run_generate(
             min_prompt_tokens=min_prompt_tokens, **{k: v for k, v in filters.active().items()},
             engine_version=server.info.describe() if server is not None else None,
         )  # fmt: skip
-        check_render = None
-        if server is not None:  # the engine renders each prompt as its chat clients' requests get it
-            def check_render(rid, messages, kw, ids):
-                check_engine_render(client, server.info.describe(), rid, messages, kw, ids, target.tokenizer)
+        check_render = _engine_render_check(server, client, target) if server is not None else None
         path = generate_completions(target, prompt_list, out, settings, batch_size, dist, client, check_render)
         if dist.is_main:
             report_truncated(path)

@@ -123,8 +123,8 @@ def test_the_engines_render_equals_flashdrafts_and_a_server_with_another_default
     from flashdraft.serving.engine import VllmServer, engine_info, engine_python
 
     target = save_chat_target(tmp_path / "target", engine=True)
-    prompts = _prompts(tmp_path / "p.jsonl", [{"id": "a", "turns": ["t1 t2", "t3"]},
-                                             {"id": "b", "prompt": "t4", "chat_template_kwargs": {"enable_thinking": False}}])
+    prompts = _prompts(tmp_path / "p.jsonl", [{"id": "a", "turns": ["t1 t2", "t3"]}, {"id": "b", "prompt": "t4",
+                                             "chat_template_kwargs": {"enable_thinking": False}}])  # fmt: skip
     # generate --engine vllm: every prompt (both modes, the second turn's history) rendered by the engine too
     data, out = _generate(capsys, tmp_path, target, prompts, "--engine", "vllm", "--verify-share", "0.3")
     assert len(data["records"]) == 3 and "completions against the target" in out
