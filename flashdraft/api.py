@@ -15,6 +15,7 @@ file or field), the same figures as the command line.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 
 from flashdraft.decoding.generate import GenerationResult, autoregressive_generate, speculative_generate
 from flashdraft.decoding.proposers import DraftLimit
-from flashdraft.decoding.serving_rules import NO_FILTERS, request_filters, resolve_filters
+from flashdraft.decoding.serving_rules import NO_FILTERS, greedy_in_effect_note, request_filters, resolve_filters
 from flashdraft.decoding.serving_rules import serving_rule as _serving_rule
 from flashdraft.drafter.checkpoint import check_drafter_matches_target
 from flashdraft.drafter.model import DFlashDrafter
@@ -36,6 +37,12 @@ from flashdraft.train.loop import TrainConfig
 # the public names are flashdraft.__all__ (the package re-exports them from here)
 
 Prompt = str | list[int]
+
+
+def _warn_greedy_in_effect(temperature: float, filters) -> None:
+    note = greedy_in_effect_note(temperature, filters)
+    if note:
+        warnings.warn(note.removeprefix("warning: "), stacklevel=3)
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
@@ -84,6 +91,7 @@ class Target(TargetModel):
         filters = NO_FILTERS
         if temperature > 0:
             filters = resolve_filters(self.path, top_k, top_p, min_p, use_generation_config)
+            _warn_greedy_in_effect(temperature, filters)
         return autoregressive_generate(self, self.encode(prompt), max_new_tokens, temperature,
                                        _generator(seed, self.device), filters)  # fmt: skip
 
@@ -171,6 +179,7 @@ class Drafter(LoadedDrafter):
         self.check_fits(target)
         rule = _serving_rule(serving_rule)
         filters, _ = request_filters(target.path, temperature, top_k, top_p, min_p, rule, use_generation_config)
+        _warn_greedy_in_effect(temperature, filters)
         limits = (num_speculative_tokens, adaptive_threshold, confidence_threshold)
         limit = DraftLimit(*limits) if any(v is not None for v in limits) else None
         return speculative_generate(target, self.drafter, _encode(target, prompt), max_new_tokens, temperature,
@@ -248,7 +257,8 @@ def generate_completions(target_model: str | Path, prompts: str, out: str | Path
     """The target's own completions of a prompt set, written to `out` (`flashdraft generate`;
     a re-run resumes it). `prompts`: a .jsonl/.parquet file, a dataset directory or
     builtin:code[:heldout]; `options`, as generate's flags: num_prompts, max_new_tokens,
-    temperature, seed, batch_size, backend, base_url, chat_template, device, ..."""
+    temperature, seed, batch_size, backend, base_url, chat_template, chat_template_kwargs (a dict, e.g.
+    {"enable_thinking": False}), enable_thinking, device, ..."""
     from flashdraft.data.generate import run_generate
 
     return run_generate(str(target_model), prompts, str(out), **options)

@@ -37,6 +37,56 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", mask_token="<mask>")
 
 
+# A Qwen3-style thinking chat template over the test vocabulary (its words whitespace-separated tokens): thinking by
+# default (the generation prompt opens <think>), an empty think block when enable_thinking is false, and the
+# reasoning of assistant turns before the last user turn dropped from the history
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- set content = m.content -%}{%- set reasoning = '' -%}"
+    "{%- if '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip() -%}"
+    "{%- set content = content.split('</think>')[-1].strip() -%}{%- endif -%}"
+    "{%- if loop.index0 > ns.last_query and reasoning -%}"
+    "<|im_start|> assistant <think> {{ reasoning }} </think> {{ content }} <|im_end|> "
+    "{%- else -%}<|im_start|> assistant {{ content }} <|im_end|> {% endif -%}"
+    "{%- else -%}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|> assistant "
+    "{%- if enable_thinking is defined and enable_thinking is false %} <think> </think> {% else %} <think> {% endif -%}"
+    "{%- endif -%}"
+)
+# a chat template that reads no keyword argument: one mode whatever is asked
+PLAIN_TEMPLATE = ("{%- for m in messages -%}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endfor -%}"
+                  "{%- if add_generation_prompt -%}<|im_start|> assistant {% endif -%}")  # fmt: skip
+CHAT_WORDS = {"system": 53, "user": 54, "assistant": 55, "<|im_start|>": 56, "<|im_end|>": 57, "<think>": 58,
+              "</think>": 59}  # fmt: skip
+
+
+def make_chat_tokenizer(template: str = THINKING_TEMPLATE) -> PreTrainedTokenizerFast:
+    """The test tokenizer with chat words in place of t53..t59 and `template` as its chat template."""
+    vocab = {f"t{i}": i for i in range(VOCAB - 3) if i not in CHAT_WORDS.values()} | CHAT_WORDS
+    vocab |= {"<eos>": EOS, "<pad>": PAD, "<mask>": MASK}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", mask_token="<mask>")
+    fast.chat_template = template
+    return fast
+
+
+def save_chat_target(directory: Path, template: str = THINKING_TEMPLATE, engine: bool = False) -> Path:
+    """A tiny Qwen3 target with a chat template (`make_chat_tokenizer`); `engine`: the one the CPU engine runs."""
+    if engine:
+        save_engine_target(directory)
+    else:
+        save_target(directory, "qwen3")
+    make_chat_tokenizer(template).save_pretrained(directory)
+    return directory
+
+
 def make_hf_model(kind: str, seed: int = 0, num_layers: int = 4):
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from flashdraft.commands.options import (
     block_size,
+    chat_mode_args,
     context_buckets,
     long_prompts_arg,
     positive,
@@ -54,6 +55,7 @@ def _record_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--completions", help="completions file from flashdraft generate")
     p.add_argument("--prompts", help="prompt file or builtin:code[:heldout]; completions are decoded greedily")
     p.add_argument("--num-prompts", type=positive, default=None)
+    chat_mode_args(p)
     p.add_argument("--max-blocks", type=positive, default=None, help="steps per prompt (default: whole completion)")
     p.add_argument(
         "--max-new-tokens",

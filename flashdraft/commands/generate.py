@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from flashdraft.commands.options import (
+    chat_mode_args,
     command_options,
     device_args,
     engine_args,
@@ -39,6 +40,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--server-model", help="model name on the server (default: the first it lists)")
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the tokenizer's chat template (default: where the target has one)")  # fmt: skip
+    chat_mode_args(p)
     long_prompts_arg(p)
     p.add_argument("--min-prompt-tokens", type=positive, default=0, metavar="N",
                    help="leave out turns whose prompt (template applied, earlier turns included) has fewer than N "

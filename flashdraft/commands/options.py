@@ -205,3 +205,25 @@ def require_inputs(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and str(value) not in BUILTIN_DRAFTERS and not Path(value).exists():
             raise FlashdraftError(f"--{name.replace('_', '-')} {value}: no such file or directory")
+
+
+def chat_template_kwargs(value: str) -> dict:
+    from flashdraft.data.chat_mode import parse_kwargs
+
+    try:
+        return parse_kwargs(value, "--chat-template-kwargs")
+    except FlashdraftError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
+
+
+def chat_mode_args(p: argparse.ArgumentParser) -> None:
+    """The chat template's mode a command renders prompts in (generate, eval): `data/chat_mode.py`."""
+    p.add_argument("--chat-template-kwargs", type=chat_template_kwargs, default=None, metavar="JSON",
+                   help="keyword arguments of the chat template, as the servers' request field of the name, e.g. "
+                        "'{\"enable_thinking\": false}' (default: the template's own; a prompt row's "
+                        "chat_template_kwargs over them); recorded per record with the template's hash")  # fmt: skip
+    thinking = p.add_mutually_exclusive_group()
+    thinking.add_argument("--enable-thinking", dest="enable_thinking", action="store_const", const=True,
+                          default=None, help="shorthand of enable_thinking true (Qwen3-style thinking templates)")
+    thinking.add_argument("--disable-thinking", dest="enable_thinking", action="store_const", const=False,
+                          help="shorthand of enable_thinking false: the template writes an empty think block")

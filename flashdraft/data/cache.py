@@ -199,7 +199,9 @@ def _build_shard(
             bar.write(f"{dist.prefix()}{r.id}: {n} tokens ({len(r.completion_ids)} supervised), "
                       f"features mean {features.mean():+.4f} std {features.std():.4f}")  # fmt: skip
         bar.update(1)
-        entries.append({"id": r.id, "offset": offset, "length": n, "prompt_length": len(r.prompt_ids)})
+        entries.append({"id": r.id, "offset": offset, "length": n, "prompt_length": len(r.prompt_ids),
+                        **{k: getattr(r, k) for k in ("chat_template_kwargs", "reasoning_end")
+                           if getattr(r, k) is not None}})  # the record's chat mode, for train and eval  # fmt: skip
         offset += n
         del item
         if stop is not None and stop.requested:

@@ -13,6 +13,9 @@ file and `os.replace`, so OUT is never half written and no record appears twice.
 Generation runs the target locally in batches (left padding with an attention mask;
 greedy output equals `flashdraft.decoding.generate.autoregressive_generate` token for token), or calls an
 OpenAI-compatible server (vLLM, SGLang) with the prompt's token ids.
+
+The module is over 600 lines because it is the one owner of the completions format (docs/design.md): its records,
+their generation and resumable writing, and their loader.
 """
 
 from __future__ import annotations
@@ -29,6 +32,14 @@ from typing import Any
 
 import torch
 
+from flashdraft.data.chat_mode import (
+    check_reasoning_end,
+    merged,
+    mode_mix,
+    reasoning_end,
+    reasoning_markers,
+    template_sha256,
+)
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.data.prompts import (
     Prompt,
@@ -61,6 +72,7 @@ class GenerationSettings:
     temperature: float = 0.0
     seed: int = 0
     chat_template: bool = False  # whether the tokenizer's chat template was applied
+    chat_template_kwargs: dict[str, Any] | None = None  # the run's (a prompt row's own over them); None: defaults
     backend: str = "local"  # "local", "openai" (a server given by its URL) or "vllm" (a server this run started)
     base_url: str | None = None
     server_model: str | None = None
@@ -90,13 +102,23 @@ class CompletionRecord:
     stop_reason: str  # "eos" or "length"
     token_source: str = "target"  # "target" (local), "server" (ids returned) or "retokenized" (text re-encoded)
     prompt_truncated_from: int | None = None  # the prompt's token count before --long-prompts truncate
+    # with a chat template (`data/chat_mode.py`): the messages rendered, the kwargs and the template's hash
+    messages: list[dict[str, str]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # {}: the template's defaults
+    chat_template_sha256: str | None = None
+    reasoning_end: int | str | None = None  # index of the completion's `</think>`, "not closed", None: no reasoning
+
+
+OPTIONAL_FIELDS = ("prompt_truncated_from", "messages", "chat_template_kwargs", "chat_template_sha256",
+                   "reasoning_end")  # fmt: skip
 
 
 def record_json(record: CompletionRecord) -> str:
-    """One record as a line of the completions file (`prompt_truncated_from` only where set)."""
+    """One record as a line of the completions file (the optional fields only where set)."""
     row = asdict(record)
-    if row["prompt_truncated_from"] is None:
-        del row["prompt_truncated_from"]
+    for name in OPTIONAL_FIELDS:
+        if row[name] is None:
+            del row[name]
     return json.dumps(row, ensure_ascii=False)
 
 
@@ -207,12 +229,16 @@ def _answer_turns(
     settings: GenerationSettings,
     complete: Callable[[list[tuple[str, list[int]]]], list[tuple[list[int], str, str]]],
     long_prompt_stats: dict[str, int] | None = None,
+    check_render: Callable[[str, list, dict, list[int]], None] | None = None,
 ) -> list[CompletionRecord]:
     """Answer every turn of every prompt in the batch: turn k of all prompts that have it is
     one call of `complete` ([(record id, prompt ids)] -> [(completion ids, stop reason, source)]).
     A turn longer than the context (minus max_new_tokens) is refused, skipped with the prompt's
-    later turns, or truncated, by `settings.long_prompts`; `long_prompt_stats` counts them."""
+    later turns, or truncated, by `settings.long_prompts`; `long_prompt_stats` counts them. With a template, each
+    turn is rendered with the prompt's kwargs and, when `check_render` is given (an engine), checked by it (record
+    id, messages, kwargs, prompt ids) before it is sent."""
     tok, use_template = target.tokenizer, settings.chat_template
+    markers, sha = (reasoning_markers(tok), template_sha256(tok)) if use_template else (None, None)
     limit = prompt_token_limit(target.context_length, settings.max_new_tokens)
     stats = long_prompt_stats if long_prompt_stats is not None else {}
     answers: dict[str, list[str]] = {p.id: [] for p in batch}
@@ -225,7 +251,8 @@ def _answer_turns(
         for p in batch:
             if len(p.turns) <= turn or p.id in dropped:
                 continue
-            text = render_conversation(tok, p.conversation(answers[p.id]), use_template)
+            kwargs = merged(settings.chat_template_kwargs, p.chat_template_kwargs) if use_template else None
+            text = render_conversation(tok, p.conversation(answers[p.id]), use_template, kwargs)
             ids = encode_text(tok, text, use_template)
             if not ids:
                 raise FlashdraftError(
@@ -243,6 +270,8 @@ def _answer_turns(
             if len(fitted) < len(ids):  # the record's text is what the target saw: the kept tokens
                 text = tok.decode(fitted)
                 truncated_from[p.record_id(turn)] = len(ids)
+            elif check_render is not None and use_template:
+                check_render(p.record_id(turn), p.conversation(answers[p.id]), kwargs, fitted)
             active.append(p)
             texts.append(text)
             prompt_ids.append(fitted)
@@ -252,8 +281,12 @@ def _answer_turns(
         for p, text, ids, (out, reason, source) in zip(active, texts, prompt_ids, results, strict=True):
             completion = tok.decode(out, skip_special_tokens=True)
             rid = p.record_id(turn)
+            mode = {} if not use_template else {
+                "messages": p.conversation(answers[p.id]), "chat_template_sha256": sha,
+                "chat_template_kwargs": merged(settings.chat_template_kwargs, p.chat_template_kwargs),
+                "reasoning_end": reasoning_end(ids, out, markers)}  # fmt: skip
             records[p.id].append(CompletionRecord(rid, text, ids, out, completion, reason, source,
-                                                  truncated_from.get(rid)))  # fmt: skip
+                                                  truncated_from.get(rid), **mode))  # fmt: skip
             answers[p.id].append(completion)
     stats["shorter"] = stats.get("shorter", 0) + sum(r.id in short for p in batch for r in records[p.id])
     return [r for p in batch for r in records[p.id] if r.id not in short]
@@ -378,7 +411,8 @@ def _cut_incomplete_line(part: Path) -> None:
 def _write_final(out: Path, header: dict, records: list[dict]) -> None:
     """OUT as one JSON object, one record per line; written to a temporary file first."""
     sources = sorted({r.get("token_source", "target") for r in records})
-    head = dict(header, token_ids=sources[0] if len(sources) == 1 else "mixed", num_records=len(records))
+    head = dict(header, token_ids=sources[0] if len(sources) == 1 else "mixed", num_records=len(records),
+                chat_mode=mode_mix(records))  # fmt: skip
     text = json.dumps(head, indent=1)[:-2] + ',\n "records": [\n'
     text += ",\n".join(json.dumps(r, ensure_ascii=False) for r in records)
     text += "\n ]\n}\n"
@@ -397,9 +431,11 @@ def generate_completions(
     batch_size: int = 8,
     dist: Dist | None = None,
     client: OpenAIClient | None = None,
+    check_render: Callable[[str, list, dict, list[int]], None] | None = None,
 ) -> Path:
     """Answer every prompt not yet in `out` (resuming), this rank's share of them, and merge
-    all records into `out` on rank 0. Returns the path of the completions file."""
+    all records into `out` on rank 0 (`check_render`: `_answer_turns`'). Returns the path of the completions
+    file."""
     dist = dist or Dist()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -426,7 +462,7 @@ def generate_completions(
         answered = 0
         if mine:
             answered = _answer_into_part(target, mine, part, header, settings, complete, batch_size, dist, stop,
-                                         long_prompts)  # fmt: skip
+                                         long_prompts, check_render)  # fmt: skip
         note = describe_long_prompts(long_prompts, prompt_token_limit(target.context_length,
                                                                       settings.max_new_tokens))  # fmt: skip
         if note:
@@ -447,7 +483,7 @@ def generate_completions(
 
 def _answer_into_part(target: TargetModel, mine: list[Prompt], part: Path, header: dict,
                       settings: GenerationSettings, complete, batch_size: int, dist: Dist, stop: StopRequests,
-                      long_prompts: dict[str, int]) -> int:  # fmt: skip
+                      long_prompts: dict[str, int], check_render=None) -> int:  # fmt: skip
     """Answer this rank's prompts batch by batch until done or a stop is requested, appending each batch's records
     whole to its part file (after the header line, in a new file); returns how many prompts were answered."""
     answered = 0
@@ -461,7 +497,7 @@ def _answer_into_part(target: TargetModel, mine: list[Prompt], part: Path, heade
                 if stop.requested:
                     break
                 batch = mine[start : start + batch_size]
-                records = _answer_turns(target, batch, settings, complete, long_prompts)
+                records = _answer_turns(target, batch, settings, complete, long_prompts, check_render)
                 # a batch's records are appended whole or not at all: a full disk loses only them
                 append_whole(fd, "".join(record_json(r) + "\n" for r in records).encode(), part,
                              f"the completions of {len(batch)} prompts")  # fmt: skip
@@ -515,7 +551,9 @@ def record_problem(r: Any, vocab_size: int) -> str | None:
         return f"stop_reason is {r['stop_reason']!r}; expected one of {', '.join(STOP_REASONS)}"
     if r.get("token_source", "target") not in TOKEN_SOURCES:
         return f"token_source is {r.get('token_source')!r}; expected one of {', '.join(TOKEN_SOURCES)}"
-    return None
+    if r.get("chat_template_kwargs") is not None and not isinstance(r["chat_template_kwargs"], dict):
+        return f"chat_template_kwargs is {type(r['chat_template_kwargs']).__name__}; expected an object"
+    return check_reasoning_end(r.get("reasoning_end"), len(r["completion_ids"]))
 
 
 def load_completions(
@@ -583,7 +621,8 @@ def load_completions(
         seen.add(rid)
         fields = {name: r[name] for name in ("id", "prompt", "prompt_ids", "completion_ids", "completion",
                                              "stop_reason")}  # fmt: skip
-        records.append(CompletionRecord(**fields, token_source=r.get("token_source", "target")))
+        records.append(CompletionRecord(**fields, token_source=r.get("token_source", "target"),
+                                        **{name: r.get(name) for name in OPTIONAL_FIELDS}))  # fmt: skip
     if not quiet:
         print(f"{path}: {len(records)} of {len(raw)} records valid")
         for rid, problem in skipped:

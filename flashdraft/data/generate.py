@@ -13,10 +13,17 @@ import random
 from contextlib import ExitStack
 from pathlib import Path
 
+from flashdraft.data.chat_mode import check_engine_render, describe_mix, resolve_mode
 from flashdraft.data.completions import GenerationSettings, generate_completions
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, load_prompts
-from flashdraft.decoding.serving_rules import NO_FILTERS, SamplingFilters, greedy_filters_note, resolve_filters
+from flashdraft.decoding.serving_rules import (
+    NO_FILTERS,
+    SamplingFilters,
+    greedy_filters_note,
+    greedy_in_effect_note,
+    resolve_filters,
+)
 from flashdraft.decoding.target_samples import EngineOutput, greedy_agreement, sampling_fidelity
 from flashdraft.distributed import Dist, init_distributed, load_dtype, lock_on_main, pick_device
 from flashdraft.errors import FlashdraftError
@@ -65,10 +72,13 @@ def check_engine_completions(target: TargetModel, path: Path, settings: Generati
 def report_truncated(path: Path) -> None:
     """How many completions stopped at max_new_tokens rather than at a stop token: training on them is fine, but
     a share near 1 says the budget cuts answers short."""
-    records = json.loads(path.read_text()).get("records", [])
+    data = json.loads(path.read_text())
+    records = data.get("records", [])
     cut = sum(r.get("stop_reason") == "length" for r in records)
     print(f"{cut} of {len(records)} completions truncated at max_new_tokens (stop_reason length), "
           f"{len(records) - cut} ended by a stop token")
+    if data.get("chat_mode"):
+        print(f"chat mode: {describe_mix(data['chat_mode'])}")
 
 
 def _check_options(backend: str, base_url: str | None, server_model: str | None, engine: str | None,
@@ -105,10 +115,21 @@ def _sampling_filters(target: TargetModel, temperature: float, top_k: int | None
     if temperature <= 0:
         return NO_FILTERS
     filters = resolve_filters(target.path, top_k, top_p, min_p, use_generation_config)
+    if dist.is_main and greedy_in_effect_note(temperature, filters):
+        print(greedy_in_effect_note(temperature, filters))
     if dist.is_main:
         settings_line = ", ".join(f"{k} {v} ({filters.source[k]})" for k, v in filters.active().items())
         print(f"sampling: temperature {temperature}, {settings_line or 'no filters'}")
     return filters
+
+
+def _engine_render_check(server, client: OpenAIClient, target: TargetModel):
+    """The check each prompt gets with an engine: rendered by it as its chat clients' requests are, equal to
+    flashdraft's (`chat_mode.check_engine_render`)."""
+    def check(record_id: str, messages: list, kwargs: dict, ids: list[int]) -> None:
+        check_engine_render(client, server.info.describe(), record_id, messages, kwargs, ids, target.tokenizer)
+
+    return check
 
 
 def run_generate(
@@ -135,6 +156,8 @@ def run_generate(
     engine: str | None = None,
     engine_python: str | None = None,
     verify_share: float = 0.05,
+    chat_template_kwargs: str | dict | None = None,
+    enable_thinking: bool | None = None,
 ) -> Path:
     """`flashdraft generate`, one rank of it under torchrun. `engine` "vllm": the completions come from a vLLM
     server started for this run (`engine_python`'s environment; 127.0.0.1, stopped at the end), token ids as it
@@ -143,7 +166,10 @@ def run_generate(
     target's context minus max_new_tokens ("error", "skip" or "truncate"); min_prompt_tokens:
     leave out turns whose prompt is shorter (long-context data from any dataset). At temperature > 0, top_k /
     top_p / min_p filter the target's p (None: the target's generation_config.json values, as the servers apply
-    them, unless use_generation_config is off); greedy decoding needs none."""
+    them, unless use_generation_config is off); greedy decoding needs none. chat_template_kwargs (a JSON object or
+    its text) and enable_thinking (its `enable_thinking` shorthand): the template's mode (None: its defaults; a
+    prompt row's own kwargs over them); with `engine`, every prompt rendered by the engine too and refused where it
+    differs."""
     _check_options(backend, base_url, server_model, engine, long_prompts)
     dist = init_distributed()
     lock = None
@@ -155,6 +181,8 @@ def run_generate(
         target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))
         prompt_list = load_prompts(prompts, num_prompts, quiet=not dist.is_main)
         use_template = _use_chat_template(target, chat_template, dev, dist)
+        kwargs = resolve_mode(target.tokenizer, use_template, chat_template_kwargs, enable_thinking, prompt_list,
+                              print if dist.is_main else lambda _: None)  # fmt: skip
         server = _start_engine(engine, engine_python, target, Path(out), target_dtype) if engine else None
         if server is not None:
             stack.enter_context(server)
@@ -164,13 +192,14 @@ def run_generate(
         filters = _sampling_filters(target, temperature, top_k, top_p, min_p, use_generation_config, dist)
         settings = GenerationSettings(
             prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-            chat_template=use_template, backend=backend if server is None else engine,
+            chat_template=use_template, chat_template_kwargs=kwargs, backend=backend if server is None else engine,
             base_url=base_url if server is None else None,
             server_model=client.model if client and server is None else None, long_prompts=long_prompts,
             min_prompt_tokens=min_prompt_tokens, **{k: v for k, v in filters.active().items()},
             engine_version=server.info.describe() if server is not None else None,
         )  # fmt: skip
-        path = generate_completions(target, prompt_list, out, settings, batch_size, dist, client)
+        check_render = _engine_render_check(server, client, target) if server is not None else None
+        path = generate_completions(target, prompt_list, out, settings, batch_size, dist, client, check_render)
         if dist.is_main:
             report_truncated(path)
             if server is not None:

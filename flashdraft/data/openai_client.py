@@ -19,8 +19,8 @@ class OpenAIClient:
         self.timeout = timeout
         self.model = model or self._first_model()
 
-    def _request(self, path: str, body: dict | None = None) -> dict:
-        url = self.base + path
+    def _request(self, path: str, body: dict | None = None, root: bool = False) -> dict:
+        url = (self.base.removesuffix("/v1") if root else self.base) + path
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
         try:
@@ -57,3 +57,14 @@ class OpenAIClient:
         if not choices:
             raise FlashdraftError(f"{self.base}/completions: the answer has no choices")
         return choices[0]
+
+    def tokenize_chat(self, messages: list[dict[str, str]], chat_template_kwargs: dict | None = None) -> list[int]:
+        """The token ids the server renders `messages` to for a chat client: vLLM's /tokenize with the generation
+        prompt, `chat_template_kwargs` over the server's --default-chat-template-kwargs (none sent: its defaults)."""
+        body = {"model": self.model, "messages": messages, "add_generation_prompt": True}
+        if chat_template_kwargs:
+            body["chat_template_kwargs"] = chat_template_kwargs
+        tokens = self._request("/tokenize", body, root=True).get("tokens")
+        if not (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)):
+            raise FlashdraftError(f"{self.base.removesuffix('/v1')}/tokenize: the answer has no token ids ('tokens')")
+        return tokens

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flashdraft.data.chat_mode import parse_kwargs
 from flashdraft.data.stdlib import stdlib_prompts
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import refuse_script
@@ -40,6 +41,7 @@ class Prompt:
     id: str
     turns: list[str]  # user turns, answered in order; one completion record per turn
     prefix: list[dict[str, str]] = field(default_factory=list)  # chat messages before the first turn
+    chat_template_kwargs: dict[str, Any] | None = None  # the row's own (over the run's): e.g. its thinking mode
 
     def conversation(self, answers: list[str]) -> list[dict[str, str]]:
         """Messages up to and including the user turn after `answers` (earlier replies)."""
@@ -181,6 +183,12 @@ def _read_dataset(path: Path):
 
 
 def _parse_row(row: dict[str, Any], loc: str, index: int, stats: dict[str, int]) -> Prompt:
+    prompt = _parse_turns(row, loc, index, stats)
+    prompt.chat_template_kwargs = parse_kwargs(row.get("chat_template_kwargs"), f"{loc}: field 'chat_template_kwargs'")
+    return prompt
+
+
+def _parse_turns(row: dict[str, Any], loc: str, index: int, stats: dict[str, int]) -> Prompt:
     raw_id = row.get("id", row.get("question_id"))
     pid = str(raw_id) if raw_id is not None else f"p{index:06d}"
     if row.get("prompt") is not None:
@@ -222,11 +230,15 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_conversation(tokenizer, messages: list[dict[str, str]], use_chat_template: bool) -> str:
+def render_conversation(tokenizer, messages: list[dict[str, str]], use_chat_template: bool,
+                        chat_template_kwargs: dict[str, Any] | None = None) -> str:  # fmt: skip
     """The text the target sees before its reply: the chat template with the generation
-    prompt, or (no template) the contents concatenated, each reply continuing its prompt."""
+    prompt and `chat_template_kwargs` (None: the template's defaults; earlier replies as the template renders
+    them, e.g. without their reasoning), or (no template) the contents concatenated, each reply continuing its
+    prompt."""
     if use_chat_template:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **(chat_template_kwargs or {}))  # fmt: skip
     text = ""
     for m in messages:
         if m["role"] == "assistant" or not text:

@@ -135,6 +135,17 @@ def greedy_filters_note(top_k: int | None, top_p: float | None, min_p: float | N
             f"every filter keeps)")  # fmt: skip
 
 
+def greedy_in_effect_note(temperature: float, filters: SamplingFilters) -> str | None:
+    """A warning where a filter makes T > 0 greedy in effect: top_k 1 keeps only the likeliest token, so every
+    request decodes greedily whatever its temperature (a benchmark default that silently changes what is measured)."""
+    if temperature <= 0 or filters.top_k != 1:
+        return None
+    where = filters.source.get("top_k", "given")
+    return (f"warning: top_k 1 ({where}) makes temperature {temperature:g} greedy in effect: only the likeliest "
+            f"token is kept, so every token is the greedy one; pass --top-k with a larger value (or "
+            f"--temperature 0 to say greedy)")
+
+
 def check_filters(filters: SamplingFilters, rule: ServingRule) -> None:
     """A filter the rule's server does not apply in verification, given explicitly, is refused (one from a
     generation config is dropped by `filters_for`, as the server drops it)."""

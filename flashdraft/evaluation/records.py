@@ -32,6 +32,9 @@ class EvalRecord:
     layer_ids: list[int] = field(default_factory=list)  # target layers in the stored features, in order
     load_features: Callable[[], torch.Tensor] | None = None  # reads context_features on demand
     feature_dtype: torch.dtype | None = None  # the dtype a cache stores its features in (None: not from a cache)
+    # rendered with a chat template (`data/chat_mode.py`): its kwargs ({}: the template's defaults) and messages
+    chat_template_kwargs: dict | None = None
+    messages: list[dict[str, str]] | None = None
 
     @property
     def input_ids(self) -> list[int]:
@@ -108,11 +111,14 @@ def records_from_cache(cache, num_records: int | None = None) -> list[EvalRecord
     each record reads its features when it is evaluated, so memory holds one record's at a time."""
     records = []
     ids, prompt_lengths = cache.ids, cache.prompt_lengths
+    rows = cache.manifest.get("records") or []
     for index in range(len(cache) if num_records is None else min(len(cache), num_records)):
         tokens, p = cache.token_ids(index).tolist(), prompt_lengths[index]
+        row = rows[index] if index < len(rows) else {}
         records.append(
             EvalRecord(str(ids[index]), tokens[:p], tokens[p:], layer_ids=list(cache.layer_ids),
-                       load_features=lambda index=index: cache.features(index), feature_dtype=cache.dtype)
+                       load_features=lambda index=index: cache.features(index), feature_dtype=cache.dtype,
+                       chat_template_kwargs=row.get("chat_template_kwargs"))
         )  # fmt: skip
     return records
 
@@ -126,16 +132,23 @@ def load_eval_records(
     num_prompts: int | None = None,
     verify: bool = True,
     allow_foreign: bool = False,
+    chat_template_kwargs: dict | None = None,
+    enable_thinking: bool | None = None,
+    log: Log = quiet,
 ) -> tuple[list[EvalRecord], str]:
     """Records from a hidden-state cache (its sha256 checked unless not `verify`), a completions
     file (another target's refused unless `allow_foreign`) or a prompt source (then without
-    completions: the caller decodes them). Returns (records, source description)."""
+    completions: the caller decodes them; rendered in the mode `chat_template_kwargs` / `enable_thinking` say,
+    `data.chat_mode.resolve_mode`). Returns (records, source description)."""
     given = [x for x in (cached_hidden_states, completions, prompts) if x is not None]
     if len(given) != 1:
         raise FlashdraftError(
             "give exactly one record source: --cached-hidden-states DIR, --completions C.json or --prompts P "
             f"(found {len(given)})"
         )
+    if (chat_template_kwargs is not None or enable_thinking is not None) and prompts is None:
+        raise FlashdraftError("--chat-template-kwargs, --enable-thinking and --disable-thinking render --prompts; "
+                              "completions and caches were rendered in the mode each record records")  # fmt: skip
     if cached_hidden_states is not None:
         from flashdraft.data.cache_reader import HiddenStateCache
 
@@ -150,17 +163,25 @@ def load_eval_records(
         loaded = load_completions(completions, target, allow_foreign=allow_foreign).records
         if num_prompts is not None:
             loaded = loaded[:num_prompts]
-        records = [EvalRecord(str(r.id), list(r.prompt_ids), list(r.completion_ids)) for r in loaded]
+        records = [EvalRecord(str(r.id), list(r.prompt_ids), list(r.completion_ids),
+                              chat_template_kwargs=r.chat_template_kwargs,
+                              messages=r.messages if r.prompt_truncated_from is None else None)
+                   for r in loaded]  # fmt: skip
         return records, f"completions {completions}"
+    from flashdraft.data.chat_mode import merged, resolve_mode
     from flashdraft.data.prompts import encode_text, has_chat_template, load_prompts, render_conversation
 
     tok = target.tokenizer
     chat = has_chat_template(tok)
     records = []
-    for prompt in load_prompts(prompts, num_prompts, quiet=True):
+    loaded = load_prompts(prompts, num_prompts, quiet=True)
+    kwargs = resolve_mode(tok, chat, chat_template_kwargs, enable_thinking, loaded, log)
+    for prompt in loaded:
         # the first user turn: later turns need the target's earlier answers in the prompt
-        text = render_conversation(tok, prompt.conversation([]), chat)
-        records.append(EvalRecord(prompt.id, encode_text(tok, text, chat), []))
+        mode = merged(kwargs, prompt.chat_template_kwargs) if chat else None
+        text = render_conversation(tok, prompt.conversation([]), chat, mode)
+        records.append(EvalRecord(prompt.id, encode_text(tok, text, chat), [], chat_template_kwargs=mode,
+                                  messages=prompt.conversation([]) if chat else None))  # fmt: skip
     return records, f"prompts {prompts} ({'chat template' if chat else 'no chat template'})"
 
 
@@ -179,6 +200,8 @@ def fit_prompts(
     for r in records:
         ids = r.prompt_ids if r.completion_ids else fit_prompt(r.id, r.prompt_ids, limit, policy, stats, source)
         if ids is not None:
+            if len(ids) < len(r.prompt_ids):  # truncated: no longer what its messages render to
+                r.messages = None
             r.prompt_ids = ids
             kept.append(r)
     note = describe_long_prompts(stats, limit)

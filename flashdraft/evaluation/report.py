@@ -197,6 +197,23 @@ def confidence_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
+def mode_lines(summary: dict[str, Any]) -> list[str]:
+    """The chat mode evaluated, the one trained (where they differ) and τ by segment, where the summary has them."""
+    from flashdraft.data.chat_mode import describe_mix
+    from flashdraft.evaluation.modes import segment_line
+
+    lines = [f"chat mode: {describe_mix(summary['chat_mode'])}"] if summary.get("chat_mode") else []
+    if summary.get("chat_mode_warning"):
+        lines.append(f"warning: {summary['chat_mode_warning']}")
+    segments = segment_line(summary.get("by_segment"))
+    if segments:
+        lines.append(segments + " (each step in the segment of the first token it commits)")
+    served = segment_line((summary.get("served") or {}).get("by_segment"))
+    if served:
+        lines.append(f"served outputs {served}")
+    return lines
+
+
 def format_summary(summary: dict[str, Any], verbose: bool = True) -> str:
     """The terminal view: pooled figures, then (`verbose`) the per-position figures and the per-prompt and
     per-context-length tables; a τ within noise of 1.0 as a problem line first."""
@@ -217,6 +234,7 @@ def format_summary(summary: dict[str, Any], verbose: bool = True) -> str:
                   "by context length (tokens before the step's anchor):\n" + _text_table(*context_rows(summary))]
     else:
         parts.append("per draft position, per prompt and per context length: --verbose, --report DIR or --json FILE")
+    parts += mode_lines(summary)
     if summary.get("selector"):
         parts.append(selector_line(summary["selector"]))
     if summary.get("confidence"):
@@ -361,6 +379,7 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
         f"- block size {summary['block_size']}{_draft_limit(summary)}; {context}; at most "
         f"{summary.get('max_blocks') or 'all'} blocks per prompt",
         f"- {sampling_line(summary)}",
+        *[f"- {line}" for line in mode_lines(summary)],
     ]
     if summary.get("reference"):
         ref = summary["reference"]

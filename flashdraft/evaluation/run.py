@@ -26,6 +26,7 @@ from flashdraft.decoding.serving_rules import (
     SamplingFilters,
     ServingRule,
     greedy_filters_note,
+    greedy_in_effect_note,
     request_filters,
     serving_rule,
 )
@@ -36,6 +37,7 @@ from flashdraft.drafter.long_context import eval_guards
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.drafter.run_dir import LoadedDrafter, load_any_drafter
 from flashdraft.errors import FlashdraftError
+from flashdraft.evaluation.modes import by_segment, mode_figures
 from flashdraft.evaluation.offline import (
     confidence_figures,
     drafter_shape,
@@ -130,6 +132,9 @@ class EvalConfig:
     completions: str | None = None
     prompts: str | None = None
     num_prompts: int | None = None
+    # --prompts' chat mode (`data/chat_mode.py`): the template's kwargs and the enable_thinking shorthand
+    chat_template_kwargs: dict | None = None
+    enable_thinking: bool | None = None
     allow_foreign: bool = False
     long_prompts: str = "error"
     verify: bool = True
@@ -252,7 +257,8 @@ def _prepare_records(
     records, source = load_eval_records(target, cached_hidden_states=cfg.cached_hidden_states,
                                         completions=cfg.completions, prompts=cfg.prompts,
                                         num_prompts=cfg.num_prompts, verify=cfg.verify,
-                                        allow_foreign=cfg.allow_foreign)  # fmt: skip
+                                        allow_foreign=cfg.allow_foreign, chat_template_kwargs=cfg.chat_template_kwargs,
+                                        enable_thinking=cfg.enable_thinking, log=log)  # fmt: skip
     if not records:
         raise FlashdraftError(f"{source}: no records")
     records = fit_prompts(records, target, max_new_tokens, cfg.long_prompts, str(cfg.prompts), log)
@@ -378,6 +384,7 @@ def _evaluate_candidate(
                                    context_edges=cfg.context_buckets)  # fmt: skip
     summary = (online if cfg.online else offline).to_json()
     summary |= sampling_figures(cfg, rule, filters, online if cfg.online else offline)
+    summary["by_segment"] = by_segment(online if cfg.online else offline, records, target.tokenizer)
     if isinstance(c.drafter, DFlashDrafter) and c.drafter.candidate_selector is not None and cfg.temperature <= 0:
         summary["selector"] = selector_figures(c.drafter, target, records, online if cfg.online else offline,
                                                features, cfg.max_blocks)  # fmt: skip
@@ -445,6 +452,8 @@ def sampling_settings(cfg: EvalConfig, target: TargetModel, log: Log) -> Samplin
         + (f"; {', '.join(dropped)} from the generation config dropped: {rule.server} does not apply it"
            if dropped else ""))  # fmt: skip
     log(f"serving rule {rule.describe()}")
+    if greedy_in_effect_note(cfg.temperature, filters):
+        log(greedy_in_effect_note(cfg.temperature, filters))
     return filters
 
 
@@ -544,6 +553,7 @@ def run_eval(
     note = _cache_precision_note(cfg, records)
     if note:
         log(note)
+    modes = mode_figures(candidates[0].drafter, records, tok, log)
     record_log = log if cfg.verbose else quiet
     features = FeatureSource(target, record_log)  # each record's tokens and feature statistics offline
     if cfg.online and not cfg.check_consistency and cfg.verbose:
@@ -558,7 +568,7 @@ def run_eval(
                for c in candidates]  # fmt: skip
     main = results[0] | {"target": str(cfg.target_model), "records_source": source, "max_blocks": cfg.max_blocks,
                          "max_new_tokens": max_new_tokens if cfg.online else None,
-                         "target_forwards_offline": features.target_forwards}  # fmt: skip
+                         "target_forwards_offline": features.target_forwards, **modes}  # fmt: skip
     if cfg.reference:
         main["reference"] = results[1]
         main["difference"] = difference(results[0], results[1])

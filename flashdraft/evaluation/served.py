@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from flashdraft.data.chat_mode import check_engine_render
 from flashdraft.data.completions import record_seed
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.decoding.generate import autoregressive_generate
@@ -28,6 +29,7 @@ from flashdraft.decoding.serving_rules import SamplingFilters
 from flashdraft.decoding.target_samples import Z_LIMIT, sampling_fidelity
 from flashdraft.drafter.families import drafts_per_block
 from flashdraft.errors import FlashdraftError
+from flashdraft.evaluation.modes import by_segment
 from flashdraft.evaluation.offline import evaluate_offline
 from flashdraft.evaluation.records import EvalRecord, FeatureSource
 from flashdraft.evaluation.results import EvalResult, expected_tau_figures
@@ -73,11 +75,17 @@ class Engine:
 
 
 def send_requests(engine: Engine, records: list[EvalRecord], max_tokens: list[int], temperature: float, seed: int,
-                  filters: SamplingFilters, stop_ids: list[int]) -> tuple[list[ServedRequest], str | None]:  # fmt: skip
+                  filters: SamplingFilters, stop_ids: list[int],
+                  tokenizer=None) -> tuple[list[ServedRequest], str | None]:  # fmt: skip
     """Each record's prompt, one request at a time, with the counters read before and after it. Returns the served
     requests and, when the engine failed a request (it answered an error or died), that failure: the requests
-    before it stand."""
+    before it stand. First, with `tokenizer`, every record rendered from chat messages is rendered by the engine
+    too, as its chat clients' requests are, and refused where that differs (`chat_mode.check_engine_render`)."""
     client = OpenAIClient(engine.base_url)
+    for record in records if tokenizer is not None else []:
+        if record.messages is not None and record.chat_template_kwargs is not None:
+            check_engine_render(client, engine.description, record.id, record.messages, record.chat_template_kwargs,
+                                record.prompt_ids, tokenizer)  # fmt: skip
     served = []
     for record, n in zip(records, max_tokens, strict=True):
         before = read_spec_counters(engine.base_url)
@@ -228,7 +236,7 @@ def run_served(
         engine = Engine(server_url.rstrip("/").removesuffix("/v1"), f"vllm {server_version(server_url)}", None,
                         cpu=False)  # fmt: skip
         requests, failure = send_requests(engine, records, max_tokens, temperature, seed, filters,
-                                          target.stop_token_ids)  # fmt: skip
+                                          target.stop_token_ids, target.tokenizer)  # fmt: skip
     else:
         export_drafter(checkpoint, work / "drafter", target, block_size=block_size)
         server = _start_engine(drafter, str(work / "drafter"), target, engine_python_path, work, seed, log)
@@ -238,7 +246,7 @@ def run_served(
             log(f"{engine.description} ready after {server.startup_seconds:.1f} s at {engine.base_url}; sending "
                 f"{len(records)} requests one at a time")
             requests, failure = send_requests(engine, records, max_tokens, temperature, seed, filters,
-                                              target.stop_token_ids)  # fmt: skip
+                                              target.stop_token_ids, target.tokenizer)  # fmt: skip
         shutil.rmtree(work / "drafter", ignore_errors=True)  # a copy of the checkpoint; the server's log stays
     outputs = [EvalRecord(r.id, r.prompt_ids, r.output_ids) for r in requests]
     served = {"engine": engine.description, "base_url": engine.base_url, "command": engine.command,
@@ -253,6 +261,7 @@ def run_served(
                                temperature=temperature, filters=filters, seed=seed)  # fmt: skip
         served["flashdraft"] = {"tau": own.tau, "steps": own.num_steps,
                                 "steps_per_request": [len(p.acceptance_lengths) for p in own.per_prompt]}
+        served["by_segment"] = by_segment(own, outputs, target.tokenizer)  # flashdraft's walk of the served outputs
         if temperature <= 0:
             problems += _greedy_figures(served, requests, records, max_tokens, own, drafter, target, block_size, drafts)
         else:

@@ -25,6 +25,7 @@ from flashdraft.drafter.families import family
 from flashdraft.drafter.long_context import serving_guards
 from flashdraft.drafter.server_fields import SGLANG, VLLM, fields_set
 from flashdraft.errors import FlashdraftError
+from flashdraft.serving.chat_mode import trained_mode_lines
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER=1"
@@ -391,6 +392,8 @@ def check_serving(
     vllm_cmd, sglang_cmd = serving_commands(cfg, name, str(path))
     checks.about(f"vLLM:   {vllm_cmd}")
     checks.about(f"SGLang: {sglang_cmd}")
+    for line in trained_mode_lines(cfg):  # the chat mode trained for, and the settings that serve it
+        checks.about(line)
     _sampling_rules(cfg, checks, [vllm_cmd, sglang_cmd] if serving_command is None else [serving_command])
 
 

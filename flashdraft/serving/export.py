@@ -15,6 +15,7 @@ from flashdraft.drafter.run_dir import LoadedDrafter, load_any_drafter
 from flashdraft.drafter.server_fields import SGLANG, VLLM
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import write_text_atomic
+from flashdraft.serving.chat_mode import trained_mode_lines
 from flashdraft.serving.checks import V2_RUNNER, mixes_sliding_and_full, serving_commands
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -50,6 +51,11 @@ def serving_snippet(target: str, drafter_dir: str, cfg: DrafterConfig) -> str:
     head = ("no\nLM head: it borrows the target's" if cfg.draft_vocab_size is None else
             f"its own LM head\nover {cfg.draft_vocab_size} tokens (`d2t` maps them to the target's; vLLM serves it, "
             f"SGLang's DFlash\nignores that head)")  # fmt: skip
+    mode_lines = trained_mode_lines(cfg)
+    chat_mode = ("" if len(mode_lines) < 2 else
+                 f"\n## Chat mode\n\n{mode_lines[0][0].upper()}{mode_lines[0][1:]}.\n\nA server renders a chat "
+                 f"request with its template and its default kwargs; prompts in another mode are\ntext the drafter "
+                 f"was not trained on (acceptance falls): {mode_lines[1]}.\n")  # fmt: skip
     return f"""# {name} drafter
 
 Exported by flashdraft in the public {name} format (`config.json` + `model.safetensors`),
@@ -75,7 +81,7 @@ SGLang:
 ```sh
 {sglang}
 ```
-"""
+{chat_mode}"""
 
 
 def export_drafter(

@@ -32,7 +32,11 @@ class SequenceRecord:
     """A completion as a training sequence (online mode computes its features on the fly)."""
 
     input_ids: torch.Tensor  # [T] prompt + completion
-    loss_mask: torch.Tensor  # [T] True on completion tokens
+    # [T] True on the completion's tokens: the target's own, reasoning and answer; never a token the chat template
+    # wrote (its generation prompt, the empty think block of a non-thinking mode: those end the prompt)
+    loss_mask: torch.Tensor
+    chat_template_kwargs: dict | None = None  # the record's chat mode (`data/chat_mode.py`)
+    reasoning_end: int | str | None = None
 
 
 def _digest(path: Path) -> str:
@@ -60,8 +64,35 @@ def load_training_records(target: TargetModel, layer_ids: list[int], cached: str
     sequences = []
     for r in comps.records:
         ids = torch.tensor(r.prompt_ids + r.completion_ids)
-        sequences.append(SequenceRecord(ids, torch.arange(len(ids)) >= len(r.prompt_ids)))
+        sequences.append(SequenceRecord(ids, torch.arange(len(ids)) >= len(r.prompt_ids), r.chat_template_kwargs,
+                                        r.reasoning_end))  # fmt: skip
     return OnlineRecords(sequences, target, layer_ids, min(online_topk, target.vocab_size)), _digest(Path(completions))
+
+
+def data_mode_mix(records) -> dict | None:
+    """The chat mode mix of training records (a cache's manifest rows or online sequences), `chat_mode.mode_mix`."""
+    from flashdraft.data.chat_mode import mode_mix
+
+    if isinstance(records, OnlineRecords):
+        return mode_mix([{"chat_template_kwargs": r.chat_template_kwargs, "reasoning_end": r.reasoning_end,
+                          "completion_tokens": int(r.loss_mask.sum())} for r in records.records])  # fmt: skip
+    return mode_mix([dict(r, completion_tokens=r["length"] - r["prompt_length"])
+                     for r in records.manifest.get("records", [])])  # fmt: skip
+
+
+def _record_mode(drafter: DFlashDrafter, records, resumed: bool, main: bool) -> None:
+    """The drafter's config records the chat mode mix it was trained on (`trained_chat_mode`; over the drafter it
+    started from with --init; a resumed run's checkpoint holds it already)."""
+    from flashdraft.data.chat_mode import combine_mixes, describe_mix
+    from flashdraft.serving.chat_mode import TRAINED_MODE
+
+    extra = drafter.config.extra
+    if not resumed:
+        mix = combine_mixes(extra.get(TRAINED_MODE), data_mode_mix(records))
+        if mix is not None:
+            extra[TRAINED_MODE] = mix
+    if extra.get(TRAINED_MODE) and main:
+        print(f"chat mode trained on: {describe_mix(extra[TRAINED_MODE])}", flush=True)
 
 
 def eval_tau_records(
@@ -177,6 +208,14 @@ def _describe_run(target: TargetModel, drafter: DFlashDrafter, num_records: int,
     )
 
 
+def _take_recipe(cfg: TrainConfig, target_model: str, main: bool) -> None:
+    """The options no flag set, from the target's recipe (`recipe.py`), said in one line."""
+    recipe = recipe_for(target_model)
+    chosen = cfg.apply_recipe(recipe)
+    if main and chosen:
+        print(f"defaults: {recipe.describe()} for {', '.join(chosen)} (set by no flag)", flush=True)
+
+
 def run_training(
     cfg: TrainConfig,
     target_model: str,
@@ -227,6 +266,8 @@ def run_training(
         if needs_target and not getattr(records, "topk", 0):
             _refuse_without_target_distribution(cfg, cached_hidden_states)
         drafter = _with_vocabulary(drafter, draft_vocab_size, records, target, cfg, dist)
+        _record_mode(drafter, records, resumed=resume and latest_checkpoint(run_dir) is not None,
+                     main=dist.is_main)  # fmt: skip
         if cfg.kl_weight > 0 and not getattr(records, "topk", 0):
             raise FlashdraftError(
                 f"--kl-weight {cfg.kl_weight}: {cached_hidden_states or completions} holds no target logits; "
@@ -236,12 +277,9 @@ def run_training(
             cfg.loss_decay_gamma = recipe_decay_gamma(drafter.config.block_size, drafter.config.family)
         eval_records, tau_records = _held_out_records(target, layer_ids, eval_cached_hidden_states, eval_completions,
                                                       allow_foreign, verify, online_topk)  # fmt: skip
-        recipe = recipe_for(target_model)
-        chosen = cfg.apply_recipe(recipe)
         if dist.is_main:
             print(_describe_run(target, drafter, len(records), offline=bool(cached_hidden_states)), flush=True)
-            if chosen:
-                print(f"defaults: {recipe.describe()} for {', '.join(chosen)} (set by no flag)", flush=True)
+        _take_recipe(cfg, target_model, dist.is_main)
         train(cfg, drafter, target, records, run_dir, resume=resume, eval_records=eval_records,
               report_to=report_to, dist=dist, eval_tau_records=tau_records, verify=verify)  # fmt: skip
         final = latest_checkpoint(run_dir)

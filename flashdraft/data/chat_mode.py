@@ -1,0 +1,290 @@
+"""The chat template's mode: the keyword arguments a prompt is rendered with (`chat_template_kwargs`, the request
+field vLLM and SGLang read; `enable_thinking` on Qwen3.x), checked against the template, recorded with the
+template's hash; where a completion's reasoning segment ends; the mode mix of a set of records; and a prompt
+rendered by the serving engine set against flashdraft's own.
+
+Reasoning segments are found by the `<think>` ... `</think>` tokens of Qwen3.x and DeepSeek-R1 (the start and end
+tokens of vLLM's qwen3 and deepseek_r1 reasoning parsers), where the tokenizer has both as single tokens. A
+completion is in its reasoning from its first token when the rendered prompt leaves a think block open (the
+generation prompt of a thinking template) or when it opens one itself; its reasoning ends at the first `</think>`
+it generates (that token included), or is "not closed" when it stops first. A template that writes an empty think
+block into the prompt (thinking off) leaves the completion all answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from flashdraft.errors import FlashdraftError
+
+REASONING_START, REASONING_END = "<think>", "</think>"
+NOT_CLOSED = "not closed"  # a completion that stopped inside its reasoning
+THINKING = "enable_thinking"
+# arguments flashdraft itself passes to apply_chat_template: a kwarg of the same name would silently replace them
+RESERVED = ("add_generation_prompt", "continue_final_message", "tokenize", "conversation", "messages", "tools",
+            "documents", "chat_template", "return_dict", "return_assistant_tokens_mask")  # fmt: skip
+
+
+def parse_kwargs(value: Any, where: str) -> dict[str, Any] | None:
+    """`--chat-template-kwargs JSON` (a string) or a prompt row's `chat_template_kwargs` (an object): a JSON object
+    whose names are not ones flashdraft passes itself; None stays None (the template's defaults)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise FlashdraftError(f"{where}: not valid JSON ({e.msg}); expected an object such as "
+                                  f"'{{\"enable_thinking\": false}}'") from None  # fmt: skip
+    if not isinstance(value, dict):
+        raise FlashdraftError(f"{where}: is {type(value).__name__} {str(value)[:60]}; expected a JSON object such as "
+                              f"{{\"enable_thinking\": false}}")  # fmt: skip
+    taken = [k for k in value if k in RESERVED]
+    if taken:
+        raise FlashdraftError(f"{where}: {', '.join(taken)} is set by flashdraft itself (the generation prompt is "
+                              f"always added); expected template variables only")  # fmt: skip
+    return dict(value)
+
+
+def run_kwargs(chat_template_kwargs: str | dict | None, enable_thinking: bool | None) -> dict[str, Any] | None:
+    """A run's kwargs: `--chat-template-kwargs`, with `--enable-thinking` / `--disable-thinking` as the shorthand of
+    `enable_thinking` (both saying otherwise is refused); None: the template's defaults."""
+    kwargs = parse_kwargs(chat_template_kwargs, "--chat-template-kwargs")
+    if enable_thinking is None:
+        return kwargs
+    flag = "--enable-thinking" if enable_thinking else "--disable-thinking"
+    if kwargs is not None and kwargs.get(THINKING, enable_thinking) != enable_thinking:
+        raise FlashdraftError(f"{flag} contradicts --chat-template-kwargs ({THINKING} {kwargs[THINKING]}); give one")
+    return (kwargs or {}) | {THINKING: enable_thinking}
+
+
+def merged(run: dict[str, Any] | None, row: dict[str, Any] | None) -> dict[str, Any]:
+    """A prompt's kwargs: the run's, a row's own over them (as a request's over a server's defaults); {} = the
+    template's defaults."""
+    return {**(run or {}), **(row or {})}
+
+
+def describe_kwargs(kwargs: dict[str, Any] | None) -> str:
+    return f"chat_template_kwargs {json.dumps(kwargs, sort_keys=True)}" if kwargs else "the template's defaults"
+
+
+def template_text(tokenizer) -> str | None:
+    """The chat template a tokenizer applies (the default one of a named set)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    return template or None
+
+
+def template_sha256(tokenizer) -> str | None:
+    """The first 16 hex digits of the sha256 of the template's text: which template rendered a record."""
+    text = template_text(tokenizer)
+    return hashlib.sha256(text.encode()).hexdigest()[:16] if text else None
+
+
+def template_variables(tokenizer) -> set[str] | None:
+    """The names a template reads from outside (None: a template jinja2 alone cannot parse, e.g. one with
+    transformers' own tags)."""
+    import jinja2
+    from jinja2 import meta
+
+    text = template_text(tokenizer)
+    if text is None:
+        return set()
+    try:
+        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError:
+        return None
+    return meta.find_undeclared_variables(parsed)
+
+
+def ignored_kwargs(tokenizer, kwargs: dict[str, Any], messages: list[dict[str, str]]) -> list[str]:
+    """The kwargs the template ignores: names it never reads, and booleans whose opposite renders `messages` to
+    the same prompt."""
+    def render(given: dict[str, Any]) -> str:  # as `prompts.render_conversation` renders with a template
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **given)
+
+    names = template_variables(tokenizer)
+    ignored = [k for k in kwargs if names is not None and k not in names]
+    for k, v in kwargs.items():
+        if isinstance(v, bool) and k not in ignored and render(kwargs | {k: not v}) == render(kwargs):
+            ignored.append(k)
+    return ignored
+
+
+def reads_thinking(tokenizer) -> bool:
+    names = template_variables(tokenizer)
+    return names is None or THINKING in names
+
+
+def resolve_mode(tokenizer, use_template: bool, chat_template_kwargs: str | dict | None,
+                 enable_thinking: bool | None, prompts: list, log) -> dict[str, Any] | None:  # fmt: skip
+    """The run's kwargs (`run_kwargs`) checked against the template, the mode logged: refused without a template,
+    a thinking shorthand refused where the template does not read `enable_thinking`, and each kwarg the template
+    ignores (on the first prompt of each mix of kwargs) reported. `prompts`: `data.prompts.Prompt`s."""
+    kwargs = run_kwargs(chat_template_kwargs, enable_thinking)
+    rows = any(p.chat_template_kwargs for p in prompts)
+    if not use_template:
+        if kwargs is not None or rows:
+            raise FlashdraftError("chat_template_kwargs (--chat-template-kwargs, --enable-thinking, --disable-thinking "
+                                  "or a prompt row's) need a chat template; this run renders plain text")  # fmt: skip
+        return None
+    if enable_thinking is not None and not reads_thinking(tokenizer):
+        raise FlashdraftError(f"--{'enable' if enable_thinking else 'disable'}-thinking: the chat template does not "
+                              f"read {THINKING} (not a Qwen3-style thinking template); drop it, or give the "
+                              f"template's own variables with --chat-template-kwargs")  # fmt: skip
+    first: dict[str, Any] = {}
+    for p in prompts:
+        first.setdefault(json.dumps(merged(kwargs, p.chat_template_kwargs), sort_keys=True), p)
+    for key, p in first.items():
+        ignored = ignored_kwargs(tokenizer, json.loads(key), p.conversation([]))
+        if ignored:
+            log(f"warning: the chat template ignores {', '.join(ignored)} (the rendered prompt of {p.id!r} is the "
+                f"same without it): these records are in the template's one mode, whatever the kwargs say")
+    log(f"chat template {template_sha256(tokenizer)}: {describe_kwargs(kwargs)}"
+        + (f", {len(first)} mixes of kwargs with the prompt rows' own" if rows else ""))
+    return kwargs
+
+
+# -- reasoning segments --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    start_id: int
+    end_id: int
+
+
+def reasoning_markers(tokenizer) -> ReasoningMarkers | None:
+    """The think tokens' ids, where the tokenizer has both as single tokens (else no reasoning segments)."""
+    vocab = tokenizer.get_vocab()
+    if REASONING_START in vocab and REASONING_END in vocab:
+        return ReasoningMarkers(vocab[REASONING_START], vocab[REASONING_END])
+    return None
+
+
+def reasoning_end(prompt_ids: list[int], completion_ids: list[int],
+                  markers: ReasoningMarkers | None) -> int | str | None:  # fmt: skip
+    """The index in `completion_ids` of the token that ends its reasoning (`</think>`), NOT_CLOSED when it stops
+    inside its reasoning, None when it has no reasoning segment."""
+    if markers is None:
+        return None
+    if markers.end_id in completion_ids:
+        return completion_ids.index(markers.end_id)
+    opened_in_prompt = _last(prompt_ids, markers.start_id) > _last(prompt_ids, markers.end_id)
+    return NOT_CLOSED if opened_in_prompt or markers.start_id in completion_ids else None
+
+
+def _last(ids: list[int], token: int) -> int:
+    return max((k for k, t in enumerate(ids) if t == token), default=-1)
+
+
+def reasoning_tokens(end: int | str | None, completion_length: int) -> int | None:
+    """How many of a completion's first tokens are its reasoning (None: no reasoning segment)."""
+    if end is None:
+        return None
+    return completion_length if end == NOT_CLOSED else int(end) + 1
+
+
+def check_reasoning_end(value: Any, completion_length: int) -> str | None:
+    """Why a record's `reasoning_end` is unusable, or None."""
+    if value is None or value == NOT_CLOSED:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < completion_length:
+        return (f"reasoning_end is {value!r}; expected a token index in 0..{completion_length - 1}, "
+                f"{NOT_CLOSED!r} or absent")  # fmt: skip
+    return None
+
+
+# -- the mode mix of a set of records -----------------------------------------------------------------------------
+
+
+def mode_mix(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Records per kwargs, how many have a reasoning segment and how many stopped inside it, and the share of
+    completion tokens in reasoning; each record a dict with `chat_template_kwargs`, `reasoning_end` and
+    `completion_ids` (or their count, `completion_tokens`). None when no record was rendered with a chat
+    template."""
+    rendered = [r for r in records if r.get("chat_template_kwargs") is not None]
+    if not rendered:
+        return None
+    per_kwargs = Counter(json.dumps(r["chat_template_kwargs"], sort_keys=True) for r in rendered)
+    lengths = [r["completion_tokens"] if "completion_tokens" in r else len(r["completion_ids"]) for r in records]
+    total = sum(lengths)
+    reasoning = sum(reasoning_tokens(r.get("reasoning_end"), n) or 0 for r, n in zip(records, lengths, strict=True))
+    return {"records_per_kwargs": [{"chat_template_kwargs": json.loads(k), "records": n}
+                                   for k, n in sorted(per_kwargs.items())],
+            "records": len(records),
+            "with_reasoning": sum(r.get("reasoning_end") is not None for r in records),
+            "reasoning_not_closed": sum(r.get("reasoning_end") == NOT_CLOSED for r in records),
+            "completion_tokens": total, "reasoning_token_share": reasoning / total if total else 0.0}  # fmt: skip
+
+
+def combine_mixes(earlier: dict[str, Any] | None, later: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The mode mix of two sets of records together (a drafter trained in stages: `--init` from a trained one)."""
+    if not earlier or not later:
+        return later or earlier
+    per_kwargs = Counter()
+    for mix in (earlier, later):
+        for k in mix["records_per_kwargs"]:
+            per_kwargs[json.dumps(k["chat_template_kwargs"], sort_keys=True)] += k["records"]
+    total = earlier.get("completion_tokens", 0) + later.get("completion_tokens", 0)
+    reasoning = sum(m["reasoning_token_share"] * m.get("completion_tokens", 0) for m in (earlier, later))
+    return {"records_per_kwargs": [{"chat_template_kwargs": json.loads(k), "records": n}
+                                   for k, n in sorted(per_kwargs.items())],
+            **{name: earlier[name] + later[name] for name in ("records", "with_reasoning", "reasoning_not_closed")},
+            "completion_tokens": total, "reasoning_token_share": reasoning / total if total else 0.0}  # fmt: skip
+
+
+def describe_mix(mix: dict[str, Any] | None) -> str:
+    """One line of a mode mix."""
+    if mix is None:
+        return "no chat template (plain text prompts)"
+    kinds = ", ".join(f"{describe_kwargs(k['chat_template_kwargs'])}: {k['records']}"
+                      for k in mix["records_per_kwargs"])  # fmt: skip
+    return (f"{kinds} records; {mix['with_reasoning']} of {mix['records']} with a reasoning segment "
+            f"({mix['reasoning_token_share']:.0%} of all completion tokens in reasoning), "
+            f"{mix['reasoning_not_closed']} not closed (stopped inside their reasoning: they train reasoning only)")
+
+
+def mode_difference(trained: dict[str, Any] | None, evaluated: dict[str, Any] | None) -> str | None:
+    """Why records evaluated in `evaluated`'s mode are not the mode the drafter was trained on, or None (the same
+    kwargs, or a side that recorded none)."""
+    if not trained or not evaluated:
+        return None
+    kinds = [{json.dumps(k["chat_template_kwargs"], sort_keys=True) for k in m["records_per_kwargs"]}
+             for m in (trained, evaluated)]  # fmt: skip
+    if kinds[1] <= kinds[0]:
+        return None
+    return (f"evaluated in another chat mode than the drafter was trained on: trained on "
+            f"{describe_mix(trained)}; evaluated on {describe_mix(evaluated)} (acceptance differs most between "
+            f"thinking and non-thinking text: evaluate in the mode the drafter will serve, or train on both)")
+
+
+# -- the engine's rendering ---------------------------------------------------------------------------------------
+
+
+def check_engine_render(client, engine: str, record_id: str, messages: list[dict[str, str]],
+                        kwargs: dict[str, Any], prompt_ids: list[int], tokenizer) -> None:  # fmt: skip
+    """Refuse a prompt the engine renders otherwise than flashdraft: `messages` with `kwargs` as a chat client
+    sends them (none when `kwargs` is empty: the server's defaults apply), the engine's token ids against
+    `prompt_ids`, naming the record and the first differing token."""
+    served = client.tokenize_chat(messages, kwargs or None)
+    if served == prompt_ids:
+        return
+    k = next((i for i, (a, b) in enumerate(zip(served, prompt_ids, strict=False)) if a != b),
+             min(len(served), len(prompt_ids)))  # fmt: skip
+
+    def token(ids: list[int]) -> str:
+        return f"{ids[k]} {tokenizer.convert_ids_to_tokens(ids[k])!r}" if k < len(ids) else "the end"
+
+    raise FlashdraftError(
+        f"record {record_id}: {engine} renders its prompt ({describe_kwargs(kwargs)}) otherwise than flashdraft: "
+        f"first difference at token {k}, the engine's {token(served)}, flashdraft's {token(prompt_ids)} "
+        f"({len(served)} and {len(prompt_ids)} tokens); a server with another chat template or "
+        f"--default-chat-template-kwargs serves its clients other prompts than the drafter sees: start it with the "
+        f"target's template and defaults, or give --chat-template-kwargs the mode it serves"
+    )

@@ -1,0 +1,143 @@
+"""The chat template's mode, end to end on a Qwen3-style thinking template written for the tests
+(`tests.conftest.THINKING_TEMPLATE`): both modes rendered as transformers renders them with the kwargs, recorded per
+record with the template's hash; multi-turn history as the template renders it (earlier reasoning dropped); a trace
+cut inside its reasoning counted as not closed; a template that ignores its kwarg reported; and the engine's own
+rendering equal to flashdraft's, a server started with another default refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flashdraft.data.chat_mode import NOT_CLOSED, ReasoningMarkers, parse_kwargs, reasoning_end, run_kwargs
+from flashdraft.errors import FlashdraftError
+from tests.conftest import CHAT_WORDS, PLAIN_TEMPLATE, make_chat_tokenizer, run_cli, save_chat_target
+
+THINK, END = CHAT_WORDS["<think>"], CHAT_WORDS["</think>"]
+
+
+def _prompts(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _generate(capsys, tmp_path, target, prompts, *options, name="c.json"):
+    rc, out, err = run_cli(capsys, "generate", "--target-model", target, "--prompts", prompts, "--out",
+                           tmp_path / name, "--max-new-tokens", "6", *options)  # fmt: skip
+    assert rc == 0, err
+    return json.loads((tmp_path / name).read_text()), out
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    return save_chat_target(tmp_path_factory.mktemp("chat") / "target")
+
+
+def test_both_modes_give_the_prompts_transformers_renders_with_the_kwargs_recorded_per_record(
+    capsys, tmp_path, chat_target
+):  # fmt: skip
+    prompts = _prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt": "t1 t2 t3"}])
+    tok = make_chat_tokenizer()
+    messages = [{"role": "user", "content": "t1 t2 t3"}]
+    for options, kwargs in (((), {}), (("--chat-template-kwargs", '{"enable_thinking": false}'),
+                                       {"enable_thinking": False}),
+                            (("--enable-thinking",), {"enable_thinking": True})):  # fmt: skip
+        data, out = _generate(capsys, tmp_path, chat_target, prompts, *options, name=f"{len(kwargs)}{options}.json")
+        record = data["records"][0]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        assert record["prompt"] == text
+        assert record["prompt_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+        assert record["chat_template_kwargs"] == kwargs and record["messages"] == messages
+        assert len(record["chat_template_sha256"]) == 16
+        assert data["generation"]["chat_template_kwargs"] == (kwargs or None)
+        thinking = kwargs.get("enable_thinking", True)
+        # thinking off: the template wrote the empty think block into the prompt; the completion is all answer
+        assert record["prompt_ids"][-2:] == ([CHAT_WORDS["assistant"], THINK] if thinking else [THINK, END])
+        expected = reasoning_end(record["prompt_ids"], record["completion_ids"], ReasoningMarkers(THINK, END))
+        assert record.get("reasoning_end") == expected and (expected is None) != thinking
+        assert ("the template's defaults" in out) == (not kwargs)
+        assert data["chat_mode"]["records_per_kwargs"] == [{"chat_template_kwargs": kwargs, "records": 1}]
+
+
+def test_multi_turn_history_is_the_templates_rendering_with_earlier_reasoning_dropped(capsys, tmp_path, chat_target):
+    history = [{"role": "user", "content": "t1"}, {"role": "assistant", "content": "t7 t8 </think> t9"},
+               {"role": "user", "content": "t2"}]  # fmt: skip
+    prompts = _prompts(tmp_path / "p.jsonl", [{"id": "m", "messages": history}, {"id": "t", "turns": ["t3", "t4"]}])
+    data, _ = _generate(capsys, tmp_path, chat_target, prompts)
+    tok = make_chat_tokenizer()
+    records = {r["id"]: r for r in data["records"]}
+    assert records["m"]["prompt"].split() == "<|im_start|> user t1 <|im_end|> <|im_start|> assistant t9 <|im_end|> " \
+        "<|im_start|> user t2 <|im_end|> <|im_start|> assistant <think>".split()  # t7 t8: reasoning dropped
+    first = records["t/turn1"]
+    answer = tok.decode(first["completion_ids"], skip_special_tokens=True)
+    second = [{"role": "user", "content": "t3"}, {"role": "assistant", "content": answer},
+              {"role": "user", "content": "t4"}]  # fmt: skip
+    assert records["t/turn2"]["messages"] == second
+    assert records["t/turn2"]["prompt"] == tok.apply_chat_template(second, add_generation_prompt=True, tokenize=False)
+
+
+def test_a_trace_cut_inside_its_reasoning_is_not_closed_and_counted(capsys, tmp_path, chat_target):
+    markers = ReasoningMarkers(THINK, END)
+    assert reasoning_end([5, THINK], [1, 2, END, 3], markers) == 2
+    assert reasoning_end([5, THINK], [1, 2, 3], markers) == NOT_CLOSED  # opened by the generation prompt
+    assert reasoning_end([5], [THINK, 2, 3], markers) == NOT_CLOSED  # opened by the completion itself
+    assert reasoning_end([5, THINK, END], [1, 2, 3], markers) is None  # thinking off: no reasoning segment
+    prompts = _prompts(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": f"t{i} t{i + 1}"} for i in range(3)])
+    data, out = _generate(capsys, tmp_path, chat_target, prompts)
+    cut = sum(r.get("reasoning_end") == NOT_CLOSED for r in data["records"])
+    assert data["chat_mode"]["reasoning_not_closed"] == cut and cut >= 1
+    assert f"{cut} not closed (stopped inside their reasoning" in out
+
+
+def test_a_template_that_ignores_its_kwarg_is_reported_and_its_shorthand_refused(capsys, tmp_path):
+    target = save_chat_target(tmp_path / "plain", PLAIN_TEMPLATE)
+    prompts = _prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt": "t1"}])
+    data, out = _generate(capsys, tmp_path, target, prompts, "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert "warning: the chat template ignores enable_thinking" in out
+    assert data["records"][0]["chat_template_kwargs"] == {"enable_thinking": False}  # recorded as asked
+    rc, _, err = run_cli(capsys, "generate", "--target-model", target, "--prompts", prompts, "--out",
+                         tmp_path / "d.json", "--disable-thinking")  # fmt: skip
+    assert rc == 2 and "--disable-thinking: the chat template does not read enable_thinking" in err
+
+
+def test_kwargs_that_are_no_object_or_that_flashdraft_sets_are_one_line_errors():
+    with pytest.raises(FlashdraftError, match="not valid JSON"):
+        parse_kwargs("{enable_thinking", "--chat-template-kwargs")
+    with pytest.raises(FlashdraftError, match="expected a JSON object"):
+        parse_kwargs("[1]", "--chat-template-kwargs")
+    with pytest.raises(FlashdraftError, match="add_generation_prompt is set by flashdraft itself"):
+        parse_kwargs({"add_generation_prompt": False}, "row 1")
+    with pytest.raises(FlashdraftError, match="--enable-thinking contradicts --chat-template-kwargs"):
+        run_kwargs('{"enable_thinking": false}', True)
+    assert run_kwargs('{"reasoning_effort": "low"}', False) == {"reasoning_effort": "low", "enable_thinking": False}
+
+
+# -- the engine's rendering ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.engine
+def test_the_engines_render_equals_flashdrafts_and_a_server_with_another_default_is_refused(capsys, tmp_path):
+    from flashdraft.data.chat_mode import check_engine_render
+    from flashdraft.data.openai_client import OpenAIClient
+    from flashdraft.serving.engine import VllmServer, engine_info, engine_python
+
+    target = save_chat_target(tmp_path / "target", engine=True)
+    prompts = _prompts(tmp_path / "p.jsonl", [{"id": "a", "turns": ["t1 t2", "t3"]}, {"id": "b", "prompt": "t4",
+                                             "chat_template_kwargs": {"enable_thinking": False}}])  # fmt: skip
+    # generate --engine vllm: every prompt (both modes, the second turn's history) rendered by the engine too
+    data, out = _generate(capsys, tmp_path, target, prompts, "--engine", "vllm", "--verify-share", "0.3")
+    assert len(data["records"]) == 3 and "completions against the target" in out
+    python = engine_python()
+    with VllmServer(python, str(target), tmp_path / "server.log", info=engine_info(python),
+                    extra_args=["--default-chat-template-kwargs", '{"enable_thinking": false}']) as server:  # fmt: skip
+        client, tok = OpenAIClient(server.base_url), make_chat_tokenizer()
+        for r in data["records"]:  # the records' own kwargs sent: the server's default does not apply
+            if r["chat_template_kwargs"]:
+                check_engine_render(client, "vllm", r["id"], r["messages"], r["chat_template_kwargs"],
+                                    r["prompt_ids"], tok)  # fmt: skip
+        record = data["records"][0]  # rendered with the template's default (thinking): the server thinks not
+        with pytest.raises(FlashdraftError, match=r"record a/turn1: vllm renders its prompt \(the template's "
+                                                  r"defaults\) otherwise than flashdraft: first difference at token "
+                                                  r"8, the engine's 59 '</think>'"):  # fmt: skip
+            check_engine_render(client, "vllm", record["id"], record["messages"], {}, record["prompt_ids"], tok)
