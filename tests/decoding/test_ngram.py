@@ -172,7 +172,7 @@ def test_eval_with_ngram_reference_uses_the_drafter_block_size(capsys, tmp_path,
     assert summary["difference"]["tau"] == pytest.approx(summary["tau"] - ref["tau"])
 
 
-@pytest.mark.parametrize("argv", [["--drafter", "ngram", "--checkpoint", "x"], []])
+@pytest.mark.parametrize("argv", [["--drafter", "ngram", "--checkpoint", "tiny-drafter"], []])
 def test_eval_needs_exactly_one_of_checkpoint_and_ngram(capsys, target_dir, prompts_file, argv):
     rc, out, err = run_cli(capsys, "eval", "--target-model", target_dir, "--prompts", prompts_file, *argv)
     assert rc == 2 and "--drafter ngram" in err and len(err.strip().splitlines()) == 1

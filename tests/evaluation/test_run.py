@@ -452,7 +452,7 @@ def test_reference_with_other_depth_and_context_layers(capsys, tmp_path, target_
     save_drafter(make_drafter(num_hidden_layers=1, target_layer_ids=[0, 1, 2], block_size=4), tmp_path / "ref")
     rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
                            prompts_file, "--max-blocks", 4, "--reference", tmp_path / "ref", "--json",
-                           tmp_path / "out.json")  # fmt: skip
+                           tmp_path / "out.json", "--verbose")  # fmt: skip
     assert rc == 0, err
     summary = json.loads((tmp_path / "out.json").read_text())
     assert summary["context_layers"] == 2 and summary["reference"]["context_layers"] == 3
@@ -643,7 +643,7 @@ def test_eval_from_a_hidden_state_cache_equals_eval_from_completions_and_online(
     capsys.readouterr()
     common = ["eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir]
     rc, out, err = run_cli(capsys, *common, "--cached-hidden-states", cache, "--json", tmp_path / "cache.json",
-                           "--reference", tmp_path / "ref")  # fmt: skip
+                           "--reference", tmp_path / "ref", "--verbose")  # fmt: skip
     assert rc == 0, err
     from_cache = json.loads((tmp_path / "cache.json").read_text())
     assert "layers [0, 2] (cache)" in out and "layers [3] (target forward)" in out
@@ -839,7 +839,7 @@ def test_by_context_is_the_same_offline_and_online_bucket_for_bucket_with_costs_
                                for i, p in enumerate([PROMPTS[1], long_prompt])))  # fmt: skip
     rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
                            prompts, "--max-new-tokens", 30, "--online", "--check-consistency", "--context-buckets",
-                           "0,16,64,512", "--json", tmp_path / "out.json")  # fmt: skip
+                           "0,16,64,512", "--json", tmp_path / "out.json", "--verbose")  # fmt: skip
     assert rc == 0, err
     summary = json.loads((tmp_path / "out.json").read_text())
     assert summary["consistency"]["by_context_identical"] and summary["consistency"]["identical"]

@@ -120,6 +120,7 @@ def test_missing_embedding_or_lm_head_is_a_one_line_error_naming_file_and_tensor
     drop_tensors(tmp_path / "t", keep=lambda name: name != drop)
     with pytest.raises(FlashdraftError, match="holds no tensor"):
         TargetHead.load(tmp_path / "t")
+    (tmp_path / "d").mkdir(), (tmp_path / "cache").mkdir()  # inputs that exist: the target is read first
     rc = main(["eval", "--checkpoint", str(tmp_path / "d"), "--target-model", str(tmp_path / "t"),
                "--cached-hidden-states", str(tmp_path / "cache")])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()

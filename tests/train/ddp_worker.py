@@ -36,7 +36,7 @@ class Preempted(Exception):
 
 def run(run_dir: Path, batch_size: int, grad_accum: int, fsdp: bool, weighting: str, optimizer: str,
         mode: str | None, family: str, dist: Dist) -> None:  # fmt: skip
-    steps = dict(max_steps=4, epochs=4, save_every=2) if mode else dict(max_steps=3, save_every=100)
+    steps = dict(max_steps=4, save_every=2) if mode else dict(epochs=1, save_every=100)  # 8 records: 2 steps an epoch
     target = make_target("hybrid")
     records = make_records(target, n=8, topk=16 if family == "dspark" else 0)  # DSpark's loss: the target's logits
     cfg = TrainConfig(batch_size=batch_size, grad_accum=grad_accum, lr=3e-3, num_anchors=6, log_every=1, fsdp=fsdp,
