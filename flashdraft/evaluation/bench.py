@@ -13,7 +13,6 @@ import os
 import platform
 import shutil
 import tempfile
-from contextlib import ExitStack
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -128,7 +127,7 @@ def load_sets(cfg: BenchConfig, target: TargetModel, filters, log: Log) -> list[
     return sets
 
 
-def _servers(cfg: BenchConfig, drafter, target: TargetModel, work: Path, log: Log) -> dict[str, Any]:
+def plan_servers(cfg: BenchConfig, drafter, target: TargetModel, work: Path) -> dict[str, Any]:
     """The two servers, not yet entered (identical settings but the drafter), or the two running ones given."""
     python = engine_python(cfg.engine_python)
     info = engine_info(python)
@@ -152,25 +151,29 @@ def _servers(cfg: BenchConfig, drafter, target: TargetModel, work: Path, log: Lo
 def _serve(cfg: BenchConfig, sets: list[PromptSet], plan: dict[str, Any], work: Path,
            log: Log) -> dict[str, dict[tuple[int, int, int], LoadRun]]:  # fmt: skip
     """Every run: per server (one after the other, each stopped before the next starts), set, concurrency and
-    repeat, in one client process a server; keyed (set index, concurrency, repeat)."""
+    repeat, in one client process a server (both servers' in one when they are given running); keyed (set index,
+    concurrency, repeat)."""
     runs: dict[str, dict[tuple[int, int, int], LoadRun]] = {name: {} for name in SERVERS}
     total = len(SERVERS) * len(sets) * len(cfg.concurrency) * cfg.repeats
+    keys = [(i, c, rep) for rep in range(cfg.repeats) for i in range(len(sets)) for c in cfg.concurrency]
     with Progress(total=total, desc="bench runs", unit="run") as bar:
+        if plan["servers"] is None:  # both running: one client, the two servers' runs interleaved repeat by repeat
+            order = [(name, key) for key in keys for name in SERVERS]
+            plans = [LoadPlan(plan["urls"][name], key[1], sets[key[0]].requests) for name, key in order]
+            done = run_load(plan["python"], plans, cfg.warmups, work / "client", on_run=lambda k: bar.update(1))
+            for (name, key), run in zip(order, done, strict=True):
+                runs[name][key] = run
+            return runs
         for name in SERVERS:
-            with ExitStack() as stack:
-                url = plan["urls"].get(name)
-                if plan["servers"] is not None:
-                    server = plan["servers"][name]
-                    log(f"starting {name} server: {' '.join(server.command())}")
-                    stack.enter_context(server)
-                    url = server.base_url
-                    log(f"{name} server ready after {server.startup_seconds:.1f} s at {url}")
-                keys = [(i, c, rep) for i in range(len(sets)) for c in cfg.concurrency for rep in range(cfg.repeats)]
-                plans = [LoadPlan(c, sets[i].requests) for i, c, _ in keys]
+            server = plan["servers"][name]
+            log(f"starting {name} server: {' '.join(server.command())}")
+            with server:
+                log(f"{name} server ready after {server.startup_seconds:.1f} s at {server.base_url}")
                 bar.set_postfix_str(name)
-                done = run_load(plan["python"], url, plans, cfg.warmups, work / f"{name}-client",
+                plans = [LoadPlan(server.base_url, c, sets[i].requests) for i, c, _ in keys]
+                done = run_load(plan["python"], plans, cfg.warmups, work / f"{name}-client",
                                 on_run=lambda k: bar.update(1))  # fmt: skip
-                runs[name].update(zip(keys, done, strict=True))
+            runs[name].update(zip(keys, done, strict=True))
     return runs
 
 
@@ -251,7 +254,7 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
     sets = load_sets(cfg, target, filters, log)
     work = Path(cfg.work) if cfg.work else Path(tempfile.mkdtemp(prefix="flashdraft-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    plan = _servers(cfg, drafter, target, work, log)
+    plan = plan_servers(cfg, drafter, target, work)
     try:
         runs = _serve(cfg, sets, plan, work, log)
     finally:

@@ -96,7 +96,8 @@ def concurrency_figures(concurrency: int, baseline: list[LoadRun], speculative: 
            "baseline": _summary(base), "speculative": _summary(spec),
            "speedup_output_tok_s": ratio_with_error(pick(spec, "output_tok_s"), pick(base, "output_tok_s")),
            "speedup_tpot": ratio_with_error(pick(base, "tpot_ms"), pick(spec, "tpot_ms")),
-           "tau": served["tau"], "position_acceptance": served["position_acceptance"], "counters": served,
+           "tau": served["tau"], "tau_delivered": _delivered(speculative, served["drafts"]),
+           "position_acceptance": served["position_acceptance"], "counters": served,
            "runs": {"baseline": base, "speculative": spec}}  # fmt: skip
     tokens = statistics.fmean(len(r.output_ids) for run in baseline for r in run.requests)
     step = lambda runs: statistics.median(run.step_seconds for run in runs)  # noqa: E731
@@ -106,6 +107,11 @@ def concurrency_figures(concurrency: int, baseline: list[LoadRun], speculative: 
                                                                    step(speculative), ttft(baseline),
                                                                    ttft(speculative), tokens)}  # fmt: skip
     return row
+
+
+def _delivered(runs: list[LoadRun], drafts: int) -> float | None:
+    """Tokens delivered per drafting step (the first token of each request is the prefill's): flashdraft's τ."""
+    return sum(len(r.output_ids) - 1 for run in runs for r in run.requests) / drafts if drafts else None
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:

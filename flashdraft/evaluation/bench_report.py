@@ -12,7 +12,7 @@ from flashdraft.files import write_text_atomic
 PLOTS = {"speedup": "speedup_by_concurrency.png", "tau": "tau_by_set.png",
          "position_acceptance": "position_acceptance.png"}  # fmt: skip
 HEADER = ["set", "conc.", "tok/s alone", "tok/s drafter", "speed-up", "TPOT speed-up", "predicted", "break-even τ",
-          "τ served", "τ flashdraft"]  # fmt: skip
+          "τ counters", "τ delivered", "τ flashdraft"]  # fmt: skip
 
 
 def _num(x: float | None, digits: int = 2) -> str:
@@ -35,7 +35,8 @@ def rows(summary: dict[str, Any]) -> list[list[str]]:
                         _num(row["speculative"]["output_tok_s"], 1), _with_error(row["speedup_output_tok_s"]),
                         _with_error(row["speedup_tpot"]),
                         "-" if p["output_tok_s"] is None else f"{p['output_tok_s']:.2f}x",
-                        _num(p["break_even_tau"]), _num(row["tau"]), _num(s["flashdraft_tau"])])  # fmt: skip
+                        _num(p["break_even_tau"]), _num(row["tau"]), _num(row["tau_delivered"]),
+                        _num(s["flashdraft_tau"])])  # fmt: skip
     return out
 
 
@@ -88,7 +89,10 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> dict[str, Path]:
         ax.plot(cs, [r["predicted"]["output_tok_s"] or float("nan") for r in s["by_concurrency"]], "--x",
                 label=f"{s['prompts']} predicted")  # fmt: skip
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xscale="log", xlabel="concurrency", ylabel="speed-up (output tok/s)", title=summary["engine"])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(summary["concurrency"], [str(c) for c in summary["concurrency"]])
+    ax.set(xlabel="concurrency", ylabel="speed-up (output tok/s)",
+           title=summary["engine"] + (" (a CPU's figures)" if summary.get("cpu_engine") else ""))
     ax.legend(fontsize=7)
     save_png(fig, paths["speedup"])
     fig = Figure(figsize=(6, 4))
@@ -127,7 +131,9 @@ def write_bench_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
         text += [f"**{summary['note']}.**", ""]
     text += [markdown_table(HEADER, rows(summary)), "", "Speed-ups: with the drafter over the target alone, mean over "
              "the repeats ± its standard error; predicted from flashdraft's τ and the step costs of the same runs "
-             "(docs/benchmarks.md#served-speed-up).", ""]  # fmt: skip
+             "(docs/benchmarks.md#served-speed-up). τ counters: 1 + accepted / drafts from the engine's counters "
+             "(drafts accepted past a request's end included); τ delivered: output tokens after the first per "
+             "drafting step; τ flashdraft: its offline walk of the same requests (delivered).", ""]  # fmt: skip
     text += [f"- {line.strip()}" for line in _lossless_lines(summary)] + [""]
     text += [f"![{name}]({path.name})" for name, path in paths.items()]
     report = out / "report.md"

@@ -79,19 +79,20 @@ class LoadRun:
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """One timed run to make: its requests, at most `concurrency` in flight."""
+    """One timed run to make: its server, its requests, at most `concurrency` in flight."""
 
+    base_url: str
     concurrency: int
     requests: list[LoadRequest]
 
 
-def run_load(python: Path, base_url: str, plans: list[LoadPlan], warmups: int, work: Path,
-             model: str | None = None, on_run: Callable[[int], None] | None = None) -> list[LoadRun]:  # fmt: skip
-    """Each plan's requests sent to `base_url` by vLLM's benchmark client (one process for every run), each run
-    after `warmups` warm-up requests; `on_run(i)` as run i ends. One line naming the request and the engine's
-    error when one failed, or the client's last line when it died."""
-    job = {"base_url": base_url.rstrip("/").removesuffix("/v1"), "model": model, "warmups": warmups,
-           "runs": [{"concurrency": p.concurrency, "requests": [r.__dict__ for r in p.requests]} for p in plans]}
+def run_load(python: Path, plans: list[LoadPlan], warmups: int, work: Path,
+             on_run: Callable[[int], None] | None = None) -> list[LoadRun]:  # fmt: skip
+    """Each plan's requests sent to its server by vLLM's benchmark client (one process for every run, in order),
+    each run after `warmups` warm-up requests; `on_run(i)` as run i ends. One line naming the request and the
+    engine's error when one failed, or the client's last line when it died."""
+    job = {"warmups": warmups, "runs": [{"base_url": _root(p.base_url), "concurrency": p.concurrency,
+                                         "requests": [r.__dict__ for r in p.requests]} for p in plans]}  # fmt: skip
     work.mkdir(parents=True, exist_ok=True)
     job_path, out_path, log_path = work / "job.json", work / "out.json", work / "client.log"
     job_path.write_text(json.dumps(job))
@@ -111,10 +112,15 @@ def run_load(python: Path, base_url: str, plans: list[LoadPlan], warmups: int, w
                 client.wait()
     if client.returncode != 0 or not out_path.is_file():
         tail = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()][-1:] or ["no output"]
-        raise FlashdraftError(f"vLLM's benchmark client against {base_url} exited with code {client.returncode}: "
+        servers = ", ".join(sorted({p.base_url for p in plans}))
+        raise FlashdraftError(f"vLLM's benchmark client against {servers} exited with code {client.returncode}: "
                               f"{tail[0][:300]} (log: {log_path})")  # fmt: skip
     runs = json.loads(out_path.read_text())["runs"]
-    return [parse_load(out, plan.concurrency, base_url) for out, plan in zip(runs, plans, strict=True)]
+    return [parse_load(out, plan.concurrency, plan.base_url) for out, plan in zip(runs, plans, strict=True)]
+
+
+def _root(base_url: str) -> str:
+    return base_url.rstrip("/").removesuffix("/v1")
 
 
 def parse_load(out: dict[str, Any], concurrency: int, base_url: str = "the server") -> LoadRun:

@@ -23,7 +23,8 @@ RESULT = {"duration": 0.5, "output_throughput": 10.0, "request_throughput": 2.0,
 def test_a_run_reads_back_vllms_figures_the_counters_as_counts_and_each_requests_timing():
     run = parse_load({"result": RESULT, "requests": [REQUEST]}, concurrency=2)
     assert run.output_throughput == 10.0 and run.request_throughput == 2.0 and run.concurrency == 2
-    assert run.counters.drafts == 3 and run.counters.accepted == 4 and run.counters.accepted_per_position == [2, 1, 1, 0]
+    assert run.counters.drafts == 3 and run.counters.accepted == 4
+    assert run.counters.accepted_per_position == [2, 1, 1, 0]
     r = run.requests[0]
     assert r.output_ids == [5, 6, 7, 8, 9] and r.tpot == pytest.approx((0.07 - 0.02) / 4)
     assert run.step_seconds == pytest.approx(0.01)  # the median chunk gap
@@ -55,14 +56,15 @@ def test_every_run_goes_to_one_client_which_reports_each_as_it_ends(tmp_path):
                           "    runs.append({'result': " + repr(RESULT) + ", 'requests': [dict(" + repr(REQUEST)
                           + ", id=r['id']) for r in run['requests']]})\n    print(f'run {i} done', flush=True)\n"
                           "json.dump({'runs': runs}, open(out, 'w'))")  # fmt: skip
-    plans = [LoadPlan(c, [LoadRequest("a", [1, 2], 5, {"temperature": 0.0})]) for c in (1, 2)]
+    plans = [LoadPlan(url, c, [LoadRequest("a", [1, 2], 5, {"temperature": 0.0})])
+             for url, c in (("http://127.0.0.1:1/v1", 1), ("http://127.0.0.1:2/", 2))]  # fmt: skip
     seen = []
-    runs = run_load(python, "http://127.0.0.1:1/v1", plans, 2, tmp_path / "work", on_run=seen.append)
+    runs = run_load(python, plans, 2, tmp_path / "work", on_run=seen.append)
     assert seen == [0, 1] and [r.concurrency for r in runs] == [1, 2]
     job = json.loads((tmp_path / "work" / "job.json").read_text())
-    assert job["base_url"] == "http://127.0.0.1:1" and job["warmups"] == 2
-    assert job["runs"][1] == {"concurrency": 2, "requests": [{"id": "a", "prompt_ids": [1, 2], "max_tokens": 5,
-                                                                "body": {"temperature": 0.0}}]}  # fmt: skip
+    assert job["warmups"] == 2 and job["runs"][0]["base_url"] == "http://127.0.0.1:1"
+    assert job["runs"][1] == {"base_url": "http://127.0.0.1:2", "concurrency": 2, "requests": [
+        {"id": "a", "prompt_ids": [1, 2], "max_tokens": 5, "body": {"temperature": 0.0}}]}  # fmt: skip
 
 
 def test_a_client_that_dies_is_one_line_with_its_last_words_and_its_log(tmp_path):
@@ -70,4 +72,4 @@ def test_a_client_that_dies_is_one_line_with_its_last_words_and_its_log(tmp_path
                           "sys.exit(1)")  # fmt: skip
     with pytest.raises(FlashdraftError, match=r"exited with code 1: aiohttp.ClientConnectorError: cannot connect "
                                               r"\(log: .*client.log\)"):  # fmt: skip
-        run_load(python, "http://127.0.0.1:1", [LoadPlan(1, [])], 0, tmp_path / "work")
+        run_load(python, [LoadPlan("http://127.0.0.1:1", 1, [])], 0, tmp_path / "work")

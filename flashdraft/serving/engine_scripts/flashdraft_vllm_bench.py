@@ -1,14 +1,14 @@
-"""Run by the engine's Python (vLLM's own environment), never imported by flashdraft: one load run of `vllm bench
+"""Run by the engine's Python (vLLM's own environment), never imported by flashdraft: load runs of `vllm bench
 serve`'s client (`vllm.benchmarks.serve.benchmark`: its warm-up, concurrency limit, timing, metrics and
-spec-decode counter differences) against a running server, with the requests flashdraft gives by token ids.
+spec-decode counter differences) against running servers, with the requests flashdraft gives by token ids.
 
     python flashdraft_vllm_bench.py JOB.json OUT.json
 
-JOB.json: {"base_url", "model" (null: the server's first), "warmups", "runs": [{"concurrency", "requests": [{"id",
-"prompt_ids", "max_tokens", "body"}]}]} (body: the request's sampling fields, merged into it). OUT.json: {"runs":
-[{"result": vLLM's result dict, "requests": [{"id", "success", "error", "ttft", "itl", "latency", "output_tokens",
-"token_ids", "finish_reason"}]}]}, runs and requests in the order given; "run I done" on stdout after each (vLLM's
-own report goes to stderr). One process for every run: importing vLLM takes seconds.
+JOB.json: {"warmups", "runs": [{"base_url", "concurrency", "requests": [{"id", "prompt_ids", "max_tokens",
+"body"}]}]} (body: the request's sampling fields, merged into it; the server's first model is asked for).
+OUT.json: {"runs": [{"result": vLLM's result dict, "requests": [{"id", "success", "error", "ttft", "itl",
+"latency", "output_tokens", "token_ids", "finish_reason"}]}]}, runs and requests in the order given; "run I done"
+on stdout after each (vLLM's own report goes to stderr). One process for every run: importing vLLM takes seconds.
 
 vLLM's completions request function keeps the generated text only; flashdraft checks the tokens themselves (the
 target's greedy ones at T = 0), so the one function here is vLLM's `async_request_openai_completions` that also
@@ -114,18 +114,24 @@ def one_run(base: str, model: str, tokenizer, warmups: int, run: dict) -> dict:
     return {"result": result, "requests": per_request}
 
 
+def served_model(base: str) -> tuple[str, object]:
+    """The server's first model and its tokenizer (only for vLLM's own latency percentiles: a model name without a
+    local tokenizer goes without them)."""
+    model = asyncio.run(get_first_model_from_server(base))[0]
+    try:
+        return model, get_tokenizer(model)
+    except Exception:
+        return model, None
+
+
 def main(job_path: str, out_path: str) -> None:
     job = json.loads(open(job_path).read())
-    base = job["base_url"].rstrip("/")
-    model = job["model"] or asyncio.run(get_first_model_from_server(base))[0]
-    try:  # only for vLLM's own latency percentiles; a model name without a local tokenizer goes without them
-        tokenizer = get_tokenizer(model)
-    except Exception:
-        tokenizer = None
-    runs = []
+    models, runs = {}, []
     for i, run in enumerate(job["runs"]):
         with contextlib.redirect_stdout(sys.stderr):  # vLLM's report to the log; stdout says which run is done
-            runs.append(one_run(base, model, tokenizer, job["warmups"], run))
+            if run["base_url"] not in models:
+                models[run["base_url"]] = served_model(run["base_url"])
+            runs.append(one_run(run["base_url"], *models[run["base_url"]], job["warmups"], run))
         print(f"run {i} done", flush=True)
     with open(out_path, "w") as f:
         json.dump({"runs": runs}, f)
