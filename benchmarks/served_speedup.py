@@ -1,6 +1,6 @@
 """A drafter's served speed-up, measured by `flashdraft bench` beside the speed-up it predicts, in one run.
 
-    .venv/bin/python benchmarks/served_speedup.py --work WORKDIR [--hidden 512] [--layers 8] [--train-steps 300]
+    .venv/bin/python benchmarks/served_speedup.py --work WORKDIR [--hidden 512] [--layers 8] [--train-steps 60]
         [--concurrency 1,2,4] [--num-prompts 8] [--max-new-tokens 64] [--repeats 3]
 
 Builds the dense Qwen3 target of benchmarks/engine.py (random weights, sharpened logits, the tiny target's
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--work", required=True)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--train-steps", type=int, default=300)
+    parser.add_argument("--train-steps", type=int, default=60)
     parser.add_argument("--concurrency", default="1,2,4")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
