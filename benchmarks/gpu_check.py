@@ -28,7 +28,10 @@ check fails or a check raises. The checks, in order:
    dense target's greedy completions; passed when every request's output, steps and per-position acceptance
    equal flashdraft's. In --dry-run only the plain
    DFlash case runs, on the CPU engine, and only when asked (`--checks served`): it starts vLLM (about a minute).
-7. engine_capture: `flashdraft cache --engine vllm` from a tiny hybrid (Gated DeltaNet) target in bf16 on the GPU
+7. bench: `flashdraft bench` at concurrency 1, 8 and 32 with the served check's DFlash drafter (32 prompts, 64 new
+   tokens, 2 repeats): the served speed-up and the predicted one per concurrency, lossless at T = 0; in --dry-run
+   only when asked (`--checks bench`: it starts vLLM twice, on the CPU engine).
+8. engine_capture: `flashdraft cache --engine vllm` from a tiny hybrid (Gated DeltaNet) target in bf16 on the GPU
    engine, verified against the transformers forward (all-zero states from hybrid targets: vLLM #46301); skipped
    in --dry-run (the CPU engine runs hybrid targets only in bf16 with equal key and value head dims).
 
@@ -469,29 +472,42 @@ def _cli(*argv) -> None:
         raise RuntimeError(f"flashdraft {argv[0]} exited {rc}")
 
 
+def _trained_drafter(case: str, work: str, prompts_count: int = 8) -> tuple[str, str, str]:
+    """The tiny dense target, `prompts_count` prompts and a drafter of `case` trained 40 steps on the target's
+    greedy completions of the first 8: (target, prompts file, run directory); built once per case."""
+    import io
+    from contextlib import redirect_stdout
+
+    target = _engine_target(work, hybrid=False)
+    prompts = os.path.join(work, f"prompts-{prompts_count}.jsonl")
+    with open(prompts, "w") as f:
+        f.writelines(json.dumps({"id": f"p{i}", "prompt": " ".join(f"t{(7 * i + 3 * k) % 60}" for k in range(8))})
+                     + "\n" for i in range(prompts_count))  # fmt: skip
+    d = os.path.join(work, case)
+    if not os.path.isdir(d + "-run"):
+        with redirect_stdout(io.StringIO()):
+            _cli("generate", "--target-model", target, "--prompts", prompts, "--num-prompts", 8, "--out", d + ".json",
+                 "--max-new-tokens", 48)  # fmt: skip
+            _cli("init", "--target-model", target, "--out", d + "-init", "--draft-layers", 2, "--target-layer-ids",
+                 "0,2", "--head-dim", 64, *SERVED_CASES[case])  # fmt: skip
+            _cli("train", "--target-model", target, "--completions", d + ".json", "--out", d + "-run", "--init",
+                 d + "-init", "--epochs", 1000, "--max-steps", 40, "--lr", "3e-3")  # fmt: skip
+    return target, prompts, d + "-run"
+
+
 def check_served(case: str, work: str) -> dict:
     """eval --served vllm --check-served at T = 0 for a drafter of `case`, trained 40 steps."""
     import io
     from contextlib import redirect_stdout
 
-    target = _engine_target(work, hybrid=False)
-    prompts = os.path.join(work, "prompts.jsonl")
-    with open(prompts, "w") as f:
-        f.writelines(json.dumps({"id": f"p{i}", "prompt": " ".join(f"t{(7 * i + 3 * k) % 60}" for k in range(8))})
-                     + "\n" for i in range(8))  # fmt: skip
+    target, _, run_dir = _trained_drafter(case, work)
     d = os.path.join(work, case)
-    with redirect_stdout(io.StringIO()):
-        _cli("generate", "--target-model", target, "--prompts", prompts, "--out", d + ".json", "--max-new-tokens", 48)
-        _cli("init", "--target-model", target, "--out", d + "-init", "--draft-layers", 2, "--target-layer-ids",
-             "0,2", "--head-dim", 64, *SERVED_CASES[case])  # fmt: skip
-        _cli("train", "--target-model", target, "--completions", d + ".json", "--out", d + "-run", "--init",
-             d + "-init", "--epochs", 1000, "--max-steps", 40, "--lr", "3e-3")  # fmt: skip
     out = os.path.join(work, case + "-eval.json")
     from flashdraft.cli import main
 
     try:
         with redirect_stdout(io.StringIO()):
-            rc = main(["eval", "--checkpoint", d + "-run", "--target-model", target, "--completions", d + ".json",
+            rc = main(["eval", "--checkpoint", run_dir, "--target-model", target, "--completions", d + ".json",
                        "--served", "vllm", "--check-served", "--json", out])  # fmt: skip
     except SystemExit as e:
         rc = int(e.code)
@@ -499,6 +515,37 @@ def check_served(case: str, work: str) -> dict:
     return {"check": "served", "case": case, "passed": rc == 0, "engine": served.get("engine"),
             "served_tau": served.get("tau_delivered"), "flashdraft_tau": served.get("flashdraft", {}).get("tau"),
             "problems": served.get("check", {}).get("problems", [])[:2]}  # fmt: skip
+
+
+BENCH_CONCURRENCY = "1,8,32"
+
+
+def check_bench(work: str) -> dict:
+    """flashdraft bench at concurrency 1, 8 and 32 (32 prompts, 64 new tokens, 2 repeats) with the 40-step DFlash
+    drafter of the served check: measured and predicted speed-ups per concurrency, lossless at T = 0."""
+    import io
+    from contextlib import redirect_stdout
+
+    from flashdraft.cli import main
+
+    target, prompts, run_dir = _trained_drafter("dflash", work, prompts_count=32)
+    out = os.path.join(work, "bench.json")
+    try:
+        with redirect_stdout(io.StringIO()):
+            rc = main(["bench", "--target-model", target, "--checkpoint", run_dir, "--prompts", prompts,
+                       "--concurrency", BENCH_CONCURRENCY, "--max-new-tokens", 64, "--repeats", 2, "--json", out,
+                       "--work", os.path.join(work, "bench")])  # fmt: skip
+    except SystemExit as e:
+        rc = int(e.code)
+    if not os.path.exists(out):
+        raise RuntimeError(f"flashdraft bench exited {rc} without its figures")
+    summary = json.load(open(out))
+    rows = summary["sets"][0]["by_concurrency"]
+    return {"check": "bench", "case": f"concurrency {BENCH_CONCURRENCY}", "passed": rc == 0 and summary["lossless"],
+            "engine": summary["engine"], "machine": summary["machine"],
+            "speedup": {r["concurrency"]: round(r["speedup_output_tok_s"]["value"], 3) for r in rows},
+            "predicted": {r["concurrency"]: round(r["predicted"]["output_tok_s"] or 0, 3) for r in rows},
+            "tau": {r["concurrency"]: round(r["tau"] or 0, 3) for r in rows}}  # fmt: skip
 
 
 def check_engine_capture(work: str) -> dict:
@@ -550,6 +597,9 @@ def summary(row: dict) -> str:
     if check == "served":
         return (f"{row['engine']}: served τ {row['served_tau']}, flashdraft {row['flashdraft_tau']}"
                 + (f"; {row['problems'][0][:60]}" if row["problems"] else ""))  # fmt: skip
+    if check == "bench":
+        return "; ".join(f"c{c}: {row['speedup'][c]}x (predicted {row['predicted'][c]}x, τ {row['tau'][c]})"
+                         for c in row["speedup"])  # fmt: skip
     if check == "engine_capture":
         return f"worst rel error {row['worst_relative_error']:.2e}, min cosine {row['min_cosine']:.5f}"
     return ""
@@ -629,6 +679,11 @@ def main(argv: list[str] | None = None) -> int:
             run("served", case, lambda c=case, r=reason: {"check": "served", "case": c, "skipped": r})
         else:
             run("served", case, lambda c=case: check_served(c, work))
+    if args.dry_run and (wanted is None or "bench" not in wanted):
+        run("bench", BENCH_CONCURRENCY, lambda: {"check": "bench", "case": f"concurrency {BENCH_CONCURRENCY}",
+                                                 "skipped": "starts vLLM twice: --checks bench"})  # fmt: skip
+    else:
+        run("bench", BENCH_CONCURRENCY, lambda: check_bench(work))
     if args.dry_run:
         run("engine_capture", "hybrid bf16", lambda: {"check": "engine_capture", "case": "hybrid bf16",
                                                       "skipped": "the CPU engine runs no exact hybrid target"})

@@ -255,6 +255,35 @@ def engine_models(tmp_path_factory) -> dict[str, Path]:
             "overfit": d / "overfit", "dir": d}  # fmt: skip
 
 
+@pytest.fixture(scope="session")
+def overfit_server(engine_models, tmp_path_factory):
+    """A running vLLM serving the target with the 200-step drafter (eval --server and bench --server read it)."""
+    from flashdraft.cli import main
+    from flashdraft.drafter.config import DrafterConfig
+    from flashdraft.serving.checks import vllm_speculative_config
+    from flashdraft.serving.engine import VllmServer, engine_info, engine_python
+
+    d = tmp_path_factory.mktemp("served")
+    assert main(["export", "--checkpoint", str(engine_models["overfit"]), "--out", str(d / "drafter"),
+                 "--target-model", str(engine_models["target"])]) == 0  # fmt: skip
+    python = engine_python()
+    spec = vllm_speculative_config(DrafterConfig.load(d / "drafter" / "config.json"), str(d / "drafter"))
+    with VllmServer(python, str(engine_models["target"]), d / "server.log", speculative_config=spec,
+                    info=engine_info(python)) as server:  # fmt: skip
+        yield server
+
+
+@pytest.fixture(scope="session")
+def baseline_server(engine_models, tmp_path_factory):
+    """A running vLLM serving the target alone, with `overfit_server`'s other settings (bench --baseline-server)."""
+    from flashdraft.serving.engine import VllmServer, engine_info, engine_python
+
+    python = engine_python()
+    with VllmServer(python, str(engine_models["target"]), tmp_path_factory.mktemp("baseline") / "server.log",
+                    info=engine_info(python)) as server:  # fmt: skip
+        yield server
+
+
 # -- running the suite on every core (`make test`: pytest -n auto, pytest-xdist) --------------------------------------
 
 ENGINE_FILES = {str(p.relative_to(Path(__file__).parent.parent)) for p in Path(__file__).parent.rglob("test_*.py")

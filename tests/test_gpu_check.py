@@ -15,7 +15,7 @@ import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 CHECKS = {"linear_attention_parity", "target_verify_cost", "spec_loop_overhead", "flex_vs_dense", "train_step",
-          "served", "engine_capture"}
+          "served", "bench", "engine_capture"}
 
 
 def result_rows(stdout: str) -> list[dict]:
@@ -46,20 +46,49 @@ def test_dry_run_prints_every_check_with_figures_and_passes():
     assert {r["case"] for r in trained} == {"qwen3-8b-drafter sdpa", "qwen3.6-27b-drafter sdpa",
                                             "qwen3.6-27b-drafter auto x2"}  # fmt: skip
     assert all(r["context_tokens_per_s"] > 0 and r["peak_memory_mb"] > 0 for r in trained)
-    engine = [r for r in rows if r["check"] in ("served", "engine_capture")]
+    engine = [r for r in rows if r["check"] in ("served", "bench", "engine_capture")]
     # the GPU engine's checks say why they wait for a GPU; the CPU engine's case runs on request (`--checks served`)
     assert {r["case"]: r["skipped"] for r in engine} == {
         "dflash": "starts vLLM: --checks served", "dflash2": "needs a GPU engine (V2 model runner)",
         "dspark": "needs a GPU engine (V2 model runner)", "dflash-sliding": "needs a GPU engine (V2 model runner)",
+        "concurrency 1,8,32": "starts vLLM twice: --checks bench",
         "hybrid bf16": "the CPU engine runs no exact hybrid target"}  # fmt: skip
     assert "all passed" in out.stdout.splitlines()[-1]
 
 
-def test_linear_attention_drift_fails_the_check_and_exits_1(monkeypatch, capsys):
+def _gpu_check(monkeypatch):
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     gpu_check = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # its dataclasses look their module up
     spec.loader.exec_module(gpu_check)
+    return gpu_check
+
+
+def test_the_bench_checks_row_reads_measured_beside_predicted_per_concurrency_and_fails_unless_lossless(
+    monkeypatch, tmp_path
+):  # fmt: skip
+    # the check itself starts vLLM twice (`--checks bench`, the GPU machine); here its reading of bench's figures
+    gpu_check = _gpu_check(monkeypatch)
+    row = {"concurrency": 1, "speedup_output_tok_s": {"value": 1.8123, "error": 0.1},
+           "predicted": {"output_tok_s": 1.9}, "tau": 3.21}  # fmt: skip
+    summary = {"engine": "vllm 0.33.0", "machine": "1-GPU", "lossless": False, "sets": [{"by_concurrency": [
+        row, row | {"concurrency": 8, "speedup_output_tok_s": {"value": 1.2, "error": None}}]}]}  # fmt: skip
+
+    def fake_bench(argv):
+        assert argv[0] == "bench" and argv[argv.index("--concurrency") + 1] == "1,8,32"
+        with open(argv[argv.index("--json") + 1], "w") as f:
+            json.dump(summary, f)
+        return 1
+
+    monkeypatch.setattr(gpu_check, "_trained_drafter", lambda case, work, prompts_count=8: ("t", "p", "d"))
+    monkeypatch.setattr("flashdraft.cli.main", fake_bench)
+    result = gpu_check.check_bench(str(tmp_path))
+    assert result["passed"] is False and result["speedup"] == {1: 1.812, 8: 1.2}
+    assert gpu_check.summary(result) == "c1: 1.812x (predicted 1.9x, τ 3.21); c8: 1.2x (predicted 1.9x, τ 3.21)"
+
+
+def test_linear_attention_drift_fails_the_check_and_exits_1(monkeypatch, capsys):
+    gpu_check = _gpu_check(monkeypatch)
     raw_recurrent = inspect.unwrap(qwen3_5.torch_recurrent_gated_delta_rule)
 
     def drifting(*args, **kwargs):

@@ -2,6 +2,7 @@
 returns its parser, `run(args)` does it. COMMANDS is their order in `flashdraft --help`."""
 
 from flashdraft.commands import (
+    bench,
     cache,
     convert_run,
     demo,
@@ -15,4 +16,4 @@ from flashdraft.commands import (
     train,
 )
 
-COMMANDS = (init, speculate, generate, cache, doctor, parity, eval, export, train, convert_run, demo)
+COMMANDS = (init, speculate, generate, cache, doctor, parity, eval, bench, export, train, convert_run, demo)

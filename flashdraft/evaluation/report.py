@@ -128,14 +128,14 @@ def context_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def _text_table(header: list[str], rows: list[list[str]]) -> str:
+def text_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in [header] + rows]  # fmt: skip
     return "\n".join(lines)
 
 
-def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
@@ -228,10 +228,10 @@ def format_summary(summary: dict[str, Any], verbose: bool = True) -> str:
     problem = accepts_nothing_problem(summary["tau"], "τ") if summary.get("checkpoint") != "ngram" else None
     if problem:
         title = f"problem: {problem} (trained enough? `flashdraft doctor RUN` says what the run logged)\n" + title
-    parts = [title, _text_table(_figure_header(summary), figure_rows(summary, per_position=verbose))]
+    parts = [title, text_table(_figure_header(summary), figure_rows(summary, per_position=verbose))]
     if verbose:
-        parts += [_text_table(*prompt_rows(summary)),
-                  "by context length (tokens before the step's anchor):\n" + _text_table(*context_rows(summary))]
+        parts += [text_table(*prompt_rows(summary)),
+                  "by context length (tokens before the step's anchor):\n" + text_table(*context_rows(summary))]
     else:
         parts.append("per draft position, per prompt and per context length: --verbose, --report DIR or --json FILE")
     parts += mode_lines(summary)
@@ -285,7 +285,7 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> dict[str, Path]:
           [(name, _pad(r["histogram"], length)) for name, r in zip(names, results, strict=True)])  # fmt: skip
     ax.set(xlabel="tokens committed per step (a + 1)", ylabel="steps", title="Acceptance lengths")
     paths["histogram"] = out_dir / PLOTS["histogram"]
-    _save_png(fig, paths["histogram"])
+    save_png(fig, paths["histogram"])
 
     fig = Figure(figsize=(8, 4))
     ax = fig.add_subplot()
@@ -296,7 +296,7 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     if ref:
         ax.legend()
     paths["position_acceptance"] = out_dir / PLOTS["position_acceptance"]
-    _save_png(fig, paths["position_acceptance"])
+    save_png(fig, paths["position_acceptance"])
 
     ids = [str(p["id"]) for p in summary["per_prompt"]]
     series = [("drafter", [p["tau"] for p in summary["per_prompt"]])]
@@ -309,7 +309,7 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     ax.tick_params(axis="x", labelrotation=90)
     ax.set(xlabel="prompt", ylabel="τ", title="τ per prompt")
     paths["tau_per_prompt"] = out_dir / PLOTS["tau_per_prompt"]
-    _save_png(fig, paths["tau_per_prompt"])
+    save_png(fig, paths["tau_per_prompt"])
     return paths | _context_plots(summary, names, results, out_dir)
 
 
@@ -332,7 +332,7 @@ def _context_plots(summary: dict[str, Any], names: list[str], results: list[dict
     if len(results) > 1:
         ax.legend()
     paths["tau_by_context"] = out_dir / PLOTS["tau_by_context"]
-    _save_png(fig, paths["tau_by_context"])
+    save_png(fig, paths["tau_by_context"])
 
     fig = Figure(figsize=(8, 4))
     ax = fig.add_subplot()
@@ -346,11 +346,11 @@ def _context_plots(summary: dict[str, Any], names: list[str], results: list[dict
     if filled:
         ax.legend(fontsize="small", ncol=2)
     paths["position_acceptance_by_context"] = out_dir / PLOTS["position_acceptance_by_context"]
-    _save_png(fig, paths["position_acceptance_by_context"])
+    save_png(fig, paths["position_acceptance_by_context"])
     return paths
 
 
-def _save_png(fig, path: Path) -> None:
+def save_png(fig, path: Path) -> None:
     """A plot written whole or not at all (a full disk: `DiskFullError` with its size, no cut PNG)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
@@ -398,7 +398,7 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
         "",
         "## Figures",
         "",
-        _markdown_table(_figure_header(summary), figure_rows(summary)),
+        markdown_table(_figure_header(summary), figure_rows(summary)),
         "",
         f"![acceptance lengths]({plots['histogram'].name})",
         "",
@@ -406,7 +406,7 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
         "",
         "## Per prompt",
         "",
-        _markdown_table(*prompt_rows(summary)),
+        markdown_table(*prompt_rows(summary)),
         "",
         f"![tau per prompt]({plots['tau_per_prompt'].name})",
         "",
@@ -414,7 +414,7 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
         "",
         "Each step counted in the bucket of its context: the tokens before its anchor.",
         "",
-        _markdown_table(*context_rows(summary)),
+        markdown_table(*context_rows(summary)),
         "",
         f"![tau by context]({plots['tau_by_context'].name})",
         "",

@@ -10,7 +10,7 @@ import pytest
 
 from flashdraft.evaluation.results import EvalResult, PromptResult
 from flashdraft.evaluation.served import ServedRequest, accepted_per_position, greedy_mismatches
-from flashdraft.serving.engine import SpecCounters, VllmServer, engine_info, engine_python
+from flashdraft.serving.engine import SpecCounters
 from tests.conftest import run_cli
 
 
@@ -72,23 +72,6 @@ def test_served_tau_at_greedy_equals_flashdraft_request_by_request(capsys, engin
     assert served["accepted_past_output"] == sum(own["accepted_per_position_uncut"]) - sum(
         own["accepted_per_position"]) > 0  # fmt: skip
     assert "served check: passed" in out and "accepted past each output's end" in out
-
-
-@pytest.fixture(scope="module")
-def overfit_server(engine_models, tmp_path_factory):
-    """A running vLLM serving the 200-step drafter (eval --server reads it)."""
-    from flashdraft.cli import main
-    from flashdraft.drafter.config import DrafterConfig
-    from flashdraft.evaluation.served import vllm_speculative_config
-
-    d = tmp_path_factory.mktemp("served")
-    assert main(["export", "--checkpoint", str(engine_models["overfit"]), "--out", str(d / "drafter"),
-                 "--target-model", str(engine_models["target"])]) == 0  # fmt: skip
-    python = engine_python()
-    spec = vllm_speculative_config(DrafterConfig.load(d / "drafter" / "config.json"), str(d / "drafter"))
-    with VllmServer(python, str(engine_models["target"]), d / "server.log", speculative_config=spec,
-                    info=engine_info(python)) as server:  # fmt: skip
-        yield server
 
 
 @pytest.mark.engine

