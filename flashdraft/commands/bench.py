@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from flashdraft.commands.options import filter_args, long_prompts_arg, positive, temperature
+from flashdraft.commands.options import chat_mode_args, filter_args, long_prompts_arg, positive, temperature
 from flashdraft.errors import FlashdraftError
 
 
@@ -42,6 +42,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive, default=256, help="max_tokens of each request (default 256)")
     p.add_argument("--temperature", type=temperature, default=0.0, help="sampling temperature (0 = greedy)")
     filter_args(p)
+    chat_mode_args(p)
     p.add_argument("--repeats", type=positive, default=3,
                    help="timed runs per server, set and concurrency (default 3): the speed-ups' errors")
     p.add_argument("--warmups", type=int, default=2, help="warm-up requests before each timed run (default 2)")

@@ -27,6 +27,7 @@ from flashdraft.drafter.families import drafts_per_block
 from flashdraft.drafter.run_dir import load_any_drafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.evaluation.bench_figures import concurrency_figures, first_difference
+from flashdraft.evaluation.modes import evaluated_mode
 from flashdraft.evaluation.offline import evaluate_offline
 from flashdraft.evaluation.records import EvalRecord, FeatureSource, Log, fit_prompts, load_eval_records
 from flashdraft.evaluation.served import ENGINE_RULE, check_servable
@@ -56,7 +57,9 @@ class BenchConfig:
     top_p: float | None = None
     min_p: float | None = None
     use_generation_config: bool = True
-    # issue 45: --chat-template-kwargs JSON reaches the prompts' rendering through load_eval_records once it takes it
+    # the prompts' chat mode (`data/chat_mode.py`), as eval's: the template's kwargs and the enable_thinking shorthand
+    chat_template_kwargs: dict | None = None
+    enable_thinking: bool | None = None
     repeats: int = 3
     warmups: int = 2
     server: str | None = None
@@ -114,7 +117,9 @@ def load_sets(cfg: BenchConfig, target: TargetModel, filters, log: Log) -> list[
     """Each --prompts set's records and requests: max_new_tokens each, the sampling fields, a seed per request."""
     sets = []
     for spec in cfg.prompts:
-        records, source = load_eval_records(target, prompts=spec, num_prompts=cfg.num_prompts)
+        records, source = load_eval_records(target, prompts=spec, num_prompts=cfg.num_prompts,
+                                            chat_template_kwargs=cfg.chat_template_kwargs,
+                                            enable_thinking=cfg.enable_thinking, log=log)  # fmt: skip
         records = fit_prompts(records, target, cfg.max_new_tokens, cfg.long_prompts, spec, log)
         if len(records) < max(cfg.concurrency):
             raise FlashdraftError(f"--prompts {spec}: {len(records)} requests cannot keep {max(cfg.concurrency)} in "
@@ -233,7 +238,9 @@ def set_figures(cfg: BenchConfig, drafter, target: TargetModel, i: int, s: Promp
                       for rep in range(cfg.repeats)} for name in SERVERS}  # fmt: skip
     tau = _flashdraft_tau(cfg, drafter, target, s, outputs["baseline"][cfg.concurrency[0], 0], filters)
     check = check_outputs(cfg, target, s, outputs, filters)
-    return {"prompts": s.spec, "source": s.source, "requests": len(s.requests), "flashdraft_tau": tau,
+    mode = evaluated_mode(s.records, target.tokenizer)  # the prompts' chat mode (completions not counted)
+    return {"prompts": s.spec, "source": s.source, "requests": len(s.requests), "chat_mode": mode,
+            "flashdraft_tau": tau,
             "by_concurrency": [concurrency_figures(c, of("baseline", c), of("speculative", c), tau)
                                for c in cfg.concurrency], **check}  # fmt: skip
 
