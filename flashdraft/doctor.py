@@ -128,8 +128,10 @@ def run_doctor(
         if serving:
             from flashdraft.serving.checks import check_serving
 
-            check_serving(path, target, checks, target_name, max_model_len=max_model_len,
+            serving_checks = Checks(held=True)  # its verdict before its many rule lines
+            check_serving(path, target, serving_checks, target_name, max_model_len=max_model_len,
                           serving_command=serving_command)
+            serving_checks.print_held("serving rules (vLLM and SGLang)", checks)
     elif kind in ("run", "checkpoint"):
         check_run(path, target, checks, verify, single=kind == "checkpoint")
     elif kind == "state dict":

@@ -526,3 +526,14 @@ def test_serving_warns_when_the_target_has_rope_scaling_the_drafter_lacks(files,
 def test_max_model_len_without_serving_is_one_line_exit_2(files, capsys):
     rc, out, err = doctor(capsys, files["drafter"], "--max-model-len", 4096)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "expected --serving with it" in err
+
+
+def test_doctor_serving_opens_its_rules_with_a_verdict_counting_them(files, capsys):
+    rc, out, err = doctor(capsys, files["drafter"], "--serving")
+    lines = out.splitlines()
+    verdict = next(i for i, line in enumerate(lines) if "serving rules (vLLM and SGLang):" in line)
+    assert lines[verdict + 1].strip().startswith("serving rules, read from")  # the rules follow the verdict
+    ok, warn, fail = (int(x.split()[0]) for x in lines[verdict].split(": ", 1)[1].split(", "))
+    rules = lines[verdict + 1:]
+    assert ok == sum(r.startswith("ok ") for r in rules) and warn == sum(r.startswith("warn ") for r in rules)
+    assert fail == sum(r.startswith("FAIL ") for r in rules) and (rc == 1) == (fail > 0)
