@@ -69,7 +69,7 @@ def test_the_readme_quick_start_on_tiny_trains_a_drafter_that_beats_the_untraine
     monkeypatch.chdir(tmp_path)
     smaller = {"generate": ["--num-prompts", "24", "--max-new-tokens", "48"], "train": ["--max-steps", "150"]}
     steps = _quick_start()
-    upto = [argv for argv in steps[: next(i for i, a in enumerate(steps) if a[0] == "train") + 1]]
+    upto = steps[: next(i for i, a in enumerate(steps) if a[0] == "train") + 1]
     assert [a[0] for a in upto] == ["generate", "generate", "cache", "cache", "init", "train"]
     for argv in upto:
         assert main(argv + smaller.get(argv[0], [])) == 0, argv
