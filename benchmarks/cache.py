@@ -68,14 +68,25 @@ def main() -> None:
                 shards = sum(p.stat().st_size for p in out.glob("shard-*.safetensors"))
                 total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
                 floor = n * hidden * DTYPES[dtype].itemsize
-                print(json.dumps({
-                    "benchmark": "cache", "target": str(target.path), "machine": platform.processor() or
-                    platform.machine(), "threads": args.threads, "dtype": dtype, "context_layers": n,
-                    "layer_ids": layer_ids, "tokens": num_tokens, "tokens_per_s": round(num_tokens / seconds, 1),
-                    "bytes_per_token": round(shards / num_tokens, 2),
-                    "bytes_per_token_with_manifest": round(total / num_tokens, 2),
-                    "floor_bytes_per_token": floor, "over_floor": round(shards / num_tokens / floor, 4),
-                }))  # fmt: skip
+                print(
+                    json.dumps(
+                        {
+                            "benchmark": "cache",
+                            "target": str(target.path),
+                            "machine": platform.processor() or platform.machine(),
+                            "threads": args.threads,
+                            "dtype": dtype,
+                            "context_layers": n,
+                            "layer_ids": layer_ids,
+                            "tokens": num_tokens,
+                            "tokens_per_s": round(num_tokens / seconds, 1),
+                            "bytes_per_token": round(shards / num_tokens, 2),
+                            "bytes_per_token_with_manifest": round(total / num_tokens, 2),
+                            "floor_bytes_per_token": floor,
+                            "over_floor": round(shards / num_tokens / floor, 4),
+                        }
+                    )
+                )
 
 
 if __name__ == "__main__":

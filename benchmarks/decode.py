@@ -78,10 +78,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--hybrid-min-match", type=int, default=HybridRule.min_match)
     ap.add_argument("--hybrid-ngram-prior", type=float, default=HybridRule.ngram_prior)
-    ap.add_argument("--num-speculative-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[],
-                    help="k values to sweep, e.g. 1,2,3,4,6,8,15")  # fmt: skip
-    ap.add_argument("--adaptive-threshold", type=lambda v: [float(x) for x in v.split(",")], default=[],
-                    help="thresholds to sweep, e.g. 0.3,0.5,0.8")  # fmt: skip
+    ap.add_argument(
+        "--num-speculative-tokens",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[],
+        help="k values to sweep, e.g. 1,2,3,4,6,8,15",
+    )
+    ap.add_argument(
+        "--adaptive-threshold",
+        type=lambda v: [float(x) for x in v.split(",")],
+        default=[],
+        help="thresholds to sweep, e.g. 0.3,0.5,0.8",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = TargetModel.load(args.target_model)
@@ -90,13 +98,17 @@ def main() -> None:
     for path in args.checkpoint:
         drafter = load_any_drafter(path, target).drafter
         drafters[path] = (drafter, args.block_size or drafter.config.block_size)
-        hybrid = HybridDrafter(drafter, NGramProposer(target.vocab_size),
-                               HybridRule(args.hybrid_min_match, args.hybrid_ngram_prior))  # fmt: skip
+        hybrid = HybridDrafter(
+            drafter, NGramProposer(target.vocab_size), HybridRule(args.hybrid_min_match, args.hybrid_ngram_prior)
+        )
         drafters[f"hybrid:{path}"] = (hybrid, drafters[path][1])
     drafters["ngram"] = (NGramProposer(target.vocab_size), args.block_size or 16)
 
-    runs = [(name, drafter, block, limit) for name, (drafter, block) in drafters.items()
-            for limit in settings(drafter, block, args.num_speculative_tokens, args.adaptive_threshold)]  # fmt: skip
+    runs = [
+        (name, drafter, block, limit)
+        for name, (drafter, block) in drafters.items()
+        for limit in settings(drafter, block, args.num_speculative_tokens, args.adaptive_threshold)
+    ]
 
     warm = records[0].prompt_ids
     autoregressive_generate(target, warm, 16)
@@ -112,8 +124,9 @@ def main() -> None:
         greedy_tokens += len(plain.output_ids)
         for s, (_, drafter, block, limit) in zip(stats, runs, strict=True):
             t0 = time.perf_counter()
-            spec = speculative_generate(target, drafter, record.prompt_ids, args.max_new_tokens, block_size=block,
-                                        limit=limit)  # fmt: skip
+            spec = speculative_generate(
+                target, drafter, record.prompt_ids, args.max_new_tokens, block_size=block, limit=limit
+            )
             s["seconds"] += time.perf_counter() - t0
             s["tokens"] += len(spec.output_ids)
             s["draft"], s["verify"] = s["draft"] + spec.draft_seconds, s["verify"] + spec.verify_seconds
@@ -128,17 +141,28 @@ def main() -> None:
         speedup = s["tokens"] / s["seconds"] / greedy_tps
         bound = speedup_bound(tau, greedy_step, s["draft"] / steps, s["verify"] / steps)
         line = {
-            "benchmark": "decode", "target": str(target.path), "drafter": name, "block_size": block,
+            "benchmark": "decode",
+            "target": str(target.path),
+            "drafter": name,
+            "block_size": block,
             "num_speculative_tokens": limit.num_speculative_tokens if limit else block - 1,
             "adaptive_threshold": limit.adaptive_threshold if limit else None,
-            "machine": platform.processor() or platform.machine(), "threads": args.threads,
-            "prompts": len(records), "max_new_tokens": args.max_new_tokens, "tokens": s["tokens"],
-            "tau": round(tau, 3), "spec_tokens_per_s": round(s["tokens"] / s["seconds"], 1),
-            "greedy_tokens_per_s": round(greedy_tps, 1), "speedup": round(speedup, 3),
-            "speedup_bound": round(bound, 3), "speedup_of_bound": round(speedup / bound, 3),
-            "draft_ms": round(1000 * s["draft"] / steps, 3), "verify_ms": round(1000 * s["verify"] / steps, 3),
-            "greedy_step_ms": round(1000 * greedy_step, 3), "lossless": s["lossless"],
-        }  # fmt: skip
+            "machine": platform.processor() or platform.machine(),
+            "threads": args.threads,
+            "prompts": len(records),
+            "max_new_tokens": args.max_new_tokens,
+            "tokens": s["tokens"],
+            "tau": round(tau, 3),
+            "spec_tokens_per_s": round(s["tokens"] / s["seconds"], 1),
+            "greedy_tokens_per_s": round(greedy_tps, 1),
+            "speedup": round(speedup, 3),
+            "speedup_bound": round(bound, 3),
+            "speedup_of_bound": round(speedup / bound, 3),
+            "draft_ms": round(1000 * s["draft"] / steps, 3),
+            "verify_ms": round(1000 * s["verify"] / steps, 3),
+            "greedy_step_ms": round(1000 * greedy_step, 3),
+            "lossless": s["lossless"],
+        }
         print(json.dumps(line))
         if name not in best or speedup > best[name]["speedup"]:
             best[name] = line
@@ -146,11 +170,19 @@ def main() -> None:
         keys = ("num_speculative_tokens", "adaptive_threshold", "tau", "speedup", "speedup_bound", "speedup_of_bound")
         print(json.dumps({"benchmark": "decode_best", "drafter": name} | {k: line[k] for k in keys}))
     prefix = [t for r in records for t in r.prompt_ids] * 200  # 200 tokens of real prompts
-    print(json.dumps({
-        "benchmark": "verify_cost", "target": str(target.path), "linear_backend": target.linear_backend,
-        "machine": platform.processor() or platform.machine(), "threads": args.threads, "prefix_tokens": 200,
-        **verify_cost(target, prefix[:200]),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "benchmark": "verify_cost",
+                "target": str(target.path),
+                "linear_backend": target.linear_backend,
+                "machine": platform.processor() or platform.machine(),
+                "threads": args.threads,
+                "prefix_tokens": 200,
+                **verify_cost(target, prefix[:200]),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,13 @@ RUNS = {  # name: (init, extra train flags)
     "dflash2-from-sel0.3": ("init-dflash2-from", ["--selector-loss-weight", "0.3"]),
     "dflash2-from-sel3": ("init-dflash2-from", ["--selector-loss-weight", "3"]),
 }
-SECOND_PHASE = ("dflash-more", "dflash2-from", "dflash2-from-sel0.1", "dflash2-from-sel0.3",
-                "dflash2-from-sel3")  # start from the trained `dflash`
+SECOND_PHASE = (
+    "dflash-more",
+    "dflash2-from",
+    "dflash2-from-sel0.1",
+    "dflash2-from-sel0.3",
+    "dflash2-from-sel3",
+)  # start from the trained `dflash`
 
 
 def train_command(work: Path, name: str, steps: int) -> list[str]:
@@ -57,9 +62,25 @@ def train_command(work: Path, name: str, steps: int) -> list[str]:
     init_dir = work / init
     if init.startswith("run-"):
         init_dir = latest_checkpoint(init_dir) / "drafter"
-    return [sys.executable, "-m", "flashdraft", "train", *TINY, "--cached-hidden-states", str(work / "cache-train"),
-            "--out", str(work / f"run-{name}"), "--init", str(init_dir), *BASE_TRAIN_ARGS, *RECIPE,
-            "--max-steps", str(steps), *extra, "--resume"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "flashdraft",
+        "train",
+        *TINY,
+        "--cached-hidden-states",
+        str(work / "cache-train"),
+        "--out",
+        str(work / f"run-{name}"),
+        "--init",
+        str(init_dir),
+        *BASE_TRAIN_ARGS,
+        *RECIPE,
+        "--max-steps",
+        str(steps),
+        *extra,
+        "--resume",
+    ]
 
 
 def evaluate(work: Path, name: str) -> dict:
@@ -67,8 +88,18 @@ def evaluate(work: Path, name: str) -> dict:
     for set_name in HELD_OUT:
         out = work / f"eval-{name}-{set_name}.json"
         if not out.exists():
-            flashdraft(["eval", "--checkpoint", str(work / f"run-{name}"), *TINY, "--cached-hidden-states",
-                        str(work / f"cache-{set_name}"), "--json", str(out)])  # fmt: skip
+            flashdraft(
+                [
+                    "eval",
+                    "--checkpoint",
+                    str(work / f"run-{name}"),
+                    *TINY,
+                    "--cached-hidden-states",
+                    str(work / f"cache-{set_name}"),
+                    "--json",
+                    str(out),
+                ]
+            )
         figures = json.loads(out.read_text())
         row[f"tau_{set_name}"] = round(figures["tau"], 4)
         selector = figures.get("selector")
@@ -81,8 +112,10 @@ def evaluate(work: Path, name: str) -> dict:
 def step_cost(work: Path, repeats: int = 5) -> dict:
     """Median milliseconds of one drafting step per trained drafter (`recipe.drafting_step_ms`) and their ratios."""
     ms = drafting_step_ms(work, ["dflash", "dflash2"], repeats)
-    return {"step_ms": {k: round(v, 3) for k, v in ms.items()},
-            "dflash2_over_dflash": round(ms["dflash2"] / ms["dflash"], 4)}  # fmt: skip
+    return {
+        "step_ms": {k: round(v, 3) for k, v in ms.items()},
+        "dflash2_over_dflash": round(ms["dflash2"] / ms["dflash"], 4),
+    }
 
 
 def main() -> None:
@@ -103,8 +136,18 @@ def main() -> None:
     command = lambda n: train_command(work, n, args.steps)  # noqa: E731
     run_lanes(work, [n for n in RUNS if n not in SECOND_PHASE], command, args.lanes)
     if not (work / "init-dflash2-from" / "model.safetensors").exists():
-        flashdraft(["init", *TINY, "--out", str(work / "init-dflash2-from"), "--family", "dflash2",
-                    "--from-drafter", str(work / "run-dflash")])  # fmt: skip
+        flashdraft(
+            [
+                "init",
+                *TINY,
+                "--out",
+                str(work / "init-dflash2-from"),
+                "--family",
+                "dflash2",
+                "--from-drafter",
+                str(work / "run-dflash"),
+            ]
+        )
     run_lanes(work, list(SECOND_PHASE), command, args.lanes)
     rows = [evaluate(work, name) for name in RUNS]
     for row in rows:
@@ -112,9 +155,16 @@ def main() -> None:
     by = {r["run"]: r for r in rows}
     base = {name: "dflash-more" if name in SECOND_PHASE else "dflash" for name in RUNS if name.startswith("dflash2")}
     ratios = {f"{name} / {base[name]}": name for name in base}
-    summary = {"machine": platform.machine(), "threads": 1, "lanes": args.lanes, "steps": args.steps,
-               "ratios": {label: {s: round(by[run][f"tau_{s}"] / by[base[run]][f"tau_{s}"], 4) for s in HELD_OUT}
-                          for label, run in ratios.items()}}  # fmt: skip
+    summary = {
+        "machine": platform.machine(),
+        "threads": 1,
+        "lanes": args.lanes,
+        "steps": args.steps,
+        "ratios": {
+            label: {s: round(by[run][f"tau_{s}"] / by[base[run]][f"tau_{s}"], 4) for s in HELD_OUT}
+            for label, run in ratios.items()
+        },
+    }
     print(json.dumps(summary))
 
 

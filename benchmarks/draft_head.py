@@ -35,8 +35,9 @@ def step_ms(proposer_of, drafter, target, context: int, repeats: int) -> list[fl
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        proposer.propose([5] * (context + 2), context + 1, features[:, :1], torch.tensor([[context]]),
-                         drafter.block_size)  # fmt: skip
+        proposer.propose(
+            [5] * (context + 2), context + 1, features[:, :1], torch.tensor([[context]]), drafter.block_size
+        )
         times.append((time.perf_counter() - t0) * 1e3)
         proposer.cache.positions = proposer.cache.positions[:, :context]  # keep the context length fixed
         for layer in range(len(proposer.cache.keys)):
@@ -73,20 +74,32 @@ def main() -> None:
             times["full"] += step_ms(DFlashProposer, full, target, args.context, args.repeats // 5)
             times["reduced"] += step_ms(DFlashProposer, reduced, target, args.context, args.repeats // 5)
     c = full.config
-    tiny = head_macs(c.vocab_size, c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.num_attention_heads,
-                     c.num_key_value_heads, c.head_dim)  # fmt: skip
+    tiny = head_macs(
+        c.vocab_size,
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.intermediate_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+    )
     qwen36 = head_macs(248320, 5120, 5, 17408, 32, 8, 128)
     out = {
-        "machine": platform.machine(), "threads": args.threads, "checkpoint": args.checkpoint,
-        "vocab_size": c.vocab_size, "draft_vocab_size": args.draft_vocab_size, "context": args.context,
+        "machine": platform.machine(),
+        "threads": args.threads,
+        "checkpoint": args.checkpoint,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": args.draft_vocab_size,
+        "context": args.context,
         "step_ms_full_head": round(statistics.median(times["full"]), 3),
         "step_ms_reduced_head": round(statistics.median(times["reduced"]), 3),
         "tiny_head_share_of_macs_full": round(tiny["head"] / (tiny["head"] + tiny["layers"]), 3),
         "qwen36_27b_head_macs_per_token": {"full_248320": 248320 * 5120, "reduced_32000": 32000 * 5120},
-        "qwen36_27b_head_share_of_macs": {"full": round(qwen36["head"] / (qwen36["head"] + qwen36["layers"]), 3),
-                                          "reduced_32000": round(32000 * 5120 / (32000 * 5120 + qwen36["layers"]),
-                                                                 3)},
-    }  # fmt: skip
+        "qwen36_27b_head_share_of_macs": {
+            "full": round(qwen36["head"] / (qwen36["head"] + qwen36["layers"]), 3),
+            "reduced_32000": round(32000 * 5120 / (32000 * 5120 + qwen36["layers"]), 3),
+        },
+    }
     out["step_ratio_full_over_reduced"] = round(out["step_ms_full_head"] / out["step_ms_reduced_head"], 3)
     print(json.dumps(out))
 

@@ -43,8 +43,11 @@ RUNS = {  # name: (init, cache, extra train flags)
     "dflash": ("init-dflash-b8", "cache-train", []),
     "dflash2": ("init-dflash2-b8", "cache-train", []),
     "dspark": ("init-dspark-b7", "cache-train-logits", []),
-    "dspark-ce": ("init-dspark-b7", "cache-train", ["--dspark-ce-weight", "1", "--dspark-tv-weight", "0",
-                                                    "--confidence-loss-weight", "0"]),
+    "dspark-ce": (
+        "init-dspark-b7",
+        "cache-train",
+        ["--dspark-ce-weight", "1", "--dspark-tv-weight", "0", "--confidence-loss-weight", "0"],
+    ),
     "dflash-b16": ("init-dflash-b16", "cache-train", []),
     "dspark-decay": ("init-dspark-b7", "cache-train-logits", ["--loss-weighting", "decay"]),
 }
@@ -58,9 +61,25 @@ def init_args(block: int) -> list[str]:
 
 def train_command(work: Path, name: str, steps: int, runs: dict = RUNS) -> list[str]:
     init, cache, extra = runs[name]
-    return [sys.executable, "-m", "flashdraft", "train", *TINY, "--cached-hidden-states", str(work / cache),
-            "--out", str(work / f"run-{name}"), "--init", str(work / init), *BASE_TRAIN_ARGS, *RECIPE,
-            "--max-steps", str(steps), *extra, "--resume"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "flashdraft",
+        "train",
+        *TINY,
+        "--cached-hidden-states",
+        str(work / cache),
+        "--out",
+        str(work / f"run-{name}"),
+        "--init",
+        str(work / init),
+        *BASE_TRAIN_ARGS,
+        *RECIPE,
+        "--max-steps",
+        str(steps),
+        *extra,
+        "--resume",
+    ]
 
 
 def evaluate(work: Path, name: str) -> dict:
@@ -68,16 +87,31 @@ def evaluate(work: Path, name: str) -> dict:
     for set_name in HELD_OUT:
         out = work / f"eval-{name}-{set_name}.json"
         if not out.exists():
-            flashdraft(["eval", "--checkpoint", str(work / f"run-{name}"), *TINY, "--cached-hidden-states",
-                        str(work / f"cache-{set_name}"), "--json", str(out)])  # fmt: skip
+            flashdraft(
+                [
+                    "eval",
+                    "--checkpoint",
+                    str(work / f"run-{name}"),
+                    *TINY,
+                    "--cached-hidden-states",
+                    str(work / f"cache-{set_name}"),
+                    "--json",
+                    str(out),
+                ]
+            )
         figures = json.loads(out.read_text())
         row[f"tau_{set_name}"] = round(figures["tau"], 4)
         confidence = figures.get("confidence")
         if confidence:  # DSpark: the head's calibration and the cuts' tau and cost
             row[f"calibration_error_{set_name}"] = round(confidence["expected_calibration_error"], 4)
-            row[f"cuts_{set_name}"] = [{"threshold": c["threshold"], "tau": round(c["tau"], 4),
-                                        "drafts_verified": round(c["drafts_verified_per_step"], 3)}
-                                       for c in confidence["cuts"]]  # fmt: skip
+            row[f"cuts_{set_name}"] = [
+                {
+                    "threshold": c["threshold"],
+                    "tau": round(c["tau"], 4),
+                    "drafts_verified": round(c["drafts_verified_per_step"], 3),
+                }
+                for c in confidence["cuts"]
+            ]
     return row
 
 
@@ -85,9 +119,22 @@ def prepare_families(work: Path) -> None:
     """`recipe.prepare`'s data and caches, the training cache with the target's top-64 logits, and the inits."""
     prepare(work)
     if not (work / "cache-train-logits" / "manifest.json").exists():
-        flashdraft(["cache", *TINY, "--completions", str(work / "train.json"), "--out",
-                    str(work / "cache-train-logits"), "--layers", LAYERS, "--dtype", "fp32",
-                    "--with-target-logits", "64"])  # fmt: skip
+        flashdraft(
+            [
+                "cache",
+                *TINY,
+                "--completions",
+                str(work / "train.json"),
+                "--out",
+                str(work / "cache-train-logits"),
+                "--layers",
+                LAYERS,
+                "--dtype",
+                "fp32",
+                "--with-target-logits",
+                "64",
+            ]
+        )
     for init, (block, extra) in INITS.items():
         if not (work / init / "model.safetensors").exists():
             flashdraft(["init", *TINY, "--out", str(work / init), *init_args(block), *extra])
@@ -96,9 +143,11 @@ def prepare_families(work: Path) -> None:
 def step_cost(work: Path, repeats: int = 5) -> dict:
     """Median milliseconds of one drafting step per trained drafter (`recipe.drafting_step_ms`) and their ratios."""
     ms = drafting_step_ms(work, ["dflash", "dflash2", "dspark"], repeats)
-    return {"step_ms": {k: round(v, 3) for k, v in ms.items()},
-            "dspark_over_dflash": round(ms["dspark"] / ms["dflash"], 4),
-            "dflash2_over_dflash": round(ms["dflash2"] / ms["dflash"], 4)}  # fmt: skip
+    return {
+        "step_ms": {k: round(v, 3) for k, v in ms.items()},
+        "dspark_over_dflash": round(ms["dspark"] / ms["dflash"], 4),
+        "dflash2_over_dflash": round(ms["dflash2"] / ms["dflash"], 4),
+    }
 
 
 def main() -> None:
@@ -120,12 +169,27 @@ def main() -> None:
     for row in rows:
         print(json.dumps(row), flush=True)
     by = {r["run"]: r for r in rows}
-    ratios = {f"{a} / {b}": (a, b) for a, b in [("dspark", "dflash"), ("dspark", "dflash2"), ("dflash2", "dflash"),
-                                                ("dspark", "dspark-ce"), ("dspark-decay", "dspark")]
-              if a in by and b in by}  # fmt: skip
-    summary = {"machine": platform.machine(), "threads": 1, "lanes": args.lanes, "steps": args.steps,
-               "ratios": {label: {s: round(by[a][f"tau_{s}"] / by[b][f"tau_{s}"], 4) for s in HELD_OUT}
-                          for label, (a, b) in ratios.items()}}  # fmt: skip
+    ratios = {
+        f"{a} / {b}": (a, b)
+        for a, b in [
+            ("dspark", "dflash"),
+            ("dspark", "dflash2"),
+            ("dflash2", "dflash"),
+            ("dspark", "dspark-ce"),
+            ("dspark-decay", "dspark"),
+        ]
+        if a in by and b in by
+    }
+    summary = {
+        "machine": platform.machine(),
+        "threads": 1,
+        "lanes": args.lanes,
+        "steps": args.steps,
+        "ratios": {
+            label: {s: round(by[a][f"tau_{s}"] / by[b][f"tau_{s}"], 4) for s in HELD_OUT}
+            for label, (a, b) in ratios.items()
+        },
+    }
     print(json.dumps(summary))
 
 

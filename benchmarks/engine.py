@@ -38,11 +38,19 @@ def build_target(directory: Path, hidden: int, layers: int) -> Path:
     tiny = resolve_target_path("tiny")
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=3 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                      num_key_value_heads=max(1, hidden // 128),
-                      head_dim=64, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                      max_position_embeddings=2048, tie_word_embeddings=True)  # fmt: skip
+    cfg = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 128),
+        head_dim=64,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     model = Qwen3ForCausalLM(cfg)
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(4.0)  # sharper logits: greedy far from ties
@@ -61,9 +69,22 @@ def flashdraft(*argv, ok=(0,)) -> tuple[float, str]:
 
 
 def timed_generate(target: Path, out: Path, args: argparse.Namespace, engine: bool) -> tuple[float, str]:
-    return flashdraft("generate", "--target-model", target, "--prompts", "builtin:code", "--num-prompts",
-                      args.num_prompts, "--max-new-tokens", args.max_new_tokens, "--batch-size", args.batch_size,
-                      "--out", out, *(["--engine", "vllm"] if engine else []))  # fmt: skip
+    return flashdraft(
+        "generate",
+        "--target-model",
+        target,
+        "--prompts",
+        "builtin:code",
+        "--num-prompts",
+        args.num_prompts,
+        "--max-new-tokens",
+        args.max_new_tokens,
+        "--batch-size",
+        args.batch_size,
+        "--out",
+        out,
+        *(["--engine", "vllm"] if engine else []),
+    )
 
 
 def main() -> None:
@@ -86,16 +107,26 @@ def main() -> None:
     engine = json.loads((work / "engine.json").read_text())["records"]
     tokens = sum(len(r["completion_ids"]) for r in local)
     startup_s = _startup_seconds(log)
-    print(json.dumps({
-        "part": "completions", "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-        "target": f"dense Qwen3, hidden {args.hidden}, {args.layers} layers",
-        "tokens": tokens, "local_s": local_s, "engine_s": engine_s, "engine_startup_s": startup_s,
-        "local_tokens_per_s": tokens / local_s, "engine_tokens_per_s": tokens / engine_s,
-        "ratio_with_startup": local_s / engine_s,
-        "ratio_without_startup": local_s / (engine_s - startup_s) if startup_s else None,
-        "identical_tokens": [r["completion_ids"] for r in local] == [r["completion_ids"] for r in engine],
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "part": "completions",
+                "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                "prompts": args.num_prompts,
+                "max_new_tokens": args.max_new_tokens,
+                "target": f"dense Qwen3, hidden {args.hidden}, {args.layers} layers",
+                "tokens": tokens,
+                "local_s": local_s,
+                "engine_s": engine_s,
+                "engine_startup_s": startup_s,
+                "local_tokens_per_s": tokens / local_s,
+                "engine_tokens_per_s": tokens / engine_s,
+                "ratio_with_startup": local_s / engine_s,
+                "ratio_without_startup": local_s / (engine_s - startup_s) if startup_s else None,
+                "identical_tokens": [r["completion_ids"] for r in local] == [r["completion_ids"] for r in engine],
+            }
+        )
+    )
     if "served" in args.parts:
         served_part(target, work, args)
     if "capture" in args.parts:
@@ -104,23 +135,69 @@ def main() -> None:
 
 def served_part(target: Path, work: Path, args: argparse.Namespace) -> None:
     t = ["--target-model", target]
-    flashdraft("generate", *t, "--prompts", "builtin:code:heldout", "--num-prompts", 8, "--max-new-tokens", 64,
-               "--out", work / "heldout.json")  # fmt: skip
-    flashdraft("init", *t, "--out", work / "init", "--draft-layers", 1, "--target-layer-ids", "1,4,6",
-               "--block-size", 8)  # fmt: skip
-    train_s, _ = flashdraft("train", *t, "--completions", work / "local.json", "--out", work / "run", "--init",
-                            work / "init", "--max-steps", args.train_steps, "--epochs", 1000)  # fmt: skip
-    seconds, _ = flashdraft("eval", "--checkpoint", work / "run", *t, "--completions", work / "heldout.json",
-                            "--served", "vllm", "--check-served", "--json", work / "served.json",
-                            ok=(0, 1))  # fmt: skip
+    flashdraft(
+        "generate",
+        *t,
+        "--prompts",
+        "builtin:code:heldout",
+        "--num-prompts",
+        8,
+        "--max-new-tokens",
+        64,
+        "--out",
+        work / "heldout.json",
+    )
+    flashdraft(
+        "init", *t, "--out", work / "init", "--draft-layers", 1, "--target-layer-ids", "1,4,6", "--block-size", 8
+    )
+    train_s, _ = flashdraft(
+        "train",
+        *t,
+        "--completions",
+        work / "local.json",
+        "--out",
+        work / "run",
+        "--init",
+        work / "init",
+        "--max-steps",
+        args.train_steps,
+        "--epochs",
+        1000,
+    )
+    seconds, _ = flashdraft(
+        "eval",
+        "--checkpoint",
+        work / "run",
+        *t,
+        "--completions",
+        work / "heldout.json",
+        "--served",
+        "vllm",
+        "--check-served",
+        "--json",
+        work / "served.json",
+        ok=(0, 1),
+    )
     served = json.loads((work / "served.json").read_text())["served"]
-    print(json.dumps({
-        "part": "served", "engine": served["engine"], "requests": len(served["requests"]), "train_s": train_s,
-        "eval_s": seconds, "served_tau": served["tau"], "served_tau_delivered": served["tau_delivered"],
-        "flashdraft_tau": served["flashdraft"]["tau"], "flashdraft_tau_uncut": served["flashdraft"]["tau_uncut"],
-        "drafts": served["drafts"], "steps": served["flashdraft"]["steps"],
-        "accepted_past_output": served["accepted_past_output"], "check": served["check"],
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "part": "served",
+                "engine": served["engine"],
+                "requests": len(served["requests"]),
+                "train_s": train_s,
+                "eval_s": seconds,
+                "served_tau": served["tau"],
+                "served_tau_delivered": served["tau_delivered"],
+                "flashdraft_tau": served["flashdraft"]["tau"],
+                "flashdraft_tau_uncut": served["flashdraft"]["tau_uncut"],
+                "drafts": served["drafts"],
+                "steps": served["flashdraft"]["steps"],
+                "accepted_past_output": served["accepted_past_output"],
+                "check": served["check"],
+            }
+        )
+    )
 
 
 def capture_part(target: Path, work: Path) -> None:
@@ -132,8 +209,19 @@ def capture_part(target: Path, work: Path) -> None:
     engine, local = HiddenStateCache(work / "cache-engine"), HiddenStateCache(work / "cache-local")
     worst = max(float((engine.features(i) - local.features(i)).abs().max()) for i in range(len(local)))
     verified = engine.manifest["computed_with"]["engine"]["verification"]
-    print(json.dumps({"part": "capture", "records": len(local), "tokens": local.num_tokens, "engine_s": engine_s,
-                      "local_s": local_s, "max_abs_difference": worst, "verification": verified}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "part": "capture",
+                "records": len(local),
+                "tokens": local.num_tokens,
+                "engine_s": engine_s,
+                "local_s": local_s,
+                "max_abs_difference": worst,
+                "verification": verified,
+            }
+        )
+    )
 
 
 def _startup_seconds(stdout: str) -> float | None:

@@ -73,13 +73,25 @@ def main() -> None:
             result = evaluate_offline(drafter, target, records, source, args.block_size, args.max_blocks)
             seconds = time.perf_counter() - t0
             assert source.target_forwards == 0, "offline evaluation from a cache ran the target"
-            print(json.dumps({
-                "benchmark": "eval", "target": str(target.path), "drafter": name, "machine": platform.processor() or
-                platform.machine(), "threads": args.threads, "block_size": args.block_size,
-                "context_layers": result.context_layers, "records": len(records),
-                "tokens_per_record": args.tokens_per_record, "steps": result.num_steps, "tau": round(result.tau, 3),
-                "records_per_s": round(len(records) / seconds, 2), "steps_per_s": round(result.num_steps / seconds, 1),
-            }))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "benchmark": "eval",
+                        "target": str(target.path),
+                        "drafter": name,
+                        "machine": platform.processor() or platform.machine(),
+                        "threads": args.threads,
+                        "block_size": args.block_size,
+                        "context_layers": result.context_layers,
+                        "records": len(records),
+                        "tokens_per_record": args.tokens_per_record,
+                        "steps": result.num_steps,
+                        "tau": round(result.tau, 3),
+                        "records_per_s": round(len(records) / seconds, 2),
+                        "steps_per_s": round(result.num_steps / seconds, 1),
+                    }
+                )
+            )
 
 
 if __name__ == "__main__":

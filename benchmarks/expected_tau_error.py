@@ -40,25 +40,52 @@ def main() -> None:
     filters = {"top_k": 20, "top_p": 0.95} if args.temperature < 1 else {}
     rows = []
     for seed in range(args.seeds):
-        cfg = EvalConfig(checkpoint="tiny-drafter", target_model="tiny", prompts="builtin:code:heldout",
-                         num_prompts=args.prompts, max_new_tokens=64, online=args.mode == "online",
-                         temperature=args.temperature, seed=seed, **filters)  # fmt: skip
+        cfg = EvalConfig(
+            checkpoint="tiny-drafter",
+            target_model="tiny",
+            prompts="builtin:code:heldout",
+            num_prompts=args.prompts,
+            max_new_tokens=64,
+            online=args.mode == "online",
+            temperature=args.temperature,
+            seed=seed,
+            **filters,
+        )
         s = run_eval(cfg, log=lambda *_: None)
-        rows.append({"seed": seed, "tau": s["tau"], "expected_tau": s["expected_tau"],
-                     "expected_tau_stderr": s["expected_tau_stderr"],
-                     "independent_steps_stderr": independent_steps_stderr(s), "steps": s["num_steps"]})  # fmt: skip
+        rows.append(
+            {
+                "seed": seed,
+                "tau": s["tau"],
+                "expected_tau": s["expected_tau"],
+                "expected_tau_stderr": s["expected_tau_stderr"],
+                "independent_steps_stderr": independent_steps_stderr(s),
+                "steps": s["num_steps"],
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     spread = statistics.stdev(r["expected_tau"] for r in rows)
     stated = statistics.mean(r["expected_tau_stderr"] for r in rows)
     independent = statistics.mean(r["independent_steps_stderr"] for r in rows)
-    print(json.dumps({"machine": platform.machine(), "mode": args.mode, "temperature": args.temperature,
-                      "filters": filters, "seeds": args.seeds, "prompts": args.prompts,
-                      "mean_tau": statistics.mean(r["tau"] for r in rows),
-                      "mean_expected_tau": statistics.mean(r["expected_tau"] for r in rows),
-                      "spread_of_expected_tau": spread, "spread_of_tau": statistics.stdev(r["tau"] for r in rows),
-                      "mean_stated_stderr": stated, "mean_independent_steps_stderr": independent,
-                      "spread_over_stated": spread / stated,
-                      "spread_over_independent": spread / independent}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "machine": platform.machine(),
+                "mode": args.mode,
+                "temperature": args.temperature,
+                "filters": filters,
+                "seeds": args.seeds,
+                "prompts": args.prompts,
+                "mean_tau": statistics.mean(r["tau"] for r in rows),
+                "mean_expected_tau": statistics.mean(r["expected_tau"] for r in rows),
+                "spread_of_expected_tau": spread,
+                "spread_of_tau": statistics.stdev(r["tau"] for r in rows),
+                "mean_stated_stderr": stated,
+                "mean_independent_steps_stderr": independent,
+                "spread_over_stated": spread / stated,
+                "spread_over_independent": spread / independent,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -59,15 +59,33 @@ def main() -> None:
                     same &= batch1_outputs[i] == ids
         seconds = time.perf_counter() - start
         rates[batch_size] = tokens / seconds
-        print(json.dumps({"batch_size": batch_size, "prompts": len(todo), "completion_tokens": tokens,
-                          "seconds": round(seconds, 2), "tokens_per_s": round(rates[batch_size], 1),
-                          "equals_batch_1": same if batch_size > 1 else None}), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "batch_size": batch_size,
+                    "prompts": len(todo),
+                    "completion_tokens": tokens,
+                    "seconds": round(seconds, 2),
+                    "tokens_per_s": round(rates[batch_size], 1),
+                    "equals_batch_1": same if batch_size > 1 else None,
+                }
+            ),
+            flush=True,
+        )
     best = max(rates, key=rates.get)
-    print(json.dumps({
-        "summary": True, "target": args.target_model, "threads": args.threads, "machine": platform.machine(),
-        "best_batch_size": best, "best_over_batch_1": round(rates[best] / rates[1], 2) if 1 in rates else None,
-        "minutes_per_million_tokens": round(1e6 / rates[best] / 60, 1),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "summary": True,
+                "target": args.target_model,
+                "threads": args.threads,
+                "machine": platform.machine(),
+                "best_batch_size": best,
+                "best_over_batch_1": round(rates[best] / rates[1], 2) if 1 in rates else None,
+                "minutes_per_million_tokens": round(1e6 / rates[best] / 60, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

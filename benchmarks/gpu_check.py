@@ -88,18 +88,48 @@ class Widths:
 
 
 LAYERS_3_LINEAR_1_FULL = ["linear_attention"] * 3 + ["full_attention"]  # Qwen3.5/3.6: full attention every 4th
-QWEN36_27B_SLICE = dict(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_attention_heads=24,
-                        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
-                        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                        layer_types=LAYERS_3_LINEAR_1_FULL)  # fmt: skip
-QWEN36_27B_DRAFTER = dict(hidden_size=5120, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
-                          head_dim=128, intermediate_size=17408, vocab_size=248320, num_target_layers=64,
-                          target_layer_ids=[1, 16, 31, 46, 61], mask_token_id=248070, rope_theta=1e7,
-                          layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=2048)  # fmt: skip
+QWEN36_27B_SLICE = dict(
+    hidden_size=5120,
+    intermediate_size=17408,
+    vocab_size=248320,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=48,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    layer_types=LAYERS_3_LINEAR_1_FULL,
+)
+QWEN36_27B_DRAFTER = dict(
+    hidden_size=5120,
+    num_hidden_layers=5,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=17408,
+    vocab_size=248320,
+    num_target_layers=64,
+    target_layer_ids=[1, 16, 31, 46, 61],
+    mask_token_id=248070,
+    rope_theta=1e7,
+    layer_types=["sliding_attention"] * 4 + ["full_attention"],
+    sliding_window=2048,
+)
 # target_layer_ids by the reference default rule for 36 layers; any mask id does for synthetic data
-QWEN3_8B_DRAFTER = dict(hidden_size=4096, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
-                        head_dim=128, intermediate_size=12288, vocab_size=151936, num_target_layers=36,
-                        target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669)  # fmt: skip
+QWEN3_8B_DRAFTER = dict(
+    hidden_size=4096,
+    num_hidden_layers=5,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+    vocab_size=151936,
+    num_target_layers=36,
+    target_layer_ids=[1, 9, 17, 25, 33],
+    mask_token_id=151669,
+)
 
 GPU = Widths(
     slice=QWEN36_27B_SLICE,
@@ -113,12 +143,32 @@ GPU = Widths(
     train_steps=3,
     repeats=10,
 )
-TINY_SLICE = dict(hidden_size=64, intermediate_size=128, vocab_size=512, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                  linear_value_head_dim=16, linear_conv_kernel_dim=4, layer_types=LAYERS_3_LINEAR_1_FULL)  # fmt: skip
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            intermediate_size=128, vocab_size=512, num_target_layers=4, target_layer_ids=[0, 1, 2],
-            mask_token_id=511)  # fmt: skip
+TINY_SLICE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    vocab_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    layer_types=LAYERS_3_LINEAR_1_FULL,
+)
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=512,
+    num_target_layers=4,
+    target_layer_ids=[0, 1, 2],
+    mask_token_id=511,
+)
 DRY = Widths(
     slice=TINY_SLICE,
     drafters={
@@ -179,8 +229,9 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def build_slice(widths: Widths, device: torch.device) -> TargetModel:
     """The target slice with random weights, built on the device (fp32)."""
     torch.manual_seed(0)
-    cfg = Qwen3_5TextConfig(num_hidden_layers=len(widths.slice["layer_types"]),
-                            eos_token_id=widths.slice["vocab_size"] - 2, **widths.slice)  # fmt: skip
+    cfg = Qwen3_5TextConfig(
+        num_hidden_layers=len(widths.slice["layer_types"]), eos_token_id=widths.slice["vocab_size"] - 2, **widths.slice
+    )
     with device:
         model = Qwen3_5ForCausalLM(cfg)
     return TargetModel(model.float(), tokenizer=None, path=None)
@@ -190,8 +241,15 @@ def embedding_target(hidden: int, vocab: int, device: torch.device) -> TargetMod
     """A one-layer Qwen3 with the real hidden size and vocabulary: training borrows only its
     embedding and LM head. bf16 on GPU, as `flashdraft train` loads a target there."""
     torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=hidden, vocab_size=vocab, num_hidden_layers=1, intermediate_size=hidden,
-                      num_attention_heads=max(1, hidden // 128), num_key_value_heads=1, head_dim=128)  # fmt: skip
+    cfg = Qwen3Config(
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_hidden_layers=1,
+        intermediate_size=hidden,
+        num_attention_heads=max(1, hidden // 128),
+        num_key_value_heads=1,
+        head_dim=128,
+    )
     with device:
         model = Qwen3ForCausalLM(cfg)
     return TargetModel(model.to(torch.bfloat16 if device.type == "cuda" else torch.float32), None, None)
@@ -215,8 +273,11 @@ def synthetic_batch(cfg: DrafterConfig, widths: Widths, device: torch.device, se
     """One training batch of one sequence: random tokens, the first eighth prompt, random features."""
     gen = torch.Generator().manual_seed(seed)
     t = widths.seq_len
-    record = SyntheticRecord(torch.randint(0, cfg.vocab_size - 1, (t,), generator=gen), torch.arange(t) >= t // 8,
-                             torch.randn(t, cfg.num_context_layers * cfg.hidden_size, generator=gen))  # fmt: skip
+    record = SyntheticRecord(
+        torch.randint(0, cfg.vocab_size - 1, (t,), generator=gen),
+        torch.arange(t) >= t // 8,
+        torch.randn(t, cfg.num_context_layers * cfg.hidden_size, generator=gen),
+    )
     return make_batch([record], [0], 0, seed, widths.num_anchors, BLOCK, cfg.mask_token_id).to(device)
 
 
@@ -236,13 +297,19 @@ def check_linear_attention_parity(target: TargetModel, widths: Widths, threshold
             why = "only one backend runs here"
         elif "fla" in result.skipped and not dry_run:  # on a GPU, fla is what this check is for
             passed, why = False, f"fla did not run: {result.skipped['fla']}"
-        rows.append({
-            "check": "linear_attention_parity", "case": str(dtype).removeprefix("torch."), "passed": passed,
-            "reference": result.reference, "min_cosine": {b: [round(c, 6) for c in cs]
-                                                          for b, cs in result.min_cosine.items()},
-            "threshold": threshold, "skipped": result.skipped, "tokens": sum(widths.parity_prompt_lengths),
-            **({"why": why} if why else {}),
-        })  # fmt: skip
+        rows.append(
+            {
+                "check": "linear_attention_parity",
+                "case": str(dtype).removeprefix("torch."),
+                "passed": passed,
+                "reference": result.reference,
+                "min_cosine": {b: [round(c, 6) for c in cs] for b, cs in result.min_cosine.items()},
+                "threshold": threshold,
+                "skipped": result.skipped,
+                "tokens": sum(widths.parity_prompt_lengths),
+                **({"why": why} if why else {}),
+            }
+        )
     return rows
 
 
@@ -258,11 +325,21 @@ def check_target_verify_cost(target: TargetModel, widths: Widths) -> dict:
     target.forward(prompt, base)
     ms = {}
     for n in (1, BLOCK, 1, BLOCK):  # the first round warms up (kernel compilation), the second counts
-        ms[n] = median_ms(lambda cache, n=n: target.forward(block[:, :n], cache), device, widths.repeats,
-                          setup=lambda: copy.deepcopy(base))  # fmt: skip
-    return {"check": "target_verify_cost", "case": f"{BLOCK} vs 1 tokens", "linear_backend": target.linear_backend,
-            "prompt_tokens": widths.prompt_tokens, "t1_ms": round(ms[1], 3), f"t{BLOCK}_ms": round(ms[BLOCK], 3),
-            "ratio": round(ms[BLOCK] / ms[1], 2)}  # fmt: skip
+        ms[n] = median_ms(
+            lambda cache, n=n: target.forward(block[:, :n], cache),
+            device,
+            widths.repeats,
+            setup=lambda: copy.deepcopy(base),
+        )
+    return {
+        "check": "target_verify_cost",
+        "case": f"{BLOCK} vs 1 tokens",
+        "linear_backend": target.linear_backend,
+        "prompt_tokens": widths.prompt_tokens,
+        "t1_ms": round(ms[1], 3),
+        f"t{BLOCK}_ms": round(ms[BLOCK], 3),
+        "ratio": round(ms[BLOCK] / ms[1], 2),
+    }
 
 
 # -- 3. speculative decoding loop overhead ---------------------------------------------------
@@ -272,8 +349,12 @@ def check_spec_loop_overhead(target: TargetModel, drafter_fields: dict, widths: 
     """A random drafter is rejected at almost every step, so the loop runs about one step per token."""
     device = target.device
     dtype = next(target.model.parameters()).dtype
-    fields = drafter_fields | dict(num_target_layers=target.num_layers, target_layer_ids=list(range(target.num_layers)),
-                                   vocab_size=target.vocab_size, mask_token_id=target.vocab_size - 1)  # fmt: skip
+    fields = drafter_fields | dict(
+        num_target_layers=target.num_layers,
+        target_layer_ids=list(range(target.num_layers)),
+        vocab_size=target.vocab_size,
+        mask_token_id=target.vocab_size - 1,
+    )
     drafter = new_drafter(fields, device, dtype).eval()
     spent = {"verify": 0.0, "drafter": 0.0}
     forward = target.forward
@@ -315,10 +396,18 @@ def check_spec_loop_overhead(target: TargetModel, drafter_fields: dict, widths: 
     step_ms = (total * 1000 - prefill_ms) / steps
     verify_ms = (spent["verify"] * 1000 - prefill_ms) / steps
     drafter_ms = spent["drafter"] * 1000 / steps
-    return {"check": "spec_loop_overhead", "case": "per step", "steps": steps, "tau": round(result.tau, 2),
-            "rollback_mode": target.rollback_mode, "step_ms": round(step_ms, 3), "verify_ms": round(verify_ms, 3),
-            "drafter_ms": round(drafter_ms, 3), "bookkeeping_ms": round(step_ms - verify_ms - drafter_ms, 3),
-            "overhead_share": round((step_ms - verify_ms) / step_ms, 3)}  # fmt: skip
+    return {
+        "check": "spec_loop_overhead",
+        "case": "per step",
+        "steps": steps,
+        "tau": round(result.tau, 2),
+        "rollback_mode": target.rollback_mode,
+        "step_ms": round(step_ms, 3),
+        "verify_ms": round(verify_ms, 3),
+        "drafter_ms": round(drafter_ms, 3),
+        "bookkeeping_ms": round(step_ms - verify_ms - drafter_ms, 3),
+        "overhead_share": round((step_ms - verify_ms) / step_ms, 3),
+    }
 
 
 # -- 4. flex attention vs the dense mask -----------------------------------------------------
@@ -337,8 +426,9 @@ def check_flex_vs_dense(drafter_fields: dict, widths: Widths, device: torch.devi
         drafter.zero_grad(set_to_none=True)
         with autocast, torch.set_grad_enabled(with_grads):
             embeds = target.embed(batch.block_ids)  # [1, K * B, H]
-            hidden = drafter(embeds, batch.anchor_positions, batch.context_features.to(embeds.dtype),
-                             batch.context_positions)  # fmt: skip
+            hidden = drafter(
+                embeds, batch.anchor_positions, batch.context_features.to(embeds.dtype), batch.context_positions
+            )
             parts = block_loss(hidden, batch.labels, target.model.get_output_embeddings(), BLOCK, gamma=7.0)
         outputs[backend] = hidden.detach()
         if with_grads:
@@ -348,12 +438,19 @@ def check_flex_vs_dense(drafter_fields: dict, widths: Widths, device: torch.devi
     grad_errors = {n: relative_error(grads["flex"][n], grads["sdpa"][n]) for n in grads.get("sdpa", {})}
     worst = max(grad_errors, key=grad_errors.get, default=None)
     worst_error = grad_errors.get(worst, 0.0)
-    return {"check": "flex_vs_dense", "case": "forward+grad" if with_grads else "forward (CPU)",
-            "passed": max(out_error, worst_error) <= BF16_TOLERANCE, "output_rel_error": round(out_error, 6),
-            "max_grad_rel_error": round(worst_error, 6) if with_grads else None, "worst_grad": worst,
-            "tolerance": BF16_TOLERANCE, "compiled": device.type == "cuda",
-            "blocks": batch.anchor_positions.shape[1], "context_tokens": widths.seq_len,
-            "layer_types": drafter.config.layer_types}  # fmt: skip
+    return {
+        "check": "flex_vs_dense",
+        "case": "forward+grad" if with_grads else "forward (CPU)",
+        "passed": max(out_error, worst_error) <= BF16_TOLERANCE,
+        "output_rel_error": round(out_error, 6),
+        "max_grad_rel_error": round(worst_error, 6) if with_grads else None,
+        "worst_grad": worst,
+        "tolerance": BF16_TOLERANCE,
+        "compiled": device.type == "cuda",
+        "blocks": batch.anchor_positions.shape[1],
+        "context_tokens": widths.seq_len,
+        "layer_types": drafter.config.layer_types,
+    }
 
 
 # -- 5. training step throughput ---------------------------------------------------------------
@@ -381,11 +478,17 @@ def timed_train_steps(name: str, widths: Widths, backend: str, dist: Dist) -> di
     free(device)
     ms = median_ms(step, device, widths.train_steps)
     case = f"{name} {backend}" + (f" x{dist.world}" if dist.world > 1 else "")
-    return {"check": "train_step", "case": case,
-            "parameters_m": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 1),
-            "context_tokens": widths.seq_len, "blocks": batch.anchor_positions.shape[1], "step_ms": round(ms, 1),
-            "context_tokens_per_s": round(widths.seq_len * dist.world / (ms / 1000), 1),
-            "peak_memory_mb": peak_memory_mb(device), "processes": dist.world}  # fmt: skip
+    return {
+        "check": "train_step",
+        "case": case,
+        "parameters_m": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 1),
+        "context_tokens": widths.seq_len,
+        "blocks": batch.anchor_positions.shape[1],
+        "step_ms": round(ms, 1),
+        "context_tokens_per_s": round(widths.seq_len * dist.world / (ms / 1000), 1),
+        "peak_memory_mb": peak_memory_mb(device),
+        "processes": dist.world,
+    }
 
 
 def check_train_step(name: str, widths: Widths, backend: str, device: torch.device) -> dict:
@@ -400,8 +503,13 @@ def check_train_step(name: str, widths: Widths, backend: str, device: torch.devi
 
 
 def _ddp_worker(rank: int, world: int, port: int, name: str, widths: Widths, device_type: str, out: str) -> None:
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank),
-                   "LOCAL_RANK": str(rank)}  # fmt: skip
+    os.environ |= {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+    }
     torch.set_num_threads(1)
     dist = init_distributed(device_type, collectives=True)
     try:
@@ -443,16 +551,33 @@ def _engine_target(work: str, hybrid: bool) -> str:
     vocab = {f"t{i}": i for i in range(61)} | {"<eos>": 61, "<pad>": 62, "<mask>": 63}  # words t0 .. t60
     words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<eos>", pad_token="<pad>",
-                                        mask_token="<mask>")  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, eos_token="<eos>", pad_token="<pad>", mask_token="<mask>"
+    )
     torch.manual_seed(0)
-    common = dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=64, eos_token_id=61, pad_token_id=62,
-                  max_position_embeddings=512)  # fmt: skip
+    common = dict(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        eos_token_id=61,
+        pad_token_id=62,
+        max_position_embeddings=512,
+    )
     if hybrid:
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common, layer_types=LAYERS_3_LINEAR_1_FULL,
-                                                     linear_num_key_heads=2, linear_num_value_heads=2,
-                                                     linear_key_head_dim=32, linear_value_head_dim=32))  # fmt: skip
+        model = Qwen3_5ForCausalLM(
+            Qwen3_5TextConfig(
+                **common,
+                layer_types=LAYERS_3_LINEAR_1_FULL,
+                linear_num_key_heads=2,
+                linear_num_value_heads=2,
+                linear_key_head_dim=32,
+                linear_value_head_dim=32,
+            )
+        )
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     with torch.no_grad():
@@ -481,17 +606,57 @@ def _trained_drafter(case: str, work: str, prompts_count: int = 8) -> tuple[str,
     target = _engine_target(work, hybrid=False)
     prompts = os.path.join(work, f"prompts-{prompts_count}.jsonl")
     with open(prompts, "w") as f:
-        f.writelines(json.dumps({"id": f"p{i}", "prompt": " ".join(f"t{(7 * i + 3 * k) % 60}" for k in range(8))})
-                     + "\n" for i in range(prompts_count))  # fmt: skip
+        f.writelines(
+            json.dumps({"id": f"p{i}", "prompt": " ".join(f"t{(7 * i + 3 * k) % 60}" for k in range(8))}) + "\n"
+            for i in range(prompts_count)
+        )
     d = os.path.join(work, case)
     if not os.path.isdir(d + "-run"):
         with redirect_stdout(io.StringIO()):
-            _cli("generate", "--target-model", target, "--prompts", prompts, "--num-prompts", 8, "--out", d + ".json",
-                 "--max-new-tokens", 48)  # fmt: skip
-            _cli("init", "--target-model", target, "--out", d + "-init", "--draft-layers", 2, "--target-layer-ids",
-                 "0,2", "--head-dim", 64, *SERVED_CASES[case])  # fmt: skip
-            _cli("train", "--target-model", target, "--completions", d + ".json", "--out", d + "-run", "--init",
-                 d + "-init", "--epochs", 1000, "--max-steps", 40, "--lr", "3e-3")  # fmt: skip
+            _cli(
+                "generate",
+                "--target-model",
+                target,
+                "--prompts",
+                prompts,
+                "--num-prompts",
+                8,
+                "--out",
+                d + ".json",
+                "--max-new-tokens",
+                48,
+            )
+            _cli(
+                "init",
+                "--target-model",
+                target,
+                "--out",
+                d + "-init",
+                "--draft-layers",
+                2,
+                "--target-layer-ids",
+                "0,2",
+                "--head-dim",
+                64,
+                *SERVED_CASES[case],
+            )
+            _cli(
+                "train",
+                "--target-model",
+                target,
+                "--completions",
+                d + ".json",
+                "--out",
+                d + "-run",
+                "--init",
+                d + "-init",
+                "--epochs",
+                1000,
+                "--max-steps",
+                40,
+                "--lr",
+                "3e-3",
+            )
     return target, prompts, d + "-run"
 
 
@@ -507,14 +672,34 @@ def check_served(case: str, work: str) -> dict:
 
     try:
         with redirect_stdout(io.StringIO()):
-            rc = main(["eval", "--checkpoint", run_dir, "--target-model", target, "--completions", d + ".json",
-                       "--served", "vllm", "--check-served", "--json", out])  # fmt: skip
+            rc = main(
+                [
+                    "eval",
+                    "--checkpoint",
+                    run_dir,
+                    "--target-model",
+                    target,
+                    "--completions",
+                    d + ".json",
+                    "--served",
+                    "vllm",
+                    "--check-served",
+                    "--json",
+                    out,
+                ]
+            )
     except SystemExit as e:
         rc = int(e.code)
     served = json.load(open(out))["served"] if os.path.exists(out) else {}
-    return {"check": "served", "case": case, "passed": rc == 0, "engine": served.get("engine"),
-            "served_tau": served.get("tau_delivered"), "flashdraft_tau": served.get("flashdraft", {}).get("tau"),
-            "problems": served.get("check", {}).get("problems", [])[:2]}  # fmt: skip
+    return {
+        "check": "served",
+        "case": case,
+        "passed": rc == 0,
+        "engine": served.get("engine"),
+        "served_tau": served.get("tau_delivered"),
+        "flashdraft_tau": served.get("flashdraft", {}).get("tau"),
+        "problems": served.get("check", {}).get("problems", [])[:2],
+    }
 
 
 BENCH_CONCURRENCY = "1,8,32"
@@ -532,20 +717,43 @@ def check_bench(work: str) -> dict:
     out = os.path.join(work, "bench.json")
     try:
         with redirect_stdout(io.StringIO()):
-            rc = main(["bench", "--target-model", target, "--checkpoint", run_dir, "--prompts", prompts,
-                       "--concurrency", BENCH_CONCURRENCY, "--max-new-tokens", 64, "--repeats", 2, "--json", out,
-                       "--work", os.path.join(work, "bench")])  # fmt: skip
+            rc = main(
+                [
+                    "bench",
+                    "--target-model",
+                    target,
+                    "--checkpoint",
+                    run_dir,
+                    "--prompts",
+                    prompts,
+                    "--concurrency",
+                    BENCH_CONCURRENCY,
+                    "--max-new-tokens",
+                    64,
+                    "--repeats",
+                    2,
+                    "--json",
+                    out,
+                    "--work",
+                    os.path.join(work, "bench"),
+                ]
+            )
     except SystemExit as e:
         rc = int(e.code)
     if not os.path.exists(out):
         raise RuntimeError(f"flashdraft bench exited {rc} without its figures")
     summary = json.load(open(out))
     rows = summary["sets"][0]["by_concurrency"]
-    return {"check": "bench", "case": f"concurrency {BENCH_CONCURRENCY}", "passed": rc == 0 and summary["lossless"],
-            "engine": summary["engine"], "machine": summary["machine"],
-            "speedup": {r["concurrency"]: round(r["speedup_output_tok_s"]["value"], 3) for r in rows},
-            "predicted": {r["concurrency"]: round(r["predicted"]["output_tok_s"] or 0, 3) for r in rows},
-            "tau": {r["concurrency"]: round(r["tau"] or 0, 3) for r in rows}}  # fmt: skip
+    return {
+        "check": "bench",
+        "case": f"concurrency {BENCH_CONCURRENCY}",
+        "passed": rc == 0 and summary["lossless"],
+        "engine": summary["engine"],
+        "machine": summary["machine"],
+        "speedup": {r["concurrency"]: round(r["speedup_output_tok_s"]["value"], 3) for r in rows},
+        "predicted": {r["concurrency"]: round(r["predicted"]["output_tok_s"] or 0, 3) for r in rows},
+        "tau": {r["concurrency"]: round(r["tau"] or 0, 3) for r in rows},
+    }
 
 
 def check_engine_capture(work: str) -> dict:
@@ -558,15 +766,47 @@ def check_engine_capture(work: str) -> dict:
     with open(prompts, "w") as f:
         f.writelines(json.dumps({"id": f"p{i}", "prompt": f"t{i} t{i + 1} t{i + 2}"}) + "\n" for i in range(8))
     with redirect_stdout(io.StringIO()):
-        _cli("generate", "--target-model", target, "--prompts", prompts, "--out", os.path.join(work, "h.json"),
-             "--max-new-tokens", 32, "--target-dtype", "bf16")  # fmt: skip
-        _cli("cache", "--target-model", target, "--completions", os.path.join(work, "h.json"), "--out",
-             os.path.join(work, "h-cache"), "--layers", "0,2,3", "--engine", "vllm", "--target-dtype", "bf16",
-             "--device", "cuda", "--verify-share", 1.0)  # fmt: skip
+        _cli(
+            "generate",
+            "--target-model",
+            target,
+            "--prompts",
+            prompts,
+            "--out",
+            os.path.join(work, "h.json"),
+            "--max-new-tokens",
+            32,
+            "--target-dtype",
+            "bf16",
+        )
+        _cli(
+            "cache",
+            "--target-model",
+            target,
+            "--completions",
+            os.path.join(work, "h.json"),
+            "--out",
+            os.path.join(work, "h-cache"),
+            "--layers",
+            "0,2,3",
+            "--engine",
+            "vllm",
+            "--target-dtype",
+            "bf16",
+            "--device",
+            "cuda",
+            "--verify-share",
+            1.0,
+        )
     manifest = json.load(open(os.path.join(work, "h-cache", "manifest.json")))
     verified = manifest["computed_with"]["engine"]["verification"]
-    return {"check": "engine_capture", "case": "hybrid bf16", "passed": True,
-            "worst_relative_error": verified["worst_relative_error"], "min_cosine": verified["min_cosine"]}
+    return {
+        "check": "engine_capture",
+        "case": "hybrid bf16",
+        "passed": True,
+        "worst_relative_error": verified["worst_relative_error"],
+        "min_cosine": verified["min_cosine"],
+    }
 
 
 def summary(row: dict) -> str:
@@ -577,12 +817,15 @@ def summary(row: dict) -> str:
     if check == "linear_attention_parity":
         worst = min((c for cs in row["min_cosine"].values() for c in cs), default=float("nan"))
         return f"min cosine {worst:.6f} ({row['reference']} vs {', '.join(row['min_cosine'])})" + (
-            f"; {row['why']}" if "why" in row else "")  # fmt: skip
+            f"; {row['why']}" if "why" in row else ""
+        )
     if check == "target_verify_cost":
         return f"t16/t1 = {row['ratio']} ({row[f't{BLOCK}_ms']} / {row['t1_ms']} ms, {row['linear_backend']})"
     if check == "spec_loop_overhead":
-        return (f"{row['step_ms']} ms/step: verify {row['verify_ms']}, drafter {row['drafter_ms']}, "
-                f"other {row['bookkeeping_ms']}")  # fmt: skip
+        return (
+            f"{row['step_ms']} ms/step: verify {row['verify_ms']}, drafter {row['drafter_ms']}, "
+            f"other {row['bookkeeping_ms']}"
+        )
     if check == "flex_vs_dense":
         grad = row["max_grad_rel_error"]
         return f"rel error out {row['output_rel_error']:.2e}" + (f", grad {grad:.2e}" if grad is not None else "")
@@ -595,11 +838,13 @@ def summary(row: dict) -> str:
     if "skipped" in row:
         return row["skipped"]
     if check == "served":
-        return (f"{row['engine']}: served τ {row['served_tau']}, flashdraft {row['flashdraft_tau']}"
-                + (f"; {row['problems'][0][:60]}" if row["problems"] else ""))  # fmt: skip
+        return f"{row['engine']}: served τ {row['served_tau']}, flashdraft {row['flashdraft_tau']}" + (
+            f"; {row['problems'][0][:60]}" if row["problems"] else ""
+        )
     if check == "bench":
-        return "; ".join(f"c{c}: {row['speedup'][c]}x (predicted {row['predicted'][c]}x, τ {row['tau'][c]})"
-                         for c in row["speedup"])  # fmt: skip
+        return "; ".join(
+            f"c{c}: {row['speedup'][c]}x (predicted {row['predicted'][c]}x, τ {row['tau'][c]})" for c in row["speedup"]
+        )
     if check == "engine_capture":
         return f"worst rel error {row['worst_relative_error']:.2e}, min cosine {row['min_cosine']:.5f}"
     return ""
@@ -625,9 +870,19 @@ def main(argv: list[str] | None = None) -> int:
     wanted = None if args.checks == "all" else set(args.checks.split(","))
     rows: list[dict] = []
     t_start = time.perf_counter()
-    print(json.dumps({"machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-                      or platform.machine(), "devices": torch.cuda.device_count(), "torch": torch.__version__,
-                      "dry_run": args.dry_run}), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "machine": torch.cuda.get_device_name(device)
+                if device.type == "cuda"
+                else platform.processor() or platform.machine(),
+                "devices": torch.cuda.device_count(),
+                "torch": torch.__version__,
+                "dry_run": args.dry_run,
+            }
+        ),
+        flush=True,
+    )
 
     def run(check: str, case: str, fn) -> None:
         if wanted is not None and check not in wanted:
@@ -655,11 +910,17 @@ def main(argv: list[str] | None = None) -> int:
 
     largest = "qwen3.6-27b-drafter"
     threshold = args.parity_threshold
-    run("linear_attention_parity", "fp32/bf16",
-        lambda: check_linear_attention_parity(slice_target(), widths, threshold, args.dry_run))  # fmt: skip
+    run(
+        "linear_attention_parity",
+        "fp32/bf16",
+        lambda: check_linear_attention_parity(slice_target(), widths, threshold, args.dry_run),
+    )
     run("target_verify_cost", f"{BLOCK} vs 1 tokens", lambda: check_target_verify_cost(slice_target(serving), widths))
-    run("spec_loop_overhead", "per step",
-        lambda: check_spec_loop_overhead(slice_target(serving), widths.drafters[largest], widths))  # fmt: skip
+    run(
+        "spec_loop_overhead",
+        "per step",
+        lambda: check_spec_loop_overhead(slice_target(serving), widths.drafters[largest], widths),
+    )
     built.clear()  # free the slice before the drafter checks
     free(device)
     run("flex_vs_dense", "forward+grad", lambda: check_flex_vs_dense(widths.drafters[largest], widths, device))
@@ -674,19 +935,34 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="gpu-check-engine-")
     for case in SERVED_CASES:
         if args.dry_run and (case in GPU_ONLY_CASES or wanted is None or "served" not in wanted):
-            reason = ("needs a GPU engine (V2 model runner)" if case in GPU_ONLY_CASES
-                      else "starts vLLM: --checks served")  # fmt: skip
+            reason = (
+                "needs a GPU engine (V2 model runner)" if case in GPU_ONLY_CASES else "starts vLLM: --checks served"
+            )
             run("served", case, lambda c=case, r=reason: {"check": "served", "case": c, "skipped": r})
         else:
             run("served", case, lambda c=case: check_served(c, work))
     if args.dry_run and (wanted is None or "bench" not in wanted):
-        run("bench", BENCH_CONCURRENCY, lambda: {"check": "bench", "case": f"concurrency {BENCH_CONCURRENCY}",
-                                                 "skipped": "starts vLLM twice: --checks bench"})  # fmt: skip
+        run(
+            "bench",
+            BENCH_CONCURRENCY,
+            lambda: {
+                "check": "bench",
+                "case": f"concurrency {BENCH_CONCURRENCY}",
+                "skipped": "starts vLLM twice: --checks bench",
+            },
+        )
     else:
         run("bench", BENCH_CONCURRENCY, lambda: check_bench(work))
     if args.dry_run:
-        run("engine_capture", "hybrid bf16", lambda: {"check": "engine_capture", "case": "hybrid bf16",
-                                                      "skipped": "the CPU engine runs no exact hybrid target"})
+        run(
+            "engine_capture",
+            "hybrid bf16",
+            lambda: {
+                "check": "engine_capture",
+                "case": "hybrid bf16",
+                "skipped": "the CPU engine runs no exact hybrid target",
+            },
+        )
     else:
         run("engine_capture", "hybrid bf16", lambda: check_engine_capture(work))
 
@@ -694,8 +970,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"{row['check']:<24} {row['case']:<28} {status(row):<8} {summary(row)}")
     failed = [r for r in rows if status(r) in ("FAIL", "ERROR")]
-    print(f"{len(rows)} results in {time.perf_counter() - t_start:.0f} s on {device}; "
-          + (f"{len(failed)} failed" if failed else "all passed"))  # fmt: skip
+    print(
+        f"{len(rows)} results in {time.perf_counter() - t_start:.0f} s on {device}; "
+        + (f"{len(failed)} failed" if failed else "all passed")
+    )
     return 1 if failed else 0
 
 

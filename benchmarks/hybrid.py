@@ -66,8 +66,13 @@ def anchor_table(
     for start in range(0, m - 1, per_call):
         anchors = list(range(start, min(start + per_call, m - 1)))
         fed, end = p + start - 1 if start else 0, p + anchors[-1]  # context strictly before the last anchor
-        logits = proposer.propose_anchors([record.completion_ids[a] for a in anchors], [p + a for a in anchors],
-                                          features[None, fed:end], torch.arange(fed, end)[None], block)  # fmt: skip
+        logits = proposer.propose_anchors(
+            [record.completion_ids[a] for a in anchors],
+            [p + a for a in anchors],
+            features[None, fed:end],
+            torch.arange(fed, end)[None],
+            block,
+        )
         probs += [torch.softmax(x.float(), -1) for x in logits]
     probs = torch.stack(probs)  # [A, k, V]
     q_dflash, dflash_draft = probs.max(-1)
@@ -93,8 +98,11 @@ def walk(t: AnchorTable, rule: HybridRule | None, max_ngram: int) -> tuple[list[
         ngram, dflash = t.ngram_draft[max_ngram][i], t.dflash_draft[i]
         m = t.match_length[max_ngram][i]
         if rule is None:
-            branch = "ngram_lookup" if committed_length(ngram, t.completion, i) > committed_length(
-                dflash, t.completion, i) else "dflash"  # fmt: skip
+            branch = (
+                "ngram_lookup"
+                if committed_length(ngram, t.completion, i) > committed_length(dflash, t.completion, i)
+                else "dflash"
+            )
         elif rule.ngram_outright(m):
             branch = "ngram_lookup"
         elif m > 0 and rule.prefers_ngram(t.q_ngram[max_ngram][i], t.q_dflash[i]):
@@ -140,18 +148,35 @@ def main() -> None:
     drafter = loaded.drafter
     target.set_context_layers(drafter.config.target_layer_ids)
     features = FeatureSource(target)
-    common = {"benchmark": "hybrid", "target": str(target.path), "drafter": str(loaded.path),
-              "block_size": drafter.config.block_size, "machine": platform.processor() or platform.machine(),
-              "threads": args.threads}  # fmt: skip
+    common = {
+        "benchmark": "hybrid",
+        "target": str(target.path),
+        "drafter": str(loaded.path),
+        "block_size": drafter.config.block_size,
+        "machine": platform.processor() or platform.machine(),
+        "threads": args.threads,
+    }
 
     tables, records = {}, {}
     for role, source in (("tune", args.tune), ("report", args.report)):
         t0 = time.perf_counter()
         records[role] = load_set(target, source, args.num_records)
-        tables[role] = [anchor_table(drafter, target, r, features(r, drafter.config.target_layer_ids),
-                                     args.max_ngram) for r in records[role]]  # fmt: skip
-        print(json.dumps({**common, "set": role, "source": source, "records": len(records[role]),
-                          "table_seconds": round(time.perf_counter() - t0, 1)}), flush=True)  # fmt: skip
+        tables[role] = [
+            anchor_table(drafter, target, r, features(r, drafter.config.target_layer_ids), args.max_ngram)
+            for r in records[role]
+        ]
+        print(
+            json.dumps(
+                {
+                    **common,
+                    "set": role,
+                    "source": source,
+                    "records": len(records[role]),
+                    "table_seconds": round(time.perf_counter() - t0, 1),
+                }
+            ),
+            flush=True,
+        )
 
     # the sweep: (max_ngram, min_match, ngram_prior) on the tuning set
     priors = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0]
@@ -161,8 +186,19 @@ def main() -> None:
             rule = HybridRule(min_match, prior)
             tau, shares = evaluate(tables["tune"], rule, n)
             results.append((tau, n, rule))
-            print(json.dumps({**common, "set": "tune", "max_ngram": n, "min_match": min_match, "ngram_prior": prior,
-                              "tau": round(tau, 3), "shares": shares}))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        **common,
+                        "set": "tune",
+                        "max_ngram": n,
+                        "min_match": min_match,
+                        "ngram_prior": prior,
+                        "tau": round(tau, 3),
+                        "shares": shares,
+                    }
+                )
+            )
     _, best_n, best = max(results, key=lambda x: x[0])
 
     for role in ("tune", "report"):
@@ -171,21 +207,39 @@ def main() -> None:
         tau_ngram_3, _ = evaluate(tables[role], HybridRule(0, 0.0), 3) if 3 in args.max_ngram else (None, None)
         tau, shares = evaluate(tables[role], best, best_n)
         tau_oracle, oracle_shares = evaluate(tables[role], None, best_n)
-        print(json.dumps({**common, "set": role, "chosen": {"max_ngram": best_n, "min_match": best.min_match,
-                          "ngram_prior": best.ngram_prior}, "records": len(tables[role]),
-                          "tau_dflash": round(tau_dflash, 3), "tau_ngram": round(tau_ngram, 3),
-                          "tau_ngram_max3": tau_ngram_3 and round(tau_ngram_3, 3), "tau_hybrid": round(tau, 3),
-                          "ratio": round(tau / max(tau_dflash, tau_ngram), 3), "shares": shares,
-                          "tau_oracle": round(tau_oracle, 3), "oracle_shares": oracle_shares}), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    **common,
+                    "set": role,
+                    "chosen": {"max_ngram": best_n, "min_match": best.min_match, "ngram_prior": best.ngram_prior},
+                    "records": len(tables[role]),
+                    "tau_dflash": round(tau_dflash, 3),
+                    "tau_ngram": round(tau_ngram, 3),
+                    "tau_ngram_max3": tau_ngram_3 and round(tau_ngram_3, 3),
+                    "tau_hybrid": round(tau, 3),
+                    "ratio": round(tau / max(tau_dflash, tau_ngram), 3),
+                    "shares": shares,
+                    "tau_oracle": round(tau_oracle, 3),
+                    "oracle_shares": oracle_shares,
+                }
+            ),
+            flush=True,
+        )
 
     # the tables decide as the proposer does: walk the chosen rule with the real proposer
     hybrid = HybridDrafter(drafter, NGramProposer(target.vocab_size, best_n, 1), best)
     same = all(
-        offline_acceptance_lengths(hybrid.new_proposer(target), r.prompt_ids, r.completion_ids,
-                                   drafter.config.block_size, features(r, drafter.config.target_layer_ids))
+        offline_acceptance_lengths(
+            hybrid.new_proposer(target),
+            r.prompt_ids,
+            r.completion_ids,
+            drafter.config.block_size,
+            features(r, drafter.config.target_layer_ids),
+        )
         == walk(t, best, best_n)[0]
         for r, t in zip(records["report"], tables["report"], strict=True)
-    )  # fmt: skip
+    )
     print(json.dumps({**common, "set": "report", "proposer_walk_equals_table_walk": same}))
 
 

@@ -39,9 +39,28 @@ DATA = {  # name: (prompts, new tokens)
     "train-long": ("builtin:long:800", 128),
     "train-short": ("builtin:stdlib:800", 128),
 }
-TRAIN_ARGS = ["--loss-weighting", "dpace", "--dpace-alpha", "0.5", "--optimizer", "muon", "--lr", "3e-3",
-              "--warmup-fraction", "0.05", "--num-anchors", "16", "--batch-size", "4", "--epochs", "100",
-              "--save-every", "100", "--log-every", "25"]  # fmt: skip
+TRAIN_ARGS = [
+    "--loss-weighting",
+    "dpace",
+    "--dpace-alpha",
+    "0.5",
+    "--optimizer",
+    "muon",
+    "--lr",
+    "3e-3",
+    "--warmup-fraction",
+    "0.05",
+    "--num-anchors",
+    "16",
+    "--batch-size",
+    "4",
+    "--epochs",
+    "100",
+    "--save-every",
+    "100",
+    "--log-every",
+    "25",
+]
 SLIDING_WINDOW = 512
 YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512}
 LOSS_BUCKETS = (0, 128, 512, 1024, 2048, 3072, 4096)
@@ -62,11 +81,35 @@ def prepare(work: Path) -> None:
     tiny = ["--target-model", "tiny"]
     for name, (prompts, new_tokens) in DATA.items():
         if not (work / f"{name}.json").exists():
-            flashdraft(["generate", *tiny, "--prompts", prompts, "--out", str(work / f"{name}.json"),
-                        "--max-new-tokens", str(new_tokens), "--batch-size", "32"])  # fmt: skip
+            flashdraft(
+                [
+                    "generate",
+                    *tiny,
+                    "--prompts",
+                    prompts,
+                    "--out",
+                    str(work / f"{name}.json"),
+                    "--max-new-tokens",
+                    str(new_tokens),
+                    "--batch-size",
+                    "32",
+                ]
+            )
         if not (work / f"cache-{name}" / "manifest.json").exists():
-            flashdraft(["cache", *tiny, "--completions", str(work / f"{name}.json"), "--out",
-                        str(work / f"cache-{name}"), "--layers", LAYERS, "--dtype", "bf16"])  # fmt: skip
+            flashdraft(
+                [
+                    "cache",
+                    *tiny,
+                    "--completions",
+                    str(work / f"{name}.json"),
+                    "--out",
+                    str(work / f"cache-{name}"),
+                    "--layers",
+                    LAYERS,
+                    "--dtype",
+                    "bf16",
+                ]
+            )
 
 
 def make_init(work: Path, run: str) -> Path:
@@ -79,8 +122,11 @@ def make_init(work: Path, run: str) -> Path:
     shutil.copytree(BUILTIN_DRAFTERS["tiny-drafter"], init)
     config = json.loads((init / "config.json").read_text())
     if run.startswith("sliding"):
-        config |= {"layer_types": ["sliding_attention"] * config["num_hidden_layers"],
-                   "sliding_window": SLIDING_WINDOW, "use_sliding_window": True}  # fmt: skip
+        config |= {
+            "layer_types": ["sliding_attention"] * config["num_hidden_layers"],
+            "sliding_window": SLIDING_WINDOW,
+            "use_sliding_window": True,
+        }
     if run.endswith("yarn"):
         config |= {"rope_scaling": YARN, "rope_parameters": {**YARN, "rope_theta": config["rope_theta"]}}
     (init / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -90,17 +136,36 @@ def make_init(work: Path, run: str) -> Path:
 def evaluate(work: Path, name: str, checkpoint: str) -> dict:
     out = work / f"eval-{name}.json"
     if not out.exists():
-        flashdraft(["eval", "--checkpoint", checkpoint, "--target-model", "tiny", "--cached-hidden-states",
-                    str(work / "cache-heldout"), "--reference", "ngram", "--context-buckets", BUCKETS,
-                    "--json", str(out)])  # fmt: skip
+        flashdraft(
+            [
+                "eval",
+                "--checkpoint",
+                checkpoint,
+                "--target-model",
+                "tiny",
+                "--cached-hidden-states",
+                str(work / "cache-heldout"),
+                "--reference",
+                "ngram",
+                "--context-buckets",
+                BUCKETS,
+                "--json",
+                str(out),
+            ]
+        )
     return json.loads(out.read_text())
 
 
 def buckets_of(figures: dict) -> list[dict]:
-    return [{"context": f"{b['context_from']}-{b['context_to']}", "steps": b["steps"],
-             "tau": None if b["tau"] is None else round(b["tau"], 4),
-             "draft_1": None if b["position_acceptance"] is None else round(b["position_acceptance"][0], 3)}
-            for b in figures["by_context"]]  # fmt: skip
+    return [
+        {
+            "context": f"{b['context_from']}-{b['context_to']}",
+            "steps": b["steps"],
+            "tau": None if b["tau"] is None else round(b["tau"], 4),
+            "draft_1": None if b["position_acceptance"] is None else round(b["position_acceptance"][0], 3),
+        }
+        for b in figures["by_context"]
+    ]
 
 
 def target_loss_by_position(limit: int = 4096) -> dict:
@@ -127,9 +192,13 @@ def target_loss_by_position(limit: int = 4096) -> dict:
         for i, (low, high) in enumerate(zip(LOSS_BUCKETS, LOSS_BUCKETS[1:], strict=False)):
             sums[i] += loss[low : high - 1].sum()
             counts[i] += loss[low : high - 1].numel()
-    return {"files": files, "buckets": [{"positions": f"{low}-{high}", "loss": round(float(s / c), 4)}
-                                        for low, high, s, c in zip(LOSS_BUCKETS, LOSS_BUCKETS[1:], sums, counts,
-                                                                   strict=False)]}  # fmt: skip
+    return {
+        "files": files,
+        "buckets": [
+            {"positions": f"{low}-{high}", "loss": round(float(s / c), 4)}
+            for low, high, s, c in zip(LOSS_BUCKETS, LOSS_BUCKETS[1:], sums, counts, strict=False)
+        ],
+    }
 
 
 def online_costs(work: Path) -> dict:
@@ -141,18 +210,52 @@ def online_costs(work: Path) -> dict:
         if init_args is not None:
             checkpoint = str(work / f"init-cost-{name}")
             if not (Path(checkpoint) / "config.json").exists():
-                flashdraft(["init", "--target-model", "tiny", "--out", checkpoint, "--draft-layers", "2",
-                            "--target-layer-ids", LAYERS, *init_args])  # fmt: skip
+                flashdraft(
+                    [
+                        "init",
+                        "--target-model",
+                        "tiny",
+                        "--out",
+                        checkpoint,
+                        "--draft-layers",
+                        "2",
+                        "--target-layer-ids",
+                        LAYERS,
+                        *init_args,
+                    ]
+                )
         path = work / f"online-{name}.json"
         if not path.exists():
-            flashdraft(["eval", "--checkpoint", checkpoint, "--target-model", "tiny", "--completions",
-                        str(work / "heldout.json"), "--num-prompts", str(COST_PROMPTS), "--online",
-                        "--context-buckets", BUCKETS, "--json", str(path)])  # fmt: skip
+            flashdraft(
+                [
+                    "eval",
+                    "--checkpoint",
+                    checkpoint,
+                    "--target-model",
+                    "tiny",
+                    "--completions",
+                    str(work / "heldout.json"),
+                    "--num-prompts",
+                    str(COST_PROMPTS),
+                    "--online",
+                    "--context-buckets",
+                    BUCKETS,
+                    "--json",
+                    str(path),
+                ]
+            )
         figures = json.loads(path.read_text())
-        out[name] = [{"context": f"{b['context_from']}-{b['context_to']}", "steps": b["steps"],
-                      **{k: None if b[k] is None else round(b[k], 3) for k in ("draft_ms", "verify_ms",
-                                                                               "greedy_step_ms", "speedup_bound")}}
-                     for b in figures["by_context"]]  # fmt: skip
+        out[name] = [
+            {
+                "context": f"{b['context_from']}-{b['context_to']}",
+                "steps": b["steps"],
+                **{
+                    k: None if b[k] is None else round(b[k], 3)
+                    for k in ("draft_ms", "verify_ms", "greedy_step_ms", "speedup_bound")
+                },
+            }
+            for b in figures["by_context"]
+        ]
     return out
 
 
@@ -171,34 +274,68 @@ def main() -> None:
         return
     shipped = evaluate(work, "shipped", "tiny-drafter")
     results = {"shipped": buckets_of(shipped)}
-    print(json.dumps({"run": "shipped", "tau": round(shipped["tau"], 4), "by_context": results["shipped"]}),
-          flush=True)  # fmt: skip
+    print(json.dumps({"run": "shipped", "tau": round(shipped["tau"], 4), "by_context": results["shipped"]}), flush=True)
     walls = {}
     for run in args.runs:
         data = "train-long" if "long" in run.split("-") else "train-short"
         run_dir = work / f"run-{run}-{args.steps}"
         t0 = time.time()
-        flashdraft(["train", "--target-model", "tiny", "--cached-hidden-states", str(work / f"cache-{data}"),
-                    "--out", str(run_dir), "--init", str(make_init(work, run)), *TRAIN_ARGS, "--max-steps",
-                    str(args.steps), "--resume"], log=work / f"train-{run}-{args.steps}.log")  # fmt: skip
+        flashdraft(
+            [
+                "train",
+                "--target-model",
+                "tiny",
+                "--cached-hidden-states",
+                str(work / f"cache-{data}"),
+                "--out",
+                str(run_dir),
+                "--init",
+                str(make_init(work, run)),
+                *TRAIN_ARGS,
+                "--max-steps",
+                str(args.steps),
+                "--resume",
+            ],
+            log=work / f"train-{run}-{args.steps}.log",
+        )
         walls[run] = round(time.time() - t0)
         figures = evaluate(work, f"{run}-{args.steps}", str(run_dir))
         results[run] = buckets_of(figures)
-        print(json.dumps({"run": run, "data": data, "steps": args.steps, "train_wall_s": walls[run],
-                          "tau": round(figures["tau"], 4), "by_context": results[run]}), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "run": run,
+                    "data": data,
+                    "steps": args.steps,
+                    "train_wall_s": walls[run],
+                    "tau": round(figures["tau"], 4),
+                    "by_context": results[run],
+                }
+            ),
+            flush=True,
+        )
     ngram = buckets_of(shipped["reference"])
     ratios = {}
     for run in args.runs:
         base = "sliding-short" if run.startswith("sliding") and "sliding-short" in results else "short"
         if run == base or base not in results:
             continue
-        ratios[f"{run}/{base}"] = [round(a["tau"] / b["tau"], 4) if a["tau"] and b["tau"] else None
-                                   for a, b in zip(results[run], results[base], strict=True)]  # fmt: skip
-    summary = {"machine": platform.machine(), "threads": args.threads, "steps": args.steps,
-               "buckets": [b["context"] for b in results["shipped"]], "by_context": results, "ngram": ngram,
-               "ratio_per_bucket": ratios, "target_loss_by_position": target_loss_by_position(),
-               "online_costs": online_costs(work),
-               "python": sys.version.split()[0]}  # fmt: skip
+        ratios[f"{run}/{base}"] = [
+            round(a["tau"] / b["tau"], 4) if a["tau"] and b["tau"] else None
+            for a, b in zip(results[run], results[base], strict=True)
+        ]
+    summary = {
+        "machine": platform.machine(),
+        "threads": args.threads,
+        "steps": args.steps,
+        "buckets": [b["context"] for b in results["shipped"]],
+        "by_context": results,
+        "ngram": ngram,
+        "ratio_per_bucket": ratios,
+        "target_loss_by_position": target_loss_by_position(),
+        "online_costs": online_costs(work),
+        "python": sys.version.split()[0],
+    }
     print(json.dumps(summary))
 
 

@@ -51,9 +51,18 @@ def write_target(directory: Path) -> None:
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
-                         eos_token_id=VOCAB - 2, pad_token_id=VOCAB - 1)  # fmt: skip
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=256,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        eos_token_id=VOCAB - 2,
+        pad_token_id=VOCAB - 1,
+    )
     Qwen3ForCausalLM(config).save_pretrained(directory)
     vocab = {f"t{i}": i for i in range(VOCAB - 2)} | {"<eos>": VOCAB - 2, "<pad>": VOCAB - 1}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
@@ -66,16 +75,26 @@ def write_completions(path: Path, target_dir: Path, fingerprint: str, count: int
     quarter of each record prompt and the rest completion."""
     rng = random.Random(0)
     prompt_len = tokens // 4
-    header = {"format": "flashdraft.completions", "version": 1,
-              "target": {"fingerprint": fingerprint, "path": str(target_dir), "vocab_size": VOCAB},
-              "generation": {"prompts": "synthetic", "max_new_tokens": tokens - prompt_len, "temperature": 0.0},
-              "token_ids": "target", "num_records": count}  # fmt: skip
+    header = {
+        "format": "flashdraft.completions",
+        "version": 1,
+        "target": {"fingerprint": fingerprint, "path": str(target_dir), "vocab_size": VOCAB},
+        "generation": {"prompts": "synthetic", "max_new_tokens": tokens - prompt_len, "temperature": 0.0},
+        "token_ids": "target",
+        "num_records": count,
+    }
     with open(path, "w") as f:
         f.write(json.dumps(header)[:-1] + ', "records": [\n')
         for i in range(count):
             ids = [rng.randrange(VOCAB - 2) for _ in range(tokens)]
-            record = {"id": f"r{i:05d}", "prompt": "", "prompt_ids": ids[:prompt_len],
-                      "completion_ids": ids[prompt_len:], "completion": "", "stop_reason": "length"}  # fmt: skip
+            record = {
+                "id": f"r{i:05d}",
+                "prompt": "",
+                "prompt_ids": ids[:prompt_len],
+                "completion_ids": ids[prompt_len:],
+                "completion": "",
+                "stop_reason": "length",
+            }
             f.write(("," if i else "") + json.dumps(record) + "\n")
         f.write("]}\n")
 
@@ -92,22 +111,50 @@ def records_experiment(root: Path, counts: list[int], tokens: int) -> None:
     for n in counts:
         completions, cache = root / f"c{n}.json", root / f"cache{n}"
         write_completions(completions, root / "target", target.fingerprint(), n, tokens)
-        cache_cmd = ["cache", "--target-model", str(root / "target"), "--completions", str(completions), "--out",
-                     str(cache), "--layers", ",".join(map(str, CACHE_LAYERS)), "--dtype", "bf16"]  # fmt: skip
-        eval_cmd = ["eval", "--checkpoint", str(root / "drafter"), "--target-model", str(root / "target"),
-                    "--cached-hidden-states", str(cache), "--max-blocks", "2"]  # fmt: skip
+        cache_cmd = [
+            "cache",
+            "--target-model",
+            str(root / "target"),
+            "--completions",
+            str(completions),
+            "--out",
+            str(cache),
+            "--layers",
+            ",".join(map(str, CACHE_LAYERS)),
+            "--dtype",
+            "bf16",
+        ]
+        eval_cmd = [
+            "eval",
+            "--checkpoint",
+            str(root / "drafter"),
+            "--target-model",
+            str(root / "target"),
+            "--cached-hidden-states",
+            str(cache),
+            "--max-blocks",
+            "2",
+        ]
         feature_mb = n * tokens * len(CACHE_LAYERS) * HIDDEN * 2 / 2**20
         for command, argv in (("cache", cache_cmd), ("eval", eval_cmd)):
             measured = run_measured(argv, root / f"{command}{n}.log")
-            row = {"command": command, "records": n, "tokens": n * tokens, "peak_rss_mb": measured["peak_rss_mb"],
-                   "features_mb": round(feature_mb, 1), "seconds": measured["wall_s"]}  # fmt: skip
+            row = {
+                "command": command,
+                "records": n,
+                "tokens": n * tokens,
+                "peak_rss_mb": measured["peak_rss_mb"],
+                "features_mb": round(feature_mb, 1),
+                "seconds": measured["wall_s"],
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
     for command in ("cache", "eval"):
         points = [r for r in rows if r["command"] == command]
         first, last = points[0], points[-1]
-        growth = {"peak_rss_growth_mb": round(last["peak_rss_mb"] - first["peak_rss_mb"], 1),
-                  "features_streamed_growth_mb": round(last["features_mb"] - first["features_mb"], 1)}  # fmt: skip
+        growth = {
+            "peak_rss_growth_mb": round(last["peak_rss_mb"] - first["peak_rss_mb"], 1),
+            "features_streamed_growth_mb": round(last["features_mb"] - first["features_mb"], 1),
+        }
         print(json.dumps({"command": command, "records": [first["records"], last["records"]], **growth}))
 
 
@@ -122,12 +169,23 @@ def hybrid_config(num_layers: int):
     from transformers import Qwen3_5TextConfig
 
     return Qwen3_5TextConfig(
-        vocab_size=DEPTH_VOCAB, hidden_size=DEPTH_HIDDEN, intermediate_size=3072, num_hidden_layers=num_layers,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (num_layers // 4), num_attention_heads=8,
-        num_key_value_heads=2, head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16,
-        linear_key_head_dim=64, linear_value_head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False,
-        eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-    )  # fmt: skip
+        vocab_size=DEPTH_VOCAB,
+        hidden_size=DEPTH_HIDDEN,
+        intermediate_size=3072,
+        num_hidden_layers=num_layers,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (num_layers // 4),
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
 
 
 def offline_commands(target: Path, drafter: Path, cache: Path, run: Path) -> dict[str, list[str]]:
@@ -135,9 +193,27 @@ def offline_commands(target: Path, drafter: Path, cache: Path, run: Path) -> dic
     common = ["--target-model", str(target), "--cached-hidden-states", str(cache)]
     return {
         "eval": ["eval", "--checkpoint", str(drafter), *common, "--num-prompts", "5", "--max-blocks", "15"],
-        "train": ["train", *common, "--init", str(drafter), "--out", str(run), "--max-steps", "20", "--epochs", "4",
-                  "--batch-size", "1", "--num-anchors", "4", "--save-every", "1000", "--log-every", "10"],
-    }  # fmt: skip
+        "train": [
+            "train",
+            *common,
+            "--init",
+            str(drafter),
+            "--out",
+            str(run),
+            "--max-steps",
+            "20",
+            "--epochs",
+            "4",
+            "--batch-size",
+            "1",
+            "--num-anchors",
+            "4",
+            "--save-every",
+            "1000",
+            "--log-every",
+            "10",
+        ],
+    }
 
 
 def depth_experiment(root: Path, depths: list[int], whole: bool) -> None:
@@ -159,8 +235,14 @@ def depth_experiment(root: Path, depths: list[int], whole: bool) -> None:
         for path in ("head", "whole") if whole else ("head",):
             for command, argv in offline_commands(target, drafter, cache, root / f"run{depth}-{path}").items():
                 measured = run_measured(argv, root / f"{command}{depth}-{path}.log", whole_target=path == "whole")
-                row = {"experiment": "depth", "command": command, "target_path": path, "target_layers": depth,
-                       "target_weights_mb": round(sum(sizes.values()) / 2**20), **measured}  # fmt: skip
+                row = {
+                    "experiment": "depth",
+                    "command": command,
+                    "target_path": path,
+                    "target_layers": depth,
+                    "target_weights_mb": round(sum(sizes.values()) / 2**20),
+                    **measured,
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         shutil.rmtree(target)  # the next depth's target takes its disk space
@@ -168,9 +250,19 @@ def depth_experiment(root: Path, depths: list[int], whole: bool) -> None:
         for path in ("head", "whole") if whole else ("head",):
             points = [r for r in rows if r["command"] == command and r["target_path"] == path]
             rss = [p["peak_rss_mb"] for p in points]
-            print(json.dumps({"experiment": "depth", "command": command, "target_path": path, "target_layers": depths,
-                              "peak_rss_mb": rss, "growth_percent": round(100 * (rss[-1] / rss[0] - 1), 1),
-                              "wall_s": [p["wall_s"] for p in points]}))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "experiment": "depth",
+                        "command": command,
+                        "target_path": path,
+                        "target_layers": depths,
+                        "peak_rss_mb": rss,
+                        "growth_percent": round(100 * (rss[-1] / rss[0] - 1), 1),
+                        "wall_s": [p["wall_s"] for p in points],
+                    }
+                )
+            )
 
 
 def tiny_experiment(root: Path) -> None:
@@ -182,18 +274,60 @@ def tiny_experiment(root: Path) -> None:
     from flashdraft.target.weights import TargetHead
 
     save_drafter(new_drafter_for_target(TargetHead.load("tiny"), 1, 16), root / "tiny-drafter")
-    assert flashdraft(["generate", "--target-model", "tiny", "--prompts", "builtin:code:heldout", "--num-prompts", "5",
-                       "--out", str(root / "tiny.json"), "--max-new-tokens", "64"]) == 0  # fmt: skip
-    assert flashdraft(["cache", "--target-model", "tiny", "--completions", str(root / "tiny.json"), "--out",
-                       str(root / "tiny-cache"), "--draft-config", str(root / "tiny-drafter")]) == 0  # fmt: skip
+    assert (
+        flashdraft(
+            [
+                "generate",
+                "--target-model",
+                "tiny",
+                "--prompts",
+                "builtin:code:heldout",
+                "--num-prompts",
+                "5",
+                "--out",
+                str(root / "tiny.json"),
+                "--max-new-tokens",
+                "64",
+            ]
+        )
+        == 0
+    )
+    assert (
+        flashdraft(
+            [
+                "cache",
+                "--target-model",
+                "tiny",
+                "--completions",
+                str(root / "tiny.json"),
+                "--out",
+                str(root / "tiny-cache"),
+                "--draft-config",
+                str(root / "tiny-drafter"),
+            ]
+        )
+        == 0
+    )
     argv = offline_commands(Path("tiny"), root / "tiny-drafter", root / "tiny-cache", root / "tiny-run")["eval"]
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import torch, flashdraft.cli"], check=True)
     startup = time.perf_counter() - start
     for path in ("head", "whole"):
         measured = run_measured(argv, root / f"tiny-eval-{path}.log", whole_target=path == "whole", again=True)
-        print(json.dumps({"experiment": "tiny", "command": "eval", "target_path": path, "prompts": 5, "blocks": 15,
-                          "interpreter_and_torch_start_s": round(startup, 2), **measured}), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "experiment": "tiny",
+                    "command": "eval",
+                    "target_path": path,
+                    "prompts": 5,
+                    "blocks": 15,
+                    "interpreter_and_torch_start_s": round(startup, 2),
+                    **measured,
+                }
+            ),
+            flush=True,
+        )
 
 
 def main() -> None:

@@ -30,8 +30,7 @@ HELD_OUT = {"stdlib": "builtin:stdlib:heldout:64", "code": "builtin:code:heldout
 MAX_NEW_TOKENS = 256
 LAYERS = "1,2,3"
 INIT_ARGS = ["--draft-layers", "2", "--block-size", "16", "--target-layer-ids", LAYERS, "--layers-from-target", "2,5"]
-BASE_TRAIN_ARGS = ["--lr", "6e-3", "--batch-size", "8", "--epochs", "100", "--save-every", "500",
-                   "--log-every", "50"]  # fmt: skip
+BASE_TRAIN_ARGS = ["--lr", "6e-3", "--batch-size", "8", "--epochs", "100", "--save-every", "500", "--log-every", "50"]
 
 
 def flashdraft(args: list[str], log: Path | None = None) -> None:
@@ -92,8 +91,9 @@ def drafting_step_ms(work: Path, names: list[str], repeats: int = 5) -> dict[str
                 proposer.propose(record.input_ids[:201], 200, features[:, :200], torch.arange(200)[None], block)
                 start = time.perf_counter()
                 for i in range(200, 240):
-                    proposer.propose(record.input_ids[: i + 2], i + 1, features[:, i : i + 1],
-                                     torch.tensor([[i]]), block)  # fmt: skip
+                    proposer.propose(
+                        record.input_ids[: i + 2], i + 1, features[:, i : i + 1], torch.tensor([[i]]), block
+                    )
                 times[name].append((time.perf_counter() - start) / 40)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
@@ -132,11 +132,35 @@ def prepare(work: Path) -> None:
     tiny = ["--target-model", "tiny"]
     for name, prompts in {"train": TRAIN_PROMPTS, **HELD_OUT}.items():
         if not (work / f"{name}.json").exists():
-            flashdraft(["generate", *tiny, "--prompts", prompts, "--out", str(work / f"{name}.json"),
-                        "--max-new-tokens", str(MAX_NEW_TOKENS), "--batch-size", "64"])  # fmt: skip
+            flashdraft(
+                [
+                    "generate",
+                    *tiny,
+                    "--prompts",
+                    prompts,
+                    "--out",
+                    str(work / f"{name}.json"),
+                    "--max-new-tokens",
+                    str(MAX_NEW_TOKENS),
+                    "--batch-size",
+                    "64",
+                ]
+            )
         if not (work / f"cache-{name}" / "manifest.json").exists():
-            flashdraft(["cache", *tiny, "--completions", str(work / f"{name}.json"), "--out",
-                        str(work / f"cache-{name}"), "--layers", LAYERS, "--dtype", "fp32"])  # fmt: skip
+            flashdraft(
+                [
+                    "cache",
+                    *tiny,
+                    "--completions",
+                    str(work / f"{name}.json"),
+                    "--out",
+                    str(work / f"cache-{name}"),
+                    "--layers",
+                    LAYERS,
+                    "--dtype",
+                    "fp32",
+                ]
+            )
     if not (work / "init" / "model.safetensors").exists():
         flashdraft(["init", *tiny, "--out", str(work / "init"), *INIT_ARGS])
 
@@ -159,16 +183,45 @@ def main() -> None:
     for name in args.runs:
         run_dir = work / f"run-{name}-{args.steps}"
         t0 = time.time()
-        flashdraft(["train", *tiny, "--cached-hidden-states", str(work / "cache-train"), "--out", str(run_dir),
-                    "--init", str(work / "init"), *BASE_TRAIN_ARGS, "--max-steps", str(args.steps),
-                    *run_flags(name), "--resume"], log=work / f"train-{name}-{args.steps}.log")  # fmt: skip
-        row = {"run": name, "steps": args.steps, "train_flags": run_flags(name),
-               "train_wall_s": round(time.time() - t0)}  # fmt: skip
+        flashdraft(
+            [
+                "train",
+                *tiny,
+                "--cached-hidden-states",
+                str(work / "cache-train"),
+                "--out",
+                str(run_dir),
+                "--init",
+                str(work / "init"),
+                *BASE_TRAIN_ARGS,
+                "--max-steps",
+                str(args.steps),
+                *run_flags(name),
+                "--resume",
+            ],
+            log=work / f"train-{name}-{args.steps}.log",
+        )
+        row = {
+            "run": name,
+            "steps": args.steps,
+            "train_flags": run_flags(name),
+            "train_wall_s": round(time.time() - t0),
+        }
         for set_name in HELD_OUT:
             out = work / f"eval-{name}-{args.steps}-{set_name}.json"
             if not out.exists():
-                flashdraft(["eval", "--checkpoint", str(run_dir), *tiny, "--cached-hidden-states",
-                            str(work / f"cache-{set_name}"), "--json", str(out)])  # fmt: skip
+                flashdraft(
+                    [
+                        "eval",
+                        "--checkpoint",
+                        str(run_dir),
+                        *tiny,
+                        "--cached-hidden-states",
+                        str(work / f"cache-{set_name}"),
+                        "--json",
+                        str(out),
+                    ]
+                )
             figures = json.loads(out.read_text())
             row[f"tau_{set_name}"] = round(figures["tau"], 4)
             row[f"position_acceptance_{set_name}"] = [round(x, 3) for x in figures["position_acceptance"][:6]]
@@ -177,8 +230,9 @@ def main() -> None:
     base = next((r for r in results if r["run"] == "decay"), None)
     summary = {"machine": platform.machine(), "threads": args.threads, "steps": args.steps, "runs": results}
     if base is not None:
-        summary["ratio_to_decay"] = {r["run"]: {s: round(r[f"tau_{s}"] / base[f"tau_{s}"], 4) for s in HELD_OUT}
-                                     for r in results}  # fmt: skip
+        summary["ratio_to_decay"] = {
+            r["run"]: {s: round(r[f"tau_{s}"] / base[f"tau_{s}"], 4) for s in HELD_OUT} for r in results
+        }
     print(json.dumps(summary))
 
 

@@ -59,15 +59,23 @@ def main() -> None:
             target.forward(block, saved)
             costs["rerun"].append((time.perf_counter() - t0) * 1000)
         ms = {mode: statistics.median(v) for mode, v in costs.items()}
-        print(json.dumps({
-            "benchmark": "rollback", "target": str(target.path), "machine": platform.machine(),
-            "threads": args.threads, "block": args.block, "accepted_tokens": keep,
-            "recompute_then_next_block_ms": round(ms["recompute"], 3),
-            "deferred_then_next_block_ms": round(ms["deferred"], 3),
-            "rerun_then_next_block_ms": round(ms["rerun"], 3),
-            "rerun_over_recompute": round(ms["rerun"] / ms["recompute"], 2),
-            "rerun_over_deferred": round(ms["rerun"] / ms["deferred"], 2),
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "benchmark": "rollback",
+                    "target": str(target.path),
+                    "machine": platform.machine(),
+                    "threads": args.threads,
+                    "block": args.block,
+                    "accepted_tokens": keep,
+                    "recompute_then_next_block_ms": round(ms["recompute"], 3),
+                    "deferred_then_next_block_ms": round(ms["deferred"], 3),
+                    "rerun_then_next_block_ms": round(ms["rerun"], 3),
+                    "rerun_over_recompute": round(ms["rerun"] / ms["recompute"], 2),
+                    "rerun_over_deferred": round(ms["rerun"] / ms["deferred"], 2),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,14 @@ DEFAULT_RUNS = ["dflash", "dflash-published", "dflash2", "dflash2-sel1", "dspark
 SAMPLING = ["--temperature", "0.6", "--top-p", "0.95", "--top-k", "20"]  # Qwen3's generation_config.json
 RULES = ("vllm", "sglang")
 # each run against its family's default
-BASELINE = {"dflash-published": "dflash", "dflash2-sel1": "dflash2", "dspark-ce": "dspark", "dspark-decay": "dspark",
-            "dflash2": "dflash", "dspark": "dflash"}  # fmt: skip
+BASELINE = {
+    "dflash-published": "dflash",
+    "dflash2-sel1": "dflash2",
+    "dspark-ce": "dspark",
+    "dspark-decay": "dspark",
+    "dflash2": "dflash",
+    "dspark": "dflash",
+}
 
 
 def prepare_sampled(work: Path) -> None:
@@ -46,12 +52,28 @@ def prepare_sampled(work: Path) -> None:
     for set_name, prompts in HELD_OUT.items():
         out = work / f"{set_name}-t0.6.json"
         if not out.exists():
-            flashdraft(["generate", *TINY, "--prompts", prompts, "--out", str(out), "--max-new-tokens",
-                        str(MAX_NEW_TOKENS), "--batch-size", "64", "--seed", "0", *SAMPLING])  # fmt: skip
+            flashdraft(
+                [
+                    "generate",
+                    *TINY,
+                    "--prompts",
+                    prompts,
+                    "--out",
+                    str(out),
+                    "--max-new-tokens",
+                    str(MAX_NEW_TOKENS),
+                    "--batch-size",
+                    "64",
+                    "--seed",
+                    "0",
+                    *SAMPLING,
+                ]
+            )
         cache = work / f"cache-{set_name}-t0.6"
         if not (cache / "manifest.json").exists():
-            flashdraft(["cache", *TINY, "--completions", str(out), "--out", str(cache), "--layers", LAYERS,
-                        "--dtype", "fp32"])  # fmt: skip
+            flashdraft(
+                ["cache", *TINY, "--completions", str(out), "--out", str(cache), "--layers", LAYERS, "--dtype", "fp32"]
+            )
 
 
 def evaluate(work: Path, name: str) -> dict:
@@ -63,8 +85,19 @@ def evaluate(work: Path, name: str) -> dict:
         for label, (cache, flags) in settings.items():
             out = work / f"eval-{name}-{set_name}-{label}.json"
             if not out.exists():
-                flashdraft(["eval", "--checkpoint", str(work / f"run-{name}"), *TINY, "--cached-hidden-states",
-                            str(work / cache), *flags, "--json", str(out)])  # fmt: skip
+                flashdraft(
+                    [
+                        "eval",
+                        "--checkpoint",
+                        str(work / f"run-{name}"),
+                        *TINY,
+                        "--cached-hidden-states",
+                        str(work / cache),
+                        *flags,
+                        "--json",
+                        str(out),
+                    ]
+                )
             figures = json.loads(out.read_text())
             row[f"tau_{set_name}_{label}"] = round(figures["tau"], 4)
             if label != "greedy":
@@ -96,10 +129,19 @@ def main() -> None:
     ratios = {}
     for name, base in BASELINE.items():
         if name in by and base in by:
-            ratios[f"{name} / {base}"] = {key.removeprefix("tau_"): round(by[name][key] / by[base][key], 4)
-                                          for key in by[name] if key.startswith("tau_")}  # fmt: skip
-    summary = {"machine": platform.machine(), "threads": 1, "lanes": args.lanes, "steps": args.steps,
-               "sampling": SAMPLING, "ratios": ratios}  # fmt: skip
+            ratios[f"{name} / {base}"] = {
+                key.removeprefix("tau_"): round(by[name][key] / by[base][key], 4)
+                for key in by[name]
+                if key.startswith("tau_")
+            }
+    summary = {
+        "machine": platform.machine(),
+        "threads": 1,
+        "lanes": args.lanes,
+        "steps": args.steps,
+        "sampling": SAMPLING,
+        "ratios": ratios,
+    }
     print(json.dumps(summary))
 
 

@@ -41,32 +41,105 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     target = build_target(work / "target", args.hidden, args.layers)
     t = ["--target-model", target]
-    flashdraft("generate", *t, "--prompts", "builtin:code", "--num-prompts", 32, "--max-new-tokens", 128,
-               "--batch-size", 8, "--out", work / "train.json")  # fmt: skip
-    flashdraft("init", *t, "--out", work / "init", "--draft-layers", 1, "--target-layer-ids", "1,4,6",
-               "--block-size", 8)  # fmt: skip
-    flashdraft("train", *t, "--completions", work / "train.json", "--out", work / "run", "--init", work / "init",
-               "--max-steps", args.train_steps, "--epochs", 1000)  # fmt: skip
+    flashdraft(
+        "generate",
+        *t,
+        "--prompts",
+        "builtin:code",
+        "--num-prompts",
+        32,
+        "--max-new-tokens",
+        128,
+        "--batch-size",
+        8,
+        "--out",
+        work / "train.json",
+    )
+    flashdraft(
+        "init", *t, "--out", work / "init", "--draft-layers", 1, "--target-layer-ids", "1,4,6", "--block-size", 8
+    )
+    flashdraft(
+        "train",
+        *t,
+        "--completions",
+        work / "train.json",
+        "--out",
+        work / "run",
+        "--init",
+        work / "init",
+        "--max-steps",
+        args.train_steps,
+        "--epochs",
+        1000,
+    )
     requests = ["--num-prompts", args.num_prompts, "--max-new-tokens", args.max_new_tokens]
-    bench_s, table = flashdraft("bench", *t, "--checkpoint", work / "run", "--prompts", SETS, *requests,
-                                "--concurrency", args.concurrency, "--repeats", args.repeats, "--json",
-                                work / "bench.json", "--report", work / "report", "--work", work / "logs")
-    flashdraft("eval", "--checkpoint", work / "run", *t, "--prompts", SETS.split(",")[0], *requests, "--served",
-               "vllm", "--json", work / "served.json")  # fmt: skip
+    bench_s, table = flashdraft(
+        "bench",
+        *t,
+        "--checkpoint",
+        work / "run",
+        "--prompts",
+        SETS,
+        *requests,
+        "--concurrency",
+        args.concurrency,
+        "--repeats",
+        args.repeats,
+        "--json",
+        work / "bench.json",
+        "--report",
+        work / "report",
+        "--work",
+        work / "logs",
+    )
+    flashdraft(
+        "eval",
+        "--checkpoint",
+        work / "run",
+        *t,
+        "--prompts",
+        SETS.split(",")[0],
+        *requests,
+        "--served",
+        "vllm",
+        "--json",
+        work / "served.json",
+    )
     summary = json.loads((work / "bench.json").read_text())
     served = json.loads((work / "served.json").read_text())["served"]
-    print(table[table.index("served speed-up:"):])
-    print(json.dumps({
-        "machine": summary["machine"], "engine": summary["engine"], "bench_s": bench_s,
-        "target": f"dense Qwen3, hidden {args.hidden}, {args.layers} layers", "lossless": summary["lossless"],
-        "eval_served_tau": served["tau"],
-        "sets": {s["prompts"]: {"flashdraft_tau": s["flashdraft_tau"], "by_concurrency": [
-            {"concurrency": r["concurrency"], "tok_s_alone": r["baseline"]["output_tok_s"],
-             "tok_s_drafter": r["speculative"]["output_tok_s"], "speedup": r["speedup_output_tok_s"],
-             "speedup_tpot": r["speedup_tpot"], "predicted": r["predicted"], "tau": r["tau"],
-             "tau_delivered": r["tau_delivered"], "step_costs_ms": r["step_costs_ms"]}
-            for r in s["by_concurrency"]]} for s in summary["sets"]},
-    }))  # fmt: skip
+    print(table[table.index("served speed-up:") :])
+    print(
+        json.dumps(
+            {
+                "machine": summary["machine"],
+                "engine": summary["engine"],
+                "bench_s": bench_s,
+                "target": f"dense Qwen3, hidden {args.hidden}, {args.layers} layers",
+                "lossless": summary["lossless"],
+                "eval_served_tau": served["tau"],
+                "sets": {
+                    s["prompts"]: {
+                        "flashdraft_tau": s["flashdraft_tau"],
+                        "by_concurrency": [
+                            {
+                                "concurrency": r["concurrency"],
+                                "tok_s_alone": r["baseline"]["output_tok_s"],
+                                "tok_s_drafter": r["speculative"]["output_tok_s"],
+                                "speedup": r["speedup_output_tok_s"],
+                                "speedup_tpot": r["speedup_tpot"],
+                                "predicted": r["predicted"],
+                                "tau": r["tau"],
+                                "tau_delivered": r["tau_delivered"],
+                                "step_costs_ms": r["step_costs_ms"],
+                            }
+                            for r in s["by_concurrency"]
+                        ],
+                    }
+                    for s in summary["sets"]
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,9 @@ def fill_random(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return t
 
 
-def write_random_target(directory: Path, config, layers_written: int | None = None,
-                        shard_bytes: int = 2 << 30, seed: int = 0) -> dict[str, int]:  # fmt: skip
+def write_random_target(
+    directory: Path, config, layers_written: int | None = None, shard_bytes: int = 2 << 30, seed: int = 0
+) -> dict[str, int]:
     """Random bf16 weights (normal, std 0.02) for `config`, in shards of about `shard_bytes` with
     model.safetensors.index.json, as published checkpoints are. Only decoder layers below
     `layers_written` are written (None: all). A vision-language config (Qwen3.5/3.6) stores the
@@ -111,8 +112,9 @@ class RandomFeatureTarget:
         return TargetOutput(hidden=None, context_features=features)
 
 
-def write_random_cache(directory: Path, head, layer_ids: list[int], records: int, prompt_tokens: int,
-                       completion_tokens: int, seed: int = 0) -> Path:  # fmt: skip
+def write_random_cache(
+    directory: Path, head, layer_ids: list[int], records: int, prompt_tokens: int, completion_tokens: int, seed: int = 0
+) -> Path:
     """A bf16 hidden-state cache of `records` random token sequences for the target `head`."""
     from flashdraft.data.cache import build_cache
     from flashdraft.data.completions import CompletionRecord, Completions
@@ -181,6 +183,10 @@ def run_measured(argv: list[str], log: Path, whole_target: bool = False, again: 
     if status != 0:
         sys.exit(f"flashdraft {' '.join(argv)} failed; see {log}")
     inner = json.loads(next(line for line in log.read_text().splitlines() if line.startswith("RUNNER "))[7:])
-    measured = {"peak_rss_mb": round(inner["peak_kb"] / 1024, 1), "wall_s": round(wall, 2),
-                "main_s": round(inner["main_s"], 2), "read_mb": round(inner["read_bytes"] / 2**20, 1)}  # fmt: skip
+    measured = {
+        "peak_rss_mb": round(inner["peak_kb"] / 1024, 1),
+        "wall_s": round(wall, 2),
+        "main_s": round(inner["main_s"], 2),
+        "read_mb": round(inner["read_bytes"] / 2**20, 1),
+    }
     return measured | ({"main_again_s": round(inner["again_s"], 2)} if again else {})

@@ -48,13 +48,26 @@ def target_config():
     from transformers import Qwen3_5Config
 
     text = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=17408, num_hidden_layers=LAYERS,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (LAYERS // 4), num_attention_heads=24,
-        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
-        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-        tie_word_embeddings=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=17408,
+        num_hidden_layers=LAYERS,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (LAYERS // 4),
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
     return Qwen3_5Config(text_config=text, tie_word_embeddings=False)
 
 
@@ -62,18 +75,33 @@ def drafter_config():
     from flashdraft.drafter.config import DrafterConfig
 
     return DrafterConfig(
-        hidden_size=HIDDEN, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-        intermediate_size=17408, vocab_size=VOCAB, num_target_layers=LAYERS, target_layer_ids=DRAFTER_LAYER_IDS,
-        mask_token_id=MASK_ID, block_size=16, rope_theta=1e7, max_position_embeddings=262144,
-        layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=2048,
-    )  # fmt: skip
+        hidden_size=HIDDEN,
+        num_hidden_layers=5,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=17408,
+        vocab_size=VOCAB,
+        num_target_layers=LAYERS,
+        target_layer_ids=DRAFTER_LAYER_IDS,
+        mask_token_id=MASK_ID,
+        block_size=16,
+        rope_theta=1e7,
+        max_position_embeddings=262144,
+        layer_types=["sliding_attention"] * 4 + ["full_attention"],
+        sliding_window=2048,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", default=None, help="keep the files here (default: a temporary directory)")
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
-                        help="eval --dtype (fp32: about 17 GB, 10 of embedding and LM head, 7 of drafter)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="eval --dtype (fp32: about 17 GB, 10 of embedding and LM head, 7 of drafter)",
+    )
     parser.add_argument("--records", type=int, default=2)
     parser.add_argument("--max-blocks", type=int, default=15)
     args = parser.parse_args()
@@ -93,17 +121,39 @@ def main() -> None:
         if not (root / "cache" / "manifest.json").is_file():
             head = TargetHead.load(target, dtype=torch.bfloat16)
             write_random_cache(root / "cache", head, DRAFTER_LAYER_IDS, args.records, 32, 96)
-        argv = ["eval", "--checkpoint", str(root / "drafter"), "--target-model", str(target), "--cached-hidden-states",
-                str(root / "cache"), "--max-blocks", str(args.max_blocks), "--dtype", args.dtype,
-                "--json", str(root / "eval.json")]  # fmt: skip
+        argv = [
+            "eval",
+            "--checkpoint",
+            str(root / "drafter"),
+            "--target-model",
+            str(target),
+            "--cached-hidden-states",
+            str(root / "cache"),
+            "--max-blocks",
+            str(args.max_blocks),
+            "--dtype",
+            args.dtype,
+            "--json",
+            str(root / "eval.json"),
+        ]
         measured = run_measured(argv, root / "eval.log")
         summary = json.loads((root / "eval.json").read_text())
         mb = {k: round(v / 2**20) for k, v in sizes.items()}
-        print(json.dumps({
-            "experiment": "27b-shape", "dtype": args.dtype, "target_layers_in_config": LAYERS,
-            "target_layers_written": WRITTEN, "stored_mb": mb, "drafter_fc": [HIDDEN, HIDDEN * len(DRAFTER_LAYER_IDS)],
-            "records": args.records, "steps": summary["num_steps"], **measured,
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "experiment": "27b-shape",
+                    "dtype": args.dtype,
+                    "target_layers_in_config": LAYERS,
+                    "target_layers_written": WRITTEN,
+                    "stored_mb": mb,
+                    "drafter_fc": [HIDDEN, HIDDEN * len(DRAFTER_LAYER_IDS)],
+                    "records": args.records,
+                    "steps": summary["num_steps"],
+                    **measured,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

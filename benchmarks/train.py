@@ -36,10 +36,19 @@ def run_one(name: str, steps: int, seq_len: int, num_anchors: int, block: int) -
 
     hidden, layers, heads, kv, hd, inter, vocab, n_ctx, _ = SIZES[name]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = DrafterConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                        num_key_value_heads=kv, head_dim=hd, intermediate_size=inter, vocab_size=vocab,
-                        num_target_layers=64, target_layer_ids=list(range(1, 1 + n_ctx)), mask_token_id=vocab - 1,
-                        block_size=block)  # fmt: skip
+    cfg = DrafterConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=hd,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        num_target_layers=64,
+        target_layer_ids=list(range(1, 1 + n_ctx)),
+        mask_token_id=vocab - 1,
+        block_size=block,
+    )
     drafter = DFlashDrafter(cfg).to(device)
     drafter.init_weights()
     embed = torch.nn.Embedding(vocab, hidden).to(device).requires_grad_(False)
@@ -73,16 +82,25 @@ def run_one(name: str, steps: int, seq_len: int, num_anchors: int, block: int) -
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # fmt: skip
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     return {
-        "benchmark": "train", "size": name, "device": str(device), "threads": torch.get_num_threads(),
-        "parameters_m": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 2), "seq_len": seq_len,
-        "anchors": len(anchors[0]), "block_size": block, "steps": steps,
+        "benchmark": "train",
+        "size": name,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "parameters_m": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 2),
+        "seq_len": seq_len,
+        "anchors": len(anchors[0]),
+        "block_size": block,
+        "steps": steps,
         "context_tokens_per_s": round(steps * seq_len / elapsed, 1),
         "block_positions_per_s": round(steps * block_ids.shape[1] / elapsed, 1),
         "peak_memory_mb": round(peak / 2**20, 1),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -101,8 +119,20 @@ def main() -> None:
         if SIZES[name][-1] and not torch.cuda.is_available():
             print(json.dumps({"benchmark": "train", "size": name, "skipped": "GPU only (no CUDA device here)"}))
             continue
-        cmd = [sys.executable, __file__, "--one", name, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
-               "--num-anchors", str(args.num_anchors), "--block-size", str(args.block_size)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--one",
+            name,
+            "--steps",
+            str(args.steps),
+            "--seq-len",
+            str(args.seq_len),
+            "--num-anchors",
+            str(args.num_anchors),
+            "--block-size",
+            str(args.block_size),
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True)
         print(out.stdout.strip() if out.returncode == 0 else json.dumps({"size": name, "error": out.stderr[-300:]}))
 

@@ -92,8 +92,9 @@ class Target(TargetModel):
         if temperature > 0:
             filters = resolve_filters(self.path, top_k, top_p, min_p, use_generation_config)
             _warn_greedy_in_effect(temperature, filters)
-        return autoregressive_generate(self, self.encode(prompt), max_new_tokens, temperature,
-                                       _generator(seed, self.device), filters)  # fmt: skip
+        return autoregressive_generate(
+            self, self.encode(prompt), max_new_tokens, temperature, _generator(seed, self.device), filters
+        )
 
 
 @dataclass
@@ -122,8 +123,16 @@ class Drafter(LoadedDrafter):
         state dict (which needs `target`, and takes block_size, target_layer_ids and
         mask_token_id where it cannot tell them). Strict: a missing or misshaped tensor is an
         error, never a random weight. `verify`: check a checkpoint's sha256 sums."""
-        loaded = load_any_drafter(name_or_path, target, block_size=block_size, target_layer_ids=target_layer_ids,
-                                  mask_token_id=mask_token_id, device=device, dtype=dtype, verify=verify)  # fmt: skip
+        loaded = load_any_drafter(
+            name_or_path,
+            target,
+            block_size=block_size,
+            target_layer_ids=target_layer_ids,
+            mask_token_id=mask_token_id,
+            device=device,
+            dtype=dtype,
+            verify=verify,
+        )
         if target is not None:
             check_drafter_matches_target(loaded.drafter.config, target, str(loaded.path))
         return cls(**{f.name: getattr(loaded, f.name) for f in dataclasses.fields(LoadedDrafter)})
@@ -182,9 +191,18 @@ class Drafter(LoadedDrafter):
         _warn_greedy_in_effect(temperature, filters)
         limits = (num_speculative_tokens, adaptive_threshold, confidence_threshold)
         limit = DraftLimit(*limits) if any(v is not None for v in limits) else None
-        return speculative_generate(target, self.drafter, _encode(target, prompt), max_new_tokens, temperature,
-                                    block_size, _generator(seed, target.device), limit, filters=filters,
-                                    rule=rule)  # fmt: skip
+        return speculative_generate(
+            target,
+            self.drafter,
+            _encode(target, prompt),
+            max_new_tokens,
+            temperature,
+            block_size,
+            _generator(seed, target.device),
+            limit,
+            filters=filters,
+            rule=rule,
+        )
 
 
 def _default_device_dtype(device: str | None, dtype: torch.dtype | None) -> tuple[str, torch.dtype]:
@@ -233,8 +251,11 @@ def evaluate_drafter(
     cfg = EvalConfig(
         str(loaded_drafter.path if loaded_drafter else drafter),
         str(loaded_target.path if loaded_target else target),
-        drafter="hybrid" if hybrid else "dflash", device=device, dtype=dtype, **options,
-    )  # fmt: skip
+        drafter="hybrid" if hybrid else "dflash",
+        device=device,
+        dtype=dtype,
+        **options,
+    )
     return run_eval(cfg, log, target=loaded_target, drafter=loaded_drafter)
 
 
@@ -275,8 +296,10 @@ def cache_hidden_states(target_model: str | Path, completions: str | Path, out: 
     engine_only = {"engine_python": None, "tensor_parallel_size": 1, "enable_prefix_caching": False}
     for name, default in engine_only.items():
         if options.pop(name, default) != default:
-            raise FlashdraftError(f"--{name.replace('_', '-')} is an option of --engine vllm; this run caches with "
-                                  f"the transformers forward")  # fmt: skip
+            raise FlashdraftError(
+                f"--{name.replace('_', '-')} is an option of --engine vllm; this run caches with "
+                f"the transformers forward"
+            )
     options.pop("verify_share", None)  # the transformers forward is the reference: nothing to recompute
     from flashdraft.data.cache import run_cache
 

@@ -129,8 +129,10 @@ def train_options(parser: argparse.ArgumentParser, argv: list[str], args: argpar
         values = options_from_file(args.config, train, exclude=("config",))
         sources = [k for k in ("cached_hidden_states", "completions") if values.get(k) is not None]
         if len(sources) > 1:
-            raise FlashdraftError(f"{args.config}: keys 'cached-hidden-states' and 'completions' are both given; "
-                                  f"expected one (offline or online)")  # fmt: skip
+            raise FlashdraftError(
+                f"{args.config}: keys 'cached-hidden-states' and 'completions' are both given; "
+                f"expected one (offline or online)"
+            )
         train.set_defaults(**values)
         args = parser.parse_args(argv)
         other = {"cached_hidden_states": "completions", "completions": "cached_hidden_states"}
@@ -140,6 +142,7 @@ def train_options(parser: argparse.ArgumentParser, argv: list[str], args: argpar
     if missing:
         train.error(f"the following arguments are required: {', '.join(missing)}, as flags or --config keys")
     if args.cached_hidden_states is None and args.completions is None:
-        train.error("one of the arguments --cached-hidden-states --completions is required, as a flag or a "
-                    "--config key")  # fmt: skip
+        train.error(
+            "one of the arguments --cached-hidden-states --completions is required, as a flag or a --config key"
+        )
     return args

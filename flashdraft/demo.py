@@ -58,8 +58,9 @@ def _seconds_per_step(cfg, drafter, target, records, block_size: int, mask_token
 
     start = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
     drafter = drafter.train()
-    optimizer = build_optimizers(drafter, cfg.optimizer, cfg.lr, cfg.muon_lr, cfg.weight_decay, 100,
-                                 cfg.warmup_fraction, cfg.min_lr_fraction)  # fmt: skip
+    optimizer = build_optimizers(
+        drafter, cfg.optimizer, cfg.lr, cfg.muon_lr, cfg.weight_decay, 100, cfg.warmup_fraction, cfg.min_lr_fraction
+    )
     times = []
     for step in range(5):
         idx = [(step * cfg.batch_size + i) % len(records) for i in range(min(cfg.batch_size, len(records)))]
@@ -109,14 +110,30 @@ def training_curve_figure(rows: list[dict]):
     if ylim is not None:
         ax.set_ylim(*ylim)
         cut = [s for s, loss in zip(steps, losses, strict=True) if loss > ylim[1]]
-        ax.annotate(f"loss above the axis until step {cut[-1]} (up to {max(losses):.3g})", xy=(0.99, 0.97),
-                    xycoords="axes fraction", ha="right", va="top", fontsize="small", color="tab:blue")  # fmt: skip
+        ax.annotate(
+            f"loss above the axis until step {cut[-1]} (up to {max(losses):.3g})",
+            xy=(0.99, 0.97),
+            xycoords="axes fraction",
+            ha="right",
+            va="top",
+            fontsize="small",
+            color="tab:blue",
+        )
     ax2 = ax.twinx()
-    ax2.plot([r["step"] for r in train_rows], [r["estimated_acceptance"] for r in train_rows], color="tab:orange",
-             label="estimated acceptance (train)")  # fmt: skip
+    ax2.plot(
+        [r["step"] for r in train_rows],
+        [r["estimated_acceptance"] for r in train_rows],
+        color="tab:orange",
+        label="estimated acceptance (train)",
+    )
     if eval_rows:
-        ax2.plot([r["step"] for r in eval_rows], [r["eval_tau"] for r in eval_rows], "o-", color="tab:green",
-                 label="held-out τ")  # fmt: skip
+        ax2.plot(
+            [r["step"] for r in eval_rows],
+            [r["eval_tau"] for r in eval_rows],
+            "o-",
+            color="tab:green",
+            label="held-out τ",
+        )
     ax2.set(ylabel="tokens per step")
     fig.legend(loc="upper center", ncol=3, fontsize="small")
     return fig
@@ -165,9 +182,16 @@ def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: P
         save_drafter(untrained, untrained_dir)
     run_dir = out / "run"
     done_marker = run_dir / "DEMO_DONE"
-    cfg = TrainConfig(lr=s.lr, num_anchors=s.num_anchors, batch_size=s.batch_size, seed=s.seed,
-                      loss_decay_gamma=s.loss_decay_gamma, log_every=5, keep_checkpoints=1,
-                      keep_best=True)  # fmt: skip
+    cfg = TrainConfig(
+        lr=s.lr,
+        num_anchors=s.num_anchors,
+        batch_size=s.batch_size,
+        seed=s.seed,
+        loss_decay_gamma=s.loss_decay_gamma,
+        log_every=5,
+        keep_checkpoints=1,
+        keep_best=True,
+    )
     if done_marker.exists():
         train_info = json.loads(done_marker.read_text())
         print(f"reusing the finished training run in {run_dir} ({train_info['steps']} steps)")
@@ -180,8 +204,14 @@ def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: P
         cfg.max_steps, cfg.save_every, cfg.eval_every = steps, steps, max(10, steps // 4)
         print(f"{per_step:.2f} s per step here: training {steps} steps ({steps * per_step / 60:.1f} min)")
         t0 = time.perf_counter()
-        run_training(cfg, s.target_model, str(run_dir), cached_hidden_states=str(train_cache),
-                     init=str(untrained_dir), eval_cached_hidden_states=str(heldout_cache))  # fmt: skip
+        run_training(
+            cfg,
+            s.target_model,
+            str(run_dir),
+            cached_hidden_states=str(train_cache),
+            init=str(untrained_dir),
+            eval_cached_hidden_states=str(heldout_cache),
+        )
         train_info = {"steps": steps, "train_seconds": round(time.perf_counter() - t0, 1)}
         done_marker.write_text(json.dumps(train_info))
     best = read_best(run_dir)
@@ -210,17 +240,30 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     _check_same_target(out, s.target_model)
 
     _stage("1/5 generate the target's own completions", t_start)
-    train_c = run_generate(s.target_model, s.train_prompts, str(out / "completions-train.json"),
-                           num_prompts=s.num_train_prompts, max_new_tokens=s.max_new_tokens, batch_size=16,
-                           seed=s.seed)  # fmt: skip
-    heldout_c = run_generate(s.target_model, s.heldout_prompts, str(out / "completions-heldout.json"),
-                             num_prompts=s.num_heldout_prompts, max_new_tokens=s.max_new_tokens, batch_size=16,
-                             seed=s.seed)  # fmt: skip
+    train_c = run_generate(
+        s.target_model,
+        s.train_prompts,
+        str(out / "completions-train.json"),
+        num_prompts=s.num_train_prompts,
+        max_new_tokens=s.max_new_tokens,
+        batch_size=16,
+        seed=s.seed,
+    )
+    heldout_c = run_generate(
+        s.target_model,
+        s.heldout_prompts,
+        str(out / "completions-heldout.json"),
+        num_prompts=s.num_heldout_prompts,
+        max_new_tokens=s.max_new_tokens,
+        batch_size=16,
+        seed=s.seed,
+    )
 
     _stage("2/5 cache context features", t_start)
     train_cache = run_cache(s.target_model, str(train_c), str(out / "cache-train"), layers=layers_arg, dtype="fp32")
-    heldout_cache = run_cache(s.target_model, str(heldout_c), str(out / "cache-heldout"), layers=layers_arg,
-                              dtype="fp32")  # fmt: skip
+    heldout_cache = run_cache(
+        s.target_model, str(heldout_c), str(out / "cache-heldout"), layers=layers_arg, dtype="fp32"
+    )
 
     _stage("3/5 train the drafter", t_start)
     # finish with a tenth of the budget to spare, after evaluation and report (measured 92 s + 10 s of 300 on a
@@ -240,8 +283,9 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     trained = run_eval(EvalConfig(str(trained_dir), online=True, check_consistency=True, **common), quiet)
     untrained_offline = run_eval(EvalConfig(str(untrained_dir), **common), quiet)
     ngram = run_eval(EvalConfig("ngram", online=True, check_consistency=True, **common), quiet)
-    hybrid = run_eval(EvalConfig(str(trained_dir), drafter="hybrid", online=True, check_consistency=True, **common),
-                      quiet)  # fmt: skip
+    hybrid = run_eval(
+        EvalConfig(str(trained_dir), drafter="hybrid", online=True, check_consistency=True, **common), quiet
+    )
     reference = None
     # the shipped drafter (trained for an hour on 1 M tokens), where this copy of flashdraft has it
     if s.reference_drafter and s.target_model == "tiny" and BUILTIN_DRAFTERS[s.reference_drafter].is_dir():
@@ -253,10 +297,13 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     report = _summary(s, trained, untrained_offline, ngram, hybrid, train_info, trained_dir)
     if reference is not None:
         report["reference"] = {
-            "drafter": s.reference_drafter, "tau_offline": reference["consistency"]["offline_tau"],
-            "tau_online": reference["consistency"]["online_tau"], "lossless": reference["lossless"],
-            "speedup": reference["speedup"], "offline_equals_online": reference["consistency"]["identical"],
-        }  # fmt: skip
+            "drafter": s.reference_drafter,
+            "tau_offline": reference["consistency"]["offline_tau"],
+            "tau_online": reference["consistency"]["online_tau"],
+            "lossless": reference["lossless"],
+            "speedup": reference["speedup"],
+            "offline_equals_online": reference["consistency"]["identical"],
+        }
     report["total_seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(_markdown(report))
@@ -264,8 +311,15 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     return report
 
 
-def _summary(s: DemoSettings, trained: dict, untrained_offline: dict, ngram: dict, hybrid: dict, train_info: dict,
-             trained_dir: Path) -> dict:  # fmt: skip
+def _summary(
+    s: DemoSettings,
+    trained: dict,
+    untrained_offline: dict,
+    ngram: dict,
+    hybrid: dict,
+    train_info: dict,
+    trained_dir: Path,
+) -> dict:
     consistency = trained["consistency"]
     return {
         "target": s.target_model,
@@ -299,36 +353,40 @@ def _reference_row(r: dict) -> list[str]:
     ref = r.get("reference")
     if ref is None:
         return []
-    return [f"| shipped `{ref['drafter']}` (reference) | {ref['tau_offline']:.2f} | {ref['tau_online']:.2f} | "
-            f"{ref['lossless']} | {ref['speedup']:.2f}x |"]  # fmt: skip
+    return [
+        f"| shipped `{ref['drafter']}` (reference) | {ref['tau_offline']:.2f} | {ref['tau_online']:.2f} | "
+        f"{ref['lossless']} | {ref['speedup']:.2f}x |"
+    ]
 
 
 def _markdown(r: dict) -> str:
-    return "\n".join([
-        "# flashdraft demo",
-        "",
-        f"Target `{r['target']}`, drafter trained {r['train_seconds']} s ({r['train_steps']} steps; the best "
-        f"held-out checkpoint, step {r['best_step']}, is evaluated), block size {r['block_size']}, "
-        f"{r['heldout_prompts']} held-out prompts; whole demo {r['total_seconds']} s.",
-        "",
-        "| drafter | τ offline | τ online | lossless | speed-up vs greedy |",
-        "|---|---|---|---|---|",
-        f"| trained DFlash | {r['tau_offline']:.2f} | {r['tau_online']:.2f} | {r['lossless']} | {r['speedup']:.2f}x |",
-        *_reference_row(r),
-        f"| untrained DFlash | {r['tau_untrained']:.2f} | | | |",
-        f"| n-gram prompt lookup | {r['tau_ngram']:.2f} | | {r['lossless_ngram']} | {r['speedup_ngram']:.2f}x |",
-        f"| hybrid (trained DFlash + n-gram) | {r['tau_hybrid']:.2f} | {r['tau_hybrid_online']:.2f} | "
-        f"{r['lossless_hybrid']} | {r['speedup_hybrid']:.2f}x |",
-        "",
-        f"Offline τ equals online τ step for step: {r['offline_equals_online']} (hybrid: "
-        f"{r['offline_equals_online_hybrid']}).",
-        "",
-        "![training curve](training_curve.png)",
-        "",
-        "![acceptance histogram](eval/histogram.png)",
-        "",
-        "![per-position acceptance](eval/position_acceptance.png)",
-        "",
-        "Full evaluation of the trained drafter (per prompt): [eval/report.md](eval/report.md)",
-        "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "# flashdraft demo",
+            "",
+            f"Target `{r['target']}`, drafter trained {r['train_seconds']} s ({r['train_steps']} steps; the best "
+            f"held-out checkpoint, step {r['best_step']}, is evaluated), block size {r['block_size']}, "
+            f"{r['heldout_prompts']} held-out prompts; whole demo {r['total_seconds']} s.",
+            "",
+            "| drafter | τ offline | τ online | lossless | speed-up vs greedy |",
+            "|---|---|---|---|---|",
+            f"| trained DFlash | {r['tau_offline']:.2f} | {r['tau_online']:.2f} | {r['lossless']} | {r['speedup']:.2f}x |",
+            *_reference_row(r),
+            f"| untrained DFlash | {r['tau_untrained']:.2f} | | | |",
+            f"| n-gram prompt lookup | {r['tau_ngram']:.2f} | | {r['lossless_ngram']} | {r['speedup_ngram']:.2f}x |",
+            f"| hybrid (trained DFlash + n-gram) | {r['tau_hybrid']:.2f} | {r['tau_hybrid_online']:.2f} | "
+            f"{r['lossless_hybrid']} | {r['speedup_hybrid']:.2f}x |",
+            "",
+            f"Offline τ equals online τ step for step: {r['offline_equals_online']} (hybrid: "
+            f"{r['offline_equals_online_hybrid']}).",
+            "",
+            "![training curve](training_curve.png)",
+            "",
+            "![acceptance histogram](eval/histogram.png)",
+            "",
+            "![per-position acceptance](eval/position_acceptance.png)",
+            "",
+            "Full evaluation of the trained drafter (per prompt): [eval/report.md](eval/report.md)",
+            "",
+        ]
+    )

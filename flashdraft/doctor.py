@@ -104,8 +104,9 @@ def run_doctor(
     path = resolve(path)
     kind = kind_of(path)
     if max_model_len is not None and not serving:
-        raise FlashdraftError(f"--max-model-len {max_model_len}: the context a drafter is served at; expected "
-                              f"--serving with it")  # fmt: skip
+        raise FlashdraftError(
+            f"--max-model-len {max_model_len}: the context a drafter is served at; expected --serving with it"
+        )
     if serving and kind != "drafter":
         raise FlashdraftError(
             f"--serving: checks a drafter directory as vLLM and SGLang load it; {path} is a {kind} (for a run or "
@@ -121,16 +122,18 @@ def run_doctor(
         from flashdraft.data.cache_doctor import doctor_cache
 
         layer_ids = _checkpoint_config(checkpoint).target_layer_ids if checkpoint else None
-        doctor_cache(path, target=target, layer_ids=layer_ids, samples=samples, tolerance=tolerance, verify=verify,
-                     checks=checks)  # fmt: skip
+        doctor_cache(
+            path, target=target, layer_ids=layer_ids, samples=samples, tolerance=tolerance, verify=verify, checks=checks
+        )
     elif kind == "drafter":
         check_drafter_dir(path, target, checks, verify)
         if serving:
             from flashdraft.serving.checks import check_serving
 
             serving_checks = Checks(held=True)  # its verdict before its many rule lines
-            check_serving(path, target, serving_checks, target_name, max_model_len=max_model_len,
-                          serving_command=serving_command)
+            check_serving(
+                path, target, serving_checks, target_name, max_model_len=max_model_len, serving_command=serving_command
+            )
             serving_checks.print_held("serving rules (vLLM and SGLang)", checks)
     elif kind in ("run", "checkpoint"):
         check_run(path, target, checks, verify, single=kind == "checkpoint")
@@ -168,8 +171,11 @@ def _shape_problems(cfg, found: dict[str, tuple[int, ...]]) -> list[str]:
 
     expected = expected_shapes(cfg)
     problems = [f"tensor '{k}' is missing (expected {list(v)})" for k, v in expected.items() if k not in found]
-    problems += [f"tensor '{k}' has shape {list(found[k])}, expected {list(v)}"
-                 for k, v in expected.items() if k in found and tuple(found[k]) != v]  # fmt: skip
+    problems += [
+        f"tensor '{k}' has shape {list(found[k])}, expected {list(v)}"
+        for k, v in expected.items()
+        if k in found and tuple(found[k]) != v
+    ]
     problems += [f"unexpected tensor '{k}' {list(v)}" for k, v in found.items() if k not in expected]
     return problems
 
@@ -190,12 +196,18 @@ def _check_against_target(cfg, source: str, target: TargetModel | None, checks: 
     if target is None:
         checks.about("no --target-model: hidden size, vocabulary and layer ids not checked against a target")
         return
-    for name, found, expected in [("hidden_size", cfg.hidden_size, target.hidden_size),
-                                  ("vocab_size", cfg.vocab_size, target.vocab_size),
-                                  ("num_target_layers", cfg.num_target_layers, target.num_layers)]:  # fmt: skip
-        checks.check(found == expected, f"{name} {found} " + ("equals" if found == expected else "differs from") +
-                     f" the target's {expected} ({target.path})", f"the drafter was made for another target; "
-                     f"evaluate it with its own target, or {NEW_DRAFTER}")  # fmt: skip
+    for name, found, expected in [
+        ("hidden_size", cfg.hidden_size, target.hidden_size),
+        ("vocab_size", cfg.vocab_size, target.vocab_size),
+        ("num_target_layers", cfg.num_target_layers, target.num_layers),
+    ]:
+        checks.check(
+            found == expected,
+            f"{name} {found} "
+            + ("equals" if found == expected else "differs from")
+            + f" the target's {expected} ({target.path})",
+            f"the drafter was made for another target; evaluate it with its own target, or {NEW_DRAFTER}",
+        )
     final = target.num_layers - 1
     checks.check(
         final not in cfg.target_layer_ids and max(cfg.target_layer_ids) < target.num_layers,
@@ -227,10 +239,15 @@ def check_drafter_dir(path: Path, target: TargetModel | None, checks: Checks, ve
         return
     checks.about(f"drafter directory {path}: {_describe_config(cfg)}")
     for field, value in fields_set(json.loads((path / "config.json").read_text())):
-        done = {"honoured": "flashdraft computes it", "folded": "flashdraft folds it into the weights on load (the "
-                "same drafter; export writes it in its own conventions, which both servers read alike)"}
-        checks.about(f"config.json sets {field.name} = {json.dumps(value)}: {field.effect}; read by "
-                     f"{field.read_by}; {done.get(field.handling, 'refused')}")  # fmt: skip
+        done = {
+            "honoured": "flashdraft computes it",
+            "folded": "flashdraft folds it into the weights on load (the "
+            "same drafter; export writes it in its own conventions, which both servers read alike)",
+        }
+        checks.about(
+            f"config.json sets {field.name} = {json.dumps(value)}: {field.effect}; read by "
+            f"{field.read_by}; {done.get(field.handling, 'refused')}"
+        )
     try:
         where = weight_files(path)
     except FlashdraftError as e:
@@ -251,16 +268,23 @@ def check_drafter_dir(path: Path, target: TargetModel | None, checks: Checks, ve
         for f in files:
             h.update(f.read_bytes())
         fingerprint = f", weights sha256 {h.hexdigest()[:16]}"
-    checks.about(f"{len(found)} tensors in {', '.join(f.name for f in files)} ({', '.join(sorted(dtypes))})"
-                 f"{fingerprint}")  # fmt: skip
+    checks.about(
+        f"{len(found)} tensors in {', '.join(f.name for f in files)} ({', '.join(sorted(dtypes))}){fingerprint}"
+    )
     ok, line = _fc_line(found, cfg.hidden_size, cfg.target_layer_ids)
-    checks.check(ok, line, "set dflash_config.target_layer_ids to the layers fc was trained on (as many as its "
-                 "context layers), or use the config.json that came with these weights")  # fmt: skip
+    checks.check(
+        ok,
+        line,
+        "set dflash_config.target_layer_ids to the layers fc was trained on (as many as its "
+        "context layers), or use the config.json that came with these weights",
+    )
     problems = _shape_problems(cfg, found)
-    checks.check(not problems, f"tensor names and shapes against config.json ({len(found)} tensors)"
-                 + (f": {len(problems)} problems: " + "; ".join(problems[:4]) if problems else ""),
-                 "the weights and config.json belong to different drafters; use the config.json saved with "
-                 "these weights")  # fmt: skip
+    checks.check(
+        not problems,
+        f"tensor names and shapes against config.json ({len(found)} tensors)"
+        + (f": {len(problems)} problems: " + "; ".join(problems[:4]) if problems else ""),
+        "the weights and config.json belong to different drafters; use the config.json saved with these weights",
+    )
     checks.check(
         not finite,
         "weights finite" + (f": NaN/Inf in {', '.join(finite[:4])}" if finite else ""),
@@ -287,15 +311,20 @@ def check_state_dict(path: Path, target: TargetModel | None, checks: Checks) -> 
     head_dim = shapes.get("layers.0.self_attn.q_norm.weight", (None,))[0]
     q, kv = shapes.get("layers.0.self_attn.q_proj.weight"), shapes.get("layers.0.self_attn.k_proj.weight")
     heads = f"{q[0] // head_dim} / kv heads {kv[0] // head_dim}" if q and kv and head_dim else "?"
-    facts = (f"state dict {path}: {len(shapes)} tensors ({fc and state['fc.weight'].dtype}), hidden "
-             f"{norm[0] if norm else '?'}, {len(layers)} layers, head_dim {head_dim}, heads {heads}")  # fmt: skip
+    facts = (
+        f"state dict {path}: {len(shapes)} tensors ({fc and state['fc.weight'].dtype}), hidden "
+        f"{norm[0] if norm else '?'}, {len(layers)} layers, head_dim {head_dim}, heads {heads}"
+    )
     if fc and norm and len(fc) == 2 and fc[1] % norm[0] == 0:
         facts += f"; fc.weight {list(fc)} holds {fc[1] // norm[0]} context layers"
     checks.about(facts)
     checks.about("a bare state dict stores no vocabulary, target layer ids, mask token or block size")
     ok = bool(fc and norm and len(fc) == 2 and fc[1] % norm[0] == 0 and layers)
-    checks.check(ok, "fc.weight, norm.weight and layers.* present, fc in_features a multiple of hidden",
-                 "this is not a DFlash drafter state dict (or a truncated one)")  # fmt: skip
+    checks.check(
+        ok,
+        "fc.weight, norm.weight and layers.* present, fc in_features a multiple of hidden",
+        "this is not a DFlash drafter state dict (or a truncated one)",
+    )
     if target is None:
         checks.about("no --target-model: give one to check that it loads for that target")
         return
@@ -318,19 +347,27 @@ def check_run(path: Path, target: TargetModel | None, checks: Checks, verify: bo
     if single:
         step_dir, run_dir = path, path.parent.parent if path.parent.name == "checkpoints" else None
         checks.about(f"training checkpoint {path}")
-        checks.check((path / COMPLETE).is_file(), f"{COMPLETE} marker present",
-                     "this checkpoint was not finished writing; use an earlier one")  # fmt: skip
+        checks.check(
+            (path / COMPLETE).is_file(),
+            f"{COMPLETE} marker present",
+            "this checkpoint was not finished writing; use an earlier one",
+        )
     else:
         run_dir, root = path, path / "checkpoints"
         steps = sorted(root.glob("step-*")) if root.is_dir() else []
         complete = [d for d in steps if (d / COMPLETE).is_file()]
         partial = sorted(p.name for p in root.glob(".*-step-*")) if root.is_dir() else []
         partial += [d.name for d in steps if d not in complete]
-        checks.about(f"training run {path}: complete checkpoints {[d.name for d in complete] or 'none'}"
-                     + (f"; unfinished (ignored, removed on resume): {partial}" if partial else ""))  # fmt: skip
+        checks.about(
+            f"training run {path}: complete checkpoints {[d.name for d in complete] or 'none'}"
+            + (f"; unfinished (ignored, removed on resume): {partial}" if partial else "")
+        )
         if not complete:
-            checks.fail(f"{root}: no complete checkpoint", "the run was stopped before its first checkpoint: train "
-                        "again (without --resume), or lower --save-every")  # fmt: skip
+            checks.fail(
+                f"{root}: no complete checkpoint",
+                "the run was stopped before its first checkpoint: train "
+                "again (without --resume), or lower --save-every",
+            )
             return
         step_dir = complete[-1]
         checks.about(f"newest complete checkpoint: {step_dir.name}")
@@ -392,8 +429,7 @@ def _check_learned(run_dir: Path, checks: Checks) -> None:
                 checks.ok(f"{what} {tau:.3f} at step {step} (metrics.jsonl): the drafter accepts drafts")
                 return
             config = json.loads((run_dir / "run_config.json").read_text())
-            causes, fixes = likely_causes(config.get("lr") or 0.0, int(step or 0), config.get("num_anchors") or 0,
-                                          None)  # fmt: skip
+            causes, fixes = likely_causes(config.get("lr") or 0.0, int(step or 0), config.get("num_anchors") or 0, None)
             likely = f" (likely: {', '.join(causes)})" if causes else ""
             checks.fail(problem + likely, f"train again with {fixes}" if fixes else "check the data and the lr")
             return
@@ -409,21 +445,32 @@ def _check_run_config(config_path: Path, drafter_dir: Path, target: TargetModel 
         checks.fail(f"{config_path}: not valid JSON ({e.msg})", "the run directory is damaged; copy it again")
         return
     cfg = DrafterConfig.load(drafter_dir / "config.json")
-    checks.about(f"run_config.json: target fingerprint {run.get('target_fingerprint')}, data fingerprint "
-                 f"{run.get('data_fingerprint')}, lr {run.get('lr')}, batch {run.get('batch_size')} x "
-                 f"{run.get('grad_accum')}, loss decay gamma {run.get('loss_decay_gamma')}")  # fmt: skip
-    for name, want in [("target_layer_ids", cfg.target_layer_ids), ("mask_token_id", cfg.mask_token_id),
-                       ("block_size", cfg.block_size)]:  # fmt: skip
+    checks.about(
+        f"run_config.json: target fingerprint {run.get('target_fingerprint')}, data fingerprint "
+        f"{run.get('data_fingerprint')}, lr {run.get('lr')}, batch {run.get('batch_size')} x "
+        f"{run.get('grad_accum')}, loss decay gamma {run.get('loss_decay_gamma')}"
+    )
+    for name, want in [
+        ("target_layer_ids", cfg.target_layer_ids),
+        ("mask_token_id", cfg.mask_token_id),
+        ("block_size", cfg.block_size),
+    ]:
         found = run.get(name)
-        checks.check(found == want, f"run_config.json {name} {found} " + ("equals" if found == want else
-                     "differs from") + f" the checkpoint drafter's {want}",
-                     "the checkpoint comes from another run: copy the run directory whole")  # fmt: skip
+        checks.check(
+            found == want,
+            f"run_config.json {name} {found} "
+            + ("equals" if found == want else "differs from")
+            + f" the checkpoint drafter's {want}",
+            "the checkpoint comes from another run: copy the run directory whole",
+        )
     if target is not None and run.get("target_fingerprint"):
         fp = target.fingerprint()
-        checks.check(run["target_fingerprint"] == fp, f"run's target fingerprint {run['target_fingerprint']} "
-                     + ("equals" if run["target_fingerprint"] == fp else f"differs from {target.path}'s {fp}"),
-                     "the run trained against another target (other weights or tokenizer): evaluate with that "
-                     "one")  # fmt: skip
+        checks.check(
+            run["target_fingerprint"] == fp,
+            f"run's target fingerprint {run['target_fingerprint']} "
+            + ("equals" if run["target_fingerprint"] == fp else f"differs from {target.path}'s {fp}"),
+            "the run trained against another target (other weights or tokenizer): evaluate with that one",
+        )
 
 
 # -- completions ---------------------------------------------------------------------------------
@@ -454,18 +501,27 @@ def check_completions(path: Path, target: TargetModel | None, drafter_cfg, check
     checks.about(f"completions file {path}: {len(records)} records, token ids from {data.get('token_ids')}")
     checks.about(f"fingerprints: target {head.get('fingerprint')} ({head.get('path')}), vocab {head.get('vocab_size')}")
     checks.about("generation: " + ", ".join(f"{k} {v}" for k, v in gen.items()))
-    checks.check(not parts, "no unfinished generate run" + (f": {', '.join(p.name for p in parts)} exist" if parts
-                 else ""), finish)  # fmt: skip
-    checks.check(data.get("version") == VERSION, f"version {data.get('version')!r}",
-                 f"this flashdraft reads version {VERSION}; {regenerate}")  # fmt: skip
+    checks.check(
+        not parts,
+        "no unfinished generate run" + (f": {', '.join(p.name for p in parts)} exist" if parts else ""),
+        finish,
+    )
+    checks.check(
+        data.get("version") == VERSION,
+        f"version {data.get('version')!r}",
+        f"this flashdraft reads version {VERSION}; {regenerate}",
+    )
     vocab = head.get("vocab_size")
     checks.check(
         isinstance(vocab, int) and isinstance(data.get("records"), list),
         "header has target.vocab_size and a records list",
         f"the file is damaged or not from flashdraft generate; {regenerate}",
     )
-    checks.check(data.get("num_records") == len(records), f"num_records {data.get('num_records')} equals the "
-                 f"{len(records)} records", f"the file was edited or cut; {regenerate}")  # fmt: skip
+    checks.check(
+        data.get("num_records") == len(records),
+        f"num_records {data.get('num_records')} equals the {len(records)} records",
+        f"the file was edited or cut; {regenerate}",
+    )
     problems, seen, stops = [], set(), {}
     for k, r in enumerate(records):
         problem = record_problem(r, target.vocab_size if target else vocab if isinstance(vocab, int) else 1 << 62)
@@ -477,21 +533,38 @@ def check_completions(path: Path, target: TargetModel | None, drafter_cfg, check
             stops[r["stop_reason"]] = stops.get(r["stop_reason"], 0) + 1
         else:
             problems.append(f"{rid}: {problem}")
-    checks.check(not problems, f"{len(records) - len(problems)} of {len(records)} records valid" +
-                 (f"; {'; '.join(problems[:3])}" if problems else ""),
-                 f"invalid records are skipped when the file is read; {regenerate} to have them")  # fmt: skip
-    checks.about(f"stop reasons: {stops}; temperature {gen.get('temperature')}"
-                 + (" (sampled: offline τ equals online τ only for greedy completions)" if gen.get("temperature")
-                    else ""))  # fmt: skip
+    checks.check(
+        not problems,
+        f"{len(records) - len(problems)} of {len(records)} records valid"
+        + (f"; {'; '.join(problems[:3])}" if problems else ""),
+        f"invalid records are skipped when the file is read; {regenerate} to have them",
+    )
+    checks.about(
+        f"stop reasons: {stops}; temperature {gen.get('temperature')}"
+        + (" (sampled: offline τ equals online τ only for greedy completions)" if gen.get("temperature") else "")
+    )
     if target is not None:
         fp = target.fingerprint()
-        checks.check(head.get("fingerprint") == fp, f"made by target fingerprint {head.get('fingerprint')}, "
-                     + ("the same as" if head.get("fingerprint") == fp else "not") + f" {target.path} ({fp})",
-                     "generate completions with this target (pass --allow-foreign-completions only if you mean "
-                     "to use another model's outputs)")  # fmt: skip
-        checks.check(vocab == target.vocab_size, f"vocab_size {vocab} " + ("equals" if vocab == target.vocab_size
-                     else "differs from") + f" the target's {target.vocab_size}", regenerate)  # fmt: skip
+        checks.check(
+            head.get("fingerprint") == fp,
+            f"made by target fingerprint {head.get('fingerprint')}, "
+            + ("the same as" if head.get("fingerprint") == fp else "not")
+            + f" {target.path} ({fp})",
+            "generate completions with this target (pass --allow-foreign-completions only if you mean "
+            "to use another model's outputs)",
+        )
+        checks.check(
+            vocab == target.vocab_size,
+            f"vocab_size {vocab} "
+            + ("equals" if vocab == target.vocab_size else "differs from")
+            + f" the target's {target.vocab_size}",
+            regenerate,
+        )
     if drafter_cfg is not None:
-        checks.check(drafter_cfg.vocab_size == vocab, f"vocab_size {vocab} " + ("equals" if drafter_cfg.vocab_size
-                     == vocab else "differs from") + f" the drafter's {drafter_cfg.vocab_size}",
-                     "the drafter and the completions come from different targets")  # fmt: skip
+        checks.check(
+            drafter_cfg.vocab_size == vocab,
+            f"vocab_size {vocab} "
+            + ("equals" if drafter_cfg.vocab_size == vocab else "differs from")
+            + f" the drafter's {drafter_cfg.vocab_size}",
+            "the drafter and the completions come from different targets",
+        )

@@ -143,8 +143,11 @@ class DiskFullError(FlashdraftError):
             need = f"{'at least' if self.at_least else 'about'} {format_bytes(self.needed)} needed"
         free = f"{format_bytes(self.free)} free" if self.free is not None else ""
         sizes = "; ".join(s for s in (need, free) if s)
-        return f"{self.path}: {DISK_FULL[self.code]} while writing {self.what}" + (f" ({sizes})" if sizes else "") + \
-            f"; {self.then}"  # fmt: skip
+        return (
+            f"{self.path}: {DISK_FULL[self.code]} while writing {self.what}"
+            + (f" ({sizes})" if sizes else "")
+            + f"; {self.then}"
+        )
 
 
 @contextmanager
@@ -296,8 +299,10 @@ class OutputLock:
             if left.get("host", me["host"]) == me["host"]:  # lock files of older runs name no host
                 why = "no longer running" if not _running_here(left.get("pid", "")) else "its pid now another process's"
             else:
-                why = "it no longer holds the lock; if it still runs there, this filesystem does not share locks " \
-                      "between hosts: stop one of the two"  # fmt: skip
+                why = (
+                    "it no longer holds the lock; if it still runs there, this filesystem does not share locks "
+                    "between hosts: stop one of the two"
+                )
             print(f"{output}: taking over the lock {self.path} left by {_describe(left)} ({why})", flush=True)
         file.seek(0)
         file.truncate()

@@ -35,8 +35,10 @@ def hf_load_error(path: Path, what: str, e: Exception) -> FlashdraftError:
     """The one-line error of a failed from_pretrained of `what` (a target's model, or its config
     and tokenizer), naming the refused custom code when that was the cause."""
     if "custom code" in str(e):  # transformers' refusal under trust_remote_code=False
-        return FlashdraftError(f"{path}: {what} needs Python code shipped in the model directory (auto_map); "
-                               f"flashdraft runs none, expected an architecture transformers has")  # fmt: skip
+        return FlashdraftError(
+            f"{path}: {what} needs Python code shipped in the model directory (auto_map); "
+            f"flashdraft runs none, expected an architecture transformers has"
+        )
     return FlashdraftError(f"{path}: cannot load {what} ({_first_line(e)})")
 
 
@@ -60,8 +62,10 @@ def load_tensors_only(path: Path, hint: str = "", mmap: bool = False) -> Any:
             f"could run code the file carries (none of it was run)" + (f"; {hint}" if hint else "")
         ) from None
     except Exception as e:  # torch raises many types for a truncated or foreign file
-        raise FlashdraftError(f"{path}: not readable by torch.load ({type(e).__name__}: {_first_line(e)}); "
-                              f"truncated or corrupt, copy it again") from None  # fmt: skip
+        raise FlashdraftError(
+            f"{path}: not readable by torch.load ({type(e).__name__}: {_first_line(e)}); "
+            f"truncated or corrupt, copy it again"
+        ) from None
 
 
 def _first_line(e: Exception) -> str:

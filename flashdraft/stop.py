@@ -50,8 +50,10 @@ class StopRequests:
             line = f"{name}: stopping after the {self.unit} in flight, its state saved for a re-run"
         elif not self._repeated:
             self._repeated = True
-            line = (f"{name} again: still stopping after the {self.unit} in flight, its state is being written "
-                    f"(SIGKILL stops at once and loses it)")  # fmt: skip
+            line = (
+                f"{name} again: still stopping after the {self.unit} in flight, its state is being written "
+                f"(SIGKILL stops at once and loses it)"
+            )
         else:
             return
         os.write(2, f"\n{self.prefix}{line}\n".encode())

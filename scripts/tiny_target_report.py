@@ -46,13 +46,20 @@ def main() -> None:
         shares.append(distinct_4gram_share(out.output_ids))
         print(f"--- {prompt!r} (distinct 4-grams {shares[-1]:.2f})")
         print(prompt + target.tokenizer.decode(out.output_ids))
-    print(json.dumps({
-        "parameters_m": round(info["parameters"] / 1e6, 2), "held_out_loss": round(info["held_out_loss"], 3),
-        "train_minutes": info["minutes"], "train_tokens_seen": info["train_tokens_seen"],
-        "vocab_size": target.vocab_size, "layer_types": target.layer_types,
-        "distinct_4gram_share_mean": round(sum(shares) / len(shares), 3),
-        "distinct_4gram_share_min": round(min(shares), 3),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "parameters_m": round(info["parameters"] / 1e6, 2),
+                "held_out_loss": round(info["held_out_loss"], 3),
+                "train_minutes": info["minutes"],
+                "train_tokens_seen": info["train_tokens_seen"],
+                "vocab_size": target.vocab_size,
+                "layer_types": target.layer_types,
+                "distinct_4gram_share_mean": round(sum(shares) / len(shares), 3),
+                "distinct_4gram_share_min": round(min(shares), 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

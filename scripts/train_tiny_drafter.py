@@ -41,21 +41,59 @@ INIT_ARGS = ["--draft-layers", "2", "--block-size", "16", "--target-layer-ids", 
 # flashdraft's default recipe (D-PACE, Muon + AdamW), named so the record says what trained it
 # (docs/benchmarks.md, "Training recipe", measured it against the fixed decay and AdamW).
 TRAIN_ARGS = [
-    "--loss-weighting", "dpace", "--dpace-alpha", "0.5", "--optimizer", "muon", "--lr", "6e-3",
-    "--num-anchors", "16", "--batch-size", "8",
-    "--epochs", "100", "--max-steps", "8000", "--save-every", "400", "--keep-checkpoints", "100",
-    "--eval-every", "400", "--eval-max-blocks", "24", "--keep-best",
-]  # fmt: skip
+    "--loss-weighting",
+    "dpace",
+    "--dpace-alpha",
+    "0.5",
+    "--optimizer",
+    "muon",
+    "--lr",
+    "6e-3",
+    "--num-anchors",
+    "16",
+    "--batch-size",
+    "8",
+    "--epochs",
+    "100",
+    "--max-steps",
+    "8000",
+    "--save-every",
+    "400",
+    "--keep-checkpoints",
+    "100",
+    "--eval-every",
+    "400",
+    "--eval-max-blocks",
+    "24",
+    "--keep-best",
+]
 # Stage 2 (benchmarks/long_context.py measured it: 1.54x stage 1's τ past 3,072 tokens of context, within 2 %
 # of it under 256)
 LONG_PROMPTS, LONG_NEW_TOKENS = "builtin:long:800", 128
 LONG_HELD_OUT, LONG_HELD_OUT_NEW_TOKENS = "builtin:long:heldout", 96
 CONTEXT_BUCKETS = "0,256,768,1536,3072,4096"
 STAGE2_ARGS = [
-    "--loss-weighting", "dpace", "--dpace-alpha", "0.5", "--optimizer", "muon", "--lr", "3e-3",
-    "--warmup-fraction", "0.05", "--num-anchors", "16", "--batch-size", "4", "--epochs", "100",
-    "--max-steps", "400", "--save-every", "100",
-]  # fmt: skip
+    "--loss-weighting",
+    "dpace",
+    "--dpace-alpha",
+    "0.5",
+    "--optimizer",
+    "muon",
+    "--lr",
+    "3e-3",
+    "--warmup-fraction",
+    "0.05",
+    "--num-anchors",
+    "16",
+    "--batch-size",
+    "4",
+    "--epochs",
+    "100",
+    "--max-steps",
+    "400",
+    "--save-every",
+    "100",
+]
 
 
 def log_command(args: list[str], log: list[str], work: Path) -> str:
@@ -83,35 +121,153 @@ def main() -> None:
     t0 = time.time()
     tiny = ["--target-model", "tiny"]
     for name, prompts in [("train", TRAIN_PROMPTS), ("validation", VALIDATION_PROMPTS), ("test", TEST_PROMPTS)]:
-        run(["generate", *tiny, "--prompts", prompts, "--out", str(work / f"{name}.json"),
-             "--max-new-tokens", str(MAX_NEW_TOKENS), "--batch-size", "64"], commands, work)  # fmt: skip
+        run(
+            [
+                "generate",
+                *tiny,
+                "--prompts",
+                prompts,
+                "--out",
+                str(work / f"{name}.json"),
+                "--max-new-tokens",
+                str(MAX_NEW_TOKENS),
+                "--batch-size",
+                "64",
+            ],
+            commands,
+            work,
+        )
     for name in ("train", "validation"):
-        run(["cache", *tiny, "--completions", str(work / f"{name}.json"), "--out", str(work / f"cache-{name}"),
-             "--layers", LAYERS, "--dtype", "bf16"], commands, work)  # fmt: skip
+        run(
+            [
+                "cache",
+                *tiny,
+                "--completions",
+                str(work / f"{name}.json"),
+                "--out",
+                str(work / f"cache-{name}"),
+                "--layers",
+                LAYERS,
+                "--dtype",
+                "bf16",
+            ],
+            commands,
+            work,
+        )
     init = ["init", *tiny, "--out", str(work / "init"), *INIT_ARGS]
     if (work / "init" / "model.safetensors").exists():  # an earlier invocation made it: recorded, not rerun
         log_command(init, commands, work)
     else:
         run(init, commands, work)
-    run(["train", *tiny, "--cached-hidden-states", str(work / "cache-train"), "--out", str(work / "run"),
-         "--init", str(work / "init"), "--eval-cached-hidden-states", str(work / "cache-validation"), *TRAIN_ARGS,
-         "--resume"], commands, work)  # fmt: skip
-    for name, prompts, new_tokens in [("long", LONG_PROMPTS, LONG_NEW_TOKENS),
-                                      ("long-heldout", LONG_HELD_OUT, LONG_HELD_OUT_NEW_TOKENS)]:  # fmt: skip
-        run(["generate", *tiny, "--prompts", prompts, "--out", str(work / f"{name}.json"),
-             "--max-new-tokens", str(new_tokens), "--batch-size", "32"], commands, work)  # fmt: skip
-        run(["cache", *tiny, "--completions", str(work / f"{name}.json"), "--out", str(work / f"cache-{name}"),
-             "--layers", LAYERS, "--dtype", "bf16"], commands, work)  # fmt: skip
-    run(["train", *tiny, "--cached-hidden-states", str(work / "cache-long"), "--out", str(work / "run-long"),
-         "--init", str(work / "run" / "best"), *STAGE2_ARGS, "--resume"], commands, work)  # fmt: skip
+    run(
+        [
+            "train",
+            *tiny,
+            "--cached-hidden-states",
+            str(work / "cache-train"),
+            "--out",
+            str(work / "run"),
+            "--init",
+            str(work / "init"),
+            "--eval-cached-hidden-states",
+            str(work / "cache-validation"),
+            *TRAIN_ARGS,
+            "--resume",
+        ],
+        commands,
+        work,
+    )
+    for name, prompts, new_tokens in [
+        ("long", LONG_PROMPTS, LONG_NEW_TOKENS),
+        ("long-heldout", LONG_HELD_OUT, LONG_HELD_OUT_NEW_TOKENS),
+    ]:
+        run(
+            [
+                "generate",
+                *tiny,
+                "--prompts",
+                prompts,
+                "--out",
+                str(work / f"{name}.json"),
+                "--max-new-tokens",
+                str(new_tokens),
+                "--batch-size",
+                "32",
+            ],
+            commands,
+            work,
+        )
+        run(
+            [
+                "cache",
+                *tiny,
+                "--completions",
+                str(work / f"{name}.json"),
+                "--out",
+                str(work / f"cache-{name}"),
+                "--layers",
+                LAYERS,
+                "--dtype",
+                "bf16",
+            ],
+            commands,
+            work,
+        )
+    run(
+        [
+            "train",
+            *tiny,
+            "--cached-hidden-states",
+            str(work / "cache-long"),
+            "--out",
+            str(work / "run-long"),
+            "--init",
+            str(work / "run" / "best"),
+            *STAGE2_ARGS,
+            "--resume",
+        ],
+        commands,
+        work,
+    )
     run(["export", "--checkpoint", str(work / "run-long"), "--out", str(out), *tiny], commands, work)
     report = work / "eval-test.json"
-    run(["eval", "--checkpoint", str(out), *tiny, "--completions", str(work / "test.json"), "--online",
-         "--check-consistency", "--reference", "ngram", "--json", str(report)], commands, work)  # fmt: skip
+    run(
+        [
+            "eval",
+            "--checkpoint",
+            str(out),
+            *tiny,
+            "--completions",
+            str(work / "test.json"),
+            "--online",
+            "--check-consistency",
+            "--reference",
+            "ngram",
+            "--json",
+            str(report),
+        ],
+        commands,
+        work,
+    )
     long_report = work / "eval-long-heldout.json"
-    run(["eval", "--checkpoint", str(out), *tiny, "--cached-hidden-states", str(work / "cache-long-heldout"),
-         "--reference", "ngram", "--context-buckets", CONTEXT_BUCKETS, "--json", str(long_report)],
-        commands, work)  # fmt: skip
+    run(
+        [
+            "eval",
+            "--checkpoint",
+            str(out),
+            *tiny,
+            "--cached-hidden-states",
+            str(work / "cache-long-heldout"),
+            "--reference",
+            "ngram",
+            "--context-buckets",
+            CONTEXT_BUCKETS,
+            "--json",
+            str(long_report),
+        ],
+        commands,
+        work,
+    )
     figures = json.loads(report.read_text())
     long_figures = json.loads(long_report.read_text())
     held_out = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -128,14 +284,19 @@ def main() -> None:
         # tau and the checks, not the wall-clock speed-up of an eval that also checks consistency
         # (benchmarks/decode.py measures speed)
         "test": {k: figures.get(k) for k in ("tau", "lossless", "consistency")},
-        "test_reference": {"proposer": "ngram",
-                           **{k: (figures.get("reference") or {}).get(k) for k in ("tau", "lossless")}},
+        "test_reference": {
+            "proposer": "ngram",
+            **{k: (figures.get("reference") or {}).get(k) for k in ("tau", "lossless")},
+        },
         "long_context_prompts": LONG_PROMPTS,
-        "long_context_test": {"prompts": LONG_HELD_OUT, "tau": long_figures["tau"],
-                              "tau_by_context": {f"{b['context_from']}-{b['context_to']}": b["tau"]
-                                                 for b in long_figures["by_context"]},
-                              "ngram_tau_by_context": {f"{b['context_from']}-{b['context_to']}": b["tau"]
-                                                       for b in long_figures["reference"]["by_context"]}},
+        "long_context_test": {
+            "prompts": LONG_HELD_OUT,
+            "tau": long_figures["tau"],
+            "tau_by_context": {f"{b['context_from']}-{b['context_to']}": b["tau"] for b in long_figures["by_context"]},
+            "ngram_tau_by_context": {
+                f"{b['context_from']}-{b['context_to']}": b["tau"] for b in long_figures["reference"]["by_context"]
+            },
+        },
         "check": {  # tests/test_tiny.py decodes this prompt and expects these acceptance lengths
             "prompts": TEST_PROMPTS,
             "prompt_id": figures["per_prompt"][0]["id"],

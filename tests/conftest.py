@@ -60,10 +60,19 @@ THINKING_TEMPLATE = (
     "{%- endif -%}"
 )
 # a chat template that reads no keyword argument: one mode whatever is asked
-PLAIN_TEMPLATE = ("{%- for m in messages -%}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endfor -%}"
-                  "{%- if add_generation_prompt -%}<|im_start|> assistant {% endif -%}")  # fmt: skip
-CHAT_WORDS = {"system": 53, "user": 54, "assistant": 55, "<|im_start|>": 56, "<|im_end|>": 57, "<think>": 58,
-              "</think>": 59}  # fmt: skip
+PLAIN_TEMPLATE = (
+    "{%- for m in messages -%}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|> assistant {% endif -%}"
+)
+CHAT_WORDS = {
+    "system": 53,
+    "user": 54,
+    "assistant": 55,
+    "<|im_start|>": 56,
+    "<|im_end|>": 57,
+    "<think>": 58,
+    "</think>": 59,
+}
 
 
 def make_chat_tokenizer(template: str = THINKING_TEMPLATE) -> PreTrainedTokenizerFast:
@@ -89,17 +98,32 @@ def save_chat_target(directory: Path, template: str = THINKING_TEMPLATE, engine:
 
 def make_hf_model(kind: str, seed: int = 0, num_layers: int = 4):
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=EOS, pad_token_id=PAD,
-                  max_position_embeddings=512)  # fmt: skip
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        max_position_embeddings=512,
+    )
     if kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     elif kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif kind == "hybrid":
         layer_types = (["linear_attention", "full_attention"] * num_layers)[:num_layers]
-        cfg = Qwen3_5TextConfig(**common, layer_types=layer_types, linear_num_key_heads=2, linear_num_value_heads=2,
-                                linear_key_head_dim=16, linear_value_head_dim=32)  # fmt: skip
+        cfg = Qwen3_5TextConfig(
+            **common,
+            layer_types=layer_types,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=32,
+        )
         model = Qwen3_5ForCausalLM(cfg)
     else:
         raise ValueError(kind)
@@ -165,9 +189,19 @@ def hybrid_target() -> TargetModel:
 
 
 def make_drafter_config(**overrides) -> DrafterConfig:
-    fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  intermediate_size=128, vocab_size=VOCAB, num_target_layers=4, target_layer_ids=[0, 2],
-                  mask_token_id=MASK, block_size=8)  # fmt: skip
+    fields = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        num_target_layers=4,
+        target_layer_ids=[0, 2],
+        mask_token_id=MASK,
+        block_size=8,
+    )
     fields.update(overrides)
     return DrafterConfig(**fields)
 
@@ -223,9 +257,20 @@ def save_engine_target(directory: Path, seed: int = 0) -> Path:
     """A tiny dense Qwen3 target the CPU engine runs: head_dim 32 (vLLM's CPU attention takes 32 to 512)."""
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                         eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512))  # fmt: skip
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+            max_position_embeddings=512,
+        )
+    )
     with torch.no_grad():  # sharp logits, no stop: greedy far from ties, every output max_new_tokens long
         model.get_output_embeddings().weight.mul_(8.0)
         model.get_output_embeddings().weight[EOS] = 0.0
@@ -244,15 +289,59 @@ def engine_models(tmp_path_factory) -> dict[str, Path]:
     target = save_engine_target(d / "target")
     prompts = write_word_prompts(d / "prompts.jsonl", 8)
     quiet = ["--target-model", str(target)]
-    assert main(["generate", *quiet, "--prompts", str(prompts), "--out", str(d / "greedy.json"),
-                 "--max-new-tokens", "48"]) == 0  # fmt: skip
-    assert main(["init", *quiet, "--out", str(d / "init"), "--draft-layers", "1", "--target-layer-ids", "0,2",
-                 "--block-size", "8", "--head-dim", "32"]) == 0  # fmt: skip
+    assert (
+        main(["generate", *quiet, "--prompts", str(prompts), "--out", str(d / "greedy.json"), "--max-new-tokens", "48"])
+        == 0
+    )
+    assert (
+        main(
+            [
+                "init",
+                *quiet,
+                "--out",
+                str(d / "init"),
+                "--draft-layers",
+                "1",
+                "--target-layer-ids",
+                "0,2",
+                "--block-size",
+                "8",
+                "--head-dim",
+                "32",
+            ]
+        )
+        == 0
+    )
     for name, steps in (("drafter", 60), ("overfit", 200)):
-        assert main(["train", *quiet, "--completions", str(d / "greedy.json"), "--out", str(d / name), "--init",
-                     str(d / "init"), "--epochs", "1000", "--max-steps", str(steps), "--lr", "3e-3"]) == 0  # fmt: skip
-    return {"target": target, "prompts": prompts, "completions": d / "greedy.json", "drafter": d / "drafter",
-            "overfit": d / "overfit", "dir": d}  # fmt: skip
+        assert (
+            main(
+                [
+                    "train",
+                    *quiet,
+                    "--completions",
+                    str(d / "greedy.json"),
+                    "--out",
+                    str(d / name),
+                    "--init",
+                    str(d / "init"),
+                    "--epochs",
+                    "1000",
+                    "--max-steps",
+                    str(steps),
+                    "--lr",
+                    "3e-3",
+                ]
+            )
+            == 0
+        )
+    return {
+        "target": target,
+        "prompts": prompts,
+        "completions": d / "greedy.json",
+        "drafter": d / "drafter",
+        "overfit": d / "overfit",
+        "dir": d,
+    }
 
 
 @pytest.fixture(scope="session")
@@ -264,12 +353,25 @@ def overfit_server(engine_models, tmp_path_factory):
     from flashdraft.serving.engine import VllmServer, engine_info, engine_python
 
     d = tmp_path_factory.mktemp("served")
-    assert main(["export", "--checkpoint", str(engine_models["overfit"]), "--out", str(d / "drafter"),
-                 "--target-model", str(engine_models["target"])]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "export",
+                "--checkpoint",
+                str(engine_models["overfit"]),
+                "--out",
+                str(d / "drafter"),
+                "--target-model",
+                str(engine_models["target"]),
+            ]
+        )
+        == 0
+    )
     python = engine_python()
     spec = vllm_speculative_config(DrafterConfig.load(d / "drafter" / "config.json"), str(d / "drafter"))
-    with VllmServer(python, str(engine_models["target"]), d / "server.log", speculative_config=spec,
-                    info=engine_info(python)) as server:  # fmt: skip
+    with VllmServer(
+        python, str(engine_models["target"]), d / "server.log", speculative_config=spec, info=engine_info(python)
+    ) as server:
         yield server
 
 
@@ -279,15 +381,22 @@ def baseline_server(engine_models, tmp_path_factory):
     from flashdraft.serving.engine import VllmServer, engine_info, engine_python
 
     python = engine_python()
-    with VllmServer(python, str(engine_models["target"]), tmp_path_factory.mktemp("baseline") / "server.log",
-                    info=engine_info(python)) as server:  # fmt: skip
+    with VllmServer(
+        python,
+        str(engine_models["target"]),
+        tmp_path_factory.mktemp("baseline") / "server.log",
+        info=engine_info(python),
+    ) as server:
         yield server
 
 
 # -- running the suite on every core (`make test`: pytest -n auto, pytest-xdist) --------------------------------------
 
-ENGINE_FILES = {str(p.relative_to(Path(__file__).parent.parent)) for p in Path(__file__).parent.rglob("test_*.py")
-                if "@pytest.mark.engine" in p.read_text()}  # fmt: skip
+ENGINE_FILES = {
+    str(p.relative_to(Path(__file__).parent.parent))
+    for p in Path(__file__).parent.rglob("test_*.py")
+    if "@pytest.mark.engine" in p.read_text()
+}
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -83,9 +83,20 @@ def test_a_drafter_on_another_dtype_than_the_target_is_refused_naming_both(files
 
 @pytest.mark.parametrize("loaded", [False, True], ids=["by path", "loaded objects"])
 def test_evaluate_drafter_returns_what_eval_json_writes(files, tmp_path, capsys, loaded):
-    rc, _, err = run_cli(capsys, "eval", "--checkpoint", files / "drafter", "--target-model", files / "target",
-                         "--cached-hidden-states", files / "cache", "--max-blocks", 4, "--json",
-                         tmp_path / "e.json")  # fmt: skip
+    rc, _, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        files / "drafter",
+        "--target-model",
+        files / "target",
+        "--cached-hidden-states",
+        files / "cache",
+        "--max-blocks",
+        4,
+        "--json",
+        tmp_path / "e.json",
+    )
     assert rc == 0, err
     target, drafter = files / "target", files / "drafter"
     if loaded:
@@ -97,8 +108,14 @@ def test_evaluate_drafter_returns_what_eval_json_writes(files, tmp_path, capsys,
 
 def test_train_drafter_trains_a_loadable_drafter_and_leaves_the_config_as_it_was(files, tmp_path):
     config = TrainConfig(max_steps=2, batch_size=2, num_anchors=4, log_every=1)
-    checkpoint = flashdraft.train_drafter(config, files / "target", tmp_path / "run", completions=str(files / "c.json"),
-                                          block_size=4, target_layer_ids=[0, 2])  # fmt: skip
+    checkpoint = flashdraft.train_drafter(
+        config,
+        files / "target",
+        tmp_path / "run",
+        completions=str(files / "c.json"),
+        block_size=4,
+        target_layer_ids=[0, 2],
+    )
     assert config == TrainConfig(max_steps=2, batch_size=2, num_anchors=4, log_every=1)
     trained = Drafter.from_pretrained(checkpoint)
     assert trained.form == "training checkpoint" and trained.config.target_layer_ids == [0, 2]
@@ -112,11 +129,13 @@ def test_drafter_generate_applies_the_requests_filters_top_k_1_sampling_is_greed
     greedy = target.generate("t1 t2 t3", max_new_tokens=16).output_ids
     assert target.generate("t1 t2 t3", max_new_tokens=16, temperature=1.0, seed=3, top_k=1).output_ids == greedy
     for rule in ("vllm", "vllm-probabilistic"):
-        out = drafter.generate(target, "t1 t2 t3", max_new_tokens=16, temperature=1.0, seed=3, top_k=1,
-                               serving_rule=rule)  # fmt: skip
+        out = drafter.generate(
+            target, "t1 t2 t3", max_new_tokens=16, temperature=1.0, seed=3, top_k=1, serving_rule=rule
+        )
         assert out.output_ids == greedy, rule
-    unfiltered = [drafter.generate(target, "t1 t2 t3", max_new_tokens=16, temperature=1.0, seed=s).output_ids
-                  for s in range(3)]  # fmt: skip
+    unfiltered = [
+        drafter.generate(target, "t1 t2 t3", max_new_tokens=16, temperature=1.0, seed=s).output_ids for s in range(3)
+    ]
     assert any(ids != greedy for ids in unfiltered)  # without the filter T 1 samples something else
 
 

@@ -30,8 +30,18 @@ def test_user_error_is_one_line_and_exit_code_2_unless_debug(tmp_path, capsys):
     assert main(["speculate", "--target-model", str(tmp_path / "none"), "--checkpoint", "x", "--prompt", "p"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
     with pytest.raises(Exception, match="not a local model directory"):
-        main(["--debug", "speculate", "--target-model", str(tmp_path / "none"), "--checkpoint", "tiny-drafter",
-              "--prompt", "p"])  # fmt: skip
+        main(
+            [
+                "--debug",
+                "speculate",
+                "--target-model",
+                str(tmp_path / "none"),
+                "--checkpoint",
+                "tiny-drafter",
+                "--prompt",
+                "p",
+            ]
+        )
 
 
 def test_an_input_path_that_does_not_exist_is_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):
@@ -48,8 +58,19 @@ def test_an_input_path_that_does_not_exist_is_one_line_before_any_model_loads(tm
 
 def test_speculate_checks_losslessness_against_greedy(target_dir, tmp_path, capsys):
     main(["init", "--target-model", str(target_dir), "--out", str(tmp_path / "d"), "--block-size", "4"])
-    code = main(["speculate", "--target-model", str(target_dir), "--checkpoint", str(tmp_path / "d"),
-                 "--prompt", "t1 t2 t3 t4", "--max-new-tokens", "12"])  # fmt: skip
+    code = main(
+        [
+            "speculate",
+            "--target-model",
+            str(target_dir),
+            "--checkpoint",
+            str(tmp_path / "d"),
+            "--prompt",
+            "t1 t2 t3 t4",
+            "--max-new-tokens",
+            "12",
+        ]
+    )
     assert code == 0 and "lossless True" in capsys.readouterr().out
 
 
@@ -74,8 +95,12 @@ def test_init_config_and_train_init_take_the_shipped_tiny_drafter_by_name(tmp_pa
     from flashdraft.target.weights import TargetHead
     from flashdraft.train.run import _starting_drafter
 
-    assert main(["init", "--target-model", "tiny", "--out", str(tmp_path / "d"), "--config", "tiny-drafter",
-                 "--seed", "1"]) == 0, capsys.readouterr().err  # fmt: skip
+    assert (
+        main(
+            ["init", "--target-model", "tiny", "--out", str(tmp_path / "d"), "--config", "tiny-drafter", "--seed", "1"]
+        )
+        == 0
+    ), capsys.readouterr().err
     cfg = load_drafter(tmp_path / "d").config
     assert cfg.target_layer_ids == [1, 2, 3] and cfg.num_hidden_layers == 2 and cfg.block_size == 16
     shape = dict(draft_layers=None, block_size=None, mask_token_id=None, target_layer_ids=None)

@@ -74,8 +74,18 @@ def tiny_data(tmp_path_factory):
 def test_train_config_tiny_gives_the_same_weights_as_the_same_flags(tiny_data, capsys):
     d = tiny_data
     # the example's own run, shortened and pointed at this test's data: the same flags on both sides
-    common = ["--cached-hidden-states", d / "cache", "--eval-cached-hidden-states", d / "cache", "--max-steps", 2,
-              "--batch-size", 2, "--eval-every", 2]  # fmt: skip
+    common = [
+        "--cached-hidden-states",
+        d / "cache",
+        "--eval-cached-hidden-states",
+        d / "cache",
+        "--max-steps",
+        2,
+        "--batch-size",
+        2,
+        "--eval-every",
+        2,
+    ]
     rc, _, err = run_cli(capsys, "train", "--config", CONFIGS / "tiny.yaml", "--out", d / "from-file", *common)
     assert rc == 0, err
     flags = as_flags(yaml.safe_load((CONFIGS / "tiny.yaml").read_text()))
@@ -94,9 +104,17 @@ def test_train_config_tiny_gives_the_same_weights_as_the_same_flags(tiny_data, c
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
 def test_keys_are_the_flag_names_with_dashes_or_underscores_in_yaml_or_json(tmp_path, suffix):
-    options = {"target-model": "tiny", "completions": "c.json", "out": "run", "target_layer_ids": [1, 2, 3],
-               "lr": "1e-3", "max-steps": 5, "keep-best": True, "report-to": ["wandb"],
-               "optimizer": "muon"}  # fmt: skip
+    options = {
+        "target-model": "tiny",
+        "completions": "c.json",
+        "out": "run",
+        "target_layer_ids": [1, 2, 3],
+        "lr": "1e-3",
+        "max-steps": 5,
+        "keep-best": True,
+        "report-to": ["wandb"],
+        "optimizer": "muon",
+    }
     args = train_args("--config", write(tmp_path / f"run{suffix}", options))
     assert (args.target_model, args.completions, args.out) == ("tiny", "c.json", "run")
     assert args.target_layer_ids == [1, 2, 3] and args.lr == 1e-3 and args.max_steps == 5
@@ -105,8 +123,10 @@ def test_keys_are_the_flag_names_with_dashes_or_underscores_in_yaml_or_json(tmp_
 
 
 def test_flags_override_the_file_and_a_flag_data_source_replaces_the_files(tmp_path):
-    path = write(tmp_path / "run.yaml", {"target-model": "tiny", "cached-hidden-states": "cache", "out": "run",
-                                          "lr": 1e-3, "keep-best": True})  # fmt: skip
+    path = write(
+        tmp_path / "run.yaml",
+        {"target-model": "tiny", "cached-hidden-states": "cache", "out": "run", "lr": 1e-3, "keep-best": True},
+    )
     args = train_args("--config", path, "--lr", "2e-3", "--no-keep-best", "--out", "other")
     assert args.lr == 2e-3 and args.keep_best is False and args.out == "other"
     args = train_args("--config", path, "--completions", "c.json")
@@ -129,28 +149,37 @@ FILE_PROBLEMS = {
     "a value out of range": ({"lr": -1}, "key 'lr': expected a number >= 0, found -1"),
     "not a count": ({"num-anchors": "many"}, "key 'num-anchors': expected a positive integer, found 'many'"),
     "not an integer": ({"seed": 1.5}, "key 'seed' is 1.5; expected an integer (invalid literal"),
-    "unsorted layer ids": ({"target-layer-ids": [3, 1]}, "key 'target-layer-ids': expected unique, strictly "
-                                                         "increasing ids"),
+    "unsorted layer ids": (
+        {"target-layer-ids": [3, 1]},
+        "key 'target-layer-ids': expected unique, strictly increasing ids",
+    ),
     "a switch": ({"keep-best": "yes please"}, "key 'keep-best' is 'yes please'; expected true or false"),
     "a choice": ({"target-dtype": "fp8"}, "key 'target-dtype' is 'fp8'; expected one of fp32, bf16, fp16"),
-    "both data sources": ({"completions": "c.json", "cached-hidden-states": "cache"},
-                          "keys 'cached-hidden-states' and 'completions' are both given"),
-}  # fmt: skip
+    "both data sources": (
+        {"completions": "c.json", "cached-hidden-states": "cache"},
+        "keys 'cached-hidden-states' and 'completions' are both given",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", FILE_PROBLEMS)
 def test_a_bad_key_or_value_is_refused_in_one_line_naming_the_file_and_the_key(tmp_path, capsys, case):
     options, expected = FILE_PROBLEMS[case]
     path = write(tmp_path / "run.yaml", {"target-model": "tiny", "out": str(tmp_path / "run"), **options})
-    line = one_line_error(capsys, "train", "--config", path, *([] if "completions" in options else
-                                                                 ["--completions", "c.json"]))  # fmt: skip
+    line = one_line_error(
+        capsys, "train", "--config", path, *([] if "completions" in options else ["--completions", "c.json"])
+    )
     assert f"{path}: " in line and expected in line, line
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("lr: [1, 2", "not valid YAML"), ("- lr\n- 1\n", "found a list; expected a mapping of option names"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("lr: [1, 2", "not valid YAML"),
+        ("- lr\n- 1\n", "found a list; expected a mapping of option names"),
+    ],
+)
 def test_a_file_that_is_not_a_mapping_is_refused(tmp_path, capsys, text, expected):
     (tmp_path / "run.yaml").write_text(text)
     line = one_line_error(capsys, "train", "--config", tmp_path / "run.yaml")
@@ -187,10 +216,15 @@ def test_the_qwen36_configs_are_the_published_layout_and_agree_with_it():
         args = train_args("--config", path)
         # what train checks against --init's config.json when it starts
         assert (args.draft_layers, args.block_size, args.target_layer_ids) == (
-            cfg.num_hidden_layers, cfg.block_size, cfg.target_layer_ids), mode
+            cfg.num_hidden_layers,
+            cfg.block_size,
+            cfg.target_layer_ids,
+        ), mode
         assert args.num_anchors == 512 and args.lr == 6e-4 and args.fsdp, mode
-        assert "torchrun --nproc-per-node 8 -m flashdraft train --config " + str(path.relative_to(CONFIGS.parent)) \
-            in path.read_text(), mode
+        assert (
+            "torchrun --nproc-per-node 8 -m flashdraft train --config " + str(path.relative_to(CONFIGS.parent))
+            in path.read_text()
+        ), mode
     assert train_args("--config", CONFIGS / "qwen3.6-27b-offline.yaml").cached_hidden_states
     assert train_args("--config", CONFIGS / "qwen3.6-27b-online.yaml").completions
 

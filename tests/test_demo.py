@@ -17,10 +17,15 @@ def test_demo_runs_every_stage_reports_lossless_and_offline_equal_online_and_reu
                 words = " ".join(f"t{int(t)}" for t in torch.randint(0, 60, (6,), generator=gen))
                 f.write(json.dumps({"id": f"{name}{i}", "prompt": words}) + "\n")
     settings = DemoSettings(
-        target_model=str(tmp_path / "target"), train_prompts=str(tmp_path / "train.jsonl"),
-        heldout_prompts=str(tmp_path / "heldout.jsonl"), num_heldout_prompts=3, max_new_tokens=24,
-        target_layer_ids=(1, 2), num_anchors=8, batch_size=2,
-    )  # fmt: skip
+        target_model=str(tmp_path / "target"),
+        train_prompts=str(tmp_path / "train.jsonl"),
+        heldout_prompts=str(tmp_path / "heldout.jsonl"),
+        num_heldout_prompts=3,
+        max_new_tokens=24,
+        target_layer_ids=(1, 2),
+        num_anchors=8,
+        batch_size=2,
+    )
     out = tmp_path / "demo"
     report = run_demo(out, minutes=0.3, settings=settings)
     for key in ("tau_offline", "tau_online", "lossless", "speedup", "tau_untrained", "tau_ngram", "train_seconds"):

@@ -53,26 +53,92 @@ def files(tmp_path_factory) -> dict[str, Path]:
     prompts = root / "p.jsonl"
     rows = [{"id": f"q{i}", "prompt": f"t{i} t{i + 3} t{i + 7}"} for i in range(4)]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["generate", "--target-model", str(target), "--prompts", str(prompts), "--out", str(root / "c.json"),
-                 "--max-new-tokens", "10"]) == 0  # fmt: skip
-    assert main(["cache", "--target-model", str(target), "--completions", str(root / "c.json"), "--out",
-                 str(root / "cache"), "--layers", "0,2", "--dtype", "fp32"]) == 0  # fmt: skip
-    assert main(["train", "--target-model", str(target), "--cached-hidden-states", str(root / "cache"), "--out",
-                 str(root / "run"), "--max-steps", "2", "--batch-size", "2", "--num-anchors", "4", "--block-size", "4",
-                 "--draft-layers", "2", "--target-layer-ids", "0,2", "--save-every", "1"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--target-model",
+                str(target),
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(root / "c.json"),
+                "--max-new-tokens",
+                "10",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "cache",
+                "--target-model",
+                str(target),
+                "--completions",
+                str(root / "c.json"),
+                "--out",
+                str(root / "cache"),
+                "--layers",
+                "0,2",
+                "--dtype",
+                "fp32",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--target-model",
+                str(target),
+                "--cached-hidden-states",
+                str(root / "cache"),
+                "--out",
+                str(root / "run"),
+                "--max-steps",
+                "2",
+                "--batch-size",
+                "2",
+                "--num-anchors",
+                "4",
+                "--block-size",
+                "4",
+                "--draft-layers",
+                "2",
+                "--target-layer-ids",
+                "0,2",
+                "--save-every",
+                "1",
+            ]
+        )
+        == 0
+    )
     save_drafter(make_drafter(), root / "drafter")  # layers [0, 2] of 4, block size 8
-    return {"root": root, "target": target, "other": other, "completions": root / "c.json", "cache": root / "cache",
-            "run": root / "run", "drafter": root / "drafter"}  # fmt: skip
+    return {
+        "root": root,
+        "target": target,
+        "other": other,
+        "completions": root / "c.json",
+        "cache": root / "cache",
+        "run": root / "run",
+        "drafter": root / "drafter",
+    }
 
 
 # -- what cannot be checked at all: exit 2 ------------------------------------------------------------
 
 
 def test_an_unusable_path_is_exit_2_with_one_line(files, tmp_path, capsys):
-    for path, expected in [(tmp_path / "absent", "no such file or directory"),
-                           (Path(__file__), "not something doctor can check"),
-                           (files["target"], "without dflash_config in config.json, not a DFlash drafter (a target? "
-                                             "pass it as --target-model)")]:  # fmt: skip
+    for path, expected in [
+        (tmp_path / "absent", "no such file or directory"),
+        (Path(__file__), "not something doctor can check"),
+        (
+            files["target"],
+            "without dflash_config in config.json, not a DFlash drafter (a target? pass it as --target-model)",
+        ),
+    ]:
         rc, out, err = doctor(capsys, path)
         assert rc == 2 and len(err.strip().splitlines()) == 1 and expected in err, err
     (tmp_path / "x.json").write_text("{not json")
@@ -105,14 +171,25 @@ def test_a_drafter_whose_fc_and_tensors_disagree_with_its_config_lists_every_pro
     fails = fail_lines(out)
     assert rc == 1 and len(fails) == 2, out
     assert "fc.weight [64, 192] holds 3 context layers; target_layer_ids [0, 2] name 2" in fails[0]
-    assert "2 problems: tensor 'layers.1.mlp.up_proj.weight' is missing (expected [128, 64]); tensor 'fc.weight' " \
-           "has shape [64, 192], expected [64, 128]" in fails[1]  # fmt: skip
+    assert (
+        "2 problems: tensor 'layers.1.mlp.up_proj.weight' is missing (expected [128, 64]); tensor 'fc.weight' "
+        "has shape [64, 192], expected [64, 128]" in fails[1]
+    )
     assert "2 check(s) failed" in out
 
 
 def test_a_drafter_for_another_target_fails_each_mismatch_with_the_fix(files, tmp_path, capsys):
-    save_drafter(make_drafter(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-                              num_target_layers=6, target_layer_ids=[1, 5]), tmp_path / "d")  # fmt: skip
+    save_drafter(
+        make_drafter(
+            hidden_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=64,
+            num_target_layers=6,
+            target_layer_ids=[1, 5],
+        ),
+        tmp_path / "d",
+    )
     rc, out, err = doctor(capsys, tmp_path / "d", "--target-model", files["target"])
     fails = fail_lines(out)
     assert rc == 1
@@ -173,9 +250,11 @@ def test_a_training_run_checks_its_newest_checkpoint_and_run_config(files, tmp_p
 def test_a_run_whose_drafter_accepts_nothing_is_a_problem_with_its_likely_cause(files, capsys):
     rc, out, err = doctor(capsys, files["run"])  # two steps: its τ is an untrained drafter's
     assert rc == 1 and "all checks passed" not in out
-    assert fail_lines(out) == ["FAIL estimated τ (training batches) at step 2 1.000 is within 0.05 of 1.0: the "
-                               "drafter accepts (almost) nothing, like an untrained one (likely: only 2 optimizer "
-                               "steps); fix: train again with --max-steps 1000"]  # fmt: skip
+    assert fail_lines(out) == [
+        "FAIL estimated τ (training batches) at step 2 1.000 is within 0.05 of 1.0: the "
+        "drafter accepts (almost) nothing, like an untrained one (likely: only 2 optimizer "
+        "steps); fix: train again with --max-steps 1000"
+    ]
 
 
 def test_a_damaged_or_mismatched_run_fails_naming_the_file(files, tmp_path, capsys):
@@ -215,8 +294,9 @@ def test_a_run_without_a_complete_checkpoint_fails(tmp_path, capsys):
 
 
 def test_completions_print_their_header_and_pass_against_their_target(files, capsys):
-    rc, out, err = doctor(capsys, files["completions"], "--target-model", files["target"], "--checkpoint",
-                          files["drafter"])  # fmt: skip
+    rc, out, err = doctor(
+        capsys, files["completions"], "--target-model", files["target"], "--checkpoint", files["drafter"]
+    )
     assert rc == 0, out
     assert "4 records, token ids from target" in out and "4 of 4 records valid" in out
     assert "generation: prompts" in out and "max_new_tokens 10" in out
@@ -267,10 +347,20 @@ def test_an_unfinished_cache_says_to_rerun_the_same_command(files, tmp_path, cap
 
 # -- serving rules (doctor DRAFTER --serving) ------------------------------------------------------
 
-SERVING_RULES = ["format: config.json architectures", "tensors, every public key with its shape", "target layers: ",
-                 "causality layer 0 ", "V2 runner: ", "mask token: mask_token_id",
-                 "mask token: dflash_config.mask_token", "file modes: ", "vocabulary: ", "block size: ",
-                 "scalings: ", "server fields: "]  # fmt: skip
+SERVING_RULES = [
+    "format: config.json architectures",
+    "tensors, every public key with its shape",
+    "target layers: ",
+    "causality layer 0 ",
+    "V2 runner: ",
+    "mask token: mask_token_id",
+    "mask token: dflash_config.mask_token",
+    "file modes: ",
+    "vocabulary: ",
+    "block size: ",
+    "scalings: ",
+    "server fields: ",
+]
 
 
 def rule_lines(out: str) -> list[str]:
@@ -315,16 +405,21 @@ def test_serving_prints_the_sampling_rule_of_each_command_and_of_a_command_given
 
 
 def test_serving_on_a_sliding_drafter_gives_each_layer_its_causality_and_the_v2_runner(files, tmp_path, capsys):
-    d = save_readable(make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
-                      tmp_path / "d")  # fmt: skip
+    d = save_readable(
+        make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6), tmp_path / "d"
+    )
     rc, out, err = doctor(capsys, d, "--serving", "--target-model", files["target"])
     assert rc == 0 and not fail_lines(out), out
     assert "2 layers (0 sliding 6 causal, 1 full non-causal; servers' default: no is_causal)" in out
-    assert "ok   causality layer 0 (sliding_attention): sliding window 6, causal within the block (servers' " \
-           f"default for sliding_attention); {VLLM} and {SGLANG} serve it the same" in out  # fmt: skip
+    assert (
+        "ok   causality layer 0 (sliding_attention): sliding window 6, causal within the block (servers' "
+        f"default for sliding_attention); {VLLM} and {SGLANG} serve it the same" in out
+    )
     assert "ok   causality layer 1 (full_attention): full, non-causal within the block" in out
-    assert f"ok   V2 runner: layers mix sliding and full attention: {VLLM} serves them on its V2 model runner, " \
-           "its default; its V1 runner refuses them" in out  # fmt: skip
+    assert (
+        f"ok   V2 runner: layers mix sliding and full attention: {VLLM} serves them on its V2 model runner, "
+        "its default; its V1 runner refuses them" in out
+    )
     assert f"vLLM:   VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {files['target']} " in out
     assert "ok   file modes: readable by other users (config.json 0644, model.safetensors 0644" in out
     assert "warn mask token: dflash_config.mask_token absent" in out  # a flashdraft save without a target
@@ -341,8 +436,9 @@ def test_serving_warns_when_the_weights_are_not_readable_by_other_users(files, t
 
 
 def test_serving_fails_a_drafter_relying_on_dflash_config_causal_which_sglang_does_not_read(tmp_path, capsys):
-    d = save_readable(make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
-                      tmp_path / "d")  # fmt: skip
+    d = save_readable(
+        make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6), tmp_path / "d"
+    )
     config = json.loads((d / "config.json").read_text())
     config.pop("is_causal", None)
     config["dflash_config"]["causal"] = False  # vLLM: every layer non-causal; SGLang: its default per layer type
@@ -350,10 +446,11 @@ def test_serving_fails_a_drafter_relying_on_dflash_config_causal_which_sglang_do
     rc, out, err = doctor(capsys, d, "--serving")
     fails = fail_lines(out)
     assert rc == 1 and len(fails) == 1, out
-    assert "causality layer 0 (sliding_attention): sliding window 6, non-causal within the block " \
-           f"(dflash_config.causal: false, read by vLLM only) in flashdraft, but {VLLM} serves it sliding " \
-           f"window 6, non-causal within the block and {SGLANG} sliding window 6, causal within the block" \
-           in fails[0]  # fmt: skip
+    assert (
+        "causality layer 0 (sliding_attention): sliding window 6, non-causal within the block "
+        f"(dflash_config.causal: false, read by vLLM only) in flashdraft, but {VLLM} serves it sliding "
+        f"window 6, non-causal within the block and {SGLANG} sliding window 6, causal within the block" in fails[0]
+    )
     assert "re-export it" in fails[0]
 
 
@@ -362,14 +459,17 @@ def test_serving_fails_a_mask_token_string_the_tokenizer_knows_by_another_id(fil
     rc, out, err = doctor(capsys, d, "--serving", "--target-model", files["target"])
     fails = fail_lines(out)
     assert rc == 1 and len(fails) == 1, out
-    assert "mask token: dflash_config.mask_token '<mask>' is token 63 of the target's tokenizer, not " \
-           f"mask_token_id 60: {SGLANG} speculative/dflash_worker_v2.py _resolve_mask_token_id refuses the " \
-           "pair" in fails[0]  # fmt: skip
+    assert (
+        "mask token: dflash_config.mask_token '<mask>' is token 63 of the target's tokenizer, not "
+        f"mask_token_id 60: {SGLANG} speculative/dflash_worker_v2.py _resolve_mask_token_id refuses the "
+        "pair" in fails[0]
+    )
 
 
 def test_serving_warns_that_sglang_ignores_a_reduced_vocabulary_and_the_reference_scalings(tmp_path, capsys):
-    d = save_readable(make_drafter(draft_vocab_size=32, extra={"dflash_config": {"output_multiplier": 2.0}}),
-                      tmp_path / "d")  # fmt: skip
+    d = save_readable(
+        make_drafter(draft_vocab_size=32, extra={"dflash_config": {"output_multiplier": 2.0}}), tmp_path / "d"
+    )
     rc, out, err = doctor(capsys, d, "--serving")
     assert rc == 0, out
     assert f"warn vocabulary: draft_vocab_size 32 with its own lm_head and d2t: {VLLM} serves it" in out
@@ -382,16 +482,22 @@ def test_serving_needs_a_drafter_directory(files, capsys):
     assert rc == 2 and "--serving: checks a drafter directory" in err and "flashdraft export" in err
 
 
-DFLASH2_RULES = ["format: config.json architectures ['DFlash2DraftModel'], model_type 'qwen3'",
-                 "tensors, every public key with its shape, DFlash2's", "V2 runner: DFlash2DraftModel: ",
-                 "vocabulary: the full target vocabulary", f"block size: block_size 8: {VLLM} qwen3_dflash2.py",
-                 "SGLang DFlash2: ", "scalings: "]  # fmt: skip
+DFLASH2_RULES = [
+    "format: config.json architectures ['DFlash2DraftModel'], model_type 'qwen3'",
+    "tensors, every public key with its shape, DFlash2's",
+    "V2 runner: DFlash2DraftModel: ",
+    "vocabulary: the full target vocabulary",
+    f"block size: block_size 8: {VLLM} qwen3_dflash2.py",
+    "SGLang DFlash2: ",
+    "scalings: ",
+]
 
 
 def test_serving_on_a_dflash2_drafter_lists_each_dflash2_rule_and_the_commands(files, tmp_path, capsys):
     # as published: every layer sliding and is_causal false, so only DFlash2 itself needs the V2 runner
-    d = save_readable(make_dflash2_drafter(layer_types=["sliding_attention"] * 2, sliding_window=6, is_causal=False),
-                      tmp_path / "d")  # fmt: skip
+    d = save_readable(
+        make_dflash2_drafter(layer_types=["sliding_attention"] * 2, sliding_window=6, is_causal=False), tmp_path / "d"
+    )
     rc, out, err = doctor(capsys, d, "--serving", "--target-model", files["target"])
     assert rc == 0 and not fail_lines(out), out
     lines = rule_lines(out)
@@ -399,23 +505,33 @@ def test_serving_on_a_dflash2_drafter_lists_each_dflash2_rule_and_the_commands(f
         assert any(rule in line for line in lines), (rule, out)
     dflash2 = [line for line in lines if any(rule in line for rule in DFLASH2_RULES)]
     assert len(dflash2) == len(DFLASH2_RULES) and all(VLLM in x or SGLANG in x for x in dflash2)
-    assert "maps DFlash2DraftModel to qwen3_dflash2.py (v1/worker/gpu/spec_decode/dflash2/), V2 runner (its " \
-           "default), with " \
-           "--speculative-config method \"dflash\" as for DFlash" in out  # fmt: skip
+    assert (
+        "maps DFlash2DraftModel to qwen3_dflash2.py (v1/worker/gpu/spec_decode/dflash2/), V2 runner (its "
+        "default), with "
+        '--speculative-config method "dflash" as for DFlash' in out
+    )
     assert "candidate_selector predecessor_codebook / successor_codebook without '.weight', as published" in out
-    assert f"ok   V2 runner: DFlash2DraftModel: {VLLM} runs qwen3_dflash2.py (v1/worker/gpu/spec_decode/" \
-           "dflash2/) on its V2 model runner, its default; its V1 runner (chosen when a feature V2 lacks is asked " \
-           "for) refuses it with \"Model Runner V1 does not support: DFlash candidate-head drafts\"" in out
+    assert (
+        f"ok   V2 runner: DFlash2DraftModel: {VLLM} runs qwen3_dflash2.py (v1/worker/gpu/spec_decode/"
+        "dflash2/) on its V2 model runner, its default; its V1 runner (chosen when a feature V2 lacks is asked "
+        'for) refuses it with "Model Runner V1 does not support: DFlash candidate-head drafts"' in out
+    )
     assert "ok   vocabulary: the full target vocabulary (no draft_vocab_size, no d2t)" in out
-    assert "takes the convolutions' block length from 1 + num_speculative_tokens, not from block_size: " \
-           "num_speculative_tokens 7 (= block_size - 1); any other value convolves across a different " \
-           "block" in out  # fmt: skip
-    assert "ok   SGLang DFlash2: --speculative-algorithm DFLASH with --speculative-num-draft-tokens 8 (= block_size" \
-           in out and "conv_kernel_size 2, conv_group_size 16, selector_rank 8, selector_top_k 4" in out  # fmt: skip
+    assert (
+        "takes the convolutions' block length from 1 + num_speculative_tokens, not from block_size: "
+        "num_speculative_tokens 7 (= block_size - 1); any other value convolves across a different "
+        "block" in out
+    )
+    assert (
+        "ok   SGLang DFlash2: --speculative-algorithm DFLASH with --speculative-num-draft-tokens 8 (= block_size" in out
+        and "conv_kernel_size 2, conv_group_size 16, selector_rank 8, selector_top_k 4" in out
+    )
     spec = json.dumps({"method": "dflash", "model": str(d), "num_speculative_tokens": 7})
     assert f"vLLM:   VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {files['target']} --speculative-config '{spec}'" in out
-    assert f"SGLang: python -m sglang.launch_server --model-path {files['target']} --speculative-algorithm DFLASH " \
-           f"--speculative-draft-model-path {d} --speculative-num-draft-tokens 8" in out  # fmt: skip
+    assert (
+        f"SGLang: python -m sglang.launch_server --model-path {files['target']} --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path {d} --speculative-num-draft-tokens 8" in out
+    )
 
 
 @pytest.mark.parametrize("rename", [None, ".weight"])
@@ -445,11 +561,16 @@ def test_serving_warns_of_a_field_only_one_server_reads_and_names_the_re_export_
     assert "config.json sets use_gemma_norm = true" in out  # the plain description lists it too
 
 
-DSPARK_RULES = ["format: config.json architectures ['Qwen3DSparkModel'], model_type 'qwen3'",
-                "the Markov head's markov_head.markov_w1 / markov_w2.weight [64, 8] and confidence_head.proj",
-                "layout: anchor-first (DSpark)", "confidence head: enable_confidence_head true",
-                "adaptive verification: ", "Markov head: vanilla, rank 8", "vocabulary: the full target vocabulary",
-                f"block size: block_size 7: {VLLM} qwen3_dspark.py"]  # fmt: skip
+DSPARK_RULES = [
+    "format: config.json architectures ['Qwen3DSparkModel'], model_type 'qwen3'",
+    "the Markov head's markov_head.markov_w1 / markov_w2.weight [64, 8] and confidence_head.proj",
+    "layout: anchor-first (DSpark)",
+    "confidence head: enable_confidence_head true",
+    "adaptive verification: ",
+    "Markov head: vanilla, rank 8",
+    "vocabulary: the full target vocabulary",
+    f"block size: block_size 7: {VLLM} qwen3_dspark.py",
+]
 
 
 def test_serving_on_a_dspark_drafter_lists_each_dspark_rule_and_the_commands(files, tmp_path, capsys):
@@ -463,12 +584,15 @@ def test_serving_on_a_dspark_drafter_lists_each_dspark_rule_and_the_commands(fil
     assert "so N must be 7 (= block_size)" in out
     spec = json.dumps({"method": "dspark", "model": str(d), "num_speculative_tokens": 7})
     assert f"vLLM:   vllm serve {files['target']} --speculative-config '{spec}'" in out
-    assert f"SGLang: python -m sglang.launch_server --model-path {files['target']} --speculative-algorithm DSPARK " \
-           f"--speculative-draft-model-path {d} --speculative-dspark-block-size 7" in out  # fmt: skip
+    assert (
+        f"SGLang: python -m sglang.launch_server --model-path {files['target']} --speculative-algorithm DSPARK "
+        f"--speculative-draft-model-path {d} --speculative-dspark-block-size 7" in out
+    )
 
 
-def test_serving_fails_a_dspark_config_that_leaves_the_confidence_fields_to_the_servers_defaults(files, tmp_path,
-                                                                                                  capsys):  # fmt: skip
+def test_serving_fails_a_dspark_config_that_leaves_the_confidence_fields_to_the_servers_defaults(
+    files, tmp_path, capsys
+):
     d = save_readable(make_dspark_drafter(confidence_head=False, confidence_head_with_markov=False), tmp_path / "d")
     config = json.loads((d / "config.json").read_text())
     del config["enable_confidence_head"], config["confidence_head_with_markov"]
@@ -487,12 +611,16 @@ def test_serving_names_the_trained_context_and_warns_when_served_past_it(files, 
     assert "context read per step at" in out and "layers 0-1 (full)" in out
     rc, out, err = doctor(capsys, d, "--serving", "--max-model-len", 32768)
     assert rc == 0, out + err  # a warning, not a failure
-    assert f"warn trained context: the served context (--max-model-len) is 32768 tokens, past the {trained} tokens " \
-           f"the drafter was trained at (trained_context_length)" in out  # fmt: skip
+    assert (
+        f"warn trained context: the served context (--max-model-len) is 32768 tokens, past the {trained} tokens "
+        f"the drafter was trained at (trained_context_length)" in out
+    )
     assert "layers 0-1 (full) 32768 each: 65536 per step in all" in out
     rc, out, err = doctor(capsys, "tiny-drafter", "--serving")  # stage 2 of the long-context recipe: 3,748 tokens
-    assert "warn trained context: the served context (the drafter's max_position_embeddings) is 4096 tokens, past " \
-           "the 3748 tokens the drafter was trained at" in out  # fmt: skip
+    assert (
+        "warn trained context: the served context (the drafter's max_position_embeddings) is 4096 tokens, past "
+        "the 3748 tokens the drafter was trained at" in out
+    )
     unknown = tmp_path / "unknown"
     shutil.copytree(BUILTIN_DRAFTERS["tiny-drafter"], unknown)
     config = json.loads((unknown / "config.json").read_text())
@@ -510,16 +638,22 @@ def test_serving_warns_when_the_target_has_rope_scaling_the_drafter_lacks(files,
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
     config["rope_parameters"] = {**config.get("rope_parameters", {}), **yarn}
     (target / "config.json").write_text(json.dumps(config))
-    d = save_readable(make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
-                      tmp_path / "d")  # fmt: skip
+    d = save_readable(
+        make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6), tmp_path / "d"
+    )
     rc, out, err = doctor(capsys, d, "--serving", "--target-model", target)
     assert rc == 0, out + err
-    assert "warn rope scaling: the drafter's native (no scaling) differs from the target's yarn factor 4, " \
-           "original_max_position_embeddings 128" in out and "--rope-scaling" in out  # fmt: skip
+    assert (
+        "warn rope scaling: the drafter's native (no scaling) differs from the target's yarn factor 4, "
+        "original_max_position_embeddings 128"
+        in out
+        and "--rope-scaling" in out
+    )
     served = config["max_position_embeddings"]
     assert f"layer 0 (sliding 6) 6, layer 1 (full) {served}: {served + 6} per step in all" in out
-    rc, out, err = doctor(capsys, save_readable(make_drafter(rope_scaling=yarn), tmp_path / "y"), "--serving",
-                          "--target-model", target)  # fmt: skip
+    rc, out, err = doctor(
+        capsys, save_readable(make_drafter(rope_scaling=yarn), tmp_path / "y"), "--serving", "--target-model", target
+    )
     assert "ok   rope scaling: the drafter's yarn factor 4, original_max_position_embeddings 128 is the target's" in out
 
 
@@ -534,6 +668,6 @@ def test_doctor_serving_opens_its_rules_with_a_verdict_counting_them(files, caps
     verdict = next(i for i, line in enumerate(lines) if "serving rules (vLLM and SGLang):" in line)
     assert lines[verdict + 1].strip().startswith("serving rules, read from")  # the rules follow the verdict
     ok, warn, fail = (int(x.split()[0]) for x in lines[verdict].split(": ", 1)[1].split(", "))
-    rules = lines[verdict + 1:]
+    rules = lines[verdict + 1 :]
     assert ok == sum(r.startswith("ok ") for r in rules) and warn == sum(r.startswith("warn ") for r in rules)
     assert fail == sum(r.startswith("FAIL ") for r in rules) and (rc == 1) == (fail > 0)

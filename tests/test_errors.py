@@ -57,17 +57,57 @@ def files(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("errors")
     target = save_target(root / "target")
     prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": " ".join(f"t{(5 * i + k) % 60}" for k in
-                                                                              range(4 + i))}) + "\n"
-                               for i in range(5)))  # fmt: skip
-    assert main(["generate", "--target-model", str(target), "--prompts", str(prompts), "--out", str(root / "c.json"),
-                 "--max-new-tokens", "12"]) == 0  # fmt: skip
-    assert main(["cache", "--target-model", str(target), "--completions", str(root / "c.json"), "--out",
-                 str(root / "cache"), "--layers", "0,2", "--dtype", "fp32",
-                 "--records-per-shard", "2"]) == 0  # fmt: skip
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "prompt": " ".join(f"t{(5 * i + k) % 60}" for k in range(4 + i))}) + "\n"
+            for i in range(5)
+        )
+    )
+    assert (
+        main(
+            [
+                "generate",
+                "--target-model",
+                str(target),
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(root / "c.json"),
+                "--max-new-tokens",
+                "12",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "cache",
+                "--target-model",
+                str(target),
+                "--completions",
+                str(root / "c.json"),
+                "--out",
+                str(root / "cache"),
+                "--layers",
+                "0,2",
+                "--dtype",
+                "fp32",
+                "--records-per-shard",
+                "2",
+            ]
+        )
+        == 0
+    )
     save_drafter(make_drafter(), root / "drafter")  # layers [0, 2] of 4, block size 8, mask token 63
-    return {"root": root, "target": target, "prompts": prompts, "completions": root / "c.json",
-            "cache": root / "cache", "drafter": root / "drafter"}  # fmt: skip
+    return {
+        "root": root,
+        "target": target,
+        "prompts": prompts,
+        "completions": root / "c.json",
+        "cache": root / "cache",
+        "drafter": root / "drafter",
+    }
 
 
 def eval_args(files, checkpoint, **source) -> list:
@@ -77,8 +117,24 @@ def eval_args(files, checkpoint, **source) -> list:
 
 
 def train_args(files, out, *source, layer_ids: str = "0,2") -> list:
-    return ["train", "--target-model", files["target"], "--out", out, "--max-steps", 1, "--batch-size", 2,
-            "--num-anchors", 4, "--block-size", 4, "--target-layer-ids", layer_ids, *source]  # fmt: skip
+    return [
+        "train",
+        "--target-model",
+        files["target"],
+        "--out",
+        out,
+        "--max-steps",
+        1,
+        "--batch-size",
+        2,
+        "--num-anchors",
+        4,
+        "--block-size",
+        4,
+        "--target-layer-ids",
+        layer_ids,
+        *source,
+    ]
 
 
 # -- drafters ---------------------------------------------------------------------------------------
@@ -114,36 +170,57 @@ def _truncate(d: Path) -> None:
 
 
 DRAFTER_DAMAGE = {
-    "missing tensor": (_state_edit(lambda s: s.pop("layers.1.mlp.up_proj.weight")),
-                       "tensor 'layers.1.mlp.up_proj.weight' is missing; expected shape [128, 64]"),
-    "unexpected tensor": (_state_edit(lambda s: s.update({"layers.2.mlp.up_proj.weight": torch.zeros(128, 64)})),
-                          "unexpected tensor 'layers.2.mlp.up_proj.weight' with shape [128, 64]"),
-    "mis-shaped tensor": (_state_edit(lambda s: s.update({"layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)})),
-                          "tensor 'layers.0.self_attn.k_proj.weight' has shape [64, 64]; expected [32, 64]"),
-    "fc not a multiple of hidden": (_state_edit(lambda s: s.update({"fc.weight": torch.zeros(64, 100)})),
-                                    "in_features 100 is not a multiple of hidden_size 64"),
-    "fc not matching target_layer_ids": (_state_edit(lambda s: s.update({"fc.weight": torch.zeros(64, 192)})),
-                                         "shape [64, 192] (3 context layers) but the config's target_layer_ids "
-                                         "[0, 2] need [64, 128]"),
-    "mask token out of range": (_config_edit(lambda c: c["dflash_config"].update(mask_token_id=64)),
-                                "field 'dflash_config.mask_token_id' is 64; expected a token id in 0..63"),
-    "block size < 2": (_config_edit(lambda c: c.update(block_size=1)),
-                       "field 'block_size' is 1; expected an integer >= 2"),
-    "unknown layer type": (_config_edit(lambda c: c.update(layer_types=["full_attention", "banded"])),
-                           "field 'layer_types' is 'banded'; expected one of full_attention, sliding_attention"),
+    "missing tensor": (
+        _state_edit(lambda s: s.pop("layers.1.mlp.up_proj.weight")),
+        "tensor 'layers.1.mlp.up_proj.weight' is missing; expected shape [128, 64]",
+    ),
+    "unexpected tensor": (
+        _state_edit(lambda s: s.update({"layers.2.mlp.up_proj.weight": torch.zeros(128, 64)})),
+        "unexpected tensor 'layers.2.mlp.up_proj.weight' with shape [128, 64]",
+    ),
+    "mis-shaped tensor": (
+        _state_edit(lambda s: s.update({"layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)})),
+        "tensor 'layers.0.self_attn.k_proj.weight' has shape [64, 64]; expected [32, 64]",
+    ),
+    "fc not a multiple of hidden": (
+        _state_edit(lambda s: s.update({"fc.weight": torch.zeros(64, 100)})),
+        "in_features 100 is not a multiple of hidden_size 64",
+    ),
+    "fc not matching target_layer_ids": (
+        _state_edit(lambda s: s.update({"fc.weight": torch.zeros(64, 192)})),
+        "shape [64, 192] (3 context layers) but the config's target_layer_ids [0, 2] need [64, 128]",
+    ),
+    "mask token out of range": (
+        _config_edit(lambda c: c["dflash_config"].update(mask_token_id=64)),
+        "field 'dflash_config.mask_token_id' is 64; expected a token id in 0..63",
+    ),
+    "block size < 2": (
+        _config_edit(lambda c: c.update(block_size=1)),
+        "field 'block_size' is 1; expected an integer >= 2",
+    ),
+    "unknown layer type": (
+        _config_edit(lambda c: c.update(layer_types=["full_attention", "banded"])),
+        "field 'layer_types' is 'banded'; expected one of full_attention, sliding_attention",
+    ),
     "not a DFlash config": (_config_edit(lambda c: c.pop("dflash_config")), "field 'dflash_config' is None"),
     "config not JSON": (lambda d: (d / "config.json").write_text("{"), "config.json: not valid JSON"),
     "no config.json": (lambda d: (d / "config.json").unlink(), "no config.json; expected a drafter directory"),
-    "unsorted target_layer_ids": (_config_edit(lambda c: c["dflash_config"].update(target_layer_ids=[2, 0])),
-                                  "field 'dflash_config.target_layer_ids' is [2, 0]; expected unique, strictly "
-                                  "increasing ids: vLLM and SGLang capture target layers in layer order (e.g. "
-                                  "[0, 2])"),
+    "unsorted target_layer_ids": (
+        _config_edit(lambda c: c["dflash_config"].update(target_layer_ids=[2, 0])),
+        "field 'dflash_config.target_layer_ids' is [2, 0]; expected unique, strictly "
+        "increasing ids: vLLM and SGLang capture target layers in layer order (e.g. "
+        "[0, 2])",
+    ),
     "truncated safetensors": (_truncate, "model.safetensors: not a readable safetensors file (truncated or corrupt"),
-    "corrupt safetensors": (lambda d: (d / "model.safetensors").write_bytes(b"\x07" * 64),
-                            "model.safetensors: not a readable safetensors file (truncated or corrupt"),
-    "no weights": (lambda d: (d / "model.safetensors").unlink(),
-                   "no model.safetensors or model.safetensors.index.json; expected the drafter's weights there"),
-}  # fmt: skip
+    "corrupt safetensors": (
+        lambda d: (d / "model.safetensors").write_bytes(b"\x07" * 64),
+        "model.safetensors: not a readable safetensors file (truncated or corrupt",
+    ),
+    "no weights": (
+        lambda d: (d / "model.safetensors").unlink(),
+        "no model.safetensors or model.safetensors.index.json; expected the drafter's weights there",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", DRAFTER_DAMAGE)
@@ -156,10 +233,12 @@ def test_a_damaged_drafter_is_refused_naming_file_and_tensor_or_field(files, tmp
 
 
 FOREIGN_DRAFTERS = {
-    "hidden_size": (dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64),
-                    "field 'hidden_size' is 32; expected 64 (the target's hidden size)"),
+    "hidden_size": (
+        dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64),
+        "field 'hidden_size' is 32; expected 64 (the target's hidden size)",
+    ),
     "vocab_size": (dict(vocab_size=128), "field 'vocab_size' is 128; expected 64 (the target's LM head rows)"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("command", ["eval", "speculate", "train --init"])
@@ -169,11 +248,27 @@ def test_a_drafter_made_for_another_target_is_refused(files, tmp_path, capsys, c
     save_drafter(make_drafter(**overrides), tmp_path / "d")
     argv = {
         "eval": eval_args(files, tmp_path / "d"),
-        "speculate": ["speculate", "--target-model", files["target"], "--checkpoint", tmp_path / "d", "--prompt",
-                      "t1 t2"],
-        "train --init": ["train", "--target-model", files["target"], "--init", tmp_path / "d", "--out",
-                         tmp_path / "run", "--completions", files["completions"]],
-    }[command]  # fmt: skip
+        "speculate": [
+            "speculate",
+            "--target-model",
+            files["target"],
+            "--checkpoint",
+            tmp_path / "d",
+            "--prompt",
+            "t1 t2",
+        ],
+        "train --init": [
+            "train",
+            "--target-model",
+            files["target"],
+            "--init",
+            tmp_path / "d",
+            "--out",
+            tmp_path / "run",
+            "--completions",
+            files["completions"],
+        ],
+    }[command]
     line = refused(capsys, *argv)
     assert str(tmp_path / "d") in line and expected in line and "made for another target" in line, line
 
@@ -191,15 +286,19 @@ def test_debug_shows_the_traceback(files, tmp_path, capsys):
 COMPLETIONS_DAMAGE = {
     "not JSON": (lambda p: p.write_text(p.read_text()[:300]), "not valid JSON"),
     "empty file": (lambda p: p.write_text(""), "empty file; expected a completions file from flashdraft generate"),
-    "other format": (_json_edit(lambda d: d.update(format="other")),
-                     "field 'format' is 'other'; expected 'flashdraft.completions'"),
+    "other format": (
+        _json_edit(lambda d: d.update(format="other")),
+        "field 'format' is 'other'; expected 'flashdraft.completions'",
+    ),
     "other version": (_json_edit(lambda d: d.update(version=9)), "field 'version' is 9; expected 1"),
     "records not a list": (_json_edit(lambda d: d.update(records="x")), "field 'records' is str; expected a list"),
     "no target header": (_json_edit(lambda d: d.pop("target")), "field 'target' is None; expected an object"),
     "no records": (_json_edit(lambda d: d.update(records=[])), "no valid records (of 0)"),
     "every id out of vocabulary": (
-        _json_edit(lambda d: [r.update(completion_ids=[1, 64]) for r in d["records"]]), "no valid records (of 5)"),
-}  # fmt: skip
+        _json_edit(lambda d: [r.update(completion_ids=[1, 64]) for r in d["records"]]),
+        "no valid records (of 5)",
+    ),
+}
 
 
 def _completions_argv(files, tmp_path, path, command):
@@ -230,8 +329,9 @@ def test_records_out_of_vocabulary_are_skipped_and_the_rest_counted_and_used(fil
     assert "c.json: 4 of 5 records valid" in out
     assert "skipped q1: completion_ids has 1 ids outside the vocabulary 0..63 (first: 70)" in out
     assert [p["id"] for p in json.loads((tmp_path / "e.json").read_text())["per_prompt"]] == ["q0", "q2", "q3", "q4"]
-    rc, out, err = run(capsys, "cache", "--target-model", files["target"], "--completions", path, "--out",
-                       tmp_path / "cache")  # fmt: skip
+    rc, out, err = run(
+        capsys, "cache", "--target-model", files["target"], "--completions", path, "--out", tmp_path / "cache"
+    )
     assert rc == 0, err
     assert json.loads((tmp_path / "cache" / "manifest.json").read_text())["num_records"] == 4
 
@@ -271,23 +371,32 @@ def _shorter_records(manifest: dict) -> None:
 
 
 CACHE_DAMAGE = {
-    "another target": (_manifest_edit(lambda m: m["target"].update(fingerprint="0123456789abcdef")),
-                       "manifest.json: cache made by target fingerprint 0123456789abcdef"),
-    "missing shard": (lambda c: (c / "shard-00001.safetensors").unlink(),
-                      "shard-00001.safetensors: missing; manifest.json lists it"),
-    "truncated shard": (lambda c: (c / "shard-00001.safetensors").write_bytes(
-                            (c / "shard-00001.safetensors").read_bytes()[:-100]),
-                        "bytes, manifest.json says"),
+    "another target": (
+        _manifest_edit(lambda m: m["target"].update(fingerprint="0123456789abcdef")),
+        "manifest.json: cache made by target fingerprint 0123456789abcdef",
+    ),
+    "missing shard": (
+        lambda c: (c / "shard-00001.safetensors").unlink(),
+        "shard-00001.safetensors: missing; manifest.json lists it",
+    ),
+    "truncated shard": (
+        lambda c: (c / "shard-00001.safetensors").write_bytes((c / "shard-00001.safetensors").read_bytes()[:-100]),
+        "bytes, manifest.json says",
+    ),
     "checksum mismatch": (_flip_last_byte, "shard-00001.safetensors: sha256 differs from manifest.json"),
-    "a record longer than its shard": (_manifest_edit(lambda m: m["records"][1].update(length=m["records"][1]["length"]
-                                                                                        + 1)),
-                                       "manifest.json: the records of shard-00000.safetensors hold"),
-    "a shard longer than its records": (_manifest_edit(_shorter_records),
-                                        "shard-00000.safetensors: tensor 'input_ids' has shape"),
-    "unfinished run": (lambda c: ((c / "manifest.json").unlink(), (c / ".progress").mkdir()),
-                       "no manifest.json; not a finished hidden-state cache (an unfinished run: re-run flashdraft "
-                       "cache)"),
-}  # fmt: skip
+    "a record longer than its shard": (
+        _manifest_edit(lambda m: m["records"][1].update(length=m["records"][1]["length"] + 1)),
+        "manifest.json: the records of shard-00000.safetensors hold",
+    ),
+    "a shard longer than its records": (
+        _manifest_edit(_shorter_records),
+        "shard-00000.safetensors: tensor 'input_ids' has shape",
+    ),
+    "unfinished run": (
+        lambda c: ((c / "manifest.json").unlink(), (c / ".progress").mkdir()),
+        "no manifest.json; not a finished hidden-state cache (an unfinished run: re-run flashdraft cache)",
+    ),
+}
 
 
 @pytest.mark.parametrize("command", ["eval", "train"])
@@ -319,8 +428,9 @@ def test_a_cache_for_other_layer_ids_is_refused(files, tmp_path, capsys, command
         line = refused(capsys, *eval_args(files, tmp_path / "d", cached_hidden_states=files["cache"]))
         assert "holds target layers [0, 2]; the drafter needs target_layer_ids [1, 2]" in line
     else:
-        line = refused(capsys, *train_args(files, tmp_path / "run", "--cached-hidden-states", files["cache"],
-                                           layer_ids="1,2"))  # fmt: skip
+        line = refused(
+            capsys, *train_args(files, tmp_path / "run", "--cached-hidden-states", files["cache"], layer_ids="1,2")
+        )
         assert "cache holds layer ids [0, 2], the drafter's target_layer_ids are [1, 2]" in line
     assert str(files["cache"]) in line
 
@@ -347,17 +457,44 @@ def test_nan_features_in_a_cache_are_refused_naming_file_record_layer_and_token(
     where = cache / "shard-00000.safetensors"
     assert f"{where}: record 'q0' has NaN/Inf context features at token 3 of layer 2" in line
     line = refused(capsys, *train_args(files, tmp_path / "run", "--cached-hidden-states", cache))
-    assert re.search(r"step 0: loss is nan on records .*: record 'q\d' \(index \d\) of .*cache has NaN/Inf context "
-                     r"features at token 3", line), line  # fmt: skip
+    assert re.search(
+        r"step 0: loss is nan on records .*: record 'q\d' \(index \d\) of .*cache has NaN/Inf context "
+        r"features at token 3",
+        line,
+    ), line
 
 
 def test_features_that_overflow_the_cache_dtype_are_refused_when_caching(files, tmp_path, capsys):
     loud = save_target(tmp_path / "loud", embed_scale=1e7)  # hidden states far beyond fp16's 65504
-    rc, out, err = run(capsys, "generate", "--target-model", loud, "--prompts", files["prompts"], "--out",
-                       tmp_path / "c.json", "--max-new-tokens", 3, "--num-prompts", 2)  # fmt: skip
+    rc, out, err = run(
+        capsys,
+        "generate",
+        "--target-model",
+        loud,
+        "--prompts",
+        files["prompts"],
+        "--out",
+        tmp_path / "c.json",
+        "--max-new-tokens",
+        3,
+        "--num-prompts",
+        2,
+    )
     assert rc == 0, err
-    line = refused(capsys, "cache", "--target-model", loud, "--completions", tmp_path / "c.json", "--out",
-                   tmp_path / "cache", "--layers", "0", "--dtype", "fp16")  # fmt: skip
+    line = refused(
+        capsys,
+        "cache",
+        "--target-model",
+        loud,
+        "--completions",
+        tmp_path / "c.json",
+        "--out",
+        tmp_path / "cache",
+        "--layers",
+        "0",
+        "--dtype",
+        "fp16",
+    )
     assert "record 'q0': context features of layer 0 are NaN/Inf at token 0 (stored as float16)" in line
     assert "try --dtype bf16" in line
 
@@ -366,8 +503,18 @@ def test_features_that_overflow_the_cache_dtype_are_refused_when_caching(files, 
 
 
 def generate_args(files, prompts, out, *extra) -> list:
-    return ["generate", "--target-model", files["target"], "--prompts", prompts, "--out", out,
-            "--max-new-tokens", 8, *extra]  # fmt: skip
+    return [
+        "generate",
+        "--target-model",
+        files["target"],
+        "--prompts",
+        prompts,
+        "--out",
+        out,
+        "--max-new-tokens",
+        8,
+        *extra,
+    ]
 
 
 PROMPT_DAMAGE = {
@@ -389,8 +536,11 @@ def test_a_bad_prompt_file_is_refused(files, tmp_path, capsys, case):
 @pytest.fixture
 def long_prompts(tmp_path) -> Path:
     """Three prompts; the middle one longer than the target's 512 positions minus 8 new tokens."""
-    rows = [{"id": "short", "prompt": "t1 t2 t3"}, {"id": "long", "prompt": " ".join(f"t{k % 60}" for k in range(600))},
-            {"id": "also-short", "prompt": "t4 t5"}]  # fmt: skip
+    rows = [
+        {"id": "short", "prompt": "t1 t2 t3"},
+        {"id": "long", "prompt": " ".join(f"t{k % 60}" for k in range(600))},
+        {"id": "also-short", "prompt": "t4 t5"},
+    ]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -401,8 +551,18 @@ def test_a_prompt_longer_than_the_context_is_an_error_by_default(files, tmp_path
     expected = f"{long_prompts}: prompt 'long' has 600 tokens; expected at most 504 (the target's context minus "
     assert expected + "--max-new-tokens)" in line
     assert "--long-prompts skip" in line
-    line = refused(capsys, "eval", "--checkpoint", files["drafter"], "--target-model", files["target"], "--prompts",
-                   long_prompts, "--max-new-tokens", 8)  # fmt: skip
+    line = refused(
+        capsys,
+        "eval",
+        "--checkpoint",
+        files["drafter"],
+        "--target-model",
+        files["target"],
+        "--prompts",
+        long_prompts,
+        "--max-new-tokens",
+        8,
+    )
     assert f"{long_prompts}: prompt 'long' has 600 tokens; expected at most 504" in line
 
 
@@ -419,8 +579,20 @@ def test_long_prompts_skip_and_truncate_are_counted(files, tmp_path, capsys, lon
     assert long["id"] == "long" and len(long["prompt_ids"]) == 504 and long["prompt_truncated_from"] == 600
     assert long["prompt_ids"] == [k % 60 for k in range(600)][-504:]  # the end of the prompt is kept
 
-    rc, out, err = run(capsys, "eval", "--checkpoint", files["drafter"], "--target-model", files["target"],
-                       "--prompts", long_prompts, "--max-new-tokens", 8, "--long-prompts", "skip")  # fmt: skip
+    rc, out, err = run(
+        capsys,
+        "eval",
+        "--checkpoint",
+        files["drafter"],
+        "--target-model",
+        files["target"],
+        "--prompts",
+        long_prompts,
+        "--max-new-tokens",
+        8,
+        "--long-prompts",
+        "skip",
+    )
     assert rc == 0, err
     assert "1 skipped (--long-prompts skip)" in out and "records: 2 valid of 2" in out
 
@@ -428,35 +600,59 @@ def test_long_prompts_skip_and_truncate_are_counted(files, tmp_path, capsys, lon
 # -- flags ------------------------------------------------------------------------------------------
 
 BAD_FLAGS = {
-    "init block size": (["init", "--target-model", "T", "--out", "D", "--block-size", "1"],
-                        "argument --block-size: expected an integer >= 2"),
-    "eval block size": (["eval", "--checkpoint", "D", "--target-model", "T", "--prompts", "P", "--block-size", "0"],
-                        "argument --block-size: expected an integer >= 2"),
-    "speculate block size": (["speculate", "--target-model", "T", "--checkpoint", "D", "--prompt", "x",
-                              "--block-size", "x"], "argument --block-size: expected an integer >= 2"),
-    "train block size": (["train", "--target-model", "T", "--out", "O", "--completions", "C", "--block-size", "1"],
-                         "argument --block-size: expected an integer >= 2"),
-    "generate num prompts": (["generate", "--target-model", "T", "--prompts", "P", "--out", "O", "--num-prompts", "0"],
-                             "argument --num-prompts: expected a positive integer, found 0"),
-    "eval num prompts": (["eval", "--checkpoint", "D", "--target-model", "T", "--prompts", "P", "--num-prompts", "-3"],
-                         "argument --num-prompts: expected a positive integer, found -3"),
-    "cache num prompts": (["cache", "--target-model", "T", "--completions", "C", "--out", "O", "--num-prompts", "x"],
-                          "argument --num-prompts: expected a positive integer, found 'x'"),
-    "eval max blocks": (["eval", "--checkpoint", "D", "--target-model", "T", "--prompts", "P", "--max-blocks", "0"],
-                        "argument --max-blocks: expected a positive integer, found 0"),
-    "generate temperature": (["generate", "--target-model", "T", "--prompts", "P", "--out", "O", "--temperature",
-                              "-0.5"], "argument --temperature: expected a finite number >= 0 (0 = greedy), found "
-                                       "-0.5"),
-    "eval temperature": (["eval", "--checkpoint", "D", "--target-model", "T", "--prompts", "P", "--online",
-                          "--temperature", "nan"], "argument --temperature: expected a finite number >= 0"),
-    "cache layers": (["cache", "--target-model", "T", "--completions", "C", "--out", "O", "--layers", "x"],
-                     "argument --layers: expected layer ids >= 0 such as 1,6,11; found 'x'"),
-    "train both sources": (["train", "--target-model", "T", "--out", "O", "--completions", "C",
-                            "--cached-hidden-states", "X"], "argument --cached-hidden-states: not allowed with "
-                                                            "argument --completions"),
-    "missing required": (["init", "--out", "D"],
-                         "flashdraft init: the following arguments are required: --target-model"),
-}  # fmt: skip
+    "init block size": (
+        ["init", "--target-model", "T", "--out", "D", "--block-size", "1"],
+        "argument --block-size: expected an integer >= 2",
+    ),
+    "eval block size": (
+        ["eval", "--checkpoint", "D", "--target-model", "T", "--prompts", "P", "--block-size", "0"],
+        "argument --block-size: expected an integer >= 2",
+    ),
+    "speculate block size": (
+        ["speculate", "--target-model", "T", "--checkpoint", "D", "--prompt", "x", "--block-size", "x"],
+        "argument --block-size: expected an integer >= 2",
+    ),
+    "train block size": (
+        ["train", "--target-model", "T", "--out", "O", "--completions", "C", "--block-size", "1"],
+        "argument --block-size: expected an integer >= 2",
+    ),
+    "generate num prompts": (
+        ["generate", "--target-model", "T", "--prompts", "P", "--out", "O", "--num-prompts", "0"],
+        "argument --num-prompts: expected a positive integer, found 0",
+    ),
+    "eval num prompts": (
+        ["eval", "--checkpoint", "D", "--target-model", "T", "--prompts", "P", "--num-prompts", "-3"],
+        "argument --num-prompts: expected a positive integer, found -3",
+    ),
+    "cache num prompts": (
+        ["cache", "--target-model", "T", "--completions", "C", "--out", "O", "--num-prompts", "x"],
+        "argument --num-prompts: expected a positive integer, found 'x'",
+    ),
+    "eval max blocks": (
+        ["eval", "--checkpoint", "D", "--target-model", "T", "--prompts", "P", "--max-blocks", "0"],
+        "argument --max-blocks: expected a positive integer, found 0",
+    ),
+    "generate temperature": (
+        ["generate", "--target-model", "T", "--prompts", "P", "--out", "O", "--temperature", "-0.5"],
+        "argument --temperature: expected a finite number >= 0 (0 = greedy), found -0.5",
+    ),
+    "eval temperature": (
+        ["eval", "--checkpoint", "D", "--target-model", "T", "--prompts", "P", "--online", "--temperature", "nan"],
+        "argument --temperature: expected a finite number >= 0",
+    ),
+    "cache layers": (
+        ["cache", "--target-model", "T", "--completions", "C", "--out", "O", "--layers", "x"],
+        "argument --layers: expected layer ids >= 0 such as 1,6,11; found 'x'",
+    ),
+    "train both sources": (
+        ["train", "--target-model", "T", "--out", "O", "--completions", "C", "--cached-hidden-states", "X"],
+        "argument --cached-hidden-states: not allowed with argument --completions",
+    ),
+    "missing required": (
+        ["init", "--out", "D"],
+        "flashdraft init: the following arguments are required: --target-model",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", BAD_FLAGS)
@@ -471,13 +667,31 @@ def test_a_flag_out_of_range_is_one_line(capsys, case):
 UNSORTED_IDS = {
     "init": ["init", "--target-model", "T", "--out", "D", "--target-layer-ids", "3,1,2"],
     "train": ["train", "--target-model", "T", "--out", "O", "--completions", "C", "--target-layer-ids", "3,1,2"],
-    "eval (bare state dict)": ["eval", "--checkpoint", "S.pt", "--target-model", "T", "--prompts", "P",
-                               "--target-layer-ids", "3,1,2"],
-    "export (bare state dict)": ["export", "--checkpoint", "S.pt", "--out", "O", "--target-model", "T",
-                                 "--target-layer-ids", "3,1,2"],
+    "eval (bare state dict)": [
+        "eval",
+        "--checkpoint",
+        "S.pt",
+        "--target-model",
+        "T",
+        "--prompts",
+        "P",
+        "--target-layer-ids",
+        "3,1,2",
+    ],
+    "export (bare state dict)": [
+        "export",
+        "--checkpoint",
+        "S.pt",
+        "--out",
+        "O",
+        "--target-model",
+        "T",
+        "--target-layer-ids",
+        "3,1,2",
+    ],
     "cache": ["cache", "--target-model", "T", "--completions", "C", "--out", "O", "--layers", "2,0"],
     "duplicates": ["init", "--target-model", "T", "--out", "D", "--target-layer-ids", "1,1"],
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", UNSORTED_IDS)
@@ -485,25 +699,48 @@ def test_unsorted_or_repeated_layer_ids_are_refused_naming_the_flag_and_the_serv
     argv = UNSORTED_IDS[case]
     flag, value = argv[-2], argv[-1]
     line = refused(capsys, *argv)
-    assert f"argument {flag}: expected unique, strictly increasing ids: vLLM and SGLang capture target layers in " \
-           f"layer order" in line and f"found '{value}'" in line, line
+    assert (
+        f"argument {flag}: expected unique, strictly increasing ids: vLLM and SGLang capture target layers in "
+        f"layer order"
+        in line
+        and f"found '{value}'" in line
+    ), line
     assert not Path(argv[argv.index("--out") + 1] if "--out" in argv else "D").exists()
 
 
-@pytest.mark.parametrize("command", ["export", "speculate", "train --init", "cache --draft-config",
-                                     "doctor --checkpoint"])  # fmt: skip
+@pytest.mark.parametrize(
+    "command", ["export", "speculate", "train --init", "cache --draft-config", "doctor --checkpoint"]
+)
 def test_a_drafter_saved_with_unsorted_layer_ids_is_refused_on_load(files, tmp_path, capsys, command):
     drafter = shutil.copytree(files["drafter"], tmp_path / "d")
     _config_edit(lambda c: c["dflash_config"].update(target_layer_ids=[2, 0]))(drafter)
     argv = {
         "export": ["export", "--checkpoint", drafter, "--out", tmp_path / "x"],
         "speculate": ["speculate", "--target-model", files["target"], "--checkpoint", drafter, "--prompt", "t1 t2"],
-        "train --init": ["train", "--target-model", files["target"], "--init", drafter, "--out", tmp_path / "run",
-                         "--completions", files["completions"]],
-        "cache --draft-config": ["cache", "--target-model", files["target"], "--completions", files["completions"],
-                                 "--out", tmp_path / "c", "--draft-config", drafter],
+        "train --init": [
+            "train",
+            "--target-model",
+            files["target"],
+            "--init",
+            drafter,
+            "--out",
+            tmp_path / "run",
+            "--completions",
+            files["completions"],
+        ],
+        "cache --draft-config": [
+            "cache",
+            "--target-model",
+            files["target"],
+            "--completions",
+            files["completions"],
+            "--out",
+            tmp_path / "c",
+            "--draft-config",
+            drafter,
+        ],
         "doctor --checkpoint": ["doctor", files["cache"], "--checkpoint", drafter],
-    }[command]  # fmt: skip
+    }[command]
     line = refused(capsys, *argv)
     assert str(drafter) in line and "field 'dflash_config.target_layer_ids' is [2, 0]" in line, line
     assert "strictly increasing" in line and "layer order" in line, line
@@ -524,25 +761,58 @@ def test_doctor_reports_unsorted_layer_ids_of_a_drafter_and_of_a_cache(files, tm
 
 
 CONFLICTS = {
-    "two record sources": (lambda f, t: eval_args(f, f["drafter"], completions=f["completions"],
-                                                  cached_hidden_states=f["cache"]),
-                           "give exactly one record source: --cached-hidden-states DIR, --completions C.json or "
-                           "--prompts P (found 2)"),
-    "layers and a drafter's": (lambda f, t: ["cache", "--target-model", f["target"], "--completions",
-                                             f["completions"], "--out", t / "c", "--layers", "0", "--draft-config",
-                                             f["drafter"]], "give --layers or --draft-config, not both"),
-    "--init and another block size": (lambda f, t: ["train", "--target-model", f["target"], "--init", f["drafter"],
-                                                    "--out", t / "run", "--completions", f["completions"],
-                                                    "--block-size", "4"],
-                                      "--block-size 4 conflicts with {drafter} (--init), whose config.json has 8"),
-    "a server for local generation": (lambda f, t: generate_args(f, f["prompts"], t / "c.json", "--base-url",
-                                                                 "http://x"),
-                                      "--base-url and --server-model are for --backend openai"),
-    "step-for-step check of sampled drafts": (lambda f, t: [*eval_args(f, f["drafter"]), "--temperature", "0.7",
-                                                            "--check-consistency", "--serving-rule",
-                                                            "vllm-probabilistic"],
-                                              "--check-consistency at --temperature 0.7"),
-}  # fmt: skip
+    "two record sources": (
+        lambda f, t: eval_args(f, f["drafter"], completions=f["completions"], cached_hidden_states=f["cache"]),
+        "give exactly one record source: --cached-hidden-states DIR, --completions C.json or --prompts P (found 2)",
+    ),
+    "layers and a drafter's": (
+        lambda f, t: [
+            "cache",
+            "--target-model",
+            f["target"],
+            "--completions",
+            f["completions"],
+            "--out",
+            t / "c",
+            "--layers",
+            "0",
+            "--draft-config",
+            f["drafter"],
+        ],
+        "give --layers or --draft-config, not both",
+    ),
+    "--init and another block size": (
+        lambda f, t: [
+            "train",
+            "--target-model",
+            f["target"],
+            "--init",
+            f["drafter"],
+            "--out",
+            t / "run",
+            "--completions",
+            f["completions"],
+            "--block-size",
+            "4",
+        ],
+        "--block-size 4 conflicts with {drafter} (--init), whose config.json has 8",
+    ),
+    "a server for local generation": (
+        lambda f, t: generate_args(f, f["prompts"], t / "c.json", "--base-url", "http://x"),
+        "--base-url and --server-model are for --backend openai",
+    ),
+    "step-for-step check of sampled drafts": (
+        lambda f, t: [
+            *eval_args(f, f["drafter"]),
+            "--temperature",
+            "0.7",
+            "--check-consistency",
+            "--serving-rule",
+            "vllm-probabilistic",
+        ],
+        "--check-consistency at --temperature 0.7",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", CONFLICTS)

@@ -48,8 +48,9 @@ from tests.conftest import save_target
 ROOT = Path(__file__).resolve().parents[1]
 # subprocesses at this process's thread count (conftest's): their results are compared bit for bit with
 # runs in this process, and a kernel's summation order depends on its thread count
-ENV = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), PYTHONPATH=str(ROOT),
-           TRANSFORMERS_VERBOSITY="error")
+ENV = dict(
+    os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error"
+)
 PROGRESS_BAR = re.compile(r"\d+%\|")  # tqdm's lines on stderr are progress, not messages
 
 
@@ -58,20 +59,62 @@ def ref(tmp_path_factory) -> dict:
     """A saved tiny target, 30 prompts, and the uninterrupted generate -> cache -> train runs."""
     root = tmp_path_factory.mktemp("faults")
     save_target(root / "target", "qwen3")
-    rows = [{"id": f"p{i:02d}", "prompt": " ".join(f"t{(7 * i + k) % 60}" for k in range(3 + i % 5))}
-            for i in range(30)]  # fmt: skip
+    rows = [
+        {"id": f"p{i:02d}", "prompt": " ".join(f"t{(7 * i + k) % 60}" for k in range(3 + i % 5))} for i in range(30)
+    ]
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = {
-        "generate": ["generate", "--target-model", root / "target", "--prompts", root / "prompts.jsonl",
-                     "--max-new-tokens", 16, "--batch-size", 2],
-        "cache": ["cache", "--target-model", root / "target", "--completions", root / "c.json", "--layers", "0,2",
-                  "--dtype", "fp32", "--records-per-shard", 2],
-        "train": ["train", "--target-model", root / "target", "--cached-hidden-states", root / "cache",
-                  "--epochs", 2, "--batch-size", 2, "--num-anchors", 8, "--block-size", 4,
-                  "--draft-layers", 1, "--target-layer-ids", "0,2", "--save-every", 1, "--log-every", 1,
-                  # AdamW's two moments make trainer.pt larger than the weights: the full-disk test fits one, not both
-                  "--optimizer", "adamw"],
-    }  # fmt: skip
+        "generate": [
+            "generate",
+            "--target-model",
+            root / "target",
+            "--prompts",
+            root / "prompts.jsonl",
+            "--max-new-tokens",
+            16,
+            "--batch-size",
+            2,
+        ],
+        "cache": [
+            "cache",
+            "--target-model",
+            root / "target",
+            "--completions",
+            root / "c.json",
+            "--layers",
+            "0,2",
+            "--dtype",
+            "fp32",
+            "--records-per-shard",
+            2,
+        ],
+        "train": [
+            "train",
+            "--target-model",
+            root / "target",
+            "--cached-hidden-states",
+            root / "cache",
+            "--epochs",
+            2,
+            "--batch-size",
+            2,
+            "--num-anchors",
+            8,
+            "--block-size",
+            4,
+            "--draft-layers",
+            1,
+            "--target-layer-ids",
+            "0,2",
+            "--save-every",
+            1,
+            "--log-every",
+            1,
+            # AdamW's two moments make trainer.pt larger than the weights: the full-disk test fits one, not both
+            "--optimizer",
+            "adamw",
+        ],
+    }
     args = {k: [str(a) for a in v] for k, v in args.items()}
     assert main(args["generate"] + ["--out", str(root / "c.json")]) == 0
     assert main(args["cache"] + ["--out", str(root / "cache")]) == 0
@@ -83,8 +126,13 @@ def kill_at_random_moment(argv: list[str], started, seed: int, delay: float = 0.
     """Run `flashdraft ARGV` slowed, wait until `started()` is true (its first finished unit is
     on disk), then SIGKILL it a random 0.2-1.2 s later, while it is still running."""
     env = dict(ENV)
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fault_runner", str(delay), *argv], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.fault_runner", str(delay), *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 120
         while not started():
@@ -188,9 +236,14 @@ def start_slowed(argv: list[str], delay: float, stderr: Path, env: dict | None =
     """`flashdraft ARGV` slowed (tests/fault_runner.py), its stderr into a file; SIGINT is set back
     to its default in case this test process ignores it (a background job), as a terminal's is."""
     with open(stderr, "w") as log:
-        return subprocess.Popen([sys.executable, "-m", "tests.fault_runner", str(delay), *argv], cwd=ROOT,
-                                env=env or ENV, stdout=subprocess.DEVNULL, stderr=log,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.fault_runner", str(delay), *argv],
+            cwd=ROOT,
+            env=env or ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
 
 
 def wait_until(proc: subprocess.Popen, condition, what: str, stderr: Path) -> None:
@@ -238,8 +291,10 @@ def test_sigterm_during_train_checkpoints_the_step_in_flight_exits_143_and_resum
     assert 3 <= step < 30 and [p.name for p in complete_checkpoints(out)] == [last.name]
     verify_checkpoint(last)  # whole, though a second signal came while it was written
     assert not list(out.glob("checkpoints/.tmp-*")) and not (out / ".lock").exists()
-    assert stop_line(err) == (f"stopped: SIGTERM after step {step} of 30: checkpoint {last}; resume with: flashdraft "
-                              f"{' '.join(argv)} --resume")  # fmt: skip
+    assert stop_line(err) == (
+        f"stopped: SIGTERM after step {step} of 30: checkpoint {last}; resume with: flashdraft "
+        f"{' '.join(argv)} --resume"
+    )
 
     assert main(argv + ["--resume"]) == 0
     final_weights_equal(out, ref["root"] / "run")
@@ -293,7 +348,8 @@ def test_sigterm_on_one_of_two_gloo_ranks_stops_both_after_one_step_exits_143_an
     step = int(last.name.removeprefix("step-"))
     verify_checkpoint(last)
     assert 2 <= step < 14 and stop_line(logs / "rank0").startswith(
-        f"stopped: SIGTERM after step {step} of 14: checkpoint {last}; resume with: flashdraft ")
+        f"stopped: SIGTERM after step {step} of 14: checkpoint {last}; resume with: flashdraft "
+    )
     assert not [line for line in (logs / "rank1").read_text().splitlines() if line.startswith("stopped")]
     assert wait_all(reference) == [0, 0]
 
@@ -317,9 +373,11 @@ def test_sigint_during_generate_exits_130_after_the_batch_in_flight_and_rerun_gi
     rows = [json.loads(line) for line in text.splitlines()]
     assert text.endswith("\n") and (len(rows) - 1) % 2 == 0 and 2 <= len(rows) - 1 < 30  # whole batches only
     assert not out.exists() and not (tmp_path / "c.json.lock").exists()
-    assert stop_line(err) == (f"stopped: SIGINT: {len(rows) - 1} of 30 prompts answered, their records kept in "
-                              f"{part} (not merged into {out} yet); finish with: flashdraft "
-                              f"{' '.join(argv)}")  # fmt: skip
+    assert stop_line(err) == (
+        f"stopped: SIGINT: {len(rows) - 1} of 30 prompts answered, their records kept in "
+        f"{part} (not merged into {out} yet); finish with: flashdraft "
+        f"{' '.join(argv)}"
+    )
 
     assert main(argv) == 0
     assert out.read_bytes() == (ref["root"] / "c.json").read_bytes()
@@ -347,8 +405,10 @@ def test_sigterm_during_cache_exits_143_after_the_record_in_flight_and_rerun_giv
     for meta in done:  # every shard recorded as finished is whole; the one in flight left nothing
         assert sha256_file(out / meta["file"]) == meta["sha256"]
     assert sorted(p.name for p in out.glob("*.safetensors*")) == [meta["file"] for meta in done]
-    assert stop_line(err) == (f"stopped: SIGTERM: {len(done)} of 15 shards finished in {out} (the one in flight is "
-                              f"computed again); finish with: flashdraft {' '.join(argv)}")  # fmt: skip
+    assert stop_line(err) == (
+        f"stopped: SIGTERM: {len(done)} of 15 shards finished in {out} (the one in flight is "
+        f"computed again); finish with: flashdraft {' '.join(argv)}"
+    )
 
     assert main(argv) == 0
     same_cache(out, ref["root"] / "cache")
@@ -367,10 +427,12 @@ def test_a_second_cache_on_the_same_output_is_refused_naming_the_first_and_its_l
     first = start_slowed(argv, 1.0, err)  # 30 s of work: it outlives the second's start (killed below)
     try:
         holder = f"pid {first.pid}\n"
-        wait_until(first, lambda: (out / ".lock").exists() and (out / ".lock").read_text().startswith(holder),
-                   "its lock", err)  # fmt: skip
-        second = subprocess.run([sys.executable, "-m", "flashdraft", *argv], cwd=ROOT, env=ENV, capture_output=True,
-                                text=True, timeout=120)  # fmt: skip
+        wait_until(
+            first, lambda: (out / ".lock").exists() and (out / ".lock").read_text().startswith(holder), "its lock", err
+        )
+        second = subprocess.run(
+            [sys.executable, "-m", "flashdraft", *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
+        )
         lock_after = (out / ".lock").read_text()
         assert first.poll() is None, "the first cache finished before the second started; give it more work"
         assert second.returncode == 2, second.stderr[-2000:]
@@ -386,9 +448,11 @@ def test_a_second_cache_on_the_same_output_is_refused_naming_the_first_and_its_l
 
 # -- a full disk -------------------------------------------------------------------------------
 
-EFBIG_LINE = re.compile(r"^error: (\S+): file too large for the filesystem or the process's file-size limit \(EFBIG\) "
-                        r"while writing (.+) \((about|at least) [\d.]+ (bytes|KB|MB) needed; "
-                        r"[\d.]+ (bytes|KB|MB|GB|TB) free\); (.+)$")  # fmt: skip
+EFBIG_LINE = re.compile(
+    r"^error: (\S+): file too large for the filesystem or the process's file-size limit \(EFBIG\) "
+    r"while writing (.+) \((about|at least) [\d.]+ (bytes|KB|MB) needed; "
+    r"[\d.]+ (bytes|KB|MB|GB|TB) free\); (.+)$"
+)
 
 
 @pytest.fixture(scope="module")
@@ -398,8 +462,15 @@ def full_disk(ref, tmp_path_factory) -> dict:
     root, args = tmp_path_factory.mktemp("full-disk"), ref["args"]
     smallest_shard = min(p.stat().st_size for p in (ref["root"] / "cache").glob("shard-*"))
     run = str(ref["root"] / "run")
-    evaluate = ["eval", "--checkpoint", run, "--target-model", str(ref["root"] / "target"), "--cached-hidden-states",
-                str(ref["root"] / "cache")]  # fmt: skip
+    evaluate = [
+        "eval",
+        "--checkpoint",
+        run,
+        "--target-model",
+        str(ref["root"] / "target"),
+        "--cached-hidden-states",
+        str(ref["root"] / "cache"),
+    ]
     plan = {  # writer: (argv up to its output, output, file-size limit)
         "generate": (args["generate"] + ["--out"], "c.json", 3000),  # the part file: a few batches fit
         "cache": (args["cache"] + ["--out"], "cache", smallest_shard),  # the shards of the shortest records fit
@@ -409,8 +480,10 @@ def full_disk(ref, tmp_path_factory) -> dict:
         "eval-json": (evaluate + ["--json"], "e.json", 1000),
         "eval-report": (evaluate + ["--report"], "report", 5000),  # a plot does not fit
     }
-    commands = [{"name": name, "argv": argv + [str(root / name / out)], "limit": limit}
-                for name, (argv, out, limit) in plan.items()]  # fmt: skip
+    commands = [
+        {"name": name, "argv": argv + [str(root / name / out)], "limit": limit}
+        for name, (argv, out, limit) in plan.items()
+    ]
     for c in commands:
         (root / c["name"]).mkdir()
     (root / "plan.json").write_text(json.dumps(commands))
@@ -434,9 +507,7 @@ def no_temporary_files(directory: Path) -> None:
     assert not [p for p in directory.rglob("*") if p.name.endswith(".tmp") or p.name.startswith(".tmp")]
 
 
-def test_a_full_disk_in_generate_exits_2_in_one_line_keeps_whole_records_and_rerun_gives_the_same_file(
-    full_disk, ref
-):
+def test_a_full_disk_in_generate_exits_2_in_one_line_keeps_whole_records_and_rerun_gives_the_same_file(full_disk, ref):
     out, argv, result = full_disk["generate"]
     match = one_disk_full_line(result, out.parent / "c.json.part0.jsonl", "the completions of 2 prompts")
     assert "the records already in c.json.part0.jsonl are kept" in match[6]
@@ -449,9 +520,7 @@ def test_a_full_disk_in_generate_exits_2_in_one_line_keeps_whole_records_and_rer
     assert out.read_bytes() == (ref["root"] / "c.json").read_bytes()
 
 
-def test_a_full_disk_in_cache_exits_2_in_one_line_keeps_finished_shards_and_rerun_gives_the_same_bytes(
-    full_disk, ref
-):
+def test_a_full_disk_in_cache_exits_2_in_one_line_keeps_finished_shards_and_rerun_gives_the_same_bytes(full_disk, ref):
     out, argv, result = full_disk["cache"]
     match = one_disk_full_line(result, out, "cache shard")
     assert re.match(r"free about [\d.]+ KB for the \d+ shards still to write and re-run the same command", match[6])
@@ -504,8 +573,9 @@ def test_a_full_disk_in_export_exits_2_in_one_line_leaves_no_drafter_and_rerun_g
     }
 
 
-@pytest.mark.parametrize("writer, written", [("eval-json", "the evaluation figures (--json)"),
-                                             ("eval-report", "a report plot")])  # fmt: skip
+@pytest.mark.parametrize(
+    "writer, written", [("eval-json", "the evaluation figures (--json)"), ("eval-report", "a report plot")]
+)
 def test_a_full_disk_in_eval_output_exits_2_in_one_line_writes_nothing_partial_and_rerun_gives_the_same_output(
     full_disk, tmp_path, writer, written
 ):
@@ -529,8 +599,13 @@ def tmpfs(tmp_path):
     CAP_SYS_ADMIN); skipped elsewhere, the file-size-limit tests above covering every writer."""
     mount = tmp_path / "small"
     mount.mkdir()
-    if not shutil.which("mount") or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
-                                                   capture_output=True).returncode != 0:  # fmt: skip
+    if (
+        not shutil.which("mount")
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs here")
 
     def resize(size: int) -> None:
@@ -555,16 +630,27 @@ def test_cache_on_a_small_tmpfs_is_refused_up_front_fails_cleanly_when_forced_an
     out = mount / "cache"
     argv = ref["args"]["cache"] + ["--out", str(out)]
     rc, lines = run_here(capsys, argv)
-    assert rc == 2 and len(lines) == 1 and re.match(
-        rf"error: {out}: the cache still to write needs about [\d.]+ KB \(\d+ tokens of 30 records x 2 layers x 64 "
-        r"hidden x 4 bytes \(float32\)\), its filesystem has [\d.]+ KB free; free space, choose another --out, or "
-        r"give --force to try anyway$", lines[0]), lines  # fmt: skip
+    assert (
+        rc == 2
+        and len(lines) == 1
+        and re.match(
+            rf"error: {out}: the cache still to write needs about [\d.]+ KB \(\d+ tokens of 30 records x 2 layers x 64 "
+            r"hidden x 4 bytes \(float32\)\), its filesystem has [\d.]+ KB free; free space, choose another --out, or "
+            r"give --force to try anyway$",
+            lines[0],
+        )
+    ), lines
     assert not list(out.glob("*.safetensors*"))  # refused before any forward
 
     rc, lines = run_here(capsys, argv + ["--force"])
-    assert rc == 2 and len(lines) == 1 and re.match(
-        rf"error: {out}/shard-\d+.safetensors: no space left on the device \(ENOSPC\) while writing cache shard",
-        lines[0]), lines  # fmt: skip
+    assert (
+        rc == 2
+        and len(lines) == 1
+        and re.match(
+            rf"error: {out}/shard-\d+.safetensors: no space left on the device \(ENOSPC\) while writing cache shard",
+            lines[0],
+        )
+    ), lines
     done = [json.loads(p.read_text()) for p in sorted((out / PROGRESS).glob("shard-*.json"))]
     assert 1 <= len(done) < 15 and not (out / MANIFEST).exists()
     assert sorted(p.name for p in out.glob("*.safetensors*")) == [meta["file"] for meta in done]
@@ -582,9 +668,15 @@ def test_train_on_a_small_tmpfs_fails_cleanly_mid_run_keeping_complete_checkpoin
     out = mount / "run"
     argv = ref["args"]["train"] + ["--out", str(out)]
     rc, lines = run_here(capsys, argv)
-    assert rc == 2 and len(lines) == 1 and re.match(
-        rf"error: {out}/checkpoints/step-\d+/\S+: no space left on the device \(ENOSPC\) while writing .*re-run "
-        r"the same command with --resume", lines[0]), lines  # fmt: skip
+    assert (
+        rc == 2
+        and len(lines) == 1
+        and re.match(
+            rf"error: {out}/checkpoints/step-\d+/\S+: no space left on the device \(ENOSPC\) while writing .*re-run "
+            r"the same command with --resume",
+            lines[0],
+        )
+    ), lines
     kept = complete_checkpoints(out)
     # no partial checkpoint next to the complete ones
     assert len(kept) >= 1 and sorted(p.name for p in (out / "checkpoints").iterdir()) == [p.name for p in kept]

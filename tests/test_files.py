@@ -69,8 +69,14 @@ def test_saved_drafter_and_checkpoint_files_honour_the_umask(tmp_path, mask, exp
         best = save_best(tmp_path / "run", 1, drafter.config, drafter.state_dict(), "tau", 1.0)
     files = [out / "model.safetensors", out / "config.json"]
     files += [p for p in sorted(ckpt.rglob("*")) + sorted(best.rglob("*")) if p.is_file()]
-    assert {f.name for f in files} >= {"model.safetensors", "config.json", "trainer.pt", "checksums.json",
-                                       "COMPLETE", "best.json"}  # fmt: skip
+    assert {f.name for f in files} >= {
+        "model.safetensors",
+        "config.json",
+        "trainer.pt",
+        "checksums.json",
+        "COMPLETE",
+        "best.json",
+    }
     assert {str(f.relative_to(tmp_path)): oct(mode(f)) for f in files} == {
         str(f.relative_to(tmp_path)): oct(expected) for f in files
     }
@@ -83,12 +89,56 @@ def test_completions_cache_and_eval_files_honour_the_umask(qwen3_dir, tmp_path, 
     prompts = write_prompts(tmp_path / "p.jsonl", 2)
     target, completions, cache = str(qwen3_dir), str(tmp_path / "c.json"), str(tmp_path / "cache")
     with umask(mask):
-        assert run_cli(["generate", "--target-model", target, "--prompts", str(prompts), "--out", completions,
-                        "--max-new-tokens", "4"]) == 0  # fmt: skip
-        assert run_cli(["cache", "--target-model", target, "--completions", completions, "--out", cache,
-                        "--layers", "0,2", "--with-target-logits", "2"]) == 0  # fmt: skip
-        assert run_cli(["eval", "--checkpoint", str(drafter_dir), "--target-model", target,
-                        "--cached-hidden-states", cache, "--json", str(tmp_path / "e.json")]) == 0  # fmt: skip
+        assert (
+            run_cli(
+                [
+                    "generate",
+                    "--target-model",
+                    target,
+                    "--prompts",
+                    str(prompts),
+                    "--out",
+                    completions,
+                    "--max-new-tokens",
+                    "4",
+                ]
+            )
+            == 0
+        )
+        assert (
+            run_cli(
+                [
+                    "cache",
+                    "--target-model",
+                    target,
+                    "--completions",
+                    completions,
+                    "--out",
+                    cache,
+                    "--layers",
+                    "0,2",
+                    "--with-target-logits",
+                    "2",
+                ]
+            )
+            == 0
+        )
+        assert (
+            run_cli(
+                [
+                    "eval",
+                    "--checkpoint",
+                    str(drafter_dir),
+                    "--target-model",
+                    target,
+                    "--cached-hidden-states",
+                    cache,
+                    "--json",
+                    str(tmp_path / "e.json"),
+                ]
+            )
+            == 0
+        )
     files = [tmp_path / "c.json", tmp_path / "e.json", *sorted((tmp_path / "cache").iterdir())]
     assert {f.name for f in files} >= {"manifest.json", "shard-00000.safetensors", "topk-00000.safetensors"}
     assert json.loads((tmp_path / "e.json").read_text())  # the eval really wrote its figures
@@ -103,8 +153,10 @@ def test_a_second_writer_of_an_output_is_refused_naming_the_holders_pid_host_and
     with OutputLock(lock, out, "flashdraft cache"):
         with pytest.raises(FlashdraftError) as refused:
             OutputLock(lock, out, "flashdraft cache")
-    assert str(refused.value) == (f"{out}: another flashdraft cache (pid {os.getpid()} on host {socket.gethostname()}) "
-                                  f"is writing it (lock {lock}); wait for it to finish, stop it, or use another --out")
+    assert str(refused.value) == (
+        f"{out}: another flashdraft cache (pid {os.getpid()} on host {socket.gethostname()}) "
+        f"is writing it (lock {lock}); wait for it to finish, stop it, or use another --out"
+    )
     assert not lock.exists()  # released: removed, so a finished output carries no lock file
     OutputLock(lock, out, "flashdraft cache").release()  # and free for the next writer
 
@@ -116,5 +168,6 @@ def test_the_lock_left_by_a_dead_writer_on_this_host_is_taken_over_with_a_messag
     lock.write_text(f"pid {dead.pid}\nhost {host}\n")  # what a killed writer leaves (the kernel dropped its flock)
     with OutputLock(lock, tmp_path, "flashdraft cache"):
         assert lock.read_text() == f"pid {os.getpid()}\nhost {host}\n"
-    assert capsys.readouterr().out == (f"{tmp_path}: taking over the lock {lock} left by pid {dead.pid} on host {host} "
-                                       f"(no longer running)\n")  # fmt: skip
+    assert capsys.readouterr().out == (
+        f"{tmp_path}: taking over the lock {lock} left by pid {dead.pid} on host {host} (no longer running)\n"
+    )

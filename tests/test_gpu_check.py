@@ -14,8 +14,16 @@ import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-CHECKS = {"linear_attention_parity", "target_verify_cost", "spec_loop_overhead", "flex_vs_dense", "train_step",
-          "served", "bench", "engine_capture"}
+CHECKS = {
+    "linear_attention_parity",
+    "target_verify_cost",
+    "spec_loop_overhead",
+    "flex_vs_dense",
+    "train_step",
+    "served",
+    "bench",
+    "engine_capture",
+}
 
 
 def result_rows(stdout: str) -> list[dict]:
@@ -24,10 +32,13 @@ def result_rows(stdout: str) -> list[dict]:
 
 
 def test_dry_run_prints_every_check_with_figures_and_passes():
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                        "OMP_NUM_THREADS": "1"}  # fmt: skip
-    out = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env,
-                         timeout=300)  # fmt: skip
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = result_rows(out.stdout)
     assert {r["check"] for r in rows} == CHECKS and not [r for r in rows if "error" in r]
@@ -43,16 +54,22 @@ def test_dry_run_prints_every_check_with_figures_and_passes():
     loop = next(r for r in rows if r["check"] == "spec_loop_overhead")
     assert loop["steps"] > 1 and loop["verify_ms"] > 0 and loop["drafter_ms"] > 0
     trained = [r for r in rows if r["check"] == "train_step" and "skipped" not in r]
-    assert {r["case"] for r in trained} == {"qwen3-8b-drafter sdpa", "qwen3.6-27b-drafter sdpa",
-                                            "qwen3.6-27b-drafter auto x2"}  # fmt: skip
+    assert {r["case"] for r in trained} == {
+        "qwen3-8b-drafter sdpa",
+        "qwen3.6-27b-drafter sdpa",
+        "qwen3.6-27b-drafter auto x2",
+    }
     assert all(r["context_tokens_per_s"] > 0 and r["peak_memory_mb"] > 0 for r in trained)
     engine = [r for r in rows if r["check"] in ("served", "bench", "engine_capture")]
     # the GPU engine's checks say why they wait for a GPU; the CPU engine's case runs on request (`--checks served`)
     assert {r["case"]: r["skipped"] for r in engine} == {
-        "dflash": "starts vLLM: --checks served", "dflash2": "needs a GPU engine (V2 model runner)",
-        "dspark": "needs a GPU engine (V2 model runner)", "dflash-sliding": "needs a GPU engine (V2 model runner)",
+        "dflash": "starts vLLM: --checks served",
+        "dflash2": "needs a GPU engine (V2 model runner)",
+        "dspark": "needs a GPU engine (V2 model runner)",
+        "dflash-sliding": "needs a GPU engine (V2 model runner)",
         "concurrency 1,8,32": "starts vLLM twice: --checks bench",
-        "hybrid bf16": "the CPU engine runs no exact hybrid target"}  # fmt: skip
+        "hybrid bf16": "the CPU engine runs no exact hybrid target",
+    }
     assert "all passed" in out.stdout.splitlines()[-1]
 
 
@@ -66,13 +83,23 @@ def _gpu_check(monkeypatch):
 
 def test_the_bench_checks_row_reads_measured_beside_predicted_per_concurrency_and_fails_unless_lossless(
     monkeypatch, tmp_path
-):  # fmt: skip
+):
     # the check itself starts vLLM twice (`--checks bench`, the GPU machine); here its reading of bench's figures
     gpu_check = _gpu_check(monkeypatch)
-    row = {"concurrency": 1, "speedup_output_tok_s": {"value": 1.8123, "error": 0.1},
-           "predicted": {"output_tok_s": 1.9}, "tau": 3.21}  # fmt: skip
-    summary = {"engine": "vllm 0.33.0", "machine": "1-GPU", "lossless": False, "sets": [{"by_concurrency": [
-        row, row | {"concurrency": 8, "speedup_output_tok_s": {"value": 1.2, "error": None}}]}]}  # fmt: skip
+    row = {
+        "concurrency": 1,
+        "speedup_output_tok_s": {"value": 1.8123, "error": 0.1},
+        "predicted": {"output_tok_s": 1.9},
+        "tau": 3.21,
+    }
+    summary = {
+        "engine": "vllm 0.33.0",
+        "machine": "1-GPU",
+        "lossless": False,
+        "sets": [
+            {"by_concurrency": [row, row | {"concurrency": 8, "speedup_output_tok_s": {"value": 1.2, "error": None}}]}
+        ],
+    }
 
     def fake_bench(argv):
         assert argv[0] == "bench" and argv[argv.index("--concurrency") + 1] == "1,8,32"

@@ -49,10 +49,39 @@ def files(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("safe-load")
     target = save_target(root / "target", "qwen3")
     prompts = write_word_prompts(root / "p.jsonl", 4)
-    assert main(["generate", "--target-model", target, "--prompts", prompts, "--out", root / "c.json",
-                 "--max-new-tokens", 10]) == 0  # fmt: skip
-    train = ["train", "--target-model", target, "--completions", root / "c.json", "--max-steps", 1,
-             "--batch-size", 2, "--num-anchors", 4, "--block-size", 4, "--target-layer-ids", "0,2"]  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--target-model",
+                target,
+                "--prompts",
+                prompts,
+                "--out",
+                root / "c.json",
+                "--max-new-tokens",
+                10,
+            ]
+        )
+        == 0
+    )
+    train = [
+        "train",
+        "--target-model",
+        target,
+        "--completions",
+        root / "c.json",
+        "--max-steps",
+        1,
+        "--batch-size",
+        2,
+        "--num-anchors",
+        4,
+        "--block-size",
+        4,
+        "--target-layer-ids",
+        "0,2",
+    ]
     assert main([*train, "--out", root / "run"]) == 0
     return {"root": root, "target": target, "completions": root / "c.json", "run": root / "run", "train": train}
 
@@ -78,8 +107,17 @@ def test_a_trainer_pt_that_would_run_code_is_refused_by_each_command_and_its_cod
     argv = {
         "train --resume": [*files["train"], "--out", run, "--resume"],
         "doctor": ["doctor", run],
-        "eval": ["eval", "--checkpoint", run, "--target-model", files["target"], "--completions",
-                 files["completions"], "--max-blocks", 2],  # fmt: skip
+        "eval": [
+            "eval",
+            "--checkpoint",
+            run,
+            "--target-model",
+            files["target"],
+            "--completions",
+            files["completions"],
+            "--max-blocks",
+            2,
+        ],
         "export": ["export", "--checkpoint", run, "--out", tmp_path / "out"],
     }[command]
     line = one_line_refusal(capsys, *argv)
@@ -94,8 +132,10 @@ def test_a_state_dict_pt_that_would_run_code_is_refused_by_doctor_and_export_and
 ):
     marker, path = tmp_path / "ran", tmp_path / "drafter.pt"
     torch.save(make_drafter().state_dict() | {"payload": RunsCode(marker)}, path)
-    for argv in (["doctor", path], ["export", "--checkpoint", path, "--out", tmp_path / "out", "--target-model",
-                                    files["target"]]):  # fmt: skip
+    for argv in (
+        ["doctor", path],
+        ["export", "--checkpoint", path, "--out", tmp_path / "out", "--target-model", files["target"]],
+    ):
         line = one_line_refusal(capsys, *argv)
         assert str(path) in line and "names posix.mkdir" in line, line
     assert not marker.exists()
@@ -107,8 +147,10 @@ def test_a_target_whose_config_names_its_own_code_is_refused_even_when_a_termina
     target, marker = tmp_path / "custom", tmp_path / "ran"
     shutil.copytree(files["target"], target)
     config = json.loads((target / "config.json").read_text())
-    config |= {"model_type": "custom_lm", "auto_map": {"AutoConfig": "custom.CustomConfig",
-                                                       "AutoModelForCausalLM": "custom.CustomModel"}}  # fmt: skip
+    config |= {
+        "model_type": "custom_lm",
+        "auto_map": {"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel"},
+    }
     (target / "config.json").write_text(json.dumps(config))
     (target / "custom.py").write_text(f"import os\nos.mkdir({str(marker)!r})\n")
     # transformers asks on a terminal whether to run a model's code when not told: a "y" runs it
@@ -132,8 +174,14 @@ def test_a_prompt_directory_with_a_dataset_loading_script_is_refused_naming_it(t
 
 
 def test_to_plain_keeps_what_torch_loads_safely_converts_numpy_when_asked_and_names_anything_else():
-    state = {"step": 3, "rng": torch.arange(4, dtype=torch.uint8), "betas": (0.9, 0.95), "fn": None,
-             "groups": [{"params": [0, 1], "name": "adamw"}], 7: torch.Size([2, 2])}  # fmt: skip
+    state = {
+        "step": 3,
+        "rng": torch.arange(4, dtype=torch.uint8),
+        "betas": (0.9, 0.95),
+        "fn": None,
+        "groups": [{"params": [0, 1], "name": "adamw"}],
+        7: torch.Size([2, 2]),
+    }
     assert to_plain(state, "state") == state
     old = {"step": np.int64(3), "numpy_rng": np.random.RandomState(0).get_state()}
     with pytest.raises(FlashdraftError, match=r"state\['step'\]: a numpy.int64; expected only tensors"):

@@ -24,8 +24,19 @@ STATED_REASON = "over 600 lines because"
 # The components (target, drafter, decoding, serving) come before the stages that use them (data, evaluation,
 # training); evaluation precedes training because training's held-out τ is evaluation's offline walk.
 SHARED = ("errors", "files", "safe_load", "progress", "stop", "distributed", "config_file", "checks")
-WING_ORDER = ("shared", "target", "drafter", "decoding", "serving", "data", "evaluation", "train", "top", "commands",
-              "cli")  # fmt: skip
+WING_ORDER = (
+    "shared",
+    "target",
+    "drafter",
+    "decoding",
+    "serving",
+    "data",
+    "evaluation",
+    "train",
+    "top",
+    "commands",
+    "cli",
+)
 TOP = ("api", "demo", "doctor")  # what the commands call; above them only the parser and the package itself
 CLI = ("cli", "__main__")
 MAX_ROOT_MODULES = 15
@@ -73,8 +84,12 @@ def import_graph(deferred: bool) -> dict[str, dict[str, int]]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and not deferred:
                 continue
-            if (isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING"
-                    and not deferred):  # fmt: skip
+            if (
+                isinstance(child, ast.If)
+                and isinstance(child.test, ast.Name)
+                and child.test.id == "TYPE_CHECKING"
+                and not deferred
+            ):
                 continue
             if isinstance(child, (ast.Import, ast.ImportFrom)):
                 for target in imported(child, name, is_package, known):
@@ -138,8 +153,10 @@ def one_cycle(graph: dict[str, dict[str, int]], component: set[str]) -> list[str
 
 def describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
     modules = sources()
-    steps = [f"{modules[a][0].relative_to(PACKAGE.parent)}:{graph[a][b]} imports {b}"
-             for a, b in zip(cycle, cycle[1:], strict=False)]  # fmt: skip
+    steps = [
+        f"{modules[a][0].relative_to(PACKAGE.parent)}:{graph[a][b]} imports {b}"
+        for a, b in zip(cycle, cycle[1:], strict=False)
+    ]
     return " -> ".join(cycle) + "\n    " + "\n    ".join(steps)
 
 
@@ -183,10 +200,13 @@ def test_imports_run_down_the_wing_order_only():
 
 def test_the_wing_check_names_an_upward_import():
     # a target module importing evaluation is named with its file and line; the reverse is fine
-    graph = {"flashdraft.target.model": {"flashdraft.evaluation.offline": 7}, "flashdraft.evaluation.offline": {
-        "flashdraft.target.model": 3}}  # fmt: skip
-    assert upward_imports(graph) == ["flashdraft/target/model.py:7 imports flashdraft.evaluation.offline "
-                                     "(target -> evaluation, up the wing order)"]  # fmt: skip
+    graph = {
+        "flashdraft.target.model": {"flashdraft.evaluation.offline": 7},
+        "flashdraft.evaluation.offline": {"flashdraft.target.model": 3},
+    }
+    assert upward_imports(graph) == [
+        "flashdraft/target/model.py:7 imports flashdraft.evaluation.offline (target -> evaluation, up the wing order)"
+    ]
 
 
 def test_the_root_holds_at_most_15_modules_each_shared_top_or_cli():

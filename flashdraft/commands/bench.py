@@ -29,34 +29,65 @@ def prompt_sets(value: str) -> list[str]:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("bench", help="a drafter's served speed-up (vLLM, with and without it) by prompt set and "
-                       "concurrency, beside the predicted one")  # fmt: skip
+    p = sub.add_parser(
+        "bench",
+        help="a drafter's served speed-up (vLLM, with and without it) by prompt set and "
+        "concurrency, beside the predicted one",
+    )
     p.add_argument("--target-model", required=True, help="local model directory")
     p.add_argument("--checkpoint", required=True, help="drafter directory, training run directory or .pt/.safetensors")
-    p.add_argument("--prompts", type=prompt_sets, required=True,
-                   help="prompt sets, comma-separated (files in the public benchmark formats, dataset directories, "
-                        "builtin:code[:heldout], builtin:stdlib[:heldout][:N]); reported per set")  # fmt: skip
-    p.add_argument("--concurrency", type=concurrency_list, default=[1],
-                   help="requests in flight at once, e.g. 1,4,16 (default 1); each needs that many prompts per set")
+    p.add_argument(
+        "--prompts",
+        type=prompt_sets,
+        required=True,
+        help="prompt sets, comma-separated (files in the public benchmark formats, dataset directories, "
+        "builtin:code[:heldout], builtin:stdlib[:heldout][:N]); reported per set",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=concurrency_list,
+        default=[1],
+        help="requests in flight at once, e.g. 1,4,16 (default 1); each needs that many prompts per set",
+    )
     p.add_argument("--num-prompts", type=positive, default=None, help="the first N prompts of each set")
     p.add_argument("--max-new-tokens", type=positive, default=256, help="max_tokens of each request (default 256)")
     p.add_argument("--temperature", type=temperature, default=0.0, help="sampling temperature (0 = greedy)")
     filter_args(p)
     chat_mode_args(p)
-    p.add_argument("--repeats", type=positive, default=3,
-                   help="timed runs per server, set and concurrency (default 3): the speed-ups' errors")
+    p.add_argument(
+        "--repeats",
+        type=positive,
+        default=3,
+        help="timed runs per server, set and concurrency (default 3): the speed-ups' errors",
+    )
     p.add_argument("--warmups", type=int, default=2, help="warm-up requests before each timed run (default 2)")
-    p.add_argument("--server", default=None, metavar="URL",
-                   help="a running vLLM serving the target with this drafter, in place of one started for the run "
-                        "(with --baseline-server)")  # fmt: skip
-    p.add_argument("--baseline-server", default=None, metavar="URL",
-                   help="a running vLLM serving the target alone, with --server's other settings")
-    p.add_argument("--engine-python", default=None, metavar="PATH",
-                   help="the Python of an environment with vLLM: its servers and its benchmark client (default: "
-                        "$FLASHDRAFT_ENGINE_PYTHON, else the .venv-engine the project's set-up makes)")  # fmt: skip
+    p.add_argument(
+        "--server",
+        default=None,
+        metavar="URL",
+        help="a running vLLM serving the target with this drafter, in place of one started for the run "
+        "(with --baseline-server)",
+    )
+    p.add_argument(
+        "--baseline-server",
+        default=None,
+        metavar="URL",
+        help="a running vLLM serving the target alone, with --server's other settings",
+    )
+    p.add_argument(
+        "--engine-python",
+        default=None,
+        metavar="PATH",
+        help="the Python of an environment with vLLM: its servers and its benchmark client (default: "
+        "$FLASHDRAFT_ENGINE_PYTHON, else the .venv-engine the project's set-up makes)",
+    )
     long_prompts_arg(p)
-    p.add_argument("--work", default=None, metavar="DIR", help="where the servers' and the client's logs go "
-                   "(default: a new temporary directory, named in the output)")  # fmt: skip
+    p.add_argument(
+        "--work",
+        default=None,
+        metavar="DIR",
+        help="where the servers' and the client's logs go (default: a new temporary directory, named in the output)",
+    )
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--report", default=None, metavar="DIR", help="write report.md and PNG plots into this directory")
     p.add_argument("--device", default=None, help="where flashdraft's target and drafter run (the checks, τ)")
@@ -86,6 +117,9 @@ def run(args: argparse.Namespace) -> None:
     if args.report:
         print(f"wrote {write_bench_report(summary, args.report)}")
     if not summary["lossless"]:
-        print("error: flashdraft bench: the servers' outputs are not the target's (lossless: false): "
-              f"{next(p for s in summary['sets'] for p in s['problems'])}", file=sys.stderr)
+        print(
+            "error: flashdraft bench: the servers' outputs are not the target's (lossless: false): "
+            f"{next(p for s in summary['sets'] for p in s['problems'])}",
+            file=sys.stderr,
+        )
         sys.exit(1)

@@ -35,9 +35,15 @@ def run(args: argparse.Namespace) -> None:
     hf_logging.disable_progress_bar()
     target = TargetHead.load(args.target_model) if args.target_model else None  # shapes and tokenizer only
     loaded = export_drafter(
-        args.checkpoint, args.out, target, target_name=args.target_model, dtype=args.dtype,
-        block_size=args.block_size, target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
-    )  # fmt: skip
+        args.checkpoint,
+        args.out,
+        target,
+        target_name=args.target_model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        target_layer_ids=args.target_layer_ids,
+        mask_token_id=args.mask_token_id,
+    )
     cfg = DrafterConfig.load(Path(args.out) / "config.json")  # as written: is_causal stated where it can be
     for note in loaded.assumed:
         print(f"assumed: {note}")

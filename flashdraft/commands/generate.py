@@ -20,8 +20,11 @@ from flashdraft.commands.options import (
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("generate", help="the target's own completions of a prompt set (resumable, torchrun-able)",
-                       epilog=stops("batch", "re-running the same command finishes it"))  # fmt: skip
+    p = sub.add_parser(
+        "generate",
+        help="the target's own completions of a prompt set (resumable, torchrun-able)",
+        epilog=stops("batch", "re-running the same command finishes it"),
+    )
     p.add_argument("--target-model", required=True, help="local model directory or 'tiny'")
     p.add_argument(
         "--prompts",
@@ -38,13 +41,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["local", "openai"], default="local")
     p.add_argument("--base-url", help="OpenAI-compatible server for --backend openai, e.g. http://localhost:8000/v1")
     p.add_argument("--server-model", help="model name on the server (default: the first it lists)")
-    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
-                   help="apply the tokenizer's chat template (default: where the target has one)")  # fmt: skip
+    p.add_argument(
+        "--chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the tokenizer's chat template (default: where the target has one)",
+    )
     chat_mode_args(p)
     long_prompts_arg(p)
-    p.add_argument("--min-prompt-tokens", type=positive, default=0, metavar="N",
-                   help="leave out turns whose prompt (template applied, earlier turns included) has fewer than N "
-                        "tokens: long-context rows from any dataset")  # fmt: skip
+    p.add_argument(
+        "--min-prompt-tokens",
+        type=positive,
+        default=0,
+        metavar="N",
+        help="leave out turns whose prompt (template applied, earlier turns included) has fewer than N "
+        "tokens: long-context rows from any dataset",
+    )
     engine_args(p, "generate")
     verify_share_arg(p, 0.05, "completions")
     device_args(p)

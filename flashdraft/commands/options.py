@@ -9,9 +9,11 @@ from typing import Any
 
 from flashdraft.errors import FlashdraftError
 
-ROPE_SCALING_HELP = ("the drafter's RoPE scaling as JSON, e.g. '{\"rope_type\": \"yarn\", \"factor\": 4, "
-                     "\"original_max_position_embeddings\": 1024}' (YaRN: original = the context trained at before); "
-                     "'{\"rope_type\": \"default\"}' for native RoPE; written as rope_scaling and rope_parameters")
+ROPE_SCALING_HELP = (
+    'the drafter\'s RoPE scaling as JSON, e.g. \'{"rope_type": "yarn", "factor": 4, '
+    '"original_max_position_embeddings": 1024}\' (YaRN: original = the context trained at before); '
+    '\'{"rope_type": "default"}\' for native RoPE; written as rope_scaling and rope_parameters'
+)
 
 
 def positive(value: str) -> int:
@@ -133,68 +135,116 @@ def command_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def stops(unit: str, then: str, rerun: str = "the same command") -> str:
     """The exit statuses of a long command, for its --help."""
-    return (f"SIGTERM (preemption) or SIGINT (Ctrl-C): stops after the {unit} in flight and exits 143 or 130; {then} "
-            f"(the last line prints the command). A full disk: exit 2 and one line naming the file; nothing partial "
-            f"is left, and {rerun} resumes once space is freed. A second process writing the same --out is refused "
-            f"(exit 2).")  # fmt: skip
+    return (
+        f"SIGTERM (preemption) or SIGINT (Ctrl-C): stops after the {unit} in flight and exits 143 or 130; {then} "
+        f"(the last line prints the command). A full disk: exit 2 and one line naming the file; nothing partial "
+        f"is left, and {rerun} resumes once space is freed. A second process writing the same --out is refused "
+        f"(exit 2)."
+    )
 
 
 def long_prompts_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--long-prompts", choices=["error", "skip", "truncate"], default="error",
-                   help="a prompt longer than the target's context minus --max-new-tokens: stop with an error "
-                        "(default), skip it, or keep its last tokens; skips and truncations are counted")  # fmt: skip
+    p.add_argument(
+        "--long-prompts",
+        choices=["error", "skip", "truncate"],
+        default="error",
+        help="a prompt longer than the target's context minus --max-new-tokens: stop with an error "
+        "(default), skip it, or keep its last tokens; skips and truncations are counted",
+    )
 
 
 def device_args(p: argparse.ArgumentParser) -> None:
     """Where the target runs (generate, cache, parity)."""
     p.add_argument("--device", default=None, help="default: cuda (this rank's GPU) when available, else cpu")
-    p.add_argument("--target-dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="dtype the target runs in (default: fp32 on CPU, bf16 on GPU)")  # fmt: skip
+    p.add_argument(
+        "--target-dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="dtype the target runs in (default: fp32 on CPU, bf16 on GPU)",
+    )
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
     """The server's rule at T > 0 and the request's filters (eval)."""
     from flashdraft.decoding.serving_rules import DEFAULT_RULE, RULES
 
-    p.add_argument("--serving-rule", choices=list(RULES), default=DEFAULT_RULE,
-                   help=f"how the server drafts and verifies at T > 0 (default {DEFAULT_RULE}: vLLM's default, "
-                        "argmax drafts accepted with p(d); vllm-probabilistic: sampled drafts, min(1, p/q); sglang: "
-                        "DFlash argmax, DFlash2/DSpark sampled walks; flashdraft doctor DIR --serving prints each)")
+    p.add_argument(
+        "--serving-rule",
+        choices=list(RULES),
+        default=DEFAULT_RULE,
+        help=f"how the server drafts and verifies at T > 0 (default {DEFAULT_RULE}: vLLM's default, "
+        "argmax drafts accepted with p(d); vllm-probabilistic: sampled drafts, min(1, p/q); sglang: "
+        "DFlash argmax, DFlash2/DSpark sampled walks; flashdraft doctor DIR --serving prints each)",
+    )
     filter_args(p)
 
 
 def filter_args(p: argparse.ArgumentParser) -> None:
     """The target-side sampling filters of a request at T > 0 (generate and eval)."""
-    p.add_argument("--top-k", type=positive, default=None,
-                   help="T > 0: keep the K likeliest target tokens (default: the target's generation_config.json)")
-    p.add_argument("--top-p", type=probability, default=None,
-                   help="T > 0: keep the likeliest target tokens holding P of the mass (default: generation config)")
-    p.add_argument("--min-p", type=probability, default=None,
-                   help="T > 0, vLLM rules: drop target tokens under P x the top probability (default: generation "
-                        "config)")  # fmt: skip
-    p.add_argument("--no-generation-config", dest="use_generation_config", action="store_false",
-                   help="ignore the target's generation_config.json sampling defaults (top_k, top_p, min_p)")
+    p.add_argument(
+        "--top-k",
+        type=positive,
+        default=None,
+        help="T > 0: keep the K likeliest target tokens (default: the target's generation_config.json)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=probability,
+        default=None,
+        help="T > 0: keep the likeliest target tokens holding P of the mass (default: generation config)",
+    )
+    p.add_argument(
+        "--min-p",
+        type=probability,
+        default=None,
+        help="T > 0, vLLM rules: drop target tokens under P x the top probability (default: generation config)",
+    )
+    p.add_argument(
+        "--no-generation-config",
+        dest="use_generation_config",
+        action="store_false",
+        help="ignore the target's generation_config.json sampling defaults (top_k, top_p, min_p)",
+    )
 
 
 def engine_args(p: argparse.ArgumentParser, what: str) -> None:
     """The serving engine a command runs `what` with (flashdraft.serving.engine): vLLM, in its own environment."""
-    p.add_argument("--engine", choices=["vllm"], default=None,
-                   help=f"{what} with the serving engine: vLLM started on 127.0.0.1 for this run and stopped after "
-                        f"it (its environment: `make engine`), its output checked against the target")  # fmt: skip
-    p.add_argument("--engine-python", default=None, metavar="PATH",
-                   help="the Python of an environment with vLLM (default: $FLASHDRAFT_ENGINE_PYTHON, else the "
-                        ".venv-engine the project's set-up makes)")  # fmt: skip
+    p.add_argument(
+        "--engine",
+        choices=["vllm"],
+        default=None,
+        help=f"{what} with the serving engine: vLLM started on 127.0.0.1 for this run and stopped after "
+        f"it (its environment: `make engine`), its output checked against the target",
+    )
+    p.add_argument(
+        "--engine-python",
+        default=None,
+        metavar="PATH",
+        help="the Python of an environment with vLLM (default: $FLASHDRAFT_ENGINE_PYTHON, else the "
+        ".venv-engine the project's set-up makes)",
+    )
 
 
 def verify_share_arg(p: argparse.ArgumentParser, default: float, what: str) -> None:
-    p.add_argument("--verify-share", type=float, default=default, metavar="S",
-                   help=f"with --engine: the share of {what} recomputed by the transformers forward to check the "
-                        f"engine's (at least one; default {default:g})")  # fmt: skip
+    p.add_argument(
+        "--verify-share",
+        type=float,
+        default=default,
+        metavar="S",
+        help=f"with --engine: the share of {what} recomputed by the transformers forward to check the "
+        f"engine's (at least one; default {default:g})",
+    )
 
 
 # options naming an input that must exist (a built-in drafter's name aside): checked before any model loads
-INPUT_PATHS = ("checkpoint", "init", "cached_hidden_states", "completions", "eval_cached_hidden_states",
-               "eval_completions")  # fmt: skip
+INPUT_PATHS = (
+    "checkpoint",
+    "init",
+    "cached_hidden_states",
+    "completions",
+    "eval_cached_hidden_states",
+    "eval_completions",
+)
 
 
 def require_inputs(args: argparse.Namespace) -> None:
@@ -218,12 +268,28 @@ def chat_template_kwargs(value: str) -> dict:
 
 def chat_mode_args(p: argparse.ArgumentParser) -> None:
     """The chat template's mode a command renders prompts in (generate, eval): `data/chat_mode.py`."""
-    p.add_argument("--chat-template-kwargs", type=chat_template_kwargs, default=None, metavar="JSON",
-                   help="keyword arguments of the chat template, as the servers' request field of the name, e.g. "
-                        "'{\"enable_thinking\": false}' (default: the template's own; a prompt row's "
-                        "chat_template_kwargs over them); recorded per record with the template's hash")  # fmt: skip
+    p.add_argument(
+        "--chat-template-kwargs",
+        type=chat_template_kwargs,
+        default=None,
+        metavar="JSON",
+        help="keyword arguments of the chat template, as the servers' request field of the name, e.g. "
+        "'{\"enable_thinking\": false}' (default: the template's own; a prompt row's "
+        "chat_template_kwargs over them); recorded per record with the template's hash",
+    )
     thinking = p.add_mutually_exclusive_group()
-    thinking.add_argument("--enable-thinking", dest="enable_thinking", action="store_const", const=True,
-                          default=None, help="shorthand of enable_thinking true (Qwen3-style thinking templates)")
-    thinking.add_argument("--disable-thinking", dest="enable_thinking", action="store_const", const=False,
-                          help="shorthand of enable_thinking false: the template writes an empty think block")
+    thinking.add_argument(
+        "--enable-thinking",
+        dest="enable_thinking",
+        action="store_const",
+        const=True,
+        default=None,
+        help="shorthand of enable_thinking true (Qwen3-style thinking templates)",
+    )
+    thinking.add_argument(
+        "--disable-thinking",
+        dest="enable_thinking",
+        action="store_const",
+        const=False,
+        help="shorthand of enable_thinking false: the template writes an empty think block",
+    )

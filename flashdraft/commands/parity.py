@@ -52,10 +52,11 @@ def run_parity_command(
     layer_ids = drafter_layer_ids(checkpoint)[0] if checkpoint else layers
     use_template = has_chat_template(target.tokenizer)
     token_ids = [
-        encode_text(target.tokenizer, render_conversation(target.tokenizer, p.conversation([]), use_template),
-                    use_template)
+        encode_text(
+            target.tokenizer, render_conversation(target.tokenizer, p.conversation([]), use_template), use_template
+        )
         for p in load_prompts(prompts, num_prompts)
-    ]  # fmt: skip
+    ]
     result = run_parity(target, token_ids, layer_ids, threshold)
     print_parity(result, len(token_ids), sum(map(len, token_ids)))
     return result.passed

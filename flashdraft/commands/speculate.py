@@ -11,8 +11,11 @@ from flashdraft.commands.options import block_size, positive
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("speculate", help="speculative decoding of one prompt, checked against greedy")
     p.add_argument("--target-model", required=True)
-    p.add_argument("--checkpoint", required=True,
-                   help="drafter directory (or tiny-drafter), training run directory or .pt/.safetensors")  # fmt: skip
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="drafter directory (or tiny-drafter), training run directory or .pt/.safetensors",
+    )
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=positive, default=64)
     p.add_argument("--block-size", type=block_size, default=None, help="default: the drafter's")

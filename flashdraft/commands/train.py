@@ -56,20 +56,26 @@ def _train_option_adder(p: argparse.ArgumentParser):
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("train", help="train a drafter with the DFlash recipe (offline cache or online target)",
-                       description="Options come from flags, or from a --config YAML/JSON file whose keys are the "
-                       "flag names below without the leading dashes (e.g. configs/tiny.yaml); flags given as well "
-                       "override the file.",
-                       epilog=stops("step", "its checkpoint is written, --resume continues from it",
-                                    "the same command with --resume"))  # fmt: skip
+    p = sub.add_parser(
+        "train",
+        help="train a drafter with the DFlash recipe (offline cache or online target)",
+        description="Options come from flags, or from a --config YAML/JSON file whose keys are the "
+        "flag names below without the leading dashes (e.g. configs/tiny.yaml); flags given as well "
+        "override the file.",
+        epilog=stops("step", "its checkpoint is written, --resume continues from it", "the same command with --resume"),
+    )
     _run_args(p)
     knob = _train_option_adder(p)
     _optimizer_args(knob)
     _loss_args(knob)
-    p.add_argument("--draft-vocab-size", type=positive, default=None,
-                   help="give the drafter its own LM head over the N most frequent tokens of the training "
-                        "completions (mask and stop tokens always in), initialised from the target's rows; "
-                        "stored as draft_vocab_size + d2t, served by vLLM")  # fmt: skip
+    p.add_argument(
+        "--draft-vocab-size",
+        type=positive,
+        default=None,
+        help="give the drafter its own LM head over the N most frequent tokens of the training "
+        "completions (mask and stop tokens always in), initialised from the target's rows; "
+        "stored as draft_vocab_size + d2t, served by vLLM",
+    )
     _checkpoint_args(p, knob)
     _runtime_args(p, knob)
     return p
@@ -77,16 +83,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def _run_args(p: argparse.ArgumentParser) -> None:
     """The target, the data, the run directory and the drafter trained."""
-    p.add_argument("--config", default=None, metavar="RUN_YAML",
-                   help="a .yaml/.yml/.json file of these options (keys: the flag names, e.g. target-model, lr, "
-                        "target-layer-ids); an unknown key is refused")  # fmt: skip
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="RUN_YAML",
+        help="a .yaml/.yml/.json file of these options (keys: the flag names, e.g. target-model, lr, "
+        "target-layer-ids); an unknown key is refused",
+    )
     p.add_argument("--target-model", help="local model directory or 'tiny' (required: flag or --config)")
     source = p.add_mutually_exclusive_group()  # one is required: checked after --config is read
     source.add_argument("--cached-hidden-states", help="cache directory (offline mode)")
     source.add_argument("--completions", help="completions file (online mode: the target runs in the loop)")
     p.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, run_config.json; required)")
-    p.add_argument("--init", help="start from this drafter (directory, tiny-drafter, training run or "
-                   ".pt/.safetensors) instead of a fresh one")
+    p.add_argument(
+        "--init",
+        help="start from this drafter (directory, tiny-drafter, training run or "
+        ".pt/.safetensors) instead of a fresh one",
+    )
     p.add_argument("--draft-layers", type=positive, default=None, help="default 1 (with --init/--resume: its own)")
     p.add_argument(
         "--block-size",
@@ -108,8 +121,12 @@ def _optimizer_args(knob) -> None:
     knob("warmup_fraction", _nonnegative_float)
     knob("min_lr_fraction", _nonnegative_float, "final learning rate as a fraction of --lr")
     knob("weight_decay", _nonnegative_float)
-    knob("optimizer", _one_of(OPTIMIZERS), "muon (the default): Muon on the decoder layers' and fc's matrices, "
-         "AdamW (--lr) on the rest; or adamw (the published recipe; needed with --fsdp)")
+    knob(
+        "optimizer",
+        _one_of(OPTIMIZERS),
+        "muon (the default): Muon on the decoder layers' and fc's matrices, "
+        "AdamW (--lr) on the rest; or adamw (the published recipe; needed with --fsdp)",
+    )
     knob("muon_lr", _nonnegative_float, "Muon's lr (default --lr: its update is scaled to AdamW's RMS)")
     knob("grad_clip", _nonnegative_float)
     knob("batch_size", positive, "sequences per micro-batch per rank")
@@ -140,15 +157,31 @@ def _loss_args(knob) -> None:
         "opt-in: weight of KL to the cached target top-k logits (hard CE is the recipe)",
     )
     knob("noise_std", _nonnegative_float, "noise on context features only")
-    knob("selector_loss_weight", _nonnegative_float, "DFlash2: weight of the candidate selector's cross-entropy over "
-         "the unary top-K, teacher-forced on the true predecessor, added to the backbone loss")
+    knob(
+        "selector_loss_weight",
+        _nonnegative_float,
+        "DFlash2: weight of the candidate selector's cross-entropy over "
+        "the unary top-K, teacher-forced on the true predecessor, added to the backbone loss",
+    )
     knob("dspark_ce_weight", _nonnegative_float, "DSpark: weight of the cross-entropy (the paper's 0.1)")
-    knob("dspark_tv_weight", _nonnegative_float, "DSpark: weight of the L1 distance |p_draft - p_target|_1 to the "
-         "target's distribution (the paper's 0.9; needs a cache with --with-target-logits, or online training)")
-    knob("confidence_loss_weight", _nonnegative_float, "DSpark: weight of the confidence head's BCE against the "
-         "acceptance probability 1 - |p_draft - p_target|_1 / 2 (the paper's 1.0)")
-    knob("selector_missing_label", _one_of(SELECTOR_MISSING_LABEL), "DFlash2: a label outside the unary top-K is "
-         "put in the candidate set (inject, the default) or its position is left out of the selector loss (skip)")
+    knob(
+        "dspark_tv_weight",
+        _nonnegative_float,
+        "DSpark: weight of the L1 distance |p_draft - p_target|_1 to the "
+        "target's distribution (the paper's 0.9; needs a cache with --with-target-logits, or online training)",
+    )
+    knob(
+        "confidence_loss_weight",
+        _nonnegative_float,
+        "DSpark: weight of the confidence head's BCE against the "
+        "acceptance probability 1 - |p_draft - p_target|_1 / 2 (the paper's 1.0)",
+    )
+    knob(
+        "selector_missing_label",
+        _one_of(SELECTOR_MISSING_LABEL),
+        "DFlash2: a label outside the unary top-K is "
+        "put in the candidate set (inject, the default) or its position is left out of the selector loss (skip)",
+    )
 
 
 def _checkpoint_args(p: argparse.ArgumentParser, knob) -> None:
@@ -162,24 +195,39 @@ def _checkpoint_args(p: argparse.ArgumentParser, knob) -> None:
     knob("keep_best", None, "also keep RUN/best/: the drafter of the best held-out τ (held-out loss without τ)")
     p.add_argument("--eval-cached-hidden-states", default=None, help="held-out cache for periodic evaluation")
     p.add_argument("--eval-completions", default=None, help="held-out completions for periodic evaluation")
-    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=False,
-                   help="continue from the newest complete checkpoint (after a crash, a full disk, or a stop by "
-                        "SIGTERM/SIGINT, which checkpoints the step in flight and exits 143/130)")  # fmt: skip
+    p.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="continue from the newest complete checkpoint (after a crash, a full disk, or a stop by "
+        "SIGTERM/SIGINT, which checkpoints the step in flight and exits 143/130)",
+    )
 
 
 def _runtime_args(p: argparse.ArgumentParser, knob) -> None:
     """Parallelism, long context, logging, checks and devices."""
     knob("fsdp", None, "FSDP2 instead of DDP under torchrun")
-    knob("rope_scaling", rope_scaling, f"{ROPE_SCALING_HELP}; default: the drafter's own. Stage 2 of the "
-         "long-context recipe: --init STAGE1 (its weights only: a fresh optimizer and schedule) with YaRN on long data")
+    knob(
+        "rope_scaling",
+        rope_scaling,
+        f"{ROPE_SCALING_HELP}; default: the drafter's own. Stage 2 of the "
+        "long-context recipe: --init STAGE1 (its weights only: a fresh optimizer and schedule) with YaRN on long data",
+    )
     p.add_argument("--report-to", nargs="*", default=[], choices=["wandb"])
     p.add_argument("--allow-foreign-completions", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--no-verify", action="store_true",
-                   help="skip the sha256 check of caches and of the checkpoint resumed from (faster)")  # fmt: skip
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the sha256 check of caches and of the checkpoint resumed from (faster)",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--target-dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="dtype of the target's weights (default: fp32 on CPU, bf16 on GPU); offline only its "
-                        "embeddings and LM head are read")  # fmt: skip
+    p.add_argument(
+        "--target-dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="dtype of the target's weights (default: fp32 on CPU, bf16 on GPU); offline only its "
+        "embeddings and LM head are read",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -187,11 +235,23 @@ def run(args: argparse.Namespace) -> None:
 
     cfg = TrainConfig(**{name: getattr(args, name) for name in TrainConfig.option_names()})
     train_drafter(
-        cfg, args.target_model, args.out, cached_hidden_states=args.cached_hidden_states,
-        completions=args.completions, init=args.init, draft_layers=args.draft_layers, block_size=args.block_size,
-        mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids,
+        cfg,
+        args.target_model,
+        args.out,
+        cached_hidden_states=args.cached_hidden_states,
+        completions=args.completions,
+        init=args.init,
+        draft_layers=args.draft_layers,
+        block_size=args.block_size,
+        mask_token_id=args.mask_token_id,
+        target_layer_ids=args.target_layer_ids,
         eval_cached_hidden_states=args.eval_cached_hidden_states,
-        eval_completions=args.eval_completions, resume=args.resume, report_to=tuple(args.report_to),
-        allow_foreign=args.allow_foreign_completions, device=args.device, verify=not args.no_verify,
-        target_dtype=args.target_dtype, draft_vocab_size=args.draft_vocab_size,
-    )  # fmt: skip
+        eval_completions=args.eval_completions,
+        resume=args.resume,
+        report_to=tuple(args.report_to),
+        allow_foreign=args.allow_foreign_completions,
+        device=args.device,
+        verify=not args.no_verify,
+        target_dtype=args.target_dtype,
+        draft_vocab_size=args.draft_vocab_size,
+    )

@@ -83,8 +83,10 @@ def resolve_dtype_flag(dtype: str, target_dtype: torch.dtype) -> str:
     if dtype == AUTO:
         by_dtype = {d: flag for flag, d in DTYPES.items()}
         if target_dtype not in by_dtype:
-            raise FlashdraftError(f"--dtype auto: the target computes in {target_dtype}; expected one of "
-                                  f"{', '.join(DTYPE_NAMES.values())} (give --dtype {'/'.join(DTYPES)})")  # fmt: skip
+            raise FlashdraftError(
+                f"--dtype auto: the target computes in {target_dtype}; expected one of "
+                f"{', '.join(DTYPE_NAMES.values())} (give --dtype {'/'.join(DTYPES)})"
+            )
         return by_dtype[target_dtype]
     if dtype not in DTYPES:
         raise FlashdraftError(f"--dtype {dtype}: expected {AUTO} or one of {', '.join(DTYPES)}")
@@ -101,8 +103,9 @@ def _save_atomic(tensors: dict[str, torch.Tensor], path: Path, what: str = "") -
     multi-key metadata dict in varying order, and shards must be byte-reproducible."""
 
     # write_atomic gives the file the umask's mode (safetensors creates it 0600)
-    write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)), what,
-                 nbytes(tensors))  # fmt: skip
+    write_atomic(
+        path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)), what, nbytes(tensors)
+    )
 
 
 def estimate_bytes(records: list[CompletionRecord], width: int, dtype: torch.dtype, topk: int) -> int:
@@ -113,8 +116,15 @@ def estimate_bytes(records: list[CompletionRecord], width: int, dtype: torch.dty
     return tokens * (width * dtype.itemsize + 4 + 1 + topk * 8)
 
 
-def _check_space(directory: Path, records: list[CompletionRecord], width: int, layers: int, dtype: torch.dtype,
-                 topk: int, force: bool) -> int:  # fmt: skip
+def _check_space(
+    directory: Path,
+    records: list[CompletionRecord],
+    width: int,
+    layers: int,
+    dtype: torch.dtype,
+    topk: int,
+    force: bool,
+) -> int:
     """Refuse a cache that its filesystem cannot hold, before hours of target forwards (unless
     `force`); returns the estimate in bytes."""
     needed, free = estimate_bytes(records, width, dtype, topk), free_bytes(directory)
@@ -143,9 +153,13 @@ def _tokens_digest(records: list[CompletionRecord]) -> str:
 
 @torch.no_grad()
 def _cache_record(
-    target: TargetModel, record: CompletionRecord, dtype: torch.dtype, layer_ids: list[int], topk: int,
+    target: TargetModel,
+    record: CompletionRecord,
+    dtype: torch.dtype,
+    layer_ids: list[int],
+    topk: int,
     features_of: FeaturesOf | None = None,
-) -> dict[str, torch.Tensor]:  # fmt: skip
+) -> dict[str, torch.Tensor]:
     tokens = record.prompt_ids + record.completion_ids
     if features_of is not None:  # captured elsewhere (the serving engine) and verified there
         out, features = None, features_of(record).to(dtype)  # [T, n * H]
@@ -172,9 +186,17 @@ def _cache_record(
 
 
 def _build_shard(
-    target: TargetModel, directory: Path, k: int, records: list[CompletionRecord], settings: dict, dist: Dist,
-    bar: Progress, stop: StopRequests | None = None, features_of: FeaturesOf | None = None, verbose: bool = False,
-) -> dict | None:  # fmt: skip
+    target: TargetModel,
+    directory: Path,
+    k: int,
+    records: list[CompletionRecord],
+    settings: dict,
+    dist: Dist,
+    bar: Progress,
+    stop: StopRequests | None = None,
+    features_of: FeaturesOf | None = None,
+    verbose: bool = False,
+) -> dict | None:
     """Compute and write shard k; None when a stop was requested first (after the record in
     flight: nothing of the shard is written, a re-run computes it again)."""
     dtype = DTYPES[settings["dtype_flag"]]
@@ -182,8 +204,11 @@ def _build_shard(
     # memory at a time (not the per-record pieces plus their concatenation)
     total, topk = sum(len(r.prompt_ids) + len(r.completion_ids) for r in records), settings["topk"]
     width = len(settings["layer_ids"]) * target.hidden_size
-    shard = {"input_ids": torch.empty(total, dtype=torch.int32), "loss_mask": torch.empty(total, dtype=torch.bool),
-             "context_features": torch.empty(total, width, dtype=dtype)}  # fmt: skip
+    shard = {
+        "input_ids": torch.empty(total, dtype=torch.int32),
+        "loss_mask": torch.empty(total, dtype=torch.bool),
+        "context_features": torch.empty(total, width, dtype=dtype),
+    }
     logits = {"values": torch.empty(total, topk), "indices": torch.empty(total, topk, dtype=torch.int32)}
     entries, offset = [], 0
     for r in records:
@@ -196,12 +221,20 @@ def _build_shard(
             logits["indices"][offset : offset + n] = item["topk_indices"]
         if verbose:
             features = item["context_features"].float()
-            bar.write(f"{dist.prefix()}{r.id}: {n} tokens ({len(r.completion_ids)} supervised), "
-                      f"features mean {features.mean():+.4f} std {features.std():.4f}")  # fmt: skip
+            bar.write(
+                f"{dist.prefix()}{r.id}: {n} tokens ({len(r.completion_ids)} supervised), "
+                f"features mean {features.mean():+.4f} std {features.std():.4f}"
+            )
         bar.update(1)
-        entries.append({"id": r.id, "offset": offset, "length": n, "prompt_length": len(r.prompt_ids),
-                        **{k: getattr(r, k) for k in ("chat_template_kwargs", "reasoning_end")
-                           if getattr(r, k) is not None}})  # the record's chat mode, for train and eval  # fmt: skip
+        entries.append(
+            {
+                "id": r.id,
+                "offset": offset,
+                "length": n,
+                "prompt_length": len(r.prompt_ids),
+                **{k: getattr(r, k) for k in ("chat_template_kwargs", "reasoning_end") if getattr(r, k) is not None},
+            }
+        )  # the record's chat mode, for train and eval
         offset += n
         del item
         if stop is not None and stop.requested:
@@ -219,8 +252,11 @@ def _build_shard(
     }
     if topk:
         _save_atomic(logits, directory / topk_name(k), f"the top-{topk} logits of {what}")
-        meta |= {"topk_file": topk_name(k), "topk_bytes": (directory / topk_name(k)).stat().st_size,
-                 "topk_sha256": sha256_file(directory / topk_name(k))}  # fmt: skip
+        meta |= {
+            "topk_file": topk_name(k),
+            "topk_bytes": (directory / topk_name(k)).stat().st_size,
+            "topk_sha256": sha256_file(directory / topk_name(k)),
+        }
     write_json_atomic(directory / PROGRESS / f"shard-{k:05d}.json", meta, indent=1)  # the shard's commit marker
     return meta
 
@@ -247,8 +283,9 @@ def _is_finished(directory: Path, meta: dict | None, records: list[CompletionRec
         return False
     files = [(meta["file"], meta["bytes"])] + ([(meta.get("topk_file"), meta.get("topk_bytes"))] if topk else [])
     # the size catches a truncated or half-copied file; the doctor checks every sha256
-    return all(name and (directory / name).is_file() and (directory / name).stat().st_size == size
-               for name, size in files)  # fmt: skip
+    return all(
+        name and (directory / name).is_file() and (directory / name).stat().st_size == size for name, size in files
+    )
 
 
 def build_cache(
@@ -294,8 +331,11 @@ def build_cache(
     todo = [k for k, shard in enumerate(shards) if not _is_finished(directory, finished.get(k), shard, topk)]
     width, feature_dtype = len(layer_ids) * target.hidden_size, DTYPES[dtype]
     left = [r for k in todo for r in shards[k]]
-    needed = on_main(dist, lambda: _check_space(directory, left, width, len(layer_ids), feature_dtype, topk, force),
-                     f"{directory}: its free-space check")  # fmt: skip
+    needed = on_main(
+        dist,
+        lambda: _check_space(directory, left, width, len(layer_ids), feature_dtype, topk, force),
+        f"{directory}: its free-space check",
+    )
     if dist.is_main:
         print(
             f"caching {len(records)} records in {len(shards)} shards to {directory}: layers {layer_ids}, "
@@ -312,8 +352,16 @@ def build_cache(
     return directory
 
 
-def _build_shards(target: TargetModel, directory: Path, shards: list[list[CompletionRecord]], mine: list[int],
-                  settings: dict, dist: Dist, features_of: FeaturesOf | None, verbose: bool) -> None:  # fmt: skip
+def _build_shards(
+    target: TargetModel,
+    directory: Path,
+    shards: list[list[CompletionRecord]],
+    mine: list[int],
+    settings: dict,
+    dist: Dist,
+    features_of: FeaturesOf | None,
+    verbose: bool,
+) -> None:
     """This rank's shards `mine`, one after another; a stop (SIGTERM/SIGINT) on any rank stops all after the record
     in flight (`Interrupted`), and a full disk says how much the shards still to write need."""
     topk, feature_dtype = settings["topk"], DTYPES[settings["dtype_flag"]]
@@ -323,13 +371,16 @@ def _build_shards(target: TargetModel, directory: Path, shards: list[list[Comple
         with Progress(total=sum(len(shards[k]) for k in mine), desc=f"{dist.prefix()}cache", unit="record") as bar:
             for k in mine:
                 try:
-                    meta = _build_shard(target, directory, k, shards[k], settings, dist, bar, stop, features_of,
-                                        verbose)
+                    meta = _build_shard(
+                        target, directory, k, shards[k], settings, dist, bar, stop, features_of, verbose
+                    )
                 except DiskFullError as e:
                     rest = [r for j in mine[built:] for r in shards[j]]
-                    e.then = (f"free about {format_bytes(estimate_bytes(rest, width, feature_dtype, topk))} for the "
-                              f"{len(mine) - built} shards still to write and re-run the same command: the finished "
-                              f"shards are kept")  # fmt: skip
+                    e.then = (
+                        f"free about {format_bytes(estimate_bytes(rest, width, feature_dtype, topk))} for the "
+                        f"{len(mine) - built} shards still to write and re-run the same command: the finished "
+                        f"shards are kept"
+                    )
                     raise
                 if meta is None:
                     break
@@ -339,20 +390,29 @@ def _build_shards(target: TargetModel, directory: Path, shards: list[list[Comple
             signum = stop.signum or signal.SIGTERM  # a rank that got no signal stops with its peers
             metas = _finished_shards(directory)
             done = sum(_is_finished(directory, metas.get(k), shard, topk) for k, shard in enumerate(shards))
-            raise Interrupted(signum, f"{signal.Signals(signum).name}: {done} of {len(shards)} shards finished in "
-                              f"{directory} (the one in flight is computed again)" if dist.is_main else "")  # fmt: skip
+            raise Interrupted(
+                signum,
+                f"{signal.Signals(signum).name}: {done} of {len(shards)} shards finished in "
+                f"{directory} (the one in flight is computed again)"
+                if dist.is_main
+                else "",
+            )
 
 
 def _computed_with(target: TargetModel, engine: dict | None) -> dict:
     """The manifest's computed_with: the target's device, dtype and linear backend, or the engine that captured."""
     if engine is not None:
         return {"device": engine.get("device", "engine"), "target_dtype": engine["dtype"], "engine": engine}
-    return {"device": target.device.type, "target_dtype": DTYPE_NAMES.get(target.model.dtype, str(target.model.dtype)),
-            "linear_backend": target.linear_backend}  # fmt: skip
+    return {
+        "device": target.device.type,
+        "target_dtype": DTYPE_NAMES.get(target.model.dtype, str(target.model.dtype)),
+        "linear_backend": target.linear_backend,
+    }
 
 
-def _finish(directory: Path, target: TargetModel, completions: Completions, shards: list, settings: dict,
-            computed_with: dict) -> None:  # fmt: skip
+def _finish(
+    directory: Path, target: TargetModel, completions: Completions, shards: list, settings: dict, computed_with: dict
+) -> None:
     """Rank 0, once every shard is on disk: write the manifest, drop the progress folder and
     any shard files the manifest does not list."""
     topk, progress = settings["topk"], directory / PROGRESS
@@ -373,7 +433,7 @@ def _finish(directory: Path, target: TargetModel, completions: Completions, shar
             "hidden_size": target.hidden_size,
             "vocab_size": target.vocab_size,
             "path": str(target.path) if target.path is not None else None,
-        },  # fmt: skip
+        },
         "layer_ids": settings["layer_ids"],
         "feature_convention": "hidden_states[l + 1]: the output of decoder layer l",
         "hidden_size": target.hidden_size,
@@ -385,7 +445,7 @@ def _finish(directory: Path, target: TargetModel, completions: Completions, shar
             "file": completions.path.name,
             "target_fingerprint": completions.target_fingerprint,
             "generation": completions.header.get("generation"),
-        },  # fmt: skip
+        },
         "num_records": len(manifest_records),
         "num_tokens": sum(s["num_tokens"] for s in manifest_shards),
         "shards": manifest_shards,
@@ -401,17 +461,20 @@ def _finish(directory: Path, target: TargetModel, completions: Completions, shar
     stale += sorted(directory.glob("*.safetensors.tmp"))  # a killed write
     for p in stale:
         p.unlink()
-    print(f"wrote {directory / MANIFEST}: {len(manifest_records)} records, {manifest['num_tokens']} tokens"
-          + (f" (removed {len(stale)} stale shard files)" if stale else "")
-          + f"; `flashdraft doctor {directory}` checks it, --verbose prints a line per record")  # fmt: skip
+    print(
+        f"wrote {directory / MANIFEST}: {len(manifest_records)} records, {manifest['num_tokens']} tokens"
+        + (f" (removed {len(stale)} stale shard files)" if stale else "")
+        + f"; `flashdraft doctor {directory}` checks it, --verbose prints a line per record"
+    )
 
 
 def check_new_cache_directory(directory: Path) -> None:
     """A directory with anything but a cache run's own entries is not written into."""
     if directory.is_dir() and any(p.name not in (LOCK, CAPTURE_DIR) for p in directory.iterdir()):
         if not ((directory / MANIFEST).exists() or (directory / PROGRESS).exists()):
-            raise FlashdraftError(f"{directory}: exists and is not a flashdraft cache; expected an empty or new "
-                                  f"directory")  # fmt: skip
+            raise FlashdraftError(
+                f"{directory}: exists and is not a flashdraft cache; expected an empty or new directory"
+            )
 
 
 def _check_or_write_settings(directory: Path, settings: dict) -> None:
@@ -423,10 +486,15 @@ def _check_or_write_settings(directory: Path, settings: dict) -> None:
     elif (directory / MANIFEST).exists():
         m = json.loads((directory / MANIFEST).read_text())
         dtype_flag = next((f for f, d in DTYPES.items() if DTYPE_NAMES[d] == m.get("dtype")), None)
-        found = {"target_fingerprint": m["target"]["fingerprint"], "layer_ids": m["layer_ids"],
-                 "hidden_size": m["hidden_size"], "dtype": m["dtype"], "dtype_flag": dtype_flag,
-                 "records_per_shard": m["records_per_shard"],
-                 "topk": (m.get("target_topk") or {}).get("k", 0)}  # fmt: skip
+        found = {
+            "target_fingerprint": m["target"]["fingerprint"],
+            "layer_ids": m["layer_ids"],
+            "hidden_size": m["hidden_size"],
+            "dtype": m["dtype"],
+            "dtype_flag": dtype_flag,
+            "records_per_shard": m["records_per_shard"],
+            "topk": (m.get("target_topk") or {}).get("k", 0),
+        }
     else:
         check_new_cache_directory(directory)
     if found is not None:
@@ -440,7 +508,6 @@ def _check_or_write_settings(directory: Path, settings: dict) -> None:
                 )
     (directory / PROGRESS).mkdir(exist_ok=True)
     write_json_atomic(directory / PROGRESS / "settings.json", settings, indent=1)
-
 
 
 # -- the commands ------------------------------------------------------------------------------
@@ -526,11 +593,24 @@ def run_cache(
             if draft_config is not None and drafter_layer_ids(draft_config)[1].family == "dspark":
                 with_target_logits = DSPARK_TARGET_LOGITS
                 if dist.is_main:
-                    print(f"{draft_config} is a DSpark drafter: storing the target's top {with_target_logits} "
-                          f"logits its loss reads (--with-target-logits 0 to leave them out)")  # fmt: skip
+                    print(
+                        f"{draft_config} is a DSpark drafter: storing the target's top {with_target_logits} "
+                        f"logits its loss reads (--with-target-logits 0 to leave them out)"
+                    )
         loaded = load_completions(completions, target, allow_foreign=allow_foreign, quiet=not dist.is_main)
-        return build_cache(target, loaded, out, layer_ids, dtype, records_per_shard, with_target_logits,
-                           num_prompts, dist, force, verbose=verbose)  # fmt: skip
+        return build_cache(
+            target,
+            loaded,
+            out,
+            layer_ids,
+            dtype,
+            records_per_shard,
+            with_target_logits,
+            num_prompts,
+            dist,
+            force,
+            verbose=verbose,
+        )
     finally:
         if lock is not None:
             lock.release()

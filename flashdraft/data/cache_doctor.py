@@ -52,13 +52,23 @@ def _check_layout(cache: HiddenStateCache, checks: Checks, rebuild: str) -> None
             nonfinite.append(str(e).split(": ", 1)[1])
     layout = "record layout (dtypes, loss masks)" + (": " + "; ".join(layout_errors[:3]) if layout_errors else "")
     checks.check(not layout_errors, layout, rebuild)
-    checks.check(not nonfinite, f"context features finite in all {len(cache)} records"
-                 + (f": {len(nonfinite)} records are not; first: {nonfinite[0]}" if nonfinite else ""),
-                 rebuild + " (with --dtype bf16 if fp16 overflowed)")  # fmt: skip
+    checks.check(
+        not nonfinite,
+        f"context features finite in all {len(cache)} records"
+        + (f": {len(nonfinite)} records are not; first: {nonfinite[0]}" if nonfinite else ""),
+        rebuild + " (with --dtype bf16 if fp16 overflowed)",
+    )
 
 
-def _check_alignment(cache: HiddenStateCache, target: TargetModel, checks: Checks, samples: int,
-                     tolerance: float | None, seed: int, rebuild: str) -> None:  # fmt: skip
+def _check_alignment(
+    cache: HiddenStateCache,
+    target: TargetModel,
+    checks: Checks,
+    samples: int,
+    tolerance: float | None,
+    seed: int,
+    rebuild: str,
+) -> None:
     """`samples` random records against a fresh target forward, layer by layer."""
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[DTYPE_NAMES[cache.dtype]]
     picks = sorted(random.Random(seed).sample(range(len(cache)), min(samples, len(cache))))
@@ -75,11 +85,13 @@ def _check_alignment(cache: HiddenStateCache, target: TargetModel, checks: Check
             if err > tol:
                 hint = _diagnose(target, tokens, r.context_features[:, block].to(target.device), layer, tol)
                 problems.append(f"record {r.id} layer {layer}: relative error {err:.2e}{hint}")
-    checks.check(not problems, f"alignment of {len(picks)} records with a fresh forward: worst relative "
-                 f"error {worst:.2e} (tolerance {tol:.0e})" + ("; " + "; ".join(problems[:3])
-                                                             if problems else ""),
-                 f"the features are not this target's layers {cache.layer_ids}: {rebuild} (a cache built on "
-                 f"GPU in bf16 and checked on CPU may need a larger --tolerance)")  # fmt: skip
+    checks.check(
+        not problems,
+        f"alignment of {len(picks)} records with a fresh forward: worst relative "
+        f"error {worst:.2e} (tolerance {tol:.0e})" + ("; " + "; ".join(problems[:3]) if problems else ""),
+        f"the features are not this target's layers {cache.layer_ids}: {rebuild} (a cache built on "
+        f"GPU in bf16 and checked on CPU may need a larger --tolerance)",
+    )
 
 
 def _about_engine(computed_with: dict, dtype: torch.dtype, checks: Checks) -> None:
@@ -90,19 +102,25 @@ def _about_engine(computed_with: dict, dtype: torch.dtype, checks: Checks) -> No
         return
     verified = engine.get("verification") or {}
     chunked = {None: "the engine's default", True: "on", False: "off"}[engine.get("chunked_prefill")]
-    checks.about(f"captured by {engine['engine']} {engine['version']}: {engine['dtype']}, TP "
-                 f"{engine['tensor_parallel_size']}, prefix caching {'on' if engine['prefix_caching'] else 'off'}, "
-                 f"chunked prefill {chunked}, aux layer ids {engine['aux_layer_ids']}; verified against the target: "
-                 f"{len(verified.get('samples_recomputed', []))} sequences recomputed (the probe first), worst "
-                 f"relative error {verified.get('worst_relative_error', float('nan')):.2e}")  # fmt: skip
+    checks.about(
+        f"captured by {engine['engine']} {engine['version']}: {engine['dtype']}, TP "
+        f"{engine['tensor_parallel_size']}, prefix caching {'on' if engine['prefix_caching'] else 'off'}, "
+        f"chunked prefill {chunked}, aux layer ids {engine['aux_layer_ids']}; verified against the target: "
+        f"{len(verified.get('samples_recomputed', []))} sequences recomputed (the probe first), worst "
+        f"relative error {verified.get('worst_relative_error', float('nan')):.2e}"
+    )
     if engine["prefix_caching"]:
-        checks.warn("captured with prefix caching on: engines have returned fewer states than tokens under it (vLLM "
-                    "#44485); every sample's length was checked at capture",
-                    "capture without --enable-prefix-caching for a cache nobody needs to re-check")  # fmt: skip
+        checks.warn(
+            "captured with prefix caching on: engines have returned fewer states than tokens under it (vLLM "
+            "#44485); every sample's length was checked at capture",
+            "capture without --enable-prefix-caching for a cache nobody needs to re-check",
+        )
     if engine["dtype"] != DTYPE_NAMES[dtype]:
-        checks.warn(f"the engine computed in {engine['dtype']}, the cache stores {DTYPE_NAMES[dtype]}: offline τ is "
-                    f"then within rounding of served τ, not equal",
-                    "capture with --dtype auto for the engine's own precision")  # fmt: skip
+        checks.warn(
+            f"the engine computed in {engine['dtype']}, the cache stores {DTYPE_NAMES[dtype]}: offline τ is "
+            f"then within rounding of served τ, not equal",
+            "capture with --dtype auto for the engine's own precision",
+        )
 
 
 def doctor_cache(
@@ -127,39 +145,53 @@ def doctor_cache(
         cache = HiddenStateCache(directory, verify=False)
     except FlashdraftError as e:
         unfinished = not (directory / MANIFEST).exists() and (directory / PROGRESS).is_dir()
-        checks.fail(str(e), "re-run the same flashdraft cache command: it keeps the finished shards" if unfinished
-                    else rebuild)  # fmt: skip
+        checks.fail(
+            str(e), "re-run the same flashdraft cache command: it keeps the finished shards" if unfinished else rebuild
+        )
         return checks.summary() if own else False
-    checks.about(f"hidden-state cache {directory}: {len(cache)} records, {cache.num_tokens} tokens, "
-                 f"{len(cache.shards)} shards of {cache.manifest.get('records_per_shard')} records; layers "
-                 f"{cache.layer_ids} (context-layer count {len(cache.layer_ids)}), hidden {cache.hidden_size}, "
-                 f"{DTYPE_NAMES[cache.dtype]}, target top-k {cache.topk or 'none'}")  # fmt: skip
+    checks.about(
+        f"hidden-state cache {directory}: {len(cache)} records, {cache.num_tokens} tokens, "
+        f"{len(cache.shards)} shards of {cache.manifest.get('records_per_shard')} records; layers "
+        f"{cache.layer_ids} (context-layer count {len(cache.layer_ids)}), hidden {cache.hidden_size}, "
+        f"{DTYPE_NAMES[cache.dtype]}, target top-k {cache.topk or 'none'}"
+    )
     completions = cache.manifest.get("completions") or {}
-    checks.about(f"fingerprints: target {cache.target_fingerprint} ({cache.manifest['target'].get('path')}), "
-                 f"completions {completions.get('file')} made by {completions.get('target_fingerprint')}")  # fmt: skip
+    checks.about(
+        f"fingerprints: target {cache.target_fingerprint} ({cache.manifest['target'].get('path')}), "
+        f"completions {completions.get('file')} made by {completions.get('target_fingerprint')}"
+    )
     _about_engine(cache.manifest.get("computed_with") or {}, cache.dtype, checks)
     checks.ok(f"{directory / MANIFEST}: shard sizes and record layout agree with the manifest")
     files = [(s["file"], s["sha256"]) for s in cache.shards]
     files += [(s["topk_file"], s["topk_sha256"]) for s in cache.shards if cache.topk]
     if verify:
         bad = [name for name, sha in files if sha256_file(directory / name) != sha]
-        checks.check(not bad, f"sha256 of {len(files)} shard files" + (f": {', '.join(bad)} differ" if bad else ""),
-                     f"the files were corrupted or replaced; copy the cache again or {rebuild}")  # fmt: skip
+        checks.check(
+            not bad,
+            f"sha256 of {len(files)} shard files" + (f": {', '.join(bad)} differ" if bad else ""),
+            f"the files were corrupted or replaced; copy the cache again or {rebuild}",
+        )
     else:
         checks.about(f"sha256 of {len(files)} shard files not checked (--no-verify)")
 
     _check_layout(cache, checks, rebuild)
     # a cache written before the rule (--layers 2,0) feeds no drafter a server would run
     ordered = strictly_increasing(cache.layer_ids)
-    checks.check(ordered, f"layer ids {cache.layer_ids} " + ("are" if ordered else "are not") +
-                 f" {LAYER_ORDER_RULE}", f"re-run flashdraft cache with --layers "
-                 f"{','.join(map(str, sorted(set(cache.layer_ids))))} into a new --out")  # fmt: skip
+    checks.check(
+        ordered,
+        f"layer ids {cache.layer_ids} " + ("are" if ordered else "are not") + f" {LAYER_ORDER_RULE}",
+        f"re-run flashdraft cache with --layers {','.join(map(str, sorted(set(cache.layer_ids))))} into a new --out",
+    )
 
     if layer_ids is not None:
         same = list(layer_ids) == cache.layer_ids
-        checks.check(same, f"layer ids {cache.layer_ids} " + ("equal" if same else "differ from") +
-                     f" the drafter's target_layer_ids {list(layer_ids)}",
-                     f"flashdraft cache --layers {','.join(map(str, layer_ids or []))} for this drafter")  # fmt: skip
+        checks.check(
+            same,
+            f"layer ids {cache.layer_ids} "
+            + ("equal" if same else "differ from")
+            + f" the drafter's target_layer_ids {list(layer_ids)}",
+            f"flashdraft cache --layers {','.join(map(str, layer_ids or []))} for this drafter",
+        )
     if target is not None:
         try:
             cache.check_compatible(target)
@@ -169,4 +201,3 @@ def doctor_cache(
         else:
             _check_alignment(cache, target, checks, samples, tolerance, seed, rebuild)
     return checks.summary() if own else not checks.failures
-

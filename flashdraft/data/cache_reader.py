@@ -81,8 +81,9 @@ class HiddenStateCache:
                 f"re-run flashdraft cache to rebuild it"
             )
         if sha256 is not None and sha256_file(path) != sha256:
-            raise FlashdraftError(f"{path}: sha256 differs from {MANIFEST} (corrupted or replaced); re-run flashdraft "
-                                  f"cache to rebuild it")  # fmt: skip
+            raise FlashdraftError(
+                f"{path}: sha256 differs from {MANIFEST} (corrupted or replaced); re-run flashdraft cache to rebuild it"
+            )
 
     def _check_layout(self) -> None:
         """Records tile each shard exactly, and each shard's tensors (their safetensors headers:

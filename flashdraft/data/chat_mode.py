@@ -25,8 +25,18 @@ REASONING_START, REASONING_END = "<think>", "</think>"
 NOT_CLOSED = "not closed"  # a completion that stopped inside its reasoning
 THINKING = "enable_thinking"
 # arguments flashdraft itself passes to apply_chat_template: a kwarg of the same name would silently replace them
-RESERVED = ("add_generation_prompt", "continue_final_message", "tokenize", "conversation", "messages", "tools",
-            "documents", "chat_template", "return_dict", "return_assistant_tokens_mask")  # fmt: skip
+RESERVED = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "conversation",
+    "messages",
+    "tools",
+    "documents",
+    "chat_template",
+    "return_dict",
+    "return_assistant_tokens_mask",
+)
 
 
 def parse_kwargs(value: Any, where: str) -> dict[str, Any] | None:
@@ -38,15 +48,20 @@ def parse_kwargs(value: Any, where: str) -> dict[str, Any] | None:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise FlashdraftError(f"{where}: not valid JSON ({e.msg}); expected an object such as "
-                                  f"'{{\"enable_thinking\": false}}'") from None  # fmt: skip
+            raise FlashdraftError(
+                f"{where}: not valid JSON ({e.msg}); expected an object such as '{{\"enable_thinking\": false}}'"
+            ) from None
     if not isinstance(value, dict):
-        raise FlashdraftError(f"{where}: is {type(value).__name__} {str(value)[:60]}; expected a JSON object such as "
-                              f"{{\"enable_thinking\": false}}")  # fmt: skip
+        raise FlashdraftError(
+            f"{where}: is {type(value).__name__} {str(value)[:60]}; expected a JSON object such as "
+            f'{{"enable_thinking": false}}'
+        )
     taken = [k for k in value if k in RESERVED]
     if taken:
-        raise FlashdraftError(f"{where}: {', '.join(taken)} is set by flashdraft itself (the generation prompt is "
-                              f"always added); expected template variables only")  # fmt: skip
+        raise FlashdraftError(
+            f"{where}: {', '.join(taken)} is set by flashdraft itself (the generation prompt is "
+            f"always added); expected template variables only"
+        )
     return dict(value)
 
 
@@ -105,6 +120,7 @@ def template_variables(tokenizer) -> set[str] | None:
 def ignored_kwargs(tokenizer, kwargs: dict[str, Any], messages: list[dict[str, str]]) -> list[str]:
     """The kwargs the template ignores: names it never reads, and booleans whose opposite renders `messages` to
     the same prompt."""
+
     def render(given: dict[str, Any]) -> str:  # as `prompts.render_conversation` renders with a template
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **given)
 
@@ -121,8 +137,14 @@ def reads_thinking(tokenizer) -> bool:
     return names is None or THINKING in names
 
 
-def resolve_mode(tokenizer, use_template: bool, chat_template_kwargs: str | dict | None,
-                 enable_thinking: bool | None, prompts: list, log) -> dict[str, Any] | None:  # fmt: skip
+def resolve_mode(
+    tokenizer,
+    use_template: bool,
+    chat_template_kwargs: str | dict | None,
+    enable_thinking: bool | None,
+    prompts: list,
+    log,
+) -> dict[str, Any] | None:
     """The run's kwargs (`run_kwargs`) checked against the template, the mode logged: refused without a template,
     a thinking shorthand refused where the template does not read `enable_thinking`, and each kwarg the template
     ignores (on the first prompt of each mix of kwargs) reported. `prompts`: `data.prompts.Prompt`s."""
@@ -130,23 +152,31 @@ def resolve_mode(tokenizer, use_template: bool, chat_template_kwargs: str | dict
     rows = any(p.chat_template_kwargs for p in prompts)
     if not use_template:
         if kwargs is not None or rows:
-            raise FlashdraftError("chat_template_kwargs (--chat-template-kwargs, --enable-thinking, --disable-thinking "
-                                  "or a prompt row's) need a chat template; this run renders plain text")  # fmt: skip
+            raise FlashdraftError(
+                "chat_template_kwargs (--chat-template-kwargs, --enable-thinking, --disable-thinking "
+                "or a prompt row's) need a chat template; this run renders plain text"
+            )
         return None
     if enable_thinking is not None and not reads_thinking(tokenizer):
-        raise FlashdraftError(f"--{'enable' if enable_thinking else 'disable'}-thinking: the chat template does not "
-                              f"read {THINKING} (not a Qwen3-style thinking template); drop it, or give the "
-                              f"template's own variables with --chat-template-kwargs")  # fmt: skip
+        raise FlashdraftError(
+            f"--{'enable' if enable_thinking else 'disable'}-thinking: the chat template does not "
+            f"read {THINKING} (not a Qwen3-style thinking template); drop it, or give the "
+            f"template's own variables with --chat-template-kwargs"
+        )
     first: dict[str, Any] = {}
     for p in prompts:
         first.setdefault(json.dumps(merged(kwargs, p.chat_template_kwargs), sort_keys=True), p)
     for key, p in first.items():
         ignored = ignored_kwargs(tokenizer, json.loads(key), p.conversation([]))
         if ignored:
-            log(f"warning: the chat template ignores {', '.join(ignored)} (the rendered prompt of {p.id!r} is the "
-                f"same without it): these records are in the template's one mode, whatever the kwargs say")
-    log(f"chat template {template_sha256(tokenizer)}: {describe_kwargs(kwargs)}"
-        + (f", {len(first)} mixes of kwargs with the prompt rows' own" if rows else ""))
+            log(
+                f"warning: the chat template ignores {', '.join(ignored)} (the rendered prompt of {p.id!r} is the "
+                f"same without it): these records are in the template's one mode, whatever the kwargs say"
+            )
+    log(
+        f"chat template {template_sha256(tokenizer)}: {describe_kwargs(kwargs)}"
+        + (f", {len(first)} mixes of kwargs with the prompt rows' own" if rows else "")
+    )
     return kwargs
 
 
@@ -167,8 +197,9 @@ def reasoning_markers(tokenizer) -> ReasoningMarkers | None:
     return None
 
 
-def reasoning_end(prompt_ids: list[int], completion_ids: list[int],
-                  markers: ReasoningMarkers | None) -> int | str | None:  # fmt: skip
+def reasoning_end(
+    prompt_ids: list[int], completion_ids: list[int], markers: ReasoningMarkers | None
+) -> int | str | None:
     """The index in `completion_ids` of the token that ends its reasoning (`</think>`), NOT_CLOSED when it stops
     inside its reasoning, None when it has no reasoning segment."""
     if markers is None:
@@ -195,8 +226,10 @@ def check_reasoning_end(value: Any, completion_length: int) -> str | None:
     if value is None or value == NOT_CLOSED:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < completion_length:
-        return (f"reasoning_end is {value!r}; expected a token index in 0..{completion_length - 1}, "
-                f"{NOT_CLOSED!r} or absent")  # fmt: skip
+        return (
+            f"reasoning_end is {value!r}; expected a token index in 0..{completion_length - 1}, "
+            f"{NOT_CLOSED!r} or absent"
+        )
     return None
 
 
@@ -215,12 +248,16 @@ def mode_mix(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     lengths = [r["completion_tokens"] if "completion_tokens" in r else len(r["completion_ids"]) for r in records]
     total = sum(lengths)
     reasoning = sum(reasoning_tokens(r.get("reasoning_end"), n) or 0 for r, n in zip(records, lengths, strict=True))
-    return {"records_per_kwargs": [{"chat_template_kwargs": json.loads(k), "records": n}
-                                   for k, n in sorted(per_kwargs.items())],
-            "records": len(records),
-            "with_reasoning": sum(r.get("reasoning_end") is not None for r in records),
-            "reasoning_not_closed": sum(r.get("reasoning_end") == NOT_CLOSED for r in records),
-            "completion_tokens": total, "reasoning_token_share": reasoning / total if total else 0.0}  # fmt: skip
+    return {
+        "records_per_kwargs": [
+            {"chat_template_kwargs": json.loads(k), "records": n} for k, n in sorted(per_kwargs.items())
+        ],
+        "records": len(records),
+        "with_reasoning": sum(r.get("reasoning_end") is not None for r in records),
+        "reasoning_not_closed": sum(r.get("reasoning_end") == NOT_CLOSED for r in records),
+        "completion_tokens": total,
+        "reasoning_token_share": reasoning / total if total else 0.0,
+    }
 
 
 def combine_mixes(earlier: dict[str, Any] | None, later: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -233,21 +270,28 @@ def combine_mixes(earlier: dict[str, Any] | None, later: dict[str, Any] | None) 
             per_kwargs[json.dumps(k["chat_template_kwargs"], sort_keys=True)] += k["records"]
     total = earlier.get("completion_tokens", 0) + later.get("completion_tokens", 0)
     reasoning = sum(m["reasoning_token_share"] * m.get("completion_tokens", 0) for m in (earlier, later))
-    return {"records_per_kwargs": [{"chat_template_kwargs": json.loads(k), "records": n}
-                                   for k, n in sorted(per_kwargs.items())],
-            **{name: earlier[name] + later[name] for name in ("records", "with_reasoning", "reasoning_not_closed")},
-            "completion_tokens": total, "reasoning_token_share": reasoning / total if total else 0.0}  # fmt: skip
+    return {
+        "records_per_kwargs": [
+            {"chat_template_kwargs": json.loads(k), "records": n} for k, n in sorted(per_kwargs.items())
+        ],
+        **{name: earlier[name] + later[name] for name in ("records", "with_reasoning", "reasoning_not_closed")},
+        "completion_tokens": total,
+        "reasoning_token_share": reasoning / total if total else 0.0,
+    }
 
 
 def describe_mix(mix: dict[str, Any] | None) -> str:
     """One line of a mode mix."""
     if mix is None:
         return "no chat template (plain text prompts)"
-    kinds = ", ".join(f"{describe_kwargs(k['chat_template_kwargs'])}: {k['records']}"
-                      for k in mix["records_per_kwargs"])  # fmt: skip
-    return (f"{kinds} records; {mix['with_reasoning']} of {mix['records']} with a reasoning segment "
-            f"({mix['reasoning_token_share']:.0%} of all completion tokens in reasoning), "
-            f"{mix['reasoning_not_closed']} not closed (stopped inside their reasoning: they train reasoning only)")
+    kinds = ", ".join(
+        f"{describe_kwargs(k['chat_template_kwargs'])}: {k['records']}" for k in mix["records_per_kwargs"]
+    )
+    return (
+        f"{kinds} records; {mix['with_reasoning']} of {mix['records']} with a reasoning segment "
+        f"({mix['reasoning_token_share']:.0%} of all completion tokens in reasoning), "
+        f"{mix['reasoning_not_closed']} not closed (stopped inside their reasoning: they train reasoning only)"
+    )
 
 
 def mode_difference(trained: dict[str, Any] | None, evaluated: dict[str, Any] | None) -> str | None:
@@ -255,28 +299,41 @@ def mode_difference(trained: dict[str, Any] | None, evaluated: dict[str, Any] | 
     kwargs, or a side that recorded none)."""
     if not trained or not evaluated:
         return None
-    kinds = [{json.dumps(k["chat_template_kwargs"], sort_keys=True) for k in m["records_per_kwargs"]}
-             for m in (trained, evaluated)]  # fmt: skip
+    kinds = [
+        {json.dumps(k["chat_template_kwargs"], sort_keys=True) for k in m["records_per_kwargs"]}
+        for m in (trained, evaluated)
+    ]
     if kinds[1] <= kinds[0]:
         return None
-    return (f"evaluated in another chat mode than the drafter was trained on: trained on "
-            f"{describe_mix(trained)}; evaluated on {describe_mix(evaluated)} (acceptance differs most between "
-            f"thinking and non-thinking text: evaluate in the mode the drafter will serve, or train on both)")
+    return (
+        f"evaluated in another chat mode than the drafter was trained on: trained on "
+        f"{describe_mix(trained)}; evaluated on {describe_mix(evaluated)} (acceptance differs most between "
+        f"thinking and non-thinking text: evaluate in the mode the drafter will serve, or train on both)"
+    )
 
 
 # -- the engine's rendering ---------------------------------------------------------------------------------------
 
 
-def check_engine_render(client, engine: str, record_id: str, messages: list[dict[str, str]],
-                        kwargs: dict[str, Any], prompt_ids: list[int], tokenizer) -> None:  # fmt: skip
+def check_engine_render(
+    client,
+    engine: str,
+    record_id: str,
+    messages: list[dict[str, str]],
+    kwargs: dict[str, Any],
+    prompt_ids: list[int],
+    tokenizer,
+) -> None:
     """Refuse a prompt the engine renders otherwise than flashdraft: `messages` with `kwargs` as a chat client
     sends them (none when `kwargs` is empty: the server's defaults apply), the engine's token ids against
     `prompt_ids`, naming the record and the first differing token."""
     served = client.tokenize_chat(messages, kwargs or None)
     if served == prompt_ids:
         return
-    k = next((i for i, (a, b) in enumerate(zip(served, prompt_ids, strict=False)) if a != b),
-             min(len(served), len(prompt_ids)))  # fmt: skip
+    k = next(
+        (i for i, (a, b) in enumerate(zip(served, prompt_ids, strict=False)) if a != b),
+        min(len(served), len(prompt_ids)),
+    )
 
     def token(ids: list[int]) -> str:
         return f"{ids[k]} {tokenizer.convert_ids_to_tokens(ids[k])!r}" if k < len(ids) else "the end"

@@ -109,8 +109,7 @@ class CompletionRecord:
     reasoning_end: int | str | None = None  # index of the completion's `</think>`, "not closed", None: no reasoning
 
 
-OPTIONAL_FIELDS = ("prompt_truncated_from", "messages", "chat_template_kwargs", "chat_template_sha256",
-                   "reasoning_end")  # fmt: skip
+OPTIONAL_FIELDS = ("prompt_truncated_from", "messages", "chat_template_kwargs", "chat_template_sha256", "reasoning_end")
 
 
 def record_json(record: CompletionRecord) -> str:
@@ -281,12 +280,19 @@ def _answer_turns(
         for p, text, ids, (out, reason, source) in zip(active, texts, prompt_ids, results, strict=True):
             completion = tok.decode(out, skip_special_tokens=True)
             rid = p.record_id(turn)
-            mode = {} if not use_template else {
-                "messages": p.conversation(answers[p.id]), "chat_template_sha256": sha,
-                "chat_template_kwargs": merged(settings.chat_template_kwargs, p.chat_template_kwargs),
-                "reasoning_end": reasoning_end(ids, out, markers)}  # fmt: skip
-            records[p.id].append(CompletionRecord(rid, text, ids, out, completion, reason, source,
-                                                  truncated_from.get(rid), **mode))  # fmt: skip
+            mode = (
+                {}
+                if not use_template
+                else {
+                    "messages": p.conversation(answers[p.id]),
+                    "chat_template_sha256": sha,
+                    "chat_template_kwargs": merged(settings.chat_template_kwargs, p.chat_template_kwargs),
+                    "reasoning_end": reasoning_end(ids, out, markers),
+                }
+            )
+            records[p.id].append(
+                CompletionRecord(rid, text, ids, out, completion, reason, source, truncated_from.get(rid), **mode)
+            )
             answers[p.id].append(completion)
     stats["shorter"] = stats.get("shorter", 0) + sum(r.id in short for p in batch for r in records[p.id])
     return [r for p in batch for r in records[p.id] if r.id not in short]
@@ -304,8 +310,14 @@ def local_completer(target: TargetModel, settings: GenerationSettings):
             generators = [
                 torch.Generator(device=target.device).manual_seed(record_seed(settings.seed, rid)) for rid, _ in items
             ]
-        outs = generate_batch(target, [ids for _, ids in items], settings.max_new_tokens, settings.temperature,
-                              generators, settings_filters(settings))  # fmt: skip
+        outs = generate_batch(
+            target,
+            [ids for _, ids in items],
+            settings.max_new_tokens,
+            settings.temperature,
+            generators,
+            settings_filters(settings),
+        )
         return [(ids, reason, "target") for ids, reason in outs]
 
     return complete
@@ -319,8 +331,13 @@ def openai_completer(target: TargetModel, settings: GenerationSettings, client: 
 
     def one(item: tuple[str, list[int]]) -> tuple[list[int], str, str]:
         rid, prompt_ids = item
-        choice = client.complete(prompt_ids, settings.max_new_tokens, settings.temperature,
-                                 record_seed(settings.seed, rid), settings_filters(settings).active())  # fmt: skip
+        choice = client.complete(
+            prompt_ids,
+            settings.max_new_tokens,
+            settings.temperature,
+            record_seed(settings.seed, rid),
+            settings_filters(settings).active(),
+        )
         finish = choice.get("finish_reason")
         if finish not in ("stop", "length"):
             raise FlashdraftError(f"record {rid!r}: server finish_reason is {finish!r}; expected 'stop' or 'length'")
@@ -350,11 +367,11 @@ def part_paths(out: Path) -> list[Path]:
     return sorted(out.parent.glob(out.name + ".part*.jsonl"))
 
 
-
 def _check_header(found: dict, expected: dict, where: str) -> None:
     if not isinstance(found, dict) or found.get("format") != FORMAT:
-        raise FlashdraftError(f"{where}: not a flashdraft completions file (format {found.get('format')!r}); "
-                              f"use another --out")  # fmt: skip
+        raise FlashdraftError(
+            f"{where}: not a flashdraft completions file (format {found.get('format')!r}); use another --out"
+        )
     fp, want = found.get("target", {}).get("fingerprint"), expected["target"]["fingerprint"]
     if fp != want:
         raise FlashdraftError(f"{where}: made by target fingerprint {fp}, this target is {want}; use another --out")
@@ -411,8 +428,12 @@ def _cut_incomplete_line(part: Path) -> None:
 def _write_final(out: Path, header: dict, records: list[dict]) -> None:
     """OUT as one JSON object, one record per line; written to a temporary file first."""
     sources = sorted({r.get("token_source", "target") for r in records})
-    head = dict(header, token_ids=sources[0] if len(sources) == 1 else "mixed", num_records=len(records),
-                chat_mode=mode_mix(records))  # fmt: skip
+    head = dict(
+        header,
+        token_ids=sources[0] if len(sources) == 1 else "mixed",
+        num_records=len(records),
+        chat_mode=mode_mix(records),
+    )
     text = json.dumps(head, indent=1)[:-2] + ',\n "records": [\n'
     text += ",\n".join(json.dumps(r, ensure_ascii=False) for r in records)
     text += "\n ]\n}\n"
@@ -448,8 +469,10 @@ def generate_completions(
     # file keeps the prompts' order whatever order they were answered in.
     mine = sorted(todo[dist.rank :: dist.world], key=_prompt_chars)
     if dist.is_main:
-        print(f"{len(done)} records already in {out}; {len(todo)} prompts to answer"
-              + (f" over {dist.world} ranks" if dist.world > 1 else ""))  # fmt: skip
+        print(
+            f"{len(done)} records already in {out}; {len(todo)} prompts to answer"
+            + (f" over {dist.world} ranks" if dist.world > 1 else "")
+        )
     if settings.backend in ("openai", "vllm"):
         complete = openai_completer(target, settings, client, workers=batch_size)
     else:
@@ -461,29 +484,45 @@ def generate_completions(
     with StopRequests("batch", dist.prefix()) as stop:
         answered = 0
         if mine:
-            answered = _answer_into_part(target, mine, part, header, settings, complete, batch_size, dist, stop,
-                                         long_prompts, check_render)  # fmt: skip
-        note = describe_long_prompts(long_prompts, prompt_token_limit(target.context_length,
-                                                                      settings.max_new_tokens))  # fmt: skip
+            answered = _answer_into_part(
+                target, mine, part, header, settings, complete, batch_size, dist, stop, long_prompts, check_render
+            )
+        note = describe_long_prompts(long_prompts, prompt_token_limit(target.context_length, settings.max_new_tokens))
         if note:
             print(f"{dist.prefix()}{note} (--long-prompts {settings.long_prompts})")
         if long_prompts.get("shorter"):
-            print(f"{dist.prefix()}{long_prompts['shorter']} turns shorter than --min-prompt-tokens "
-                  f"{settings.min_prompt_tokens} left out")  # fmt: skip
+            print(
+                f"{dist.prefix()}{long_prompts['shorter']} turns shorter than --min-prompt-tokens "
+                f"{settings.min_prompt_tokens} left out"
+            )
         # every rank has finished or stopped (its part complete) before rank 0 merges; all stop together
         if any_rank(stop.requested):
             signum = stop.signum or signal.SIGTERM  # a rank that got no signal stops with its peers
             told = f"{answered} of {len(mine)} prompts answered" + (" by rank 0" if dist.world > 1 else "")
-            raise Interrupted(signum, f"{signal.Signals(signum).name}: {told}, their records kept in {part} (not "
-                              f"merged into {out} yet)" if dist.is_main else "")  # fmt: skip
+            raise Interrupted(
+                signum,
+                f"{signal.Signals(signum).name}: {told}, their records kept in {part} (not merged into {out} yet)"
+                if dist.is_main
+                else "",
+            )
     if dist.is_main and (todo or part_paths(out)):
         _merge(out, header, prompts)
     return out
 
 
-def _answer_into_part(target: TargetModel, mine: list[Prompt], part: Path, header: dict,
-                      settings: GenerationSettings, complete, batch_size: int, dist: Dist, stop: StopRequests,
-                      long_prompts: dict[str, int], check_render=None) -> int:  # fmt: skip
+def _answer_into_part(
+    target: TargetModel,
+    mine: list[Prompt],
+    part: Path,
+    header: dict,
+    settings: GenerationSettings,
+    complete,
+    batch_size: int,
+    dist: Dist,
+    stop: StopRequests,
+    long_prompts: dict[str, int],
+    check_render=None,
+) -> int:
     """Answer this rank's prompts batch by batch until done or a stop is requested, appending each batch's records
     whole to its part file (after the header line, in a new file); returns how many prompts were answered."""
     answered = 0
@@ -499,14 +538,20 @@ def _answer_into_part(target: TargetModel, mine: list[Prompt], part: Path, heade
                 batch = mine[start : start + batch_size]
                 records = _answer_turns(target, batch, settings, complete, long_prompts, check_render)
                 # a batch's records are appended whole or not at all: a full disk loses only them
-                append_whole(fd, "".join(record_json(r) + "\n" for r in records).encode(), part,
-                             f"the completions of {len(batch)} prompts")  # fmt: skip
+                append_whole(
+                    fd,
+                    "".join(record_json(r) + "\n" for r in records).encode(),
+                    part,
+                    f"the completions of {len(batch)} prompts",
+                )
                 answered += len(batch)
                 bar.update(len(batch))
     except DiskFullError as e:
-        e.then = (f"free space and re-run the same command: the records already in {part.name} are kept, "
-                  f"{len(mine) - answered} prompts{' of this rank' if dist.world > 1 else ''} "
-                  f"remain")  # fmt: skip
+        e.then = (
+            f"free space and re-run the same command: the records already in {part.name} are kept, "
+            f"{len(mine) - answered} prompts{' of this rank' if dist.world > 1 else ''} "
+            f"remain"
+        )
         raise
     finally:
         os.close(fd)
@@ -535,8 +580,14 @@ def record_problem(r: Any, vocab_size: int) -> str | None:
     """Why a record is unusable, or None if it is fine."""
     if not isinstance(r, dict):
         return f"not an object ({type(r).__name__})"
-    for name, kind in (("id", str), ("prompt", str), ("prompt_ids", list), ("completion_ids", list),
-                       ("completion", str), ("stop_reason", str)):  # fmt: skip
+    for name, kind in (
+        ("id", str),
+        ("prompt", str),
+        ("prompt_ids", list),
+        ("completion_ids", list),
+        ("completion", str),
+        ("stop_reason", str),
+    ):
         if not isinstance(r.get(name), kind):
             return f"field '{name}' is {type(r.get(name)).__name__}; expected {kind.__name__}"
     if not r["prompt_ids"]:
@@ -589,8 +640,9 @@ def load_completions(
         raise FlashdraftError(f"{path}: field 'version' is {data.get('version')!r}; expected {VERSION}")
     header = {k: v for k, v in data.items() if k != "records"}
     if not isinstance(header.get("target"), dict):
-        raise FlashdraftError(f"{path}: field 'target' is {header.get('target')!r}; expected an object with "
-                              f"fingerprint and vocab_size")  # fmt: skip
+        raise FlashdraftError(
+            f"{path}: field 'target' is {header.get('target')!r}; expected an object with fingerprint and vocab_size"
+        )
     fingerprint = header["target"].get("fingerprint")
     vocab_size = header["target"].get("vocab_size")
     if target is not None:
@@ -619,10 +671,16 @@ def load_completions(
             skipped.append((rid, problem))
             continue
         seen.add(rid)
-        fields = {name: r[name] for name in ("id", "prompt", "prompt_ids", "completion_ids", "completion",
-                                             "stop_reason")}  # fmt: skip
-        records.append(CompletionRecord(**fields, token_source=r.get("token_source", "target"),
-                                        **{name: r.get(name) for name in OPTIONAL_FIELDS}))  # fmt: skip
+        fields = {
+            name: r[name] for name in ("id", "prompt", "prompt_ids", "completion_ids", "completion", "stop_reason")
+        }
+        records.append(
+            CompletionRecord(
+                **fields,
+                token_source=r.get("token_source", "target"),
+                **{name: r.get(name) for name in OPTIONAL_FIELDS},
+            )
+        )
     if not quiet:
         print(f"{path}: {len(records)} of {len(raw)} records valid")
         for rid, problem in skipped:

@@ -64,26 +64,42 @@ class EngineSettings:
     enable_chunked_prefill: bool | None = None  # None: the engine's default
 
 
-def run_capture(python: Path, target: TargetModel, layer_ids: list[int], sequences: dict[str, list[int]],
-                directory: Path, settings: EngineSettings, log=print) -> dict[str, Any]:  # fmt: skip
+def run_capture(
+    python: Path,
+    target: TargetModel,
+    layer_ids: list[int],
+    sequences: dict[str, list[int]],
+    directory: Path,
+    settings: EngineSettings,
+    log=print,
+) -> dict[str, Any]:
     """Capture `sequences` (name -> token ids) with the engine into `directory` (one file per sequence; files of
     an earlier, interrupted run are kept); returns what the engine reports of itself and its settings."""
     directory.mkdir(parents=True, exist_ok=True)
-    job = {"model": str(resolve_target_path(target.path)), "aux_layer_ids": aux_layer_ids(layer_ids),
-           "dtype": DTYPE_NAMES[target.dtype], "out_dir": str(directory), "seed": 0,
-           "sequences": [{"name": name, "token_ids": ids} for name, ids in sequences.items()],
-           **asdict(settings)}  # fmt: skip
+    job = {
+        "model": str(resolve_target_path(target.path)),
+        "aux_layer_ids": aux_layer_ids(layer_ids),
+        "dtype": DTYPE_NAMES[target.dtype],
+        "out_dir": str(directory),
+        "seed": 0,
+        "sequences": [{"name": name, "token_ids": ids} for name, ids in sequences.items()],
+        **asdict(settings),
+    }
     (directory / "job.json").write_text(json.dumps(job))
     log_path = directory / "engine.log"
-    log(f"capturing {len(sequences)} sequences with {engine_info(python).describe()} ({python}): aux layer ids "
-        f"{job['aux_layer_ids']} for target layers {layer_ids}, {job['dtype']}; log {log_path}")  # fmt: skip
+    log(
+        f"capturing {len(sequences)} sequences with {engine_info(python).describe()} ({python}): aux layer ids "
+        f"{job['aux_layer_ids']} for target layers {layer_ids}, {job['dtype']}; log {log_path}"
+    )
     with open(log_path, "w") as out:
         command = [str(python), str(SCRIPTS / "flashdraft_vllm_capture.py"), str(directory / "job.json")]
-        done = subprocess.run(command, env=engine_env(python), stdout=out, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL)  # fmt: skip
+        done = subprocess.run(
+            command, env=engine_env(python), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
     if done.returncode != 0:
-        raise FlashdraftError(f"the engine's capture failed (exit {done.returncode}): {last_error_line(log_path)} "
-                              f"(log: {log_path})")  # fmt: skip
+        raise FlashdraftError(
+            f"the engine's capture failed (exit {done.returncode}): {last_error_line(log_path)} (log: {log_path})"
+        )
     return json.loads((directory / "engine.json").read_text())
 
 
@@ -98,17 +114,22 @@ def load_captured(directory: Path, name: str) -> tuple[torch.Tensor, list[int]]:
     return data["hidden_states"], data["token_ids"].tolist()
 
 
-def check_sample(name: str, tokens: list[int], states: torch.Tensor, engine_tokens: list[int], layer_ids: list[int],
-                 hidden: int) -> None:  # fmt: skip
+def check_sample(
+    name: str, tokens: list[int], states: torch.Tensor, engine_tokens: list[int], layer_ids: list[int], hidden: int
+) -> None:
     """What every captured sample must be: one state per token, for every layer, of the tokens sent, finite and
     not all zero."""
     if states.dim() != 3 or states.shape[1:] != (len(layer_ids), hidden):
         expected = f"[{len(tokens)}, {len(layer_ids)}, {hidden}]"
-        raise FlashdraftError(f"sample {name}: captured states have shape {list(states.shape)}, expected {expected} "
-                              f"(tokens, layers {layer_ids}, hidden)")  # fmt: skip
+        raise FlashdraftError(
+            f"sample {name}: captured states have shape {list(states.shape)}, expected {expected} "
+            f"(tokens, layers {layer_ids}, hidden)"
+        )
     if states.shape[0] != len(tokens):
-        raise FlashdraftError(f"sample {name}: {states.shape[0]} captured states for {len(tokens)} tokens (short "
-                              f"states: prefix caching? vLLM #44485); expected one per token")  # fmt: skip
+        raise FlashdraftError(
+            f"sample {name}: {states.shape[0]} captured states for {len(tokens)} tokens (short "
+            f"states: prefix caching? vLLM #44485); expected one per token"
+        )
     if engine_tokens != tokens:
         k = next(i for i, (a, b) in enumerate(zip(engine_tokens, tokens, strict=False)) if a != b)
         raise FlashdraftError(f"sample {name}: the engine's token ids differ from the sample's at position {k}")
@@ -117,12 +138,16 @@ def check_sample(name: str, tokens: list[int], states: torch.Tensor, engine_toke
         if not torch.isfinite(layer_states).all():
             raise FlashdraftError(f"sample {name} layer {layer}: captured states are NaN/Inf")
         if not layer_states.any():
-            raise FlashdraftError(f"sample {name} layer {layer}: captured states are all zero (the engine did not "
-                                  f"fill them: vLLM #46301 on hybrid targets); refusing to cache them")  # fmt: skip
+            raise FlashdraftError(
+                f"sample {name} layer {layer}: captured states are all zero (the engine did not "
+                f"fill them: vLLM #46301 on hybrid targets); refusing to cache them"
+            )
         zero_rows = (~layer_states.any(dim=-1)).nonzero()
         if len(zero_rows):
-            raise FlashdraftError(f"sample {name} layer {layer}: {len(zero_rows)} of {len(tokens)} positions hold "
-                                  f"all-zero states (first: position {int(zero_rows[0])})")  # fmt: skip
+            raise FlashdraftError(
+                f"sample {name} layer {layer}: {len(zero_rows)} of {len(tokens)} positions hold "
+                f"all-zero states (first: position {int(zero_rows[0])})"
+            )
 
 
 @dataclass
@@ -139,20 +164,33 @@ class LayerMatch:
 
 
 @torch.no_grad()
-def compare_with_target(target: TargetModel, name: str, tokens: list[int], states: torch.Tensor,
-                        layer_ids: list[int]) -> list[LayerMatch]:  # fmt: skip
+def compare_with_target(
+    target: TargetModel, name: str, tokens: list[int], states: torch.Tensor, layer_ids: list[int]
+) -> list[LayerMatch]:
     """Each captured layer against transformers' hidden_states[l + 1] (and its neighbours, for the best match)."""
     ids = torch.tensor([tokens], device=target.device)
     fresh = target.model(input_ids=ids, output_hidden_states=True).hidden_states  # L + 1 x [1, T, H]
     matches = []
     for j, layer in enumerate(layer_ids):
         got = states[:, j].float()
-        errors = {k: relative_error(got, fresh[k + 1][0].float().cpu()) for k in (layer - 1, layer, layer + 1)
-                  if 0 <= k + 1 < len(fresh)}  # fmt: skip
+        errors = {
+            k: relative_error(got, fresh[k + 1][0].float().cpu())
+            for k in (layer - 1, layer, layer + 1)
+            if 0 <= k + 1 < len(fresh)
+        }
         want = fresh[layer + 1][0].float().cpu()
         cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
-        matches.append(LayerMatch(name, layer, float(cosine.min()), float((got - want).abs().max()),
-                                  errors[layer], min(errors, key=errors.get), min(errors.values())))  # fmt: skip
+        matches.append(
+            LayerMatch(
+                name,
+                layer,
+                float(cosine.min()),
+                float((got - want).abs().max()),
+                errors[layer],
+                min(errors, key=errors.get),
+                min(errors.values()),
+            )
+        )
     return matches
 
 
@@ -163,16 +201,27 @@ def refuse_mismatch(matches: list[LayerMatch], tolerance: float) -> None:
         if m.relative_error <= tolerance:
             continue
         if m.best_layer != m.layer and m.best_error <= tolerance:
-            raise FlashdraftError(f"sample {m.sample} layer {m.layer}: the captured states are layer {m.best_layer}'s "
-                                  f"(hidden_states[{m.best_layer + 1}], not [{m.layer + 1}]): a layer off by one; "
-                                  f"relative error to layer {m.layer} {m.relative_error:.2e}")  # fmt: skip
-        raise FlashdraftError(f"sample {m.sample} layer {m.layer}: captured states differ from the target's forward "
-                              f"(relative error {m.relative_error:.2e} > {tolerance:.0e}, min cosine "
-                              f"{m.cosine_min:.4f}, max abs error {m.max_abs_error:.2e})")  # fmt: skip
+            raise FlashdraftError(
+                f"sample {m.sample} layer {m.layer}: the captured states are layer {m.best_layer}'s "
+                f"(hidden_states[{m.best_layer + 1}], not [{m.layer + 1}]): a layer off by one; "
+                f"relative error to layer {m.layer} {m.relative_error:.2e}"
+            )
+        raise FlashdraftError(
+            f"sample {m.sample} layer {m.layer}: captured states differ from the target's forward "
+            f"(relative error {m.relative_error:.2e} > {tolerance:.0e}, min cosine "
+            f"{m.cosine_min:.4f}, max abs error {m.max_abs_error:.2e})"
+        )
 
 
-def verify_capture(target: TargetModel, records: list[CompletionRecord], directory: Path, layer_ids: list[int],
-                   verify_share: float, seed: int = 0, log=print) -> dict[str, Any]:  # fmt: skip
+def verify_capture(
+    target: TargetModel,
+    records: list[CompletionRecord],
+    directory: Path,
+    layer_ids: list[int],
+    verify_share: float,
+    seed: int = 0,
+    log=print,
+) -> dict[str, Any]:
     """Every sample checked (`check_sample`); the probe and a `verify_share` of the samples recomputed by the
     target (`compare_with_target`). Returns the verification's figures for the cache's manifest."""
     for r in records:
@@ -191,19 +240,33 @@ def verify_capture(target: TargetModel, records: list[CompletionRecord], directo
         refuse_mismatch(found, tolerance)
         matches += found
     worst = max(matches, key=lambda m: m.relative_error)
-    log(f"verified the capture: {len(records)} samples checked (length, token ids, finite, non-zero); the probe and "
+    log(
+        f"verified the capture: {len(records)} samples checked (length, token ids, finite, non-zero); the probe and "
         f"{count} samples recomputed by transformers: worst relative error {worst.relative_error:.2e} (sample "
         f"{worst.sample} layer {worst.layer}; tolerance {tolerance:.0e}), min cosine "
-        f"{min(m.cosine_min for m in matches):.6f}")  # fmt: skip
-    return {"samples_checked": len(records), "verify_share": verify_share, "samples_recomputed": [n for n, _ in
-            samples], "tolerance": tolerance, "worst_relative_error": worst.relative_error,
-            "min_cosine": min(m.cosine_min for m in matches),
-            "max_abs_error": max(m.max_abs_error for m in matches)}  # fmt: skip
+        f"{min(m.cosine_min for m in matches):.6f}"
+    )
+    return {
+        "samples_checked": len(records),
+        "verify_share": verify_share,
+        "samples_recomputed": [n for n, _ in samples],
+        "tolerance": tolerance,
+        "worst_relative_error": worst.relative_error,
+        "min_cosine": min(m.cosine_min for m in matches),
+        "max_abs_error": max(m.max_abs_error for m in matches),
+    }
 
 
-def capture_features(target: TargetModel, records: list[CompletionRecord], out: Path, layer_ids: list[int],
-                     python: str | None, settings: EngineSettings, verify_share: float,
-                     log=print) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+def capture_features(
+    target: TargetModel,
+    records: list[CompletionRecord],
+    out: Path,
+    layer_ids: list[int],
+    python: str | None,
+    settings: EngineSettings,
+    verify_share: float,
+    log=print,
+) -> tuple[Any, dict[str, Any]]:
     """Capture and verify every record's states with the engine; returns a `features_of(record)` for the cache
     builder ([T, len(layer_ids) * H], as `TargetModel.forward`'s context features) and the engine's record."""
     if not 0 <= verify_share <= 1:
@@ -214,10 +277,17 @@ def capture_features(target: TargetModel, records: list[CompletionRecord], out: 
     engine = run_capture(py, target, layer_ids, sequences, directory, settings, log)
     verified = verify_capture(target, records, directory, layer_ids, verify_share, log=log)
     info = engine_info(py)
-    record = {"engine": info.distribution, "version": info.version, "dtype": DTYPE_NAMES[target.dtype],
-              "aux_layer_ids": aux_layer_ids(layer_ids), "tensor_parallel_size": settings.tensor_parallel_size,
-              "prefix_caching": settings.enable_prefix_caching, "chunked_prefill": settings.enable_chunked_prefill,
-              "connector": engine.get("connector"), "verification": verified}  # fmt: skip
+    record = {
+        "engine": info.distribution,
+        "version": info.version,
+        "dtype": DTYPE_NAMES[target.dtype],
+        "aux_layer_ids": aux_layer_ids(layer_ids),
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "prefix_caching": settings.enable_prefix_caching,
+        "chunked_prefill": settings.enable_chunked_prefill,
+        "connector": engine.get("connector"),
+        "verification": verified,
+    }
 
     def features_of(r: CompletionRecord) -> torch.Tensor:
         states, _ = load_captured(directory, r.id)
@@ -231,13 +301,26 @@ def remove_capture(out: Path) -> None:
 
 
 def run_engine_cache(
-    target_model: str, completions: str, out: str, layers: list[int] | None = None, draft_config: str | None = None,
-    num_prompts: int | None = None, dtype: str = AUTO, with_target_logits: int | None = None,
-    records_per_shard: int = 64, allow_foreign: bool = False, device: str | None = None,
-    target_dtype: str | None = None, force: bool = False, engine_python: str | None = None,
-    verify_share: float = VERIFY_SHARE, tensor_parallel_size: int = 1, enable_prefix_caching: bool = False,
-    verbose: bool = False, log=print,
-) -> Path:  # fmt: skip
+    target_model: str,
+    completions: str,
+    out: str,
+    layers: list[int] | None = None,
+    draft_config: str | None = None,
+    num_prompts: int | None = None,
+    dtype: str = AUTO,
+    with_target_logits: int | None = None,
+    records_per_shard: int = 64,
+    allow_foreign: bool = False,
+    device: str | None = None,
+    target_dtype: str | None = None,
+    force: bool = False,
+    engine_python: str | None = None,
+    verify_share: float = VERIFY_SHARE,
+    tensor_parallel_size: int = 1,
+    enable_prefix_caching: bool = False,
+    verbose: bool = False,
+    log=print,
+) -> Path:
     """`flashdraft cache --engine vllm`: the same verified cache as `flashdraft cache`, its states captured by the
     engine and checked against the target (which is loaded for that, on the CPU unless a GPU is free)."""
     from flashdraft.data.completions import load_completions
@@ -245,8 +328,10 @@ def run_engine_cache(
     from flashdraft.files import OutputLock
 
     if with_target_logits:
-        raise FlashdraftError(f"--with-target-logits {with_target_logits} with --engine: the engine captures hidden "
-                              f"states only; cache the logits without --engine (the transformers forward)")  # fmt: skip
+        raise FlashdraftError(
+            f"--with-target-logits {with_target_logits} with --engine: the engine captures hidden "
+            f"states only; cache the logits without --engine (the transformers forward)"
+        )
     settings = EngineSettings(tensor_parallel_size, enable_prefix_caching)
     check_new_cache_directory(Path(out))  # before the engine writes its states into it
     lock = OutputLock(Path(out) / LOCK, Path(out), "flashdraft cache")
@@ -257,10 +342,23 @@ def run_engine_cache(
         layer_ids = resolve_layer_ids(target, layers, draft_config)
         loaded = load_completions(completions, target, allow_foreign=allow_foreign)
         records = loaded.records[:num_prompts] if num_prompts is not None else loaded.records
-        features_of, engine = capture_features(target, records, Path(out), layer_ids, engine_python, settings,
-                                               verify_share, log)  # fmt: skip
-        directory = build_cache(target, loaded, out, layer_ids, dtype, records_per_shard, 0, num_prompts,
-                                force=force, features_of=features_of, engine=engine, verbose=verbose)  # fmt: skip
+        features_of, engine = capture_features(
+            target, records, Path(out), layer_ids, engine_python, settings, verify_share, log
+        )
+        directory = build_cache(
+            target,
+            loaded,
+            out,
+            layer_ids,
+            dtype,
+            records_per_shard,
+            0,
+            num_prompts,
+            force=force,
+            features_of=features_of,
+            engine=engine,
+            verbose=verbose,
+        )
         remove_capture(Path(out))
     finally:
         lock.release()

@@ -39,14 +39,20 @@ def _start_engine(engine: str, python: str | None, target: TargetModel, out: Pat
         raise FlashdraftError(f"--engine {engine}: expected vllm")
     py = engine_python(python)
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(target_dtype or "", "float32")
-    server = VllmServer(py, str(resolve_target_path(target.path)), out.with_name(out.name + ".vllm.log"), dtype=dtype,
-                        info=engine_info(py))  # fmt: skip
+    server = VllmServer(
+        py,
+        str(resolve_target_path(target.path)),
+        out.with_name(out.name + ".vllm.log"),
+        dtype=dtype,
+        info=engine_info(py),
+    )
     print(f"starting {server.info.describe()}: {' '.join(server.command())}")
     return server
 
 
-def check_engine_completions(target: TargetModel, path: Path, settings: GenerationSettings,
-                             filters: SamplingFilters, share: float) -> None:  # fmt: skip
+def check_engine_completions(
+    target: TargetModel, path: Path, settings: GenerationSettings, filters: SamplingFilters, share: float
+) -> None:
     """The engine's completions checked, not trusted: a `share` of them (at least one) teacher-forced through the
     target: at T = 0 each token its argmax (near-ties aside), at T > 0 samples of its filtered p; refused otherwise
     (the file stays, for inspection)."""
@@ -55,18 +61,24 @@ def check_engine_completions(target: TargetModel, path: Path, settings: Generati
     outputs = [EngineOutput(r["id"], r["prompt_ids"], r["completion_ids"]) for r in picks]
     if settings.temperature <= 0:
         found = greedy_agreement(target, outputs)
-        print(f"checked {len(outputs)} of {len(records)} completions against the target: {found['greedy']} its "
-              f"greedy output, {found['near_ties']} past a near-tie (logits within "
-              f"{found['tie_margin']:g})")  # fmt: skip
+        print(
+            f"checked {len(outputs)} of {len(records)} completions against the target: {found['greedy']} its "
+            f"greedy output, {found['near_ties']} past a near-tie (logits within "
+            f"{found['tie_margin']:g})"
+        )
     else:
         found = sampling_fidelity(target, outputs, settings.temperature, filters)
-        print(f"checked {len(outputs)} of {len(records)} completions against the target: log-likelihood score "
-              f"z = {found['log_likelihood_z']:+.2f} over {found['tokens']} tokens (samples of its p: |z| <= "
-              f"{found['z_limit']:g})")  # fmt: skip
+        print(
+            f"checked {len(outputs)} of {len(records)} completions against the target: log-likelihood score "
+            f"z = {found['log_likelihood_z']:+.2f} over {found['tokens']} tokens (samples of its p: |z| <= "
+            f"{found['z_limit']:g})"
+        )
     if found["problems"]:
-        raise FlashdraftError(f"{path}: {settings.engine_version}'s completions are not the target's: "
-                              f"{found['problems'][0]}" + (f" (and {len(found['problems']) - 1} more)"
-                                                          if len(found["problems"]) > 1 else ""))  # fmt: skip
+        raise FlashdraftError(
+            f"{path}: {settings.engine_version}'s completions are not the target's: "
+            f"{found['problems'][0]}"
+            + (f" (and {len(found['problems']) - 1} more)" if len(found["problems"]) > 1 else "")
+        )
 
 
 def report_truncated(path: Path) -> None:
@@ -75,14 +87,17 @@ def report_truncated(path: Path) -> None:
     data = json.loads(path.read_text())
     records = data.get("records", [])
     cut = sum(r.get("stop_reason") == "length" for r in records)
-    print(f"{cut} of {len(records)} completions truncated at max_new_tokens (stop_reason length), "
-          f"{len(records) - cut} ended by a stop token")
+    print(
+        f"{cut} of {len(records)} completions truncated at max_new_tokens (stop_reason length), "
+        f"{len(records) - cut} ended by a stop token"
+    )
     if data.get("chat_mode"):
         print(f"chat mode: {describe_mix(data['chat_mode'])}")
 
 
-def _check_options(backend: str, base_url: str | None, server_model: str | None, engine: str | None,
-                   long_prompts: str) -> None:  # fmt: skip
+def _check_options(
+    backend: str, base_url: str | None, server_model: str | None, engine: str | None, long_prompts: str
+) -> None:
     """Refuse options that contradict each other, before the target loads."""
     if backend == "openai" and not base_url:
         raise FlashdraftError("--backend openai needs --base-url (the server, e.g. http://localhost:8000/v1)")
@@ -101,13 +116,22 @@ def _use_chat_template(target: TargetModel, chat_template: bool | None, device, 
         raise FlashdraftError(f"{target.path}: the tokenizer has no chat template; drop --chat-template")
     use_template = has_template if chat_template is None else chat_template
     if dist.is_main:
-        print(f"target {target.path} on {device}: " + ("chat template applied" if use_template else
-              "no chat template, prompts used as plain text"))  # fmt: skip
+        print(
+            f"target {target.path} on {device}: "
+            + ("chat template applied" if use_template else "no chat template, prompts used as plain text")
+        )
     return use_template
 
 
-def _sampling_filters(target: TargetModel, temperature: float, top_k: int | None, top_p: float | None,
-                      min_p: float | None, use_generation_config: bool, dist: Dist) -> SamplingFilters:  # fmt: skip
+def _sampling_filters(
+    target: TargetModel,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    min_p: float | None,
+    use_generation_config: bool,
+    dist: Dist,
+) -> SamplingFilters:
     """The filters applied to the target's p at temperature > 0 (none when greedy, saying so when some were given)."""
     note = greedy_filters_note(top_k, top_p, min_p) if temperature <= 0 else None
     if note and dist.is_main:
@@ -126,6 +150,7 @@ def _sampling_filters(target: TargetModel, temperature: float, top_k: int | None
 def _engine_render_check(server, client: OpenAIClient, target: TargetModel):
     """The check each prompt gets with an engine: rendered by it as its chat clients' requests are, equal to
     flashdraft's (`chat_mode.check_engine_render`)."""
+
     def check(record_id: str, messages: list, kwargs: dict, ids: list[int]) -> None:
         check_engine_render(client, server.info.describe(), record_id, messages, kwargs, ids, target.tokenizer)
 
@@ -181,8 +206,14 @@ def run_generate(
         target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))
         prompt_list = load_prompts(prompts, num_prompts, quiet=not dist.is_main)
         use_template = _use_chat_template(target, chat_template, dev, dist)
-        kwargs = resolve_mode(target.tokenizer, use_template, chat_template_kwargs, enable_thinking, prompt_list,
-                              print if dist.is_main else lambda _: None)  # fmt: skip
+        kwargs = resolve_mode(
+            target.tokenizer,
+            use_template,
+            chat_template_kwargs,
+            enable_thinking,
+            prompt_list,
+            print if dist.is_main else lambda _: None,
+        )
         server = _start_engine(engine, engine_python, target, Path(out), target_dtype) if engine else None
         if server is not None:
             stack.enter_context(server)
@@ -191,13 +222,20 @@ def run_generate(
         client = OpenAIClient(base_url, server_model) if backend == "openai" else None
         filters = _sampling_filters(target, temperature, top_k, top_p, min_p, use_generation_config, dist)
         settings = GenerationSettings(
-            prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-            chat_template=use_template, chat_template_kwargs=kwargs, backend=backend if server is None else engine,
+            prompts=prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            chat_template=use_template,
+            chat_template_kwargs=kwargs,
+            backend=backend if server is None else engine,
             base_url=base_url if server is None else None,
-            server_model=client.model if client and server is None else None, long_prompts=long_prompts,
-            min_prompt_tokens=min_prompt_tokens, **{k: v for k, v in filters.active().items()},
+            server_model=client.model if client and server is None else None,
+            long_prompts=long_prompts,
+            min_prompt_tokens=min_prompt_tokens,
+            **{k: v for k, v in filters.active().items()},
             engine_version=server.info.describe() if server is not None else None,
-        )  # fmt: skip
+        )
         check_render = _engine_render_check(server, client, target) if server is not None else None
         path = generate_completions(target, prompt_list, out, settings, batch_size, dist, client, check_render)
         if dist.is_main:

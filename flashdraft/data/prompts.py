@@ -31,8 +31,13 @@ from flashdraft.safe_load import refuse_script
 
 BUILTIN_CODE = Path(__file__).parent / "builtin_code.jsonl"
 BUILTIN_SPLITS = {"builtin:code": "train", "builtin:code:train": "train", "builtin:code:heldout": "heldout"}
-BUILTIN_SPECS = [*BUILTIN_SPLITS, "builtin:stdlib[:N]", "builtin:stdlib:heldout[:N]", "builtin:long[:N]",
-                 "builtin:long:heldout[:N]"]
+BUILTIN_SPECS = [
+    *BUILTIN_SPLITS,
+    "builtin:stdlib[:N]",
+    "builtin:stdlib:heldout[:N]",
+    "builtin:long[:N]",
+    "builtin:long:heldout[:N]",
+]
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -230,15 +235,20 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_conversation(tokenizer, messages: list[dict[str, str]], use_chat_template: bool,
-                        chat_template_kwargs: dict[str, Any] | None = None) -> str:  # fmt: skip
+def render_conversation(
+    tokenizer,
+    messages: list[dict[str, str]],
+    use_chat_template: bool,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
     """The text the target sees before its reply: the chat template with the generation
     prompt and `chat_template_kwargs` (None: the template's defaults; earlier replies as the template renders
     them, e.g. without their reasoning), or (no template) the contents concatenated, each reply continuing its
     prompt."""
     if use_chat_template:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             **(chat_template_kwargs or {}))  # fmt: skip
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
+        )
     text = ""
     for m in messages:
         if m["role"] == "assistant" or not text:

@@ -123,9 +123,15 @@ def autoregressive_generate(
 
 
 def _accept(
-    draft: torch.Tensor, q: torch.Tensor | None, verified, temperature: float, generator: torch.Generator | None,
-    filters: SamplingFilters, budget: int, stop_ids: set[int],
-) -> tuple[int, int, tuple[float, float] | None]:  # fmt: skip
+    draft: torch.Tensor,
+    q: torch.Tensor | None,
+    verified,
+    temperature: float,
+    generator: torch.Generator | None,
+    filters: SamplingFilters,
+    budget: int,
+    stop_ids: set[int],
+) -> tuple[int, int, tuple[float, float] | None]:
     """One step's verification of `draft` [k] against the target's forward `verified`: (accepted drafts a, the bonus
     token, and at temperature > 0 the mean and variance of the step's committed length given its drafts; None
     greedy)."""
@@ -248,9 +254,12 @@ class GreedyComparison:
 
 
 def compare_with_greedy(
-    target: TargetModel, drafter: DFlashDrafter, prompt_ids: list[int], max_new_tokens: int,
+    target: TargetModel,
+    drafter: DFlashDrafter,
+    prompt_ids: list[int],
+    max_new_tokens: int,
     block_size: int | None = None,
-) -> GreedyComparison:  # fmt: skip
+) -> GreedyComparison:
     """Greedy speculative decoding of `prompt_ids` beside plain greedy decoding, each timed: the
     two outputs must be the same tokens."""
     t0 = time.perf_counter()

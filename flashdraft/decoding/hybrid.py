@@ -91,9 +91,13 @@ class HybridProposer:
         return self.dflash.propose(tokens, anchor_pos, context, positions, block)
 
     def propose(
-        self, tokens: list[int], anchor_pos: int, new_context: torch.Tensor | None, new_positions: torch.Tensor,
+        self,
+        tokens: list[int],
+        anchor_pos: int,
+        new_context: torch.Tensor | None,
+        new_positions: torch.Tensor,
         block: int,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         if new_context is not None and new_context.shape[1] > 0:
             self._pending.append((new_context, new_positions))
         device = new_positions.device

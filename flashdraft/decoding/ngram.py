@@ -89,9 +89,13 @@ class NGramProposer:
         return logits.scatter_(1, torch.tensor(draft, dtype=torch.long, device=device)[:, None], 0.0)
 
     def propose(
-        self, tokens: list[int], anchor_pos: int, new_context: torch.Tensor | None, new_positions: torch.Tensor,
+        self,
+        tokens: list[int],
+        anchor_pos: int,
+        new_context: torch.Tensor | None,
+        new_positions: torch.Tensor,
         block: int,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """One-hot logits [k, V] of the draft (`one_hot`; k = block - 1, or 0 without a match), on
         the target's device: where the caller keeps positions and compares tokens."""
         return self.one_hot(self.draft(tokens, block), new_positions.device)

@@ -25,9 +25,13 @@ class Proposer(Protocol):
     context_layer_ids: list[int]  # target layers whose features it wants as context (may be empty)
 
     def propose(
-        self, tokens: list[int], anchor_pos: int, new_context: torch.Tensor | None, new_positions: torch.Tensor,
+        self,
+        tokens: list[int],
+        anchor_pos: int,
+        new_context: torch.Tensor | None,
+        new_positions: torch.Tensor,
         block: int,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """tokens: everything committed, ending with the anchor (at anchor_pos); new_context:
         features [1, C, n * H] of tokens committed since the last call, at new_positions [1, C].
         Returns logits [k, V] for the k <= block drafts to verify (one-hot rows for a
@@ -42,9 +46,13 @@ class BatchProposer(Proposer, Protocol):
     def anchors_per_call(self, block: int) -> int: ...
 
     def propose_anchors(
-        self, anchor_tokens: list[int], anchor_positions: list[int], new_context: torch.Tensor | None,
-        new_positions: torch.Tensor, block: int,
-    ) -> list[torch.Tensor]:  # fmt: skip
+        self,
+        anchor_tokens: list[int],
+        anchor_positions: list[int],
+        new_context: torch.Tensor | None,
+        new_positions: torch.Tensor,
+        block: int,
+    ) -> list[torch.Tensor]:
         """Logits [k_j, V] of each anchor j; block j sees only context before its own anchor."""
         ...
 
@@ -64,9 +72,12 @@ class ProposerFactory(Protocol):
 
 
 def draw_drafts(
-    proposer: Proposer, logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
+    proposer: Proposer,
+    logits: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
     rule: ServingRule | str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What a step verifies of a proposal [k, V] under the serving rule: the argmax walk (the rows' argmax, q None:
     one-hot) at temperature 0 or where the rule drafts the argmax at T > 0; else sampled, by the proposer's own
     `draw` when it has one (DFlash2 and DSpark walk, each draft given the one sampled before), else
@@ -146,9 +157,13 @@ class DFlashProposer:
         return anchors_per_forward(block, self.target.vocab_size)
 
     def propose_anchors(
-        self, anchor_tokens: list[int], anchor_positions: list[int], new_context: torch.Tensor | None,
-        new_positions: torch.Tensor, block: int,
-    ) -> list[torch.Tensor]:  # fmt: skip
+        self,
+        anchor_tokens: list[int],
+        anchor_positions: list[int],
+        new_context: torch.Tensor | None,
+        new_positions: torch.Tensor,
+        block: int,
+    ) -> list[torch.Tensor]:
         """Logits [k, V] after each anchor (k: the drafts of a block, B - 1 or, anchor-first, B), all blocks in one
         drafter forward; DFlash2 and DSpark: the rows of their greedy walks (a DSpark confidence cut shortens them)."""
         drafts = self._block_hidden(anchor_tokens, anchor_positions, new_context, new_positions, block)  # [K, k, H]
@@ -179,8 +194,9 @@ class DFlashProposer:
         """The drafts of the last proposal and the distribution q [k, V] each was drawn from. A DFlash2
         drafter samples its selector's walk: each draft from softmax(score / T) over its K candidates,
         given the draft sampled before it; q is that sparse distribution, which verification uses."""
-        if temperature <= 0 or (self.drafter.markov_head is None and (self.drafter.candidate_selector is None
-                                                                      or not self.use_selector)):  # fmt: skip
+        if temperature <= 0 or (
+            self.drafter.markov_head is None and (self.drafter.candidate_selector is None or not self.use_selector)
+        ):
             return sample_drafts(logits, temperature, generator)
         hidden, base, anchor = self._last_walk
         k = logits.shape[0]  # a limit may verify fewer drafts than were proposed
@@ -192,8 +208,9 @@ class DFlashProposer:
         threshold = self.limit.confidence_threshold if self.limit is not None else None
         if threshold is not None:
             k = self._walk_length
-        drafts, q, previous = self.drafter.markov_walk(base[:, :k], anchor, temperature, generator,
-                                                       honour_draft_top_k=self.honour_draft_top_k)  # fmt: skip
+        drafts, q, previous = self.drafter.markov_walk(
+            base[:, :k], anchor, temperature, generator, honour_draft_top_k=self.honour_draft_top_k
+        )
         if threshold is not None:
             n = confident_prefix(self.drafter.confidence(hidden[0, :k], previous[0]), threshold)
             drafts, q = drafts[:, :n], q[:, :n]
@@ -207,8 +224,9 @@ class DFlashProposer:
         k = path.shape[0]
         hidden, base, anchors, path = hidden[j : j + 1, :k], base[j : j + 1, :k], anchors[j : j + 1], path[None]
         if self.drafter.markov_head is not None:
-            return self.drafter.markov_walk(base, anchors, temperature, path=path,
-                                            honour_draft_top_k=self.honour_draft_top_k)[1][0]  # fmt: skip
+            return self.drafter.markov_walk(
+                base, anchors, temperature, path=path, honour_draft_top_k=self.honour_draft_top_k
+            )[1][0]
         if self.drafter.candidate_selector is not None and self.use_selector:
             return self.drafter.candidate_selector.walk(hidden, base, anchors, temperature, path=path)[1][0]
         return torch.softmax(base[0].float() / temperature, -1)
@@ -230,9 +248,13 @@ class DFlashProposer:
         return self._blocks[0].shape[1]
 
     def _block_hidden(
-        self, anchor_tokens: list[int], anchor_positions: list[int], new_context: torch.Tensor | None,
-        new_positions: torch.Tensor, block: int,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        anchor_tokens: list[int],
+        anchor_positions: list[int],
+        new_context: torch.Tensor | None,
+        new_positions: torch.Tensor,
+        block: int,
+    ) -> torch.Tensor:
         """The drafter's final hidden states [K, k, H] at the first k (the limit's, else all) draft positions: block
         positions 1.. in the fill-in layout, 0.. in the anchor-first one (`DrafterConfig.first_draft_position`)."""
         device = self.target.device
@@ -240,18 +262,25 @@ class DFlashProposer:
         if new_context is not None:
             new_context = new_context.to(next(self.drafter.parameters()).dtype)
         hidden = self.drafter(  # [1, K * B, H]
-            self.drafter.embed(blocks.reshape(1, -1), self.target), torch.tensor([anchor_positions], device=device),
-            new_context, new_positions, cache=self.cache,
-        )  # fmt: skip
+            self.drafter.embed(blocks.reshape(1, -1), self.target),
+            torch.tensor([anchor_positions], device=device),
+            new_context,
+            new_positions,
+            cache=self.cache,
+        )
         first = self.drafter.config.first_draft_position
         k = self.limit.num_speculative_tokens if self.limit is not None else None
         end = None if k is None else first + k
         return hidden.view(len(anchor_tokens), block, -1)[:, first:end]
 
     def propose(
-        self, tokens: list[int], anchor_pos: int, new_context: torch.Tensor | None, new_positions: torch.Tensor,
+        self,
+        tokens: list[int],
+        anchor_pos: int,
+        new_context: torch.Tensor | None,
+        new_positions: torch.Tensor,
         block: int,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """Logits [k, V] for the positions after the anchor (tokens[-1] at anchor_pos): the first k
         the limit allows (default: every draft of the block), and under an adaptive limit only up to the chunk of rows
         that holds the first draft the drafter is unsure of."""
@@ -307,9 +336,13 @@ class LimitedProposer:
         self.context_layer_ids = inner.context_layer_ids
 
     def propose(
-        self, tokens: list[int], anchor_pos: int, new_context: torch.Tensor | None, new_positions: torch.Tensor,
+        self,
+        tokens: list[int],
+        anchor_pos: int,
+        new_context: torch.Tensor | None,
+        new_positions: torch.Tensor,
         block: int,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         logits = self.inner.propose(tokens, anchor_pos, new_context, new_positions, block)
         return logits[: self.limit.count(logits)]
 
@@ -339,17 +372,24 @@ class LimitedBatchProposer(LimitedProposer):
         return self.inner.anchors_per_call(block)
 
     def propose_anchors(
-        self, anchor_tokens: list[int], anchor_positions: list[int], new_context: torch.Tensor | None,
-        new_positions: torch.Tensor, block: int,
-    ) -> list[torch.Tensor]:  # fmt: skip
+        self,
+        anchor_tokens: list[int],
+        anchor_positions: list[int],
+        new_context: torch.Tensor | None,
+        new_positions: torch.Tensor,
+        block: int,
+    ) -> list[torch.Tensor]:
         logits = self.inner.propose_anchors(anchor_tokens, anchor_positions, new_context, new_positions, block)
         return [x[: self.limit.count(x)] for x in logits]
 
 
 def as_proposer(
-    drafter: DFlashDrafter | ProposerFactory | Proposer, target: TargetModel, limit: DraftLimit | None = None,
-    use_selector: bool = True, rule: ServingRule | str | None = None,
-) -> Proposer:  # fmt: skip
+    drafter: DFlashDrafter | ProposerFactory | Proposer,
+    target: TargetModel,
+    limit: DraftLimit | None = None,
+    use_selector: bool = True,
+    rule: ServingRule | str | None = None,
+) -> Proposer:
     """A fresh proposer for one sequence: a DFlash drafter gets its own KV cache, a
     `ProposerFactory` makes one; a stateless proposer serves every sequence itself. With a
     `limit`, it verifies only the drafts the limit keeps. `use_selector` False: a DFlash2 drafter

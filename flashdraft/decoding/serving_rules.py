@@ -48,23 +48,35 @@ class ServingRule:
         families = [family] if family else list(FAMILIES)
         drafts = "; ".join(f"{f}: {SAMPLED if self.samples_drafts(f) else ONE_HOT}" for f in families)
         top_k = "honoured" if self.honours_draft_top_k else "ignored"
-        return (f"{self.name} ({self.server}): {drafts}; dspark_draft_topk {top_k}; target p filtered by "
-                f"{', '.join(self.target_filters)}")  # fmt: skip
+        return (
+            f"{self.name} ({self.server}): {drafts}; dspark_draft_topk {top_k}; target p filtered by "
+            f"{', '.join(self.target_filters)}"
+        )
 
 
 RULES: dict[str, ServingRule] = {
     "vllm": ServingRule(
-        "vllm", f"{VLLM}, draft_sample_method greedy (its default)", frozenset(), True,
+        "vllm",
+        f"{VLLM}, draft_sample_method greedy (its default)",
+        frozenset(),
+        True,
         ("temperature", "min_p", "top_k", "top_p"),
         "config/speculative.py draft_sample_method = 'greedy'; rejection_sampler_utils.py draft_log_prob = 0.0",
     ),
     "vllm-probabilistic": ServingRule(
-        "vllm-probabilistic", f"{VLLM}, draft_sample_method probabilistic", None, True,
+        "vllm-probabilistic",
+        f"{VLLM}, draft_sample_method probabilistic",
+        None,
+        True,
         ("temperature", "min_p", "top_k", "top_p"),
         "rejection_sampler_utils.py: accept if target_logprob > log(u) + draft_logprob",
     ),
     "sglang": ServingRule(
-        "sglang", SGLANG, frozenset({"dflash2", "dspark"}), False, ("temperature", "top_k", "top_p"),
+        "sglang",
+        SGLANG,
+        frozenset({"dflash2", "dspark"}),
+        False,
+        ("temperature", "top_k", "top_p"),
         "dflash_utils.py draft_probs = zeros (DFlash); dspark_accept.py / reject_sampling.py coin * q < p "
         "(DFlash2 selector, DSpark Markov walk); build_speculative_verify_target_probs (no min_p)",
     ),
@@ -107,9 +119,12 @@ GENERATION_CONFIG_FIELDS = ("top_k", "top_p", "min_p")
 
 
 def resolve_filters(
-    target_path: str | Path | None, top_k: int | None, top_p: float | None, min_p: float | None,
+    target_path: str | Path | None,
+    top_k: int | None,
+    top_p: float | None,
+    min_p: float | None,
     use_generation_config: bool = True,
-) -> SamplingFilters:  # fmt: skip
+) -> SamplingFilters:
     """The filters a request gets: those given, else the target's generation_config.json values (as vLLM
     generation_config="auto" and SGLang sampling_defaults="model" apply them), unless `use_generation_config` is off."""
     given = {"top_k": top_k, "top_p": top_p, "min_p": min_p}
@@ -131,8 +146,10 @@ def greedy_filters_note(top_k: int | None, top_p: float | None, min_p: float | N
     given = [f"--{name} {v}" for name, v in (("top-k", top_k), ("top-p", top_p), ("min-p", min_p)) if v is not None]
     if not given:
         return None
-    return (f"note: {', '.join(given)} changes nothing at temperature 0 (greedy decoding takes the top token, which "
-            f"every filter keeps)")  # fmt: skip
+    return (
+        f"note: {', '.join(given)} changes nothing at temperature 0 (greedy decoding takes the top token, which "
+        f"every filter keeps)"
+    )
 
 
 def greedy_in_effect_note(temperature: float, filters: SamplingFilters) -> str | None:
@@ -141,9 +158,11 @@ def greedy_in_effect_note(temperature: float, filters: SamplingFilters) -> str |
     if temperature <= 0 or filters.top_k != 1:
         return None
     where = filters.source.get("top_k", "given")
-    return (f"warning: top_k 1 ({where}) makes temperature {temperature:g} greedy in effect: only the likeliest "
-            f"token is kept, so every token is the greedy one; pass --top-k with a larger value (or "
-            f"--temperature 0 to say greedy)")
+    return (
+        f"warning: top_k 1 ({where}) makes temperature {temperature:g} greedy in effect: only the likeliest "
+        f"token is kept, so every token is the greedy one; pass --top-k with a larger value (or "
+        f"--temperature 0 to say greedy)"
+    )
 
 
 def check_filters(filters: SamplingFilters, rule: ServingRule) -> None:
@@ -165,9 +184,14 @@ def filters_for(filters: SamplingFilters, rule: ServingRule) -> SamplingFilters:
 
 
 def request_filters(
-    target_path: str | Path | None, temperature: float, top_k: int | None, top_p: float | None, min_p: float | None,
-    rule: ServingRule, use_generation_config: bool = True,
-) -> tuple[SamplingFilters, list[str]]:  # fmt: skip
+    target_path: str | Path | None,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    min_p: float | None,
+    rule: ServingRule,
+    use_generation_config: bool = True,
+) -> tuple[SamplingFilters, list[str]]:
     """The filters a request at `temperature` gets under `rule`, and the names of those the generation config set
     that the rule's server drops: none when greedy; else those given, then the target's generation_config.json
     values, without those the rule's server does not apply (one given explicitly that it does not apply is refused)."""
@@ -256,8 +280,10 @@ def rule_of_command(command: str) -> ServingRule:
     if "sglang" in command:
         return RULES["sglang"]
     if "vllm" not in command:
-        raise FlashdraftError(f"--serving-command {command!r}: expected a 'vllm serve ...' or "
-                              f"'python -m sglang.launch_server ...' command line")  # fmt: skip
+        raise FlashdraftError(
+            f"--serving-command {command!r}: expected a 'vllm serve ...' or "
+            f"'python -m sglang.launch_server ...' command line"
+        )
     import re
 
     method = re.search(r'"?draft_sample_method"?\s*[:=]\s*"?(\w+)', command)
@@ -265,5 +291,6 @@ def rule_of_command(command: str) -> ServingRule:
         return RULES["vllm"]
     if method.group(1) == "probabilistic":
         return RULES["vllm-probabilistic"]
-    raise FlashdraftError(f"--serving-command: draft_sample_method {method.group(1)!r} is not built (expected greedy "
-                          f"or probabilistic)")  # fmt: skip
+    raise FlashdraftError(
+        f"--serving-command: draft_sample_method {method.group(1)!r} is not built (expected greedy or probabilistic)"
+    )

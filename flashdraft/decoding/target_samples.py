@@ -37,7 +37,7 @@ class EngineOutput:
 
 def target_probs_along(
     target: TargetModel, record: TokenRecord, temperature: float, filters: SamplingFilters
-) -> Callable[[int, int], torch.Tensor]:  # fmt: skip
+) -> Callable[[int, int], torch.Tensor]:
     """The target's filtered p along the record's completion (one forward; rows computed when a walk reads them):
     `probs_at(start, end)` gives [end - start, V], the p of completion[start + 1 .. end]."""
     out = target.forward(torch.tensor([record.prompt_ids + record.completion_ids], device=target.device))
@@ -73,13 +73,13 @@ def greedy_agreement(target: TargetModel, outputs: Sequence[TokenRecord]) -> dic
             near_ties += 1
         else:
             problems.append(f"record {r.id} token {k}: not the target's argmax (logit {margin:.3g} under it)")
-    return {"records": len(outputs), "greedy": greedy, "near_ties": near_ties, "tie_margin": tie,
-            "problems": problems}  # fmt: skip
+    return {"records": len(outputs), "greedy": greedy, "near_ties": near_ties, "tie_margin": tie, "problems": problems}
 
 
 @torch.no_grad()
-def sampling_fidelity(target: TargetModel, outputs: Sequence[TokenRecord], temperature: float,
-                      filters: SamplingFilters) -> dict[str, Any]:  # fmt: skip
+def sampling_fidelity(
+    target: TargetModel, outputs: Sequence[TokenRecord], temperature: float, filters: SamplingFilters
+) -> dict[str, Any]:
     """T > 0: are the outputs samples of the target's p (at `temperature`, after `filters`)? A token p gives no
     mass is impossible; otherwise the score z = sum_t (log p(x_t) + H(p_t)) / sqrt(sum_t Var_p(log p)) is about
     N(0, 1) for true samples (E[log p(x)] = -H(p)): a sampler of another distribution drifts from 0."""

@@ -57,24 +57,34 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
             p + "post_attention_layernorm.weight": (h,),
         }
         if cfg.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,)}  # fmt: skip
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+                p + "self_attn.o_proj.bias": (h,),
+            }
         if cfg.family == "dflash2":  # base_kernel without `.weight`, as published
             k, groups = cfg.conv_kernel_size, h // cfg.conv_group_size
             for conv in ("attention_conv", "mlp_conv"):
-                shapes |= {f"{p}{conv}.base_kernel": (2, k, h),
-                           f"{p}{conv}.kernel_projection.weight": (2 * k * groups, h)}  # fmt: skip
+                shapes |= {
+                    f"{p}{conv}.base_kernel": (2, k, h),
+                    f"{p}{conv}.kernel_projection.weight": (2 * k * groups, h),
+                }
     if cfg.family == "dflash2":  # the codebooks without `.weight`, as published
         r = cfg.selector_rank
-        shapes |= {"candidate_selector.predecessor_codebook": (cfg.vocab_size, r),
-                   "candidate_selector.successor_codebook": (cfg.vocab_size, r),
-                   "candidate_selector.hidden_projection.weight": (r, h)}  # fmt: skip
+        shapes |= {
+            "candidate_selector.predecessor_codebook": (cfg.vocab_size, r),
+            "candidate_selector.successor_codebook": (cfg.vocab_size, r),
+            "candidate_selector.hidden_projection.weight": (r, h),
+        }
     if cfg.family == "dspark":  # vLLM 0.33.0 qwen3_dspark.py: markov_w2 is [draft vocab, r]
         r, v = cfg.markov_rank, cfg.vocab_size
         shapes |= {"markov_head.markov_w1.weight": (v, r), "markov_head.markov_w2.weight": (v, r)}
         if cfg.confidence_head:
-            shapes |= {"confidence_head.proj.weight": (1, h + (r if cfg.confidence_head_with_markov else 0)),
-                       "confidence_head.proj.bias": (1,)}  # fmt: skip
+            shapes |= {
+                "confidence_head.proj.weight": (1, h + (r if cfg.confidence_head_with_markov else 0)),
+                "confidence_head.proj.bias": (1,),
+            }
     if cfg.draft_vocab_size is not None:  # an own LM head over a reduced vocabulary (vLLM's convention)
         shapes["lm_head.weight"] = (cfg.draft_vocab_size, h)
         if cfg.draft_vocab_size < cfg.vocab_size:
@@ -144,8 +154,12 @@ def save_drafter_state(
     config = cfg.to_dict()
     config["dtype"] = str(state["fc.weight"].dtype).removeprefix("torch.")
     # the weights first: a new directory never holds a config.json without its weights
-    write_atomic(out / WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata={"format": "pt"}),
-                 "the drafter's weights", nbytes(state))  # fmt: skip
+    write_atomic(
+        out / WEIGHTS_NAME,
+        lambda p: save_file(state, str(p), metadata={"format": "pt"}),
+        "the drafter's weights",
+        nbytes(state),
+    )
     write_text_atomic(out / "config.json", json.dumps(config, indent=2) + "\n", "the drafter's config")
     return out
 
@@ -205,8 +219,7 @@ def check_state_shapes(cfg: DrafterConfig, found: dict[str, tuple[int, ...]], so
         if key not in found:
             why = " (DFlash2's: servers would not notice it missing and serve it random)" * is_dflash2_parameter(key)
             if key.startswith("confidence_head."):
-                why = (f" (enable_confidence_head is true: {SGLANG} refuses the checkpoint, {VLLM} drops "
-                       f"the head)")
+                why = f" (enable_confidence_head is true: {SGLANG} refuses the checkpoint, {VLLM} drops the head)"
             raise FlashdraftError(f"{source}: tensor '{key}' is missing; expected shape {list(shape)}{why}")
         if tuple(found[key]) != shape:
             raise FlashdraftError(f"{source}: tensor '{key}' has shape {list(found[key])}; expected {list(shape)}")
@@ -216,18 +229,26 @@ def check_state_shapes(cfg: DrafterConfig, found: dict[str, tuple[int, ...]], so
             continue
         if key in own:
             if tuple(found[key]) != own[key]:
-                raise FlashdraftError(f"{source}: tensor '{key}' has shape {list(found[key])}; expected "
-                                      f"{list(own[key])} (the drafter's own full-vocabulary copy)")  # fmt: skip
+                raise FlashdraftError(
+                    f"{source}: tensor '{key}' has shape {list(found[key])}; expected "
+                    f"{list(own[key])} (the drafter's own full-vocabulary copy)"
+                )
             continue
         if key not in expected:
             raise FlashdraftError(
                 f"{source}: unexpected tensor '{key}' with shape {list(found[key])}; "
                 f"not part of a {cfg.num_hidden_layers}-layer {cfg.architecture}"
-                + (" (a DFlash2 tensor: config.json would say architectures [\"DFlash2DraftModel\"])"
-                   if is_dflash2_parameter(key) and cfg.family != "dflash2" else "")
-                + (" (a DSpark tensor: config.json would say architectures [\"Qwen3DSparkModel\"], and "
-                   "enable_confidence_head true for the confidence head)" if key.startswith(("markov_head.",
-                   "confidence_head.")) else "")
+                + (
+                    ' (a DFlash2 tensor: config.json would say architectures ["DFlash2DraftModel"])'
+                    if is_dflash2_parameter(key) and cfg.family != "dflash2"
+                    else ""
+                )
+                + (
+                    ' (a DSpark tensor: config.json would say architectures ["Qwen3DSparkModel"], and '
+                    "enable_confidence_head true for the confidence head)"
+                    if key.startswith(("markov_head.", "confidence_head."))
+                    else ""
+                )
             )
 
 
@@ -288,8 +309,11 @@ def _build(
     if "d2t" in state:
         state["d2t"] = state["d2t"].long()
     with torch.device("meta"):
-        model = drafter_class(cfg)(cfg, own_embedding="embed_tokens.weight" in state,
-                              own_lm_head="lm_head.weight" in state and cfg.draft_vocab_size is None)  # fmt: skip
+        model = drafter_class(cfg)(
+            cfg,
+            own_embedding="embed_tokens.weight" in state,
+            own_lm_head="lm_head.weight" in state and cfg.draft_vocab_size is None,
+        )
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary_emb = type(model.rotary_emb)(model.rotary_emb.config)  # buffers were on meta
     return model.to(device=device, dtype=dtype).eval()
@@ -333,8 +357,9 @@ def read_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise FlashdraftError(f"{path}: no such file; expected a drafter state dict ({', '.join(STATE_DICT_SUFFIXES)})")
     if path.suffix != ".safetensors":
-        state = load_tensors_only(path, "save the weights as tensors alone (torch.save(drafter.state_dict())) or "
-                                  "as safetensors")  # fmt: skip
+        state = load_tensors_only(
+            path, "save the weights as tensors alone (torch.save(drafter.state_dict())) or as safetensors"
+        )
     else:
         try:
             with safe_open(str(path), framework="pt") as sf:
@@ -436,9 +461,12 @@ def infer_drafter_config(
 
 
 def load_state_dict_drafter(
-    state: dict[str, torch.Tensor], cfg: DrafterConfig, source: str, device: str | torch.device = "cpu",
+    state: dict[str, torch.Tensor],
+    cfg: DrafterConfig,
+    source: str,
+    device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-) -> DFlashDrafter:  # fmt: skip
+) -> DFlashDrafter:
     """A drafter from a state dict, strictly: every tensor checked against `cfg` first."""
     check_state_shapes(cfg, {k: tuple(v.shape) for k, v in state.items()}, source)
     return _build(cfg, state, source, device, dtype)

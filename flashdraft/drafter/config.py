@@ -146,10 +146,14 @@ class DrafterConfig:
     def describe_layout(self) -> str:
         """The block layout in words (doctor, init, eval and export say it)."""
         if self.first_draft_position == 0:
-            return (f"anchor-first (DSpark): the anchor and {self.block_size - 1} masks, every position drafting the "
-                    f"token after its own: {self.drafts_per_block} drafts per block")  # fmt: skip
-        return (f"fill-in (DFlash): the anchor and {self.block_size - 1} masks, each mask drafting the token at its "
-                f"position: {self.drafts_per_block} drafts per block")  # fmt: skip
+            return (
+                f"anchor-first (DSpark): the anchor and {self.block_size - 1} masks, every position drafting the "
+                f"token after its own: {self.drafts_per_block} drafts per block"
+            )
+        return (
+            f"fill-in (DFlash): the anchor and {self.block_size - 1} masks, each mask drafting the token at its "
+            f"position: {self.drafts_per_block} drafts per block"
+        )
 
     def describe_family(self) -> str:
         """The architecture and, for DFlash2 and DSpark, its module sizes (doctor, init and eval say it)."""
@@ -161,8 +165,10 @@ class DrafterConfig:
             return f"{self.architecture} (Markov head rank {self.markov_rank}; confidence head: {confidence}{top_k})"
         if self.family != "dflash2":
             return self.architecture
-        return (f"{self.architecture} (conv kernel {self.conv_kernel_size}, group {self.conv_group_size}; selector "
-                f"rank {self.selector_rank}, top-{self.selector_top_k})")  # fmt: skip
+        return (
+            f"{self.architecture} (conv kernel {self.conv_kernel_size}, group {self.conv_group_size}; selector "
+            f"rank {self.selector_rank}, top-{self.selector_top_k})"
+        )
 
     @property
     def rotary_dim(self) -> int:
@@ -237,22 +243,34 @@ class DrafterConfig:
         def bad(field_name: str, found: Any, expected: str) -> FlashdraftError:
             return FlashdraftError(f"{source}: field '{field_name}' is {found!r}; expected {expected}")
 
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "head_dim", "intermediate_size", "vocab_size", "num_target_layers"):  # fmt: skip
+        for name in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "num_target_layers",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(name, value, "a positive integer")
         if not isinstance(self.block_size, int) or self.block_size < 2:
             raise bad("block_size", self.block_size, "an integer >= 2 (the anchor plus at least one draft)")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise bad("num_key_value_heads", self.num_key_value_heads,
-                      f"a divisor of num_attention_heads ({self.num_attention_heads})")  # fmt: skip
+            raise bad(
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                f"a divisor of num_attention_heads ({self.num_attention_heads})",
+            )
         ids = self.target_layer_ids
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
             raise bad("dflash_config.target_layer_ids", ids, "a non-empty list of layer indices")
         if any(not 0 <= i < self.num_target_layers for i in ids):
-            raise bad("dflash_config.target_layer_ids", ids,
-                      f"indices in 0..{self.num_target_layers - 1} (num_target_layers)")  # fmt: skip
+            raise bad(
+                "dflash_config.target_layer_ids", ids, f"indices in 0..{self.num_target_layers - 1} (num_target_layers)"
+            )
         if not strictly_increasing(ids):  # the servers' rule: other orders reach the drafter permuted or are refused
             raise bad("dflash_config.target_layer_ids", ids, f"{LAYER_ORDER_RULE} (e.g. {sorted(set(ids))})")
         self._validate_layers(bad)
@@ -289,9 +307,12 @@ class DrafterConfig:
         if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
             raise bad("partial_rotary_factor", factor, "a number in (0, 1]")
         if self.rotary_dim < 2 or self.rotary_dim % 2:
-            raise bad("partial_rotary_factor", factor,
-                      f"a factor giving an even rotary width of 2 or more (head_dim {self.head_dim} x {factor} = "
-                      f"{self.head_dim * factor:g})")  # fmt: skip
+            raise bad(
+                "partial_rotary_factor",
+                factor,
+                f"a factor giving an even rotary width of 2 or more (head_dim {self.head_dim} x {factor} = "
+                f"{self.head_dim * factor:g})",
+            )
 
     def _validate_dflash2(self, bad) -> None:
         if self.family not in FAMILIES:
@@ -301,26 +322,37 @@ class DrafterConfig:
             if self.family == "dflash2" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise bad(f"dflash_config.{name}", value, "a positive integer (a DFlash2DraftModel needs it)")
             if self.family == "dflash" and value:
-                raise bad(f"dflash_config.{name}", value,
-                          "absent in a DFlashDraftModel: a DFlash2 field (plain DFlash serving ignores it); a DFlash2 "
-                          "drafter says architectures [\"DFlash2DraftModel\"]")  # fmt: skip
+                raise bad(
+                    f"dflash_config.{name}",
+                    value,
+                    "absent in a DFlashDraftModel: a DFlash2 field (plain DFlash serving ignores it); a DFlash2 "
+                    'drafter says architectures ["DFlash2DraftModel"]',
+                )
         if self.family == "dflash2":
             if self.hidden_size % self.conv_group_size:
-                raise bad("dflash_config.conv_group_size", self.conv_group_size,
-                          f"a divisor of hidden_size ({self.hidden_size})")  # fmt: skip
+                raise bad(
+                    "dflash_config.conv_group_size",
+                    self.conv_group_size,
+                    f"a divisor of hidden_size ({self.hidden_size})",
+                )
             if self.selector_top_k > self.vocab_size:
-                raise bad("dflash_config.selector_top_k", self.selector_top_k,
-                          f"at most vocab_size ({self.vocab_size})")  # fmt: skip
+                raise bad(
+                    "dflash_config.selector_top_k", self.selector_top_k, f"at most vocab_size ({self.vocab_size})"
+                )
             if self.draft_vocab_size is not None:
-                raise bad("draft_vocab_size", self.draft_vocab_size,
-                          "absent in a DFlash2 drafter: its selector covers the full target vocabulary")  # fmt: skip
+                raise bad(
+                    "draft_vocab_size",
+                    self.draft_vocab_size,
+                    "absent in a DFlash2 drafter: its selector covers the full target vocabulary",
+                )
 
     def _validate_options(self, bad) -> None:
         options = self.dflash_options
         for name in ("input_embedding_scale", "output_multiplier", "attention_value_scale"):
             value = options.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
-                                      or value == float("inf")):  # fmt: skip
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 or value == float("inf")
+            ):
                 raise bad(f"dflash_config.{name}", value, "a positive finite number")
         cap = options.get("final_logit_softcapping")
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float) or cap < 0):
@@ -331,36 +363,60 @@ class DrafterConfig:
 
     def _validate_dspark(self, bad) -> None:
         if self.family != "dspark":
-            for name, value in (("markov_rank", self.markov_rank), ("enable_confidence_head", self.confidence_head),
-                                ("dspark_draft_topk", self.draft_top_k)):  # fmt: skip
+            for name, value in (
+                ("markov_rank", self.markov_rank),
+                ("enable_confidence_head", self.confidence_head),
+                ("dspark_draft_topk", self.draft_top_k),
+            ):
                 if value:
-                    raise bad(name, value, f"absent in a {self.architecture}: a DSpark field; a DSpark drafter says "
-                                           f"architectures [\"Qwen3DSparkModel\"]")  # fmt: skip
+                    raise bad(
+                        name,
+                        value,
+                        f"absent in a {self.architecture}: a DSpark field; a DSpark drafter says "
+                        f'architectures ["Qwen3DSparkModel"]',
+                    )
             return
         if not isinstance(self.markov_rank, int) or isinstance(self.markov_rank, bool) or self.markov_rank < 1:
-            raise bad("markov_rank", self.markov_rank,
-                      f"a positive integer (a DSpark drafter's Markov head; {VLLM} and {SGLANG} refuse 0)")
-        for name, value in (("enable_confidence_head", self.confidence_head),
-                            ("confidence_head_with_markov", self.confidence_head_with_markov)):  # fmt: skip
+            raise bad(
+                "markov_rank",
+                self.markov_rank,
+                f"a positive integer (a DSpark drafter's Markov head; {VLLM} and {SGLANG} refuse 0)",
+            )
+        for name, value in (
+            ("enable_confidence_head", self.confidence_head),
+            ("confidence_head_with_markov", self.confidence_head_with_markov),
+        ):
             if not isinstance(value, bool):
                 raise bad(name, value, "true or false")
         top_k = self.draft_top_k
-        if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool)
-                                  or not 1 <= top_k <= self.vocab_size):  # fmt: skip
+        if top_k is not None and (
+            not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= self.vocab_size
+        ):
             raise bad("dspark_draft_topk", top_k, f"an integer in 1..{self.vocab_size} (vocab_size) or absent")
         if self.draft_vocab_size is not None:
-            raise bad("draft_vocab_size", self.draft_vocab_size,
-                      "absent in a DSpark drafter: flashdraft builds its Markov head over the full target vocabulary")
+            raise bad(
+                "draft_vocab_size",
+                self.draft_vocab_size,
+                "absent in a DSpark drafter: flashdraft builds its Markov head over the full target vocabulary",
+            )
         for name in REFERENCE_OPTIONS:  # vLLM's qwen3_dspark.py reads none of them: it would serve another drafter
             value = self.dflash_options.get(name)
-            if value is not None and value != REFERENCE_OPTIONS[name] and not (name == "final_logit_softcapping"
-                                                                              and value == 0):  # fmt: skip
-                raise bad(f"dflash_config.{name}", value, f"absent in a DSpark drafter ({VLLM} qwen3_dspark.py "
-                                                          f"does not read it)")  # fmt: skip
+            if (
+                value is not None
+                and value != REFERENCE_OPTIONS[name]
+                and not (name == "final_logit_softcapping" and value == 0)
+            ):
+                raise bad(
+                    f"dflash_config.{name}",
+                    value,
+                    f"absent in a DSpark drafter ({VLLM} qwen3_dspark.py does not read it)",
+                )
         if self.attention_value_scale not in (None, 1, 1.0):  # read by the DFlash models only
-            raise bad("dflash_config.attention_value_scale", self.attention_value_scale,
-                      f"absent in a DSpark drafter ({VLLM} qwen3_dspark.py and {SGLANG} models/dspark.py do "
-                      f"not read it)")  # fmt: skip
+            raise bad(
+                "dflash_config.attention_value_scale",
+                self.attention_value_scale,
+                f"absent in a DSpark drafter ({VLLM} qwen3_dspark.py and {SGLANG} models/dspark.py do not read it)",
+            )
 
     # -- public config.json ------------------------------------------------------------
 
@@ -383,11 +439,15 @@ class DrafterConfig:
             # both confidence fields are always written: absent, the servers differ (SGLang 0.5.23 builds a
             # confidence head and reads its Markov input as on, vLLM as off)
             dflash["block_size"] = self.block_size
-            own.update(markov_rank=self.markov_rank, markov_head_type="vanilla",
-                       enable_confidence_head=self.confidence_head,
-                       confidence_head_with_markov=self.confidence_head and self.confidence_head_with_markov,
-                       sample_from_anchor=True, target_layer_ids=dflash["target_layer_ids"],
-                       mask_token_id=dflash["mask_token_id"])  # fmt: skip
+            own.update(
+                markov_rank=self.markov_rank,
+                markov_head_type="vanilla",
+                enable_confidence_head=self.confidence_head,
+                confidence_head_with_markov=self.confidence_head and self.confidence_head_with_markov,
+                sample_from_anchor=True,
+                target_layer_ids=dflash["target_layer_ids"],
+                mask_token_id=dflash["mask_token_id"],
+            )
             if self.draft_top_k is not None:
                 own["dspark_draft_topk"] = self.draft_top_k
         for name in ("is_causal", "draft_vocab_size", "trained_context_length"):

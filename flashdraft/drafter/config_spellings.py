@@ -25,23 +25,68 @@ DFLASH2_FIELDS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank":
 # DSpark (DeepSeek, DeepSpec; vLLM 0.33.0 `qwen3_dspark.py`): the Markov head's rank of the DeepSpec configs
 DSPARK_MARKOV_RANK = 256
 # the config fields of a DSpark drafter as vLLM 0.33.0 reads them (top level), which flashdraft writes
-DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
-                 "dspark_draft_topk", "sample_from_anchor")  # fmt: skip
+DSPARK_FIELDS = (
+    "markov_rank",
+    "markov_head_type",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+    "dspark_draft_topk",
+    "sample_from_anchor",
+)
 # Fields DrafterConfig owns; anything else found in a config.json is kept in `extra` and
 # written back unchanged, so a public config survives a load/save round trip.
 _OWN = {
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "intermediate_size", "vocab_size", "num_target_layers", "block_size", "rms_norm_eps",
-    "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "attention_bias",
-    "layer_types", "sliding_window", "use_sliding_window", "hidden_act", "dflash_config",
-    "architectures", "model_type", "tie_word_embeddings", "is_causal", "draft_vocab_size",
-    "target_hidden_size", *DFLASH2_FIELDS, "partial_rotary_factor", "use_gemma_norm", "is_neox_style",
-    "rope_is_neox_style", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
-    *DSPARK_FIELDS, "target_layer_ids", "mask_token_id", "projector_type", "dspark_config", "trained_context_length",
-}  # fmt: skip
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "num_target_layers",
+    "block_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "max_position_embeddings",
+    "attention_bias",
+    "layer_types",
+    "sliding_window",
+    "use_sliding_window",
+    "hidden_act",
+    "dflash_config",
+    "architectures",
+    "model_type",
+    "tie_word_embeddings",
+    "is_causal",
+    "draft_vocab_size",
+    "target_hidden_size",
+    *DFLASH2_FIELDS,
+    "partial_rotary_factor",
+    "use_gemma_norm",
+    "is_neox_style",
+    "rope_is_neox_style",
+    "input_embedding_scale",
+    "output_multiplier",
+    "final_logit_softcapping",
+    *DSPARK_FIELDS,
+    "target_layer_ids",
+    "mask_token_id",
+    "projector_type",
+    "dspark_config",
+    "trained_context_length",
+}
 # dflash_config fields resolved on load into the fields above (and not written back)
-_RESOLVED_DFLASH = ("causal", "use_swa", "swa_window_size", "block_size", *DFLASH2_FIELDS, *DSPARK_FIELDS,
-                    "projector_type")  # fmt: skip
+_RESOLVED_DFLASH = (
+    "causal",
+    "use_swa",
+    "swa_window_size",
+    "block_size",
+    *DFLASH2_FIELDS,
+    *DSPARK_FIELDS,
+    "projector_type",
+)
 # dflash_config fields of the z-lab reference that change the drafter's computation, with
 # the value that changes nothing
 REFERENCE_OPTIONS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
@@ -67,28 +112,43 @@ def config_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
         name = next(n for n, v in dflash2.items() if v is not None)
         raise FlashdraftError(
             f"{source}: field 'dflash_config.{name}' is {dflash2[name]!r} but architectures is "
-            f"{d.get('architectures')!r}; expected architectures [\"DFlash2DraftModel\"] with DFlash2's fields, "
+            f'{d.get("architectures")!r}; expected architectures ["DFlash2DraftModel"] with DFlash2\'s fields, '
             f"or none of them (vLLM builds the DFlash2 modules from architectures and would ignore them)"
         )
     heads = d["num_attention_heads"]
     layer_ids = _draft_value(d, dflash, "target_layer_ids", source)
     block_size = _draft_value(d, dflash, "block_size", source)
     return dict(
-        hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
+        hidden_size=d["hidden_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=heads,
         num_key_value_heads=d.get("num_key_value_heads", heads),
-        head_dim=d.get("head_dim") or d["hidden_size"] // heads, intermediate_size=d["intermediate_size"],
-        vocab_size=d["vocab_size"], num_target_layers=d["num_target_layers"],
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        intermediate_size=d["intermediate_size"],
+        vocab_size=d["vocab_size"],
+        num_target_layers=d["num_target_layers"],
         target_layer_ids=list(layer_ids) if isinstance(layer_ids, list) else layer_ids,
         mask_token_id=_draft_value(d, dflash, "mask_token_id", source),
         block_size=block_size if block_size is not None else FAMILIES[family].default_block_size,
-        rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope.theta, rope_scaling=rope.scaling,
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.theta,
+        rope_scaling=rope.scaling,
         max_position_embeddings=d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
-        attention_bias=d.get("attention_bias", False), layer_types=layer_types, sliding_window=sliding_window,
-        hidden_act=d.get("hidden_act", "silu"), is_causal=is_causal, draft_vocab_size=d.get("draft_vocab_size"),
-        family=family, **{name: value or 0 for name, value in dflash2.items()}, **dspark,
-        partial_rotary_factor=rope.partial_rotary_factor, trained_context_length=d.get("trained_context_length"),
-        gemma_norm=gemma_norm, rope_neox_style=neox_style, extra=_extra(d, dflash, source),
-    )  # fmt: skip
+        attention_bias=d.get("attention_bias", False),
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+        hidden_act=d.get("hidden_act", "silu"),
+        is_causal=is_causal,
+        draft_vocab_size=d.get("draft_vocab_size"),
+        family=family,
+        **{name: value or 0 for name, value in dflash2.items()},
+        **dspark,
+        partial_rotary_factor=rope.partial_rotary_factor,
+        trained_context_length=d.get("trained_context_length"),
+        gemma_norm=gemma_norm,
+        rope_neox_style=neox_style,
+        extra=_extra(d, dflash, source),
+    )
 
 
 def _dflash_config(d: dict[str, Any], source: str) -> dict[str, Any]:
@@ -100,10 +160,18 @@ def _dflash_config(d: dict[str, Any], source: str) -> dict[str, Any]:
     if dflash is None and "target_layer_ids" in d:  # DeepSpec's dialect: its fields at the top level
         dflash = {}
     if not isinstance(dflash, dict):
-        raise FlashdraftError(f"{source}: field 'dflash_config' is {dflash!r}; expected an object with "
-                              f"target_layer_ids and mask_token_id (is this a DFlash drafter?)")  # fmt: skip
-    required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                "vocab_size", "num_target_layers"]  # fmt: skip
+        raise FlashdraftError(
+            f"{source}: field 'dflash_config' is {dflash!r}; expected an object with "
+            f"target_layer_ids and mask_token_id (is this a DFlash drafter?)"
+        )
+    required = [
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "vocab_size",
+        "num_target_layers",
+    ]
     for name in required:
         if name not in d:
             raise FlashdraftError(f"{source}: field '{name}' is missing; expected an integer")
@@ -124,8 +192,9 @@ def _dflash_config(d: dict[str, Any], source: str) -> dict[str, Any]:
 def _extra(d: dict[str, Any], dflash: dict[str, Any], source: str) -> dict[str, Any]:
     """What flashdraft keeps without reading it and writes back unchanged: the fields it does not own, and the
     dflash_config fields it does not resolve (the reference's options among them, from either place)."""
-    extra_dflash = {k: v for k, v in dflash.items()
-                    if k not in ("target_layer_ids", "mask_token_id", *_RESOLVED_DFLASH)}  # fmt: skip
+    extra_dflash = {
+        k: v for k, v in dflash.items() if k not in ("target_layer_ids", "mask_token_id", *_RESOLVED_DFLASH)
+    }
     for name in REFERENCE_OPTIONS:  # the reference reads them from dflash_config, then the top level
         value = _draft_value(d, dflash, name, source)
         if value is not None:
@@ -147,8 +216,10 @@ def _stored_conventions(d: dict[str, Any], source: str) -> tuple[bool, bool]:
         if not isinstance(value, bool):
             raise FlashdraftError(f"{source}: field '{name}' is {value!r}; expected true, false or absent")
     if len(set(styles.values())) > 1:
-        raise FlashdraftError(f"{source}: fields 'is_neox_style' and 'rope_is_neox_style' disagree ({styles}); "
-                              f"expected one rotation style")  # fmt: skip
+        raise FlashdraftError(
+            f"{source}: fields 'is_neox_style' and 'rope_is_neox_style' disagree ({styles}); "
+            f"expected one rotation style"
+        )
     return bool(gemma), next(iter(styles.values()), True)
 
 
@@ -161,8 +232,10 @@ def _family(d: dict[str, Any], dflash: dict[str, Any], source: str) -> str:
     if projector == "dspark" and name != "dflash2":  # SpecForge writes its DSpark drafters as DFlash + projector
         name = "dspark"
     elif projector is not None:
-        raise FlashdraftError(f"{source}: field 'projector_type' is {projector!r} with architectures "
-                              f"{architectures_!r}; expected absent, or 'dspark' (SpecForge's DSpark)")  # fmt: skip
+        raise FlashdraftError(
+            f"{source}: field 'projector_type' is {projector!r} with architectures "
+            f"{architectures_!r}; expected absent, or 'dspark' (SpecForge's DSpark)"
+        )
     return name
 
 
@@ -172,8 +245,12 @@ def _dspark_value(d: dict[str, Any], dflash: dict[str, Any], name: str, source: 
     are refused (the servers would build different drafters)."""
     short = name.removeprefix("dspark_")
     nested = d.get("dspark_config") if isinstance(d.get("dspark_config"), dict) else {}
-    spellings = {name: d.get(name), f"dflash_config.{name}": dflash.get(name),
-                 f"dspark_config.{name}": nested.get(name), f"dspark_{short}": d.get(f"dspark_{short}")}  # fmt: skip
+    spellings = {
+        name: d.get(name),
+        f"dflash_config.{name}": dflash.get(name),
+        f"dspark_config.{name}": nested.get(name),
+        f"dspark_{short}": d.get(f"dspark_{short}"),
+    }
     found = {where: value for where, value in spellings.items() if value is not None}
     if len({json.dumps(v, sort_keys=True) for v in found.values()}) > 1:
         raise FlashdraftError(f"{source}: fields {', '.join(found)} disagree ({found}); expected one value")
@@ -186,16 +263,18 @@ def _dspark_fields(d: dict[str, Any], dflash: dict[str, Any], family: str, sourc
     # the refused values in the spellings `refuse_unsupported` (the top level) does not see
     if values["markov_head_type"] not in (None, "vanilla") or values["sample_from_anchor"] is False:
         name = "markov_head_type" if values["markov_head_type"] not in (None, "vanilla") else "sample_from_anchor"
-        raise FlashdraftError(f"{source}: field '{name}' (nested or prefixed) is {values[name]!r}; expected "
-                              f"{'vanilla' if name == 'markov_head_type' else 'true'} or absent (see the top-level "
-                              f"field in flashdraft's table of server fields)")  # fmt: skip
+        raise FlashdraftError(
+            f"{source}: field '{name}' (nested or prefixed) is {values[name]!r}; expected "
+            f"{'vanilla' if name == 'markov_head_type' else 'true'} or absent (see the top-level "
+            f"field in flashdraft's table of server fields)"
+        )
     if family != "dspark":
         switches = ("markov_rank", "enable_confidence_head", "confidence_head_with_markov", "dspark_draft_topk")
         name = next((n for n in switches if values[n] is not None), None)
         if name is not None:
             raise FlashdraftError(
                 f"{source}: field '{name}' is {values[name]!r} but architectures is {d.get('architectures')!r}; "
-                f"expected architectures [\"Qwen3DSparkModel\"] with DSpark's fields, or none of them"
+                f'expected architectures ["Qwen3DSparkModel"] with DSpark\'s fields, or none of them'
             )
         return {}
     confidence = values["enable_confidence_head"]
@@ -205,10 +284,12 @@ def _dspark_fields(d: dict[str, Any], dflash: dict[str, Any], family: str, sourc
             f"{source}: field 'confidence_head_with_markov' is missing with enable_confidence_head true; expected true "
             f"or false (absent, {VLLM} reads false and {SGLANG} true: the servers would build other heads)"
         )
-    return {"markov_rank": values["markov_rank"] if values["markov_rank"] is not None else 0,
-            "confidence_head": bool(confidence) if isinstance(confidence, bool | None) else confidence,
-            "confidence_head_with_markov": bool(with_markov) if isinstance(with_markov, bool | None) else with_markov,
-            "draft_top_k": values["dspark_draft_topk"]}  # fmt: skip
+    return {
+        "markov_rank": values["markov_rank"] if values["markov_rank"] is not None else 0,
+        "confidence_head": bool(confidence) if isinstance(confidence, bool | None) else confidence,
+        "confidence_head_with_markov": bool(with_markov) if isinstance(with_markov, bool | None) else with_markov,
+        "draft_top_k": values["dspark_draft_topk"],
+    }
 
 
 def _draft_value(d: dict[str, Any], dflash: dict[str, Any], name: str, source: str) -> Any:

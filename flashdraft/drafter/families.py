@@ -45,10 +45,18 @@ FAMILIES: dict[str, Family] = {
     # DSpark (DeepSeek, DeepSpec): the anchor-first block of the paper (gamma 7: the anchor and 6 masks, all 7
     # drafting); SpecForge's DSparkDraftModel, which vLLM 0.33.0's registry maps to its DeepSeek-V4 DSpark (the Qwen3
     # one is Qwen3DSparkModel, which SGLang 0.5.23 also builds), is read as it
-    "dspark": Family("dspark", "DSpark", "Qwen3DSparkModel", 7, first_draft_position=0, aliases=("DSparkDraftModel",),
-                     vllm_method="dspark", sglang_algorithm="DSPARK",
-                     sglang_block_flag="--speculative-dspark-block-size"),
-}  # fmt: skip
+    "dspark": Family(
+        "dspark",
+        "DSpark",
+        "Qwen3DSparkModel",
+        7,
+        first_draft_position=0,
+        aliases=("DSparkDraftModel",),
+        vllm_method="dspark",
+        sglang_algorithm="DSPARK",
+        sglang_block_flag="--speculative-dspark-block-size",
+    ),
+}
 DEFAULT_FAMILY = "dflash"  # a config without `architectures`, as the first public drafters
 DEFAULT_BLOCK_SIZE = FAMILIES[DEFAULT_FAMILY].default_block_size  # also a proposer's without a drafter (n-gram)
 
@@ -72,8 +80,9 @@ def by_architectures(value: Any, source: str) -> str:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) and value[0] in known:
         return known[value[0]]
     names = " or ".join(f'["{n}"]' for n in known)
-    raise FlashdraftError(f"{source}: field 'architectures' is {value!r}; expected {names} (the drafter "
-                          f"families flashdraft builds)")  # fmt: skip
+    raise FlashdraftError(
+        f"{source}: field 'architectures' is {value!r}; expected {names} (the drafter families flashdraft builds)"
+    )
 
 
 def family_of(x: Any) -> str | None:

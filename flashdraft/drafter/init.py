@@ -26,11 +26,22 @@ from flashdraft.target.model import TargetModel, pick_mask_token
 from flashdraft.target.weights import TargetHead
 
 # Layer types as `init --layer-types` accepts them: the short names and the config's own.
-LAYER_TYPE_NAMES = {"sliding": "sliding_attention", "full": "full_attention",
-                    "sliding_attention": "sliding_attention", "full_attention": "full_attention"}  # fmt: skip
+LAYER_TYPE_NAMES = {
+    "sliding": "sliding_attention",
+    "full": "full_attention",
+    "sliding_attention": "sliding_attention",
+    "full_attention": "full_attention",
+}
 # Shape fields `init` can set; each defaults to the --config's value, else the target's.
-SHAPE_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
-                "max_position_embeddings", "rope_scaling")  # fmt: skip
+SHAPE_FIELDS = (
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rope_theta",
+    "max_position_embeddings",
+    "rope_scaling",
+)
 # Fields a drafter must share with its target (it borrows the target's embedding and LM head,
 # and reads its layers' outputs).
 TARGET_FIELDS = ("hidden_size", "vocab_size", "num_target_layers")
@@ -41,8 +52,10 @@ def parse_layer_types(value: str) -> list[str]:
     names = [x.strip() for x in value.split(",")]
     bad = [x for x in names if x not in LAYER_TYPE_NAMES]
     if not names or bad:
-        raise ValueError(f"{bad[0] if bad else value!r} is not a layer type; expected sliding, full, "
-                         f"sliding_attention or full_attention (comma-separated, one per layer or one for all)")
+        raise ValueError(
+            f"{bad[0] if bad else value!r} is not a layer type; expected sliding, full, "
+            f"sliding_attention or full_attention (comma-separated, one per layer or one for all)"
+        )
     return [LAYER_TYPE_NAMES[x] for x in names]
 
 
@@ -51,23 +64,39 @@ def _target_fields(target: TargetModel) -> dict:
     tc = target.config
     heads = tc.num_attention_heads
     return dict(
-        hidden_size=tc.hidden_size, num_attention_heads=heads,
+        hidden_size=tc.hidden_size,
+        num_attention_heads=heads,
         num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads, intermediate_size=tc.intermediate_size,
-        vocab_size=target.vocab_size, num_target_layers=target.num_layers, rms_norm_eps=tc.rms_norm_eps,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        intermediate_size=tc.intermediate_size,
+        vocab_size=target.vocab_size,
+        num_target_layers=target.num_layers,
+        rms_norm_eps=tc.rms_norm_eps,
         rope_theta=target_theta(tc),
-        max_position_embeddings=tc.max_position_embeddings, layer_types=[], sliding_window=None, is_causal=None,
-        num_hidden_layers=None, block_size=None, target_layer_ids=None, mask_token_id=None, family="dflash",
-        **dict.fromkeys(DFLASH2_FIELDS, 0), markov_rank=0, confidence_head=False, confidence_head_with_markov=False,
+        max_position_embeddings=tc.max_position_embeddings,
+        layer_types=[],
+        sliding_window=None,
+        is_causal=None,
+        num_hidden_layers=None,
+        block_size=None,
+        target_layer_ids=None,
+        mask_token_id=None,
+        family="dflash",
+        **dict.fromkeys(DFLASH2_FIELDS, 0),
+        markov_rank=0,
+        confidence_head=False,
+        confidence_head_with_markov=False,
         draft_top_k=None,
-    )  # fmt: skip
+    )
 
 
 def _config_fields(base: DrafterConfig, source: str, target: TargetModel) -> dict:
     """The fields of a published drafter config (`init --config`), checked against the target."""
-    expected = {"hidden_size": (target.hidden_size, "the target's hidden size"),
-                "vocab_size": (target.vocab_size, "the target's vocabulary"),
-                "num_target_layers": (target.num_layers, "the target's decoder layers")}  # fmt: skip
+    expected = {
+        "hidden_size": (target.hidden_size, "the target's hidden size"),
+        "vocab_size": (target.vocab_size, "the target's vocabulary"),
+        "num_target_layers": (target.num_layers, "the target's decoder layers"),
+    }
     for name in TARGET_FIELDS:
         want, what = expected[name]
         if getattr(base, name) != want:
@@ -82,9 +111,11 @@ def _config_fields(base: DrafterConfig, source: str, target: TargetModel) -> dic
         )
     # fresh weights are in flashdraft's own conventions whatever the published ones (server_fields: "folded"), and
     # untrained: no trained context
-    return {f.name: getattr(base, f.name) for f in fields(DrafterConfig)} | {"gemma_norm": False,
-                                                                              "rope_neox_style": True,
-                                                                              "trained_context_length": None}
+    return {f.name: getattr(base, f.name) for f in fields(DrafterConfig)} | {
+        "gemma_norm": False,
+        "rope_neox_style": True,
+        "trained_context_length": None,
+    }
 
 
 def _resolve_layer_types(n: int, layer_types: list[str] | None, fields_: dict, source: str) -> list[str]:
@@ -183,8 +214,14 @@ def new_drafter_for_target(
             f"produces the labels: the drafter would be fed the answer"
         )
     fields_.update({k: v for k, v in (shape or {}).items() if v is not None})
-    fields_.update(num_hidden_layers=n, layer_types=types, sliding_window=window, block_size=block_size,
-                   target_layer_ids=list(ids), mask_token_id=mask_token_id)  # fmt: skip
+    fields_.update(
+        num_hidden_layers=n,
+        layer_types=types,
+        sliding_window=window,
+        block_size=block_size,
+        target_layer_ids=list(ids),
+        mask_token_id=mask_token_id,
+    )
     if is_causal is not None:
         fields_["is_causal"] = is_causal
     try:
@@ -305,9 +342,13 @@ def copy_target_layers(drafter: DFlashDrafter, target, layer_ids: list[int]) -> 
 
 
 def init_drafter(
-    target_model: str, out: str | Path, *, config: str | Path | None = None,
-    layers_from_target: list[int] | None = None, **options: Any,
-) -> tuple[DFlashDrafter, TargetHead]:  # fmt: skip
+    target_model: str,
+    out: str | Path,
+    *,
+    config: str | Path | None = None,
+    layers_from_target: list[int] | None = None,
+    **options: Any,
+) -> tuple[DFlashDrafter, TargetHead]:
     """`flashdraft init`: a fresh drafter for `target_model` written to `out`, and the target's head it was
     shaped from. `config`: a drafter config to start from (read before the target, so a broken one costs no
     model load); `layers_from_target`: target layers to start the drafter's layers from; `options`: those of
@@ -322,20 +363,43 @@ def init_drafter(
 
 
 # init flags that shape a fresh drafter; --from-drafter takes its shape from the drafter instead
-FRESH_ONLY = ("config", "draft_layers", "mask_token_id", "target_layer_ids", "layer_types", "sliding_window",
-              "is_causal", "layers_from_target", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "rope_theta", "max_position_embeddings", "rope_scaling")  # fmt: skip
+FRESH_ONLY = (
+    "config",
+    "draft_layers",
+    "mask_token_id",
+    "target_layer_ids",
+    "layer_types",
+    "sliding_window",
+    "is_causal",
+    "layers_from_target",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rope_theta",
+    "max_position_embeddings",
+    "rope_scaling",
+)
 
 
 def init_from_drafter(
-    target_model: str, source: str, out: str | Path, *, family: str | None, sizes: dict, block_size: int | None,
-    seed: int, fresh: dict[str, Any],
-) -> DFlashDrafter:  # fmt: skip
+    target_model: str,
+    source: str,
+    out: str | Path,
+    *,
+    family: str | None,
+    sizes: dict,
+    block_size: int | None,
+    seed: int,
+    fresh: dict[str, Any],
+) -> DFlashDrafter:
     """`init --family dflash2 --from-drafter SOURCE`: SOURCE's backbone with DFlash2's parts started neutral,
     written to `out`. `fresh`: the FRESH_ONLY options as given (each must be None)."""
     if family != "dflash2":
-        raise FlashdraftError(f"--from-drafter {source}: expected --family dflash2 (the family to turn "
-                              f"the drafter into; a DSpark drafter's layout differs: it starts fresh)")  # fmt: skip
+        raise FlashdraftError(
+            f"--from-drafter {source}: expected --family dflash2 (the family to turn "
+            f"the drafter into; a DSpark drafter's layout differs: it starts fresh)"
+        )
     given = [name for name in FRESH_ONLY if fresh.get(name) is not None]
     if given:
         flag = "--" + given[0].replace("_", "-")

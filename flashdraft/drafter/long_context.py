@@ -19,8 +19,10 @@ from typing import Any
 from flashdraft.drafter.config import DrafterConfig
 from flashdraft.drafter.rope import describe_scaling, scaling_key, target_rope
 
-RECIPE = ("train it further on long data: stage 2 of the long-context recipe, flashdraft train --init DRAFTER "
-          "--rope-scaling '{\"rope_type\": \"yarn\", ...}' (docs/pipeline.md)")  # fmt: skip
+RECIPE = (
+    "train it further on long data: stage 2 of the long-context recipe, flashdraft train --init DRAFTER "
+    '--rope-scaling \'{"rope_type": "yarn", ...}\' (docs/pipeline.md)'
+)
 
 
 @dataclass(frozen=True)
@@ -52,9 +54,12 @@ def describe_layer_reads(cfg: DrafterConfig, length: int) -> str:
             runs[-1][1] = i
         else:
             runs.append([i, i, n, window])
-    parts = [(f"layer {first}" if first == last else f"layers {first}-{last}")
-             + f" ({f'sliding {window}' if window else 'full'}) {n}" + (" each" if last > first else "")
-             for first, last, n, window in runs]  # fmt: skip
+    parts = [
+        (f"layer {first}" if first == last else f"layers {first}-{last}")
+        + f" ({f'sliding {window}' if window else 'full'}) {n}"
+        + (" each" if last > first else "")
+        for first, last, n, window in runs
+    ]
     return f"{', '.join(parts)}: {sum(reads)} per step in all"
 
 
@@ -63,19 +68,36 @@ def context_guards(cfg: DrafterConfig, length: int, what: str, target_config: An
     target's transformers config its RoPE against the target's."""
     trained = cfg.trained_context_length
     if trained is None:
-        guards = [Guard("note", f"trained context: unknown (config.json has no trained_context_length: trained before "
-                                f"flashdraft recorded it, or elsewhere); {what}: {length} tokens")]  # fmt: skip
+        guards = [
+            Guard(
+                "note",
+                f"trained context: unknown (config.json has no trained_context_length: trained before "
+                f"flashdraft recorded it, or elsewhere); {what}: {length} tokens",
+            )
+        ]
     elif length > trained:
-        guards = [Guard("warn", f"trained context: {what} is {length} tokens, past the {trained} tokens the drafter "
-                                f"was trained at (trained_context_length); acceptance falls past a drafter's trained "
-                                f"positions", f"{RECIPE}, or keep the context within {trained} tokens")]  # fmt: skip
+        guards = [
+            Guard(
+                "warn",
+                f"trained context: {what} is {length} tokens, past the {trained} tokens the drafter "
+                f"was trained at (trained_context_length); acceptance falls past a drafter's trained "
+                f"positions",
+                f"{RECIPE}, or keep the context within {trained} tokens",
+            )
+        ]
     else:
-        guards = [Guard("ok", f"trained context: {trained} tokens (trained_context_length) covers {what}, {length} "
-                              f"tokens")]  # fmt: skip
+        guards = [
+            Guard("ok", f"trained context: {trained} tokens (trained_context_length) covers {what}, {length} tokens")
+        ]
     if target_config is not None:
         guards += _rope_guards(cfg, target_config)
-    guards.append(Guard("note", f"context read per step at {length} tokens: {describe_layer_reads(cfg, length)} "
-                                f"(full-attention layers read all of it every step, sliding ones their window)"))
+    guards.append(
+        Guard(
+            "note",
+            f"context read per step at {length} tokens: {describe_layer_reads(cfg, length)} "
+            f"(full-attention layers read all of it every step, sliding ones their window)",
+        )
+    )
     return guards
 
 
@@ -86,17 +108,32 @@ def _rope_guards(cfg: DrafterConfig, target_config: Any) -> list[Guard]:
     if scaling_key(cfg.rope_scaling) == scaling_key(scaling):
         guards.append(Guard("ok", f"rope scaling: the drafter's {ours} is the target's"))
     elif scaling is None:  # the recipe's stage 2: the drafter's own scaling on a native target
-        guards.append(Guard("note", f"rope scaling: the drafter's {ours}, the target's {theirs}: the drafter's own "
-                                    f"scaling (stage 2 of the long-context recipe)"))  # fmt: skip
+        guards.append(
+            Guard(
+                "note",
+                f"rope scaling: the drafter's {ours}, the target's {theirs}: the drafter's own "
+                f"scaling (stage 2 of the long-context recipe)",
+            )
+        )
     else:
         want = json.dumps(scaling)
-        guards.append(Guard("warn", f"rope scaling: the drafter's {ours} differs from the target's {theirs}: the "
-                                    f"drafter rotates by the target's absolute positions, which its scaling was not "
-                                    f"trained to cover", f"train stage 2 with --rope-scaling '{want}' on long data "
-                                    f"(docs/pipeline.md)"))  # fmt: skip
+        guards.append(
+            Guard(
+                "warn",
+                f"rope scaling: the drafter's {ours} differs from the target's {theirs}: the "
+                f"drafter rotates by the target's absolute positions, which its scaling was not "
+                f"trained to cover",
+                f"train stage 2 with --rope-scaling '{want}' on long data (docs/pipeline.md)",
+            )
+        )
     if theta is not None and theta != cfg.rope_theta:
-        guards.append(Guard("note", f"rope_theta: the drafter's {cfg.rope_theta:g}, the target's {theta:g}: allowed "
-                                    f"(the drafter rotates its own queries and keys, as it was trained)"))
+        guards.append(
+            Guard(
+                "note",
+                f"rope_theta: the drafter's {cfg.rope_theta:g}, the target's {theta:g}: allowed "
+                f"(the drafter rotates its own queries and keys, as it was trained)",
+            )
+        )
     return guards
 
 

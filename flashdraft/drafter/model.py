@@ -302,9 +302,14 @@ class CandidateSelector(nn.Module):
         return (self.successor_codebook[candidates] * query.unsqueeze(-2)).sum(-1)
 
     def walk(
-        self, hidden: torch.Tensor, unary: torch.Tensor, anchors: torch.Tensor, temperature: float = 0.0,
-        generator: torch.Generator | None = None, path: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        self,
+        hidden: torch.Tensor,
+        unary: torch.Tensor,
+        anchors: torch.Tensor,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        path: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The selector's drafts for N blocks: hidden [N, k, H] and unary logits [N, k, V] at the k
         draft positions, anchors [N]. Greedy (temperature 0): each position takes the best score
         given the token chosen before it; returns (drafts [N, k], scores [N, k, V]: each row the
@@ -413,8 +418,9 @@ class DFlashDrafter(nn.Module):
         self.rotary_emb = Qwen3RotaryEmbedding(rope)
         self.candidate_selector = None
         if cfg.family == "dflash2":
-            self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank,
-                                                        cfg.selector_top_k)  # fmt: skip
+            self.candidate_selector = CandidateSelector(
+                cfg.vocab_size, cfg.hidden_size, cfg.selector_rank, cfg.selector_top_k
+            )
         self.markov_head = self.confidence_head = None
         if cfg.family == "dspark":
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
@@ -463,8 +469,9 @@ class DFlashDrafter(nn.Module):
         if self.markov_head is not None:
             with torch.no_grad():
                 rank = self.markov_head.markov_w1.weight.shape[1]
-                self.markov_head.markov_w1.weight.copy_(torch.randn(self.markov_head.markov_w1.weight.shape,
-                                                                    generator=generator) * rank**-0.5)  # fmt: skip
+                self.markov_head.markov_w1.weight.copy_(
+                    torch.randn(self.markov_head.markov_w1.weight.shape, generator=generator) * rank**-0.5
+                )
                 self.markov_head.markov_w2.weight.zero_()
         if self.confidence_head is not None:
             with torch.no_grad():
@@ -482,9 +489,14 @@ class DFlashDrafter(nn.Module):
         return target.embed(token_ids) if self.embed_tokens is None else self.embed_tokens(token_ids)
 
     def markov_walk(
-        self, base: torch.Tensor, anchors: torch.Tensor, temperature: float = 0.0,
-        generator: torch.Generator | None = None, path: torch.Tensor | None = None, honour_draft_top_k: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        self,
+        base: torch.Tensor,
+        anchors: torch.Tensor,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        path: torch.Tensor | None = None,
+        honour_draft_top_k: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """DSpark's sequential drafting of N blocks (vLLM 0.33.0 `dspark/speculator.py` _sample_sequential): from
         base logits [N, k, V] (the LM head at the k draft positions) and the anchors [N], position t's logits are
         base[t] + W2 W1[the draft at t - 1] (the anchor for t = 0), and its draft is their argmax (temperature 0) or
@@ -607,11 +619,7 @@ class DFlashDrafter(nn.Module):
         masks = {}
         # Drafting one block after committed context (decoding): in a full non-causal layer every key
         # is visible to every query, so no mask; building one and masking costs ~10% of a CPU drafting step.
-        sees_all = (
-            backend == "sdpa"
-            and num_blocks == 1
-            and bool((all_context_positions < anchor_positions).all())
-        )  # fmt: skip
+        sees_all = backend == "sdpa" and num_blocks == 1 and bool((all_context_positions < anchor_positions).all())
         for attention in {layer.attention for layer in self.layers}:
             if sees_all and attention.window is None and not attention.causal:
                 masks[attention] = None

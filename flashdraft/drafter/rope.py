@@ -24,11 +24,13 @@ from flashdraft.errors import FlashdraftError
 ROPE_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "linear": (("factor",), ()),
     "dynamic": (("factor",), ()),
-    "yarn": (("factor", "original_max_position_embeddings"),
-             ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")),
+    "yarn": (
+        ("factor", "original_max_position_embeddings"),
+        ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+    ),
     "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
     "longrope": (("short_factor", "long_factor", "original_max_position_embeddings"), ("attention_factor", "factor")),
-}  # fmt: skip
+}
 # types whose original_max_position_embeddings transformers 5 fills in from max_position_embeddings
 _FILLED = ("yarn", "llama3", "longrope")
 # keys of the rotary width, not of the scaling: resolved by `resolve_rotary_width`
@@ -82,20 +84,26 @@ def check_scaling(scaling: Any, where: str, strict: bool = False) -> None:
     if kind == "default":
         return
     if kind not in ROPE_TYPES:
-        raise FlashdraftError(f"{where} is {json.dumps(scaling)}: rope_type {kind!r}; expected one of default, "
-                              f"{', '.join(ROPE_TYPES)} (transformers' RoPE types)")  # fmt: skip
+        raise FlashdraftError(
+            f"{where} is {json.dumps(scaling)}: rope_type {kind!r}; expected one of default, "
+            f"{', '.join(ROPE_TYPES)} (transformers' RoPE types)"
+        )
     required, optional = ROPE_TYPES[kind]
     missing = [k for k in required if scaling.get(k) is None]
     if missing:
-        raise FlashdraftError(f"{where} is {json.dumps(scaling)}; expected {', '.join(missing)} too (rope_type "
-                              f"{kind} needs {', '.join(required)})")  # fmt: skip
+        raise FlashdraftError(
+            f"{where} is {json.dumps(scaling)}; expected {', '.join(missing)} too (rope_type "
+            f"{kind} needs {', '.join(required)})"
+        )
     factor = scaling.get("factor")
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0):
         raise FlashdraftError(f"{where} is {json.dumps(scaling)}: factor {factor!r}; expected a positive number")
     unknown = [k for k in scaling if k not in ("rope_type", *required, *optional, *_WIDTH)]
     if strict and unknown:
-        raise FlashdraftError(f"{where} is {json.dumps(scaling)}: unknown key {unknown[0]!r}; rope_type {kind} "
-                              f"takes {', '.join((*required, *optional))}")  # fmt: skip
+        raise FlashdraftError(
+            f"{where} is {json.dumps(scaling)}: unknown key {unknown[0]!r}; rope_type {kind} "
+            f"takes {', '.join((*required, *optional))}"
+        )
 
 
 def parse_rope_scaling(text: str) -> dict:
@@ -104,13 +112,16 @@ def parse_rope_scaling(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise FlashdraftError(f"{text!r} is not valid JSON ({e.msg} at column {e.colno}); expected an object such "
-                              f"as {EXAMPLE}") from None  # fmt: skip
+        raise FlashdraftError(
+            f"{text!r} is not valid JSON ({e.msg} at column {e.colno}); expected an object such as {EXAMPLE}"
+        ) from None
     if not isinstance(value, dict) or not value:
         raise FlashdraftError(f"{text!r}: expected a JSON object such as {EXAMPLE}")
     if "rope_theta" in value:  # one base frequency per drafter: the config's rope_theta (init --rope-theta)
-        raise FlashdraftError(f"{text!r}: rope_theta is not a scaling key; expected it left out (the drafter keeps "
-                              f"its rope_theta; init --rope-theta sets it)")  # fmt: skip
+        raise FlashdraftError(
+            f"{text!r}: rope_theta is not a scaling key; expected it left out (the drafter keeps "
+            f"its rope_theta; init --rope-theta sets it)"
+        )
     wrong = [k for k in _WIDTH if k in value]
     if wrong:
         raise FlashdraftError(f"{text!r}: {wrong[0]} is the rotary width, not a scaling key; expected it left out")
@@ -129,8 +140,13 @@ def _differences(legacy: dict, params: dict) -> list[str]:
     """The keys on which rope_scaling and rope_parameters disagree (rope_theta compared apart; a rotary-width key
     only when both give it: the top-level partial_rotary_factor is the legacy schema's spelling)."""
     keys = sorted(set(legacy) | set(params))
-    return [k for k in keys if k != "rope_theta" and not (k in _WIDTH and (k not in legacy or k not in params))
-            and legacy.get(k) != params.get(k)]  # fmt: skip
+    return [
+        k
+        for k in keys
+        if k != "rope_theta"
+        and not (k in _WIDTH and (k not in legacy or k not in params))
+        and legacy.get(k) != params.get(k)
+    ]
 
 
 def read_rope(d: dict[str, Any], source: str) -> Rope:
@@ -143,14 +159,22 @@ def read_rope(d: dict[str, Any], source: str) -> Rope:
         max_positions = d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)
         found[name] = _filled(normalized(value, f"{source}: field '{name}'"), max_positions)
     legacy, params = found["rope_scaling"], found["rope_parameters"]
-    thetas = [(name, value) for name, value in (("rope_parameters.rope_theta", (params or {}).get("rope_theta")),
-                                                ("rope_scaling.rope_theta", (legacy or {}).get("rope_theta")),
-                                                ("rope_theta", d.get("rope_theta"))) if value is not None]  # fmt: skip
+    thetas = [
+        (name, value)
+        for name, value in (
+            ("rope_parameters.rope_theta", (params or {}).get("rope_theta")),
+            ("rope_scaling.rope_theta", (legacy or {}).get("rope_theta")),
+            ("rope_theta", d.get("rope_theta")),
+        )
+        if value is not None
+    ]
     other = next((t for t in thetas[1:] if t[1] != thetas[0][1]), None)
     if other is not None:
-        raise FlashdraftError(f"{source}: fields '{thetas[0][0]}' ({thetas[0][1]!r}) and '{other[0]}' ({other[1]!r}) "
-                              f"disagree; expected one RoPE base frequency (transformers 5.23 takes the nested one, "
-                              f"a reader of the other field serves another drafter)")  # fmt: skip
+        raise FlashdraftError(
+            f"{source}: fields '{thetas[0][0]}' ({thetas[0][1]!r}) and '{other[0]}' ({other[1]!r}) "
+            f"disagree; expected one RoPE base frequency (transformers 5.23 takes the nested one, "
+            f"a reader of the other field serves another drafter)"
+        )
     if legacy is not None and params is not None:
         bad = _differences(legacy, params)
         if bad:
@@ -191,8 +215,10 @@ def resolve_rotary_width(d: dict[str, Any], rope_scaling: dict | None, source: s
     if rope_dim is not None:
         head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
         if not isinstance(rope_dim, int) or isinstance(rope_dim, bool) or not 0 < rope_dim <= head_dim:
-            raise FlashdraftError(f"{source}: field 'rope_scaling.rope_dim' is {rope_dim!r}; expected an integer in "
-                                  f"1..{head_dim} (head_dim)")  # fmt: skip
+            raise FlashdraftError(
+                f"{source}: field 'rope_scaling.rope_dim' is {rope_dim!r}; expected an integer in "
+                f"1..{head_dim} (head_dim)"
+            )
         if factor is not None and int(head_dim * factor) != rope_dim:
             raise FlashdraftError(
                 f"{source}: field 'rope_scaling.rope_dim' is {rope_dim} but partial_rotary_factor {factor} gives "
@@ -224,7 +250,8 @@ def describe_scaling(scaling: dict | None) -> str:
     if kind == "default":
         return "native (no scaling)"
     parts = [f"factor {factor:g}" if factor is not None else ""] + (
-        [f"original_max_position_embeddings {original}"] if original is not None else [])
+        [f"original_max_position_embeddings {original}"] if original is not None else []
+    )
     return f"{kind} {', '.join(p for p in parts if p)}".strip()
 
 

@@ -78,8 +78,9 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         save_drafter_state(drafter_config, drafter_state, tmp / "drafter")
-        with disk_full_is_an_error(final / "trainer.pt", f"the trainer state of checkpoint step {step}",
-                                   nbytes(trainer_state)):  # fmt: skip
+        with disk_full_is_an_error(
+            final / "trainer.pt", f"the trainer state of checkpoint step {step}", nbytes(trainer_state)
+        ):
             # only what torch.load(weights_only=True) reads: a run can be resumed without trusting it
             torch_save(to_plain(trainer_state, f"the trainer state of step {step}"), tmp / "trainer.pt")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
@@ -107,8 +108,14 @@ def save_checkpoint(
     return final
 
 
-def save_best(run_dir: Path, step: int, drafter_config: DrafterConfig, drafter_state: dict[str, torch.Tensor],
-              metric: str, value: float) -> Path:  # fmt: skip
+def save_best(
+    run_dir: Path,
+    step: int,
+    drafter_config: DrafterConfig,
+    drafter_state: dict[str, torch.Tensor],
+    metric: str,
+    value: float,
+) -> Path:
     """Replace RUN/best/ with this drafter: written under a temporary name, fsynced, then
     swapped in, so a kill leaves the previous best or the new one, never a mix."""
     best, tmp, old = run_dir / BEST, run_dir / f".tmp-{BEST}", run_dir / f".old-{BEST}"
@@ -185,8 +192,7 @@ def verify_checkpoint(path: Path, only: str = "") -> None:
 def checkpoint_problems(path: Path, only: str = "") -> list[str]:
     """Every file of a checkpoint (under `only`) that is missing or differs from checksums.json,
     each with the fix; empty when all verify."""
-    fix = ("copy it again, or delete this checkpoint directory so that --resume and eval take the one "
-           "before it")  # fmt: skip
+    fix = "copy it again, or delete this checkpoint directory so that --resume and eval take the one before it"
     sums_path = path / "checksums.json"
     if not sums_path.is_file():
         return [f"{path}: no checksums.json; expected a complete flashdraft checkpoint ({fix})"]
@@ -204,8 +210,10 @@ def checkpoint_problems(path: Path, only: str = "") -> list[str]:
             continue
         found = sha256_file(f)
         if found != expected:
-            problems.append(f"{f}: sha256 {found[:12]}... differs from checksums.json {expected[:12]}... "
-                            f"(truncated or corrupted; {fix})")  # fmt: skip
+            problems.append(
+                f"{f}: sha256 {found[:12]}... differs from checksums.json {expected[:12]}... "
+                f"(truncated or corrupted; {fix})"
+            )
     return problems
 
 
@@ -216,8 +224,10 @@ def load_trainer_state(path: Path, verify: bool = True) -> dict:
         verify_checkpoint(path)
     state = load_tensors_only(path / "trainer.pt", convert_hint(path))
     if not isinstance(state, dict):
-        raise FlashdraftError(f"{path / 'trainer.pt'}: holds a {type(state).__name__}; expected the dict of a "
-                              f"flashdraft trainer state (step, optimizer, RNG)")  # fmt: skip
+        raise FlashdraftError(
+            f"{path / 'trainer.pt'}: holds a {type(state).__name__}; expected the dict of a "
+            f"flashdraft trainer state (step, optimizer, RNG)"
+        )
     return state
 
 
@@ -245,8 +255,10 @@ def convert_run(path: str | Path) -> list[str]:
     path = Path(path)
     checkpoints = [path] if (path / COMPLETE).is_file() else complete_checkpoints(path)
     if not checkpoints:
-        raise FlashdraftError(f"{path}: no complete checkpoint; expected a training run directory or one of its "
-                              f"{CHECKPOINTS}/step-NNNNNNN directories")  # fmt: skip
+        raise FlashdraftError(
+            f"{path}: no complete checkpoint; expected a training run directory or one of its "
+            f"{CHECKPOINTS}/step-NNNNNNN directories"
+        )
     lock = RunLock(_run_of(checkpoints[0]))  # no trainer writes or deletes checkpoints meanwhile
     try:
         return [_convert_checkpoint(checkpoint) for checkpoint in checkpoints]
@@ -300,8 +312,10 @@ class LoadedDrafter:
             form += f", its newest checkpoint {self.path.parent.name}"
             best = read_best(self.path.parent.parent.parent)
             if best is not None:
-                form += (f"; the best by held-out {best['metric']} ({best['value']:.4g}, step {best['step']}) is "
-                         f"--checkpoint {best['path']}")  # fmt: skip
+                form += (
+                    f"; the best by held-out {best['metric']} ({best['value']:.4g}, step {best['step']}) is "
+                    f"--checkpoint {best['path']}"
+                )
         return f"{self.path} ({form})"
 
 
@@ -414,10 +428,17 @@ def load_any_drafter(
     rope_theta = target_theta(tc)
     assumed.append(f"rope_theta {rope_theta}, rms_norm_eps {tc.rms_norm_eps}, all layers full attention: target's")
     cfg = infer_drafter_config(
-        shapes, str(path), vocab_size=target.vocab_size, num_target_layers=target.num_layers,
-        target_layer_ids=target_layer_ids, mask_token_id=mask_token_id, block_size=block_size,
-        rope_theta=rope_theta, rms_norm_eps=tc.rms_norm_eps, max_position_embeddings=tc.max_position_embeddings,
-    )  # fmt: skip
+        shapes,
+        str(path),
+        vocab_size=target.vocab_size,
+        num_target_layers=target.num_layers,
+        target_layer_ids=target_layer_ids,
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+        rope_theta=rope_theta,
+        rms_norm_eps=tc.rms_norm_eps,
+        max_position_embeddings=tc.max_position_embeddings,
+    )
     stored = state["fc.weight"].dtype
     drafter = load_state_dict_drafter(state, cfg, str(path), device=device, dtype=dtype)
     return LoadedDrafter(drafter, "state dict", path, stored, assumed)

@@ -50,16 +50,30 @@ def by_segment(result: EvalResult, records: list[EvalRecord], tokenizer) -> dict
     if not found:
         return None
     total = sum(tokens for _, tokens in segments.values())
-    return {name: {"tau": tokens / steps if steps else None, "steps": steps, "tokens": tokens,
-                   "token_share": tokens / total if total else None}
-            for name, (steps, tokens) in segments.items()}  # fmt: skip
+    return {
+        name: {
+            "tau": tokens / steps if steps else None,
+            "steps": steps,
+            "tokens": tokens,
+            "token_share": tokens / total if total else None,
+        }
+        for name, (steps, tokens) in segments.items()
+    }
 
 
 def evaluated_mode(records: list[EvalRecord], tokenizer) -> dict[str, Any] | None:
     """The mode mix of the records evaluated (`chat_mode.mode_mix`), their reasoning found in their tokens."""
     markers = reasoning_markers(tokenizer)
-    return mode_mix([{"chat_template_kwargs": r.chat_template_kwargs, "completion_ids": r.completion_ids,
-                      "reasoning_end": reasoning_end(r.prompt_ids, r.completion_ids, markers)} for r in records])
+    return mode_mix(
+        [
+            {
+                "chat_template_kwargs": r.chat_template_kwargs,
+                "completion_ids": r.completion_ids,
+                "reasoning_end": reasoning_end(r.prompt_ids, r.completion_ids, markers),
+            }
+            for r in records
+        ]
+    )
 
 
 def trained_mode(drafter) -> dict[str, Any] | None:

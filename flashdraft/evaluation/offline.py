@@ -119,8 +119,7 @@ class OfflineSampling:
         self.expected.append(1.0 + float(reach[: max(left - 1, 0)].sum()))
         a = int(coins.int().cumprod(0).sum())
         for t in range(min(a + 1, k)):
-            self.reached.append((t, None if confidence is None else float(confidence[t]), float(alpha[t]),
-                                 t < a))  # fmt: skip
+            self.reached.append((t, None if confidence is None else float(confidence[t]), float(alpha[t]), t < a))
         return min(a + 1, left)
 
 
@@ -171,9 +170,15 @@ def offline_acceptance_lengths(
 
 
 def draft_anchors(
-    proposer: Proposer, anchors: list[int], tokens: list[int], p: int, features: torch.Tensor | None, fed: int,
-    block: int, device: torch.device | str,
-) -> tuple[list[torch.Tensor], int]:  # fmt: skip
+    proposer: Proposer,
+    anchors: list[int],
+    tokens: list[int],
+    p: int,
+    features: torch.Tensor | None,
+    fed: int,
+    block: int,
+    device: torch.device | str,
+) -> tuple[list[torch.Tensor], int]:
     """The proposals [k, V] at the completion indices `anchors` of prompt + completion `tokens` (prompt length p), in
     one call (a proposer that is not a `BatchProposer` drafts one anchor per call), given the context features
     [P + M, n * H] of the positions from `fed` to the last anchor (those before `fed` were given before); returns
@@ -182,8 +187,9 @@ def draft_anchors(
     new_context = features[None, fed:end] if features is not None else None
     positions = torch.arange(fed, end, device=device)[None]
     if isinstance(proposer, BatchProposer):
-        logits = proposer.propose_anchors([tokens[p + a] for a in anchors], [p + a for a in anchors], new_context,
-                                          positions, block)  # fmt: skip
+        logits = proposer.propose_anchors(
+            [tokens[p + a] for a in anchors], [p + a for a in anchors], new_context, positions, block
+        )
     else:
         logits = [proposer.propose(tokens[: end + 1], end, new_context, positions, block)]
     return logits, end
@@ -230,20 +236,57 @@ def evaluate_offline(
     rule = serving_rule(rule)
     per_prompt = []
     for index, record in enumerate(records):
-        lengths, sampling = walk_record(drafter, target, record, index, features, b, max_blocks, limit, use_selector,
-                                        rule, temperature, filters, seed)  # fmt: skip
-        per_prompt.append(PromptResult(record.id, lengths, expected_lengths=sampling.expected if sampling else None,
-                                       prompt_length=len(record.prompt_ids)))  # fmt: skip
-    return EvalResult("offline", b, layer_ids, context_layers, per_prompt, temperature,
-                      drafts_per_block=drafts_per_block(drafter, b), context_edges=context_edges)  # fmt: skip
+        lengths, sampling = walk_record(
+            drafter,
+            target,
+            record,
+            index,
+            features,
+            b,
+            max_blocks,
+            limit,
+            use_selector,
+            rule,
+            temperature,
+            filters,
+            seed,
+        )
+        per_prompt.append(
+            PromptResult(
+                record.id,
+                lengths,
+                expected_lengths=sampling.expected if sampling else None,
+                prompt_length=len(record.prompt_ids),
+            )
+        )
+    return EvalResult(
+        "offline",
+        b,
+        layer_ids,
+        context_layers,
+        per_prompt,
+        temperature,
+        drafts_per_block=drafts_per_block(drafter, b),
+        context_edges=context_edges,
+    )
 
 
 def walk_record(
-    drafter: DFlashDrafter | ProposerFactory | Proposer, target: TargetModel, record: EvalRecord, index: int,
-    features: FeatureSource, block: int, max_blocks: int | None, limit: DraftLimit | None, use_selector: bool,
-    rule: ServingRule, temperature: float, filters: SamplingFilters, seed: int,
+    drafter: DFlashDrafter | ProposerFactory | Proposer,
+    target: TargetModel,
+    record: EvalRecord,
+    index: int,
+    features: FeatureSource,
+    block: int,
+    max_blocks: int | None,
+    limit: DraftLimit | None,
+    use_selector: bool,
+    rule: ServingRule,
+    temperature: float,
+    filters: SamplingFilters,
+    seed: int,
     probs_at: Callable[[int, int], torch.Tensor] | None = None,
-) -> tuple[list[int], OfflineSampling | None]:  # fmt: skip
+) -> tuple[list[int], OfflineSampling | None]:
     """The offline walk of record `index` (`evaluate_offline`'s arguments): its acceptance lengths and, at
     temperature > 0, what the sampled walk recorded along it (the same draws for the same seed and index).
     `probs_at`: the record's `target_probs_along`, when already computed (one target forward serves many walks)."""
@@ -253,10 +296,16 @@ def walk_record(
     sampling = None
     if temperature > 0:
         probs_at = probs_at or target_probs_along(target, record, temperature, filters)
-        sampling = OfflineSampling(probs_at, temperature, rule, record_generator(seed, index, target),
-                                   limit.confidence_threshold if limit is not None else None)  # fmt: skip
-    lengths = offline_acceptance_lengths(proposer, record.prompt_ids, record.completion_ids, block, f, max_blocks,
-                                         target.device, sampling=sampling)  # fmt: skip
+        sampling = OfflineSampling(
+            probs_at,
+            temperature,
+            rule,
+            record_generator(seed, index, target),
+            limit.confidence_threshold if limit is not None else None,
+        )
+    lengths = offline_acceptance_lengths(
+        proposer, record.prompt_ids, record.completion_ids, block, f, max_blocks, target.device, sampling=sampling
+    )
     return lengths, sampling
 
 
@@ -292,9 +341,15 @@ def selector_figures(
             for j in range(min(n, b - 1)):
                 verified += 1
                 hits += bool((candidates[j] == record.completion_ids[a + 1 + j]).any())
-    return {"top_k": top_k, "tau": walked.tau, "unary_tau": unary.tau, "gain": walked.tau / unary.tau if unary.tau
-            else None, "top_k_coverage": hits / verified if verified else None, "verified_positions": verified,
-            "unary_per_prompt": [p.acceptance_lengths for p in unary.per_prompt]}  # fmt: skip
+    return {
+        "top_k": top_k,
+        "tau": walked.tau,
+        "unary_tau": unary.tau,
+        "gain": walked.tau / unary.tau if unary.tau else None,
+        "top_k_coverage": hits / verified if verified else None,
+        "verified_positions": verified,
+        "unary_per_prompt": [p.acceptance_lengths for p in unary.per_prompt],
+    }
 
 
 def walked_steps(lengths: list[int]) -> list[tuple[int, int]]:
@@ -306,9 +361,16 @@ def walked_steps(lengths: list[int]) -> list[tuple[int, int]]:
     return steps
 
 
-def _rows_at_steps(drafter: DFlashDrafter, target: TargetModel, record: EvalRecord, features: torch.Tensor,
-                   steps: list[tuple[int, int]], block: int, limit: DraftLimit | None = None,
-                   use_selector: bool = True):  # fmt: skip
+def _rows_at_steps(
+    drafter: DFlashDrafter,
+    target: TargetModel,
+    record: EvalRecord,
+    features: torch.Tensor,
+    steps: list[tuple[int, int]],
+    block: int,
+    limit: DraftLimit | None = None,
+    use_selector: bool = True,
+):
     """What a fresh proposer drafts at each step's anchor: (its rows [k, V], the greedy walk's confidence [k] or
     None) per step, the anchors drafted in chunks as the offline walk drafts them (`use_selector` as in
     `as_proposer`)."""
@@ -317,8 +379,9 @@ def _rows_at_steps(drafter: DFlashDrafter, target: TargetModel, record: EvalReco
     per_call, fed, out = inner.anchors_per_call(block), 0, []
     for start in range(0, len(steps), per_call):
         anchors = [a for a, _ in steps[start : start + per_call]]
-        logits, fed = draft_anchors(proposer, anchors, record.input_ids, len(record.prompt_ids), features, fed, block,
-                                    target.device)  # fmt: skip
+        logits, fed = draft_anchors(
+            proposer, anchors, record.input_ids, len(record.prompt_ids), features, fed, block, target.device
+        )
         confidence = inner.last_confidence
         out += [(rows, None if confidence is None else confidence[j]) for j, rows in enumerate(logits)]
     return out
@@ -330,11 +393,18 @@ CONFIDENCE_SWEEP = (0.3, 0.5, 0.7, 0.9)  # thresholds whose cut eval reports bes
 
 @torch.no_grad()
 def confidence_figures(
-    drafter: DFlashDrafter, target: TargetModel, records: list[EvalRecord], walked: EvalResult,
-    features: FeatureSource | None = None, max_blocks: int | None = None, threshold: float | None = None,
-    rule: ServingRule | str | None = None, temperature: float = 0.0, filters: SamplingFilters = NO_FILTERS,
+    drafter: DFlashDrafter,
+    target: TargetModel,
+    records: list[EvalRecord],
+    walked: EvalResult,
+    features: FeatureSource | None = None,
+    max_blocks: int | None = None,
+    threshold: float | None = None,
+    rule: ServingRule | str | None = None,
+    temperature: float = 0.0,
+    filters: SamplingFilters = NO_FILTERS,
     seed: int = 0,
-) -> dict:  # fmt: skip
+) -> dict:
     """A DSpark drafter's confidence head against what happened, beside its evaluation `walked` (without a
     confidence cut; at temperature > 0 only its block size is read: the uncut walk over the target's samples
     `records`, under `rule` with `filters`, is walked here, seeded as `evaluate_offline`): at every draft position
@@ -350,8 +420,19 @@ def confidence_figures(
     k_max = drafts_per_block(drafter, walked.block_size)
     thresholds = sorted({*CONFIDENCE_SWEEP, *([threshold] if threshold else [])})
     if temperature > 0:  # the uncut walk and every cut over each record's one target forward
-        walks = _sampled_walks(drafter, target, records, features, walked.block_size, max_blocks,
-                               [None, *thresholds], rule, temperature, filters, seed)  # fmt: skip
+        walks = _sampled_walks(
+            drafter,
+            target,
+            records,
+            features,
+            walked.block_size,
+            max_blocks,
+            [None, *thresholds],
+            rule,
+            temperature,
+            filters,
+            seed,
+        )
         reached, verified_full, _ = walks[0]
     else:
         reached, verified_full = _greedy_positions(drafter, target, records, features, walked)
@@ -363,11 +444,17 @@ def confidence_figures(
         count[j] += 1
     ece = 0.0
     for b in range(CONFIDENCE_BINS):
-        inside = [(c, alpha) for _, c, alpha, _ in reached if b / CONFIDENCE_BINS <= c < (b + 1) / CONFIDENCE_BINS
-                  or (b == CONFIDENCE_BINS - 1 and c == 1.0)]  # fmt: skip
+        inside = [
+            (c, alpha)
+            for _, c, alpha, _ in reached
+            if b / CONFIDENCE_BINS <= c < (b + 1) / CONFIDENCE_BINS or (b == CONFIDENCE_BINS - 1 and c == 1.0)
+        ]
         if inside:
-            ece += len(inside) / len(reached) * abs(sum(c for c, _ in inside) / len(inside)
-                                                    - sum(a for _, a in inside) / len(inside))  # fmt: skip
+            ece += (
+                len(inside)
+                / len(reached)
+                * abs(sum(c for c, _ in inside) / len(inside) - sum(a for _, a in inside) / len(inside))
+            )
     cuts = []
     for n, t in enumerate(thresholds, 1):
         limit = DraftLimit(confidence_threshold=t)
@@ -382,17 +469,24 @@ def confidence_figures(
     n = count.clamp(min=1)
     # the uncut walk: `walked` greedy; at T > 0 the one whose positions these are (the evaluation's own draws)
     tau, steps = (tau_of(walks[0][2]), len(walks[0][2])) if temperature > 0 else (walked.tau, walked.num_steps)
-    return {"positions_reached": count.int().tolist(), "predicted": (predicted / n).tolist(),
-            "acceptance_probability": (probability / n).tolist(), "observed": (observed / n).tolist(),
-            "expected_calibration_error": ece if reached else None,
-            "uncut": {"tau": tau, "steps": steps, "drafts_verified_per_step": verified_full / max(steps, 1)},
-            "cuts": cuts}  # fmt: skip
+    return {
+        "positions_reached": count.int().tolist(),
+        "predicted": (predicted / n).tolist(),
+        "acceptance_probability": (probability / n).tolist(),
+        "observed": (observed / n).tolist(),
+        "expected_calibration_error": ece if reached else None,
+        "uncut": {"tau": tau, "steps": steps, "drafts_verified_per_step": verified_full / max(steps, 1)},
+        "cuts": cuts,
+    }
 
 
 def _greedy_positions(
-    drafter: DFlashDrafter, target: TargetModel, records: list[EvalRecord], features: FeatureSource,
+    drafter: DFlashDrafter,
+    target: TargetModel,
+    records: list[EvalRecord],
+    features: FeatureSource,
     walked: EvalResult,
-) -> tuple[list[tuple[int, float, float, bool]], int]:  # fmt: skip
+) -> tuple[list[tuple[int, float, float, bool]], int]:
     """(position, confidence, acceptance probability, accepted) of every draft position the greedy walk `walked`
     reached (the probability is 1 or 0: the draft is the target's token or not), and the drafts it verified."""
     reached, verified = [], 0
@@ -411,8 +505,14 @@ def _greedy_positions(
     return reached, verified
 
 
-def _greedy_verified(drafter: DFlashDrafter, target: TargetModel, records: list[EvalRecord], features: FeatureSource,
-                     walked: EvalResult, limit: DraftLimit) -> int:  # fmt: skip
+def _greedy_verified(
+    drafter: DFlashDrafter,
+    target: TargetModel,
+    records: list[EvalRecord],
+    features: FeatureSource,
+    walked: EvalResult,
+    limit: DraftLimit,
+) -> int:
     """The drafts the greedy walk `walked` under a confidence cut verified, over all its steps."""
     verified = 0
     for record, walk in zip(records, walked.per_prompt, strict=True):
@@ -425,10 +525,18 @@ def _greedy_verified(drafter: DFlashDrafter, target: TargetModel, records: list[
 
 
 def _sampled_walks(
-    drafter: DFlashDrafter, target: TargetModel, records: list[EvalRecord], features: FeatureSource, block: int,
-    max_blocks: int | None, thresholds: list[float | None], rule: ServingRule, temperature: float,
-    filters: SamplingFilters, seed: int,
-) -> list[tuple[list[tuple[int, float, float, bool]], int, list[int]]]:  # fmt: skip
+    drafter: DFlashDrafter,
+    target: TargetModel,
+    records: list[EvalRecord],
+    features: FeatureSource,
+    block: int,
+    max_blocks: int | None,
+    thresholds: list[float | None],
+    rule: ServingRule,
+    temperature: float,
+    filters: SamplingFilters,
+    seed: int,
+) -> list[tuple[list[tuple[int, float, float, bool]], int, list[int]]]:
     """At temperature > 0, per confidence threshold (None: uncut): the draft positions the walk of each record
     reached (drawn with the seed and index `evaluate_offline` draws with, so each walk is that evaluation's), the
     drafts it verified, and its acceptance lengths; one target forward per record serves every threshold."""
@@ -437,8 +545,22 @@ def _sampled_walks(
         probs_at = target_probs_along(target, record, temperature, filters)
         for n, t in enumerate(thresholds):
             limit = DraftLimit(confidence_threshold=t) if t is not None else None
-            walk, sampling = walk_record(drafter, target, record, index, features, block, max_blocks, limit, True,
-                                         rule, temperature, filters, seed, probs_at)  # fmt: skip
+            walk, sampling = walk_record(
+                drafter,
+                target,
+                record,
+                index,
+                features,
+                block,
+                max_blocks,
+                limit,
+                True,
+                rule,
+                temperature,
+                filters,
+                seed,
+                probs_at,
+            )
             reached, verified, lengths = out[n]
             out[n] = (reached + sampling.reached, verified + sum(sampling.verified), lengths + walk)
     return out

@@ -58,9 +58,13 @@ def greedy_baseline(
         _sync(target)
         start = time.perf_counter()
         out = autoregressive_generate(
-            target, record.prompt_ids, max_new_tokens_of(record, max_new_tokens), temperature,
-            record_generator(seed, index, target), filters,
-        )  # fmt: skip
+            target,
+            record.prompt_ids,
+            max_new_tokens_of(record, max_new_tokens),
+            temperature,
+            record_generator(seed, index, target),
+            filters,
+        )
         _sync(target)
         runs.append(GreedyRun(out.output_ids, time.perf_counter() - start, out.step_seconds))
     return runs
@@ -90,43 +94,81 @@ def evaluate_online(
     `round_context_to`: live context features rounded to a cache's dtype (`speculative_generate`);
     `context_edges`: the buckets of `EvalResult.by_context`."""
     b, layer_ids, context_layers = drafter_shape(drafter, block_size)
-    speculative_generate(target, drafter, records[0].prompt_ids, min(8, max_new_tokens), temperature, b,
-                         record_generator(seed, -1, target), limit, filters=filters, rule=rule)  # fmt: skip
+    speculative_generate(
+        target,
+        drafter,
+        records[0].prompt_ids,
+        min(8, max_new_tokens),
+        temperature,
+        b,
+        record_generator(seed, -1, target),
+        limit,
+        filters=filters,
+        rule=rule,
+    )
     per_prompt, all_lengths = [], []
     seconds = draft_s = verify_s = 0.0
     for index, (record, plain) in enumerate(zip(records, baseline, strict=True)):
         _sync(target)
         start = time.perf_counter()
         out = speculative_generate(
-            target, drafter, record.prompt_ids, max_new_tokens_of(record, max_new_tokens), temperature, b,
-            record_generator(seed, index, target), limit, round_context_to, filters, rule,
-        )  # fmt: skip
+            target,
+            drafter,
+            record.prompt_ids,
+            max_new_tokens_of(record, max_new_tokens),
+            temperature,
+            b,
+            record_generator(seed, index, target),
+            limit,
+            round_context_to,
+            filters,
+            rule,
+        )
         _sync(target)
         seconds += time.perf_counter() - start
         draft_s, verify_s = draft_s + out.draft_seconds, verify_s + out.verify_seconds
         all_lengths += out.acceptance_lengths  # every step: the bound is of what was timed
         lossless = out.output_ids == plain.output_ids if temperature <= 0 else None
         kept = slice(None, max_blocks)
-        per_prompt.append(PromptResult(record.id, out.acceptance_lengths[kept], out.output_ids, lossless,
-                                       prompt_length=len(record.prompt_ids), step_seconds=out.step_seconds[kept],
-                                       expected_lengths=out.expected_lengths[kept],
-                                       length_variances=out.length_variances[kept]))  # fmt: skip
+        per_prompt.append(
+            PromptResult(
+                record.id,
+                out.acceptance_lengths[kept],
+                out.output_ids,
+                lossless,
+                prompt_length=len(record.prompt_ids),
+                step_seconds=out.step_seconds[kept],
+                expected_lengths=out.expected_lengths[kept],
+                length_variances=out.length_variances[kept],
+            )
+        )
     spec_tokens = sum(len(p.output_ids) for p in per_prompt)
     greedy_tokens = sum(len(r.output_ids) for r in baseline)
     greedy_seconds = sum(r.seconds for r in baseline)
     steps = max(len(all_lengths), 1)
     greedy_step = greedy_seconds / max(greedy_tokens, 1)
     return EvalResult(
-        "online", b, layer_ids, context_layers, per_prompt, temperature,
+        "online",
+        b,
+        layer_ids,
+        context_layers,
+        per_prompt,
+        temperature,
         speculative_tokens_per_s=spec_tokens / seconds if seconds > 0 else None,
         greedy_tokens_per_s=greedy_tokens / greedy_seconds if greedy_seconds > 0 else None,
-        draft_ms=1000 * draft_s / steps, verify_ms=1000 * verify_s / steps, greedy_step_ms=1000 * greedy_step,
+        draft_ms=1000 * draft_s / steps,
+        verify_ms=1000 * verify_s / steps,
+        greedy_step_ms=1000 * greedy_step,
         speedup_bound=speedup_bound(tau_of(all_lengths), greedy_step, draft_s / steps, verify_s / steps),
-        drafts_per_block=drafts_per_block(drafter, b), context_edges=context_edges,
+        drafts_per_block=drafts_per_block(drafter, b),
+        context_edges=context_edges,
         # forward k + 1 after the prefill reads the prompt and k generated tokens before its input
-        greedy_steps=[(len(r.prompt_ids) + k, s) for r, run in zip(records, baseline, strict=True)
-                      for k, s in enumerate(run.step_seconds)],
-    )  # fmt: skip
+        greedy_steps=[
+            (len(r.prompt_ids) + k, s)
+            for r, run in zip(records, baseline, strict=True)
+            for k, s in enumerate(run.step_seconds)
+        ],
+    )
 
 
 def consistency_mismatches(

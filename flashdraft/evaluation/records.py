@@ -116,10 +116,16 @@ def records_from_cache(cache, num_records: int | None = None) -> list[EvalRecord
         tokens, p = cache.token_ids(index).tolist(), prompt_lengths[index]
         row = rows[index] if index < len(rows) else {}
         records.append(
-            EvalRecord(str(ids[index]), tokens[:p], tokens[p:], layer_ids=list(cache.layer_ids),
-                       load_features=lambda index=index: cache.features(index), feature_dtype=cache.dtype,
-                       chat_template_kwargs=row.get("chat_template_kwargs"))
-        )  # fmt: skip
+            EvalRecord(
+                str(ids[index]),
+                tokens[:p],
+                tokens[p:],
+                layer_ids=list(cache.layer_ids),
+                load_features=lambda index=index: cache.features(index),
+                feature_dtype=cache.dtype,
+                chat_template_kwargs=row.get("chat_template_kwargs"),
+            )
+        )
     return records
 
 
@@ -147,8 +153,10 @@ def load_eval_records(
             f"(found {len(given)})"
         )
     if (chat_template_kwargs is not None or enable_thinking is not None) and prompts is None:
-        raise FlashdraftError("--chat-template-kwargs, --enable-thinking and --disable-thinking render --prompts; "
-                              "completions and caches were rendered in the mode each record records")  # fmt: skip
+        raise FlashdraftError(
+            "--chat-template-kwargs, --enable-thinking and --disable-thinking render --prompts; "
+            "completions and caches were rendered in the mode each record records"
+        )
     if cached_hidden_states is not None:
         from flashdraft.data.cache_reader import HiddenStateCache
 
@@ -163,10 +171,16 @@ def load_eval_records(
         loaded = load_completions(completions, target, allow_foreign=allow_foreign).records
         if num_prompts is not None:
             loaded = loaded[:num_prompts]
-        records = [EvalRecord(str(r.id), list(r.prompt_ids), list(r.completion_ids),
-                              chat_template_kwargs=r.chat_template_kwargs,
-                              messages=r.messages if r.prompt_truncated_from is None else None)
-                   for r in loaded]  # fmt: skip
+        records = [
+            EvalRecord(
+                str(r.id),
+                list(r.prompt_ids),
+                list(r.completion_ids),
+                chat_template_kwargs=r.chat_template_kwargs,
+                messages=r.messages if r.prompt_truncated_from is None else None,
+            )
+            for r in loaded
+        ]
         return records, f"completions {completions}"
     from flashdraft.data.chat_mode import merged, resolve_mode
     from flashdraft.data.prompts import encode_text, has_chat_template, load_prompts, render_conversation
@@ -180,8 +194,15 @@ def load_eval_records(
         # the first user turn: later turns need the target's earlier answers in the prompt
         mode = merged(kwargs, prompt.chat_template_kwargs) if chat else None
         text = render_conversation(tok, prompt.conversation([]), chat, mode)
-        records.append(EvalRecord(prompt.id, encode_text(tok, text, chat), [], chat_template_kwargs=mode,
-                                  messages=prompt.conversation([]) if chat else None))  # fmt: skip
+        records.append(
+            EvalRecord(
+                prompt.id,
+                encode_text(tok, text, chat),
+                [],
+                chat_template_kwargs=mode,
+                messages=prompt.conversation([]) if chat else None,
+            )
+        )
     return records, f"prompts {prompts} ({'chat template' if chat else 'no chat template'})"
 
 

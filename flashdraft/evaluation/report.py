@@ -57,31 +57,57 @@ def figure_rows(summary: dict[str, Any], per_position: bool = True) -> list[list
     rows: list[tuple[str, Any, Any, Any]] = [
         ("steps", summary["num_steps"], ref and ref["num_steps"], diff and diff["num_steps"]),
         ("τ (pooled)", summary["tau"], ref and ref["tau"], diff and diff["tau"]),
-        ("τ (mean of prompts)", summary["tau_prompt_mean"], ref and ref["tau_prompt_mean"],
-         diff and diff["tau_prompt_mean"]),
-    ]  # fmt: skip
+        (
+            "τ (mean of prompts)",
+            summary["tau_prompt_mean"],
+            ref and ref["tau_prompt_mean"],
+            diff and diff["tau_prompt_mean"],
+        ),
+    ]
     if summary.get("expected_tau") is not None:  # T > 0: τ without the noise of the acceptance draws
-        rows.append(("expected τ given the drafts", summary["expected_tau"], ref and ref.get("expected_tau"),
-                     diff and diff.get("expected_tau")))  # fmt: skip
-        rows.append(("  its standard error", summary["expected_tau_stderr"], ref and ref.get("expected_tau_stderr"),
-                     None))  # fmt: skip
+        rows.append(
+            (
+                "expected τ given the drafts",
+                summary["expected_tau"],
+                ref and ref.get("expected_tau"),
+                diff and diff.get("expected_tau"),
+            )
+        )
+        rows.append(
+            ("  its standard error", summary["expected_tau_stderr"], ref and ref.get("expected_tau_stderr"), None)
+        )
     if summary["mode"] == "online":
         rows += [
             ("lossless (all prompts)", summary["lossless"], ref and ref["lossless"], None),
-            ("speculative tokens/s", summary["speculative_tokens_per_s"], ref and ref["speculative_tokens_per_s"],
-             None),
+            (
+                "speculative tokens/s",
+                summary["speculative_tokens_per_s"],
+                ref and ref["speculative_tokens_per_s"],
+                None,
+            ),
             ("greedy tokens/s", summary["greedy_tokens_per_s"], ref and ref["greedy_tokens_per_s"], None),
             ("speed-up", summary["speedup"], ref and ref["speedup"], diff and diff["speedup"]),
-        ]  # fmt: skip
+        ]
         rows += [(name, summary.get(key), ref and ref.get(key), None) for name, key in TIMING_ROWS]
     length = max(len(summary["histogram"]), len(ref["histogram"]) if ref else 0) if per_position else 0
     for n in range(1, length + 1):
-        rows.append((f"steps committing {n}", _at(summary["histogram"], n - 1),
-                     ref and _at(ref["histogram"], n - 1), diff and diff["histogram"][n - 1]))  # fmt: skip
+        rows.append(
+            (
+                f"steps committing {n}",
+                _at(summary["histogram"], n - 1),
+                ref and _at(ref["histogram"], n - 1),
+                diff and diff["histogram"][n - 1],
+            )
+        )
     for k in range(1, length):
-        rows.append((f"draft {k} accepted", _at(summary["position_acceptance"], k - 1),
-                     ref and _at(ref["position_acceptance"], k - 1),
-                     diff and diff["position_acceptance"][k - 1]))  # fmt: skip
+        rows.append(
+            (
+                f"draft {k} accepted",
+                _at(summary["position_acceptance"], k - 1),
+                ref and _at(ref["position_acceptance"], k - 1),
+                diff and diff["position_acceptance"][k - 1],
+            )
+        )
     return [[name, _fmt(a)] + ([_fmt(b), _fmt(d, signed=True)] if ref else []) for name, a, b, d in rows]
 
 
@@ -130,8 +156,10 @@ def context_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 def text_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-             for r in [header] + rows]  # fmt: skip
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in [header] + rows
+    ]
     return "\n".join(lines)
 
 
@@ -156,9 +184,11 @@ def _draft_limit(summary: dict[str, Any]) -> str:
     """Which drafts each step verified, when not all B - 1."""
     k, p = summary.get("num_speculative_tokens"), summary.get("adaptive_threshold")
     c = summary.get("confidence_threshold")
-    return (f", verifying the first {k} drafts" if k is not None else "") + (
-        f", verifying drafts up to the first under probability {p}" if p is not None else "") + (
-        f", verifying drafts up to the first with confidence under {c}" if c is not None else "")  # fmt: skip
+    return (
+        (f", verifying the first {k} drafts" if k is not None else "")
+        + (f", verifying drafts up to the first under probability {p}" if p is not None else "")
+        + (f", verifying drafts up to the first with confidence under {c}" if c is not None else "")
+    )
 
 
 def sampling_line(summary: dict[str, Any]) -> str:
@@ -168,16 +198,19 @@ def sampling_line(summary: dict[str, Any]) -> str:
     temperature = sampling.get("temperature", summary.get("temperature", 0.0))
     if not temperature or temperature <= 0:
         return "greedy decoding (temperature 0: the same under every server's rule)"
-    filters = "".join(f", {k.replace('_', '-')} {sampling[k]}" for k in ("top_k", "top_p", "min_p")
-                      if sampling.get(k) is not None)  # fmt: skip
+    filters = "".join(
+        f", {k.replace('_', '-')} {sampling[k]}" for k in ("top_k", "top_p", "min_p") if sampling.get(k) is not None
+    )
     return f"sampled at temperature {temperature}{filters}, under the {summary.get('serving_rule')} serving rule"
 
 
 def selector_line(s: dict[str, Any]) -> str:
     """What a DFlash2 drafter's candidate selector adds (`flashdraft.evaluation.offline.selector_figures`), in words."""
-    return (f"candidate selector (DFlash2): τ {s['tau']:.3f} walking it, {s['unary_tau']:.3f} drafting the unary "
-            f"argmax ({s['gain']:.3f}x); the target's token is in the unary top-{s['top_k']} at "
-            f"{s['top_k_coverage']:.1%} of the {s['verified_positions']} verified positions")
+    return (
+        f"candidate selector (DFlash2): τ {s['tau']:.3f} walking it, {s['unary_tau']:.3f} drafting the unary "
+        f"argmax ({s['gain']:.3f}x); the target's token is in the unary top-{s['top_k']} at "
+        f"{s['top_k_coverage']:.1%} of the {s['verified_positions']} verified positions"
+    )
 
 
 def confidence_lines(s: dict[str, Any]) -> list[str]:
@@ -185,15 +218,20 @@ def confidence_lines(s: dict[str, Any]) -> list[str]:
     block position, then the τ and cost of each confidence cut against the uncut block."""
     ece = s["expected_calibration_error"]
     accepted = s.get("acceptance_probability", s["observed"])  # the rule's acceptance probability (greedy: observed)
-    pairs = ", ".join(f"{p:.2f}/{o:.2f}" for p, o, n in zip(s["predicted"], accepted, s["positions_reached"],
-                                                           strict=True) if n)  # fmt: skip
-    lines = [f"confidence head (DSpark): predicted/actual acceptance probability per draft position {pairs}; "
-             f"expected calibration error {'-' if ece is None else f'{ece:.3f}'}"]  # fmt: skip
+    pairs = ", ".join(
+        f"{p:.2f}/{o:.2f}" for p, o, n in zip(s["predicted"], accepted, s["positions_reached"], strict=True) if n
+    )
+    lines = [
+        f"confidence head (DSpark): predicted/actual acceptance probability per draft position {pairs}; "
+        f"expected calibration error {'-' if ece is None else f'{ece:.3f}'}"
+    ]
     u = s["uncut"]
     lines.append(f"  uncut: τ {u['tau']:.3f}, {u['drafts_verified_per_step']:.2f} drafts verified per step")
     for cut in s["cuts"]:
-        lines.append(f"  cut at confidence {cut['threshold']} (DeepSpec's evaluator's cut): τ {cut['tau']:.3f}, "
-                     f"{cut['drafts_verified_per_step']:.2f} drafts verified per step")  # fmt: skip
+        lines.append(
+            f"  cut at confidence {cut['threshold']} (DeepSpec's evaluator's cut): τ {cut['tau']:.3f}, "
+            f"{cut['drafts_verified_per_step']:.2f} drafts verified per step"
+        )
     return lines
 
 
@@ -230,8 +268,10 @@ def format_summary(summary: dict[str, Any], verbose: bool = True) -> str:
         title = f"problem: {problem} (trained enough? `flashdraft doctor RUN` says what the run logged)\n" + title
     parts = [title, text_table(_figure_header(summary), figure_rows(summary, per_position=verbose))]
     if verbose:
-        parts += [text_table(*prompt_rows(summary)),
-                  "by context length (tokens before the step's anchor):\n" + text_table(*context_rows(summary))]
+        parts += [
+            text_table(*prompt_rows(summary)),
+            "by context length (tokens before the step's anchor):\n" + text_table(*context_rows(summary)),
+        ]
     else:
         parts.append("per draft position, per prompt and per context length: --verbose, --report DIR or --json FILE")
     parts += mode_lines(summary)
@@ -244,8 +284,12 @@ def format_summary(summary: dict[str, Any], verbose: bool = True) -> str:
         parts.append(
             f"offline vs online: {'identical acceptance lengths' if c['identical'] else 'DIFFERENT'} "
             f"(offline τ {c['offline_tau']:.3f}, online τ {c['online_tau']:.3f}"
-            + (f", live features rounded to the cache's {c['live_features_rounded_to']}"
-               if c.get("live_features_rounded_to") else "") + ")"
+            + (
+                f", live features rounded to the cache's {c['live_features_rounded_to']}"
+                if c.get("live_features_rounded_to")
+                else ""
+            )
+            + ")"
             + "".join(f"\n  {m}" for m in c["mismatches"])
         )
     if summary.get("served"):
@@ -281,8 +325,11 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> dict[str, Path]:
 
     fig = Figure(figsize=(8, 4))
     ax = fig.add_subplot()
-    _bars(ax, [str(n) for n in range(1, length + 1)],
-          [(name, _pad(r["histogram"], length)) for name, r in zip(names, results, strict=True)])  # fmt: skip
+    _bars(
+        ax,
+        [str(n) for n in range(1, length + 1)],
+        [(name, _pad(r["histogram"], length)) for name, r in zip(names, results, strict=True)],
+    )
     ax.set(xlabel="tokens committed per step (a + 1)", ylabel="steps", title="Acceptance lengths")
     paths["histogram"] = out_dir / PLOTS["histogram"]
     save_png(fig, paths["histogram"])
@@ -291,8 +338,12 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     ax = fig.add_subplot()
     for name, r in zip(names, results, strict=True):
         ax.plot(range(1, len(r["position_acceptance"]) + 1), r["position_acceptance"], marker="o", label=name)
-    ax.set(xlabel="draft position k", ylabel="share of steps accepting draft k", ylim=(0, 1.05),
-           title="Per-position acceptance")  # fmt: skip
+    ax.set(
+        xlabel="draft position k",
+        ylabel="share of steps accepting draft k",
+        ylim=(0, 1.05),
+        title="Per-position acceptance",
+    )
     if ref:
         ax.legend()
     paths["position_acceptance"] = out_dir / PLOTS["position_acceptance"]
@@ -327,8 +378,9 @@ def _context_plots(summary: dict[str, Any], names: list[str], results: list[dict
     for name, r in zip(names, results, strict=True):
         filled = [b for b in r["by_context"] if b["steps"]]
         ax.plot([mid(b) for b in filled], [b["tau"] for b in filled], marker="o", label=name)
-    ax.set(xlabel="context length (tokens before the anchor; bucket midpoints)", ylabel="τ",
-           title="τ by context length")  # fmt: skip
+    ax.set(
+        xlabel="context length (tokens before the anchor; bucket midpoints)", ylabel="τ", title="τ by context length"
+    )
     if len(results) > 1:
         ax.legend()
     paths["tau_by_context"] = out_dir / PLOTS["tau_by_context"]
@@ -339,10 +391,15 @@ def _context_plots(summary: dict[str, Any], names: list[str], results: list[dict
     filled = [b for b in summary["by_context"] if b["steps"]]
     drafts = len(summary["position_acceptance"])
     for k in range(min(drafts, 8)):  # the first drafts carry most of τ; more lines would not read
-        ax.plot([mid(b) for b in filled], [b["position_acceptance"][k] for b in filled], marker="o",
-                label=f"draft {k + 1}")  # fmt: skip
-    ax.set(xlabel="context length (tokens before the anchor; bucket midpoints)", ylim=(0, 1.05),
-           ylabel="share of steps accepting draft k", title="Per-position acceptance by context length")  # fmt: skip
+        ax.plot(
+            [mid(b) for b in filled], [b["position_acceptance"][k] for b in filled], marker="o", label=f"draft {k + 1}"
+        )
+    ax.set(
+        xlabel="context length (tokens before the anchor; bucket midpoints)",
+        ylim=(0, 1.05),
+        ylabel="share of steps accepting draft k",
+        title="Per-position acceptance by context length",
+    )
     if filled:
         ax.legend(fontsize="small", ncol=2)
     paths["position_acceptance_by_context"] = out_dir / PLOTS["position_acceptance_by_context"]
@@ -392,8 +449,10 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
         "per-position acceptance = share of steps whose k-th draft was accepted.",
     ]
     if summary["mode"] == "online":
-        lines.append("- speed-up bound = τ × t(greedy step) / (t(draft) + t(verify)), the costs per step measured "
-                     "inside the decode loop; speed-up / bound = the share of it the loop delivers.")  # fmt: skip
+        lines.append(
+            "- speed-up bound = τ × t(greedy step) / (t(draft) + t(verify)), the costs per step measured "
+            "inside the decode loop; speed-up / bound = the share of it the loop delivers."
+        )
     lines += [
         "",
         "## Figures",
@@ -428,9 +487,13 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
         lines += ["## Confidence head", "", first + ".", "", *[f"- {c.strip()}" for c in cuts], ""]
     if "consistency" in summary:
         c = summary["consistency"]
-        lines += ["## Offline vs online", "",
-                  f"{'Identical' if c['identical'] else 'DIFFERENT'} acceptance lengths "
-                  f"(offline τ {c['offline_tau']:.3f}, online τ {c['online_tau']:.3f}).", ""]  # fmt: skip
+        lines += [
+            "## Offline vs online",
+            "",
+            f"{'Identical' if c['identical'] else 'DIFFERENT'} acceptance lengths "
+            f"(offline τ {c['offline_tau']:.3f}, online τ {c['online_tau']:.3f}).",
+            "",
+        ]
         lines += [f"- {m}" for m in c["mismatches"]]
     path = out / "report.md"
     write_text_atomic(path, "\n".join(lines).rstrip() + "\n", "the evaluation report")  # last: its plots are there

@@ -35,9 +35,10 @@ def accepts_nothing_problem(tau: float, what: str) -> str | None:
     """The problem line for a τ within noise of 1.0 (`what`: which τ, e.g. "held-out τ"), else None."""
     if not accepts_nothing(tau):
         return None
-    return (f"{what} {tau:.3f} is within {ACCEPTS_NOTHING_MARGIN} of 1.0: the drafter accepts (almost) nothing, like "
-            f"an untrained one")
-
+    return (
+        f"{what} {tau:.3f} is within {ACCEPTS_NOTHING_MARGIN} of 1.0: the drafter accepts (almost) nothing, like "
+        f"an untrained one"
+    )
 
 
 def speedup_bound(tau: float, greedy_step_s: float, draft_s: float, verify_s: float) -> float | None:
@@ -61,8 +62,10 @@ def parse_context_buckets(spec: str, flag: str = "--context-buckets") -> list[in
     except ValueError:
         edges = []
     if len(edges) < 2 or edges[0] < 0 or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
-        raise FlashdraftError(f"{flag} {spec!r}: expected at least two strictly increasing non-negative token "
-                              f"counts, e.g. 0,512,2048,8192")  # fmt: skip
+        raise FlashdraftError(
+            f"{flag} {spec!r}: expected at least two strictly increasing non-negative token "
+            f"counts, e.g. 0,512,2048,8192"
+        )
     return edges
 
 
@@ -183,10 +186,13 @@ class EvalResult:
         for low, high in zip(edges, edges[1:], strict=False):
             inside = [(n, t) for c, n, t in steps if low <= c < high]
             lengths = [n for n, _ in inside]
-            bucket: dict[str, Any] = {"context_from": low, "context_to": high, "steps": len(lengths),
-                                      "tau": tau_of(lengths) if lengths else None,
-                                      "position_acceptance": position_acceptance_of(lengths, self.max_drafts)
-                                      if lengths else None}  # fmt: skip
+            bucket: dict[str, Any] = {
+                "context_from": low,
+                "context_to": high,
+                "steps": len(lengths),
+                "tau": tau_of(lengths) if lengths else None,
+                "position_acceptance": position_acceptance_of(lengths, self.max_drafts) if lengths else None,
+            }
             if self.mode == "online":
                 bucket |= self._bucket_costs([t for _, t in inside if t is not None], bucket["tau"], low, high)
             buckets.append(bucket)
@@ -197,10 +203,15 @@ class EvalResult:
         draft_s = sum(d for d, _ in timed) / len(timed) if timed else None
         verify_s = sum(v for _, v in timed) / len(timed) if timed else None
         greedy_s = sum(greedy) / len(greedy) if greedy else None
-        bound = (speedup_bound(tau, greedy_s, draft_s, verify_s)
-                 if None not in (tau, greedy_s, draft_s, verify_s) else None)  # fmt: skip
-        return {"draft_ms": _ms(draft_s), "verify_ms": _ms(verify_s), "greedy_step_ms": _ms(greedy_s),
-                "speedup_bound": bound}  # fmt: skip
+        bound = (
+            speedup_bound(tau, greedy_s, draft_s, verify_s) if None not in (tau, greedy_s, draft_s, verify_s) else None
+        )
+        return {
+            "draft_ms": _ms(draft_s),
+            "verify_ms": _ms(verify_s),
+            "greedy_step_ms": _ms(greedy_s),
+            "speedup_bound": bound,
+        }
 
     @property
     def lossless(self) -> bool | None:
@@ -221,9 +232,13 @@ class EvalResult:
     def to_json(self) -> dict[str, Any]:
         per_prompt = []
         for p in self.per_prompt:
-            row: dict[str, Any] = {"id": p.id, "prompt_length": p.prompt_length,
-                                   "acceptance_lengths": p.acceptance_lengths, "tau": p.tau,
-                                   "num_steps": len(p.acceptance_lengths)}  # fmt: skip
+            row: dict[str, Any] = {
+                "id": p.id,
+                "prompt_length": p.prompt_length,
+                "acceptance_lengths": p.acceptance_lengths,
+                "tau": p.tau,
+                "num_steps": len(p.acceptance_lengths),
+            }
             if self.mode == "online":
                 row |= {"output_ids": p.output_ids, "lossless": p.lossless}
             if p.expected_lengths is not None:  # T > 0: each step's expected committed length given its drafts
@@ -294,7 +309,7 @@ def difference(result: dict[str, Any], reference: dict[str, Any]) -> dict[str, A
                 "id": p["id"],
                 "tau": sub(p["tau"], ref_prompts[p["id"]]["tau"]),
                 "num_steps": p["num_steps"] - ref_prompts[p["id"]]["num_steps"],
-            }  # fmt: skip
+            }
             for p in result["per_prompt"]
             if p["id"] in ref_prompts
         ],
@@ -318,8 +333,11 @@ def expected_tau_figures(result: EvalResult) -> dict[str, Any]:
         return {"expected_tau": None, "expected_tau_stderr": None, "tau_stderr_given_drafts": None}
     mean = sum(expected) / n
     given_drafts = sum(variances) ** 0.5 / n if len(variances) == n else None
-    return {"expected_tau": mean, "expected_tau_stderr": _clustered_stderr(result, mean),
-            "tau_stderr_given_drafts": given_drafts}  # fmt: skip
+    return {
+        "expected_tau": mean,
+        "expected_tau_stderr": _clustered_stderr(result, mean),
+        "tau_stderr_given_drafts": given_drafts,
+    }
 
 
 def _clustered_stderr(result: EvalResult, mean: float) -> float:

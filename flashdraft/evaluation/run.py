@@ -206,13 +206,21 @@ def _load_candidates(
             check_drafter_matches_target(drafter.drafter.config, target, str(drafter.path))
             loaded_by_role[role] = drafter
         elif path != NGRAM:
-            loaded = load_any_drafter(path, target, block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids,
-                                      mask_token_id=cfg.mask_token_id, device=cfg.device, dtype=cfg.dtype,
-                                      verify=cfg.verify)  # fmt: skip
+            loaded = load_any_drafter(
+                path,
+                target,
+                block_size=cfg.block_size,
+                target_layer_ids=cfg.target_layer_ids,
+                mask_token_id=cfg.mask_token_id,
+                device=cfg.device,
+                dtype=cfg.dtype,
+                verify=cfg.verify,
+            )
             check_drafter_matches_target(loaded.drafter.config, target, str(loaded.path))
             loaded_by_role[role] = loaded
-    ngram_block = cfg.block_size or next((x.drafter.config.block_size for x in loaded_by_role.values()),
-                                         DEFAULT_BLOCK_SIZE)  # fmt: skip
+    ngram_block = cfg.block_size or next(
+        (x.drafter.config.block_size for x in loaded_by_role.values()), DEFAULT_BLOCK_SIZE
+    )
     candidates: list[Candidate] = []
     for role, path in specs:
         if path == NGRAM:
@@ -235,8 +243,10 @@ def _load_candidates(
 
 def _hybrid(cfg: EvalConfig, drafter: DFlashDrafter, target: TargetModel) -> HybridDrafter:
     default = HybridRule()
-    rule = HybridRule(default.min_match if cfg.hybrid_min_match is None else cfg.hybrid_min_match,
-                      default.ngram_prior if cfg.hybrid_ngram_prior is None else cfg.hybrid_ngram_prior)  # fmt: skip
+    rule = HybridRule(
+        default.min_match if cfg.hybrid_min_match is None else cfg.hybrid_min_match,
+        default.ngram_prior if cfg.hybrid_ngram_prior is None else cfg.hybrid_ngram_prior,
+    )
     if rule.min_match < 0 or not 0.0 <= rule.ngram_prior <= 1.0:
         raise FlashdraftError(
             f"--hybrid-min-match {rule.min_match}, --hybrid-ngram-prior {rule.ngram_prior}: expected min_match >= 0 "
@@ -254,11 +264,18 @@ def _prepare_records(
 ) -> tuple[list[EvalRecord], list[GreedyRun] | None, str]:
     """The records to evaluate (completions decoded where a prompt source gave none: greedily, or offline at
     T > 0 sampled with the settings), their plain-decoding baseline when online, and where they came from."""
-    records, source = load_eval_records(target, cached_hidden_states=cfg.cached_hidden_states,
-                                        completions=cfg.completions, prompts=cfg.prompts,
-                                        num_prompts=cfg.num_prompts, verify=cfg.verify,
-                                        allow_foreign=cfg.allow_foreign, chat_template_kwargs=cfg.chat_template_kwargs,
-                                        enable_thinking=cfg.enable_thinking, log=log)  # fmt: skip
+    records, source = load_eval_records(
+        target,
+        cached_hidden_states=cfg.cached_hidden_states,
+        completions=cfg.completions,
+        prompts=cfg.prompts,
+        num_prompts=cfg.num_prompts,
+        verify=cfg.verify,
+        allow_foreign=cfg.allow_foreign,
+        chat_template_kwargs=cfg.chat_template_kwargs,
+        enable_thinking=cfg.enable_thinking,
+        log=log,
+    )
     if not records:
         raise FlashdraftError(f"{source}: no records")
     records = fit_prompts(records, target, max_new_tokens, cfg.long_prompts, str(cfg.prompts), log)
@@ -295,8 +312,10 @@ def _check_cache_layers(cfg: EvalConfig, candidates: list[Candidate], records: l
                     f"{cfg.cached_hidden_states}: the cache holds target layers {records[0].layer_ids}; the drafter "
                     f"needs target_layer_ids {ids} (re-run flashdraft cache with these layers)"
                 )
-            log(f"reference target_layer_ids {ids} are not all in the cache: its features come from a "
-                f"fresh target forward")  # fmt: skip
+            log(
+                f"reference target_layer_ids {ids} are not all in the cache: its features come from a "
+                f"fresh target forward"
+            )
 
 
 def _draft_limit(cfg: EvalConfig, c: Candidate) -> DraftLimit | None:
@@ -316,8 +335,10 @@ def _draft_limit(cfg: EvalConfig, c: Candidate) -> DraftLimit | None:
             f"drafts of this one); expected --block-size {k} to evaluate that block"
         )
     if c_min is not None and c.label == cfg.checkpoint and not _has_confidence_head(c.drafter):
-        raise FlashdraftError(f"--confidence-threshold {c_min}: {c.label} has no confidence head; expected a DSpark "
-                              f"drafter made with one (init --family dspark --confidence-head ...)")  # fmt: skip
+        raise FlashdraftError(
+            f"--confidence-threshold {c_min}: {c.label} has no confidence head; expected a DSpark "
+            f"drafter made with one (init --family dspark --confidence-head ...)"
+        )
     return DraftLimit(k, p, c_min) if k is not None or p is not None or c_min is not None else None
 
 
@@ -350,17 +371,28 @@ def _cache_precision_note(cfg: EvalConfig, records: list[EvalRecord]) -> str | N
     if stored is None or not _lower_precision(stored, cfg.dtype):
         return None
     name, computed = (str(d).removeprefix("torch.") for d in (stored, cfg.dtype))
-    check = (f"; --check-consistency rounds the live features to {name} as the cache did, so its comparison "
-             f"stays exact" if cfg.check_consistency else "")  # fmt: skip
-    return (f"note: the cache stores context features in {name}, the target computes them in "
-            f"{computed}: offline τ is within rounding of live τ, not step for step (a cache "
-            f"built with --dtype auto keeps them exact){check}")  # fmt: skip
+    check = (
+        f"; --check-consistency rounds the live features to {name} as the cache did, so its comparison stays exact"
+        if cfg.check_consistency
+        else ""
+    )
+    return (
+        f"note: the cache stores context features in {name}, the target computes them in "
+        f"{computed}: offline τ is within rounding of live τ, not step for step (a cache "
+        f"built with --dtype auto keeps them exact){check}"
+    )
 
 
 def _evaluate_candidate(
-    cfg: EvalConfig, c: Candidate, target: TargetModel, records: list[EvalRecord], baseline: list[GreedyRun] | None,
-    features: FeatureSource, max_new_tokens: int, filters: SamplingFilters = NO_FILTERS,
-) -> dict[str, Any]:  # fmt: skip
+    cfg: EvalConfig,
+    c: Candidate,
+    target: TargetModel,
+    records: list[EvalRecord],
+    baseline: list[GreedyRun] | None,
+    features: FeatureSource,
+    max_new_tokens: int,
+    filters: SamplingFilters = NO_FILTERS,
+) -> dict[str, Any]:
     """One drafter's summary: offline, online, or both with the consistency check (at T > 0: the offline walk over
     the online outputs, which under a one-hot rule commits what live decoding committed, step for step)."""
     offline = online = None
@@ -369,68 +401,128 @@ def _evaluate_candidate(
     sampled_check = cfg.check_consistency and cfg.temperature > 0
     rounding = _consistency_rounding(cfg, c, records) if not sampled_check else None
     if (not cfg.online or cfg.check_consistency) and not sampled_check:
-        offline = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks, limit,
-                                   rule=rule, temperature=cfg.temperature, filters=filters, seed=cfg.seed,
-                                   context_edges=cfg.context_buckets)  # fmt: skip
+        offline = evaluate_offline(
+            c.drafter,
+            target,
+            records,
+            features,
+            c.block_size,
+            cfg.max_blocks,
+            limit,
+            rule=rule,
+            temperature=cfg.temperature,
+            filters=filters,
+            seed=cfg.seed,
+            context_edges=cfg.context_buckets,
+        )
     if cfg.online or cfg.check_consistency:
-        online = evaluate_online(c.drafter, target, records, baseline, c.block_size, cfg.max_blocks, max_new_tokens,
-                                 cfg.temperature, cfg.seed, limit, rounding, filters, rule,
-                                 context_edges=cfg.context_buckets)  # fmt: skip
+        online = evaluate_online(
+            c.drafter,
+            target,
+            records,
+            baseline,
+            c.block_size,
+            cfg.max_blocks,
+            max_new_tokens,
+            cfg.temperature,
+            cfg.seed,
+            limit,
+            rounding,
+            filters,
+            rule,
+            context_edges=cfg.context_buckets,
+        )
     if sampled_check:
-        outputs = [EvalRecord(r.id, r.prompt_ids, o.output_ids)
-                   for r, o in zip(records, online.per_prompt, strict=True)]  # fmt: skip
-        offline = evaluate_offline(c.drafter, target, outputs, FeatureSource(target), c.block_size,
-                                   cfg.max_blocks, limit, rule=rule,
-                                   context_edges=cfg.context_buckets)  # fmt: skip
+        outputs = [
+            EvalRecord(r.id, r.prompt_ids, o.output_ids) for r, o in zip(records, online.per_prompt, strict=True)
+        ]
+        offline = evaluate_offline(
+            c.drafter,
+            target,
+            outputs,
+            FeatureSource(target),
+            c.block_size,
+            cfg.max_blocks,
+            limit,
+            rule=rule,
+            context_edges=cfg.context_buckets,
+        )
     summary = (online if cfg.online else offline).to_json()
     summary |= sampling_figures(cfg, rule, filters, online if cfg.online else offline)
     summary["by_segment"] = by_segment(online if cfg.online else offline, records, target.tokenizer)
     if isinstance(c.drafter, DFlashDrafter) and c.drafter.candidate_selector is not None and cfg.temperature <= 0:
-        summary["selector"] = selector_figures(c.drafter, target, records, online if cfg.online else offline,
-                                               features, cfg.max_blocks)  # fmt: skip
+        summary["selector"] = selector_figures(
+            c.drafter, target, records, online if cfg.online else offline, features, cfg.max_blocks
+        )
     if _has_confidence_head(c.drafter):
         summary["confidence"] = _confidence(cfg, c, target, records, offline, online, features, filters, rule)
-    summary |= {"checkpoint": c.label, "checkpoint_form": c.form, "drafter_path": c.path,
-                "drafter_type": _drafter_type(c.drafter),
-                "num_speculative_tokens": cfg.num_speculative_tokens,
-                "adaptive_threshold": cfg.adaptive_threshold,
-                "confidence_threshold": cfg.confidence_threshold}  # fmt: skip
+    summary |= {
+        "checkpoint": c.label,
+        "checkpoint_form": c.form,
+        "drafter_path": c.path,
+        "drafter_type": _drafter_type(c.drafter),
+        "num_speculative_tokens": cfg.num_speculative_tokens,
+        "adaptive_threshold": cfg.adaptive_threshold,
+        "confidence_threshold": cfg.confidence_threshold,
+    }
     if cfg.check_consistency:
         mismatches = consistency_mismatches(records, baseline if not sampled_check else None, offline, online)
-        summary["consistency"] = {"identical": not mismatches, "mismatches": mismatches,
-                                  "offline_tau": offline.tau, "online_tau": online.tau,
-                                  "by_context_identical": _bucket_figures(offline) == _bucket_figures(online),
-                                  # live features rounded to the cache's dtype (None: as computed)
-                                  "live_features_rounded_to": str(rounding).removeprefix("torch.") if rounding
-                                  else None}  # fmt: skip
+        summary["consistency"] = {
+            "identical": not mismatches,
+            "mismatches": mismatches,
+            "offline_tau": offline.tau,
+            "online_tau": online.tau,
+            "by_context_identical": _bucket_figures(offline) == _bucket_figures(online),
+            # live features rounded to the cache's dtype (None: as computed)
+            "live_features_rounded_to": str(rounding).removeprefix("torch.") if rounding else None,
+        }
     return summary
 
 
 def _confidence(
-    cfg: EvalConfig, c: Candidate, target: TargetModel, records: list[EvalRecord], offline: EvalResult | None,
-    online: EvalResult | None, features: FeatureSource, filters: SamplingFilters, rule: ServingRule,
-) -> dict[str, Any]:  # fmt: skip
+    cfg: EvalConfig,
+    c: Candidate,
+    target: TargetModel,
+    records: list[EvalRecord],
+    offline: EvalResult | None,
+    online: EvalResult | None,
+    features: FeatureSource,
+    filters: SamplingFilters,
+    rule: ServingRule,
+) -> dict[str, Any]:
     """A DSpark drafter's confidence figures (`confidence_figures`) of the uncut walk at the temperature and rule
     evaluated; at T > 0 online, over the online outputs (the target's samples) walked offline."""
     if cfg.temperature <= 0:
         uncut = online if cfg.online else offline
         if cfg.confidence_threshold or uncut is None:  # the figures are of the uncut walk
             uncut = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks)
-        return confidence_figures(c.drafter, target, records, uncut, features, cfg.max_blocks,
-                                  cfg.confidence_threshold)  # fmt: skip
+        return confidence_figures(c.drafter, target, records, uncut, features, cfg.max_blocks, cfg.confidence_threshold)
     walked = online if cfg.online else offline  # at T > 0 confidence_figures walks the uncut walk itself
     if cfg.online:
-        records = [EvalRecord(r.id, r.prompt_ids, o.output_ids) for r, o in zip(records, online.per_prompt,
-                                                                                 strict=True)]  # fmt: skip
+        records = [
+            EvalRecord(r.id, r.prompt_ids, o.output_ids) for r, o in zip(records, online.per_prompt, strict=True)
+        ]
         features = FeatureSource(target)
-    return confidence_figures(c.drafter, target, records, walked, features, cfg.max_blocks, cfg.confidence_threshold,
-                              rule=rule, temperature=cfg.temperature, filters=filters, seed=cfg.seed)  # fmt: skip
+    return confidence_figures(
+        c.drafter,
+        target,
+        records,
+        walked,
+        features,
+        cfg.max_blocks,
+        cfg.confidence_threshold,
+        rule=rule,
+        temperature=cfg.temperature,
+        filters=filters,
+        seed=cfg.seed,
+    )
 
 
 def _bucket_figures(result: EvalResult) -> list[tuple]:
     """What offline and online must share per context bucket (not the online-only timings)."""
-    return [(b["context_from"], b["context_to"], b["steps"], b["tau"], b["position_acceptance"])
-            for b in result.by_context]  # fmt: skip
+    return [
+        (b["context_from"], b["context_to"], b["steps"], b["tau"], b["position_acceptance"]) for b in result.by_context
+    ]
 
 
 # -- sampling at T > 0 (`flashdraft.decoding.serving_rules`) ------------------------------------------
@@ -445,12 +537,18 @@ def sampling_settings(cfg: EvalConfig, target: TargetModel, log: Log) -> Samplin
             log(note)
         return NO_FILTERS
     rule = serving_rule(cfg.serving_rule)
-    filters, dropped = request_filters(target.path, cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, rule,
-                                       cfg.use_generation_config)  # fmt: skip
+    filters, dropped = request_filters(
+        target.path, cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, rule, cfg.use_generation_config
+    )
     settings = ", ".join(f"{k} {v} ({filters.source.get(k)})" for k, v in filters.active().items()) or "no filters"
-    log(f"sampling: temperature {cfg.temperature}, {settings}"
-        + (f"; {', '.join(dropped)} from the generation config dropped: {rule.server} does not apply it"
-           if dropped else ""))  # fmt: skip
+    log(
+        f"sampling: temperature {cfg.temperature}, {settings}"
+        + (
+            f"; {', '.join(dropped)} from the generation config dropped: {rule.server} does not apply it"
+            if dropped
+            else ""
+        )
+    )
     log(f"serving rule {rule.describe()}")
     if greedy_in_effect_note(cfg.temperature, filters):
         log(greedy_in_effect_note(cfg.temperature, filters))
@@ -483,6 +581,7 @@ def check_sampled_completions(cfg: EvalConfig, filters: SamplingFilters) -> None
     made_at = generation.get("temperature")
     made_with = SamplingFilters(generation.get("top_k"), generation.get("top_p"), generation.get("min_p")).active()
     if made_at != cfg.temperature or made_with != filters.active():
+
         def settings(t, active):
             return f"temperature {t}" + "".join(f", {k} {v}" for k, v in active.items())
 
@@ -491,7 +590,8 @@ def check_sampled_completions(cfg: EvalConfig, filters: SamplingFilters) -> None
             f"{cfg.completions or cfg.cached_hidden_states}: completions made at {settings(made_at, made_with)}; "
             f"offline τ at {settings(cfg.temperature, filters.active())} needs the target's samples at those "
             f"settings (generate them with these settings, or give --prompts: eval samples them itself"
-            + (", or --no-generation-config" if from_config else "") + ")"
+            + (", or --no-generation-config" if from_config else "")
+            + ")"
         )
 
 
@@ -510,8 +610,10 @@ def _source_generation(cfg: EvalConfig) -> dict | None:
 
 def sampling_figures(cfg: EvalConfig, rule: ServingRule, filters: SamplingFilters, result: EvalResult) -> dict:
     """The summary's sampling fields: the rule and settings evaluated, and τ beside its expected value."""
-    return {"serving_rule": rule.name, "sampling": {"temperature": cfg.temperature, **filters.to_json()}} \
-        | expected_tau_figures(result)  # fmt: skip
+    return {
+        "serving_rule": rule.name,
+        "sampling": {"temperature": cfg.temperature, **filters.to_json()},
+    } | expected_tau_figures(result)
 
 
 def run_eval(
@@ -531,8 +633,9 @@ def run_eval(
     offline_only = offline_only and cfg.temperature <= 0 and not cfg.served  # at T > 0 the walk reads the target's p
     check_served_options(cfg)
     if target is None:
-        target = (TargetHead if offline_only else TargetModel).load(cfg.target_model, device=cfg.device,
-                                                                    dtype=cfg.dtype)  # fmt: skip
+        target = (TargetHead if offline_only else TargetModel).load(
+            cfg.target_model, device=cfg.device, dtype=cfg.dtype
+        )
     tok = target.tokenizer
     log(
         f"target {target.path}: {target.num_layers} layers, hidden {target.hidden_size}; tokenizer "
@@ -558,38 +661,67 @@ def run_eval(
     features = FeatureSource(target, record_log)  # each record's tokens and feature statistics offline
     if cfg.online and not cfg.check_consistency and cfg.verbose:
         for record in records:
-            log(f"record {record.id}: {len(record.prompt_ids)} prompt tokens, "
-                f"{max_new_tokens_of(record, max_new_tokens)} new tokens to decode")  # fmt: skip
+            log(
+                f"record {record.id}: {len(record.prompt_ids)} prompt tokens, "
+                f"{max_new_tokens_of(record, max_new_tokens)} new tokens to decode"
+            )
     if cfg.cached_hidden_states is not None:
         _check_cache_layers(cfg, candidates, records, log)
     if cfg.context_buckets is None:  # one set of buckets for drafter and reference alike
         cfg = replace(cfg, context_buckets=record_context_edges(records, max_new_tokens))
-    results = [_evaluate_candidate(cfg, c, target, records, baseline, features, max_new_tokens, filters)
-               for c in candidates]  # fmt: skip
-    main = results[0] | {"target": str(cfg.target_model), "records_source": source, "max_blocks": cfg.max_blocks,
-                         "max_new_tokens": max_new_tokens if cfg.online else None,
-                         "target_forwards_offline": features.target_forwards, **modes}  # fmt: skip
+    results = [
+        _evaluate_candidate(cfg, c, target, records, baseline, features, max_new_tokens, filters) for c in candidates
+    ]
+    main = results[0] | {
+        "target": str(cfg.target_model),
+        "records_source": source,
+        "max_blocks": cfg.max_blocks,
+        "max_new_tokens": max_new_tokens if cfg.online else None,
+        "target_forwards_offline": features.target_forwards,
+        **modes,
+    }
     if cfg.reference:
         main["reference"] = results[1]
         main["difference"] = difference(results[0], results[1])
     if cfg.served:
         limits = [max_new_tokens_of(r, max_new_tokens) for r in records]
         c = candidates[0]
-        main["served"] = run_served(cfg.checkpoint, c.drafter, c.block_size, target, records, limits, cfg.temperature,
-                                    filters, cfg.seed, cfg.engine_python, cfg.server, log)  # fmt: skip
+        main["served"] = run_served(
+            cfg.checkpoint,
+            c.drafter,
+            c.block_size,
+            target,
+            records,
+            limits,
+            cfg.temperature,
+            filters,
+            cfg.seed,
+            cfg.engine_python,
+            cfg.server,
+            log,
+        )
     return main
 
 
 def check_served_options(cfg: EvalConfig) -> None:
     """--served's options, and what it can serve: one DFlash-family drafter (the engine knows no n-gram or hybrid)."""
     if not cfg.served:
-        given = [flag for flag, value in (("--check-served", cfg.check_served), ("--server", cfg.server),
-                                          ("--engine-python", cfg.engine_python)) if value]  # fmt: skip
+        given = [
+            flag
+            for flag, value in (
+                ("--check-served", cfg.check_served),
+                ("--server", cfg.server),
+                ("--engine-python", cfg.engine_python),
+            )
+            if value
+        ]
         if given:
             raise FlashdraftError(f"{', '.join(given)}: options of --served vllm, which this run does not ask for")
         return
     if cfg.checkpoint == NGRAM or cfg.drafter == "hybrid":
-        raise FlashdraftError("--served vllm serves a DFlash-family drafter (--checkpoint); the n-gram baseline and "
-                              "the hybrid are flashdraft's, not the engine's")  # fmt: skip
+        raise FlashdraftError(
+            "--served vllm serves a DFlash-family drafter (--checkpoint); the n-gram baseline and "
+            "the hybrid are flashdraft's, not the engine's"
+        )
     if cfg.server and cfg.engine_python:
         raise FlashdraftError("--server URL uses a running engine; --engine-python starts one: give one of them")

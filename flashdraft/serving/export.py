@@ -29,33 +29,45 @@ def serving_snippet(target: str, drafter_dir: str, cfg: DrafterConfig) -> str:
     name = family(cfg.family).title
     drafts = cfg.drafts_per_block
     if cfg.family == "dspark":
-        v2 = (f"\nA DSpark drafter (`Qwen3DSparkModel`): {cfg.describe_layout()}; a Markov head\n"
-              f"(rank {cfg.markov_rank}) drafts the block left to right"
-              + (", and a confidence head estimates each draft's acceptance" if cfg.confidence_head else "")
-              + f".\nvLLM serves it with method `dspark` and `num_speculative_tokens` {b} (= block_size: a shorter\n"
-              f"block changes every draft); SGLang with `DSPARK` and `--speculative-dspark-block-size` {b}.\n")
+        v2 = (
+            f"\nA DSpark drafter (`Qwen3DSparkModel`): {cfg.describe_layout()}; a Markov head\n"
+            f"(rank {cfg.markov_rank}) drafts the block left to right"
+            + (", and a confidence head estimates each draft's acceptance" if cfg.confidence_head else "")
+            + f".\nvLLM serves it with method `dspark` and `num_speculative_tokens` {b} (= block_size: a shorter\n"
+            f"block changes every draft); SGLang with `DSPARK` and `--speculative-dspark-block-size` {b}.\n"
+        )
     elif cfg.family == "dflash2":  # the runner it needs and the conv's block
-        v2 = (f"\nA DFlash2 drafter (`DFlash2DraftModel`: a convolution around each sublayer and a candidate\n"
-              f"selector). {VLLM} runs it on the V2 model runner, its default (the command pins it:\n"
-              f"`{V2_RUNNER}`); the V1 runner, chosen when a feature V2 lacks is asked for, refuses it\n"
-              f"with an error. vLLM takes the convolutions' block from\n"
-              f"`1 + num_speculative_tokens`, so `num_speculative_tokens` must be {b - 1}: any other value\n"
-              f"convolves across another block than the drafter was trained with. The vLLM method stays\n"
-              f"`dflash` (the checkpoint's `architectures` selects DFlash2); SGLang serves it as\n"
-              f"`DFLASH`.\n")  # fmt: skip
+        v2 = (
+            f"\nA DFlash2 drafter (`DFlash2DraftModel`: a convolution around each sublayer and a candidate\n"
+            f"selector). {VLLM} runs it on the V2 model runner, its default (the command pins it:\n"
+            f"`{V2_RUNNER}`); the V1 runner, chosen when a feature V2 lacks is asked for, refuses it\n"
+            f"with an error. vLLM takes the convolutions' block from\n"
+            f"`1 + num_speculative_tokens`, so `num_speculative_tokens` must be {b - 1}: any other value\n"
+            f"convolves across another block than the drafter was trained with. The vLLM method stays\n"
+            f"`dflash` (the checkpoint's `architectures` selects DFlash2); SGLang serves it as\n"
+            f"`DFLASH`.\n"
+        )
     elif mixes_sliding_and_full(cfg):
-        v2 = (f"\nIts layers mix sliding and full attention: {VLLM} serves it only with the V2 model runner\n"
-              f"(`{V2_RUNNER}`).\n")  # fmt: skip
+        v2 = (
+            f"\nIts layers mix sliding and full attention: {VLLM} serves it only with the V2 model runner\n"
+            f"(`{V2_RUNNER}`).\n"
+        )
     else:
         v2 = ""
-    head = ("no\nLM head: it borrows the target's" if cfg.draft_vocab_size is None else
-            f"its own LM head\nover {cfg.draft_vocab_size} tokens (`d2t` maps them to the target's; vLLM serves it, "
-            f"SGLang's DFlash\nignores that head)")  # fmt: skip
+    head = (
+        "no\nLM head: it borrows the target's"
+        if cfg.draft_vocab_size is None
+        else f"its own LM head\nover {cfg.draft_vocab_size} tokens (`d2t` maps them to the target's; vLLM serves it, "
+        f"SGLang's DFlash\nignores that head)"
+    )
     mode_lines = trained_mode_lines(cfg)
-    chat_mode = ("" if len(mode_lines) < 2 else
-                 f"\n## Chat mode\n\n{mode_lines[0][0].upper()}{mode_lines[0][1:]}.\n\nA server renders a chat "
-                 f"request with its template and its default kwargs; prompts in another mode are\ntext the drafter "
-                 f"was not trained on (acceptance falls): {mode_lines[1]}.\n")  # fmt: skip
+    chat_mode = (
+        ""
+        if len(mode_lines) < 2
+        else f"\n## Chat mode\n\n{mode_lines[0][0].upper()}{mode_lines[0][1:]}.\n\nA server renders a chat "
+        f"request with its template and its default kwargs; prompts in another mode are\ntext the drafter "
+        f"was not trained on (acceptance falls): {mode_lines[1]}.\n"
+    )
     return f"""# {name} drafter
 
 Exported by flashdraft in the public {name} format (`config.json` + `model.safetensors`),
@@ -105,8 +117,9 @@ def export_drafter(
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise FlashdraftError(f"{out}: exists and is not empty (nor a drafter directory); choose a new --out")
-    loaded = load_any_drafter(checkpoint, target, block_size=block_size, target_layer_ids=target_layer_ids,
-                              mask_token_id=mask_token_id)  # fmt: skip
+    loaded = load_any_drafter(
+        checkpoint, target, block_size=block_size, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id
+    )
     if out.resolve() == loaded.path.resolve():
         raise FlashdraftError(f"{out}: is the checkpoint being exported; choose another --out")
     cfg = loaded.drafter.config

@@ -86,21 +86,32 @@ class LoadPlan:
     requests: list[LoadRequest]
 
 
-def run_load(python: Path, plans: list[LoadPlan], warmups: int, work: Path,
-             on_run: Callable[[int], None] | None = None) -> list[LoadRun]:  # fmt: skip
+def run_load(
+    python: Path, plans: list[LoadPlan], warmups: int, work: Path, on_run: Callable[[int], None] | None = None
+) -> list[LoadRun]:
     """Each plan's requests sent to its server by vLLM's benchmark client (one process for every run, in order),
     each run after `warmups` warm-up requests; `on_run(i)` as run i ends. One line naming the request and the
     engine's error when one failed, or the client's last line when it died."""
-    job = {"warmups": warmups, "runs": [{"base_url": _root(p.base_url), "concurrency": p.concurrency,
-                                         "requests": [r.__dict__ for r in p.requests]} for p in plans]}  # fmt: skip
+    job = {
+        "warmups": warmups,
+        "runs": [
+            {"base_url": _root(p.base_url), "concurrency": p.concurrency, "requests": [r.__dict__ for r in p.requests]}
+            for p in plans
+        ],
+    }
     work.mkdir(parents=True, exist_ok=True)
     job_path, out_path, log_path = work / "job.json", work / "out.json", work / "client.log"
     job_path.write_text(json.dumps(job))
     out_path.unlink(missing_ok=True)
     with open(log_path, "w") as log:
-        client = subprocess.Popen([str(python), str(BENCH_SCRIPT), str(job_path), str(out_path)],
-                                  env=engine_env(python), stdout=subprocess.PIPE, stderr=log,
-                                  stdin=subprocess.DEVNULL, text=True)  # fmt: skip
+        client = subprocess.Popen(
+            [str(python), str(BENCH_SCRIPT), str(job_path), str(out_path)],
+            env=engine_env(python),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
         try:
             for line in client.stdout:
                 if on_run is not None and line.startswith("run ") and line.rstrip().endswith(" done"):
@@ -113,8 +124,10 @@ def run_load(python: Path, plans: list[LoadPlan], warmups: int, work: Path,
     if client.returncode != 0 or not out_path.is_file():
         tail = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()][-1:] or ["no output"]
         servers = ", ".join(sorted({p.base_url for p in plans}))
-        raise FlashdraftError(f"vLLM's benchmark client against {servers} exited with code {client.returncode}: "
-                              f"{tail[0][:300]} (log: {log_path})")  # fmt: skip
+        raise FlashdraftError(
+            f"vLLM's benchmark client against {servers} exited with code {client.returncode}: "
+            f"{tail[0][:300]} (log: {log_path})"
+        )
     runs = json.loads(out_path.read_text())["runs"]
     return [parse_load(out, plan.concurrency, plan.base_url) for out, plan in zip(runs, plans, strict=True)]
 
@@ -128,8 +141,10 @@ def parse_load(out: dict[str, Any], concurrency: int, base_url: str = "the serve
     timings = []
     for r in out["requests"]:
         if not r["success"]:
-            raise FlashdraftError(f"{base_url}: request {r['id']} failed at concurrency {concurrency}: "
-                                  f"{(r['error'] or 'no reason given').strip().splitlines()[-1][:300]}")  # fmt: skip
+            raise FlashdraftError(
+                f"{base_url}: request {r['id']} failed at concurrency {concurrency}: "
+                f"{(r['error'] or 'no reason given').strip().splitlines()[-1][:300]}"
+            )
         ids = r["token_ids"]
         if not (isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)):
             raise FlashdraftError(f"{base_url}: request {r['id']} came back without token ids (return_token_ids)")
@@ -139,6 +154,7 @@ def parse_load(out: dict[str, Any], concurrency: int, base_url: str = "the serve
     if "spec_decode_num_drafts" in metrics:
         drafts = int(metrics["spec_decode_num_drafts"])
         per_pos = [round(rate * drafts) for rate in metrics.get("spec_decode_per_position_acceptance_rates", [])]
-        counters = SpecCounters(drafts, int(metrics["spec_decode_draft_tokens"]),
-                                int(metrics["spec_decode_accepted_tokens"]), per_pos)  # fmt: skip
+        counters = SpecCounters(
+            drafts, int(metrics["spec_decode_draft_tokens"]), int(metrics["spec_decode_accepted_tokens"]), per_pos
+        )
     return LoadRun(concurrency, timings, metrics, counters)

@@ -60,9 +60,13 @@ def state_after(record: BlockRecord, initial_state: torch.Tensor, kept: int) -> 
 
 
 def gated_delta_rule_block(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
     state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gated delta rule over T tokens as one chunk, from `state`.
 
     query, key: [B, H, T, dk] (L2-normalized; query also scaled by dk^-0.5); value: [B, H, T, dv];

@@ -93,8 +93,11 @@ def fingerprint_of(config, tokenizer, samples) -> str:
     sorted name order: what identifies a target, however and wherever it was loaded."""
     h = hashlib.sha256()
     # where and in which dtype the target was loaded must not change its identity
-    config = {k: v for k, v in config.to_dict().items()
-              if k not in ("_name_or_path", "dtype", "torch_dtype", "transformers_version")}  # fmt: skip
+    config = {
+        k: v
+        for k, v in config.to_dict().items()
+        if k not in ("_name_or_path", "dtype", "torch_dtype", "transformers_version")
+    }
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
     h.update(str(sorted(tokenizer.get_vocab().items())).encode())
     for name, sample in samples:

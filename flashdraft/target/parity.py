@@ -123,10 +123,12 @@ def run_parity(
         cosines = []
         for j in range(len(layer_ids)):
             block = slice(j * h, (j + 1) * h)
-            cosines.append(min(
-                float(torch.nn.functional.cosine_similarity(a[:, block], b[:, block], dim=-1).min())
-                for a, b in zip(features[result.reference], features[backend], strict=True)
-            ))  # fmt: skip
+            cosines.append(
+                min(
+                    float(torch.nn.functional.cosine_similarity(a[:, block], b[:, block], dim=-1).min())
+                    for a, b in zip(features[result.reference], features[backend], strict=True)
+                )
+            )
         result.min_cosine[backend] = cosines
     return result
 

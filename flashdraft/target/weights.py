@@ -49,10 +49,17 @@ INDEX_FILE = "model.safetensors.index.json"
 CHUNK_BYTES = 64 << 20  # read size: bounds the transient memory of a conversion
 SAMPLE_SCRATCH_BYTES = 1 << 20  # tensors up to this size are read whole (into one reused buffer) for their sample
 SAFETENSORS_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
-}  # fmt: skip
+}
 # Qwen3.5/3.6 checkpoints (vision-language layout) keep the text model under this prefix;
 # transformers loads it as `model.` (its PrefixChange for qwen3_5_text)
 LANGUAGE_MODEL_PREFIX = "model.language_model."
@@ -94,13 +101,16 @@ def read_header(file: Path) -> dict[str, StoredTensor]:
             continue
         dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
         if dtype is None:
-            raise FlashdraftError(f"{file}: tensor '{name}' has dtype {entry['dtype']}; expected one of "
-                                  f"{', '.join(SAFETENSORS_DTYPES)}")  # fmt: skip
+            raise FlashdraftError(
+                f"{file}: tensor '{name}' has dtype {entry['dtype']}; expected one of {', '.join(SAFETENSORS_DTYPES)}"
+            )
         begin, end = entry["data_offsets"]
         tensor = StoredTensor(name, file, dtype, tuple(entry["shape"]), 8 + length + begin)
         if end - begin != tensor.numel * tensor.itemsize:
-            raise FlashdraftError(f"{file}: tensor '{name}' {list(tensor.shape)} {entry['dtype']} spans "
-                                  f"{end - begin} bytes; expected {tensor.numel * tensor.itemsize}")  # fmt: skip
+            raise FlashdraftError(
+                f"{file}: tensor '{name}' {list(tensor.shape)} {entry['dtype']} spans "
+                f"{end - begin} bytes; expected {tensor.numel * tensor.itemsize}"
+            )
         tensors[name] = tensor
     return tensors
 
@@ -215,8 +225,9 @@ class TargetHead:
     A forward (context features that a cache does not hold, e.g. an eval reference drafter
     with other layers) loads the whole target once, as `TargetModel`, and says so."""
 
-    def __init__(self, path: Path, config, tokenizer, generation_config, device: torch.device,
-                 dtype: torch.dtype) -> None:  # fmt: skip
+    def __init__(
+        self, path: Path, config, tokenizer, generation_config, device: torch.device, dtype: torch.dtype
+    ) -> None:
         self.path = path
         self.full_config = config  # as stored: Qwen3.5/3.6 nest the language model's in text_config
         self.config = config.get_text_config()
@@ -229,8 +240,9 @@ class TargetHead:
         self._model: TargetModel | None = None
 
     @classmethod
-    def load(cls, name_or_path: str | Path, device: str | torch.device = "cpu",
-             dtype: torch.dtype | None = None) -> TargetHead:  # fmt: skip
+    def load(
+        cls, name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> TargetHead:
         """Tokenizer, config and tensor headers of a local target; dtype None: fp32 on CPU, bf16 on GPU."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -354,8 +366,10 @@ class TargetHead:
     def _stored_matrix(self, name: str, what: str) -> StoredTensor:
         stored = self.files.require(name, what)
         if len(stored.shape) != 2 or stored.shape[1] != self.hidden_size:
-            raise FlashdraftError(f"{stored.file}: tensor '{stored.name}' ({what}) has shape {list(stored.shape)}; "
-                                  f"expected [vocab, {self.hidden_size}] (hidden_size of config.json)")  # fmt: skip
+            raise FlashdraftError(
+                f"{stored.file}: tensor '{stored.name}' ({what}) has shape {list(stored.shape)}; "
+                f"expected [vocab, {self.hidden_size}] (hidden_size of config.json)"
+            )
         return stored
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

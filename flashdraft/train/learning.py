@@ -29,14 +29,17 @@ def likely_causes(lr: float, total_steps: int, num_anchors: int, mean_length: fl
         causes.append(f"only {total_steps} optimizer steps")
         fixes.append(f"--max-steps {max(1000, 10 * total_steps)}")
     if mean_length is not None and num_anchors * 2 > mean_length:
-        causes.append(f"--num-anchors {num_anchors} for records of {mean_length:.0f} tokens (nearly every position "
-                      f"an anchor: each step is one big batch, and the run takes few of them)")
+        causes.append(
+            f"--num-anchors {num_anchors} for records of {mean_length:.0f} tokens (nearly every position "
+            f"an anchor: each step is one big batch, and the run takes few of them)"
+        )
         fixes.append(f"--num-anchors {max(8, int(mean_length) // 32)}")
     return causes, " ".join(fixes)
 
 
-def learning_problem(tau: float, what: str, step: int, lr: float, total_steps: int, num_anchors: int,
-                     mean_length: float | None) -> str | None:  # fmt: skip
+def learning_problem(
+    tau: float, what: str, step: int, lr: float, total_steps: int, num_anchors: int, mean_length: float | None
+) -> str | None:
     """One warning line when τ at `step` is within noise of an untrained drafter's, naming the likely causes and a
     fix; None when the drafter accepts something."""
     problem = accepts_nothing_problem(tau, what)
@@ -53,8 +56,15 @@ class LearningCheck:
     at the first figure past the warm-up and a quarter of the run that is still an untrained drafter's, and gives
     the run's last word on it (`verdict`)."""
 
-    def __init__(self, lr: float, total_steps: int, warmup_steps: int, num_anchors: int, mean_length: float | None,
-                 held_out: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        lr: float,
+        total_steps: int,
+        warmup_steps: int,
+        num_anchors: int,
+        mean_length: float | None,
+        held_out: bool,
+    ) -> None:
         self.settings = dict(lr=lr, total_steps=total_steps, num_anchors=num_anchors, mean_length=mean_length)
         self.start = max(warmup_steps, total_steps // 4)
         self.what = "held-out τ" if held_out else "estimated τ (training batches)"

@@ -154,9 +154,17 @@ def check_no_shortcut(drafter: DFlashDrafter, target: TargetModel) -> None:
 
 
 def forward_loss(
-    model, target: TargetModel, batch: Batch, cfg: TrainConfig, block_size: int, device, kl_weight: float | None = None,
-    weighting: str | None = None, selector_loss_weight: float | None = None, held_out: bool = False,
-):  # fmt: skip
+    model,
+    target: TargetModel,
+    batch: Batch,
+    cfg: TrainConfig,
+    block_size: int,
+    device,
+    kl_weight: float | None = None,
+    weighting: str | None = None,
+    selector_loss_weight: float | None = None,
+    held_out: bool = False,
+):
     """The drafter's loss parts on one micro-batch (bf16 autocast on GPU); the target only embeds. held_out: a
     DSpark drafter's loss is its hard CE alone (its distribution figures still counted where the target's are known)."""
     kl_weight = cfg.kl_weight if kl_weight is None else kl_weight
@@ -170,18 +178,36 @@ def forward_loss(
     with autocast:
         with torch.no_grad():
             block_embeds = unwrap(model).embed(batch.block_ids, target)  # [N, K * B, H], frozen
-        hidden = model(block_embeds, batch.anchor_positions, batch.context_features.to(block_embeds.dtype),
-                       batch.context_positions)  # fmt: skip
+        hidden = model(
+            block_embeds, batch.anchor_positions, batch.context_features.to(block_embeds.dtype), batch.context_positions
+        )
         drafter = unwrap(model)
         head = partial(drafter.logits, target_lm_head=target.lm_head)  # the target's head, as served
         dspark = None
         if drafter.markov_head is not None:
-            dspark = DSparkLoss(1.0, 0.0, 0.0) if held_out else DSparkLoss(cfg.dspark_ce_weight, cfg.dspark_tv_weight,
-                                                                            cfg.confidence_loss_weight)  # fmt: skip
-        return block_loss(hidden, batch.labels, head, block_size, cfg.loss_decay_gamma, batch.target_topk, kl_weight,
-                          weighting, cfg.dpace_alpha, drafter.candidate_selector, batch.block_ids,
-                          selector_loss_weight, cfg.selector_missing_label, cfg.first_draft_position, drafter,
-                          dspark)  # fmt: skip
+            dspark = (
+                DSparkLoss(1.0, 0.0, 0.0)
+                if held_out
+                else DSparkLoss(cfg.dspark_ce_weight, cfg.dspark_tv_weight, cfg.confidence_loss_weight)
+            )
+        return block_loss(
+            hidden,
+            batch.labels,
+            head,
+            block_size,
+            cfg.loss_decay_gamma,
+            batch.target_topk,
+            kl_weight,
+            weighting,
+            cfg.dpace_alpha,
+            drafter.candidate_selector,
+            batch.block_ids,
+            selector_loss_weight,
+            cfg.selector_missing_label,
+            cfg.first_draft_position,
+            drafter,
+            dspark,
+        )
 
 
 @torch.no_grad()
@@ -197,11 +223,30 @@ def evaluate_loss(model, target, records, cfg: TrainConfig, block_size: int, mas
     vocabulary = unwrap(model).vocabulary_mask()
     for start in range(0, len(records), cfg.batch_size):
         idx = list(range(start, min(len(records), start + cfg.batch_size)))
-        batch = make_batch([records[i] for i in idx], idx, 0, cfg.seed + 1, cfg.num_anchors, block_size,
-                           mask_token_id, cfg.max_length, cfg.first_draft_position).to(device)  # fmt: skip
+        batch = make_batch(
+            [records[i] for i in idx],
+            idx,
+            0,
+            cfg.seed + 1,
+            cfg.num_anchors,
+            block_size,
+            mask_token_id,
+            cfg.max_length,
+            cfg.first_draft_position,
+        ).to(device)
         batch = batch.with_labels_in(vocabulary)
-        parts = forward_loss(model, target, batch, cfg, block_size, device, kl_weight=0.0, weighting="decay",
-                             selector_loss_weight=0.0, held_out=True)  # fmt: skip
+        parts = forward_loss(
+            model,
+            target,
+            batch,
+            cfg,
+            block_size,
+            device,
+            kl_weight=0.0,
+            weighting="decay",
+            selector_loss_weight=0.0,
+            held_out=True,
+        )
         total += float(parts.weighted_sum)
         weight += float(parts.weight_total)
         correct = parts.correct if correct is None else correct + parts.correct
@@ -215,10 +260,15 @@ def evaluate_loss(model, target, records, cfg: TrainConfig, block_size: int, mas
             confidence = parts.confidence + (0 if confidence is None else confidence)
     model.train()
     acc, tau = estimated_acceptance(correct, count, cfg.first_draft_position)
-    family = selector_metrics(top_k_hits, selector_correct, count) | dspark_metrics(accept_rate, confidence, count,
-                                                                                   cfg.first_draft_position)
-    return {"eval_loss": total / max(weight, 1e-9), "eval_position_accuracy": acc, "eval_estimated_acceptance": tau,
-            **{f"eval_{k}": v for k, v in family.items()}}  # fmt: skip
+    family = selector_metrics(top_k_hits, selector_correct, count) | dspark_metrics(
+        accept_rate, confidence, count, cfg.first_draft_position
+    )
+    return {
+        "eval_loss": total / max(weight, 1e-9),
+        "eval_position_accuracy": acc,
+        "eval_estimated_acceptance": tau,
+        **{f"eval_{k}": v for k, v in family.items()},
+    }
 
 
 @torch.no_grad()
@@ -226,12 +276,17 @@ def evaluate_tau(drafter: DFlashDrafter, target: TargetModel, records: list, max
     """Real τ on held-out records: the offline walk that equals live speculative decoding."""
     was_training = drafter.training
     drafter.eval()
-    result = evaluate_offline(drafter, target, records, max_blocks=max_blocks,
-                              context_edges=record_context_edges(records, 0))  # fmt: skip
+    result = evaluate_offline(
+        drafter, target, records, max_blocks=max_blocks, context_edges=record_context_edges(records, 0)
+    )
     drafter.train(was_training)
     by_context = [{k: b[k] for k in ("context_from", "context_to", "steps", "tau")} for b in result.by_context]
-    return {"eval_tau": result.tau, "eval_tau_prompt_mean": result.tau_prompt_mean, "eval_tau_steps": result.num_steps,
-            "eval_tau_by_context": by_context}  # fmt: skip
+    return {
+        "eval_tau": result.tau,
+        "eval_tau_prompt_mean": result.tau_prompt_mean,
+        "eval_tau_steps": result.num_steps,
+        "eval_tau_by_context": by_context,
+    }
 
 
 def _nonfinite_input(micro_batches: list[Batch], records) -> str:
@@ -244,8 +299,10 @@ def _nonfinite_input(micro_batches: list[Batch], records) -> str:
             index = batch.record_indices[row]
             name = getattr(records[index], "id", index)
             where = f" of {records.directory}" if hasattr(records, "directory") else ""
-            return (f": record {name!r} (index {index}){where} has NaN/Inf context features at token {token}; the "
-                    f"data is damaged, check it with flashdraft doctor")  # fmt: skip
+            return (
+                f": record {name!r} (index {index}){where} has NaN/Inf context features at token {token}; the "
+                f"data is damaged, check it with flashdraft doctor"
+            )
     return ""
 
 
@@ -265,11 +322,15 @@ def _steps(cfg: TrainConfig, num_records: int, world: int) -> tuple[int, int]:
 def describe_steps(cfg: TrainConfig, steps_per_epoch: int, total_steps: int, num_records: int, world: int) -> list[str]:
     """The run's first lines: how many steps and epochs it does and why; an --eval-every past its end."""
     why = f"--max-steps {cfg.max_steps}" if cfg.max_steps is not None else f"--epochs {cfg.epochs}, no --max-steps"
-    lines = [f"training {total_steps} steps ({why}): {total_steps / steps_per_epoch:.3g} epochs of {steps_per_epoch} "
-             f"steps ({num_records} records, {cfg.batch_size * cfg.grad_accum * world} a step)"]
+    lines = [
+        f"training {total_steps} steps ({why}): {total_steps / steps_per_epoch:.3g} epochs of {steps_per_epoch} "
+        f"steps ({num_records} records, {cfg.batch_size * cfg.grad_accum * world} a step)"
+    ]
     if cfg.eval_every > total_steps:
-        lines.append(f"--eval-every {cfg.eval_every} is past the run's {total_steps} steps: held-out evaluation runs "
-                     f"once, after the last step")
+        lines.append(
+            f"--eval-every {cfg.eval_every} is past the run's {total_steps} steps: held-out evaluation runs "
+            f"once, after the last step"
+        )
     return lines
 
 
@@ -281,8 +342,9 @@ def _write_run_config(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict:
         previous = json.loads(config_path.read_text())
         # a field newer than the run's record compares as its default: what that run computed
         defaults = {f.name: f.default for f in fields(TrainConfig)}
-        changed = {k for k in config_dict
-                   if k not in RESUMABLE_CHANGES and previous.get(k, defaults.get(k)) != config_dict[k]}  # fmt: skip
+        changed = {
+            k for k in config_dict if k not in RESUMABLE_CHANGES and previous.get(k, defaults.get(k)) != config_dict[k]
+        }
         if changed:
             raise FlashdraftError(
                 f"{config_path}: --resume with a different configuration ({', '.join(sorted(changed))}); "
@@ -293,8 +355,7 @@ def _write_run_config(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict:
     return config_dict
 
 
-def _resume(run_dir: Path, model, optimizer: Optimizers, num_records: int, dist: Dist, verify: bool,
-            fsdp: bool) -> int:
+def _resume(run_dir: Path, model, optimizer: Optimizers, num_records: int, dist: Dist, verify: bool, fsdp: bool) -> int:
     """Restore weights, optimizer, schedule and RNG from the newest complete checkpoint;
     returns the step to continue from (0 without one)."""
     if dist.is_main:
@@ -330,8 +391,17 @@ def global_batch(cfg: TrainConfig, records, step: int, steps_per_epoch: int, dis
     micro_batches = []
     for m in range(cfg.grad_accum):
         idx = mine[m * cfg.batch_size : (m + 1) * cfg.batch_size]
-        batch = make_batch([records[i] for i in idx], idx, epoch, cfg.seed, cfg.num_anchors, cfg.block_size,
-                           cfg.mask_token_id, cfg.max_length, cfg.first_draft_position)  # fmt: skip
+        batch = make_batch(
+            [records[i] for i in idx],
+            idx,
+            epoch,
+            cfg.seed,
+            cfg.num_anchors,
+            cfg.block_size,
+            cfg.mask_token_id,
+            cfg.max_length,
+            cfg.first_draft_position,
+        )
         micro_batches.append(add_context_noise(batch, cfg.noise_std, record_generator(cfg.seed + 1, epoch, idx[0])))
     return micro_batches, global_indices
 
@@ -344,8 +414,10 @@ def forward_backward(
     block_size = cfg.block_size
     vocabulary = unwrap(model).vocabulary_mask()  # a reduced vocabulary trains only the labels it can draft
     micro_batches = [b.with_labels_in(vocabulary) for b in micro_batches]
-    weight_total = sum(label_weight_total(b.labels, block_size, cfg.loss_decay_gamma, cfg.loss_weighting,
-                                          cfg.first_draft_position) for b in micro_batches)  # fmt: skip
+    weight_total = sum(
+        label_weight_total(b.labels, block_size, cfg.loss_decay_gamma, cfg.loss_weighting, cfg.first_draft_position)
+        for b in micro_batches
+    )
     weight_total = float(all_reduce_sum(torch.tensor(weight_total, dtype=torch.float64)))
     if weight_total == 0:
         return StepResult(0.0, 0.0, torch.zeros(block_size), torch.zeros(block_size))
@@ -366,8 +438,11 @@ def forward_backward(
             )
         for name in ("accept_rate", "confidence"):  # DSpark's figures
             if getattr(parts, name) is not None:
-                setattr(result, name, getattr(parts, name).cpu() + (getattr(result, name) if getattr(result, name)
-                                                                   is not None else 0))  # fmt: skip
+                setattr(
+                    result,
+                    name,
+                    getattr(parts, name).cpu() + (getattr(result, name) if getattr(result, name) is not None else 0),
+                )
     result.loss = float(all_reduce_sum(loss)) / weight_total
     return result
 
@@ -382,8 +457,9 @@ def held_out_metrics(model, target: TargetModel, cfg: TrainConfig, dist: Dist, e
     return held_out
 
 
-def _prepare(cfg: TrainConfig, drafter: DFlashDrafter, target: TargetModel, records, dist: Dist, eval_records,
-             eval_tau_records) -> tuple[int, int, LearningCheck]:  # fmt: skip
+def _prepare(
+    cfg: TrainConfig, drafter: DFlashDrafter, target: TargetModel, records, dist: Dist, eval_records, eval_tau_records
+) -> tuple[int, int, LearningCheck]:
     """The checks before a run, its recorded layout, its steps (said in its first lines) and its learning check."""
     cfg.apply_recipe(PUBLISHED_RECIPE)  # what run_training left unset (a no-op after it)
     check_no_shortcut(drafter, target)
@@ -392,13 +468,20 @@ def _prepare(cfg: TrainConfig, drafter: DFlashDrafter, target: TargetModel, reco
     steps_per_epoch, total_steps = _steps(cfg, len(records), dist.world)
     if dist.is_main:
         print("\n".join(describe_steps(cfg, steps_per_epoch, total_steps, len(records), dist.world)), flush=True)
-    learning = LearningCheck(cfg.lr, total_steps, warmup_steps(total_steps, cfg.warmup_fraction), cfg.num_anchors,
-                             mean_record_length(records), bool(eval_tau_records))  # fmt: skip
+    learning = LearningCheck(
+        cfg.lr,
+        total_steps,
+        warmup_steps(total_steps, cfg.warmup_fraction),
+        cfg.num_anchors,
+        mean_record_length(records),
+        bool(eval_tau_records),
+    )
     return steps_per_epoch, total_steps, learning
 
 
-def _report_held_out(bar: Progress, writer: MetricsWriter | None, learning: LearningCheck, step: int,
-                     held_out: dict) -> None:  # fmt: skip
+def _report_held_out(
+    bar: Progress, writer: MetricsWriter | None, learning: LearningCheck, step: int, held_out: dict
+) -> None:
     _warn(bar, learning.see(step, held_out.get("eval_tau"), held_out=True))
     if writer is not None and held_out:
         writer.write(step, held_out)
@@ -413,8 +496,12 @@ def _warn(bar: Progress, line: str | None) -> None:
 def _log(bar: Progress, writer: MetricsWriter | None, step: int, metrics: dict) -> None:
     if writer is not None:
         writer.write(step, metrics)
-    bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{metrics['position_accuracy'][0]:.2f}",
-                    tau_est=f"{metrics['estimated_acceptance']:.2f}", refresh=not bar.plain)  # fmt: skip
+    bar.set_postfix(
+        loss=f"{metrics['loss']:.3f}",
+        acc1=f"{metrics['position_accuracy'][0]:.2f}",
+        tau_est=f"{metrics['estimated_acceptance']:.2f}",
+        refresh=not bar.plain,
+    )
 
 
 def best_metric(held_out: dict) -> tuple[str, float] | None:
@@ -427,8 +514,9 @@ def best_metric(held_out: dict) -> tuple[str, float] | None:
     return None
 
 
-def _keep_if_best(run_dir: Path, step: int, model, held_out: dict, best: dict | None, cfg: TrainConfig,
-                  dist: Dist) -> dict | None:  # fmt: skip
+def _keep_if_best(
+    run_dir: Path, step: int, model, held_out: dict, best: dict | None, cfg: TrainConfig, dist: Dist
+) -> dict | None:
     """Save RUN/best/ when this evaluation beats the best so far; returns the best record."""
     ranked = best_metric(held_out)
     if ranked is None:
@@ -438,21 +526,37 @@ def _keep_if_best(run_dir: Path, step: int, model, held_out: dict, best: dict | 
     if best is not None and best["metric"] == name and score <= best_metric({name: best["value"]})[1]:
         return best
     full = full_state_dict(model, cfg.fsdp)
-    on_main(dist, lambda: save_best(run_dir, step, unwrap(model).config, full, name, value),
-            f"step {step}: writing {run_dir / 'best'}")  # fmt: skip
+    on_main(
+        dist,
+        lambda: save_best(run_dir, step, unwrap(model).config, full, name, value),
+        f"step {step}: writing {run_dir / 'best'}",
+    )
     return {"step": step, "metric": name, "value": value}
 
 
-def _save(run_dir: Path, step: int, model, optimizer: Optimizers, cfg: TrainConfig, config_dict: dict,
-          num_records: int, dist: Dist) -> None:  # fmt: skip
+def _save(
+    run_dir: Path,
+    step: int,
+    model,
+    optimizer: Optimizers,
+    cfg: TrainConfig,
+    config_dict: dict,
+    num_records: int,
+    dist: Dist,
+) -> None:
     """A checkpoint of everything resume needs (gathered from all ranks under FSDP)."""
     full = full_state_dict(model, cfg.fsdp)
     optimizer_state = optimizer.state_dict()  # every rank: under FSDP this gathers the shards
 
     def save() -> None:
-        trainer_state = {"step": step, "optimizer": optimizer_state,
-                         "torch_rng": torch.get_rng_state(), "num_records": num_records, "world_size": dist.world,
-                         "config": config_dict}  # fmt: skip
+        trainer_state = {
+            "step": step,
+            "optimizer": optimizer_state,
+            "torch_rng": torch.get_rng_state(),
+            "num_records": num_records,
+            "world_size": dist.world,
+            "config": config_dict,
+        }
         save_checkpoint(run_dir, step, unwrap(model).config, full, trainer_state, cfg.keep_checkpoints)
 
     # the other ranks wait for rank 0's save, and stop with it when it failed (a full disk)
@@ -478,9 +582,19 @@ def _record_layout(cfg: TrainConfig, drafter: DFlashDrafter, target: TargetModel
     cfg.target_fingerprint = cfg.target_fingerprint or target.fingerprint()
 
 
-def _optimizer_step(model, target: TargetModel, optimizer: Optimizers, micro_batches: list[Batch], indices: list,
-                    records, cfg: TrainConfig, dist: Dist, step: int, epoch: int, run_dir: Path
-                    ) -> tuple[StepResult, float]:  # fmt: skip
+def _optimizer_step(
+    model,
+    target: TargetModel,
+    optimizer: Optimizers,
+    micro_batches: list[Batch],
+    indices: list,
+    records,
+    cfg: TrainConfig,
+    dist: Dist,
+    step: int,
+    epoch: int,
+    run_dir: Path,
+) -> tuple[StepResult, float]:
     """One step on the global batch: gradients, their clipped norm, the update. A batch without supervised tokens or
     a non-finite loss stops the run, naming the records. Returns the step's figures and its gradient norm."""
     # the checkpoint records the longest context trained at, over this run and the one it started from
@@ -502,15 +616,19 @@ def _optimizer_step(model, target: TargetModel, optimizer: Optimizers, micro_bat
     return result, grad_norm
 
 
-def _interrupted(stop: StopRequests, bar: Progress, run_dir: Path, done: int, total_steps: int, dist: Dist
-                 ) -> Interrupted:  # fmt: skip
+def _interrupted(
+    stop: StopRequests, bar: Progress, run_dir: Path, done: int, total_steps: int, dist: Dist
+) -> Interrupted:
     """The stop after step `done` (its checkpoint written), for every rank to raise."""
     bar.n = done  # the bar's count lags behind its loop; the line it closes with says where
     bar.close()
     signum = stop.signum or signal.SIGTERM  # a rank that got none stops with its peers
     where = run_dir / CHECKPOINTS / f"step-{done:07d}"
-    return Interrupted(signum, f"{signal.Signals(signum).name} after step {done} of {total_steps}: "
-                       f"checkpoint {where}" if dist.is_main else "", "--resume")  # fmt: skip
+    return Interrupted(
+        signum,
+        f"{signal.Signals(signum).name} after step {done} of {total_steps}: checkpoint {where}" if dist.is_main else "",
+        "--resume",
+    )
 
 
 def train(
@@ -533,20 +651,36 @@ def train(
     eval_tau_records: held-out `flashdraft.evaluation.records.EvalRecord`s for the real offline τ.
     """
     dist = dist or Dist()
-    steps_per_epoch, total_steps, learning = _prepare(cfg, drafter, target, records, dist, eval_records,
-                                                      eval_tau_records)  # fmt: skip
+    steps_per_epoch, total_steps, learning = _prepare(
+        cfg, drafter, target, records, dist, eval_records, eval_tau_records
+    )
     lock = RunLock(run_dir) if dist.is_main else None
     writer = None
     try:
         config_dict = _write_run_config(cfg, run_dir, resume) if dist.is_main else asdict(cfg)
         drafter.to(dist.device).train()
         model = wrap_model(drafter, dist, cfg.fsdp)
-        optimizer = build_optimizers(model, cfg.optimizer, cfg.lr, cfg.muon_lr, cfg.weight_decay, total_steps,
-                                     cfg.warmup_fraction, cfg.min_lr_fraction, cfg.fsdp)  # fmt: skip
+        optimizer = build_optimizers(
+            model,
+            cfg.optimizer,
+            cfg.lr,
+            cfg.muon_lr,
+            cfg.weight_decay,
+            total_steps,
+            cfg.warmup_fraction,
+            cfg.min_lr_fraction,
+            cfg.fsdp,
+        )
         start_step = _resume(run_dir, model, optimizer, len(records), dist, verify, cfg.fsdp) if resume else 0
         writer = MetricsWriter(run_dir, list(report_to), config_dict, start_step) if dist.is_main else None
-        bar = Progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc="train",
-                       disable=not dist.is_main, dynamic_ncols=True)  # fmt: skip
+        bar = Progress(
+            range(start_step, total_steps),
+            initial=start_step,
+            total=total_steps,
+            desc="train",
+            disable=not dist.is_main,
+            dynamic_ncols=True,
+        )
         window = Window(cfg.first_draft_position)
         best = read_best(run_dir) if resume else None
         # SIGTERM/SIGINT: finish the step in flight, checkpoint it, stop (a second signal changes nothing)
@@ -554,8 +688,9 @@ def train(
             for step in bar:
                 epoch = step // steps_per_epoch
                 micro_batches, indices = global_batch(cfg, records, step, steps_per_epoch, dist)
-                result, grad_norm = _optimizer_step(model, target, optimizer, micro_batches, indices, records, cfg,
-                                                    dist, step, epoch, run_dir)  # fmt: skip
+                result, grad_norm = _optimizer_step(
+                    model, target, optimizer, micro_batches, indices, records, cfg, dist, step, epoch, run_dir
+                )
                 if on_step is not None:
                     on_step(step)
                 window.add(result, micro_batches, dist.world)
@@ -581,8 +716,10 @@ def train(
         if dist.is_main and learning.verdict():
             print(learning.verdict(), flush=True)
     except DiskFullError as e:
-        e.then = ("free space (or move the run) and re-run the same command with --resume: it continues from the "
-                  "newest complete checkpoint")  # fmt: skip
+        e.then = (
+            "free space (or move the run) and re-run the same command with --resume: it continues from the "
+            "newest complete checkpoint"
+        )
         raise
     finally:
         if writer is not None:

@@ -97,9 +97,7 @@ class DSparkLoss:
         return self.tv > 0 or self.confidence > 0
 
 
-def target_distribution_terms(
-    logits: torch.Tensor, target_topk: tuple[torch.Tensor, torch.Tensor]
-) -> torch.Tensor:
+def target_distribution_terms(logits: torch.Tensor, target_topk: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """|p_draft - p_target|_1 per position [M] from the drafter's logits [M, V] and the target's top-k (values,
     indices) [M, k], its distribution renormalised over them (zero elsewhere, so the draft's mass outside them
     counts in full)."""
@@ -114,9 +112,13 @@ SELECTOR_MISSING_LABEL = ("inject", "skip")  # a label outside the unary top-K: 
 
 
 def selector_loss(
-    selector, hidden: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, predecessors: torch.Tensor,
+    selector,
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    predecessors: torch.Tensor,
     missing_label: str = "inject",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """DFlash2's candidate-selector cross-entropy at M trained positions, teacher-forced: the true
     predecessor (the anchor for block position 1) chooses among the unary top-K.
 
@@ -144,8 +146,9 @@ def selector_loss(
     return per_position, used, in_top_k, correct
 
 
-def block_predecessors(block_ids: torch.Tensor, labels: torch.Tensor, block_size: int, first_draft: int = 1
-                       ) -> torch.Tensor:  # fmt: skip
+def block_predecessors(
+    block_ids: torch.Tensor, labels: torch.Tensor, block_size: int, first_draft: int = 1
+) -> torch.Tensor:
     """[N, K * B] the true token before each block position's label: the anchor before the first draft (position
     1 fill-in, 0 anchor-first), the label of position k - 1 after it (IGNORE where that label is untrained:
     unknown here)."""
@@ -202,8 +205,9 @@ def block_loss(
     w = _label_weights(per_token, labels, trained, pos, block_size, gamma, weighting, dpace_alpha, first_draft)
     accept_rate = confidence_sum = None
     if dspark is not None:
-        per_token, accept_rate, confidence_sum = _dspark_terms(per_token, logits, hidden[trained], topk, pos,
-                                                               block_size, predecessors, drafter, dspark)  # fmt: skip
+        per_token, accept_rate, confidence_sum = _dspark_terms(
+            per_token, logits, hidden[trained], topk, pos, block_size, predecessors, drafter, dspark
+        )
     if kl_weight > 0:
         per_token = (1 - kl_weight) * per_token + kl_weight * _kl_to_target(logits, topk)
     correct = torch.zeros(block_size, device=hidden.device)
@@ -212,11 +216,13 @@ def block_loss(
     count.index_add_(0, pos, torch.ones_like(w))
     weighted_sum = (w * per_token).sum()
     if selector is None:
-        return LossParts(weighted_sum, w.sum().detach(), correct, count, accept_rate=accept_rate,
-                         confidence=confidence_sum)  # fmt: skip
+        return LossParts(
+            weighted_sum, w.sum().detach(), correct, count, accept_rate=accept_rate, confidence=confidence_sum
+        )
     predecessors = block_predecessors(block_ids, labels, block_size)[trained]  # [M]
-    per_selector, _, in_top_k, picked = selector_loss(selector, hidden[trained], logits, target, predecessors,
-                                                      selector_missing_label)  # fmt: skip
+    per_selector, _, in_top_k, picked = selector_loss(
+        selector, hidden[trained], logits, target, predecessors, selector_missing_label
+    )
     if selector_loss_weight > 0:
         weighted_sum = weighted_sum + selector_loss_weight * (w * per_selector).sum()
     top_k_hits, selector_correct = torch.zeros_like(count), torch.zeros_like(count)
@@ -225,9 +231,17 @@ def block_loss(
     return LossParts(weighted_sum, w.sum().detach(), correct, count, top_k_hits, selector_correct)
 
 
-def _label_weights(per_token: torch.Tensor, labels: torch.Tensor, trained: torch.Tensor, pos: torch.Tensor,
-                   block_size: int, gamma: float | None, weighting: str, dpace_alpha: float, first_draft: int
-                   ) -> torch.Tensor:  # fmt: skip
+def _label_weights(
+    per_token: torch.Tensor,
+    labels: torch.Tensor,
+    trained: torch.Tensor,
+    pos: torch.Tensor,
+    block_size: int,
+    gamma: float | None,
+    weighting: str,
+    dpace_alpha: float,
+    first_draft: int,
+) -> torch.Tensor:
     """Each trained position's weight [M]: D-PACE's from the hard CE's label probability (per_token [M]), or the
     decay by block position (pos [M])."""
     if weighting == "dpace":
@@ -240,9 +254,16 @@ def _label_weights(per_token: torch.Tensor, labels: torch.Tensor, trained: torch
 
 
 def _dspark_terms(
-    per_token: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, topk: tuple[torch.Tensor, torch.Tensor] | None,
-    pos: torch.Tensor, block_size: int, predecessors: torch.Tensor, drafter, dspark: DSparkLoss,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    per_token: torch.Tensor,
+    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    topk: tuple[torch.Tensor, torch.Tensor] | None,
+    pos: torch.Tensor,
+    block_size: int,
+    predecessors: torch.Tensor,
+    drafter,
+    dspark: DSparkLoss,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """DSpark's loss per trained position [M] from the hard CE per_token [M]: its CE share, the |p_draft -
     p_target|_1 term where the target's top-k is known, the confidence head's BCE to the acceptance probability;
     with the acceptance probabilities and confidence estimates summed per block position ([B], None where not
@@ -253,8 +274,10 @@ def _dspark_terms(
     if topk is not None:
         l1 = target_distribution_terms(logits, topk)  # [M]
     elif dspark.needs_target:
-        raise ValueError("DSpark's distribution terms need the target's top-k logits (a cache made with "
-                         "--with-target-logits K, or online training)")
+        raise ValueError(
+            "DSpark's distribution terms need the target's top-k logits (a cache made with "
+            "--with-target-logits K, or online training)"
+        )
     if l1 is not None:
         per_token = per_token + dspark.tv * l1
         accept = (1 - l1 / 2).clamp(0, 1)  # [M]: the probability a draft sampled from p_draft is accepted

@@ -67,8 +67,12 @@ class MetricsWriter:
             self.wandb = wandb.init(project="flashdraft", dir=str(run_dir), config=config)
 
     def write(self, step: int, metrics: dict) -> None:
-        append_whole(self.fd, (json.dumps({"step": step, **metrics}) + "\n").encode(), self.path,
-                     f"the metrics row of step {step}")  # fmt: skip
+        append_whole(
+            self.fd,
+            (json.dumps({"step": step, **metrics}) + "\n").encode(),
+            self.path,
+            f"the metrics row of step {step}",
+        )
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         if self.tb is not None:
             for k, v in scalars.items():
@@ -91,12 +95,14 @@ def selector_metrics(top_k_hits: torch.Tensor | None, selector_correct: torch.Te
         return {}
     n = count[1:].clamp(min=1)
     acc, tau_est = estimated_acceptance(selector_correct, count)
-    return {"top_k_coverage": (top_k_hits[1:] / n).tolist(), "selector_accuracy": acc,
-            "selector_estimated_acceptance": tau_est}  # fmt: skip
+    return {
+        "top_k_coverage": (top_k_hits[1:] / n).tolist(),
+        "selector_accuracy": acc,
+        "selector_estimated_acceptance": tau_est,
+    }
 
 
-def dspark_metrics(accept_rate: torch.Tensor | None, confidence: torch.Tensor | None, count, first_draft: int
-                   ) -> dict:  # fmt: skip
+def dspark_metrics(accept_rate: torch.Tensor | None, confidence: torch.Tensor | None, count, first_draft: int) -> dict:
     """DSpark's figures per drafting position: the mean acceptance probability 1 - |p_draft - p_target|_1 / 2 and
     its expected accepted length (DeepSpec's accept_rate@k and tau_probabilistic), and the confidence head's mean
     estimate beside it (calibrated when the two agree); {} for the other families."""
@@ -140,9 +146,16 @@ class Window:
     def metrics(self, lr: float, grad_norm: float, epoch: int) -> dict:
         acc, tau_est = estimated_acceptance(self.correct, self.count, self.first_draft)
         metrics = {
-            "loss": self.loss / self.weight, "position_accuracy": acc, "estimated_acceptance": tau_est,
-            "tokens_per_s": self.tokens / (time.perf_counter() - self.t0), "lr": lr, "grad_norm": grad_norm,
+            "loss": self.loss / self.weight,
+            "position_accuracy": acc,
+            "estimated_acceptance": tau_est,
+            "tokens_per_s": self.tokens / (time.perf_counter() - self.t0),
+            "lr": lr,
+            "grad_norm": grad_norm,
             "epoch": epoch,
-        }  # fmt: skip
-        return (metrics | selector_metrics(self.top_k_hits, self.selector_correct, self.count)
-                | dspark_metrics(self.accept_rate, self.confidence, self.count, self.first_draft))
+        }
+        return (
+            metrics
+            | selector_metrics(self.top_k_hits, self.selector_correct, self.count)
+            | dspark_metrics(self.accept_rate, self.confidence, self.count, self.first_draft)
+        )

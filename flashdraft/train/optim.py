@@ -94,8 +94,11 @@ class Optimizers:
     FSDP2 model whose optimizer state is sharded; its checkpoints then hold the whole state,
     keyed by parameter name (every rank takes part in saving and loading it)."""
 
-    def __init__(self, pairs: list[tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]],
-                 sharded_model: nn.Module | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pairs: list[tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]],
+        sharded_model: nn.Module | None = None,
+    ) -> None:
         self.pairs = pairs
         self.sharded_model = sharded_model
 
@@ -138,9 +141,16 @@ class Optimizers:
 
 
 def build_optimizers(
-    model: nn.Module, name: str, lr: float, muon_lr: float | None, weight_decay: float, total_steps: int,
-    warmup_fraction: float, min_lr_fraction: float, fsdp: bool = False,
-) -> Optimizers:  # fmt: skip
+    model: nn.Module,
+    name: str,
+    lr: float,
+    muon_lr: float | None,
+    weight_decay: float,
+    total_steps: int,
+    warmup_fraction: float,
+    min_lr_fraction: float,
+    fsdp: bool = False,
+) -> Optimizers:
     """AdamW over every trainable parameter, or Muon (matrix weights, `muon_lr`, default `lr`:
     Muon's update is scaled to AdamW's RMS, so one lr serves both) + AdamW (the rest, `lr`)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -154,8 +164,12 @@ def build_optimizers(
     elif name == "muon":
         matrices = [p for n, p in named if is_muon_parameter(n, p)]
         rest = [p for n, p in named if not is_muon_parameter(n, p)]
-        muon = WholeMatrixMuon(matrices, lr=muon_lr if muon_lr is not None else lr, weight_decay=weight_decay,
-                               adjust_lr_fn="match_rms_adamw")  # fmt: skip
+        muon = WholeMatrixMuon(
+            matrices,
+            lr=muon_lr if muon_lr is not None else lr,
+            weight_decay=weight_decay,
+            adjust_lr_fn="match_rms_adamw",
+        )
         groups = [adamw(rest), muon]
     else:
         raise FlashdraftError(f"--optimizer {name}: expected one of {', '.join(OPTIMIZERS)}")

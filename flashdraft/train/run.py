@@ -47,8 +47,15 @@ def _digest(path: Path) -> str:
 ONLINE_TARGET_TOPK = 256
 
 
-def load_training_records(target: TargetModel, layer_ids: list[int], cached: str | None, completions: str | None,
-                 allow_foreign: bool = False, verify: bool = True, online_topk: int = 0):  # fmt: skip
+def load_training_records(
+    target: TargetModel,
+    layer_ids: list[int],
+    cached: str | None,
+    completions: str | None,
+    allow_foreign: bool = False,
+    verify: bool = True,
+    online_topk: int = 0,
+):
     """Training records and a fingerprint of the data they come from (online: with the target's top-`online_topk`
     logits at every position when > 0)."""
     if cached:
@@ -64,8 +71,9 @@ def load_training_records(target: TargetModel, layer_ids: list[int], cached: str
     sequences = []
     for r in comps.records:
         ids = torch.tensor(r.prompt_ids + r.completion_ids)
-        sequences.append(SequenceRecord(ids, torch.arange(len(ids)) >= len(r.prompt_ids), r.chat_template_kwargs,
-                                        r.reasoning_end))  # fmt: skip
+        sequences.append(
+            SequenceRecord(ids, torch.arange(len(ids)) >= len(r.prompt_ids), r.chat_template_kwargs, r.reasoning_end)
+        )
     return OnlineRecords(sequences, target, layer_ids, min(online_topk, target.vocab_size)), _digest(Path(completions))
 
 
@@ -74,10 +82,19 @@ def data_mode_mix(records) -> dict | None:
     from flashdraft.data.chat_mode import mode_mix
 
     if isinstance(records, OnlineRecords):
-        return mode_mix([{"chat_template_kwargs": r.chat_template_kwargs, "reasoning_end": r.reasoning_end,
-                          "completion_tokens": int(r.loss_mask.sum())} for r in records.records])  # fmt: skip
-    return mode_mix([dict(r, completion_tokens=r["length"] - r["prompt_length"])
-                     for r in records.manifest.get("records", [])])  # fmt: skip
+        return mode_mix(
+            [
+                {
+                    "chat_template_kwargs": r.chat_template_kwargs,
+                    "reasoning_end": r.reasoning_end,
+                    "completion_tokens": int(r.loss_mask.sum()),
+                }
+                for r in records.records
+            ]
+        )
+    return mode_mix(
+        [dict(r, completion_tokens=r["length"] - r["prompt_length"]) for r in records.manifest.get("records", [])]
+    )
 
 
 def _record_mode(drafter: DFlashDrafter, records, resumed: bool, main: bool) -> None:
@@ -114,8 +131,12 @@ def eval_tau_records(
 def _check_agrees(config, source: str, **given) -> None:
     """Options given with an existing drafter must say what its config says: a silently
     ignored --block-size would train (and report) something other than what was asked."""
-    found = {"draft_layers": config.num_hidden_layers, "block_size": config.block_size,
-             "mask_token_id": config.mask_token_id, "target_layer_ids": config.target_layer_ids}  # fmt: skip
+    found = {
+        "draft_layers": config.num_hidden_layers,
+        "block_size": config.block_size,
+        "mask_token_id": config.mask_token_id,
+        "target_layer_ids": config.target_layer_ids,
+    }
     for name, value in given.items():
         if value is not None and value != found[name]:
             flag = "--" + name.replace("_", "-")
@@ -126,7 +147,12 @@ def _check_agrees(config, source: str, **given) -> None:
 
 
 def _starting_drafter(
-    target: TargetModel, resume_from: Path | None, init: str | None, shape: dict, seed: int, verify: bool,
+    target: TargetModel,
+    resume_from: Path | None,
+    init: str | None,
+    shape: dict,
+    seed: int,
+    verify: bool,
     rope_scaling: dict | None = None,
 ) -> DFlashDrafter:
     """The newest complete checkpoint of `resume_from`, else `init` (its weights only: the loop starts a fresh
@@ -141,8 +167,14 @@ def _starting_drafter(
     elif init:
         drafter, source = load_any_drafter(init, target, verify=verify).drafter, f"{init} (--init)"
     else:
-        drafter = new_drafter_for_target(target, shape["draft_layers"] or 1, shape["block_size"] or DEFAULT_BLOCK_SIZE,
-                                         shape["mask_token_id"], shape["target_layer_ids"], seed=seed)  # fmt: skip
+        drafter = new_drafter_for_target(
+            target,
+            shape["draft_layers"] or 1,
+            shape["block_size"] or DEFAULT_BLOCK_SIZE,
+            shape["mask_token_id"],
+            shape["target_layer_ids"],
+            seed=seed,
+        )
         source = None
     if source is not None:
         check_drafter_matches_target(drafter.config, target, source)
@@ -164,8 +196,11 @@ def _with_vocabulary(
     if size is not None and have is None:
         ids = draft_vocabulary(records, size, target.vocab_size, [drafter.config.mask_token_id, *target.stop_token_ids])
         if dist.is_main:
-            print(f"draft vocabulary: the {size} most frequent of the {target.vocab_size} target tokens in the "
-                  f"training completions (mask and stop tokens included)", flush=True)  # fmt: skip
+            print(
+                f"draft vocabulary: the {size} most frequent of the {target.vocab_size} target tokens in the "
+                f"training completions (mask and stop tokens included)",
+                flush=True,
+            )
         drafter = with_draft_vocabulary(drafter, ids, target.lm_head_weight)
     have = drafter.config.draft_vocab_size
     if have is not None and (cfg.fsdp or cfg.kl_weight > 0):
@@ -176,8 +211,15 @@ def _with_vocabulary(
     return drafter
 
 
-def _held_out_records(target: TargetModel, layer_ids: list[int], cached: str | None, completions: str | None,
-                      allow_foreign: bool, verify: bool, online_topk: int) -> tuple:  # fmt: skip
+def _held_out_records(
+    target: TargetModel,
+    layer_ids: list[int],
+    cached: str | None,
+    completions: str | None,
+    allow_foreign: bool,
+    verify: bool,
+    online_topk: int,
+) -> tuple:
     """The held-out set, if one is given: as training records (loss, estimated acceptance) and as evaluation records
     (the real offline τ); (None, None) without one."""
     if not (cached or completions):
@@ -252,10 +294,15 @@ def run_training(
         dtype = load_dtype(dist.device, target_dtype)
         target = (TargetModel if online else TargetHead).load(target_model, device=dist.device, dtype=dtype)
         run_dir = Path(out)
-        shape = dict(draft_layers=draft_layers, block_size=block_size, mask_token_id=mask_token_id,
-                     target_layer_ids=target_layer_ids)  # fmt: skip
-        drafter = _starting_drafter(target, run_dir if resume else None, init, shape, cfg.seed, verify,
-                                    cfg.rope_scaling)  # fmt: skip
+        shape = dict(
+            draft_layers=draft_layers,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            target_layer_ids=target_layer_ids,
+        )
+        drafter = _starting_drafter(
+            target, run_dir if resume else None, init, shape, cfg.seed, verify, cfg.rope_scaling
+        )
         layer_ids = drafter.config.target_layer_ids
         dspark = drafter.config.family == "dspark"
         needs_target = dspark and (cfg.dspark_tv_weight > 0 or cfg.confidence_loss_weight > 0)
@@ -266,8 +313,7 @@ def run_training(
         if needs_target and not getattr(records, "topk", 0):
             _refuse_without_target_distribution(cfg, cached_hidden_states)
         drafter = _with_vocabulary(drafter, draft_vocab_size, records, target, cfg, dist)
-        _record_mode(drafter, records, resumed=resume and latest_checkpoint(run_dir) is not None,
-                     main=dist.is_main)  # fmt: skip
+        _record_mode(drafter, records, resumed=resume and latest_checkpoint(run_dir) is not None, main=dist.is_main)
         if cfg.kl_weight > 0 and not getattr(records, "topk", 0):
             raise FlashdraftError(
                 f"--kl-weight {cfg.kl_weight}: {cached_hidden_states or completions} holds no target logits; "
@@ -275,13 +321,25 @@ def run_training(
             )
         if cfg.loss_decay_gamma is None:
             cfg.loss_decay_gamma = recipe_decay_gamma(drafter.config.block_size, drafter.config.family)
-        eval_records, tau_records = _held_out_records(target, layer_ids, eval_cached_hidden_states, eval_completions,
-                                                      allow_foreign, verify, online_topk)  # fmt: skip
+        eval_records, tau_records = _held_out_records(
+            target, layer_ids, eval_cached_hidden_states, eval_completions, allow_foreign, verify, online_topk
+        )
         if dist.is_main:
             print(_describe_run(target, drafter, len(records), offline=bool(cached_hidden_states)), flush=True)
         _take_recipe(cfg, target_model, dist.is_main)
-        train(cfg, drafter, target, records, run_dir, resume=resume, eval_records=eval_records,
-              report_to=report_to, dist=dist, eval_tau_records=tau_records, verify=verify)  # fmt: skip
+        train(
+            cfg,
+            drafter,
+            target,
+            records,
+            run_dir,
+            resume=resume,
+            eval_records=eval_records,
+            report_to=report_to,
+            dist=dist,
+            eval_tau_records=tau_records,
+            verify=verify,
+        )
         final = latest_checkpoint(run_dir)
         if dist.is_main:
             print(f"done: drafter in {final / 'drafter'}", flush=True)

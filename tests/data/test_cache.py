@@ -28,14 +28,44 @@ def completions(hybrid_dir, tmp_path_factory) -> Path:
     """Five records of the hybrid target, made through the CLI."""
     d = tmp_path_factory.mktemp("completions")
     prompts = write_prompts(d / "p.jsonl", 5)
-    assert run_cli(["generate", "--target-model", str(hybrid_dir), "--prompts", str(prompts), "--out",
-                 str(d / "c.json"), "--max-new-tokens", "7", "--batch-size", "2"]) == 0  # fmt: skip
+    assert (
+        run_cli(
+            [
+                "generate",
+                "--target-model",
+                str(hybrid_dir),
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(d / "c.json"),
+                "--max-new-tokens",
+                "7",
+                "--batch-size",
+                "2",
+            ]
+        )
+        == 0
+    )
     return d / "c.json"
 
 
 def test_cache_is_quiet_per_record_unless_verbose_and_says_so(hybrid_dir, completions, tmp_path, capsys):
-    assert run_cli(["cache", "--target-model", str(hybrid_dir), "--completions", str(completions), "--out",
-                    str(tmp_path / "cache"), "--layers", "0,2"]) == 0  # fmt: skip
+    assert (
+        run_cli(
+            [
+                "cache",
+                "--target-model",
+                str(hybrid_dir),
+                "--completions",
+                str(completions),
+                "--out",
+                str(tmp_path / "cache"),
+                "--layers",
+                "0,2",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "features mean" not in printed and "--verbose prints a line per record" in printed
 
@@ -46,8 +76,25 @@ def files_of(directory: Path) -> dict[str, bytes]:
 
 def test_generate_cache_doctor_round_trip(hybrid_dir, completions, tmp_path, capsys):
     out = tmp_path / "cache"
-    assert run_cli(["cache", "--target-model", str(hybrid_dir), "--completions", str(completions), "--out", str(out),
-                 "--layers", "0,2", "--records-per-shard", "2", "--verbose"]) == 0  # fmt: skip
+    assert (
+        run_cli(
+            [
+                "cache",
+                "--target-model",
+                str(hybrid_dir),
+                "--completions",
+                str(completions),
+                "--out",
+                str(out),
+                "--layers",
+                "0,2",
+                "--records-per-shard",
+                "2",
+                "--verbose",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "q0: " in printed and "features mean" in printed and "std" in printed  # per-record statistics
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json"] + [f"shard-0000{k}.safetensors" for k in range(3)]
@@ -69,8 +116,9 @@ def test_cached_records_equal_a_fresh_forward_and_the_completions(hybrid_dir, co
         tokens = r.prompt_ids + r.completion_ids
         assert c.id == r.id and c.input_ids.dtype == torch.long and c.input_ids.tolist() == tokens
         assert c.prompt_length == len(r.prompt_ids)
-        assert c.loss_mask.dtype == torch.bool and c.loss_mask.tolist() == [k >= len(r.prompt_ids)
-                                                                            for k in range(len(tokens))]  # fmt: skip
+        assert c.loss_mask.dtype == torch.bool and c.loss_mask.tolist() == [
+            k >= len(r.prompt_ids) for k in range(len(tokens))
+        ]
         # independently of TargetModel's hooks: hidden_states[l + 1] of output_hidden_states
         out = target.model(input_ids=torch.tensor([tokens]), output_hidden_states=True)
         expected = torch.cat([out.hidden_states[2][0], out.hidden_states[4 - 0][0]], dim=-1)
@@ -130,8 +178,7 @@ def test_a_cache_for_other_layers_another_target_or_a_damaged_shard_is_refused(
     hybrid_dir, qwen3_dir, completions, tmp_path, capsys
 ):
     target = TargetModel.load(hybrid_dir)
-    build_cache(target, load_completions(completions, target, quiet=True), tmp_path / "c", [0, 2],
-                records_per_shard=2)  # fmt: skip
+    build_cache(target, load_completions(completions, target, quiet=True), tmp_path / "c", [0, 2], records_per_shard=2)
     cache = HiddenStateCache(tmp_path / "c")
     cache.check_compatible(target, [0, 2])
     with pytest.raises(FlashdraftError, match=r"cache holds layer ids \[0, 2\], the drafter's target_layer_ids are"):
@@ -145,8 +192,10 @@ def test_a_cache_for_other_layers_another_target_or_a_damaged_shard_is_refused(
     drafter_dir = tmp_path / "drafter"
     save_drafter(make_drafter(target_layer_ids=[1, 3]), drafter_dir)
     capsys.readouterr()
-    assert run_cli(["doctor", str(tmp_path / "c"), "--target-model", str(qwen3_dir), "--checkpoint",
-                 str(drafter_dir)]) == 1  # fmt: skip
+    assert (
+        run_cli(["doctor", str(tmp_path / "c"), "--target-model", str(qwen3_dir), "--checkpoint", str(drafter_dir)])
+        == 1
+    )
     out = capsys.readouterr().out
     assert "FAIL layer ids [0, 2] differ from the drafter's target_layer_ids [1, 3]" in out
     assert "FAIL" in out and "fingerprint" in out and "2 check(s) failed" in out
@@ -154,8 +203,11 @@ def test_a_cache_for_other_layers_another_target_or_a_damaged_shard_is_refused(
     shard = tmp_path / "c" / "shard-00001.safetensors"
     data = shard.read_bytes()
     shard.write_bytes(data[:-10])  # truncated
-    with pytest.raises(FlashdraftError, match=r"shard-00001\.safetensors: \d+ bytes, manifest\.json says \d+ "
-                                              r"\(truncated or replaced\)"):  # fmt: skip
+    with pytest.raises(
+        FlashdraftError,
+        match=r"shard-00001\.safetensors: \d+ bytes, manifest\.json says \d+ "
+        r"\(truncated or replaced\)",
+    ):
         HiddenStateCache(tmp_path / "c")
     shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, one bit flipped
     with pytest.raises(FlashdraftError, match=r"shard-00001\.safetensors: sha256 differs"):
@@ -173,8 +225,15 @@ def make_target_with_hidden(hidden: int):
 
     from tests.conftest import make_tokenizer
 
-    cfg = Qwen3Config(vocab_size=64, hidden_size=hidden, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     return TargetModel(Qwen3ForCausalLM(cfg).eval(), make_tokenizer(), path=None)
 
 
@@ -245,17 +304,40 @@ def test_two_process_torchrun_gives_the_same_completions_and_cache_as_one(hybrid
     prompts = write_prompts(tmp_path / "p.jsonl", 5)
     # the ranks run at this process's thread count: the 1-rank run is in this process, and a kernel's
     # summation order (so the features' last bits) depends on its thread count
-    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), TRANSFORMERS_VERBOSITY="error",
-               PYTHONPATH=str(ROOT))  # fmt: skip
+    env = dict(
+        os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(ROOT)
+    )
 
     def run(world: int, name: str) -> Path:
         d = tmp_path / name
         d.mkdir()
         launcher = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={world}", "-m", "flashdraft.cli"]
-        gen = ["generate", "--target-model", str(hybrid_dir), "--prompts", str(prompts), "--out",
-               str(d / "c.json"), "--max-new-tokens", "6", "--batch-size", "2"]  # fmt: skip
-        cache = ["cache", "--target-model", str(hybrid_dir), "--completions", str(d / "c.json"), "--out",
-                 str(d / "cache"), "--layers", "0,2", "--records-per-shard", "2"]  # fmt: skip
+        gen = [
+            "generate",
+            "--target-model",
+            str(hybrid_dir),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(d / "c.json"),
+            "--max-new-tokens",
+            "6",
+            "--batch-size",
+            "2",
+        ]
+        cache = [
+            "cache",
+            "--target-model",
+            str(hybrid_dir),
+            "--completions",
+            str(d / "c.json"),
+            "--out",
+            str(d / "cache"),
+            "--layers",
+            "0,2",
+            "--records-per-shard",
+            "2",
+        ]
         for args in (gen, cache):
             if world == 1:  # in this process: the same code, without paying for another start-up
                 assert run_cli(args) == 0
@@ -280,8 +362,24 @@ def test_doctor_names_what_a_path_is_not(tmp_path, capsys):
 
 def test_round_trip_on_the_builtin_tiny_target(tmp_path, capsys):
     c, out = tmp_path / "c.json", tmp_path / "cache"
-    assert run_cli(["generate", "--target-model", "tiny", "--prompts", "builtin:code", "--num-prompts", "2",
-                    "--max-new-tokens", "8", "--out", str(c)]) == 0  # fmt: skip
+    assert (
+        run_cli(
+            [
+                "generate",
+                "--target-model",
+                "tiny",
+                "--prompts",
+                "builtin:code",
+                "--num-prompts",
+                "2",
+                "--max-new-tokens",
+                "8",
+                "--out",
+                str(c),
+            ]
+        )
+        == 0
+    )
     records = json.loads(c.read_text())["records"]
     assert records[0]["id"] == "code-fizzbuzz" and records[0]["prompt"].startswith("def fizzbuzz(n):")
     assert run_cli(["cache", "--target-model", "tiny", "--completions", str(c), "--out", str(out)]) == 0
@@ -291,11 +389,41 @@ def test_round_trip_on_the_builtin_tiny_target(tmp_path, capsys):
 
 def test_draft_config_and_doctor_checkpoint_take_the_shipped_tiny_drafter_by_name(tmp_path, capsys):
     c, out = tmp_path / "c.json", tmp_path / "cache"
-    assert run_cli(["generate", "--target-model", "tiny", "--prompts", "builtin:code", "--num-prompts", "1",
-                    "--max-new-tokens", "4", "--out", str(c)]) == 0  # fmt: skip
+    assert (
+        run_cli(
+            [
+                "generate",
+                "--target-model",
+                "tiny",
+                "--prompts",
+                "builtin:code",
+                "--num-prompts",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--out",
+                str(c),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
-    assert run_cli(["cache", "--target-model", "tiny", "--completions", str(c), "--out", str(out),
-                    "--draft-config", "tiny-drafter"]) == 0, capsys.readouterr().err  # fmt: skip
+    assert (
+        run_cli(
+            [
+                "cache",
+                "--target-model",
+                "tiny",
+                "--completions",
+                str(c),
+                "--out",
+                str(out),
+                "--draft-config",
+                "tiny-drafter",
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     assert "reference default" not in capsys.readouterr().out  # the drafter's ids, not a guess
     assert HiddenStateCache(out).layer_ids == [1, 2, 3]  # tiny-drafter's target_layer_ids
     assert run_cli(["doctor", str(out), "--checkpoint", "tiny-drafter", "--no-verify"]) == 0
@@ -358,8 +486,19 @@ def test_a_cache_its_filesystem_cannot_hold_is_refused_before_any_forward_unless
 ):
     monkeypatch.setattr(cache_module, "free_bytes", lambda path: 1000)  # a filesystem with 1 KB free
     out = tmp_path / "cache"
-    argv = ["cache", "--target-model", str(hybrid_dir), "--completions", str(completions), "--out", str(out),
-            "--layers", "0,2", "--dtype", "bf16"]  # fmt: skip
+    argv = [
+        "cache",
+        "--target-model",
+        str(hybrid_dir),
+        "--completions",
+        str(completions),
+        "--out",
+        str(out),
+        "--layers",
+        "0,2",
+        "--dtype",
+        "bf16",
+    ]
     assert run_cli(argv) == 2
     tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in load_completions(completions, quiet=True))
     needed = tokens * (2 * 64 * 2 + 4 + 1)  # features of 2 layers x 64 hidden in bf16, int32 id, bool mask
@@ -375,15 +514,77 @@ def test_a_cache_its_filesystem_cannot_hold_is_refused_before_any_forward_unless
 
 def test_a_dspark_draft_config_caches_the_target_logits_its_loss_reads_unless_told_not_to(tmp_path, capsys):
     c, d = tmp_path / "c.json", tmp_path / "dspark"
-    assert run_cli(["generate", "--target-model", "tiny", "--prompts", "builtin:code", "--num-prompts", "1",
-                    "--max-new-tokens", "4", "--out", str(c)]) == 0  # fmt: skip
-    assert run_cli(["init", "--target-model", "tiny", "--out", str(d), "--family", "dspark", "--draft-layers", "1",
-                    "--target-layer-ids", "1,2,3"]) == 0  # fmt: skip
+    assert (
+        run_cli(
+            [
+                "generate",
+                "--target-model",
+                "tiny",
+                "--prompts",
+                "builtin:code",
+                "--num-prompts",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--out",
+                str(c),
+            ]
+        )
+        == 0
+    )
+    assert (
+        run_cli(
+            [
+                "init",
+                "--target-model",
+                "tiny",
+                "--out",
+                str(d),
+                "--family",
+                "dspark",
+                "--draft-layers",
+                "1",
+                "--target-layer-ids",
+                "1,2,3",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
-    assert run_cli(["cache", "--target-model", "tiny", "--completions", str(c), "--out", str(tmp_path / "with"),
-                    "--draft-config", str(d)]) == 0  # fmt: skip
+    assert (
+        run_cli(
+            [
+                "cache",
+                "--target-model",
+                "tiny",
+                "--completions",
+                str(c),
+                "--out",
+                str(tmp_path / "with"),
+                "--draft-config",
+                str(d),
+            ]
+        )
+        == 0
+    )
     assert "DSpark drafter: storing the target's top 64 logits" in capsys.readouterr().out
     assert HiddenStateCache(tmp_path / "with").topk == 64
-    assert run_cli(["cache", "--target-model", "tiny", "--completions", str(c), "--out", str(tmp_path / "without"),
-                    "--draft-config", str(d), "--with-target-logits", "0"]) == 0  # fmt: skip
+    assert (
+        run_cli(
+            [
+                "cache",
+                "--target-model",
+                "tiny",
+                "--completions",
+                str(c),
+                "--out",
+                str(tmp_path / "without"),
+                "--draft-config",
+                str(d),
+                "--with-target-logits",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert HiddenStateCache(tmp_path / "without").topk == 0

@@ -23,8 +23,19 @@ def _prompts(path, rows):
 
 
 def _generate(capsys, tmp_path, target, prompts, *options, name="c.json"):
-    rc, out, err = run_cli(capsys, "generate", "--target-model", target, "--prompts", prompts, "--out",
-                           tmp_path / name, "--max-new-tokens", "6", *options)  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        "generate",
+        "--target-model",
+        target,
+        "--prompts",
+        prompts,
+        "--out",
+        tmp_path / name,
+        "--max-new-tokens",
+        "6",
+        *options,
+    )
     assert rc == 0, err
     return json.loads((tmp_path / name).read_text()), out
 
@@ -36,13 +47,15 @@ def chat_target(tmp_path_factory):
 
 def test_both_modes_give_the_prompts_transformers_renders_with_the_kwargs_recorded_per_record(
     capsys, tmp_path, chat_target
-):  # fmt: skip
+):
     prompts = _prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt": "t1 t2 t3"}])
     tok = make_chat_tokenizer()
     messages = [{"role": "user", "content": "t1 t2 t3"}]
-    for options, kwargs in (((), {}), (("--chat-template-kwargs", '{"enable_thinking": false}'),
-                                       {"enable_thinking": False}),
-                            (("--enable-thinking",), {"enable_thinking": True})):  # fmt: skip
+    for options, kwargs in (
+        ((), {}),
+        (("--chat-template-kwargs", '{"enable_thinking": false}'), {"enable_thinking": False}),
+        (("--enable-thinking",), {"enable_thinking": True}),
+    ):
         data, out = _generate(capsys, tmp_path, chat_target, prompts, *options, name=f"{len(kwargs)}{options}.json")
         record = data["records"][0]
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
@@ -61,18 +74,27 @@ def test_both_modes_give_the_prompts_transformers_renders_with_the_kwargs_record
 
 
 def test_multi_turn_history_is_the_templates_rendering_with_earlier_reasoning_dropped(capsys, tmp_path, chat_target):
-    history = [{"role": "user", "content": "t1"}, {"role": "assistant", "content": "t7 t8 </think> t9"},
-               {"role": "user", "content": "t2"}]  # fmt: skip
+    history = [
+        {"role": "user", "content": "t1"},
+        {"role": "assistant", "content": "t7 t8 </think> t9"},
+        {"role": "user", "content": "t2"},
+    ]
     prompts = _prompts(tmp_path / "p.jsonl", [{"id": "m", "messages": history}, {"id": "t", "turns": ["t3", "t4"]}])
     data, _ = _generate(capsys, tmp_path, chat_target, prompts)
     tok = make_chat_tokenizer()
     records = {r["id"]: r for r in data["records"]}
-    assert records["m"]["prompt"].split() == "<|im_start|> user t1 <|im_end|> <|im_start|> assistant t9 <|im_end|> " \
-        "<|im_start|> user t2 <|im_end|> <|im_start|> assistant <think>".split()  # t7 t8: reasoning dropped
+    assert (
+        records["m"]["prompt"].split()
+        == "<|im_start|> user t1 <|im_end|> <|im_start|> assistant t9 <|im_end|> "
+        "<|im_start|> user t2 <|im_end|> <|im_start|> assistant <think>".split()
+    )  # t7 t8: reasoning dropped
     first = records["t/turn1"]
     answer = tok.decode(first["completion_ids"], skip_special_tokens=True)
-    second = [{"role": "user", "content": "t3"}, {"role": "assistant", "content": answer},
-              {"role": "user", "content": "t4"}]  # fmt: skip
+    second = [
+        {"role": "user", "content": "t3"},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "t4"},
+    ]
     assert records["t/turn2"]["messages"] == second
     assert records["t/turn2"]["prompt"] == tok.apply_chat_template(second, add_generation_prompt=True, tokenize=False)
 
@@ -96,8 +118,17 @@ def test_a_template_that_ignores_its_kwarg_is_reported_and_its_shorthand_refused
     data, out = _generate(capsys, tmp_path, target, prompts, "--chat-template-kwargs", '{"enable_thinking": false}')
     assert "warning: the chat template ignores enable_thinking" in out
     assert data["records"][0]["chat_template_kwargs"] == {"enable_thinking": False}  # recorded as asked
-    rc, _, err = run_cli(capsys, "generate", "--target-model", target, "--prompts", prompts, "--out",
-                         tmp_path / "d.json", "--disable-thinking")  # fmt: skip
+    rc, _, err = run_cli(
+        capsys,
+        "generate",
+        "--target-model",
+        target,
+        "--prompts",
+        prompts,
+        "--out",
+        tmp_path / "d.json",
+        "--disable-thinking",
+    )
     assert rc == 2 and "--disable-thinking: the chat template does not read enable_thinking" in err
 
 
@@ -123,21 +154,35 @@ def test_the_engines_render_equals_flashdrafts_and_a_server_with_another_default
     from flashdraft.serving.engine import VllmServer, engine_info, engine_python
 
     target = save_chat_target(tmp_path / "target", engine=True)
-    prompts = _prompts(tmp_path / "p.jsonl", [{"id": "a", "turns": ["t1 t2", "t3"]}, {"id": "b", "prompt": "t4",
-                                             "chat_template_kwargs": {"enable_thinking": False}}])  # fmt: skip
+    prompts = _prompts(
+        tmp_path / "p.jsonl",
+        [
+            {"id": "a", "turns": ["t1 t2", "t3"]},
+            {"id": "b", "prompt": "t4", "chat_template_kwargs": {"enable_thinking": False}},
+        ],
+    )
     # generate --engine vllm: every prompt (both modes, the second turn's history) rendered by the engine too
     data, out = _generate(capsys, tmp_path, target, prompts, "--engine", "vllm", "--verify-share", "0.3")
     assert len(data["records"]) == 3 and "completions against the target" in out
     python = engine_python()
-    with VllmServer(python, str(target), tmp_path / "server.log", info=engine_info(python),
-                    extra_args=["--default-chat-template-kwargs", '{"enable_thinking": false}']) as server:  # fmt: skip
+    with VllmServer(
+        python,
+        str(target),
+        tmp_path / "server.log",
+        info=engine_info(python),
+        extra_args=["--default-chat-template-kwargs", '{"enable_thinking": false}'],
+    ) as server:
         client, tok = OpenAIClient(server.base_url), make_chat_tokenizer()
         for r in data["records"]:  # the records' own kwargs sent: the server's default does not apply
             if r["chat_template_kwargs"]:
-                check_engine_render(client, "vllm", r["id"], r["messages"], r["chat_template_kwargs"],
-                                    r["prompt_ids"], tok)  # fmt: skip
+                check_engine_render(
+                    client, "vllm", r["id"], r["messages"], r["chat_template_kwargs"], r["prompt_ids"], tok
+                )
         record = data["records"][0]  # rendered with the template's default (thinking): the server thinks not
-        with pytest.raises(FlashdraftError, match=r"record a/turn1: vllm renders its prompt \(the template's "
-                                                  r"defaults\) otherwise than flashdraft: first difference at token "
-                                                  r"8, the engine's 59 '</think>'"):  # fmt: skip
+        with pytest.raises(
+            FlashdraftError,
+            match=r"record a/turn1: vllm renders its prompt \(the template's "
+            r"defaults\) otherwise than flashdraft: first difference at token "
+            r"8, the engine's 59 '</think>'",
+        ):
             check_engine_render(client, "vllm", record["id"], record["messages"], {}, record["prompt_ids"], tok)

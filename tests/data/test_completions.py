@@ -63,13 +63,15 @@ def test_sampling_with_filters_draws_as_plain_sampling_with_them_and_only_inside
     gens = lambda: [torch.Generator().manual_seed(record_seed(0, f"r{i}")) for i in range(len(PROMPTS))]  # noqa: E731
     filters = SamplingFilters(top_k=3, top_p=0.9)
     batched = generate_batch(target, PROMPTS, 8, 1.5, gens(), filters)
-    plain = [autoregressive_generate(target, p, 8, 1.5, g, filters).output_ids for p, g in zip(PROMPTS, gens(),
-                                                                                             strict=True)]  # fmt: skip
+    plain = [
+        autoregressive_generate(target, p, 8, 1.5, g, filters).output_ids for p, g in zip(PROMPTS, gens(), strict=True)
+    ]
     assert [ids for ids, _ in batched] == plain
     assert [ids for ids, _ in generate_batch(target, PROMPTS, 8, 1.5, gens())] != plain  # the filters drew otherwise
     # top-k 1 keeps only the top token: sampling at any temperature is greedy decoding
-    assert generate_batch(target, PROMPTS, 8, 1.5, gens(), SamplingFilters(top_k=1)) == generate_batch(target,
-                                                                                                      PROMPTS, 8)
+    assert generate_batch(target, PROMPTS, 8, 1.5, gens(), SamplingFilters(top_k=1)) == generate_batch(
+        target, PROMPTS, 8
+    )
 
 
 def settings(**kw) -> GenerationSettings:
@@ -210,15 +212,33 @@ class FakeServer:
 
 
 @pytest.mark.parametrize("return_token_ids, source", [(True, "server"), (False, "retokenized")])
-def test_openai_backend_records_token_ids_from_the_server_or_retokenised(hybrid_dir, tmp_path, return_token_ids,
-                                                                         source):  # fmt: skip
+def test_openai_backend_records_token_ids_from_the_server_or_retokenised(
+    hybrid_dir, tmp_path, return_token_ids, source
+):
     target = TargetModel.load(hybrid_dir)
     server = FakeServer(target, return_token_ids)
     try:
         prompts_path = write_prompts(tmp_path / "p.jsonl", 3)
-        assert run_cli(["generate", "--target-model", str(hybrid_dir), "--prompts", str(prompts_path), "--out",
-                     str(tmp_path / "c.json"), "--max-new-tokens", "5", "--backend", "openai", "--base-url",
-                     server.url]) == 0  # fmt: skip
+        assert (
+            run_cli(
+                [
+                    "generate",
+                    "--target-model",
+                    str(hybrid_dir),
+                    "--prompts",
+                    str(prompts_path),
+                    "--out",
+                    str(tmp_path / "c.json"),
+                    "--max-new-tokens",
+                    "5",
+                    "--backend",
+                    "openai",
+                    "--base-url",
+                    server.url,
+                ]
+            )
+            == 0
+        )
     finally:
         server.close()
     data = json.loads((tmp_path / "c.json").read_text())
@@ -241,10 +261,32 @@ def test_openai_backend_sends_the_sampling_filters_and_records_them(hybrid_dir, 
     target = TargetModel.load(hybrid_dir)
     server = FakeServer(target, True)
     try:
-        assert run_cli(["generate", "--target-model", str(hybrid_dir), "--prompts",
-                        str(write_prompts(tmp_path / "p.jsonl", 2)), "--out", str(tmp_path / "c.json"),
-                        "--max-new-tokens", "4", "--backend", "openai", "--base-url", server.url, "--temperature",
-                        "0.6", "--top-k", "20", "--top-p", "0.95"]) == 0  # fmt: skip
+        assert (
+            run_cli(
+                [
+                    "generate",
+                    "--target-model",
+                    str(hybrid_dir),
+                    "--prompts",
+                    str(write_prompts(tmp_path / "p.jsonl", 2)),
+                    "--out",
+                    str(tmp_path / "c.json"),
+                    "--max-new-tokens",
+                    "4",
+                    "--backend",
+                    "openai",
+                    "--base-url",
+                    server.url,
+                    "--temperature",
+                    "0.6",
+                    "--top-k",
+                    "20",
+                    "--top-p",
+                    "0.95",
+                ]
+            )
+            == 0
+        )
     finally:
         server.close()
     assert all(q["top_k"] == 20 and q["top_p"] == 0.95 and "min_p" not in q for q in server.requests)
@@ -256,8 +298,17 @@ def test_generate_samples_with_the_targets_generation_config_filters_unless_told
     target_dir = save_target(tmp_path / "target", "qwen3")
     (target_dir / "generation_config.json").write_text(json.dumps({"top_k": 3, "top_p": 0.9}))
     prompts = str(write_prompts(tmp_path / "p.jsonl", 2))
-    common = ["generate", "--target-model", str(target_dir), "--prompts", prompts, "--max-new-tokens", "6",
-              "--temperature", "0.8"]  # fmt: skip
+    common = [
+        "generate",
+        "--target-model",
+        str(target_dir),
+        "--prompts",
+        prompts,
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0.8",
+    ]
     assert run_cli([*common, "--out", str(tmp_path / "a.json")]) == 0
     assert "top_k 3 (" in capsys.readouterr().out
     assert run_cli([*common, "--out", str(tmp_path / "b.json"), "--no-generation-config"]) == 0
@@ -288,8 +339,20 @@ def test_min_prompt_tokens_keeps_only_long_turns_and_answers_short_ones_a_later_
 @pytest.mark.engine
 def test_generate_with_the_engine_equals_local_greedy_and_records_the_engine(capsys, engine_models, tmp_path):
     m = engine_models
-    rc, out, err = run_captured(capsys, "generate", "--target-model", m["target"], "--prompts", m["prompts"],
-                           "--out", tmp_path / "engine.json", "--max-new-tokens", "48", "--engine", "vllm")  # fmt: skip
+    rc, out, err = run_captured(
+        capsys,
+        "generate",
+        "--target-model",
+        m["target"],
+        "--prompts",
+        m["prompts"],
+        "--out",
+        tmp_path / "engine.json",
+        "--max-new-tokens",
+        "48",
+        "--engine",
+        "vllm",
+    )
     assert rc == 0, err
     engine, local = json.loads((tmp_path / "engine.json").read_text()), json.loads(m["completions"].read_text())
     assert [r["completion_ids"] for r in engine["records"]] == [r["completion_ids"] for r in local["records"]]
@@ -301,7 +364,20 @@ def test_generate_with_the_engine_equals_local_greedy_and_records_the_engine(cap
 
 def test_generate_with_the_engine_starts_its_own_server(capsys, engine_models, tmp_path):
     m = engine_models
-    rc, _, err = run_captured(capsys, "generate", "--target-model", m["target"], "--prompts", m["prompts"], "--out",
-                         tmp_path / "x.json", "--engine", "vllm", "--backend", "openai",
-                         "--base-url", "http://x")  # fmt: skip
+    rc, _, err = run_captured(
+        capsys,
+        "generate",
+        "--target-model",
+        m["target"],
+        "--prompts",
+        m["prompts"],
+        "--out",
+        tmp_path / "x.json",
+        "--engine",
+        "vllm",
+        "--backend",
+        "openai",
+        "--base-url",
+        "http://x",
+    )
     assert rc == 2 and "--engine vllm starts its own server: drop --backend openai and --base-url" in err

@@ -53,13 +53,16 @@ def test_states_equal_to_the_target_pass_with_their_figures(tmp_path):
     assert figures["worst_relative_error"] < 1e-6 and figures["min_cosine"] > 0.9999
 
 
-@pytest.mark.parametrize("fault, message", [
-    ("zeros", r"sample r0 layer 2: captured states are all zero"),
-    ("short", r"sample r0: 7 captured states for 8 tokens"),
-    ("nan", r"sample r0 layer 0: captured states are NaN/Inf"),
-    ("tokens", r"sample r0: the engine's token ids differ from the sample's at position 0"),
-    ("shifted", r"sample known-answer-probe layer 0: the captured states are layer 1's .*off by one"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        ("zeros", r"sample r0 layer 2: captured states are all zero"),
+        ("short", r"sample r0: 7 captured states for 8 tokens"),
+        ("nan", r"sample r0 layer 0: captured states are NaN/Inf"),
+        ("tokens", r"sample r0: the engine's token ids differ from the sample's at position 0"),
+        ("shifted", r"sample known-answer-probe layer 0: the captured states are layer 1's .*off by one"),
+    ],
+)
 def test_each_planted_fault_is_refused_naming_sample_and_layer(tmp_path, fault, message):
     target, records = make_target("qwen3"), _records()
     _write_capture(target, tmp_path, records, fault)
@@ -82,8 +85,9 @@ def test_the_probe_is_recomputed_even_at_a_zero_share(tmp_path):
 def test_a_cache_captured_by_the_engine_equals_the_transformers_cache(capsys, engine_models, tmp_path):
     m = engine_models
     common = ["--target-model", m["target"], "--completions", m["completions"], "--layers", "0,2"]
-    rc, out, err = run_cli(capsys, "cache", *common, "--out", tmp_path / "engine", "--engine", "vllm",
-                           "--verify-share", "0.25")  # fmt: skip
+    rc, out, err = run_cli(
+        capsys, "cache", *common, "--out", tmp_path / "engine", "--engine", "vllm", "--verify-share", "0.25"
+    )
     assert rc == 0, err
     assert "aux layer ids [1, 3] for target layers [0, 2]" in out and "the probe and 2 samples recomputed" in out
     assert run_cli(capsys, "cache", *common, "--out", tmp_path / "local")[0] == 0
@@ -105,6 +109,7 @@ def test_engine_options_are_refused_where_they_mean_nothing(capsys, engine_model
     common = ["--target-model", m["target"], "--completions", m["completions"], "--layers", "0,2"]
     rc, _, err = run_cli(capsys, "cache", *common, "--out", tmp_path / "a", "--tensor-parallel-size", "2")
     assert rc == 2 and "--tensor-parallel-size is an option of --engine vllm" in err
-    rc, _, err = run_cli(capsys, "cache", *common, "--out", tmp_path / "b", "--engine", "vllm",
-                         "--with-target-logits", "8")  # fmt: skip
+    rc, _, err = run_cli(
+        capsys, "cache", *common, "--out", tmp_path / "b", "--engine", "vllm", "--with-target-logits", "8"
+    )
     assert rc == 2 and "the engine captures hidden states only" in err

@@ -37,12 +37,21 @@ def test_builtin_code_has_about_200_prompts_in_train_and_heldout_splits_that_nev
 
 
 def test_jsonl_rows_with_prompt_messages_or_turns(tmp_path, capsys):
-    path = write_jsonl(tmp_path / "p.jsonl", [
-        {"prompt": "t1 t2"},
-        {"id": 7, "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-                               {"role": "assistant", "content": "old answer"}]},
-        {"question_id": "mt-1", "turns": ["first", "second"]},
-    ])  # fmt: skip
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt": "t1 t2"},
+            {
+                "id": 7,
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "old answer"},
+                ],
+            },
+            {"question_id": "mt-1", "turns": ["first", "second"]},
+        ],
+    )
     prompts = load_prompts(str(path))
     assert [p.id for p in prompts] == ["p000000", "7", "mt-1"]
     assert prompts[0].turns == ["t1 t2"] and prompts[0].prefix == []
@@ -50,9 +59,10 @@ def test_jsonl_rows_with_prompt_messages_or_turns(tmp_path, capsys):
     assert prompts[2].turns == ["first", "second"]
     assert prompts[2].record_id(1) == "mt-1/turn2" and prompts[0].record_id(0) == "p000000"
     assert prompts[2].conversation(["A1"]) == [
-        {"role": "user", "content": "first"}, {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "A1"},
         {"role": "user", "content": "second"},
-    ]  # fmt: skip
+    ]
     out = capsys.readouterr().out
     assert "using 3 of 3 prompts" in out and "1 rows ended with an assistant reply" in out
 
@@ -109,8 +119,11 @@ def test_parquet_file_and_saved_dataset_read_through_datasets(tmp_path):
 def test_chat_template_is_applied_only_where_the_tokenizer_has_one():
     tok = make_tokenizer()
     assert not has_chat_template(tok)
-    messages = [{"role": "user", "content": "t1 t2"}, {"role": "assistant", "content": "t3"},
-                {"role": "user", "content": "t4"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "t1 t2"},
+        {"role": "assistant", "content": "t3"},
+        {"role": "user", "content": "t4"},
+    ]
     # no template: a plain LM continues the text; an answer continues its prompt
     assert render_conversation(tok, messages, False) == "t1 t2t3\n\nt4"
     assert encode_text(tok, "t1 t2", False) == [1, 2]

@@ -80,10 +80,12 @@ def test_one_anchor_walk_feeds_context_as_online_does():
     walks = []
     for r in records:
         features = target.forward(torch.tensor([r.input_ids])).context_features[0]
-        batched = offline_acceptance_lengths(DFlashProposer(drafter, target), r.prompt_ids, r.completion_ids, 8,
-                                             features)  # fmt: skip
-        one_by_one = offline_acceptance_lengths(DFlashProposer(drafter, target), r.prompt_ids, r.completion_ids, 8,
-                                                features, anchors_per_call=1)  # fmt: skip
+        batched = offline_acceptance_lengths(
+            DFlashProposer(drafter, target), r.prompt_ids, r.completion_ids, 8, features
+        )
+        one_by_one = offline_acceptance_lengths(
+            DFlashProposer(drafter, target), r.prompt_ids, r.completion_ids, 8, features, anchors_per_call=1
+        )
         assert one_by_one == batched
         walks.append(batched)
     assert max(walks[0]) > 2  # the drafter accepts on the record it was fitted to: lengths vary
@@ -113,8 +115,12 @@ def fitted():
     return target, records, overfit(make_drafter(), target, records[0])
 
 
-LIMITS = [DraftLimit(num_speculative_tokens=1), DraftLimit(num_speculative_tokens=3),
-          DraftLimit(adaptive_threshold=0.6), DraftLimit(num_speculative_tokens=5, adaptive_threshold=0.3)]  # fmt: skip
+LIMITS = [
+    DraftLimit(num_speculative_tokens=1),
+    DraftLimit(num_speculative_tokens=3),
+    DraftLimit(adaptive_threshold=0.6),
+    DraftLimit(num_speculative_tokens=5, adaptive_threshold=0.3),
+]
 
 
 @pytest.mark.parametrize("limit", LIMITS, ids=str)
@@ -128,8 +134,9 @@ def test_verifying_fewer_drafts_stays_lossless_and_offline_equals_online(fitted,
     offline = evaluate_offline(drafter, target, records, block_size=8, limit=limit)
     full = evaluate_offline(drafter, target, records, block_size=8)
     for record, walked in zip(records, offline.per_prompt, strict=True):
-        online = speculative_generate(target, drafter, record.prompt_ids, len(record.completion_ids), block_size=8,
-                                      limit=limit)  # fmt: skip
+        online = speculative_generate(
+            target, drafter, record.prompt_ids, len(record.completion_ids), block_size=8, limit=limit
+        )
         assert online.output_ids == record.completion_ids  # greedy: identical to autoregressive decoding
         assert walked.acceptance_lengths == online.acceptance_lengths
     assert max(offline.lengths) <= 1 + (limit.num_speculative_tokens or 7)
@@ -144,8 +151,12 @@ def test_one_anchor_walk_equals_the_batched_walk_under_an_adaptive_limit(fitted)
     target.set_context_layers(drafter.config.target_layer_ids)
     for r in records:
         features = target.forward(torch.tensor([r.input_ids])).context_features[0]
-        walks = [offline_acceptance_lengths(as_proposer(drafter, target, limit), r.prompt_ids, r.completion_ids, 8,
-                                            features, anchors_per_call=n) for n in (1, 5)]  # fmt: skip
+        walks = [
+            offline_acceptance_lengths(
+                as_proposer(drafter, target, limit), r.prompt_ids, r.completion_ids, 8, features, anchors_per_call=n
+            )
+            for n in (1, 5)
+        ]
         assert walks[0] == walks[1]
 
 
@@ -163,8 +174,11 @@ def test_greedy_acceptance_in_chunks_equals_the_full_rule_and_skips_rows_after_a
             rows.append((start, end))
             return logits[:, start:end]
 
-        assert accept_greedy_in_chunks(draft, logits_at) == accept_greedy(draft, logits[0]) == (accepted, int(
-            predicted[accepted]))  # fmt: skip
+        assert (
+            accept_greedy_in_chunks(draft, logits_at)
+            == accept_greedy(draft, logits[0])
+            == (accepted, int(predicted[accepted]))
+        )
         assert rows == ([(0, 4)] if accepted < 4 else [(0, 4), (4, 16)])
 
 

@@ -90,8 +90,9 @@ def test_speculative_sampling_matches_target_distribution_end_to_end(limit, rule
     n = 600
     counts = torch.zeros(64)
     for _ in range(n):
-        out = speculative_generate(target, drafter, prompt, 2, temperature=1.0, generator=gen, limit=limit,
-                                   rule=rule).output_ids  # fmt: skip
+        out = speculative_generate(
+            target, drafter, prompt, 2, temperature=1.0, generator=gen, limit=limit, rule=rule
+        ).output_ids
         counts[out[1]] += 1
     # chi-square over the 8 likeliest second tokens plus "other"
     top = torch.topk(law, 8).indices
@@ -133,9 +134,14 @@ def test_greedy_speculative_with_a_dflash2_drafter_equals_greedy(any_target, lim
 
 
 def _assert_the_third_token_keeps_the_target_law(
-    target, drafter, limit: DraftLimit | None = None, rule: str = "sglang", temperature: float = 1.0,
-    filters: SamplingFilters = NO_FILTERS, min_accepted_twice: int = 60,
-) -> None:  # fmt: skip
+    target,
+    drafter,
+    limit: DraftLimit | None = None,
+    rule: str = "sglang",
+    temperature: float = 1.0,
+    filters: SamplingFilters = NO_FILTERS,
+    min_accepted_twice: int = 60,
+) -> None:
     """Sampled at `temperature` with `filters` from 600 seeds under `rule` (default: one that samples DFlash2's and
     DSpark's walks), the third generated token has the law of plain sampling with those settings (chi2 over its top
     8 and the rest), and the drafter's second draft was verified often enough to matter.
@@ -155,8 +161,9 @@ def _assert_the_third_token_keeps_the_target_law(
     gen = torch.Generator().manual_seed(0)
     n, counts, accepted_twice = 600, torch.zeros(64), 0
     for _ in range(n):
-        out = speculative_generate(target, drafter, prompt, 3, temperature=temperature, generator=gen, limit=limit,
-                                   filters=filters, rule=rule)  # fmt: skip
+        out = speculative_generate(
+            target, drafter, prompt, 3, temperature=temperature, generator=gen, limit=limit, filters=filters, rule=rule
+        )
         counts[out.output_ids[2]] += 1
         accepted_twice += out.acceptance_lengths[0] >= 2
     assert accepted_twice > min_accepted_twice  # the walk's second draft was verified often enough to matter
@@ -254,5 +261,6 @@ def test_sampling_with_top_k_top_p_and_min_p_keeps_the_law_of_plain_sampling_und
     # an argmax draft is accepted with p(d) alone, rarely twice on this flat target (the one-hot rule's law is also
     # tested on its own: test_serving_rules, test_acceptance)
     twice = 3 if rule == "vllm" else 30
-    _assert_the_third_token_keeps_the_target_law(target, drafter, rule=rule, temperature=0.6, filters=filters,
-                                                 min_accepted_twice=twice)  # fmt: skip
+    _assert_the_third_token_keeps_the_target_law(
+        target, drafter, rule=rule, temperature=0.6, filters=filters, min_accepted_twice=twice
+    )

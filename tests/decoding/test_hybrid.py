@@ -38,8 +38,9 @@ def setup(request):
 def offline(target, hybrid, record):
     target.set_context_layers(hybrid.context_layer_ids)
     features = target.forward(torch.tensor([record.input_ids])).context_features[0]
-    return offline_acceptance_lengths(as_proposer(hybrid, target), record.prompt_ids, record.completion_ids,
-                                      hybrid.block_size, features)  # fmt: skip
+    return offline_acceptance_lengths(
+        as_proposer(hybrid, target), record.prompt_ids, record.completion_ids, hybrid.block_size, features
+    )
 
 
 @pytest.mark.parametrize("rule", RULES, ids=str)
@@ -59,8 +60,7 @@ def test_hybrid_with_a_dflash2_or_dspark_drafter_is_lossless_and_offline_equals_
 ):
     target, records, _ = setup
     new_drafter = make_dflash2_drafter if family == "dflash2" else make_dspark_drafter
-    hybrid = HybridDrafter(overfit(new_drafter(), target, records[0]), NGramProposer(target.vocab_size),
-                           rule)  # fmt: skip
+    hybrid = HybridDrafter(overfit(new_drafter(), target, records[0]), NGramProposer(target.vocab_size), rule)
     for r in records:
         online = speculative_generate(target, hybrid, r.prompt_ids, len(r.completion_ids))
         assert online.output_ids == r.completion_ids
@@ -69,8 +69,9 @@ def test_hybrid_with_a_dflash2_or_dspark_drafter_is_lossless_and_offline_equals_
 
 def test_a_hybrid_step_that_proposes_the_dflash2_walk_samples_it_with_its_own_draw(setup):
     target, records, _ = setup
-    proposer = HybridDrafter(make_dflash2_drafter(block_size=4), NGramProposer(target.vocab_size),
-                             NEVER_NGRAM).new_proposer(target)  # fmt: skip
+    proposer = HybridDrafter(
+        make_dflash2_drafter(block_size=4), NGramProposer(target.vocab_size), NEVER_NGRAM
+    ).new_proposer(target)
     prompt = records[0].prompt_ids
     target.set_context_layers(proposer.context_layer_ids)
     features = target.forward(torch.tensor([prompt])).context_features
@@ -164,11 +165,33 @@ def test_eval_hybrid_checks_consistency_against_a_reference(capsys, tmp_path):
     target_dir = save_target(tmp_path / "target", "qwen3")
     prompts = write_word_prompts(tmp_path / "prompts.jsonl", 3)
     save_drafter(make_drafter(), tmp_path / "d")
-    common = ["eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts", prompts,
-              "--max-new-tokens", 30]  # fmt: skip
-    rc, out, err = run_cli(capsys, *common, "--drafter", "hybrid", "--hybrid-min-match", 2, "--hybrid-ngram-prior",
-                           0.4, "--online", "--check-consistency", "--reference", "ngram", "--json",
-                           tmp_path / "out.json")  # fmt: skip
+    common = [
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts,
+        "--max-new-tokens",
+        30,
+    ]
+    rc, out, err = run_cli(
+        capsys,
+        *common,
+        "--drafter",
+        "hybrid",
+        "--hybrid-min-match",
+        2,
+        "--hybrid-ngram-prior",
+        0.4,
+        "--online",
+        "--check-consistency",
+        "--reference",
+        "ngram",
+        "--json",
+        tmp_path / "out.json",
+    )
     assert rc == 0, err
     summary = json.loads((tmp_path / "out.json").read_text())
     assert summary["drafter_type"] == "hybrid" and "min_match 2, ngram_prior 0.4" in summary["checkpoint_form"]

@@ -91,8 +91,9 @@ def test_offline_tau_equals_online_tau_for_ngram(kind, block):
     proposer = NGramProposer(target.vocab_size)
     records = greedy_records(target)
     offline = evaluate_offline(proposer, target, records, block_size=block)
-    online = [speculative_generate(target, proposer, r.prompt_ids, len(r.completion_ids), block_size=block)
-              for r in records]  # fmt: skip
+    online = [
+        speculative_generate(target, proposer, r.prompt_ids, len(r.completion_ids), block_size=block) for r in records
+    ]
     assert [o.output_ids for o in online] == [r.completion_ids for r in records]
     assert [p.acceptance_lengths for p in offline.per_prompt] == [o.acceptance_lengths for o in online]
     assert offline.tau > 1.5 and offline.context_layers is None and offline.target_layer_ids == []
@@ -113,8 +114,9 @@ def test_sampling_with_ngram_one_hot_drafts():
     lengths = []
     for seed in range(4):
         gen = torch.Generator().manual_seed(seed)
-        out = speculative_generate(target, NGramProposer(VOCAB), PROMPTS[1], 40, temperature=0.3, block_size=8,
-                                   generator=gen)  # fmt: skip
+        out = speculative_generate(
+            target, NGramProposer(VOCAB), PROMPTS[1], 40, temperature=0.3, block_size=8, generator=gen
+        )
         assert sum(out.acceptance_lengths) == len(out.output_ids) - 1
         assert all(0 <= t < VOCAB for t in out.output_ids)
         lengths += out.acceptance_lengths
@@ -134,13 +136,34 @@ def prompts_file(tmp_path_factory):
     return write_word_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", 4)
 
 
-JSON_KEYS = {"tau", "tau_prompt_mean", "histogram", "position_acceptance", "num_steps", "mode", "context_layers",
-             "per_prompt", "lossless", "speedup", "checkpoint", "drafter_type"}  # fmt: skip
+JSON_KEYS = {
+    "tau",
+    "tau_prompt_mean",
+    "histogram",
+    "position_acceptance",
+    "num_steps",
+    "mode",
+    "context_layers",
+    "per_prompt",
+    "lossless",
+    "speedup",
+    "checkpoint",
+    "drafter_type",
+}
 
 
 def test_eval_ngram_offline_and_online_json(capsys, tmp_path, target_dir, prompts_file):
-    common = ["eval", "--drafter", "ngram", "--target-model", target_dir, "--prompts", prompts_file,
-              "--max-new-tokens", 40]  # fmt: skip
+    common = [
+        "eval",
+        "--drafter",
+        "ngram",
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts_file,
+        "--max-new-tokens",
+        40,
+    ]
     rc, out, err = run_cli(capsys, *common, "--json", tmp_path / "off.json", "--report", tmp_path / "report")
     assert rc == 0, err
     off = json.loads((tmp_path / "off.json").read_text())
@@ -161,9 +184,22 @@ def test_eval_with_ngram_reference_uses_the_drafter_block_size(capsys, tmp_path,
     from flashdraft.drafter.checkpoint import save_drafter
 
     save_drafter(make_drafter(), tmp_path / "d")  # block size 8
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir,
-                           "--prompts", prompts_file, "--max-blocks", 4, "--reference", "ngram", "--json",
-                           tmp_path / "out.json")  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts_file,
+        "--max-blocks",
+        4,
+        "--reference",
+        "ngram",
+        "--json",
+        tmp_path / "out.json",
+    )
     assert rc == 0, err
     summary = json.loads((tmp_path / "out.json").read_text())
     ref = summary["reference"]

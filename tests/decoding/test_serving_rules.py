@@ -104,14 +104,15 @@ def test_acceptance_probabilities_are_p_of_the_draft_one_hot_and_min_one_p_over_
     assert torch.allclose(acceptance_probabilities(draft, q, p), torch.tensor([0.6, 1.0]))
 
 
-FAMILIES = {"dflash": lambda: make_drafter(block_size=4), "dflash2": lambda: make_dflash2_drafter(block_size=4),
-            "dspark": lambda: make_dspark_drafter(block_size=3)}  # fmt: skip
+FAMILIES = {
+    "dflash": lambda: make_drafter(block_size=4),
+    "dflash2": lambda: make_dflash2_drafter(block_size=4),
+    "dspark": lambda: make_dspark_drafter(block_size=3),
+}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_under_the_vllm_default_rule_drafts_are_the_argmax_walk_at_t1_accepted_with_p_of_the_draft(
-    family, monkeypatch
-):  # fmt: skip
+def test_under_the_vllm_default_rule_drafts_are_the_argmax_walk_at_t1_accepted_with_p_of_the_draft(family, monkeypatch):
     # the acceptance law, not only losslessness: each run's first step is recorded as verified; its drafts must be
     # the greedy walk a fresh proposer drafts on that context, verified with q one-hot, and draft j accepted (all
     # before it accepted) as often as the target's own p(d_j), from an independent target forward, predicts
@@ -119,8 +120,9 @@ def test_under_the_vllm_default_rule_drafts_are_the_argmax_walk_at_t1_accepted_w
     with torch.no_grad():  # a peaked p at T = 1, so argmax drafts are accepted often enough to see the law
         target.model.get_output_embeddings().weight.mul_(3)
     prompt = [5, 9, 17, 3, 22]
-    drafter = overfit(FAMILIES[family](), target, EvalRecord("o", prompt, autoregressive_generate(target, prompt, 30)
-                                                                         .output_ids))  # fmt: skip
+    drafter = overfit(
+        FAMILIES[family](), target, EvalRecord("o", prompt, autoregressive_generate(target, prompt, 30).output_ids)
+    )
     seen: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []
     real_verify = decode.verify
 
@@ -162,8 +164,9 @@ def test_a_serving_command_implies_its_servers_rule():
     spec = '{"method": "dflash", "model": "d", "num_speculative_tokens": 7}'
     assert rule_of_command(f"vllm serve Qwen/Qwen3-8B --speculative-config '{spec}'").name == "vllm"
     probabilistic = spec.replace("}", ', "draft_sample_method": "probabilistic"}')
-    assert rule_of_command(f"vllm serve Qwen/Qwen3-8B --speculative-config '{probabilistic}'").name == \
-        "vllm-probabilistic"  # fmt: skip
+    assert (
+        rule_of_command(f"vllm serve Qwen/Qwen3-8B --speculative-config '{probabilistic}'").name == "vllm-probabilistic"
+    )
     assert rule_of_command("python -m sglang.launch_server --speculative-algorithm DSPARK").name == "sglang"
     with pytest.raises(FlashdraftError, match="expected a 'vllm serve"):
         rule_of_command("trtllm-serve model")
@@ -177,7 +180,9 @@ def test_a_requests_filters_come_from_the_generation_config_and_drop_what_the_ru
     filters, dropped = request_filters(tmp_path, 0.7, None, None, None, RULES["vllm"])  # vLLM applies min-p
     assert (filters.top_k, filters.min_p) == (5, 0.1) and dropped == []
     assert request_filters(tmp_path, 0.7, None, None, None, RULES["sglang"], use_generation_config=False) == (
-        SamplingFilters(), [])  # fmt: skip
+        SamplingFilters(),
+        [],
+    )
     assert request_filters(tmp_path, 0.0, 3, None, None, RULES["vllm"]) == (NO_FILTERS, [])  # greedy: none
     with pytest.raises(FlashdraftError, match=r"--min-p 0.2: SGLang .* does not apply min_p"):
         request_filters(tmp_path, 0.7, None, None, 0.2, RULES["sglang"])

@@ -182,8 +182,13 @@ def test_a_dflash2_drafter_saves_the_published_contract_and_reloads_identically(
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"]
     written = {k: config["dflash_config"][k] for k in [*DFLASH2_FIELDS, "block_size"]}
-    assert written == {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4,
-                       "block_size": 8}  # fmt: skip
+    assert written == {
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 8,
+        "selector_top_k": 4,
+        "block_size": 8,
+    }
     loaded = load_drafter(tmp_path)
     for key, value in drafter.state_dict().items():
         assert torch.equal(value, loaded.state_dict()[key]), key
@@ -192,8 +197,14 @@ def test_a_dflash2_drafter_saves_the_published_contract_and_reloads_identically(
     assert torch.equal(drafter(x, anchors, ctx, pos), loaded(x, anchors, ctx, pos))
 
 
-@pytest.mark.parametrize("key", ["candidate_selector.successor_codebook", "layers.1.mlp_conv.base_kernel",
-                                 "candidate_selector.hidden_projection.weight"])  # fmt: skip
+@pytest.mark.parametrize(
+    "key",
+    [
+        "candidate_selector.successor_codebook",
+        "layers.1.mlp_conv.base_kernel",
+        "candidate_selector.hidden_projection.weight",
+    ],
+)
 def test_a_dflash2_drafter_missing_a_codebook_or_conv_tensor_is_refused_by_name(tmp_path, key):
     # one trainer's exports silently dropped the codebooks; the servers would serve them random
     drafter = make_dflash2_drafter()
@@ -210,8 +221,11 @@ def test_dflash2_tensors_under_a_dflash_config_and_misshaped_codebooks_are_refus
         load_drafter(tmp_path / "a")
     state = drafter.state_dict() | {"candidate_selector.predecessor_codebook": torch.zeros(64, 16)}
     _write(tmp_path / "b", state, drafter.config.to_dict())
-    with pytest.raises(FlashdraftError, match=r"'candidate_selector.predecessor_codebook' has shape \[64, 16\]; "
-                                              r"expected \[64, 8\]"):  # fmt: skip
+    with pytest.raises(
+        FlashdraftError,
+        match=r"'candidate_selector.predecessor_codebook' has shape \[64, 16\]; "
+        r"expected \[64, 8\]",
+    ):
         load_drafter(tmp_path / "b")
 
 
@@ -227,8 +241,11 @@ def test_a_dspark_drafter_saves_vllms_tensor_names_and_reloads_identically(tmp_p
     # vLLM 0.33.0 qwen3_dspark.py: model.markov_head.markov_w1 (Embedding) / markov_w2 (ParallelLMHead), and
     # confidence_head.proj with bias, over the hidden state alone without confidence_head_with_markov
     assert {k: v for k, v in shapes.items() if k.startswith(("markov_head.", "confidence_head."))} == {
-        "markov_head.markov_w1.weight": (64, 8), "markov_head.markov_w2.weight": (64, 8),
-        "confidence_head.proj.weight": (1, 64), "confidence_head.proj.bias": (1,)}  # fmt: skip
+        "markov_head.markov_w1.weight": (64, 8),
+        "markov_head.markov_w2.weight": (64, 8),
+        "confidence_head.proj.weight": (1, 64),
+        "confidence_head.proj.bias": (1,),
+    }
     loaded = load_drafter(tmp_path)
     for name, p in drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], p), name
@@ -240,8 +257,13 @@ def test_a_dspark_checkpoint_read_in_the_fill_in_layout_or_missing_a_head_tensor
     save_drafter(make_dspark_drafter(), tmp_path / "dspark")
     config = json.loads((tmp_path / "dspark/config.json").read_text())
     # relabelled as a DFlash drafter (decoded fill-in): its Markov tensors are refused by name
-    for name in ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
-                 "sample_from_anchor"):  # fmt: skip
+    for name in (
+        "markov_rank",
+        "markov_head_type",
+        "enable_confidence_head",
+        "confidence_head_with_markov",
+        "sample_from_anchor",
+    ):
         config.pop(name)
     config["architectures"] = ["DFlashDraftModel"]
     (tmp_path / "dspark/config.json").write_text(json.dumps(config))
@@ -250,8 +272,11 @@ def test_a_dspark_checkpoint_read_in_the_fill_in_layout_or_missing_a_head_tensor
     # a DFlash checkpoint relabelled as DSpark (decoded anchor-first): the heads are missing
     save_drafter(make_drafter(block_size=7), tmp_path / "dflash")
     config = json.loads((tmp_path / "dflash/config.json").read_text()) | {
-        "architectures": ["Qwen3DSparkModel"], "markov_rank": 8, "enable_confidence_head": False,
-        "confidence_head_with_markov": False}  # fmt: skip
+        "architectures": ["Qwen3DSparkModel"],
+        "markov_rank": 8,
+        "enable_confidence_head": False,
+        "confidence_head_with_markov": False,
+    }
     (tmp_path / "dflash/config.json").write_text(json.dumps(config))
     with pytest.raises(FlashdraftError, match="tensor 'markov_head.markov_w1.weight' is missing"):
         load_drafter(tmp_path / "dflash")

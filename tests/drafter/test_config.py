@@ -8,24 +8,51 @@ from tests.conftest import make_drafter_config
 
 # Abridged from the public z-lab Qwen3.6-27B drafter's config.json.
 PUBLIC_QWEN36_CONFIG = {
-    "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-    "attention_bias": False, "attention_dropout": 0.0, "block_size": 16, "bos_token_id": None,
+    "architectures": ["DFlashDraftModel"],
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "block_size": 16,
+    "bos_token_id": None,
     "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
-    "dtype": "bfloat16", "eos_token_id": 248046, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
-    "intermediate_size": 17408, "layer_types": ["sliding_attention"] * 4 + ["full_attention"],
-    "max_position_embeddings": 262144, "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 5,
-    "num_key_value_heads": 8, "num_target_layers": 64, "rms_norm_eps": 1e-06, "rope_scaling": None,
-    "rope_theta": 10000000, "sliding_window": 2048, "tie_word_embeddings": False, "use_sliding_window": True,
+    "dtype": "bfloat16",
+    "eos_token_id": 248046,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "layer_types": ["sliding_attention"] * 4 + ["full_attention"],
+    "max_position_embeddings": 262144,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 5,
+    "num_key_value_heads": 8,
+    "num_target_layers": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 10000000,
+    "sliding_window": 2048,
+    "tie_word_embeddings": False,
+    "use_sliding_window": True,
     "vocab_size": 248320,
-}  # fmt: skip
+}
 
 
 # The published DFlash2 drafter's layout (z-lab/Qwen3.8-27B-DFlash2, reference doc section 8).
 PUBLIC_QWEN38_DFLASH2_CONFIG = PUBLIC_QWEN36_CONFIG | {
-    "architectures": ["DFlash2DraftModel"], "layer_types": ["sliding_attention"] * 5, "is_causal": False,
-    "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [5, 19, 33, 47, 61], "block_size": 8,
-                      "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
-}  # fmt: skip
+    "architectures": ["DFlash2DraftModel"],
+    "layer_types": ["sliding_attention"] * 5,
+    "is_causal": False,
+    "dflash_config": {
+        "mask_token_id": 248070,
+        "target_layer_ids": [5, 19, 33, 47, 61],
+        "block_size": 8,
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 256,
+        "selector_top_k": 16,
+    },
+}
 del PUBLIC_QWEN38_DFLASH2_CONFIG["block_size"], PUBLIC_QWEN38_DFLASH2_CONFIG["auto_map"]
 
 
@@ -67,24 +94,33 @@ def test_rope_parameters_beside_a_top_level_rope_theta_load_their_scaling_as_tra
     assert {k: v for k, v in expected.items() if k != "rope_theta"} == YARN
 
 
-@pytest.mark.parametrize("legacy, params, named", [
-    ({"rope_type": "linear", "factor": 4}, YARN, "original_max_position_embeddings, rope_type"),
-    (YARN | {"factor": 8}, YARN, "factor"),
-    (YARN | {"original_max_position_embeddings": 1024}, YARN, "original_max_position_embeddings"),
-    (YARN, YARN | {"beta_fast": 16}, "beta_fast"),
-    ({"rope_type": "default"}, YARN, "factor, original_max_position_embeddings, rope_type"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "legacy, params, named",
+    [
+        ({"rope_type": "linear", "factor": 4}, YARN, "original_max_position_embeddings, rope_type"),
+        (YARN | {"factor": 8}, YARN, "factor"),
+        (YARN | {"original_max_position_embeddings": 1024}, YARN, "original_max_position_embeddings"),
+        (YARN, YARN | {"beta_fast": 16}, "beta_fast"),
+        ({"rope_type": "default"}, YARN, "factor, original_max_position_embeddings, rope_type"),
+    ],
+)
 def test_rope_scaling_and_rope_parameters_that_disagree_are_refused_naming_both(legacy, params, named):
     d = PUBLIC_QWEN36_CONFIG | {"rope_scaling": legacy, "rope_parameters": params}
-    with pytest.raises(FlashdraftError, match=rf"x/config.json: fields 'rope_scaling' .* and 'rope_parameters' .* "
-                                              rf"disagree on {named};"):  # fmt: skip
+    with pytest.raises(
+        FlashdraftError,
+        match=rf"x/config.json: fields 'rope_scaling' .* and 'rope_parameters' .* "
+        rf"disagree on {named};",
+    ):
         DrafterConfig.from_dict(d, source="x/config.json")
 
 
 def test_rope_theta_beside_a_different_nested_rope_theta_is_refused_naming_both():
     d = PUBLIC_QWEN36_CONFIG | {"rope_parameters": YARN | {"rope_theta": 5e5}}
-    with pytest.raises(FlashdraftError, match=r"'rope_parameters.rope_theta' \(500000.0\) and 'rope_theta' "
-                                              r"\(10000000\) disagree"):  # fmt: skip
+    with pytest.raises(
+        FlashdraftError,
+        match=r"'rope_parameters.rope_theta' \(500000.0\) and 'rope_theta' "
+        r"\(10000000\) disagree",
+    ):
         DrafterConfig.from_dict(d, source="x/config.json")
 
 
@@ -94,11 +130,14 @@ def test_both_schemas_saying_the_same_load_and_the_legacy_type_spelling_is_read(
     assert DrafterConfig.from_dict(d).rope_scaling == YARN
 
 
-@pytest.mark.parametrize("scaling, expected", [
-    ({"rope_type": "ntk-by-parts", "factor": 2}, "rope_type 'ntk-by-parts'; expected one of default, linear"),
-    ({"rope_type": "linear"}, "expected factor too"),
-    ({"rope_type": "linear", "factor": "4"}, "factor '4'; expected a positive number"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "scaling, expected",
+    [
+        ({"rope_type": "ntk-by-parts", "factor": 2}, "rope_type 'ntk-by-parts'; expected one of default, linear"),
+        ({"rope_type": "linear"}, "expected factor too"),
+        ({"rope_type": "linear", "factor": "4"}, "factor '4'; expected a positive number"),
+    ],
+)
 def test_a_rope_scaling_flashdraft_cannot_compute_is_refused_naming_the_field(scaling, expected):
     with pytest.raises(FlashdraftError, match=rf"x/config.json: field 'rope_scaling' is .*{expected}"):
         DrafterConfig.from_dict(PUBLIC_QWEN36_CONFIG | {"rope_scaling": scaling}, source="x/config.json")
@@ -182,8 +221,9 @@ def test_dflash_config_causal_is_read_as_vllm_reads_it_and_written_as_is_causal_
 
 
 def test_use_swa_makes_all_full_layers_sliding_and_non_causal_with_swa_window_size():
-    d = _with_dflash(_public(layer_types=["full_attention"] * 5, sliding_window=None), use_swa=True,
-                     swa_window_size=512)  # fmt: skip
+    d = _with_dflash(
+        _public(layer_types=["full_attention"] * 5, sliding_window=None), use_swa=True, swa_window_size=512
+    )
     cfg = DrafterConfig.from_dict(d)
     assert [(a.causal, a.window) for a in cfg.layer_attention] == [(False, 512)] * 5
     out = cfg.to_dict()
@@ -254,8 +294,14 @@ def test_unsorted_or_repeated_target_layer_ids_are_refused_with_the_servers_rule
 
 def test_published_dflash2_config_is_read_as_dflash2_and_round_trips_field_by_field():
     cfg = DrafterConfig.from_dict(PUBLIC_QWEN38_DFLASH2_CONFIG)
-    assert (cfg.family, cfg.block_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank,
-            cfg.selector_top_k) == ("dflash2", 8, 2, 16, 256, 16)  # fmt: skip
+    assert (
+        cfg.family,
+        cfg.block_size,
+        cfg.conv_kernel_size,
+        cfg.conv_group_size,
+        cfg.selector_rank,
+        cfg.selector_top_k,
+    ) == ("dflash2", 8, 2, 16, 256, 16)
     assert all(a.window == 2048 and not a.causal for a in cfg.layer_attention)
     out = cfg.to_dict()
     for key, value in PUBLIC_QWEN38_DFLASH2_CONFIG.items():
@@ -266,8 +312,9 @@ def test_published_dflash2_config_is_read_as_dflash2_and_round_trips_field_by_fi
 
 def test_dflash2_fields_and_block_size_are_read_from_the_top_level_too_and_a_conflict_is_refused():
     nested = PUBLIC_QWEN38_DFLASH2_CONFIG["dflash_config"]
-    flat = PUBLIC_QWEN38_DFLASH2_CONFIG | {k: v for k, v in nested.items() if k not in ("mask_token_id",
-                                                                                            "target_layer_ids")}
+    flat = PUBLIC_QWEN38_DFLASH2_CONFIG | {
+        k: v for k, v in nested.items() if k not in ("mask_token_id", "target_layer_ids")
+    }
     flat["dflash_config"] = {"mask_token_id": 248070, "target_layer_ids": [5, 19, 33, 47, 61]}
     assert DrafterConfig.from_dict(flat) == DrafterConfig.from_dict(PUBLIC_QWEN38_DFLASH2_CONFIG)
     for name, other in (("block_size", 16), ("selector_top_k", 8)):
@@ -279,16 +326,22 @@ def test_dflash2_fields_and_block_size_are_read_from_the_top_level_too_and_a_con
 @pytest.mark.parametrize(
     "change, name",
     [
-        ({"architectures": ["DFlash2DraftModel"], "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1]}},
-         "dflash_config.conv_kernel_size"),
-        ({"dflash_config": PUBLIC_QWEN38_DFLASH2_CONFIG["dflash_config"] | {"conv_group_size": 48}},
-         "dflash_config.conv_group_size"),
-        ({"dflash_config": PUBLIC_QWEN38_DFLASH2_CONFIG["dflash_config"] | {"selector_top_k": 0}},
-         "dflash_config.selector_top_k"),
+        (
+            {"architectures": ["DFlash2DraftModel"], "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1]}},
+            "dflash_config.conv_kernel_size",
+        ),
+        (
+            {"dflash_config": PUBLIC_QWEN38_DFLASH2_CONFIG["dflash_config"] | {"conv_group_size": 48}},
+            "dflash_config.conv_group_size",
+        ),
+        (
+            {"dflash_config": PUBLIC_QWEN38_DFLASH2_CONFIG["dflash_config"] | {"selector_top_k": 0}},
+            "dflash_config.selector_top_k",
+        ),
         ({"draft_vocab_size": 32000}, "draft_vocab_size"),
         ({"architectures": ["LlamaForCausalLMEagle3"]}, "architectures"),
     ],
-)  # fmt: skip
+)
 def test_a_dflash2_config_without_its_fields_or_with_bad_ones_is_refused_by_name(change, name):
     with pytest.raises(FlashdraftError, match=name):
         DrafterConfig.from_dict(PUBLIC_QWEN38_DFLASH2_CONFIG | change, source="x/config.json")
@@ -298,8 +351,9 @@ def test_a_dflash2_config_without_its_fields_or_with_bad_ones_is_refused_by_name
 
 
 def _dspark_dict(**changes):
-    d = make_drafter_config(family="dspark", markov_rank=8, confidence_head=True, confidence_head_with_markov=True,
-                            block_size=7).to_dict()
+    d = make_drafter_config(
+        family="dspark", markov_rank=8, confidence_head=True, confidence_head_with_markov=True, block_size=7
+    ).to_dict()
     d.update(changes)
     return d
 
@@ -307,10 +361,24 @@ def _dspark_dict(**changes):
 def test_a_dspark_config_is_written_in_vllms_flat_fields_and_round_trips():
     d = _dspark_dict()
     assert d["architectures"] == ["Qwen3DSparkModel"]
-    assert {k: d[k] for k in ("markov_rank", "markov_head_type", "enable_confidence_head",
-                              "confidence_head_with_markov", "sample_from_anchor", "block_size")} == {
-        "markov_rank": 8, "markov_head_type": "vanilla", "enable_confidence_head": True,
-        "confidence_head_with_markov": True, "sample_from_anchor": True, "block_size": 7}  # fmt: skip
+    assert {
+        k: d[k]
+        for k in (
+            "markov_rank",
+            "markov_head_type",
+            "enable_confidence_head",
+            "confidence_head_with_markov",
+            "sample_from_anchor",
+            "block_size",
+        )
+    } == {
+        "markov_rank": 8,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+        "sample_from_anchor": True,
+        "block_size": 7,
+    }
     # DeepSpec reads target_layer_ids and mask_token_id at the top level, the DFlash loaders in dflash_config
     assert d["target_layer_ids"] == d["dflash_config"]["target_layer_ids"] == [0, 2]
     cfg = DrafterConfig.from_dict(d)
@@ -321,10 +389,18 @@ def test_deepspec_and_specforge_dialects_of_a_dspark_config_read_as_the_same_dra
     cfg = DrafterConfig.from_dict(_dspark_dict())
     deepspec = {k: v for k, v in _dspark_dict().items() if k != "dflash_config"}  # Qwen3DSparkModel, top level
     assert DrafterConfig.from_dict(deepspec).to_dict() == cfg.to_dict()
-    specforge = {k: v for k, v in _dspark_dict(architectures=["DSparkDraftModel"]).items()
-                 if k not in ("markov_rank", "enable_confidence_head", "confidence_head_with_markov")}  # fmt: skip
-    specforge["dflash_config"] = {**specforge["dflash_config"], "markov_rank": 8, "enable_confidence_head": True,
-                                  "confidence_head_with_markov": True, "projector_type": "dspark"}  # fmt: skip
+    specforge = {
+        k: v
+        for k, v in _dspark_dict(architectures=["DSparkDraftModel"]).items()
+        if k not in ("markov_rank", "enable_confidence_head", "confidence_head_with_markov")
+    }
+    specforge["dflash_config"] = {
+        **specforge["dflash_config"],
+        "markov_rank": 8,
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+        "projector_type": "dspark",
+    }
     assert DrafterConfig.from_dict(specforge).to_dict() == cfg.to_dict()
     specforge["architectures"] = ["DFlashDraftModel"]  # projector_type alone names the family
     assert DrafterConfig.from_dict(specforge).family == "dspark"
@@ -335,10 +411,14 @@ def test_deepspec_and_specforge_dialects_of_a_dspark_config_read_as_the_same_dra
     [
         ({"markov_rank": 0}, "'markov_rank' is 0; expected a positive integer"),
         ({"confidence_head_with_markov": None}, "'confidence_head_with_markov' is missing"),
-        ({"dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 63, "markov_rank": 16}},
-         "fields markov_rank, dflash_config.markov_rank disagree"),
-        ({"markov_head_type": None, "dspark_markov_head_type": "rnn"},
-         "'markov_head_type' \\(nested or prefixed\\) is 'rnn'"),
+        (
+            {"dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 63, "markov_rank": 16}},
+            "fields markov_rank, dflash_config.markov_rank disagree",
+        ),
+        (
+            {"markov_head_type": None, "dspark_markov_head_type": "rnn"},
+            "'markov_head_type' \\(nested or prefixed\\) is 'rnn'",
+        ),
         ({"markov_head_type": "gated"}, "'markov_head_type' is 'gated'; read by"),
         ({"sample_from_anchor": False}, "'sample_from_anchor' is False; read by"),
         ({"speculators_model_type": "dspark"}, "'speculators_model_type' is 'dspark'; read by"),
@@ -346,7 +426,7 @@ def test_deepspec_and_specforge_dialects_of_a_dspark_config_read_as_the_same_dra
         ({"dspark_draft_topk": 0}, "'dspark_draft_topk' is 0"),
         ({"architectures": ["DFlashDraftModel"]}, "'markov_rank' is 8 but architectures is \\['DFlashDraftModel'\\]"),
     ],
-)  # fmt: skip
+)
 def test_a_dspark_config_with_a_bad_ambiguous_or_unbuilt_field_is_refused_by_name(changes, message):
     d = _dspark_dict(**changes)
     d = {k: v for k, v in d.items() if v is not None}

@@ -41,8 +41,12 @@ def toy(monkeypatch):
 
 def test_every_family_has_one_architecture_and_the_names_it_is_read_by():
     names = families.architectures()
-    assert names == {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2", "Qwen3DSparkModel": "dspark",
-                     "DSparkDraftModel": "dspark"}  # fmt: skip
+    assert names == {
+        "DFlashDraftModel": "dflash",
+        "DFlash2DraftModel": "dflash2",
+        "Qwen3DSparkModel": "dspark",
+        "DSparkDraftModel": "dspark",
+    }
     assert [f.default_block_size for f in FAMILIES.values()] == [16, 8, 7]
     # a config without block_size reads the family's default block, the block init makes (DFlash2: the published 8)
     for overrides in ({}, DFLASH2, {"family": "dspark", "markov_rank": 4}):

@@ -31,8 +31,9 @@ def one_line_error(rc: int, err: str) -> str:
 
 
 def test_layer_types_and_window_are_written_and_sliding_layers_load_causal(target_dir, tmp_path, capsys):
-    rc, out, err = init(capsys, target_dir, tmp_path / "d", "--layer-types", "sliding,sliding,full",
-                        "--sliding-window", 6)  # fmt: skip
+    rc, out, err = init(
+        capsys, target_dir, tmp_path / "d", "--layer-types", "sliding,sliding,full", "--sliding-window", 6
+    )
     assert rc == 0, err
     written = json.loads((tmp_path / "d" / "config.json").read_text())
     assert written["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention"]
@@ -44,8 +45,19 @@ def test_layer_types_and_window_are_written_and_sliding_layers_load_causal(targe
 
 
 def test_full_layer_type_names_and_one_type_for_all_layers(target_dir, tmp_path, capsys):
-    rc, _, err = init(capsys, target_dir, tmp_path / "d", "--draft-layers", 2, "--layer-types", "sliding_attention",
-                      "--sliding-window", 3, "--is-causal", "false")  # fmt: skip
+    rc, _, err = init(
+        capsys,
+        target_dir,
+        tmp_path / "d",
+        "--draft-layers",
+        2,
+        "--layer-types",
+        "sliding_attention",
+        "--sliding-window",
+        3,
+        "--is-causal",
+        "false",
+    )
     assert rc == 0, err
     written = json.loads((tmp_path / "d" / "config.json").read_text())
     assert written["layer_types"] == ["sliding_attention"] * 2 and written["is_causal"] is False
@@ -53,9 +65,23 @@ def test_full_layer_type_names_and_one_type_for_all_layers(target_dir, tmp_path,
 
 
 def test_shape_flags_override_what_init_copies_from_the_target(target_dir, tmp_path, capsys):
-    rc, _, err = init(capsys, target_dir, tmp_path / "d", "--intermediate-size", 96, "--num-attention-heads", 8,
-                      "--num-key-value-heads", 4, "--head-dim", 8, "--rope-theta", 5e5,
-                      "--max-position-embeddings", 1024)  # fmt: skip
+    rc, _, err = init(
+        capsys,
+        target_dir,
+        tmp_path / "d",
+        "--intermediate-size",
+        96,
+        "--num-attention-heads",
+        8,
+        "--num-key-value-heads",
+        4,
+        "--head-dim",
+        8,
+        "--rope-theta",
+        5e5,
+        "--max-position-embeddings",
+        1024,
+    )
     assert rc == 0, err
     cfg = load_drafter(tmp_path / "d").config
     assert (cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (96, 8, 4, 8)
@@ -69,8 +95,17 @@ def test_shape_flags_override_what_init_copies_from_the_target(target_dir, tmp_p
 def test_layers_from_target_work_with_sliding_layer_types(target_dir, tmp_path, capsys):
     from flashdraft.target.weights import TargetHead
 
-    rc, _, err = init(capsys, target_dir, tmp_path / "d", "--layer-types", "sliding,full", "--sliding-window", 4,
-                      "--layers-from-target", "3,5")  # fmt: skip
+    rc, _, err = init(
+        capsys,
+        target_dir,
+        tmp_path / "d",
+        "--layer-types",
+        "sliding,full",
+        "--sliding-window",
+        4,
+        "--layers-from-target",
+        "3,5",
+    )
     assert rc == 0, err
     drafter = load_drafter(tmp_path / "d")
     assert drafter.config.layer_types == ["sliding_attention", "full_attention"]
@@ -82,21 +117,25 @@ def test_layers_from_target_work_with_sliding_layer_types(target_dir, tmp_path, 
 
 
 BAD_SHAPES = {
-    "sliding layers without a window": (["--layer-types", "sliding,full"],
-                                        "sliding layers need --sliding-window N"),
-    "a window without sliding layers": (["--sliding-window", 6],
-                                        "--sliding-window 6: no drafter layer is sliding_attention"),
-    "one type per layer, but not as many": (["--draft-layers", 3, "--layer-types", "sliding,full",
-                                             "--sliding-window", 2],
-                                            "--layer-types has 2 entries for --draft-layers 3; expected one per "
-                                            "drafter layer"),
-    "an unknown layer type": (["--layer-types", "sliding,banded"],
-                              "argument --layer-types: 'banded' is not a layer type; expected sliding, full"),
+    "sliding layers without a window": (["--layer-types", "sliding,full"], "sliding layers need --sliding-window N"),
+    "a window without sliding layers": (
+        ["--sliding-window", 6],
+        "--sliding-window 6: no drafter layer is sliding_attention",
+    ),
+    "one type per layer, but not as many": (
+        ["--draft-layers", 3, "--layer-types", "sliding,full", "--sliding-window", 2],
+        "--layer-types has 2 entries for --draft-layers 3; expected one per drafter layer",
+    ),
+    "an unknown layer type": (
+        ["--layer-types", "sliding,banded"],
+        "argument --layer-types: 'banded' is not a layer type; expected sliding, full",
+    ),
     "is-causal not a boolean": (["--is-causal", "yes"], "argument --is-causal: expected true or false"),
-    "kv heads not dividing heads": (["--num-attention-heads", 5],
-                                    "flashdraft init: field 'num_key_value_heads' is 2; expected a divisor of "
-                                    "num_attention_heads (5)"),
-}  # fmt: skip
+    "kv heads not dividing heads": (
+        ["--num-attention-heads", 5],
+        "flashdraft init: field 'num_key_value_heads' is 2; expected a divisor of num_attention_heads (5)",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", BAD_SHAPES)
@@ -114,9 +153,18 @@ def published_for_tiny(**changes) -> dict:
     """The Qwen3.6-27B drafter's config.json (4 sliding layers, window 2048, 1 full, every field
     it has) with the sizes a drafter of the tiny 8-layer target must have."""
     d = json.loads(json.dumps(PUBLIC_QWEN36_CONFIG))
-    d.update(hidden_size=64, vocab_size=64, num_target_layers=8, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, intermediate_size=96, max_position_embeddings=512, block_size=8,
-             dflash_config={"mask_token_id": MASK, "target_layer_ids": [1, 2, 3, 4, 5]})  # fmt: skip
+    d.update(
+        hidden_size=64,
+        vocab_size=64,
+        num_target_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        max_position_embeddings=512,
+        block_size=8,
+        dflash_config={"mask_token_id": MASK, "target_layer_ids": [1, 2, 3, 4, 5]},
+    )
     d.update(changes)
     return d
 
@@ -124,8 +172,9 @@ def published_for_tiny(**changes) -> dict:
 def test_init_config_round_trips_a_published_config_field_by_field(target_dir, tmp_path, capsys):
     published = published_for_tiny()
     (tmp_path / "config.json").write_text(json.dumps(published))
-    rc, _, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--config",
-                         tmp_path / "config.json")  # fmt: skip
+    rc, _, err = run_cli(
+        capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--config", tmp_path / "config.json"
+    )
     assert rc == 0, err
     written = json.loads((tmp_path / "d" / "config.json").read_text())
     assert written["dtype"] == "float32"  # the weights as written; the only field flashdraft changes here
@@ -135,20 +184,41 @@ def test_init_config_round_trips_a_published_config_field_by_field(target_dir, t
     load_drafter(tmp_path / "d")
 
 
-def test_init_rope_scaling_writes_both_schemas_and_a_published_trained_context_is_not_carried(target_dir, tmp_path,
-                                                                                             capsys):  # fmt: skip
+def test_init_rope_scaling_writes_both_schemas_and_a_published_trained_context_is_not_carried(
+    target_dir, tmp_path, capsys
+):
     yarn = {"rope_type": "yarn", "factor": 8, "original_max_position_embeddings": 64}
     (tmp_path / "config.json").write_text(json.dumps(published_for_tiny(trained_context_length=32768)))
-    rc, _, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--config",
-                         tmp_path / "config.json", "--rope-scaling", json.dumps(yarn))  # fmt: skip
+    rc, _, err = run_cli(
+        capsys,
+        "init",
+        "--target-model",
+        target_dir,
+        "--out",
+        tmp_path / "d",
+        "--config",
+        tmp_path / "config.json",
+        "--rope-scaling",
+        json.dumps(yarn),
+    )
     assert rc == 0, err
     written = json.loads((tmp_path / "d" / "config.json").read_text())
     assert written["rope_scaling"] == yarn and written["rope_parameters"] == yarn | {"rope_theta": 10000000}
     assert "trained_context_length" not in written  # untrained: its weights are fresh
     # native RoPE given explicitly removes the --config's scaling
     (tmp_path / "yarn.json").write_text(json.dumps(published_for_tiny(rope_scaling=yarn)))
-    rc, _, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "n", "--config",
-                         tmp_path / "yarn.json", "--rope-scaling", '{"rope_type": "default"}')  # fmt: skip
+    rc, _, err = run_cli(
+        capsys,
+        "init",
+        "--target-model",
+        target_dir,
+        "--out",
+        tmp_path / "n",
+        "--config",
+        tmp_path / "yarn.json",
+        "--rope-scaling",
+        '{"rope_type": "default"}',
+    )
     assert rc == 0, err
     assert load_drafter(tmp_path / "n").config.rope_scaling is None
 
@@ -156,14 +226,36 @@ def test_init_rope_scaling_writes_both_schemas_and_a_published_trained_context_i
 def test_init_config_flags_override_its_fields_and_keep_the_rest(target_dir, tmp_path, capsys):
     published = published_for_tiny()
     (tmp_path / "config.json").write_text(json.dumps(published))
-    rc, _, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--config",
-                         tmp_path / "config.json", "--block-size", 4, "--sliding-window", 6, "--layer-types",
-                         "sliding", "--target-layer-ids", "1,3,5", "--intermediate-size", 64)  # fmt: skip
+    rc, _, err = run_cli(
+        capsys,
+        "init",
+        "--target-model",
+        target_dir,
+        "--out",
+        tmp_path / "d",
+        "--config",
+        tmp_path / "config.json",
+        "--block-size",
+        4,
+        "--sliding-window",
+        6,
+        "--layer-types",
+        "sliding",
+        "--target-layer-ids",
+        "1,3,5",
+        "--intermediate-size",
+        64,
+    )
     assert rc == 0, err
     written = json.loads((tmp_path / "d" / "config.json").read_text())
-    overridden = {"block_size": 4, "sliding_window": 6, "layer_types": ["sliding_attention"] * 5,
-                  "intermediate_size": 64, "is_causal": True,  # uniform now: said explicitly
-                  "dflash_config": {"mask_token_id": MASK, "target_layer_ids": [1, 3, 5]}}  # fmt: skip
+    overridden = {
+        "block_size": 4,
+        "sliding_window": 6,
+        "layer_types": ["sliding_attention"] * 5,
+        "intermediate_size": 64,
+        "is_causal": True,  # uniform now: said explicitly
+        "dflash_config": {"mask_token_id": MASK, "target_layer_ids": [1, 3, 5]},
+    }
     for key, value in overridden.items():
         assert written[key] == value, key
     for key, value in published.items():
@@ -172,23 +264,32 @@ def test_init_config_flags_override_its_fields_and_keep_the_rest(target_dir, tmp
 
 
 CONFIG_PROBLEMS = {
-    "another target's hidden size": (dict(PUBLIC_QWEN36_CONFIG),
-                                     "field 'hidden_size' is 5120; expected 64 (the target's hidden size"),
-    "another target's vocabulary": (published_for_tiny(vocab_size=128),
-                                    "field 'vocab_size' is 128; expected 64 (the target's vocabulary"),
-    "another target's depth": (published_for_tiny(num_target_layers=64),
-                               "field 'num_target_layers' is 64; expected 8 (the target's decoder layers"),
-    "unsorted ids": (published_for_tiny(dflash_config={"mask_token_id": MASK, "target_layer_ids": [3, 1]}),
-                     "field 'dflash_config.target_layer_ids' is [3, 1]; expected unique, strictly increasing"),
-}  # fmt: skip
+    "another target's hidden size": (
+        dict(PUBLIC_QWEN36_CONFIG),
+        "field 'hidden_size' is 5120; expected 64 (the target's hidden size",
+    ),
+    "another target's vocabulary": (
+        published_for_tiny(vocab_size=128),
+        "field 'vocab_size' is 128; expected 64 (the target's vocabulary",
+    ),
+    "another target's depth": (
+        published_for_tiny(num_target_layers=64),
+        "field 'num_target_layers' is 64; expected 8 (the target's decoder layers",
+    ),
+    "unsorted ids": (
+        published_for_tiny(dflash_config={"mask_token_id": MASK, "target_layer_ids": [3, 1]}),
+        "field 'dflash_config.target_layer_ids' is [3, 1]; expected unique, strictly increasing",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", CONFIG_PROBLEMS)
 def test_init_config_that_does_not_fit_the_target_is_refused_naming_the_field(target_dir, tmp_path, capsys, case):
     config, expected = CONFIG_PROBLEMS[case]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    rc, _, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--config",
-                         tmp_path / "config.json")  # fmt: skip
+    rc, _, err = run_cli(
+        capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--config", tmp_path / "config.json"
+    )
     line = one_line_error(rc, err)
     assert str(tmp_path / "config.json") in line and expected in line, line
     assert not (tmp_path / "d").exists()
@@ -196,8 +297,17 @@ def test_init_config_that_does_not_fit_the_target_is_refused_naming_the_field(ta
 
 def test_init_config_with_fewer_layers_needs_layer_types_when_its_types_are_mixed(target_dir, tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(published_for_tiny()))
-    argv = ["init", "--target-model", target_dir, "--out", tmp_path / "d", "--config", tmp_path / "config.json",
-            "--draft-layers", 2]  # fmt: skip
+    argv = [
+        "init",
+        "--target-model",
+        target_dir,
+        "--out",
+        tmp_path / "d",
+        "--config",
+        tmp_path / "config.json",
+        "--draft-layers",
+        2,
+    ]
     line = one_line_error(*run_cli(capsys, *argv)[::2])
     assert "--draft-layers 2:" in line and "for 5 layers; give --layer-types for 2 layers" in line, line
     rc, _, err = run_cli(capsys, *argv, "--layer-types", "sliding,full")
@@ -218,19 +328,53 @@ def test_init_writes_the_mask_token_string_so_sglang_accepts_the_drafter_before_
 
 
 def test_init_family_dflash2_takes_the_published_module_sizes_and_block_8_unless_given(target_dir, tmp_path, capsys):
-    rc, out, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--family",
-                           "dflash2", "--draft-layers", 1)  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        "init",
+        "--target-model",
+        target_dir,
+        "--out",
+        tmp_path / "d",
+        "--family",
+        "dflash2",
+        "--draft-layers",
+        1,
+    )
     assert rc == 0, err
     cfg = load_drafter(tmp_path / "d").config
-    assert (cfg.architecture, cfg.block_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank,
-            cfg.selector_top_k) == ("DFlash2DraftModel", 8, 2, 16, 256, 16)  # fmt: skip
+    assert (
+        cfg.architecture,
+        cfg.block_size,
+        cfg.conv_kernel_size,
+        cfg.conv_group_size,
+        cfg.selector_rank,
+        cfg.selector_top_k,
+    ) == ("DFlash2DraftModel", 8, 2, 16, 256, 16)
     assert "architecture: DFlash2DraftModel (conv kernel 2, group 16; selector rank 256, top-16)" in out
-    rc, _, err = init(capsys, target_dir, tmp_path / "e", "--family", "dflash2", "--conv-kernel-size", 3,
-                      "--conv-group-size", 8, "--selector-rank", 12, "--selector-top-k", 5)  # fmt: skip
+    rc, _, err = init(
+        capsys,
+        target_dir,
+        tmp_path / "e",
+        "--family",
+        "dflash2",
+        "--conv-kernel-size",
+        3,
+        "--conv-group-size",
+        8,
+        "--selector-rank",
+        12,
+        "--selector-top-k",
+        5,
+    )
     assert rc == 0, err
     cfg = load_drafter(tmp_path / "e").config
     assert (cfg.block_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) == (
-        4, 3, 8, 12, 5)  # fmt: skip
+        4,
+        3,
+        8,
+        12,
+        5,
+    )
 
 
 def test_a_dflash2_size_without_family_dflash2_and_from_drafter_with_shape_flags_are_one_line_errors(
@@ -239,24 +383,45 @@ def test_a_dflash2_size_without_family_dflash2_and_from_drafter_with_shape_flags
     rc, _, err = init(capsys, target_dir, tmp_path / "d", "--selector-rank", 8)
     assert "--selector-rank 8: a DFlash2 module size; give --family dflash2" in one_line_error(rc, err)
     assert init(capsys, target_dir, tmp_path / "base", "--draft-layers", 1)[0] == 0
-    rc, _, err = init(capsys, target_dir, tmp_path / "d", "--family", "dflash2", "--from-drafter", tmp_path / "base",
-                      "--draft-layers", 2)  # fmt: skip
+    rc, _, err = init(
+        capsys,
+        target_dir,
+        tmp_path / "d",
+        "--family",
+        "dflash2",
+        "--from-drafter",
+        tmp_path / "base",
+        "--draft-layers",
+        2,
+    )
     assert "--draft-layers: --from-drafter takes the drafter's shape" in one_line_error(rc, err)
-    rc, _, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--from-drafter",
-                         tmp_path / "base")  # fmt: skip
+    rc, _, err = run_cli(
+        capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--from-drafter", tmp_path / "base"
+    )
     assert "expected --family dflash2" in one_line_error(rc, err)
     assert not (tmp_path / "d").exists()
 
 
 def test_init_config_of_the_published_dflash2_drafter_round_trips_field_by_field(target_dir, tmp_path, capsys):
     published = published_for_tiny(
-        architectures=["DFlash2DraftModel"], layer_types=["sliding_attention"] * 5, is_causal=False,
-        dflash_config={"mask_token_id": MASK, "target_layer_ids": [1, 2, 3, 4, 5], "block_size": 8,
-                       "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16})
-    del published["block_size"], published["auto_map"]  # fmt: skip
+        architectures=["DFlash2DraftModel"],
+        layer_types=["sliding_attention"] * 5,
+        is_causal=False,
+        dflash_config={
+            "mask_token_id": MASK,
+            "target_layer_ids": [1, 2, 3, 4, 5],
+            "block_size": 8,
+            "conv_kernel_size": 2,
+            "conv_group_size": 16,
+            "selector_rank": 256,
+            "selector_top_k": 16,
+        },
+    )
+    del published["block_size"], published["auto_map"]
     (tmp_path / "config.json").write_text(json.dumps(published))
-    rc, _, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--config",
-                         tmp_path / "config.json")  # fmt: skip
+    rc, _, err = run_cli(
+        capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--config", tmp_path / "config.json"
+    )
     assert rc == 0, err
     written = json.loads((tmp_path / "d" / "config.json").read_text())
     for key, value in published.items():
@@ -271,19 +436,31 @@ def test_init_config_of_the_published_dflash2_drafter_round_trips_field_by_field
 def test_init_family_dspark_takes_rank_256_a_confidence_head_with_markov_input_and_block_7_unless_given(
     target_dir, tmp_path, capsys
 ):
-    rc, out, err = run_cli(capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--family",
-                           "dspark", "--draft-layers", 1)  # fmt: skip
+    rc, out, err = run_cli(
+        capsys, "init", "--target-model", target_dir, "--out", tmp_path / "d", "--family", "dspark", "--draft-layers", 1
+    )
     assert rc == 0, err
     cfg = load_drafter(tmp_path / "d").config
-    assert (cfg.architecture, cfg.block_size, cfg.markov_rank, cfg.confidence_head, cfg.confidence_head_with_markov,
-            cfg.first_draft_position) == ("Qwen3DSparkModel", 7, 256, True, True, 0)  # fmt: skip
+    assert (
+        cfg.architecture,
+        cfg.block_size,
+        cfg.markov_rank,
+        cfg.confidence_head,
+        cfg.confidence_head_with_markov,
+        cfg.first_draft_position,
+    ) == ("Qwen3DSparkModel", 7, 256, True, True, 0)
     assert "layout: anchor-first (DSpark)" in out and "Markov head rank 256" in out
-    rc, _, err = init(capsys, target_dir, tmp_path / "e", "--family", "dspark", "--markov-rank", 16,
-                      "--confidence-head", "hidden")  # fmt: skip
+    rc, _, err = init(
+        capsys, target_dir, tmp_path / "e", "--family", "dspark", "--markov-rank", 16, "--confidence-head", "hidden"
+    )
     assert rc == 0, err
     cfg = load_drafter(tmp_path / "e").config
     assert (cfg.block_size, cfg.markov_rank, cfg.confidence_head, cfg.confidence_head_with_markov) == (
-        4, 16, True, False)  # fmt: skip
+        4,
+        16,
+        True,
+        False,
+    )
     assert init(capsys, target_dir, tmp_path / "f", "--family", "dspark", "--confidence-head", "none")[0] == 0
     assert load_drafter(tmp_path / "f").confidence_head is None
 

@@ -14,8 +14,11 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 
 
 def test_a_full_layer_reads_the_whole_context_and_a_sliding_one_at_most_its_window():
-    cfg = make_drafter_config(num_hidden_layers=3, sliding_window=2048,
-                              layer_types=["sliding_attention", "sliding_attention", "full_attention"])  # fmt: skip
+    cfg = make_drafter_config(
+        num_hidden_layers=3,
+        sliding_window=2048,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    )
     assert layer_reads(cfg, 1000) == [1000, 1000, 1000]
     assert layer_reads(cfg, 32768) == [2048, 2048, 32768]
 
@@ -39,14 +42,25 @@ def test_rope_warns_when_the_target_is_scaled_unlike_the_drafter_and_notes_the_r
     (recipe,) = guards(make_drafter_config(rope_scaling=YARN), native)
     assert recipe.level == "note" and "stage 2 of the long-context recipe" in recipe.line
     same, theta = guards(make_drafter_config(rope_scaling=YARN), YARN | {"rope_theta": 1e7})
-    assert same.level == "ok" and theta.level == "note" and "rope_theta: the drafter's 1e+06, the target's 1e+07" \
-        in theta.line  # fmt: skip
+    assert (
+        same.level == "ok"
+        and theta.level == "note"
+        and "rope_theta: the drafter's 1e+06, the target's 1e+07" in theta.line
+    )
 
 
 def test_a_target_rope_per_layer_type_is_read_from_its_full_attention_layers():
-    config = SimpleNamespace(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5.0,
-                                                                 "original_max_position_embeddings": 1024},
-                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1.0}})
+    config = SimpleNamespace(
+        rope_parameters={
+            "full_attention": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "rope_theta": 5.0,
+                "original_max_position_embeddings": 1024,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1.0},
+        }
+    )
     assert target_rope(config) == (5.0, YARN)
     assert target_rope(make_target("hybrid").config)[1] is None
 
@@ -56,9 +70,14 @@ def test_eval_guards_speak_for_each_dflash_drafter_a_hybrids_included_at_the_lon
     drafter = make_drafter(trained_context_length=10)
     records = [EvalRecord("a", [1] * 5, [2] * 4), EvalRecord("b", [1] * 7, [])]  # b: online, 6 new tokens
     hybrid = HybridDrafter(drafter, NGramProposer(target.vocab_size))
-    lines = eval_guards([("d", drafter), ("h", hybrid), ("ngram", NGramProposer(target.vocab_size))], target,
-                        records, 6)  # fmt: skip
-    assert any(x.startswith("d: warning: trained context: the longest record evaluated (prompt + completion) is 13 "
-                            "tokens, past the 10") for x in lines)  # fmt: skip
+    lines = eval_guards(
+        [("d", drafter), ("h", hybrid), ("ngram", NGramProposer(target.vocab_size))], target, records, 6
+    )
+    assert any(
+        x.startswith(
+            "d: warning: trained context: the longest record evaluated (prompt + completion) is 13 tokens, past the 10"
+        )
+        for x in lines
+    )
     assert any(x.startswith("h: warning: trained context") for x in lines)
     assert not any(x.startswith("ngram") for x in lines)

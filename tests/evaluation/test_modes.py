@@ -34,16 +34,53 @@ def trained(tmp_path_factory):
     """A drafter trained online on non-thinking completions of the chat target."""
     d = tmp_path_factory.mktemp("modes")
     target = save_chat_target(d / "target")
-    (d / "p.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"t{i} t{i + 3} t{i + 7}"}) + "\n"
-                                       for i in range(4)))  # fmt: skip
+    (d / "p.jsonl").write_text(
+        "".join(json.dumps({"id": f"p{i}", "prompt": f"t{i} t{i + 3} t{i + 7}"}) + "\n" for i in range(4))
+    )
     from flashdraft.cli import main
 
     common = ["--target-model", str(target)]
-    assert main(["generate", *common, "--prompts", str(d / "p.jsonl"), "--out", str(d / "off.json"),
-                 "--max-new-tokens", "16", "--disable-thinking"]) == 0  # fmt: skip
-    assert main(["train", *common, "--completions", str(d / "off.json"), "--out", str(d / "run"), "--draft-layers",
-                 "1", "--block-size", "4", "--target-layer-ids", "0,2", "--batch-size", "2", "--max-steps", "2",
-                 "--num-anchors", "4"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                *common,
+                "--prompts",
+                str(d / "p.jsonl"),
+                "--out",
+                str(d / "off.json"),
+                "--max-new-tokens",
+                "16",
+                "--disable-thinking",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "train",
+                *common,
+                "--completions",
+                str(d / "off.json"),
+                "--out",
+                str(d / "run"),
+                "--draft-layers",
+                "1",
+                "--block-size",
+                "4",
+                "--target-layer-ids",
+                "0,2",
+                "--batch-size",
+                "2",
+                "--max-steps",
+                "2",
+                "--num-anchors",
+                "4",
+            ]
+        )
+        == 0
+    )
     return d, target
 
 
@@ -65,28 +102,52 @@ def test_eval_in_another_mode_than_trained_warns_and_reports_tau_by_segment(caps
     d, target = trained
     config = json.loads(next((d / "run").glob("checkpoints/*/drafter/config.json")).read_text())
     assert config["trained_chat_mode"]["records_per_kwargs"] == [
-        {"chat_template_kwargs": {"enable_thinking": False}, "records": 4}]
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", d / "run", "--target-model", target, "--prompts",
-                           d / "p.jsonl", "--enable-thinking", "--max-new-tokens", "12", "--json",
-                           tmp_path / "e.json")  # fmt: skip
+        {"chat_template_kwargs": {"enable_thinking": False}, "records": 4}
+    ]
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        d / "run",
+        "--target-model",
+        target,
+        "--prompts",
+        d / "p.jsonl",
+        "--enable-thinking",
+        "--max-new-tokens",
+        "12",
+        "--json",
+        tmp_path / "e.json",
+    )
     assert rc == 0, err
     summary = json.loads((tmp_path / "e.json").read_text())
-    assert summary["chat_mode"]["records_per_kwargs"] == [{"chat_template_kwargs": {"enable_thinking": True},
-                                                           "records": 4}]  # fmt: skip
+    assert summary["chat_mode"]["records_per_kwargs"] == [
+        {"chat_template_kwargs": {"enable_thinking": True}, "records": 4}
+    ]
     assert "warning: evaluated in another chat mode than the drafter was trained on" in out
     segments = summary["by_segment"]  # thinking on: every completion starts in its reasoning
     assert segments["reasoning"]["steps"] > 0
     assert segments["reasoning"]["steps"] + segments["answer"]["steps"] == summary["num_steps"]
     assert "by segment: reasoning τ" in out
-    rc, out, _ = run_cli(capsys, "eval", "--checkpoint", d / "run", "--target-model", target, "--prompts",
-                         d / "p.jsonl", "--disable-thinking", "--max-new-tokens", "12")  # fmt: skip
+    rc, out, _ = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        d / "run",
+        "--target-model",
+        target,
+        "--prompts",
+        d / "p.jsonl",
+        "--disable-thinking",
+        "--max-new-tokens",
+        "12",
+    )
     assert rc == 0 and "another chat mode" not in out
 
 
 def test_doctor_and_the_export_readme_state_the_trained_mode_and_its_server_settings(capsys, trained, tmp_path):
     d, target = trained
-    rc, out, _ = run_cli(capsys, "export", "--checkpoint", d / "run", "--out", tmp_path / "x", "--target-model",
-                         target)  # fmt: skip
+    rc, out, _ = run_cli(capsys, "export", "--checkpoint", d / "run", "--out", tmp_path / "x", "--target-model", target)
     assert rc == 0
     readme = (tmp_path / "x" / "README.md").read_text()
     setting = "--default-chat-template-kwargs '{\"enable_thinking\": false}'"

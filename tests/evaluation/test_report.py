@@ -9,15 +9,25 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def summary(online: bool = False, reference: bool = False) -> dict:
     mode = "online" if online else "offline"
-    prompts = [PromptResult("a", [1, 4, 2], [1, 2, 3, 4, 5, 6, 7, 8], True if online else None),
-               PromptResult("b", [3, 1], [1, 2, 3, 4, 5], True if online else None)]  # fmt: skip
+    prompts = [
+        PromptResult("a", [1, 4, 2], [1, 2, 3, 4, 5, 6, 7, 8], True if online else None),
+        PromptResult("b", [3, 1], [1, 2, 3, 4, 5], True if online else None),
+    ]
     result = EvalResult(mode, 4, [0, 2], 2, prompts, 0.0, 30.0 if online else None, 10.0 if online else None)
     if online:  # 8 ms per step for τ 2.2 tokens that plain decoding makes in 22 ms: bound 2.75x
         result.draft_ms, result.verify_ms, result.greedy_step_ms, result.speedup_bound = 2.0, 6.0, 10.0, 2.75
     s = result.to_json() | {"checkpoint": "run/d", "target": "tiny", "records_source": "test", "max_blocks": 15}
     if reference:
-        ref = EvalResult(mode, 8, [1], 1, [PromptResult("a", [1, 1, 1]), PromptResult("b", [2, 8])], 0.0,
-                         20.0 if online else None, 10.0 if online else None).to_json()  # fmt: skip
+        ref = EvalResult(
+            mode,
+            8,
+            [1],
+            1,
+            [PromptResult("a", [1, 1, 1]), PromptResult("b", [2, 8])],
+            0.0,
+            20.0 if online else None,
+            10.0 if online else None,
+        ).to_json()
         s |= {"reference": ref | {"checkpoint": "ref"}, "difference": difference(s, ref)}
     return s
 
@@ -47,19 +57,35 @@ def test_report_with_a_reference_shows_both_and_the_difference(tmp_path):
 
 def test_terminal_summary_lists_every_figure_and_prompt():
     text = format_summary(summary(online=True, reference=True))
-    for figure in ["steps", "τ (pooled)", "τ (mean of prompts)", "lossless", "speed-up", "steps committing 4",
-                   "draft 3 accepted", "ref τ"]:  # fmt: skip
+    for figure in [
+        "steps",
+        "τ (pooled)",
+        "τ (mean of prompts)",
+        "lossless",
+        "speed-up",
+        "steps committing 4",
+        "draft 3 accepted",
+        "ref τ",
+    ]:
         assert figure in text, figure
     assert "\nb " in text
 
 
 def test_summary_and_report_name_the_sampling_rule_and_show_expected_tau_at_a_temperature(tmp_path):
-    prompts = [PromptResult("a", [1, 4, 2], expected_lengths=[1.5, 3.0, 2.0]), PromptResult("b", [3, 1],
-               expected_lengths=[2.5, 1.0])]  # fmt: skip
+    prompts = [
+        PromptResult("a", [1, 4, 2], expected_lengths=[1.5, 3.0, 2.0]),
+        PromptResult("b", [3, 1], expected_lengths=[2.5, 1.0]),
+    ]
     result = EvalResult("offline", 4, [0, 2], 2, prompts, 0.6)
-    s = result.to_json() | expected_tau_figures(result) | {"checkpoint": "d", "serving_rule": "sglang",
-                                                            "sampling": {"temperature": 0.6, "top_k": 20,
-                                                                         "top_p": 0.95, "min_p": None}}  # fmt: skip
+    s = (
+        result.to_json()
+        | expected_tau_figures(result)
+        | {
+            "checkpoint": "d",
+            "serving_rule": "sglang",
+            "sampling": {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": None},
+        }
+    )
     text = format_summary(s)
     assert "sampled at temperature 0.6, top-k 20, top-p 0.95, under the sglang serving rule" in text
     assert re.search(r"expected τ given the drafts +2.000\n  its standard error +0.200", text)

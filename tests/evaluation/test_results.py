@@ -25,8 +25,11 @@ def result(mode: str = "offline", **kwargs) -> EvalResult:
 def test_each_step_falls_in_the_bucket_of_the_tokens_before_its_anchor():
     assert result().per_prompt[0].step_contexts == [10, 13, 14]
     buckets = result(context_edges=[0, 12, 64, 128]).by_context
-    assert [(b["context_from"], b["context_to"], b["steps"]) for b in buckets] == [(0, 12, 1), (12, 64, 2),
-                                                                                   (64, 128, 2)]  # fmt: skip
+    assert [(b["context_from"], b["context_to"], b["steps"]) for b in buckets] == [
+        (0, 12, 1),
+        (12, 64, 2),
+        (64, 128, 2),
+    ]
     assert [b["tau"] for b in buckets] == [3.0, 2.5, 2.0]
     assert buckets[0]["position_acceptance"] == [1.0, 1.0, 0.0, 0.0]  # committed 3: drafts 1 and 2 accepted
     assert buckets[1]["position_acceptance"] == [0.5, 0.5, 0.5, 0.0]
@@ -35,8 +38,13 @@ def test_each_step_falls_in_the_bucket_of_the_tokens_before_its_anchor():
 def test_bucket_steps_add_up_to_every_step_and_an_empty_bucket_has_no_tau():
     buckets = result(context_edges=[0, 1000, 2000]).by_context
     assert sum(b["steps"] for b in buckets) == result().num_steps
-    assert buckets[0]["tau"] == result().tau and buckets[1] == {"context_from": 1000, "context_to": 2000, "steps": 0,
-                                                                "tau": None, "position_acceptance": None}  # fmt: skip
+    assert buckets[0]["tau"] == result().tau and buckets[1] == {
+        "context_from": 1000,
+        "context_to": 2000,
+        "steps": 0,
+        "tau": None,
+        "position_acceptance": None,
+    }
 
 
 def test_online_buckets_carry_their_own_step_costs_and_speedup_bound():

@@ -71,8 +71,14 @@ def overfit(drafter: DFlashDrafter, target: TargetModel, record: EvalRecord, ste
     every position, the Markov head frozen): a drafter that accepts. Memoised on the drafter's config and starting
     weights, the target's weights, the record and the steps (the same inputs train the same weights)."""
     target.set_context_layers(drafter.config.target_layer_ids)
-    key = (repr(drafter.config), _digest(drafter.state_dict()), _digest(target.model.state_dict()),
-           tuple(record.prompt_ids), tuple(record.completion_ids), steps)  # fmt: skip
+    key = (
+        repr(drafter.config),
+        _digest(drafter.state_dict()),
+        _digest(target.model.state_dict()),
+        tuple(record.prompt_ids),
+        tuple(record.completion_ids),
+        steps,
+    )
     if key not in _OVERFIT:
         trained = _overfit(drafter, target, record, steps)
         _OVERFIT[key] = {name: value.detach().clone() for name, value in trained.state_dict().items()}
@@ -140,8 +146,7 @@ def test_offline_tau_equals_online_tau_for_a_drafter_that_accepts(kind):
 def test_offline_tau_equals_online_tau_for_a_dflash2_drafter_walking_its_selector(kind):
     target = make_target(kind)
     records = greedy_records(target)
-    drafter = overfit(make_dflash2_drafter(layer_types=["sliding_attention"] * 2, sliding_window=6), target,
-                      records[0])  # fmt: skip
+    drafter = overfit(make_dflash2_drafter(layer_types=["sliding_attention"] * 2, sliding_window=6), target, records[0])
     with torch.no_grad():  # a selector strong enough to move some drafts off the unary argmax
         drafter.candidate_selector.hidden_projection.weight.mul_(0.2)
     offline = evaluate_offline(drafter, target, records)
@@ -206,8 +211,9 @@ def test_live_features_rounded_to_a_cache_dtype_reach_the_drafter_rounded_and_wa
         stored = target.forward(torch.tensor([r.input_ids])).context_features[0].to(torch.bfloat16)
         offline = evaluate_offline(drafter, target, [EvalRecord(r.id, r.prompt_ids, r.completion_ids, stored, [0, 2])])
         seen.clear()
-        out = speculative_generate(target, drafter, r.prompt_ids, len(r.completion_ids),
-                                   round_context_to=torch.bfloat16)  # fmt: skip
+        out = speculative_generate(
+            target, drafter, r.prompt_ids, len(r.completion_ids), round_context_to=torch.bfloat16
+        )
         assert out.output_ids == r.completion_ids  # still lossless
         assert out.acceptance_lengths == offline.per_prompt[0].acceptance_lengths
         taus.append(offline.tau)
@@ -241,8 +247,10 @@ def test_offline_equals_online_when_the_completion_ends_at_a_stop_token():
     assert [offline.per_prompt[0].acceptance_lengths] == online_lengths(target, drafter, [record])
 
 
-@pytest.mark.parametrize("rule, family", [("vllm", "dflash"), ("vllm-probabilistic", "dflash"), ("sglang", "dspark"),
-                                          ("sglang", "dspark-cut")])  # fmt: skip
+@pytest.mark.parametrize(
+    "rule, family",
+    [("vllm", "dflash"), ("vllm-probabilistic", "dflash"), ("sglang", "dspark"), ("sglang", "dspark-cut")],
+)
 def test_offline_tau_at_a_temperature_agrees_with_online_sampling_over_many_seeds(rule, family):
     # offline walks the target's own samples (argmax drafts: the greedy walk's match; sampled drafts, DFlash's per
     # position or DSpark's Markov walk: each completion token accepted with min(1, q / p)); online decodes, each
@@ -268,15 +276,22 @@ def test_offline_tau_at_a_temperature_agrees_with_online_sampling_over_many_seed
     offline, expected, online = [], [], []
     for seed in range(20):
         gens = [torch.Generator().manual_seed(1000 * seed + i) for i in range(len(prompts))]
-        records = [EvalRecord(f"r{i}", p, autoregressive_generate(target, p, 16, temperature, g, filters).output_ids)
-                   for i, (p, g) in enumerate(zip(prompts, gens, strict=True))]  # fmt: skip
-        walked = evaluate_offline(drafter, target, records, limit=limit, rule=rule, temperature=temperature,
-                                  filters=filters, seed=seed)  # fmt: skip
+        records = [
+            EvalRecord(f"r{i}", p, autoregressive_generate(target, p, 16, temperature, g, filters).output_ids)
+            for i, (p, g) in enumerate(zip(prompts, gens, strict=True))
+        ]
+        walked = evaluate_offline(
+            drafter, target, records, limit=limit, rule=rule, temperature=temperature, filters=filters, seed=seed
+        )
         offline.append(walked.tau)
         expected.append(expected_tau_figures(walked)["expected_tau"])
-        lengths = [n for p, g in zip(prompts, gens, strict=True) for n in speculative_generate(
-            target, drafter, p, 16, temperature, generator=g, limit=limit, filters=filters,
-            rule=rule).acceptance_lengths]
+        lengths = [
+            n
+            for p, g in zip(prompts, gens, strict=True)
+            for n in speculative_generate(
+                target, drafter, p, 16, temperature, generator=g, limit=limit, filters=filters, rule=rule
+            ).acceptance_lengths
+        ]
         online.append(sum(lengths) / len(lengths))
     # power: the check fails 9 times in 10 at a bias of 4.3 combined standard errors, measured with these 20 seeds
     # x 3 samples: 1.0 in τ under vllm's argmax drafts (its τ spreads widest), 0.3 (vllm-probabilistic), 0.6 and 0.5
@@ -288,8 +303,21 @@ def test_offline_tau_at_a_temperature_agrees_with_online_sampling_over_many_seed
     assert float(on.mean()) > 1.3  # drafts were accepted often enough for the comparison to matter
     assert float(torch.tensor(expected).var()) < float(torch.tensor(offline).var())  # the estimate is less noisy
     if limit is not None:  # the cut cut: blocks verified at several lengths short of all 7 drafts
-        verified = walk_record(drafter, target, records[0], 0, FeatureSource(target), drafter.config.block_size, None,
-                               limit, True, serving_rule(rule), temperature, filters, 0)[1].verified  # fmt: skip
+        verified = walk_record(
+            drafter,
+            target,
+            records[0],
+            0,
+            FeatureSource(target),
+            drafter.config.block_size,
+            None,
+            limit,
+            True,
+            serving_rule(rule),
+            temperature,
+            filters,
+            0,
+        )[1].verified
         assert len(set(verified)) > 1 and min(verified) < drafter.config.block_size
 
 
@@ -308,10 +336,15 @@ def test_offline_from_stored_features_needs_no_target_forward_and_slices_the_dra
     records = greedy_records(target)
     target.set_context_layers([0, 1, 2, 3])
     stored = [
-        EvalRecord(r.id, r.prompt_ids, r.completion_ids,
-                   target.forward(torch.tensor([r.input_ids])).context_features[0], [0, 1, 2, 3])
+        EvalRecord(
+            r.id,
+            r.prompt_ids,
+            r.completion_ids,
+            target.forward(torch.tensor([r.input_ids])).context_features[0],
+            [0, 1, 2, 3],
+        )
         for r in records
-    ]  # fmt: skip
+    ]
     source = FeatureSource(target)
     from_store = evaluate_offline(drafter, target, stored, source)
     assert source.target_forwards == 0
@@ -341,14 +374,14 @@ def test_figures_follow_their_definitions():
 
 
 @pytest.mark.parametrize("extra_layers", [-1, 1])
-def test_eval_refuses_fc_with_one_context_layer_fewer_or_more(capsys, tmp_path, target_dir, prompts_file,
-                                                              extra_layers):  # fmt: skip
+def test_eval_refuses_fc_with_one_context_layer_fewer_or_more(capsys, tmp_path, target_dir, prompts_file, extra_layers):
     drafter = make_drafter()  # config: 2 context layers, fc [64, 128]
     state = drafter.state_dict() | {"fc.weight": torch.zeros(64, 64 * (2 + extra_layers))}
     (tmp_path / "config.json").write_text(json.dumps(drafter.config.to_dict()))
     save_file(state, str(tmp_path / "model.safetensors"))
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path, "--target-model", target_dir,
-                           "--prompts", prompts_file)  # fmt: skip
+    rc, out, err = run_cli(
+        capsys, "eval", "--checkpoint", tmp_path, "--target-model", target_dir, "--prompts", prompts_file
+    )
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "τ" not in out
     assert "fc.weight" in err and f"[64, {64 * (2 + extra_layers)}]" in err and "[64, 128]" in err
     assert f"({2 + extra_layers} context layers)" in err and "(2 context layers)" in err
@@ -357,8 +390,15 @@ def test_eval_refuses_fc_with_one_context_layer_fewer_or_more(capsys, tmp_path, 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_bare_state_dict_loads_with_inferred_shapes(tmp_path, suffix):
     target = make_target("qwen3", num_layers=8)
-    drafter = make_drafter(num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                           intermediate_size=96, num_target_layers=8, target_layer_ids=[1, 5])  # fmt: skip
+    drafter = make_drafter(
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=96,
+        num_target_layers=8,
+        target_layer_ids=[1, 5],
+    )
     path = tmp_path / f"drafter{suffix}"
     if suffix == ".pt":  # as a training script leaves it: wrapped, with DDP's key prefix
         torch.save({"model": {f"module.{k}": v for k, v in drafter.state_dict().items()}, "step": 7}, path)
@@ -367,8 +407,14 @@ def test_bare_state_dict_loads_with_inferred_shapes(tmp_path, suffix):
     loaded = load_any_drafter(path, target, block_size=8)
     cfg = loaded.drafter.config
     assert loaded.form == "state dict"
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-            cfg.head_dim, cfg.intermediate_size) == (64, 3, 2, 1, 32, 96)  # fmt: skip
+    assert (
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+    ) == (64, 3, 2, 1, 32, 96)
     assert cfg.target_layer_ids == [1, 5]  # the reference default for 2 context layers of 8
     assert cfg.mask_token_id == target.tokenizer.mask_token_id and cfg.block_size == 8
     for key, value in drafter.state_dict().items():
@@ -385,28 +431,67 @@ def test_bare_state_dict_with_fc_disagreeing_with_given_layer_ids_is_refused(tmp
 def test_bare_state_dict_in_eval_cli(capsys, tmp_path, target_dir, prompts_file):
     path = tmp_path / "drafter.safetensors"
     save_file(make_drafter().state_dict(), str(path))
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", path, "--target-model", target_dir, "--prompts",
-                           prompts_file, "--num-prompts", 2, "--max-blocks", 3, "--target-layer-ids", "0,2",
-                           "--block-size", 8)  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        path,
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts_file,
+        "--num-prompts",
+        2,
+        "--max-blocks",
+        3,
+        "--target-layer-ids",
+        "0,2",
+        "--block-size",
+        8,
+    )
     assert rc == 0, err
     assert "(state dict)" in out and "assumed: mask token 63" in out and "fc.weight [64, 128] holds 2" in out
 
 
 def test_eval_says_which_causality_each_drafter_layer_gets(capsys, tmp_path, target_dir, prompts_file):
     drafter = make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", save_drafter(drafter, tmp_path / "d"), "--target-model",
-                           target_dir, "--prompts", prompts_file, "--num-prompts", 1, "--max-blocks", 2)  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        save_drafter(drafter, tmp_path / "d"),
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts_file,
+        "--num-prompts",
+        1,
+        "--max-blocks",
+        2,
+    )
     assert rc == 0, err
     assert "2 layers (0 sliding 6 causal, 1 full non-causal; servers' default: no is_causal)" in out
 
 
-def test_eval_warns_when_its_records_run_past_the_drafters_trained_context(capsys, tmp_path, target_dir,
-                                                                            prompts_file):  # fmt: skip
-    drafter = make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6,
-                           trained_context_length=8)  # fmt: skip
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", save_drafter(drafter, tmp_path / "d"), "--target-model",
-                           target_dir, "--prompts", prompts_file, "--num-prompts", 1, "--max-new-tokens", 16,
-                           "--online")  # fmt: skip
+def test_eval_warns_when_its_records_run_past_the_drafters_trained_context(capsys, tmp_path, target_dir, prompts_file):
+    drafter = make_drafter(
+        layer_types=["sliding_attention", "full_attention"], sliding_window=6, trained_context_length=8
+    )
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        save_drafter(drafter, tmp_path / "d"),
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts_file,
+        "--num-prompts",
+        1,
+        "--max-new-tokens",
+        16,
+        "--online",
+    )
     assert rc == 0, err
     line = next(x for x in out.splitlines() if "trained context" in x)
     longest = int(line.split("(prompt + completion) is ")[1].split()[0])
@@ -430,14 +515,26 @@ def test_training_run_directory_means_its_newest_complete_checkpoint(tmp_path):
         load_any_drafter(tmp_path / "run")
 
 
-def test_reference_comparison_of_the_same_drafter_gives_zero_difference(capsys, tmp_path, target_dir,
-                                                                        prompts_file):  # fmt: skip
+def test_reference_comparison_of_the_same_drafter_gives_zero_difference(capsys, tmp_path, target_dir, prompts_file):
     target = TargetModel.load(target_dir)
     record = EvalRecord("o", PROMPTS[0], autoregressive_generate(target, PROMPTS[0], 40).output_ids)
     save_drafter(overfit(make_drafter(), target, record), tmp_path / "d")  # accepts: the difference is not 0 - 0
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
-                           prompts_file, "--max-blocks", 5, "--reference", tmp_path / "d", "--json",
-                           tmp_path / "out.json")  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts_file,
+        "--max-blocks",
+        5,
+        "--reference",
+        tmp_path / "d",
+        "--json",
+        tmp_path / "out.json",
+    )
     assert rc == 0, err
     summary = json.loads((tmp_path / "out.json").read_text())
     diff = summary["difference"]
@@ -450,9 +547,23 @@ def test_reference_comparison_of_the_same_drafter_gives_zero_difference(capsys, 
 def test_reference_with_other_depth_and_context_layers(capsys, tmp_path, target_dir, prompts_file):
     save_drafter(make_drafter(), tmp_path / "d")
     save_drafter(make_drafter(num_hidden_layers=1, target_layer_ids=[0, 1, 2], block_size=4), tmp_path / "ref")
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
-                           prompts_file, "--max-blocks", 4, "--reference", tmp_path / "ref", "--json",
-                           tmp_path / "out.json", "--verbose")  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts_file,
+        "--max-blocks",
+        4,
+        "--reference",
+        tmp_path / "ref",
+        "--json",
+        tmp_path / "out.json",
+        "--verbose",
+    )
     assert rc == 0, err
     summary = json.loads((tmp_path / "out.json").read_text())
     assert summary["context_layers"] == 2 and summary["reference"]["context_layers"] == 3
@@ -461,16 +572,44 @@ def test_reference_with_other_depth_and_context_layers(capsys, tmp_path, target_
     assert "layers [0, 1, 2] (target forward)" in out
 
 
-JSON_KEYS = {"tau", "tau_prompt_mean", "histogram", "position_acceptance", "num_steps", "mode", "context_layers",
-             "per_prompt", "lossless", "speedup", "speedup_bound", "speedup_of_bound"}  # fmt: skip
+JSON_KEYS = {
+    "tau",
+    "tau_prompt_mean",
+    "histogram",
+    "position_acceptance",
+    "num_steps",
+    "mode",
+    "context_layers",
+    "per_prompt",
+    "lossless",
+    "speedup",
+    "speedup_bound",
+    "speedup_of_bound",
+}
 
 
 @pytest.mark.parametrize("mode", ["offline", "online"])
 def test_json_has_every_key(capsys, tmp_path, target_dir, prompts_file, mode):
     save_drafter(make_drafter(), tmp_path / "d")
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
-                           prompts_file, "--num-prompts", 3, "--max-blocks", 6, "--json", tmp_path / "out.json",
-                           "--report", tmp_path / "report", *(["--online"] if mode == "online" else []))  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts_file,
+        "--num-prompts",
+        3,
+        "--max-blocks",
+        6,
+        "--json",
+        tmp_path / "out.json",
+        "--report",
+        tmp_path / "report",
+        *(["--online"] if mode == "online" else []),
+    )
     assert rc == 0, err
     assert (tmp_path / "report" / "report.md").is_file() and (tmp_path / "report" / "histogram.png").is_file()
     summary = json.loads((tmp_path / "out.json").read_text())
@@ -491,9 +630,25 @@ def test_check_consistency_in_the_cli(capsys, tmp_path, target_dir, prompts_file
     target = TargetModel.load(target_dir)
     record = EvalRecord("o", PROMPTS[0], autoregressive_generate(target, PROMPTS[0], 30).output_ids)
     save_drafter(overfit(make_drafter(), target, record), tmp_path / "d")
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
-                           prompts_file, "--num-prompts", 3, "--max-new-tokens", 30, "--online",
-                           "--check-consistency", "--json", tmp_path / "out.json", *limit)  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts_file,
+        "--num-prompts",
+        3,
+        "--max-new-tokens",
+        30,
+        "--online",
+        "--check-consistency",
+        "--json",
+        tmp_path / "out.json",
+        *limit,
+    )
     assert rc == 0, err
     summary = json.loads((tmp_path / "out.json").read_text())
     consistency = summary["consistency"]
@@ -506,8 +661,20 @@ def test_check_consistency_in_the_cli(capsys, tmp_path, target_dir, prompts_file
 
 def test_more_speculative_tokens_than_the_block_drafts_are_refused(capsys, tmp_path, target_dir, prompts_file):
     save_drafter(make_drafter(), tmp_path / "d")  # block size 8: 7 drafts
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
-                           prompts_file, "--num-prompts", 1, "--num-speculative-tokens", 8)  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts_file,
+        "--num-prompts",
+        1,
+        "--num-speculative-tokens",
+        8,
+    )
     assert rc == 2 and "--num-speculative-tokens 8" in err and "expected at most 7" in err
     assert "records" not in out  # refused before any decoding
 
@@ -515,33 +682,76 @@ def test_more_speculative_tokens_than_the_block_drafts_are_refused(capsys, tmp_p
 @pytest.mark.parametrize("rule", ["vllm", "vllm-probabilistic", "sglang"])
 def test_sampled_eval_reports_its_rule_and_a_tau_that_agrees_with_its_expected_value(
     capsys, tmp_path, target_dir, prompts_file, rule
-):  # fmt: skip
+):
     target = TargetModel.load(target_dir)
     record = EvalRecord("o", PROMPTS[0], autoregressive_generate(target, PROMPTS[0], 30).output_ids)
     save_drafter(overfit(make_dspark_drafter(), target, record), tmp_path / "d")
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
-                           prompts_file, "--num-prompts", 3, "--max-new-tokens", 30, "--online", "--temperature", 0.6,
-                           "--top-p", 0.95, "--top-k", 20, "--serving-rule", rule, "--json", tmp_path / "out.json")
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts_file,
+        "--num-prompts",
+        3,
+        "--max-new-tokens",
+        30,
+        "--online",
+        "--temperature",
+        0.6,
+        "--top-p",
+        0.95,
+        "--top-k",
+        20,
+        "--serving-rule",
+        rule,
+        "--json",
+        tmp_path / "out.json",
+    )
     assert rc == 0, err
     summary = json.loads((tmp_path / "out.json").read_text())
     assert summary["serving_rule"] == rule and f"serving rule {rule} (" in out
-    assert summary["sampling"] | {"source": None} == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": None,
-                                                       "source": None}  # fmt: skip
+    assert summary["sampling"] | {"source": None} == {
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 0.95,
+        "min_p": None,
+        "source": None,
+    }
     assert summary["expected_tau_stderr"] > 0 and summary["tau_stderr_given_drafts"] > 0
     assert abs(summary["tau"] - summary["expected_tau"]) < 4 * summary["tau_stderr_given_drafts"]
 
 
 def test_check_consistency_at_a_temperature_is_step_for_step_under_the_one_hot_rule(
     capsys, tmp_path, target_dir, prompts_file
-):  # fmt: skip
+):
     # argmax drafts accepted with p(d): the bonus after a rejection is never the rejected draft, so the greedy walk
     # over the sampled output commits what decoding committed
     target = TargetModel.load(target_dir)
     record = EvalRecord("o", PROMPTS[0], autoregressive_generate(target, PROMPTS[0], 30).output_ids)
     save_drafter(overfit(make_dflash2_drafter(), target, record), tmp_path / "d")
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
-                           prompts_file, "--num-prompts", 3, "--max-new-tokens", 30, "--temperature", 0.8,
-                           "--check-consistency", "--json", tmp_path / "out.json")  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts_file,
+        "--num-prompts",
+        3,
+        "--max-new-tokens",
+        30,
+        "--temperature",
+        0.8,
+        "--check-consistency",
+        "--json",
+        tmp_path / "out.json",
+    )
     assert rc == 0, err
     summary = json.loads((tmp_path / "out.json").read_text())
     assert summary["consistency"]["identical"] and max(summary["histogram"][1:]) > 0
@@ -549,32 +759,89 @@ def test_check_consistency_at_a_temperature_is_step_for_step_under_the_one_hot_r
 
 def test_check_consistency_at_a_temperature_of_a_sampled_walk_is_refused(capsys, tmp_path, target_dir, prompts_file):
     save_drafter(make_dflash2_drafter(), tmp_path / "d")
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
-                           prompts_file, "--temperature", 0.7, "--check-consistency", "--serving-rule", "sglang")
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts_file,
+        "--temperature",
+        0.7,
+        "--check-consistency",
+        "--serving-rule",
+        "sglang",
+    )
     assert rc == 2 and "--check-consistency at --temperature 0.7" in err and len(err.strip().splitlines()) == 1
     assert "records" not in out  # refused before any decoding
 
 
 def test_offline_at_a_temperature_refuses_completions_made_at_another(capsys, tmp_path, target_dir, prompts_file):
     save_drafter(make_drafter(), tmp_path / "d")
-    rc, _, err = run_cli(capsys, "generate", "--target-model", target_dir, "--prompts", prompts_file, "--out",
-                         tmp_path / "c.json", "--max-new-tokens", 8)  # fmt: skip
+    rc, _, err = run_cli(
+        capsys,
+        "generate",
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts_file,
+        "--out",
+        tmp_path / "c.json",
+        "--max-new-tokens",
+        8,
+    )
     assert rc == 0, err
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir,
-                           "--completions", tmp_path / "c.json", "--temperature", 0.7)  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--completions",
+        tmp_path / "c.json",
+        "--temperature",
+        0.7,
+    )
     assert rc == 2 and "made at temperature 0.0" in err and "--prompts" in err and len(err.strip().splitlines()) == 1
 
 
 def test_offline_at_a_temperature_reads_completions_generated_with_its_filters_and_refuses_others(
     capsys, tmp_path, target_dir, prompts_file
-):  # fmt: skip
+):
     save_drafter(make_drafter(), tmp_path / "d")
-    rc, out, err = run_cli(capsys, "generate", "--target-model", target_dir, "--prompts", prompts_file, "--out",
-                           tmp_path / "c.json", "--max-new-tokens", 8, "--temperature", 0.7, "--top-k", 5,
-                           "--top-p", 0.9)  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        "generate",
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts_file,
+        "--out",
+        tmp_path / "c.json",
+        "--max-new-tokens",
+        8,
+        "--temperature",
+        0.7,
+        "--top-k",
+        5,
+        "--top-p",
+        0.9,
+    )
     assert rc == 0 and "sampling: temperature 0.7, top_k 5 (given), top_p 0.9 (given)" in out, err
-    eval_args = ["eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--completions",
-                 tmp_path / "c.json", "--temperature", 0.7]  # fmt: skip
+    eval_args = [
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--completions",
+        tmp_path / "c.json",
+        "--temperature",
+        0.7,
+    ]
     rc, out, err = run_cli(capsys, *eval_args, "--top-k", 5, "--top-p", 0.9, "--json", tmp_path / "e.json")
     assert rc == 0, err
     assert json.loads((tmp_path / "e.json").read_text())["sampling"]["top_k"] == 5
@@ -584,23 +851,45 @@ def test_offline_at_a_temperature_reads_completions_generated_with_its_filters_a
 
 def test_drafter_made_for_another_target_is_refused(capsys, tmp_path, target_dir, prompts_file):
     save_drafter(make_drafter(num_target_layers=6), tmp_path / "d")
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
-                           prompts_file)  # fmt: skip
+    rc, out, err = run_cli(
+        capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts", prompts_file
+    )
     assert rc == 2 and "'num_target_layers' is 6; expected 4" in err
 
 
 def test_eval_of_5_records_and_15_blocks_offline_takes_seconds():
     # a random target shaped like the built-in one (hybrid, 6 layers, hidden 256, vocabulary 4096)
     torch.manual_seed(0)
-    cfg = Qwen3_5TextConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
-                            layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
-                            linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=64)  # fmt: skip
+    cfg = Qwen3_5TextConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=6,
+        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=64,
+    )
     target = TargetModel(Qwen3_5ForCausalLM(cfg).float().eval(), make_tokenizer(), path=None)
-    drafter = DFlashDrafter(DrafterConfig(
-        hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        intermediate_size=768, vocab_size=4096, num_target_layers=6, target_layer_ids=[3], mask_token_id=2,
-        block_size=16))  # fmt: skip
+    drafter = DFlashDrafter(
+        DrafterConfig(
+            hidden_size=256,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            intermediate_size=768,
+            vocab_size=4096,
+            num_target_layers=6,
+            target_layer_ids=[3],
+            mask_token_id=2,
+            block_size=16,
+        )
+    )
     drafter.init_weights()
     drafter.eval()
     gen = torch.Generator().manual_seed(0)
@@ -625,15 +914,44 @@ def cached(tmp_path_factory, target_dir, prompts_file):
     equal the online ones)."""
     root = tmp_path_factory.mktemp("cached")
     completions, cache = root / "c.json", root / "cache"
-    assert main(["generate", "--target-model", str(target_dir), "--prompts", str(prompts_file), "--out",
-                 str(completions), "--max-new-tokens", "30", "--batch-size", "1"]) == 0  # fmt: skip
-    assert main(["cache", "--target-model", str(target_dir), "--completions", str(completions), "--out", str(cache),
-                 "--layers", "0,1,2"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--target-model",
+                str(target_dir),
+                "--prompts",
+                str(prompts_file),
+                "--out",
+                str(completions),
+                "--max-new-tokens",
+                "30",
+                "--batch-size",
+                "1",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "cache",
+                "--target-model",
+                str(target_dir),
+                "--completions",
+                str(completions),
+                "--out",
+                str(cache),
+                "--layers",
+                "0,1,2",
+            ]
+        )
+        == 0
+    )
     return completions, cache
 
 
-def test_eval_from_a_hidden_state_cache_equals_eval_from_completions_and_online(capsys, tmp_path, target_dir,
-                                                                                cached):  # fmt: skip
+def test_eval_from_a_hidden_state_cache_equals_eval_from_completions_and_online(capsys, tmp_path, target_dir, cached):
     completions, cache = cached
     target = TargetModel.load(target_dir)
     first = load_completions(completions, target, quiet=True).records[0]
@@ -642,8 +960,17 @@ def test_eval_from_a_hidden_state_cache_equals_eval_from_completions_and_online(
     save_drafter(make_drafter(num_hidden_layers=1, target_layer_ids=[3]), tmp_path / "ref")  # not in the cache
     capsys.readouterr()
     common = ["eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir]
-    rc, out, err = run_cli(capsys, *common, "--cached-hidden-states", cache, "--json", tmp_path / "cache.json",
-                           "--reference", tmp_path / "ref", "--verbose")  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        *common,
+        "--cached-hidden-states",
+        cache,
+        "--json",
+        tmp_path / "cache.json",
+        "--reference",
+        tmp_path / "ref",
+        "--verbose",
+    )
     assert rc == 0, err
     from_cache = json.loads((tmp_path / "cache.json").read_text())
     assert "layers [0, 2] (cache)" in out and "layers [3] (target forward)" in out
@@ -652,8 +979,16 @@ def test_eval_from_a_hidden_state_cache_equals_eval_from_completions_and_online(
     assert rc == 0, err
     from_completions = json.loads((tmp_path / "completions.json").read_text())
     assert from_cache["per_prompt"][0]["tau"] > 2 and from_cache["per_prompt"] == from_completions["per_prompt"]
-    rc, out, err = run_cli(capsys, *common, "--cached-hidden-states", cache, "--online", "--check-consistency",
-                           "--json", tmp_path / "online.json")  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        *common,
+        "--cached-hidden-states",
+        cache,
+        "--online",
+        "--check-consistency",
+        "--json",
+        tmp_path / "online.json",
+    )
     assert rc == 0, err
     online = json.loads((tmp_path / "online.json").read_text())
     assert online["consistency"]["identical"] and online["lossless"] is True
@@ -672,11 +1007,22 @@ def test_default_cache_stores_the_target_dtype_and_offline_tau_equals_online_ste
     assert json.loads((cache / "manifest.json").read_text())["dtype"] == "float32"  # the CPU target's dtype
     target = TargetModel.load(target_dir)
     first = load_completions(completions, target, quiet=True).records[1]
-    save_drafter(overfit(make_drafter(), target, EvalRecord(first.id, first.prompt_ids, first.completion_ids)),
-                 tmp_path / "d")  # fmt: skip
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir,
-                           "--cached-hidden-states", cache, "--check-consistency", "--json",
-                           tmp_path / "e.json")  # fmt: skip
+    save_drafter(
+        overfit(make_drafter(), target, EvalRecord(first.id, first.prompt_ids, first.completion_ids)), tmp_path / "d"
+    )
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--cached-hidden-states",
+        cache,
+        "--check-consistency",
+        "--json",
+        tmp_path / "e.json",
+    )
     assert rc == 0, err
     summary = json.loads((tmp_path / "e.json").read_text())
     assert summary["consistency"]["identical"] and max(p["tau"] for p in summary["per_prompt"]) > 2
@@ -689,21 +1035,40 @@ def test_bf16_cache_says_offline_is_within_rounding_and_check_consistency_rounds
 ):
     completions, _ = cached
     cache = tmp_path / "cache-bf16"
-    assert main(["cache", "--target-model", str(target_dir), "--completions", str(completions), "--out", str(cache),
-                 "--layers", "0,1,2", "--dtype", "bf16"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "cache",
+                "--target-model",
+                str(target_dir),
+                "--completions",
+                str(completions),
+                "--out",
+                str(cache),
+                "--layers",
+                "0,1,2",
+                "--dtype",
+                "bf16",
+            ]
+        )
+        == 0
+    )
     assert json.loads((cache / "manifest.json").read_text())["dtype"] == "bfloat16"
     target = TargetModel.load(target_dir)
     first = load_completions(completions, target, quiet=True).records[1]
-    save_drafter(overfit(make_drafter(), target, EvalRecord(first.id, first.prompt_ids, first.completion_ids)),
-                 tmp_path / "d")  # fmt: skip
+    save_drafter(
+        overfit(make_drafter(), target, EvalRecord(first.id, first.prompt_ids, first.completion_ids)), tmp_path / "d"
+    )
     common = ["eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--cached-hidden-states", cache]
     capsys.readouterr()
     rc, out, err = run_cli(capsys, *common)
     assert rc == 0, err
     notes = [line for line in out.splitlines() if "within rounding" in line]
-    assert notes == ["note: the cache stores context features in bfloat16, the target computes them in float32: "
-                     "offline τ is within rounding of live τ, not step for step (a cache built with --dtype auto "
-                     "keeps them exact)"]  # fmt: skip
+    assert notes == [
+        "note: the cache stores context features in bfloat16, the target computes them in float32: "
+        "offline τ is within rounding of live τ, not step for step (a cache built with --dtype auto "
+        "keeps them exact)"
+    ]
     rc, out, err = run_cli(capsys, *common, "--check-consistency", "--json", tmp_path / "e.json")
     assert rc == 0, err
     summary = json.loads((tmp_path / "e.json").read_text())
@@ -715,8 +1080,16 @@ def test_bf16_cache_says_offline_is_within_rounding_and_check_consistency_rounds
 
 def test_eval_refuses_a_cache_without_the_drafter_layers(capsys, tmp_path, target_dir, cached):
     save_drafter(make_drafter(target_layer_ids=[0, 3]), tmp_path / "d")
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir,
-                           "--cached-hidden-states", cached[1])  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--cached-hidden-states",
+        cached[1],
+    )
     assert rc == 2 and len(err.strip().splitlines()) == 1
     assert "holds target layers [0, 1, 2]" in err and "target_layer_ids [0, 3]" in err
 
@@ -724,8 +1097,11 @@ def test_eval_refuses_a_cache_without_the_drafter_layers(capsys, tmp_path, targe
 def test_stored_features_of_the_wrong_shape_are_refused():
     target = make_target("qwen3")
     record = EvalRecord("r", [1, 2, 3], [4, 5, 6], torch.zeros(6, 64), [0, 2])  # one layer's width for two
-    with pytest.raises(FlashdraftError, match=r"record r: stored context features have shape \[6, 64\]; "
-                                              r"expected \[6, 128\]"):  # fmt: skip
+    with pytest.raises(
+        FlashdraftError,
+        match=r"record r: stored context features have shape \[6, 64\]; "
+        r"expected \[6, 128\]",
+    ):
         evaluate_offline(make_drafter(), target, [record])
 
 
@@ -761,11 +1137,15 @@ def test_offline_tau_equals_online_tau_for_a_dspark_drafter_walking_its_markov_h
 def test_a_dspark_drafter_decoded_in_the_fill_in_layout_is_accepted_far_less_than_as_trained(dspark_setup):
     target, records, drafter = dspark_setup
     as_trained = evaluate_offline(drafter, target, records[:1]).tau
-    fill_in = DFlashDrafter(DrafterConfig.from_dict({**drafter.config.to_dict(), "architectures": ["DFlashDraftModel"]}
-                                                    | dict.fromkeys(["markov_rank", "enable_confidence_head",
-                                                                     "confidence_head_with_markov"], None)))
-    fill_in.load_state_dict({k: v for k, v in drafter.state_dict().items()
-                             if not k.startswith(("markov_head.", "confidence_head."))})  # fmt: skip
+    fill_in = DFlashDrafter(
+        DrafterConfig.from_dict(
+            {**drafter.config.to_dict(), "architectures": ["DFlashDraftModel"]}
+            | dict.fromkeys(["markov_rank", "enable_confidence_head", "confidence_head_with_markov"], None)
+        )
+    )
+    fill_in.load_state_dict(
+        {k: v for k, v in drafter.state_dict().items() if not k.startswith(("markov_head.", "confidence_head."))}
+    )
     assert evaluate_offline(fill_in.eval(), target, records[:1]).tau < as_trained - 0.5
 
 
@@ -788,12 +1168,19 @@ def test_confidence_figures_compare_the_heads_estimates_with_observed_acceptance
 
 def test_confidence_figures_at_a_temperature_are_against_the_rules_acceptance_and_price_cuts_as_evaluated(
     dspark_setup,
-):  # fmt: skip
+):
     target, records, drafter = dspark_setup
     temperature, filters = 0.8, SamplingFilters(top_k=20)
-    samples = [EvalRecord(r.id, r.prompt_ids, autoregressive_generate(target, r.prompt_ids, 24, temperature,
-                          torch.Generator().manual_seed(i), filters).output_ids)
-               for i, r in enumerate(records)]  # fmt: skip
+    samples = [
+        EvalRecord(
+            r.id,
+            r.prompt_ids,
+            autoregressive_generate(
+                target, r.prompt_ids, 24, temperature, torch.Generator().manual_seed(i), filters
+            ).output_ids,
+        )
+        for i, r in enumerate(records)
+    ]
     by_rule = {}
     for rule in ("vllm", "sglang"):  # DSpark: the argmax walk accepted with p(d); a sampled walk, min(1, p / q)
         sampling = {"rule": rule, "temperature": temperature, "filters": filters, "seed": 3}
@@ -835,11 +1222,31 @@ def test_by_context_is_the_same_offline_and_online_bucket_for_bucket_with_costs_
     record = EvalRecord("o", long_prompt, autoregressive_generate(target, long_prompt, 30).output_ids)
     save_drafter(overfit(make_drafter(), target, record), tmp_path / "d")
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": " ".join(f"w{t}" for t in p)}) + "\n"
-                               for i, p in enumerate([PROMPTS[1], long_prompt])))  # fmt: skip
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts",
-                           prompts, "--max-new-tokens", 30, "--online", "--check-consistency", "--context-buckets",
-                           "0,16,64,512", "--json", tmp_path / "out.json", "--verbose")  # fmt: skip
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "prompt": " ".join(f"w{t}" for t in p)}) + "\n"
+            for i, p in enumerate([PROMPTS[1], long_prompt])
+        )
+    )
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--prompts",
+        prompts,
+        "--max-new-tokens",
+        30,
+        "--online",
+        "--check-consistency",
+        "--context-buckets",
+        "0,16,64,512",
+        "--json",
+        tmp_path / "out.json",
+        "--verbose",
+    )
     assert rc == 0, err
     summary = json.loads((tmp_path / "out.json").read_text())
     assert summary["consistency"]["by_context_identical"] and summary["consistency"]["identical"]
@@ -850,16 +1257,46 @@ def test_by_context_is_the_same_offline_and_online_bucket_for_bucket_with_costs_
     assert "by context length" in out and "0-16" in out
 
 
-def test_a_hybrid_of_a_dspark_drafter_verifies_every_position_of_its_block(capsys, tmp_path, target_dir,
-                                                                         prompts_file):
+def test_a_hybrid_of_a_dspark_drafter_verifies_every_position_of_its_block(capsys, tmp_path, target_dir, prompts_file):
     # the block's drafts are the family's (anchor-first: all 7 of a block of 7), the hybrid's as its drafter's
     save_drafter(make_dspark_drafter(), tmp_path / "d")
-    rc, out, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--drafter",
-                           "hybrid", "--prompts", prompts_file, "--num-prompts", 1, "--max-blocks", 2,
-                           "--num-speculative-tokens", 7, "--json", tmp_path / "out.json")  # fmt: skip
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--drafter",
+        "hybrid",
+        "--prompts",
+        prompts_file,
+        "--num-prompts",
+        1,
+        "--max-blocks",
+        2,
+        "--num-speculative-tokens",
+        7,
+        "--json",
+        tmp_path / "out.json",
+    )
     assert rc == 0, err
     summary = json.loads((tmp_path / "out.json").read_text())
     assert summary["drafter_type"] == "hybrid" and len(summary["position_acceptance"]) == 7
-    rc, _, err = run_cli(capsys, "eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--drafter",
-                         "hybrid", "--prompts", prompts_file, "--num-prompts", 1, "--num-speculative-tokens", 8)
+    rc, _, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        tmp_path / "d",
+        "--target-model",
+        target_dir,
+        "--drafter",
+        "hybrid",
+        "--prompts",
+        prompts_file,
+        "--num-prompts",
+        1,
+        "--num-speculative-tokens",
+        8,
+    )
     assert rc == 2 and "expected at most 7" in err

@@ -97,11 +97,13 @@ def test_the_server_and_its_children_are_stopped_on_an_error(tmp_path, monkeypat
 def test_sigterm_to_flashdraft_stops_the_server_too(tmp_path):
     # the server runs in its own session, so a signal to flashdraft does not reach it: flashdraft stops it
     _fake_vllm(tmp_path)
-    script = (f"import os, signal, sys, time\nfrom pathlib import Path\n"
-              f"from flashdraft.serving.engine import VllmServer\n"
-              f"with VllmServer(Path(sys.executable), {str(tmp_path / 'child.pid')!r}, Path({str(tmp_path)!r}) / "
-              f"'server.log') as s:\n    print(s.process.pid, flush=True)\n    os.kill(os.getpid(), signal.SIGTERM)\n"
-              f"    time.sleep(60)\n")  # fmt: skip
+    script = (
+        f"import os, signal, sys, time\nfrom pathlib import Path\n"
+        f"from flashdraft.serving.engine import VllmServer\n"
+        f"with VllmServer(Path(sys.executable), {str(tmp_path / 'child.pid')!r}, Path({str(tmp_path)!r}) / "
+        f"'server.log') as s:\n    print(s.process.pid, flush=True)\n    os.kill(os.getpid(), signal.SIGTERM)\n"
+        f"    time.sleep(60)\n"
+    )
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).parents[2])])}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode != 0 and "SIGTERM: the engine's server is stopped" in done.stderr

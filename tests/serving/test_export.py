@@ -29,8 +29,14 @@ def test_export_writes_the_public_format_from_every_checkpoint_form(tmp_path, fo
     # RoPE and positions of a bare state dict come from the target: give the drafter the target's
     drafter = make_drafter(rope_theta=10000.0, max_position_embeddings=512)
     target = make_target("qwen3") if form == "state dict" else None
-    export_drafter(write_form(form, tmp_path, drafter), tmp_path / "out", target, target_name="Qwen/Qwen3-8B",
-                   block_size=8, target_layer_ids=[0, 2])  # fmt: skip
+    export_drafter(
+        write_form(form, tmp_path, drafter),
+        tmp_path / "out",
+        target,
+        target_name="Qwen/Qwen3-8B",
+        block_size=8,
+        target_layer_ids=[0, 2],
+    )
     loaded = load_drafter(tmp_path / "out")
     expected = drafter.config.to_dict()
     if target is not None:  # with the target, export names the mask token's string too
@@ -93,8 +99,9 @@ def test_export_refuses_a_target_the_drafter_was_not_made_for(tmp_path):
 
 def test_export_cli_prints_each_layers_causality_and_the_serving_rules(capsys, tmp_path):
     target = save_target(tmp_path / "target", kind="qwen3")
-    src = save_drafter(make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
-                       tmp_path / "src")  # fmt: skip
+    src = save_drafter(
+        make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6), tmp_path / "src"
+    )
     out_dir = tmp_path / "out"
     assert main(["export", "--checkpoint", str(src), "--out", str(out_dir), "--target-model", str(target)]) == 0
     out = capsys.readouterr().out
@@ -116,14 +123,23 @@ def test_export_of_a_dflash2_drafter_writes_the_published_contract_and_reloads_i
     export_drafter(write_form(form, tmp_path, drafter), tmp_path / "out", target_name="Qwen/Qwen3-8B")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"] and config["model_type"] == "qwen3"
-    assert config["dflash_config"] == {"target_layer_ids": [0, 2], "mask_token_id": 63, "conv_kernel_size": 2,
-                                       "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4,
-                                       "block_size": 8}  # fmt: skip
+    assert config["dflash_config"] == {
+        "target_layer_ids": [0, 2],
+        "mask_token_id": 63,
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 8,
+        "selector_top_k": 4,
+        "block_size": 8,
+    }
     assert config["is_causal"] is False and "draft_vocab_size" not in config
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as sf:
         keys = set(sf.keys())
-    published = {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
-                 "candidate_selector.hidden_projection.weight"}  # fmt: skip
+    published = {
+        "candidate_selector.predecessor_codebook",
+        "candidate_selector.successor_codebook",
+        "candidate_selector.hidden_projection.weight",
+    }
     for i in range(2):
         for conv in ("attention_conv", "mlp_conv"):
             published |= {f"layers.{i}.{conv}.base_kernel", f"layers.{i}.{conv}.kernel_projection.weight"}

@@ -13,11 +13,26 @@ import pytest
 from flashdraft.errors import FlashdraftError
 from flashdraft.serving.load import LoadPlan, LoadRequest, parse_load, run_load
 
-REQUEST = {"id": "p0", "success": True, "error": "", "ttft": 0.02, "itl": [0.01, 0.03, 0.01], "latency": 0.07,
-           "output_tokens": 5, "token_ids": [5, 6, 7, 8, 9], "finish_reason": "length"}  # fmt: skip
-RESULT = {"duration": 0.5, "output_throughput": 10.0, "request_throughput": 2.0, "spec_decode_num_drafts": 3,
-          "spec_decode_draft_tokens": 21, "spec_decode_accepted_tokens": 4,
-          "spec_decode_per_position_acceptance_rates": [2 / 3, 1 / 3, 1 / 3, 0.0]}  # fmt: skip
+REQUEST = {
+    "id": "p0",
+    "success": True,
+    "error": "",
+    "ttft": 0.02,
+    "itl": [0.01, 0.03, 0.01],
+    "latency": 0.07,
+    "output_tokens": 5,
+    "token_ids": [5, 6, 7, 8, 9],
+    "finish_reason": "length",
+}
+RESULT = {
+    "duration": 0.5,
+    "output_throughput": 10.0,
+    "request_throughput": 2.0,
+    "spec_decode_num_drafts": 3,
+    "spec_decode_draft_tokens": 21,
+    "spec_decode_accepted_tokens": 4,
+    "spec_decode_per_position_acceptance_rates": [2 / 3, 1 / 3, 1 / 3, 0.0],
+}
 
 
 def test_a_run_reads_back_vllms_figures_the_counters_as_counts_and_each_requests_timing():
@@ -28,8 +43,13 @@ def test_a_run_reads_back_vllms_figures_the_counters_as_counts_and_each_requests
     r = run.requests[0]
     assert r.output_ids == [5, 6, 7, 8, 9] and r.tpot == pytest.approx((0.07 - 0.02) / 4)
     assert run.step_seconds == pytest.approx(0.01)  # the median chunk gap
-    plain = parse_load({"result": {k: RESULT[k] for k in ("duration", "output_throughput", "request_throughput")},
-                        "requests": [REQUEST]}, concurrency=1)  # fmt: skip
+    plain = parse_load(
+        {
+            "result": {k: RESULT[k] for k in ("duration", "output_throughput", "request_throughput")},
+            "requests": [REQUEST],
+        },
+        concurrency=1,
+    )
     assert plain.counters is None  # a server without a drafter: vLLM reports no spec_decode figures
 
 
@@ -45,31 +65,47 @@ def _fake_python(tmp_path: Path, body: str) -> Path:
     """A stand-in for the engine's Python: runs `body` with JOB and OUT as `job` and `out`."""
     script = tmp_path / "bin" / "python"
     script.parent.mkdir(parents=True, exist_ok=True)
-    script.write_text(f"#!{sys.executable}\nimport json, sys\njob = json.load(open(sys.argv[2]))\n"
-                      f"out = sys.argv[3]\n{body}\n")  # fmt: skip
+    script.write_text(
+        f"#!{sys.executable}\nimport json, sys\njob = json.load(open(sys.argv[2]))\nout = sys.argv[3]\n{body}\n"
+    )
     script.chmod(0o755)
     return script
 
 
 def test_every_run_goes_to_one_client_which_reports_each_as_it_ends(tmp_path):
-    python = _fake_python(tmp_path, "runs = []\nfor i, run in enumerate(job['runs']):\n"
-                          "    runs.append({'result': " + repr(RESULT) + ", 'requests': [dict(" + repr(REQUEST)
-                          + ", id=r['id']) for r in run['requests']]})\n    print(f'run {i} done', flush=True)\n"
-                          "json.dump({'runs': runs}, open(out, 'w'))")  # fmt: skip
-    plans = [LoadPlan(url, c, [LoadRequest("a", [1, 2], 5, {"temperature": 0.0})])
-             for url, c in (("http://127.0.0.1:1/v1", 1), ("http://127.0.0.1:2/", 2))]  # fmt: skip
+    python = _fake_python(
+        tmp_path,
+        "runs = []\nfor i, run in enumerate(job['runs']):\n"
+        "    runs.append({'result': "
+        + repr(RESULT)
+        + ", 'requests': [dict("
+        + repr(REQUEST)
+        + ", id=r['id']) for r in run['requests']]})\n    print(f'run {i} done', flush=True)\n"
+        "json.dump({'runs': runs}, open(out, 'w'))",
+    )
+    plans = [
+        LoadPlan(url, c, [LoadRequest("a", [1, 2], 5, {"temperature": 0.0})])
+        for url, c in (("http://127.0.0.1:1/v1", 1), ("http://127.0.0.1:2/", 2))
+    ]
     seen = []
     runs = run_load(python, plans, 2, tmp_path / "work", on_run=seen.append)
     assert seen == [0, 1] and [r.concurrency for r in runs] == [1, 2]
     job = json.loads((tmp_path / "work" / "job.json").read_text())
     assert job["warmups"] == 2 and job["runs"][0]["base_url"] == "http://127.0.0.1:1"
-    assert job["runs"][1] == {"base_url": "http://127.0.0.1:2", "concurrency": 2, "requests": [
-        {"id": "a", "prompt_ids": [1, 2], "max_tokens": 5, "body": {"temperature": 0.0}}]}  # fmt: skip
+    assert job["runs"][1] == {
+        "base_url": "http://127.0.0.1:2",
+        "concurrency": 2,
+        "requests": [{"id": "a", "prompt_ids": [1, 2], "max_tokens": 5, "body": {"temperature": 0.0}}],
+    }
 
 
 def test_a_client_that_dies_is_one_line_with_its_last_words_and_its_log(tmp_path):
-    python = _fake_python(tmp_path, "print('aiohttp.ClientConnectorError: cannot connect', file=sys.stderr)\n"
-                          "sys.exit(1)")  # fmt: skip
-    with pytest.raises(FlashdraftError, match=r"exited with code 1: aiohttp.ClientConnectorError: cannot connect "
-                                              r"\(log: .*client.log\)"):  # fmt: skip
+    python = _fake_python(
+        tmp_path, "print('aiohttp.ClientConnectorError: cannot connect', file=sys.stderr)\nsys.exit(1)"
+    )
+    with pytest.raises(
+        FlashdraftError,
+        match=r"exited with code 1: aiohttp.ClientConnectorError: cannot connect "
+        r"\(log: .*client.log\)",
+    ):
         run_load(python, [LoadPlan("http://127.0.0.1:1", 1, [])], 0, tmp_path / "work")

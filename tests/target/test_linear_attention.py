@@ -87,11 +87,22 @@ def test_causal_conv_window_equals_conv1d(seq_len):
 def gqa_hybrid_model(seed: int = 0) -> Qwen3_5ForCausalLM:
     """A Qwen3.5/3.6-shaped hybrid: two value heads per key head, as the released models have."""
     torch.manual_seed(seed)
-    cfg = Qwen3_5TextConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=EOS,
-                            pad_token_id=PAD, layer_types=["linear_attention", "linear_attention",
-                            "linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
-                            linear_key_head_dim=16, linear_value_head_dim=16)  # fmt: skip
+    cfg = Qwen3_5TextConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    )
     return Qwen3_5ForCausalLM(cfg).float().eval()
 
 

@@ -22,10 +22,23 @@ def save_qwen36_layout(directory, seed: int = 0):
     """A tiny random target as Qwen3.5/3.6 checkpoints are published: a vision-language config
     with the language model's in text_config, weights under model.language_model., a vision tower."""
     torch.manual_seed(seed)
-    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512,
-                layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
-                linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=32)  # fmt: skip
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        max_position_embeddings=512,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=32,
+    )
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
     config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
     Qwen3_5ForConditionalGeneration(config).save_pretrained(directory)
@@ -51,8 +64,11 @@ def drop_tensors(directory, keep) -> None:
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     root = tmp_path_factory.mktemp("targets")
-    dirs = {"tiny": TINY_DIR, "qwen3.6 layout": save_qwen36_layout(root / "qwen36"),
-            "sharded": save_sharded(root / "sharded")}  # fmt: skip
+    dirs = {
+        "tiny": TINY_DIR,
+        "qwen3.6 layout": save_qwen36_layout(root / "qwen36"),
+        "sharded": save_sharded(root / "sharded"),
+    }
     for kind in ("qwen3", "hybrid", "llama"):
         dirs[kind] = save_target(root / kind, kind)
     return dirs
@@ -111,18 +127,30 @@ def test_decoder_layers_absent_from_the_files_are_never_needed(tmp_path, targets
 
 @pytest.mark.parametrize(
     "drop, named",
-    [("model.embed_tokens.weight", "model.embed_tokens.weight' (the input embedding)"),
-     ("lm_head.weight", "lm_head.weight' (the LM head)")],
-)  # fmt: skip
-def test_missing_embedding_or_lm_head_is_a_one_line_error_naming_file_and_tensor(capsys, tmp_path, targets, drop,
-                                                                                  named):  # fmt: skip
+    [
+        ("model.embed_tokens.weight", "model.embed_tokens.weight' (the input embedding)"),
+        ("lm_head.weight", "lm_head.weight' (the LM head)"),
+    ],
+)
+def test_missing_embedding_or_lm_head_is_a_one_line_error_naming_file_and_tensor(
+    capsys, tmp_path, targets, drop, named
+):
     shutil.copytree(targets["qwen3"], tmp_path / "t")
     drop_tensors(tmp_path / "t", keep=lambda name: name != drop)
     with pytest.raises(FlashdraftError, match="holds no tensor"):
         TargetHead.load(tmp_path / "t")
     (tmp_path / "d").mkdir(), (tmp_path / "cache").mkdir()  # inputs that exist: the target is read first
-    rc = main(["eval", "--checkpoint", str(tmp_path / "d"), "--target-model", str(tmp_path / "t"),
-               "--cached-hidden-states", str(tmp_path / "cache")])  # fmt: skip
+    rc = main(
+        [
+            "eval",
+            "--checkpoint",
+            str(tmp_path / "d"),
+            "--target-model",
+            str(tmp_path / "t"),
+            "--cached-hidden-states",
+            str(tmp_path / "cache"),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert f"{tmp_path / 't' / 'model.safetensors'} holds no tensor '{named}" in err[0]
@@ -133,8 +161,10 @@ def test_a_missing_shard_is_named_with_the_index_that_lists_it(tmp_path, targets
     index = json.loads((tmp_path / "t" / "model.safetensors.index.json").read_text())
     shard = index["weight_map"]["lm_head.weight"]
     (tmp_path / "t" / shard).unlink()
-    with pytest.raises(FlashdraftError, match=f"{shard} \\(named by .*model.safetensors.index.json\\) is missing "
-                                              f"'lm_head.weight' \\(the LM head\\)"):  # fmt: skip
+    with pytest.raises(
+        FlashdraftError,
+        match=f"{shard} \\(named by .*model.safetensors.index.json\\) is missing 'lm_head.weight' \\(the LM head\\)",
+    ):
         TargetHead.load(tmp_path / "t")
 
 
@@ -148,10 +178,42 @@ def offline_data(tmp_path_factory, targets):
     for kind, layers in (("hybrid", "0,2"), ("tiny", "1,3")):
         root = tmp_path_factory.mktemp(kind)
         prompts = write_word_prompts(root / "prompts.jsonl", 4) if kind != "tiny" else "builtin:code:heldout"
-        assert main(["generate", "--target-model", str(targets[kind]), "--prompts", str(prompts), "--num-prompts",
-                     "4", "--out", str(root / "c.json"), "--max-new-tokens", "24"]) == 0  # fmt: skip
-        assert main(["cache", "--target-model", str(targets[kind]), "--completions", str(root / "c.json"),
-                     "--out", str(root / "cache"), "--layers", layers, "--dtype", "fp32"]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "generate",
+                    "--target-model",
+                    str(targets[kind]),
+                    "--prompts",
+                    str(prompts),
+                    "--num-prompts",
+                    "4",
+                    "--out",
+                    str(root / "c.json"),
+                    "--max-new-tokens",
+                    "24",
+                ]
+            )
+            == 0
+        )
+        assert (
+            main(
+                [
+                    "cache",
+                    "--target-model",
+                    str(targets[kind]),
+                    "--completions",
+                    str(root / "c.json"),
+                    "--out",
+                    str(root / "cache"),
+                    "--layers",
+                    layers,
+                    "--dtype",
+                    "fp32",
+                ]
+            )
+            == 0
+        )
         data[kind] = (targets[kind], root, layers)
     return data
 
@@ -175,15 +237,59 @@ def test_offline_train_and_eval_through_the_head_equal_the_whole_model_path(monk
         with monkeypatch.context() as m:
             (_whole_model_instead_of_head if path == "whole" else _refuse_whole_model)(m)
             out = root / f"run-{path}"
-            assert main(["train", "--target-model", str(target), "--cached-hidden-states", str(root / "cache"),
-                         "--out", str(out), "--draft-layers", "1", "--target-layer-ids", layers, "--block-size", "4",
-                         "--batch-size", "2", "--num-anchors", "8", "--lr", "3e-3", "--epochs", "2",
-                         "--log-every", "1", "--eval-every", "4", "--eval-cached-hidden-states",
-                         str(root / "cache")]) == 0, capsys.readouterr().err  # fmt: skip
+            assert (
+                main(
+                    [
+                        "train",
+                        "--target-model",
+                        str(target),
+                        "--cached-hidden-states",
+                        str(root / "cache"),
+                        "--out",
+                        str(out),
+                        "--draft-layers",
+                        "1",
+                        "--target-layer-ids",
+                        layers,
+                        "--block-size",
+                        "4",
+                        "--batch-size",
+                        "2",
+                        "--num-anchors",
+                        "8",
+                        "--lr",
+                        "3e-3",
+                        "--epochs",
+                        "2",
+                        "--log-every",
+                        "1",
+                        "--eval-every",
+                        "4",
+                        "--eval-cached-hidden-states",
+                        str(root / "cache"),
+                    ]
+                )
+                == 0
+            ), capsys.readouterr().err
             drafter = out / "checkpoints" / "step-0000004" / "drafter"
-            assert main(["eval", "--checkpoint", str(drafter), "--target-model", str(target),
-                         "--cached-hidden-states", str(root / "cache"), "--max-blocks", "6",
-                         "--json", str(root / f"eval-{path}.json")]) == 0, capsys.readouterr().err  # fmt: skip
+            assert (
+                main(
+                    [
+                        "eval",
+                        "--checkpoint",
+                        str(drafter),
+                        "--target-model",
+                        str(target),
+                        "--cached-hidden-states",
+                        str(root / "cache"),
+                        "--max-blocks",
+                        "6",
+                        "--json",
+                        str(root / f"eval-{path}.json"),
+                    ]
+                )
+                == 0
+            ), capsys.readouterr().err
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         results[path] = (
             load_file(drafter / "model.safetensors"),
@@ -208,9 +314,27 @@ def test_train_target_dtype_sets_how_the_target_is_read(monkeypatch, capsys, off
         return head
 
     monkeypatch.setattr(TargetHead, "load", classmethod(spy))
-    common = ["train", "--target-model", str(target), "--cached-hidden-states", str(root / "cache"),
-              "--draft-layers", "1", "--target-layer-ids", layers, "--block-size", "4", "--batch-size", "2",
-              "--num-anchors", "8", "--max-steps", "2", "--log-every", "1"]  # fmt: skip
+    common = [
+        "train",
+        "--target-model",
+        str(target),
+        "--cached-hidden-states",
+        str(root / "cache"),
+        "--draft-layers",
+        "1",
+        "--target-layer-ids",
+        layers,
+        "--block-size",
+        "4",
+        "--batch-size",
+        "2",
+        "--num-anchors",
+        "8",
+        "--max-steps",
+        "2",
+        "--log-every",
+        "1",
+    ]
     assert main([*common, "--out", str(root / "dtype-default")]) == 0, capsys.readouterr().err
     assert main([*common, "--out", str(root / "dtype-bf16"), "--target-dtype", "bf16"]) == 0, capsys.readouterr().err
     assert seen == [torch.float32, torch.bfloat16]  # CPU default, then as asked
@@ -229,9 +353,12 @@ def test_attention_layer_weights_compute_what_the_target_layer_computes(targets,
     x = torch.randn(3, head.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            torch.testing.assert_close(torch.nn.functional.rms_norm(x, (x.shape[-1],), weights[f"{norm}.weight"],
-                                                                    eps=head.config.rms_norm_eps),
-                                       getattr(layer, norm)(x))  # fmt: skip
+            torch.testing.assert_close(
+                torch.nn.functional.rms_norm(
+                    x, (x.shape[-1],), weights[f"{norm}.weight"], eps=head.config.rms_norm_eps
+                ),
+                getattr(layer, norm)(x),
+            )
         mlp = layer.mlp
         w = {n: weights[f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")}
         ours = (torch.nn.functional.silu(x @ w["gate"].T) * (x @ w["up"].T)) @ w["down"].T

@@ -34,13 +34,31 @@ class Preempted(Exception):
     pass
 
 
-def run(run_dir: Path, batch_size: int, grad_accum: int, fsdp: bool, weighting: str, optimizer: str,
-        mode: str | None, family: str, dist: Dist) -> None:  # fmt: skip
+def run(
+    run_dir: Path,
+    batch_size: int,
+    grad_accum: int,
+    fsdp: bool,
+    weighting: str,
+    optimizer: str,
+    mode: str | None,
+    family: str,
+    dist: Dist,
+) -> None:
     steps = dict(max_steps=4, save_every=2) if mode else dict(epochs=1, save_every=100)  # 8 records: 2 steps an epoch
     target = make_target("hybrid")
     records = make_records(target, n=8, topk=16 if family == "dspark" else 0)  # DSpark's loss: the target's logits
-    cfg = TrainConfig(batch_size=batch_size, grad_accum=grad_accum, lr=3e-3, num_anchors=6, log_every=1, fsdp=fsdp,
-                      loss_weighting=weighting, optimizer=optimizer, **steps)  # fmt: skip
+    cfg = TrainConfig(
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        lr=3e-3,
+        num_anchors=6,
+        log_every=1,
+        fsdp=fsdp,
+        loss_weighting=weighting,
+        optimizer=optimizer,
+        **steps,
+    )
 
     def preempt(step: int) -> None:
         if mode == "stop" and step == 2:  # after the step-2 checkpoint, before step 3's
@@ -48,8 +66,16 @@ def run(run_dir: Path, batch_size: int, grad_accum: int, fsdp: bool, weighting: 
 
     try:
         new_drafter = {"dflash": make_drafter, "dflash2": make_dflash2_drafter, "dspark": make_dspark_drafter}[family]
-        train(cfg, new_drafter(block_size=4), target, records, run_dir, resume=mode == "resume", dist=dist,
-              on_step=preempt)  # fmt: skip
+        train(
+            cfg,
+            new_drafter(block_size=4),
+            target,
+            records,
+            run_dir,
+            resume=mode == "resume",
+            dist=dist,
+            on_step=preempt,
+        )
     except Preempted:
         pass
 
@@ -58,14 +84,32 @@ def run_plan(plan: list[dict]) -> None:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     ones = [p for p in plan if p["procs"] == 1]
     for p in ones[rank::world]:  # before the process group: all_reduce and FSDP see one process
-        run(Path(p["run_dir"]), p["batch"], p["accum"], p["fsdp"], p["weighting"], p["optimizer"], None,
-            p["family"], Dist())  # fmt: skip
+        run(
+            Path(p["run_dir"]),
+            p["batch"],
+            p["accum"],
+            p["fsdp"],
+            p["weighting"],
+            p["optimizer"],
+            None,
+            p["family"],
+            Dist(),
+        )
     dist = init_distributed("cpu", collectives=True)
     for p in plan:
         if p["procs"] != 1:
             assert p["procs"] == dist.world, p
-            run(Path(p["run_dir"]), p["batch"], p["accum"], p["fsdp"], p["weighting"], p["optimizer"], None,
-                p["family"], dist)  # fmt: skip
+            run(
+                Path(p["run_dir"]),
+                p["batch"],
+                p["accum"],
+                p["fsdp"],
+                p["weighting"],
+                p["optimizer"],
+                None,
+                p["family"],
+                dist,
+            )
     dist.close()
 
 
@@ -79,6 +123,15 @@ if __name__ == "__main__":
     optimizer = sys.argv[6] if len(sys.argv) > 6 else "adamw"
     mode = sys.argv[7] if len(sys.argv) > 7 else None
     dist = init_distributed("cpu", collectives=True)
-    run(run_dir, batch_size, grad_accum, fsdp, weighting, optimizer, mode, os.environ.get("DRAFTER_FAMILY", "dflash"),
-        dist)  # fmt: skip
+    run(
+        run_dir,
+        batch_size,
+        grad_accum,
+        fsdp,
+        weighting,
+        optimizer,
+        mode,
+        os.environ.get("DRAFTER_FAMILY", "dflash"),
+        dist,
+    )
     dist.close()

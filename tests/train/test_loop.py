@@ -47,15 +47,19 @@ def test_training_forward_predicts_what_the_inference_path_predicts(target, reco
     drafter = make_drafter(block_size=4, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
     record = records[0]
     batch = make_batch([record], [0], epoch=0, seed=0, num_anchors=5, block_size=4, mask_token_id=MASK)
-    hidden = drafter(target.embed(batch.block_ids), batch.anchor_positions, batch.context_features,
-                     batch.context_positions)  # fmt: skip
+    hidden = drafter(
+        target.embed(batch.block_ids), batch.anchor_positions, batch.context_features, batch.context_positions
+    )
     train_logits = target.lm_head(hidden)  # [1, K * 4, V]
     for j, anchor in enumerate(batch.anchor_positions[0].tolist()):
         proposer = DFlashProposer(drafter, target)
         infer_logits = proposer.propose(
-            record.input_ids[: anchor + 1].tolist(), anchor, record.context_features[None, :anchor],
-            torch.arange(anchor)[None], 4,
-        )  # fmt: skip
+            record.input_ids[: anchor + 1].tolist(),
+            anchor,
+            record.context_features[None, :anchor],
+            torch.arange(anchor)[None],
+            4,
+        )
         torch.testing.assert_close(train_logits[0, j * 4 + 1 : j * 4 + 4], infer_logits, rtol=1e-4, atol=1e-4)
 
 
@@ -66,8 +70,9 @@ def records_with_logits(target):
 
 @pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(target, records, records_with_logits, tmp_path,
-                                                              optimizer, family):  # fmt: skip
+def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(
+    target, records, records_with_logits, tmp_path, optimizer, family
+):
     new_drafter = {"dflash": make_drafter, "dflash2": make_dflash2_drafter, "dspark": make_dspark_drafter}[family]
     if family == "dspark":  # the paper's loss: the target's distribution at every label
         records = records_with_logits
@@ -92,7 +97,9 @@ def test_checkpoints_keep_the_last_k_and_load_in_public_format(target, records, 
     names = [p.name for p in complete_checkpoints(tmp_path)]
     assert names == ["step-0000005", "step-0000006"]
     assert sorted(p.name for p in (tmp_path / "checkpoints/step-0000006/drafter").iterdir()) == [
-        "config.json", "model.safetensors"]  # fmt: skip
+        "config.json",
+        "model.safetensors",
+    ]
 
 
 def test_second_trainer_on_the_same_run_directory_is_refused(target, records, tmp_path):
@@ -138,10 +145,20 @@ def test_online_features_give_the_same_loss_as_cached_features(target, records):
 @pytest.mark.parametrize("weighting", ["decay", "dpace"])
 def test_gradient_accumulation_matches_one_larger_batch_within_rounding(target, records, tmp_path, weighting):
     # AdamW: Muon's bf16 orthogonalisation would blur the last bits this compares (see the gloo test)
-    big = train(_cfg(batch_size=4, max_steps=2, loss_weighting=weighting, optimizer="adamw"), make_drafter(), target,
-                records, tmp_path / "a")  # fmt: skip
-    accum = train(_cfg(batch_size=2, grad_accum=2, max_steps=2, loss_weighting=weighting, optimizer="adamw"),
-                  make_drafter(), target, records, tmp_path / "b")  # fmt: skip
+    big = train(
+        _cfg(batch_size=4, max_steps=2, loss_weighting=weighting, optimizer="adamw"),
+        make_drafter(),
+        target,
+        records,
+        tmp_path / "a",
+    )
+    accum = train(
+        _cfg(batch_size=2, grad_accum=2, max_steps=2, loss_weighting=weighting, optimizer="adamw"),
+        make_drafter(),
+        target,
+        records,
+        tmp_path / "b",
+    )
     # atol: Adam divides by sqrt(v), so a near-zero gradient element's last-bit difference between the two
     # summation orders reaches ~1e-5 of the weight on some CPUs (1.2e-5 on an x86_64 without AVX-512)
     for key, value in big.state_dict().items():
@@ -149,10 +166,16 @@ def test_gradient_accumulation_matches_one_larger_batch_within_rounding(target, 
 
 
 @pytest.mark.parametrize("weighting, optimizer", [("decay", "adamw"), ("dpace", "adamw"), ("dpace", "muon")])
-def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, records, tmp_path, weighting,
-                                                                       optimizer):  # fmt: skip
-    cfg = _cfg(max_steps=40, epochs=100, eval_every=40, log_every=40, save_every=1000, loss_weighting=weighting,
-               optimizer=optimizer)  # fmt: skip
+def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, records, tmp_path, weighting, optimizer):
+    cfg = _cfg(
+        max_steps=40,
+        epochs=100,
+        eval_every=40,
+        log_every=40,
+        save_every=1000,
+        loss_weighting=weighting,
+        optimizer=optimizer,
+    )
     held_out = make_records(target, n=4, seed=1)
     drafter = make_drafter()
     from flashdraft.train.loop import evaluate_loss
@@ -185,8 +208,7 @@ def _shard_local_muon_gap(matrices: dict[str, torch.Tensor]) -> float:
     for i, value in enumerate(matrices.values()):
         x = torch.randn(value.shape, generator=torch.Generator().manual_seed(i))
         whole = newton_schulz(x, ns["ns_coefficients"], ns["ns_steps"], ns["eps"], torch.float32)
-        shards = [newton_schulz(h, ns["ns_coefficients"], ns["ns_steps"], ns["eps"], torch.float32)
-                  for h in x.chunk(2)]  # fmt: skip
+        shards = [newton_schulz(h, ns["ns_coefficients"], ns["ns_steps"], ns["eps"], torch.float32) for h in x.chunk(2)]
         gaps.append(float((torch.cat(shards) - whole).norm() / whole.norm()))
     return min(gaps)
 
@@ -194,24 +216,64 @@ def _shard_local_muon_gap(matrices: dict[str, torch.Tensor]) -> float:
 def test_two_gloo_ranks_with_ddp_or_fsdp_train_what_one_rank_trains_within_rounding(tmp_path):
     """DDP and FSDP2 on 2 ranks sum gradients in other orders than one rank accumulating (and
     than each other): AdamW weights agree within 1e-5, Muon's matrices within 12 % of their update."""
-    runs = {"one": (1, 2, 2, "ddp", "decay"), "ddp": (2, 2, 1, "ddp", "decay"), "fsdp": (2, 2, 1, "fsdp", "decay"),
-            # D-PACE's normaliser must not be rank-local: 2 ranks x 1 micro-batch == 1 rank x 2 (x 4 accumulation)
-            "one-dpace": (1, 1, 4, "ddp", "dpace"), "ddp-dpace": (2, 2, 1, "ddp", "dpace"),
-            "one-muon": (1, 2, 2, "ddp", "decay", "muon"), "ddp-muon": (2, 2, 1, "ddp", "decay", "muon"),
-            "fsdp-muon": (2, 2, 1, "fsdp", "decay", "muon")}  # fmt: skip
-    plan = [dict(run_dir=str(tmp_path / name), procs=procs, batch=batch, accum=accum, fsdp=mode == "fsdp",
-                 weighting=weighting, optimizer=(options or ["adamw"])[0], family="dflash")
-            for name, (procs, batch, accum, mode, weighting, *options) in runs.items()]  # fmt: skip
+    runs = {
+        "one": (1, 2, 2, "ddp", "decay"),
+        "ddp": (2, 2, 1, "ddp", "decay"),
+        "fsdp": (2, 2, 1, "fsdp", "decay"),
+        # D-PACE's normaliser must not be rank-local: 2 ranks x 1 micro-batch == 1 rank x 2 (x 4 accumulation)
+        "one-dpace": (1, 1, 4, "ddp", "dpace"),
+        "ddp-dpace": (2, 2, 1, "ddp", "dpace"),
+        "one-muon": (1, 2, 2, "ddp", "decay", "muon"),
+        "ddp-muon": (2, 2, 1, "ddp", "decay", "muon"),
+        "fsdp-muon": (2, 2, 1, "fsdp", "decay", "muon"),
+    }
+    plan = [
+        dict(
+            run_dir=str(tmp_path / name),
+            procs=procs,
+            batch=batch,
+            accum=accum,
+            fsdp=mode == "fsdp",
+            weighting=weighting,
+            optimizer=(options or ["adamw"])[0],
+            family="dflash",
+        )
+        for name, (procs, batch, accum, mode, weighting, *options) in runs.items()
+    ]
     pairs = {family: {f"one-{family}": (1, 1, 4), f"fsdp-{family}": (2, 2, 1)} for family in ("dflash2", "dspark")}
-    plan += [dict(run_dir=str(tmp_path / name), procs=procs, batch=batch, accum=accum, fsdp=True, weighting="dpace",
-                  optimizer="adamw", family=family)
-             for family, pair in pairs.items() for name, (procs, batch, accum) in pair.items()]  # fmt: skip
+    plan += [
+        dict(
+            run_dir=str(tmp_path / name),
+            procs=procs,
+            batch=batch,
+            accum=accum,
+            fsdp=True,
+            weighting="dpace",
+            optimizer="adamw",
+            family=family,
+        )
+        for family, pair in pairs.items()
+        for name, (procs, batch, accum) in pair.items()
+    ]
     # one 2-rank launch runs all 13 (the 1-process runs split between its ranks before the group exists)
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(REPO / "tests/train/ddp_worker.py"), "--plan", str(tmp_path / "plan.json")],
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)), capture_output=True,
-                          text=True, timeout=480)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(REPO / "tests/train/ddp_worker.py"),
+            "--plan",
+            str(tmp_path / "plan.json"),
+        ],
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
     assert all(latest_checkpoint(Path(p["run_dir"])).name == "step-0000002" for p in plan)  # steps 0-2
     # a DFlash2 drafter (convolutions, selector loss) and a DSpark one (Markov and confidence heads, the paper's
@@ -233,8 +295,10 @@ def test_two_gloo_ranks_with_ddp_or_fsdp_train_what_one_rank_trains_within_round
         for key, value in one.state_dict().items():
             torch.testing.assert_close(value, other.state_dict()[key], rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
     init = make_drafter(block_size=4).state_dict()
-    weights = {name: load_drafter(latest_checkpoint(tmp_path / name) / "drafter").state_dict()
-               for name in ("one-muon", "ddp-muon", "fsdp-muon")}  # fmt: skip
+    weights = {
+        name: load_drafter(latest_checkpoint(tmp_path / name) / "drafter").state_dict()
+        for name in ("one-muon", "ddp-muon", "fsdp-muon")
+    }
     matrices = {key: value for key, value in init.items() if value.ndim == 2}
     # under FSDP2 Muon orthogonalises the whole gathered matrix, as DDP does; a shard's own orthogonalisation
     # would be 37-78 % off: the tolerance must stay well below that
@@ -254,9 +318,28 @@ def test_two_rank_fsdp_run_stopped_after_a_checkpoint_resumes_bit_identically_wi
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     worker = str(REPO / "tests/train/ddp_worker.py")
     for mode, run in (("full", "full"), ("stop", "resumed"), ("resume", "resumed")):
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               worker, str(tmp_path / run), "2", "1", "fsdp", "dpace", "muon", mode],
-                              env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                worker,
+                str(tmp_path / run),
+                "2",
+                "1",
+                "fsdp",
+                "dpace",
+                "muon",
+                mode,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert done.returncode == 0, f"{mode}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
         if mode == "stop":
             assert latest_checkpoint(tmp_path / run).name == "step-0000002"
@@ -266,16 +349,20 @@ def test_two_rank_fsdp_run_stopped_after_a_checkpoint_resumes_bit_identically_wi
     assert all(torch.equal(full[key], resumed[key]) for key in full)
 
 
-def test_the_checkpoint_records_the_longest_context_trained_at_and_a_warm_start_keeps_the_longer(target, records,
-                                                                                                 tmp_path):  # fmt: skip
+def test_the_checkpoint_records_the_longest_context_trained_at_and_a_warm_start_keeps_the_longer(
+    target, records, tmp_path
+):
     from flashdraft.distributed import Dist
     from flashdraft.train.loop import global_batch
 
     cfg = _cfg(max_steps=3, max_length=14)  # records are 30 tokens: truncated to 14
     train(cfg, make_drafter(), target, records, tmp_path / "short")
     steps_per_epoch = len(records) // cfg.batch_size
-    reach = max(b.context_reach(cfg.block_size) for step in range(3)
-                for b in global_batch(cfg, records, step, steps_per_epoch, Dist())[0])  # fmt: skip
+    reach = max(
+        b.context_reach(cfg.block_size)
+        for step in range(3)
+        for b in global_batch(cfg, records, step, steps_per_epoch, Dist())[0]
+    )
     assert reach <= 14 - 1 + cfg.block_size  # the last anchor inside the truncated sequence, plus the block
     short = load_drafter(latest_checkpoint(tmp_path / "short") / "drafter")
     assert short.config.trained_context_length == reach

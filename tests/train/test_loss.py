@@ -87,8 +87,7 @@ def test_dpace_loss_weights_come_from_the_label_probability_and_carry_no_gradien
 
 
 def test_dpace_normaliser_is_known_from_labels_alone_so_any_partition_sums_to_the_same():
-    labels = torch.tensor([[IGNORE, 1, 2, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE],
-                           [IGNORE, 1, 2, 3, IGNORE, 4, 0, 1]])  # fmt: skip
+    labels = torch.tensor([[IGNORE, 1, 2, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE], [IGNORE, 1, 2, 3, IGNORE, 4, 0, 1]])
     whole = label_weight_total(labels, 4, None, "dpace")
     assert whole == label_weight_total(labels[:1], 4, None, "dpace") + label_weight_total(labels[1:], 4, None, "dpace")
     assert whole == 3  # the second sequence's first block and both blocks of the other
@@ -119,8 +118,9 @@ def test_selector_loss_is_the_teacher_forced_cross_entropy_over_the_top_k_with_a
         ids = logits[m].detach().topk(4).indices.clone()
         if labels[m] not in ids:
             ids[-1] = labels[m]
-        scores = logits[m].detach()[ids] + selector.pair_scores(selector.hidden_projection(hidden[m]),
-                                                                predecessors[m], ids)  # fmt: skip
+        scores = logits[m].detach()[ids] + selector.pair_scores(
+            selector.hidden_projection(hidden[m]), predecessors[m], ids
+        )
         expected = torch.nn.functional.cross_entropy(scores[None], (ids == labels[m]).nonzero()[0])
         torch.testing.assert_close(ce[m], expected)
     ce.sum().backward()
@@ -143,8 +143,19 @@ def test_block_loss_of_a_dflash2_drafter_adds_the_weighted_selector_loss_and_cou
     block_ids = torch.tensor([[5, 63, 63, 63, 6, 63, 63, 63]])
     labels = torch.tensor([[IGNORE, 1, 2, 3, IGNORE, 4, 7, 0]])
     plain = block_loss(hidden, labels, head, 4, gamma=2.0)
-    parts = [block_loss(hidden, labels, head, 4, gamma=2.0, selector=drafter.candidate_selector, block_ids=block_ids,
-                        selector_loss_weight=weight) for weight in (0.0, 0.5, 1.0)]  # fmt: skip
+    parts = [
+        block_loss(
+            hidden,
+            labels,
+            head,
+            4,
+            gamma=2.0,
+            selector=drafter.candidate_selector,
+            block_ids=block_ids,
+            selector_loss_weight=weight,
+        )
+        for weight in (0.0, 0.5, 1.0)
+    ]
     torch.testing.assert_close(parts[0].weighted_sum, plain.weighted_sum)
     selector_half = parts[1].weighted_sum - plain.weighted_sum  # the selector term at weight 0.5
     torch.testing.assert_close(parts[2].weighted_sum - parts[1].weighted_sum, selector_half)
@@ -161,8 +172,9 @@ def test_dspark_decay_is_exp_minus_k_over_4_from_block_position_0_and_the_normal
     torch.testing.assert_close(w, torch.exp(-torch.arange(7.0) / 4))
     labels = torch.tensor([[1, 2, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE]])
     assert math.isclose(label_weight_total(labels, 7, 4.0, first_draft=0), 1 + math.exp(-0.25), rel_tol=1e-6)
-    acc, tau = estimated_acceptance(torch.tensor([2.0, 1.0, 0, 0, 0, 0, 0]), torch.tensor([2.0, 2, 1, 1, 1, 1, 1]),
-                                    first_draft=0)  # fmt: skip
+    acc, tau = estimated_acceptance(
+        torch.tensor([2.0, 1.0, 0, 0, 0, 0, 0]), torch.tensor([2.0, 2, 1, 1, 1, 1, 1]), first_draft=0
+    )
     assert acc[:2] == [1.0, 0.5] and tau == 2.5
 
 
@@ -180,8 +192,9 @@ def test_the_l1_distance_to_a_top_k_target_counts_the_draft_mass_outside_it_and_
     torch.testing.assert_close(target_distribution_terms(logits, (values, indices)), full)
     values, indices = target.topk(4, -1)  # renormalised over 4: the rest of the draft's mass is distance
     p_target = torch.zeros(5, 64).scatter(1, indices, torch.softmax(values, -1))
-    torch.testing.assert_close(target_distribution_terms(logits, (values, indices)),
-                               (torch.softmax(logits, -1) - p_target).abs().sum(-1))  # fmt: skip
+    torch.testing.assert_close(
+        target_distribution_terms(logits, (values, indices)), (torch.softmax(logits, -1) - p_target).abs().sum(-1)
+    )
 
 
 def test_dspark_block_loss_is_the_papers_weighted_ce_l1_and_confidence_bce_with_the_teacher_forced_markov_bias():
@@ -194,8 +207,9 @@ def test_dspark_block_loss_is_the_papers_weighted_ce_l1_and_confidence_bce_with_
     topk = torch.randn(1, 6, 64).topk(64, -1)
     topk = (topk.values, topk.indices)
     terms = DSparkLoss(0.1, 0.9, 1.0)
-    parts = block_loss(hidden, labels, head, 3, 4.0, topk, first_draft=0, drafter=drafter, block_ids=block_ids,
-                       dspark=terms)  # fmt: skip
+    parts = block_loss(
+        hidden, labels, head, 3, 4.0, topk, first_draft=0, drafter=drafter, block_ids=block_ids, dspark=terms
+    )
     trained = labels[0] != IGNORE
     predecessors = torch.tensor([5, 1, 2, 9])  # the anchor, then the true previous token: never a later one
     with torch.no_grad():

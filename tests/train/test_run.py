@@ -19,17 +19,66 @@ def workdir(tmp_path_factory):
         for i in range(6):
             words = " ".join(f"t{int(t)}" for t in torch.randint(0, 60, (5,), generator=gen))
             f.write(json.dumps({"id": f"p{i}", "prompt": words}) + "\n")
-    assert main(["generate", "--target-model", str(d / "target"), "--prompts", str(d / "prompts.jsonl"),
-                 "--out", str(d / "c.json"), "--max-new-tokens", "20"]) == 0  # fmt: skip
-    assert main(["cache", "--target-model", str(d / "target"), "--completions", str(d / "c.json"),
-                 "--out", str(d / "cache"), "--layers", "0,2", "--dtype", "fp32"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--target-model",
+                str(d / "target"),
+                "--prompts",
+                str(d / "prompts.jsonl"),
+                "--out",
+                str(d / "c.json"),
+                "--max-new-tokens",
+                "20",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "cache",
+                "--target-model",
+                str(d / "target"),
+                "--completions",
+                str(d / "c.json"),
+                "--out",
+                str(d / "cache"),
+                "--layers",
+                "0,2",
+                "--dtype",
+                "fp32",
+            ]
+        )
+        == 0
+    )
     return d
 
 
 def _train(d, *extra):
-    return main(["train", "--target-model", str(d / "target"), "--draft-layers", "2", "--block-size", "4",
-                 "--target-layer-ids", "0,2",
-                 "--batch-size", "2", "--num-anchors", "8", "--lr", "3e-3", "--log-every", "1", *extra])  # fmt: skip
+    return main(
+        [
+            "train",
+            "--target-model",
+            str(d / "target"),
+            "--draft-layers",
+            "2",
+            "--block-size",
+            "4",
+            "--target-layer-ids",
+            "0,2",
+            "--batch-size",
+            "2",
+            "--num-anchors",
+            "8",
+            "--lr",
+            "3e-3",
+            "--log-every",
+            "1",
+            *extra,
+        ]
+    )
 
 
 def test_offline_training_from_a_cache_writes_a_loadable_public_drafter(workdir):
@@ -38,14 +87,34 @@ def test_offline_training_from_a_cache_writes_a_loadable_public_drafter(workdir)
     drafter = load_drafter(out / "checkpoints/step-0000006/drafter")
     assert drafter.config.target_layer_ids == [0, 2] and drafter.config.block_size == 4
     lines = (out / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 6 and {"loss", "position_accuracy", "estimated_acceptance", "tokens_per_s", "lr",
-                                "grad_norm"} <= set(json.loads(lines[-1]))  # fmt: skip
+    assert len(lines) == 6 and {
+        "loss",
+        "position_accuracy",
+        "estimated_acceptance",
+        "tokens_per_s",
+        "lr",
+        "grad_norm",
+    } <= set(json.loads(lines[-1]))
 
 
 def test_held_out_evaluation_reports_real_tau_from_the_offline_evaluator_by_context_too(workdir):
     out = workdir / "with-eval"
-    assert _train(workdir, "--cached-hidden-states", str(workdir / "cache"), "--out", str(out), "--max-steps", "2",
-                  "--eval-every", "2", "--eval-cached-hidden-states", str(workdir / "cache")) == 0  # fmt: skip
+    assert (
+        _train(
+            workdir,
+            "--cached-hidden-states",
+            str(workdir / "cache"),
+            "--out",
+            str(out),
+            "--max-steps",
+            "2",
+            "--eval-every",
+            "2",
+            "--eval-cached-hidden-states",
+            str(workdir / "cache"),
+        )
+        == 0
+    )
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"eval_loss", "eval_estimated_acceptance", "eval_tau", "eval_tau_steps"} <= set(last)
     assert 1.0 <= last["eval_tau"] <= 4 and last["eval_tau_steps"] > 0
@@ -62,9 +131,23 @@ def test_online_training_from_completions_runs_the_target_in_the_loop(workdir):
 
 
 def test_training_uses_the_recipe_loss_decay_for_the_block_size_unless_given(workdir):
-    common = ["train", "--target-model", str(workdir / "target"), "--target-layer-ids", "0,2", "--block-size", "8",
-              "--batch-size", "2", "--num-anchors", "4", "--max-steps", "1",
-              "--cached-hidden-states", str(workdir / "cache")]  # fmt: skip
+    common = [
+        "train",
+        "--target-model",
+        str(workdir / "target"),
+        "--target-layer-ids",
+        "0,2",
+        "--block-size",
+        "8",
+        "--batch-size",
+        "2",
+        "--num-anchors",
+        "4",
+        "--max-steps",
+        "1",
+        "--cached-hidden-states",
+        str(workdir / "cache"),
+    ]
     assert main([*common, "--out", str(workdir / "decay-recipe")]) == 0
     assert main([*common, "--out", str(workdir / "decay-off"), "--loss-decay-gamma", "0"]) == 0
     recipe = json.loads((workdir / "decay-recipe" / "run_config.json").read_text())
@@ -74,8 +157,17 @@ def test_training_uses_the_recipe_loss_decay_for_the_block_size_unless_given(wor
 
 def test_cache_with_other_layer_ids_than_the_drafter_is_refused(workdir, capsys):
     # a 1-layer drafter takes the default ids [L // 2] = [2]; the cache holds [0, 2]
-    code = main(["train", "--target-model", str(workdir / "target"), "--cached-hidden-states",
-                 str(workdir / "cache"), "--out", str(workdir / "bad")])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--target-model",
+            str(workdir / "target"),
+            "--cached-hidden-states",
+            str(workdir / "cache"),
+            "--out",
+            str(workdir / "bad"),
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "layer" in err[0]
@@ -83,21 +175,65 @@ def test_cache_with_other_layer_ids_than_the_drafter_is_refused(workdir, capsys)
 
 def test_kl_training_without_stored_target_logits_is_refused_before_the_first_step(workdir, capsys):
     out = workdir / "kl-refused"
-    assert _train(workdir, "--cached-hidden-states", str(workdir / "cache"), "--out", str(out), "--max-steps", "2",
-                  "--kl-weight", "0.5") == 2  # fmt: skip
+    assert (
+        _train(
+            workdir,
+            "--cached-hidden-states",
+            str(workdir / "cache"),
+            "--out",
+            str(out),
+            "--max-steps",
+            "2",
+            "--kl-weight",
+            "0.5",
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "--kl-weight 0.5" in err and "--with-target-logits" in err and str(workdir / "cache") in err
     assert not (out / "checkpoints").exists()
 
 
 def test_kl_training_evaluates_held_out_hard_ce_on_a_cache_without_logits(workdir):
-    assert main(["cache", "--target-model", str(workdir / "target"), "--completions", str(workdir / "c.json"),
-                 "--out", str(workdir / "cache-topk"), "--layers", "0,2", "--dtype", "fp32",
-                 "--with-target-logits", "8"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "cache",
+                "--target-model",
+                str(workdir / "target"),
+                "--completions",
+                str(workdir / "c.json"),
+                "--out",
+                str(workdir / "cache-topk"),
+                "--layers",
+                "0,2",
+                "--dtype",
+                "fp32",
+                "--with-target-logits",
+                "8",
+            ]
+        )
+        == 0
+    )
     out = workdir / "kl"
-    assert _train(workdir, "--cached-hidden-states", str(workdir / "cache-topk"), "--out", str(out), "--max-steps",
-                  "2", "--kl-weight", "0.5", "--eval-every", "2", "--eval-cached-hidden-states",
-                  str(workdir / "cache")) == 0  # fmt: skip
+    assert (
+        _train(
+            workdir,
+            "--cached-hidden-states",
+            str(workdir / "cache-topk"),
+            "--out",
+            str(out),
+            "--max-steps",
+            "2",
+            "--kl-weight",
+            "0.5",
+            "--eval-every",
+            "2",
+            "--eval-cached-hidden-states",
+            str(workdir / "cache"),
+        )
+        == 0
+    )
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["eval_loss"] > 0 and last["eval_tau"] >= 1.0
 
@@ -109,8 +245,23 @@ def _eval_rows(out):
 
 def test_keep_best_keeps_the_drafter_of_the_best_held_out_tau_also_across_resume(workdir, capsys):
     out, cache = workdir / "best", str(workdir / "cache")
-    args = ["--cached-hidden-states", cache, "--out", str(out), "--eval-every", "1", "--eval-cached-hidden-states",
-            cache, "--save-every", "1", "--keep-checkpoints", "20", "--keep-best", "--lr", "2e-2"]  # fmt: skip
+    args = [
+        "--cached-hidden-states",
+        cache,
+        "--out",
+        str(out),
+        "--eval-every",
+        "1",
+        "--eval-cached-hidden-states",
+        cache,
+        "--save-every",
+        "1",
+        "--keep-checkpoints",
+        "20",
+        "--keep-best",
+        "--lr",
+        "2e-2",
+    ]
     assert _train(workdir, *args, "--max-steps", "4", "--epochs", "3") == 0
     assert _train(workdir, *args, "--max-steps", "8", "--epochs", "3", "--resume") == 0
     rows = _eval_rows(out)
@@ -123,8 +274,22 @@ def test_keep_best_keeps_the_drafter_of_the_best_held_out_tau_also_across_resume
     for (name, a), b in zip(best.state_dict().items(), same_step.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     capsys.readouterr()
-    assert main(["eval", "--checkpoint", str(out), "--target-model", str(workdir / "target"),
-                 "--cached-hidden-states", cache, "--max-blocks", "2"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "--checkpoint",
+                str(out),
+                "--target-model",
+                str(workdir / "target"),
+                "--cached-hidden-states",
+                cache,
+                "--max-blocks",
+                "2",
+            ]
+        )
+        == 0
+    )
     said = capsys.readouterr().out
     assert "its newest checkpoint step-0000008" in said and f"is --checkpoint {out / 'best'}" in said
 
@@ -140,18 +305,75 @@ def test_a_sliding_drafter_made_by_init_trains_and_evaluates_offline_equal_onlin
     """The seed's drafter shape (sliding layers + a full one): init -> train -> eval, causal sliding layers."""
     target = str(workdir / "target")
     init = workdir / "sliding-init"
-    assert main(["init", "--target-model", target, "--out", str(init), "--layer-types", "sliding,full",
-                 "--sliding-window", "6", "--target-layer-ids", "0,2", "--block-size", "4"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "init",
+                "--target-model",
+                target,
+                "--out",
+                str(init),
+                "--layer-types",
+                "sliding,full",
+                "--sliding-window",
+                "6",
+                "--target-layer-ids",
+                "0,2",
+                "--block-size",
+                "4",
+            ]
+        )
+        == 0
+    )
     out = workdir / "sliding"
-    assert main(["train", "--target-model", target, "--cached-hidden-states", str(workdir / "cache"), "--out",
-                 str(out), "--init", str(init), "--batch-size", "2", "--num-anchors", "8", "--lr", "3e-3",
-                 "--max-steps", "4", "--epochs", "10"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--target-model",
+                target,
+                "--cached-hidden-states",
+                str(workdir / "cache"),
+                "--out",
+                str(out),
+                "--init",
+                str(init),
+                "--batch-size",
+                "2",
+                "--num-anchors",
+                "8",
+                "--lr",
+                "3e-3",
+                "--max-steps",
+                "4",
+                "--epochs",
+                "10",
+            ]
+        )
+        == 0
+    )
     drafter = load_drafter(out / "checkpoints/step-0000004/drafter")
     assert [(a.causal, a.window) for a in drafter.config.layer_attention] == [(True, 6), (False, None)]
     capsys.readouterr()
     report = workdir / "sliding-eval.json"
-    assert main(["eval", "--checkpoint", str(out), "--target-model", target, "--completions", str(workdir / "c.json"),
-                 "--online", "--check-consistency", "--json", str(report)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "--checkpoint",
+                str(out),
+                "--target-model",
+                target,
+                "--completions",
+                str(workdir / "c.json"),
+                "--online",
+                "--check-consistency",
+                "--json",
+                str(report),
+            ]
+        )
+        == 0
+    )
     figures = json.loads(report.read_text())
     assert figures["lossless"] is True and figures["num_steps"] > 0
 
@@ -161,8 +383,22 @@ def test_train_draft_vocab_size_gives_an_own_head_over_the_most_frequent_tokens_
 ):
     target = str(workdir / "target")
     out = workdir / "reduced"
-    assert _train(workdir, "--cached-hidden-states", str(workdir / "cache"), "--out", str(out), "--max-steps", "3",
-                  "--epochs", "10", "--draft-vocab-size", "40") == 0  # fmt: skip
+    assert (
+        _train(
+            workdir,
+            "--cached-hidden-states",
+            str(workdir / "cache"),
+            "--out",
+            str(out),
+            "--max-steps",
+            "3",
+            "--epochs",
+            "10",
+            "--draft-vocab-size",
+            "40",
+        )
+        == 0
+    )
     drafter = load_drafter(out / "checkpoints/step-0000003/drafter")
     ids = drafter.target_ids().tolist()
     assert drafter.config.draft_vocab_size == 40 and len(ids) == 40 and {61, 63} <= set(ids)  # eos and mask kept
@@ -170,8 +406,24 @@ def test_train_draft_vocab_size_gives_an_own_head_over_the_most_frequent_tokens_
     assert not torch.equal(start.lm_head.weight, torch.zeros_like(start.lm_head.weight))
     capsys.readouterr()
     report = workdir / "reduced-eval.json"
-    assert main(["eval", "--checkpoint", str(out), "--target-model", target, "--completions", str(workdir / "c.json"),
-                 "--online", "--check-consistency", "--json", str(report)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "--checkpoint",
+                str(out),
+                "--target-model",
+                target,
+                "--completions",
+                str(workdir / "c.json"),
+                "--online",
+                "--check-consistency",
+                "--json",
+                str(report),
+            ]
+        )
+        == 0
+    )
     assert json.loads(report.read_text())["lossless"] is True
     exported = workdir / "reduced-export"
     assert main(["export", "--checkpoint", str(out), "--out", str(exported), "--target-model", target]) == 0
@@ -185,27 +437,82 @@ def test_train_draft_vocab_size_gives_an_own_head_over_the_most_frequent_tokens_
     assert json.loads((exported / "config.json").read_text())["draft_vocab_size"] == 40
 
 
-def test_a_dflash2_drafter_made_by_init_trains_offline_and_online_and_evaluates_offline_equal_online(
-    workdir, capsys
-):
+def test_a_dflash2_drafter_made_by_init_trains_offline_and_online_and_evaluates_offline_equal_online(workdir, capsys):
     target = str(workdir / "target")
     init = workdir / "dflash2-init"
-    assert main(["init", "--target-model", target, "--out", str(init), "--family", "dflash2", "--selector-rank", "8",
-                 "--selector-top-k", "4", "--target-layer-ids", "0,2", "--block-size", "4"]) == 0  # fmt: skip
-    train = ["train", "--target-model", target, "--init", str(init), "--batch-size", "2", "--num-anchors", "8",
-             "--lr", "3e-3", "--epochs", "10", "--save-every", "2", "--log-every", "1"]  # fmt: skip
+    assert (
+        main(
+            [
+                "init",
+                "--target-model",
+                target,
+                "--out",
+                str(init),
+                "--family",
+                "dflash2",
+                "--selector-rank",
+                "8",
+                "--selector-top-k",
+                "4",
+                "--target-layer-ids",
+                "0,2",
+                "--block-size",
+                "4",
+            ]
+        )
+        == 0
+    )
+    train = [
+        "train",
+        "--target-model",
+        target,
+        "--init",
+        str(init),
+        "--batch-size",
+        "2",
+        "--num-anchors",
+        "8",
+        "--lr",
+        "3e-3",
+        "--epochs",
+        "10",
+        "--save-every",
+        "2",
+        "--log-every",
+        "1",
+    ]
     offline = ["--cached-hidden-states", str(workdir / "cache")]
     assert main([*train, *offline, "--out", str(workdir / "d2-straight"), "--max-steps", "4"]) == 0
     straight = load_drafter(workdir / "d2-straight/checkpoints/step-0000004/drafter")
     assert not torch.equal(straight.candidate_selector.hidden_projection.weight, torch.zeros(8, 64))  # trained
     metrics = json.loads((workdir / "d2-straight/metrics.jsonl").read_text().splitlines()[-1])
     assert len(metrics["top_k_coverage"]) == len(metrics["selector_accuracy"]) == 3
-    assert main([*train, "--completions", str(workdir / "c.json"), "--out", str(workdir / "d2-online"),
-                 "--max-steps", "2"]) == 0  # fmt: skip
+    assert (
+        main(
+            [*train, "--completions", str(workdir / "c.json"), "--out", str(workdir / "d2-online"), "--max-steps", "2"]
+        )
+        == 0
+    )
     capsys.readouterr()
     report = workdir / "d2-eval.json"
-    assert main(["eval", "--checkpoint", str(workdir / "d2-straight"), "--target-model", target, "--completions",
-                 str(workdir / "c.json"), "--online", "--check-consistency", "--json", str(report)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "--checkpoint",
+                str(workdir / "d2-straight"),
+                "--target-model",
+                target,
+                "--completions",
+                str(workdir / "c.json"),
+                "--online",
+                "--check-consistency",
+                "--json",
+                str(report),
+            ]
+        )
+        == 0
+    )
     figures = json.loads(report.read_text())
     assert figures["lossless"] is True and figures["consistency"]["identical"] is True
     assert figures["selector"]["top_k"] == 4 and figures["selector"]["unary_tau"] > 0
@@ -217,65 +524,241 @@ def test_a_dflash2_drafter_from_a_trained_dflash_one_drafts_exactly_as_it_at_ste
     dflash = workdir / "offline"  # trained by the first test of this file
     if not dflash.exists():
         assert _train(workdir, "--cached-hidden-states", str(workdir / "cache"), "--out", str(dflash)) == 0
-    assert main(["init", "--target-model", target, "--out", str(workdir / "from-dflash"), "--family", "dflash2",
-                 "--from-drafter", str(dflash), "--selector-rank", "8"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "init",
+                "--target-model",
+                target,
+                "--out",
+                str(workdir / "from-dflash"),
+                "--family",
+                "dflash2",
+                "--from-drafter",
+                str(dflash),
+                "--selector-rank",
+                "8",
+            ]
+        )
+        == 0
+    )
     taus = []
     for drafter in (dflash, workdir / "from-dflash"):
         out = workdir / f"{drafter.name}-tau.json"
-        assert main(["eval", "--checkpoint", str(drafter), "--target-model", target, "--cached-hidden-states",
-                     str(workdir / "cache"), "--json", str(out)]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "eval",
+                    "--checkpoint",
+                    str(drafter),
+                    "--target-model",
+                    target,
+                    "--cached-hidden-states",
+                    str(workdir / "cache"),
+                    "--json",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         taus.append([p["acceptance_lengths"] for p in json.loads(out.read_text())["per_prompt"]])
     assert taus[0] == taus[1]
 
 
-def test_a_dspark_drafter_made_by_init_trains_offline_and_online_and_evaluates_offline_equal_online(
-    workdir, capsys
-):
+def test_a_dspark_drafter_made_by_init_trains_offline_and_online_and_evaluates_offline_equal_online(workdir, capsys):
     target = str(workdir / "target")
     init = workdir / "dspark-init"
-    assert main(["init", "--target-model", target, "--out", str(init), "--family", "dspark", "--markov-rank", "8",
-                 "--target-layer-ids", "0,2", "--block-size", "4"]) == 0  # fmt: skip
-    train = ["train", "--target-model", target, "--init", str(init), "--batch-size", "2", "--num-anchors", "8",
-             "--lr", "3e-3", "--epochs", "10", "--save-every", "2", "--log-every", "1"]  # fmt: skip
+    assert (
+        main(
+            [
+                "init",
+                "--target-model",
+                target,
+                "--out",
+                str(init),
+                "--family",
+                "dspark",
+                "--markov-rank",
+                "8",
+                "--target-layer-ids",
+                "0,2",
+                "--block-size",
+                "4",
+            ]
+        )
+        == 0
+    )
+    train = [
+        "train",
+        "--target-model",
+        target,
+        "--init",
+        str(init),
+        "--batch-size",
+        "2",
+        "--num-anchors",
+        "8",
+        "--lr",
+        "3e-3",
+        "--epochs",
+        "10",
+        "--save-every",
+        "2",
+        "--log-every",
+        "1",
+    ]
     # the paper's loss needs the target's distribution: a cache without logits is refused, one with them trains
     capsys.readouterr()
-    assert main([*train, "--cached-hidden-states", str(workdir / "cache"), "--out", str(workdir / "ds-none"),
-                 "--max-steps", "2"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                *train,
+                "--cached-hidden-states",
+                str(workdir / "cache"),
+                "--out",
+                str(workdir / "ds-none"),
+                "--max-steps",
+                "2",
+            ]
+        )
+        == 2
+    )
     assert "holds no target logits; a DSpark drafter's loss needs" in capsys.readouterr().err
-    assert main(["cache", "--target-model", target, "--completions", str(workdir / "c.json"), "--out",
-                 str(workdir / "cache-logits"), "--layers", "0,2", "--dtype", "fp32",
-                 "--with-target-logits", "16"]) == 0  # fmt: skip
-    assert main([*train, "--cached-hidden-states", str(workdir / "cache-logits"), "--out", str(workdir / "ds"),
-                 "--max-steps", "4"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "cache",
+                "--target-model",
+                target,
+                "--completions",
+                str(workdir / "c.json"),
+                "--out",
+                str(workdir / "cache-logits"),
+                "--layers",
+                "0,2",
+                "--dtype",
+                "fp32",
+                "--with-target-logits",
+                "16",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                *train,
+                "--cached-hidden-states",
+                str(workdir / "cache-logits"),
+                "--out",
+                str(workdir / "ds"),
+                "--max-steps",
+                "4",
+            ]
+        )
+        == 0
+    )
     trained = load_drafter(workdir / "ds/checkpoints/step-0000004/drafter")
     assert trained.markov_head.markov_w2.weight.abs().sum() > 0  # the Markov head learned from its zero start
     metrics = json.loads((workdir / "ds/metrics.jsonl").read_text().splitlines()[-1])
     assert len(metrics["position_accuracy"]) == len(metrics["accept_rate"]) == len(metrics["confidence_mean"]) == 4
-    assert main([*train, "--completions", str(workdir / "c.json"), "--out", str(workdir / "ds-online"),
-                 "--max-steps", "2"]) == 0  # fmt: skip
+    assert (
+        main(
+            [*train, "--completions", str(workdir / "c.json"), "--out", str(workdir / "ds-online"), "--max-steps", "2"]
+        )
+        == 0
+    )
     assert "accept_rate" in json.loads((workdir / "ds-online/metrics.jsonl").read_text().splitlines()[-1])
     capsys.readouterr()
     report = workdir / "ds-eval.json"
-    assert main(["eval", "--checkpoint", str(workdir / "ds"), "--target-model", target, "--completions",
-                 str(workdir / "c.json"), "--online", "--check-consistency", "--confidence-threshold", "0.5",
-                 "--json", str(report)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "--checkpoint",
+                str(workdir / "ds"),
+                "--target-model",
+                target,
+                "--completions",
+                str(workdir / "c.json"),
+                "--online",
+                "--check-consistency",
+                "--confidence-threshold",
+                "0.5",
+                "--json",
+                str(report),
+            ]
+        )
+        == 0
+    )
     figures = json.loads(report.read_text())
     assert figures["lossless"] is True and figures["consistency"]["identical"] is True
     assert figures["confidence_threshold"] == 0.5 and len(figures["confidence"]["predicted"]) == 4
     assert "confidence head (DSpark): predicted/actual acceptance probability" in capsys.readouterr().out
     # sampled: the head against the acceptance of the rule evaluated, the cut of its sampled walk offline too
     for mode in ("--online", "--no-verify"):
-        assert main(["eval", "--checkpoint", str(workdir / "ds"), "--target-model", target, "--prompts",
-                     str(workdir / "prompts.jsonl"), "--num-prompts", "2", mode, "--temperature", "0.7",
-                     "--serving-rule", "sglang",
-                     "--confidence-threshold", "0.5", "--max-new-tokens", "12", "--json", str(report)]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    "--checkpoint",
+                    str(workdir / "ds"),
+                    "--target-model",
+                    target,
+                    "--prompts",
+                    str(workdir / "prompts.jsonl"),
+                    "--num-prompts",
+                    "2",
+                    mode,
+                    "--temperature",
+                    "0.7",
+                    "--serving-rule",
+                    "sglang",
+                    "--confidence-threshold",
+                    "0.5",
+                    "--max-new-tokens",
+                    "12",
+                    "--json",
+                    str(report),
+                ]
+            )
+            == 0
+        )
         figures = json.loads(report.read_text())
         assert figures["serving_rule"] == "sglang" and figures["confidence"]["positions_reached"][0] > 0
-    assert main(["eval", "--checkpoint", str(workdir / "ds"), "--target-model", target, "--completions",
-                 str(workdir / "c.json"), "--num-speculative-tokens", "2"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "--checkpoint",
+                str(workdir / "ds"),
+                "--target-model",
+                target,
+                "--completions",
+                str(workdir / "c.json"),
+                "--num-speculative-tokens",
+                "2",
+            ]
+        )
+        == 2
+    )
     assert "expected --block-size 2" in capsys.readouterr().err
-    assert main(["eval", "--checkpoint", str(workdir / "offline"), "--target-model", target, "--completions",
-                 str(workdir / "c.json"), "--confidence-threshold", "0.5"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "--checkpoint",
+                str(workdir / "offline"),
+                "--target-model",
+                target,
+                "--completions",
+                str(workdir / "c.json"),
+                "--confidence-threshold",
+                "0.5",
+            ]
+        )
+        == 2
+    )
     assert "has no confidence head" in capsys.readouterr().err
 
 
@@ -286,8 +769,21 @@ def test_stage_two_warm_starts_from_stage_one_weights_only_under_the_rope_scalin
     cache = ["--cached-hidden-states", str(workdir / "cache")]
     stage1, stage2 = workdir / "stage1", workdir / "stage2"
     assert _train(workdir, *cache, "--out", str(stage1), "--max-steps", "2", "--max-length", "12") == 0
-    assert _train(workdir, *cache, "--out", str(stage2), "--max-steps", "2", "--init", str(stage1),
-                  "--rope-scaling", json.dumps(YARN)) == 0  # fmt: skip
+    assert (
+        _train(
+            workdir,
+            *cache,
+            "--out",
+            str(stage2),
+            "--max-steps",
+            "2",
+            "--init",
+            str(stage1),
+            "--rope-scaling",
+            json.dumps(YARN),
+        )
+        == 0
+    )
     first = load_drafter(stage1 / "checkpoints/step-0000002/drafter").config
     second = load_drafter(stage2 / "checkpoints/step-0000002/drafter").config
     assert first.rope_scaling is None and second.rope_scaling == YARN
@@ -301,12 +797,18 @@ def test_stage_two_warm_starts_from_stage_one_weights_only_under_the_rope_scalin
     assert "rope_scaling" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("value, expected", [
-    ('{"rope_type": "yarn", "factor": 4', "is not valid JSON"),
-    ('{"rope_type": "ntk", "factor": 4}', "rope_type 'ntk'; expected one of default, linear"),
-    ('{"rope_type": "yarn", "original_max_position_embeddings": 16}', "expected factor too"),
-    ('{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 16, "scale": 2}', "unknown key 'scale'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ('{"rope_type": "yarn", "factor": 4', "is not valid JSON"),
+        ('{"rope_type": "ntk", "factor": 4}', "rope_type 'ntk'; expected one of default, linear"),
+        ('{"rope_type": "yarn", "original_max_position_embeddings": 16}', "expected factor too"),
+        (
+            '{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 16, "scale": 2}',
+            "unknown key 'scale'",
+        ),
+    ],
+)
 def test_a_rope_scaling_flag_that_does_not_parse_is_one_line_and_exit_2(workdir, capsys, value, expected):
     with pytest.raises(SystemExit) as stopped:  # argparse's error, on one line
         _train(workdir, "--completions", "c.json", "--out", str(workdir / "never"), "--rope-scaling", value)

@@ -34,10 +34,16 @@ ENDPOINT = "flashdraft-completions"
 
 async def completions_with_token_ids(request_func_input, session: aiohttp.ClientSession, pbar=None):
     """vLLM's `async_request_openai_completions`, keeping the streamed token ids and the finish reason."""
-    payload = {"model": request_func_input.model_name or request_func_input.model,
-               "prompt": request_func_input.prompt, "repetition_penalty": 1.0,
-               "max_tokens": request_func_input.output_len, "logprobs": request_func_input.logprobs,
-               "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    payload = {
+        "model": request_func_input.model_name or request_func_input.model,
+        "prompt": request_func_input.prompt,
+        "repetition_penalty": 1.0,
+        "max_tokens": request_func_input.output_len,
+        "logprobs": request_func_input.logprobs,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
     funcs._update_payload_common(payload, request_func_input)
     headers = funcs._get_headers()
     funcs._update_headers_common(headers, request_func_input)
@@ -84,9 +90,16 @@ async def completions_with_token_ids(request_func_input, session: aiohttp.Client
 
 def one_run(base: str, model: str, tokenizer, warmups: int, run: dict) -> dict:
     """One timed run of vLLM's benchmark(): its result and each request's timing and token ids, in the order given."""
-    requests = [SampleRequest(prompt=r["prompt_ids"], prompt_len=len(r["prompt_ids"]),
-                              expected_output_len=r["max_tokens"], request_id=r["id"], request_overrides=r["body"])
-                for r in run["requests"]]
+    requests = [
+        SampleRequest(
+            prompt=r["prompt_ids"],
+            prompt_len=len(r["prompt_ids"]),
+            expected_output_len=r["max_tokens"],
+            request_id=r["id"],
+            request_overrides=r["body"],
+        )
+        for r in run["requests"]
+    ]
     outputs = {}
 
     async def recorded(request_func_input, session, pbar=None):  # warm-ups carry no request id
@@ -96,20 +109,49 @@ def one_run(base: str, model: str, tokenizer, warmups: int, run: dict) -> dict:
         return out
 
     funcs.ASYNC_REQUEST_FUNCS[ENDPOINT] = recorded
-    result = asyncio.run(benchmark(
-        task_type=TaskType.GENERATION, endpoint_type=ENDPOINT, api_url=base + "/v1/completions", base_url=base,
-        model_id=model, model_name=None, tokenizer=tokenizer, input_requests=requests, logprobs=None,
-        request_rate=float("inf"), burstiness=1.0, disable_tqdm=True, num_warmups=warmups, profile=False,
-        selected_percentile_metrics=["ttft", "tpot", "itl", "e2el"], selected_percentiles=[50.0, 99.0],
-        ignore_eos=False, goodput_config_dict={}, max_concurrency=run["concurrency"], lora_modules=None,
-        extra_headers=None, extra_body=None, ready_check_timeout_sec=600))
+    result = asyncio.run(
+        benchmark(
+            task_type=TaskType.GENERATION,
+            endpoint_type=ENDPOINT,
+            api_url=base + "/v1/completions",
+            base_url=base,
+            model_id=model,
+            model_name=None,
+            tokenizer=tokenizer,
+            input_requests=requests,
+            logprobs=None,
+            request_rate=float("inf"),
+            burstiness=1.0,
+            disable_tqdm=True,
+            num_warmups=warmups,
+            profile=False,
+            selected_percentile_metrics=["ttft", "tpot", "itl", "e2el"],
+            selected_percentiles=[50.0, 99.0],
+            ignore_eos=False,
+            goodput_config_dict={},
+            max_concurrency=run["concurrency"],
+            lora_modules=None,
+            extra_headers=None,
+            extra_body=None,
+            ready_check_timeout_sec=600,
+        )
+    )
     per_request = []
     for r in run["requests"]:
         out = outputs[r["id"]]
-        per_request.append({"id": r["id"], "success": out.success, "error": out.error, "ttft": out.ttft,
-                            "itl": out.itl, "latency": out.latency, "output_tokens": out.output_tokens,
-                            "token_ids": getattr(out, "token_ids", []),
-                            "finish_reason": getattr(out, "finish_reason", None)})
+        per_request.append(
+            {
+                "id": r["id"],
+                "success": out.success,
+                "error": out.error,
+                "ttft": out.ttft,
+                "itl": out.itl,
+                "latency": out.latency,
+                "output_tokens": out.output_tokens,
+                "token_ids": getattr(out, "token_ids", []),
+                "finish_reason": getattr(out, "finish_reason", None),
+            }
+        )
     result = {k: v for k, v in result.items() if k not in ("generated_texts", "itls", "errors")}
     return {"result": result, "requests": per_request}
 

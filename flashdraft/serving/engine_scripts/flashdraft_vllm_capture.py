@@ -42,8 +42,9 @@ class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
         slots = (offsets[None, :] + blocks[:, None] * self._block_size).flatten()
         states = extract_from_kv_cache(self._kv_cache, slots.to(self._kv_cache.device), pending.token_ids.shape[0])
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
-        save_file({"hidden_states": states.to("cpu").contiguous(), "token_ids": pending.token_ids.clone()},
-                  pending.filename)
+        save_file(
+            {"hidden_states": states.to("cpu").contiguous(), "token_ids": pending.token_ids.clone()}, pending.filename
+        )
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is not None:
             os.close(lock_fd)  # releases the reader waiting on the file's lock
@@ -61,31 +62,46 @@ def main(job_path: str) -> None:
     staging = out / "engine-files"
     todo = [s for s in job["sequences"] if not (out / f"{s['name']}.safetensors").is_file()]
     on_cpu = not torch.cuda.is_available()
-    settings = {"tensor_parallel_size": job.get("tensor_parallel_size", 1), "dtype": job["dtype"],
-                "enable_prefix_caching": job.get("enable_prefix_caching", False),
-                "enable_chunked_prefill": job.get("enable_chunked_prefill")}
+    settings = {
+        "tensor_parallel_size": job.get("tensor_parallel_size", 1),
+        "dtype": job["dtype"],
+        "enable_prefix_caching": job.get("enable_prefix_caching", False),
+        "enable_chunked_prefill": job.get("enable_chunked_prefill"),
+    }
     connector = "CpuHiddenStatesConnector" if on_cpu else "ExampleHiddenStatesConnector"
-    kv_transfer = {"kv_connector": connector, "kv_role": "kv_producer",
-                   "kv_connector_extra_config": {"shared_storage_path": str(staging)}}
+    kv_transfer = {
+        "kv_connector": connector,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(staging)},
+    }
     if on_cpu:
         kv_transfer["kv_connector_module_path"] = "flashdraft_vllm_capture"
-    llm = LLM(model=job["model"], seed=job.get("seed", 0), enforce_eager=True,
-              gpu_memory_utilization=job.get("gpu_memory_utilization", 0.9 if not on_cpu else 0.3),
-              tensor_parallel_size=settings["tensor_parallel_size"], dtype=job["dtype"],
-              enable_prefix_caching=settings["enable_prefix_caching"],
-              **({"enable_chunked_prefill": settings["enable_chunked_prefill"]}
-                 if settings["enable_chunked_prefill"] is not None else {}),
-              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                  "draft_model_config": {"hf_config": {
-                                      "eagle_aux_hidden_state_layer_ids": job["aux_layer_ids"]}}},
-              kv_transfer_config=kv_transfer)
+    llm = LLM(
+        model=job["model"],
+        seed=job.get("seed", 0),
+        enforce_eager=True,
+        gpu_memory_utilization=job.get("gpu_memory_utilization", 0.9 if not on_cpu else 0.3),
+        tensor_parallel_size=settings["tensor_parallel_size"],
+        dtype=job["dtype"],
+        enable_prefix_caching=settings["enable_prefix_caching"],
+        **(
+            {"enable_chunked_prefill": settings["enable_chunked_prefill"]}
+            if settings["enable_chunked_prefill"] is not None
+            else {}
+        ),
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": job["aux_layer_ids"]}},
+        },
+        kv_transfer_config=kv_transfer,
+    )
     start = time.time()
     params = SamplingParams(max_tokens=1, temperature=0.0)
     batch = job.get("batch_size", 16)
     for i in range(0, len(todo), batch):
         chunk = todo[i : i + batch]
-        results = llm.generate([TokensPrompt(prompt_token_ids=s["token_ids"]) for s in chunk], params,
-                               use_tqdm=False)
+        results = llm.generate([TokensPrompt(prompt_token_ids=s["token_ids"]) for s in chunk], params, use_tqdm=False)
         for seq, result in zip(chunk, results, strict=True):
             path = (result.kv_transfer_params or {}).get("hidden_states_path")
             if path is None:
@@ -98,8 +114,14 @@ def main(job_path: str) -> None:
                 if os.path.exists(stale):
                     os.remove(stale)
         print(f"captured {min(i + batch, len(todo))} of {len(todo)} sequences", flush=True)
-    info = {"engine": "vllm", "version": vllm_version, "device": "cpu" if on_cpu else "cuda",
-            "connector": connector, "seconds": time.time() - start, **settings}
+    info = {
+        "engine": "vllm",
+        "version": vllm_version,
+        "device": "cpu" if on_cpu else "cuda",
+        "connector": connector,
+        "seconds": time.time() - start,
+        **settings,
+    }
     (out / "engine.json").write_text(json.dumps(info, indent=1))
 
 
