@@ -81,6 +81,14 @@ def _train(d, *extra):
     )
 
 
+@pytest.fixture(scope="module")
+def dflash_run(workdir):
+    """A trained DFlash run of this module's target, made here so that no test reads another test's output."""
+    out = workdir / "dflash-run"
+    assert _train(workdir, "--cached-hidden-states", str(workdir / "cache"), "--out", str(out)) == 0
+    return out
+
+
 def test_offline_training_from_a_cache_writes_a_loadable_public_drafter(workdir):
     out = workdir / "offline"
     assert _train(workdir, "--cached-hidden-states", str(workdir / "cache"), "--out", str(out), "--epochs", "2") == 0
@@ -519,11 +527,9 @@ def test_a_dflash2_drafter_made_by_init_trains_offline_and_online_and_evaluates_
     assert "candidate selector (DFlash2): τ" in capsys.readouterr().out
 
 
-def test_a_dflash2_drafter_from_a_trained_dflash_one_drafts_exactly_as_it_at_step_0(workdir, capsys):
+def test_a_dflash2_drafter_from_a_trained_dflash_one_drafts_exactly_as_it_at_step_0(workdir, dflash_run, capsys):
     target = str(workdir / "target")
-    dflash = workdir / "offline"  # trained by the first test of this file
-    if not dflash.exists():
-        assert _train(workdir, "--cached-hidden-states", str(workdir / "cache"), "--out", str(dflash)) == 0
+    dflash = dflash_run
     assert (
         main(
             [
@@ -565,7 +571,9 @@ def test_a_dflash2_drafter_from_a_trained_dflash_one_drafts_exactly_as_it_at_ste
     assert taus[0] == taus[1]
 
 
-def test_a_dspark_drafter_made_by_init_trains_offline_and_online_and_evaluates_offline_equal_online(workdir, capsys):
+def test_a_dspark_drafter_made_by_init_trains_offline_and_online_and_evaluates_offline_equal_online(
+    workdir, dflash_run, capsys
+):
     target = str(workdir / "target")
     init = workdir / "dspark-init"
     assert (
@@ -748,7 +756,7 @@ def test_a_dspark_drafter_made_by_init_trains_offline_and_online_and_evaluates_o
             [
                 "eval",
                 "--checkpoint",
-                str(workdir / "offline"),
+                str(dflash_run),
                 "--target-model",
                 target,
                 "--completions",
