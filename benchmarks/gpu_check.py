@@ -66,9 +66,10 @@ from flashdraft.drafter.config import DrafterConfig
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.target.model import TargetModel
 from flashdraft.target.parity import run_parity
+from flashdraft.train.config import TrainConfig  # the loop's own forward + loss
 from flashdraft.train.data import make_batch
-from flashdraft.train.loop import TrainConfig, forward_loss  # the loop's own forward + loss
 from flashdraft.train.loss import block_loss
+from flashdraft.train.step import forward_loss  # the loop's own forward + loss
 
 
 @dataclass

@@ -116,7 +116,7 @@ def _dests(command: str) -> set[str]:
 
 
 def test_eval_options_are_the_eval_config_fields_by_name():
-    from flashdraft.evaluation.run import EvalConfig
+    from flashdraft.evaluation.config import EvalConfig
 
     # what evaluate_drafter takes as its own arguments, and what eval writes after
     own = {"checkpoint", "drafter", "target_model", "device", "dtype", "json", "report"}
@@ -128,7 +128,7 @@ def test_each_option_is_a_keyword_of_the_function_the_command_calls(command):
     import inspect
 
     from flashdraft.commands.parity import run_parity_command
-    from flashdraft.data.cache import run_cache
+    from flashdraft.data.cache_run import run_cache
     from flashdraft.data.generate import run_generate
 
     function = {"generate": run_generate, "cache": run_cache, "parity": run_parity_command}[command]
