@@ -1,3 +1,4 @@
+import dataclasses
 import pytest
 import torch
 
@@ -129,9 +130,12 @@ def test_each_option_is_a_keyword_of_the_function_the_command_calls(command):
 
     from flashdraft.commands.parity import run_parity_command
     from flashdraft.data.cache_run import run_cache
-    from flashdraft.data.generate import run_generate
+    from flashdraft.data.generate import GenerateConfig
 
-    function = {"generate": run_generate, "cache": run_cache, "parity": run_parity_command}[command]
+    if command == "generate":  # the command builds its config: one field per option
+        assert _dests(command) == {f.name for f in dataclasses.fields(GenerateConfig)}
+        return
+    function = {"cache": run_cache, "parity": run_parity_command}[command]
     if command == "cache":  # --engine vllm hands every option but itself to the engine's capture instead
         from flashdraft.data.engine_capture import run_engine_cache
 
