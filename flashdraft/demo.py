@@ -54,19 +54,20 @@ def _seconds_per_step(cfg, drafter, target, records, block_size: int, mask_token
     weights are restored after."""
     from flashdraft.train.data import make_batch
     from flashdraft.train.optim import build_optimizers
-    from flashdraft.train.step import forward_loss
+    from flashdraft.train.step import forward_loss, loss_spec
 
     start = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
     drafter = drafter.train()
     optimizer = build_optimizers(
         drafter, cfg.optimizer, cfg.lr, cfg.muon_lr, cfg.weight_decay, 100, cfg.warmup_fraction, cfg.min_lr_fraction
     )
+    spec = loss_spec(cfg, drafter)
     times = []
     for step in range(5):
         idx = [(step * cfg.batch_size + i) % len(records) for i in range(min(cfg.batch_size, len(records)))]
         batch = make_batch([records[i] for i in idx], idx, 0, cfg.seed, cfg.num_anchors, block_size, mask_token_id)
         t0 = time.perf_counter()
-        parts = forward_loss(drafter, target, batch, cfg, block_size, torch.device("cpu"))
+        parts = forward_loss(drafter, target, batch, spec)
         parts.weighted_sum.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
         optimizer.step()

@@ -48,7 +48,7 @@ from flashdraft.train.learning import LearningCheck, mean_record_length
 from flashdraft.train.metrics import MetricsWriter, Window
 from flashdraft.train.optim import Optimizers, build_optimizers, warmup_steps
 from flashdraft.train.recipe import PUBLISHED_RECIPE
-from flashdraft.train.step import global_batch, optimizer_step
+from flashdraft.train.step import global_batch, loss_spec, optimizer_step
 
 
 def check_no_shortcut(drafter: DFlashDrafter, target: TargetModel) -> None:
@@ -302,6 +302,7 @@ def train(
     try:
         config_dict = _write_run_config(cfg, run_dir, resume) if dist.is_main else asdict(cfg)
         model, optimizer = _wrap(cfg, drafter, total_steps, dist)
+        spec = loss_spec(cfg, drafter)
         start_step = _resume(run_dir, model, optimizer, len(records), dist, verify, cfg.fsdp) if resume else 0
         writer = MetricsWriter(run_dir, list(report_to), config_dict, start_step) if dist.is_main else None
         bar = _progress_bar(start_step, total_steps, dist)
@@ -311,13 +312,11 @@ def train(
         with StopRequests("step", dist.prefix()) as stop:
             for step in bar:
                 epoch = step // steps_per_epoch
-                micro_batches, indices = global_batch(cfg, records, step, steps_per_epoch, dist)
-                result, grad_norm = optimizer_step(
-                    model, target, optimizer, micro_batches, indices, records, cfg, dist, step, epoch, run_dir
-                )
+                batch = global_batch(cfg, records, step, steps_per_epoch, dist)
+                result, grad_norm = optimizer_step(model, target, optimizer, batch, spec, cfg.grad_clip, dist, run_dir)
                 if on_step is not None:
                     on_step(step)
-                window.add(result, micro_batches, dist.world)
+                window.add(result, batch.micro_batches, dist.world)
                 done = step + 1
                 if done % cfg.log_every == 0 or done == total_steps:
                     metrics = window.metrics(optimizer.last_lr(), grad_norm, epoch)

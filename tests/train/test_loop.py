@@ -160,7 +160,7 @@ def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, r
     drafter = make_drafter()
     from flashdraft.train.held_out import evaluate_loss
 
-    before = evaluate_loss(drafter, target, held_out, cfg, 8, MASK, torch.device("cpu"))
+    before = evaluate_loss(drafter, target, held_out, cfg, torch.device("cpu"))
     train(cfg, drafter, target, records, tmp_path, eval_records=held_out)
     after = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     # D-PACE aims at acceptance (early on it trains the first positions far more than the CE measured here), and
@@ -341,7 +341,7 @@ def test_the_checkpoint_records_the_longest_context_trained_at_and_a_warm_start_
     reach = max(
         b.context_reach(cfg.block_size)
         for step in range(3)
-        for b in global_batch(cfg, records, step, steps_per_epoch, Dist())[0]
+        for b in global_batch(cfg, records, step, steps_per_epoch, Dist()).micro_batches
     )
     assert reach <= 14 - 1 + cfg.block_size  # the last anchor inside the truncated sequence, plus the block
     short = load_drafter(latest_checkpoint(tmp_path / "short") / "drafter")
