@@ -42,4 +42,5 @@ test: $(STAMP) $(ENGINE_STAMP)
 	$(BIN)/python -m pytest -n auto; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 lint: $(STAMP)
+	$(BIN)/ruff format --check flashdraft tests scripts benchmarks
 	$(BIN)/ruff check flashdraft tests scripts benchmarks

@@ -34,7 +34,8 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
-    from flashdraft.evaluation.run import EvalConfig, run_eval
+    from flashdraft.evaluation.config import EvalConfig
+    from flashdraft.evaluation.run import run_eval
 
     torch.set_num_threads(1)
     filters = {"top_k": 20, "top_p": 0.95} if args.temperature < 1 else {}

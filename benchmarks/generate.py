@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from flashdraft.data.completions import generate_batch
+from flashdraft.data.completers import generate_batch
 from flashdraft.data.prompts import encode_text, load_prompts
 from flashdraft.target.model import TargetModel
 

@@ -66,9 +66,10 @@ from flashdraft.drafter.config import DrafterConfig
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.target.model import TargetModel
 from flashdraft.target.parity import run_parity
+from flashdraft.train.config import TrainConfig  # the loop's own forward + loss
 from flashdraft.train.data import make_batch
-from flashdraft.train.loop import TrainConfig, forward_loss  # the loop's own forward + loss
-from flashdraft.train.loss import block_loss
+from flashdraft.train.loss import BlockLabels, DraftHeads, LossSpec, block_loss
+from flashdraft.train.step import forward_loss, loss_spec  # the loop's own forward + loss
 
 
 @dataclass
@@ -429,7 +430,8 @@ def check_flex_vs_dense(drafter_fields: dict, widths: Widths, device: torch.devi
             hidden = drafter(
                 embeds, batch.anchor_positions, batch.context_features.to(embeds.dtype), batch.context_positions
             )
-            parts = block_loss(hidden, batch.labels, target.model.get_output_embeddings(), BLOCK, gamma=7.0)
+            head = DraftHeads(target.model.get_output_embeddings())
+            parts = block_loss(hidden, BlockLabels(batch.labels), head, LossSpec(BLOCK, gamma=7.0))
         outputs[backend] = hidden.detach()
         if with_grads:
             (parts.weighted_sum / parts.weight_total).backward()
@@ -466,9 +468,10 @@ def timed_train_steps(name: str, widths: Widths, backend: str, dist: Dist) -> di
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
     batch = synthetic_batch(drafter.config, widths, device, seed=dist.rank)
     cfg = TrainConfig(loss_decay_gamma=7.0)
+    spec = loss_spec(cfg, drafter)
 
     def step(_) -> None:
-        parts = forward_loss(model, target, batch, cfg, BLOCK, device)
+        parts = forward_loss(model, target, batch, spec)
         (parts.weighted_sum / parts.weight_total).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()

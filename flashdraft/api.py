@@ -32,7 +32,7 @@ from flashdraft.drafter.run_dir import LoadedDrafter, load_any_drafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.evaluation.records import Log, quiet
 from flashdraft.target.model import TargetModel
-from flashdraft.train.loop import TrainConfig
+from flashdraft.train.config import TrainConfig
 
 # the public names are flashdraft.__all__ (the package re-exports them from here)
 
@@ -233,7 +233,8 @@ def evaluate_drafter(
     check_consistency, reference, max_blocks, max_new_tokens, block_size, temperature,
     num_speculative_tokens, adaptive_threshold, seed, ... `log`: where eval's lines go
     (`print` to see them)."""
-    from flashdraft.evaluation.run import EvalConfig, run_eval
+    from flashdraft.evaluation.config import EvalConfig
+    from flashdraft.evaluation.run import run_eval
 
     loaded_target = target if isinstance(target, TargetModel) else None
     if loaded_target is not None:
@@ -280,9 +281,9 @@ def generate_completions(target_model: str | Path, prompts: str, out: str | Path
     builtin:code[:heldout]; `options`, as generate's flags: num_prompts, max_new_tokens,
     temperature, seed, batch_size, backend, base_url, chat_template, chat_template_kwargs (a dict, e.g.
     {"enable_thinking": False}), enable_thinking, device, ..."""
-    from flashdraft.data.generate import run_generate
+    from flashdraft.data.generate import GenerateConfig, run_generate
 
-    return run_generate(str(target_model), prompts, str(out), **options)
+    return run_generate(GenerateConfig(target_model=str(target_model), prompts=prompts, out=str(out), **options))
 
 
 def cache_hidden_states(target_model: str | Path, completions: str | Path, out: str | Path, **options: Any) -> Path:
@@ -301,6 +302,6 @@ def cache_hidden_states(target_model: str | Path, completions: str | Path, out: 
                 f"the transformers forward"
             )
     options.pop("verify_share", None)  # the transformers forward is the reference: nothing to recompute
-    from flashdraft.data.cache import run_cache
+    from flashdraft.data.cache_run import run_cache
 
     return run_cache(str(target_model), str(completions), str(out), **options)

@@ -53,20 +53,21 @@ def _seconds_per_step(cfg, drafter, target, records, block_size: int, mask_token
     run's own optimizer (Muon's orthogonalisation costs as much as the backward pass on tiny); the drafter's
     weights are restored after."""
     from flashdraft.train.data import make_batch
-    from flashdraft.train.loop import forward_loss
     from flashdraft.train.optim import build_optimizers
+    from flashdraft.train.step import forward_loss, loss_spec
 
     start = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
     drafter = drafter.train()
     optimizer = build_optimizers(
         drafter, cfg.optimizer, cfg.lr, cfg.muon_lr, cfg.weight_decay, 100, cfg.warmup_fraction, cfg.min_lr_fraction
     )
+    spec = loss_spec(cfg, drafter)
     times = []
     for step in range(5):
         idx = [(step * cfg.batch_size + i) % len(records) for i in range(min(cfg.batch_size, len(records)))]
         batch = make_batch([records[i] for i in idx], idx, 0, cfg.seed, cfg.num_anchors, block_size, mask_token_id)
         t0 = time.perf_counter()
-        parts = forward_loss(drafter, target, batch, cfg, block_size, torch.device("cpu"))
+        parts = forward_loss(drafter, target, batch, spec)
         parts.weighted_sum.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
         optimizer.step()
@@ -171,7 +172,7 @@ def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: P
     from flashdraft.drafter.init import new_drafter_for_target
     from flashdraft.drafter.run_dir import latest_checkpoint, read_best
     from flashdraft.target.weights import TargetHead
-    from flashdraft.train.loop import TrainConfig
+    from flashdraft.train.config import TrainConfig
     from flashdraft.train.run import load_training_records, run_training
 
     layer_ids = list(s.target_layer_ids)
@@ -220,13 +221,46 @@ def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: P
     return trained_dir, untrained_dir, train_info
 
 
+def _generate_stage(s: DemoSettings, out: Path) -> tuple[Path, Path]:
+    """The target's own completions of the training and the held-out prompts."""
+    from flashdraft.data.generate import GenerateConfig, run_generate
+
+    paths = []
+    for split, prompts, num_prompts in (
+        ("train", s.train_prompts, s.num_train_prompts),
+        ("heldout", s.heldout_prompts, s.num_heldout_prompts),
+    ):
+        config = GenerateConfig(
+            target_model=s.target_model,
+            prompts=prompts,
+            out=str(out / f"completions-{split}.json"),
+            num_prompts=num_prompts,
+            max_new_tokens=s.max_new_tokens,
+            batch_size=16,
+            seed=s.seed,
+        )
+        paths.append(run_generate(config))
+    return paths[0], paths[1]
+
+
+def _reference_figures(drafter: str, reference: dict) -> dict:
+    """The shipped reference drafter's figures, for the report."""
+    return {
+        "drafter": drafter,
+        "tau_offline": reference["consistency"]["offline_tau"],
+        "tau_online": reference["consistency"]["online_tau"],
+        "lossless": reference["lossless"],
+        "speedup": reference["speedup"],
+        "offline_equals_online": reference["consistency"]["identical"],
+    }
+
+
 def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoSettings | None = None) -> dict:
-    from flashdraft.data.cache import run_cache
-    from flashdraft.data.generate import run_generate
+    from flashdraft.data.cache_run import run_cache
     from flashdraft.drafter.run_dir import BUILTIN_DRAFTERS
+    from flashdraft.evaluation.config import EvalConfig
     from flashdraft.evaluation.records import quiet
     from flashdraft.evaluation.report import write_report
-    from flashdraft.evaluation.run import EvalConfig
     from flashdraft.evaluation.run import run_eval as evaluate
     from flashdraft.target.model import TargetModel
 
@@ -240,24 +274,7 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     _check_same_target(out, s.target_model)
 
     _stage("1/5 generate the target's own completions", t_start)
-    train_c = run_generate(
-        s.target_model,
-        s.train_prompts,
-        str(out / "completions-train.json"),
-        num_prompts=s.num_train_prompts,
-        max_new_tokens=s.max_new_tokens,
-        batch_size=16,
-        seed=s.seed,
-    )
-    heldout_c = run_generate(
-        s.target_model,
-        s.heldout_prompts,
-        str(out / "completions-heldout.json"),
-        num_prompts=s.num_heldout_prompts,
-        max_new_tokens=s.max_new_tokens,
-        batch_size=16,
-        seed=s.seed,
-    )
+    train_c, heldout_c = _generate_stage(s, out)
 
     _stage("2/5 cache context features", t_start)
     train_cache = run_cache(s.target_model, str(train_c), str(out / "cache-train"), layers=layers_arg, dtype="fp32")
@@ -296,14 +313,7 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     training_curve(out / "run" / "metrics.jsonl", out / "training_curve.png")
     report = _summary(s, trained, untrained_offline, ngram, hybrid, train_info, trained_dir)
     if reference is not None:
-        report["reference"] = {
-            "drafter": s.reference_drafter,
-            "tau_offline": reference["consistency"]["offline_tau"],
-            "tau_online": reference["consistency"]["online_tau"],
-            "lossless": reference["lossless"],
-            "speedup": reference["speedup"],
-            "offline_equals_online": reference["consistency"]["identical"],
-        }
+        report["reference"] = _reference_figures(s.reference_drafter, reference)
     report["total_seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(_markdown(report))
@@ -370,7 +380,8 @@ def _markdown(r: dict) -> str:
             "",
             "| drafter | τ offline | τ online | lossless | speed-up vs greedy |",
             "|---|---|---|---|---|",
-            f"| trained DFlash | {r['tau_offline']:.2f} | {r['tau_online']:.2f} | {r['lossless']} | {r['speedup']:.2f}x |",
+            f"| trained DFlash | {r['tau_offline']:.2f} | {r['tau_online']:.2f} | {r['lossless']} "
+            f"| {r['speedup']:.2f}x |",
             *_reference_row(r),
             f"| untrained DFlash | {r['tau_untrained']:.2f} | | | |",
             f"| n-gram prompt lookup | {r['tau_ngram']:.2f} | | {r['lossless_ngram']} | {r['speedup_ngram']:.2f}x |",

@@ -140,12 +140,14 @@ def run_doctor(
     elif kind == "state dict":
         check_state_dict(path, target, checks)
     else:
-        check_completions(path, target, _checkpoint_config(checkpoint) if checkpoint else None, checks)
+        from flashdraft.data.completions_doctor import doctor_completions
+
+        doctor_completions(path, target, _checkpoint_config(checkpoint) if checkpoint else None, checks)
     return checks.summary()
 
 
 def _checkpoint_config(checkpoint: str | Path):
-    from flashdraft.data.cache import drafter_layer_ids
+    from flashdraft.data.cache_run import drafter_layer_ids
 
     return drafter_layer_ids(checkpoint)[1]
 
@@ -470,101 +472,4 @@ def _check_run_config(config_path: Path, drafter_dir: Path, target: TargetModel 
             f"run's target fingerprint {run['target_fingerprint']} "
             + ("equals" if run["target_fingerprint"] == fp else f"differs from {target.path}'s {fp}"),
             "the run trained against another target (other weights or tokenizer): evaluate with that one",
-        )
-
-
-# -- completions ---------------------------------------------------------------------------------
-
-
-def check_completions(path: Path, target: TargetModel | None, drafter_cfg, checks: Checks) -> None:
-    """A completions file: header, every record, an unfinished run's parts, and against a
-    target its fingerprint and vocabulary (and a drafter's vocabulary)."""
-    from flashdraft.data.completions import FORMAT, VERSION, part_paths, record_problem
-
-    regenerate = "re-run flashdraft generate into a new --out"
-    parts = part_paths(path)
-    finish = "re-run the same flashdraft generate command to finish and merge them"
-    if not path.exists():
-        names = ", ".join(p.name for p in parts)
-        checks.fail(f"{path}: not written yet, but {names} exist (an unfinished run)", finish)
-        return
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FlashdraftError(f"{path}: not valid JSON ({getattr(e, 'msg', e)}); not a completions file") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise FlashdraftError(f"{path}: field 'format' is {found!r}; expected {FORMAT!r} (a completions file)")
-    head = data.get("target") if isinstance(data.get("target"), dict) else {}
-    gen = data.get("generation") if isinstance(data.get("generation"), dict) else {}
-    records = data.get("records") if isinstance(data.get("records"), list) else []
-    checks.about(f"completions file {path}: {len(records)} records, token ids from {data.get('token_ids')}")
-    checks.about(f"fingerprints: target {head.get('fingerprint')} ({head.get('path')}), vocab {head.get('vocab_size')}")
-    checks.about("generation: " + ", ".join(f"{k} {v}" for k, v in gen.items()))
-    checks.check(
-        not parts,
-        "no unfinished generate run" + (f": {', '.join(p.name for p in parts)} exist" if parts else ""),
-        finish,
-    )
-    checks.check(
-        data.get("version") == VERSION,
-        f"version {data.get('version')!r}",
-        f"this flashdraft reads version {VERSION}; {regenerate}",
-    )
-    vocab = head.get("vocab_size")
-    checks.check(
-        isinstance(vocab, int) and isinstance(data.get("records"), list),
-        "header has target.vocab_size and a records list",
-        f"the file is damaged or not from flashdraft generate; {regenerate}",
-    )
-    checks.check(
-        data.get("num_records") == len(records),
-        f"num_records {data.get('num_records')} equals the {len(records)} records",
-        f"the file was edited or cut; {regenerate}",
-    )
-    problems, seen, stops = [], set(), {}
-    for k, r in enumerate(records):
-        problem = record_problem(r, target.vocab_size if target else vocab if isinstance(vocab, int) else 1 << 62)
-        rid = r.get("id") if isinstance(r, dict) else f"#{k}"
-        if problem is None and rid in seen:
-            problem = "duplicate id"
-        if problem is None:
-            seen.add(rid)
-            stops[r["stop_reason"]] = stops.get(r["stop_reason"], 0) + 1
-        else:
-            problems.append(f"{rid}: {problem}")
-    checks.check(
-        not problems,
-        f"{len(records) - len(problems)} of {len(records)} records valid"
-        + (f"; {'; '.join(problems[:3])}" if problems else ""),
-        f"invalid records are skipped when the file is read; {regenerate} to have them",
-    )
-    checks.about(
-        f"stop reasons: {stops}; temperature {gen.get('temperature')}"
-        + (" (sampled: offline τ equals online τ only for greedy completions)" if gen.get("temperature") else "")
-    )
-    if target is not None:
-        fp = target.fingerprint()
-        checks.check(
-            head.get("fingerprint") == fp,
-            f"made by target fingerprint {head.get('fingerprint')}, "
-            + ("the same as" if head.get("fingerprint") == fp else "not")
-            + f" {target.path} ({fp})",
-            "generate completions with this target (pass --allow-foreign-completions only if you mean "
-            "to use another model's outputs)",
-        )
-        checks.check(
-            vocab == target.vocab_size,
-            f"vocab_size {vocab} "
-            + ("equals" if vocab == target.vocab_size else "differs from")
-            + f" the target's {target.vocab_size}",
-            regenerate,
-        )
-    if drafter_cfg is not None:
-        checks.check(
-            drafter_cfg.vocab_size == vocab,
-            f"vocab_size {vocab} "
-            + ("equals" if drafter_cfg.vocab_size == vocab else "differs from")
-            + f" the drafter's {drafter_cfg.vocab_size}",
-            "the drafter and the completions come from different targets",
         )

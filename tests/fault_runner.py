@@ -14,9 +14,9 @@ import sys
 import time
 
 import flashdraft.data.cache as cache
-import flashdraft.data.completions as completions
+import flashdraft.data.completers as completers
 import flashdraft.drafter.run_dir as run_dir
-import flashdraft.train.loop as loop
+import flashdraft.train.step as step
 from flashdraft.cli import main
 
 
@@ -41,8 +41,8 @@ def slowed_after(fn, seconds: float):
 
 if __name__ == "__main__":
     delay = float(sys.argv[1])
-    completions.generate_batch = slowed(completions.generate_batch, delay)
+    completers.generate_batch = slowed(completers.generate_batch, delay)
     cache._cache_record = slowed(cache._cache_record, delay)
-    loop.forward_loss = slowed(loop.forward_loss, delay)
+    step.forward_loss = slowed(step.forward_loss, delay)
     run_dir.save_drafter_state = slowed_after(run_dir.save_drafter_state, 5 * delay)
     sys.exit(main(sys.argv[2:]))

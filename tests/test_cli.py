@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -116,7 +118,7 @@ def _dests(command: str) -> set[str]:
 
 
 def test_eval_options_are_the_eval_config_fields_by_name():
-    from flashdraft.evaluation.run import EvalConfig
+    from flashdraft.evaluation.config import EvalConfig
 
     # what evaluate_drafter takes as its own arguments, and what eval writes after
     own = {"checkpoint", "drafter", "target_model", "device", "dtype", "json", "report"}
@@ -128,10 +130,13 @@ def test_each_option_is_a_keyword_of_the_function_the_command_calls(command):
     import inspect
 
     from flashdraft.commands.parity import run_parity_command
-    from flashdraft.data.cache import run_cache
-    from flashdraft.data.generate import run_generate
+    from flashdraft.data.cache_run import run_cache
+    from flashdraft.data.generate import GenerateConfig
 
-    function = {"generate": run_generate, "cache": run_cache, "parity": run_parity_command}[command]
+    if command == "generate":  # the command builds its config: one field per option
+        assert _dests(command) == {f.name for f in dataclasses.fields(GenerateConfig)}
+        return
+    function = {"cache": run_cache, "parity": run_parity_command}[command]
     if command == "cache":  # --engine vllm hands every option but itself to the engine's capture instead
         from flashdraft.data.engine_capture import run_engine_cache
 

@@ -15,7 +15,7 @@ from flashdraft.cli import build_parser
 from flashdraft.config_file import train_options
 from flashdraft.drafter.config import DrafterConfig
 from flashdraft.errors import FlashdraftError
-from flashdraft.train.loop import TrainConfig
+from flashdraft.train.config import TrainConfig
 from tests.conftest import run_cli
 from tests.drafter.test_config import PUBLIC_QWEN36_CONFIG
 

@@ -487,6 +487,10 @@ def full_disk(ref, tmp_path_factory) -> dict:
     for c in commands:
         (root / c["name"]).mkdir()
     (root / "plan.json").write_text(json.dumps(commands))
+    # matplotlib writes its font cache on first use: under the runner's file-size limit that write fails and says so,
+    # a second line beside the one under test; build the cache here first (a fresh machine has none)
+    import matplotlib.font_manager  # noqa: F401
+
     runner = [sys.executable, "-m", "tests.full_disk_runner", str(root / "plan.json"), str(root / "results.json")]
     subprocess.run(runner, cwd=ROOT, env=ENV, check=True, timeout=300)
     results = json.loads((root / "results.json").read_text())

@@ -211,8 +211,9 @@ def run(args: argparse.Namespace) -> None:
     from transformers.utils import logging as hf_logging
 
     from flashdraft.api import evaluate_drafter
+    from flashdraft.evaluation.config import EvalConfig
     from flashdraft.evaluation.report import format_summary, write_report
-    from flashdraft.evaluation.run import EvalConfig, require_consistent
+    from flashdraft.evaluation.run import require_consistent
 
     hf_logging.disable_progress_bar()  # eval prints what it loaded itself; an error stays one line
     if (args.drafter == "ngram") == (args.checkpoint is not None):

@@ -38,7 +38,7 @@ def run_parity_command(
     target_dtype: str | None = None,
 ) -> bool:
     """`flashdraft parity`: prints the table; returns whether every layer passed."""
-    from flashdraft.data.cache import drafter_layer_ids
+    from flashdraft.data.cache_run import drafter_layer_ids
     from flashdraft.data.prompts import encode_text, has_chat_template, load_prompts, render_conversation
     from flashdraft.distributed import Dist, load_dtype, pick_device
     from flashdraft.errors import FlashdraftError

@@ -41,7 +41,7 @@ def _train_option_adder(p: argparse.ArgumentParser):
     """Adds `--name` for a `TrainConfig` field, its default taken from the dataclass (one
     default per knob); a bool field becomes a switch with its --no- form, so that a flag can
     turn off what a --config file turned on."""
-    from flashdraft.train.loop import TrainConfig
+    from flashdraft.train.config import TrainConfig
 
     defaults = {f.name: f.default for f in fields(TrainConfig)}
 

@@ -1,4 +1,5 @@
-"""`flashdraft cache`: the hidden-state cache a drafter trains on: its on-disk format and its builder.
+"""The hidden-state cache a drafter trains on: its on-disk format and its builder (`flashdraft cache`'s run is
+`data/cache_run.py`).
 
 The target runs once over prompt + completion of every record; per token the cache keeps
 the input id, the loss mask (True on completion tokens) and the context features of
@@ -33,14 +34,12 @@ import json
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 from flashdraft.data.completions import CompletionRecord, Completions
 from flashdraft.distributed import Dist, any_rank, on_main
-from flashdraft.drafter.config import LAYER_ORDER_RULE, strictly_increasing
 from flashdraft.errors import FlashdraftError, Interrupted
 from flashdraft.files import (
     DiskFullError,
@@ -508,110 +507,3 @@ def _check_or_write_settings(directory: Path, settings: dict) -> None:
                 )
     (directory / PROGRESS).mkdir(exist_ok=True)
     write_json_atomic(directory / PROGRESS / "settings.json", settings, indent=1)
-
-
-# -- the commands ------------------------------------------------------------------------------
-
-
-DSPARK_TARGET_LOGITS = 64  # a DSpark drafter's default loss (TV to the target's distribution) reads these
-
-
-def drafter_layer_ids(path: str | Path) -> tuple[list[int], Any]:
-    """target_layer_ids (and the config itself) of a drafter directory or a shipped drafter's
-    name (`tiny-drafter`), a training run or checkpoint, or a config.json."""
-    from flashdraft.drafter.config import DrafterConfig
-    from flashdraft.drafter.run_dir import drafter_config_path
-
-    config = DrafterConfig.load(drafter_config_path(path))
-    return list(config.target_layer_ids), config
-
-
-def resolve_layer_ids(target: TargetModel, layers: list[int] | None, draft_config: str | None) -> list[int]:
-    """--layers, or a drafter's target_layer_ids (checked against the target), or the
-    reference default for a drafter of up to 5 layers."""
-    from flashdraft.drafter.config import default_target_layer_ids
-
-    if layers is not None and draft_config is not None:
-        raise FlashdraftError("give --layers or --draft-config, not both")
-    if layers is not None:
-        target.set_context_layers(layers)  # validates the range
-        if not layers or not strictly_increasing(list(layers)):
-            # a cache stores layers in the order a drafter (and a server) reads them
-            raise FlashdraftError(f"--layers {','.join(map(str, layers))}: expected {LAYER_ORDER_RULE}")
-        return list(layers)
-    if draft_config is not None:
-        ids, config = drafter_layer_ids(draft_config)
-        if config.num_target_layers != target.num_layers or config.hidden_size != target.hidden_size:
-            raise FlashdraftError(
-                f"{draft_config}: drafter made for a target with {config.num_target_layers} layers and hidden size "
-                f"{config.hidden_size}; this target has {target.num_layers} and {target.hidden_size}"
-            )
-        return ids
-    # the reference default for the deepest drafter, up to the usual 5 layers, whose ids stay distinct
-    for n in range(min(5, target.num_layers), 0, -1):
-        try:
-            ids = default_target_layer_ids(target.num_layers, n)
-        except FlashdraftError:
-            continue
-        print(f"layers {ids}: the reference default for a {n}-layer drafter (choose with --layers or --draft-config)")
-        return ids
-    raise AssertionError("n = 1 always has a default")
-
-
-def run_cache(
-    target_model: str,
-    completions: str,
-    out: str,
-    layers: list[int] | None = None,
-    draft_config: str | None = None,
-    num_prompts: int | None = None,
-    dtype: str = AUTO,
-    with_target_logits: int | None = None,
-    records_per_shard: int = 64,
-    allow_foreign: bool = False,
-    device: str | None = None,
-    target_dtype: str | None = None,
-    verbose: bool = False,
-    force: bool = False,
-) -> Path:
-    """`flashdraft cache`, one rank of it under torchrun. `force`: write even when the estimate
-    says the filesystem cannot hold the cache. `with_target_logits` None: none, unless `draft_config`
-    is a DSpark drafter, whose default loss needs them (DSPARK_TARGET_LOGITS)."""
-    from flashdraft.data.completions import load_completions
-    from flashdraft.distributed import init_distributed, load_dtype, lock_on_main, pick_device
-
-    dist = init_distributed()
-    lock = None
-    try:
-        # before the target loads (minutes for a large one): a second writer of OUT is refused at once
-        lock = lock_on_main(dist, Path(out) / LOCK, Path(out), "flashdraft cache")
-        dev = pick_device(dist, device)
-        target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))
-        layer_ids = resolve_layer_ids(target, layers, draft_config)
-        if with_target_logits is None:
-            with_target_logits = 0
-            if draft_config is not None and drafter_layer_ids(draft_config)[1].family == "dspark":
-                with_target_logits = DSPARK_TARGET_LOGITS
-                if dist.is_main:
-                    print(
-                        f"{draft_config} is a DSpark drafter: storing the target's top {with_target_logits} "
-                        f"logits its loss reads (--with-target-logits 0 to leave them out)"
-                    )
-        loaded = load_completions(completions, target, allow_foreign=allow_foreign, quiet=not dist.is_main)
-        return build_cache(
-            target,
-            loaded,
-            out,
-            layer_ids,
-            dtype,
-            records_per_shard,
-            with_target_logits,
-            num_prompts,
-            dist,
-            force,
-            verbose=verbose,
-        )
-    finally:
-        if lock is not None:
-            lock.release()
-        dist.close()

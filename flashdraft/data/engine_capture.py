@@ -31,8 +31,8 @@ from flashdraft.data.cache import (
     build_cache,
     check_new_cache_directory,
     relative_error,
-    resolve_layer_ids,
 )
+from flashdraft.data.cache_run import resolve_layer_ids
 from flashdraft.data.completions import CompletionRecord
 from flashdraft.errors import FlashdraftError
 from flashdraft.serving.engine import SCRIPTS, engine_env, engine_info, engine_python, last_error_line

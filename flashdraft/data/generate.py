@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import random
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 from flashdraft.data.chat_mode import check_engine_render, describe_mix, resolve_mode
-from flashdraft.data.completions import GenerationSettings, generate_completions
+from flashdraft.data.completions import GenerationSettings
+from flashdraft.data.completions_writer import generate_completions
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, load_prompts
 from flashdraft.decoding.serving_rules import (
@@ -157,91 +159,100 @@ def _engine_render_check(server, client: OpenAIClient, target: TargetModel):
     return check
 
 
-def run_generate(
-    target_model: str,
-    prompts: str,
-    out: str,
-    num_prompts: int | None = None,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    seed: int = 0,
-    batch_size: int = 8,
-    backend: str = "local",
-    base_url: str | None = None,
-    server_model: str | None = None,
-    chat_template: bool | None = None,
-    device: str | None = None,
-    target_dtype: str | None = None,
-    long_prompts: str = "error",
-    min_prompt_tokens: int = 0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    use_generation_config: bool = True,
-    engine: str | None = None,
-    engine_python: str | None = None,
-    verify_share: float = 0.05,
-    chat_template_kwargs: str | dict | None = None,
-    enable_thinking: bool | None = None,
-) -> Path:
-    """`flashdraft generate`, one rank of it under torchrun. `engine` "vllm": the completions come from a vLLM
-    server started for this run (`engine_python`'s environment; 127.0.0.1, stopped at the end), token ids as it
-    returned them. chat_template None = use the
-    target's template where it has one; long_prompts: what to do with a prompt longer than the
-    target's context minus max_new_tokens ("error", "skip" or "truncate"); min_prompt_tokens:
-    leave out turns whose prompt is shorter (long-context data from any dataset). At temperature > 0, top_k /
-    top_p / min_p filter the target's p (None: the target's generation_config.json values, as the servers apply
-    them, unless use_generation_config is off); greedy decoding needs none. chat_template_kwargs (a JSON object or
-    its text) and enable_thinking (its `enable_thinking` shorthand): the template's mode (None: its defaults; a
-    prompt row's own kwargs over them); with `engine`, every prompt rendered by the engine too and refused where it
-    differs."""
-    _check_options(backend, base_url, server_model, engine, long_prompts)
+@dataclass(frozen=True)
+class GenerateConfig:
+    """The inputs of `flashdraft generate` (its flags; the API's keyword arguments), built once."""
+
+    target_model: str
+    prompts: str  # a .jsonl/.parquet file, a dataset directory or builtin:code[:heldout]
+    out: str
+    num_prompts: int | None = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    batch_size: int = 8
+    backend: str = "local"  # "local" or "openai" (a server given by base_url)
+    base_url: str | None = None
+    server_model: str | None = None
+    chat_template: bool | None = None  # None: the target's template where it has one
+    device: str | None = None
+    target_dtype: str | None = None
+    # a prompt longer than the context minus max_new_tokens: "error", "skip" or "truncate"
+    long_prompts: str = "error"
+    min_prompt_tokens: int = 0  # turns with shorter prompts are left out (long-context data from any dataset)
+    # T > 0: filters of the target's p; None: generation_config.json's values (as the servers apply them) unless
+    # use_generation_config is off; greedy decoding needs none
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    use_generation_config: bool = True
+    # "vllm": the completions come from a vLLM server started for this run (engine_python's environment, on
+    # 127.0.0.1, stopped at the end), every prompt rendered by it too and refused where it differs
+    engine: str | None = None
+    engine_python: str | None = None
+    verify_share: float = 0.05  # the share of an engine's completions checked against the target
+    # the template's mode (a JSON object or its text; enable_thinking its shorthand); None: its defaults, a prompt
+    # row's own kwargs over them
+    chat_template_kwargs: str | dict | None = None
+    enable_thinking: bool | None = None
+
+
+def run_generate(config: GenerateConfig) -> Path:
+    """`flashdraft generate`, one rank of it under torchrun; returns the completions file."""
+    c = config
+    _check_options(c.backend, c.base_url, c.server_model, c.engine, c.long_prompts)
     dist = init_distributed()
     lock = None
     stack = ExitStack()  # the engine's server, when this run started one: stopped on every way out
     try:
         # before the target loads (minutes for a large one): a second writer of OUT is refused at once
-        lock = lock_on_main(dist, Path(out).with_name(Path(out).name + ".lock"), Path(out), "flashdraft generate")
-        dev = pick_device(dist, "cpu" if backend == "openai" or engine else device)
-        target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))
-        prompt_list = load_prompts(prompts, num_prompts, quiet=not dist.is_main)
-        use_template = _use_chat_template(target, chat_template, dev, dist)
+        lock = lock_on_main(dist, Path(c.out).with_name(Path(c.out).name + ".lock"), Path(c.out), "flashdraft generate")
+        dev = pick_device(dist, "cpu" if c.backend == "openai" or c.engine else c.device)
+        target = TargetModel.load(c.target_model, dev, load_dtype(dev, c.target_dtype))
+        prompt_list = load_prompts(c.prompts, c.num_prompts, quiet=not dist.is_main)
+        use_template = _use_chat_template(target, c.chat_template, dev, dist)
+        say = print if dist.is_main else lambda _: None
         kwargs = resolve_mode(
-            target.tokenizer,
-            use_template,
-            chat_template_kwargs,
-            enable_thinking,
-            prompt_list,
-            print if dist.is_main else lambda _: None,
+            target.tokenizer, use_template, c.chat_template_kwargs, c.enable_thinking, prompt_list, say
         )
-        server = _start_engine(engine, engine_python, target, Path(out), target_dtype) if engine else None
+        server = _start_engine(c.engine, c.engine_python, target, Path(c.out), c.target_dtype) if c.engine else None
+        backend, base_url = c.backend, c.base_url
         if server is not None:
             stack.enter_context(server)
             print(f"{server.info.describe()} ready after {server.startup_seconds:.1f} s at {server.base_url}")
             backend, base_url = "openai", server.base_url
-        client = OpenAIClient(base_url, server_model) if backend == "openai" else None
-        filters = _sampling_filters(target, temperature, top_k, top_p, min_p, use_generation_config, dist)
+        client = OpenAIClient(base_url, c.server_model) if backend == "openai" else None
+        filters = _sampling_filters(target, c.temperature, c.top_k, c.top_p, c.min_p, c.use_generation_config, dist)
         settings = GenerationSettings(
-            prompts=prompts,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=seed,
+            prompts=c.prompts,
+            max_new_tokens=c.max_new_tokens,
+            temperature=c.temperature,
+            seed=c.seed,
             chat_template=use_template,
             chat_template_kwargs=kwargs,
-            backend=backend if server is None else engine,
+            backend=backend if server is None else c.engine,
             base_url=base_url if server is None else None,
             server_model=client.model if client and server is None else None,
-            long_prompts=long_prompts,
-            min_prompt_tokens=min_prompt_tokens,
-            **{k: v for k, v in filters.active().items()},
+            long_prompts=c.long_prompts,
+            min_prompt_tokens=c.min_prompt_tokens,
+            **filters.active(),
             engine_version=server.info.describe() if server is not None else None,
         )
         check_render = _engine_render_check(server, client, target) if server is not None else None
-        path = generate_completions(target, prompt_list, out, settings, batch_size, dist, client, check_render)
+        path = generate_completions(
+            target,
+            prompt_list,
+            c.out,
+            settings,
+            batch_size=c.batch_size,
+            dist=dist,
+            client=client,
+            check_render=check_render,
+        )
         if dist.is_main:
             report_truncated(path)
             if server is not None:
-                check_engine_completions(target, path, settings, filters, verify_share)
+                check_engine_completions(target, path, settings, filters, c.verify_share)
         return path
     finally:
         stack.close()

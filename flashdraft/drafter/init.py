@@ -169,6 +169,17 @@ def _layers(
     return n, types, window
 
 
+def _mask_token(given: int | None, from_config: int | None, target: TargetModel) -> int:
+    """--mask-token-id (in the target's vocabulary), else the config's, else one picked from the target's."""
+    if given is None:
+        return from_config if from_config is not None else pick_mask_token(target)
+    if not 0 <= given < target.vocab_size:
+        raise FlashdraftError(
+            f"--mask-token-id {given} is outside the target's vocabulary (0..{target.vocab_size - 1})"
+        )
+    return given
+
+
 def new_drafter_for_target(
     target: TargetModel,
     num_layers: int | None = None,
@@ -200,14 +211,7 @@ def new_drafter_for_target(
     _set_family(fields_, family, dflash2 or {}, dspark or {})
     source = f"{base_source} with the init flags" if base is not None else "flashdraft init"
     n, types, window = _layers(num_layers, layer_types, sliding_window, fields_, base_source)
-    if mask_token_id is None:
-        mask_token_id = fields_["mask_token_id"]
-        if mask_token_id is None:
-            mask_token_id = pick_mask_token(target)
-    elif not 0 <= mask_token_id < target.vocab_size:
-        raise FlashdraftError(
-            f"--mask-token-id {mask_token_id} is outside the target's vocabulary (0..{target.vocab_size - 1})"
-        )
+    mask_token_id = _mask_token(mask_token_id, fields_["mask_token_id"], target)
     block_size = block_size or fields_["block_size"] or FAMILIES[fields_["family"]].default_block_size
     if block_size < 2:
         raise FlashdraftError(f"--block-size {block_size}: expected at least 2 (the anchor plus one draft)")

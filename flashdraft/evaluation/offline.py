@@ -391,6 +391,23 @@ CONFIDENCE_BINS = 10  # equal-width bins of the estimate for the calibration err
 CONFIDENCE_SWEEP = (0.3, 0.5, 0.7, 0.9)  # thresholds whose cut eval reports beside the one asked for
 
 
+def _calibration_error(reached: list[tuple[int, float, float, bool]]) -> float:
+    """The expected calibration error of the estimates c against the acceptance probabilities, over
+    CONFIDENCE_BINS equal-width bins (c = 1.0 in the last)."""
+    ece = 0.0
+    for b in range(CONFIDENCE_BINS):
+        inside = [
+            (c, alpha)
+            for _, c, alpha, _ in reached
+            if b / CONFIDENCE_BINS <= c < (b + 1) / CONFIDENCE_BINS or (b == CONFIDENCE_BINS - 1 and c == 1.0)
+        ]
+        if inside:
+            mean_estimate = sum(c for c, _ in inside) / len(inside)
+            mean_probability = sum(a for _, a in inside) / len(inside)
+            ece += len(inside) / len(reached) * abs(mean_estimate - mean_probability)
+    return ece
+
+
 @torch.no_grad()
 def confidence_figures(
     drafter: DFlashDrafter,
@@ -442,19 +459,6 @@ def confidence_figures(
         probability[j] += alpha
         observed[j] += accepted
         count[j] += 1
-    ece = 0.0
-    for b in range(CONFIDENCE_BINS):
-        inside = [
-            (c, alpha)
-            for _, c, alpha, _ in reached
-            if b / CONFIDENCE_BINS <= c < (b + 1) / CONFIDENCE_BINS or (b == CONFIDENCE_BINS - 1 and c == 1.0)
-        ]
-        if inside:
-            ece += (
-                len(inside)
-                / len(reached)
-                * abs(sum(c for c, _ in inside) / len(inside) - sum(a for _, a in inside) / len(inside))
-            )
     cuts = []
     for n, t in enumerate(thresholds, 1):
         limit = DraftLimit(confidence_threshold=t)
@@ -474,7 +478,7 @@ def confidence_figures(
         "predicted": (predicted / n).tolist(),
         "acceptance_probability": (probability / n).tolist(),
         "observed": (observed / n).tolist(),
-        "expected_calibration_error": ece if reached else None,
+        "expected_calibration_error": _calibration_error(reached) if reached else None,
         "uncut": {"tau": tau, "steps": steps, "drafts_verified_per_step": verified_full / max(steps, 1)},
         "cuts": cuts,
     }

@@ -70,6 +70,31 @@ def greedy_baseline(
     return runs
 
 
+def _prompt_result(record: EvalRecord, out, lossless: bool | None, max_blocks: int | None) -> PromptResult:
+    """One record's speculative decoding, its per-step figures cut to the first `max_blocks` steps."""
+    kept = slice(None, max_blocks)
+    return PromptResult(
+        record.id,
+        out.acceptance_lengths[kept],
+        out.output_ids,
+        lossless,
+        prompt_length=len(record.prompt_ids),
+        step_seconds=out.step_seconds[kept],
+        expected_lengths=out.expected_lengths[kept],
+        length_variances=out.length_variances[kept],
+    )
+
+
+def _greedy_steps(records: list[EvalRecord], baseline: list[GreedyRun]) -> list[tuple[int, float]]:
+    """(context length, seconds) of every plain decoding step: forward k + 1 after the prefill reads the prompt and
+    k generated tokens before its input."""
+    return [
+        (len(r.prompt_ids) + k, s)
+        for r, run in zip(records, baseline, strict=True)
+        for k, s in enumerate(run.step_seconds)
+    ]
+
+
 @torch.no_grad()
 def evaluate_online(
     drafter: DFlashDrafter | HybridDrafter | Proposer,
@@ -87,12 +112,11 @@ def evaluate_online(
     rule: ServingRule | str | None = None,
     context_edges: list[int] | None = None,
 ) -> EvalResult:
-    """Online τ: real speculative decoding of every record's prompt (verifying the drafts
-    `limit` keeps; at temperature > 0 under `rule` with `filters`), timed after a warm-up, each output checked
-    against plain greedy decoding (`baseline`) when temperature is 0, and the speed-up set against its bound.
-    Acceptance lengths are cut to the first `max_blocks` steps (the output and the timing are not).
-    `round_context_to`: live context features rounded to a cache's dtype (`speculative_generate`);
-    `context_edges`: the buckets of `EvalResult.by_context`."""
+    """Online τ: real speculative decoding of every record's prompt (verifying the drafts `limit` keeps; at
+    temperature > 0 under `rule` with `filters`), timed after a warm-up, each output checked against plain greedy
+    decoding (`baseline`) when temperature is 0, and the speed-up set against its bound. Acceptance lengths are cut
+    to the first `max_blocks` steps (the output and the timing are not). `round_context_to`: live context features
+    rounded to a cache's dtype (`speculative_generate`); `context_edges`: the buckets of `EvalResult.by_context`."""
     b, layer_ids, context_layers = drafter_shape(drafter, block_size)
     speculative_generate(
         target,
@@ -129,19 +153,7 @@ def evaluate_online(
         draft_s, verify_s = draft_s + out.draft_seconds, verify_s + out.verify_seconds
         all_lengths += out.acceptance_lengths  # every step: the bound is of what was timed
         lossless = out.output_ids == plain.output_ids if temperature <= 0 else None
-        kept = slice(None, max_blocks)
-        per_prompt.append(
-            PromptResult(
-                record.id,
-                out.acceptance_lengths[kept],
-                out.output_ids,
-                lossless,
-                prompt_length=len(record.prompt_ids),
-                step_seconds=out.step_seconds[kept],
-                expected_lengths=out.expected_lengths[kept],
-                length_variances=out.length_variances[kept],
-            )
-        )
+        per_prompt.append(_prompt_result(record, out, lossless, max_blocks))
     spec_tokens = sum(len(p.output_ids) for p in per_prompt)
     greedy_tokens = sum(len(r.output_ids) for r in baseline)
     greedy_seconds = sum(r.seconds for r in baseline)
@@ -162,12 +174,7 @@ def evaluate_online(
         speedup_bound=speedup_bound(tau_of(all_lengths), greedy_step, draft_s / steps, verify_s / steps),
         drafts_per_block=drafts_per_block(drafter, b),
         context_edges=context_edges,
-        # forward k + 1 after the prefill reads the prompt and k generated tokens before its input
-        greedy_steps=[
-            (len(r.prompt_ids) + k, s)
-            for r, run in zip(records, baseline, strict=True)
-            for k, s in enumerate(run.step_seconds)
-        ],
+        greedy_steps=_greedy_steps(records, baseline),
     )
 
 

@@ -11,7 +11,7 @@ named "ngram" in place of a checkpoint, or the hybrid of a DFlash drafter and th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,13 +21,9 @@ from flashdraft.decoding.hybrid import HybridDrafter, HybridRule
 from flashdraft.decoding.ngram import NGramProposer
 from flashdraft.decoding.proposers import DraftLimit, Proposer
 from flashdraft.decoding.serving_rules import (
-    DEFAULT_RULE,
     NO_FILTERS,
     SamplingFilters,
     ServingRule,
-    greedy_filters_note,
-    greedy_in_effect_note,
-    request_filters,
     serving_rule,
 )
 from flashdraft.drafter.checkpoint import check_drafter_matches_target
@@ -37,6 +33,7 @@ from flashdraft.drafter.long_context import eval_guards
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.drafter.run_dir import LoadedDrafter, load_any_drafter
 from flashdraft.errors import FlashdraftError
+from flashdraft.evaluation.config import NGRAM, Candidate, EvalConfig
 from flashdraft.evaluation.modes import by_segment, mode_figures
 from flashdraft.evaluation.offline import (
     confidence_figures,
@@ -63,13 +60,16 @@ from flashdraft.evaluation.records import (
 from flashdraft.evaluation.results import (
     EvalResult,
     difference,
-    expected_tau_figures,
     record_context_edges,
+)
+from flashdraft.evaluation.sampling import (
+    check_sampled_completions,
+    check_sampling,
+    sampling_figures,
+    sampling_settings,
 )
 from flashdraft.evaluation.served import run_served
 from flashdraft.target.model import TargetModel
-
-NGRAM = "ngram"  # in place of a checkpoint (--drafter ngram, --reference ngram): the n-gram baseline
 
 
 def records_from_prompts(
@@ -82,17 +82,6 @@ def records_from_prompts(
 
 
 # -- the eval command -----------------------------------------------------------------------
-
-
-@dataclass
-class Candidate:
-    """One drafter of an eval run, as evaluated."""
-
-    label: str  # as given: a checkpoint, or "ngram"
-    drafter: DFlashDrafter | HybridDrafter | Proposer
-    block_size: int
-    form: str  # the checkpoint's form ("drafter directory", ...) or the n-gram settings
-    path: str | None  # what was loaded; None for the n-gram baseline
 
 
 def _describe_drafter(label: str, loaded, block_size: int, target: TargetModel) -> list[str]:
@@ -108,78 +97,6 @@ def _describe_drafter(label: str, loaded, block_size: int, target: TargetModel) 
         f"  {cfg.describe_family()}; layout {cfg.describe_layout()}",
     ]
     return lines + [f"  assumed: {note}" for note in loaded.assumed]
-
-
-_CALL = {"call": True}  # an EvalConfig field `evaluate_drafter` sets from its own arguments, not an option
-
-
-@dataclass
-class EvalConfig:
-    """What `flashdraft eval` evaluates, on which records, how. `checkpoint` or `reference`
-    "ngram" is the n-gram baseline (prompt lookup of the last ngram_max..ngram_min tokens),
-    with the DFlash drafter's block size when set against one. `drafter` "hybrid" evaluates
-    the checkpoint together with that lookup under `HybridRule(hybrid_min_match,
-    hybrid_ngram_prior)`. The fields are eval's options by name (`option_names`), except
-    those `evaluate_drafter` sets from its own arguments (what is evaluated, where)."""
-
-    checkpoint: str = field(metadata=_CALL)
-    target_model: str = field(metadata=_CALL)
-    drafter: str = field(default="dflash", metadata=_CALL)  # or "hybrid"
-    hybrid_min_match: int | None = None  # None: HybridRule's default
-    hybrid_ngram_prior: float | None = None
-    # records: exactly one source
-    cached_hidden_states: str | None = None
-    completions: str | None = None
-    prompts: str | None = None
-    num_prompts: int | None = None
-    # --prompts' chat mode (`data/chat_mode.py`): the template's kwargs and the enable_thinking shorthand
-    chat_template_kwargs: dict | None = None
-    enable_thinking: bool | None = None
-    allow_foreign: bool = False
-    long_prompts: str = "error"
-    verify: bool = True
-    # what is walked
-    max_blocks: int | None = None
-    max_new_tokens: int | None = None
-    block_size: int | None = None
-    online: bool = False
-    temperature: float = 0.0
-    # at temperature > 0: the server's rule (`flashdraft.decoding.serving_rules`) and the request's filters (None: the
-    # target's generation_config.json values unless use_generation_config is off)
-    serving_rule: str = DEFAULT_RULE
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    use_generation_config: bool = True
-    check_consistency: bool = False
-    reference: str | None = None
-    # verify fewer drafts per step, drafter and reference alike (`DraftLimit`)
-    num_speculative_tokens: int | None = None
-    adaptive_threshold: float | None = None
-    # DSpark: cut each block before its first draft whose confidence-head estimate is under this
-    confidence_threshold: float | None = None
-    # for a bare state dict, and for the baseline
-    target_layer_ids: list[int] | None = None
-    mask_token_id: int | None = None
-    ngram_max: int = 3
-    ngram_min: int = 1
-    device: str = field(default="cpu", metadata=_CALL)
-    dtype: torch.dtype = field(default=torch.float32, metadata=_CALL)
-    seed: int = 0
-    # edges of the context-length buckets of `by_context` (None: powers of two spanning the records)
-    context_buckets: list[int] | None = None
-    # the drafter served by a real engine ("vllm", `evaluation.served`): started for the run from engine_python's
-    # environment, or the running `server`; check_served makes a disagreement the exit status
-    served: str | None = None
-    check_served: bool = False
-    verbose: bool = False  # a line per record while evaluating (its tokens, feature statistics, tokens to decode)
-    server: str | None = None
-    engine_python: str | None = None
-
-    @classmethod
-    def option_names(cls) -> list[str]:
-        """The fields a user chooses (`flashdraft eval` has an option for each, named alike)."""
-        return [f.name for f in fields(cls) if not f.metadata.get("call")]
 
 
 def require_consistent(summary: dict[str, Any]) -> None:
@@ -456,7 +373,16 @@ def _evaluate_candidate(
         )
     if _has_confidence_head(c.drafter):
         summary["confidence"] = _confidence(cfg, c, target, records, offline, online, features, filters, rule)
-    summary |= {
+    summary |= _what_was_evaluated(cfg, c)
+    if cfg.check_consistency:
+        summary["consistency"] = _consistency(
+            records, baseline if not sampled_check else None, offline, online, rounding
+        )
+    return summary
+
+
+def _what_was_evaluated(cfg: EvalConfig, c: Candidate) -> dict[str, Any]:
+    return {
         "checkpoint": c.label,
         "checkpoint_form": c.form,
         "drafter_path": c.path,
@@ -465,18 +391,26 @@ def _evaluate_candidate(
         "adaptive_threshold": cfg.adaptive_threshold,
         "confidence_threshold": cfg.confidence_threshold,
     }
-    if cfg.check_consistency:
-        mismatches = consistency_mismatches(records, baseline if not sampled_check else None, offline, online)
-        summary["consistency"] = {
-            "identical": not mismatches,
-            "mismatches": mismatches,
-            "offline_tau": offline.tau,
-            "online_tau": online.tau,
-            "by_context_identical": _bucket_figures(offline) == _bucket_figures(online),
-            # live features rounded to the cache's dtype (None: as computed)
-            "live_features_rounded_to": str(rounding).removeprefix("torch.") if rounding else None,
-        }
-    return summary
+
+
+def _consistency(
+    records: list[EvalRecord],
+    baseline: list[GreedyRun] | None,
+    offline: EvalResult,
+    online: EvalResult,
+    rounding: torch.dtype | None,
+) -> dict[str, Any]:
+    """Whether the offline and the online walk are one (`--check-consistency`), and where not."""
+    mismatches = consistency_mismatches(records, baseline, offline, online)
+    return {
+        "identical": not mismatches,
+        "mismatches": mismatches,
+        "offline_tau": offline.tau,
+        "online_tau": online.tau,
+        "by_context_identical": _bucket_figures(offline) == _bucket_figures(online),
+        # live features rounded to the cache's dtype (None: as computed)
+        "live_features_rounded_to": str(rounding).removeprefix("torch.") if rounding else None,
+    }
 
 
 def _confidence(
@@ -525,95 +459,22 @@ def _bucket_figures(result: EvalResult) -> list[tuple]:
     ]
 
 
-# -- sampling at T > 0 (`flashdraft.decoding.serving_rules`) ------------------------------------------
+def _load_target(cfg: EvalConfig) -> TargetModel:
+    """The target, whole where the evaluation runs it; offline from a cache (greedy, nothing served) only its
+    tokenizer, config, embeddings and LM head: no target forward is needed."""
+    from flashdraft.target.weights import TargetHead
+
+    offline_only = cfg.cached_hidden_states is not None and not (cfg.online or cfg.check_consistency)
+    offline_only = offline_only and cfg.temperature <= 0 and not cfg.served  # at T > 0 the walk reads the target's p
+    return (TargetHead if offline_only else TargetModel).load(cfg.target_model, device=cfg.device, dtype=cfg.dtype)
 
 
-def sampling_settings(cfg: EvalConfig, target: TargetModel, log: Log) -> SamplingFilters:
-    """The filters the requests get at T > 0 (the given ones, else the target's generation_config.json values),
-    without those the rule's server does not apply; logged with the rule. Greedy: none."""
-    if cfg.temperature <= 0:
-        note = greedy_filters_note(cfg.top_k, cfg.top_p, cfg.min_p)
-        if note:
-            log(note)
-        return NO_FILTERS
-    rule = serving_rule(cfg.serving_rule)
-    filters, dropped = request_filters(
-        target.path, cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, rule, cfg.use_generation_config
-    )
-    settings = ", ".join(f"{k} {v} ({filters.source.get(k)})" for k, v in filters.active().items()) or "no filters"
-    log(
-        f"sampling: temperature {cfg.temperature}, {settings}"
-        + (
-            f"; {', '.join(dropped)} from the generation config dropped: {rule.server} does not apply it"
-            if dropped
-            else ""
+def _log_records(records: list[EvalRecord], max_new_tokens: int, log: Log) -> None:
+    for record in records:
+        log(
+            f"record {record.id}: {len(record.prompt_ids)} prompt tokens, "
+            f"{max_new_tokens_of(record, max_new_tokens)} new tokens to decode"
         )
-    )
-    log(f"serving rule {rule.describe()}")
-    if greedy_in_effect_note(cfg.temperature, filters):
-        log(greedy_in_effect_note(cfg.temperature, filters))
-    return filters
-
-
-def check_sampling(cfg: EvalConfig, candidates: list[Candidate]) -> None:
-    """What eval cannot do at T > 0, refused by name before any decoding."""
-    if cfg.temperature <= 0:
-        return
-    rule = serving_rule(cfg.serving_rule)
-    for c in candidates:
-        family = family_of(c.drafter)
-        sampled = rule.samples_drafts(family)
-        if cfg.check_consistency and sampled:
-            raise FlashdraftError(
-                f"--check-consistency at --temperature {cfg.temperature}: {c.label} is a {family} drafter, whose "
-                f"drafts {rule.name} samples; offline and online are then equal in law, not step for step (the "
-                f"check holds where drafts are the argmax walk: --serving-rule vllm, or sglang for DFlash)"
-            )
-
-
-def check_sampled_completions(cfg: EvalConfig, filters: SamplingFilters) -> None:
-    """Offline at T > 0 the completions must be the target's samples at the settings evaluated: those eval samples
-    itself from --prompts, or a file (or a cache of one) generated at this temperature with the same filters
-    (`flashdraft generate --temperature T --top-k K ...`)."""
-    if cfg.temperature <= 0 or cfg.online or cfg.check_consistency or cfg.prompts is not None:
-        return
-    generation = _source_generation(cfg) or {}
-    made_at = generation.get("temperature")
-    made_with = SamplingFilters(generation.get("top_k"), generation.get("top_p"), generation.get("min_p")).active()
-    if made_at != cfg.temperature or made_with != filters.active():
-
-        def settings(t, active):
-            return f"temperature {t}" + "".join(f", {k} {v}" for k, v in active.items())
-
-        from_config = filters.source and any(v != "given" for v in filters.source.values())
-        raise FlashdraftError(
-            f"{cfg.completions or cfg.cached_hidden_states}: completions made at {settings(made_at, made_with)}; "
-            f"offline τ at {settings(cfg.temperature, filters.active())} needs the target's samples at those "
-            f"settings (generate them with these settings, or give --prompts: eval samples them itself"
-            + (", or --no-generation-config" if from_config else "")
-            + ")"
-        )
-
-
-def _source_generation(cfg: EvalConfig) -> dict | None:
-    """The generation settings a completions file (or the file a cache was built from) records."""
-    import json
-    from pathlib import Path
-
-    if cfg.completions is not None:
-        return json.loads(Path(cfg.completions).read_text()).get("generation")
-    from flashdraft.data.cache_reader import HiddenStateCache
-
-    completions = HiddenStateCache(cfg.cached_hidden_states, verify=False).manifest.get("completions") or {}
-    return completions.get("generation")
-
-
-def sampling_figures(cfg: EvalConfig, rule: ServingRule, filters: SamplingFilters, result: EvalResult) -> dict:
-    """The summary's sampling fields: the rule and settings evaluated, and τ beside its expected value."""
-    return {
-        "serving_rule": rule.name,
-        "sampling": {"temperature": cfg.temperature, **filters.to_json()},
-    } | expected_tau_figures(result)
 
 
 def run_eval(
@@ -626,16 +487,8 @@ def run_eval(
     serving_rule(cfg.serving_rule)  # an unknown name fails before anything loads
     if cfg.drafter == "hybrid" and cfg.checkpoint == NGRAM:
         raise FlashdraftError("the hybrid needs a DFlash drafter: give its checkpoint, not 'ngram'")
-    from flashdraft.target.weights import TargetHead
-
-    # offline from a cache needs no target forward: only tokenizer, config, embeddings and LM head
-    offline_only = cfg.cached_hidden_states is not None and not (cfg.online or cfg.check_consistency)
-    offline_only = offline_only and cfg.temperature <= 0 and not cfg.served  # at T > 0 the walk reads the target's p
     check_served_options(cfg)
-    if target is None:
-        target = (TargetHead if offline_only else TargetModel).load(
-            cfg.target_model, device=cfg.device, dtype=cfg.dtype
-        )
+    target = target or _load_target(cfg)
     tok = target.tokenizer
     log(
         f"target {target.path}: {target.num_layers} layers, hidden {target.hidden_size}; tokenizer "
@@ -660,11 +513,7 @@ def run_eval(
     record_log = log if cfg.verbose else quiet
     features = FeatureSource(target, record_log)  # each record's tokens and feature statistics offline
     if cfg.online and not cfg.check_consistency and cfg.verbose:
-        for record in records:
-            log(
-                f"record {record.id}: {len(record.prompt_ids)} prompt tokens, "
-                f"{max_new_tokens_of(record, max_new_tokens)} new tokens to decode"
-            )
+        _log_records(records, max_new_tokens, log)
     if cfg.cached_hidden_states is not None:
         _check_cache_layers(cfg, candidates, records, log)
     if cfg.context_buckets is None:  # one set of buckets for drafter and reference alike

@@ -33,7 +33,7 @@ from flashdraft.evaluation.modes import by_segment
 from flashdraft.evaluation.offline import evaluate_offline
 from flashdraft.evaluation.records import EvalRecord, FeatureSource
 from flashdraft.evaluation.results import EvalResult, expected_tau_figures
-from flashdraft.serving.checks import needs_v2_runner, vllm_speculative_config
+from flashdraft.serving.checks import vllm_speculative_config
 from flashdraft.serving.engine import (
     SpecCounters,
     VllmServer,
@@ -42,6 +42,7 @@ from flashdraft.serving.engine import (
     read_spec_counters,
     server_version,
 )
+from flashdraft.serving.family_rules import needs_v2_runner
 from flashdraft.target.model import TargetModel, resolve_target_path
 
 ENGINE_RULE = "vllm"  # the rule a vLLM started with default settings verifies under (draft_sample_method greedy)
@@ -319,17 +320,7 @@ def run_served(
         "temperature": temperature,
         "sampling": filters.to_json(),
         **_pooled(requests),
-        "requests": [
-            {
-                "id": r.id,
-                "output_tokens": len(r.output_ids),
-                "finish_reason": r.finish_reason,
-                "drafts": r.counters.drafts,
-                "accepted": r.counters.accepted,
-                "accepted_per_position": r.counters.accepted_per_position,
-            }
-            for r in requests
-        ],
+        "requests": [_request_figures(r) for r in requests],
     }
     problems = [failure] if failure else []
     if outputs:
@@ -353,24 +344,53 @@ def run_served(
         if temperature <= 0:
             problems += _greedy_figures(served, requests, records, max_tokens, own, drafter, target, block_size, drafts)
         else:
-            sampled = _sampled_check(requests, own)
-            served["flashdraft"] |= sampled
-            fidelity = sampling_fidelity(target, outputs, temperature, filters)
-            served["outputs"] = fidelity
-            if fidelity["problems"]:
-                problems.append(
-                    f"{engine.description}'s outputs are not samples of the target's p at T "
-                    f"{temperature:g}: {fidelity['problems'][-1]}"
-                )
-            if not sampled["within"]:
-                problems.append(
-                    f"served τ {sampled['served_tau_delivered']:.3f} is {sampled['difference']:+.3f} "
-                    f"from flashdraft's expected τ {sampled['expected_tau']:.3f} under vLLM's rule, past "
-                    f"{Z_LIMIT:g} standard errors ({sampled['combined_stderr']:.3f}): "
-                    f"{engine.description} does not serve this drafter as vLLM's rule says"
-                )
+            problems += _sampled_figures(served, requests, outputs, own, target, temperature, filters, engine)
     served["check"] = {"passed": not problems, "problems": problems}
     return served
+
+
+def _request_figures(r: ServedRequest) -> dict[str, Any]:
+    """One request as served: its output length, how it finished and the engine's counters around it."""
+    return {
+        "id": r.id,
+        "output_tokens": len(r.output_ids),
+        "finish_reason": r.finish_reason,
+        "drafts": r.counters.drafts,
+        "accepted": r.counters.accepted,
+        "accepted_per_position": r.counters.accepted_per_position,
+    }
+
+
+def _sampled_figures(
+    served: dict,
+    requests: list[ServedRequest],
+    outputs: list[EvalRecord],
+    own: EvalResult,
+    target: TargetModel,
+    temperature: float,
+    filters: SamplingFilters,
+    engine: Engine,
+) -> list[str]:
+    """At T > 0: the served τ against flashdraft's expected τ under vLLM's rule, and the outputs against the
+    target's p, into `served`; returns the problems found."""
+    problems = []
+    sampled = _sampled_check(requests, own)
+    served["flashdraft"] |= sampled
+    fidelity = sampling_fidelity(target, outputs, temperature, filters)
+    served["outputs"] = fidelity
+    if fidelity["problems"]:
+        problems.append(
+            f"{engine.description}'s outputs are not samples of the target's p at T "
+            f"{temperature:g}: {fidelity['problems'][-1]}"
+        )
+    if not sampled["within"]:
+        problems.append(
+            f"served τ {sampled['served_tau_delivered']:.3f} is {sampled['difference']:+.3f} "
+            f"from flashdraft's expected τ {sampled['expected_tau']:.3f} under vLLM's rule, past "
+            f"{Z_LIMIT:g} standard errors ({sampled['combined_stderr']:.3f}): "
+            f"{engine.description} does not serve this drafter as vLLM's rule says"
+        )
+    return problems
 
 
 def _greedy_figures(

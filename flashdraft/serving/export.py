@@ -16,7 +16,8 @@ from flashdraft.drafter.server_fields import SGLANG, VLLM
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import write_text_atomic
 from flashdraft.serving.chat_mode import trained_mode_lines
-from flashdraft.serving.checks import V2_RUNNER, mixes_sliding_and_full, serving_commands
+from flashdraft.serving.checks import serving_commands
+from flashdraft.serving.family_rules import V2_RUNNER, mixes_sliding_and_full
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -20,8 +20,9 @@ from flashdraft.drafter.run_dir import latest_checkpoint, load_any_drafter, veri
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
 from flashdraft.target.weights import TargetHead
+from flashdraft.train.config import TrainConfig
 from flashdraft.train.data import OnlineRecords
-from flashdraft.train.loop import TrainConfig, train
+from flashdraft.train.loop import train
 from flashdraft.train.loss import recipe_decay_gamma
 from flashdraft.train.recipe import recipe_for
 from flashdraft.train.vocab import draft_vocabulary, with_draft_vocabulary
@@ -258,6 +259,34 @@ def _take_recipe(cfg: TrainConfig, target_model: str, main: bool) -> None:
         print(f"defaults: {recipe.describe()} for {', '.join(chosen)} (set by no flag)", flush=True)
 
 
+def _loss_reads_target(cfg: TrainConfig, drafter: DFlashDrafter) -> bool:
+    """Whether the loss reads the target's distribution: a DSpark drafter's TV or confidence terms."""
+    dspark = drafter.config.family == "dspark"
+    return dspark and (cfg.dspark_tv_weight > 0 or cfg.confidence_loss_weight > 0)
+
+
+def _check_loss_inputs(cfg: TrainConfig, drafter: DFlashDrafter, records, needs_target: bool, source: str) -> None:
+    """The target's logits there where the loss reads them (DSpark's terms, --kl-weight), and a loss decay gamma of
+    None made the recipe's for the block size (7 for 16; 0 = none)."""
+    if needs_target and not getattr(records, "topk", 0):
+        _refuse_without_target_distribution(cfg, source)
+    if cfg.kl_weight > 0 and not getattr(records, "topk", 0):
+        raise FlashdraftError(
+            f"--kl-weight {cfg.kl_weight}: {source} holds no target logits; "
+            f"expected a cache made with flashdraft cache --with-target-logits K (or --kl-weight 0, the recipe)"
+        )
+    if cfg.loss_decay_gamma is None:
+        cfg.loss_decay_gamma = recipe_decay_gamma(drafter.config.block_size, drafter.config.family)
+
+
+def _drop_frame_locals(error: BaseException) -> None:
+    """The traceback keeps the loop's frame, and with it DDP and its buffers, alive past the process group's end;
+    their destructors then wait on a group that is gone (a rank that stopped on SIGTERM hung at exit): drop the
+    frames' locals first (the trace stays)."""
+    traceback.clear_frames(error.__traceback__)
+    gc.collect()
+
+
 def run_training(
     cfg: TrainConfig,
     target_model: str,
@@ -279,13 +308,10 @@ def run_training(
     target_dtype: str | None = None,
     draft_vocab_size: int | None = None,
 ) -> Path:
-    """`flashdraft train`. The drafter is the newest complete checkpoint (`resume`), else `init`,
-    else a fresh one shaped by draft_layers (1), block_size (16), mask_token_id and
-    target_layer_ids; given with a checkpoint or `init`, these must agree with its config.
-    A loss decay gamma of None becomes the recipe's for the block size (7 for 16; 0 = none).
-    `verify`: check the sha256 of caches and of the checkpoint resumed from. The target is
-    loaded whole only when it runs in the loop (completions); from caches only its head is
-    read (`TargetHead`). `target_dtype` (fp32/bf16/fp16): default fp32 on CPU, bf16 on GPU."""
+    """`flashdraft train`. The drafter is the newest complete checkpoint (`resume`), else `init`, else a fresh one
+    shaped by draft_layers (1), block_size (16), mask_token_id and target_layer_ids (which must agree with a given
+    one's config). `verify`: check the sha256 of caches and of the checkpoint resumed from. The target loads whole
+    only when it runs in the loop (completions), else only its head (`TargetHead`); fp32 on CPU, bf16 on GPU."""
     if bool(cached_hidden_states) == bool(completions):
         raise FlashdraftError("give exactly one of --cached-hidden-states (offline) or --completions (online)")
     dist = init_distributed(device, collectives=True)
@@ -304,23 +330,14 @@ def run_training(
             target, run_dir if resume else None, init, shape, cfg.seed, verify, cfg.rope_scaling
         )
         layer_ids = drafter.config.target_layer_ids
-        dspark = drafter.config.family == "dspark"
-        needs_target = dspark and (cfg.dspark_tv_weight > 0 or cfg.confidence_loss_weight > 0)
+        needs_target = _loss_reads_target(cfg, drafter)
         online_topk = ONLINE_TARGET_TOPK if needs_target else 0
         records, cfg.data_fingerprint = load_training_records(
             target, layer_ids, cached_hidden_states, completions, allow_foreign, verify, online_topk
         )
-        if needs_target and not getattr(records, "topk", 0):
-            _refuse_without_target_distribution(cfg, cached_hidden_states)
+        _check_loss_inputs(cfg, drafter, records, needs_target, cached_hidden_states or completions)
         drafter = _with_vocabulary(drafter, draft_vocab_size, records, target, cfg, dist)
         _record_mode(drafter, records, resumed=resume and latest_checkpoint(run_dir) is not None, main=dist.is_main)
-        if cfg.kl_weight > 0 and not getattr(records, "topk", 0):
-            raise FlashdraftError(
-                f"--kl-weight {cfg.kl_weight}: {cached_hidden_states or completions} holds no target logits; "
-                f"expected a cache made with flashdraft cache --with-target-logits K (or --kl-weight 0, the recipe)"
-            )
-        if cfg.loss_decay_gamma is None:
-            cfg.loss_decay_gamma = recipe_decay_gamma(drafter.config.block_size, drafter.config.family)
         eval_records, tau_records = _held_out_records(
             target, layer_ids, eval_cached_hidden_states, eval_completions, allow_foreign, verify, online_topk
         )
@@ -345,11 +362,7 @@ def run_training(
             print(f"done: drafter in {final / 'drafter'}", flush=True)
         return final
     except BaseException as e:
-        # the traceback keeps the loop's frame, and with it DDP and its buffers, alive past the
-        # process group's end below; their destructors then wait on a group that is gone (a rank
-        # that stopped on SIGTERM hung at exit): drop the frames' locals first (the trace stays)
-        traceback.clear_frames(e.__traceback__)
-        gc.collect()
+        _drop_frame_locals(e)
         raise
     finally:
         dist.close()

@@ -431,7 +431,7 @@ def test_draft_config_and_doctor_checkpoint_take_the_shipped_tiny_drafter_by_nam
 
 
 def test_layer_ids_come_from_layers_or_a_drafter_or_the_reference_default(tmp_path, capsys, monkeypatch):
-    from flashdraft.data.cache import resolve_layer_ids
+    from flashdraft.data.cache_run import resolve_layer_ids
 
     target = make_target("qwen3", num_layers=6)
     assert resolve_layer_ids(target, None, None) == [1, 2, 3]  # 5 and 4 default ids would collide on 6 layers

@@ -13,7 +13,8 @@ import torch
 from flashdraft.drafter.run_dir import latest_checkpoint, save_checkpoint
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
-from flashdraft.train.loop import TrainConfig, train
+from flashdraft.train.config import TrainConfig
+from flashdraft.train.loop import train
 from tests.conftest import make_drafter, make_drafter_config, make_target, run_cli
 from tests.train.helpers import make_records
 

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 torch.set_num_threads(1)
 
 from flashdraft.distributed import Dist, init_distributed  # noqa: E402
-from flashdraft.train.loop import TrainConfig, train  # noqa: E402
+from flashdraft.train.config import TrainConfig  # noqa: E402
+from flashdraft.train.loop import train  # noqa: E402
 from tests.conftest import make_dflash2_drafter, make_drafter, make_dspark_drafter, make_target  # noqa: E402
 from tests.train.helpers import make_records  # noqa: E402
 

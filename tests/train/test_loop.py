@@ -12,23 +12,14 @@ from flashdraft.drafter.checkpoint import load_drafter
 from flashdraft.drafter.run_dir import RunLock, complete_checkpoints, latest_checkpoint
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TINY_DIR
-from flashdraft.train.data import OnlineRecords, make_batch
-from flashdraft.train.loop import TrainConfig, describe_steps, forward_loss, train
+from flashdraft.train.config import TrainConfig
+from flashdraft.train.data import make_batch
+from flashdraft.train.loop import describe_steps, train
 from flashdraft.train.recipe import PUBLISHED_RECIPE, TINY_RECIPE, recipe_for
-from tests.conftest import MASK, make_dflash2_drafter, make_drafter, make_dspark_drafter, make_target
+from tests.conftest import MASK, make_dflash2_drafter, make_drafter, make_dspark_drafter
 from tests.train.helpers import make_records
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return make_target("hybrid")
-
-
-@pytest.fixture(scope="module")
-def records(target):
-    return make_records(target, n=8)
 
 
 def _cfg(**kw) -> TrainConfig:
@@ -131,17 +122,6 @@ def test_nan_loss_stops_naming_step_and_records_and_keeps_last_good_checkpoint(t
     assert last is None or torch.isfinite(load_drafter(last / "drafter").fc.weight).all()
 
 
-def test_online_features_give_the_same_loss_as_cached_features(target, records):
-    online = OnlineRecords(records, target, [0, 2])
-    drafter = make_drafter()
-    cfg = _cfg()
-    cached = make_batch([records[1], records[2]], [1, 2], 0, 0, 6, 8, MASK)
-    live = make_batch([online[1], online[2]], [1, 2], 0, 0, 6, 8, MASK)
-    a = forward_loss(drafter, target, cached, cfg, 8, torch.device("cpu"))
-    b = forward_loss(drafter, target, live, cfg, 8, torch.device("cpu"))
-    torch.testing.assert_close(a.weighted_sum, b.weighted_sum)
-
-
 @pytest.mark.parametrize("weighting", ["decay", "dpace"])
 def test_gradient_accumulation_matches_one_larger_batch_within_rounding(target, records, tmp_path, weighting):
     # AdamW: Muon's bf16 orthogonalisation would blur the last bits this compares (see the gloo test)
@@ -178,9 +158,9 @@ def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, r
     )
     held_out = make_records(target, n=4, seed=1)
     drafter = make_drafter()
-    from flashdraft.train.loop import evaluate_loss
+    from flashdraft.train.held_out import evaluate_loss
 
-    before = evaluate_loss(drafter, target, held_out, cfg, 8, MASK, torch.device("cpu"))
+    before = evaluate_loss(drafter, target, held_out, cfg, torch.device("cpu"))
     train(cfg, drafter, target, records, tmp_path, eval_records=held_out)
     after = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     # D-PACE aims at acceptance (early on it trains the first positions far more than the CE measured here), and
@@ -353,7 +333,7 @@ def test_the_checkpoint_records_the_longest_context_trained_at_and_a_warm_start_
     target, records, tmp_path
 ):
     from flashdraft.distributed import Dist
-    from flashdraft.train.loop import global_batch
+    from flashdraft.train.step import global_batch
 
     cfg = _cfg(max_steps=3, max_length=14)  # records are 30 tokens: truncated to 14
     train(cfg, make_drafter(), target, records, tmp_path / "short")
@@ -361,7 +341,7 @@ def test_the_checkpoint_records_the_longest_context_trained_at_and_a_warm_start_
     reach = max(
         b.context_reach(cfg.block_size)
         for step in range(3)
-        for b in global_batch(cfg, records, step, steps_per_epoch, Dist())[0]
+        for b in global_batch(cfg, records, step, steps_per_epoch, Dist()).micro_batches
     )
     assert reach <= 14 - 1 + cfg.block_size  # the last anchor inside the truncated sequence, plus the block
     short = load_drafter(latest_checkpoint(tmp_path / "short") / "drafter")

@@ -1,0 +1,230 @@
+"""The completers of `flashdraft generate`: the target run locally in batches, or an OpenAI-compatible server.
+
+Local generation uses left padding with an attention mask; greedy output equals
+`flashdraft.decoding.generate.autoregressive_generate` token for token. A server (vLLM, SGLang) gets the prompt's
+token ids. Each prompt's turns are answered in order, each turn's prompt rendered with the earlier answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from flashdraft.data.chat_mode import (
+    merged,
+    reasoning_end,
+    reasoning_markers,
+    template_sha256,
+)
+from flashdraft.data.completions import CompletionRecord, GenerationSettings, record_seed
+from flashdraft.data.openai_client import OpenAIClient
+from flashdraft.data.prompts import (
+    Prompt,
+    encode_text,
+    fit_prompt,
+    prompt_token_limit,
+    render_conversation,
+)
+from flashdraft.decoding.serving_rules import NO_FILTERS, SamplingFilters, target_probs
+from flashdraft.errors import FlashdraftError
+from flashdraft.target.model import TargetModel
+
+# -- local batched generation -----------------------------------------------------------
+
+
+@torch.no_grad()
+def generate_batch(
+    target: TargetModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generators: list[torch.Generator] | None = None,
+    filters: SamplingFilters = NO_FILTERS,
+) -> list[tuple[list[int], str]]:
+    """Decode every prompt with the target's cache (at temperature > 0 sampled from the target's p with `filters`,
+    as the servers sample); returns (completion ids, stop reason) each.
+
+    Prompts are left-padded to one width; the attention mask hides the padding and position
+    ids count only real tokens, so each row decodes as it would alone. Rows that stopped
+    keep being fed (their output is frozen) until every row has stopped.
+    """
+    from transformers import DynamicCache
+
+    device, n = target.device, len(prompts)
+    width = max(len(p) for p in prompts)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    ids = torch.full((n, width), pad, dtype=torch.long, device=device)  # [N, W]
+    mask = torch.zeros((n, width), dtype=torch.long, device=device)  # [N, W]
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, device=device)
+        mask[i, width - len(p) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, W]
+    padded = bool((mask == 0).any())
+    stop_ids = set(target.stop_token_ids)
+    cache = DynamicCache(config=target.config)
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    reasons = ["length"] * n
+    for _ in range(max_new_tokens):
+        logits = target.model(
+            input_ids=ids,
+            attention_mask=mask if padded else None,  # no mask without padding: the same kernels as one prompt
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,  # the prompt's other positions need no [W, V] logits
+        ).logits[:, -1]  # [N, V]
+        if temperature <= 0:
+            tokens = logits.argmax(-1).tolist()
+        else:
+            probs = target_probs(logits, temperature, filters)  # [N, V]
+            tokens = [int(torch.multinomial(probs[i], 1, generator=generators[i])) for i in range(n)]
+        for i, token in enumerate(tokens):
+            if reasons[i] == "length" and len(outputs[i]) < max_new_tokens:
+                outputs[i].append(token)
+                if token in stop_ids:
+                    reasons[i] = "eos"
+        if all(r == "eos" for r in reasons):
+            break
+        ids = torch.tensor(tokens, device=device)[:, None]  # [N, 1]
+        mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
+        positions = positions[:, -1:] + 1
+    return list(zip(outputs, reasons, strict=True))
+
+
+def answer_turns(
+    target: TargetModel,
+    batch: list[Prompt],
+    settings: GenerationSettings,
+    complete: Callable[[list[tuple[str, list[int]]]], list[tuple[list[int], str, str]]],
+    long_prompt_stats: dict[str, int] | None = None,
+    check_render: Callable[[str, list, dict, list[int]], None] | None = None,
+) -> list[CompletionRecord]:
+    """Answer every turn of every prompt in the batch: turn k of all prompts that have it is
+    one call of `complete` ([(record id, prompt ids)] -> [(completion ids, stop reason, source)]).
+    A turn longer than the context (minus max_new_tokens) is refused, skipped with the prompt's
+    later turns, or truncated, by `settings.long_prompts`; `long_prompt_stats` counts them. With a template, each
+    turn is rendered with the prompt's kwargs and, when `check_render` is given (an engine), checked by it (record
+    id, messages, kwargs, prompt ids) before it is sent."""
+    tok, use_template = target.tokenizer, settings.chat_template
+    markers, sha = (reasoning_markers(tok), template_sha256(tok)) if use_template else (None, None)
+    limit = prompt_token_limit(target.context_length, settings.max_new_tokens)
+    stats = long_prompt_stats if long_prompt_stats is not None else {}
+    answers: dict[str, list[str]] = {p.id: [] for p in batch}
+    records: dict[str, list[CompletionRecord]] = {p.id: [] for p in batch}
+    dropped: set[str] = set()
+    short: set[str] = set()  # record ids under settings.min_prompt_tokens: answered for context, not kept
+    truncated_from: dict[str, int] = {}
+    for turn in range(max(len(p.turns) for p in batch)):
+        active, texts, prompt_ids = [], [], []
+        for p in batch:
+            if len(p.turns) <= turn or p.id in dropped:
+                continue
+            kwargs = merged(settings.chat_template_kwargs, p.chat_template_kwargs) if use_template else None
+            text = render_conversation(tok, p.conversation(answers[p.id]), use_template, kwargs)
+            ids = encode_text(tok, text, use_template)
+            if not ids:
+                raise FlashdraftError(
+                    f"prompt {p.record_id(turn)!r}: encodes to no tokens; expected a non-empty prompt"
+                )
+            if len(ids) < settings.min_prompt_tokens:
+                short.add(p.record_id(turn))
+                if turn == len(p.turns) - 1:  # no later turn reads its answer: not answered at all
+                    stats["shorter"] = stats.get("shorter", 0) + 1
+                    continue
+            fitted = fit_prompt(p.record_id(turn), ids, limit, settings.long_prompts, stats, settings.prompts)
+            if fitted is None:
+                dropped.add(p.id)
+                continue
+            if len(fitted) < len(ids):  # the record's text is what the target saw: the kept tokens
+                text = tok.decode(fitted)
+                truncated_from[p.record_id(turn)] = len(ids)
+            elif check_render is not None and use_template:
+                check_render(p.record_id(turn), p.conversation(answers[p.id]), kwargs, fitted)
+            active.append(p)
+            texts.append(text)
+            prompt_ids.append(fitted)
+        if not active:
+            continue
+        results = complete([(p.record_id(turn), ids) for p, ids in zip(active, prompt_ids, strict=True)])
+        for p, text, ids, (out, reason, source) in zip(active, texts, prompt_ids, results, strict=True):
+            completion = tok.decode(out, skip_special_tokens=True)
+            rid = p.record_id(turn)
+            mode = (
+                {}
+                if not use_template
+                else {
+                    "messages": p.conversation(answers[p.id]),
+                    "chat_template_sha256": sha,
+                    "chat_template_kwargs": merged(settings.chat_template_kwargs, p.chat_template_kwargs),
+                    "reasoning_end": reasoning_end(ids, out, markers),
+                }
+            )
+            records[p.id].append(
+                CompletionRecord(rid, text, ids, out, completion, reason, source, truncated_from.get(rid), **mode)
+            )
+            answers[p.id].append(completion)
+    stats["shorter"] = stats.get("shorter", 0) + sum(r.id in short for p in batch for r in records[p.id])
+    return [r for p in batch for r in records[p.id] if r.id not in short]
+
+
+def settings_filters(settings: GenerationSettings) -> SamplingFilters:
+    """The target-side filters a generate run samples with."""
+    return SamplingFilters(settings.top_k, settings.top_p, settings.min_p)
+
+
+def local_completer(target: TargetModel, settings: GenerationSettings):
+    def complete(items: list[tuple[str, list[int]]]) -> list[tuple[list[int], str, str]]:
+        generators = None
+        if settings.temperature > 0:
+            generators = [
+                torch.Generator(device=target.device).manual_seed(record_seed(settings.seed, rid)) for rid, _ in items
+            ]
+        outs = generate_batch(
+            target,
+            [ids for _, ids in items],
+            settings.max_new_tokens,
+            settings.temperature,
+            generators,
+            settings_filters(settings),
+        )
+        return [(ids, reason, "target") for ids, reason in outs]
+
+    return complete
+
+
+# -- OpenAI-compatible server ------------------------------------------------------------
+
+
+def openai_completer(target: TargetModel, settings: GenerationSettings, client: OpenAIClient, workers: int):
+    stop_ids = target.stop_token_ids
+
+    def one(item: tuple[str, list[int]]) -> tuple[list[int], str, str]:
+        rid, prompt_ids = item
+        choice = client.complete(
+            prompt_ids,
+            settings.max_new_tokens,
+            settings.temperature,
+            record_seed(settings.seed, rid),
+            settings_filters(settings).active(),
+        )
+        finish = choice.get("finish_reason")
+        if finish not in ("stop", "length"):
+            raise FlashdraftError(f"record {rid!r}: server finish_reason is {finish!r}; expected 'stop' or 'length'")
+        ids = choice.get("token_ids")
+        if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
+            source = "server"
+        else:
+            ids = list(target.tokenizer(choice.get("text") or "", add_special_tokens=False)["input_ids"])
+            source = "retokenized"
+        if finish == "stop" and stop_ids and (not ids or ids[-1] not in stop_ids):
+            # servers leave the stop token out of the text: put it back, as local generation keeps it
+            ids = ids + [stop_ids[0]]
+        return ids, "eos" if finish == "stop" else "length", source
+
+    def complete(items):
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            return list(pool.map(one, items))
+
+    return complete

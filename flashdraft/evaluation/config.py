@@ -1,0 +1,100 @@
+"""What `flashdraft eval` evaluates, on which records, how (`EvalConfig`), and the drafters it evaluates as loaded
+(`Candidate`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from flashdraft.decoding.hybrid import HybridDrafter
+from flashdraft.decoding.proposers import Proposer
+from flashdraft.decoding.serving_rules import (
+    DEFAULT_RULE,
+)
+from flashdraft.drafter.model import DFlashDrafter
+
+NGRAM = "ngram"  # in place of a checkpoint (--drafter ngram, --reference ngram): the n-gram baseline
+
+
+@dataclass
+class Candidate:
+    """One drafter of an eval run, as evaluated."""
+
+    label: str  # as given: a checkpoint, or "ngram"
+    drafter: DFlashDrafter | HybridDrafter | Proposer
+    block_size: int
+    form: str  # the checkpoint's form ("drafter directory", ...) or the n-gram settings
+    path: str | None  # what was loaded; None for the n-gram baseline
+
+
+_CALL = {"call": True}  # an EvalConfig field `evaluate_drafter` sets from its own arguments, not an option
+
+
+@dataclass
+class EvalConfig:
+    """What `flashdraft eval` evaluates, on which records, how. `checkpoint` or `reference`
+    "ngram" is the n-gram baseline (prompt lookup of the last ngram_max..ngram_min tokens),
+    with the DFlash drafter's block size when set against one. `drafter` "hybrid" evaluates
+    the checkpoint together with that lookup under `HybridRule(hybrid_min_match,
+    hybrid_ngram_prior)`. The fields are eval's options by name (`option_names`), except
+    those `evaluate_drafter` sets from its own arguments (what is evaluated, where)."""
+
+    checkpoint: str = field(metadata=_CALL)
+    target_model: str = field(metadata=_CALL)
+    drafter: str = field(default="dflash", metadata=_CALL)  # or "hybrid"
+    hybrid_min_match: int | None = None  # None: HybridRule's default
+    hybrid_ngram_prior: float | None = None
+    # records: exactly one source
+    cached_hidden_states: str | None = None
+    completions: str | None = None
+    prompts: str | None = None
+    num_prompts: int | None = None
+    # --prompts' chat mode (`data/chat_mode.py`): the template's kwargs and the enable_thinking shorthand
+    chat_template_kwargs: dict | None = None
+    enable_thinking: bool | None = None
+    allow_foreign: bool = False
+    long_prompts: str = "error"
+    verify: bool = True
+    # what is walked
+    max_blocks: int | None = None
+    max_new_tokens: int | None = None
+    block_size: int | None = None
+    online: bool = False
+    temperature: float = 0.0
+    # at temperature > 0: the server's rule (`flashdraft.decoding.serving_rules`) and the request's filters (None: the
+    # target's generation_config.json values unless use_generation_config is off)
+    serving_rule: str = DEFAULT_RULE
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    use_generation_config: bool = True
+    check_consistency: bool = False
+    reference: str | None = None
+    # verify fewer drafts per step, drafter and reference alike (`DraftLimit`)
+    num_speculative_tokens: int | None = None
+    adaptive_threshold: float | None = None
+    # DSpark: cut each block before its first draft whose confidence-head estimate is under this
+    confidence_threshold: float | None = None
+    # for a bare state dict, and for the baseline
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+    ngram_max: int = 3
+    ngram_min: int = 1
+    device: str = field(default="cpu", metadata=_CALL)
+    dtype: torch.dtype = field(default=torch.float32, metadata=_CALL)
+    seed: int = 0
+    # edges of the context-length buckets of `by_context` (None: powers of two spanning the records)
+    context_buckets: list[int] | None = None
+    # the drafter served by a real engine ("vllm", `evaluation.served`): started for the run from engine_python's
+    # environment, or the running `server`; check_served makes a disagreement the exit status
+    served: str | None = None
+    check_served: bool = False
+    verbose: bool = False  # a line per record while evaluating (its tokens, feature statistics, tokens to decode)
+    server: str | None = None
+    engine_python: str | None = None
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The fields a user chooses (`flashdraft eval` has an option for each, named alike)."""
+        return [f.name for f in fields(cls) if not f.metadata.get("call")]

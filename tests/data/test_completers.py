@@ -1,0 +1,228 @@
+"""The completers: batched local generation and an OpenAI-compatible server."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from flashdraft.data.completers import generate_batch
+from flashdraft.data.completions import GenerationSettings, record_seed
+from flashdraft.data.openai_client import OpenAIClient
+from flashdraft.decoding.generate import autoregressive_generate
+from flashdraft.decoding.serving_rules import SamplingFilters
+from flashdraft.errors import FlashdraftError
+from flashdraft.target.model import TargetModel
+from tests.conftest import make_target
+from tests.data.conftest import run_cli, save_target, write_prompts
+
+PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12], [20, 21]]  # different lengths: left padding in a batch
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid", "llama"])
+def test_batched_greedy_equals_greedy_generate(kind):
+    target = make_target(kind)
+    batched = generate_batch(target, PROMPTS, max_new_tokens=10)
+    for prompt, (ids, reason) in zip(PROMPTS, batched, strict=True):
+        plain = autoregressive_generate(target, prompt, 10)
+        assert ids == plain.output_ids and reason == plain.stop_reason
+
+
+def test_batch_stops_each_row_at_its_stop_token_and_keeps_it():
+    target = make_target("qwen3")
+    # make a token that some rows generate and others do not the stop token
+    outputs = [set(autoregressive_generate(target, p, 12).output_ids) for p in PROMPTS]
+    stop = next(t for t in sorted(set.union(*outputs)) if any(t not in o for o in outputs))
+    target.model.generation_config.eos_token_id = stop
+    plain = [autoregressive_generate(target, p, 12) for p in PROMPTS]
+    assert any(r.stop_reason == "eos" for r in plain) and any(r.stop_reason == "length" for r in plain)
+    batched = generate_batch(target, PROMPTS, max_new_tokens=12)
+    assert [(r.output_ids, r.stop_reason) for r in plain] == [(ids, reason) for ids, reason in batched]
+    assert all(ids[-1] == stop for ids, reason in batched if reason == "eos")
+
+
+def test_sampling_is_per_record_seeded_so_batching_does_not_change_it():
+    target = make_target("hybrid")
+    gens = lambda seed: [torch.Generator().manual_seed(record_seed(seed, f"r{i}")) for i in range(len(PROMPTS))]  # noqa: E731
+    together = generate_batch(target, PROMPTS, 8, temperature=1.5, generators=gens(0))
+    alone = [generate_batch(target, [p], 8, 1.5, [g])[0] for p, g in zip(PROMPTS, gens(0), strict=True)]
+    assert together == alone
+    plain = autoregressive_generate(target, PROMPTS[0], 8, temperature=1.5, generator=gens(0)[0])
+    assert together[0][0] == plain.output_ids
+    assert generate_batch(target, PROMPTS, 8, 1.5, gens(1)) != together
+
+
+def test_sampling_with_filters_draws_as_plain_sampling_with_them_and_only_inside_them():
+    target = make_target("hybrid")
+    gens = lambda: [torch.Generator().manual_seed(record_seed(0, f"r{i}")) for i in range(len(PROMPTS))]  # noqa: E731
+    filters = SamplingFilters(top_k=3, top_p=0.9)
+    batched = generate_batch(target, PROMPTS, 8, 1.5, gens(), filters)
+    plain = [
+        autoregressive_generate(target, p, 8, 1.5, g, filters).output_ids for p, g in zip(PROMPTS, gens(), strict=True)
+    ]
+    assert [ids for ids, _ in batched] == plain
+    assert [ids for ids, _ in generate_batch(target, PROMPTS, 8, 1.5, gens())] != plain  # the filters drew otherwise
+    # top-k 1 keeps only the top token: sampling at any temperature is greedy decoding
+    assert generate_batch(target, PROMPTS, 8, 1.5, gens(), SamplingFilters(top_k=1)) == generate_batch(
+        target, PROMPTS, 8
+    )
+
+
+def settings(**kw) -> GenerationSettings:
+    return GenerationSettings(**{"prompts": "test", "max_new_tokens": 6} | kw)
+
+
+class FakeServer:
+    """A tiny OpenAI-compatible completions server answering with the target's greedy output."""
+
+    def __init__(self, target: TargetModel, return_token_ids: bool) -> None:
+        self.requests: list[dict] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, obj):
+                body = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self._send({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+            def do_POST(self):
+                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append(req)
+                out = autoregressive_generate(target, req["prompt"], req["max_tokens"])
+                ids = out.output_ids
+                choice = {
+                    "index": 0,
+                    "text": target.tokenizer.decode(ids, skip_special_tokens=True),
+                    "finish_reason": "stop" if out.stop_reason == "eos" else "length",
+                }
+                if return_token_ids:
+                    choice["token_ids"] = ids
+                self._send({"object": "text_completion", "model": req["model"], "choices": [choice]})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("return_token_ids, source", [(True, "server"), (False, "retokenized")])
+def test_openai_backend_records_token_ids_from_the_server_or_retokenised(
+    hybrid_dir, tmp_path, return_token_ids, source
+):
+    target = TargetModel.load(hybrid_dir)
+    server = FakeServer(target, return_token_ids)
+    try:
+        prompts_path = write_prompts(tmp_path / "p.jsonl", 3)
+        assert (
+            run_cli(
+                [
+                    "generate",
+                    "--target-model",
+                    str(hybrid_dir),
+                    "--prompts",
+                    str(prompts_path),
+                    "--out",
+                    str(tmp_path / "c.json"),
+                    "--max-new-tokens",
+                    "5",
+                    "--backend",
+                    "openai",
+                    "--base-url",
+                    server.url,
+                ]
+            )
+            == 0
+        )
+    finally:
+        server.close()
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["token_ids"] == source and data["generation"]["server_model"] == "fake-model"
+    assert data["generation"]["base_url"] == server.url
+    assert [r["token_source"] for r in data["records"]] == [source] * 3
+    # requests run concurrently (--batch-size of them), in any order
+    assert sorted(q["prompt"] for q in server.requests) == sorted(r["prompt_ids"] for r in data["records"])
+    assert {q["max_tokens"] for q in server.requests} == {5}
+    local = [autoregressive_generate(target, r["prompt_ids"], 5).output_ids for r in data["records"]]
+    if source == "server":
+        assert [r["completion_ids"] for r in data["records"]] == local
+    else:  # re-tokenised text: the same tokens here, where every token is a whole word
+        assert [r["completion_ids"] for r in data["records"]] == [
+            target.tokenizer(target.tokenizer.decode(ids, skip_special_tokens=True))["input_ids"] for ids in local
+        ]
+
+
+def test_openai_backend_sends_the_sampling_filters_and_records_them(hybrid_dir, tmp_path):
+    target = TargetModel.load(hybrid_dir)
+    server = FakeServer(target, True)
+    try:
+        assert (
+            run_cli(
+                [
+                    "generate",
+                    "--target-model",
+                    str(hybrid_dir),
+                    "--prompts",
+                    str(write_prompts(tmp_path / "p.jsonl", 2)),
+                    "--out",
+                    str(tmp_path / "c.json"),
+                    "--max-new-tokens",
+                    "4",
+                    "--backend",
+                    "openai",
+                    "--base-url",
+                    server.url,
+                    "--temperature",
+                    "0.6",
+                    "--top-k",
+                    "20",
+                    "--top-p",
+                    "0.95",
+                ]
+            )
+            == 0
+        )
+    finally:
+        server.close()
+    assert all(q["top_k"] == 20 and q["top_p"] == 0.95 and "min_p" not in q for q in server.requests)
+    generation = json.loads((tmp_path / "c.json").read_text())["generation"]
+    assert (generation["top_k"], generation["top_p"], generation["min_p"]) == (20, 0.95, None)
+
+
+def test_generate_samples_with_the_targets_generation_config_filters_unless_told_not_to(tmp_path, capsys):
+    target_dir = save_target(tmp_path / "target", "qwen3")
+    (target_dir / "generation_config.json").write_text(json.dumps({"top_k": 3, "top_p": 0.9}))
+    prompts = str(write_prompts(tmp_path / "p.jsonl", 2))
+    common = [
+        "generate",
+        "--target-model",
+        str(target_dir),
+        "--prompts",
+        prompts,
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0.8",
+    ]
+    assert run_cli([*common, "--out", str(tmp_path / "a.json")]) == 0
+    assert "top_k 3 (" in capsys.readouterr().out
+    assert run_cli([*common, "--out", str(tmp_path / "b.json"), "--no-generation-config"]) == 0
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text())["generation"] for n in "ab")
+    assert (a["top_k"], a["top_p"]) == (3, 0.9) and (b["top_k"], b["top_p"]) == (None, None)
+
+
+def test_openai_backend_names_an_unreachable_server():
+    with pytest.raises(FlashdraftError, match=r"http://127\.0\.0\.1:9/v1/models: cannot reach the server"):
+        OpenAIClient("http://127.0.0.1:9", timeout=5)
