@@ -1,4 +1,5 @@
-"""Target adapters: a local Hugging Face causal LM (Qwen3, Qwen3.5/3.6 hybrids, Llama) or
+"""Target adapters: a local Hugging Face causal LM (Qwen3, Qwen3.5/3.6 hybrids, Llama; Qwen3-Next,
+Nemotron-H's Mamba-2 hybrids and MLA targets through `qwen3_next`, `mamba` and `mla` of this wing) or
 the built-in `tiny` target, with context features, incremental forward and exact rollback.
 
 Context features are the outputs of decoder layers `target_layer_ids`, that is
@@ -6,7 +7,7 @@ Context features are the outputs of decoder layers `target_layer_ids`, that is
 are captured with forward hooks so the other layers' outputs are never kept.
 
 Rollback after partial acceptance (section 6 of the reference doc): attention layers crop
-their KV cache; linear-attention layers (Gated DeltaNet) cannot be cut back, so before each
+their KV cache; linear-attention layers (Gated DeltaNet, Mamba-2) cannot be cut back, so before each
 forward their conv and recurrent states are copied, the inputs of each linear layer are
 captured during the forward, and rollback restores the copy and re-runs only those linear
 layers over the accepted prefix. That recomputes the recurrence exactly and costs far less
@@ -280,7 +281,8 @@ class TargetModel:
 
     @property
     def linear_backend(self) -> str:
-        """Which Gated DeltaNet implementation runs: fla kernels (GPU) or the torch fallback."""
+        """Which linear-layer implementation runs: Gated DeltaNet's fla kernels (GPU) or torch fallback; Mamba-2's
+        mamba-ssm kernels or torch path (`flashdraft.target.mamba`)."""
         if not self.is_hybrid:
             return "none"
         if is_mamba(self.linear_mixers[self.linear_layers[0]]):
