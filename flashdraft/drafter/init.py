@@ -59,6 +59,15 @@ def parse_layer_types(value: str) -> list[str]:
     return [LAYER_TYPE_NAMES[x] for x in names]
 
 
+def _drafter_head_dim(tc) -> int:
+    """A fresh drafter's head_dim: the target's. MLA targets (DeepSeek-V3, GLM-4.7-Flash) have no single one (their
+    config's head_dim is the RoPE part of a query, 64 of 192 in DeepSeek-V3): their value heads' width (128 there),
+    a width every attention kernel serves."""
+    if getattr(tc, "kv_lora_rank", None):
+        return tc.v_head_dim
+    return getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+
+
 def _target_fields(target: TargetModel) -> dict:
     """What a fresh drafter copies from the target (no --config)."""
     tc = target.config
@@ -67,11 +76,11 @@ def _target_fields(target: TargetModel) -> dict:
         hidden_size=tc.hidden_size,
         num_attention_heads=heads,
         num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        head_dim=_drafter_head_dim(tc),
         intermediate_size=tc.intermediate_size,
         vocab_size=target.vocab_size,
         num_target_layers=target.num_layers,
-        rms_norm_eps=tc.rms_norm_eps,
+        rms_norm_eps=getattr(tc, "rms_norm_eps", None) or getattr(tc, "layer_norm_epsilon", None) or 1e-6,
         rope_theta=target_theta(tc),
         max_position_embeddings=tc.max_position_embeddings,
         layer_types=[],

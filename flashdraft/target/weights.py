@@ -37,6 +37,7 @@ from flashdraft.safe_load import HF_LOCAL, hf_load_error
 from flashdraft.target.model import (
     TargetModel,
     check_layer_ids,
+    final_norm_of,
     fingerprint_of,
     norm_multiplier,
     resolve_target_path,
@@ -63,6 +64,8 @@ SAFETENSORS_DTYPES = {
 # Qwen3.5/3.6 checkpoints (vision-language layout) keep the text model under this prefix;
 # transformers loads it as `model.` (its PrefixChange for qwen3_5_text)
 LANGUAGE_MODEL_PREFIX = "model.language_model."
+# prefixes other checkpoints store `model.` under, that transformers renames on load (nemotron_h: "backbone.")
+STORED_MODEL_PREFIXES = (LANGUAGE_MODEL_PREFIX, "backbone.")
 
 
 @dataclass(frozen=True)
@@ -144,8 +147,11 @@ class SafetensorsFiles:
 
     @staticmethod
     def stored_names(name: str) -> list[str]:
-        """Names a file may store the model's tensor `name` under (Qwen3.5/3.6: language_model prefix)."""
-        return [name] + ([LANGUAGE_MODEL_PREFIX + name[len("model.") :]] if name.startswith("model.") else [])
+        """Names a file may store the model's tensor `name` under (Qwen3.5/3.6: language_model prefix;
+        Nemotron-H: backbone)."""
+        if not name.startswith("model."):
+            return [name]
+        return [name] + [prefix + name[len("model.") :] for prefix in STORED_MODEL_PREFIXES]
 
     def find(self, name: str) -> StoredTensor | None:
         """The stored tensor the model calls `name`, or None."""
@@ -306,7 +312,7 @@ class TargetHead:
             model = AutoModelForCausalLM.from_config(self.full_config)
         names = {id(m): n for n, m in model.named_modules()}
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-        norm = getattr(model.get_decoder(), "norm", None)
+        norm = final_norm_of(model.get_decoder())
         has_norm = norm is not None and getattr(norm, "weight", None) is not None
         layers = model.get_decoder().layers
         return _Layout(
