@@ -196,6 +196,17 @@ class TargetOutput:
         return self._logits[:, start:end] if self._logits is not None else self.lm_head(self.hidden[:, start:end])
 
 
+def _crop(layer, drop: int) -> None:
+    """Drop the last `drop` tokens of an attention layer's cache. A sliding-window layer that records its past
+    (`new_cache`) is cut back to its window too, even when nothing is dropped; below its window it is cropped as a
+    full layer (whose crop(0) would empty it)."""
+    window = getattr(layer, "sliding_window", None)
+    if window is not None and getattr(layer, "record_past", False) and layer.get_seq_length() >= window:
+        layer.crop(-drop)
+    elif drop > 0:
+        layer.crop(-drop)
+
+
 class TargetModel:
     """A frozen causal LM seen through what DFlash needs of it."""
 
@@ -343,8 +354,14 @@ class TargetModel:
 
     def new_cache(self) -> TargetCache:
         from transformers import DynamicCache
+        from transformers.cache_utils import DynamicSlidingWindowLayer
 
         kv = DynamicCache(config=self.config)
+        for layer in getattr(kv, "layers", []):
+            # a sliding-window layer keeps only its window: past it, a rejected block could not be cropped back. Told
+            # to record, it keeps every state until the next crop (`_crop`), which cuts the block and the excess
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                layer.activate_past_recording()
         return TargetCache(kv=kv)
 
     @torch.no_grad()
@@ -409,6 +426,8 @@ class TargetModel:
         if drop < 0 or keep < 0:
             raise ValueError(f"rollback keep={keep} outside the last forward's {cache.last_forward_tokens} tokens")
         if drop == 0:
+            for layer in getattr(cache.kv, "layers", []):
+                _crop(layer, 0)  # sliding-window layers back to their window
             return
         if self.linear_layers and len(cache.linear_snapshot) != len(self.linear_layers):
             raise RuntimeError("rollback of linear-attention states needs a cached forward before this one")
@@ -424,7 +443,7 @@ class TargetModel:
                     layer.conv_states[0].copy_(conv)
                     layer.recurrent_states[0].copy_(recurrent)
                 else:
-                    layer.crop(-total)
+                    _crop(layer, total)
             cache.pending = cache.last_input_ids[:, :keep]
             cache.length -= total
             cache.last_forward_tokens = 0
@@ -432,7 +451,7 @@ class TargetModel:
             return
         for i, layer in enumerate(cache.kv.layers):
             if i not in self.linear_layers:
-                layer.crop(-drop)
+                _crop(layer, drop)
         if self.linear_layers:
             kept = cache.last_pending + keep  # re-fed deferred tokens come first in the captured inputs
             for i in self.linear_layers:

@@ -1,5 +1,6 @@
-"""Tiny random targets of the families with recurrent or latent caches (Qwen3-Next, Nemotron-H, DeepSeek-V3's MLA
-and GLM-4.7-Flash's), built from their transformers 5.23 configs: hidden 128, head_dim 64 where it applies, 4
+"""Tiny random targets of the families beyond dense Qwen3 and the Qwen3.5 hybrid (MoE: Qwen3-MoE, Qwen3.5-MoE,
+GLM-4.x, gpt-oss with its sliding-window layers; recurrent or latent caches: Qwen3-Next, Nemotron-H, DeepSeek-V3's
+MLA and GLM-4.7-Flash's), built from their transformers 5.23 configs: hidden 128, head_dim 64 where it applies, 4
 layers mixing the layer kinds each family has (linear and full attention, Mamba-2, MoE and dense MLPs)."""
 
 from __future__ import annotations
@@ -7,10 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from flashdraft.target.model import TargetModel
-from tests.conftest import EOS, PAD, VOCAB, make_tokenizer
+from tests.conftest import EOS, MASK, PAD, VOCAB, make_tokenizer
 
 COMMON = dict(
     vocab_size=VOCAB,
@@ -65,6 +67,27 @@ FAMILIES = {
         moe_intermediate_size=64,
         moe_shared_expert_intermediate_size=64,
     ),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1]),
+    "qwen3_5_moe_text": dict(  # the Qwen3.5/3.6 MoE hybrids' text model: Gated DeltaNet and gated attention, MoE
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    ),
+    "glm4_moe": dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1, n_group=1
+    ),
+    "gpt_oss": dict(  # MoE, sliding-window layers with sinks; a window of 8 so that contexts pass it
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    ),
     "deepseek_v3": MLA | dict(first_k_dense_replace=1),  # a dense layer, then MoE
     "glm4_moe_lite": MLA | dict(mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),
 }
@@ -86,8 +109,25 @@ def make_family_target(model_type: str, seed: int = 0, **overrides) -> TargetMod
     return TargetModel(make_family_model(model_type, seed, **overrides), make_tokenizer(), path=None)
 
 
+# model types whose tokenizer class transformers fixes whatever the files say (its Qwen3.5 byte-level BPE)
+BPE_TOKENIZER_TYPES = {"qwen3_5_moe_text"}
+
+
+def make_bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of the test vocabulary's size, as Qwen3.5's tokenizer class reads one: the prompts'
+    words t0..t60 are "t" (or "Ġt" after a space) and one token per digit."""
+    pieces = ["t", "Ġt", *map(str, range(10))]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    vocab |= {f"x{i}": i for i in range(len(pieces), VOCAB - 3)} | {"<eos>": EOS, "<pad>": PAD, "<mask>": MASK}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", mask_token="<mask>")
+
+
 def save_family_target(directory: Path, model_type: str, seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     make_family_model(model_type, seed).save_pretrained(directory)
-    make_tokenizer().save_pretrained(directory)
+    tokenizer = make_bpe_tokenizer() if model_type in BPE_TOKENIZER_TYPES else make_tokenizer()
+    tokenizer.save_pretrained(directory)
     return directory
