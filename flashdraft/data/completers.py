@@ -14,8 +14,6 @@ import torch
 
 from flashdraft.data.chat_mode import (
     merged,
-    reasoning_end,
-    reasoning_markers,
     template_sha256,
 )
 from flashdraft.data.completions import CompletionRecord, GenerationSettings, record_seed
@@ -27,6 +25,7 @@ from flashdraft.data.prompts import (
     prompt_token_limit,
     render_conversation,
 )
+from flashdraft.data.reasoning import reasoning_end, reasoning_markers
 from flashdraft.decoding.serving_rules import NO_FILTERS, SamplingFilters, target_probs
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel

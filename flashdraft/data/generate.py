@@ -19,6 +19,7 @@ from flashdraft.data.completions import GenerationSettings
 from flashdraft.data.completions_writer import generate_completions
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, load_prompts
+from flashdraft.data.reasoning import unknown_reasoning_note
 from flashdraft.decoding.serving_rules import (
     NO_FILTERS,
     SamplingFilters,
@@ -215,6 +216,8 @@ def run_generate(config: GenerateConfig) -> Path:
         kwargs = resolve_mode(
             target.tokenizer, use_template, c.chat_template_kwargs, c.enable_thinking, prompt_list, say
         )
+        if use_template and unknown_reasoning_note(target.tokenizer):
+            say(f"note: {unknown_reasoning_note(target.tokenizer)}")
         server = _start_engine(c.engine, c.engine_python, target, Path(c.out), c.target_dtype) if c.engine else None
         backend, base_url = c.backend, c.base_url
         if server is not None:

@@ -15,10 +15,8 @@ from flashdraft.data.chat_mode import (
     describe_mix,
     mode_difference,
     mode_mix,
-    reasoning_end,
-    reasoning_markers,
-    reasoning_tokens,
 )
+from flashdraft.data.reasoning import reasoning_end, reasoning_markers, reasoning_tokens, unknown_reasoning_note
 from flashdraft.evaluation.records import EvalRecord
 from flashdraft.evaluation.results import EvalResult
 from flashdraft.serving.chat_mode import TRAINED_MODE
@@ -89,6 +87,8 @@ def mode_figures(drafter, records: list[EvalRecord], tokenizer, log) -> dict[str
     evaluated, trained = evaluated_mode(records, tokenizer), trained_mode(drafter)
     if evaluated is not None:
         log(f"chat mode of the records: {describe_mix(evaluated)}")
+        if unknown_reasoning_note(tokenizer):
+            log(f"note: {unknown_reasoning_note(tokenizer)}")
     note = mode_difference(trained, evaluated)
     if note:
         log(f"warning: {note}")

@@ -33,6 +33,7 @@ from torch import nn
 
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import HF_LOCAL, hf_load_error
+from flashdraft.target.families import target_family
 from flashdraft.target.linear_attention import BlockRecord, install_short_block_path, state_after
 from flashdraft.target.mamba import is_mamba, mamba_backend, recurrent_mixer
 from flashdraft.target.mla import align_mla_heads
@@ -211,6 +212,7 @@ class TargetModel:
     """A frozen causal LM seen through what DFlash needs of it."""
 
     def __init__(self, model: nn.Module, tokenizer, path: Path) -> None:
+        self.family = target_family(model.config, str(path) if path is not None else "the target")
         self.model = model.eval().requires_grad_(False)
         align_mla_heads(self.model)
         self.tokenizer = tokenizer
@@ -247,12 +249,13 @@ class TargetModel:
     def load(
         cls, name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ) -> TargetModel:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # "Loading weights" bars would bury flashdraft's own output
         path = resolve_target_path(name_or_path)
         try:
+            target_family(AutoConfig.from_pretrained(path, **HF_LOCAL), str(path))  # before the weights load
             tokenizer = AutoTokenizer.from_pretrained(path, **HF_LOCAL)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **HF_LOCAL)
         except (OSError, ValueError, KeyError) as e:

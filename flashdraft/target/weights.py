@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import HF_LOCAL, hf_load_error
+from flashdraft.target.families import target_family
 from flashdraft.target.model import (
     TargetModel,
     check_layer_ids,
@@ -259,6 +260,7 @@ class TargetHead:
             tokenizer = AutoTokenizer.from_pretrained(path, **HF_LOCAL)
         except (OSError, ValueError, KeyError) as e:
             raise hf_load_error(path, "the target's config or tokenizer", e) from None
+        target_family(config, str(path))
         try:  # as from_pretrained: the file if there is one, else derived from the model config
             generation = GenerationConfig.from_pretrained(path, local_files_only=True)
         except OSError:
