@@ -393,3 +393,11 @@ def test_families_with_fused_experts_or_renamed_prefixes_fingerprint_alike_from_
     assert torch.equal(head.embed_weight, loaded.model.get_input_embeddings().weight)
     assert torch.equal(head.lm_head_weight, loaded.lm_head_weight)
     torch.testing.assert_close(head.final_norm_weight(), loaded.final_norm_weight())
+
+
+def test_a_layer_not_of_qwen3s_form_cannot_start_a_drafter_layer(tmp_path):
+    from tests.target.tiny_families import save_family_target
+
+    head = TargetHead.load(save_family_target(tmp_path / "t", "deepseek_v3"))
+    with pytest.raises(FlashdraftError, match=r"target layer 2 \(deepseek_v3\) has no model.layers.2.self_attn.q_proj"):
+        head.attention_layer_weights(2)
