@@ -78,7 +78,7 @@ def make_family_model(model_type: str, seed: int = 0, **overrides):
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
-        model.get_output_embeddings().weight[EOS] = 0.0
+        model.get_output_embeddings().weight[fields["eos_token_id"]] = 0.0
     return model.float().eval()
 
 
