@@ -29,7 +29,7 @@ from flashdraft.data.cache_reader import HiddenStateCache
 from flashdraft.data.completions import CompletionRecord, Completions
 from flashdraft.decoding.ngram import NGramProposer
 from flashdraft.drafter.init import new_drafter_for_target
-from flashdraft.evaluation.offline import evaluate_offline
+from flashdraft.evaluation.offline import WalkConfig, evaluate_offline
 from flashdraft.evaluation.records import FeatureSource, records_from_cache
 from flashdraft.target.model import TargetModel
 
@@ -68,9 +68,17 @@ def main() -> None:
         for name, drafter in candidates:
             records = records_from_cache(cache)
             source = FeatureSource(target)
-            evaluate_offline(drafter, target, records[:1], source, args.block_size, max_blocks=4)  # warm-up
+            evaluate_offline(
+                drafter, target, records[:1], source, walk=WalkConfig(block_size=args.block_size, max_blocks=4)
+            )  # warm-up
             t0 = time.perf_counter()
-            result = evaluate_offline(drafter, target, records, source, args.block_size, args.max_blocks)
+            result = evaluate_offline(
+                drafter,
+                target,
+                records,
+                source,
+                walk=WalkConfig(block_size=args.block_size, max_blocks=args.max_blocks),
+            )
             seconds = time.perf_counter() - t0
             assert source.target_forwards == 0, "offline evaluation from a cache ran the target"
             print(

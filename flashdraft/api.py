@@ -22,9 +22,20 @@ from typing import Any
 
 import torch
 
-from flashdraft.decoding.generate import GenerationResult, autoregressive_generate, speculative_generate
+from flashdraft.decoding.generate import (
+    GenerationResult,
+    SpeculativeConfig,
+    autoregressive_generate,
+    speculative_generate,
+)
 from flashdraft.decoding.proposers import DraftLimit
-from flashdraft.decoding.serving_rules import NO_FILTERS, greedy_in_effect_note, request_filters, resolve_filters
+from flashdraft.decoding.serving_rules import (
+    NO_FILTERS,
+    SamplingParams,
+    greedy_in_effect_note,
+    request_filters,
+    resolve_filters,
+)
 from flashdraft.decoding.serving_rules import serving_rule as _serving_rule
 from flashdraft.drafter.checkpoint import check_drafter_matches_target
 from flashdraft.drafter.model import DFlashDrafter
@@ -93,7 +104,11 @@ class Target(TargetModel):
             filters = resolve_filters(self.path, top_k, top_p, min_p, use_generation_config)
             _warn_greedy_in_effect(temperature, filters)
         return autoregressive_generate(
-            self, self.encode(prompt), max_new_tokens, temperature, _generator(seed, self.device), filters
+            self,
+            self.encode(prompt),
+            max_new_tokens,
+            sampling=SamplingParams(temperature=temperature, filters=filters),
+            generator=_generator(seed, self.device),
         )
 
 
@@ -196,12 +211,9 @@ class Drafter(LoadedDrafter):
             self.drafter,
             _encode(target, prompt),
             max_new_tokens,
-            temperature,
-            block_size,
-            _generator(seed, target.device),
-            limit,
-            filters=filters,
-            rule=rule,
+            sampling=SamplingParams(temperature=temperature, filters=filters),
+            speculative=SpeculativeConfig(block_size=block_size, limit=limit, rule=rule),
+            generator=_generator(seed, target.device),
         )
 
 

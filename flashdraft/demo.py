@@ -20,6 +20,7 @@ import torch
 
 from flashdraft.drafter.config import DEFAULT_BLOCK_SIZE
 from flashdraft.errors import FlashdraftError
+from flashdraft.train.data import BatchSpec
 
 
 @dataclass
@@ -58,14 +59,19 @@ def _seconds_per_step(cfg, drafter, target, records, block_size: int, mask_token
 
     start = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
     drafter = drafter.train()
-    optimizer = build_optimizers(
-        drafter, cfg.optimizer, cfg.lr, cfg.muon_lr, cfg.weight_decay, 100, cfg.warmup_fraction, cfg.min_lr_fraction
-    )
+    optimizer = build_optimizers(drafter, cfg, 100)
     spec = loss_spec(cfg, drafter)
     times = []
     for step in range(5):
         idx = [(step * cfg.batch_size + i) % len(records) for i in range(min(cfg.batch_size, len(records)))]
-        batch = make_batch([records[i] for i in idx], idx, 0, cfg.seed, cfg.num_anchors, block_size, mask_token_id)
+        batch = make_batch(
+            [records[i] for i in idx],
+            idx,
+            0,
+            batch_spec=BatchSpec(
+                seed=cfg.seed, num_anchors=cfg.num_anchors, block_size=block_size, mask_token_id=mask_token_id
+            ),
+        )
         t0 = time.perf_counter()
         parts = forward_loss(drafter, target, batch, spec)
         parts.weighted_sum.backward()

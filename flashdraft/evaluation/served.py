@@ -25,12 +25,13 @@ from flashdraft.data.chat_mode import check_engine_render
 from flashdraft.data.completions import record_seed
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.decoding.generate import autoregressive_generate
-from flashdraft.decoding.serving_rules import SamplingFilters
+from flashdraft.decoding.serving_rules import SamplingFilters, SamplingParams
 from flashdraft.decoding.target_samples import Z_LIMIT, sampling_fidelity
 from flashdraft.drafter.families import drafts_per_block
 from flashdraft.errors import FlashdraftError
+from flashdraft.evaluation.config import Candidate
 from flashdraft.evaluation.modes import by_segment
-from flashdraft.evaluation.offline import evaluate_offline
+from flashdraft.evaluation.offline import WalkConfig, evaluate_offline
 from flashdraft.evaluation.records import EvalRecord, FeatureSource
 from flashdraft.evaluation.results import EvalResult, expected_tau_figures
 from flashdraft.serving.checks import vllm_speculative_config
@@ -275,25 +276,23 @@ def _start_engine(
 
 
 def run_served(
-    checkpoint: str,
-    drafter,
-    block_size: int,
+    candidate: Candidate,
     target: TargetModel,
     records: list[EvalRecord],
     max_tokens: list[int],
-    temperature: float,
-    filters: SamplingFilters,
-    seed: int,
+    sampling: SamplingParams,
     engine_python_path: str | None = None,
     server_url: str | None = None,
     log=print,
 ) -> dict[str, Any]:
-    """`eval --served vllm`: serve `drafter` (exported from `checkpoint` to the public format) with the target in
-    vLLM, send each record's prompt, and return the `served` figures with flashdraft's own beside them and the
-    check's verdict (`served["check"]["passed"]`)."""
+    """`eval --served vllm`: serve the candidate's drafter (exported from its checkpoint to the public format) with
+    the target in vLLM (started from `engine_python_path`'s environment, or the one running at `server_url`), send
+    each record's prompt, and return the `served` figures with flashdraft's own beside them and the check's verdict
+    (`served["check"]["passed"]`)."""
     from flashdraft.serving.export import export_drafter
 
-    drafts = drafts_per_block(drafter, block_size)
+    checkpoint, drafter, block_size = candidate.label, candidate.drafter, candidate.block_size
+    temperature, filters, seed = sampling.temperature, sampling.filters, sampling.seed
     work = Path(tempfile.mkdtemp(prefix="flashdraft-served-"))
     if server_url is not None:
         engine = Engine(
@@ -336,11 +335,11 @@ def run_served(
             target,
             outputs,
             FeatureSource(target),
-            block_size,
-            rule=ENGINE_RULE,
-            temperature=temperature,
-            filters=filters,
-            seed=seed,
+            walk=WalkConfig(
+                block_size=block_size,
+                rule=ENGINE_RULE,
+                sampling=sampling,
+            ),
         )
         served["flashdraft"] = {
             "tau": own.tau,
@@ -349,9 +348,9 @@ def run_served(
         }
         served["by_segment"] = by_segment(own, outputs, target.tokenizer)  # flashdraft's walk of the served outputs
         if temperature <= 0:
-            problems += _greedy_figures(served, requests, records, max_tokens, own, drafter, target, block_size, drafts)
+            problems += _greedy_figures(served, requests, records, max_tokens, own, candidate, target)
         else:
-            problems += _sampled_figures(served, requests, outputs, own, target, temperature, filters, engine)
+            problems += _sampled_figures(served, requests, outputs, own, target, sampling, engine)
     served["check"] = {"passed": not problems, "problems": problems}
     return served
 
@@ -374,8 +373,7 @@ def _sampled_figures(
     outputs: list[EvalRecord],
     own: EvalResult,
     target: TargetModel,
-    temperature: float,
-    filters: SamplingFilters,
+    sampling: SamplingParams,
     engine: Engine,
 ) -> list[str]:
     """At T > 0: the served τ against flashdraft's expected τ under vLLM's rule, and the outputs against the
@@ -383,12 +381,12 @@ def _sampled_figures(
     problems = []
     sampled = _sampled_check(requests, own)
     served["flashdraft"] |= sampled
-    fidelity = sampling_fidelity(target, outputs, temperature, filters)
+    fidelity = sampling_fidelity(target, outputs, sampling.temperature, sampling.filters)
     served["outputs"] = fidelity
     if fidelity["problems"]:
         problems.append(
             f"{engine.description}'s outputs are not samples of the target's p at T "
-            f"{temperature:g}: {fidelity['problems'][-1]}"
+            f"{sampling.temperature:g}: {fidelity['problems'][-1]}"
         )
     if not sampled["within"]:
         problems.append(
@@ -406,12 +404,12 @@ def _greedy_figures(
     records: list[EvalRecord],
     max_tokens: list[int],
     own: EvalResult,
-    drafter,
+    candidate: Candidate,
     target: TargetModel,
-    block_size: int,
-    drafts: int,
 ) -> list[str]:
     """T = 0: flashdraft's greedy outputs, its walk with the last step uncut, and the mismatches."""
+    drafter, block_size = candidate.drafter, candidate.block_size
+    drafts = drafts_per_block(drafter, block_size)
     greedy = [
         r.completion_ids if r.completion_ids else autoregressive_generate(target, r.prompt_ids, n).output_ids
         for r, n in zip(records[: len(requests)], max_tokens, strict=False)
@@ -420,7 +418,7 @@ def _greedy_figures(
         EvalRecord(r.id, r.prompt_ids, r.output_ids + greedy_continuation(target, r.prompt_ids + r.output_ids, drafts))
         for r in requests
     ]
-    walked = evaluate_offline(drafter, target, extended, FeatureSource(target), block_size)
+    walked = evaluate_offline(drafter, target, extended, FeatureSource(target), walk=WalkConfig(block_size=block_size))
     uncut = [
         w.acceptance_lengths[: len(p.acceptance_lengths)]
         for w, p in zip(walked.per_prompt, own.per_prompt, strict=True)

@@ -18,11 +18,11 @@ from flashdraft.drafter.run_dir import (
     save_best,
 )
 from flashdraft.errors import FlashdraftError
-from flashdraft.evaluation.offline import evaluate_offline
+from flashdraft.evaluation.offline import WalkConfig, evaluate_offline
 from flashdraft.evaluation.results import record_context_edges
 from flashdraft.target.model import TargetModel
 from flashdraft.train.config import TrainConfig
-from flashdraft.train.data import make_batch
+from flashdraft.train.data import BatchSpec, make_batch
 from flashdraft.train.metrics import figure_metrics
 from flashdraft.train.step import forward_loss, loss_spec
 
@@ -44,12 +44,14 @@ def evaluate_loss(model, target: TargetModel, records, cfg: TrainConfig, device)
             [records[i] for i in idx],
             idx,
             0,
-            cfg.seed + 1,
-            cfg.num_anchors,
-            spec.block_size,
-            drafter.config.mask_token_id,
-            cfg.max_length,
-            spec.first_draft,
+            batch_spec=BatchSpec(
+                seed=cfg.seed + 1,
+                num_anchors=cfg.num_anchors,
+                block_size=spec.block_size,
+                mask_token_id=drafter.config.mask_token_id,
+                max_length=cfg.max_length,
+                first_draft=spec.first_draft,
+            ),
         ).to(device)
         parts = forward_loss(model, target, batch.with_labels_in(vocabulary), spec)
         total += float(parts.weighted_sum)
@@ -68,7 +70,7 @@ def evaluate_tau(drafter: DFlashDrafter, target: TargetModel, records: list, max
     was_training = drafter.training
     drafter.eval()
     result = evaluate_offline(
-        drafter, target, records, max_blocks=max_blocks, context_edges=record_context_edges(records, 0)
+        drafter, target, records, walk=WalkConfig(max_blocks=max_blocks, context_edges=record_context_edges(records, 0))
     )
     drafter.train(was_training)
     by_context = [{k: b[k] for k in ("context_from", "context_to", "steps", "tau")} for b in result.by_context]

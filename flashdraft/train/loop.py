@@ -248,17 +248,7 @@ def _wrap(cfg: TrainConfig, drafter: DFlashDrafter, total_steps: int, dist: Dist
     """The drafter on this rank's device, wrapped for the world (DDP or FSDP2), and its optimizers."""
     drafter.to(dist.device).train()
     model = wrap_model(drafter, dist, cfg.fsdp)
-    optimizer = build_optimizers(
-        model,
-        cfg.optimizer,
-        cfg.lr,
-        cfg.muon_lr,
-        cfg.weight_decay,
-        total_steps,
-        cfg.warmup_fraction,
-        cfg.min_lr_fraction,
-        cfg.fsdp,
-    )
+    optimizer = build_optimizers(model, cfg, total_steps)
     return model, optimizer
 
 

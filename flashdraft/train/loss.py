@@ -230,6 +230,18 @@ class BlockLabels:
     target_topk: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+@dataclass
+class TrainedPositions:
+    """The M trained positions of a batch, flattened: what each family's terms read."""
+
+    hidden: torch.Tensor  # [M, H] the drafter's output
+    logits: torch.Tensor  # [M, V] (DSpark: with the Markov bias of the true previous token)
+    labels: torch.Tensor  # [M]
+    block_position: torch.Tensor  # [M]
+    predecessors: torch.Tensor | None  # [M] the true token before each label (DFlash2, DSpark; IGNORE: unknown)
+    target_topk: tuple[torch.Tensor, torch.Tensor] | None  # ([M, k], [M, k]) where a term reads them
+
+
 def block_loss(hidden: torch.Tensor, blocks: LabelledBlocks, heads: DraftHeads, spec: LossSpec) -> LossParts:
     """The loss of the drafter's output hidden [N, K * B, H] on `blocks`: the hard cross-entropy of each trained
     position weighted as `spec` says (the D-PACE weights from its label probability), with the family's terms:
@@ -239,51 +251,41 @@ def block_loss(hidden: torch.Tensor, blocks: LabelledBlocks, heads: DraftHeads, 
     trained = labels != IGNORE  # [N, K * B]
     pos = (torch.arange(labels.shape[1], device=labels.device) % spec.block_size).expand_as(labels)[trained]  # [M]
     # only trained positions go through the LM head: logits of a big vocabulary are the memory peak
-    logits = heads.lm_head(hidden[trained]).float()  # [M, V]
-    target = labels[trained]  # [M]
-    topk = None  # the target's top-k at the trained positions, [M, k] each, where a term reads them
+    at = TrainedPositions(hidden[trained], heads.lm_head(hidden[trained]).float(), labels[trained], pos, None, None)
     if blocks.target_topk is not None and (spec.dspark is not None or spec.kl_weight > 0):
-        topk = (blocks.target_topk[0][trained], blocks.target_topk[1][trained])
-    predecessors = None
+        at.target_topk = (blocks.target_topk[0][trained], blocks.target_topk[1][trained])
+    if spec.dspark is not None or heads.selector is not None:
+        at.predecessors = block_predecessors(blocks.block_ids, labels, spec.block_size, spec.first_draft)[trained]
     if spec.dspark is not None:  # teacher-forced: the Markov bias of the true token before each label, never a later
-        predecessors = block_predecessors(blocks.block_ids, labels, spec.block_size, spec.first_draft)[trained]
-        logits = logits + heads.markov_head.bias(predecessors).float()
-    per_token = F.cross_entropy(logits, target, reduction="none")  # [M]
+        at.logits = at.logits + heads.markov_head.bias(at.predecessors).float()
+    per_token = F.cross_entropy(at.logits, at.labels, reduction="none")  # [M]
     w = _label_weights(per_token, labels, trained, pos, spec)
     correct = torch.zeros(spec.block_size, device=hidden.device).index_add_(
-        0, pos, (logits.argmax(-1) == target).float()
+        0, pos, (at.logits.argmax(-1) == at.labels).float()
     )
     count = torch.zeros(spec.block_size, device=hidden.device).index_add_(0, pos, torch.ones_like(w))
     figures = LossFigures(correct, count)
     if spec.dspark is not None:
-        per_token = _dspark_terms(per_token, logits, hidden[trained], topk, pos, predecessors, heads, spec, figures)
+        per_token = _dspark_terms(per_token, at, heads, spec, figures)
     if spec.kl_weight > 0:
-        per_token = (1 - spec.kl_weight) * per_token + spec.kl_weight * _kl_to_target(logits, topk)
+        per_token = (1 - spec.kl_weight) * per_token + spec.kl_weight * _kl_to_target(at.logits, at.target_topk)
     weighted_sum = (w * per_token).sum()
     if heads.selector is not None:
-        selector_term = _selector_terms(hidden[trained], logits, blocks, trained, pos, w, heads, spec, figures)
+        selector_term = _selector_terms(at, w, heads, spec, figures)
         if selector_term is not None:
             weighted_sum = weighted_sum + selector_term
     return LossParts(weighted_sum, w.sum().detach(), figures)
 
 
 def _selector_terms(
-    hidden: torch.Tensor,
-    logits: torch.Tensor,
-    blocks: LabelledBlocks,
-    trained: torch.Tensor,
-    pos: torch.Tensor,
-    w: torch.Tensor,
-    heads: DraftHeads,
-    spec: LossSpec,
-    figures: LossFigures,
+    at: TrainedPositions, w: torch.Tensor, heads: DraftHeads, spec: LossSpec, figures: LossFigures
 ) -> torch.Tensor | None:
-    """DFlash2's weighted selector loss (None at weight 0) at the trained positions (hidden [M, H], logits [M, V]),
-    its top-K coverage and accuracy counted into `figures` either way."""
-    predecessors = block_predecessors(blocks.block_ids, blocks.labels, spec.block_size)[trained]  # [M]
+    """DFlash2's selector loss weighted as the backbone's (`w` [M]; None at weight 0), its top-K coverage and
+    accuracy counted into `figures` either way."""
     per_selector, _, in_top_k, picked = selector_loss(
-        heads.selector, hidden, logits, blocks.labels[trained], predecessors, spec.selector_missing_label
+        heads.selector, at.hidden, at.logits, at.labels, at.predecessors, spec.selector_missing_label
     )
+    pos = at.block_position
     figures.top_k_hits = torch.zeros_like(figures.count).index_add_(0, pos, in_top_k.float())
     figures.selector_correct = torch.zeros_like(figures.count).index_add_(0, pos, picked.float())
     if spec.selector_loss_weight > 0:
@@ -306,25 +308,17 @@ def _label_weights(
 
 
 def _dspark_terms(
-    per_token: torch.Tensor,
-    logits: torch.Tensor,
-    hidden: torch.Tensor,
-    topk: tuple[torch.Tensor, torch.Tensor] | None,
-    pos: torch.Tensor,
-    predecessors: torch.Tensor,
-    heads: DraftHeads,
-    spec: LossSpec,
-    figures: LossFigures,
+    per_token: torch.Tensor, at: TrainedPositions, heads: DraftHeads, spec: LossSpec, figures: LossFigures
 ) -> torch.Tensor:
     """DSpark's loss per trained position [M] from the hard CE per_token [M]: its CE share, the |p_draft -
     p_target|_1 term where the target's top-k is known, the confidence head's BCE to the acceptance probability;
     the acceptance probabilities and confidence estimates summed per block position into `figures` (where
-    computed). hidden [M, H], logits [M, V] and topk [M, k] are the trained positions'."""
+    computed)."""
     dspark = spec.dspark
     per_token = dspark.ce * per_token
     l1 = None
-    if topk is not None:
-        l1 = target_distribution_terms(logits, topk)  # [M]
+    if at.target_topk is not None:
+        l1 = target_distribution_terms(at.logits, at.target_topk)  # [M]
     elif dspark.needs_target:
         raise ValueError(
             "DSpark's distribution terms need the target's top-k logits (a cache made with "
@@ -333,14 +327,14 @@ def _dspark_terms(
     if l1 is not None:
         per_token = per_token + dspark.tv * l1
         accept = (1 - l1 / 2).clamp(0, 1)  # [M]: the probability a draft sampled from p_draft is accepted
-        figures.accept_rate = torch.zeros(spec.block_size, device=hidden.device).index_add_(0, pos, accept.detach())
+        figures.accept_rate = torch.zeros_like(figures.count).index_add_(0, at.block_position, accept.detach())
     if heads.confidence_head is not None and l1 is not None:
-        embedding = heads.markov_head.embed(predecessors) if heads.confidence_head.with_markov else None
-        confidence_logit = heads.confidence_head(hidden, embedding)  # [M]
+        embedding = heads.markov_head.embed(at.predecessors) if heads.confidence_head.with_markov else None
+        confidence_logit = heads.confidence_head(at.hidden, embedding)  # [M]
         bce = F.binary_cross_entropy_with_logits(confidence_logit, accept.detach(), reduction="none")
         per_token = per_token + dspark.confidence * bce
-        figures.confidence = torch.zeros(spec.block_size, device=hidden.device)
-        figures.confidence.index_add_(0, pos, torch.sigmoid(confidence_logit).detach())
+        figures.confidence = torch.zeros_like(figures.count)
+        figures.confidence.index_add_(0, at.block_position, torch.sigmoid(confidence_logit).detach())
     return per_token
 
 

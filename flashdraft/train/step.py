@@ -20,7 +20,7 @@ from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
 from flashdraft.train.config import TrainConfig
-from flashdraft.train.data import Batch, add_context_noise, make_batch, record_generator
+from flashdraft.train.data import Batch, BatchSpec, add_context_noise, make_batch, record_generator
 from flashdraft.train.loss import DraftHeads, DSparkLoss, LossParts, LossSpec, block_loss, label_weight_total
 from flashdraft.train.metrics import StepResult
 from flashdraft.train.optim import Optimizers
@@ -105,20 +105,18 @@ def global_batch(cfg: TrainConfig, records, step: int, steps_per_epoch: int, dis
     order = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch))
     global_indices = order[in_epoch * size : (in_epoch + 1) * size].tolist()
     mine = global_indices[dist.rank :: dist.world]
+    batch_spec = BatchSpec(
+        seed=cfg.seed,
+        num_anchors=cfg.num_anchors,
+        block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id,
+        max_length=cfg.max_length,
+        first_draft=cfg.first_draft_position,
+    )
     micro_batches = []
     for m in range(cfg.grad_accum):
         idx = mine[m * cfg.batch_size : (m + 1) * cfg.batch_size]
-        batch = make_batch(
-            [records[i] for i in idx],
-            idx,
-            epoch,
-            cfg.seed,
-            cfg.num_anchors,
-            cfg.block_size,
-            cfg.mask_token_id,
-            cfg.max_length,
-            cfg.first_draft_position,
-        )
+        batch = make_batch([records[i] for i in idx], idx, epoch, batch_spec)
         micro_batches.append(add_context_noise(batch, cfg.noise_std, record_generator(cfg.seed + 1, epoch, idx[0])))
     return GlobalBatch(step, epoch, global_indices, micro_batches, records)
 

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from flashdraft.decoding.generate import SpeculativeConfig
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
 from tests.conftest import make_hf_model, make_target, make_tokenizer
@@ -162,7 +163,9 @@ def test_family_speculative_decoding_equals_the_models_own_greedy_decoding(famil
     family_target.rollback_mode = mode
     expected = transformers_greedy(family_target.model, PROMPT, 40)
     assert autoregressive_generate(family_target, PROMPT, 40).output_ids == expected
-    spec = speculative_generate(family_target, OracleProposer(PROMPT + expected), PROMPT, 40, block_size=8)
+    spec = speculative_generate(
+        family_target, OracleProposer(PROMPT + expected), PROMPT, 40, speculative=SpeculativeConfig(block_size=8)
+    )
     assert spec.output_ids == expected
     assert max(spec.acceptance_lengths) > 1 and min(spec.acceptance_lengths) == 1  # rollback exercised
 

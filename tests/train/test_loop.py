@@ -13,7 +13,7 @@ from flashdraft.drafter.run_dir import RunLock, complete_checkpoints, latest_che
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TINY_DIR
 from flashdraft.train.config import TrainConfig
-from flashdraft.train.data import make_batch
+from flashdraft.train.data import BatchSpec, make_batch
 from flashdraft.train.loop import describe_steps, train
 from flashdraft.train.recipe import PUBLISHED_RECIPE, TINY_RECIPE, recipe_for
 from tests.conftest import MASK, make_dflash2_drafter, make_drafter, make_dspark_drafter
@@ -37,7 +37,7 @@ def test_final_target_layer_as_context_is_refused_before_training(target, record
 def test_training_forward_predicts_what_the_inference_path_predicts(target, records):
     drafter = make_drafter(block_size=4, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
     record = records[0]
-    batch = make_batch([record], [0], epoch=0, seed=0, num_anchors=5, block_size=4, mask_token_id=MASK)
+    batch = make_batch([record], [0], 0, batch_spec=BatchSpec(seed=0, num_anchors=5, block_size=4, mask_token_id=MASK))
     hidden = drafter(
         target.embed(batch.block_ids), batch.anchor_positions, batch.context_features, batch.context_positions
     )
