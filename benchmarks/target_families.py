@@ -1,6 +1,6 @@
 """The README's pipeline on a tiny random target of each family with recurrent or latent caches (Qwen3-Next,
-Nemotron-H, DeepSeek-V3's MLA, GLM-4.7-Flash's), with the built-in tiny target's 4096-token BPE tokenizer:
-every stage's exit status, the held-out τ offline and online.
+Nemotron-H, the MLA of DeepSeek-V3, GLM-4.7-Flash and DeepSeek-V2), with the built-in tiny target's 4096-token
+BPE tokenizer: every stage's exit status, the held-out τ offline and online.
 
     .venv/bin/python benchmarks/target_families.py --work WORKDIR [--families qwen3_next,glm4_moe_lite:3] [--seed 0]
 
@@ -8,10 +8,10 @@ The targets are the test suite's (`tests/target/tiny_families.py`: hidden 128, 4
 layer kinds, MoE included) with the tokenizer's vocabulary, and their layers' output projections scaled by 0.2:
 a random target is then close to a bigram model whose greedy text falls into cycles a drafter can learn in a few
 hundred steps (an unscaled one writes text no drafter predicts, and `doctor RUN` rightly fails its τ check).
-Prints one JSON line per family. Measured (2-core CPU): every stage exits 0 on all four, offline τ == online τ:
-qwen3_next 1.363, nemotron_h 1.476, deepseek_v3 1.078, glm4_moe_lite (seed 3) 1.170; glm4_moe_lite's seed-0 target
-writes text its drafter does not learn (τ 1.016 at 300 steps, 1.025 at 1000), so `doctor RUN` fails its τ check
-there, as it should.
+Prints one JSON line per family. Measured (2-core CPU): every stage exits 0 on all five, offline τ == online τ:
+qwen3_next 1.363, nemotron_h 1.476, deepseek_v3 1.078, deepseek_v2 1.204, glm4_moe_lite (seed 3) 1.170. The
+seed-0 glm4_moe_lite target writes text its drafter does not learn (τ 1.016 at 300 steps, 1.025 at 1000), so
+`doctor RUN` fails its τ check there, as it should.
 """
 
 from __future__ import annotations

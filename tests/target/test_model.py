@@ -137,7 +137,7 @@ def test_with_fla_installed_cpu_calls_reach_the_torch_fallback_and_cuda_calls_th
 # -- the families with recurrent or latent caches: Qwen3-Next, Nemotron-H (Mamba-2), MLA ----------------------
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "nemotron_h", "deepseek_v3", "glm4_moe_lite"])
+@pytest.fixture(scope="module", params=["qwen3_next", "nemotron_h", "deepseek_v3", "glm4_moe_lite", "deepseek_v2"])
 def family_target(request) -> TargetModel:
     from tests.target.tiny_families import make_family_target
 

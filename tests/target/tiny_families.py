@@ -66,6 +66,7 @@ FAMILIES = {
         moe_shared_expert_intermediate_size=64,
     ),
     "deepseek_v3": MLA | dict(first_k_dense_replace=1),  # a dense layer, then MoE
+    "deepseek_v2": MLA | dict(first_k_dense_replace=1),
     "glm4_moe_lite": MLA | dict(mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),
 }
 
