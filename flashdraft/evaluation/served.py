@@ -45,6 +45,7 @@ from flashdraft.serving.engine import (
 )
 from flashdraft.serving.family_rules import needs_v2_runner
 from flashdraft.target.mamba import is_mamba
+from flashdraft.target.mla import is_mla
 from flashdraft.target.model import TargetModel, resolve_target_path
 
 ENGINE_RULE = "vllm"  # the rule a vLLM started with default settings verifies under (draft_sample_method greedy)
@@ -234,6 +235,12 @@ def check_servable(drafter_config, target: TargetModel, engine_is_cpu: bool, des
             f"--served vllm: {description} (the CPU build) decodes a Mamba-2 hybrid but cannot verify drafts on "
             f"it (its Mamba state copy for speculative decoding is a Triton kernel, which the CPU build lacks); "
             f"serve it on a GPU engine (`pip install vllm`) or pass --server URL of one"
+        )
+    if any(is_mla(module) for module in target.model.modules()):
+        raise FlashdraftError(
+            f"--served vllm: {description} (the CPU build) decodes an MLA target but cannot serve a drafter on it "
+            f"(no KV block size both take: its MLA attention 16, the drafter's attention multiples of 32); serve it "
+            f"on a GPU engine (`pip install vllm`) or pass --server URL of one"
         )
     if target.is_hybrid:
         raise FlashdraftError(
