@@ -302,18 +302,11 @@ def cache_hidden_states(target_model: str | Path, completions: str | Path, out: 
     """Cache the target's context features of a completions file in `out` (`flashdraft
     cache`; a re-run resumes it). `options`, as cache's flags: layers or draft_config,
     num_prompts, dtype, with_target_logits, records_per_shard, device, target_dtype, ..."""
-    if options.pop("engine", None) == "vllm":  # captured by the serving engine, verified against the target
+    from flashdraft.data.cache_run import CacheConfig, run_cache
+
+    config = CacheConfig(target_model=str(target_model), completions=str(completions), out=str(out), **options)
+    if config.engine == "vllm":  # captured by the serving engine, verified against the target
         from flashdraft.data.engine_capture import run_engine_cache
 
-        return run_engine_cache(str(target_model), str(completions), str(out), **options)
-    engine_only = {"engine_python": None, "tensor_parallel_size": 1, "enable_prefix_caching": False}
-    for name, default in engine_only.items():
-        if options.pop(name, default) != default:
-            raise FlashdraftError(
-                f"--{name.replace('_', '-')} is an option of --engine vllm; this run caches with "
-                f"the transformers forward"
-            )
-    options.pop("verify_share", None)  # the transformers forward is the reference: nothing to recompute
-    from flashdraft.data.cache_run import run_cache
-
-    return run_cache(str(target_model), str(completions), str(out), **options)
+        return run_engine_cache(config)
+    return run_cache(config)

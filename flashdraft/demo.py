@@ -175,7 +175,7 @@ def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: P
     """Train until `deadline` (perf_counter; sized by timing two steps here), or reuse a finished
     run; returns (the best held-out checkpoint's drafter directory, untrained drafter directory, facts)."""
     from flashdraft.drafter.checkpoint import save_drafter
-    from flashdraft.drafter.init import new_drafter_for_target
+    from flashdraft.drafter.init import DrafterChoices, new_drafter_for_target
     from flashdraft.drafter.run_dir import latest_checkpoint, read_best
     from flashdraft.target.weights import TargetHead
     from flashdraft.train.config import TrainConfig
@@ -184,7 +184,8 @@ def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: P
     layer_ids = list(s.target_layer_ids)
     target = TargetHead.load(s.target_model)  # training reads the cache: no target forward
     untrained_dir = out / "drafter-untrained"
-    untrained = new_drafter_for_target(target, s.draft_layers, s.block_size, target_layer_ids=layer_ids, seed=s.seed)
+    choices = DrafterChoices(num_layers=s.draft_layers, block_size=s.block_size, target_layer_ids=layer_ids)
+    untrained = new_drafter_for_target(target, choices, seed=s.seed)
     if not (untrained_dir / "model.safetensors").exists():
         save_drafter(untrained, untrained_dir)
     run_dir = out / "run"
@@ -262,7 +263,7 @@ def _reference_figures(drafter: str, reference: dict) -> dict:
 
 
 def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoSettings | None = None) -> dict:
-    from flashdraft.data.cache_run import run_cache
+    from flashdraft.data.cache_run import CacheConfig, run_cache
     from flashdraft.drafter.run_dir import BUILTIN_DRAFTERS
     from flashdraft.evaluation.config import EvalConfig
     from flashdraft.evaluation.records import quiet
@@ -283,9 +284,9 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     train_c, heldout_c = _generate_stage(s, out)
 
     _stage("2/5 cache context features", t_start)
-    train_cache = run_cache(s.target_model, str(train_c), str(out / "cache-train"), layers=layers_arg, dtype="fp32")
-    heldout_cache = run_cache(
-        s.target_model, str(heldout_c), str(out / "cache-heldout"), layers=layers_arg, dtype="fp32"
+    train_cache, heldout_cache = (
+        run_cache(CacheConfig(s.target_model, str(completions), str(out / name), layers=layers_arg, dtype="fp32"))
+        for completions, name in ((train_c, "cache-train"), (heldout_c, "cache-heldout"))
     )
 
     _stage("3/5 train the drafter", t_start)

@@ -13,7 +13,7 @@ import torch
 from flashdraft.distributed import init_distributed, load_dtype
 from flashdraft.drafter.checkpoint import check_drafter_matches_target, load_drafter
 from flashdraft.drafter.config import DEFAULT_BLOCK_SIZE
-from flashdraft.drafter.init import new_drafter_for_target, with_rope_scaling
+from flashdraft.drafter.init import DrafterChoices, new_drafter_for_target, with_rope_scaling
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.drafter.rope import describe_scaling
 from flashdraft.drafter.run_dir import latest_checkpoint, load_any_drafter, verify_checkpoint
@@ -168,14 +168,13 @@ def _starting_drafter(
     elif init:
         drafter, source = load_any_drafter(init, target, verify=verify).drafter, f"{init} (--init)"
     else:
-        drafter = new_drafter_for_target(
-            target,
-            shape["draft_layers"] or 1,
-            shape["block_size"] or DEFAULT_BLOCK_SIZE,
-            shape["mask_token_id"],
-            shape["target_layer_ids"],
-            seed=seed,
+        choices = DrafterChoices(
+            num_layers=shape["draft_layers"] or 1,
+            block_size=shape["block_size"] or DEFAULT_BLOCK_SIZE,
+            mask_token_id=shape["mask_token_id"],
+            target_layer_ids=shape["target_layer_ids"],
         )
+        drafter = new_drafter_for_target(target, choices, seed)
         source = None
     if source is not None:
         check_drafter_matches_target(drafter.config, target, source)
