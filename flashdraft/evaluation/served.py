@@ -44,6 +44,8 @@ from flashdraft.serving.engine import (
     server_version,
 )
 from flashdraft.serving.family_rules import needs_v2_runner
+from flashdraft.target.mamba import is_mamba
+from flashdraft.target.mla import is_mla
 from flashdraft.target.model import TargetModel, resolve_target_path
 
 ENGINE_RULE = "vllm"  # the rule a vLLM started with default settings verifies under (draft_sample_method greedy)
@@ -228,6 +230,18 @@ def check_servable(drafter_config, target: TargetModel, engine_is_cpu: bool, des
     key and value head dims in their linear-attention layers, so never as the fp32 transformers forward)."""
     if not engine_is_cpu:
         return
+    if target.is_hybrid and is_mamba(target.linear_mixers[target.linear_layers[0]]):
+        raise FlashdraftError(
+            f"--served vllm: {description} (the CPU build) decodes a Mamba-2 hybrid but cannot verify drafts on "
+            f"it (its Mamba state copy for speculative decoding is a Triton kernel, which the CPU build lacks); "
+            f"serve it on a GPU engine (`pip install vllm`) or pass --server URL of one"
+        )
+    if any(is_mla(module) for module in target.model.modules()):
+        raise FlashdraftError(
+            f"--served vllm: {description} (the CPU build) decodes an MLA target but cannot serve a drafter on it "
+            f"(no KV block size both take: its MLA attention 16, the drafter's attention multiples of 32); serve it "
+            f"on a GPU engine (`pip install vllm`) or pass --server URL of one"
+        )
     if target.is_hybrid:
         raise FlashdraftError(
             f"--served vllm: {description} (the CPU build) runs a hybrid (linear-attention) target "

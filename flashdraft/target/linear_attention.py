@@ -169,7 +169,10 @@ def install_short_block_path(layer: nn.Module) -> None:
     """Route a Gated DeltaNet layer's short cached forwards through `short_block_forward`;
     everything else (long prefills, padding masks, no cache, recorded past) keeps the layer's own
     forward, and so do CUDA inputs where fla is installed (its kernels are the path there). Hooks
-    on the layer still run: only its `forward` is replaced, on this instance."""
+    on the layer still run: only its `forward` is replaced, on this instance. A layer whose conv
+    activation is not SiLU (every released Qwen3.5 and Qwen3-Next layer's is) keeps its own forward."""
+    if getattr(layer, "activation", "silu") != "silu":
+        return
     original = layer.forward
     has_fla = find_spec("fla") is not None
 

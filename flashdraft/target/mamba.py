@@ -58,11 +58,11 @@ MAMBA_FUNCTIONS = (
 
 
 def mamba_unavailable_reason(device_type: str, backend: str) -> str | None:
-    """Why a Mamba-2 `backend` cannot run here, or None. fla has no Mamba-2 kernels: on GPU the kernels are
+    """Why a Mamba-2 `backend` cannot run here, or None. transformers binds no fla kernel to Mamba-2: on GPU they are
     mamba-ssm's (with causal-conv1d's), which transformers binds when they are installed."""
     if backend == "mamba_ssm":
         if find_spec("mamba_ssm") is None:
-            return "mamba-ssm is not installed (fla has no Mamba-2 kernels)"
+            return "mamba-ssm is not installed (transformers runs Mamba-2 on its kernels, not fla's)"
         if device_type != "cuda":
             return f"mamba-ssm needs a CUDA device (the target is on {device_type})"
     return None

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA: DeepSeek-V3, GLM-4.7-Flash's `glm4_moe_lite`) in transformers 5.23.
+"""Multi-head latent attention (MLA: DeepSeek-V3, GLM-4.7-Flash's `glm4_moe_lite`, DeepSeek-V2) in transformers 5.23.
 
 MLA caches compressed latents, not per-head keys and values: each layer's cache holds `kv_nope`
 [B, 1, S, kv_lora_rank] (after `kv_a_layernorm`) and `k_rot` [B, 1, S, qk_rope_head_dim] (after RoPE) as one
@@ -10,8 +10,9 @@ One trap: the keys `expand_kv` returns already have one head per query head, but
 `num_key_value_groups = heads / num_key_value_heads` from the config, and transformers' sdpa path repeats the
 keys that many times more whenever it cannot pass `enable_gqa` (a multi-token query with a mask, as every
 verified block after a cache has, or keys wider than values). A config with num_key_value_heads below
-num_attention_heads then fails in `scaled_dot_product_attention` (size mismatch) on a verification, while
-prefill and one-token decoding (what transformers' own `generate` runs) do not. MLA has no key/value heads of
+num_attention_heads then fails in `scaled_dot_product_attention` (size mismatch) on a verification, while with
+keys as wide as values prefill and one-token decoding (all transformers' own `generate` runs) pass: transformers'
+generate runs the model, flashdraft's verification did not. MLA has no key/value heads of
 its own (`kv_b_proj` expands the latent for every query head) and published checkpoints set both counts equal:
 `align_mla_heads` sets the groups to 1, which is the model as defined and changes nothing where they are equal.
 """
@@ -20,8 +21,9 @@ from __future__ import annotations
 
 from torch import nn
 
-# model types whose attention is transformers' DeepseekV3Attention line by line (the class body, names aside)
-MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")
+# model types whose attention caches the latents as DeepseekV3Attention does: glm4_moe_lite's is its class body line
+# by line (names aside); deepseek_v2's differs only in how RoPE is applied to k_rot before the cache
+MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", "deepseek_v2")
 
 
 def is_mla(module: nn.Module) -> bool:

@@ -410,6 +410,13 @@ class TargetHead:
         names = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + [f"self_attn.{n}_norm.weight" for n in "qk"]
         names += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
         names += ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        not_qwen3 = [prefix + name for name in names if prefix + name not in self._layout.state_dict_names]
+        if not_qwen3:  # MoE MLPs, MLA projections, Nemotron-H's one-mixer blocks
+            raise FlashdraftError(
+                f"{self.path}: target layer {layer_id} ({self.config.model_type}) has no {not_qwen3[0]}: "
+                f"--layers-from-target needs a layer of Qwen3's form (q/k/v/o projections, q/k norms, a dense "
+                f"gate/up/down MLP)"
+            )
         weights = {}
         for name in names:
             full = prefix + name

@@ -29,6 +29,16 @@ def test_batched_greedy_equals_greedy_generate(kind):
         assert ids == plain.output_ids and reason == plain.stop_reason
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_next", "nemotron_h", "deepseek_v3"])
+def test_batched_greedy_equals_greedy_generate_on_recurrent_and_latent_cache_families(model_type):
+    """Left padding must not leak into Gated DeltaNet's or Mamba-2's states (their conv bias included)."""
+    from tests.target.tiny_families import make_family_target
+
+    target = make_family_target(model_type)
+    batched = generate_batch(target, PROMPTS, max_new_tokens=10)
+    assert [ids for ids, _ in batched] == [autoregressive_generate(target, p, 10).output_ids for p in PROMPTS]
+
+
 def test_batch_stops_each_row_at_its_stop_token_and_keeps_it():
     target = make_target("qwen3")
     # make a token that some rows generate and others do not the stop token

@@ -148,6 +148,7 @@ def test_with_fla_installed_cpu_calls_reach_the_torch_fallback_and_cuda_calls_th
         "nemotron_h",
         "deepseek_v3",
         "glm4_moe_lite",
+        "deepseek_v2",
     ],
 )
 def family_target(request) -> TargetModel:

@@ -80,6 +80,6 @@ def test_mamba_targets_compare_the_chunked_scan_with_the_per_token_recurrence_an
 
     result = run_parity(make_family_target("nemotron_h"), PROMPTS)
     assert result.reference == "torch_chunk" and list(result.min_cosine) == ["torch_recurrent"] and result.passed
-    assert "mamba_ssm" in result.skipped and "fla has no Mamba-2 kernels" in result.skipped["mamba_ssm"]
+    assert "mamba_ssm" in result.skipped and "not fla's" in result.skipped["mamba_ssm"]
     print_parity(result, len(PROMPTS), sum(map(len, PROMPTS)))
     assert "not compared: mamba_ssm (" in capsys.readouterr().out

@@ -41,3 +41,9 @@ def test_short_block_path_equals_transformers_path_on_qwen3_next_and_leaves_the_
         torch.testing.assert_close(
             caches[1].layers[i].recurrent_states[0], caches[0].layers[i].recurrent_states[0], rtol=1e-5, atol=1e-5
         )
+
+
+def test_a_layer_whose_conv_activation_is_not_silu_keeps_transformers_forward():
+    layer = make_family_model("qwen3_next", hidden_act="gelu").model.layers[0].linear_attn
+    install_short_block_path(layer)
+    assert "forward" not in vars(layer)

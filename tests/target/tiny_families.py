@@ -89,6 +89,7 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     ),
     "deepseek_v3": MLA | dict(first_k_dense_replace=1),  # a dense layer, then MoE
+    "deepseek_v2": MLA | dict(first_k_dense_replace=1),
     "glm4_moe_lite": MLA | dict(mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),
 }
 
@@ -101,7 +102,7 @@ def make_family_model(model_type: str, seed: int = 0, **overrides):
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
-        model.get_output_embeddings().weight[EOS] = 0.0
+        model.get_output_embeddings().weight[fields["eos_token_id"]] = 0.0
     return model.float().eval()
 
 
