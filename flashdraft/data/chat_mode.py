@@ -280,11 +280,12 @@ def check_engine_render(
     kwargs: dict[str, Any],
     prompt_ids: list[int],
     tokenizer,
+    tools: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Refuse a prompt the engine renders otherwise than flashdraft: `messages` with `kwargs` as a chat client
-    sends them (none when `kwargs` is empty: the server's defaults apply), the engine's token ids against
-    `prompt_ids`, naming the record and the first differing token."""
-    served = client.tokenize_chat(messages, kwargs or None)
+    """Refuse a prompt the engine renders otherwise than flashdraft: `messages` with `kwargs` (and the row's
+    `tools`) as a chat client sends them (none when `kwargs` is empty: the server's defaults apply), the engine's
+    token ids against `prompt_ids`, naming the record and the first differing token."""
+    served = client.tokenize_chat(messages, kwargs or None, tools)
     if served == prompt_ids:
         return
     k = next(

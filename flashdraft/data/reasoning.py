@@ -101,3 +101,32 @@ def reasoning_tokens(end: int | str | None, completion_length: int) -> int | Non
     if end is None:
         return None
     return completion_length if end == NOT_CLOSED else int(end) + 1
+
+
+# -- tool calls ----------------------------------------------------------------------------------------------------
+
+QWEN_TOOL_CALL = ReasoningStyle("<tool_call>", "<tool_call>", "</tool_call>")  # Qwen3, GLM's Hermes-style calls
+HARMONY_TOOL_CALL = ReasoningStyle("harmony commentary channel", "<|channel|>commentary", "<|call|>")
+
+
+def tool_call_markers(tokenizer) -> ReasoningMarkers | None:
+    """How the target writes a tool call, read from its chat template; None where flashdraft knows no marker."""
+    template = template_text(tokenizer)
+    if "<|channel|>" in template and "commentary" in template:
+        return ReasoningMarkers(HARMONY_TOOL_CALL, tokenizer)
+    if QWEN_TOOL_CALL.start in template:
+        return ReasoningMarkers(QWEN_TOOL_CALL, tokenizer)
+    return None
+
+
+def tool_call_tokens(completion_ids: list[int], markers: ReasoningMarkers) -> set[int]:
+    """The indices of a completion's tokens inside its tool calls, markers included (a call cut short: to the end)."""
+    text, owners = markers.text(completion_ids)
+    inside: set[int] = set()
+    start = text.find(markers.style.start)
+    while start >= 0:
+        end = text.find(markers.style.end, start + len(markers.style.start))
+        stop = len(text) if end < 0 else end + len(markers.style.end)
+        inside |= set(owners[start:stop])
+        start = text.find(markers.style.start, stop) if end >= 0 else -1
+    return inside

@@ -35,6 +35,7 @@ class EvalRecord:
     # rendered with a chat template (`data/chat_mode.py`): its kwargs ({}: the template's defaults) and messages
     chat_template_kwargs: dict | None = None
     messages: list[dict[str, str]] | None = None
+    tools: list[dict] | None = None  # the tool schemas rendered with them
 
     @property
     def input_ids(self) -> list[int]:
@@ -178,6 +179,7 @@ def load_eval_records(
                 list(r.completion_ids),
                 chat_template_kwargs=r.chat_template_kwargs,
                 messages=r.messages if r.prompt_truncated_from is None else None,
+                tools=r.tools,
             )
             for r in loaded
         ]
@@ -193,7 +195,7 @@ def load_eval_records(
     for prompt in loaded:
         # the first user turn: later turns need the target's earlier answers in the prompt
         mode = merged(kwargs, prompt.chat_template_kwargs) if chat else None
-        text = render_conversation(tok, prompt.conversation([]), chat, mode)
+        text = render_conversation(tok, prompt.conversation([]), chat, mode, prompt.tools)
         records.append(
             EvalRecord(
                 prompt.id,
@@ -201,6 +203,7 @@ def load_eval_records(
                 [],
                 chat_template_kwargs=mode,
                 messages=prompt.conversation([]) if chat else None,
+                tools=prompt.tools if chat else None,
             )
         )
     return records, f"prompts {prompts} ({'chat template' if chat else 'no chat template'})"

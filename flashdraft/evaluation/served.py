@@ -103,6 +103,7 @@ def send_requests(
                 record.chat_template_kwargs,
                 record.prompt_ids,
                 tokenizer,
+                record.tools,
             )
     served = []
     for record, n in zip(records, max_tokens, strict=True):

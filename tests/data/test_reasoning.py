@@ -70,3 +70,17 @@ def test_a_thinking_template_with_unknown_markers_is_said_not_taken_for_no_reaso
     assert "markers flashdraft does not know" in unknown_reasoning_note(tok)
     assert unknown_reasoning_note(make_chat_tokenizer()) is None  # <think>: known
     assert unknown_reasoning_note(characters_tokenizer("{{ messages }}")) is None  # no thinking mode at all
+
+
+def test_tool_calls_are_found_by_the_templates_markers_qwens_and_gpt_oss_commentary_channel():
+    from flashdraft.data.reasoning import tool_call_markers, tool_call_tokens
+
+    tok = characters_tokenizer("{% for t in tools %}{{ t }}{% endfor %}<tool_call>")
+    completion = ids_of(tok, "ab<tool_call>x</tool_call>cd<tool_call>y")
+    inside = tool_call_tokens(completion, tool_call_markers(tok))
+    first = len("ab")
+    second = len("ab<tool_call>x</tool_call>cd")
+    assert inside == set(range(first, second - 2)) | set(range(second, len(completion)))  # a cut call: to the end
+    harmony = characters_tokenizer("<|channel|>commentary to=functions.x <|call|> <|channel|>analysis")
+    assert tool_call_markers(harmony).style.start == "<|channel|>commentary"
+    assert tool_call_markers(characters_tokenizer("{{ messages }}")) is None
