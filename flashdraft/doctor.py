@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.checks import Checks
 from flashdraft.drafter.checkpoint import STATE_DICT_SUFFIXES
+from flashdraft.drafter.doctor_report import Checks
 from flashdraft.drafter.server_fields import fields_set
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import UnsafeFileError
