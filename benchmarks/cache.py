@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.data.cache import DTYPES, build_cache
+from flashdraft.data.cache import DTYPES, CacheSpec, build_cache
 from flashdraft.data.completions import CompletionRecord, Completions
 from flashdraft.drafter.config import default_target_layer_ids
 from flashdraft.target.model import TargetModel
@@ -63,7 +63,7 @@ def main() -> None:
                 out = Path(tmp) / f"cache-{dtype}-{n}"
                 t0 = time.perf_counter()
                 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                    build_cache(target, completions, out, layer_ids, dtype)
+                    build_cache(target, completions, out, spec=CacheSpec(layer_ids=layer_ids, dtype=dtype))
                 seconds = time.perf_counter() - t0
                 shards = sum(p.stat().st_size for p in out.glob("shard-*.safetensors"))
                 total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())

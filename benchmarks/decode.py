@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from flashdraft.decoding.generate import autoregressive_generate, speculative_generate
+from flashdraft.decoding.generate import SpeculativeConfig, autoregressive_generate, speculative_generate
 from flashdraft.decoding.hybrid import HybridDrafter, HybridRule
 from flashdraft.decoding.ngram import NGramProposer
 from flashdraft.decoding.proposers import DraftLimit
@@ -113,7 +113,7 @@ def main() -> None:
     warm = records[0].prompt_ids
     autoregressive_generate(target, warm, 16)
     for drafter, block in drafters.values():
-        speculative_generate(target, drafter, warm, 16, block_size=block)
+        speculative_generate(target, drafter, warm, 16, speculative=SpeculativeConfig(block_size=block))
 
     greedy_tokens, greedy_seconds = 0, 0.0
     stats = [{"tokens": 0, "seconds": 0.0, "draft": 0.0, "verify": 0.0, "lengths": [], "lossless": True} for _ in runs]
@@ -125,7 +125,11 @@ def main() -> None:
         for s, (_, drafter, block, limit) in zip(stats, runs, strict=True):
             t0 = time.perf_counter()
             spec = speculative_generate(
-                target, drafter, record.prompt_ids, args.max_new_tokens, block_size=block, limit=limit
+                target,
+                drafter,
+                record.prompt_ids,
+                args.max_new_tokens,
+                speculative=SpeculativeConfig(block_size=block, limit=limit),
             )
             s["seconds"] += time.perf_counter() - t0
             s["tokens"] += len(spec.output_ids)

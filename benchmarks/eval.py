@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.data.cache import build_cache
+from flashdraft.data.cache import CacheSpec, build_cache
 from flashdraft.data.cache_reader import HiddenStateCache
 from flashdraft.data.completions import CompletionRecord, Completions
 from flashdraft.decoding.ngram import NGramProposer
-from flashdraft.drafter.init import new_drafter_for_target
-from flashdraft.evaluation.offline import evaluate_offline
+from flashdraft.drafter.init import DrafterChoices, new_drafter_for_target
+from flashdraft.evaluation.offline import WalkConfig, evaluate_offline
 from flashdraft.evaluation.records import FeatureSource, records_from_cache
 from flashdraft.target.model import TargetModel
 
@@ -57,20 +57,33 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target = TargetModel.load(args.target_model)
     depths = [int(x) for x in args.draft_layers.split(",")]
-    drafters = {f"untrained-{n}-layer": new_drafter_for_target(target, n, args.block_size).eval() for n in depths}
+    drafters = {
+        f"untrained-{n}-layer": new_drafter_for_target(
+            target, choices=DrafterChoices(num_layers=n, block_size=args.block_size)
+        ).eval()
+        for n in depths
+    }
     layer_ids = sorted({i for d in drafters.values() for i in d.config.target_layer_ids})
     with tempfile.TemporaryDirectory() as tmp:
         completions = random_completions(target, args.records, args.tokens_per_record, Path(tmp))
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            build_cache(target, completions, Path(tmp) / "cache", layer_ids, "bf16")
+            build_cache(target, completions, Path(tmp) / "cache", spec=CacheSpec(layer_ids=layer_ids, dtype="bf16"))
         cache = HiddenStateCache(Path(tmp) / "cache")
         candidates = list(drafters.items()) + [("ngram", NGramProposer(target.vocab_size))]
         for name, drafter in candidates:
             records = records_from_cache(cache)
             source = FeatureSource(target)
-            evaluate_offline(drafter, target, records[:1], source, args.block_size, max_blocks=4)  # warm-up
+            evaluate_offline(
+                drafter, target, records[:1], source, walk=WalkConfig(block_size=args.block_size, max_blocks=4)
+            )  # warm-up
             t0 = time.perf_counter()
-            result = evaluate_offline(drafter, target, records, source, args.block_size, args.max_blocks)
+            result = evaluate_offline(
+                drafter,
+                target,
+                records,
+                source,
+                walk=WalkConfig(block_size=args.block_size, max_blocks=args.max_blocks),
+            )
             seconds = time.perf_counter() - t0
             assert source.target_forwards == 0, "offline evaluation from a cache ran the target"
             print(

@@ -60,16 +60,16 @@ import torch
 import torch.multiprocessing as mp
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
-from flashdraft.decoding.generate import speculative_generate
+from flashdraft.decoding.generate import SpeculativeConfig, speculative_generate
 from flashdraft.distributed import Dist, init_distributed, wrap_model
 from flashdraft.drafter.config import DrafterConfig
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.target.model import TargetModel
 from flashdraft.target.parity import run_parity
 from flashdraft.train.config import TrainConfig  # the loop's own forward + loss
-from flashdraft.train.data import make_batch
-from flashdraft.train.loss import block_loss
-from flashdraft.train.step import forward_loss  # the loop's own forward + loss
+from flashdraft.train.data import BatchSpec, make_batch
+from flashdraft.train.loss import BlockLabels, DraftHeads, LossSpec, block_loss
+from flashdraft.train.step import forward_loss, loss_spec  # the loop's own forward + loss
 
 
 @dataclass
@@ -279,7 +279,14 @@ def synthetic_batch(cfg: DrafterConfig, widths: Widths, device: torch.device, se
         torch.arange(t) >= t // 8,
         torch.randn(t, cfg.num_context_layers * cfg.hidden_size, generator=gen),
     )
-    return make_batch([record], [0], 0, seed, widths.num_anchors, BLOCK, cfg.mask_token_id).to(device)
+    return make_batch(
+        [record],
+        [0],
+        0,
+        batch_spec=BatchSpec(
+            seed=seed, num_anchors=widths.num_anchors, block_size=BLOCK, mask_token_id=cfg.mask_token_id
+        ),
+    ).to(device)
 
 
 # -- 1. linear attention: fla vs torch -----------------------------------------------------
@@ -381,14 +388,18 @@ def check_spec_loop_overhead(target: TargetModel, drafter_fields: dict, widths: 
     drafter.register_forward_pre_hook(drafter_starts)
     drafter.register_forward_hook(drafter_ends)
     prompt = torch.randint(0, target.vocab_size, (widths.prompt_tokens,), generator=torch.Generator().manual_seed(2))
-    speculative_generate(target, drafter, prompt.tolist(), 4, block_size=BLOCK)  # warm-up
+    speculative_generate(
+        target, drafter, prompt.tolist(), 4, speculative=SpeculativeConfig(block_size=BLOCK)
+    )  # warm-up
     target.forward = timed_forward  # instance attribute: speculative_generate calls target.forward
     try:
         spent.update(verify=0.0, drafter=0.0)
         prefill_ms = median_ms(lambda _: forward(prompt[None].to(device), target.new_cache()), device, 1)
         sync(device)
         t0 = time.perf_counter()
-        result = speculative_generate(target, drafter, prompt.tolist(), widths.new_tokens, block_size=BLOCK)
+        result = speculative_generate(
+            target, drafter, prompt.tolist(), widths.new_tokens, speculative=SpeculativeConfig(block_size=BLOCK)
+        )
         sync(device)
         total = time.perf_counter() - t0
     finally:
@@ -430,7 +441,8 @@ def check_flex_vs_dense(drafter_fields: dict, widths: Widths, device: torch.devi
             hidden = drafter(
                 embeds, batch.anchor_positions, batch.context_features.to(embeds.dtype), batch.context_positions
             )
-            parts = block_loss(hidden, batch.labels, target.model.get_output_embeddings(), BLOCK, gamma=7.0)
+            head = DraftHeads(target.model.get_output_embeddings())
+            parts = block_loss(hidden, BlockLabels(batch.labels), head, LossSpec(BLOCK, gamma=7.0))
         outputs[backend] = hidden.detach()
         if with_grads:
             (parts.weighted_sum / parts.weight_total).backward()
@@ -467,9 +479,10 @@ def timed_train_steps(name: str, widths: Widths, backend: str, dist: Dist) -> di
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
     batch = synthetic_batch(drafter.config, widths, device, seed=dist.rank)
     cfg = TrainConfig(loss_decay_gamma=7.0)
+    spec = loss_spec(cfg, drafter)
 
     def step(_) -> None:
-        parts = forward_loss(model, target, batch, cfg, BLOCK, device)
+        parts = forward_loss(model, target, batch, spec)
         (parts.weighted_sum / parts.weight_total).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()

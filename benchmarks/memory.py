@@ -42,6 +42,8 @@ from pathlib import Path
 import torch
 from synthetic_target import run_measured, write_random_cache, write_random_target, write_tokenizer
 
+from flashdraft.drafter.init import DrafterChoices
+
 HIDDEN, LAYERS, VOCAB = 128, 4, 512
 CACHE_LAYERS = [0, 1, 2]  # three context layers: 768 bf16 features (1.5 KB) per token
 
@@ -106,7 +108,13 @@ def records_experiment(root: Path, counts: list[int], tokens: int) -> None:
 
     write_target(root / "target")
     target = TargetHead.load(root / "target")
-    save_drafter(new_drafter_for_target(target, 1, 8, VOCAB - 1, CACHE_LAYERS), root / "drafter")
+    save_drafter(
+        new_drafter_for_target(
+            target,
+            choices=DrafterChoices(num_layers=1, block_size=8, mask_token_id=VOCAB - 1, target_layer_ids=CACHE_LAYERS),
+        ),
+        root / "drafter",
+    )
     rows = []
     for n in counts:
         completions, cache = root / f"c{n}.json", root / f"cache{n}"
@@ -231,7 +239,15 @@ def depth_experiment(root: Path, depths: list[int], whole: bool) -> None:
         head = TargetHead.load(target)
         cache = write_random_cache(root / f"cache{depth}", head, DEPTH_LAYER_IDS, 5, 32, 96)
         drafter = root / f"drafter{depth}"
-        save_drafter(new_drafter_for_target(head, 1, 16, MASK_ID, DEPTH_LAYER_IDS), drafter)
+        save_drafter(
+            new_drafter_for_target(
+                head,
+                choices=DrafterChoices(
+                    num_layers=1, block_size=16, mask_token_id=MASK_ID, target_layer_ids=DEPTH_LAYER_IDS
+                ),
+            ),
+            drafter,
+        )
         for path in ("head", "whole") if whole else ("head",):
             for command, argv in offline_commands(target, drafter, cache, root / f"run{depth}-{path}").items():
                 measured = run_measured(argv, root / f"{command}{depth}-{path}.log", whole_target=path == "whole")
@@ -273,7 +289,10 @@ def tiny_experiment(root: Path) -> None:
     from flashdraft.drafter.init import new_drafter_for_target
     from flashdraft.target.weights import TargetHead
 
-    save_drafter(new_drafter_for_target(TargetHead.load("tiny"), 1, 16), root / "tiny-drafter")
+    save_drafter(
+        new_drafter_for_target(TargetHead.load("tiny"), choices=DrafterChoices(num_layers=1, block_size=16)),
+        root / "tiny-drafter",
+    )
     assert (
         flashdraft(
             [

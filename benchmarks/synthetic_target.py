@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from flashdraft.data.cache import CacheSpec
 from flashdraft.target.weights import LANGUAGE_MODEL_PREFIX
 
 
@@ -125,7 +126,9 @@ def write_random_cache(
         ids = torch.randint(0, head.vocab_size, (prompt_tokens + completion_tokens,), generator=gen).tolist()
         rows.append(CompletionRecord(f"r{i}", "", ids[:prompt_tokens], ids[prompt_tokens:], "", "length"))
     completions = Completions(directory.with_suffix(".json"), {"target": {"fingerprint": head.fingerprint()}}, rows, [])
-    return build_cache(RandomFeatureTarget(head, seed), completions, directory, layer_ids, dtype="bf16")
+    return build_cache(
+        RandomFeatureTarget(head, seed), completions, directory, spec=CacheSpec(layer_ids=layer_ids, dtype="bf16")
+    )
 
 
 def write_random_drafter(directory: Path, cfg, seed: int = 0) -> Path:

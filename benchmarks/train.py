@@ -32,7 +32,7 @@ def run_one(name: str, steps: int, seq_len: int, num_anchors: int, block: int) -
     from flashdraft.drafter.config import DrafterConfig
     from flashdraft.drafter.model import DFlashDrafter
     from flashdraft.train.blocks import build_blocks, sample_anchors
-    from flashdraft.train.loss import block_loss
+    from flashdraft.train.loss import BlockLabels, DraftHeads, LossSpec, block_loss
 
     hidden, layers, heads, kv, hd, inter, vocab, n_ctx, _ = SIZES[name]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,7 +67,7 @@ def run_one(name: str, steps: int, seq_len: int, num_anchors: int, block: int) -
     def step() -> None:
         with autocast:
             out = drafter(embed(block_ids), anchors, features, positions)
-            parts = block_loss(out, labels, head, block, gamma=7.0)
+            parts = block_loss(out, BlockLabels(labels), DraftHeads(head), LossSpec(block, gamma=7.0))
         (parts.weighted_sum / parts.weight_total).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -22,9 +22,20 @@ from typing import Any
 
 import torch
 
-from flashdraft.decoding.generate import GenerationResult, autoregressive_generate, speculative_generate
+from flashdraft.decoding.generate import (
+    GenerationResult,
+    SpeculativeConfig,
+    autoregressive_generate,
+    speculative_generate,
+)
 from flashdraft.decoding.proposers import DraftLimit
-from flashdraft.decoding.serving_rules import NO_FILTERS, greedy_in_effect_note, request_filters, resolve_filters
+from flashdraft.decoding.serving_rules import (
+    NO_FILTERS,
+    SamplingParams,
+    greedy_in_effect_note,
+    request_filters,
+    resolve_filters,
+)
 from flashdraft.decoding.serving_rules import serving_rule as _serving_rule
 from flashdraft.drafter.checkpoint import check_drafter_matches_target
 from flashdraft.drafter.model import DFlashDrafter
@@ -93,7 +104,11 @@ class Target(TargetModel):
             filters = resolve_filters(self.path, top_k, top_p, min_p, use_generation_config)
             _warn_greedy_in_effect(temperature, filters)
         return autoregressive_generate(
-            self, self.encode(prompt), max_new_tokens, temperature, _generator(seed, self.device), filters
+            self,
+            self.encode(prompt),
+            max_new_tokens,
+            sampling=SamplingParams(temperature=temperature, filters=filters),
+            generator=_generator(seed, self.device),
         )
 
 
@@ -184,7 +199,8 @@ class Drafter(LoadedDrafter):
         verified, and `top_k`, `top_p`, `min_p` filter the target's p as that rule's server does
         (each None: the target's generation_config.json value unless `use_generation_config` is
         off; one the server does not apply, given, is refused); `num_speculative_tokens`,
-        `adaptive_threshold` and `confidence_threshold` verify fewer drafts per step."""
+        `adaptive_threshold` and `confidence_threshold` verify fewer drafts per step. More than 8 parameters
+        because this is the public API's one call, taking `flashdraft eval`'s flags by name (keyword-only)."""
         self.check_fits(target)
         rule = _serving_rule(serving_rule)
         filters, _ = request_filters(target.path, temperature, top_k, top_p, min_p, rule, use_generation_config)
@@ -196,12 +212,9 @@ class Drafter(LoadedDrafter):
             self.drafter,
             _encode(target, prompt),
             max_new_tokens,
-            temperature,
-            block_size,
-            _generator(seed, target.device),
-            limit,
-            filters=filters,
-            rule=rule,
+            sampling=SamplingParams(temperature=temperature, filters=filters),
+            speculative=SpeculativeConfig(block_size=block_size, limit=limit, rule=rule),
+            generator=_generator(seed, target.device),
         )
 
 
@@ -270,9 +283,9 @@ def train_drafter(config: TrainConfig, target_model: str | Path, out: str | Path
     draft_layers, block_size, mask_token_id, target_layer_ids, eval_cached_hidden_states,
     eval_completions, resume, report_to, allow_foreign, device, verify, target_dtype,
     draft_vocab_size. `config` itself is left as it was (the run fills in a copy)."""
-    from flashdraft.train.run import run_training
+    from flashdraft.train.run import TrainRun, run_training
 
-    return run_training(dataclasses.replace(config), str(target_model), str(out), **options)
+    return run_training(dataclasses.replace(config), TrainRun(target_model=str(target_model), out=str(out), **options))
 
 
 def generate_completions(target_model: str | Path, prompts: str, out: str | Path, **options: Any) -> Path:
@@ -290,18 +303,11 @@ def cache_hidden_states(target_model: str | Path, completions: str | Path, out: 
     """Cache the target's context features of a completions file in `out` (`flashdraft
     cache`; a re-run resumes it). `options`, as cache's flags: layers or draft_config,
     num_prompts, dtype, with_target_logits, records_per_shard, device, target_dtype, ..."""
-    if options.pop("engine", None) == "vllm":  # captured by the serving engine, verified against the target
+    from flashdraft.data.cache_run import CacheConfig, run_cache
+
+    config = CacheConfig(target_model=str(target_model), completions=str(completions), out=str(out), **options)
+    if config.engine == "vllm":  # captured by the serving engine, verified against the target
         from flashdraft.data.engine_capture import run_engine_cache
 
-        return run_engine_cache(str(target_model), str(completions), str(out), **options)
-    engine_only = {"engine_python": None, "tensor_parallel_size": 1, "enable_prefix_caching": False}
-    for name, default in engine_only.items():
-        if options.pop(name, default) != default:
-            raise FlashdraftError(
-                f"--{name.replace('_', '-')} is an option of --engine vllm; this run caches with "
-                f"the transformers forward"
-            )
-    options.pop("verify_share", None)  # the transformers forward is the reference: nothing to recompute
-    from flashdraft.data.cache_run import run_cache
-
-    return run_cache(str(target_model), str(completions), str(out), **options)
+        return run_engine_cache(config)
+    return run_cache(config)

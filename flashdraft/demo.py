@@ -20,6 +20,7 @@ import torch
 
 from flashdraft.drafter.config import DEFAULT_BLOCK_SIZE
 from flashdraft.errors import FlashdraftError
+from flashdraft.train.data import BatchSpec
 
 
 @dataclass
@@ -54,19 +55,25 @@ def _seconds_per_step(cfg, drafter, target, records, block_size: int, mask_token
     weights are restored after."""
     from flashdraft.train.data import make_batch
     from flashdraft.train.optim import build_optimizers
-    from flashdraft.train.step import forward_loss
+    from flashdraft.train.step import forward_loss, loss_spec
 
     start = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
     drafter = drafter.train()
-    optimizer = build_optimizers(
-        drafter, cfg.optimizer, cfg.lr, cfg.muon_lr, cfg.weight_decay, 100, cfg.warmup_fraction, cfg.min_lr_fraction
-    )
+    optimizer = build_optimizers(drafter, cfg, 100)
+    spec = loss_spec(cfg, drafter)
     times = []
     for step in range(5):
         idx = [(step * cfg.batch_size + i) % len(records) for i in range(min(cfg.batch_size, len(records)))]
-        batch = make_batch([records[i] for i in idx], idx, 0, cfg.seed, cfg.num_anchors, block_size, mask_token_id)
+        batch = make_batch(
+            [records[i] for i in idx],
+            idx,
+            0,
+            batch_spec=BatchSpec(
+                seed=cfg.seed, num_anchors=cfg.num_anchors, block_size=block_size, mask_token_id=mask_token_id
+            ),
+        )
         t0 = time.perf_counter()
-        parts = forward_loss(drafter, target, batch, cfg, block_size, torch.device("cpu"))
+        parts = forward_loss(drafter, target, batch, spec)
         parts.weighted_sum.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
         optimizer.step()
@@ -168,16 +175,17 @@ def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: P
     """Train until `deadline` (perf_counter; sized by timing two steps here), or reuse a finished
     run; returns (the best held-out checkpoint's drafter directory, untrained drafter directory, facts)."""
     from flashdraft.drafter.checkpoint import save_drafter
-    from flashdraft.drafter.init import new_drafter_for_target
+    from flashdraft.drafter.init import DrafterChoices, new_drafter_for_target
     from flashdraft.drafter.run_dir import latest_checkpoint, read_best
     from flashdraft.target.weights import TargetHead
     from flashdraft.train.config import TrainConfig
-    from flashdraft.train.run import load_training_records, run_training
+    from flashdraft.train.run import TrainRun, load_training_records, run_training
 
     layer_ids = list(s.target_layer_ids)
     target = TargetHead.load(s.target_model)  # training reads the cache: no target forward
     untrained_dir = out / "drafter-untrained"
-    untrained = new_drafter_for_target(target, s.draft_layers, s.block_size, target_layer_ids=layer_ids, seed=s.seed)
+    choices = DrafterChoices(num_layers=s.draft_layers, block_size=s.block_size, target_layer_ids=layer_ids)
+    untrained = new_drafter_for_target(target, choices, seed=s.seed)
     if not (untrained_dir / "model.safetensors").exists():
         save_drafter(untrained, untrained_dir)
     run_dir = out / "run"
@@ -204,14 +212,14 @@ def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: P
         cfg.max_steps, cfg.save_every, cfg.eval_every = steps, steps, max(10, steps // 4)
         print(f"{per_step:.2f} s per step here: training {steps} steps ({steps * per_step / 60:.1f} min)")
         t0 = time.perf_counter()
-        run_training(
-            cfg,
+        run = TrainRun(
             s.target_model,
             str(run_dir),
             cached_hidden_states=str(train_cache),
             init=str(untrained_dir),
             eval_cached_hidden_states=str(heldout_cache),
         )
+        run_training(cfg, run)
         train_info = {"steps": steps, "train_seconds": round(time.perf_counter() - t0, 1)}
         done_marker.write_text(json.dumps(train_info))
     best = read_best(run_dir)
@@ -255,7 +263,7 @@ def _reference_figures(drafter: str, reference: dict) -> dict:
 
 
 def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoSettings | None = None) -> dict:
-    from flashdraft.data.cache_run import run_cache
+    from flashdraft.data.cache_run import CacheConfig, run_cache
     from flashdraft.drafter.run_dir import BUILTIN_DRAFTERS
     from flashdraft.evaluation.config import EvalConfig
     from flashdraft.evaluation.records import quiet
@@ -276,9 +284,9 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
     train_c, heldout_c = _generate_stage(s, out)
 
     _stage("2/5 cache context features", t_start)
-    train_cache = run_cache(s.target_model, str(train_c), str(out / "cache-train"), layers=layers_arg, dtype="fp32")
-    heldout_cache = run_cache(
-        s.target_model, str(heldout_c), str(out / "cache-heldout"), layers=layers_arg, dtype="fp32"
+    train_cache, heldout_cache = (
+        run_cache(CacheConfig(s.target_model, str(completions), str(out / name), layers=layers_arg, dtype="fp32"))
+        for completions, name in ((train_c, "cache-train"), (heldout_c, "cache-heldout"))
     )
 
     _stage("3/5 train the drafter", t_start)

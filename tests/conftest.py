@@ -37,10 +37,13 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", mask_token="<mask>")
 
 
-# A Qwen3-style thinking chat template over the test vocabulary (its words whitespace-separated tokens): thinking by
+# A Qwen3-style thinking chat template over the test vocabulary (its words whitespace-separated tokens): the tools'
+# names in a system turn where a request has tools, thinking by
 # default (the generation prompt opens <think>), an empty think block when enable_thinking is false, and the
 # reasoning of assistant turns before the last user turn dropped from the history
 THINKING_TEMPLATE = (
+    "{%- if tools -%}<|im_start|> system {% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|> "
+    "{%- endif -%}"
     "{%- set ns = namespace(last_query=-1) -%}"
     "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"
     "{%- endfor -%}"

@@ -521,7 +521,11 @@ PROMPT_DAMAGE = {
     "empty file": ("p.jsonl", "", "no prompts found"),
     "unknown file type": ("p.txt", "t1 t2\n", "unknown prompt file type '.txt'; expected .jsonl, .json, .parquet"),
     "not JSON": ("p.jsonl", '{"prompt": "t1"}\n{"prompt":\n', "p.jsonl:2: not valid JSON"),
-    "unknown row format": ("p.jsonl", '{"text": "t1"}\n', "p.jsonl:1: no 'prompt', 'messages' or 'turns' field"),
+    "unknown row format": (
+        "p.jsonl",
+        '{"text": "t1"}\n',
+        "p.jsonl:1: no 'prompt', 'messages', 'conversations' or 'turns' field",
+    ),
 }
 
 

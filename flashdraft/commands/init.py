@@ -145,7 +145,7 @@ def _family_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from flashdraft.drafter.init import FRESH_ONLY, SHAPE_FIELDS, init_drafter, init_from_drafter
+    from flashdraft.drafter.init import FRESH_ONLY, SHAPE_FIELDS, DrafterChoices, init_drafter, init_from_drafter
 
     dflash2 = {name: getattr(args, name) for name in DFLASH2_FIELDS}
     if args.from_drafter:
@@ -165,16 +165,11 @@ def run(args: argparse.Namespace) -> None:
         )
         _print_layers(cfg)
         return
-    drafter, target = init_drafter(
-        args.target_model,
-        args.out,
-        config=args.config,
-        layers_from_target=args.layers_from_target,
+    choices = DrafterChoices(
         num_layers=args.draft_layers,
         block_size=args.block_size,
         mask_token_id=args.mask_token_id,
         target_layer_ids=args.target_layer_ids,
-        seed=args.seed,
         layer_types=args.layer_types,
         sliding_window=args.sliding_window,
         is_causal=args.is_causal,
@@ -182,6 +177,14 @@ def run(args: argparse.Namespace) -> None:
         family=args.family,
         dflash2=dflash2,
         dspark=_dspark_settings(args),
+    )
+    drafter, target = init_drafter(
+        args.target_model,
+        args.out,
+        choices,
+        config=args.config,
+        layers_from_target=args.layers_from_target,
+        seed=args.seed,
     )
     cfg = drafter.config
     start = f", layers from target layers {args.layers_from_target}" if args.layers_from_target else ""
@@ -195,7 +198,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _dspark_settings(args: argparse.Namespace) -> dict:
-    """DSpark's init flags as `new_drafter_for_target(dspark=...)` takes them (None: not given)."""
+    """DSpark's init flags as `DrafterChoices.dspark` holds them (None: not given)."""
     settings = {"markov_rank": args.markov_rank}
     if args.confidence_head is not None:
         settings["confidence_head"], settings["confidence_head_with_markov"] = CONFIDENCE_HEADS[args.confidence_head]

@@ -33,6 +33,7 @@ import hashlib
 import json
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -184,20 +185,25 @@ def _cache_record(
     return item
 
 
-def _build_shard(
-    target: TargetModel,
-    directory: Path,
-    k: int,
-    records: list[CompletionRecord],
-    settings: dict,
-    dist: Dist,
-    bar: Progress,
-    stop: StopRequests | None = None,
-    features_of: FeaturesOf | None = None,
-    verbose: bool = False,
-) -> dict | None:
+@dataclass
+class _ShardRun:
+    """What every shard of a rank's run shares: where and how it writes, its progress bar and stop requests."""
+
+    target: TargetModel
+    directory: Path
+    settings: dict
+    dist: Dist
+    bar: Progress
+    stop: StopRequests | None = None
+    features_of: FeaturesOf | None = None
+    verbose: bool = False
+
+
+def _build_shard(run: _ShardRun, k: int, records: list[CompletionRecord]) -> dict | None:
     """Compute and write shard k; None when a stop was requested first (after the record in
     flight: nothing of the shard is written, a re-run computes it again)."""
+    target, directory, settings, dist, bar, stop = run.target, run.directory, run.settings, run.dist, run.bar, run.stop
+    features_of, verbose = run.features_of, run.verbose
     dtype = DTYPES[settings["dtype_flag"]]
     # the shard's tensors, allocated once and filled record by record: one shard of features in
     # memory at a time (not the per-record pieces plus their concatenation)
@@ -287,33 +293,49 @@ def _is_finished(directory: Path, meta: dict | None, records: list[CompletionRec
     )
 
 
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a cache holds: the features of the layers `layer_ids` in `dtype` (bf16/fp16/fp32, or auto: the dtype the
+    target computes in, for an exact offline τ), `records_per_shard` records a shard, the target's top-`topk`
+    logits (0: none), the first `num_records` records (None: all)."""
+
+    layer_ids: list[int]
+    dtype: str = AUTO
+    records_per_shard: int = 64
+    topk: int = 0
+    num_records: int | None = None
+
+
+@dataclass(frozen=True)
+class CapturedFeatures:
+    """Features captured elsewhere (`engine_capture`), in place of the target's forward: each record's
+    (`features_of`), and what captured them (`engine`, recorded in the manifest's computed_with)."""
+
+    features_of: FeaturesOf
+    engine: dict
+
+
 def build_cache(
     target: TargetModel,
     completions: Completions,
     out: str | Path,
-    layer_ids: list[int],
-    dtype: str = AUTO,
-    records_per_shard: int = 64,
-    topk: int = 0,
-    num_records: int | None = None,
+    spec: CacheSpec,
     dist: Dist | None = None,
     force: bool = False,
-    features_of: FeaturesOf | None = None,
-    engine: dict | None = None,
+    captured: CapturedFeatures | None = None,
     verbose: bool = False,
 ) -> Path:
-    """Build (or resume) the cache of `completions` in `out`; returns its directory. `dtype`:
-    bf16/fp16/fp32, or auto = the dtype the target computes in (exact offline τ). A cache its
-    filesystem cannot hold is refused before any forward unless `force`. SIGTERM/SIGINT stop
-    it after the record in flight (`Interrupted`), the finished shards kept for a re-run.
-    `features_of`: each record's features as captured elsewhere (`engine_capture`), in place of the target's
-    forward; `engine`: what captured them, recorded in the manifest's computed_with. `verbose`: a line per record
-    (its tokens and feature statistics) above the progress bar."""
+    """Build (or resume) the cache `spec` describes of `completions` in `out`; returns its directory. A cache its
+    filesystem cannot hold is refused before any forward unless `force`. SIGTERM/SIGINT stop it after the record in
+    flight (`Interrupted`), the finished shards kept for a re-run. `captured`: the features as captured elsewhere.
+    `verbose`: a line per record (its tokens and feature statistics) above the progress bar."""
+    layer_ids, records_per_shard, topk = spec.layer_ids, spec.records_per_shard, spec.topk
+    features_of, engine = (captured.features_of, captured.engine) if captured is not None else (None, None)
     dist = dist or Dist()
     directory = Path(out)
-    dtype = resolve_dtype_flag(dtype, target.dtype)  # the settings hold the resolved dtype: a resume compares it
+    dtype = resolve_dtype_flag(spec.dtype, target.dtype)  # the settings hold the resolved dtype: a resume compares it
     target.set_context_layers(layer_ids)
-    records = completions.records[:num_records] if num_records is not None else completions.records
+    records = completions.records[: spec.num_records] if spec.num_records is not None else completions.records
     settings = {
         "target_fingerprint": target.fingerprint(),
         "layer_ids": list(layer_ids),
@@ -370,9 +392,8 @@ def _build_shards(
         with Progress(total=sum(len(shards[k]) for k in mine), desc=f"{dist.prefix()}cache", unit="record") as bar:
             for k in mine:
                 try:
-                    meta = _build_shard(
-                        target, directory, k, shards[k], settings, dist, bar, stop, features_of, verbose
-                    )
+                    run = _ShardRun(target, directory, settings, dist, bar, stop, features_of, verbose)
+                    meta = _build_shard(run, k, shards[k])
                 except DiskFullError as e:
                     rest = [r for j in mine[built:] for r in shards[j]]
                     e.then = (

@@ -3,12 +3,9 @@ field vLLM and SGLang read; `enable_thinking` on Qwen3.x), checked against the t
 template's hash; where a completion's reasoning segment ends; the mode mix of a set of records; and a prompt
 rendered by the serving engine set against flashdraft's own.
 
-Reasoning segments are found by the `<think>` ... `</think>` tokens of Qwen3.x and DeepSeek-R1 (the start and end
-tokens of vLLM's qwen3 and deepseek_r1 reasoning parsers), where the tokenizer has both as single tokens. A
-completion is in its reasoning from its first token when the rendered prompt leaves a think block open (the
-generation prompt of a thinking template) or when it opens one itself; its reasoning ends at the first `</think>`
-it generates (that token included), or is "not closed" when it stops first. A template that writes an empty think
-block into the prompt (thinking off) leaves the completion all answer.
+Where a completion's reasoning segment is: `data/reasoning.py` (`<think>` ... `</think>`, gpt-oss's analysis
+channel, found in the text). A template that writes an empty think block into the prompt (thinking off) leaves the
+completion all answer.
 """
 
 from __future__ import annotations
@@ -16,13 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
+from flashdraft.data.reasoning import NOT_CLOSED, reasoning_tokens
 from flashdraft.errors import FlashdraftError
 
-REASONING_START, REASONING_END = "<think>", "</think>"
-NOT_CLOSED = "not closed"  # a completion that stopped inside its reasoning
 THINKING = "enable_thinking"
 # arguments flashdraft itself passes to apply_chat_template: a kwarg of the same name would silently replace them
 RESERVED = (
@@ -183,44 +178,6 @@ def resolve_mode(
 # -- reasoning segments --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ReasoningMarkers:
-    start_id: int
-    end_id: int
-
-
-def reasoning_markers(tokenizer) -> ReasoningMarkers | None:
-    """The think tokens' ids, where the tokenizer has both as single tokens (else no reasoning segments)."""
-    vocab = tokenizer.get_vocab()
-    if REASONING_START in vocab and REASONING_END in vocab:
-        return ReasoningMarkers(vocab[REASONING_START], vocab[REASONING_END])
-    return None
-
-
-def reasoning_end(
-    prompt_ids: list[int], completion_ids: list[int], markers: ReasoningMarkers | None
-) -> int | str | None:
-    """The index in `completion_ids` of the token that ends its reasoning (`</think>`), NOT_CLOSED when it stops
-    inside its reasoning, None when it has no reasoning segment."""
-    if markers is None:
-        return None
-    if markers.end_id in completion_ids:
-        return completion_ids.index(markers.end_id)
-    opened_in_prompt = _last(prompt_ids, markers.start_id) > _last(prompt_ids, markers.end_id)
-    return NOT_CLOSED if opened_in_prompt or markers.start_id in completion_ids else None
-
-
-def _last(ids: list[int], token: int) -> int:
-    return max((k for k, t in enumerate(ids) if t == token), default=-1)
-
-
-def reasoning_tokens(end: int | str | None, completion_length: int) -> int | None:
-    """How many of a completion's first tokens are its reasoning (None: no reasoning segment)."""
-    if end is None:
-        return None
-    return completion_length if end == NOT_CLOSED else int(end) + 1
-
-
 def check_reasoning_end(value: Any, completion_length: int) -> str | None:
     """Why a record's `reasoning_end` is unusable, or None."""
     if value is None or value == NOT_CLOSED:
@@ -323,11 +280,12 @@ def check_engine_render(
     kwargs: dict[str, Any],
     prompt_ids: list[int],
     tokenizer,
+    tools: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Refuse a prompt the engine renders otherwise than flashdraft: `messages` with `kwargs` as a chat client
-    sends them (none when `kwargs` is empty: the server's defaults apply), the engine's token ids against
-    `prompt_ids`, naming the record and the first differing token."""
-    served = client.tokenize_chat(messages, kwargs or None)
+    """Refuse a prompt the engine renders otherwise than flashdraft: `messages` with `kwargs` (and the row's
+    `tools`) as a chat client sends them (none when `kwargs` is empty: the server's defaults apply), the engine's
+    token ids against `prompt_ids`, naming the record and the first differing token."""
+    served = client.tokenize_chat(messages, kwargs or None, tools)
     if served == prompt_ids:
         return
     k = next(

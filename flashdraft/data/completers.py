@@ -14,8 +14,6 @@ import torch
 
 from flashdraft.data.chat_mode import (
     merged,
-    reasoning_end,
-    reasoning_markers,
     template_sha256,
 )
 from flashdraft.data.completions import CompletionRecord, GenerationSettings, record_seed
@@ -27,6 +25,7 @@ from flashdraft.data.prompts import (
     prompt_token_limit,
     render_conversation,
 )
+from flashdraft.data.reasoning import reasoning_end, reasoning_markers
 from flashdraft.decoding.serving_rules import NO_FILTERS, SamplingFilters, target_probs
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
@@ -122,7 +121,7 @@ def answer_turns(
             if len(p.turns) <= turn or p.id in dropped:
                 continue
             kwargs = merged(settings.chat_template_kwargs, p.chat_template_kwargs) if use_template else None
-            text = render_conversation(tok, p.conversation(answers[p.id]), use_template, kwargs)
+            text = render_conversation(tok, p.conversation(answers[p.id]), use_template, kwargs, p.tools)
             ids = encode_text(tok, text, use_template)
             if not ids:
                 raise FlashdraftError(
@@ -141,7 +140,7 @@ def answer_turns(
                 text = tok.decode(fitted)
                 truncated_from[p.record_id(turn)] = len(ids)
             elif check_render is not None and use_template:
-                check_render(p.record_id(turn), p.conversation(answers[p.id]), kwargs, fitted)
+                check_render(p.record_id(turn), p.conversation(answers[p.id]), kwargs, fitted, p.tools)
             active.append(p)
             texts.append(text)
             prompt_ids.append(fitted)
@@ -159,6 +158,7 @@ def answer_turns(
                     "chat_template_sha256": sha,
                     "chat_template_kwargs": merged(settings.chat_template_kwargs, p.chat_template_kwargs),
                     "reasoning_end": reasoning_end(ids, out, markers),
+                    "tools": p.tools,
                 }
             )
             records[p.id].append(

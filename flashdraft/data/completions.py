@@ -71,9 +71,17 @@ class CompletionRecord:
     chat_template_kwargs: dict[str, Any] | None = None  # {}: the template's defaults
     chat_template_sha256: str | None = None
     reasoning_end: int | str | None = None  # index of the completion's `</think>`, "not closed", None: no reasoning
+    tools: list[dict[str, Any]] | None = None  # the row's tool schemas, rendered with its messages
 
 
-OPTIONAL_FIELDS = ("prompt_truncated_from", "messages", "chat_template_kwargs", "chat_template_sha256", "reasoning_end")
+OPTIONAL_FIELDS = (
+    "prompt_truncated_from",
+    "messages",
+    "chat_template_kwargs",
+    "chat_template_sha256",
+    "reasoning_end",
+    "tools",
+)
 
 
 def record_json(record: CompletionRecord) -> str:

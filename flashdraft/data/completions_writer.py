@@ -21,6 +21,7 @@ from flashdraft.data.completers import answer_turns, local_completer, openai_com
 from flashdraft.data.completions import (
     FORMAT,
     RESUMABLE_CHANGES,
+    CompletionRecord,
     GenerationSettings,
     make_header,
     part_paths,
@@ -157,9 +158,11 @@ def generate_completions(
     with StopRequests("batch", dist.prefix()) as stop:
         answered = 0
         if mine:
-            answered = _answer_into_part(
-                target, mine, part, header, settings, complete, batch_size, dist, stop, long_prompts, check_render
-            )
+
+            def answer(batch: list[Prompt]) -> list[CompletionRecord]:
+                return answer_turns(target, batch, settings, complete, long_prompts, check_render)
+
+            answered = _answer_into_part(mine, part, header, answer, batch_size, dist, stop)
         note = describe_long_prompts(long_prompts, prompt_token_limit(target.context_length, settings.max_new_tokens))
         if note:
             print(f"{dist.prefix()}{note} (--long-prompts {settings.long_prompts})")
@@ -184,20 +187,17 @@ def generate_completions(
 
 
 def _answer_into_part(
-    target: TargetModel,
     mine: list[Prompt],
     part: Path,
     header: dict,
-    settings: GenerationSettings,
-    complete,
+    answer: Callable[[list[Prompt]], list[CompletionRecord]],
     batch_size: int,
     dist: Dist,
     stop: StopRequests,
-    long_prompts: dict[str, int],
-    check_render=None,
 ) -> int:
-    """Answer this rank's prompts batch by batch until done or a stop is requested, appending each batch's records
-    whole to its part file (after the header line, in a new file); returns how many prompts were answered."""
+    """Answer this rank's prompts (`answer`: a batch's records, turn by turn) batch by batch until done or a stop
+    is requested, appending each batch's records whole to its part file (after the header line, in a new file);
+    returns how many prompts were answered."""
     answered = 0
     _cut_incomplete_line(part)
     fd = os.open(part, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
@@ -209,7 +209,7 @@ def _answer_into_part(
                 if stop.requested:
                     break
                 batch = mine[start : start + batch_size]
-                records = answer_turns(target, batch, settings, complete, long_prompts, check_render)
+                records = answer(batch)
                 # a batch's records are appended whole or not at all: a full disk loses only them
                 append_whole(
                     fd,

@@ -23,16 +23,17 @@ import torch
 from safetensors.torch import load_file
 
 from flashdraft.data.cache import (
-    AUTO,
     CAPTURE_DIR,
     DEFAULT_TOLERANCE,
     DTYPE_NAMES,
     LOCK,
+    CacheSpec,
+    CapturedFeatures,
     build_cache,
     check_new_cache_directory,
     relative_error,
 )
-from flashdraft.data.cache_run import resolve_layer_ids
+from flashdraft.data.cache_run import CacheConfig, resolve_layer_ids
 from flashdraft.data.completions import CompletionRecord
 from flashdraft.errors import FlashdraftError
 from flashdraft.serving.engine import SCRIPTS, engine_env, engine_info, engine_python, last_error_line
@@ -300,66 +301,36 @@ def remove_capture(out: Path) -> None:
     shutil.rmtree(out / CAPTURE_DIR, ignore_errors=True)
 
 
-def run_engine_cache(
-    target_model: str,
-    completions: str,
-    out: str,
-    layers: list[int] | None = None,
-    draft_config: str | None = None,
-    num_prompts: int | None = None,
-    dtype: str = AUTO,
-    with_target_logits: int | None = None,
-    records_per_shard: int = 64,
-    allow_foreign: bool = False,
-    device: str | None = None,
-    target_dtype: str | None = None,
-    force: bool = False,
-    engine_python: str | None = None,
-    verify_share: float = VERIFY_SHARE,
-    tensor_parallel_size: int = 1,
-    enable_prefix_caching: bool = False,
-    verbose: bool = False,
-    log=print,
-) -> Path:
+def run_engine_cache(config: CacheConfig, log=print) -> Path:
     """`flashdraft cache --engine vllm`: the same verified cache as `flashdraft cache`, its states captured by the
     engine and checked against the target (which is loaded for that, on the CPU unless a GPU is free)."""
     from flashdraft.data.completions import load_completions
     from flashdraft.distributed import load_dtype
     from flashdraft.files import OutputLock
 
-    if with_target_logits:
+    c = config
+    if c.with_target_logits:
         raise FlashdraftError(
-            f"--with-target-logits {with_target_logits} with --engine: the engine captures hidden "
+            f"--with-target-logits {c.with_target_logits} with --engine: the engine captures hidden "
             f"states only; cache the logits without --engine (the transformers forward)"
         )
-    settings = EngineSettings(tensor_parallel_size, enable_prefix_caching)
-    check_new_cache_directory(Path(out))  # before the engine writes its states into it
-    lock = OutputLock(Path(out) / LOCK, Path(out), "flashdraft cache")
+    settings = EngineSettings(c.tensor_parallel_size, c.enable_prefix_caching)
+    check_new_cache_directory(Path(c.out))  # before the engine writes its states into it
+    lock = OutputLock(Path(c.out) / LOCK, Path(c.out), "flashdraft cache")
     try:
         # the verifying forward runs beside the engine's memory, not in it: on the CPU unless told otherwise
-        dev = torch.device(device or "cpu")
-        target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))
-        layer_ids = resolve_layer_ids(target, layers, draft_config)
-        loaded = load_completions(completions, target, allow_foreign=allow_foreign)
-        records = loaded.records[:num_prompts] if num_prompts is not None else loaded.records
+        dev = torch.device(c.device or "cpu")
+        target = TargetModel.load(c.target_model, dev, load_dtype(dev, c.target_dtype))
+        layer_ids = resolve_layer_ids(target, c.layers, c.draft_config)
+        loaded = load_completions(c.completions, target, allow_foreign=c.allow_foreign)
+        records = loaded.records[: c.num_prompts] if c.num_prompts is not None else loaded.records
         features_of, engine = capture_features(
-            target, records, Path(out), layer_ids, engine_python, settings, verify_share, log
+            target, records, Path(c.out), layer_ids, c.engine_python, settings, c.verify_share, log
         )
-        directory = build_cache(
-            target,
-            loaded,
-            out,
-            layer_ids,
-            dtype,
-            records_per_shard,
-            0,
-            num_prompts,
-            force=force,
-            features_of=features_of,
-            engine=engine,
-            verbose=verbose,
-        )
-        remove_capture(Path(out))
+        spec = CacheSpec(layer_ids, c.dtype, c.records_per_shard, 0, c.num_prompts)
+        captured = CapturedFeatures(features_of, engine)
+        directory = build_cache(target, loaded, c.out, spec, force=c.force, captured=captured, verbose=c.verbose)
+        remove_capture(Path(c.out))
     finally:
         lock.release()
     return directory

@@ -18,7 +18,8 @@ from flashdraft.data.chat_mode import check_engine_render, describe_mix, resolve
 from flashdraft.data.completions import GenerationSettings
 from flashdraft.data.completions_writer import generate_completions
 from flashdraft.data.openai_client import OpenAIClient
-from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, load_prompts
+from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, ignored_tools_note, load_prompts
+from flashdraft.data.reasoning import unknown_reasoning_note
 from flashdraft.decoding.serving_rules import (
     NO_FILTERS,
     SamplingFilters,
@@ -153,8 +154,9 @@ def _engine_render_check(server, client: OpenAIClient, target: TargetModel):
     """The check each prompt gets with an engine: rendered by it as its chat clients' requests are, equal to
     flashdraft's (`chat_mode.check_engine_render`)."""
 
-    def check(record_id: str, messages: list, kwargs: dict, ids: list[int]) -> None:
-        check_engine_render(client, server.info.describe(), record_id, messages, kwargs, ids, target.tokenizer)
+    def check(record_id: str, messages: list, kwargs: dict, ids: list[int], tools: list | None = None) -> None:
+        engine = server.info.describe()
+        check_engine_render(client, engine, record_id, messages, kwargs, ids, target.tokenizer, tools)
 
     return check
 
@@ -215,6 +217,10 @@ def run_generate(config: GenerateConfig) -> Path:
         kwargs = resolve_mode(
             target.tokenizer, use_template, c.chat_template_kwargs, c.enable_thinking, prompt_list, say
         )
+        if use_template and unknown_reasoning_note(target.tokenizer):
+            say(f"note: {unknown_reasoning_note(target.tokenizer)}")
+        if use_template and ignored_tools_note(target.tokenizer, prompt_list, kwargs):
+            say(f"note: {ignored_tools_note(target.tokenizer, prompt_list, kwargs)}")
         server = _start_engine(c.engine, c.engine_python, target, Path(c.out), c.target_dtype) if c.engine else None
         backend, base_url = c.backend, c.base_url
         if server is not None:

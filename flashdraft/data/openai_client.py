@@ -58,12 +58,17 @@ class OpenAIClient:
             raise FlashdraftError(f"{self.base}/completions: the answer has no choices")
         return choices[0]
 
-    def tokenize_chat(self, messages: list[dict[str, str]], chat_template_kwargs: dict | None = None) -> list[int]:
+    def tokenize_chat(
+        self, messages: list[dict], chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
+    ) -> list[int]:
         """The token ids the server renders `messages` to for a chat client: vLLM's /tokenize with the generation
-        prompt, `chat_template_kwargs` over the server's --default-chat-template-kwargs (none sent: its defaults)."""
+        prompt, `chat_template_kwargs` over the server's --default-chat-template-kwargs (none sent: its defaults),
+        and the request's `tools`."""
         body = {"model": self.model, "messages": messages, "add_generation_prompt": True}
         if chat_template_kwargs:
             body["chat_template_kwargs"] = chat_template_kwargs
+        if tools:
+            body["tools"] = tools
         tokens = self._request("/tokenize", body, root=True).get("tokens")
         if not (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)):
             raise FlashdraftError(f"{self.base.removesuffix('/v1')}/tokenize: the answer has no token ids ('tokens')")

@@ -9,7 +9,16 @@ answer. The three row formats map onto it:
 - `messages`: chat messages ({role, content}); the last user message is the turn to
   answer and the ones before are the prefix; a trailing assistant reply is the answer the
   target regenerates, so it is removed (and counted in the summary);
-- `turns`: a list of user turns (the public DFlash benchmark files), answered in order.
+- `turns`: a list of user turns (the public DFlash benchmark files), answered in order;
+- `conversations` (ShareGPT and the peers' prepared files): `{from, value}` messages with `human`, `gpt`,
+  `system`, `tool` (and their kin, `ROLE_NAMES`), or `{role, content}` ones: read as `messages`.
+
+A row may carry `tools` (OpenAI function schemas) and messages with `tool_calls` and the `tool` role: they reach
+the chat template as transformers' `apply_chat_template(messages, tools=...)` passes them, and as vLLM renders a
+chat request with `tools`. A conversation with tool calls or tool results is an agent trace: each assistant turn
+in it is a prompt of its own (`ID/stepK`), the messages before it as the data has them (the tools' results come
+from the data, the target never invents one), so the target writes every assistant turn and the loss covers only
+what it wrote.
 
 The tokenizer's chat template is applied where the target has one; without one (a plain
 code LM such as the built-in target) the text is used as is and a conversation is
@@ -39,26 +48,44 @@ BUILTIN_SPECS = [
     "builtin:long:heldout[:N]",
 ]
 ROLES = ("system", "user", "assistant", "tool", "developer")
+# ShareGPT's `from` names (and the peers' kin) mapped to chat roles
+ROLE_NAMES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
 
 
 @dataclass
 class Prompt:
     id: str
-    turns: list[str]  # user turns, answered in order; one completion record per turn
-    prefix: list[dict[str, str]] = field(default_factory=list)  # chat messages before the first turn
+    turns: list[str | dict]  # user turns (or a whole message: an agent step's), answered in order; a record each
+    prefix: list[dict[str, Any]] = field(default_factory=list)  # chat messages before the first turn
     chat_template_kwargs: dict[str, Any] | None = None  # the row's own (over the run's): e.g. its thinking mode
+    tools: list[dict[str, Any]] | None = None  # OpenAI function schemas the template renders
 
-    def conversation(self, answers: list[str]) -> list[dict[str, str]]:
-        """Messages up to and including the user turn after `answers` (earlier replies)."""
+    def conversation(self, answers: list[str]) -> list[dict[str, Any]]:
+        """Messages up to and including the turn after `answers` (earlier replies)."""
         messages = list(self.prefix)
         for turn, answer in zip(self.turns, answers, strict=False):
-            messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
-        messages.append({"role": "user", "content": self.turns[len(answers)]})
+            messages += [_as_message(turn), {"role": "assistant", "content": answer}]
+        messages.append(_as_message(self.turns[len(answers)]))
         return messages
 
     def record_id(self, turn: int) -> str:
         """The completion record id of one turn: the prompt id, suffixed for multi-turn prompts."""
         return self.id if len(self.turns) == 1 else f"{self.id}/turn{turn + 1}"
+
+
+def _as_message(turn: str | dict) -> dict[str, Any]:
+    return turn if isinstance(turn, dict) else {"role": "user", "content": turn}
 
 
 # -- reading ----------------------------------------------------------------------------
@@ -91,11 +118,13 @@ def load_prompts(spec: str, num_prompts: int | None = None, quiet: bool = False)
     prompts: list[Prompt] = []
     seen: dict[str, str] = {}
     for index, (loc, row) in enumerate(rows):
-        prompt = _parse_row(row, loc, index, stats)
-        if prompt.id in seen:
-            raise FlashdraftError(f"{loc}: id {prompt.id!r} repeats the id of {seen[prompt.id]}; ids must be unique")
-        seen[prompt.id] = loc
-        prompts.append(prompt)
+        for prompt in _parse_row(row, loc, index, stats):
+            if prompt.id in seen:
+                raise FlashdraftError(
+                    f"{loc}: id {prompt.id!r} repeats the id of {seen[prompt.id]}; ids must be unique"
+                )
+            seen[prompt.id] = loc
+            prompts.append(prompt)
     if not prompts:
         raise FlashdraftError(f"{source}: no prompts found")
     total = len(prompts)
@@ -187,45 +216,96 @@ def _read_dataset(path: Path):
         yield f"{path} row {index}", row
 
 
-def _parse_row(row: dict[str, Any], loc: str, index: int, stats: dict[str, int]) -> Prompt:
-    prompt = _parse_turns(row, loc, index, stats)
-    prompt.chat_template_kwargs = parse_kwargs(row.get("chat_template_kwargs"), f"{loc}: field 'chat_template_kwargs'")
-    return prompt
+def _parse_row(row: dict[str, Any], loc: str, index: int, stats: dict[str, int]) -> list[Prompt]:
+    """The prompts of one row: one, or one per assistant step of an agent trace."""
+    kwargs = parse_kwargs(row.get("chat_template_kwargs"), f"{loc}: field 'chat_template_kwargs'")
+    tools = _tools(row.get("tools"), loc)
+    prompts = _parse_turns(row, loc, index, stats)
+    for prompt in prompts:
+        prompt.chat_template_kwargs, prompt.tools = kwargs, tools
+    return prompts
 
 
-def _parse_turns(row: dict[str, Any], loc: str, index: int, stats: dict[str, int]) -> Prompt:
+def _tools(tools: Any, loc: str) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if isinstance(tools, str):  # datasets files often store them as JSON text
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise FlashdraftError(f"{loc}: field 'tools' is not valid JSON ({e.msg}); expected a list") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise FlashdraftError(f"{loc}: field 'tools' is {str(tools)[:80]}; expected a list of function schemas")
+    return tools or None
+
+
+def _parse_turns(row: dict[str, Any], loc: str, index: int, stats: dict[str, int]) -> list[Prompt]:
     raw_id = row.get("id", row.get("question_id"))
     pid = str(raw_id) if raw_id is not None else f"p{index:06d}"
     if row.get("prompt") is not None:
         text = row["prompt"]
         if not isinstance(text, str) or not text:
             raise FlashdraftError(f"{loc}: field 'prompt' is {text!r}; expected a non-empty string")
-        return Prompt(pid, [text])
+        return [Prompt(pid, [text])]
     if row.get("turns") is not None:
         turns = row["turns"]
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
             raise FlashdraftError(f"{loc}: field 'turns' is {str(turns)[:80]}; expected a list of non-empty strings")
-        return Prompt(pid, list(turns))
-    if row.get("messages") is not None:
-        messages = row["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise FlashdraftError(f"{loc}: field 'messages' is {str(messages)[:80]}; expected a list of messages")
-        for k, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise FlashdraftError(
-                    f"{loc}: messages[{k}] is {str(m)[:80]}; expected {{'role': one of {'/'.join(ROLES)}, "
-                    f"'content': a string}}"
-                )
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        if messages[-1]["role"] == "assistant":
-            messages = messages[:-1]
-            stats["trailing_assistant_removed"] += 1
-        if not messages or messages[-1]["role"] != "user":
-            raise FlashdraftError(f"{loc}: field 'messages' has no user message to answer at its end")
-        return Prompt(pid, [messages[-1]["content"]], prefix=messages[:-1])
+        return [Prompt(pid, list(turns))]
+    for name in ("messages", "conversations"):
+        if row.get(name) is not None:
+            messages = _messages(row[name], loc, name)
+            return _message_prompts(messages, pid, f"{loc}: field '{name}'", stats)
     raise FlashdraftError(
-        f"{loc}: no 'prompt', 'messages' or 'turns' field (found {sorted(row)}); expected one of them"
+        f"{loc}: no 'prompt', 'messages', 'conversations' or 'turns' field (found {sorted(row)}); expected one of them"
     )
+
+
+def _messages(raw: Any, loc: str, name: str) -> list[dict[str, Any]]:
+    """Chat messages of a `messages` or `conversations` field: {role, content} or ShareGPT's {from, value}."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(raw, list) or not raw:
+        raise FlashdraftError(f"{loc}: field '{name}' is {str(raw)[:80]}; expected a list of messages")
+    messages = []
+    for k, m in enumerate(raw):
+        if isinstance(m, dict) and "from" in m and "role" not in m:
+            m = {"role": ROLE_NAMES.get(str(m["from"]).lower(), m["from"]), "content": m.get("value")} | {
+                key: m[key] for key in MESSAGE_FIELDS[2:] if m.get(key) is not None
+            }
+        calls = isinstance(m, dict) and m.get("role") == "assistant" and bool(m.get("tool_calls"))
+        content_ok = isinstance(m, dict) and (isinstance(m.get("content"), str) or (calls and not m.get("content")))
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not content_ok:
+            raise FlashdraftError(
+                f"{loc}: {name}[{k}] is {str(m)[:80]}; expected {{'role': one of {'/'.join(ROLES)}, 'content': a "
+                f"string}} or {{'from': one of {'/'.join(ROLE_NAMES)}, 'value': a string}}"
+            )
+        messages.append(
+            {key: m[key] for key in MESSAGE_FIELDS if m.get(key) is not None} | {"content": m.get("content") or ""}
+        )
+    return messages
+
+
+def _message_prompts(messages: list[dict[str, Any]], pid: str, where: str, stats: dict[str, int]) -> list[Prompt]:
+    """A conversation's prompts: its last user message answered after the rest, or, in an agent trace (tool calls
+    or tool results), each assistant step answered after the data's messages before it."""
+    if _is_agent_trace(messages):
+        steps = [k for k in range(1, len(messages) + 1) if messages[k - 1]["role"] in ("user", "tool")]
+        steps = [k for k in steps if k == len(messages) or messages[k]["role"] == "assistant"]
+        return [Prompt(f"{pid}/step{n + 1}", [messages[k - 1]], prefix=messages[: k - 1]) for n, k in enumerate(steps)]
+    if messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+        stats["trailing_assistant_removed"] += 1
+    if not messages or messages[-1]["role"] != "user":
+        raise FlashdraftError(f"{where} has no user message to answer at its end")
+    return [Prompt(pid, [messages[-1]["content"]], prefix=messages[:-1])]
+
+
+def _is_agent_trace(messages: list[dict[str, Any]]) -> bool:
+    return any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
 
 
 # -- tokens -----------------------------------------------------------------------------
@@ -237,9 +317,10 @@ def has_chat_template(tokenizer) -> bool:
 
 def render_conversation(
     tokenizer,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     use_chat_template: bool,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The text the target sees before its reply: the chat template with the generation
     prompt and `chat_template_kwargs` (None: the template's defaults; earlier replies as the template renders
@@ -247,7 +328,7 @@ def render_conversation(
     prompt."""
     if use_chat_template:
         return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
+            messages, tools=tools, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
         )
     text = ""
     for m in messages:
@@ -256,6 +337,22 @@ def render_conversation(
         else:
             text += "\n\n" + m["content"]
     return text
+
+
+def ignored_tools_note(tokenizer, prompts: list[Prompt], kwargs: dict[str, Any] | None) -> str | None:
+    """One line where rows carry `tools` and the chat template renders the same prompt without them: the target
+    never sees the schemas the rows hold (a server given them would not either)."""
+    carrying = [p for p in prompts if p.tools]
+    if not carrying or not has_chat_template(tokenizer):
+        return None
+    first = carrying[0].conversation([])
+    with_tools = render_conversation(tokenizer, first, True, kwargs, carrying[0].tools)
+    if with_tools != render_conversation(tokenizer, first, True, kwargs):
+        return None
+    return (
+        f"the chat template ignores `tools`: {len(carrying)} of {len(prompts)} prompts carry tool schemas the target "
+        f"does not see (its template renders none); use the target's own template, which renders them"
+    )
 
 
 def encode_text(tokenizer, text: str, use_chat_template: bool) -> list[int]:

@@ -27,8 +27,10 @@ from flashdraft.decoding.proposers import (
     draw_drafts,
 )
 from flashdraft.decoding.serving_rules import (
+    GREEDY,
     NO_FILTERS,
     SamplingFilters,
+    SamplingParams,
     ServingRule,
     expected_committed,
     serving_rule,
@@ -98,12 +100,11 @@ def autoregressive_generate(
     target: TargetModel,
     prompt_ids: list[int],
     max_new_tokens: int,
-    temperature: float = 0.0,
+    sampling: SamplingParams = GREEDY,
     generator: torch.Generator | None = None,
-    filters: SamplingFilters = NO_FILTERS,
 ) -> GenerationResult:
     """Plain autoregressive decoding with the target's cache: one token per forward, the argmax at
-    temperature 0, else sampled from p after `filters` (`flashdraft.decoding.serving_rules.target_probs`)."""
+    temperature 0, else sampled from p after the filters (`flashdraft.decoding.serving_rules.target_probs`)."""
     stop_ids = set(target.stop_token_ids)
     cache = target.new_cache()
     ids = torch.tensor([prompt_ids], device=target.device)
@@ -112,7 +113,7 @@ def autoregressive_generate(
     while len(out) < max_new_tokens:
         start = _clock(target.device)
         logits = target.forward(ids, cache).logits_at(-1, None)[0, 0]
-        token = int(_sample(logits, temperature, generator, filters))
+        token = int(_sample(logits, sampling.temperature, generator, sampling.filters))
         if out:  # the first forward is the prefill, not a decoding step
             step_seconds.append(_clock(target.device) - start)
         out.append(token)
@@ -144,40 +145,50 @@ def _accept(
     return a, bonus, expected_committed(alpha, min(budget, stop_at))
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How each speculative step drafts and verifies: the block (None: the drafter's), the drafts it verifies
+    (`limit`: fewer, still lossless), the server's rule at T > 0 (`flashdraft.decoding.serving_rules`; None: vLLM's)
+    and the dtype the context features are rounded to before the drafter sees them (None: as computed)."""
+
+    block_size: int | None = None
+    limit: DraftLimit | None = None
+    rule: ServingRule | str | None = None
+    round_context_to: torch.dtype | None = None
+
+
 @torch.no_grad()
 def speculative_generate(
     target: TargetModel,
     drafter: DFlashDrafter | ProposerFactory | Proposer,
     prompt_ids: list[int],
     max_new_tokens: int,
-    temperature: float = 0.0,
-    block_size: int | None = None,
+    sampling: SamplingParams = GREEDY,
+    speculative: SpeculativeConfig = SpeculativeConfig(),
     generator: torch.Generator | None = None,
-    limit: DraftLimit | None = None,
-    round_context_to: torch.dtype | None = None,
-    filters: SamplingFilters = NO_FILTERS,
-    rule: ServingRule | str | None = None,
 ) -> GenerationResult:
     """Generate with drafter + target; returns the tokens, each step's committed count and the
     time spent drafting and verifying.
 
-    `drafter` is a DFlash drafter, a `ProposerFactory` (the hybrid) or any `Proposer`; `limit`
+    `drafter` is a DFlash drafter, a `ProposerFactory` (the hybrid) or any `Proposer`; `speculative.limit`
     cuts each step's drafts (fewer verified tokens, still lossless). The first token comes from
     the prefill, as in plain decoding; every later token comes from a speculative step. A step
     commits min(a + 1, tokens still allowed), cut after a stop token, so the acceptance
     lengths add up to len(output_ids) - 1.
 
-    `round_context_to`: the target's context features are rounded to this dtype (and cast
+    `speculative.round_context_to`: the target's context features are rounded to this dtype (and cast
     back) before the proposer sees them, as a hidden-state cache in that dtype stores them;
     `eval --check-consistency` against such a cache uses it to compare the same features.
     None (real decoding): the features as the target computed them.
 
-    At temperature > 0, `rule` (`flashdraft.decoding.serving_rules`; default vLLM's) decides how drafts are drawn and
-    verified, and `filters` (top-k, top-p, min-p: those the rule's server applies) shape the target's p.
+    At temperature > 0, `speculative.rule` decides how drafts are drawn and verified, and the sampling's filters
+    (top-k, top-p, min-p: those the rule's server applies) shape the target's p.
     """
-    block = block_size or default_block_size(drafter)
-    rule = serving_rule(rule)
-    proposer = as_proposer(drafter, target, limit, rule=rule)
+    block = speculative.block_size or default_block_size(drafter)
+    rule = serving_rule(speculative.rule)
+    round_context_to = speculative.round_context_to
+    temperature, filters = sampling.temperature, sampling.filters
+    proposer = as_proposer(drafter, target, speculative.limit, rule=rule)
     if block < 2:
         raise ValueError(f"block_size {block} < 2")
     target.set_context_layers(proposer.context_layer_ids)
@@ -263,7 +274,9 @@ def compare_with_greedy(
     """Greedy speculative decoding of `prompt_ids` beside plain greedy decoding, each timed: the
     two outputs must be the same tokens."""
     t0 = time.perf_counter()
-    spec = speculative_generate(target, drafter, prompt_ids, max_new_tokens, block_size=block_size)
+    spec = speculative_generate(
+        target, drafter, prompt_ids, max_new_tokens, speculative=SpeculativeConfig(block_size=block_size)
+    )
     t_spec = time.perf_counter() - t0
     t0 = time.perf_counter()
     plain = autoregressive_generate(target, prompt_ids, max_new_tokens)

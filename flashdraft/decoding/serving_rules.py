@@ -115,6 +115,23 @@ class SamplingFilters:
 
 
 NO_FILTERS = SamplingFilters()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """A request's sampling, as vLLM's `SamplingParams` holds it: the temperature (0: greedy), the filters of the
+    target's p (`SamplingFilters`: top-k, top-p, min-p) and the seed each record's draws start from."""
+
+    temperature: float = 0.0
+    filters: SamplingFilters = NO_FILTERS
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+GREEDY = SamplingParams()
 GENERATION_CONFIG_FIELDS = ("top_k", "top_p", "min_p")
 
 

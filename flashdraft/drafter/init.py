@@ -3,7 +3,7 @@ drafter's backbone (`flashdraft init`)."""
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,15 @@ def parse_layer_types(value: str) -> list[str]:
     return [LAYER_TYPE_NAMES[x] for x in names]
 
 
+def _drafter_head_dim(tc) -> int:
+    """A fresh drafter's head_dim: the target's. MLA targets (DeepSeek-V3, GLM-4.7-Flash) have no single one (their
+    config's head_dim is the RoPE part of a query, 64 of 192 in DeepSeek-V3): their value heads' width (128 there),
+    a width every attention kernel serves."""
+    if getattr(tc, "kv_lora_rank", None):
+        return tc.v_head_dim
+    return getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+
+
 def _target_fields(target: TargetModel) -> dict:
     """What a fresh drafter copies from the target (no --config)."""
     tc = target.config
@@ -67,11 +76,11 @@ def _target_fields(target: TargetModel) -> dict:
         hidden_size=tc.hidden_size,
         num_attention_heads=heads,
         num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        head_dim=_drafter_head_dim(tc),
         intermediate_size=tc.intermediate_size,
         vocab_size=target.vocab_size,
         num_target_layers=target.num_layers,
-        rms_norm_eps=tc.rms_norm_eps,
+        rms_norm_eps=getattr(tc, "rms_norm_eps", None) or getattr(tc, "layer_norm_epsilon", None) or 1e-6,
         rope_theta=target_theta(tc),
         max_position_embeddings=tc.max_position_embeddings,
         layer_types=[],
@@ -171,53 +180,63 @@ def _mask_token(given: int | None, from_config: int | None, target: TargetModel)
     return given
 
 
+@dataclass(frozen=True)
+class DrafterChoices:
+    """What is chosen of a new drafter (`flashdraft init`'s flags); each None: the base config's, else the target's
+    (1 full-attention layer, the target's heads and sizes). `shape` holds overrides of SHAPE_FIELDS;
+    `layer_types` is one type for all layers or one per layer (it sets the layer count when `num_layers` is None).
+    `family` is "dflash", "dflash2" or "dspark" (default: the base config's, else dflash); `dflash2` overrides
+    DFlash2's module sizes (DFLASH2_FIELDS; defaults: the base config's, else the published checkpoint's);
+    `dspark` DSpark's (markov_rank, confidence_head, confidence_head_with_markov; defaults: the base config's,
+    else rank 256 and a confidence head with the Markov input)."""
+
+    num_layers: int | None = None
+    block_size: int | None = None
+    mask_token_id: int | None = None
+    target_layer_ids: list[int] | None = None
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    shape: dict | None = None
+    family: str | None = None
+    dflash2: dict | None = None
+    dspark: dict | None = None
+
+
+DEFAULT_CHOICES = DrafterChoices()
+
+
 def new_drafter_for_target(
     target: TargetModel,
-    num_layers: int | None = None,
-    block_size: int | None = None,
-    mask_token_id: int | None = None,
-    target_layer_ids: list[int] | None = None,
+    choices: DrafterChoices = DEFAULT_CHOICES,
     seed: int = 0,
-    *,
-    layer_types: list[str] | None = None,
-    sliding_window: int | None = None,
-    is_causal: bool | None = None,
-    shape: dict | None = None,
     base: DrafterConfig | None = None,
     base_source: str = "--config",
-    family: str | None = None,
-    dflash2: dict | None = None,
-    dspark: dict | None = None,
 ) -> DFlashDrafter:
-    """A fresh drafter for `target`. Its fields come from `base` (a published drafter config,
-    `init --config`, checked against the target) where given, else from the target (as before:
-    1 full-attention layer, the target's heads and sizes); every argument that is not None
-    overrides them. `shape` holds overrides of SHAPE_FIELDS; `layer_types` is one type for all
-    layers or one per layer (it sets the layer count when `num_layers` is None). `family` is "dflash" or
-    "dflash2" (default: the --config's, else dflash); `dflash2` overrides DFlash2's module sizes
-    (DFLASH2_FIELDS, defaults: the --config's, else the published checkpoint's); `dspark` DSpark's (markov_rank,
-    confidence_head, confidence_head_with_markov; defaults: the --config's, else rank 256 and a confidence head
-    with the Markov input)."""
+    """A fresh drafter for `target`, as `choices` says. Its fields come from `base` (a published drafter config,
+    `init --config`, checked against the target) where given, else from the target; every choice that is not None
+    overrides them."""
+    c = choices
     fields_ = _config_fields(base, base_source, target) if base is not None else _target_fields(target)
-    _set_family(fields_, family, dflash2 or {}, dspark or {})
+    _set_family(fields_, c.family, c.dflash2 or {}, c.dspark or {})
     source = f"{base_source} with the init flags" if base is not None else "flashdraft init"
-    n, types, window = _layers(num_layers, layer_types, sliding_window, fields_, base_source)
-    mask_token_id = _mask_token(mask_token_id, fields_["mask_token_id"], target)
-    block_size = block_size or fields_["block_size"] or FAMILIES[fields_["family"]].default_block_size
+    n, types, window = _layers(c.num_layers, c.layer_types, c.sliding_window, fields_, base_source)
+    mask_token_id = _mask_token(c.mask_token_id, fields_["mask_token_id"], target)
+    block_size = c.block_size or fields_["block_size"] or FAMILIES[fields_["family"]].default_block_size
     if block_size < 2:
         raise FlashdraftError(f"--block-size {block_size}: expected at least 2 (the anchor plus one draft)")
-    if target_layer_ids is not None and not strictly_increasing(target_layer_ids):
+    if c.target_layer_ids is not None and not strictly_increasing(c.target_layer_ids):
         raise FlashdraftError(
-            f"--target-layer-ids {','.join(map(str, target_layer_ids))}: expected {LAYER_ORDER_RULE} "
-            f"(e.g. {','.join(map(str, sorted(set(target_layer_ids))))})"
+            f"--target-layer-ids {','.join(map(str, c.target_layer_ids))}: expected {LAYER_ORDER_RULE} "
+            f"(e.g. {','.join(map(str, sorted(set(c.target_layer_ids))))})"
         )
-    ids = target_layer_ids or fields_["target_layer_ids"] or default_target_layer_ids(target.num_layers, n)
+    ids = c.target_layer_ids or fields_["target_layer_ids"] or default_target_layer_ids(target.num_layers, n)
     if target.num_layers - 1 in ids:
         raise FlashdraftError(
             f"target_layer_ids {ids} include the target's final layer {target.num_layers - 1}, whose output "
             f"produces the labels: the drafter would be fed the answer"
         )
-    fields_.update({k: v for k, v in (shape or {}).items() if v is not None})
+    fields_.update({k: v for k, v in (c.shape or {}).items() if v is not None})
     fields_.update(
         num_hidden_layers=n,
         layer_types=types,
@@ -226,8 +245,8 @@ def new_drafter_for_target(
         target_layer_ids=list(ids),
         mask_token_id=mask_token_id,
     )
-    if is_causal is not None:
-        fields_["is_causal"] = is_causal
+    if c.is_causal is not None:
+        fields_["is_causal"] = c.is_causal
     try:
         cfg = DrafterConfig(**fields_)
     except FlashdraftError as e:  # a flag made the config invalid: name where the fields came from
@@ -348,18 +367,18 @@ def copy_target_layers(drafter: DFlashDrafter, target, layer_ids: list[int]) -> 
 def init_drafter(
     target_model: str,
     out: str | Path,
+    choices: DrafterChoices,
     *,
     config: str | Path | None = None,
     layers_from_target: list[int] | None = None,
-    **options: Any,
+    seed: int = 0,
 ) -> tuple[DFlashDrafter, TargetHead]:
-    """`flashdraft init`: a fresh drafter for `target_model` written to `out`, and the target's head it was
-    shaped from. `config`: a drafter config to start from (read before the target, so a broken one costs no
-    model load); `layers_from_target`: target layers to start the drafter's layers from; `options`: those of
-    `new_drafter_for_target`."""
+    """`flashdraft init`: a fresh drafter for `target_model` as `choices` says, written to `out`, and the target's
+    head it was shaped from. `config`: a drafter config to start from (read before the target, so a broken one costs
+    no model load); `layers_from_target`: target layers to start the drafter's layers from."""
     base = DrafterConfig.load(drafter_config_path(config)) if config else None
     target = TargetHead.load(target_model)  # shapes, tokenizer and final norm (decoder layers only if copied)
-    drafter = new_drafter_for_target(target, base=base, base_source=str(config), **options)
+    drafter = new_drafter_for_target(target, choices, seed, base, str(config))
     if layers_from_target:
         copy_target_layers(drafter, target, layers_from_target)
     save_drafter(drafter, out)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from flashdraft.data.completions import record_seed
-from flashdraft.decoding.serving_rules import request_filters, serving_rule
+from flashdraft.decoding.serving_rules import SamplingParams, request_filters, serving_rule
 from flashdraft.decoding.target_samples import greedy_agreement, sampling_fidelity
 from flashdraft.drafter.checkpoint import check_drafter_matches_target
 from flashdraft.drafter.families import drafts_per_block
@@ -28,7 +28,7 @@ from flashdraft.drafter.run_dir import load_any_drafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.evaluation.bench_figures import concurrency_figures, first_difference
 from flashdraft.evaluation.modes import evaluated_mode
-from flashdraft.evaluation.offline import evaluate_offline
+from flashdraft.evaluation.offline import WalkConfig, evaluate_offline
 from flashdraft.evaluation.records import EvalRecord, FeatureSource, Log, fit_prompts, load_eval_records
 from flashdraft.evaluation.served import ENGINE_RULE, check_servable
 from flashdraft.progress import Progress
@@ -271,11 +271,11 @@ def _flashdraft_tau(
         target,
         records,
         FeatureSource(target),
-        drafter.config.block_size,
-        rule=ENGINE_RULE,
-        temperature=cfg.temperature,
-        filters=filters,
-        seed=cfg.seed,
+        walk=WalkConfig(
+            block_size=drafter.config.block_size,
+            rule=ENGINE_RULE,
+            sampling=SamplingParams(temperature=cfg.temperature, filters=filters, seed=cfg.seed),
+        ),
     )
     return result.tau
 

@@ -15,9 +15,14 @@ from flashdraft.data.chat_mode import (
     describe_mix,
     mode_difference,
     mode_mix,
+)
+from flashdraft.data.reasoning import (
     reasoning_end,
     reasoning_markers,
     reasoning_tokens,
+    tool_call_markers,
+    tool_call_tokens,
+    unknown_reasoning_note,
 )
 from flashdraft.evaluation.records import EvalRecord
 from flashdraft.evaluation.results import EvalResult
@@ -31,26 +36,27 @@ def walked_completion(result: EvalResult, record: EvalRecord, index: int) -> lis
 
 
 def by_segment(result: EvalResult, records: list[EvalRecord], tokenizer) -> dict[str, Any] | None:
-    """τ, steps, tokens and token share of the reasoning and the answer segments (None: no record has one)."""
-    markers = reasoning_markers(tokenizer)
-    if markers is None:
-        return None
-    segments = {"reasoning": [0, 0], "answer": [0, 0]}  # [steps, tokens committed]
+    """τ, steps, tokens and token share of the reasoning, the tool-call and the answer segments (None: no record has
+    a reasoning segment or a tool call). A step belongs to the segment of the first token it commits; tool calls are
+    found where the template's markers are known, said where they are not and the records carry tools."""
+    markers, calls = reasoning_markers(tokenizer), tool_call_markers(tokenizer)
+    segments = {"reasoning": [0, 0], "tool_call": [0, 0], "answer": [0, 0]}  # [steps, tokens committed]
     found = False
     for k, (record, walked) in enumerate(zip(records, result.per_prompt, strict=True)):
         completion = walked_completion(result, record, k)
         reasoning = reasoning_tokens(reasoning_end(record.prompt_ids, completion, markers), len(completion))
-        found |= reasoning is not None
+        in_call = tool_call_tokens(completion, calls) if calls is not None else set()
+        found |= reasoning is not None or bool(in_call)
         start = 0
         for n in walked.acceptance_lengths:
-            figures = segments["reasoning" if start < (reasoning or 0) else "answer"]
-            figures[0] += 1
-            figures[1] += n
+            name = "tool_call" if start in in_call else "reasoning" if start < (reasoning or 0) else "answer"
+            segments[name][0] += 1
+            segments[name][1] += n
             start += n
     if not found:
         return None
     total = sum(tokens for _, tokens in segments.values())
-    return {
+    figures: dict[str, Any] = {
         name: {
             "tau": tokens / steps if steps else None,
             "steps": steps,
@@ -59,6 +65,11 @@ def by_segment(result: EvalResult, records: list[EvalRecord], tokenizer) -> dict
         }
         for name, (steps, tokens) in segments.items()
     }
+    if calls is None:
+        del figures["tool_call"]
+        if any(r.tools for r in records):
+            figures["tool_call_note"] = "the chat template's tool-call markers are unknown: tool calls not told apart"
+    return figures
 
 
 def evaluated_mode(records: list[EvalRecord], tokenizer) -> dict[str, Any] | None:
@@ -89,6 +100,8 @@ def mode_figures(drafter, records: list[EvalRecord], tokenizer, log) -> dict[str
     evaluated, trained = evaluated_mode(records, tokenizer), trained_mode(drafter)
     if evaluated is not None:
         log(f"chat mode of the records: {describe_mix(evaluated)}")
+        if unknown_reasoning_note(tokenizer):
+            log(f"note: {unknown_reasoning_note(tokenizer)}")
     note = mode_difference(trained, evaluated)
     if note:
         log(f"warning: {note}")
@@ -101,6 +114,9 @@ def segment_line(segments: dict[str, Any] | None) -> str | None:
         return None
     parts = []
     for name, s in segments.items():
+        if not isinstance(s, dict):
+            parts.append(s)  # a note: tool calls not told apart
+            continue
         tau = "-" if s["tau"] is None else f"{s['tau']:.3f}"
         share = "-" if s["token_share"] is None else f"{s['token_share']:.0%}"
         parts.append(f"{name} τ {tau} over {s['steps']} steps ({share} of the tokens)")

@@ -26,11 +26,12 @@ feed the drafter).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from flashdraft.decoding.acceptance import committed_length, tau_of
+from flashdraft.decoding.generate import SpeculativeConfig
 from flashdraft.decoding.proposers import (
     BatchProposer,
     DraftLimit,
@@ -40,7 +41,7 @@ from flashdraft.decoding.proposers import (
     confident_prefix,
     default_block_size,
 )
-from flashdraft.decoding.serving_rules import NO_FILTERS, SamplingFilters, ServingRule, serving_rule
+from flashdraft.decoding.serving_rules import GREEDY, SamplingParams, ServingRule, serving_rule
 from flashdraft.decoding.target_samples import target_probs_along
 from flashdraft.drafter.families import drafts_per_block, family_of
 from flashdraft.drafter.model import DFlashDrafter
@@ -140,7 +141,8 @@ def offline_acceptance_lengths(
     proposer's layers (None when it wants none). A proposer with state (a cache) must be a
     fresh one per completion. `anchors_per_call` caps how many anchors a `BatchProposer`
     drafts per call (default: its own choice); the lengths do not depend on it. `sampling`: the walk of a
-    sampled completion at T > 0 (`OfflineSampling.step`); None: greedy."""
+    sampled completion at T > 0 (`OfflineSampling.step`); None: greedy. More than 8 parameters because it is the
+    walk's one primitive, called with the pieces each caller holds (evaluation, the hybrid, benchmarks, tests)."""
     p, m = len(prompt_ids), len(completion_ids)
     tokens = prompt_ids + completion_ids
     completion = torch.tensor(completion_ids, device=device)
@@ -198,6 +200,31 @@ def draft_anchors(
 # -- offline τ of records ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class WalkConfig:
+    """How records are walked, offline and online alike: the block (None: the drafter's), at most `max_blocks` steps
+    per record (None: all), the drafts verified (`limit`; `use_selector` False: a DFlash2 drafter's unary argmax
+    path), the server's rule drafting and verifying at T > 0, the request's sampling (seeded per record), the
+    buckets of `EvalResult.by_context`, and (online) the dtype live context features are rounded to."""
+
+    block_size: int | None = None
+    max_blocks: int | None = None
+    limit: DraftLimit | None = None
+    use_selector: bool = True
+    rule: ServingRule | str | None = None
+    sampling: SamplingParams = GREEDY
+    context_edges: list[int] | None = None
+    round_context_to: torch.dtype | None = None
+
+    @property
+    def speculative(self) -> SpeculativeConfig:
+        """What each live step drafts and verifies."""
+        return SpeculativeConfig(self.block_size, self.limit, self.rule, self.round_context_to)
+
+
+DEFAULT_WALK = WalkConfig()  # the whole of each record, greedy, as vLLM serves the drafter
+
+
 def drafter_shape(
     drafter: DFlashDrafter | ProposerFactory | Proposer, block_size: int | None
 ) -> tuple[int, list[int], int | None]:
@@ -216,41 +243,17 @@ def evaluate_offline(
     target: TargetModel,
     records: list[EvalRecord],
     features: FeatureSource | None = None,
-    block_size: int | None = None,
-    max_blocks: int | None = None,
-    limit: DraftLimit | None = None,
-    use_selector: bool = True,
-    rule: ServingRule | str | None = None,
-    temperature: float = 0.0,
-    filters: SamplingFilters = NO_FILTERS,
-    seed: int = 0,
-    context_edges: list[int] | None = None,
+    walk: WalkConfig = DEFAULT_WALK,
 ) -> EvalResult:
     """Offline τ of `drafter` (a DFlash drafter, the hybrid, or a stateless `Proposer` such as
-    the n-gram baseline) on `records`, each walked for at most `max_blocks` steps, verifying the
-    drafts `limit` keeps (`use_selector` False: a DFlash2 drafter's unary argmax path), drafted as `rule`'s server
-    reads the drafter. temperature > 0: the walk of sampled completions (module docstring), seeded per record.
-    `context_edges`: the buckets of `EvalResult.by_context`."""
-    b, layer_ids, context_layers = drafter_shape(drafter, block_size)
+    the n-gram baseline) on `records`, each walked as `walk` says, drafted as its rule's server reads the drafter.
+    At temperature > 0: the walk of sampled completions (module docstring), seeded per record."""
+    b, layer_ids, context_layers = drafter_shape(drafter, walk.block_size)
     features = features or FeatureSource(target)
-    rule = serving_rule(rule)
+    walk = replace(walk, block_size=b, rule=serving_rule(walk.rule))
     per_prompt = []
     for index, record in enumerate(records):
-        lengths, sampling = walk_record(
-            drafter,
-            target,
-            record,
-            index,
-            features,
-            b,
-            max_blocks,
-            limit,
-            use_selector,
-            rule,
-            temperature,
-            filters,
-            seed,
-        )
+        lengths, sampling = walk_record(drafter, target, record, index, features, walk)
         per_prompt.append(
             PromptResult(
                 record.id,
@@ -265,9 +268,9 @@ def evaluate_offline(
         layer_ids,
         context_layers,
         per_prompt,
-        temperature,
+        walk.sampling.temperature,
         drafts_per_block=drafts_per_block(drafter, b),
-        context_edges=context_edges,
+        context_edges=walk.context_edges,
     )
 
 
@@ -277,34 +280,36 @@ def walk_record(
     record: EvalRecord,
     index: int,
     features: FeatureSource,
-    block: int,
-    max_blocks: int | None,
-    limit: DraftLimit | None,
-    use_selector: bool,
-    rule: ServingRule,
-    temperature: float,
-    filters: SamplingFilters,
-    seed: int,
+    walk: WalkConfig,
     probs_at: Callable[[int, int], torch.Tensor] | None = None,
 ) -> tuple[list[int], OfflineSampling | None]:
-    """The offline walk of record `index` (`evaluate_offline`'s arguments): its acceptance lengths and, at
-    temperature > 0, what the sampled walk recorded along it (the same draws for the same seed and index).
-    `probs_at`: the record's `target_probs_along`, when already computed (one target forward serves many walks)."""
-    layer_ids = drafter_shape(drafter, block)[1]
+    """The offline walk of record `index` (`evaluate_offline`'s): its acceptance lengths and, at temperature > 0,
+    what the sampled walk recorded along it (the same draws for the same seed and index). `probs_at`: the record's
+    `target_probs_along`, when already computed (one target forward serves many walks)."""
+    block, layer_ids, _ = drafter_shape(drafter, walk.block_size)
     f = features(record, layer_ids) if layer_ids else None
-    proposer = as_proposer(drafter, target, limit, use_selector, rule)
+    rule = serving_rule(walk.rule)
+    proposer = as_proposer(drafter, target, walk.limit, walk.use_selector, rule)
     sampling = None
-    if temperature > 0:
-        probs_at = probs_at or target_probs_along(target, record, temperature, filters)
+    params = walk.sampling
+    if not params.greedy:
+        probs_at = probs_at or target_probs_along(target, record, params.temperature, params.filters)
         sampling = OfflineSampling(
             probs_at,
-            temperature,
+            params.temperature,
             rule,
-            record_generator(seed, index, target),
-            limit.confidence_threshold if limit is not None else None,
+            record_generator(params.seed, index, target),
+            walk.limit.confidence_threshold if walk.limit is not None else None,
         )
     lengths = offline_acceptance_lengths(
-        proposer, record.prompt_ids, record.completion_ids, block, f, max_blocks, target.device, sampling=sampling
+        proposer,
+        record.prompt_ids,
+        record.completion_ids,
+        block,
+        f,
+        walk.max_blocks,
+        target.device,
+        sampling=sampling,
     )
     return lengths, sampling
 
@@ -330,7 +335,9 @@ def selector_figures(
     its top-K, so coverage bounds what it can fix."""
     b = walked.block_size
     features = features or FeatureSource(target)
-    unary = evaluate_offline(drafter, target, records, features, b, max_blocks, use_selector=False)
+    unary = evaluate_offline(
+        drafter, target, records, features, WalkConfig(block_size=b, max_blocks=max_blocks, use_selector=False)
+    )
     top_k, hits, verified = drafter.candidate_selector.top_k, 0, 0
     for record, walk in zip(records, walked.per_prompt, strict=True):
         f = features(record, drafter.config.target_layer_ids)
@@ -415,41 +422,27 @@ def confidence_figures(
     records: list[EvalRecord],
     walked: EvalResult,
     features: FeatureSource | None = None,
-    max_blocks: int | None = None,
+    walk: WalkConfig = DEFAULT_WALK,
     threshold: float | None = None,
-    rule: ServingRule | str | None = None,
-    temperature: float = 0.0,
-    filters: SamplingFilters = NO_FILTERS,
-    seed: int = 0,
 ) -> dict:
     """A DSpark drafter's confidence head against what happened, beside its evaluation `walked` (without a
     confidence cut; at temperature > 0 only its block size is read: the uncut walk over the target's samples
-    `records`, under `rule` with `filters`, is walked here, seeded as `evaluate_offline`): at every draft position
-    a step reached (all drafts before it accepted), the head's estimate c, the draft's acceptance probability there
-    (greedy: 1 or 0, whether the draft is the target's token; one-hot rule: p(d); sampled walk: sum min(p, q)) and
-    whether it was accepted, per block position (mean estimate against mean probability and observed share) and
-    over all (expected calibration error against the probability, over CONFIDENCE_BINS bins); then, for each
+    `records`, as `walk` says but for its limit, is walked here, seeded as `evaluate_offline`): at every draft
+    position a step reached (all drafts before it accepted), the head's estimate c, the draft's acceptance
+    probability there (greedy: 1 or 0, whether the draft is the target's token; one-hot rule: p(d); sampled walk:
+    sum min(p, q)) and whether it was accepted, per block position (mean estimate against mean probability and
+    observed share) and over all (expected calibration error against the probability, over CONFIDENCE_BINS bins);
+    then, for each
     threshold of CONFIDENCE_SWEEP and `threshold`, the τ of cutting each block before its first draft with c under
     it (DeepSpec's evaluator's cut; vLLM's adaptive verification budgets by expected accepted tokens instead,
     SGLang's planner is opt-in) and its cost: the drafts verified per step, against the uncut block's."""
     features = features or FeatureSource(target)
-    rule = serving_rule(rule)
+    walk = replace(walk, block_size=walked.block_size, limit=None, rule=serving_rule(walk.rule))
+    sampled = not walk.sampling.greedy
     k_max = drafts_per_block(drafter, walked.block_size)
     thresholds = sorted({*CONFIDENCE_SWEEP, *([threshold] if threshold else [])})
-    if temperature > 0:  # the uncut walk and every cut over each record's one target forward
-        walks = _sampled_walks(
-            drafter,
-            target,
-            records,
-            features,
-            walked.block_size,
-            max_blocks,
-            [None, *thresholds],
-            rule,
-            temperature,
-            filters,
-            seed,
-        )
+    if sampled:  # the uncut walk and every cut over each record's one target forward
+        walks = _sampled_walks(drafter, target, records, features, walk, [None, *thresholds])
         reached, verified_full, _ = walks[0]
     else:
         reached, verified_full = _greedy_positions(drafter, target, records, features, walked)
@@ -462,17 +455,17 @@ def confidence_figures(
     cuts = []
     for n, t in enumerate(thresholds, 1):
         limit = DraftLimit(confidence_threshold=t)
-        if temperature > 0:
+        if sampled:
             _, verified, lengths = walks[n]
             tau, steps = tau_of(lengths), len(lengths)
         else:
-            cut = evaluate_offline(drafter, target, records, features, walked.block_size, max_blocks, limit)
+            cut = evaluate_offline(drafter, target, records, features, replace(walk, limit=limit))
             verified = _greedy_verified(drafter, target, records, features, cut, limit)
             tau, steps = cut.tau, cut.num_steps
         cuts.append({"threshold": t, "tau": tau, "steps": steps, "drafts_verified_per_step": verified / max(steps, 1)})
     n = count.clamp(min=1)
     # the uncut walk: `walked` greedy; at T > 0 the one whose positions these are (the evaluation's own draws)
-    tau, steps = (tau_of(walks[0][2]), len(walks[0][2])) if temperature > 0 else (walked.tau, walked.num_steps)
+    tau, steps = (tau_of(walks[0][2]), len(walks[0][2])) if sampled else (walked.tau, walked.num_steps)
     return {
         "positions_reached": count.int().tolist(),
         "predicted": (predicted / n).tolist(),
@@ -533,38 +526,18 @@ def _sampled_walks(
     target: TargetModel,
     records: list[EvalRecord],
     features: FeatureSource,
-    block: int,
-    max_blocks: int | None,
+    walk: WalkConfig,
     thresholds: list[float | None],
-    rule: ServingRule,
-    temperature: float,
-    filters: SamplingFilters,
-    seed: int,
 ) -> list[tuple[list[tuple[int, float, float, bool]], int, list[int]]]:
     """At temperature > 0, per confidence threshold (None: uncut): the draft positions the walk of each record
     reached (drawn with the seed and index `evaluate_offline` draws with, so each walk is that evaluation's), the
     drafts it verified, and its acceptance lengths; one target forward per record serves every threshold."""
     out: list[tuple[list, int, list[int]]] = [([], 0, []) for _ in thresholds]
     for index, record in enumerate(records):
-        probs_at = target_probs_along(target, record, temperature, filters)
+        probs_at = target_probs_along(target, record, walk.sampling.temperature, walk.sampling.filters)
         for n, t in enumerate(thresholds):
-            limit = DraftLimit(confidence_threshold=t) if t is not None else None
-            walk, sampling = walk_record(
-                drafter,
-                target,
-                record,
-                index,
-                features,
-                block,
-                max_blocks,
-                limit,
-                True,
-                rule,
-                temperature,
-                filters,
-                seed,
-                probs_at,
-            )
+            cut = replace(walk, limit=DraftLimit(confidence_threshold=t) if t is not None else None)
+            walked, sampling = walk_record(drafter, target, record, index, features, cut, probs_at)
             reached, verified, lengths = out[n]
-            out[n] = (reached + sampling.reached, verified + sum(sampling.verified), lengths + walk)
+            out[n] = (reached + sampling.reached, verified + sum(sampling.verified), lengths + walked)
     return out

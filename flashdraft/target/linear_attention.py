@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashdraft.target.qwen3_next import qwen3_next_projections
+
 # Longest input the direct solve takes; a longer one (a prefill) keeps transformers' chunked path,
 # whose cost grows linearly with length where this one's T x T terms grow quadratically.
 SHORT_BLOCK_MAX = 64
@@ -101,18 +103,29 @@ def causal_conv_window(window: torch.Tensor, weight: torch.Tensor) -> torch.Tens
     return (window.unfold(-1, kernel, 1) @ weight[:, :, None]).squeeze(-1)  # [B, C, T, K] @ [C, K, 1]
 
 
+def gated_delta_net_projections(layer: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(mixed qkv [B, T, 2 * key_dim + value_dim] (query, key, value: the conv's channel order), z [B, T, ..],
+    b and a [B, T, Hv]) of a Gated DeltaNet layer: Qwen3.5's separate projections or Qwen3-Next's fused ones."""
+    if hasattr(layer, "in_proj_qkvz"):
+        return qwen3_next_projections(layer, hidden_states)
+    return (
+        layer.in_proj_qkv(hidden_states),
+        layer.in_proj_z(hidden_states),
+        layer.in_proj_b(hidden_states),
+        layer.in_proj_a(hidden_states),
+    )
+
+
 def short_block_forward(layer: nn.Module, hidden_states: torch.Tensor, cache_params) -> torch.Tensor:
-    """Qwen3_5GatedDeltaNet.forward for a short input with a cache (no padding mask):
+    """Qwen3_5GatedDeltaNet.forward (and Qwen3NextGatedDeltaNet's) for a short input with a cache (no padding mask):
     hidden_states [B, T, hidden] -> [B, T, hidden], updating the layer's conv and recurrent states.
     Leaves `layer.last_block` (a `BlockRecord`) when the cache held states before the block."""
     batch, seq_len, _ = hidden_states.shape
     idx, kernel = layer.layer_idx, layer.conv_kernel_size
     recurrent_state = cache_params.get_recurrent_state(idx)  # None before the first forward
 
-    mixed_qkv = layer.in_proj_qkv(hidden_states).transpose(1, 2)  # [B, C, T]
-    z = layer.in_proj_z(hidden_states)  # [B, T, value_dim]
-    b = layer.in_proj_b(hidden_states)
-    a = layer.in_proj_a(hidden_states)
+    mixed_qkv, z, b, a = gated_delta_net_projections(layer, hidden_states)
+    mixed_qkv = mixed_qkv.transpose(1, 2)  # [B, C, T]
 
     # the cache keeps the last K inputs and hands back [state | new] (only new before the first forward)
     window = cache_params.update_conv_state(mixed_qkv, idx, conv_kernel_size=kernel)
@@ -156,7 +169,10 @@ def install_short_block_path(layer: nn.Module) -> None:
     """Route a Gated DeltaNet layer's short cached forwards through `short_block_forward`;
     everything else (long prefills, padding masks, no cache, recorded past) keeps the layer's own
     forward, and so do CUDA inputs where fla is installed (its kernels are the path there). Hooks
-    on the layer still run: only its `forward` is replaced, on this instance."""
+    on the layer still run: only its `forward` is replaced, on this instance. A layer whose conv
+    activation is not SiLU (every released Qwen3.5 and Qwen3-Next layer's is) keeps its own forward."""
+    if getattr(layer, "activation", "silu") != "silu":
+        return
     original = layer.forward
     has_fla = find_spec("fla") is not None
 

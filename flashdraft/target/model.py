@@ -1,4 +1,5 @@
-"""Target adapters: a local Hugging Face causal LM (Qwen3, Qwen3.5/3.6 hybrids, Llama) or
+"""Target adapters: a local Hugging Face causal LM (Qwen3, Qwen3.5/3.6 hybrids, Llama; Qwen3-Next,
+Nemotron-H's Mamba-2 hybrids and MLA targets through `qwen3_next`, `mamba` and `mla` of this wing) or
 the built-in `tiny` target, with context features, incremental forward and exact rollback.
 
 Context features are the outputs of decoder layers `target_layer_ids`, that is
@@ -6,7 +7,7 @@ Context features are the outputs of decoder layers `target_layer_ids`, that is
 are captured with forward hooks so the other layers' outputs are never kept.
 
 Rollback after partial acceptance (section 6 of the reference doc): attention layers crop
-their KV cache; linear-attention layers (Gated DeltaNet) cannot be cut back, so before each
+their KV cache; linear-attention layers (Gated DeltaNet, Mamba-2) cannot be cut back, so before each
 forward their conv and recurrent states are copied, the inputs of each linear layer are
 captured during the forward, and rollback restores the copy and re-runs only those linear
 layers over the accepted prefix. That recomputes the recurrence exactly and costs far less
@@ -32,7 +33,10 @@ from torch import nn
 
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import HF_LOCAL, hf_load_error
+from flashdraft.target.families import target_family
 from flashdraft.target.linear_attention import BlockRecord, install_short_block_path, state_after
+from flashdraft.target.mamba import is_mamba, mamba_backend, recurrent_mixer
+from flashdraft.target.mla import align_mla_heads
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub: targets are local directories
 # transformers warns on every process that fla is absent; flashdraft reports the backend itself
@@ -101,6 +105,10 @@ def fingerprint_of(config, tokenizer, samples) -> str:
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
     h.update(str(sorted(tokenizer.get_vocab().items())).encode())
     for name, sample in samples:
+        if ".experts." in name:
+            # routed experts: transformers 5 fuses them on load (experts.gate_up_proj) while checkpoints store
+            # them per expert, so neither side can name them as the other does; the router and the rest identify
+            continue
         h.update(name.encode())
         h.update(sample.numpy().tobytes())
     return h.hexdigest()[:16]
@@ -140,10 +148,16 @@ def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
 
 
 def norm_multiplier(norm_class: str, weight: torch.Tensor) -> torch.Tensor:
-    """What an RMS norm multiplies by, in fp32: Qwen3.5 norms store (weight - 1) and compute
-    x * (1 + weight); the others store the weight itself."""
+    """What an RMS norm multiplies by, in fp32: Qwen3.5's and Qwen3-Next's norms store (weight - 1) and
+    compute x * (1 + weight) (their gated norms excepted); the others store the weight itself."""
     weight = weight.detach().float()
-    return weight + 1.0 if norm_class.startswith("Qwen3_5") else weight
+    zero_centred = norm_class.startswith(("Qwen3_5", "Qwen3Next")) and not norm_class.endswith("Gated")
+    return weight + 1.0 if zero_centred else weight
+
+
+def final_norm_of(decoder: nn.Module) -> nn.Module | None:
+    """The decoder's final norm: `norm`, or Nemotron-H's `norm_f`; None if it has neither."""
+    return getattr(decoder, "norm", None) or getattr(decoder, "norm_f", None)
 
 
 @dataclass
@@ -183,11 +197,24 @@ class TargetOutput:
         return self._logits[:, start:end] if self._logits is not None else self.lm_head(self.hidden[:, start:end])
 
 
+def _crop(layer, drop: int) -> None:
+    """Drop the last `drop` tokens of an attention layer's cache. A sliding-window layer that records its past
+    (`new_cache`) is cut back to its window too, even when nothing is dropped; below its window it is cropped as a
+    full layer (whose crop(0) would empty it)."""
+    window = getattr(layer, "sliding_window", None)
+    if window is not None and getattr(layer, "record_past", False) and layer.get_seq_length() >= window:
+        layer.crop(-drop)
+    elif drop > 0:
+        layer.crop(-drop)
+
+
 class TargetModel:
     """A frozen causal LM seen through what DFlash needs of it."""
 
     def __init__(self, model: nn.Module, tokenizer, path: Path) -> None:
+        self.family = target_family(model.config, str(path) if path is not None else "the target")
         self.model = model.eval().requires_grad_(False)
+        align_mla_heads(self.model)
         self.tokenizer = tokenizer
         self.path = path
         self.config = model.config.get_text_config()
@@ -205,14 +232,16 @@ class TargetModel:
         self._capture_cache: TargetCache | None = None
         for i, layer in enumerate(self.layers):
             layer.register_forward_hook(self._layer_output_hook(i))
-        for i in self.linear_layers:
-            self.layers[i].linear_attn.register_forward_pre_hook(self._linear_input_hook(i), with_kwargs=True)
+        # Gated DeltaNet's `linear_attn` or Mamba-2's `mixer`
+        self.linear_mixers = {i: recurrent_mixer(self.layers[i], i) for i in self.linear_layers}
+        for i, mixer in self.linear_mixers.items():
+            mixer.register_forward_pre_hook(self._linear_input_hook(i), with_kwargs=True)
         if self.linear_layers:
-            gated_delta_net = type(self.layers[self.linear_layers[0]].linear_attn)
-            _route_linear_attention_by_device(sys.modules[gated_delta_net.__module__])
+            _route_linear_attention_by_device(sys.modules[type(self.linear_mixers[self.linear_layers[0]]).__module__])
         if self.linear_backend == "torch":  # without fla kernels, short blocks take the direct solve
-            for i in self.linear_layers:
-                install_short_block_path(self.layers[i].linear_attn)
+            for mixer in self.linear_mixers.values():
+                if not is_mamba(mixer):
+                    install_short_block_path(mixer)
 
     # -- loading ---------------------------------------------------------------------
 
@@ -220,12 +249,13 @@ class TargetModel:
     def load(
         cls, name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ) -> TargetModel:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # "Loading weights" bars would bury flashdraft's own output
         path = resolve_target_path(name_or_path)
         try:
+            target_family(AutoConfig.from_pretrained(path, **HF_LOCAL), str(path))  # before the weights load
             tokenizer = AutoTokenizer.from_pretrained(path, **HF_LOCAL)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **HF_LOCAL)
         except (OSError, ValueError, KeyError) as e:
@@ -265,9 +295,12 @@ class TargetModel:
 
     @property
     def linear_backend(self) -> str:
-        """Which Gated DeltaNet implementation runs: fla kernels (GPU) or the torch fallback."""
+        """Which linear-layer implementation runs: Gated DeltaNet's fla kernels (GPU) or torch fallback; Mamba-2's
+        mamba-ssm kernels or torch path (`flashdraft.target.mamba`)."""
         if not self.is_hybrid:
             return "none"
+        if is_mamba(self.linear_mixers[self.linear_layers[0]]):
+            return mamba_backend(self.device.type)
         return "fla" if find_spec("fla") is not None and self.device.type == "cuda" else "torch"
 
     @property
@@ -294,7 +327,7 @@ class TargetModel:
 
     def final_norm_weight(self) -> torch.Tensor | None:
         """The multiplier of the target's final norm (fp32, [hidden]); None if it has none."""
-        norm = getattr(self.decoder, "norm", None)
+        norm = final_norm_of(self.decoder)
         weight = getattr(norm, "weight", None)
         return None if weight is None else norm_multiplier(type(norm).__name__, weight)
 
@@ -324,8 +357,14 @@ class TargetModel:
 
     def new_cache(self) -> TargetCache:
         from transformers import DynamicCache
+        from transformers.cache_utils import DynamicSlidingWindowLayer
 
         kv = DynamicCache(config=self.config)
+        for layer in getattr(kv, "layers", []):
+            # a sliding-window layer keeps only its window: past it, a rejected block could not be cropped back. Told
+            # to record, it keeps every state until the next crop (`_crop`), which cuts the block and the excess
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                layer.activate_past_recording()
         return TargetCache(kv=kv)
 
     @torch.no_grad()
@@ -358,7 +397,7 @@ class TargetModel:
             cache.length += input_ids.shape[1]
             cache.last_forward_tokens = input_ids.shape[1] - num_pending
             cache.last_pending, cache.last_input_ids = num_pending, input_ids
-            blocks = {i: getattr(self.layers[i].linear_attn, "last_block", None) for i in self.linear_layers}
+            blocks = {i: getattr(mixer, "last_block", None) for i, mixer in self.linear_mixers.items()}
             cache.linear_blocks = {i: b for i, b in blocks.items() if b is not None}
         features = None
         if self._context_layer_ids:
@@ -390,6 +429,8 @@ class TargetModel:
         if drop < 0 or keep < 0:
             raise ValueError(f"rollback keep={keep} outside the last forward's {cache.last_forward_tokens} tokens")
         if drop == 0:
+            for layer in getattr(cache.kv, "layers", []):
+                _crop(layer, 0)  # sliding-window layers back to their window
             return
         if self.linear_layers and len(cache.linear_snapshot) != len(self.linear_layers):
             raise RuntimeError("rollback of linear-attention states needs a cached forward before this one")
@@ -405,7 +446,7 @@ class TargetModel:
                     layer.conv_states[0].copy_(conv)
                     layer.recurrent_states[0].copy_(recurrent)
                 else:
-                    layer.crop(-total)
+                    _crop(layer, total)
             cache.pending = cache.last_input_ids[:, :keep]
             cache.length -= total
             cache.last_forward_tokens = 0
@@ -413,7 +454,7 @@ class TargetModel:
             return
         for i, layer in enumerate(cache.kv.layers):
             if i not in self.linear_layers:
-                layer.crop(-drop)
+                _crop(layer, drop)
         if self.linear_layers:
             kept = cache.last_pending + keep  # re-fed deferred tokens come first in the captured inputs
             for i in self.linear_layers:
@@ -425,7 +466,7 @@ class TargetModel:
                 layer.recurrent_states[0].copy_(recurrent)
                 if kept > 0 and record is None:
                     # re-run only this layer's token mixer over the accepted prefix
-                    self.layers[i].linear_attn(hidden_states=cache.linear_inputs[i][:, :kept], cache_params=cache.kv)
+                    self.linear_mixers[i](hidden_states=cache.linear_inputs[i][:, :kept], cache_params=cache.kv)
         cache.length -= drop
         cache.last_forward_tokens, cache.last_pending = keep, 0
         cache.linear_inputs, cache.linear_blocks = {}, {}

@@ -9,11 +9,14 @@ that serves by default (fla where it runs, else torch chunked).
 
 A backend is forced by replacing the two module-level functions the GatedDeltaNet forward
 calls (`torch_chunk_gated_delta_rule` for prompts, `torch_recurrent_gated_delta_rule` for
-single-token steps) for the duration of a forward.
+single-token steps) for the duration of a forward. Mamba-2 targets (Nemotron-H) compare mamba-ssm's
+kernels where they run, transformers' chunked torch scan, and its recurrence one token at a time
+(`flashdraft.target.mamba`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from collections.abc import Iterator
@@ -24,14 +27,32 @@ from importlib.util import find_spec
 import torch
 
 from flashdraft.errors import FlashdraftError
+from flashdraft.target.mamba import (
+    MAMBA_BACKENDS,
+    features_token_by_token,
+    is_mamba,
+    mamba_unavailable_reason,
+    torch_mamba_path,
+)
 from flashdraft.target.model import TargetModel
 
 BACKENDS = ("fla", "torch_chunk", "torch_recurrent")
 CHUNK, RECURRENT = "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"
 
 
+def _has_mamba(target: TargetModel) -> bool:
+    return is_mamba(target.linear_mixers[target.linear_layers[0]])
+
+
+def backends_of(target: TargetModel) -> tuple[str, ...]:
+    """The backends of the target's linear layers: Gated DeltaNet's, or Mamba-2's (Nemotron-H)."""
+    return MAMBA_BACKENDS if _has_mamba(target) else BACKENDS
+
+
 def unavailable_reason(target: TargetModel, backend: str) -> str | None:
     """Why `backend` cannot run for this target here, or None if it can."""
+    if backend == "mamba_ssm":
+        return mamba_unavailable_reason(target.device.type, backend)
     if backend == "fla":
         if find_spec("fla") is None:
             return "fla is not installed"
@@ -40,9 +61,9 @@ def unavailable_reason(target: TargetModel, backend: str) -> str | None:
     return None
 
 
-def _gdn_module(target: TargetModel):
-    """The modeling module whose functions the target's GatedDeltaNet layers call."""
-    return sys.modules[type(target.layers[target.linear_layers[0]].linear_attn).__module__]
+def _mixer_module(target: TargetModel):
+    """The modeling module whose functions the target's linear layers (Gated DeltaNet, Mamba-2) call."""
+    return sys.modules[type(target.linear_mixers[target.linear_layers[0]]).__module__]
 
 
 def _accepting(fn):
@@ -58,12 +79,16 @@ def _accepting(fn):
 @contextmanager
 def force_backend(target: TargetModel, backend: str) -> Iterator[None]:
     """Run the target's linear-attention layers with `backend` inside the block."""
-    if backend not in BACKENDS:
-        raise FlashdraftError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if backend not in backends_of(target):
+        raise FlashdraftError(f"backend {backend!r}: expected one of {', '.join(backends_of(target))}")
     reason = unavailable_reason(target, backend)
     if reason:
         raise FlashdraftError(f"backend {backend}: {reason}")
-    module = _gdn_module(target)
+    module = _mixer_module(target)
+    if _has_mamba(target):  # mamba-ssm: the kernels transformers bound; torch: its functions (recurrent: per token)
+        with torch_mamba_path(module) if backend != "mamba_ssm" else contextlib.nullcontext():
+            yield
+        return
     saved = {name: getattr(module, name) for name in (CHUNK, RECURRENT)}
     # the module-level names may be wrapped (fla or a hub kernel behind a torch fallback);
     # unwrapping reaches the plain torch function
@@ -98,6 +123,10 @@ class ParityResult:
         return all(c >= self.threshold for cosines in self.min_cosine.values() for c in cosines)
 
 
+def _features(target: TargetModel, ids: torch.Tensor) -> torch.Tensor:  # [N, T, n * H]
+    return target.forward(ids).context_features
+
+
 @torch.no_grad()
 def run_parity(
     target: TargetModel, prompts: list[list[int]], layer_ids: list[int] | None = None, threshold: float = 0.9999
@@ -107,17 +136,17 @@ def run_parity(
     layer_ids = list(range(target.num_layers)) if layer_ids is None else list(layer_ids)
     if not target.is_hybrid:
         return ParityResult(None, layer_ids, threshold=threshold)
-    runnable = [b for b in BACKENDS if unavailable_reason(target, b) is None]
+    runnable = [b for b in backends_of(target) if unavailable_reason(target, b) is None]
     result = ParityResult(runnable[0], layer_ids, threshold=threshold)
-    result.skipped = {b: unavailable_reason(target, b) for b in BACKENDS if b not in runnable}
+    result.skipped = {b: unavailable_reason(target, b) for b in backends_of(target) if b not in runnable}
+    # Mamba-2 has no torch function that runs a prompt recurrently: its recurrent backend steps through a cache
+    token_by_token = _has_mamba(target)
     target.set_context_layers(layer_ids)
     features: dict[str, list[torch.Tensor]] = {}
     for backend in runnable:
         with force_backend(target, backend):
-            features[backend] = [
-                target.forward(torch.tensor([ids], device=target.device)).context_features[0].float()  # [T, n * H]
-                for ids in prompts
-            ]
+            run = features_token_by_token if token_by_token and backend == "torch_recurrent" else _features
+            features[backend] = [run(target, torch.tensor([ids], device=target.device))[0].float() for ids in prompts]
     h = target.hidden_size
     for backend in runnable[1:]:
         cosines = []

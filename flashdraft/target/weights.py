@@ -34,9 +34,11 @@ import torch.nn.functional as F
 
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import HF_LOCAL, hf_load_error
+from flashdraft.target.families import target_family
 from flashdraft.target.model import (
     TargetModel,
     check_layer_ids,
+    final_norm_of,
     fingerprint_of,
     norm_multiplier,
     resolve_target_path,
@@ -63,6 +65,8 @@ SAFETENSORS_DTYPES = {
 # Qwen3.5/3.6 checkpoints (vision-language layout) keep the text model under this prefix;
 # transformers loads it as `model.` (its PrefixChange for qwen3_5_text)
 LANGUAGE_MODEL_PREFIX = "model.language_model."
+# prefixes other checkpoints store `model.` under, that transformers renames on load (nemotron_h: "backbone.")
+STORED_MODEL_PREFIXES = (LANGUAGE_MODEL_PREFIX, "backbone.")
 
 
 @dataclass(frozen=True)
@@ -144,8 +148,11 @@ class SafetensorsFiles:
 
     @staticmethod
     def stored_names(name: str) -> list[str]:
-        """Names a file may store the model's tensor `name` under (Qwen3.5/3.6: language_model prefix)."""
-        return [name] + ([LANGUAGE_MODEL_PREFIX + name[len("model.") :]] if name.startswith("model.") else [])
+        """Names a file may store the model's tensor `name` under (Qwen3.5/3.6: language_model prefix;
+        Nemotron-H: backbone)."""
+        if not name.startswith("model."):
+            return [name]
+        return [name] + [prefix + name[len("model.") :] for prefix in STORED_MODEL_PREFIXES]
 
     def find(self, name: str) -> StoredTensor | None:
         """The stored tensor the model calls `name`, or None."""
@@ -253,6 +260,7 @@ class TargetHead:
             tokenizer = AutoTokenizer.from_pretrained(path, **HF_LOCAL)
         except (OSError, ValueError, KeyError) as e:
             raise hf_load_error(path, "the target's config or tokenizer", e) from None
+        target_family(config, str(path))
         try:  # as from_pretrained: the file if there is one, else derived from the model config
             generation = GenerationConfig.from_pretrained(path, local_files_only=True)
         except OSError:
@@ -306,7 +314,7 @@ class TargetHead:
             model = AutoModelForCausalLM.from_config(self.full_config)
         names = {id(m): n for n, m in model.named_modules()}
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-        norm = getattr(model.get_decoder(), "norm", None)
+        norm = final_norm_of(model.get_decoder())
         has_norm = norm is not None and getattr(norm, "weight", None) is not None
         layers = model.get_decoder().layers
         return _Layout(
@@ -402,6 +410,13 @@ class TargetHead:
         names = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + [f"self_attn.{n}_norm.weight" for n in "qk"]
         names += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
         names += ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        not_qwen3 = [prefix + name for name in names if prefix + name not in self._layout.state_dict_names]
+        if not_qwen3:  # MoE MLPs, MLA projections, Nemotron-H's one-mixer blocks
+            raise FlashdraftError(
+                f"{self.path}: target layer {layer_id} ({self.config.model_type}) has no {not_qwen3[0]}: "
+                f"--layers-from-target needs a layer of Qwen3's form (q/k/v/o projections, q/k norms, a dense "
+                f"gate/up/down MLP)"
+            )
         weights = {}
         for name in names:
             full = prefix + name

@@ -67,25 +67,30 @@ def record_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_033 + index)
 
 
-def make_batch(
-    records: list[TrainRecord],
-    indices: list[int],
-    epoch: int,
-    seed: int,
-    num_anchors: int,
-    block_size: int,
-    mask_token_id: int,
-    max_length: int | None = None,
-    first_draft: int = 1,
-) -> Batch:
+@dataclass(frozen=True)
+class BatchSpec:
+    """How records are cut into a training batch: `num_anchors` blocks per record (sampled with `seed`, epoch and
+    record index), of `block_size` tokens in the layout whose first drafting position is `first_draft` (1 fill-in,
+    0 anchor-first), masked with `mask_token_id`, sequences cut to `max_length` (None: whole)."""
+
+    seed: int
+    num_anchors: int
+    block_size: int
+    mask_token_id: int
+    max_length: int | None = None
+    first_draft: int = 1
+
+
+def make_batch(records: list[TrainRecord], indices: list[int], epoch: int, batch_spec: BatchSpec) -> Batch:
     """Pad the sequences (context) and their blocks (anchors) into one batch, labelled in the layout whose first
-    drafting position is `first_draft` (1 fill-in, 0 anchor-first)."""
+    drafting position is `batch_spec.first_draft` (1 fill-in, 0 anchor-first)."""
+    block_size, first_draft, max_length = batch_spec.block_size, batch_spec.first_draft, batch_spec.max_length
     rows = []
     for record, index in zip(records, indices, strict=True):
         seq_len = len(record.input_ids) if max_length is None else min(len(record.input_ids), max_length)
         ids, loss_mask = record.input_ids[:seq_len].long(), record.loss_mask[:seq_len].bool()
-        anchors = sample_anchors(loss_mask, num_anchors, record_generator(seed, epoch, index))
-        block_ids, labels = build_blocks(ids, loss_mask, anchors, block_size, mask_token_id, first_draft)
+        anchors = sample_anchors(loss_mask, batch_spec.num_anchors, record_generator(batch_spec.seed, epoch, index))
+        block_ids, labels = build_blocks(ids, loss_mask, anchors, block_size, batch_spec.mask_token_id, first_draft)
         topk = None
         if record.target_topk is not None:
             # the target's logits at position t predict token t + 1: the label of block position k sits at
@@ -101,7 +106,7 @@ def make_batch(
     feat_dim = rows[0][0].shape[1]
     features = torch.zeros(n, max_t, feat_dim, dtype=rows[0][0].dtype)
     positions = torch.full((n, max_t), PAD_POSITION, dtype=torch.long)
-    block_ids = torch.full((n, max_k * block_size), mask_token_id, dtype=torch.long)
+    block_ids = torch.full((n, max_k * block_size), batch_spec.mask_token_id, dtype=torch.long)
     anchors = torch.zeros(n, max_k, dtype=torch.long)  # padding blocks: anchor 0, labels ignored
     labels = torch.full((n, max_k * block_size), IGNORE, dtype=torch.long)
     topk = None

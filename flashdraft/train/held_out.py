@@ -18,74 +18,49 @@ from flashdraft.drafter.run_dir import (
     save_best,
 )
 from flashdraft.errors import FlashdraftError
-from flashdraft.evaluation.offline import evaluate_offline
+from flashdraft.evaluation.offline import WalkConfig, evaluate_offline
 from flashdraft.evaluation.results import record_context_edges
 from flashdraft.target.model import TargetModel
 from flashdraft.train.config import TrainConfig
-from flashdraft.train.data import make_batch
-from flashdraft.train.loss import estimated_acceptance
-from flashdraft.train.metrics import dspark_metrics, selector_metrics
-from flashdraft.train.step import forward_loss
+from flashdraft.train.data import BatchSpec, make_batch
+from flashdraft.train.metrics import figure_metrics
+from flashdraft.train.step import forward_loss, loss_spec
 
 
 @torch.no_grad()
-def evaluate_loss(model, target, records, cfg: TrainConfig, block_size: int, mask_token_id: int, device) -> dict:
-    """Held-out loss, per-position accuracy and estimated acceptance (fixed anchors).
-
-    The loss is the recipe's hard CE even when training mixes in KL or a selector loss, so held-out
-    losses of runs compare, and a held-out cache needs no stored target logits; a DFlash2 drafter's
-    selector figures come beside it."""
+def evaluate_loss(model, target: TargetModel, records, cfg: TrainConfig, device) -> dict:
+    """Held-out loss, per-position accuracy and estimated acceptance (fixed anchors), through the training step's
+    own forward with the held-out loss (`loss_spec(held_out=True)`: the recipe's hard CE, so held-out losses of runs
+    compare and a held-out cache needs no stored target logits); the family's figures beside them."""
     model.eval()
+    drafter = unwrap(model)
+    spec = loss_spec(cfg, drafter, held_out=True)
     total = weight = 0.0
-    correct = count = top_k_hits = selector_correct = accept_rate = confidence = None
-    vocabulary = unwrap(model).vocabulary_mask()
+    figures = None
+    vocabulary = drafter.vocabulary_mask()
     for start in range(0, len(records), cfg.batch_size):
         idx = list(range(start, min(len(records), start + cfg.batch_size)))
         batch = make_batch(
             [records[i] for i in idx],
             idx,
             0,
-            cfg.seed + 1,
-            cfg.num_anchors,
-            block_size,
-            mask_token_id,
-            cfg.max_length,
-            cfg.first_draft_position,
+            batch_spec=BatchSpec(
+                seed=cfg.seed + 1,
+                num_anchors=cfg.num_anchors,
+                block_size=spec.block_size,
+                mask_token_id=drafter.config.mask_token_id,
+                max_length=cfg.max_length,
+                first_draft=spec.first_draft,
+            ),
         ).to(device)
-        batch = batch.with_labels_in(vocabulary)
-        parts = forward_loss(
-            model,
-            target,
-            batch,
-            cfg,
-            block_size,
-            device,
-            kl_weight=0.0,
-            weighting="decay",
-            selector_loss_weight=0.0,
-            held_out=True,
-        )
+        parts = forward_loss(model, target, batch.with_labels_in(vocabulary), spec)
         total += float(parts.weighted_sum)
         weight += float(parts.weight_total)
-        correct = parts.correct if correct is None else correct + parts.correct
-        count = parts.count if count is None else count + parts.count
-        if parts.top_k_hits is not None:
-            top_k_hits = parts.top_k_hits + (0 if top_k_hits is None else top_k_hits)
-            selector_correct = parts.selector_correct + (0 if selector_correct is None else selector_correct)
-        if parts.accept_rate is not None:
-            accept_rate = parts.accept_rate + (0 if accept_rate is None else accept_rate)
-        if parts.confidence is not None:
-            confidence = parts.confidence + (0 if confidence is None else confidence)
+        figures = parts.figures if figures is None else figures + parts.figures
     model.train()
-    acc, tau = estimated_acceptance(correct, count, cfg.first_draft_position)
-    family = selector_metrics(top_k_hits, selector_correct, count) | dspark_metrics(
-        accept_rate, confidence, count, cfg.first_draft_position
-    )
     return {
         "eval_loss": total / max(weight, 1e-9),
-        "eval_position_accuracy": acc,
-        "eval_estimated_acceptance": tau,
-        **{f"eval_{k}": v for k, v in family.items()},
+        **{f"eval_{k}": v for k, v in figure_metrics(figures, spec.first_draft).items()},
     }
 
 
@@ -95,7 +70,7 @@ def evaluate_tau(drafter: DFlashDrafter, target: TargetModel, records: list, max
     was_training = drafter.training
     drafter.eval()
     result = evaluate_offline(
-        drafter, target, records, max_blocks=max_blocks, context_edges=record_context_edges(records, 0)
+        drafter, target, records, walk=WalkConfig(max_blocks=max_blocks, context_edges=record_context_edges(records, 0))
     )
     drafter.train(was_training)
     by_context = [{k: b[k] for k in ("context_from", "context_to", "steps", "tau")} for b in result.by_context]
@@ -111,7 +86,7 @@ def held_out_metrics(model, target: TargetModel, cfg: TrainConfig, dist: Dist, e
     """Held-out loss and estimated acceptance, and the real offline τ."""
     held_out = {}
     if eval_records is not None:
-        held_out |= evaluate_loss(model, target, eval_records, cfg, cfg.block_size, cfg.mask_token_id, dist.device)
+        held_out |= evaluate_loss(model, target, eval_records, cfg, dist.device)
     if eval_tau_records:
         held_out |= evaluate_tau(unwrap(model), target, eval_tau_records, cfg.eval_max_blocks)
     return held_out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import signal
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -48,7 +48,7 @@ from flashdraft.train.learning import LearningCheck, mean_record_length
 from flashdraft.train.metrics import MetricsWriter, Window
 from flashdraft.train.optim import Optimizers, build_optimizers, warmup_steps
 from flashdraft.train.recipe import PUBLISHED_RECIPE
-from flashdraft.train.step import global_batch, optimizer_step
+from flashdraft.train.step import global_batch, loss_spec, optimizer_step
 
 
 def check_no_shortcut(drafter: DFlashDrafter, target: TargetModel) -> None:
@@ -248,17 +248,7 @@ def _wrap(cfg: TrainConfig, drafter: DFlashDrafter, total_steps: int, dist: Dist
     """The drafter on this rank's device, wrapped for the world (DDP or FSDP2), and its optimizers."""
     drafter.to(dist.device).train()
     model = wrap_model(drafter, dist, cfg.fsdp)
-    optimizer = build_optimizers(
-        model,
-        cfg.optimizer,
-        cfg.lr,
-        cfg.muon_lr,
-        cfg.weight_decay,
-        total_steps,
-        cfg.warmup_fraction,
-        cfg.min_lr_fraction,
-        cfg.fsdp,
-    )
+    optimizer = build_optimizers(model, cfg, total_steps)
     return model, optimizer
 
 
@@ -274,25 +264,39 @@ def _progress_bar(start_step: int, total_steps: int, dist: Dist) -> Progress:
     )
 
 
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out sets a run evaluates every --eval-every steps: training records for the held-out loss and
+    estimated acceptance, `flashdraft.evaluation.records.EvalRecord`s for the real offline τ (either may be None)."""
+
+    records: object = None
+    tau_records: list | None = None
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """How a run goes, not what it computes: resumed from its newest checkpoint, its metrics also sent to
+    `report_to`, checksums verified on resume, `on_step(step)` called after each step (tests)."""
+
+    resume: bool = False
+    report_to: tuple[str, ...] = ()
+    verify: bool = True
+    on_step: object = None
+
+
 def train(
     cfg: TrainConfig,
     drafter: DFlashDrafter,
     target: TargetModel,
     records,
     run_dir: Path,
-    resume: bool = False,
-    eval_records=None,
-    report_to: list[str] = (),
+    held_out: HeldOut | None = None,
+    options: LoopOptions = LoopOptions(),
     dist: Dist | None = None,
-    on_step=None,
-    eval_tau_records: list | None = None,
-    verify: bool = True,
 ) -> DFlashDrafter:
-    """Train `drafter` on `records` (cache or online records) into `run_dir`.
-
-    eval_records: held-out training records for loss and estimated acceptance;
-    eval_tau_records: held-out `flashdraft.evaluation.records.EvalRecord`s for the real offline τ.
-    """
+    """Train `drafter` on `records` (cache or online records) into `run_dir`, evaluating `held_out`."""
+    eval_records, eval_tau_records = (held_out.records, held_out.tau_records) if held_out else (None, None)
+    resume, report_to, verify, on_step = options.resume, options.report_to, options.verify, options.on_step
     dist = dist or Dist()
     steps_per_epoch, total_steps, learning = _prepare(
         cfg, drafter, target, records, dist, eval_records, eval_tau_records
@@ -302,6 +306,7 @@ def train(
     try:
         config_dict = _write_run_config(cfg, run_dir, resume) if dist.is_main else asdict(cfg)
         model, optimizer = _wrap(cfg, drafter, total_steps, dist)
+        spec = loss_spec(cfg, drafter)
         start_step = _resume(run_dir, model, optimizer, len(records), dist, verify, cfg.fsdp) if resume else 0
         writer = MetricsWriter(run_dir, list(report_to), config_dict, start_step) if dist.is_main else None
         bar = _progress_bar(start_step, total_steps, dist)
@@ -311,13 +316,11 @@ def train(
         with StopRequests("step", dist.prefix()) as stop:
             for step in bar:
                 epoch = step // steps_per_epoch
-                micro_batches, indices = global_batch(cfg, records, step, steps_per_epoch, dist)
-                result, grad_norm = optimizer_step(
-                    model, target, optimizer, micro_batches, indices, records, cfg, dist, step, epoch, run_dir
-                )
+                batch = global_batch(cfg, records, step, steps_per_epoch, dist)
+                result, grad_norm = optimizer_step(model, target, optimizer, batch, spec, cfg.grad_clip, dist, run_dir)
                 if on_step is not None:
                     on_step(step)
-                window.add(result, micro_batches, dist.world)
+                window.add(result, batch.micro_batches, dist.world)
                 done = step + 1
                 if done % cfg.log_every == 0 or done == total_steps:
                     metrics = window.metrics(optimizer.last_lr(), grad_norm, epoch)

@@ -11,7 +11,10 @@ whose weights depend on predictions: the number of trained blocks)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from functools import partial
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -67,18 +70,36 @@ def dpace_weights(label_prob: torch.Tensor, trained: torch.Tensor, alpha: float)
 
 
 @dataclass
+class LossFigures:
+    """What the loss counts beside itself, per block position [B]; summed over micro-batches, steps and ranks in one
+    place (`+`), the family's own figures only where the family has them."""
+
+    correct: torch.Tensor  # argmax == label count
+    count: torch.Tensor  # trained positions
+    # DFlash2: the label among the unary top-K; the selector's teacher-forced pick right
+    top_k_hits: torch.Tensor | None = None
+    selector_correct: torch.Tensor | None = None
+    # DSpark: the probability of acceptance 1 - |p_draft - p_target|_1 / 2 (needs the target's distribution) and the
+    # confidence head's estimate of it, summed over trained positions
+    accept_rate: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
+
+    def __add__(self, other: LossFigures) -> LossFigures:
+        def plus(a, b):
+            return b if a is None else a if b is None else a + b
+
+        return LossFigures(*(plus(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)))
+
+    def map(self, fn) -> LossFigures:
+        """Each figure through `fn` (e.g. detached to the CPU, or summed over ranks)."""
+        return LossFigures(*(None if (v := getattr(self, f.name)) is None else fn(v) for f in fields(self)))
+
+
+@dataclass
 class LossParts:
     weighted_sum: torch.Tensor  # sum over trained positions of weight * loss (scalar, has grad)
     weight_total: torch.Tensor  # sum of the weights (scalar, no grad)
-    correct: torch.Tensor  # [B] argmax == label count per block position
-    count: torch.Tensor  # [B] trained positions per block position
-    # DFlash2, per block position [B]: the label among the unary top-K; the selector's teacher-forced pick right
-    top_k_hits: torch.Tensor | None = None
-    selector_correct: torch.Tensor | None = None
-    # DSpark, per block position [B]: the probability of acceptance 1 - |p_draft - p_target|_1 / 2 (needs the target's
-    # distribution) and the confidence head's estimate of it, summed over trained positions
-    accept_rate: torch.Tensor | None = None
-    confidence: torch.Tensor | None = None
+    figures: LossFigures
 
 
 @dataclass(frozen=True)
@@ -158,121 +179,146 @@ def block_predecessors(
     return torch.where(first, anchors.reshape(block_ids.shape), previous)
 
 
-def block_loss(
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    lm_head: torch.nn.Module,
-    block_size: int,
-    gamma: float | None,
-    target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
-    kl_weight: float = 0.0,
-    weighting: str = "decay",
-    dpace_alpha: float = 0.5,
-    selector=None,
-    block_ids: torch.Tensor | None = None,
-    selector_loss_weight: float = 0.0,
-    selector_missing_label: str = "inject",
-    first_draft: int = 1,
-    drafter=None,
-    dspark: DSparkLoss | None = None,
-) -> LossParts:
-    """hidden: [N, K * B, H] drafter output; labels: [N, K * B] (IGNORE where untrained).
+@dataclass(frozen=True)
+class LossSpec:
+    """How the loss weighs each position and which terms it adds, built once for a run (`train.step.loss_spec`)."""
 
-    target_topk: (values, indices) [N, K * B, k] the target's top-k logits for each label
-    position (aligned with labels), used only when kl_weight > 0. weighting: "decay" (gamma)
-    or "dpace" (dpace_alpha); the D-PACE weights come from the hard CE's label probability.
-    selector (DFlash2, with block_ids [N, K * B]): its teacher-forced cross-entropy (`selector_loss`),
-    weighted per position as the backbone's and scaled by selector_loss_weight, is added; its
-    top-K coverage and accuracy are counted either way.
-    first_draft: the layout's first drafting position (0: anchor-first). dspark (with `drafter`, a DSpark
-    drafter, and block_ids): the logits get the Markov bias of the true previous token, and the loss is
-    `DSparkLoss`'s terms; the target's distribution comes from target_topk.
-    """
-    block_pos = torch.arange(labels.shape[1], device=labels.device) % block_size  # [K * B]
+    block_size: int
+    gamma: float | None = None  # the decay's (None or 0: no decay)
+    weighting: str = "decay"  # "decay" (gamma) or "dpace" (dpace_alpha), see LOSS_WEIGHTINGS
+    dpace_alpha: float = 0.5
+    kl_weight: float = 0.0  # > 0: mixed with KL to the target's stored top-k
+    first_draft: int = 1  # the layout's first drafting position (0: anchor-first)
+    # DFlash2: the selector's cross-entropy, weighted as the backbone's and scaled by this (its figures count anyway)
+    selector_loss_weight: float = 0.0
+    selector_missing_label: str = "inject"
+    dspark: DSparkLoss | None = None  # DSpark: its paper's terms in place of the hard CE
+
+
+@dataclass(frozen=True)
+class DraftHeads:
+    """What turns the drafter's output into its loss: the LM head (the target's, as served, or the drafter's own
+    reduced one), and the family's heads where it has them."""
+
+    lm_head: Callable[[torch.Tensor], torch.Tensor]  # [M, H] -> [M, V]
+    selector: torch.nn.Module | None = None  # DFlash2's candidate selector
+    markov_head: torch.nn.Module | None = None  # DSpark's
+    confidence_head: torch.nn.Module | None = None  # DSpark's, optional
+
+    @classmethod
+    def of(cls, drafter, target_lm_head: torch.nn.Module) -> DraftHeads:
+        return cls(
+            partial(drafter.logits, target_lm_head=target_lm_head),
+            drafter.candidate_selector,
+            drafter.markov_head,
+            drafter.confidence_head,
+        )
+
+
+class LabelledBlocks(Protocol):
+    """The blocks a loss is computed on (a training `Batch`, or `BlockLabels`)."""
+
+    labels: torch.Tensor  # [N, K * B]; IGNORE where untrained
+    block_ids: torch.Tensor | None  # [N, K * B]: the anchor, then mask tokens (DFlash2, DSpark read it)
+    target_topk: tuple[torch.Tensor, torch.Tensor] | None  # ([N, K * B, k], ...): the target's top-k per label
+
+
+@dataclass
+class BlockLabels:
+    labels: torch.Tensor
+    block_ids: torch.Tensor | None = None
+    target_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class TrainedPositions:
+    """The M trained positions of a batch, flattened: what each family's terms read."""
+
+    hidden: torch.Tensor  # [M, H] the drafter's output
+    logits: torch.Tensor  # [M, V] (DSpark: with the Markov bias of the true previous token)
+    labels: torch.Tensor  # [M]
+    block_position: torch.Tensor  # [M]
+    predecessors: torch.Tensor | None  # [M] the true token before each label (DFlash2, DSpark; IGNORE: unknown)
+    target_topk: tuple[torch.Tensor, torch.Tensor] | None  # ([M, k], [M, k]) where a term reads them
+
+
+def block_loss(hidden: torch.Tensor, blocks: LabelledBlocks, heads: DraftHeads, spec: LossSpec) -> LossParts:
+    """The loss of the drafter's output hidden [N, K * B, H] on `blocks`: the hard cross-entropy of each trained
+    position weighted as `spec` says (the D-PACE weights from its label probability), with the family's terms:
+    DSpark's in place of it (`_dspark_terms`), KL to the target's top-k mixed in (`kl_weight`), DFlash2's selector
+    added (`_selector_terms`)."""
+    labels = blocks.labels
     trained = labels != IGNORE  # [N, K * B]
+    pos = (torch.arange(labels.shape[1], device=labels.device) % spec.block_size).expand_as(labels)[trained]  # [M]
     # only trained positions go through the LM head: logits of a big vocabulary are the memory peak
-    logits = lm_head(hidden[trained]).float()  # [M, V]
-    target = labels[trained]  # [M]
-    pos = block_pos.expand_as(labels)[trained]  # [M]
-    topk = None  # the target's top-k at the trained positions, [M, k] each, where a term reads them
-    if target_topk is not None and (dspark is not None or kl_weight > 0):
-        topk = (target_topk[0][trained], target_topk[1][trained])
-    predecessors = None
-    if dspark is not None:  # teacher-forced: the Markov bias of the true token before each label (never a later one)
-        predecessors = block_predecessors(block_ids, labels, block_size, first_draft)[trained]  # [M], all known
-        logits = logits + drafter.markov_head.bias(predecessors).float()
-    per_token = F.cross_entropy(logits, target, reduction="none")  # [M]
-    w = _label_weights(per_token, labels, trained, pos, block_size, gamma, weighting, dpace_alpha, first_draft)
-    accept_rate = confidence_sum = None
-    if dspark is not None:
-        per_token, accept_rate, confidence_sum = _dspark_terms(
-            per_token, logits, hidden[trained], topk, pos, block_size, predecessors, drafter, dspark
-        )
-    if kl_weight > 0:
-        per_token = (1 - kl_weight) * per_token + kl_weight * _kl_to_target(logits, topk)
-    correct = torch.zeros(block_size, device=hidden.device)
-    count = torch.zeros(block_size, device=hidden.device)
-    correct.index_add_(0, pos, (logits.argmax(-1) == target).float())
-    count.index_add_(0, pos, torch.ones_like(w))
-    weighted_sum = (w * per_token).sum()
-    if selector is None:
-        return LossParts(
-            weighted_sum, w.sum().detach(), correct, count, accept_rate=accept_rate, confidence=confidence_sum
-        )
-    predecessors = block_predecessors(block_ids, labels, block_size)[trained]  # [M]
-    per_selector, _, in_top_k, picked = selector_loss(
-        selector, hidden[trained], logits, target, predecessors, selector_missing_label
+    at = TrainedPositions(hidden[trained], heads.lm_head(hidden[trained]).float(), labels[trained], pos, None, None)
+    if blocks.target_topk is not None and (spec.dspark is not None or spec.kl_weight > 0):
+        at.target_topk = (blocks.target_topk[0][trained], blocks.target_topk[1][trained])
+    if spec.dspark is not None or heads.selector is not None:
+        at.predecessors = block_predecessors(blocks.block_ids, labels, spec.block_size, spec.first_draft)[trained]
+    if spec.dspark is not None:  # teacher-forced: the Markov bias of the true token before each label, never a later
+        at.logits = at.logits + heads.markov_head.bias(at.predecessors).float()
+    per_token = F.cross_entropy(at.logits, at.labels, reduction="none")  # [M]
+    w = _label_weights(per_token, labels, trained, pos, spec)
+    correct = torch.zeros(spec.block_size, device=hidden.device).index_add_(
+        0, pos, (at.logits.argmax(-1) == at.labels).float()
     )
-    if selector_loss_weight > 0:
-        weighted_sum = weighted_sum + selector_loss_weight * (w * per_selector).sum()
-    top_k_hits, selector_correct = torch.zeros_like(count), torch.zeros_like(count)
-    top_k_hits.index_add_(0, pos, in_top_k.float())
-    selector_correct.index_add_(0, pos, picked.float())
-    return LossParts(weighted_sum, w.sum().detach(), correct, count, top_k_hits, selector_correct)
+    count = torch.zeros(spec.block_size, device=hidden.device).index_add_(0, pos, torch.ones_like(w))
+    figures = LossFigures(correct, count)
+    if spec.dspark is not None:
+        per_token = _dspark_terms(per_token, at, heads, spec, figures)
+    if spec.kl_weight > 0:
+        per_token = (1 - spec.kl_weight) * per_token + spec.kl_weight * _kl_to_target(at.logits, at.target_topk)
+    weighted_sum = (w * per_token).sum()
+    if heads.selector is not None:
+        selector_term = _selector_terms(at, w, heads, spec, figures)
+        if selector_term is not None:
+            weighted_sum = weighted_sum + selector_term
+    return LossParts(weighted_sum, w.sum().detach(), figures)
+
+
+def _selector_terms(
+    at: TrainedPositions, w: torch.Tensor, heads: DraftHeads, spec: LossSpec, figures: LossFigures
+) -> torch.Tensor | None:
+    """DFlash2's selector loss weighted as the backbone's (`w` [M]; None at weight 0), its top-K coverage and
+    accuracy counted into `figures` either way."""
+    per_selector, _, in_top_k, picked = selector_loss(
+        heads.selector, at.hidden, at.logits, at.labels, at.predecessors, spec.selector_missing_label
+    )
+    pos = at.block_position
+    figures.top_k_hits = torch.zeros_like(figures.count).index_add_(0, pos, in_top_k.float())
+    figures.selector_correct = torch.zeros_like(figures.count).index_add_(0, pos, picked.float())
+    if spec.selector_loss_weight > 0:
+        return spec.selector_loss_weight * (w * per_selector).sum()
+    return None
 
 
 def _label_weights(
-    per_token: torch.Tensor,
-    labels: torch.Tensor,
-    trained: torch.Tensor,
-    pos: torch.Tensor,
-    block_size: int,
-    gamma: float | None,
-    weighting: str,
-    dpace_alpha: float,
-    first_draft: int,
+    per_token: torch.Tensor, labels: torch.Tensor, trained: torch.Tensor, pos: torch.Tensor, spec: LossSpec
 ) -> torch.Tensor:
     """Each trained position's weight [M]: D-PACE's from the hard CE's label probability (per_token [M]), or the
     decay by block position (pos [M])."""
-    if weighting == "dpace":
+    if spec.weighting == "dpace":
         label_prob = torch.zeros(labels.shape, device=per_token.device)  # [N, K * B]
         label_prob[trained] = torch.exp(-per_token.detach())
-        per_block = (labels.shape[0], -1, block_size)
-        weights = dpace_weights(label_prob.view(per_block), trained.view(per_block), dpace_alpha)
+        per_block = (labels.shape[0], -1, spec.block_size)
+        weights = dpace_weights(label_prob.view(per_block), trained.view(per_block), spec.dpace_alpha)
         return weights.view(labels.shape)[trained]
-    return position_weights(block_size, gamma, first_draft).to(per_token.device)[pos]  # [M]
+    return position_weights(spec.block_size, spec.gamma, spec.first_draft).to(per_token.device)[pos]  # [M]
 
 
 def _dspark_terms(
-    per_token: torch.Tensor,
-    logits: torch.Tensor,
-    hidden: torch.Tensor,
-    topk: tuple[torch.Tensor, torch.Tensor] | None,
-    pos: torch.Tensor,
-    block_size: int,
-    predecessors: torch.Tensor,
-    drafter,
-    dspark: DSparkLoss,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    per_token: torch.Tensor, at: TrainedPositions, heads: DraftHeads, spec: LossSpec, figures: LossFigures
+) -> torch.Tensor:
     """DSpark's loss per trained position [M] from the hard CE per_token [M]: its CE share, the |p_draft -
     p_target|_1 term where the target's top-k is known, the confidence head's BCE to the acceptance probability;
-    with the acceptance probabilities and confidence estimates summed per block position ([B], None where not
-    computed). hidden [M, H], logits [M, V] and topk [M, k] are the trained positions'."""
-    accept_rate = confidence_sum = None
+    the acceptance probabilities and confidence estimates summed per block position into `figures` (where
+    computed)."""
+    dspark = spec.dspark
     per_token = dspark.ce * per_token
     l1 = None
-    if topk is not None:
-        l1 = target_distribution_terms(logits, topk)  # [M]
+    if at.target_topk is not None:
+        l1 = target_distribution_terms(at.logits, at.target_topk)  # [M]
     elif dspark.needs_target:
         raise ValueError(
             "DSpark's distribution terms need the target's top-k logits (a cache made with "
@@ -281,15 +327,15 @@ def _dspark_terms(
     if l1 is not None:
         per_token = per_token + dspark.tv * l1
         accept = (1 - l1 / 2).clamp(0, 1)  # [M]: the probability a draft sampled from p_draft is accepted
-        accept_rate = torch.zeros(block_size, device=hidden.device).index_add_(0, pos, accept.detach())
-    if drafter.confidence_head is not None and l1 is not None:
-        embedding = drafter.markov_head.embed(predecessors) if drafter.confidence_head.with_markov else None
-        confidence_logit = drafter.confidence_head(hidden, embedding)  # [M]
+        figures.accept_rate = torch.zeros_like(figures.count).index_add_(0, at.block_position, accept.detach())
+    if heads.confidence_head is not None and l1 is not None:
+        embedding = heads.markov_head.embed(at.predecessors) if heads.confidence_head.with_markov else None
+        confidence_logit = heads.confidence_head(at.hidden, embedding)  # [M]
         bce = F.binary_cross_entropy_with_logits(confidence_logit, accept.detach(), reduction="none")
         per_token = per_token + dspark.confidence * bce
-        confidence_sum = torch.zeros(block_size, device=hidden.device)
-        confidence_sum.index_add_(0, pos, torch.sigmoid(confidence_logit).detach())
-    return per_token, accept_rate, confidence_sum
+        figures.confidence = torch.zeros_like(figures.count)
+        figures.confidence.index_add_(0, at.block_position, torch.sigmoid(confidence_logit).detach())
+    return per_token
 
 
 def _kl_to_target(logits: torch.Tensor, topk: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

@@ -16,20 +16,14 @@ from flashdraft.distributed import all_reduce_sum
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import append_whole, write_text_atomic
 from flashdraft.train.data import Batch
-from flashdraft.train.loss import estimated_acceptance
+from flashdraft.train.loss import LossFigures, estimated_acceptance
 
 
 @dataclass
 class StepResult:
     loss: float  # the global batch's mean loss
     weight_total: float  # its total loss weight (all ranks)
-    correct: torch.Tensor  # [B] this rank's accepted-position counts
-    count: torch.Tensor  # [B]
-    grad_norm: float = 0.0
-    top_k_hits: torch.Tensor | None = None  # [B] DFlash2: labels among the unary top-K
-    selector_correct: torch.Tensor | None = None  # [B] DFlash2: the selector's teacher-forced pick right
-    accept_rate: torch.Tensor | None = None  # [B] DSpark: summed acceptance probabilities 1 - |p_draft - p_target| / 2
-    confidence: torch.Tensor | None = None  # [B] DSpark: summed confidence-head estimates
+    figures: LossFigures  # this rank's, per block position
 
 
 class MetricsWriter:
@@ -116,14 +110,22 @@ def dspark_metrics(accept_rate: torch.Tensor | None, confidence: torch.Tensor | 
     return metrics
 
 
+def figure_metrics(figures: LossFigures, first_draft: int) -> dict:
+    """The figures as a log row's: per-position accuracy and the acceptance it estimates, then the family's."""
+    acc, tau_est = estimated_acceptance(figures.correct, figures.count, first_draft)
+    return (
+        {"position_accuracy": acc, "estimated_acceptance": tau_est}
+        | selector_metrics(figures.top_k_hits, figures.selector_correct, figures.count)
+        | dspark_metrics(figures.accept_rate, figures.confidence, figures.count, first_draft)
+    )
+
+
 class Window:
     """Training figures summed over the steps since the last log line."""
 
     def __init__(self, first_draft: int = 1) -> None:
         self.loss = self.weight = 0.0
-        self.correct = self.count = 0.0
-        self.top_k_hits = self.selector_correct = None  # DFlash2
-        self.accept_rate = self.confidence = None  # DSpark
+        self.figures: LossFigures | None = None  # summed over ranks
         self.first_draft = first_draft  # the layout's first drafting position (0: anchor-first)
         self.tokens = 0
         self.t0 = time.perf_counter()
@@ -131,31 +133,19 @@ class Window:
     def add(self, result: StepResult, micro_batches: list[Batch], world: int) -> None:
         self.loss += result.loss * result.weight_total
         self.weight += result.weight_total
-        self.correct += all_reduce_sum(result.correct)
-        self.count += all_reduce_sum(result.count)
-        if result.top_k_hits is not None:
-            hits, picked = all_reduce_sum(result.top_k_hits), all_reduce_sum(result.selector_correct)
-            self.top_k_hits = hits if self.top_k_hits is None else self.top_k_hits + hits
-            self.selector_correct = picked if self.selector_correct is None else self.selector_correct + picked
-        for name in ("accept_rate", "confidence"):
-            if getattr(result, name) is not None:
-                value = all_reduce_sum(getattr(result, name))
-                setattr(self, name, value if getattr(self, name) is None else getattr(self, name) + value)
+        figures = result.figures.map(all_reduce_sum)
+        self.figures = figures if self.figures is None else self.figures + figures
         self.tokens += sum(int((b.context_positions < (1 << 40)).sum()) for b in micro_batches) * world
 
     def metrics(self, lr: float, grad_norm: float, epoch: int) -> dict:
-        acc, tau_est = estimated_acceptance(self.correct, self.count, self.first_draft)
+        figures = figure_metrics(self.figures, self.first_draft)
         metrics = {
             "loss": self.loss / self.weight,
-            "position_accuracy": acc,
-            "estimated_acceptance": tau_est,
+            "position_accuracy": figures.pop("position_accuracy"),
+            "estimated_acceptance": figures.pop("estimated_acceptance"),
             "tokens_per_s": self.tokens / (time.perf_counter() - self.t0),
             "lr": lr,
             "grad_norm": grad_norm,
             "epoch": epoch,
         }
-        return (
-            metrics
-            | selector_metrics(self.top_k_hits, self.selector_correct, self.count)
-            | dspark_metrics(self.accept_rate, self.confidence, self.count, self.first_draft)
-        )
+        return metrics | figures

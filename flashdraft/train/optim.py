@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr  # torch's lr scaling
 
 from flashdraft.errors import FlashdraftError
+from flashdraft.train.config import TrainConfig
 
 OPTIMIZERS = ("adamw", "muon")
 
@@ -140,21 +141,13 @@ class Optimizers:
             scheduler.load_state_dict(s)
 
 
-def build_optimizers(
-    model: nn.Module,
-    name: str,
-    lr: float,
-    muon_lr: float | None,
-    weight_decay: float,
-    total_steps: int,
-    warmup_fraction: float,
-    min_lr_fraction: float,
-    fsdp: bool = False,
-) -> Optimizers:
-    """AdamW over every trainable parameter, or Muon (matrix weights, `muon_lr`, default `lr`:
-    Muon's update is scaled to AdamW's RMS, so one lr serves both) + AdamW (the rest, `lr`)."""
+def build_optimizers(model: nn.Module, cfg: TrainConfig, total_steps: int) -> Optimizers:
+    """The run's optimizer (`cfg.optimizer`) over `total_steps` of warm-up and decay: AdamW over every trainable
+    parameter, or Muon (matrix weights, `muon_lr`, default `lr`: Muon's update is scaled to AdamW's RMS, so one lr
+    serves both) + AdamW (the rest, `lr`)."""
+    name, lr, muon_lr, weight_decay = cfg.optimizer, cfg.lr, cfg.muon_lr, cfg.weight_decay
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    schedule = lr_lambda(total_steps, warmup_fraction, min_lr_fraction)
+    schedule = lr_lambda(total_steps, cfg.warmup_fraction, cfg.min_lr_fraction)
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
@@ -173,5 +166,5 @@ def build_optimizers(
         groups = [adamw(rest), muon]
     else:
         raise FlashdraftError(f"--optimizer {name}: expected one of {', '.join(OPTIMIZERS)}")
-    sharded = model if fsdp and torch.distributed.is_initialized() else None
+    sharded = model if cfg.fsdp and torch.distributed.is_initialized() else None
     return Optimizers([(o, torch.optim.lr_scheduler.LambdaLR(o, schedule)) for o in groups], sharded)

@@ -36,3 +36,14 @@ def hybrid_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory) -> Path:
     return save_target(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+# an agent trace: a user turn, the assistant's tool call, the tool's result, the answer; and the tools' schemas
+TOOLS = [{"type": "function", "function": {"name": "grep", "parameters": {"type": "object", "properties": {}}}}]
+CALL = {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": "{}"}}
+TRACE = [
+    {"role": "user", "content": "t1"},
+    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    {"role": "tool", "content": "t7", "tool_call_id": "c1"},
+    {"role": "assistant", "content": "t8"},
+]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashdraft.data.cache as cache_module
-from flashdraft.data.cache import build_cache
+from flashdraft.data.cache import CacheSpec, build_cache
 from flashdraft.data.cache_doctor import doctor_cache
 from flashdraft.data.cache_reader import HiddenStateCache
 from flashdraft.data.completions import load_completions
@@ -106,7 +106,9 @@ def test_generate_cache_doctor_round_trip(hybrid_dir, completions, tmp_path, cap
 def test_cached_records_equal_a_fresh_forward_and_the_completions(hybrid_dir, completions, tmp_path):
     target = TargetModel.load(hybrid_dir)
     loaded = load_completions(completions, target, quiet=True)
-    build_cache(target, loaded, tmp_path / "c", [1, 3], dtype="fp32", records_per_shard=2, topk=3)
+    build_cache(
+        target, loaded, tmp_path / "c", spec=CacheSpec(layer_ids=[1, 3], dtype="fp32", records_per_shard=2, topk=3)
+    )
     cache = HiddenStateCache(tmp_path / "c")
     assert len(cache) == 5 and cache.layer_ids == [1, 3] and cache.hidden_size == 64
     assert cache.dtype == torch.float32 and cache.target_fingerprint == target.fingerprint()
@@ -134,7 +136,12 @@ def test_cached_records_equal_a_fresh_forward_and_the_completions(hybrid_dir, co
 
 def test_bf16_cache_passes_doctor_and_a_shifted_layer_claim_is_caught(hybrid_dir, completions, tmp_path, capsys):
     target = TargetModel.load(hybrid_dir)
-    build_cache(target, load_completions(completions, target, quiet=True), tmp_path / "c", [1, 2], dtype="bf16")
+    build_cache(
+        target,
+        load_completions(completions, target, quiet=True),
+        tmp_path / "c",
+        spec=CacheSpec(layer_ids=[1, 2], dtype="bf16"),
+    )
     assert HiddenStateCache(tmp_path / "c").dtype == torch.bfloat16
     assert doctor_cache(tmp_path / "c", target, layer_ids=[1, 2], samples=2)
     # the features of layers 1, 2 labelled as 2, 3: an off-by-one in the layer offset
@@ -150,7 +157,7 @@ def test_bf16_cache_passes_doctor_and_a_shifted_layer_claim_is_caught(hybrid_dir
 def test_default_cache_stores_features_in_the_dtype_the_target_computes_them_in(hybrid_dir, completions, tmp_path):
     target = TargetModel.load(hybrid_dir)  # fp32 on CPU
     loaded = load_completions(completions, target, quiet=True)
-    build_cache(target, loaded, tmp_path / "auto", [1, 3])
+    build_cache(target, loaded, tmp_path / "auto", spec=CacheSpec(layer_ids=[1, 3]))
     manifest = json.loads((tmp_path / "auto" / "manifest.json").read_text())
     assert manifest["dtype"] == "float32" and manifest["computed_with"]["target_dtype"] == "float32"
     cache = HiddenStateCache(tmp_path / "auto")
@@ -158,27 +165,32 @@ def test_default_cache_stores_features_in_the_dtype_the_target_computes_them_in(
     fresh = target.forward(torch.tensor([cache.token_ids(0).tolist()])).context_features[0]
     assert torch.equal(cache.features(0), fresh)  # nothing rounded: exactly what live decoding computes
     # --dtype bf16 still halves the features
-    build_cache(target, loaded, tmp_path / "bf16", [1, 3], dtype="bf16")
+    build_cache(target, loaded, tmp_path / "bf16", spec=CacheSpec(layer_ids=[1, 3], dtype="bf16"))
     assert HiddenStateCache(tmp_path / "bf16").dtype == torch.bfloat16
     sizes = [(d / "shard-00000.safetensors").stat().st_size for d in (tmp_path / "auto", tmp_path / "bf16")]
     assert sizes[1] < 0.55 * sizes[0]
     # a bf16 target's cache is bf16 by default
     bf16_target = TargetModel.load(hybrid_dir, dtype=torch.bfloat16)
-    build_cache(bf16_target, loaded, tmp_path / "bf16-target", [1, 3])
+    build_cache(bf16_target, loaded, tmp_path / "bf16-target", spec=CacheSpec(layer_ids=[1, 3]))
     assert json.loads((tmp_path / "bf16-target" / "manifest.json").read_text())["dtype"] == "bfloat16"
     # a cache built with another dtype is not resumed with the default: the error names the flag that resumes it
     refused = r"holds a cache with dtype = 'bfloat16', this run asks for 'float32'; use another --out .* --dtype bf16"
     with pytest.raises(FlashdraftError, match=refused):
-        build_cache(target, loaded, tmp_path / "bf16", [1, 3])
+        build_cache(target, loaded, tmp_path / "bf16", spec=CacheSpec(layer_ids=[1, 3]))
     with pytest.raises(FlashdraftError, match="--dtype fp8: expected auto or one of bf16, fp16, fp32"):
-        build_cache(target, loaded, tmp_path / "x", [1, 3], dtype="fp8")
+        build_cache(target, loaded, tmp_path / "x", spec=CacheSpec(layer_ids=[1, 3], dtype="fp8"))
 
 
 def test_a_cache_for_other_layers_another_target_or_a_damaged_shard_is_refused(
     hybrid_dir, qwen3_dir, completions, tmp_path, capsys
 ):
     target = TargetModel.load(hybrid_dir)
-    build_cache(target, load_completions(completions, target, quiet=True), tmp_path / "c", [0, 2], records_per_shard=2)
+    build_cache(
+        target,
+        load_completions(completions, target, quiet=True),
+        tmp_path / "c",
+        spec=CacheSpec(layer_ids=[0, 2], records_per_shard=2),
+    )
     cache = HiddenStateCache(tmp_path / "c")
     cache.check_compatible(target, [0, 2])
     with pytest.raises(FlashdraftError, match=r"cache holds layer ids \[0, 2\], the drafter's target_layer_ids are"):
@@ -248,7 +260,9 @@ def test_nan_features_are_refused_naming_record_and_layer(hybrid_dir, completion
 
     monkeypatch.setattr(target, "forward", poisoned)
     with pytest.raises(FlashdraftError, match="record 'q0': context features of layer 3 are NaN/Inf at token 3"):
-        build_cache(target, load_completions(completions, target, quiet=True), tmp_path / "c", [1, 3])
+        build_cache(
+            target, load_completions(completions, target, quiet=True), tmp_path / "c", spec=CacheSpec(layer_ids=[1, 3])
+        )
 
 
 def test_a_killed_run_resumes_without_redoing_shards_and_gives_the_same_bytes(
@@ -256,39 +270,39 @@ def test_a_killed_run_resumes_without_redoing_shards_and_gives_the_same_bytes(
 ):
     target = TargetModel.load(hybrid_dir)
     loaded = load_completions(completions, target, quiet=True)
-    build_cache(target, loaded, tmp_path / "whole", [0, 2], records_per_shard=2, topk=2)
+    build_cache(target, loaded, tmp_path / "whole", spec=CacheSpec(layer_ids=[0, 2], records_per_shard=2, topk=2))
 
     real, built = cache_module._build_shard, []
 
-    def dies_after_two(target_, directory, k, *args):
+    def dies_after_two(run, k, records):
         if len(built) == 2:
             # the third shard dies half written, as a kill would leave it
-            (directory / f"shard-{k:05d}.safetensors.tmp").write_bytes(b"partial")
+            (run.directory / f"shard-{k:05d}.safetensors.tmp").write_bytes(b"partial")
             raise KeyboardInterrupt
         built.append(k)
-        return real(target_, directory, k, *args)
+        return real(run, k, records)
 
     monkeypatch.setattr(cache_module, "_build_shard", dies_after_two)
     with pytest.raises(KeyboardInterrupt):
-        build_cache(target, loaded, tmp_path / "resumed", [0, 2], records_per_shard=2, topk=2)
+        build_cache(target, loaded, tmp_path / "resumed", spec=CacheSpec(layer_ids=[0, 2], records_per_shard=2, topk=2))
     assert not (tmp_path / "resumed" / "manifest.json").exists()
     with pytest.raises(FlashdraftError, match="an unfinished run: re-run flashdraft cache"):
         HiddenStateCache(tmp_path / "resumed")
 
-    def counts(target_, directory, k, *args):
+    def counts(run, k, records):
         built.append(k)
-        return real(target_, directory, k, *args)
+        return real(run, k, records)
 
     monkeypatch.setattr(cache_module, "_build_shard", counts)
     built.clear()
     with pytest.raises(FlashdraftError, match=r"holds a cache with layer_ids = \[0, 2\], this run asks for \[0, 1\]"):
-        build_cache(target, loaded, tmp_path / "resumed", [0, 1], records_per_shard=2, topk=2)
-    build_cache(target, loaded, tmp_path / "resumed", [0, 2], records_per_shard=2, topk=2)
+        build_cache(target, loaded, tmp_path / "resumed", spec=CacheSpec(layer_ids=[0, 1], records_per_shard=2, topk=2))
+    build_cache(target, loaded, tmp_path / "resumed", spec=CacheSpec(layer_ids=[0, 2], records_per_shard=2, topk=2))
     assert built == [2]  # only the unfinished shard
     assert files_of(tmp_path / "resumed") == files_of(tmp_path / "whole")
 
     built.clear()  # a finished cache: nothing to redo, same bytes
-    build_cache(target, loaded, tmp_path / "resumed", [0, 2], records_per_shard=2, topk=2)
+    build_cache(target, loaded, tmp_path / "resumed", spec=CacheSpec(layer_ids=[0, 2], records_per_shard=2, topk=2))
     assert built == [] and files_of(tmp_path / "resumed") == files_of(tmp_path / "whole")
 
 
@@ -297,7 +311,9 @@ def test_a_cache_into_a_foreign_directory_is_refused(hybrid_dir, completions, tm
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "notes.txt").write_text("mine")
     with pytest.raises(FlashdraftError, match="exists and is not a flashdraft cache"):
-        build_cache(target, load_completions(completions, target, quiet=True), tmp_path / "d", [0])
+        build_cache(
+            target, load_completions(completions, target, quiet=True), tmp_path / "d", spec=CacheSpec(layer_ids=[0])
+        )
 
 
 def test_two_process_torchrun_gives_the_same_completions_and_cache_as_one(hybrid_dir, tmp_path):
@@ -465,7 +481,7 @@ def test_listing_records_for_eval_reads_token_ids_only_and_features_on_demand(
 
     target = TargetModel.load(hybrid_dir)
     loaded = load_completions(completions, target, quiet=True)
-    build_cache(target, loaded, tmp_path / "c", [0, 2], records_per_shard=2)
+    build_cache(target, loaded, tmp_path / "c", spec=CacheSpec(layer_ids=[0, 2], records_per_shard=2))
     cache = HiddenStateCache(tmp_path / "c")
     expected = [cache[i].context_features for i in range(len(cache))]
     reads = []

@@ -10,9 +10,11 @@ import json
 
 import pytest
 
-from flashdraft.data.chat_mode import NOT_CLOSED, ReasoningMarkers, parse_kwargs, reasoning_end, run_kwargs
+from flashdraft.data.chat_mode import parse_kwargs, run_kwargs
+from flashdraft.data.reasoning import NOT_CLOSED, reasoning_end, reasoning_markers
 from flashdraft.errors import FlashdraftError
 from tests.conftest import CHAT_WORDS, PLAIN_TEMPLATE, make_chat_tokenizer, run_cli, save_chat_target
+from tests.data.conftest import TOOLS, TRACE
 
 THINK, END = CHAT_WORDS["<think>"], CHAT_WORDS["</think>"]
 
@@ -67,7 +69,7 @@ def test_both_modes_give_the_prompts_transformers_renders_with_the_kwargs_record
         thinking = kwargs.get("enable_thinking", True)
         # thinking off: the template wrote the empty think block into the prompt; the completion is all answer
         assert record["prompt_ids"][-2:] == ([CHAT_WORDS["assistant"], THINK] if thinking else [THINK, END])
-        expected = reasoning_end(record["prompt_ids"], record["completion_ids"], ReasoningMarkers(THINK, END))
+        expected = reasoning_end(record["prompt_ids"], record["completion_ids"], reasoning_markers(tok))
         assert record.get("reasoning_end") == expected and (expected is None) != thinking
         assert ("the template's defaults" in out) == (not kwargs)
         assert data["chat_mode"]["records_per_kwargs"] == [{"chat_template_kwargs": kwargs, "records": 1}]
@@ -100,7 +102,7 @@ def test_multi_turn_history_is_the_templates_rendering_with_earlier_reasoning_dr
 
 
 def test_a_trace_cut_inside_its_reasoning_is_not_closed_and_counted(capsys, tmp_path, chat_target):
-    markers = ReasoningMarkers(THINK, END)
+    markers = reasoning_markers(make_chat_tokenizer())
     assert reasoning_end([5, THINK], [1, 2, END, 3], markers) == 2
     assert reasoning_end([5, THINK], [1, 2, 3], markers) == NOT_CLOSED  # opened by the generation prompt
     assert reasoning_end([5], [THINK, 2, 3], markers) == NOT_CLOSED  # opened by the completion itself
@@ -159,11 +161,13 @@ def test_the_engines_render_equals_flashdrafts_and_a_server_with_another_default
         [
             {"id": "a", "turns": ["t1 t2", "t3"]},
             {"id": "b", "prompt": "t4", "chat_template_kwargs": {"enable_thinking": False}},
+            {"id": "c", "messages": TRACE, "tools": TOOLS},  # an agent trace: two steps, the tools rendered
         ],
     )
     # generate --engine vllm: every prompt (both modes, the second turn's history) rendered by the engine too
     data, out = _generate(capsys, tmp_path, target, prompts, "--engine", "vllm", "--verify-share", "0.3")
-    assert len(data["records"]) == 3 and "completions against the target" in out
+    assert len(data["records"]) == 5 and "completions against the target" in out
+    assert [r["tools"] for r in data["records"] if r["id"].startswith("c/")] == [TOOLS, TOOLS]
     python = engine_python()
     with VllmServer(
         python,

@@ -11,7 +11,7 @@ from flashdraft.data.completers import generate_batch
 from flashdraft.data.completions import GenerationSettings, record_seed
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.decoding.generate import autoregressive_generate
-from flashdraft.decoding.serving_rules import SamplingFilters
+from flashdraft.decoding.serving_rules import SamplingFilters, SamplingParams
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
 from tests.conftest import make_target
@@ -27,6 +27,16 @@ def test_batched_greedy_equals_greedy_generate(kind):
     for prompt, (ids, reason) in zip(PROMPTS, batched, strict=True):
         plain = autoregressive_generate(target, prompt, 10)
         assert ids == plain.output_ids and reason == plain.stop_reason
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "nemotron_h", "deepseek_v3"])
+def test_batched_greedy_equals_greedy_generate_on_recurrent_and_latent_cache_families(model_type):
+    """Left padding must not leak into Gated DeltaNet's or Mamba-2's states (their conv bias included)."""
+    from tests.target.tiny_families import make_family_target
+
+    target = make_family_target(model_type)
+    batched = generate_batch(target, PROMPTS, max_new_tokens=10)
+    assert [ids for ids, _ in batched] == [autoregressive_generate(target, p, 10).output_ids for p in PROMPTS]
 
 
 def test_batch_stops_each_row_at_its_stop_token_and_keeps_it():
@@ -48,7 +58,9 @@ def test_sampling_is_per_record_seeded_so_batching_does_not_change_it():
     together = generate_batch(target, PROMPTS, 8, temperature=1.5, generators=gens(0))
     alone = [generate_batch(target, [p], 8, 1.5, [g])[0] for p, g in zip(PROMPTS, gens(0), strict=True)]
     assert together == alone
-    plain = autoregressive_generate(target, PROMPTS[0], 8, temperature=1.5, generator=gens(0)[0])
+    plain = autoregressive_generate(
+        target, PROMPTS[0], 8, sampling=SamplingParams(temperature=1.5), generator=gens(0)[0]
+    )
     assert together[0][0] == plain.output_ids
     assert generate_batch(target, PROMPTS, 8, 1.5, gens(1)) != together
 
@@ -59,7 +71,10 @@ def test_sampling_with_filters_draws_as_plain_sampling_with_them_and_only_inside
     filters = SamplingFilters(top_k=3, top_p=0.9)
     batched = generate_batch(target, PROMPTS, 8, 1.5, gens(), filters)
     plain = [
-        autoregressive_generate(target, p, 8, 1.5, g, filters).output_ids for p, g in zip(PROMPTS, gens(), strict=True)
+        autoregressive_generate(
+            target, p, 8, sampling=SamplingParams(temperature=1.5, filters=filters), generator=g
+        ).output_ids
+        for p, g in zip(PROMPTS, gens(), strict=True)
     ]
     assert [ids for ids, _ in batched] == plain
     assert [ids for ids, _ in generate_batch(target, PROMPTS, 8, 1.5, gens())] != plain  # the filters drew otherwise

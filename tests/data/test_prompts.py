@@ -6,7 +6,8 @@ import pytest
 
 from flashdraft.data.prompts import encode_text, has_chat_template, load_prompts, render_conversation
 from flashdraft.errors import FlashdraftError
-from tests.conftest import make_tokenizer
+from tests.conftest import make_tokenizer, run_cli, save_chat_target
+from tests.data.conftest import TOOLS, TRACE
 
 
 def write_jsonl(path, rows):
@@ -70,7 +71,7 @@ def test_jsonl_rows_with_prompt_messages_or_turns(tmp_path, capsys):
 @pytest.mark.parametrize(
     "row, message",
     [
-        ({"text": "x"}, "no 'prompt', 'messages' or 'turns' field (found ['text'])"),
+        ({"text": "x"}, "no 'prompt', 'messages', 'conversations' or 'turns' field (found ['text'])"),
         ({"prompt": ""}, "field 'prompt' is ''"),
         ({"turns": "one"}, "field 'turns'"),
         ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0]"),
@@ -135,3 +136,69 @@ def test_chat_template_is_applied_only_where_the_tokenizer_has_one():
     text = render_conversation(tok, messages[:1], True)
     assert text == "t60 t1 t2 t59"
     assert encode_text(tok, text, True) == [60, 1, 2, 59]
+
+
+# -- the field's formats: ShareGPT and role/content conversations, tools, agent traces --------------------------------
+
+CONVERSATION = [("system", "be brief"), ("user", "t1 t2"), ("assistant", "t3"), ("user", "t4"), ("assistant", "t5")]
+SHAREGPT = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+def test_sharegpt_and_role_content_conversations_read_as_the_equivalent_messages(tmp_path, capsys):
+    messages = [{"role": r, "content": c} for r, c in CONVERSATION]
+    rows = {
+        "messages": {"id": "a", "messages": messages},
+        "sharegpt": {"id": "a", "conversations": [{"from": SHAREGPT[r], "value": c} for r, c in CONVERSATION]},
+        "role-content": {"id": "a", "conversations": messages},
+    }
+    read = {name: load_prompts(str(write_jsonl(tmp_path / f"{name}.jsonl", [row]))) for name, row in rows.items()}
+    assert read["sharegpt"] == read["messages"] == read["role-content"]
+    target, done = save_chat_target(tmp_path / "target"), {}
+    for name in rows:  # the target's completions of each: the same prompt and completion ids
+        out = tmp_path / f"{name}.json"
+        argv = ["generate", "--target-model", target, "--prompts", tmp_path / f"{name}.jsonl", "--out", out]
+        assert run_cli(capsys, *argv, "--max-new-tokens", "6")[0] == 0
+        done[name] = [(r["prompt_ids"], r["completion_ids"]) for r in json.loads(out.read_text())["records"]]
+    assert done["sharegpt"] == done["messages"] == done["role-content"]
+    assert read["messages"][0].turns == ["t4"] and read["messages"][0].prefix == messages[:3]  # the reply removed
+    table = pa.table({"id": ["a"], "conversations": [rows["sharegpt"]["conversations"]]})
+    pq.write_table(table, tmp_path / "c.parquet")
+    assert load_prompts(str(tmp_path / "c.parquet"), quiet=True) == read["messages"]
+    with pytest.raises(FlashdraftError, match=r"conversations\[0\] is .*'from': one of human/"):
+        load_prompts(str(write_jsonl(tmp_path / "bad.jsonl", [{"conversations": [{"from": "bot", "value": "x"}]}])))
+
+
+def test_an_agent_trace_is_one_prompt_per_assistant_step_after_the_datas_messages_with_its_tools(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"id": "a", "messages": TRACE, "tools": json.dumps(TOOLS)}])
+    steps = load_prompts(str(path), quiet=True)
+    assert [p.id for p in steps] == ["a/step1", "a/step2"] and all(p.tools == TOOLS for p in steps)
+    assert steps[0].conversation([]) == TRACE[:1]  # the target writes the tool call
+    assert steps[1].conversation([]) == TRACE[:3]  # after the data's call and the tool's result (never invented)
+
+
+TOOLS_TEMPLATE = (
+    "{%- if tools -%}<|im_start|> system {% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|> "
+    "{%- endif -%}"
+    "{%- for m in messages -%}<|im_start|> {{ m.role }} {{ m.content }}"
+    "{%- for c in m.tool_calls or [] %} <tool_call> {{ c.function.name }} </tool_call>{% endfor %} <|im_end|> "
+    "{%- endfor -%}{%- if add_generation_prompt -%}<|im_start|> assistant {% endif -%}"
+)
+
+
+def test_tools_and_tool_calls_render_as_transformers_apply_chat_template_with_tools(tmp_path):
+    from tests.conftest import make_chat_tokenizer
+
+    tok = make_chat_tokenizer(TOOLS_TEMPLATE)
+    step = load_prompts(str(write_jsonl(tmp_path / "t.jsonl", [{"messages": TRACE, "tools": TOOLS}])), quiet=True)[1]
+    text = render_conversation(tok, step.conversation([]), True, None, step.tools)
+    assert text == tok.apply_chat_template(TRACE[:3], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert "grep" in text.split("<|im_end|>")[0] and "<tool_call> grep </tool_call>" in text
+
+
+def test_a_template_that_ignores_tools_while_rows_carry_them_is_said_in_one_line(tmp_path):
+    from flashdraft.data.prompts import ignored_tools_note
+    from tests.conftest import PLAIN_TEMPLATE, make_chat_tokenizer
+
+    prompts = load_prompts(str(write_jsonl(tmp_path / "t.jsonl", [{"messages": TRACE, "tools": TOOLS}])), quiet=True)
+    assert "ignores `tools`: 2 of 2 prompts" in ignored_tools_note(make_chat_tokenizer(PLAIN_TEMPLATE), prompts, None)
+    assert ignored_tools_note(make_chat_tokenizer(TOOLS_TEMPLATE), prompts, None) is None

@@ -2,11 +2,11 @@ import pytest
 import torch
 
 from flashdraft.decoding.acceptance import accept_greedy, accept_greedy_in_chunks, committed_length
-from flashdraft.decoding.generate import autoregressive_generate, speculative_generate
+from flashdraft.decoding.generate import SpeculativeConfig, autoregressive_generate, speculative_generate
 from flashdraft.decoding.ngram import NGramProposer
 from flashdraft.decoding.proposers import BatchProposer, DFlashProposer, DraftLimit, as_proposer, draw_drafts
 from flashdraft.decoding.serving_rules import verify
-from flashdraft.evaluation.offline import evaluate_offline, offline_acceptance_lengths
+from flashdraft.evaluation.offline import WalkConfig, evaluate_offline, offline_acceptance_lengths
 from tests.conftest import make_dflash2_drafter, make_drafter, make_target
 from tests.decoding.test_ngram import PROMPTS, greedy_records
 from tests.evaluation.test_run import overfit
@@ -63,7 +63,7 @@ def test_a_proposer_drafting_fewer_tokens_is_verified_on_exactly_those_offline_a
     proposer = FirstDrafts(target.vocab_size)
     for prompt in PROMPTS:
         plain = autoregressive_generate(target, prompt, 40)
-        online = speculative_generate(target, proposer, prompt, 40, block_size=8)
+        online = speculative_generate(target, proposer, prompt, 40, speculative=SpeculativeConfig(block_size=8))
         assert online.output_ids == plain.output_ids
         offline = offline_acceptance_lengths(proposer, prompt, plain.output_ids, 8)
         assert offline == online.acceptance_lengths
@@ -131,11 +131,15 @@ def test_verifying_fewer_drafts_stays_lossless_and_offline_equals_online(fitted,
         drafter = NGramProposer(target.vocab_size)
     else:  # the batched many-anchors walk survives the limit
         assert isinstance(as_proposer(drafter, target, limit), BatchProposer)
-    offline = evaluate_offline(drafter, target, records, block_size=8, limit=limit)
-    full = evaluate_offline(drafter, target, records, block_size=8)
+    offline = evaluate_offline(drafter, target, records, walk=WalkConfig(block_size=8, limit=limit))
+    full = evaluate_offline(drafter, target, records, walk=WalkConfig(block_size=8))
     for record, walked in zip(records, offline.per_prompt, strict=True):
         online = speculative_generate(
-            target, drafter, record.prompt_ids, len(record.completion_ids), block_size=8, limit=limit
+            target,
+            drafter,
+            record.prompt_ids,
+            len(record.completion_ids),
+            speculative=SpeculativeConfig(block_size=8, limit=limit),
         )
         assert online.output_ids == record.completion_ids  # greedy: identical to autoregressive decoding
         assert walked.acceptance_lengths == online.acceptance_lengths

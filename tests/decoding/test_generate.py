@@ -5,9 +5,16 @@ import time
 import pytest
 import torch
 
-from flashdraft.decoding.generate import autoregressive_generate, speculative_generate
+from flashdraft.decoding.generate import SpeculativeConfig, autoregressive_generate, speculative_generate
 from flashdraft.decoding.proposers import DraftLimit
-from flashdraft.decoding.serving_rules import NO_FILTERS, RULES, SamplingFilters, filters_for, target_probs
+from flashdraft.decoding.serving_rules import (
+    NO_FILTERS,
+    RULES,
+    SamplingFilters,
+    SamplingParams,
+    filters_for,
+    target_probs,
+)
 from tests.conftest import EOS, make_dflash2_drafter, make_drafter, make_dspark_drafter, make_flat_target, make_target
 
 PROMPT = [5, 9, 17, 3, 22, 40, 11, 8, 30, 2, 14, 27]
@@ -36,7 +43,13 @@ class OracleProposer:
 def test_greedy_speculative_equals_greedy_with_partial_acceptance(any_target, block, mode):
     any_target.rollback_mode = mode
     plain = autoregressive_generate(any_target, PROMPT, 40)
-    spec = speculative_generate(any_target, OracleProposer(PROMPT + plain.output_ids), PROMPT, 40, block_size=block)
+    spec = speculative_generate(
+        any_target,
+        OracleProposer(PROMPT + plain.output_ids),
+        PROMPT,
+        40,
+        speculative=SpeculativeConfig(block_size=block),
+    )
     assert spec.output_ids == plain.output_ids
     assert sum(spec.acceptance_lengths) == len(spec.output_ids) - 1
     assert max(spec.acceptance_lengths) > 1 and min(spec.acceptance_lengths) == 1
@@ -59,7 +72,9 @@ def test_stop_token_ends_both_decoders_at_the_same_place():
     stop = plain.output_ids[17]
     target.model.generation_config.eos_token_id = stop  # make a token we know appears a stop token
     plain = autoregressive_generate(target, PROMPT, 40)
-    spec = speculative_generate(target, OracleProposer(PROMPT + plain.output_ids), PROMPT, 40, block_size=8)
+    spec = speculative_generate(
+        target, OracleProposer(PROMPT + plain.output_ids), PROMPT, 40, speculative=SpeculativeConfig(block_size=8)
+    )
     assert plain.stop_reason == spec.stop_reason == "eos"
     assert spec.output_ids == plain.output_ids and spec.output_ids[-1] == stop
     assert EOS != stop
@@ -68,7 +83,13 @@ def test_stop_token_ends_both_decoders_at_the_same_place():
 def test_max_new_tokens_is_respected_inside_a_block():
     target = make_target("qwen3")
     plain = autoregressive_generate(target, PROMPT, 13)
-    spec = speculative_generate(target, OracleProposer(PROMPT + plain.output_ids + [0] * 20), PROMPT, 13, block_size=16)
+    spec = speculative_generate(
+        target,
+        OracleProposer(PROMPT + plain.output_ids + [0] * 20),
+        PROMPT,
+        13,
+        speculative=SpeculativeConfig(block_size=16),
+    )
     assert len(spec.output_ids) == 13 and spec.output_ids == plain.output_ids
 
 
@@ -91,7 +112,13 @@ def test_speculative_sampling_matches_target_distribution_end_to_end(limit, rule
     counts = torch.zeros(64)
     for _ in range(n):
         out = speculative_generate(
-            target, drafter, prompt, 2, temperature=1.0, generator=gen, limit=limit, rule=rule
+            target,
+            drafter,
+            prompt,
+            2,
+            sampling=SamplingParams(temperature=1.0),
+            speculative=SpeculativeConfig(limit=limit, rule=rule),
+            generator=gen,
         ).output_ids
         counts[out[1]] += 1
     # chi-square over the 8 likeliest second tokens plus "other"
@@ -116,7 +143,9 @@ def test_drafting_and_verification_are_timed_apart_inside_the_loop():
     target = make_target("hybrid")
     plain = autoregressive_generate(target, PROMPT, 30)
     start = time.perf_counter()
-    spec = speculative_generate(target, SlowProposer(PROMPT + plain.output_ids), PROMPT, 30, block_size=4)
+    spec = speculative_generate(
+        target, SlowProposer(PROMPT + plain.output_ids), PROMPT, 30, speculative=SpeculativeConfig(block_size=4)
+    )
     wall = time.perf_counter() - start
     steps = len(spec.acceptance_lengths)
     assert spec.output_ids == plain.output_ids
@@ -128,7 +157,7 @@ def test_drafting_and_verification_are_timed_apart_inside_the_loop():
 def test_greedy_speculative_with_a_dflash2_drafter_equals_greedy(any_target, limit):
     drafter = make_dflash2_drafter(block_size=8)
     plain = autoregressive_generate(any_target, PROMPT, 30)
-    spec = speculative_generate(any_target, drafter, PROMPT, 30, limit=limit)
+    spec = speculative_generate(any_target, drafter, PROMPT, 30, speculative=SpeculativeConfig(limit=limit))
     assert spec.output_ids == plain.output_ids
     assert sum(spec.acceptance_lengths) == len(spec.output_ids) - 1
 
@@ -162,7 +191,13 @@ def _assert_the_third_token_keeps_the_target_law(
     n, counts, accepted_twice = 600, torch.zeros(64), 0
     for _ in range(n):
         out = speculative_generate(
-            target, drafter, prompt, 3, temperature=temperature, generator=gen, limit=limit, filters=filters, rule=rule
+            target,
+            drafter,
+            prompt,
+            3,
+            sampling=SamplingParams(temperature=temperature, filters=filters),
+            speculative=SpeculativeConfig(limit=limit, rule=rule),
+            generator=gen,
         )
         counts[out.output_ids[2]] += 1
         accepted_twice += out.acceptance_lengths[0] >= 2
@@ -188,7 +223,7 @@ def test_dflash2_sampling_keeps_the_target_law_of_a_token_drafted_after_a_sample
 def test_greedy_speculative_with_a_dspark_drafter_equals_greedy(any_target, limit):
     drafter = make_dspark_drafter()
     plain = autoregressive_generate(any_target, PROMPT, 30)
-    spec = speculative_generate(any_target, drafter, PROMPT, 30, limit=limit)
+    spec = speculative_generate(any_target, drafter, PROMPT, 30, speculative=SpeculativeConfig(limit=limit))
     assert spec.output_ids == plain.output_ids
     assert sum(spec.acceptance_lengths) == len(spec.output_ids) - 1
 

@@ -3,10 +3,11 @@ import json
 import pytest
 import torch
 
-from flashdraft.decoding.generate import speculative_generate
+from flashdraft.decoding.generate import SpeculativeConfig, speculative_generate
 from flashdraft.decoding.hybrid import HybridDrafter, HybridProposer, HybridRule
 from flashdraft.decoding.ngram import NGramProposer
 from flashdraft.decoding.proposers import DFlashProposer, as_proposer
+from flashdraft.decoding.serving_rules import SamplingParams
 from flashdraft.drafter.checkpoint import save_drafter
 from flashdraft.evaluation.offline import offline_acceptance_lengths
 from tests.conftest import (
@@ -88,7 +89,9 @@ def test_always_and_never_ngram_reproduce_ngram_and_dflash_exactly(setup):
     for r in records:
         for rule, alone in ((ALWAYS_NGRAM, ngram), (NEVER_NGRAM, drafter)):
             hybrid = HybridDrafter(drafter, ngram, rule)
-            expected = speculative_generate(target, alone, r.prompt_ids, len(r.completion_ids), block_size=8)
+            expected = speculative_generate(
+                target, alone, r.prompt_ids, len(r.completion_ids), speculative=SpeculativeConfig(block_size=8)
+            )
             got = speculative_generate(target, hybrid, r.prompt_ids, len(r.completion_ids))
             assert got.acceptance_lengths == expected.acceptance_lengths, rule
     # and they differ from each other, so the comparison can fail
@@ -141,7 +144,11 @@ def test_hybrid_sampling_keeps_the_target_distribution():
         n = 600
         counts = torch.zeros(64)
         for _ in range(n):
-            counts[speculative_generate(target, hybrid, prompt, 2, temperature=1.0, generator=gen).output_ids[1]] += 1
+            counts[
+                speculative_generate(
+                    target, hybrid, prompt, 2, sampling=SamplingParams(temperature=1.0), generator=gen
+                ).output_ids[1]
+            ] += 1
         top = torch.topk(law, 8).indices
         observed = torch.cat([counts[top], (n - counts[top].sum()).unsqueeze(0)])
         expected = torch.cat([law[top], (1 - law[top].sum()).unsqueeze(0)]) * n

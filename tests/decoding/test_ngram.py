@@ -3,10 +3,11 @@ import json
 import pytest
 import torch
 
-from flashdraft.decoding.generate import autoregressive_generate, speculative_generate
+from flashdraft.decoding.generate import SpeculativeConfig, autoregressive_generate, speculative_generate
 from flashdraft.decoding.ngram import NGramProposer, lookup
+from flashdraft.decoding.serving_rules import SamplingParams
 from flashdraft.errors import FlashdraftError
-from flashdraft.evaluation.offline import evaluate_offline
+from flashdraft.evaluation.offline import WalkConfig, evaluate_offline
 from flashdraft.evaluation.records import EvalRecord
 from flashdraft.evaluation.run import records_from_prompts
 from tests.conftest import VOCAB, make_drafter, make_target, run_cli, save_target, write_word_prompts
@@ -71,7 +72,7 @@ def test_greedy_speculative_decoding_with_ngram_is_lossless(any_target, block):
     taus = []
     for prompt in PROMPTS:
         plain = autoregressive_generate(any_target, prompt, 48)
-        spec = speculative_generate(any_target, proposer, prompt, 48, block_size=block)
+        spec = speculative_generate(any_target, proposer, prompt, 48, speculative=SpeculativeConfig(block_size=block))
         assert spec.output_ids == plain.output_ids
         assert sum(spec.acceptance_lengths) == len(spec.output_ids) - 1 and max(spec.acceptance_lengths) <= block
         taus.append(spec.tau)
@@ -90,9 +91,12 @@ def test_offline_tau_equals_online_tau_for_ngram(kind, block):
     target = make_target(kind)
     proposer = NGramProposer(target.vocab_size)
     records = greedy_records(target)
-    offline = evaluate_offline(proposer, target, records, block_size=block)
+    offline = evaluate_offline(proposer, target, records, walk=WalkConfig(block_size=block))
     online = [
-        speculative_generate(target, proposer, r.prompt_ids, len(r.completion_ids), block_size=block) for r in records
+        speculative_generate(
+            target, proposer, r.prompt_ids, len(r.completion_ids), speculative=SpeculativeConfig(block_size=block)
+        )
+        for r in records
     ]
     assert [o.output_ids for o in online] == [r.completion_ids for r in records]
     assert [p.acceptance_lengths for p in offline.per_prompt] == [o.acceptance_lengths for o in online]
@@ -103,8 +107,8 @@ def test_offline_ngram_walk_honours_max_blocks():
     target = make_target("qwen3")
     proposer = NGramProposer(target.vocab_size)
     records = greedy_records(target)
-    full = evaluate_offline(proposer, target, records, block_size=8)
-    cut = evaluate_offline(proposer, target, records, block_size=8, max_blocks=3)
+    full = evaluate_offline(proposer, target, records, walk=WalkConfig(block_size=8))
+    cut = evaluate_offline(proposer, target, records, walk=WalkConfig(block_size=8, max_blocks=3))
     assert [p.acceptance_lengths for p in cut.per_prompt] == [p.acceptance_lengths[:3] for p in full.per_prompt]
 
 
@@ -115,7 +119,13 @@ def test_sampling_with_ngram_one_hot_drafts():
     for seed in range(4):
         gen = torch.Generator().manual_seed(seed)
         out = speculative_generate(
-            target, NGramProposer(VOCAB), PROMPTS[1], 40, temperature=0.3, block_size=8, generator=gen
+            target,
+            NGramProposer(VOCAB),
+            PROMPTS[1],
+            40,
+            sampling=SamplingParams(temperature=0.3),
+            speculative=SpeculativeConfig(block_size=8),
+            generator=gen,
         )
         assert sum(out.acceptance_lengths) == len(out.output_ids) - 1
         assert all(0 <= t < VOCAB for t in out.output_ids)

@@ -6,12 +6,13 @@ import torch
 
 import flashdraft
 import flashdraft.decoding.generate as decode
-from flashdraft.decoding.generate import autoregressive_generate, speculative_generate
+from flashdraft.decoding.generate import SpeculativeConfig, autoregressive_generate, speculative_generate
 from flashdraft.decoding.proposers import DFlashProposer
 from flashdraft.decoding.serving_rules import (
     NO_FILTERS,
     RULES,
     SamplingFilters,
+    SamplingParams,
     acceptance_probabilities,
     check_filters,
     expected_committed,
@@ -136,7 +137,15 @@ def test_under_the_vllm_default_rule_drafts_are_the_argmax_walk_at_t1_accepted_w
     firsts, steps = [], []
     for _ in range(150):
         del seen[:]
-        out = speculative_generate(target, drafter, prompt, 4, temperature=1.0, generator=gen, rule="vllm")
+        out = speculative_generate(
+            target,
+            drafter,
+            prompt,
+            4,
+            sampling=SamplingParams(temperature=1.0),
+            speculative=SpeculativeConfig(rule="vllm"),
+            generator=gen,
+        )
         if seen:  # no step when the first token was the stop token
             firsts.append(out.output_ids[0])
             steps.append(seen[0])

@@ -9,7 +9,7 @@ import re
 import torch
 
 from flashdraft.decoding.generate import autoregressive_generate
-from flashdraft.decoding.serving_rules import NO_FILTERS, SamplingFilters
+from flashdraft.decoding.serving_rules import NO_FILTERS, SamplingFilters, SamplingParams
 from flashdraft.decoding.target_samples import Z_LIMIT, greedy_agreement, sampling_fidelity
 from flashdraft.evaluation.records import EvalRecord
 from tests.conftest import make_target
@@ -21,7 +21,13 @@ def outputs(target, temperature: float, seed: int = 0, filters: SamplingFilters 
     """The target's completions of PROMPTS (40 tokens each), sampled at `temperature` (0: greedy), seeded."""
     gen = torch.Generator().manual_seed(seed)
     return [
-        EvalRecord(f"r{i}", p, autoregressive_generate(target, p, 40, temperature, gen, filters).output_ids)
+        EvalRecord(
+            f"r{i}",
+            p,
+            autoregressive_generate(
+                target, p, 40, sampling=SamplingParams(temperature=temperature, filters=filters), generator=gen
+            ).output_ids,
+        )
         for i, p in enumerate(PROMPTS)
     ]
 

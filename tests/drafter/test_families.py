@@ -14,7 +14,7 @@ from flashdraft.drafter import families
 from flashdraft.drafter.checkpoint import load_drafter, save_drafter
 from flashdraft.drafter.config import DrafterConfig
 from flashdraft.drafter.families import FAMILIES, Family, drafts_per_block, family_of
-from flashdraft.drafter.init import new_drafter_for_target
+from flashdraft.drafter.init import DrafterChoices, new_drafter_for_target
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.evaluation.offline import evaluate_offline
@@ -79,7 +79,7 @@ def test_a_fourth_family_is_parsed_made_saved_loaded_and_evaluated_from_its_tabl
         assert cfg.architecture == "ToyDraftModel" and cfg.describe_layout().startswith("anchor-first")
     # init: the family's model class, with its default block
     target = make_target("qwen3")
-    drafter = new_drafter_for_target(target, family="toy")
+    drafter = new_drafter_for_target(target, choices=DrafterChoices(family="toy"))
     assert type(drafter) is ToyDrafter and drafter.config.block_size == 5
     # save and load by the architecture name
     save_drafter(drafter, tmp_path / "toy")

@@ -482,3 +482,17 @@ def test_a_drafter_turned_dflash2_or_rescaled_keeps_its_trained_context_and_weig
     assert scaled.config.rope_scaling == yarn and scaled.config.trained_context_length == 77
     assert all(torch.equal(v, scaled.state_dict()[k]) for k, v in drafter.state_dict().items())
     assert with_rope_scaling(scaled, {"rope_type": "default"}).config.rope_scaling is None
+
+
+def test_a_fresh_drafter_for_mla_takes_the_value_width_and_for_nemotron_h_its_layer_norm_epsilon(tmp_path, capsys):
+    """MLA targets have no single head_dim (their config's is the RoPE part of a query): a drafter takes the value
+    heads' width; Nemotron-H names its norm epsilon layer_norm_epsilon."""
+    from tests.target.tiny_families import save_family_target
+
+    for model_type in ("deepseek_v3", "nemotron_h"):
+        target = save_family_target(tmp_path / model_type, model_type)
+        rc, _, err = run_cli(capsys, "init", "--target-model", target, "--out", tmp_path / f"d-{model_type}")
+        assert rc == 0, err
+    mla = load_drafter(tmp_path / "d-deepseek_v3").config
+    assert mla.head_dim == 64 and mla.num_attention_heads == 2  # v_head_dim 64; the config's head_dim is 32
+    assert load_drafter(tmp_path / "d-nemotron_h").config.rms_norm_eps == 1e-5  # its layer_norm_epsilon

@@ -154,3 +154,21 @@ def test_doctor_and_the_export_readme_state_the_trained_mode_and_its_server_sett
     assert "## Chat mode" in readme and setting in readme
     rc, out, _ = run_cli(capsys, "doctor", tmp_path / "x", "--serving", "--target-model", target)
     assert 'chat mode trained for: {"enable_thinking": false}: 4 records' in out and setting in out
+
+
+def test_tau_by_segment_tells_tool_calls_apart_where_the_template_marks_them_and_says_so_where_not():
+    from tests.data.test_reasoning import characters_tokenizer, ids_of
+
+    tok = characters_tokenizer("{{ messages }}<tool_call>")
+    completion = ids_of(tok, "ab<tool_call>x</tool_call>cd")  # tokens 2..25 are the call
+    record = EvalRecord("r", ids_of(tok, "hi"), completion, tools=[{"type": "function"}])
+    lengths = [2, 13, 11, 2]  # steps start at tokens 0 (answer), 2 and 15 (tool call), 26 (answer)
+    result = EvalResult("offline", 16, [0], 1, [PromptResult("r", lengths, prompt_length=2)])
+    segments = by_segment(result, [record], tok)
+    assert segments["tool_call"]["steps"] == 2 and segments["tool_call"]["tokens"] == 24
+    assert segments["answer"]["steps"] == 2 and segments["reasoning"]["steps"] == 0
+    unmarked = characters_tokenizer("{% if enable_thinking %}<think>{% endif %}{{ messages }}")
+    thinking = EvalRecord("r", ids_of(unmarked, "hi<think>"), ids_of(unmarked, "ab</think>cd"), tools=[{}])
+    short = EvalResult("offline", 16, [0], 1, [PromptResult("r", [4, 4, 4], prompt_length=9)])
+    figures = by_segment(short, [thinking], unmarked)
+    assert "tool_call" not in figures and "markers are unknown" in figures["tool_call_note"]

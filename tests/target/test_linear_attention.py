@@ -3,7 +3,7 @@ import torch
 from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule
 
-from flashdraft.decoding.generate import autoregressive_generate, speculative_generate
+from flashdraft.decoding.generate import SpeculativeConfig, autoregressive_generate, speculative_generate
 from flashdraft.target.linear_attention import (
     BlockRecord,
     causal_conv_window,
@@ -159,7 +159,9 @@ def test_gqa_hybrid_target_speculative_equals_transformers_greedy_with_partial_a
         expected.append(token)
         ids = torch.tensor([[token]])
     assert autoregressive_generate(target, PROMPT, 40).output_ids == expected
-    spec = speculative_generate(target, OracleProposer(PROMPT + expected), PROMPT, 40, block_size=8)
+    spec = speculative_generate(
+        target, OracleProposer(PROMPT + expected), PROMPT, 40, speculative=SpeculativeConfig(block_size=8)
+    )
     assert spec.output_ids == expected
     assert max(spec.acceptance_lengths) > 1 and min(spec.acceptance_lengths) == 1
 

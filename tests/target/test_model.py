@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from flashdraft.decoding.generate import SpeculativeConfig
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
 from tests.conftest import make_hf_model, make_target, make_tokenizer
@@ -131,3 +132,67 @@ def test_with_fla_installed_cpu_calls_reach_the_torch_fallback_and_cuda_calls_th
     modeling.torch_chunk_gated_delta_rule(FakeCudaTensor(), None, g=None)
     assert calls == ["torch", "fla"]
     assert modeling.torch_chunk_gated_delta_rule.__wrapped__ is fla_kernel  # parity still unwraps to torch
+
+
+# -- the families with recurrent or latent caches: Qwen3-Next, Nemotron-H (Mamba-2), MLA ----------------------
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "qwen3_moe",
+        "qwen3_5_moe_text",
+        "glm4_moe",
+        "gpt_oss",
+        "qwen3_next",
+        "nemotron_h",
+        "deepseek_v3",
+        "glm4_moe_lite",
+        "deepseek_v2",
+    ],
+)
+def family_target(request) -> TargetModel:
+    from tests.target.tiny_families import make_family_target
+
+    return make_family_target(request.param)
+
+
+def transformers_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy decoding through the model's own cache path, one token per forward (the reference)."""
+    from transformers import DynamicCache
+
+    ids, cache, out = torch.tensor([prompt]), DynamicCache(config=model.config), []
+    for _ in range(num_tokens):
+        out.append(int(model(ids, past_key_values=cache, use_cache=True).logits[0, -1].argmax()))
+        ids = torch.tensor([[out[-1]]])
+    return out
+
+
+@pytest.mark.parametrize("mode", ["recompute", "deferred"])
+def test_family_speculative_decoding_equals_the_models_own_greedy_decoding(family_target, mode):
+    from flashdraft.decoding.generate import autoregressive_generate, speculative_generate
+    from tests.decoding.test_generate import PROMPT, OracleProposer
+
+    family_target.rollback_mode = mode
+    expected = transformers_greedy(family_target.model, PROMPT, 40)
+    assert autoregressive_generate(family_target, PROMPT, 40).output_ids == expected
+    spec = speculative_generate(
+        family_target, OracleProposer(PROMPT + expected), PROMPT, 40, speculative=SpeculativeConfig(block_size=8)
+    )
+    assert spec.output_ids == expected
+    assert max(spec.acceptance_lengths) > 1 and min(spec.acceptance_lengths) == 1  # rollback exercised
+
+
+@pytest.mark.parametrize("keep", [1, 5])
+def test_family_rollback_after_partial_acceptance_equals_a_fresh_forward(family_target, keep):
+    family_target.rollback_mode = "recompute"
+    family_target.set_context_layers([0, 2])
+    ids = torch.randint(0, 60, (1, 40), generator=torch.Generator().manual_seed(1))
+    cache = family_target.new_cache()
+    family_target.forward(ids[:, :20], cache)
+    family_target.forward(ids[:, 20:28], cache)
+    family_target.rollback(cache, keep)
+    resumed = family_target.forward(ids[:, 20 + keep : 36], cache)
+    fresh = family_target.forward(ids[:, :36])
+    torch.testing.assert_close(resumed.logits, fresh.logits[:, 20 + keep :], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(resumed.context_features, fresh.context_features[:, 20 + keep :], rtol=1e-4, atol=1e-4)

@@ -73,3 +73,13 @@ def test_a_target_without_linear_attention_has_nothing_to_compare(capsys):
     assert result.reference is None and result.passed
     print_parity(result, 3, 10)
     assert "no linear-attention layers" in capsys.readouterr().out
+
+
+def test_mamba_targets_compare_the_chunked_scan_with_the_per_token_recurrence_and_say_mamba_ssm_did_not_run(capsys):
+    from tests.target.tiny_families import make_family_target
+
+    result = run_parity(make_family_target("nemotron_h"), PROMPTS)
+    assert result.reference == "torch_chunk" and list(result.min_cosine) == ["torch_recurrent"] and result.passed
+    assert "mamba_ssm" in result.skipped and "not fla's" in result.skipped["mamba_ssm"]
+    print_parity(result, len(PROMPTS), sum(map(len, PROMPTS)))
+    assert "not compared: mamba_ssm (" in capsys.readouterr().out

@@ -16,6 +16,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TINY_DIR, TargetModel
 from flashdraft.target.weights import TargetHead
 from tests.conftest import EOS, PAD, VOCAB, make_hf_model, make_tokenizer, save_target, write_word_prompts
+from tests.target.tiny_families import FAMILIES, save_family_target
 
 
 def save_qwen36_layout(directory, seed: int = 0):
@@ -378,3 +379,22 @@ def test_attention_layer_weights_refuse_a_linear_attention_layer(targets):
     head = TargetHead.load(targets["tiny"])
     with pytest.raises(FlashdraftError, match=r"target layer 0 is linear_attention; expected a full_attention"):
         head.attention_layer_weights(0)
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_families_with_fused_experts_or_renamed_prefixes_fingerprint_alike_from_files_and_loaded(tmp_path, model_type):
+    """Their checkpoints store routed experts one by one (the model fuses them on load) and Nemotron-H its
+    decoder under backbone. (loaded as model.); the files still give the loaded model's fingerprint, embeddings,
+    LM head and final norm."""
+    directory = save_family_target(tmp_path / model_type, model_type)
+    head, loaded = TargetHead.load(directory), TargetModel.load(directory)
+    assert head.fingerprint() == loaded.fingerprint()
+    assert torch.equal(head.embed_weight, loaded.model.get_input_embeddings().weight)
+    assert torch.equal(head.lm_head_weight, loaded.lm_head_weight)
+    torch.testing.assert_close(head.final_norm_weight(), loaded.final_norm_weight())
+
+
+def test_a_layer_not_of_qwen3s_form_cannot_start_a_drafter_layer(tmp_path):
+    head = TargetHead.load(save_family_target(tmp_path / "t", "deepseek_v3"))
+    with pytest.raises(FlashdraftError, match=r"target layer 2 \(deepseek_v3\) has no model.layers.2.self_attn.q_proj"):
+        head.attention_layer_weights(2)

@@ -13,8 +13,8 @@ from flashdraft.drafter.run_dir import RunLock, complete_checkpoints, latest_che
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TINY_DIR
 from flashdraft.train.config import TrainConfig
-from flashdraft.train.data import make_batch
-from flashdraft.train.loop import describe_steps, train
+from flashdraft.train.data import BatchSpec, make_batch
+from flashdraft.train.loop import HeldOut, LoopOptions, describe_steps, train
 from flashdraft.train.recipe import PUBLISHED_RECIPE, TINY_RECIPE, recipe_for
 from tests.conftest import MASK, make_dflash2_drafter, make_drafter, make_dspark_drafter
 from tests.train.helpers import make_records
@@ -37,7 +37,7 @@ def test_final_target_layer_as_context_is_refused_before_training(target, record
 def test_training_forward_predicts_what_the_inference_path_predicts(target, records):
     drafter = make_drafter(block_size=4, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
     record = records[0]
-    batch = make_batch([record], [0], epoch=0, seed=0, num_anchors=5, block_size=4, mask_token_id=MASK)
+    batch = make_batch([record], [0], 0, batch_spec=BatchSpec(seed=0, num_anchors=5, block_size=4, mask_token_id=MASK))
     hidden = drafter(
         target.embed(batch.block_ids), batch.anchor_positions, batch.context_features, batch.context_positions
     )
@@ -74,9 +74,23 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(
             raise KeyboardInterrupt  # killed after the step-3 checkpoint, mid step 5
 
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(optimizer=optimizer), new_drafter(), target, records, tmp_path / "b", on_step=crash)
+        train(
+            _cfg(optimizer=optimizer),
+            new_drafter(),
+            target,
+            records,
+            tmp_path / "b",
+            options=LoopOptions(on_step=crash),
+        )
     assert latest_checkpoint(tmp_path / "b").name == "step-0000003"
-    resumed = train(_cfg(optimizer=optimizer), new_drafter(seed=99), target, records, tmp_path / "b", resume=True)
+    resumed = train(
+        _cfg(optimizer=optimizer),
+        new_drafter(seed=99),
+        target,
+        records,
+        tmp_path / "b",
+        options=LoopOptions(resume=True),
+    )
     for key, value in straight.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[key]), key
     final = load_drafter(latest_checkpoint(tmp_path / "b") / "drafter")
@@ -160,8 +174,8 @@ def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, r
     drafter = make_drafter()
     from flashdraft.train.held_out import evaluate_loss
 
-    before = evaluate_loss(drafter, target, held_out, cfg, 8, MASK, torch.device("cpu"))
-    train(cfg, drafter, target, records, tmp_path, eval_records=held_out)
+    before = evaluate_loss(drafter, target, held_out, cfg, torch.device("cpu"))
+    train(cfg, drafter, target, records, tmp_path, held_out=HeldOut(records=held_out))
     after = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     # D-PACE aims at acceptance (early on it trains the first positions far more than the CE measured here), and
     # Muon's larger steps fit these 8 records sooner: both raise acceptance, the recipe's AdamW + decay lowers CE
@@ -341,7 +355,7 @@ def test_the_checkpoint_records_the_longest_context_trained_at_and_a_warm_start_
     reach = max(
         b.context_reach(cfg.block_size)
         for step in range(3)
-        for b in global_batch(cfg, records, step, steps_per_epoch, Dist())[0]
+        for b in global_batch(cfg, records, step, steps_per_epoch, Dist()).micro_batches
     )
     assert reach <= 14 - 1 + cfg.block_size  # the last anchor inside the truncated sequence, plus the block
     short = load_drafter(latest_checkpoint(tmp_path / "short") / "drafter")

@@ -4,7 +4,10 @@ import torch
 
 from flashdraft.train.blocks import IGNORE
 from flashdraft.train.loss import (
+    BlockLabels,
+    DraftHeads,
     DSparkLoss,
+    LossSpec,
     block_loss,
     block_predecessors,
     dpace_weights,
@@ -35,7 +38,7 @@ def test_loss_is_the_weighted_mean_of_hard_cross_entropy():
     head = torch.nn.Linear(8, 5, bias=False)
     hidden = torch.randn(1, 8, 8)
     labels = torch.tensor([[IGNORE, 1, 2, 3, IGNORE, 4, IGNORE, 0]])
-    parts = block_loss(hidden, labels, head, 4, gamma=2.0)
+    parts = block_loss(hidden, BlockLabels(labels), DraftHeads(head), LossSpec(4, gamma=2.0))
     logits = head(hidden[0]).detach()
     w = position_weights(4, 2.0)
     expected = sum(
@@ -45,7 +48,7 @@ def test_loss_is_the_weighted_mean_of_hard_cross_entropy():
     )
     assert math.isclose(float(parts.weighted_sum.detach()), expected, rel_tol=1e-5)
     assert math.isclose(float(parts.weight_total), float(w[1] + w[2] + w[3] + w[1] + w[3]), rel_tol=1e-6)
-    assert parts.count.tolist() == [0, 2, 1, 2]
+    assert parts.figures.count.tolist() == [0, 2, 1, 2]
 
 
 def test_estimated_acceptance_is_one_plus_sum_of_running_products():
@@ -71,7 +74,7 @@ def test_dpace_loss_weights_come_from_the_label_probability_and_carry_no_gradien
     head = torch.nn.Linear(8, 5, bias=False)
     hidden = torch.randn(1, 8, 8, requires_grad=True)
     labels = torch.tensor([[IGNORE, 1, 2, 3, IGNORE, 4, 0, IGNORE]])
-    parts = block_loss(hidden, labels, head, 4, gamma=None, weighting="dpace", dpace_alpha=0.3)
+    parts = block_loss(hidden, BlockLabels(labels), DraftHeads(head), LossSpec(4, weighting="dpace", dpace_alpha=0.3))
     logits = head(hidden[0])  # [8, 5]
     trained = labels[0] != IGNORE
     ce = torch.nn.functional.cross_entropy(logits[trained], labels[0][trained], reduction="none")
@@ -142,18 +145,11 @@ def test_block_loss_of_a_dflash2_drafter_adds_the_weighted_selector_loss_and_cou
     hidden = torch.randn(1, 8, 64)
     block_ids = torch.tensor([[5, 63, 63, 63, 6, 63, 63, 63]])
     labels = torch.tensor([[IGNORE, 1, 2, 3, IGNORE, 4, 7, 0]])
-    plain = block_loss(hidden, labels, head, 4, gamma=2.0)
+    blocks = BlockLabels(labels, block_ids)
+    plain = block_loss(hidden, blocks, DraftHeads(head), LossSpec(4, gamma=2.0))
+    with_selector = DraftHeads(head, selector=drafter.candidate_selector)
     parts = [
-        block_loss(
-            hidden,
-            labels,
-            head,
-            4,
-            gamma=2.0,
-            selector=drafter.candidate_selector,
-            block_ids=block_ids,
-            selector_loss_weight=weight,
-        )
+        block_loss(hidden, blocks, with_selector, LossSpec(4, gamma=2.0, selector_loss_weight=weight))
         for weight in (0.0, 0.5, 1.0)
     ]
     torch.testing.assert_close(parts[0].weighted_sum, plain.weighted_sum)
@@ -161,7 +157,10 @@ def test_block_loss_of_a_dflash2_drafter_adds_the_weighted_selector_loss_and_cou
     torch.testing.assert_close(parts[2].weighted_sum - parts[1].weighted_sum, selector_half)
     assert parts[1].weighted_sum.item() > plain.weighted_sum.item()
     assert parts[1].weight_total == plain.weight_total  # the normaliser is the backbone's, known from labels
-    assert parts[1].top_k_hits[1:].sum() <= parts[1].count[1:].sum() and parts[1].selector_correct[0] == 0
+    assert (
+        parts[1].figures.top_k_hits[1:].sum() <= parts[1].figures.count[1:].sum()
+        and parts[1].figures.selector_correct[0] == 0
+    )
 
 
 # -- DSpark -------------------------------------------------------------------------------------------
@@ -207,9 +206,9 @@ def test_dspark_block_loss_is_the_papers_weighted_ce_l1_and_confidence_bce_with_
     topk = torch.randn(1, 6, 64).topk(64, -1)
     topk = (topk.values, topk.indices)
     terms = DSparkLoss(0.1, 0.9, 1.0)
-    parts = block_loss(
-        hidden, labels, head, 3, 4.0, topk, first_draft=0, drafter=drafter, block_ids=block_ids, dspark=terms
-    )
+    heads = DraftHeads(head, markov_head=drafter.markov_head, confidence_head=drafter.confidence_head)
+    spec = LossSpec(3, gamma=4.0, first_draft=0, dspark=terms)
+    parts = block_loss(hidden, BlockLabels(labels, block_ids, topk), heads, spec)
     trained = labels[0] != IGNORE
     predecessors = torch.tensor([5, 1, 2, 9])  # the anchor, then the true previous token: never a later one
     with torch.no_grad():
@@ -223,8 +222,8 @@ def test_dspark_block_loss_is_the_papers_weighted_ce_l1_and_confidence_bce_with_
         w = torch.exp(-torch.tensor([0.0, 1, 2, 0]) / 4)
         expected = (w * (0.1 * ce + 0.9 * l1 + bce)).sum()
     torch.testing.assert_close(parts.weighted_sum.detach(), expected, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(parts.accept_rate, torch.stack([accept[0] + accept[3], accept[1], accept[2]]))
-    torch.testing.assert_close(parts.confidence, torch.stack([c[0] + c[3], c[1], c[2]]))
+    torch.testing.assert_close(parts.figures.accept_rate, torch.stack([accept[0] + accept[3], accept[1], accept[2]]))
+    torch.testing.assert_close(parts.figures.confidence, torch.stack([c[0] + c[3], c[1], c[2]]))
     parts.weighted_sum.backward()  # every head gets a gradient: the Markov head through CE and L1, the confidence
     assert drafter.markov_head.markov_w2.weight.grad.abs().sum() > 0  # head through its BCE
     assert drafter.confidence_head.proj.weight.grad.abs().sum() > 0

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flashdraft.errors import FlashdraftError
+from flashdraft.train.config import TrainConfig
 from flashdraft.train.optim import WholeMatrixMuon, build_optimizers, is_muon_parameter, lr_lambda
 from tests.conftest import make_drafter
 
@@ -22,7 +23,7 @@ def test_muon_takes_the_layer_matrices_and_fc_and_adamw_the_norms():
     assert not any("norm" in n for n in muon)
     assert is_muon_parameter("module.layers.0.self_attn.q_proj.weight", torch.zeros(2, 2))  # DDP's prefix
     assert not is_muon_parameter("lm_head.weight", torch.zeros(2, 2))  # an own LM head stays with AdamW
-    optimizers = build_optimizers(drafter, "muon", 1e-3, None, 0.0, 10, 0.1, 0.0)
+    optimizers = build_optimizers(drafter, TrainConfig(optimizer="muon", lr=1e-3, warmup_fraction=0.1), 10)
     adamw, whole_matrix_muon = (o for o, _ in optimizers.pairs)
     assert isinstance(whole_matrix_muon, WholeMatrixMuon)
     counted = sum(len(g["params"]) for o in (adamw, whole_matrix_muon) for g in o.param_groups)
@@ -64,12 +65,12 @@ def test_muon_on_a_cpu_orthogonalises_in_float32_within_bfloat16_rounding_of_tor
 
 def test_resume_with_another_optimizer_is_refused_naming_the_checkpoint():
     drafter = make_drafter(block_size=4)
-    saved = build_optimizers(drafter, "adamw", 1e-3, None, 0.0, 10, 0.1, 0.0).state_dict()
-    muon = build_optimizers(drafter, "muon", 1e-3, None, 0.0, 10, 0.1, 0.0)
+    saved = build_optimizers(drafter, TrainConfig(optimizer="adamw", lr=1e-3, warmup_fraction=0.1), 10).state_dict()
+    muon = build_optimizers(drafter, TrainConfig(optimizer="muon", lr=1e-3, warmup_fraction=0.1), 10)
     with pytest.raises(FlashdraftError, match=r"ckpt/step-1: saved with 1 optimizer\(s\); this run has 2"):
         muon.load_state_dict(saved, "ckpt/step-1")
 
 
 def test_an_unknown_optimizer_is_refused_with_the_choices():
     with pytest.raises(FlashdraftError, match="--optimizer sgd: expected one of adamw, muon"):
-        build_optimizers(make_drafter(block_size=4), "sgd", 1e-3, None, 0.0, 10, 0.1, 0.0)
+        build_optimizers(make_drafter(block_size=4), TrainConfig(optimizer="sgd", lr=1e-3, warmup_fraction=0.1), 10)

@@ -1,0 +1,86 @@
+"""Reasoning segments found in the text: `<think>` single tokens or split over several, gpt-oss's analysis
+channel, and a template whose markers flashdraft does not know said, never counted as no reasoning."""
+
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from flashdraft.data.reasoning import (
+    HARMONY,
+    NOT_CLOSED,
+    THINK,
+    reasoning_end,
+    reasoning_markers,
+    reasoning_tokens,
+    unknown_reasoning_note,
+)
+from tests.conftest import CHAT_WORDS, make_chat_tokenizer
+
+THINK_ID, END_ID = CHAT_WORDS["<think>"], CHAT_WORDS["</think>"]
+
+
+def characters_tokenizer(template: str) -> PreTrainedTokenizerFast:
+    """A tokenizer of single characters: every marker is spelled over several tokens."""
+    chars = sorted(set("<>/|_ abcdefghijklmnopqrstuvwxyz0123456789"))
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=" "))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.chat_template = template
+    return fast
+
+
+def ids_of(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_think_tokens_open_in_the_prompt_or_the_completion_and_close_at_the_end_token():
+    markers = reasoning_markers(make_chat_tokenizer())
+    assert markers.style == THINK
+    assert reasoning_end([5, THINK_ID], [1, 2, END_ID, 3], markers) == 2
+    assert reasoning_end([5, THINK_ID], [1, 2, 3], markers) == NOT_CLOSED  # opened by the generation prompt
+    assert reasoning_end([5], [THINK_ID, 2, 3], markers) == NOT_CLOSED  # opened by the completion itself
+    assert reasoning_end([5, THINK_ID, END_ID], [1, 2, 3], markers) is None  # thinking off: no reasoning segment
+    assert reasoning_tokens(2, 4) == 3 and reasoning_tokens(NOT_CLOSED, 4) == 4 and reasoning_tokens(None, 4) is None
+
+
+def test_think_markers_split_over_several_tokens_are_found_in_the_text():
+    tok = characters_tokenizer("{{ messages }}<think>")
+    markers = reasoning_markers(tok)
+    assert markers is not None and markers.style == THINK
+    prompt, completion = ids_of(tok, "user hi<think>"), ids_of(tok, "ab</think>cd")
+    end = reasoning_end(prompt, completion, markers)
+    assert end == len("ab</think>") - 1  # the token that completes the end marker
+    assert reasoning_end(ids_of(tok, "user hi"), completion, markers) is None  # never opened: no reasoning
+
+
+def test_gpt_oss_reasoning_is_its_analysis_channel_and_the_answer_its_final_channel():
+    tok = characters_tokenizer("<|start|>{{ m }}<|channel|>analysis<|message|>{{ r }}<|end|><|channel|>final")
+    markers = reasoning_markers(tok)
+    assert markers.style == HARMONY
+    prompt = ids_of(tok, "<|start|>user<|message|>hi<|end|><|start|>assistant")
+    analysis = "<|channel|>analysis<|message|>think<|end|>"
+    completion = ids_of(tok, analysis + "<|start|>assistant<|channel|>final<|message|>ok<|return|>")
+    assert reasoning_end(prompt, completion, markers) == len(analysis) - 1
+    assert reasoning_end(prompt, ids_of(tok, "<|channel|>final<|message|>ok<|end|>"), markers) is None
+    assert reasoning_end(prompt, ids_of(tok, "<|channel|>analysis<|message|>th"), markers) == NOT_CLOSED
+
+
+def test_a_thinking_template_with_unknown_markers_is_said_not_taken_for_no_reasoning():
+    tok = characters_tokenizer("{% if enable_thinking %}<reason>{% endif %}")
+    assert reasoning_markers(tok) is None
+    assert "markers flashdraft does not know" in unknown_reasoning_note(tok)
+    assert unknown_reasoning_note(make_chat_tokenizer()) is None  # <think>: known
+    assert unknown_reasoning_note(characters_tokenizer("{{ messages }}")) is None  # no thinking mode at all
+
+
+def test_tool_calls_are_found_by_the_templates_markers_qwens_and_gpt_oss_commentary_channel():
+    from flashdraft.data.reasoning import tool_call_markers, tool_call_tokens
+
+    tok = characters_tokenizer("{% for t in tools %}{{ t }}{% endfor %}<tool_call>")
+    completion = ids_of(tok, "ab<tool_call>x</tool_call>cd<tool_call>y")
+    inside = tool_call_tokens(completion, tool_call_markers(tok))
+    first = len("ab")
+    second = len("ab<tool_call>x</tool_call>cd")
+    assert inside == set(range(first, second - 2)) | set(range(second, len(completion)))  # a cut call: to the end
+    harmony = characters_tokenizer("<|channel|>commentary to=functions.x <|call|> <|channel|>analysis")
+    assert tool_call_markers(harmony).style.start == "<|channel|>commentary"
+    assert tool_call_markers(characters_tokenizer("{{ messages }}")) is None
