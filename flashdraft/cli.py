@@ -51,8 +51,8 @@ def _resume_command(argv: list[str], flag: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done; 1 a check failed (doctor, parity); 2 a user error, a full disk or a
     held output, on one line; 143 (SIGTERM) or 130 (SIGINT): stopped gracefully, resumable."""
+    from flashdraft.commands.config_file import train_options
     from flashdraft.commands.options import require_inputs
-    from flashdraft.config_file import train_options
     from flashdraft.errors import Interrupted
     from flashdraft.files import DISK_FULL, disk_full_errno
 

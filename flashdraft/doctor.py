@@ -16,9 +16,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from flashdraft.checks import Checks
 from flashdraft.drafter.checkpoint import STATE_DICT_SUFFIXES
 from flashdraft.drafter.checkpoint_doctor import check_drafter_dir, check_state_dict
+from flashdraft.drafter.doctor_report import Checks
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
 from flashdraft.train.run_doctor import check_run

@@ -418,3 +418,111 @@ def pytest_xdist_make_scheduler(config, log):
 if os.environ.get("PYTEST_XDIST_WORKER") and (os.cpu_count() or 1) > 1:
     # vLLM's CPU worker would spin OpenMP threads on every core, beside the other workers' tests: it gets one core
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str((os.cpu_count() or 1) - 1))
+
+
+# -- flashdraft doctor: its runner and the files it checks (test_doctor.py, drafter/, train/) --
+
+
+def doctor(capsys, *argv) -> tuple[int, str, str]:
+    """`flashdraft doctor ARGV`: its exit code, stdout and stderr."""
+    from flashdraft.cli import main
+
+    try:
+        rc = main(["doctor", *map(str, argv)])
+    except SystemExit as e:  # problems found: exit 1
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def fail_lines(out: str) -> list[str]:
+    lines = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert all("; fix: " in line for line in lines), lines  # every finding says what to do
+    return lines
+
+
+@pytest.fixture(scope="session")
+def doctor_files(tmp_path_factory) -> dict[str, Path]:
+    """A target, another target, and the completions, cache, run and drafter made from the first, as users make them."""
+    import json
+
+    from flashdraft.cli import main
+    from flashdraft.drafter.checkpoint import save_drafter
+
+    root = tmp_path_factory.mktemp("doctor")
+    target, other = save_target(root / "target", "qwen3"), save_target(root / "other", "qwen3", seed=1)
+    prompts = root / "p.jsonl"
+    rows = [{"id": f"q{i}", "prompt": f"t{i} t{i + 3} t{i + 7}"} for i in range(4)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert (
+        main(
+            [
+                "generate",
+                "--target-model",
+                str(target),
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(root / "c.json"),
+                "--max-new-tokens",
+                "10",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "cache",
+                "--target-model",
+                str(target),
+                "--completions",
+                str(root / "c.json"),
+                "--out",
+                str(root / "cache"),
+                "--layers",
+                "0,2",
+                "--dtype",
+                "fp32",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--target-model",
+                str(target),
+                "--cached-hidden-states",
+                str(root / "cache"),
+                "--out",
+                str(root / "run"),
+                "--max-steps",
+                "2",
+                "--batch-size",
+                "2",
+                "--num-anchors",
+                "4",
+                "--block-size",
+                "4",
+                "--draft-layers",
+                "2",
+                "--target-layer-ids",
+                "0,2",
+                "--save-every",
+                "1",
+            ]
+        )
+        == 0
+    )
+    save_drafter(make_drafter(), root / "drafter")  # layers [0, 2] of 4, block size 8
+    return {
+        "root": root,
+        "target": target,
+        "other": other,
+        "completions": root / "c.json",
+        "cache": root / "cache",
+        "run": root / "run",
+        "drafter": root / "drafter",
+    }

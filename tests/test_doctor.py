@@ -8,134 +8,29 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
-from flashdraft.cli import main
 from flashdraft.drafter.checkpoint import load_drafter, save_drafter
 from flashdraft.drafter.run_dir import BUILTIN_DRAFTERS
 from flashdraft.drafter.server_fields import SGLANG, VLLM
 from tests.conftest import (
+    doctor,
+    fail_lines,
     make_dflash2_drafter,
     make_drafter,
     make_dspark_drafter,
-    make_hf_model,
-    make_tokenizer,
     run_cli,
 )
-
-
-def doctor(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        rc = main(["doctor", *map(str, argv)])
-    except SystemExit as e:  # problems found: exit 1
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def fail_lines(out: str) -> list[str]:
-    lines = [line for line in out.splitlines() if line.startswith("FAIL")]
-    assert all("; fix: " in line for line in lines), lines  # every finding says what to do
-    return lines
-
-
-def save_target(directory: Path, seed: int = 0) -> Path:
-    make_hf_model("qwen3", seed).save_pretrained(directory)
-    make_tokenizer().save_pretrained(directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("doctor")
-    target, other = save_target(root / "target"), save_target(root / "other", seed=1)
-    prompts = root / "p.jsonl"
-    rows = [{"id": f"q{i}", "prompt": f"t{i} t{i + 3} t{i + 7}"} for i in range(4)]
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert (
-        main(
-            [
-                "generate",
-                "--target-model",
-                str(target),
-                "--prompts",
-                str(prompts),
-                "--out",
-                str(root / "c.json"),
-                "--max-new-tokens",
-                "10",
-            ]
-        )
-        == 0
-    )
-    assert (
-        main(
-            [
-                "cache",
-                "--target-model",
-                str(target),
-                "--completions",
-                str(root / "c.json"),
-                "--out",
-                str(root / "cache"),
-                "--layers",
-                "0,2",
-                "--dtype",
-                "fp32",
-            ]
-        )
-        == 0
-    )
-    assert (
-        main(
-            [
-                "train",
-                "--target-model",
-                str(target),
-                "--cached-hidden-states",
-                str(root / "cache"),
-                "--out",
-                str(root / "run"),
-                "--max-steps",
-                "2",
-                "--batch-size",
-                "2",
-                "--num-anchors",
-                "4",
-                "--block-size",
-                "4",
-                "--draft-layers",
-                "2",
-                "--target-layer-ids",
-                "0,2",
-                "--save-every",
-                "1",
-            ]
-        )
-        == 0
-    )
-    save_drafter(make_drafter(), root / "drafter")  # layers [0, 2] of 4, block size 8
-    return {
-        "root": root,
-        "target": target,
-        "other": other,
-        "completions": root / "c.json",
-        "cache": root / "cache",
-        "run": root / "run",
-        "drafter": root / "drafter",
-    }
-
 
 # -- what cannot be checked at all: exit 2 ------------------------------------------------------------
 
 
-def test_an_unusable_path_is_exit_2_with_one_line(files, tmp_path, capsys):
+def test_an_unusable_path_is_exit_2_with_one_line(doctor_files, tmp_path, capsys):
     for path, expected in [
         (tmp_path / "absent", "no such file or directory"),
         (Path(__file__), "not something doctor can check"),
         (
-            files["target"],
+            doctor_files["target"],
             "without dflash_config in config.json, not a DFlash drafter (a target? pass it as --target-model)",
         ),
     ]:
@@ -144,158 +39,21 @@ def test_an_unusable_path_is_exit_2_with_one_line(files, tmp_path, capsys):
     (tmp_path / "x.json").write_text("{not json")
     rc, out, err = doctor(capsys, tmp_path / "x.json")
     assert rc == 2 and "not valid JSON" in err
-    rc, out, err = doctor(capsys, files["drafter"], "--checkpoint", files["drafter"])
+    rc, out, err = doctor(capsys, doctor_files["drafter"], "--checkpoint", doctor_files["drafter"])
     assert rc == 2 and "names a drafter to check a cache or completions file against" in err
-
-
-# -- drafters ------------------------------------------------------------------------------------------
-
-
-def test_a_clean_drafter_prints_what_it_is_and_passes_against_its_target(files, capsys):
-    rc, out, err = doctor(capsys, files["drafter"], "--target-model", files["target"])
-    assert rc == 0, out
-    assert "2 layers (0-1 full non-causal; is_causal: false), hidden 64" in out  # saved: is_causal written
-    assert "target_layer_ids [0, 2] of 4" in out
-    assert "fc.weight [64, 128] holds 2 context layers; target_layer_ids [0, 2] name 2" in out
-    assert "weights sha256 " in out and "hidden_size 64 equals the target's 64" in out
-    assert out.strip().endswith("all checks passed")
-
-
-def test_a_drafter_whose_fc_and_tensors_disagree_with_its_config_lists_every_problem(files, tmp_path, capsys):
-    d = shutil.copytree(files["drafter"], tmp_path / "d")
-    state = load_file(d / "model.safetensors")
-    state["fc.weight"] = torch.zeros(64, 192)
-    state.pop("layers.1.mlp.up_proj.weight")
-    save_file(state, str(d / "model.safetensors"))
-    rc, out, err = doctor(capsys, d)
-    fails = fail_lines(out)
-    assert rc == 1 and len(fails) == 2, out
-    assert "fc.weight [64, 192] holds 3 context layers; target_layer_ids [0, 2] name 2" in fails[0]
-    assert (
-        "2 problems: tensor 'layers.1.mlp.up_proj.weight' is missing (expected [128, 64]); tensor 'fc.weight' "
-        "has shape [64, 192], expected [64, 128]" in fails[1]
-    )
-    assert "2 check(s) failed" in out
-
-
-def test_a_drafter_for_another_target_fails_each_mismatch_with_the_fix(files, tmp_path, capsys):
-    save_drafter(
-        make_drafter(
-            hidden_size=32,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            intermediate_size=64,
-            num_target_layers=6,
-            target_layer_ids=[1, 5],
-        ),
-        tmp_path / "d",
-    )
-    rc, out, err = doctor(capsys, tmp_path / "d", "--target-model", files["target"])
-    fails = fail_lines(out)
-    assert rc == 1
-    assert any("hidden_size 32 differs from the target's 64" in f and "made for another target" in f for f in fails)
-    assert any("num_target_layers 6 differs from the target's 4" in f for f in fails)
-    assert any("target_layer_ids [1, 5] within the target's layers 0..2" in f for f in fails)
-
-
-def test_a_drafter_without_weights_or_with_a_broken_config_is_a_failed_check(files, tmp_path, capsys):
-    d = shutil.copytree(files["drafter"], tmp_path / "d")
-    (d / "model.safetensors").write_bytes(b"\x07" * 64)
-    rc, out, err = doctor(capsys, d)
-    assert rc == 1 and "not a readable safetensors file" in fail_lines(out)[0]
-    (d / "config.json").write_text("{")
-    rc, out, err = doctor(capsys, d)
-    assert rc == 1 and "config.json: not valid JSON" in fail_lines(out)[0]
-
-
-def test_a_bare_state_dict_shows_its_shapes_and_loads_for_a_target(files, tmp_path, capsys):
-    path = tmp_path / "d.safetensors"
-    save_file(make_drafter(target_layer_ids=[2]).state_dict(), str(path))
-    rc, out, err = doctor(capsys, path)
-    assert rc == 0, out
-    assert "hidden 64, 2 layers, head_dim 16, heads 4 / kv heads 2; fc.weight [64, 64] holds 1 context layers" in out
-    assert "stores no vocabulary, target layer ids, mask token or block size" in out
-    rc, out, err = doctor(capsys, path, "--target-model", files["target"])
-    assert rc == 0, out
-    assert "loads for target" in out and "assumed: target_layer_ids [2]: reference default" in out
-    save_file(make_drafter().state_dict() | {"fc.weight": torch.zeros(64, 100)}, str(path))
-    rc, out, err = doctor(capsys, path)
-    assert rc == 1 and "fc in_features a multiple of hidden" in fail_lines(out)[0]
-
-
-# -- training runs -------------------------------------------------------------------------------------
-
-
-def _learned_copy(run: Path, to: Path) -> Path:
-    """A copy of the fixture's two-step run, its metrics as if its held-out τ had been measured at 1.8."""
-    copy = shutil.copytree(run, to)
-    with (copy / "metrics.jsonl").open("a") as f:
-        f.write(json.dumps({"step": 2, "eval_tau": 1.8}) + "\n")
-    return copy
-
-
-def test_a_training_run_checks_its_newest_checkpoint_and_run_config(files, tmp_path, capsys):
-    run = _learned_copy(files["run"], tmp_path / "run")
-    rc, out, err = doctor(capsys, run, "--target-model", files["target"])
-    assert rc == 0, out
-    assert "ok   held-out τ 1.800 at step 2 (metrics.jsonl): the drafter accepts drafts" in out
-    assert "complete checkpoints ['step-0000001', 'step-0000002']" in out
-    assert "newest complete checkpoint: step-0000002" in out and "every file matches checksums.json" in out
-    assert "trainer.pt: step 2, 4 records, world size 1" in out
-    assert "fc.weight [64, 128] holds 2 context layers" in out
-    assert "run_config.json block_size 4 equals the checkpoint drafter's 4" in out
-    assert "run's target fingerprint" in out and "all checks passed" in out
-
-
-def test_a_run_whose_drafter_accepts_nothing_is_a_problem_with_its_likely_cause(files, capsys):
-    rc, out, err = doctor(capsys, files["run"])  # two steps: its τ is an untrained drafter's
-    assert rc == 1 and "all checks passed" not in out
-    assert fail_lines(out) == [
-        "FAIL estimated τ (training batches) at step 2 1.000 is within 0.05 of 1.0: the "
-        "drafter accepts (almost) nothing, like an untrained one (likely: only 2 optimizer "
-        "steps); fix: train again with --max-steps 1000"
-    ]
-
-
-def test_a_damaged_or_mismatched_run_fails_naming_the_file(files, tmp_path, capsys):
-    run = _learned_copy(files["run"], tmp_path / "run")
-    weights = run / "checkpoints/step-0000002/drafter/model.safetensors"
-    data = weights.read_bytes()
-    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # a flipped bit in the last weight
-    rc, out, err = doctor(capsys, run)
-    assert rc == 1 and "model.safetensors: sha256" in fail_lines(out)[0] and "differs from checksums.json" in out
-    rc, out, err = doctor(capsys, run, "--no-verify")
-    assert rc == 0 and "checksums not checked (--no-verify)" in out
-    config = json.loads((run / "run_config.json").read_text())
-    (run / "run_config.json").write_text(json.dumps(config | {"block_size": 16}))
-    rc, out, err = doctor(capsys, run, "--no-verify", "--target-model", files["other"])
-    fails = fail_lines(out)
-    assert rc == 1 and any("run_config.json block_size 16 differs from the checkpoint drafter's 4" in f for f in fails)
-    assert any("run's target fingerprint" in f and "differs from" in f for f in fails)
-
-
-def test_a_copied_checkpoint_directory_is_verified_on_its_own(files, tmp_path, capsys):
-    step = shutil.copytree(files["run"] / "checkpoints/step-0000001", tmp_path / "step-0000001")
-    rc, out, err = doctor(capsys, step)
-    assert rc == 0 and "training checkpoint" in out and "every file matches checksums.json" in out
-    (step / "trainer.pt").unlink()
-    rc, out, err = doctor(capsys, step)
-    assert rc == 1 and "trainer.pt: missing" in out
-
-
-def test_a_run_without_a_complete_checkpoint_fails(tmp_path, capsys):
-    (tmp_path / "run" / "checkpoints" / ".tmp-step-0000001").mkdir(parents=True)
-    (tmp_path / "run" / "run_config.json").write_text("{}")
-    rc, out, err = doctor(capsys, tmp_path / "run")
-    assert rc == 1 and "no complete checkpoint" in fail_lines(out)[0] and ".tmp-step-0000001" in out
 
 
 # -- completions and caches ----------------------------------------------------------------------------
 
 
-def test_completions_print_their_header_and_pass_against_their_target(files, capsys):
+def test_completions_print_their_header_and_pass_against_their_target(doctor_files, capsys):
     rc, out, err = doctor(
-        capsys, files["completions"], "--target-model", files["target"], "--checkpoint", files["drafter"]
+        capsys,
+        doctor_files["completions"],
+        "--target-model",
+        doctor_files["target"],
+        "--checkpoint",
+        doctor_files["drafter"],
     )
     assert rc == 0, out
     assert "4 records, token ids from target" in out and "4 of 4 records valid" in out
@@ -303,13 +61,13 @@ def test_completions_print_their_header_and_pass_against_their_target(files, cap
     assert "the same as" in out and "vocab_size 64 equals the drafter's 64" in out
 
 
-def test_bad_records_a_foreign_target_and_an_unfinished_run_are_each_reported(files, tmp_path, capsys):
-    path = Path(shutil.copy(files["completions"], tmp_path / "c.json"))
+def test_bad_records_a_foreign_target_and_an_unfinished_run_are_each_reported(doctor_files, tmp_path, capsys):
+    path = Path(shutil.copy(doctor_files["completions"], tmp_path / "c.json"))
     data = json.loads(path.read_text())
     data["records"][2]["completion_ids"] = [1, 99]
     path.write_text(json.dumps(data))
     (tmp_path / "c.json.part0.jsonl").write_text("{}\n")
-    rc, out, err = doctor(capsys, path, "--target-model", files["other"])
+    rc, out, err = doctor(capsys, path, "--target-model", doctor_files["other"])
     fails = fail_lines(out)
     assert rc == 1 and len(fails) == 3, out
     assert "c.json.part0.jsonl exist" in fails[0] and "re-run the same flashdraft generate command" in fails[0]
@@ -320,8 +78,8 @@ def test_bad_records_a_foreign_target_and_an_unfinished_run_are_each_reported(fi
     assert rc == 1 and "c.json.part0.jsonl exist" in out
 
 
-def test_a_cache_with_nan_features_or_other_layers_fails_with_the_fix(files, tmp_path, capsys):
-    cache = shutil.copytree(files["cache"], tmp_path / "cache")
+def test_a_cache_with_nan_features_or_other_layers_fails_with_the_fix(doctor_files, tmp_path, capsys):
+    cache = shutil.copytree(doctor_files["cache"], tmp_path / "cache")
     shard = cache / "shard-00000.safetensors"
     tensors = load_file(shard)
     tensors["context_features"][5, 70] = float("inf")
@@ -337,8 +95,8 @@ def test_a_cache_with_nan_features_or_other_layers_fails_with_the_fix(files, tmp
     assert "layers [0, 2] (context-layer count 2)" in out and "fingerprints: target" in out
 
 
-def test_an_unfinished_cache_says_to_rerun_the_same_command(files, tmp_path, capsys):
-    cache = shutil.copytree(files["cache"], tmp_path / "cache")
+def test_an_unfinished_cache_says_to_rerun_the_same_command(doctor_files, tmp_path, capsys):
+    cache = shutil.copytree(doctor_files["cache"], tmp_path / "cache")
     (cache / "manifest.json").unlink()
     (cache / ".progress").mkdir()
     rc, out, err = doctor(capsys, cache)
@@ -404,11 +162,11 @@ def test_serving_prints_the_sampling_rule_of_each_command_and_of_a_command_given
     assert "eval --serving-rule vllm-probabilistic; " in out and "--serving-rule sglang" not in out
 
 
-def test_serving_on_a_sliding_drafter_gives_each_layer_its_causality_and_the_v2_runner(files, tmp_path, capsys):
+def test_serving_on_a_sliding_drafter_gives_each_layer_its_causality_and_the_v2_runner(doctor_files, tmp_path, capsys):
     d = save_readable(
         make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6), tmp_path / "d"
     )
-    rc, out, err = doctor(capsys, d, "--serving", "--target-model", files["target"])
+    rc, out, err = doctor(capsys, d, "--serving", "--target-model", doctor_files["target"])
     assert rc == 0 and not fail_lines(out), out
     assert "2 layers (0 sliding 6 causal, 1 full non-causal; servers' default: no is_causal)" in out
     assert (
@@ -420,13 +178,13 @@ def test_serving_on_a_sliding_drafter_gives_each_layer_its_causality_and_the_v2_
         f"ok   V2 runner: layers mix sliding and full attention: {VLLM} serves them on its V2 model runner, "
         "its default; its V1 runner refuses them" in out
     )
-    assert f"vLLM:   VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {files['target']} " in out
+    assert f"vLLM:   VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {doctor_files['target']} " in out
     assert "ok   file modes: readable by other users (config.json 0644, model.safetensors 0644" in out
     assert "warn mask token: dflash_config.mask_token absent" in out  # a flashdraft save without a target
     assert out.strip().endswith("warning(s))")
 
 
-def test_serving_warns_when_the_weights_are_not_readable_by_other_users(files, tmp_path, capsys):
+def test_serving_warns_when_the_weights_are_not_readable_by_other_users(doctor_files, tmp_path, capsys):
     d = save_readable(make_drafter(), tmp_path / "d")
     (d / "model.safetensors").chmod(0o600)
     rc, out, err = doctor(capsys, d, "--serving")
@@ -454,9 +212,9 @@ def test_serving_fails_a_drafter_relying_on_dflash_config_causal_which_sglang_do
     assert "re-export it" in fails[0]
 
 
-def test_serving_fails_a_mask_token_string_the_tokenizer_knows_by_another_id(files, tmp_path, capsys):
+def test_serving_fails_a_mask_token_string_the_tokenizer_knows_by_another_id(doctor_files, tmp_path, capsys):
     d = save_readable(make_drafter(mask_token_id=60, extra={"dflash_config": {"mask_token": "<mask>"}}), tmp_path / "d")
-    rc, out, err = doctor(capsys, d, "--serving", "--target-model", files["target"])
+    rc, out, err = doctor(capsys, d, "--serving", "--target-model", doctor_files["target"])
     fails = fail_lines(out)
     assert rc == 1 and len(fails) == 1, out
     assert (
@@ -477,8 +235,8 @@ def test_serving_warns_that_sglang_ignores_a_reduced_vocabulary_and_the_referenc
     assert "warn scalings: dflash_config.output_multiplier 2.0: flashdraft trains and evaluates with it" in out
 
 
-def test_serving_needs_a_drafter_directory(files, capsys):
-    rc, out, err = doctor(capsys, files["run"], "--serving")
+def test_serving_needs_a_drafter_directory(doctor_files, capsys):
+    rc, out, err = doctor(capsys, doctor_files["run"], "--serving")
     assert rc == 2 and "--serving: checks a drafter directory" in err and "flashdraft export" in err
 
 
@@ -493,12 +251,12 @@ DFLASH2_RULES = [
 ]
 
 
-def test_serving_on_a_dflash2_drafter_lists_each_dflash2_rule_and_the_commands(files, tmp_path, capsys):
+def test_serving_on_a_dflash2_drafter_lists_each_dflash2_rule_and_the_commands(doctor_files, tmp_path, capsys):
     # as published: every layer sliding and is_causal false, so only DFlash2 itself needs the V2 runner
     d = save_readable(
         make_dflash2_drafter(layer_types=["sliding_attention"] * 2, sliding_window=6, is_causal=False), tmp_path / "d"
     )
-    rc, out, err = doctor(capsys, d, "--serving", "--target-model", files["target"])
+    rc, out, err = doctor(capsys, d, "--serving", "--target-model", doctor_files["target"])
     assert rc == 0 and not fail_lines(out), out
     lines = rule_lines(out)
     for rule in SERVING_RULES + DFLASH2_RULES:
@@ -527,15 +285,17 @@ def test_serving_on_a_dflash2_drafter_lists_each_dflash2_rule_and_the_commands(f
         and "conv_kernel_size 2, conv_group_size 16, selector_rank 8, selector_top_k 4" in out
     )
     spec = json.dumps({"method": "dflash", "model": str(d), "num_speculative_tokens": 7})
-    assert f"vLLM:   VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {files['target']} --speculative-config '{spec}'" in out
     assert (
-        f"SGLang: python -m sglang.launch_server --model-path {files['target']} --speculative-algorithm DFLASH "
+        f"vLLM:   VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {doctor_files['target']} --speculative-config '{spec}'" in out
+    )
+    assert (
+        f"SGLang: python -m sglang.launch_server --model-path {doctor_files['target']} --speculative-algorithm DFLASH "
         f"--speculative-draft-model-path {d} --speculative-num-draft-tokens 8" in out
     )
 
 
 @pytest.mark.parametrize("rename", [None, ".weight"])
-def test_serving_fails_a_dflash2_drafter_whose_codebook_is_missing_or_misnamed(files, tmp_path, capsys, rename):
+def test_serving_fails_a_dflash2_drafter_whose_codebook_is_missing_or_misnamed(doctor_files, tmp_path, capsys, rename):
     d = save_readable(make_dflash2_drafter(), tmp_path / "d")
     state = load_file(d / "model.safetensors")
     codebook = state.pop("candidate_selector.successor_codebook")
@@ -573,9 +333,9 @@ DSPARK_RULES = [
 ]
 
 
-def test_serving_on_a_dspark_drafter_lists_each_dspark_rule_and_the_commands(files, tmp_path, capsys):
+def test_serving_on_a_dspark_drafter_lists_each_dspark_rule_and_the_commands(doctor_files, tmp_path, capsys):
     d = save_readable(make_dspark_drafter(), tmp_path / "d")
-    rc, out, err = doctor(capsys, d, "--serving", "--target-model", files["target"])
+    rc, out, err = doctor(capsys, d, "--serving", "--target-model", doctor_files["target"])
     assert rc == 0 and not fail_lines(out), out
     lines = rule_lines(out)
     for rule in SERVING_RULES + DSPARK_RULES:
@@ -583,26 +343,26 @@ def test_serving_on_a_dspark_drafter_lists_each_dspark_rule_and_the_commands(fil
     assert "warn adaptive verification: the confidence head estimates each draft's acceptance" in out
     assert "so N must be 7 (= block_size)" in out
     spec = json.dumps({"method": "dspark", "model": str(d), "num_speculative_tokens": 7})
-    assert f"vLLM:   vllm serve {files['target']} --speculative-config '{spec}'" in out
+    assert f"vLLM:   vllm serve {doctor_files['target']} --speculative-config '{spec}'" in out
     assert (
-        f"SGLang: python -m sglang.launch_server --model-path {files['target']} --speculative-algorithm DSPARK "
+        f"SGLang: python -m sglang.launch_server --model-path {doctor_files['target']} --speculative-algorithm DSPARK "
         f"--speculative-draft-model-path {d} --speculative-dspark-block-size 7" in out
     )
 
 
 def test_serving_fails_a_dspark_config_that_leaves_the_confidence_fields_to_the_servers_defaults(
-    files, tmp_path, capsys
+    doctor_files, tmp_path, capsys
 ):
     d = save_readable(make_dspark_drafter(confidence_head=False, confidence_head_with_markov=False), tmp_path / "d")
     config = json.loads((d / "config.json").read_text())
     del config["enable_confidence_head"], config["confidence_head_with_markov"]
     (d / "config.json").write_text(json.dumps(config))
-    rc, out, _ = doctor(capsys, d, "--serving", "--target-model", files["target"])
+    rc, out, _ = doctor(capsys, d, "--serving", "--target-model", doctor_files["target"])
     assert rc == 1 and any("confidence head: enable_confidence_head null" in line for line in fail_lines(out)), out
 
 
-def test_serving_names_the_trained_context_and_warns_when_served_past_it(files, tmp_path, capsys):
-    drafter = files["run"] / "checkpoints" / "step-0000002" / "drafter"
+def test_serving_names_the_trained_context_and_warns_when_served_past_it(doctor_files, tmp_path, capsys):
+    drafter = doctor_files["run"] / "checkpoints" / "step-0000002" / "drafter"
     trained = json.loads((drafter / "config.json").read_text())["trained_context_length"]
     d = save_readable(load_drafter(drafter), tmp_path / "d")
     rc, out, err = doctor(capsys, d, "--serving", "--max-model-len", trained)
@@ -631,9 +391,9 @@ def test_serving_names_the_trained_context_and_warns_when_served_past_it(files, 
     assert "the served context (the drafter's max_position_embeddings): 4096 tokens" in out
 
 
-def test_serving_warns_when_the_target_has_rope_scaling_the_drafter_lacks(files, tmp_path, capsys):
+def test_serving_warns_when_the_target_has_rope_scaling_the_drafter_lacks(doctor_files, tmp_path, capsys):
     target = tmp_path / "yarn-target"
-    shutil.copytree(files["target"], target)
+    shutil.copytree(doctor_files["target"], target)
     config = json.loads((target / "config.json").read_text())
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
     config["rope_parameters"] = {**config.get("rope_parameters", {}), **yarn}
@@ -657,13 +417,13 @@ def test_serving_warns_when_the_target_has_rope_scaling_the_drafter_lacks(files,
     assert "ok   rope scaling: the drafter's yarn factor 4, original_max_position_embeddings 128 is the target's" in out
 
 
-def test_max_model_len_without_serving_is_one_line_exit_2(files, capsys):
-    rc, out, err = doctor(capsys, files["drafter"], "--max-model-len", 4096)
+def test_max_model_len_without_serving_is_one_line_exit_2(doctor_files, capsys):
+    rc, out, err = doctor(capsys, doctor_files["drafter"], "--max-model-len", 4096)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "expected --serving with it" in err
 
 
-def test_doctor_serving_opens_its_rules_with_a_verdict_counting_them(files, capsys):
-    rc, out, err = doctor(capsys, files["drafter"], "--serving")
+def test_doctor_serving_opens_its_rules_with_a_verdict_counting_them(doctor_files, capsys):
+    rc, out, err = doctor(capsys, doctor_files["drafter"], "--serving")
     lines = out.splitlines()
     verdict = next(i for i, line in enumerate(lines) if "serving rules (vLLM and SGLang):" in line)
     assert lines[verdict + 1].strip().startswith("serving rules, read from")  # the rules follow the verdict

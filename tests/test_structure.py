@@ -23,7 +23,7 @@ STATED_REASON = "over 600 lines because"
 # The wings, lowest first: a module imports its own wing and those before it, never one after (docs/design.md).
 # The components (target, drafter, decoding, serving) come before the stages that use them (data, evaluation,
 # training); evaluation precedes training because training's held-out τ is evaluation's offline walk.
-SHARED = ("errors", "files", "safe_load", "progress", "stop", "distributed", "config_file", "checks")
+SHARED = ("errors", "files", "safe_load", "progress", "stop", "distributed")
 WING_ORDER = (
     "shared",
     "target",

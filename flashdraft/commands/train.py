@@ -1,6 +1,6 @@
 """`flashdraft train`: a drafter trained with the DFlash recipe (`flashdraft.api.train_drafter`).
 Each option that decides what a run computes is a `TrainConfig` field of the same name, its
-default taken from the dataclass; `--config FILE` is read in `flashdraft.config_file.train_options`."""
+default taken from the dataclass; `--config FILE` is read in `flashdraft.commands.config_file.train_options`."""
 
 from __future__ import annotations
 

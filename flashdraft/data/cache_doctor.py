@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.checks import Checks
 from flashdraft.data.cache import DEFAULT_TOLERANCE, DTYPE_NAMES, MANIFEST, PROGRESS, relative_error
 from flashdraft.data.cache_reader import HiddenStateCache
 from flashdraft.drafter.config import LAYER_ORDER_RULE, strictly_increasing
+from flashdraft.drafter.doctor_report import Checks
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
 from flashdraft.target.model import TargetModel
@@ -136,7 +136,7 @@ def doctor_cache(
     """Check a cache: manifest, every shard's size and (with `verify`) sha256, record layout,
     finite features, and with a target its fingerprint and the alignment of `samples` records
     against a fresh forward; with a drafter's `layer_ids`, that they equal the cache's. Prints
-    one line per check (`flashdraft.checks.Checks`); returns True when all pass."""
+    one line per check (`flashdraft.drafter.doctor_report.Checks`); returns True when all pass."""
     directory = Path(directory)
     own = checks is None
     checks = checks or Checks()

@@ -1,14 +1,14 @@
 """`flashdraft doctor` on a completions file: its header, every record, an unfinished run's parts, and against a
 target its fingerprint and vocabulary (and a drafter's vocabulary). The format's facts are `data/completions.py`'s;
-the report is `flashdraft.checks.Checks`."""
+the report is `flashdraft.drafter.doctor_report.Checks`."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from flashdraft.checks import Checks
 from flashdraft.data.completions import FORMAT, VERSION, part_paths, record_problem
+from flashdraft.drafter.doctor_report import Checks
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
 

@@ -1,6 +1,6 @@
 """`flashdraft doctor` on a drafter directory or a bare state dict: its config, every tensor against the shape the
 config gives it, `fc` against `target_layer_ids`, and against a target its sizes and layers. The format's facts are
-`drafter/checkpoint.py`'s; the report is `flashdraft.checks.Checks`."""
+`drafter/checkpoint.py`'s; the report is `flashdraft.drafter.doctor_report.Checks`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.checks import Checks
+from flashdraft.drafter.doctor_report import Checks
 from flashdraft.drafter.server_fields import fields_set
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import UnsafeFileError

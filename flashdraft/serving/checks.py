@@ -19,8 +19,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from flashdraft.checks import Checks
 from flashdraft.drafter.config import DEFAULT_MASK_TOKEN, DrafterConfig, LayerAttention
+from flashdraft.drafter.doctor_report import Checks
 from flashdraft.drafter.families import family
 from flashdraft.drafter.long_context import serving_guards
 from flashdraft.drafter.server_fields import SGLANG, VLLM, fields_set

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from flashdraft.checks import Checks
 from flashdraft.drafter.config import REFERENCE_OPTIONS, DrafterConfig
+from flashdraft.drafter.doctor_report import Checks
 from flashdraft.drafter.families import family
 from flashdraft.drafter.server_fields import SGLANG, VLLM
 

@@ -1,14 +1,14 @@
 """`flashdraft doctor` on a training run or one of its checkpoints: the checkpoints complete and verified, the
 run's configuration against its drafter and a target, and whether the run learned anything. The run directory's
-facts are `drafter/run_dir.py`'s; the report is `flashdraft.checks.Checks`."""
+facts are `drafter/run_dir.py`'s; the report is `flashdraft.drafter.doctor_report.Checks`."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from flashdraft.checks import Checks
 from flashdraft.drafter.checkpoint_doctor import check_drafter_dir
+from flashdraft.drafter.doctor_report import Checks
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import UnsafeFileError
 from flashdraft.target.model import TargetModel

@@ -1,4 +1,4 @@
-"""Run configs as data (`flashdraft.config_file`): `flashdraft train --config FILE` reads the
+"""Run configs as data (`flashdraft.commands.config_file`): `flashdraft train --config FILE` reads the
 train options from YAML or JSON, checked as the flags are, flags overriding the file; and every
 example in configs/ loads."""
 
@@ -12,14 +12,14 @@ import yaml
 from safetensors.torch import load_file
 
 from flashdraft.cli import build_parser
-from flashdraft.config_file import train_options
+from flashdraft.commands.config_file import train_options
 from flashdraft.drafter.config import DrafterConfig
 from flashdraft.errors import FlashdraftError
 from flashdraft.train.config import TrainConfig
 from tests.conftest import run_cli
 from tests.drafter.test_config import PUBLIC_QWEN36_CONFIG
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def train_args(*argv):
@@ -238,7 +238,7 @@ def test_the_dflash2_config_is_the_published_qwen38_dflash2_layout():
 
 
 def test_options_from_file_is_usable_alone_and_refuses_excluded_keys(tmp_path):
-    from flashdraft.config_file import options_from_file
+    from flashdraft.commands.config_file import options_from_file
 
     train = build_parser().commands["train"]
     path = write(tmp_path / "run.json", {"lr": 0.5, "draft-layers": 2})
