@@ -39,7 +39,8 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 # A Qwen3-style thinking chat template over the test vocabulary (its words whitespace-separated tokens): the tools'
 # names in a system turn where a request has tools, thinking by
-# default (the generation prompt opens <think>), an empty think block when enable_thinking is false, and the
+# default (the generation prompt opens <think>), tool calls' arguments written as Qwen3's template writes them (text
+# as it is, an object with tojson), an empty think block when enable_thinking is false, and the
 # reasoning of assistant turns before the last user turn dropped from the history
 THINKING_TEMPLATE = (
     "{%- if tools -%}<|im_start|> system {% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|> "
@@ -55,7 +56,10 @@ THINKING_TEMPLATE = (
     "{%- set content = content.split('</think>')[-1].strip() -%}{%- endif -%}"
     "{%- if loop.index0 > ns.last_query and reasoning -%}"
     "<|im_start|> assistant <think> {{ reasoning }} </think> {{ content }} <|im_end|> "
-    "{%- else -%}<|im_start|> assistant {{ content }} <|im_end|> {% endif -%}"
+    "{%- else -%}<|im_start|> assistant {{ content }}"
+    "{%- for c in m.tool_calls or [] %} {{ c.function.name }} "
+    "{{ c.function.arguments if c.function.arguments is string else c.function.arguments | tojson }}{% endfor %}"
+    " <|im_end|> {% endif -%}"
     "{%- else -%}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_start|> assistant "

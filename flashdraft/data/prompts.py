@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashdraft.data.chat_mode import parse_kwargs
+from flashdraft.data.chat_mode import json_object, parse_kwargs
 from flashdraft.data.stdlib import stdlib_prompts
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import refuse_script
@@ -213,7 +213,18 @@ def _read_dataset(path: Path):
         else:
             raise FlashdraftError(f"{path}: dataset has splits {splits} and none is 'train'; expected one split")
     for index, row in enumerate(ds):
-        yield f"{path} row {index}", row
+        yield f"{path} row {index}", _without_nulls(row)
+
+
+def _without_nulls(value: Any) -> Any:
+    """A datasets row without the keys whose value is null: a Parquet (Arrow) struct column holds every row's keys,
+    so a tool schema or tool call stored as nested objects gains its neighbours' keys as nulls (`"description":
+    null`), which a template would render; JSON text keeps a row as written."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def _parse_row(row: dict[str, Any], loc: str, index: int, stats: dict[str, int]) -> list[Prompt]:
@@ -283,10 +294,33 @@ def _messages(raw: Any, loc: str, name: str) -> list[dict[str, Any]]:
                 f"{loc}: {name}[{k}] is {str(m)[:80]}; expected {{'role': one of {'/'.join(ROLES)}, 'content': a "
                 f"string}} or {{'from': one of {'/'.join(ROLE_NAMES)}, 'value': a string}}"
             )
-        messages.append(
-            {key: m[key] for key in MESSAGE_FIELDS if m.get(key) is not None} | {"content": m.get("content") or ""}
-        )
+        message = {key: m[key] for key in MESSAGE_FIELDS if m.get(key) is not None} | {
+            "content": m.get("content") or ""
+        }
+        if message.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(message["tool_calls"], f"{loc}: {name}[{k}].tool_calls")
+        messages.append(message)
     return messages
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool calls with their `arguments` as objects: vLLM parses the OpenAI format's JSON
+    text into an object before it renders a request (`renderers/chat_utils.py` `_postprocess_messages`; empty
+    arguments become {}), and transformers' templates expect objects, so text arguments would render otherwise
+    than the server renders them (Qwen3's template writes text as it is, an object with `tojson`)."""
+    if not isinstance(calls, list) or not all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
+    ):
+        raise FlashdraftError(
+            f"{where} is {str(calls)[:80]}; expected a list of {{'type': 'function', 'function': {{'name', "
+            f"'arguments'}}}}"
+        )
+    normalized = []
+    for n, call in enumerate(calls):
+        where_arguments = f"{where}[{n}].function.arguments"
+        arguments = json_object(call["function"].get("arguments") or {}, where_arguments, " (vLLM renders {} for it)")
+        normalized.append(call | {"function": call["function"] | {"arguments": arguments}})
+    return normalized
 
 
 def _message_prompts(messages: list[dict[str, Any]], pid: str, where: str, stats: dict[str, int]) -> list[Prompt]:

@@ -40,7 +40,8 @@ def qwen3_dir(tmp_path_factory) -> Path:
 
 # an agent trace: a user turn, the assistant's tool call, the tool's result, the answer; and the tools' schemas
 TOOLS = [{"type": "function", "function": {"name": "grep", "parameters": {"type": "object", "properties": {}}}}]
-CALL = {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": "{}"}}
+# its arguments JSON text, as OpenAI clients send them (read as the object the server renders)
+CALL = {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": '{"q":"t5","n":1}'}}
 TRACE = [
     {"role": "user", "content": "t1"},
     {"role": "assistant", "content": "", "tool_calls": [CALL]},
