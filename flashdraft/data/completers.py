@@ -122,7 +122,8 @@ def answer_turns(
             if len(p.turns) <= turn or p.id in dropped:
                 continue
             kwargs = merged(settings.chat_template_kwargs, p.chat_template_kwargs) if use_template else None
-            text = render_conversation(tok, p.conversation(answers[p.id]), use_template, kwargs, p.tools)
+            where = f"prompt {p.record_id(turn)!r}"
+            text = render_conversation(tok, p.conversation(answers[p.id]), use_template, kwargs, p.tools, where)
             ids = encode_text(tok, text, use_template)
             if not ids:
                 raise FlashdraftError(

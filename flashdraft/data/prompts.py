@@ -355,15 +355,26 @@ def render_conversation(
     use_chat_template: bool,
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    where: str = "a prompt",
 ) -> str:
     """The text the target sees before its reply: the chat template with the generation
     prompt and `chat_template_kwargs` (None: the template's defaults; earlier replies as the template renders
     them, e.g. without their reasoning), or (no template) the contents concatenated, each reply continuing its
-    prompt."""
+    prompt. A template that refuses the conversation (`raise_exception`: a role it has no place for, such as
+    `tool`) is a one-line error naming `where`."""
     if use_chat_template:
-        return tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
-        )
+        import jinja2
+
+        try:
+            return tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
+            )
+        except jinja2.TemplateError as e:
+            roles = "/".join(m["role"] for m in messages)
+            raise FlashdraftError(
+                f"{where}: the chat template refuses its conversation ({e}; roles {roles}); expected a conversation "
+                f"the target's template renders (one without a tool role renders no agent trace)"
+            ) from None
     text = ""
     for m in messages:
         if m["role"] == "assistant" or not text:
@@ -374,18 +385,32 @@ def render_conversation(
 
 
 def ignored_tools_note(tokenizer, prompts: list[Prompt], kwargs: dict[str, Any] | None) -> str | None:
-    """One line where rows carry `tools` and the chat template renders the same prompt without them: the target
-    never sees the schemas the rows hold (a server given them would not either)."""
-    carrying = [p for p in prompts if p.tools]
-    if not carrying or not has_chat_template(tokenizer):
+    """One line where rows carry `tools` or tool calls and the chat template renders the same prompt without them:
+    the target never sees the schemas, or the calls its tools' results answer (a server given them would not
+    either)."""
+    if not has_chat_template(tokenizer):
         return None
-    first = carrying[0].conversation([])
-    with_tools = render_conversation(tokenizer, first, True, kwargs, carrying[0].tools)
-    if with_tools != render_conversation(tokenizer, first, True, kwargs):
+    ignored = []
+    carrying = [p for p in prompts if p.tools]
+    if carrying:
+        first = carrying[0].conversation([])
+        with_tools = render_conversation(
+            tokenizer, first, True, kwargs, carrying[0].tools, f"prompt {carrying[0].id!r}"
+        )
+        if with_tools == render_conversation(tokenizer, first, True, kwargs):
+            ignored.append(f"`tools` ({len(carrying)} of {len(prompts)} prompts carry tool schemas)")
+    calling = [p for p in prompts if any(m.get("tool_calls") for m in p.conversation([]))]
+    if calling:
+        messages = calling[0].conversation([])
+        bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+        with_calls = render_conversation(tokenizer, messages, True, kwargs, where=f"prompt {calling[0].id!r}")
+        if with_calls == render_conversation(tokenizer, bare, True, kwargs):
+            ignored.append(f"`tool_calls` ({len(calling)} prompts have earlier tool calls in their messages)")
+    if not ignored:
         return None
     return (
-        f"the chat template ignores `tools`: {len(carrying)} of {len(prompts)} prompts carry tool schemas the target "
-        f"does not see (its template renders none); use the target's own template, which renders them"
+        f"the chat template ignores {' and '.join(ignored)}: the target does not see them (its template renders "
+        f"none); use the target's own template, which renders them"
     )
 
 

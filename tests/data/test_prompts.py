@@ -198,13 +198,29 @@ def test_tools_and_tool_calls_render_as_transformers_apply_chat_template_with_to
     assert "grep" in text.split("<|im_end|>")[0] and "<tool_call> grep </tool_call>" in text
 
 
-def test_a_template_that_ignores_tools_while_rows_carry_them_is_said_in_one_line(tmp_path):
+def test_a_template_that_ignores_tools_or_tool_calls_while_rows_carry_them_is_said_in_one_line(tmp_path):
     from flashdraft.data.prompts import ignored_tools_note
     from tests.conftest import PLAIN_TEMPLATE, make_chat_tokenizer
 
     prompts = load_prompts(str(write_jsonl(tmp_path / "t.jsonl", [{"messages": TRACE, "tools": TOOLS}])), quiet=True)
-    assert "ignores `tools`: 2 of 2 prompts" in ignored_tools_note(make_chat_tokenizer(PLAIN_TEMPLATE), prompts, None)
-    assert ignored_tools_note(make_chat_tokenizer(TOOLS_TEMPLATE), prompts, None) is None
+    note = ignored_tools_note(make_chat_tokenizer(PLAIN_TEMPLATE), prompts, None)
+    assert "ignores `tools` (2 of 2 prompts carry tool schemas) and `tool_calls` (1 prompts have earlier" in note
+    assert "\n" not in note and ignored_tools_note(make_chat_tokenizer(TOOLS_TEMPLATE), prompts, None) is None
+    names_only = TOOLS_TEMPLATE.replace("{%- for c in m.tool_calls or [] %} <tool_call> {{ c.function.name }}", "")
+    names_only = names_only.replace(" </tool_call>{% endfor %}", "")  # renders the schemas, drops the calls
+    assert "ignores `tool_calls` (1 prompts" in ignored_tools_note(make_chat_tokenizer(names_only), prompts, None)
+
+
+def test_a_template_that_refuses_the_tool_role_is_a_one_line_error_naming_the_prompt(tmp_path):
+    from tests.conftest import make_chat_tokenizer
+
+    strict = make_chat_tokenizer(
+        "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
+        "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{{ m.content }} {% endfor %}"
+    )
+    step = load_prompts(str(write_jsonl(tmp_path / "t.jsonl", [{"id": "a", "messages": TRACE}])), quiet=True)[1]
+    with pytest.raises(FlashdraftError, match=r"prompt 'a/step2': the chat template refuses its conversation "):
+        render_conversation(strict, step.conversation([]), True, where=f"prompt {step.id!r}")
 
 
 def test_tool_call_arguments_in_json_text_render_as_the_server_renders_them_and_bad_ones_are_refused(tmp_path):
