@@ -39,7 +39,8 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 # A Qwen3-style thinking chat template over the test vocabulary (its words whitespace-separated tokens): the tools'
 # names in a system turn where a request has tools, thinking by
-# default (the generation prompt opens <think>), tool calls' arguments written as Qwen3's template writes them (text
+# default (the generation prompt opens <think>), an assistant turn's reasoning from its reasoning_content (as Qwen3's
+# template reads it) or its content, tool calls' arguments written as Qwen3's template writes them (text
 # as it is, an object with tojson), an empty think block when enable_thinking is false, and the
 # reasoning of assistant turns before the last user turn dropped from the history
 THINKING_TEMPLATE = (
@@ -50,16 +51,17 @@ THINKING_TEMPLATE = (
     "{%- endfor -%}"
     "{%- for m in messages -%}"
     "{%- if m.role == 'assistant' -%}"
-    "{%- set content = m.content -%}{%- set reasoning = '' -%}"
+    "{%- set content = m.content -%}"
+    "{%- set reasoning = m.reasoning_content if m.reasoning_content is string else '' -%}"
     "{%- if '</think>' in content -%}"
     "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip() -%}"
     "{%- set content = content.split('</think>')[-1].strip() -%}{%- endif -%}"
     "{%- if loop.index0 > ns.last_query and reasoning -%}"
-    "<|im_start|> assistant <think> {{ reasoning }} </think> {{ content }} <|im_end|> "
-    "{%- else -%}<|im_start|> assistant {{ content }}"
+    "<|im_start|> assistant <think> {{ reasoning }} </think> {{ content }}"
+    "{%- else -%}<|im_start|> assistant {{ content }}{%- endif -%}"
     "{%- for c in m.tool_calls or [] %} {{ c.function.name }} "
     "{{ c.function.arguments if c.function.arguments is string else c.function.arguments | tojson }}{% endfor %}"
-    " <|im_end|> {% endif -%}"
+    " <|im_end|>{{ ' ' }}"
     "{%- else -%}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_start|> assistant "

@@ -77,7 +77,9 @@ class OpenAIClient:
 
 def _request_message(message: dict) -> dict:
     """A message as an OpenAI client sends it: tool calls' `arguments` as JSON text (the request's schema; the
-    server parses them back into the objects flashdraft renders)."""
+    server parses them back into the objects flashdraft renders), an earlier turn's reasoning as `reasoning` (the
+    field vLLM reads; it gives the template `reasoning_content` too)."""
+    message = {k: v for k, v in message.items() if k != "reasoning_content"}
     if not message.get("tool_calls"):
         return message
     calls = [

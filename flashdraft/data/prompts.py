@@ -60,7 +60,7 @@ ROLE_NAMES = {
     "function": "tool",
     "observation": "tool",
 }
-MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
+MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning", "reasoning_content")
 
 
 @dataclass
@@ -299,6 +299,11 @@ def _messages(raw: Any, loc: str, name: str) -> list[dict[str, Any]]:
         }
         if message.get("tool_calls"):
             message["tool_calls"] = _tool_calls(message["tool_calls"], f"{loc}: {name}[{k}].tool_calls")
+        reasoning = message.get("reasoning", message.get("reasoning_content"))
+        if isinstance(reasoning, str) and message["role"] == "assistant":
+            # vLLM reads a request message's `reasoning` and gives its template both names (Qwen3's reads
+            # reasoning_content); a `reasoning_content` alone it drops, so it is sent as `reasoning`
+            message |= {"reasoning": reasoning, "reasoning_content": reasoning}
         messages.append(message)
     return messages
 

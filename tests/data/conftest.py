@@ -44,7 +44,7 @@ TOOLS = [{"type": "function", "function": {"name": "grep", "parameters": {"type"
 CALL = {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": '{"q":"t5","n":1}'}}
 TRACE = [
     {"role": "user", "content": "t1"},
-    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    {"role": "assistant", "content": "", "reasoning_content": "t6", "tool_calls": [CALL]},
     {"role": "tool", "content": "t7", "tool_call_id": "c1"},
     {"role": "assistant", "content": "t8"},
 ]

@@ -175,6 +175,7 @@ def test_an_agent_trace_is_one_prompt_per_assistant_step_after_the_datas_message
     assert steps[0].conversation([]) == TRACE[:1]  # the target writes the tool call
     # after the data's call (its arguments read as an object) and the tool's result (never invented)
     called = TRACE[1] | {"tool_calls": [CALL | {"function": {"name": "grep", "arguments": {"q": "t5", "n": 1}}}]}
+    called |= {"reasoning": "t6"}  # as vLLM gives the template a turn's reasoning: under both names
     assert steps[1].conversation([]) == [TRACE[0], called, TRACE[2]]
 
 
@@ -230,7 +231,7 @@ def test_tool_call_arguments_in_json_text_render_as_the_server_renders_them_and_
     step = load_prompts(str(write_jsonl(tmp_path / "t.jsonl", [{"messages": TRACE, "tools": TOOLS}])), quiet=True)[1]
     text = render_conversation(tok, step.conversation([]), True, None, step.tools)
     # vLLM parses the OpenAI format's JSON text into an object before rendering: json.dumps' spacing, not the row's
-    assert 'grep {"q": "t5", "n": 1} <|im_end|>' in text
+    assert '<think> t6 </think>  grep {"q": "t5", "n": 1} <|im_end|>' in text  # the call's reasoning kept
     raw = tok.apply_chat_template(TRACE[:3], tools=TOOLS, add_generation_prompt=True, tokenize=False)
     assert 'grep {"q":"t5","n":1} <|im_end|>' in raw  # what the text itself would have rendered
     for arguments, found in (("{oops", ": not valid JSON"), ("[1, 2]", r": is list \[1, 2\]; expected a JSON object")):
