@@ -95,6 +95,24 @@ def make_chat_tokenizer(template: str = THINKING_TEMPLATE) -> PreTrainedTokenize
     return fast
 
 
+TOOL_CALL, TOOL_CALL_END = 50, 51  # Qwen3's <tool_call> and </tool_call> in `make_tool_call_tokenizer`
+
+
+def make_tool_call_tokenizer() -> PreTrainedTokenizerFast:
+    """The test tokenizer with Qwen3's tool-call markers as single tokens (in place of t50, t51) and a chat template
+    that writes each tool call between them, so a completion's calls are told apart."""
+    vocab = {f"t{i}": i for i in range(VOCAB - 3) if i not in (TOOL_CALL, TOOL_CALL_END)}
+    vocab |= {"<tool_call>": TOOL_CALL, "</tool_call>": TOOL_CALL_END, "<eos>": EOS, "<pad>": PAD, "<mask>": MASK}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", mask_token="<mask>")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m.role }} {{ m.content }} {% for c in m.tool_calls or [] %}<tool_call> "
+        "{{ c.function.name }} </tool_call> {% endfor %}{% endfor %}{% if add_generation_prompt %}t9{% endif %}"
+    )
+    return fast
+
+
 def save_chat_target(directory: Path, template: str = THINKING_TEMPLATE, engine: bool = False) -> Path:
     """A tiny Qwen3 target with a chat template (`make_chat_tokenizer`); `engine`: the one the CPU engine runs."""
     if engine:

@@ -246,22 +246,13 @@ def test_openai_backend_names_an_unreachable_server():
 def test_an_agent_steps_records_keep_their_tools_and_where_the_completion_calls_one(tmp_path):
     """The target writes each assistant step of a trace; its record keeps the tool schemas and the [start, end) token
     span of the call it wrote, where the template marks calls (here Qwen3's <tool_call> words)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from flashdraft.data.completers import answer_turns
     from flashdraft.data.completions import record_json, record_problem
     from flashdraft.data.prompts import load_prompts
+    from tests.conftest import make_tool_call_tokenizer
     from tests.data.conftest import TOOLS, TRACE
 
-    vocab = {f"t{i}": i for i in range(50)} | {"<tool_call>": 50, "</tool_call>": 51, "<eos>": 61, "<pad>": 62}
-    words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<eos>", pad_token="<pad>")
-    tok.chat_template = (
-        "{% for m in messages %}{{ m.role }} {{ m.content }} {% for c in m.tool_calls or [] %}<tool_call> "
-        "{{ c.function.name }} </tool_call> {% endfor %}{% endfor %}{% if add_generation_prompt %}t9{% endif %}"
-    )
+    tok = make_tool_call_tokenizer()
     target = make_target("qwen3")
     target.tokenizer = tok
     path = tmp_path / "t.jsonl"

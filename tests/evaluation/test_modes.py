@@ -177,21 +177,11 @@ def test_tau_by_segment_tells_tool_calls_apart_where_the_template_marks_them_and
 def test_eval_json_reports_a_tool_call_segment_on_completions_that_call_tools(capsys, tmp_path):
     """End to end: completions of an agent step whose target writes Qwen3's <tool_call> words (single tokens of its
     tokenizer) give `by_segment.tool_call` in `eval --json`, every step counted in one segment."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from flashdraft.target.model import TargetModel
-    from tests.conftest import EOS, save_target
+    from tests.conftest import EOS, make_tool_call_tokenizer, save_target
 
     target = save_target(tmp_path / "target", "qwen3")
-    vocab = {f"t{i}": i for i in range(50)} | {"<tool_call>": 50, "</tool_call>": 51, "<eos>": EOS, "<pad>": 62}
-    words = Tokenizer(models.WordLevel(vocab | {"<mask>": 63}, unk_token="<pad>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<eos>", pad_token="<pad>", mask_token="<mask>")
-    tok.chat_template = (
-        "{% for m in messages %}{{ m.content }} {% for c in m.tool_calls or [] %}<tool_call> {{ c.function.name }} "
-        "</tool_call> {% endfor %}{% endfor %}{% if add_generation_prompt %}t9{% endif %}"
-    )
+    tok = make_tool_call_tokenizer()
     tok.save_pretrained(target)
     prompt_ids = [1, 2, 9]
     completions = [[3, 50, 4, 5, 6, 51, 7, 8, EOS], [50, 4, 51, 5, 6, 7, 8, 10, 11, 12, EOS]]
