@@ -39,7 +39,9 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 # A Qwen3-style thinking chat template over the test vocabulary (its words whitespace-separated tokens): the tools'
 # names in a system turn where a request has tools, thinking by
-# default (the generation prompt opens <think>), an empty think block when enable_thinking is false, and the
+# default (the generation prompt opens <think>), an assistant turn's reasoning from its reasoning_content (as Qwen3's
+# template reads it) or its content, tool calls' arguments written as Qwen3's template writes them (text
+# as it is, an object with tojson), an empty think block when enable_thinking is false, and the
 # reasoning of assistant turns before the last user turn dropped from the history
 THINKING_TEMPLATE = (
     "{%- if tools -%}<|im_start|> system {% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|> "
@@ -49,13 +51,17 @@ THINKING_TEMPLATE = (
     "{%- endfor -%}"
     "{%- for m in messages -%}"
     "{%- if m.role == 'assistant' -%}"
-    "{%- set content = m.content -%}{%- set reasoning = '' -%}"
+    "{%- set content = m.content -%}"
+    "{%- set reasoning = m.reasoning_content if m.reasoning_content is string else '' -%}"
     "{%- if '</think>' in content -%}"
     "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip() -%}"
     "{%- set content = content.split('</think>')[-1].strip() -%}{%- endif -%}"
     "{%- if loop.index0 > ns.last_query and reasoning -%}"
-    "<|im_start|> assistant <think> {{ reasoning }} </think> {{ content }} <|im_end|> "
-    "{%- else -%}<|im_start|> assistant {{ content }} <|im_end|> {% endif -%}"
+    "<|im_start|> assistant <think> {{ reasoning }} </think> {{ content }}"
+    "{%- else -%}<|im_start|> assistant {{ content }}{%- endif -%}"
+    "{%- for c in m.tool_calls or [] %} {{ c.function.name }} "
+    "{{ c.function.arguments if c.function.arguments is string else c.function.arguments | tojson }}{% endfor %}"
+    " <|im_end|>{{ ' ' }}"
     "{%- else -%}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_start|> assistant "
@@ -86,6 +92,24 @@ def make_chat_tokenizer(template: str = THINKING_TEMPLATE) -> PreTrainedTokenize
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", mask_token="<mask>")
     fast.chat_template = template
+    return fast
+
+
+TOOL_CALL, TOOL_CALL_END = 50, 51  # Qwen3's <tool_call> and </tool_call> in `make_tool_call_tokenizer`
+
+
+def make_tool_call_tokenizer() -> PreTrainedTokenizerFast:
+    """The test tokenizer with Qwen3's tool-call markers as single tokens (in place of t50, t51) and a chat template
+    that writes each tool call between them, so a completion's calls are told apart."""
+    vocab = {f"t{i}": i for i in range(VOCAB - 3) if i not in (TOOL_CALL, TOOL_CALL_END)}
+    vocab |= {"<tool_call>": TOOL_CALL, "</tool_call>": TOOL_CALL_END, "<eos>": EOS, "<pad>": PAD, "<mask>": MASK}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", mask_token="<mask>")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m.role }} {{ m.content }} {% for c in m.tool_calls or [] %}<tool_call> "
+        "{{ c.function.name }} </tool_call> {% endfor %}{% endfor %}{% if add_generation_prompt %}t9{% endif %}"
+    )
     return fast
 
 

@@ -34,23 +34,25 @@ RESERVED = (
 )
 
 
+def json_object(value: Any, where: str, example: str = "") -> dict[str, Any]:
+    """A JSON object given as itself or as its text (datasets files and request fields hold either), or a one-line
+    error naming `where`, what was found and `example`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise FlashdraftError(f"{where}: not valid JSON ({e.msg}); expected a JSON object{example}") from None
+    if not isinstance(value, dict):
+        raise FlashdraftError(f"{where}: is {type(value).__name__} {str(value)[:60]}; expected a JSON object{example}")
+    return value
+
+
 def parse_kwargs(value: Any, where: str) -> dict[str, Any] | None:
     """`--chat-template-kwargs JSON` (a string) or a prompt row's `chat_template_kwargs` (an object): a JSON object
     whose names are not ones flashdraft passes itself; None stays None (the template's defaults)."""
     if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise FlashdraftError(
-                f"{where}: not valid JSON ({e.msg}); expected an object such as '{{\"enable_thinking\": false}}'"
-            ) from None
-    if not isinstance(value, dict):
-        raise FlashdraftError(
-            f"{where}: is {type(value).__name__} {str(value)[:60]}; expected a JSON object such as "
-            f'{{"enable_thinking": false}}'
-        )
+    value = json_object(value, where, " such as '{\"enable_thinking\": false}'")
     taken = [k for k in value if k in RESERVED]
     if taken:
         raise FlashdraftError(

@@ -25,7 +25,7 @@ from flashdraft.data.prompts import (
     prompt_token_limit,
     render_conversation,
 )
-from flashdraft.data.reasoning import reasoning_end, reasoning_markers
+from flashdraft.data.reasoning import reasoning_end, reasoning_markers, tool_call_markers, tool_call_spans
 from flashdraft.decoding.serving_rules import NO_FILTERS, SamplingFilters, target_probs
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
@@ -108,6 +108,7 @@ def answer_turns(
     id, messages, kwargs, prompt ids) before it is sent."""
     tok, use_template = target.tokenizer, settings.chat_template
     markers, sha = (reasoning_markers(tok), template_sha256(tok)) if use_template else (None, None)
+    calls = tool_call_markers(tok) if use_template else None
     limit = prompt_token_limit(target.context_length, settings.max_new_tokens)
     stats = long_prompt_stats if long_prompt_stats is not None else {}
     answers: dict[str, list[str]] = {p.id: [] for p in batch}
@@ -121,7 +122,8 @@ def answer_turns(
             if len(p.turns) <= turn or p.id in dropped:
                 continue
             kwargs = merged(settings.chat_template_kwargs, p.chat_template_kwargs) if use_template else None
-            text = render_conversation(tok, p.conversation(answers[p.id]), use_template, kwargs, p.tools)
+            where = f"prompt {p.record_id(turn)!r}"
+            text = render_conversation(tok, p.conversation(answers[p.id]), use_template, kwargs, p.tools, where)
             ids = encode_text(tok, text, use_template)
             if not ids:
                 raise FlashdraftError(
@@ -159,6 +161,7 @@ def answer_turns(
                     "chat_template_kwargs": merged(settings.chat_template_kwargs, p.chat_template_kwargs),
                     "reasoning_end": reasoning_end(ids, out, markers),
                     "tools": p.tools,
+                    "tool_call_spans": tool_call_spans(out, calls),
                 }
             )
             records[p.id].append(

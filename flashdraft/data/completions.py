@@ -18,6 +18,7 @@ from typing import Any
 from flashdraft.data.chat_mode import (
     check_reasoning_end,
 )
+from flashdraft.data.reasoning import check_tool_call_spans
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
 
@@ -72,6 +73,9 @@ class CompletionRecord:
     chat_template_sha256: str | None = None
     reasoning_end: int | str | None = None  # index of the completion's `</think>`, "not closed", None: no reasoning
     tools: list[dict[str, Any]] | None = None  # the row's tool schemas, rendered with its messages
+    # [start, end) spans of completion_ids inside tool calls, where the template's markers are known (Qwen3's
+    # <tool_call>, gpt-oss's commentary channel) and the completion calls a tool
+    tool_call_spans: list[list[int]] | None = None
 
 
 OPTIONAL_FIELDS = (
@@ -81,6 +85,7 @@ OPTIONAL_FIELDS = (
     "chat_template_sha256",
     "reasoning_end",
     "tools",
+    "tool_call_spans",
 )
 
 
@@ -165,7 +170,9 @@ def record_problem(r: Any, vocab_size: int) -> str | None:
         return f"token_source is {r.get('token_source')!r}; expected one of {', '.join(TOKEN_SOURCES)}"
     if r.get("chat_template_kwargs") is not None and not isinstance(r["chat_template_kwargs"], dict):
         return f"chat_template_kwargs is {type(r['chat_template_kwargs']).__name__}; expected an object"
-    return check_reasoning_end(r.get("reasoning_end"), len(r["completion_ids"]))
+    return check_reasoning_end(r.get("reasoning_end"), len(r["completion_ids"])) or check_tool_call_spans(
+        r.get("tool_call_spans"), len(r["completion_ids"])
+    )
 
 
 def _read_json(path: Path) -> Any:

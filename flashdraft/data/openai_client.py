@@ -64,7 +64,7 @@ class OpenAIClient:
         """The token ids the server renders `messages` to for a chat client: vLLM's /tokenize with the generation
         prompt, `chat_template_kwargs` over the server's --default-chat-template-kwargs (none sent: its defaults),
         and the request's `tools`."""
-        body = {"model": self.model, "messages": messages, "add_generation_prompt": True}
+        body = {"model": self.model, "messages": [_request_message(m) for m in messages], "add_generation_prompt": True}
         if chat_template_kwargs:
             body["chat_template_kwargs"] = chat_template_kwargs
         if tools:
@@ -73,3 +73,19 @@ class OpenAIClient:
         if not (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)):
             raise FlashdraftError(f"{self.base.removesuffix('/v1')}/tokenize: the answer has no token ids ('tokens')")
         return tokens
+
+
+def _request_message(message: dict) -> dict:
+    """A message as an OpenAI client sends it: tool calls' `arguments` as JSON text (the request's schema; the
+    server parses them back into the objects flashdraft renders), an earlier turn's reasoning as `reasoning` (the
+    field vLLM reads; it gives the template `reasoning_content` too)."""
+    message = {k: v for k, v in message.items() if k != "reasoning_content"}
+    if not message.get("tool_calls"):
+        return message
+    calls = [
+        c | {"function": c["function"] | {"arguments": json.dumps(c["function"].get("arguments") or {})}}
+        if isinstance(c.get("function", {}).get("arguments"), dict)
+        else c
+        for c in message["tool_calls"]
+    ]
+    return message | {"tool_calls": calls}

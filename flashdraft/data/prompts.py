@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashdraft.data.chat_mode import parse_kwargs
+from flashdraft.data.chat_mode import json_object, parse_kwargs
 from flashdraft.data.stdlib import stdlib_prompts
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import refuse_script
@@ -60,7 +60,7 @@ ROLE_NAMES = {
     "function": "tool",
     "observation": "tool",
 }
-MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
+MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning", "reasoning_content")
 
 
 @dataclass
@@ -213,7 +213,18 @@ def _read_dataset(path: Path):
         else:
             raise FlashdraftError(f"{path}: dataset has splits {splits} and none is 'train'; expected one split")
     for index, row in enumerate(ds):
-        yield f"{path} row {index}", row
+        yield f"{path} row {index}", _without_nulls(row)
+
+
+def _without_nulls(value: Any) -> Any:
+    """A datasets row without the keys whose value is null: a Parquet (Arrow) struct column holds every row's keys,
+    so a tool schema or tool call stored as nested objects gains its neighbours' keys as nulls (`"description":
+    null`), which a template would render; JSON text keeps a row as written."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def _parse_row(row: dict[str, Any], loc: str, index: int, stats: dict[str, int]) -> list[Prompt]:
@@ -283,10 +294,38 @@ def _messages(raw: Any, loc: str, name: str) -> list[dict[str, Any]]:
                 f"{loc}: {name}[{k}] is {str(m)[:80]}; expected {{'role': one of {'/'.join(ROLES)}, 'content': a "
                 f"string}} or {{'from': one of {'/'.join(ROLE_NAMES)}, 'value': a string}}"
             )
-        messages.append(
-            {key: m[key] for key in MESSAGE_FIELDS if m.get(key) is not None} | {"content": m.get("content") or ""}
-        )
+        message = {key: m[key] for key in MESSAGE_FIELDS if m.get(key) is not None} | {
+            "content": m.get("content") or ""
+        }
+        if message.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(message["tool_calls"], f"{loc}: {name}[{k}].tool_calls")
+        reasoning = message.get("reasoning", message.get("reasoning_content"))
+        if isinstance(reasoning, str) and message["role"] == "assistant":
+            # vLLM reads a request message's `reasoning` and gives its template both names (Qwen3's reads
+            # reasoning_content); a `reasoning_content` alone it drops, so it is sent as `reasoning`
+            message |= {"reasoning": reasoning, "reasoning_content": reasoning}
+        messages.append(message)
     return messages
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool calls with their `arguments` as objects: vLLM parses the OpenAI format's JSON
+    text into an object before it renders a request (`renderers/chat_utils.py` `_postprocess_messages`; empty
+    arguments become {}), and transformers' templates expect objects, so text arguments would render otherwise
+    than the server renders them (Qwen3's template writes text as it is, an object with `tojson`)."""
+    if not isinstance(calls, list) or not all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
+    ):
+        raise FlashdraftError(
+            f"{where} is {str(calls)[:80]}; expected a list of {{'type': 'function', 'function': {{'name', "
+            f"'arguments'}}}}"
+        )
+    normalized = []
+    for n, call in enumerate(calls):
+        where_arguments = f"{where}[{n}].function.arguments"
+        arguments = json_object(call["function"].get("arguments") or {}, where_arguments, " (vLLM renders {} for it)")
+        normalized.append(call | {"function": call["function"] | {"arguments": arguments}})
+    return normalized
 
 
 def _message_prompts(messages: list[dict[str, Any]], pid: str, where: str, stats: dict[str, int]) -> list[Prompt]:
@@ -321,15 +360,26 @@ def render_conversation(
     use_chat_template: bool,
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    where: str = "a prompt",
 ) -> str:
     """The text the target sees before its reply: the chat template with the generation
     prompt and `chat_template_kwargs` (None: the template's defaults; earlier replies as the template renders
     them, e.g. without their reasoning), or (no template) the contents concatenated, each reply continuing its
-    prompt."""
+    prompt. A template that refuses the conversation (`raise_exception`: a role it has no place for, such as
+    `tool`) is a one-line error naming `where`."""
     if use_chat_template:
-        return tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
-        )
+        import jinja2
+
+        try:
+            return tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
+            )
+        except jinja2.TemplateError as e:
+            roles = "/".join(m["role"] for m in messages)
+            raise FlashdraftError(
+                f"{where}: the chat template refuses its conversation ({e}; roles {roles}); expected a conversation "
+                f"the target's template renders (one without a tool role renders no agent trace)"
+            ) from None
     text = ""
     for m in messages:
         if m["role"] == "assistant" or not text:
@@ -340,18 +390,32 @@ def render_conversation(
 
 
 def ignored_tools_note(tokenizer, prompts: list[Prompt], kwargs: dict[str, Any] | None) -> str | None:
-    """One line where rows carry `tools` and the chat template renders the same prompt without them: the target
-    never sees the schemas the rows hold (a server given them would not either)."""
-    carrying = [p for p in prompts if p.tools]
-    if not carrying or not has_chat_template(tokenizer):
+    """One line where rows carry `tools` or tool calls and the chat template renders the same prompt without them:
+    the target never sees the schemas, or the calls its tools' results answer (a server given them would not
+    either)."""
+    if not has_chat_template(tokenizer):
         return None
-    first = carrying[0].conversation([])
-    with_tools = render_conversation(tokenizer, first, True, kwargs, carrying[0].tools)
-    if with_tools != render_conversation(tokenizer, first, True, kwargs):
+    ignored = []
+    carrying = [p for p in prompts if p.tools]
+    if carrying:
+        first = carrying[0].conversation([])
+        with_tools = render_conversation(
+            tokenizer, first, True, kwargs, carrying[0].tools, f"prompt {carrying[0].id!r}"
+        )
+        if with_tools == render_conversation(tokenizer, first, True, kwargs):
+            ignored.append(f"`tools` ({len(carrying)} of {len(prompts)} prompts carry tool schemas)")
+    calling = [p for p in prompts if any(m.get("tool_calls") for m in p.conversation([]))]
+    if calling:
+        messages = calling[0].conversation([])
+        bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+        with_calls = render_conversation(tokenizer, messages, True, kwargs, where=f"prompt {calling[0].id!r}")
+        if with_calls == render_conversation(tokenizer, bare, True, kwargs):
+            ignored.append(f"`tool_calls` ({len(calling)} prompts have earlier tool calls in their messages)")
+    if not ignored:
         return None
     return (
-        f"the chat template ignores `tools`: {len(carrying)} of {len(prompts)} prompts carry tool schemas the target "
-        f"does not see (its template renders none); use the target's own template, which renders them"
+        f"the chat template ignores {' and '.join(ignored)}: the target does not see them (its template renders "
+        f"none); use the target's own template, which renders them"
     )
 
 

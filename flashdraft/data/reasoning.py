@@ -122,6 +122,8 @@ def tool_call_markers(tokenizer) -> ReasoningMarkers | None:
 def tool_call_tokens(completion_ids: list[int], markers: ReasoningMarkers) -> set[int]:
     """The indices of a completion's tokens inside its tool calls, markers included (a call cut short: to the end)."""
     text, owners = markers.text(completion_ids)
+    if markers.style == HARMONY_TOOL_CALL:
+        return {owners[k] for start, stop in _harmony_calls(text) for k in range(start, stop)}
     inside: set[int] = set()
     start = text.find(markers.style.start)
     while start >= 0:
@@ -130,3 +132,59 @@ def tool_call_tokens(completion_ids: list[int], markers: ReasoningMarkers) -> se
         inside |= set(owners[start:stop])
         start = text.find(markers.style.start, stop) if end >= 0 else -1
     return inside
+
+
+HARMONY_MESSAGE_ENDS = ("<|end|>", "<|call|>", "<|return|>")
+
+
+def _harmony_calls(text: str) -> list[tuple[int, int]]:
+    """Character ranges of a harmony completion's tool calls: the messages that end with `<|call|>` (a commentary
+    message addressed `to=functions.NAME`, the address before or after its channel), and a last message cut short
+    whose header (before `<|message|>`) has an address; a preamble on the commentary channel ends with `<|end|>`
+    and is no call."""
+    calls, start = [], 0
+    while start < len(text):
+        ends = [(text.find(e, start), e) for e in HARMONY_MESSAGE_ENDS if text.find(e, start) >= 0]
+        if not ends:
+            header = text[start:].split("<|message|>")[0]
+            if " to=" in header or header.startswith("to="):
+                calls.append((start, len(text)))
+            break
+        at, marker = min(ends)
+        if marker == "<|call|>":
+            calls.append((start, at + len(marker)))
+        start = at + len(marker)
+    return calls
+
+
+def tool_call_spans(completion_ids: list[int], markers: ReasoningMarkers | None) -> list[list[int]] | None:
+    """A completion's tool calls as [start, end) spans of its token indices (markers included); None where the
+    template's tool-call markers are unknown or the completion calls no tool (what a record keeps)."""
+    if markers is None:
+        return None
+    spans: list[list[int]] = []
+    for k in sorted(tool_call_tokens(completion_ids, markers)):
+        if spans and spans[-1][1] == k:
+            spans[-1][1] = k + 1
+        else:
+            spans.append([k, k + 1])
+    return spans or None
+
+
+def check_tool_call_spans(value, completion_length: int) -> str | None:
+    """Why a record's `tool_call_spans` is unusable, or None."""
+    if value is None:
+        return None
+    ok = isinstance(value, list) and all(
+        isinstance(s, list)
+        and len(s) == 2
+        and all(isinstance(k, int) and not isinstance(k, bool) for k in s)
+        and 0 <= s[0] < s[1] <= completion_length
+        for s in value
+    )
+    if not ok:
+        return (
+            f"tool_call_spans is {str(value)[:60]}; expected [start, end) pairs of token indices in "
+            f"0..{completion_length}"
+        )
+    return None

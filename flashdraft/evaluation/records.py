@@ -196,7 +196,7 @@ def load_eval_records(
     for prompt in loaded:
         # the first user turn: later turns need the target's earlier answers in the prompt
         mode = merged(kwargs, prompt.chat_template_kwargs) if chat else None
-        text = render_conversation(tok, prompt.conversation([]), chat, mode, prompt.tools)
+        text = render_conversation(tok, prompt.conversation([]), chat, mode, prompt.tools, f"prompt {prompt.id!r}")
         records.append(
             EvalRecord(
                 prompt.id,

@@ -40,10 +40,11 @@ def qwen3_dir(tmp_path_factory) -> Path:
 
 # an agent trace: a user turn, the assistant's tool call, the tool's result, the answer; and the tools' schemas
 TOOLS = [{"type": "function", "function": {"name": "grep", "parameters": {"type": "object", "properties": {}}}}]
-CALL = {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": "{}"}}
+# its arguments JSON text, as OpenAI clients send them (read as the object the server renders)
+CALL = {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": '{"q":"t5","n":1}'}}
 TRACE = [
     {"role": "user", "content": "t1"},
-    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    {"role": "assistant", "content": "", "reasoning_content": "t6", "tool_calls": [CALL]},
     {"role": "tool", "content": "t7", "tool_call_id": "c1"},
     {"role": "assistant", "content": "t8"},
 ]

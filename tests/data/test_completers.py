@@ -241,3 +241,32 @@ def test_generate_samples_with_the_targets_generation_config_filters_unless_told
 def test_openai_backend_names_an_unreachable_server():
     with pytest.raises(FlashdraftError, match=r"http://127\.0\.0\.1:9/v1/models: cannot reach the server"):
         OpenAIClient("http://127.0.0.1:9", timeout=5)
+
+
+def test_an_agent_steps_records_keep_their_tools_and_where_the_completion_calls_one(tmp_path):
+    """The target writes each assistant step of a trace; its record keeps the tool schemas and the [start, end) token
+    span of the call it wrote, where the template marks calls (here Qwen3's <tool_call> words)."""
+    from flashdraft.data.completers import answer_turns
+    from flashdraft.data.completions import record_json, record_problem
+    from flashdraft.data.prompts import load_prompts
+    from tests.conftest import make_tool_call_tokenizer
+    from tests.data.conftest import TOOLS, TRACE
+
+    tok = make_tool_call_tokenizer()
+    target = make_target("qwen3")
+    target.tokenizer = tok
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"id": "a", "messages": TRACE, "tools": TOOLS}) + "\n")
+    steps = load_prompts(str(path), quiet=True)
+    written = [1, 50, 2, 3, 51, 4, 61]  # a call (tokens 1..4), then an answer word and the stop token
+
+    def complete(items):
+        return [(written, "eos", "target") for _ in items]
+
+    settings = GenerationSettings(prompts=str(path), max_new_tokens=8, chat_template=True)
+    records = answer_turns(target, steps, settings, complete)
+    assert [r.id for r in records] == ["a/step1", "a/step2"]
+    assert all(r.tools == TOOLS and r.tool_call_spans == [[1, 5]] for r in records)
+    row = json.loads(record_json(records[1]))
+    assert row["tool_call_spans"] == [[1, 5]] and record_problem(row, 64) is None
+    assert "tool_call_spans is [[5, 9]]" in record_problem(row | {"tool_call_spans": [[5, 9]]}, 64)

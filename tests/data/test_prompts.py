@@ -7,7 +7,7 @@ import pytest
 from flashdraft.data.prompts import encode_text, has_chat_template, load_prompts, render_conversation
 from flashdraft.errors import FlashdraftError
 from tests.conftest import make_tokenizer, run_cli, save_chat_target
-from tests.data.conftest import TOOLS, TRACE
+from tests.data.conftest import CALL, TOOLS, TRACE
 
 
 def write_jsonl(path, rows):
@@ -173,7 +173,10 @@ def test_an_agent_trace_is_one_prompt_per_assistant_step_after_the_datas_message
     steps = load_prompts(str(path), quiet=True)
     assert [p.id for p in steps] == ["a/step1", "a/step2"] and all(p.tools == TOOLS for p in steps)
     assert steps[0].conversation([]) == TRACE[:1]  # the target writes the tool call
-    assert steps[1].conversation([]) == TRACE[:3]  # after the data's call and the tool's result (never invented)
+    # after the data's call (its arguments read as an object) and the tool's result (never invented)
+    called = TRACE[1] | {"tool_calls": [CALL | {"function": {"name": "grep", "arguments": {"q": "t5", "n": 1}}}]}
+    called |= {"reasoning": "t6"}  # as vLLM gives the template a turn's reasoning: under both names
+    assert steps[1].conversation([]) == [TRACE[0], called, TRACE[2]]
 
 
 TOOLS_TEMPLATE = (
@@ -191,14 +194,59 @@ def test_tools_and_tool_calls_render_as_transformers_apply_chat_template_with_to
     tok = make_chat_tokenizer(TOOLS_TEMPLATE)
     step = load_prompts(str(write_jsonl(tmp_path / "t.jsonl", [{"messages": TRACE, "tools": TOOLS}])), quiet=True)[1]
     text = render_conversation(tok, step.conversation([]), True, None, step.tools)
-    assert text == tok.apply_chat_template(TRACE[:3], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    messages = step.conversation([])
+    assert text == tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     assert "grep" in text.split("<|im_end|>")[0] and "<tool_call> grep </tool_call>" in text
 
 
-def test_a_template_that_ignores_tools_while_rows_carry_them_is_said_in_one_line(tmp_path):
+def test_a_template_that_ignores_tools_or_tool_calls_while_rows_carry_them_is_said_in_one_line(tmp_path):
     from flashdraft.data.prompts import ignored_tools_note
     from tests.conftest import PLAIN_TEMPLATE, make_chat_tokenizer
 
     prompts = load_prompts(str(write_jsonl(tmp_path / "t.jsonl", [{"messages": TRACE, "tools": TOOLS}])), quiet=True)
-    assert "ignores `tools`: 2 of 2 prompts" in ignored_tools_note(make_chat_tokenizer(PLAIN_TEMPLATE), prompts, None)
-    assert ignored_tools_note(make_chat_tokenizer(TOOLS_TEMPLATE), prompts, None) is None
+    note = ignored_tools_note(make_chat_tokenizer(PLAIN_TEMPLATE), prompts, None)
+    assert "ignores `tools` (2 of 2 prompts carry tool schemas) and `tool_calls` (1 prompts have earlier" in note
+    assert "\n" not in note and ignored_tools_note(make_chat_tokenizer(TOOLS_TEMPLATE), prompts, None) is None
+    names_only = TOOLS_TEMPLATE.replace("{%- for c in m.tool_calls or [] %} <tool_call> {{ c.function.name }}", "")
+    names_only = names_only.replace(" </tool_call>{% endfor %}", "")  # renders the schemas, drops the calls
+    assert "ignores `tool_calls` (1 prompts" in ignored_tools_note(make_chat_tokenizer(names_only), prompts, None)
+
+
+def test_a_template_that_refuses_the_tool_role_is_a_one_line_error_naming_the_prompt(tmp_path):
+    from tests.conftest import make_chat_tokenizer
+
+    strict = make_chat_tokenizer(
+        "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
+        "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{{ m.content }} {% endfor %}"
+    )
+    step = load_prompts(str(write_jsonl(tmp_path / "t.jsonl", [{"id": "a", "messages": TRACE}])), quiet=True)[1]
+    with pytest.raises(FlashdraftError, match=r"prompt 'a/step2': the chat template refuses its conversation "):
+        render_conversation(strict, step.conversation([]), True, where=f"prompt {step.id!r}")
+
+
+def test_tool_call_arguments_in_json_text_render_as_the_server_renders_them_and_bad_ones_are_refused(tmp_path):
+    from tests.conftest import make_chat_tokenizer
+
+    tok = make_chat_tokenizer()  # writes arguments as Qwen3's template does: text as it is, an object with tojson
+    step = load_prompts(str(write_jsonl(tmp_path / "t.jsonl", [{"messages": TRACE, "tools": TOOLS}])), quiet=True)[1]
+    text = render_conversation(tok, step.conversation([]), True, None, step.tools)
+    # vLLM parses the OpenAI format's JSON text into an object before rendering: json.dumps' spacing, not the row's
+    assert '<think> t6 </think>  grep {"q": "t5", "n": 1} <|im_end|>' in text  # the call's reasoning kept
+    raw = tok.apply_chat_template(TRACE[:3], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert 'grep {"q":"t5","n":1} <|im_end|>' in raw  # what the text itself would have rendered
+    for arguments, found in (("{oops", ": not valid JSON"), ("[1, 2]", r": is list \[1, 2\]; expected a JSON object")):
+        bad = [TRACE[0], TRACE[1] | {"tool_calls": [CALL | {"function": {"name": "g", "arguments": arguments}}]}]
+        with pytest.raises(
+            FlashdraftError, match=r"b\.jsonl:1: messages\[1\]\.tool_calls\[0\]\.function\.arguments" + found
+        ):
+            load_prompts(str(write_jsonl(tmp_path / "b.jsonl", [{"messages": bad}])), quiet=True)
+
+
+def test_tools_stored_as_nested_parquet_columns_read_as_written_without_their_neighbours_keys(tmp_path):
+    listing = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+    other = [{"type": "function", "function": {"name": "ls", "description": "list", "parameters": listing}}]
+    rows = [{"id": "a", "messages": TRACE, "tools": TOOLS}, {"id": "b", "messages": TRACE[:1], "tools": other}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")  # Arrow: one struct type for both rows
+    read = load_prompts(str(tmp_path / "t.parquet"), quiet=True)
+    as_jsonl = load_prompts(str(write_jsonl(tmp_path / "t.jsonl", rows)), quiet=True)
+    assert [p.tools for p in read] == [TOOLS, TOOLS, other] and read == as_jsonl  # no "description": null added

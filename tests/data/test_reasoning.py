@@ -84,3 +84,32 @@ def test_tool_calls_are_found_by_the_templates_markers_qwens_and_gpt_oss_comment
     harmony = characters_tokenizer("<|channel|>commentary to=functions.x <|call|> <|channel|>analysis")
     assert tool_call_markers(harmony).style.start == "<|channel|>commentary"
     assert tool_call_markers(characters_tokenizer("{{ messages }}")) is None
+
+
+def test_harmony_tool_calls_are_the_messages_ending_in_call_not_the_commentary_preambles():
+    from flashdraft.data.reasoning import _harmony_calls
+
+    analysis = "<|channel|>analysis<|message|>think<|end|>"
+    preamble = "<|start|>assistant<|channel|>commentary<|message|>looking<|end|>"
+    call = "<|start|>assistant<|channel|>commentary to=functions.grep <|constrain|>json<|message|>{}<|call|>"
+    text = analysis + preamble + call
+    assert _harmony_calls(text) == [(len(analysis + preamble), len(text))]
+    addressed_first = " to=functions.grep<|channel|>commentary json<|message|>{}<|call|>"  # after <|start|>assistant
+    assert _harmony_calls(addressed_first) == [(0, len(addressed_first))]
+    cut = '<|channel|>commentary to=functions.grep <|constrain|>json<|message|>{"q'
+    assert _harmony_calls(analysis + cut) == [(len(analysis), len(analysis + cut))]  # cut short: to the end
+    assert _harmony_calls(analysis + "<|start|>assistant<|channel|>final<|message|>hi<|return|>") == []
+
+
+def test_a_completions_tool_calls_are_kept_as_token_spans_where_the_markers_are_known():
+    from flashdraft.data.reasoning import check_tool_call_spans, tool_call_markers, tool_call_spans
+
+    tok = characters_tokenizer("{% for t in tools %}{{ t }}{% endfor %}<tool_call>")
+    completion = ids_of(tok, "ab<tool_call>x</tool_call>cd<tool_call>y")
+    second = len("ab<tool_call>x</tool_call>cd")
+    spans = tool_call_spans(completion, tool_call_markers(tok))
+    assert spans == [[2, second - 2], [second, len(completion)]]
+    assert check_tool_call_spans(spans, len(completion)) is None
+    assert "expected [start, end) pairs" in check_tool_call_spans([[3, 2]], len(completion))
+    assert tool_call_spans(ids_of(tok, "abcd"), tool_call_markers(tok)) is None  # no call: nothing kept
+    assert tool_call_spans(completion, None) is None  # markers unknown

@@ -172,3 +172,53 @@ def test_tau_by_segment_tells_tool_calls_apart_where_the_template_marks_them_and
     short = EvalResult("offline", 16, [0], 1, [PromptResult("r", [4, 4, 4], prompt_length=9)])
     figures = by_segment(short, [thinking], unmarked)
     assert "tool_call" not in figures and "markers are unknown" in figures["tool_call_note"]
+
+
+def test_eval_json_reports_a_tool_call_segment_on_completions_that_call_tools(capsys, tmp_path):
+    """End to end: completions of an agent step whose target writes Qwen3's <tool_call> words (single tokens of its
+    tokenizer) give `by_segment.tool_call` in `eval --json`, every step counted in one segment."""
+    from flashdraft.target.model import TargetModel
+    from tests.conftest import EOS, make_tool_call_tokenizer, save_target
+
+    target = save_target(tmp_path / "target", "qwen3")
+    tok = make_tool_call_tokenizer()
+    tok.save_pretrained(target)
+    prompt_ids = [1, 2, 9]
+    completions = [[3, 50, 4, 5, 6, 51, 7, 8, EOS], [50, 4, 51, 5, 6, 7, 8, 10, 11, 12, EOS]]
+    records = [
+        {
+            "id": f"a/step{k + 1}",
+            "prompt": "t1 t2 t9",
+            "prompt_ids": prompt_ids,
+            "completion_ids": ids,
+            "completion": tok.decode(ids, skip_special_tokens=True),
+            "stop_reason": "eos",
+            "messages": [{"role": "user", "content": "t1 t2"}],
+            "chat_template_kwargs": {},
+            "tools": [{"type": "function", "function": {"name": "grep"}}],
+        }
+        for k, ids in enumerate(completions)
+    ]
+    loaded = TargetModel.load(str(target))
+    header = {"format": "flashdraft.completions", "version": 1, "generation": {"prompts": "p", "chat_template": True}}
+    header["target"] = {"fingerprint": loaded.fingerprint(), "vocab_size": loaded.vocab_size, "path": str(target)}
+    (tmp_path / "c.json").write_text(json.dumps(header | {"records": records}))
+    init = ["init", "--target-model", target, "--out", tmp_path / "drafter", "--draft-layers", "1"]
+    assert run_cli(capsys, *init, "--block-size", "4", "--target-layer-ids", "0,2")[0] == 0
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        tmp_path / "drafter",
+        "--target-model",
+        target,
+        "--completions",
+        tmp_path / "c.json",
+        "--json",
+        tmp_path / "e.json",
+    )
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "e.json").read_text())
+    segments = summary["by_segment"]
+    assert segments["tool_call"]["steps"] > 0 and "by segment: " in out and "tool_call τ" in out
+    assert sum(s["steps"] for s in segments.values()) == summary["num_steps"]
