@@ -59,7 +59,12 @@ class EngineFeedConfig:
 
 def hidden_states_transfer(staging: Path, fp8: bool):
     """hs-connectors' reader for the file backend (FP8: dequantized to float32 as it is read)."""
-    from hs_connectors import FileTransfer, FP8Transfer
+    try:
+        from hs_connectors import FileTransfer, FP8Transfer
+    except ImportError:
+        raise FlashdraftError(
+            "train --engine needs hs-connectors (Python >= 3.11): pip install -c constraints.txt hs-connectors"
+        ) from None
 
     return FP8Transfer(staging, dequantize_dtype=torch.float32) if fp8 else FileTransfer(staging)
 
