@@ -181,15 +181,24 @@ def served(fed, tmp_path_factory):
         yield server.base_url
 
 
+def _held_out_tau(run_dir: Path) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["eval_tau"] for r in rows if "eval_tau" in r][-1]
+
+
 @pytest.mark.engine
 def test_the_cpu_engine_feeds_the_training_a_cache_of_it_gives(capsys, fed, served, tmp_path):
-    rc, out, err = _train(capsys, fed, tmp_path / "engine", source=("--engine", "vllm", "--engine-server", served))
+    held_out = ["--eval-every", "4", "--eval-cached-hidden-states", fed / "cache"]
+    engine = ("--engine", "vllm", "--engine-server", served)
+    rc, out, err = _train(capsys, fed, tmp_path / "engine", *held_out, source=engine)
     assert rc == 0, err
-    assert "no cache" not in err and "the probe on 1 engine(s)" in out
+    assert "the probe on 1 engine(s)" in out and not any((tmp_path / "engine").rglob("*.safetensors.*"))
     common = ["--target-model", fed / "target", "--completions", fed / "c.json", "--layers", "0,2", "--dtype", "fp32"]
     assert run_cli(capsys, "cache", *common, "--out", tmp_path / "cache", "--engine", "vllm")[0] == 0
-    assert _train(capsys, fed, tmp_path / "cached", source=("--cached-hidden-states", tmp_path / "cache"))[0] == 0
+    cached = ("--cached-hidden-states", tmp_path / "cache")
+    assert _train(capsys, fed, tmp_path / "cached", *held_out, source=cached)[0] == 0
     torch.testing.assert_close(_losses(tmp_path / "engine"), _losses(tmp_path / "cached"), rtol=1e-5, atol=1e-6)
+    assert _held_out_tau(tmp_path / "engine") == pytest.approx(_held_out_tau(tmp_path / "cached"), abs=1e-9)
 
 
 @pytest.mark.engine
