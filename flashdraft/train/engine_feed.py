@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 import time
 import urllib.error
 import urllib.request
@@ -33,6 +32,7 @@ from flashdraft.data.engine_capture import (
     compare_with_target,
     probe_tokens,
     refuse_mismatch,
+    verify_picks,
 )
 from flashdraft.errors import FlashdraftError
 from flashdraft.serving.engine import VllmServer, engine_python
@@ -245,8 +245,8 @@ def verify_engines(target, records: EngineRecords, share: float, seed: int = 0, 
     if not 0 <= share <= 1:
         raise FlashdraftError(f"--verify-share {share}: expected a share in [0, 1]")
     tolerance = 0.07 if fp8 else DEFAULT_TOLERANCE[DTYPE_NAMES[target.dtype]]
-    count = min(len(records), max(1, round(share * len(records))))
-    picks = sorted(random.Random(seed).sample(range(len(records)), count))
+    picks = verify_picks(len(records), share, seed)
+    count = len(picks)
     probe = probe_tokens(target.vocab_size)
     jobs = [(engine, PROBE, probe) for engine in records.engines]
     jobs += [
