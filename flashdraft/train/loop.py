@@ -206,11 +206,15 @@ def _start_stream(cfg: TrainConfig, records, steps: range, steps_per_epoch: int,
 def _fetch_batch(cfg: TrainConfig, records, step: int, steps_per_epoch: int, run_dir: Path, state: tuple):
     """The step's batch and the seconds spent making it (waiting for the engine's states, when it feeds); an engine
     lost mid-run ends the run with a checkpoint (`state`: what `_save` takes after the step count)."""
-    started = time.monotonic()
+    started, lost, batch = time.monotonic(), None, None
     try:
         batch = global_batch(cfg, records, step, steps_per_epoch, state[-1])
     except EngineLost as e:
-        raise _engine_lost(e, run_dir, step, state) from None
+        lost = e
+    # a streamed source: every rank stops at the same step when any rank's engine is lost (none left waiting)
+    if hasattr(records, "start") and any_rank(lost is not None):
+        lost = lost or EngineLost(f"rank {state[-1].rank}: an engine of another rank stopped answering")
+        raise _engine_lost(lost, run_dir, step, state) from None
     return batch, time.monotonic() - started
 
 
