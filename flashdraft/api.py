@@ -282,7 +282,9 @@ def train_drafter(config: TrainConfig, target_model: str | Path, out: str | Path
     `options`, as train's flags: cached_hidden_states (offline) or completions (online), init,
     draft_layers, block_size, mask_token_id, target_layer_ids, eval_cached_hidden_states,
     eval_completions, resume, report_to, allow_foreign, device, verify, target_dtype,
-    draft_vocab_size. `config` itself is left as it was (the run fills in a copy)."""
+    draft_vocab_size, engine_feed (a `flashdraft.train.engine_feed.EngineFeedConfig`: with completions, the
+    serving engine computes the states, `train --engine vllm`). `config` itself is left as it was (the run fills
+    in a copy)."""
     from flashdraft.train.run import TrainRun, run_training
 
     return run_training(dataclasses.replace(config), TrainRun(target_model=str(target_model), out=str(out), **options))

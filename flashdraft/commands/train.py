@@ -10,6 +10,7 @@ from dataclasses import fields
 
 from flashdraft.commands.options import ROPE_SCALING_HELP, block_size, positive, rope_scaling, stops, target_layer_ids
 from flashdraft.drafter.config import DEFAULT_BLOCK_SIZE
+from flashdraft.errors import FlashdraftError
 
 
 def _nonnegative_float(value: str) -> float:
@@ -83,6 +84,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def _run_args(p: argparse.ArgumentParser) -> None:
     """The target, the data, the run directory and the drafter trained."""
+    _engine_args(p)
     p.add_argument(
         "--config",
         default=None,
@@ -254,4 +256,56 @@ def run(args: argparse.Namespace) -> None:
         verify=not args.no_verify,
         target_dtype=args.target_dtype,
         draft_vocab_size=args.draft_vocab_size,
+        engine_feed=_engine_feed(args),
+    )
+
+
+def _engine_feed(args: argparse.Namespace):
+    """--engine vllm's settings, or None; its options refused without it."""
+    from flashdraft.train.engine_feed import EngineFeedConfig
+
+    given = [
+        flag for flag, value in (("--engine-server", args.engine_server), ("--engine-fp8", args.engine_fp8)) if value
+    ]
+    if args.engine is None:
+        if given:
+            raise FlashdraftError(f"{given[0]} is an option of --engine vllm; expected --engine vllm with it")
+        return None
+    servers = tuple(url for url in (args.engine_server or "").split(",") if url)
+    return EngineFeedConfig(
+        servers=servers,
+        prefetch=args.engine_prefetch,
+        fp8=args.engine_fp8,
+        verify_share=args.verify_share,
+        python=args.engine_python,
+    )
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    """Training fed by the serving engine (`train/engine_feed.py`)."""
+    from flashdraft.train.engine_feed import DEFAULT_PREFETCH
+
+    p.add_argument(
+        "--engine",
+        choices=["vllm"],
+        default=None,
+        help="with --completions: vLLM prefills each sequence and hands its states over (hs-connectors), no cache "
+        "written; the target's decoder layers are not held by the trainer",
+    )
+    p.add_argument(
+        "--engine-server",
+        default=None,
+        metavar="URL[,URL...]",
+        help="running engines to use (default: start one on 127.0.0.1)",
+    )
+    p.add_argument(
+        "--engine-prefetch",
+        type=positive,
+        default=DEFAULT_PREFETCH,
+        help="samples the engines run ahead of the trainer",
+    )
+    p.add_argument("--engine-fp8", action="store_true", help="FP8 states on the wire (hs-connectors' FP8 connector)")
+    p.add_argument("--engine-python", default=None, help="the engine's Python (default: .venv-engine)")
+    p.add_argument(
+        "--verify-share", type=float, default=0.05, help="share of samples recomputed by the target before training"
     )

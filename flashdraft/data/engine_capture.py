@@ -151,6 +151,12 @@ def check_sample(
             )
 
 
+def verify_picks(num_samples: int, share: float, seed: int = 0) -> list[int]:
+    """The samples recomputed by the target: `share` of them (at least one), drawn by `seed`."""
+    count = min(num_samples, max(1, round(share * num_samples)))
+    return sorted(random.Random(seed).sample(range(num_samples), count))
+
+
 @dataclass
 class LayerMatch:
     """One captured layer against the target's own forward."""
@@ -228,8 +234,8 @@ def verify_capture(
     for r in records:
         states, engine_tokens = load_captured(directory, r.id)
         check_sample(r.id, r.prompt_ids + r.completion_ids, states, engine_tokens, layer_ids, target.hidden_size)
-    count = min(len(records), max(1, round(verify_share * len(records))))
-    picks = sorted(random.Random(seed).sample(range(len(records)), count))
+    picks = verify_picks(len(records), verify_share, seed)
+    count = len(picks)
     samples = [(PROBE, probe_tokens(target.vocab_size))]
     samples += [(records[i].id, records[i].prompt_ids + records[i].completion_ids) for i in picks]
     tolerance = DEFAULT_TOLERANCE[DTYPE_NAMES[target.dtype]]  # the dtype's rounding alone, as `doctor` allows

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -43,12 +44,13 @@ from flashdraft.progress import Progress
 from flashdraft.stop import StopRequests
 from flashdraft.target.model import TargetModel
 from flashdraft.train.config import RESUMABLE_CHANGES, TrainConfig
+from flashdraft.train.engine_feed import EngineLost
 from flashdraft.train.held_out import check_keep_best, held_out_metrics, keep_if_best
 from flashdraft.train.learning import LearningCheck, mean_record_length
 from flashdraft.train.metrics import MetricsWriter, Window
 from flashdraft.train.optim import Optimizers, build_optimizers, warmup_steps
 from flashdraft.train.recipe import PUBLISHED_RECIPE
-from flashdraft.train.step import global_batch, loss_spec, optimizer_step
+from flashdraft.train.step import global_batch, loss_spec, optimizer_step, stream_order
 
 
 def check_no_shortcut(drafter: DFlashDrafter, target: TargetModel) -> None:
@@ -188,8 +190,40 @@ def _log(bar: Progress, writer: MetricsWriter | None, step: int, metrics: dict) 
         loss=f"{metrics['loss']:.3f}",
         acc1=f"{metrics['position_accuracy'][0]:.2f}",
         tau_est=f"{metrics['estimated_acceptance']:.2f}",
+        wait=f"{metrics.get('wait_s', 0):.2f}s",
+        compute=f"{metrics.get('compute_s', 0):.2f}s",
         refresh=not bar.plain,
     )
+
+
+def _start_stream(cfg: TrainConfig, records, steps: range, steps_per_epoch: int, dist: Dist) -> None:
+    """A streamed source (the engine) is told which records this rank reads over `steps`, in order (a resumed run
+    starts at its checkpoint's step: the stream's position)."""
+    if hasattr(records, "start"):
+        records.start(stream_order(cfg, len(records), steps, steps_per_epoch, dist))
+
+
+def _fetch_batch(cfg: TrainConfig, records, step: int, steps_per_epoch: int, run_dir: Path, state: tuple):
+    """The step's batch and the seconds spent making it (waiting for the engine's states, when it feeds); an engine
+    lost mid-run ends the run with a checkpoint (`state`: what `_save` takes after the step count)."""
+    started, lost, batch = time.monotonic(), None, None
+    try:
+        batch = global_batch(cfg, records, step, steps_per_epoch, state[-1])
+    except EngineLost as e:
+        lost = e
+    # a streamed source: every rank stops at the same step when any rank's engine is lost (none left waiting)
+    if hasattr(records, "start") and any_rank(lost is not None):
+        lost = lost or EngineLost(f"rank {state[-1].rank}: an engine of another rank stopped answering")
+        raise _engine_lost(lost, run_dir, step, state) from None
+    return batch, time.monotonic() - started
+
+
+def _engine_lost(error: EngineLost, run_dir: Path, done: int, state: tuple) -> FlashdraftError:
+    """An engine died mid-run: the steps done are checkpointed and the run stops in one line naming it."""
+    if done > 0:
+        _save(run_dir, done, *state)
+    where = f"checkpoint {latest_checkpoint(run_dir)}" if done > 0 else "no step done, no checkpoint"
+    return FlashdraftError(f"{error}; stopped after step {done} ({where}): re-run with --resume once it serves again")
 
 
 def _save(
@@ -308,6 +342,7 @@ def train(
         model, optimizer = _wrap(cfg, drafter, total_steps, dist)
         spec = loss_spec(cfg, drafter)
         start_step = _resume(run_dir, model, optimizer, len(records), dist, verify, cfg.fsdp) if resume else 0
+        _start_stream(cfg, records, range(start_step, total_steps), steps_per_epoch, dist)
         writer = MetricsWriter(run_dir, list(report_to), config_dict, start_step) if dist.is_main else None
         bar = _progress_bar(start_step, total_steps, dist)
         window = Window(cfg.first_draft_position)
@@ -316,8 +351,11 @@ def train(
         with StopRequests("step", dist.prefix()) as stop:
             for step in bar:
                 epoch = step // steps_per_epoch
-                batch = global_batch(cfg, records, step, steps_per_epoch, dist)
+                state = (model, optimizer, cfg, config_dict, len(records), dist)
+                batch, waited = _fetch_batch(cfg, records, step, steps_per_epoch, run_dir, state)
+                started = time.monotonic()
                 result, grad_norm = optimizer_step(model, target, optimizer, batch, spec, cfg.grad_clip, dist, run_dir)
+                window.time(waited, time.monotonic() - started)
                 if on_step is not None:
                     on_step(step)
                 window.add(result, batch.micro_batches, dist.world)

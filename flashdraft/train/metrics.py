@@ -127,8 +127,13 @@ class Window:
         self.loss = self.weight = 0.0
         self.figures: LossFigures | None = None  # summed over ranks
         self.first_draft = first_draft  # the layout's first drafting position (0: anchor-first)
-        self.tokens = 0
+        self.tokens = self.steps = 0
+        self.wait_s = self.compute_s = 0.0  # waiting for the steps' data (the engine's states), computing them
         self.t0 = time.perf_counter()
+
+    def time(self, wait_s: float, compute_s: float) -> None:
+        self.steps += 1
+        self.wait_s, self.compute_s = self.wait_s + wait_s, self.compute_s + compute_s
 
     def add(self, result: StepResult, micro_batches: list[Batch], world: int) -> None:
         self.loss += result.loss * result.weight_total
@@ -147,5 +152,7 @@ class Window:
             "lr": lr,
             "grad_norm": grad_norm,
             "epoch": epoch,
+            "wait_s": self.wait_s / max(1, self.steps),  # per step
+            "compute_s": self.compute_s / max(1, self.steps),
         }
         return metrics | figures

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import traceback
@@ -22,6 +23,7 @@ from flashdraft.target.model import TargetModel
 from flashdraft.target.weights import TargetHead
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.data import OnlineRecords
+from flashdraft.train.engine_feed import EngineFeedConfig, engine_fed
 from flashdraft.train.loop import HeldOut, LoopOptions, train
 from flashdraft.train.loss import recipe_decay_gamma
 from flashdraft.train.recipe import recipe_for
@@ -238,7 +240,7 @@ def _refuse_without_target_distribution(cfg: TrainConfig, cached_hidden_states: 
     )
 
 
-def _describe_run(target: TargetModel, drafter: DFlashDrafter, num_records: int, offline: bool) -> str:
+def _describe_run(target: TargetModel, drafter: DFlashDrafter, num_records: int, source: str) -> str:
     """The line a run starts with: target, drafter and data."""
     return (
         f"target {target.path}: {target.num_layers} layers, linear-attention backend {target.linear_backend}; "
@@ -246,7 +248,7 @@ def _describe_run(target: TargetModel, drafter: DFlashDrafter, num_records: int,
         f"size {drafter.config.block_size}, mask token {drafter.config.mask_token_id}, RoPE "
         f"{describe_scaling(drafter.config.rope_scaling)}, trained context so far "
         f"{drafter.config.trained_context_length or 'none recorded'}; {num_records} records "
-        f"({'offline cache' if offline else 'online target features'})"
+        f"({source})"
     )
 
 
@@ -310,6 +312,7 @@ class TrainRun:
     verify: bool = True  # check the sha256 of caches and of the checkpoint resumed from
     target_dtype: str | None = None  # fp32 on CPU, bf16 on GPU
     draft_vocab_size: int | None = None
+    engine_feed: EngineFeedConfig | None = None  # with completions: the serving engine computes the states
 
 
 def run_training(cfg: TrainConfig, run: TrainRun) -> Path:
@@ -318,9 +321,12 @@ def run_training(cfg: TrainConfig, run: TrainRun) -> Path:
     runs in the loop (completions), else only its head (`TargetHead`)."""
     if bool(run.cached_hidden_states) == bool(run.completions):
         raise FlashdraftError("give exactly one of --cached-hidden-states (offline) or --completions (online)")
+    if run.engine_feed and not run.completions:
+        raise FlashdraftError("--engine vllm feeds training from --completions; expected --completions FILE")
     dist = init_distributed(run.device, collectives=True)
     try:
-        online = bool(run.completions or run.eval_completions)  # the target computes features in the loop
+        # the target computes features in the loop (not when the engine does)
+        online = bool((run.completions and not run.engine_feed) or run.eval_completions)
         dtype = load_dtype(dist.device, run.target_dtype)
         target = (TargetModel if online else TargetHead).load(run.target_model, device=dist.device, dtype=dtype)
         run_dir = Path(run.out)
@@ -352,18 +358,25 @@ def run_training(cfg: TrainConfig, run: TrainRun) -> Path:
             online_topk,
         )
         if dist.is_main:
-            print(_describe_run(target, drafter, len(records), offline=bool(run.cached_hidden_states)), flush=True)
+            source = "offline cache" if run.cached_hidden_states else "online target features"
+            source = "states from the serving engine" if run.engine_feed else source
+            print(_describe_run(target, drafter, len(records), source), flush=True)
         _take_recipe(cfg, run.target_model, dist.is_main)
-        train(
-            cfg,
-            drafter,
-            target,
-            records,
-            run_dir,
-            held_out=HeldOut(records=eval_records, tau_records=tau_records),
-            options=LoopOptions(resume=run.resume, report_to=run.report_to, verify=run.verify),
-            dist=dist,
-        )
+        with contextlib.ExitStack() as stack:
+            if run.engine_feed:
+                records = stack.enter_context(
+                    engine_fed(run.engine_feed, records, run.target_model, layer_ids, run_dir, dtype, dist.is_main)
+                )
+            train(
+                cfg,
+                drafter,
+                target,
+                records,
+                run_dir,
+                held_out=HeldOut(records=eval_records, tau_records=tau_records),
+                options=LoopOptions(resume=run.resume, report_to=run.report_to, verify=run.verify),
+                dist=dist,
+            )
         final = latest_checkpoint(run_dir)
         if dist.is_main:
             print(f"done: drafter in {final / 'drafter'}", flush=True)

@@ -97,14 +97,25 @@ class GlobalBatch:
     records: object  # the records drawn from, to name them when the loss is not finite
 
 
+def step_indices(cfg: TrainConfig, num_records: int, step: int, steps_per_epoch: int, dist: Dist) -> tuple[list, list]:
+    """The step's global batch of record indices and this rank's share of it (in the order it reads them)."""
+    epoch, in_epoch = divmod(step, steps_per_epoch)
+    size = cfg.batch_size * cfg.grad_accum * dist.world
+    order = torch.randperm(num_records, generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch))
+    global_indices = order[in_epoch * size : (in_epoch + 1) * size].tolist()
+    return global_indices, global_indices[dist.rank :: dist.world]
+
+
+def stream_order(cfg: TrainConfig, num_records: int, steps: range, steps_per_epoch: int, dist: Dist) -> list[int]:
+    """The record indices this rank reads over `steps`, in order: what a streamed source (the engine) must yield."""
+    return [i for step in steps for i in step_indices(cfg, num_records, step, steps_per_epoch, dist)[1]]
+
+
 def global_batch(cfg: TrainConfig, records, step: int, steps_per_epoch: int, dist: Dist) -> GlobalBatch:
     """This rank's micro-batches of the step's global batch, and the global batch's record
     indices: a function of (seed, epoch, step) only, so resume and any world size agree."""
-    epoch, in_epoch = divmod(step, steps_per_epoch)
-    size = cfg.batch_size * cfg.grad_accum * dist.world
-    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch))
-    global_indices = order[in_epoch * size : (in_epoch + 1) * size].tolist()
-    mine = global_indices[dist.rank :: dist.world]
+    epoch = step // steps_per_epoch
+    global_indices, mine = step_indices(cfg, len(records), step, steps_per_epoch, dist)
     batch_spec = BatchSpec(
         seed=cfg.seed,
         num_anchors=cfg.num_anchors,

@@ -42,13 +42,25 @@ class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
         slots = (offsets[None, :] + blocks[:, None] * self._block_size).flatten()
         states = extract_from_kv_cache(self._kv_cache, slots.to(self._kv_cache.device), pending.token_ids.shape[0])
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
-        save_file(
-            {"hidden_states": states.to("cpu").contiguous(), "token_ids": pending.token_ids.clone()}, pending.filename
-        )
+        save_file(self._tensors(states.to("cpu").contiguous(), pending.token_ids.clone()), pending.filename)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is not None:
             os.close(lock_fd)  # releases the reader waiting on the file's lock
         self._req_copy_events[pending.req_id] = _Done()
+
+    def _tensors(self, states: torch.Tensor, token_ids: torch.Tensor) -> dict:
+        return {"hidden_states": states, "token_ids": token_ids}
+
+
+class CpuFP8HiddenStatesConnector(CpuHiddenStatesConnector):
+    """hs-connectors' FP8 connector on a CPU: float8_e4m3fn states with one float32 scale per token, as its
+    `FP8HiddenStatesConnector` writes them (read back by its `FP8Transfer`)."""
+
+    def _tensors(self, states: torch.Tensor, token_ids: torch.Tensor) -> dict:
+        from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+
+        fp8_states, scales = quantize_tensor_to_fp8(states)
+        return {"hidden_states": fp8_states, SCALES_KEY: scales, "token_ids": token_ids}
 
 
 def main(job_path: str) -> None:
