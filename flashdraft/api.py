@@ -199,7 +199,8 @@ class Drafter(LoadedDrafter):
         verified, and `top_k`, `top_p`, `min_p` filter the target's p as that rule's server does
         (each None: the target's generation_config.json value unless `use_generation_config` is
         off; one the server does not apply, given, is refused); `num_speculative_tokens`,
-        `adaptive_threshold` and `confidence_threshold` verify fewer drafts per step."""
+        `adaptive_threshold` and `confidence_threshold` verify fewer drafts per step. More than 8 parameters
+        because this is the public API's one call, taking `flashdraft eval`'s flags by name (keyword-only)."""
         self.check_fits(target)
         rule = _serving_rule(serving_rule)
         filters, _ = request_filters(target.path, temperature, top_k, top_p, min_p, rule, use_generation_config)
@@ -282,9 +283,9 @@ def train_drafter(config: TrainConfig, target_model: str | Path, out: str | Path
     draft_layers, block_size, mask_token_id, target_layer_ids, eval_cached_hidden_states,
     eval_completions, resume, report_to, allow_foreign, device, verify, target_dtype,
     draft_vocab_size. `config` itself is left as it was (the run fills in a copy)."""
-    from flashdraft.train.run import run_training
+    from flashdraft.train.run import TrainRun, run_training
 
-    return run_training(dataclasses.replace(config), str(target_model), str(out), **options)
+    return run_training(dataclasses.replace(config), TrainRun(target_model=str(target_model), out=str(out), **options))
 
 
 def generate_completions(target_model: str | Path, prompts: str, out: str | Path, **options: Any) -> Path:

@@ -179,7 +179,7 @@ def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: P
     from flashdraft.drafter.run_dir import latest_checkpoint, read_best
     from flashdraft.target.weights import TargetHead
     from flashdraft.train.config import TrainConfig
-    from flashdraft.train.run import load_training_records, run_training
+    from flashdraft.train.run import TrainRun, load_training_records, run_training
 
     layer_ids = list(s.target_layer_ids)
     target = TargetHead.load(s.target_model)  # training reads the cache: no target forward
@@ -212,14 +212,14 @@ def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: P
         cfg.max_steps, cfg.save_every, cfg.eval_every = steps, steps, max(10, steps // 4)
         print(f"{per_step:.2f} s per step here: training {steps} steps ({steps * per_step / 60:.1f} min)")
         t0 = time.perf_counter()
-        run_training(
-            cfg,
+        run = TrainRun(
             s.target_model,
             str(run_dir),
             cached_hidden_states=str(train_cache),
             init=str(untrained_dir),
             eval_cached_hidden_states=str(heldout_cache),
         )
+        run_training(cfg, run)
         train_info = {"steps": steps, "train_seconds": round(time.perf_counter() - t0, 1)}
         done_marker.write_text(json.dumps(train_info))
     best = read_best(run_dir)

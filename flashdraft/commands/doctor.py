@@ -8,6 +8,7 @@ import sys
 
 from flashdraft.commands.options import positive
 from flashdraft.drafter.server_fields import SGLANG, VLLM
+from flashdraft.errors import FlashdraftError
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -66,8 +67,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
-    from flashdraft.doctor import load_target_for, run_doctor
+    from flashdraft.doctor import ServingQuery, load_target_for, run_doctor
 
+    serving = None
+    if args.serving or args.serving_command is not None:
+        name = args.target_model if args.target_model != "tiny" else None
+        serving = ServingQuery(name, args.max_model_len, args.serving_command)
+    elif args.max_model_len is not None:
+        raise FlashdraftError(
+            f"--max-model-len {args.max_model_len}: the context a drafter is served at; expected --serving with it"
+        )
     target = load_target_for(args.path, args.target_model)
     if not run_doctor(
         args.path,
@@ -76,9 +85,6 @@ def run(args: argparse.Namespace) -> None:
         samples=args.samples,
         tolerance=args.tolerance,
         verify=not args.no_verify,
-        serving=args.serving or args.serving_command is not None,
-        max_model_len=args.max_model_len,
-        target_name=args.target_model if args.target_model != "tiny" else None,
-        serving_command=args.serving_command,
+        serving=serving,
     ):
         sys.exit(1)

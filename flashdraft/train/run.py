@@ -22,7 +22,7 @@ from flashdraft.target.model import TargetModel
 from flashdraft.target.weights import TargetHead
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.data import OnlineRecords
-from flashdraft.train.loop import train
+from flashdraft.train.loop import HeldOut, LoopOptions, train
 from flashdraft.train.loss import recipe_decay_gamma
 from flashdraft.train.recipe import recipe_for
 from flashdraft.train.vocab import draft_vocabulary, with_draft_vocabulary
@@ -286,75 +286,83 @@ def _drop_frame_locals(error: BaseException) -> None:
     gc.collect()
 
 
-def run_training(
-    cfg: TrainConfig,
-    target_model: str,
-    out: str,
-    cached_hidden_states: str | None = None,
-    completions: str | None = None,
-    init: str | None = None,
-    draft_layers: int | None = None,
-    block_size: int | None = None,
-    mask_token_id: int | None = None,
-    target_layer_ids: list[int] | None = None,
-    eval_cached_hidden_states: str | None = None,
-    eval_completions: str | None = None,
-    resume: bool = False,
-    report_to: tuple[str, ...] = (),
-    allow_foreign: bool = False,
-    device: str | None = None,
-    verify: bool = True,
-    target_dtype: str | None = None,
-    draft_vocab_size: int | None = None,
-) -> Path:
-    """`flashdraft train`. The drafter is the newest complete checkpoint (`resume`), else `init`, else a fresh one
-    shaped by draft_layers (1), block_size (16), mask_token_id and target_layer_ids (which must agree with a given
-    one's config). `verify`: check the sha256 of caches and of the checkpoint resumed from. The target loads whole
-    only when it runs in the loop (completions), else only its head (`TargetHead`); fp32 on CPU, bf16 on GPU."""
-    if bool(cached_hidden_states) == bool(completions):
+@dataclass(frozen=True)
+class TrainRun:
+    """Where a training run reads and writes, and the drafter it starts from: `flashdraft train`'s flags beside
+    `TrainConfig`'s (which decide what it computes)."""
+
+    target_model: str
+    out: str  # the run directory
+    cached_hidden_states: str | None = None  # offline: a hidden-state cache
+    completions: str | None = None  # online: the target runs in the loop
+    init: str | None = None  # a drafter to start from (`flashdraft init`'s, or any drafter)
+    # a fresh drafter's shape (None: 1 layer, block 16, the target's mask token, the reference spread)
+    draft_layers: int | None = None
+    block_size: int | None = None
+    mask_token_id: int | None = None
+    target_layer_ids: list[int] | None = None
+    eval_cached_hidden_states: str | None = None
+    eval_completions: str | None = None
+    resume: bool = False
+    report_to: tuple[str, ...] = ()
+    allow_foreign: bool = False
+    device: str | None = None
+    verify: bool = True  # check the sha256 of caches and of the checkpoint resumed from
+    target_dtype: str | None = None  # fp32 on CPU, bf16 on GPU
+    draft_vocab_size: int | None = None
+
+
+def run_training(cfg: TrainConfig, run: TrainRun) -> Path:
+    """`flashdraft train`. The drafter is the newest complete checkpoint (`run.resume`), else `run.init`, else a
+    fresh one of the run's shape (which must agree with a given one's config). The target loads whole only when it
+    runs in the loop (completions), else only its head (`TargetHead`)."""
+    if bool(run.cached_hidden_states) == bool(run.completions):
         raise FlashdraftError("give exactly one of --cached-hidden-states (offline) or --completions (online)")
-    dist = init_distributed(device, collectives=True)
+    dist = init_distributed(run.device, collectives=True)
     try:
-        online = bool(completions or eval_completions)  # the target computes features in the loop
-        dtype = load_dtype(dist.device, target_dtype)
-        target = (TargetModel if online else TargetHead).load(target_model, device=dist.device, dtype=dtype)
-        run_dir = Path(out)
+        online = bool(run.completions or run.eval_completions)  # the target computes features in the loop
+        dtype = load_dtype(dist.device, run.target_dtype)
+        target = (TargetModel if online else TargetHead).load(run.target_model, device=dist.device, dtype=dtype)
+        run_dir = Path(run.out)
         shape = dict(
-            draft_layers=draft_layers,
-            block_size=block_size,
-            mask_token_id=mask_token_id,
-            target_layer_ids=target_layer_ids,
+            draft_layers=run.draft_layers,
+            block_size=run.block_size,
+            mask_token_id=run.mask_token_id,
+            target_layer_ids=run.target_layer_ids,
         )
         drafter = _starting_drafter(
-            target, run_dir if resume else None, init, shape, cfg.seed, verify, cfg.rope_scaling
+            target, run_dir if run.resume else None, run.init, shape, cfg.seed, run.verify, cfg.rope_scaling
         )
         layer_ids = drafter.config.target_layer_ids
         needs_target = _loss_reads_target(cfg, drafter)
         online_topk = ONLINE_TARGET_TOPK if needs_target else 0
         records, cfg.data_fingerprint = load_training_records(
-            target, layer_ids, cached_hidden_states, completions, allow_foreign, verify, online_topk
+            target, layer_ids, run.cached_hidden_states, run.completions, run.allow_foreign, run.verify, online_topk
         )
-        _check_loss_inputs(cfg, drafter, records, needs_target, cached_hidden_states or completions)
-        drafter = _with_vocabulary(drafter, draft_vocab_size, records, target, cfg, dist)
-        _record_mode(drafter, records, resumed=resume and latest_checkpoint(run_dir) is not None, main=dist.is_main)
+        _check_loss_inputs(cfg, drafter, records, needs_target, run.cached_hidden_states or run.completions)
+        drafter = _with_vocabulary(drafter, run.draft_vocab_size, records, target, cfg, dist)
+        _record_mode(drafter, records, resumed=run.resume and latest_checkpoint(run_dir) is not None, main=dist.is_main)
         eval_records, tau_records = _held_out_records(
-            target, layer_ids, eval_cached_hidden_states, eval_completions, allow_foreign, verify, online_topk
+            target,
+            layer_ids,
+            run.eval_cached_hidden_states,
+            run.eval_completions,
+            run.allow_foreign,
+            run.verify,
+            online_topk,
         )
         if dist.is_main:
-            print(_describe_run(target, drafter, len(records), offline=bool(cached_hidden_states)), flush=True)
-        _take_recipe(cfg, target_model, dist.is_main)
+            print(_describe_run(target, drafter, len(records), offline=bool(run.cached_hidden_states)), flush=True)
+        _take_recipe(cfg, run.target_model, dist.is_main)
         train(
             cfg,
             drafter,
             target,
             records,
             run_dir,
-            resume=resume,
-            eval_records=eval_records,
-            report_to=report_to,
+            held_out=HeldOut(records=eval_records, tau_records=tau_records),
+            options=LoopOptions(resume=run.resume, report_to=run.report_to, verify=run.verify),
             dist=dist,
-            eval_tau_records=tau_records,
-            verify=verify,
         )
         final = latest_checkpoint(run_dir)
         if dist.is_main:
