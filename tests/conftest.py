@@ -38,13 +38,14 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 
 # A Qwen3-style thinking chat template over the test vocabulary (its words whitespace-separated tokens): the tools'
-# names in a system turn where a request has tools, thinking by
+# names and schemas (`tojson`, as Qwen3's) in a system turn where a request has tools, thinking by
 # default (the generation prompt opens <think>), an assistant turn's reasoning from its reasoning_content (as Qwen3's
 # template reads it) or its content, tool calls' arguments written as Qwen3's template writes them (text
 # as it is, an object with tojson), an empty think block when enable_thinking is false, and the
 # reasoning of assistant turns before the last user turn dropped from the history
 THINKING_TEMPLATE = (
-    "{%- if tools -%}<|im_start|> system {% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|> "
+    "{%- if tools -%}<|im_start|> system {% for t in tools %}{{ t.function.name }} {{ t | tojson }} {% endfor %}"
+    "<|im_end|> "
     "{%- endif -%}"
     "{%- set ns = namespace(last_query=-1) -%}"
     "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"

@@ -247,7 +247,27 @@ def _tools(tools: Any, loc: str) -> list[dict[str, Any]] | None:
             raise FlashdraftError(f"{loc}: field 'tools' is not valid JSON ({e.msg}); expected a list") from None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise FlashdraftError(f"{loc}: field 'tools' is {str(tools)[:80]}; expected a list of function schemas")
-    return tools or None
+    return [_served_tool(t, f"{loc}: tools[{k}]") for k, t in enumerate(tools)] or None
+
+
+def _served_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    """A tool schema as vLLM hands it to the template (`ChatCompletionToolsParam.model_dump()`, vLLM 0.32): type,
+    then the function's name, description and parameters in that order, the last two null where absent, `strict`
+    and `defer_loading` only where set, other keys dropped; a template that writes `tool | tojson` (Qwen3's) renders
+    the schema the server renders."""
+    function = tool.get("function")
+    if tool.get("type", "function") != "function" or not isinstance(function, dict):
+        raise FlashdraftError(
+            f"{where} is {str(tool)[:80]}; expected {{'type': 'function', 'function': {{'name', 'description', "
+            f"'parameters'}}}} (an OpenAI function schema)"
+        )
+    if not isinstance(function.get("name"), str):
+        raise FlashdraftError(f"{where}.function.name is {function.get('name')!r}; expected a string")
+    served = {k: function.get(k) for k in ("name", "description", "parameters")}
+    defer = function.get("defer_loading", tool.get("defer_loading"))
+    served |= {k: v for k, v in (("strict", function.get("strict")), ("defer_loading", defer)) if v is not None}
+    top = tool.get("defer_loading")
+    return {"type": "function", "function": served} | ({"defer_loading": top} if top is not None else {})
 
 
 def _parse_turns(row: dict[str, Any], loc: str, index: int, stats: dict[str, int]) -> list[Prompt]:

@@ -40,6 +40,13 @@ def qwen3_dir(tmp_path_factory) -> Path:
 
 # an agent trace: a user turn, the assistant's tool call, the tool's result, the answer; and the tools' schemas
 TOOLS = [{"type": "function", "function": {"name": "grep", "parameters": {"type": "object", "properties": {}}}}]
+# the same as vLLM hands them to the template: name, description (null where absent), parameters
+SERVED_TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "grep", "description": None, "parameters": TOOLS[0]["function"]["parameters"]},
+    }
+]
 # its arguments JSON text, as OpenAI clients send them (read as the object the server renders)
 CALL = {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": '{"q":"t5","n":1}'}}
 TRACE = [

@@ -14,7 +14,7 @@ from flashdraft.data.chat_mode import parse_kwargs, run_kwargs
 from flashdraft.data.reasoning import NOT_CLOSED, reasoning_end, reasoning_markers
 from flashdraft.errors import FlashdraftError
 from tests.conftest import CHAT_WORDS, PLAIN_TEMPLATE, make_chat_tokenizer, run_cli, save_chat_target
-from tests.data.conftest import TOOLS, TRACE
+from tests.data.conftest import SERVED_TOOLS, TOOLS, TRACE
 
 THINK, END = CHAT_WORDS["<think>"], CHAT_WORDS["</think>"]
 
@@ -167,7 +167,7 @@ def test_the_engines_render_equals_flashdrafts_and_a_server_with_another_default
     # generate --engine vllm: every prompt (both modes, the second turn's history) rendered by the engine too
     data, out = _generate(capsys, tmp_path, target, prompts, "--engine", "vllm", "--verify-share", "0.3")
     assert len(data["records"]) == 5 and "completions against the target" in out
-    assert [r["tools"] for r in data["records"] if r["id"].startswith("c/")] == [TOOLS, TOOLS]
+    assert [r["tools"] for r in data["records"] if r["id"].startswith("c/")] == [SERVED_TOOLS, SERVED_TOOLS]
     python = engine_python()
     with VllmServer(
         python,

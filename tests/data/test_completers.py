@@ -250,7 +250,7 @@ def test_an_agent_steps_records_keep_their_tools_and_where_the_completion_calls_
     from flashdraft.data.completions import record_json, record_problem
     from flashdraft.data.prompts import load_prompts
     from tests.conftest import make_tool_call_tokenizer
-    from tests.data.conftest import TOOLS, TRACE
+    from tests.data.conftest import SERVED_TOOLS, TOOLS, TRACE
 
     tok = make_tool_call_tokenizer()
     target = make_target("qwen3")
@@ -266,7 +266,19 @@ def test_an_agent_steps_records_keep_their_tools_and_where_the_completion_calls_
     settings = GenerationSettings(prompts=str(path), max_new_tokens=8, chat_template=True)
     records = answer_turns(target, steps, settings, complete)
     assert [r.id for r in records] == ["a/step1", "a/step2"]
-    assert all(r.tools == TOOLS and r.tool_call_spans == [[1, 5]] for r in records)
+    assert all(r.tools == SERVED_TOOLS and r.tool_call_spans == [[1, 5]] for r in records)
     row = json.loads(record_json(records[1]))
     assert row["tool_call_spans"] == [[1, 5]] and record_problem(row, 64) is None
     assert "tool_call_spans is [[5, 9]]" in record_problem(row | {"tool_call_spans": [[5, 9]]}, 64)
+
+
+def test_a_chat_request_sends_tool_call_arguments_as_json_text_and_reasoning_as_vllm_reads_it():
+    from flashdraft.data.openai_client import _request_message
+
+    call = {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": {"q": "t5"}}}
+    message = {"role": "assistant", "content": "", "reasoning": "t6", "reasoning_content": "t6", "tool_calls": [call]}
+    sent = _request_message(message)
+    assert sent["tool_calls"][0]["function"]["arguments"] == '{"q": "t5"}'  # the request's schema: JSON text
+    assert sent["reasoning"] == "t6" and "reasoning_content" not in sent  # vLLM reads `reasoning`
+    assert message["tool_calls"][0]["function"]["arguments"] == {"q": "t5"}  # the record's messages untouched
+    assert _request_message({"role": "user", "content": "t1"}) == {"role": "user", "content": "t1"}

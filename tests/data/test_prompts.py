@@ -7,7 +7,7 @@ import pytest
 from flashdraft.data.prompts import encode_text, has_chat_template, load_prompts, render_conversation
 from flashdraft.errors import FlashdraftError
 from tests.conftest import make_tokenizer, run_cli, save_chat_target
-from tests.data.conftest import CALL, TOOLS, TRACE
+from tests.data.conftest import CALL, SERVED_TOOLS, TOOLS, TRACE
 
 
 def write_jsonl(path, rows):
@@ -171,7 +171,7 @@ def test_sharegpt_and_role_content_conversations_read_as_the_equivalent_messages
 def test_an_agent_trace_is_one_prompt_per_assistant_step_after_the_datas_messages_with_its_tools(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"id": "a", "messages": TRACE, "tools": json.dumps(TOOLS)}])
     steps = load_prompts(str(path), quiet=True)
-    assert [p.id for p in steps] == ["a/step1", "a/step2"] and all(p.tools == TOOLS for p in steps)
+    assert [p.id for p in steps] == ["a/step1", "a/step2"] and all(p.tools == SERVED_TOOLS for p in steps)
     assert steps[0].conversation([]) == TRACE[:1]  # the target writes the tool call
     # after the data's call (its arguments read as an object) and the tool's result (never invented)
     called = TRACE[1] | {"tool_calls": [CALL | {"function": {"name": "grep", "arguments": {"q": "t5", "n": 1}}}]}
@@ -195,7 +195,7 @@ def test_tools_and_tool_calls_render_as_transformers_apply_chat_template_with_to
     step = load_prompts(str(write_jsonl(tmp_path / "t.jsonl", [{"messages": TRACE, "tools": TOOLS}])), quiet=True)[1]
     text = render_conversation(tok, step.conversation([]), True, None, step.tools)
     messages = step.conversation([])
-    assert text == tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert text == tok.apply_chat_template(messages, tools=SERVED_TOOLS, add_generation_prompt=True, tokenize=False)
     assert "grep" in text.split("<|im_end|>")[0] and "<tool_call> grep </tool_call>" in text
 
 
@@ -249,4 +249,25 @@ def test_tools_stored_as_nested_parquet_columns_read_as_written_without_their_ne
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")  # Arrow: one struct type for both rows
     read = load_prompts(str(tmp_path / "t.parquet"), quiet=True)
     as_jsonl = load_prompts(str(write_jsonl(tmp_path / "t.jsonl", rows)), quiet=True)
-    assert [p.tools for p in read] == [TOOLS, TOOLS, other] and read == as_jsonl  # no "description": null added
+    assert [p.tools for p in read] == [SERVED_TOOLS, SERVED_TOOLS, other] and read == as_jsonl  # no "required": null
+
+
+def test_tool_schemas_reach_the_template_as_vllm_hands_them_to_it_and_no_schema_is_refused(tmp_path):
+    given = {
+        "function": {"parameters": {"type": "object"}, "strict": True, "name": "ls", "x-extra": 1},
+        "type": "function",
+    }
+    row = {"messages": TRACE[:1], "tools": [given, {"function": {"name": "cat", "description": "read"}}]}
+    [prompt] = load_prompts(str(write_jsonl(tmp_path / "t.jsonl", [row])), quiet=True)
+    # ChatCompletionToolsParam.model_dump(): name, description, parameters (null where absent), strict where set
+    assert [json.dumps(t) for t in prompt.tools] == [
+        '{"type": "function", "function": {"name": "ls", "description": null, "parameters": {"type": "object"}, '
+        '"strict": true}}',
+        '{"type": "function", "function": {"name": "cat", "description": "read", "parameters": null}}',
+    ]
+    for tool, found in (
+        ({"type": "retrieval"}, r"tools\[0\] is .*an OpenAI function schema"),
+        ({"function": {}}, "name is None"),
+    ):
+        with pytest.raises(FlashdraftError, match=found):
+            load_prompts(str(write_jsonl(tmp_path / "b.jsonl", [{"messages": TRACE[:1], "tools": [tool]}])), quiet=True)
