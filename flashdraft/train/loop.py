@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import signal
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -298,25 +298,39 @@ def _progress_bar(start_step: int, total_steps: int, dist: Dist) -> Progress:
     )
 
 
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out sets a run evaluates every --eval-every steps: training records for the held-out loss and
+    estimated acceptance, `flashdraft.evaluation.records.EvalRecord`s for the real offline τ (either may be None)."""
+
+    records: object = None
+    tau_records: list | None = None
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """How a run goes, not what it computes: resumed from its newest checkpoint, its metrics also sent to
+    `report_to`, checksums verified on resume, `on_step(step)` called after each step (tests)."""
+
+    resume: bool = False
+    report_to: tuple[str, ...] = ()
+    verify: bool = True
+    on_step: object = None
+
+
 def train(
     cfg: TrainConfig,
     drafter: DFlashDrafter,
     target: TargetModel,
     records,
     run_dir: Path,
-    resume: bool = False,
-    eval_records=None,
-    report_to: list[str] = (),
+    held_out: HeldOut | None = None,
+    options: LoopOptions = LoopOptions(),
     dist: Dist | None = None,
-    on_step=None,
-    eval_tau_records: list | None = None,
-    verify: bool = True,
 ) -> DFlashDrafter:
-    """Train `drafter` on `records` (cache or online records) into `run_dir`.
-
-    eval_records: held-out training records for loss and estimated acceptance;
-    eval_tau_records: held-out `flashdraft.evaluation.records.EvalRecord`s for the real offline τ.
-    """
+    """Train `drafter` on `records` (cache or online records) into `run_dir`, evaluating `held_out`."""
+    eval_records, eval_tau_records = (held_out.records, held_out.tau_records) if held_out else (None, None)
+    resume, report_to, verify, on_step = options.resume, options.report_to, options.verify, options.on_step
     dist = dist or Dist()
     steps_per_epoch, total_steps, learning = _prepare(
         cfg, drafter, target, records, dist, eval_records, eval_tau_records

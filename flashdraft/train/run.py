@@ -24,7 +24,7 @@ from flashdraft.target.weights import TargetHead
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.data import OnlineRecords
 from flashdraft.train.engine_feed import EngineFeedConfig, engine_fed
-from flashdraft.train.loop import train
+from flashdraft.train.loop import HeldOut, LoopOptions, train
 from flashdraft.train.loss import recipe_decay_gamma
 from flashdraft.train.recipe import recipe_for
 from flashdraft.train.vocab import draft_vocabulary, with_draft_vocabulary
@@ -373,12 +373,9 @@ def run_training(cfg: TrainConfig, run: TrainRun) -> Path:
                 target,
                 records,
                 run_dir,
-                resume=run.resume,
-                eval_records=eval_records,
-                report_to=run.report_to,
+                held_out=HeldOut(records=eval_records, tau_records=tau_records),
+                options=LoopOptions(resume=run.resume, report_to=run.report_to, verify=run.verify),
                 dist=dist,
-                eval_tau_records=tau_records,
-                verify=run.verify,
             )
         final = latest_checkpoint(run_dir)
         if dist.is_main:

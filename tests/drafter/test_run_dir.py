@@ -14,7 +14,7 @@ from flashdraft.drafter.run_dir import latest_checkpoint, save_checkpoint
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
 from flashdraft.train.config import TrainConfig
-from flashdraft.train.loop import train
+from flashdraft.train.loop import LoopOptions, train
 from tests.conftest import make_drafter, make_drafter_config, make_target, run_cli
 from tests.train.helpers import make_records
 
@@ -47,7 +47,7 @@ def test_an_older_trainer_state_is_refused_on_resume_then_converted_resumes_bit_
             raise KeyboardInterrupt  # killed after the step-2 checkpoint
 
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(), make_drafter(), target, records, tmp_path / "b", on_step=crash)
+        train(_cfg(), make_drafter(), target, records, tmp_path / "b", options=LoopOptions(on_step=crash))
     checkpoint = latest_checkpoint(tmp_path / "b")
     _age(checkpoint)
     with pytest.raises(
@@ -55,14 +55,14 @@ def test_an_older_trainer_state_is_refused_on_resume_then_converted_resumes_bit_
         match=rf"trainer.pt: a pickle that names numpy\..*flashdraft convert-run "
         rf"{tmp_path / 'b'}$",
     ):
-        train(_cfg(), make_drafter(), target, records, tmp_path / "b", resume=True)
+        train(_cfg(), make_drafter(), target, records, tmp_path / "b", options=LoopOptions(resume=True))
 
     rc, out, _ = run_cli(capsys, "convert-run", tmp_path / "b")
     assert rc == 0 and f"{checkpoint / 'trainer.pt'}: converted" in out, out
     converted = (checkpoint / "trainer.pt").read_bytes()
     rc, out, _ = run_cli(capsys, "convert-run", checkpoint)  # a converted run is left as it is
     assert rc == 0 and "left as it is" in out and (checkpoint / "trainer.pt").read_bytes() == converted
-    resumed = train(_cfg(), make_drafter(seed=99), target, records, tmp_path / "b", resume=True)
+    resumed = train(_cfg(), make_drafter(seed=99), target, records, tmp_path / "b", options=LoopOptions(resume=True))
     for key, value in straight.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[key]), key
 

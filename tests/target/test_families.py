@@ -41,3 +41,26 @@ def test_a_model_type_outside_the_table_is_refused_in_one_line_before_any_work(t
         assert rc == 2 and len(lines) == 1 and "'phi3'" in lines[0] and "qwen3_moe" in lines[0], err
         assert "Traceback" not in err
     assert len(BY_MODEL_TYPE) > len(FAMILIES)  # aliases: text configs and multimodal layouts
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_the_cpu_engine_serves_a_drafter_on_the_family_step_for_step_as_flashdraft_walks_it(
+    model_type, tmp_path, capsys, monkeypatch
+):
+    from tests.target.tiny_families import save_family_target
+
+    monkeypatch.chdir(tmp_path)
+    t = ["--target-model", save_family_target(tmp_path / "target", model_type)]
+    write_word_prompts(tmp_path / "p.jsonl", 4)
+    stages = [
+        ["generate", *t, "--prompts", "p.jsonl", "--out", "c.json", "--max-new-tokens", "32"],
+        ["init", *t, "--out", "init", "--target-layer-ids", "0,2", "--block-size", "4"],
+        ["train", *t, "--completions", "c.json", "--out", "run", "--init", "init", "--max-steps", "40"],
+        ["eval", "--checkpoint", "run", *t, "--completions", "c.json", "--served", "vllm", "--check-served"],
+    ]
+    if model_type == "qwen3_moe":  # the engine's capture, checked against the target
+        stages.append(["cache", *t, "--completions", "c.json", "--out", "cache", "--layers", "0,2", "--engine", "vllm"])
+    for argv in stages:
+        rc, out, err = run_cli(capsys, *argv)
+        assert rc == 0, (argv[0], err[-600:])

@@ -26,7 +26,7 @@ torch.set_num_threads(1)
 
 from flashdraft.distributed import Dist, init_distributed  # noqa: E402
 from flashdraft.train.config import TrainConfig  # noqa: E402
-from flashdraft.train.loop import train  # noqa: E402
+from flashdraft.train.loop import LoopOptions, train  # noqa: E402
 from tests.conftest import make_dflash2_drafter, make_drafter, make_dspark_drafter, make_target  # noqa: E402
 from tests.train.helpers import make_records  # noqa: E402
 
@@ -73,9 +73,8 @@ def run(
             target,
             records,
             run_dir,
-            resume=mode == "resume",
+            options=LoopOptions(resume=mode == "resume", on_step=preempt),
             dist=dist,
-            on_step=preempt,
         )
     except Preempted:
         pass

@@ -14,7 +14,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TINY_DIR
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.data import BatchSpec, make_batch
-from flashdraft.train.loop import describe_steps, train
+from flashdraft.train.loop import HeldOut, LoopOptions, describe_steps, train
 from flashdraft.train.recipe import PUBLISHED_RECIPE, TINY_RECIPE, recipe_for
 from tests.conftest import MASK, make_dflash2_drafter, make_drafter, make_dspark_drafter
 from tests.train.helpers import make_records
@@ -74,9 +74,23 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(
             raise KeyboardInterrupt  # killed after the step-3 checkpoint, mid step 5
 
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(optimizer=optimizer), new_drafter(), target, records, tmp_path / "b", on_step=crash)
+        train(
+            _cfg(optimizer=optimizer),
+            new_drafter(),
+            target,
+            records,
+            tmp_path / "b",
+            options=LoopOptions(on_step=crash),
+        )
     assert latest_checkpoint(tmp_path / "b").name == "step-0000003"
-    resumed = train(_cfg(optimizer=optimizer), new_drafter(seed=99), target, records, tmp_path / "b", resume=True)
+    resumed = train(
+        _cfg(optimizer=optimizer),
+        new_drafter(seed=99),
+        target,
+        records,
+        tmp_path / "b",
+        options=LoopOptions(resume=True),
+    )
     for key, value in straight.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[key]), key
     final = load_drafter(latest_checkpoint(tmp_path / "b") / "drafter")
@@ -161,7 +175,7 @@ def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, r
     from flashdraft.train.held_out import evaluate_loss
 
     before = evaluate_loss(drafter, target, held_out, cfg, torch.device("cpu"))
-    train(cfg, drafter, target, records, tmp_path, eval_records=held_out)
+    train(cfg, drafter, target, records, tmp_path, held_out=HeldOut(records=held_out))
     after = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     # D-PACE aims at acceptance (early on it trains the first positions far more than the CE measured here), and
     # Muon's larger steps fit these 8 records sooner: both raise acceptance, the recipe's AdamW + decay lowers CE
