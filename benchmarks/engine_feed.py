@@ -98,9 +98,11 @@ def main() -> None:
                 _run(*train, *source, "--out", work / mode)
                 row = {"mode": mode, **_figures(work / mode, args.batch_size)}
                 cache_bytes = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
-                row["disk_written"] = "cache" if mode == "cached" else "none beyond the prefetch buffer"
-                if mode == "cached":
-                    row["cache_bytes"] = cache_bytes
+                row["disk_written"] = {
+                    "engine_fed": "the prefetch buffer only (files deleted as read)",
+                    "cached": f"the cache, {cache_bytes} bytes",
+                    "target_in_process": "none",
+                }[mode]
                 row |= {"records": args.records, "steps": args.steps, "batch_size": args.batch_size}
                 row |= {"machine": f"{platform.machine()} CPU, {os.cpu_count()} cores", "fp8": args.fp8}
                 print(json.dumps(row), flush=True)
