@@ -197,6 +197,20 @@ def _read_json(path: Path) -> Any:
     return data
 
 
+def header_problems(data: Any) -> list[str]:
+    """What makes a completions file's header (or a part file's header line) unusable, first the one that makes it
+    no completions file at all; [] when it is fine. The loader, the resumable writer and the doctor all read it."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        return [f"field 'format' is {found!r}; expected {FORMAT!r} (a flashdraft completions file)"]
+    problems = []
+    if data.get("version") != VERSION:
+        problems.append(f"field 'version' is {data.get('version')!r}; expected {VERSION}")
+    if not isinstance(data.get("target"), dict):
+        problems.append(f"field 'target' is {data.get('target')!r}; expected an object with fingerprint and vocab_size")
+    return problems
+
+
 def load_completions(
     path: str | Path, target: TargetModel | None = None, allow_foreign: bool = False, quiet: bool = False
 ) -> Completions:
@@ -205,18 +219,10 @@ def load_completions(
     refused unless allow_foreign, and token ids are checked against its vocabulary."""
     path = Path(path)
     data = _read_json(path)
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise FlashdraftError(
-            f"{path}: field 'format' is {found!r}; expected {FORMAT!r} (a flashdraft completions file)"
-        )
-    if data.get("version") != VERSION:
-        raise FlashdraftError(f"{path}: field 'version' is {data.get('version')!r}; expected {VERSION}")
+    problems = header_problems(data)
+    if problems:
+        raise FlashdraftError(f"{path}: {problems[0]}")
     header = {k: v for k, v in data.items() if k != "records"}
-    if not isinstance(header.get("target"), dict):
-        raise FlashdraftError(
-            f"{path}: field 'target' is {header.get('target')!r}; expected an object with fingerprint and vocab_size"
-        )
     fingerprint = header["target"].get("fingerprint")
     vocab_size = header["target"].get("vocab_size")
     if target is not None:

@@ -19,10 +19,10 @@ from flashdraft.data.chat_mode import (
 )
 from flashdraft.data.completers import answer_turns, local_completer, openai_completer
 from flashdraft.data.completions import (
-    FORMAT,
     RESUMABLE_CHANGES,
     CompletionRecord,
     GenerationSettings,
+    header_problems,
     make_header,
     part_paths,
     record_json,
@@ -42,10 +42,9 @@ from flashdraft.target.model import TargetModel
 
 
 def _check_header(found: dict, expected: dict, where: str) -> None:
-    if not isinstance(found, dict) or found.get("format") != FORMAT:
-        raise FlashdraftError(
-            f"{where}: not a flashdraft completions file (format {found.get('format')!r}); use another --out"
-        )
+    problems = header_problems(found)
+    if problems:
+        raise FlashdraftError(f"{where}: {problems[0]}; use another --out")
     fp, want = found.get("target", {}).get("fingerprint"), expected["target"]["fingerprint"]
     if fp != want:
         raise FlashdraftError(f"{where}: made by target fingerprint {fp}, this target is {want}; use another --out")
