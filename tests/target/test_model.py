@@ -196,3 +196,24 @@ def test_family_rollback_after_partial_acceptance_equals_a_fresh_forward(family_
     fresh = family_target.forward(ids[:, :36])
     torch.testing.assert_close(resumed.logits, fresh.logits[:, 20 + keep :], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(resumed.context_features, fresh.context_features[:, 20 + keep :], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe_text", "glm4_moe", "gpt_oss"])
+def test_a_verified_block_routes_each_token_as_one_token_decoding_does(model_type):
+    """MoE routing is per token: a block verified in one forward gives the logits of decoding its tokens one by one
+    (argmaxes equal away from near-ties)."""
+    from tests.target.tiny_families import make_family_target
+
+    target = make_family_target(model_type)
+    prompt, block = [3, 9, 14, 27, 5], [8, 1, 40, 22, 17, 30, 2, 11]
+    cache = target.new_cache()
+    target.forward(torch.tensor([prompt]), cache)
+    verified = target.forward(torch.tensor([block]), cache).logits[0]  # [8, vocab]
+    cache = target.new_cache()
+    target.forward(torch.tensor([prompt]), cache)
+    one_by_one = torch.cat([target.forward(torch.tensor([[t]]), cache).logits[0] for t in block])  # [8, vocab]
+    top2 = one_by_one.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-3  # near-ties aside
+    assert clear.sum() >= len(block) - 1
+    assert torch.equal(verified.argmax(-1)[clear], one_by_one.argmax(-1)[clear])
+    torch.testing.assert_close(verified, one_by_one, atol=1e-4, rtol=1e-4)

@@ -9,7 +9,12 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+from transformers import (
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
+)
 
 from flashdraft.cli import main
 from flashdraft.errors import FlashdraftError
@@ -19,9 +24,10 @@ from tests.conftest import EOS, PAD, VOCAB, make_hf_model, make_tokenizer, save_
 from tests.target.tiny_families import FAMILIES, save_family_target
 
 
-def save_qwen36_layout(directory, seed: int = 0):
+def save_qwen36_layout(directory, seed: int = 0, moe: bool = False):
     """A tiny random target as Qwen3.5/3.6 checkpoints are published: a vision-language config
-    with the language model's in text_config, weights under model.language_model., a vision tower."""
+    with the language model's in text_config, weights under model.language_model., a vision tower;
+    `moe`: the MoE hybrids' (Qwen3.5-35B-A3B, ...: Qwen3_5MoeForConditionalGeneration, experts per tensor)."""
     torch.manual_seed(seed)
     text = dict(
         vocab_size=VOCAB,
@@ -41,8 +47,13 @@ def save_qwen36_layout(directory, seed: int = 0):
         linear_value_head_dim=32,
     )
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
-    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
-    Qwen3_5ForConditionalGeneration(config).save_pretrained(directory)
+    if moe:
+        text |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+        config = Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+        Qwen3_5MoeForConditionalGeneration(config).save_pretrained(directory)
+    else:
+        config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+        Qwen3_5ForConditionalGeneration(config).save_pretrained(directory)
     make_tokenizer().save_pretrained(directory)
     return directory
 
@@ -68,6 +79,7 @@ def targets(tmp_path_factory):
     dirs = {
         "tiny": TINY_DIR,
         "qwen3.6 layout": save_qwen36_layout(root / "qwen36"),
+        "qwen3.6 moe layout": save_qwen36_layout(root / "qwen36-moe", moe=True),
         "sharded": save_sharded(root / "sharded"),
     }
     for kind in ("qwen3", "hybrid", "llama"):
@@ -75,7 +87,7 @@ def targets(tmp_path_factory):
     return dirs
 
 
-KINDS = ["tiny", "qwen3", "hybrid", "llama", "qwen3.6 layout", "sharded"]
+KINDS = ["tiny", "qwen3", "hybrid", "llama", "qwen3.6 layout", "qwen3.6 moe layout", "sharded"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
