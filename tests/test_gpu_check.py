@@ -23,6 +23,7 @@ CHECKS = {
     "served",
     "bench",
     "engine_capture",
+    "engine_feed",  # skipped in the dry run unless asked (it starts the CPU engine twice)
 }
 
 
