@@ -262,15 +262,16 @@ def evaluate_drafter(
     loaded_drafter = drafter if isinstance(drafter, Drafter) else None
     if loaded_drafter is not None and loaded_target is not None:
         loaded_drafter.check_fits(loaded_target)
+    ngram = loaded_drafter is None and str(drafter) == "ngram"
     cfg = EvalConfig(
-        str(loaded_drafter.path if loaded_drafter else drafter),
+        None if ngram else str(loaded_drafter.path if loaded_drafter else drafter),
         str(loaded_target.path if loaded_target else target),
-        drafter="hybrid" if hybrid else "dflash",
+        proposer="hybrid" if hybrid else "ngram" if ngram else "dflash",
         device=device,
         dtype=dtype,
         **options,
     )
-    return run_eval(cfg, log, target=loaded_target, drafter=loaded_drafter)
+    return run_eval(cfg, log, target=loaded_target, given=loaded_drafter)
 
 
 def train_drafter(config: TrainConfig, target_model: str | Path, out: str | Path, **options: Any) -> Path:

@@ -306,9 +306,9 @@ def run_demo(out: str | Path = "demo-out", minutes: float = 5.0, settings: DemoS
 
     trained = run_eval(EvalConfig(str(trained_dir), online=True, check_consistency=True, **common), quiet)
     untrained_offline = run_eval(EvalConfig(str(untrained_dir), **common), quiet)
-    ngram = run_eval(EvalConfig("ngram", online=True, check_consistency=True, **common), quiet)
+    ngram = run_eval(EvalConfig(None, proposer="ngram", online=True, check_consistency=True, **common), quiet)
     hybrid = run_eval(
-        EvalConfig(str(trained_dir), drafter="hybrid", online=True, check_consistency=True, **common), quiet
+        EvalConfig(str(trained_dir), proposer="hybrid", online=True, check_consistency=True, **common), quiet
     )
     reference = None
     # the shipped drafter (trained for an hour on 1 M tokens), where this copy of flashdraft has it

@@ -13,7 +13,9 @@ from flashdraft.decoding.serving_rules import (
     DEFAULT_RULE,
 )
 from flashdraft.drafter.model import DFlashDrafter
+from flashdraft.errors import FlashdraftError
 
+PROPOSERS = ("dflash", "ngram", "hybrid")
 NGRAM = "ngram"  # in place of a checkpoint (--drafter ngram, --reference ngram): the n-gram baseline
 
 
@@ -33,16 +35,16 @@ _CALL = {"call": True}  # an EvalConfig field `evaluate_drafter` sets from its o
 
 @dataclass
 class EvalConfig:
-    """What `flashdraft eval` evaluates, on which records, how. `checkpoint` or `reference`
-    "ngram" is the n-gram baseline (prompt lookup of the last ngram_max..ngram_min tokens),
-    with the DFlash drafter's block size when set against one. `drafter` "hybrid" evaluates
-    the checkpoint together with that lookup under `HybridRule(hybrid_min_match,
-    hybrid_ngram_prior)`. The fields are eval's options by name (`option_names`), except
-    those `evaluate_drafter` sets from its own arguments (what is evaluated, where)."""
+    """What `flashdraft eval` evaluates, on which records, how. The `proposer` evaluated: "dflash" (the DFlash-family
+    drafter `checkpoint`), "ngram" (the n-gram baseline, prompt lookup of the last ngram_max..ngram_min tokens, with
+    no checkpoint), or "hybrid" (the checkpoint together with that lookup under `HybridRule(hybrid_min_match,
+    hybrid_ngram_prior)`). A `reference` "ngram" is the baseline too, with the drafter's block size. The fields are
+    eval's options by name (`option_names`), except those `evaluate_drafter` sets from its own arguments (what is
+    evaluated, where)."""
 
-    checkpoint: str = field(metadata=_CALL)
+    checkpoint: str | None = field(metadata=_CALL)  # None with the n-gram proposer
     target_model: str = field(metadata=_CALL)
-    drafter: str = field(default="dflash", metadata=_CALL)  # or "hybrid"
+    proposer: str = field(default="dflash", metadata=_CALL)  # "dflash", "ngram" or "hybrid"
     hybrid_min_match: int | None = None  # None: HybridRule's default
     hybrid_ngram_prior: float | None = None
     # records: exactly one source
@@ -93,6 +95,20 @@ class EvalConfig:
     verbose: bool = False  # a line per record while evaluating (its tokens, feature statistics, tokens to decode)
     server: str | None = None
     engine_python: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.proposer not in PROPOSERS:
+            raise FlashdraftError(f"proposer {self.proposer!r}: expected one of {', '.join(PROPOSERS)}")
+        if (self.proposer == "ngram") != (self.checkpoint is None):
+            raise FlashdraftError(
+                "give a checkpoint for a DFlash drafter (alone or with the hybrid), or the n-gram proposer, "
+                "which takes none"
+            )
+
+    @property
+    def label(self) -> str:
+        """What the summary names as evaluated: the checkpoint as given, or "ngram"."""
+        return self.checkpoint if self.checkpoint is not None else NGRAM
 
     @classmethod
     def option_names(cls) -> list[str]:

@@ -4,9 +4,10 @@ speed-up set against the bound τ and the measured step costs imply, and checked
 against plain decoding, `flashdraft.evaluation.online`), optionally both (`--check-consistency`: the same
 acceptance lengths, step for step) and against a reference drafter on the same records.
 
-Any `Proposer` is evaluated alike: a DFlash drafter, the n-gram baseline (`flashdraft.decoding.ngram`),
-named "ngram" in place of a checkpoint, or the hybrid of a DFlash drafter and the n-gram lookup
-(`flashdraft.decoding.hybrid`, `drafter="hybrid"`).
+Any `Proposer` is evaluated alike, as `EvalConfig.proposer` names it: a DFlash drafter ("dflash"), the n-gram
+baseline ("ngram", `flashdraft.decoding.ngram`, no checkpoint), or the hybrid of a DFlash drafter and the n-gram
+lookup ("hybrid", `flashdraft.decoding.hybrid`). A drafter the caller loaded (`flashdraft.api`) comes in as
+`given`; each one evaluated is a `Candidate`.
 """
 
 from __future__ import annotations
@@ -114,16 +115,16 @@ def require_consistent(summary: dict[str, Any]) -> None:
 
 
 def _load_candidates(
-    cfg: EvalConfig, target: TargetModel, log: Log, drafter: LoadedDrafter | None = None
+    cfg: EvalConfig, target: TargetModel, log: Log, given: LoadedDrafter | None = None
 ) -> list[Candidate]:
-    """The drafter (`drafter` when already loaded) and the reference, loaded and described;
+    """The drafter (`given`: the one the caller loaded) and the reference, loaded and described;
     the n-gram baseline drafts blocks as long as the DFlash drafter's it is set against."""
-    specs = [("drafter", cfg.checkpoint)] + ([("reference", cfg.reference)] if cfg.reference else [])
+    specs = [("drafter", cfg.label)] + ([("reference", cfg.reference)] if cfg.reference else [])
     loaded_by_role = {}
     for role, path in specs:
-        if role == "drafter" and drafter is not None:
-            check_drafter_matches_target(drafter.drafter.config, target, str(drafter.path))
-            loaded_by_role[role] = drafter
+        if role == "drafter" and given is not None:
+            check_drafter_matches_target(given.drafter.config, target, str(given.path))
+            loaded_by_role[role] = given
         elif path != NGRAM:
             loaded = load_any_drafter(
                 path,
@@ -152,7 +153,7 @@ def _load_candidates(
         for line in _describe_drafter(role, loaded, b, target):
             log(line)
         drafter, form = loaded.drafter, loaded.form
-        if role == "drafter" and cfg.drafter == "hybrid":
+        if role == "drafter" and cfg.proposer == "hybrid":
             drafter = _hybrid(cfg, drafter, target)
             form = f"{form}, {drafter!r}"
             log(f"{role} evaluated as {drafter!r}")
@@ -442,15 +443,13 @@ def _log_records(records: list[EvalRecord], max_new_tokens: int, log: Log) -> No
 
 
 def run_eval(
-    cfg: EvalConfig, log: Log = print, target: TargetModel | None = None, drafter: LoadedDrafter | None = None
+    cfg: EvalConfig, log: Log = print, target: TargetModel | None = None, given: LoadedDrafter | None = None
 ) -> dict[str, Any]:
     """`flashdraft eval`: load, print what was loaded, evaluate (and the reference on the same
     records and step budget), and return the summary that `--json` writes. `target` and
-    `drafter`: already loaded (`flashdraft.api`), used in place of cfg.target_model and
+    `given`: already loaded (`flashdraft.api`), used in place of cfg.target_model and
     cfg.checkpoint."""
     serving_rule(cfg.serving_rule)  # an unknown name fails before anything loads
-    if cfg.drafter == "hybrid" and cfg.checkpoint == NGRAM:
-        raise FlashdraftError("the hybrid needs a DFlash drafter: give its checkpoint, not 'ngram'")
     check_served_options(cfg)
     target = target or _load_target(cfg)
     tok = target.tokenizer
@@ -458,7 +457,7 @@ def run_eval(
         f"target {target.path}: {target.num_layers} layers, hidden {target.hidden_size}; tokenizer "
         f"{type(tok).__name__} with {len(tok)} tokens, LM head vocabulary {target.vocab_size}"
     )
-    candidates = _load_candidates(cfg, target, log, drafter)
+    candidates = _load_candidates(cfg, target, log, given)
     for c in candidates:
         _draft_limit(cfg, c)  # a k past the block fails before any decoding
     check_sampling(cfg, candidates)
@@ -520,7 +519,7 @@ def check_served_options(cfg: EvalConfig) -> None:
         if given:
             raise FlashdraftError(f"{', '.join(given)}: options of --served vllm, which this run does not ask for")
         return
-    if cfg.checkpoint == NGRAM or cfg.drafter == "hybrid":
+    if cfg.proposer != "dflash":
         raise FlashdraftError(
             "--served vllm serves a DFlash-family drafter (--checkpoint); the n-gram baseline and "
             "the hybrid are flashdraft's, not the engine's"
