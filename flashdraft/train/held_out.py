@@ -38,21 +38,17 @@ def evaluate_loss(model, target: TargetModel, records, cfg: TrainConfig, device)
     total = weight = 0.0
     figures = None
     vocabulary = drafter.vocabulary_mask()
+    batch_spec = BatchSpec(  # fixed anchors: seed + 1, epoch 0
+        seed=cfg.seed + 1,
+        num_anchors=cfg.num_anchors,
+        block_size=spec.block_size,
+        mask_token_id=drafter.config.mask_token_id,
+        max_length=cfg.max_length,
+        first_draft=spec.first_draft,
+    )
     for start in range(0, len(records), cfg.batch_size):
         idx = list(range(start, min(len(records), start + cfg.batch_size)))
-        batch = make_batch(
-            [records[i] for i in idx],
-            idx,
-            0,
-            batch_spec=BatchSpec(
-                seed=cfg.seed + 1,
-                num_anchors=cfg.num_anchors,
-                block_size=spec.block_size,
-                mask_token_id=drafter.config.mask_token_id,
-                max_length=cfg.max_length,
-                first_draft=spec.first_draft,
-            ),
-        ).to(device)
+        batch = make_batch([records[i] for i in idx], idx, 0, batch_spec).to(device)
         parts = forward_loss(model, target, batch.with_labels_in(vocabulary), spec)
         total += float(parts.weighted_sum)
         weight += float(parts.weight_total)
