@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -208,8 +208,13 @@ def _train_stage(s: DemoSettings, out: Path, train_cache: Path, heldout_cache: P
         records, _ = load_training_records(target, layer_ids, str(train_cache), None)
         per_step = _seconds_per_step(cfg, untrained, target, records, s.block_size, untrained.config.mask_token_id)
         steps = max(10, int((deadline - time.perf_counter()) / per_step))
-        cfg.epochs = -(-steps // max(1, len(records) // cfg.batch_size))
-        cfg.max_steps, cfg.save_every, cfg.eval_every = steps, steps, max(10, steps // 4)
+        cfg = replace(
+            cfg,
+            epochs=-(-steps // max(1, len(records) // cfg.batch_size)),
+            max_steps=steps,
+            save_every=steps,
+            eval_every=max(10, steps // 4),
+        )
         print(f"{per_step:.2f} s per step here: training {steps} steps ({steps * per_step / 60:.1f} min)")
         t0 = time.perf_counter()
         run = TrainRun(

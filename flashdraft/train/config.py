@@ -3,16 +3,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from flashdraft.train.recipe import Recipe
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
-    """Everything that decides what a run computes; written to RUN/run_config.json."""
+    """Everything that decides what a run computes; written to RUN/run_config.json. Never changed once built: a run
+    computes with `with_recipe(...)` and `recording(...)`'s copies, the caller's stays as given."""
 
-    # None: the recipe's (`apply_recipe`, `recipe.py`): the published one, or the tiny target's on `tiny`
+    # None: the recipe's (`with_recipe`, `recipe.py`): the published one, or the tiny target's on `tiny`
     epochs: int | None = None  # whole epochs, when no --max-steps is given
     max_steps: int | None = None  # the steps run, over as many epochs as they take
     lr: float | None = None
@@ -54,7 +55,7 @@ class TrainConfig:
     # the drafter's RoPE scaling for this run (stage 2 of the long-context recipe: YaRN on a warm start); None: the
     # drafter's own; {"rope_type": "default"}: native RoPE
     rope_scaling: dict | None = None
-    # filled in at start, for the record (not options)
+    # filled in at start (`recording`), for the record (not options)
     target_layer_ids: list[int] = field(default_factory=list, metadata={"recorded": True})
     mask_token_id: int = field(default=-1, metadata={"recorded": True})
     block_size: int = field(default=0, metadata={"recorded": True})
@@ -67,16 +68,23 @@ class TrainConfig:
         """The fields a user chooses (`flashdraft train` has an option for each)."""
         return [f.name for f in fields(cls) if not f.metadata.get("recorded")]
 
-    def apply_recipe(self, recipe: Recipe) -> list[str]:
-        """Fill the fields left None from `recipe`; returns their names. The step budget is the recipe's only where
-        neither --epochs nor --max-steps was given."""
-        filled = [name for name in ("lr", "num_anchors") if getattr(self, name) is None]
-        for name in filled:
-            setattr(self, name, getattr(recipe, name))
+    def with_recipe(self, recipe: Recipe) -> tuple[TrainConfig, list[str]]:
+        """This configuration with the fields left None taken from `recipe`, and their names. The step budget is
+        the recipe's only where neither --epochs nor --max-steps was given."""
+        filled = {name: getattr(recipe, name) for name in ("lr", "num_anchors") if getattr(self, name) is None}
         if self.epochs is None and self.max_steps is None:
-            self.epochs, self.max_steps = recipe.epochs, recipe.max_steps
-            filled.append("max_steps" if recipe.max_steps is not None else "epochs")
-        return filled
+            filled |= {"epochs": recipe.epochs, "max_steps": recipe.max_steps}
+        named = [name for name in ("lr", "num_anchors") if name in filled]
+        if "max_steps" in filled:
+            named.append("max_steps" if recipe.max_steps is not None else "epochs")
+        return replace(self, **filled), named
+
+    def recording(self, **recorded) -> TrainConfig:
+        """This configuration with its recorded fields (the drafter's layout, the fingerprints) set."""
+        options = set(recorded) & set(self.option_names())
+        if options:
+            raise ValueError(f"recording: {sorted(options)} are options, not recorded fields")
+        return replace(self, **recorded)
 
 
 # settings a resumed run may change: they decide how long it runs and what it writes, not what it computes

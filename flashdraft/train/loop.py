@@ -149,12 +149,12 @@ def _resume(run_dir: Path, model, optimizer: Optimizers, num_records: int, dist:
 
 def _prepare(
     cfg: TrainConfig, drafter: DFlashDrafter, target: TargetModel, records, dist: Dist, eval_records, eval_tau_records
-) -> tuple[int, int, LearningCheck]:
-    """The checks before a run, its recorded layout, its steps (said in its first lines) and its learning check."""
-    cfg.apply_recipe(PUBLISHED_RECIPE)  # what run_training left unset (a no-op after it)
+) -> tuple[TrainConfig, int, int, LearningCheck]:
+    """The checks before a run, the configuration it computes with (`recorded_config`), its steps (said in its
+    first lines) and its learning check."""
     check_no_shortcut(drafter, target)
     check_keep_best(cfg, eval_records, eval_tau_records)
-    _record_layout(cfg, drafter, target)
+    cfg = recorded_config(cfg, drafter, target)
     steps_per_epoch, total_steps = _steps(cfg, len(records), dist.world)
     if dist.is_main:
         print("\n".join(describe_steps(cfg, steps_per_epoch, total_steps, len(records), dist.world)), flush=True)
@@ -166,7 +166,7 @@ def _prepare(
         mean_record_length(records),
         bool(eval_tau_records),
     )
-    return steps_per_epoch, total_steps, learning
+    return cfg, steps_per_epoch, total_steps, learning
 
 
 def _report_held_out(
@@ -255,12 +255,19 @@ def _save(
     on_main(dist, save, f"step {step}: writing its checkpoint")
 
 
-def _record_layout(cfg: TrainConfig, drafter: DFlashDrafter, target: TargetModel) -> None:
-    """The configuration's recorded fields: the drafter's layout and the target's fingerprint."""
+def recorded_config(cfg: TrainConfig, drafter: DFlashDrafter, target: TargetModel) -> TrainConfig:
+    """The configuration a run computes with: the options left unset from the published recipe (a no-op after
+    run_training, which took the target's), and the recorded fields: the drafter's layout and the target's
+    fingerprint."""
+    cfg, _ = cfg.with_recipe(PUBLISHED_RECIPE)
     dcfg = drafter.config
-    cfg.target_layer_ids, cfg.mask_token_id, cfg.block_size = dcfg.target_layer_ids, dcfg.mask_token_id, dcfg.block_size
-    cfg.first_draft_position = dcfg.first_draft_position
-    cfg.target_fingerprint = cfg.target_fingerprint or target.fingerprint()
+    return cfg.recording(
+        target_layer_ids=dcfg.target_layer_ids,
+        mask_token_id=dcfg.mask_token_id,
+        block_size=dcfg.block_size,
+        first_draft_position=dcfg.first_draft_position,
+        target_fingerprint=cfg.target_fingerprint or target.fingerprint(),
+    )
 
 
 def _interrupted(
@@ -332,7 +339,7 @@ def train(
     eval_records, eval_tau_records = (held_out.records, held_out.tau_records) if held_out else (None, None)
     resume, report_to, verify, on_step = options.resume, options.report_to, options.verify, options.on_step
     dist = dist or Dist()
-    steps_per_epoch, total_steps, learning = _prepare(
+    cfg, steps_per_epoch, total_steps, learning = _prepare(
         cfg, drafter, target, records, dist, eval_records, eval_tau_records
     )
     lock = RunLock(run_dir) if dist.is_main else None

@@ -1,5 +1,6 @@
 """The recipes: the settings a run takes where the user chose none (no flag, no --config key, a TrainConfig field
-left None), and which one a target gets. `TrainConfig.apply_recipe` fills them in; the run says which."""
+left None), and which one a target gets. `TrainConfig.with_recipe` returns the copy with them filled in; the run
+says which."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import contextlib
 import gc
 import hashlib
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -252,12 +252,20 @@ def _describe_run(target: TargetModel, drafter: DFlashDrafter, num_records: int,
     )
 
 
-def _take_recipe(cfg: TrainConfig, target_model: str, main: bool) -> None:
-    """The options no flag set, from the target's recipe (`recipe.py`), said in one line."""
+def _run_config(
+    cfg: TrainConfig, target_model: str, drafter: DFlashDrafter, data_fingerprint: str, main: bool
+) -> TrainConfig:
+    """The configuration the run computes with: the options no flag set from the target's recipe (`recipe.py`,
+    said in one line), a loss decay gamma of None made the recipe's for the block size (7 for 16; 0 = none), and the
+    training data's fingerprint recorded."""
     recipe = recipe_for(target_model)
-    chosen = cfg.apply_recipe(recipe)
+    cfg, chosen = cfg.with_recipe(recipe)
     if main and chosen:
         print(f"defaults: {recipe.describe()} for {', '.join(chosen)} (set by no flag)", flush=True)
+    gamma = cfg.loss_decay_gamma
+    if gamma is None:
+        gamma = recipe_decay_gamma(drafter.config.block_size, drafter.config.family)
+    return replace(cfg, loss_decay_gamma=gamma).recording(data_fingerprint=data_fingerprint)
 
 
 def _loss_reads_target(cfg: TrainConfig, drafter: DFlashDrafter) -> bool:
@@ -266,9 +274,8 @@ def _loss_reads_target(cfg: TrainConfig, drafter: DFlashDrafter) -> bool:
     return dspark and (cfg.dspark_tv_weight > 0 or cfg.confidence_loss_weight > 0)
 
 
-def _check_loss_inputs(cfg: TrainConfig, drafter: DFlashDrafter, records, needs_target: bool, source: str) -> None:
-    """The target's logits there where the loss reads them (DSpark's terms, --kl-weight), and a loss decay gamma of
-    None made the recipe's for the block size (7 for 16; 0 = none)."""
+def _check_loss_inputs(cfg: TrainConfig, records, needs_target: bool, source: str) -> None:
+    """The target's logits there where the loss reads them (DSpark's terms, --kl-weight)."""
     if needs_target and not getattr(records, "topk", 0):
         _refuse_without_target_distribution(cfg, source)
     if cfg.kl_weight > 0 and not getattr(records, "topk", 0):
@@ -276,8 +283,6 @@ def _check_loss_inputs(cfg: TrainConfig, drafter: DFlashDrafter, records, needs_
             f"--kl-weight {cfg.kl_weight}: {source} holds no target logits; "
             f"expected a cache made with flashdraft cache --with-target-logits K (or --kl-weight 0, the recipe)"
         )
-    if cfg.loss_decay_gamma is None:
-        cfg.loss_decay_gamma = recipe_decay_gamma(drafter.config.block_size, drafter.config.family)
 
 
 def _drop_frame_locals(error: BaseException) -> None:
@@ -342,10 +347,10 @@ def run_training(cfg: TrainConfig, run: TrainRun) -> Path:
         layer_ids = drafter.config.target_layer_ids
         needs_target = _loss_reads_target(cfg, drafter)
         online_topk = ONLINE_TARGET_TOPK if needs_target else 0
-        records, cfg.data_fingerprint = load_training_records(
+        records, data_fingerprint = load_training_records(
             target, layer_ids, run.cached_hidden_states, run.completions, run.allow_foreign, run.verify, online_topk
         )
-        _check_loss_inputs(cfg, drafter, records, needs_target, run.cached_hidden_states or run.completions)
+        _check_loss_inputs(cfg, records, needs_target, run.cached_hidden_states or run.completions)
         drafter = _with_vocabulary(drafter, run.draft_vocab_size, records, target, cfg, dist)
         _record_mode(drafter, records, resumed=run.resume and latest_checkpoint(run_dir) is not None, main=dist.is_main)
         eval_records, tau_records = _held_out_records(
@@ -361,7 +366,7 @@ def run_training(cfg: TrainConfig, run: TrainRun) -> Path:
             source = "offline cache" if run.cached_hidden_states else "online target features"
             source = "states from the serving engine" if run.engine_feed else source
             print(_describe_run(target, drafter, len(records), source), flush=True)
-        _take_recipe(cfg, run.target_model, dist.is_main)
+        cfg = _run_config(cfg, run.target_model, drafter, data_fingerprint, dist.is_main)
         with contextlib.ExitStack() as stack:
             if run.engine_feed:
                 records = stack.enter_context(

@@ -14,7 +14,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TINY_DIR
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.data import BatchSpec, make_batch
-from flashdraft.train.loop import HeldOut, LoopOptions, describe_steps, train
+from flashdraft.train.loop import HeldOut, LoopOptions, describe_steps, recorded_config, train
 from flashdraft.train.recipe import PUBLISHED_RECIPE, TINY_RECIPE, recipe_for
 from tests.conftest import MASK, make_dflash2_drafter, make_drafter, make_dspark_drafter
 from tests.train.helpers import make_records
@@ -349,8 +349,10 @@ def test_the_checkpoint_records_the_longest_context_trained_at_and_a_warm_start_
     from flashdraft.distributed import Dist
     from flashdraft.train.step import global_batch
 
+    drafter = make_drafter()
     cfg = _cfg(max_steps=3, max_length=14)  # records are 30 tokens: truncated to 14
-    train(cfg, make_drafter(), target, records, tmp_path / "short")
+    train(cfg, drafter, target, records, tmp_path / "short")
+    cfg = recorded_config(cfg, drafter, target)  # the block size and mask token the run trained with
     steps_per_epoch = len(records) // cfg.batch_size
     reach = max(
         b.context_reach(cfg.block_size)
@@ -393,9 +395,11 @@ def test_a_run_that_learns_nothing_is_warned_about_and_its_verdict_is_a_problem(
 
 def test_the_recipe_fills_only_what_no_one_chose_and_tiny_gets_its_own():
     assert recipe_for("tiny") is TINY_RECIPE and recipe_for(TINY_DIR) is TINY_RECIPE
-    cfg = TrainConfig(lr=1e-3)
-    assert cfg.apply_recipe(TINY_RECIPE) == ["num_anchors", "max_steps"]
+    given = TrainConfig(lr=1e-3)
+    cfg, filled = given.with_recipe(TINY_RECIPE)
+    assert filled == ["num_anchors", "max_steps"]
     assert (cfg.lr, cfg.num_anchors, cfg.epochs, cfg.max_steps) == (1e-3, 8, None, 1000)
-    given_epochs = TrainConfig(epochs=3)
-    assert given_epochs.apply_recipe(PUBLISHED_RECIPE) == ["lr", "num_anchors"]
+    assert given == TrainConfig(lr=1e-3)  # the caller's configuration is left as built
+    given_epochs, filled = TrainConfig(epochs=3).with_recipe(PUBLISHED_RECIPE)
+    assert filled == ["lr", "num_anchors"]
     assert (given_epochs.epochs, given_epochs.max_steps, given_epochs.num_anchors) == (3, None, 512)
