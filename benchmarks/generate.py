@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from flashdraft.data.completers import generate_batch
 from flashdraft.data.prompts import encode_text, load_prompts
+from flashdraft.decoding.batched import generate_batch
 from flashdraft.target.model import TargetModel
 
 

@@ -41,7 +41,7 @@ def slowed_after(fn, seconds: float):
 
 if __name__ == "__main__":
     delay = float(sys.argv[1])
-    completers.generate_batch = slowed(completers.generate_batch, delay)
+    completers.generate_batch = slowed(completers.generate_batch, delay)  # the name the local completer calls
     cache._cache_record = slowed(cache._cache_record, delay)
     step.forward_loss = slowed(step.forward_loss, delay)
     run_dir.save_drafter_state = slowed_after(run_dir.save_drafter_state, 5 * delay)

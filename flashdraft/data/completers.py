@@ -1,8 +1,8 @@
 """The completers of `flashdraft generate`: the target run locally in batches, or an OpenAI-compatible server.
 
-Local generation uses left padding with an attention mask; greedy output equals
-`flashdraft.decoding.generate.autoregressive_generate` token for token. A server (vLLM, SGLang) gets the prompt's
-token ids. Each prompt's turns are answered in order, each turn's prompt rendered with the earlier answers.
+Local generation is `flashdraft.decoding.batched.generate_batch` (left padding with an attention mask). A server
+(vLLM, SGLang) gets the prompt's token ids. Each prompt's turns are answered in order, each turn's prompt rendered
+with the earlier answers.
 """
 
 from __future__ import annotations
@@ -26,70 +26,9 @@ from flashdraft.data.prompts import (
     render_conversation,
 )
 from flashdraft.data.reasoning import reasoning_end, reasoning_markers, tool_call_markers, tool_call_spans
-from flashdraft.decoding.serving_rules import NO_FILTERS, SamplingFilters, target_probs
+from flashdraft.decoding.batched import generate_batch
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
-
-# -- local batched generation -----------------------------------------------------------
-
-
-@torch.no_grad()
-def generate_batch(
-    target: TargetModel,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    generators: list[torch.Generator] | None = None,
-    filters: SamplingFilters = NO_FILTERS,
-) -> list[tuple[list[int], str]]:
-    """Decode every prompt with the target's cache (at temperature > 0 sampled from the target's p with `filters`,
-    as the servers sample); returns (completion ids, stop reason) each.
-
-    Prompts are left-padded to one width; the attention mask hides the padding and position
-    ids count only real tokens, so each row decodes as it would alone. Rows that stopped
-    keep being fed (their output is frozen) until every row has stopped.
-    """
-    from transformers import DynamicCache
-
-    device, n = target.device, len(prompts)
-    width = max(len(p) for p in prompts)
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    ids = torch.full((n, width), pad, dtype=torch.long, device=device)  # [N, W]
-    mask = torch.zeros((n, width), dtype=torch.long, device=device)  # [N, W]
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p, device=device)
-        mask[i, width - len(p) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, W]
-    padded = bool((mask == 0).any())
-    stop_ids = set(target.stop_token_ids)
-    cache = DynamicCache(config=target.config)
-    outputs: list[list[int]] = [[] for _ in range(n)]
-    reasons = ["length"] * n
-    for _ in range(max_new_tokens):
-        logits = target.model(
-            input_ids=ids,
-            attention_mask=mask if padded else None,  # no mask without padding: the same kernels as one prompt
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,  # the prompt's other positions need no [W, V] logits
-        ).logits[:, -1]  # [N, V]
-        if temperature <= 0:
-            tokens = logits.argmax(-1).tolist()
-        else:
-            probs = target_probs(logits, temperature, filters)  # [N, V]
-            tokens = [int(torch.multinomial(probs[i], 1, generator=generators[i])) for i in range(n)]
-        for i, token in enumerate(tokens):
-            if reasons[i] == "length" and len(outputs[i]) < max_new_tokens:
-                outputs[i].append(token)
-                if token in stop_ids:
-                    reasons[i] = "eos"
-        if all(r == "eos" for r in reasons):
-            break
-        ids = torch.tensor(tokens, device=device)[:, None]  # [N, 1]
-        mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
-        positions = positions[:, -1:] + 1
-    return list(zip(outputs, reasons, strict=True))
 
 
 def answer_turns(
@@ -172,11 +111,6 @@ def answer_turns(
     return [r for p in batch for r in records[p.id] if r.id not in short]
 
 
-def settings_filters(settings: GenerationSettings) -> SamplingFilters:
-    """The target-side filters a generate run samples with."""
-    return SamplingFilters(settings.top_k, settings.top_p, settings.min_p)
-
-
 def local_completer(target: TargetModel, settings: GenerationSettings):
     def complete(items: list[tuple[str, list[int]]]) -> list[tuple[list[int], str, str]]:
         generators = None
@@ -184,14 +118,7 @@ def local_completer(target: TargetModel, settings: GenerationSettings):
             generators = [
                 torch.Generator(device=target.device).manual_seed(record_seed(settings.seed, rid)) for rid, _ in items
             ]
-        outs = generate_batch(
-            target,
-            [ids for _, ids in items],
-            settings.max_new_tokens,
-            settings.temperature,
-            generators,
-            settings_filters(settings),
-        )
+        outs = generate_batch(target, [ids for _, ids in items], settings.max_new_tokens, settings.sampling, generators)
         return [(ids, reason, "target") for ids, reason in outs]
 
     return complete
@@ -210,7 +137,7 @@ def openai_completer(target: TargetModel, settings: GenerationSettings, client: 
             settings.max_new_tokens,
             settings.temperature,
             record_seed(settings.seed, rid),
-            settings_filters(settings).active(),
+            settings.sampling.filters.active(),
         )
         finish = choice.get("finish_reason")
         if finish not in ("stop", "length"):

@@ -19,6 +19,7 @@ from flashdraft.data.chat_mode import (
     check_reasoning_end,
 )
 from flashdraft.data.reasoning import check_tool_call_spans
+from flashdraft.decoding.serving_rules import SamplingFilters, SamplingParams
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
 
@@ -50,6 +51,11 @@ class GenerationSettings:
     top_p: float | None = None
     min_p: float | None = None
     engine_version: str | None = None  # backend "vllm": the engine's distribution and version
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The sampling the target's completions are drawn with (each record's draws from `record_seed`)."""
+        return SamplingParams(self.temperature, SamplingFilters(self.top_k, self.top_p, self.min_p), self.seed)
 
 
 # settings a resumed run may change: they decide nothing about records that fit the context

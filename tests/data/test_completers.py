@@ -1,91 +1,19 @@
-"""The completers: batched local generation and an OpenAI-compatible server."""
+"""The completers: the local target (`decoding/batched.py`, tested in tests/decoding/test_batched.py) and an
+OpenAI-compatible server."""
 
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import torch
 
-from flashdraft.data.completers import generate_batch
-from flashdraft.data.completions import GenerationSettings, record_seed
+from flashdraft.data.completions import GenerationSettings
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.decoding.generate import autoregressive_generate
-from flashdraft.decoding.serving_rules import SamplingFilters, SamplingParams
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
 from tests.conftest import make_target
 from tests.data.conftest import run_cli, save_target, write_prompts
-
-PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12], [20, 21]]  # different lengths: left padding in a batch
-
-
-@pytest.mark.parametrize("kind", ["qwen3", "hybrid", "llama"])
-def test_batched_greedy_equals_greedy_generate(kind):
-    target = make_target(kind)
-    batched = generate_batch(target, PROMPTS, max_new_tokens=10)
-    for prompt, (ids, reason) in zip(PROMPTS, batched, strict=True):
-        plain = autoregressive_generate(target, prompt, 10)
-        assert ids == plain.output_ids and reason == plain.stop_reason
-
-
-@pytest.mark.parametrize("model_type", ["qwen3_next", "nemotron_h", "deepseek_v3"])
-def test_batched_greedy_equals_greedy_generate_on_recurrent_and_latent_cache_families(model_type):
-    """Left padding must not leak into Gated DeltaNet's or Mamba-2's states (their conv bias included)."""
-    from tests.target.tiny_families import make_family_target
-
-    target = make_family_target(model_type)
-    batched = generate_batch(target, PROMPTS, max_new_tokens=10)
-    assert [ids for ids, _ in batched] == [autoregressive_generate(target, p, 10).output_ids for p in PROMPTS]
-
-
-def test_batch_stops_each_row_at_its_stop_token_and_keeps_it():
-    target = make_target("qwen3")
-    # make a token that some rows generate and others do not the stop token
-    outputs = [set(autoregressive_generate(target, p, 12).output_ids) for p in PROMPTS]
-    stop = next(t for t in sorted(set.union(*outputs)) if any(t not in o for o in outputs))
-    target.model.generation_config.eos_token_id = stop
-    plain = [autoregressive_generate(target, p, 12) for p in PROMPTS]
-    assert any(r.stop_reason == "eos" for r in plain) and any(r.stop_reason == "length" for r in plain)
-    batched = generate_batch(target, PROMPTS, max_new_tokens=12)
-    assert [(r.output_ids, r.stop_reason) for r in plain] == [(ids, reason) for ids, reason in batched]
-    assert all(ids[-1] == stop for ids, reason in batched if reason == "eos")
-
-
-def test_sampling_is_per_record_seeded_so_batching_does_not_change_it():
-    target = make_target("hybrid")
-    gens = lambda seed: [torch.Generator().manual_seed(record_seed(seed, f"r{i}")) for i in range(len(PROMPTS))]  # noqa: E731
-    together = generate_batch(target, PROMPTS, 8, temperature=1.5, generators=gens(0))
-    alone = [generate_batch(target, [p], 8, 1.5, [g])[0] for p, g in zip(PROMPTS, gens(0), strict=True)]
-    assert together == alone
-    plain = autoregressive_generate(
-        target, PROMPTS[0], 8, sampling=SamplingParams(temperature=1.5), generator=gens(0)[0]
-    )
-    assert together[0][0] == plain.output_ids
-    assert generate_batch(target, PROMPTS, 8, 1.5, gens(1)) != together
-
-
-def test_sampling_with_filters_draws_as_plain_sampling_with_them_and_only_inside_them():
-    target = make_target("hybrid")
-    gens = lambda: [torch.Generator().manual_seed(record_seed(0, f"r{i}")) for i in range(len(PROMPTS))]  # noqa: E731
-    filters = SamplingFilters(top_k=3, top_p=0.9)
-    batched = generate_batch(target, PROMPTS, 8, 1.5, gens(), filters)
-    plain = [
-        autoregressive_generate(
-            target, p, 8, sampling=SamplingParams(temperature=1.5, filters=filters), generator=g
-        ).output_ids
-        for p, g in zip(PROMPTS, gens(), strict=True)
-    ]
-    assert [ids for ids, _ in batched] == plain
-    assert [ids for ids, _ in generate_batch(target, PROMPTS, 8, 1.5, gens())] != plain  # the filters drew otherwise
-    # top-k 1 keeps only the top token: sampling at any temperature is greedy decoding
-    assert generate_batch(target, PROMPTS, 8, 1.5, gens(), SamplingFilters(top_k=1)) == generate_batch(
-        target, PROMPTS, 8
-    )
-
-
-def settings(**kw) -> GenerationSettings:
-    return GenerationSettings(**{"prompts": "test", "max_new_tokens": 6} | kw)
 
 
 class FakeServer:
