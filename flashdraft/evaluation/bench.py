@@ -44,7 +44,7 @@ CPU_NOTE = (
 SERVERS = ("baseline", "speculative")  # the target alone; the target with the drafter
 
 
-@dataclass
+@dataclass(frozen=True)
 class BenchConfig:
     """`flashdraft bench`'s options (each a command-line option of the same name)."""
 

@@ -16,7 +16,7 @@ from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
 
 PROPOSERS = ("dflash", "ngram", "hybrid")
-NGRAM = "ngram"  # in place of a checkpoint (--drafter ngram, --reference ngram): the n-gram baseline
+NGRAM = "ngram"  # the n-gram baseline: --reference ngram, and its label in the results
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Candidate:
 _CALL = {"call": True}  # an EvalConfig field `evaluate_drafter` sets from its own arguments, not an option
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig:
     """What `flashdraft eval` evaluates, on which records, how. The `proposer` evaluated: "dflash" (the DFlash-family
     drafter `checkpoint`), "ngram" (the n-gram baseline, prompt lookup of the last ngram_max..ngram_min tokens, with
@@ -104,6 +104,16 @@ class EvalConfig:
                 "give a checkpoint for a DFlash drafter (alone or with the hybrid), or the n-gram proposer, "
                 "which takes none"
             )
+
+    def compared(self) -> list[tuple[str, str, str | None]]:
+        """(role, proposer, checkpoint) of what is evaluated: the drafter, then the reference when there is one (a
+        `reference` of "ngram", as --reference takes it, is the n-gram baseline; anything else a checkpoint)."""
+        roles = [("drafter", self.proposer, self.checkpoint)]
+        if self.reference == NGRAM:
+            roles.append(("reference", "ngram", None))
+        elif self.reference:
+            roles.append(("reference", "dflash", self.reference))
+        return roles
 
     @property
     def label(self) -> str:

@@ -119,15 +119,15 @@ def _load_candidates(
 ) -> list[Candidate]:
     """The drafter (`given`: the one the caller loaded) and the reference, loaded and described;
     the n-gram baseline drafts blocks as long as the DFlash drafter's it is set against."""
-    specs = [("drafter", cfg.label)] + ([("reference", cfg.reference)] if cfg.reference else [])
+    compared = cfg.compared()
     loaded_by_role = {}
-    for role, path in specs:
+    for role, proposer, checkpoint in compared:
         if role == "drafter" and given is not None:
             check_drafter_matches_target(given.drafter.config, target, str(given.path))
             loaded_by_role[role] = given
-        elif path != NGRAM:
+        elif proposer != "ngram":
             loaded = load_any_drafter(
-                path,
+                checkpoint,
                 target,
                 block_size=cfg.block_size,
                 target_layer_ids=cfg.target_layer_ids,
@@ -142,11 +142,11 @@ def _load_candidates(
         (x.drafter.config.block_size for x in loaded_by_role.values()), DEFAULT_BLOCK_SIZE
     )
     candidates: list[Candidate] = []
-    for role, path in specs:
-        if path == NGRAM:
-            proposer = NGramProposer(target.vocab_size, cfg.ngram_max, cfg.ngram_min)
-            log(f"{role} {proposer!r}: no model, no context features; block size {ngram_block}")
-            candidates.append(Candidate(NGRAM, proposer, ngram_block, repr(proposer), None))
+    for role, proposer, checkpoint in compared:
+        if proposer == "ngram":
+            ngram = NGramProposer(target.vocab_size, cfg.ngram_max, cfg.ngram_min)
+            log(f"{role} {ngram!r}: no model, no context features; block size {ngram_block}")
+            candidates.append(Candidate(NGRAM, ngram, ngram_block, repr(ngram), None))
             continue
         loaded = loaded_by_role[role]
         b = cfg.block_size or loaded.drafter.config.block_size
@@ -157,7 +157,7 @@ def _load_candidates(
             drafter = _hybrid(cfg, drafter, target)
             form = f"{form}, {drafter!r}"
             log(f"{role} evaluated as {drafter!r}")
-        candidates.append(Candidate(str(path), drafter, b, form, str(loaded.path)))
+        candidates.append(Candidate(str(checkpoint), drafter, b, form, str(loaded.path)))
     return candidates
 
 
