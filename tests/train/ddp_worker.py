@@ -17,6 +17,7 @@ after another. Every run starts from a freshly made target and records (its seed
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,29 +36,40 @@ class Preempted(Exception):
     pass
 
 
-def run(
-    run_dir: Path,
-    batch_size: int,
-    grad_accum: int,
-    fsdp: bool,
-    weighting: str,
-    optimizer: str,
-    mode: str | None,
-    family: str,
-    dist: Dist,
-) -> None:
+@dataclass(frozen=True)
+class WorkerRun:
+    """One training run of the worker: where, its batch layout, loss weighting, optimizer, stop mode and family."""
+
+    run_dir: Path
+    batch: int
+    accum: int
+    fsdp: bool = False
+    weighting: str = "decay"
+    optimizer: str = "adamw"
+    mode: str | None = None  # None, "full", "stop" or "resume"
+    family: str = "dflash"
+
+    @classmethod
+    def from_row(cls, row: dict) -> "WorkerRun":
+        """A --plan row (its "procs" says where it runs, not what)."""
+        names = ("batch", "accum", "fsdp", "weighting", "optimizer", "family")
+        return cls(Path(row["run_dir"]), **{name: row[name] for name in names})
+
+
+def run(job: WorkerRun, dist: Dist) -> None:
+    run_dir, mode, family = job.run_dir, job.mode, job.family
     steps = dict(max_steps=4, save_every=2) if mode else dict(epochs=1, save_every=100)  # 8 records: 2 steps an epoch
     target = make_target("hybrid")
     records = make_records(target, n=8, topk=16 if family == "dspark" else 0)  # DSpark's loss: the target's logits
     cfg = TrainConfig(
-        batch_size=batch_size,
-        grad_accum=grad_accum,
+        batch_size=job.batch,
+        grad_accum=job.accum,
         lr=3e-3,
         num_anchors=6,
         log_every=1,
-        fsdp=fsdp,
-        loss_weighting=weighting,
-        optimizer=optimizer,
+        fsdp=job.fsdp,
+        loss_weighting=job.weighting,
+        optimizer=job.optimizer,
         **steps,
     )
 
@@ -84,32 +96,12 @@ def run_plan(plan: list[dict]) -> None:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     ones = [p for p in plan if p["procs"] == 1]
     for p in ones[rank::world]:  # before the process group: all_reduce and FSDP see one process
-        run(
-            Path(p["run_dir"]),
-            p["batch"],
-            p["accum"],
-            p["fsdp"],
-            p["weighting"],
-            p["optimizer"],
-            None,
-            p["family"],
-            Dist(),
-        )
+        run(WorkerRun.from_row(p), Dist())
     dist = init_distributed("cpu", collectives=True)
     for p in plan:
         if p["procs"] != 1:
             assert p["procs"] == dist.world, p
-            run(
-                Path(p["run_dir"]),
-                p["batch"],
-                p["accum"],
-                p["fsdp"],
-                p["weighting"],
-                p["optimizer"],
-                None,
-                p["family"],
-                dist,
-            )
+            run(WorkerRun.from_row(p), dist)
     dist.close()
 
 
@@ -117,21 +109,16 @@ if __name__ == "__main__":
     if sys.argv[1] == "--plan":
         run_plan(json.loads(Path(sys.argv[2]).read_text()))
         sys.exit(0)
-    run_dir, batch_size, grad_accum = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    fsdp = len(sys.argv) > 4 and sys.argv[4] == "fsdp"
-    weighting = sys.argv[5] if len(sys.argv) > 5 else "decay"
-    optimizer = sys.argv[6] if len(sys.argv) > 6 else "adamw"
-    mode = sys.argv[7] if len(sys.argv) > 7 else None
-    dist = init_distributed("cpu", collectives=True)
-    run(
-        run_dir,
-        batch_size,
-        grad_accum,
-        fsdp,
-        weighting,
-        optimizer,
-        mode,
-        os.environ.get("DRAFTER_FAMILY", "dflash"),
-        dist,
+    job = WorkerRun(
+        run_dir=Path(sys.argv[1]),
+        batch=int(sys.argv[2]),
+        accum=int(sys.argv[3]),
+        fsdp=len(sys.argv) > 4 and sys.argv[4] == "fsdp",
+        weighting=sys.argv[5] if len(sys.argv) > 5 else "decay",
+        optimizer=sys.argv[6] if len(sys.argv) > 6 else "adamw",
+        mode=sys.argv[7] if len(sys.argv) > 7 else None,
+        family=os.environ.get("DRAFTER_FAMILY", "dflash"),
     )
+    dist = init_distributed("cpu", collectives=True)
+    run(job, dist)
     dist.close()
