@@ -23,7 +23,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.train.data import BatchSpec
 
 
-@dataclass
+@dataclass(frozen=True)
 class DemoSettings:
     """The demo's recipe, tuned for the built-in target on a 2-core CPU (see docs/tiny.md)."""
 

@@ -29,7 +29,7 @@ STOP_REASONS = ("eos", "length")
 TOKEN_SOURCES = ("target", "server", "retokenized")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationSettings:
     """Everything that decides the completions; a resumed run must use the same."""
 

@@ -56,7 +56,7 @@ def probe_tokens(vocab_size: int, n: int = PROBE_TOKENS) -> list[int]:
     return [rng.randrange(vocab_size) for _ in range(n)]
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineSettings:
     """How the engine captures: what the cache records and `doctor` shows."""
 
