@@ -203,7 +203,15 @@ class Drafter(LoadedDrafter):
         because this is the public API's one call, taking `flashdraft eval`'s flags by name (keyword-only)."""
         self.check_fits(target)
         rule = _serving_rule(serving_rule)
-        filters, _ = request_filters(target.path, temperature, top_k, top_p, min_p, rule, use_generation_config)
+        filters, _ = request_filters(
+            target.path,
+            temperature,
+            top_k,
+            top_p=top_p,
+            min_p=min_p,
+            rule=rule,
+            use_generation_config=use_generation_config,
+        )
         _warn_greedy_in_effect(temperature, filters)
         limits = (num_speculative_tokens, adaptive_threshold, confidence_threshold)
         limit = DraftLimit(*limits) if any(v is not None for v in limits) else None

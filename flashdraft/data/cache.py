@@ -354,7 +354,9 @@ def build_cache(
     left = [r for k in todo for r in shards[k]]
     needed = on_main(
         dist,
-        lambda: _check_space(directory, left, width, len(layer_ids), feature_dtype, topk, force),
+        lambda: _check_space(
+            directory, left, width, layers=len(layer_ids), dtype=feature_dtype, topk=topk, force=force
+        ),
         f"{directory}: its free-space check",
     )
     if dist.is_main:
@@ -366,7 +368,9 @@ def build_cache(
             f"{format_bytes(32768 * width * feature_dtype.itemsize)})"
         )
     mine = [k for k in todo if k % dist.world == dist.rank]
-    _build_shards(target, directory, shards, mine, settings, dist, features_of, verbose)
+    _build_shards(
+        target, directory, shards, mine=mine, settings=settings, dist=dist, features_of=features_of, verbose=verbose
+    )
     if dist.is_main:
         _finish(directory, target, completions, shards, settings, _computed_with(target, engine))
     dist.barrier()

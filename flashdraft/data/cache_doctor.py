@@ -199,5 +199,5 @@ def doctor_cache(
         except FlashdraftError as e:
             checks.fail(str(e), "use the target that built the cache, or cache this target's own completions")
         else:
-            _check_alignment(cache, target, checks, samples, tolerance, seed, rebuild)
+            _check_alignment(cache, target, checks, samples=samples, tolerance=tolerance, seed=seed, rebuild=rebuild)
     return checks.summary() if own else not checks.failures

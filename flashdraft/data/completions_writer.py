@@ -161,7 +161,7 @@ def generate_completions(
             def answer(batch: list[Prompt]) -> list[CompletionRecord]:
                 return answer_turns(target, batch, settings, complete, long_prompts, check_render)
 
-            answered = _answer_into_part(mine, part, header, answer, batch_size, dist, stop)
+            answered = _answer_into_part(mine, part, header, answer=answer, batch_size=batch_size, dist=dist, stop=stop)
         note = describe_long_prompts(long_prompts, prompt_token_limit(target.context_length, settings.max_new_tokens))
         if note:
             print(f"{dist.prefix()}{note} (--long-prompts {settings.long_prompts})")

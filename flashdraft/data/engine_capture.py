@@ -281,7 +281,7 @@ def capture_features(
     py = engine_python(python)
     directory = out / CAPTURE_DIR
     sequences = {PROBE: probe_tokens(target.vocab_size)} | {r.id: r.prompt_ids + r.completion_ids for r in records}
-    engine = run_capture(py, target, layer_ids, sequences, directory, settings, log)
+    engine = run_capture(py, target, layer_ids, sequences=sequences, directory=directory, settings=settings, log=log)
     verified = verify_capture(target, records, directory, layer_ids, verify_share, log=log)
     info = engine_info(py)
     record = {
@@ -331,7 +331,14 @@ def run_engine_cache(config: CacheConfig, log=print) -> Path:
         loaded = load_completions(c.completions, target, allow_foreign=c.allow_foreign)
         records = loaded.records[: c.num_prompts] if c.num_prompts is not None else loaded.records
         features_of, engine = capture_features(
-            target, records, Path(c.out), layer_ids, c.engine_python, settings, c.verify_share, log
+            target,
+            records,
+            Path(c.out),
+            layer_ids=layer_ids,
+            python=c.engine_python,
+            settings=settings,
+            verify_share=c.verify_share,
+            log=log,
         )
         spec = CacheSpec(layer_ids, c.dtype, c.records_per_shard, 0, c.num_prompts)
         captured = CapturedFeatures(features_of, engine)

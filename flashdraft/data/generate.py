@@ -156,7 +156,16 @@ def _engine_render_check(server, client: OpenAIClient, target: TargetModel):
 
     def check(record_id: str, messages: list, kwargs: dict, ids: list[int], tools: list | None = None) -> None:
         engine = server.info.describe()
-        check_engine_render(client, engine, record_id, messages, kwargs, ids, target.tokenizer, tools)
+        check_engine_render(
+            client,
+            engine,
+            record_id,
+            messages=messages,
+            kwargs=kwargs,
+            prompt_ids=ids,
+            tokenizer=target.tokenizer,
+            tools=tools,
+        )
 
     return check
 
@@ -228,7 +237,15 @@ def run_generate(config: GenerateConfig) -> Path:
             print(f"{server.info.describe()} ready after {server.startup_seconds:.1f} s at {server.base_url}")
             backend, base_url = "openai", server.base_url
         client = OpenAIClient(base_url, c.server_model) if backend == "openai" else None
-        filters = _sampling_filters(target, c.temperature, c.top_k, c.top_p, c.min_p, c.use_generation_config, dist)
+        filters = _sampling_filters(
+            target,
+            c.temperature,
+            c.top_k,
+            top_p=c.top_p,
+            min_p=c.min_p,
+            use_generation_config=c.use_generation_config,
+            dist=dist,
+        )
         settings = GenerationSettings(
             prompts=c.prompts,
             max_new_tokens=c.max_new_tokens,

@@ -339,10 +339,10 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
         target.path,
         cfg.temperature,
         cfg.top_k,
-        cfg.top_p,
-        cfg.min_p,
-        serving_rule(ENGINE_RULE),
-        cfg.use_generation_config,
+        top_p=cfg.top_p,
+        min_p=cfg.min_p,
+        rule=serving_rule(ENGINE_RULE),
+        use_generation_config=cfg.use_generation_config,
     )
     if dropped:
         log(f"{', '.join(dropped)} from the generation config dropped: vLLM does not apply it")
@@ -372,7 +372,7 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
         "warmups": cfg.warmups,
         "logs": str(work),
         "commands": {n: s.command() for n, s in plan["servers"].items()} if plan["servers"] else plan["urls"],
-        "sets": [set_figures(cfg, drafter, target, i, s, runs, filters) for i, s in enumerate(sets)],
+        "sets": [set_figures(cfg, drafter, target, i=i, s=s, runs=runs, filters=filters) for i, s in enumerate(sets)],
     }
     summary["lossless"] = all(s["lossless"] for s in summary["sets"])
     return summary

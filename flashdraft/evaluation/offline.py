@@ -159,7 +159,9 @@ def offline_acceptance_lengths(
             # lands on at most (steps left) more anchors, so drafting more would be wasted
             k = per_call if max_blocks is None else min(per_call, max_blocks - len(lengths))
             anchors = list(range(i, min(i + k, m - 1)))  # completion indices
-            logits, fed = draft_anchors(proposer, anchors, tokens, p, features, fed, block_size, device)
+            logits, fed = draft_anchors(
+                proposer, anchors, tokens, p=p, features=features, fed=fed, block=block_size, device=device
+            )
             drafts = {a: (j, x) for j, (a, x) in enumerate(zip(anchors, logits, strict=True))}
         j, rows = drafts[i]
         if sampling is None:
@@ -305,10 +307,10 @@ def walk_record(
         proposer,
         record.prompt_ids,
         record.completion_ids,
-        block,
-        f,
-        walk.max_blocks,
-        target.device,
+        block_size=block,
+        features=f,
+        max_blocks=walk.max_blocks,
+        device=target.device,
         sampling=sampling,
     )
     return lengths, sampling
@@ -387,7 +389,14 @@ def _rows_at_steps(
     for start in range(0, len(steps), per_call):
         anchors = [a for a, _ in steps[start : start + per_call]]
         logits, fed = draft_anchors(
-            proposer, anchors, record.input_ids, len(record.prompt_ids), features, fed, block, target.device
+            proposer,
+            anchors,
+            record.input_ids,
+            p=len(record.prompt_ids),
+            features=features,
+            fed=fed,
+            block=block,
+            device=target.device,
         )
         confidence = inner.last_confidence
         out += [(rows, None if confidence is None else confidence[j]) for j, rows in enumerate(logits)]
@@ -515,7 +524,7 @@ def _greedy_verified(
     for record, walk in zip(records, walked.per_prompt, strict=True):
         f = features(record, drafter.config.target_layer_ids)
         steps = walked_steps(walk.acceptance_lengths)
-        rows_at = _rows_at_steps(drafter, target, record, f, steps, walked.block_size, limit)
+        rows_at = _rows_at_steps(drafter, target, record, features=f, steps=steps, block=walked.block_size, limit=limit)
         for (i, _), (rows, _) in zip(steps, rows_at, strict=True):
             verified += min(rows.shape[0], len(record.completion_ids) - 1 - i)
     return verified
@@ -537,7 +546,9 @@ def _sampled_walks(
         probs_at = target_probs_along(target, record, walk.sampling.temperature, walk.sampling.filters)
         for n, t in enumerate(thresholds):
             cut = replace(walk, limit=DraftLimit(confidence_threshold=t) if t is not None else None)
-            walked, sampling = walk_record(drafter, target, record, index, features, cut, probs_at)
+            walked, sampling = walk_record(
+                drafter, target, record, index=index, features=features, walk=cut, probs_at=probs_at
+            )
             reached, verified, lengths = out[n]
             out[n] = (reached + sampling.reached, verified + sum(sampling.verified), lengths + walked)
     return out

@@ -108,7 +108,13 @@ def evaluate_online(
     warm_up = replace(walk.speculative, round_context_to=None)
     first = records[0].prompt_ids
     speculative_generate(
-        target, drafter, first, min(8, max_new_tokens), sampling, warm_up, record_generator(sampling.seed, -1, target)
+        target,
+        drafter,
+        first,
+        max_new_tokens=min(8, max_new_tokens),
+        sampling=sampling,
+        speculative=warm_up,
+        generator=record_generator(sampling.seed, -1, target),
     )
     per_prompt, all_lengths = [], []
     seconds = draft_s = verify_s = 0.0
@@ -119,10 +125,10 @@ def evaluate_online(
             target,
             drafter,
             record.prompt_ids,
-            max_new_tokens_of(record, max_new_tokens),
-            sampling,
-            walk.speculative,
-            record_generator(sampling.seed, index, target),
+            max_new_tokens=max_new_tokens_of(record, max_new_tokens),
+            sampling=sampling,
+            speculative=walk.speculative,
+            generator=record_generator(sampling.seed, index, target),
         )
         _sync(target)
         seconds += time.perf_counter() - start

@@ -349,7 +349,9 @@ def _evaluate_candidate(
     if isinstance(c.drafter, DFlashDrafter) and c.drafter.candidate_selector is not None and cfg.temperature <= 0:
         summary["selector"] = selector_figures(c.drafter, target, records, evaluated, features, cfg.max_blocks)
     if _has_confidence_head(c.drafter):
-        summary["confidence"] = _confidence(cfg, c, target, records, offline, online, features, walk)
+        summary["confidence"] = _confidence(
+            cfg, c, target, records=records, offline=offline, online=online, features=features, walk=walk
+        )
     summary |= _what_was_evaluated(cfg, c)
     if cfg.check_consistency:
         summary["consistency"] = _consistency(
@@ -407,14 +409,30 @@ def _confidence(
         uncut = online if cfg.online else offline
         if cfg.confidence_threshold or uncut is None:  # the figures are of the uncut walk
             uncut = evaluate_offline(c.drafter, target, records, features, uncut_walk)
-        return confidence_figures(c.drafter, target, records, uncut, features, uncut_walk, cfg.confidence_threshold)
+        return confidence_figures(
+            c.drafter,
+            target,
+            records,
+            walked=uncut,
+            features=features,
+            walk=uncut_walk,
+            threshold=cfg.confidence_threshold,
+        )
     walked = online if cfg.online else offline  # at T > 0 confidence_figures walks the uncut walk itself
     if cfg.online:
         records = [
             EvalRecord(r.id, r.prompt_ids, o.output_ids) for r, o in zip(records, online.per_prompt, strict=True)
         ]
         features = FeatureSource(target)
-    return confidence_figures(c.drafter, target, records, walked, features, uncut_walk, cfg.confidence_threshold)
+    return confidence_figures(
+        c.drafter,
+        target,
+        records,
+        walked=walked,
+        features=features,
+        walk=uncut_walk,
+        threshold=cfg.confidence_threshold,
+    )
 
 
 def _bucket_figures(result: EvalResult) -> list[tuple]:
@@ -482,7 +500,17 @@ def run_eval(
     if cfg.context_buckets is None:  # one set of buckets for drafter and reference alike
         cfg = replace(cfg, context_buckets=record_context_edges(records, max_new_tokens))
     results = [
-        _evaluate_candidate(cfg, c, target, records, baseline, features, max_new_tokens, filters) for c in candidates
+        _evaluate_candidate(
+            cfg,
+            c,
+            target,
+            records=records,
+            baseline=baseline,
+            features=features,
+            max_new_tokens=max_new_tokens,
+            filters=filters,
+        )
+        for c in candidates
     ]
     main = results[0] | {
         "target": str(cfg.target_model),
@@ -499,7 +527,14 @@ def run_eval(
         limits = [max_new_tokens_of(r, max_new_tokens) for r in records]
         sampling = SamplingParams(cfg.temperature, filters, cfg.seed)
         main["served"] = run_served(
-            candidates[0], target, records, limits, sampling, cfg.engine_python, cfg.server, log
+            candidates[0],
+            target,
+            records,
+            max_tokens=limits,
+            sampling=sampling,
+            engine_python_path=cfg.engine_python,
+            server_url=cfg.server,
+            log=log,
         )
     return main
 

@@ -35,7 +35,13 @@ def sampling_settings(cfg: EvalConfig, target: TargetModel, log: Log) -> Samplin
         return NO_FILTERS
     rule = serving_rule(cfg.serving_rule)
     filters, dropped = request_filters(
-        target.path, cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, rule, cfg.use_generation_config
+        target.path,
+        cfg.temperature,
+        cfg.top_k,
+        top_p=cfg.top_p,
+        min_p=cfg.min_p,
+        rule=rule,
+        use_generation_config=cfg.use_generation_config,
     )
     settings = ", ".join(f"{k} {v} ({filters.source.get(k)})" for k, v in filters.active().items()) or "no filters"
     log(

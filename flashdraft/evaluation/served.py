@@ -99,11 +99,11 @@ def send_requests(
                 client,
                 engine.description,
                 record.id,
-                record.messages,
-                record.chat_template_kwargs,
-                record.prompt_ids,
-                tokenizer,
-                record.tools,
+                messages=record.messages,
+                kwargs=record.chat_template_kwargs,
+                prompt_ids=record.prompt_ids,
+                tokenizer=tokenizer,
+                tools=record.tools,
             )
     served = []
     for record, n in zip(records, max_tokens, strict=True):

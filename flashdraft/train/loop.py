@@ -379,11 +379,11 @@ def train(
                         best = keep_if_best(run_dir, done, model, held_out, best, cfg, dist)
                 saved = done % cfg.save_every == 0 or done == total_steps
                 if saved:
-                    _save(run_dir, done, model, optimizer, cfg, config_dict, len(records), dist)
+                    _save(run_dir, done, *state)
                 # every rank stops after the same step: one scalar all-reduce of "a signal came here"
                 if done < total_steps and any_rank(stop.requested):
                     if not saved:
-                        _save(run_dir, done, model, optimizer, cfg, config_dict, len(records), dist)
+                        _save(run_dir, done, *state)
                     raise _interrupted(stop, bar, run_dir, done, total_steps, dist)
         if dist.is_main and learning.verdict():
             print(learning.verdict(), flush=True)

@@ -226,7 +226,15 @@ def _held_out_records(
     (the real offline τ); (None, None) without one."""
     if not (cached or completions):
         return None, None
-    records, _ = load_training_records(target, layer_ids, cached, completions, allow_foreign, verify, online_topk)
+    records, _ = load_training_records(
+        target,
+        layer_ids,
+        cached,
+        completions=completions,
+        allow_foreign=allow_foreign,
+        verify=verify,
+        online_topk=online_topk,
+    )
     return records, eval_tau_records(cached, completions, target, allow_foreign, verify)
 
 
