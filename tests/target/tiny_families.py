@@ -41,17 +41,21 @@ MLA = dict(
     topk_group=1,
     moe_intermediate_size=64,
 )
+# Gated DeltaNet layers beside MoE MLPs with a shared expert: Qwen3-Next's and the Qwen3.5/3.6 MoE hybrids'
+GATED_DELTANET_MOE = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+)
 FAMILIES = {
-    "qwen3_next": dict(  # three Gated DeltaNet layers and one gated full-attention layer, MoE but layer 1
+    "qwen3_next": GATED_DELTANET_MOE
+    | dict(  # three Gated DeltaNet layers and one gated full-attention layer, MoE but layer 1
         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
         mlp_only_layers=[1],
     ),
     "nemotron_h": dict(  # one block of each kind: Mamba-2, MoE, attention, MLP
@@ -68,16 +72,9 @@ FAMILIES = {
         moe_shared_expert_intermediate_size=64,
     ),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1]),
-    "qwen3_5_moe_text": dict(  # the Qwen3.5/3.6 MoE hybrids' text model: Gated DeltaNet and gated attention, MoE
+    "qwen3_5_moe_text": GATED_DELTANET_MOE
+    | dict(  # the Qwen3.5/3.6 MoE hybrids' text model: Gated DeltaNet and gated attention, MoE
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
     ),
     "glm4_moe": dict(
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1, n_group=1
