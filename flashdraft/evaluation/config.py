@@ -78,6 +78,10 @@ class EvalConfig:
     adaptive_threshold: float | None = None
     # DSpark: cut each block before its first draft whose confidence-head estimate is under this
     confidence_threshold: float | None = None
+    # draft trees (`flashdraft.evaluation.trees`): the rule, the node budgets evaluated, the width per depth
+    tree: str | None = None
+    tree_budget: list[int] | None = None
+    tree_width: int | None = None
     # for a bare state dict, and for the baseline
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None
