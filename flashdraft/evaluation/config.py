@@ -12,6 +12,7 @@ from flashdraft.decoding.proposers import Proposer
 from flashdraft.decoding.serving_rules import (
     DEFAULT_RULE,
 )
+from flashdraft.decoding.tree import TreeRule
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
 
@@ -107,6 +108,39 @@ class EvalConfig:
             raise FlashdraftError(
                 "give a checkpoint for a DFlash drafter (alone or with the hybrid), or the n-gram proposer, "
                 "which takes none"
+            )
+        self._check_tree()
+
+    def _check_tree(self) -> None:
+        """Refuse tree options that cannot go together, before anything loads."""
+        if self.tree is None:
+            if self.tree_budget or self.tree_width:
+                raise FlashdraftError(
+                    "--tree-budget and --tree-width go with --tree RULE, which this run does not give"
+                )
+            return
+        if not self.tree_budget:
+            raise FlashdraftError(
+                f"--tree {self.tree}: expected --tree-budget N[,N...] (nodes verified beside the root)"
+            )
+        for budget in self.tree_budget:
+            TreeRule(self.tree, budget, self.tree_width)  # the rule, budget and width checked
+        given = [
+            flag
+            for flag, value in (
+                ("--temperature", self.temperature > 0),
+                ("--drafter", self.proposer != "dflash"),
+                ("--num-speculative-tokens", self.num_speculative_tokens),
+                ("--adaptive-threshold", self.adaptive_threshold),
+                ("--confidence-threshold", self.confidence_threshold),
+                ("--served", self.served),
+            )
+            if value
+        ]
+        if given:
+            raise FlashdraftError(
+                f"--tree with {', '.join(given)}: tree verification is evaluated greedy (T = 0), for a DFlash-family "
+                f"drafter alone, every tree of --tree-budget nodes, offline and with flashdraft's own loop"
             )
 
     def compared(self) -> list[tuple[str, str, str | None]]:

@@ -72,7 +72,7 @@ from flashdraft.evaluation.sampling import (
     sampling_settings,
 )
 from flashdraft.evaluation.served import run_served
-from flashdraft.evaluation.trees import check_tree_options, evaluate_trees, require_tree_consistent
+from flashdraft.evaluation.trees import evaluate_trees, require_tree_consistent
 from flashdraft.target.model import TargetModel
 
 
@@ -472,7 +472,6 @@ def run_eval(
     cfg.checkpoint."""
     serving_rule(cfg.serving_rule)  # an unknown name fails before anything loads
     check_served_options(cfg)
-    check_tree_options(cfg)
     target = target or _load_target(cfg)
     tok = target.tokenizer
     log(
@@ -524,11 +523,8 @@ def run_eval(
         "target_forwards_offline": features.target_forwards,
         **modes,
     }
-    if cfg.tree is not None:
-        greedy = [run.output_ids for run in baseline] if baseline is not None else None
-        main["trees"] = evaluate_trees(
-            cfg, candidates[0], target, records=records, features=features, chain=results[0], baseline=greedy, log=log
-        )
+    if cfg.tree is not None:  # draft trees per budget beside the chain (`evaluation.trees`)
+        main["trees"] = evaluate_trees(cfg, candidates[0], target, records, features, results[0], baseline, log)
     if cfg.reference:
         main["reference"] = results[1]
         main["difference"] = difference(results[0], results[1])

@@ -38,40 +38,12 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.evaluation.config import Candidate, EvalConfig
 from flashdraft.evaluation.modes import by_segment
 from flashdraft.evaluation.offline import draft_anchors, drafter_shape
+from flashdraft.evaluation.online import GreedyRun
 from flashdraft.evaluation.records import EvalRecord, FeatureSource
 from flashdraft.evaluation.results import EvalResult, PromptResult, speedup_bound
 from flashdraft.target.model import TargetModel
 
 COST_REPEATS = 5  # timed repeats per cost; the median is used
-
-
-def check_tree_options(cfg: EvalConfig) -> None:
-    """Refuse tree options that cannot go together, before anything loads."""
-    if cfg.tree is None:
-        if cfg.tree_budget or cfg.tree_width:
-            raise FlashdraftError("--tree-budget and --tree-width go with --tree RULE, which this run does not give")
-        return
-    if not cfg.tree_budget:
-        raise FlashdraftError(f"--tree {cfg.tree}: expected --tree-budget N[,N...] (nodes verified beside the root)")
-    for budget in cfg.tree_budget:
-        TreeRule(cfg.tree, budget, cfg.tree_width)  # the rule, budget and width checked
-    given = [
-        flag
-        for flag, value in (
-            ("--temperature", cfg.temperature > 0),
-            ("--drafter", cfg.proposer != "dflash"),
-            ("--num-speculative-tokens", cfg.num_speculative_tokens),
-            ("--adaptive-threshold", cfg.adaptive_threshold),
-            ("--confidence-threshold", cfg.confidence_threshold),
-            ("--served", cfg.served),
-        )
-        if value
-    ]
-    if given:
-        raise FlashdraftError(
-            f"--tree with {', '.join(given)}: tree verification is evaluated greedy (T = 0), for a DFlash-family "
-            f"drafter alone, every tree of --tree-budget nodes, offline and with flashdraft's own loop"
-        )
 
 
 # -- the offline walk -------------------------------------------------------------------------------------------
@@ -226,7 +198,7 @@ def evaluate_trees(
     records: list[EvalRecord],
     features: FeatureSource,
     chain: dict[str, Any],
-    baseline: list[list[int]] | None = None,
+    baseline: list[GreedyRun] | None = None,
     log=print,
 ) -> dict[str, Any]:
     """The `trees` figures of `eval --tree`: per budget the offline τ, histogram, nodes verified per step, by context
@@ -262,7 +234,7 @@ def evaluate_trees(
                 result.tau, plain, costs["draft_s"] + cost["build_s"], cost["verify_s"]
             )
         if cfg.online or cfg.check_consistency:
-            greedy = baseline or [r.completion_ids for r in records]
+            greedy = [run.output_ids for run in baseline] if baseline else [r.completion_ids for r in records]
             row["online"] = _online(c, target, records, rule, walks=walks, greedy=greedy)
         log(
             f"tree {cfg.tree} budget {budget}: tau {result.tau:.3f} (chain {chain['tau']:.3f}), "
