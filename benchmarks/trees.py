@@ -86,7 +86,7 @@ def main() -> None:
                 seconds = {"plain_step": costs["plain_step_s"], "draft": costs["draft_s"]}
                 seconds |= {"chain_verify": costs["chain_verify_s"]}
                 seconds |= {f"verify_{n + 1}": c["verify_s"] for n, c in costs["budgets"].items()}
-                print(json.dumps(_row(checkpoint, rule, trees, seconds)), flush=True)
+                print(json.dumps(_row(Path(checkpoint).name, rule, trees, seconds)), flush=True)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from flashdraft.decoding.proposers import DFlashProposer, Proposer, as_proposer,
 from flashdraft.drafter.families import family_of
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
-from flashdraft.target.model import TargetModel
+from flashdraft.target.model import TargetModel, TargetOutput
 
 TREE_RULES = ("ddtree", "topk", "beam")
 CHAIN_STEP = SpeculativeConfig()  # the drafter's block, features as computed
@@ -258,12 +258,13 @@ def build_tree(rule: TreeRule, proposer: Proposer, rows: torch.Tensor, j: int, a
 
 
 def check_tree_target(target: TargetModel) -> None:
-    """Refuse a target whose cache cannot keep one path of a tree, in one line."""
-    if target.is_hybrid:
+    """Refuse a target whose layers cannot verify a tree in one forward, in one line."""
+    unable = [i for i, mixer in target.linear_mixers.items() if not hasattr(mixer, "tree_parents")]
+    if unable:
         raise FlashdraftError(
-            f"{target.path or 'the target'}: tree verification is refused on targets with recurrent layers (Gated "
-            f"DeltaNet, Mamba-2): one forward over a tree runs their recurrence through every branch in node order, "
-            f"so no state is the accepted path's; it would take the path re-run per step"
+            f"{target.path or 'the target'}: tree verification is refused on its recurrent layers {unable} "
+            f"({target.linear_backend} backend): only flashdraft's torch Gated DeltaNet runs a recurrence along each "
+            f"node's root path; Mamba-2 mixers and fla's kernels run it through every branch in node order"
         )
 
 
@@ -271,13 +272,14 @@ def tree_attention_mask(target: TargetModel, past: int, tree: DraftTree) -> torc
     """The additive mask [1, 1, N + 1, keys] of a tree forward after `past` cached tokens: each node sees the past
     and its ancestors (itself included); a sliding-window layer (window W) sees a key only when its position is
     within W of the node's (node position = past + depth), of its past only the W - 1 it keeps. A dict by layer kind
-    where the target has sliding layers (transformers takes a prepared mask per kind), else the one mask."""
+    where the target has sliding or recurrent layers (transformers takes a prepared mask per kind), else the one
+    mask."""
     dtype, device = target.dtype, target.device
     seen = tree.ancestors()  # [T, T]
     t = seen.shape[0]
     depths = torch.tensor(tree.depths)
     full = torch.cat([torch.ones(t, past, dtype=torch.bool), seen], 1)
-    masks = {"full_attention": full}
+    masks: dict[str, torch.Tensor | None] = {"full_attention": full}
     window = getattr(target.config, "sliding_window", None)
     if "sliding_attention" in target.layer_types and window:
         kept = min(past, window - 1)
@@ -288,19 +290,49 @@ def tree_attention_mask(target: TargetModel, past: int, tree: DraftTree) -> torc
         kind: torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)[None, None].to(device)
         for kind, mask in masks.items()
     }
+    if target.linear_layers:  # recurrent layers take no mask: their tree is `tree_parents`
+        additive["linear_attention"] = None
     return additive if len(additive) > 1 else additive["full_attention"]
+
+
+def tree_forward(target: TargetModel, cache, tokens: list[int], tree: DraftTree, anchor_pos: int) -> TargetOutput:
+    """The target's one forward over [anchor, nodes] (`tokens`) after the cache: node positions anchor + depth, the
+    ancestor-only mask, recurrent layers along each node's root path (`tree_parents`)."""
+    device = target.device
+    mask = tree_attention_mask(target, cache.length, tree)
+    for mixer in target.linear_mixers.values():
+        mixer.tree_parents = tree.parents
+    try:
+        return target.forward(
+            torch.tensor([tokens], device=device),
+            cache,
+            position_ids=anchor_pos + torch.tensor([tree.depths], device=device),
+            attention_mask=mask,
+        )
+    finally:
+        for mixer in target.linear_mixers.values():
+            mixer.tree_parents = None
 
 
 def keep_path(target: TargetModel, cache, path: list[int], tree_tokens: int) -> None:
     """Keep only the accepted path's nodes of the last forward (a tree of `tree_tokens` nodes with its root) in the
-    cache: their keys and values moved to the front of the block, then the rest cut as a rollback cuts."""
+    cache: their keys and values (recurrent layers: their inputs) moved to the front of the block, then the rest cut
+    as a rollback cuts (recurrent layers: their states before the forward, the path re-run)."""
     index = torch.tensor(path, device=target.device)
-    for layer in getattr(cache.kv, "layers", []):
+    for i, layer in enumerate(getattr(cache.kv, "layers", [])):
+        if i in target.linear_mixers:
+            inputs = cache.linear_inputs[i]  # [1, tree_tokens, hidden]
+            inputs[:, : len(path)] = inputs[:, index]
+            continue
         keys, values = layer.keys, layer.values
         start = keys.shape[-2] - tree_tokens  # a sliding layer keeps fewer past tokens than a full one
         keys[..., start : start + len(path), :] = keys[..., start + index, :]
         values[..., start : start + len(path), :] = values[..., start + index, :]
-    target.rollback(cache, len(path))
+    mode, target.rollback_mode = target.rollback_mode, "recompute"  # "deferred" would re-feed the tree's order
+    try:
+        target.rollback(cache, len(path))
+    finally:
+        target.rollback_mode = mode
 
 
 @dataclass
@@ -349,13 +381,7 @@ def tree_generate(
         tokens = prompt_ids + result.output_ids
         rows = proposer.propose(tokens, anchor_pos, new_context, new_positions, block)  # [k, V]
         tree = build_tree(rule, proposer, rows, 0, tokens[-1])
-        past = cache.length
-        verified = target.forward(
-            torch.tensor([tokens[-1:] + tree.tokens], device=device),
-            cache,
-            position_ids=anchor_pos + torch.tensor([tree.depths], device=device),
-            attention_mask=tree_attention_mask(target, past, tree),
-        )
+        verified = tree_forward(target, cache, tokens[-1:] + tree.tokens, tree, anchor_pos)
         predicted = verified.logits[0].argmax(-1).tolist()  # [N + 1]: the target's token after each node
         path = tree.accepted_path(predicted.__getitem__)
         budget = max_new_tokens - len(result.output_ids)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ from flashdraft.decoding.tree import (
     build_tree,
     check_tree_drafter,
     check_tree_target,
-    tree_attention_mask,
+    tree_forward,
     tree_generate,
 )
 from flashdraft.drafter.families import drafts_per_block
@@ -43,7 +44,7 @@ from flashdraft.evaluation.records import EvalRecord, FeatureSource
 from flashdraft.evaluation.results import EvalResult, PromptResult, speedup_bound
 from flashdraft.target.model import TargetModel
 
-COST_REPEATS = 5  # timed repeats per cost; the median is used
+COST_REPEATS = 7  # timed rounds per cost; the median is used
 
 
 # -- the offline walk -------------------------------------------------------------------------------------------
@@ -132,24 +133,26 @@ def walk_budget(
 # -- step costs --------------------------------------------------------------------------------------------------
 
 
-def _median_seconds(run, device: torch.device) -> float:
-    times = []
-    for _ in range(COST_REPEATS + 1):  # the first is a warm-up
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+def _interleaved_medians(runs: dict[str, Callable[[], object]], device: torch.device) -> dict[str, float]:
+    """Median seconds of each run over COST_REPEATS rounds that time every run once each (after a warm-up round),
+    so a slow-down of a shared machine hits all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(COST_REPEATS + 1):
+        for name, run in runs.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
 
 
 @torch.no_grad()
 def step_costs(c: Candidate, target: TargetModel, record: EvalRecord, rule_of: dict[int, TreeRule]) -> dict[str, Any]:
     """Seconds of a plain step, a drafter block, each budget's tree build and verify forward (N + 1 tokens under
-    the tree mask; a recurrent target, which has no tree forward: N + 1 tokens, causal) and the chain's verify (B
-    tokens, causal), at `record`'s whole context on this machine."""
+    the tree mask) and the chain's verify (B tokens, causal), at `record`'s whole context on this machine."""
     block, layer_ids, _ = drafter_shape(c.drafter, c.block_size)
     device = target.device
     target.set_context_layers(layer_ids)
@@ -165,26 +168,27 @@ def step_costs(c: Candidate, target: TargetModel, record: EvalRecord, rule_of: d
         proposer.propose(context, len(context) - 1, None, positions[:, :0], block)
 
     def forward(tokens: int, tree: DraftTree | None = None):
-        ids = torch.tensor([context[-1:] * tokens], device=device)
-        if tree is None or target.is_hybrid:  # a recurrent target has no tree forward: N + 1 tokens, causal
+        if tree is None:
+            ids = torch.tensor([context[-1:] * tokens], device=device)
             return lambda: (target.forward(ids, cache), target.rollback(cache, 0))
-        mask = tree_attention_mask(target, cache.length, tree)
-        depths = cache.length + torch.tensor([tree.depths], device=device)
-        return lambda: (target.forward(ids, cache, depths, mask), target.rollback(cache, 0))
+        return lambda: (
+            tree_forward(target, cache, context[-1:] * tokens, tree, cache.length),
+            target.rollback(cache, 0),
+        )
 
-    costs = {
-        "plain_step_s": _median_seconds(forward(1), device),
-        "draft_s": _median_seconds(draft, device),
-        "chain_verify_s": _median_seconds(forward(block), device),
-        "budgets": {},
-    }
+    runs = {"plain_step_s": forward(1), "draft_s": draft, "chain_verify_s": forward(block)}
+    sizes = {}
     for budget, rule in rule_of.items():
         tree = build_tree(rule, proposer, rows, 0, context[-1])
-        costs["budgets"][budget] = {
-            "nodes": tree.size,
-            "build_s": _median_seconds(lambda rule=rule: build_tree(rule, proposer, rows, 0, context[-1]), device),
-            "verify_s": _median_seconds(forward(tree.size + 1, tree), device),
-        }
+        sizes[budget] = tree.size
+        runs[f"build {budget}"] = lambda rule=rule: build_tree(rule, proposer, rows, 0, context[-1])
+        runs[f"verify {budget}"] = forward(tree.size + 1, tree)
+    seconds = _interleaved_medians(runs, device)
+    costs = {name: seconds[name] for name in ("plain_step_s", "draft_s", "chain_verify_s")}
+    costs["budgets"] = {
+        n: {"nodes": size, "build_s": seconds[f"build {n}"], "verify_s": seconds[f"verify {n}"]}
+        for n, size in sizes.items()
+    }
     return costs
 
 
@@ -207,11 +211,10 @@ def evaluate_trees(
     and its acceptance lengths the offline walk's; the chain's figures beside them and the best budget."""
     check_tree_drafter(TreeRule(cfg.tree, 1, cfg.tree_width), c.drafter)
     rules = {budget: TreeRule(cfg.tree, budget, cfg.tree_width) for budget in cfg.tree_budget}
-    costs = step_costs(c, target, records[0], rules) if isinstance(target, TargetModel) else None
-    if costs is not None and target.is_hybrid:
-        costs["note"] = "a recurrent target: each verify timed as a causal forward of N + 1 tokens"
-    if cfg.online or cfg.check_consistency:
-        check_tree_target(target)  # before any walk: the online loop refuses what it cannot verify
+    costs = None
+    if isinstance(target, TargetModel):  # a target head alone (offline from a cache) has no forward to time
+        check_tree_target(target)
+        costs = step_costs(c, target, records[0], rules)
     plain = costs["plain_step_s"] if costs else None
     chain_predicted = speedup_bound(chain["tau"], plain, costs["draft_s"], costs["chain_verify_s"]) if costs else None
     rows = []

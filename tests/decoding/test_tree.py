@@ -100,6 +100,7 @@ def _targets():
         ("dense", make_target("qwen3")),
         ("sliding window + MoE", make_family_target("gpt_oss")),
         ("MoE", make_family_target("qwen3_moe")),
+        ("Gated DeltaNet hybrid", make_target("hybrid")),
     ]
 
 
@@ -107,7 +108,7 @@ def _targets():
 def test_tree_decoding_equals_greedy_decoding_through_sibling_branches(rule):
     for name, target in _targets():
         plain = autoregressive_generate(target, PROMPT, 30).output_ids
-        out = tree_generate(target, RankedOracle(plain), PROMPT, 30, rule, _block(8))
+        out = tree_generate(target, RankedOracle(PROMPT + plain), PROMPT, 30, rule, _block(8))
         assert out.output_ids == plain, name
         # past the first draft only a sibling branch is right: steps that commit more went through one
         assert max(out.acceptance_lengths) > 2, name
@@ -126,9 +127,9 @@ def test_tree_decoding_with_drafters_equals_greedy_decoding():
         assert all(n <= rule.budget for n in out.nodes_per_step)
 
 
-def test_recurrent_targets_dspark_drafters_and_beam_without_a_selector_are_refused():
-    with pytest.raises(FlashdraftError, match="recurrent layers"):
-        tree_generate(make_target("hybrid"), make_drafter(), PROMPT, 8, TreeRule("ddtree", 4))
+def test_mamba_targets_dspark_drafters_and_beam_without_a_selector_are_refused():
+    with pytest.raises(FlashdraftError, match="Mamba-2 mixers"):
+        tree_generate(make_family_target("nemotron_h"), make_drafter(hidden_size=128), PROMPT, 8, TreeRule("ddtree", 4))
     with pytest.raises(FlashdraftError, match="DSpark"):
         tree_generate(make_target("qwen3"), make_dspark_drafter(), PROMPT, 8, TreeRule("ddtree", 4))
     with pytest.raises(FlashdraftError, match="candidate selector"):

@@ -1,17 +1,23 @@
 import json
+from pathlib import Path
 
 import pytest
 
+from flashdraft.decoding.generate import autoregressive_generate
 from flashdraft.decoding.proposers import as_proposer
 from flashdraft.decoding.tree import TreeRule, tree_generate
 from flashdraft.drafter.checkpoint import save_drafter
+from flashdraft.drafter.init import dflash2_from_drafter
+from flashdraft.drafter.run_dir import load_any_drafter
 from flashdraft.evaluation.offline import offline_acceptance_lengths
-from flashdraft.evaluation.records import FeatureSource
+from flashdraft.evaluation.records import EvalRecord, FeatureSource, load_eval_records
 from flashdraft.evaluation.trees import tree_walk
+from flashdraft.target.model import TargetModel
 from tests.conftest import make_dflash2_drafter, make_drafter, make_target, run_cli, save_target, write_word_prompts
 from tests.evaluation.test_run import greedy_records, overfit
 
 BLOCK = 8
+TINY_DRAFTER = Path(__file__).parents[2] / "flashdraft" / "assets" / "tiny-drafter"
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +60,21 @@ def test_offline_tree_walk_equals_the_online_tree_loop_step_for_step(dense, fami
         assert online.acceptance_lengths == walk.lengths and online.nodes_per_step == walk.nodes
         deep = max(deep, *walk.lengths)
     assert deep >= min(rule.budget + 1, 3)  # the drafters accept past their first draft
+
+
+def test_on_the_built_in_target_the_offline_walk_equals_the_tree_loop_at_several_budgets():
+    target = TargetModel.load("tiny")  # a Gated DeltaNet hybrid; the shipped drafter accepts on code
+    dflash = load_any_drafter(TINY_DRAFTER, target).drafter
+    dflash2, beam = dflash2_from_drafter(dflash), TreeRule("beam", 8, width=2)
+    prompt = load_eval_records(target, prompts="builtin:code:heldout", num_prompts=1)[0][0].prompt_ids
+    record = EvalRecord("code", prompt, autoregressive_generate(target, prompt, 24).output_ids)
+    for drafter, rules in ((dflash, [TreeRule("ddtree", 4), TreeRule("ddtree", 16)]), (dflash2, [beam])):
+        for rule in rules:
+            features = FeatureSource(target)(record, drafter.config.target_layer_ids)
+            walk = tree_walk(as_proposer(drafter, target), rule, record, 16, features, target.device)
+            online = tree_generate(target, drafter, prompt, len(record.completion_ids), rule)
+            assert online.output_ids == record.completion_ids
+            assert online.acceptance_lengths == walk.lengths and max(walk.lengths) > 2
 
 
 @pytest.mark.parametrize("family", ["dflash", "dflash2"])
