@@ -9,7 +9,7 @@ turned DFlash2 by `init --family dflash2 --from-drafter` (a neutral selector: it
 beam is the unary top-K beam until the selector is trained). Prints one JSON line per drafter and rule: the chain's τ
 and predicted speed-up, per budget τ, nodes verified per step and predicted speed-up (τ x t(plain step) / (t(draft)
 + t(build) + t(verify of N + 1 tokens)), each cost timed on the target at the first record's context), and the best
-budget. The built-in target is a Gated DeltaNet hybrid: its verify forwards are timed causal (no tree forward).
+budget.
 """
 
 from __future__ import annotations

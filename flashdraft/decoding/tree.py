@@ -257,9 +257,18 @@ def build_tree(rule: TreeRule, proposer: Proposer, rows: torch.Tensor, j: int, a
 # -- verifying a tree in one target forward --------------------------------------------------------------------
 
 
+def _unable_layers(target: TargetModel) -> list[int]:
+    """The recurrent layers that cannot run a tree's nodes each along its root path."""
+    return [i for i, mixer in target.linear_mixers.items() if not hasattr(mixer, "tree_parents")]
+
+
+def tree_verifiable(target: TargetModel) -> bool:
+    return not _unable_layers(target)
+
+
 def check_tree_target(target: TargetModel) -> None:
     """Refuse a target whose layers cannot verify a tree in one forward, in one line."""
-    unable = [i for i, mixer in target.linear_mixers.items() if not hasattr(mixer, "tree_parents")]
+    unable = _unable_layers(target)
     if unable:
         raise FlashdraftError(
             f"{target.path or 'the target'}: tree verification is refused on its recurrent layers {unable} "

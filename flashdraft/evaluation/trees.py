@@ -33,6 +33,7 @@ from flashdraft.decoding.tree import (
     check_tree_target,
     tree_forward,
     tree_generate,
+    tree_verifiable,
 )
 from flashdraft.drafter.families import drafts_per_block
 from flashdraft.errors import FlashdraftError
@@ -152,7 +153,8 @@ def _interleaved_medians(runs: dict[str, Callable[[], object]], device: torch.de
 @torch.no_grad()
 def step_costs(c: Candidate, target: TargetModel, record: EvalRecord, rule_of: dict[int, TreeRule]) -> dict[str, Any]:
     """Seconds of a plain step, a drafter block, each budget's tree build and verify forward (N + 1 tokens under
-    the tree mask) and the chain's verify (B tokens, causal), at `record`'s whole context on this machine."""
+    the tree mask; a target without a tree forward: causal) and the chain's verify (B tokens, causal), at `record`'s
+    whole context on this machine."""
     block, layer_ids, _ = drafter_shape(c.drafter, c.block_size)
     device = target.device
     target.set_context_layers(layer_ids)
@@ -168,7 +170,7 @@ def step_costs(c: Candidate, target: TargetModel, record: EvalRecord, rule_of: d
         proposer.propose(context, len(context) - 1, None, positions[:, :0], block)
 
     def forward(tokens: int, tree: DraftTree | None = None):
-        if tree is None:
+        if tree is None or not tree_verifiable(target):  # no tree forward (Mamba, fla): N + 1 tokens, causal
             ids = torch.tensor([context[-1:] * tokens], device=device)
             return lambda: (target.forward(ids, cache), target.rollback(cache, 0))
         return lambda: (
@@ -213,8 +215,11 @@ def evaluate_trees(
     rules = {budget: TreeRule(cfg.tree, budget, cfg.tree_width) for budget in cfg.tree_budget}
     costs = None
     if isinstance(target, TargetModel):  # a target head alone (offline from a cache) has no forward to time
-        check_tree_target(target)
+        if cfg.online or cfg.check_consistency:
+            check_tree_target(target)  # the tree loop refuses what it cannot verify; the offline walk is exact
         costs = step_costs(c, target, records[0], rules)
+        if not tree_verifiable(target):
+            costs["note"] = "no tree forward on this target's recurrent layers: verify timed causal, N + 1 tokens"
     plain = costs["plain_step_s"] if costs else None
     chain_predicted = speedup_bound(chain["tau"], plain, costs["draft_s"], costs["chain_verify_s"]) if costs else None
     rows = []

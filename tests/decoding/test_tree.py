@@ -101,6 +101,7 @@ def _targets():
         ("sliding window + MoE", make_family_target("gpt_oss")),
         ("MoE", make_family_target("qwen3_moe")),
         ("Gated DeltaNet hybrid", make_target("hybrid")),
+        ("MLA", make_family_target("deepseek_v3")),
     ]
 
 
