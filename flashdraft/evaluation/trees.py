@@ -248,10 +248,16 @@ def evaluate_trees(
             f"tree {cfg.tree} budget {budget}: tau {result.tau:.3f} (chain {chain['tau']:.3f}), "
             f"{row['nodes_per_step']:.1f} nodes per step"
             + (f", predicted speed-up {row['predicted_speedup']:.2f}x" if row.get("predicted_speedup") else "")
+            + (f"; online: {_verdict(row['online'])}" if "online" in row else "")
         )
         rows.append(row)
     predicted = [r for r in rows if r.get("predicted_speedup") is not None]
     best = max(predicted, key=lambda r: r["predicted_speedup"]) if predicted else None
+    if best is not None:
+        log(
+            f"tree {cfg.tree}: best budget {best['budget']} (predicted {best['predicted_speedup']:.2f}x; the chain's "
+            f"{chain_predicted:.2f}x), step costs timed on {target.device.type}"
+        )
     return {
         "rule": cfg.tree,
         "width": rules[cfg.tree_budget[0]].beam_width if cfg.tree != "ddtree" else None,
@@ -293,6 +299,11 @@ def _online(
         "identical": not mismatches,
         "mismatches": mismatches,
     }
+
+
+def _verdict(online: dict[str, Any]) -> str:
+    same = "the offline walk's acceptance lengths" if online["identical"] else f"differs on {online['mismatches']}"
+    return f"tau {online['tau']:.3f}, {'lossless' if online['lossless'] else 'NOT the greedy output'}, {same}"
 
 
 def require_tree_consistent(summary: dict[str, Any]) -> None:
