@@ -102,6 +102,7 @@ def _targets():
         ("MoE", make_family_target("qwen3_moe")),
         ("Gated DeltaNet hybrid", make_target("hybrid")),
         ("MLA", make_family_target("deepseek_v3")),
+        ("Gated DeltaNet + MoE", make_family_target("qwen3_next")),
     ]
 
 
