@@ -13,6 +13,7 @@ from flashdraft.commands.options import (
     context_buckets,
     long_prompts_arg,
     positive,
+    positive_list,
     probability,
     sampling_args,
     target_layer_ids,
@@ -111,6 +112,7 @@ def _step_args(p: argparse.ArgumentParser) -> None:
         "eval always reports the head's calibration and the tau and cost of cutting at "
         "0.3/0.5/0.7/0.9 and C",
     )
+    _tree_args(p)
     p.add_argument("--online", action="store_true", help="real speculative decoding with the target, timed")
     p.add_argument(
         "--temperature",
@@ -120,6 +122,32 @@ def _step_args(p: argparse.ArgumentParser) -> None:
         "samples at the settings (--prompts: eval samples them)",
     )
     sampling_args(p)
+
+
+def _tree_args(p: argparse.ArgumentParser) -> None:
+    """Draft trees: the servers' tree rules, offline and online (docs/evaluation.md)."""
+    p.add_argument(
+        "--tree",
+        choices=["ddtree", "topk", "beam"],
+        default=None,
+        help="also evaluate tree verification (greedy): ddtree (DDTree, vLLM #42910), topk (SGLang #31069's "
+        "top-k tree), beam (SGLang #36196's DFlash2 selector beam); per budget tau, nodes per step and the "
+        "predicted speed-up, the best budget named",
+    )
+    p.add_argument(
+        "--tree-budget",
+        type=positive_list,
+        default=None,
+        metavar="N[,N...]",
+        help="nodes each tree verifies beside the root (the target verifies N + 1 tokens per step)",
+    )
+    p.add_argument(
+        "--tree-width",
+        type=positive,
+        default=None,
+        metavar="W",
+        help="topk and beam: nodes kept per depth (default 4; 1 is the chain)",
+    )
 
 
 def _output_args(p: argparse.ArgumentParser) -> None:

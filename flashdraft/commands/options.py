@@ -26,6 +26,11 @@ def positive(value: str) -> int:
     return n
 
 
+def positive_list(value: str) -> list[int]:
+    """Positive integers separated by commas, e.g. 4,8,16."""
+    return [positive(x) for x in value.split(",")]
+
+
 def block_size(value: str) -> int:
     try:
         n = int(value)

@@ -247,6 +247,13 @@ class DFlashProposer:
         """Drafts block j of the last call holds before any confidence cut."""
         return self._blocks[0].shape[1]
 
+    def block_distributions(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block j of the last call before any walk: the drafter's final hidden states [k, H] and its own logits
+        [k, V] at the draft positions (DFlash2: the selector's unary logits), what a draft tree is built from
+        (`flashdraft.decoding.tree`)."""
+        hidden, logits, _ = self._blocks
+        return hidden[j], logits[j]
+
     def _block_hidden(
         self,
         anchor_tokens: list[int],

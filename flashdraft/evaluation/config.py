@@ -12,6 +12,7 @@ from flashdraft.decoding.proposers import Proposer
 from flashdraft.decoding.serving_rules import (
     DEFAULT_RULE,
 )
+from flashdraft.decoding.tree import TreeRule
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
 
@@ -78,6 +79,10 @@ class EvalConfig:
     adaptive_threshold: float | None = None
     # DSpark: cut each block before its first draft whose confidence-head estimate is under this
     confidence_threshold: float | None = None
+    # draft trees (`flashdraft.evaluation.trees`): the rule, the node budgets evaluated, the width per depth
+    tree: str | None = None
+    tree_budget: list[int] | None = None
+    tree_width: int | None = None
     # for a bare state dict, and for the baseline
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None
@@ -103,6 +108,39 @@ class EvalConfig:
             raise FlashdraftError(
                 "give a checkpoint for a DFlash drafter (alone or with the hybrid), or the n-gram proposer, "
                 "which takes none"
+            )
+        self._check_tree()
+
+    def _check_tree(self) -> None:
+        """Refuse tree options that cannot go together, before anything loads."""
+        if self.tree is None:
+            if self.tree_budget or self.tree_width:
+                raise FlashdraftError(
+                    "--tree-budget and --tree-width go with --tree RULE, which this run does not give"
+                )
+            return
+        if not self.tree_budget:
+            raise FlashdraftError(
+                f"--tree {self.tree}: expected --tree-budget N[,N...] (nodes verified beside the root)"
+            )
+        for budget in self.tree_budget:
+            TreeRule(self.tree, budget, self.tree_width)  # the rule, budget and width checked
+        given = [
+            flag
+            for flag, value in (
+                ("--temperature", self.temperature > 0),
+                ("--drafter", self.proposer != "dflash"),
+                ("--num-speculative-tokens", self.num_speculative_tokens),
+                ("--adaptive-threshold", self.adaptive_threshold),
+                ("--confidence-threshold", self.confidence_threshold),
+                ("--served", self.served),
+            )
+            if value
+        ]
+        if given:
+            raise FlashdraftError(
+                f"--tree with {', '.join(given)}: tree verification is evaluated greedy (T = 0), for a DFlash-family "
+                f"drafter alone, every tree of --tree-budget nodes, offline and with flashdraft's own loop"
             )
 
     def compared(self) -> list[tuple[str, str, str | None]]:

@@ -72,6 +72,7 @@ from flashdraft.evaluation.sampling import (
     sampling_settings,
 )
 from flashdraft.evaluation.served import run_served
+from flashdraft.evaluation.trees import evaluate_trees, require_tree_consistent
 from flashdraft.target.model import TargetModel
 
 
@@ -105,6 +106,7 @@ def _describe_drafter(label: str, loaded, block_size: int, target: TargetModel) 
 def require_consistent(summary: dict[str, Any]) -> None:
     """Refuse a `--check-consistency` summary (the drafter's, then the reference's) whose offline and online
     acceptance lengths differ."""
+    require_tree_consistent(summary)
     for result in [summary] + ([summary["reference"]] if summary.get("reference") else []):
         consistency = result.get("consistency")
         if consistency and not consistency["identical"]:
@@ -449,6 +451,7 @@ def _load_target(cfg: EvalConfig) -> TargetModel:
 
     offline_only = cfg.cached_hidden_states is not None and not (cfg.online or cfg.check_consistency)
     offline_only = offline_only and cfg.temperature <= 0 and not cfg.served  # at T > 0 the walk reads the target's p
+    offline_only = offline_only and cfg.tree is None  # trees: the verify forwards are timed on the target
     return (TargetHead if offline_only else TargetModel).load(cfg.target_model, device=cfg.device, dtype=cfg.dtype)
 
 
@@ -520,6 +523,8 @@ def run_eval(
         "target_forwards_offline": features.target_forwards,
         **modes,
     }
+    if cfg.tree is not None:  # draft trees per budget beside the chain (`evaluation.trees`)
+        main["trees"] = evaluate_trees(cfg, candidates[0], target, records, features, results[0], baseline, log)
     if cfg.reference:
         main["reference"] = results[1]
         main["difference"] = difference(results[0], results[1])

@@ -133,11 +133,22 @@ def short_block_forward(layer: nn.Module, hidden_states: torch.Tensor, cache_par
     if window.shape[-1] < seq_len + kernel - 1:
         window = F.pad(window, (seq_len + kernel - 1 - window.shape[-1], 0))
     mixed_qkv = causal_conv_window(window[..., -(seq_len + kernel - 1) :], layer.conv1d.weight[:, 0])
-    if layer.conv1d.bias is not None:
-        mixed_qkv = mixed_qkv + layer.conv1d.bias[:, None]
-    mixed_qkv = F.silu(mixed_qkv)
-    mixed_qkv = mixed_qkv.transpose(1, 2)  # [B, T, C]
+    query, key, value, g, beta = _heads(layer, mixed_qkv, b, a)
+    if recurrent_state is None:
+        recurrent_state = value.new_zeros(batch, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
+    out, state, v_new, cum = gated_delta_rule_block(query, key, value, g, beta, recurrent_state.float())
+    cache_params.update_recurrent_state(state, idx)
+    layer.last_block = BlockRecord(key, v_new, cum, window) if continues else None
+    return _output(layer, out, z, hidden_states)
 
+
+def _heads(layer: nn.Module, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(query, key [B, Hv, T, dk], value [B, Hv, T, dv], g, beta [B, Hv, T]) from the conv's output [B, C, T] (before
+    its bias and SiLU) and the b and a projections [B, T, Hv], in fp32 as transformers' fallback computes them."""
+    if layer.conv1d.bias is not None:
+        conv_out = conv_out + layer.conv1d.bias[:, None]
+    mixed_qkv = F.silu(conv_out).transpose(1, 2)  # [B, T, C]
+    batch, seq_len, _ = mixed_qkv.shape
     # query and key sit side by side: one L2 norm (in fp32, as the fallback) over both
     qk = mixed_qkv[..., : 2 * layer.key_dim].reshape(batch, seq_len, 2 * layer.num_k_heads, layer.head_k_dim)
     qk = qk.float()
@@ -148,21 +159,58 @@ def short_block_forward(layer: nn.Module, hidden_states: torch.Tensor, cache_par
     if layer.num_v_heads != layer.num_k_heads:  # each key head serves consecutive value heads
         query = query.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=2)
         key = key.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=2)
-
     beta = b.sigmoid().float().transpose(1, 2)  # [B, Hv, T]
     g = (-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)).transpose(1, 2)
-    if recurrent_state is None:
-        recurrent_state = value.new_zeros(batch, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
-    key = key.transpose(1, 2)
-    out, state, v_new, cum = gated_delta_rule_block(
-        query.transpose(1, 2), key, value.transpose(1, 2), g, beta, recurrent_state.float()
-    )
-    cache_params.update_recurrent_state(state, idx)
-    layer.last_block = BlockRecord(key, v_new, cum, window) if continues else None
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), g, beta
 
+
+def _output(layer: nn.Module, out: torch.Tensor, z: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The layer's output [B, T, hidden] of the rule's out [B, Hv, T, dv]: the gated norm with z, then out_proj."""
+    batch, seq_len, _ = hidden_states.shape
     out = out.transpose(1, 2).to(hidden_states.dtype).reshape(-1, layer.head_v_dim)  # [B * T * Hv, dv]
     out = layer.norm(out, z.reshape(-1, layer.head_v_dim)).reshape(batch, seq_len, -1)
     return layer.out_proj(out)
+
+
+def tree_block_forward(layer: nn.Module, hidden_states: torch.Tensor, cache_params, parents: list[int]) -> torch.Tensor:
+    """The layer over a draft tree's nodes (`flashdraft.decoding.tree`): hidden_states [B, T, hidden] of nodes whose
+    parent is `parents[n]` (-1: the root, after the cached tokens). Each node's conv reads its own root path (then
+    the cached inputs) and its recurrent state is its parent's advanced by its token (the 1-token recurrence), so
+    every node's output is the one its path alone would give. Leaves the last node's states in the cache (right when
+    the tree is a chain accepted whole; otherwise rollback restores its copy and re-runs the accepted path)."""
+    batch, seq_len, _ = hidden_states.shape
+    idx, kernel = layer.layer_idx, layer.conv_kernel_size
+    state0 = cache_params.get_recurrent_state(idx)
+    mixed_qkv, z, b, a = gated_delta_net_projections(layer, hidden_states)
+    window = cache_params.update_conv_state(mixed_qkv.transpose(1, 2), idx, conv_kernel_size=kernel)  # [B, C, K + T]
+    if state0 is None or window.shape[-1] != seq_len + kernel:
+        raise RuntimeError("a tree forward needs the layer's states from a cached forward before it")
+    columns = []  # per node: the window columns of its last K inputs, oldest first
+    for node in range(seq_len):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        history = list(range(kernel)) + [kernel + n for n in reversed(path)]
+        columns.append(history[-kernel:])
+    gathered = window[..., torch.tensor(columns, device=window.device)]  # [B, C, T, K]
+    conv_out = (gathered @ layer.conv1d.weight[:, 0][:, :, None]).squeeze(-1)  # [B, C, T]
+    query, key, value, g, beta = _heads(layer, conv_out, b, a)
+    states = value.new_zeros(*value.shape[:2], seq_len, layer.head_k_dim, layer.head_v_dim)  # [B, Hv, T, dk, dv]
+    out = torch.zeros_like(value)  # [B, Hv, T, dv]
+    depth = [0] * seq_len
+    for node in range(1, seq_len):
+        depth[node] = depth[parents[node]] + 1
+    for d in range(max(depth) + 1):  # a depth's nodes at once, each from its parent's state
+        nodes = [n for n in range(seq_len) if depth[n] == d]
+        before = state0.float()[:, :, None] if d == 0 else states[:, :, [parents[n] for n in nodes]]
+        decayed = before * g[:, :, nodes].exp()[..., None, None]  # [B, Hv, n, dk, dv]
+        k_n = key[:, :, nodes]  # [B, Hv, n, dk]
+        delta = (value[:, :, nodes] - (k_n[..., None, :] @ decayed)[..., 0, :]) * beta[:, :, nodes][..., None]
+        states[:, :, nodes] = decayed + k_n[..., :, None] * delta[..., None, :]
+        out[:, :, nodes] = (query[:, :, nodes][..., None, :] @ states[:, :, nodes])[..., 0, :]
+    cache_params.update_recurrent_state(states[:, :, -1], idx)
+    layer.last_block = None
+    return _output(layer, out, z, hidden_states)
 
 
 def install_short_block_path(layer: nn.Module) -> None:
@@ -177,6 +225,9 @@ def install_short_block_path(layer: nn.Module) -> None:
     has_fla = find_spec("fla") is not None
 
     def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        parents = getattr(layer, "tree_parents", None)  # set for a draft tree's forward (`decoding.tree`)
+        if parents is not None and cache_params is not None:
+            return tree_block_forward(layer, hidden_states, cache_params, parents)
         if (
             cache_params is not None
             and attention_mask is None
@@ -188,3 +239,4 @@ def install_short_block_path(layer: nn.Module) -> None:
         return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
 
     layer.forward = forward
+    layer.tree_parents = None  # this layer can verify a draft tree (`tree_block_forward`)

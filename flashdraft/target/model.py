@@ -368,10 +368,18 @@ class TargetModel:
         return TargetCache(kv=kv)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache: TargetCache | None = None) -> TargetOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: TargetCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | dict | None = None,
+    ) -> TargetOutput:
         """Run the target on input_ids [N, T] after the cache's tokens, appending to the cache.
 
-        Returns logits [N, T, V] and the context features [N, T, n * H] of the set layers.
+        Returns logits [N, T, V] and the context features [N, T, n * H] of the set layers. `position_ids` [N, T] and
+        a prepared `attention_mask` (additive, per layer kind or one): a draft tree's depths and ancestor-only mask
+        (`flashdraft.decoding.tree`); None: the next positions, causal.
         """
         num_pending = 0
         if cache is not None and cache.pending is not None:  # deferred rollback: re-feed accepted tokens first
@@ -382,12 +390,15 @@ class TargetModel:
         if cache is not None:
             positions = positions + cache.length
             self._snapshot_linear_states(cache)
+        if position_ids is not None:
+            positions = position_ids
         self._captured = {}
         self._capture_cache = cache
         try:
             out = self.decoder(  # the LM head runs when logits are read (TargetOutput)
                 input_ids=input_ids,
                 position_ids=positions.expand(input_ids.shape[0], -1),
+                attention_mask=attention_mask,
                 past_key_values=cache.kv if cache is not None else None,
                 use_cache=cache is not None,
             )

@@ -1,0 +1,416 @@
+"""Draft trees: a tree of drafts built from one drafter forward, verified in one target forward under an
+ancestor-only mask (greedy), its accepted path's cache kept and the rest dropped.
+
+One DFlash-family forward gives a distribution at every draft position of the block. Chain verification uses its
+argmax path; a tree spends the same forward on branches, built by one of the servers' rules (`TreeRule`):
+
+- "ddtree": DDTree (Ringel & Romano, arXiv 2604.12989; vLLM PR #42910 `ddtree.py` `build_ddtree_tree`): a
+  best-first heap over the per-position top-k (k = the budget) by cumulative log-probability; each popped node
+  pushes its next sibling (same parent, next rank) and its first child (next depth, rank 0); `budget` nodes.
+- "topk": SGLang PR #31069 (DFlash EAGLE-style tree): per depth every frontier node is expanded to the `width` best
+  tokens of that position, cumulative log-probabilities; the `width` best expansions are the next frontier; the
+  `budget` best of all expansions (every depth) are verified.
+- "beam": SGLang PR #36196 (DFlash2 selector beam tree, greedy only): the DFlash2 candidate selector scores each
+  top-K candidate given its predecessor; a beam of `width` per depth by cumulative selector log-probability; the
+  `budget` best beam nodes by that score, ancestors kept.
+
+Cumulative log-probabilities never rise along a path, so taking the best nodes in (score, depth) order keeps every
+node's ancestors (ancestor closure). Width 1 ("topk", "beam") is the chain: the argmax path (DFlash) or the
+selector's greedy walk (DFlash2). Under greedy verification the accepted path is the longest root path whose every
+node is the target's argmax after its parent (`DraftTree.accepted_path`), so the offline walk over the target's
+greedy completion (`evaluation.trees`) gives exactly what this loop commits.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from flashdraft.decoding.generate import GenerationResult, SpeculativeConfig
+from flashdraft.decoding.proposers import DFlashProposer, Proposer, as_proposer, default_block_size
+from flashdraft.drafter.families import family_of
+from flashdraft.drafter.model import DFlashDrafter
+from flashdraft.errors import FlashdraftError
+from flashdraft.target.model import TargetModel, TargetOutput
+
+TREE_RULES = ("ddtree", "topk", "beam")
+CHAIN_STEP = SpeculativeConfig()  # the drafter's block, features as computed
+DEFAULT_WIDTH = 4  # "topk" and "beam" when no width is given (SGLang's smallest fused top-k, 4)
+
+
+@dataclass(frozen=True)
+class TreeRule:
+    """How a step's tree is built: `name` one of TREE_RULES, at most `budget` nodes beside the root, `width` nodes
+    kept per depth ("topk", "beam"; None: DEFAULT_WIDTH; "ddtree" has none: its heap ranks the top `budget`)."""
+
+    name: str
+    budget: int
+    width: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in TREE_RULES:
+            raise FlashdraftError(f"--tree {self.name!r}: expected one of {', '.join(TREE_RULES)}")
+        if self.budget < 1:
+            raise FlashdraftError(f"--tree-budget {self.budget}: expected at least 1 node")
+        if self.width is not None and (self.name == "ddtree" or self.width < 1):
+            raise FlashdraftError(
+                f"--tree-width {self.width}: expected a width >= 1 with --tree topk or beam (ddtree has no width: "
+                f"its heap ranks the top `budget` tokens of every depth)"
+            )
+
+    @property
+    def beam_width(self) -> int:
+        return self.width or DEFAULT_WIDTH
+
+
+@dataclass
+class DraftTree:
+    """Nodes 1..N drafted after the root (node 0, the anchor), each after its parent; a parent comes before its
+    children. tokens [N], parents and depths [N + 1] (parents[0] = -1, depths[0] = 0)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    children: list[dict[int, int]] = field(default_factory=list)  # per node: token -> child node
+
+    def __post_init__(self) -> None:
+        self.children = [{} for _ in self.parents]
+        for node in range(1, len(self.parents)):
+            self.children[self.parents[node]].setdefault(self.tokens[node - 1], node)
+
+    @property
+    def size(self) -> int:
+        """Nodes beside the root."""
+        return len(self.tokens)
+
+    def ancestors(self) -> torch.Tensor:
+        """[N + 1, N + 1] bool: row i sees column j when j is i or an ancestor of i."""
+        seen = torch.zeros(self.size + 1, self.size + 1, dtype=torch.bool)
+        for node, parent in enumerate(self.parents):
+            if parent >= 0:
+                seen[node] = seen[parent]
+            seen[node, node] = True
+        return seen
+
+    def accepted_path(self, predicted: Callable[[int], int | None]) -> list[int]:
+        """The nodes accepted, root first: from the root, while the target's token after the current node
+        (`predicted(node)`; None: none) is one of its children, move to that child."""
+        path = [0]
+        while (token := predicted(path[-1])) is not None and token in self.children[path[-1]]:
+            path.append(self.children[path[-1]][token])
+        return path
+
+
+def _root_only() -> DraftTree:
+    return DraftTree([], [-1], [0])
+
+
+def _ranked(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best log-probabilities [..., k] and their tokens of logits [..., V], ties in token order (the first of
+    equal values first, as an argmax takes it)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    values, tokens = logp.sort(dim=-1, descending=True, stable=True)
+    return values[..., :k], tokens[..., :k]
+
+
+def ddtree(logits: torch.Tensor, budget: int) -> DraftTree:
+    """DDTree's best-first heap (vLLM #42910 `build_ddtree_tree`) over logits [k, V] at the k draft positions:
+    entries (-cumulative log-probability, ranks along the path, parent, depth, rank); `budget` pops."""
+    if logits.shape[0] == 0:
+        return _root_only()
+    top = min(budget, logits.shape[-1])
+    logp, ids = _ranked(logits, top)
+    logp, ids = logp.tolist(), ids.tolist()
+    tokens, parents, depths = [], [-1], [0]
+    heap = [(-logp[0][0], (0,), 0, 1, 0)]
+    while heap and len(tokens) < budget:
+        neg, ranks, parent, depth, rank = heapq.heappop(heap)
+        tokens.append(ids[depth - 1][rank])
+        parents.append(parent)
+        depths.append(depth)
+        node = len(tokens)
+        if rank + 1 < top:  # the next sibling: same parent, next rank at this depth
+            sibling = neg + logp[depth - 1][rank] - logp[depth - 1][rank + 1]
+            heapq.heappush(heap, (sibling, ranks[:-1] + (rank + 1,), parent, depth, rank + 1))
+        if depth < len(logp):  # the first child: one depth further, rank 0
+            heapq.heappush(heap, (neg - logp[depth][0], ranks + (0,), node, depth + 1, 0))
+    return DraftTree(tokens, parents, depths)
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    score: float  # cumulative log-probability
+    token: int
+    parent: int  # index among the candidates; -1: the root
+    depth: int
+
+
+def _best_closed(candidates: list[_Candidate], budget: int) -> DraftTree:
+    """The `budget` best candidates by (score, depth, order) as a tree. A child never scores above its parent and
+    comes at a greater depth, so each chosen node's parent is chosen before it."""
+    order = sorted(range(len(candidates)), key=lambda i: (-candidates[i].score, candidates[i].depth, i))[:budget]
+    node_of = {-1: 0}
+    tokens, parents, depths = [], [-1], [0]
+    for i in order:
+        c = candidates[i]
+        node_of[i] = len(tokens) + 1
+        tokens.append(c.token)
+        parents.append(node_of[c.parent])
+        depths.append(c.depth)
+    return DraftTree(tokens, parents, depths)
+
+
+def topk_tree(logits: torch.Tensor, budget: int, width: int) -> DraftTree:
+    """SGLang #31069's EAGLE-style expand + top-k over logits [k, V]: each depth's frontier (the `width` best
+    expansions of the depth before) expanded by that position's `width` best tokens; the `budget` best of all."""
+    if logits.shape[0] == 0:
+        return _root_only()
+    logp, ids = _ranked(logits, min(width, logits.shape[-1]))
+    logp, ids = logp.tolist(), ids.tolist()
+    candidates: list[_Candidate] = []
+    frontier = [-1]  # candidate indices expanded at the next depth (the root first)
+    for depth in range(1, len(logp) + 1):
+        start = len(candidates)
+        for parent in frontier:
+            base = candidates[parent].score if parent >= 0 else 0.0
+            for value, token in zip(logp[depth - 1], ids[depth - 1], strict=True):
+                candidates.append(_Candidate(base + value, token, parent, depth))
+        expanded = range(start, len(candidates))
+        frontier = sorted(expanded, key=lambda i: (-candidates[i].score, i))[:width]
+    return _best_closed(candidates, budget)
+
+
+def beam_tree(selector, hidden: torch.Tensor, unary: torch.Tensor, anchor: int, budget: int, width: int) -> DraftTree:
+    """SGLang #36196's DFlash2 beam tree: hidden [k, H] and unary logits [k, V] at the draft positions; at each depth
+    every beam node p scores the position's top-K candidates c as unary(c) + < P[p] * W h, S[c] > (the selector's
+    score, candidates in token order as its walk takes them), log-softmax over the K; the `width` best cumulative
+    expansions are the depth's beam; the `budget` best beam nodes of all depths are verified."""
+    if unary.shape[0] == 0:
+        return _root_only()
+    unary_top, candidates = unary.float().topk(selector.top_k, dim=-1)  # [k, K]
+    candidates, order = candidates.sort(-1)
+    unary_top = unary_top.gather(-1, order)
+    projected = selector.hidden_projection(hidden).float()  # [k, r]
+    nodes: list[_Candidate] = []
+    beam = [(-1, anchor)]  # (candidate index, token) of each beam node at the depth before
+    for depth in range(1, unary.shape[0] + 1):
+        t = depth - 1
+        predecessors = torch.tensor([token for _, token in beam], device=unary.device)  # [W]
+        rows = projected[t].expand(len(beam), -1)  # [W, r]
+        pair = selector.pair_scores(rows, predecessors, candidates[t].expand(len(beam), -1)).float()  # [W, K]
+        logp = torch.log_softmax(unary_top[t] + pair, -1).tolist()
+        expansions = []
+        for (parent, _), row in zip(beam, logp, strict=True):
+            base = nodes[parent].score if parent >= 0 else 0.0
+            # per parent in the selector's order: the first best score first, as its greedy walk's argmax
+            ranked = sorted(range(len(row)), key=lambda c, row=row: -row[c])
+            expansions += [(base + row[c], parent, int(candidates[t, c])) for c in ranked]
+        kept = sorted(range(len(expansions)), key=lambda i: -expansions[i][0])[:width]  # stable: ties in order
+        beam = []
+        for i in kept:
+            score, parent, token = expansions[i]
+            nodes.append(_Candidate(score, token, parent, depth))
+            beam.append((len(nodes) - 1, token))
+    return _best_closed(nodes, budget)
+
+
+# -- building a step's tree from a proposer ----------------------------------------------------------------------
+
+
+def check_tree_drafter(rule: TreeRule, drafter) -> None:
+    """Refuse a drafter the rule does not apply to, in one line."""
+    family = family_of(drafter)
+    if not isinstance(drafter, DFlashDrafter) and not isinstance(drafter, DFlashProposer) and family is None:
+        if rule.name == "beam":
+            raise FlashdraftError("--tree beam: a DFlash2 drafter's candidate selector builds the beam; none given")
+        return  # a plain proposer (tests, baselines): its rows are the per-position distributions
+    if family == "dspark":
+        raise FlashdraftError(
+            "--tree: a DSpark drafter's Markov head makes each draft's distribution depend on the draft before it, "
+            "so it has no per-position distributions to branch on, and no server builds a tree for it; expected a "
+            "DFlash or DFlash2 drafter"
+        )
+    if rule.name == "beam" and family != "dflash2":
+        raise FlashdraftError(
+            f"--tree beam: SGLang #36196's beam tree is built by a DFlash2 drafter's candidate selector; this "
+            f"drafter is {family}: expected --tree ddtree or topk"
+        )
+
+
+def build_tree(rule: TreeRule, proposer: Proposer, rows: torch.Tensor, j: int, anchor: int) -> DraftTree:
+    """The tree of block j of the proposer's last call (rows [k, V]: its proposal). A DFlash-family proposer's trees
+    are built from the drafter's own logits at the draft positions (DFlash2: the selector's unary logits, and "beam"
+    its selector scores); another proposer's from its rows."""
+    inputs = getattr(getattr(proposer, "inner", proposer), "block_distributions", None)
+    hidden, logits = inputs(j) if inputs is not None else (None, rows)
+    if rule.name == "ddtree":
+        return ddtree(logits, rule.budget)
+    if rule.name == "topk":
+        return topk_tree(logits, rule.budget, rule.beam_width)
+    selector = getattr(proposer, "inner", proposer).drafter.candidate_selector
+    return beam_tree(selector, hidden, logits, anchor, rule.budget, rule.beam_width)
+
+
+# -- verifying a tree in one target forward --------------------------------------------------------------------
+
+
+def _unable_layers(target: TargetModel) -> list[int]:
+    """The recurrent layers that cannot run a tree's nodes each along its root path."""
+    return [i for i, mixer in target.linear_mixers.items() if not hasattr(mixer, "tree_parents")]
+
+
+def tree_verifiable(target: TargetModel) -> bool:
+    return not _unable_layers(target)
+
+
+def check_tree_target(target: TargetModel) -> None:
+    """Refuse a target whose layers cannot verify a tree in one forward, in one line."""
+    unable = _unable_layers(target)
+    if unable:
+        raise FlashdraftError(
+            f"{target.path or 'the target'}: tree verification is refused on its recurrent layers {unable} "
+            f"({target.linear_backend} backend): only flashdraft's torch Gated DeltaNet runs a recurrence along each "
+            f"node's root path; Mamba-2 mixers and fla's kernels run it through every branch in node order"
+        )
+
+
+def tree_attention_mask(target: TargetModel, past: int, tree: DraftTree) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The additive mask [1, 1, N + 1, keys] of a tree forward after `past` cached tokens: each node sees the past
+    and its ancestors (itself included); a sliding-window layer (window W) sees a key only when its position is
+    within W of the node's (node position = past + depth), of its past only the W - 1 it keeps. A dict by layer kind
+    where the target has sliding or recurrent layers (transformers takes a prepared mask per kind), else the one
+    mask."""
+    dtype, device = target.dtype, target.device
+    seen = tree.ancestors()  # [T, T]
+    t = seen.shape[0]
+    depths = torch.tensor(tree.depths)
+    full = torch.cat([torch.ones(t, past, dtype=torch.bool), seen], 1)
+    masks: dict[str, torch.Tensor | None] = {"full_attention": full}
+    window = getattr(target.config, "sliding_window", None)
+    if "sliding_attention" in target.layer_types and window:
+        kept = min(past, window - 1)
+        key_positions = torch.cat([torch.arange(past - kept, past), past + depths])  # [kept + T]
+        near = (past + depths)[:, None] - key_positions[None, :] < window
+        masks["sliding_attention"] = torch.cat([torch.ones(t, kept, dtype=torch.bool), seen], 1) & near
+    additive = {
+        kind: torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)[None, None].to(device)
+        for kind, mask in masks.items()
+    }
+    if target.linear_layers:  # recurrent layers take no mask: their tree is `tree_parents`
+        additive["linear_attention"] = None
+    return additive if len(additive) > 1 else additive["full_attention"]
+
+
+def tree_forward(target: TargetModel, cache, tokens: list[int], tree: DraftTree, anchor_pos: int) -> TargetOutput:
+    """The target's one forward over [anchor, nodes] (`tokens`) after the cache: node positions anchor + depth, the
+    ancestor-only mask, recurrent layers along each node's root path (`tree_parents`)."""
+    device = target.device
+    mask = tree_attention_mask(target, cache.length, tree)
+    for mixer in target.linear_mixers.values():
+        mixer.tree_parents = tree.parents
+    try:
+        return target.forward(
+            torch.tensor([tokens], device=device),
+            cache,
+            position_ids=anchor_pos + torch.tensor([tree.depths], device=device),
+            attention_mask=mask,
+        )
+    finally:
+        for mixer in target.linear_mixers.values():
+            mixer.tree_parents = None
+
+
+def keep_path(target: TargetModel, cache, path: list[int], tree_tokens: int) -> None:
+    """Keep only the accepted path's nodes of the last forward (a tree of `tree_tokens` nodes with its root) in the
+    cache: their keys and values (recurrent layers: their inputs) moved to the front of the block, then the rest cut
+    as a rollback cuts (recurrent layers: their states before the forward, the path re-run)."""
+    index = torch.tensor(path, device=target.device)
+    for i, layer in enumerate(getattr(cache.kv, "layers", [])):
+        if i in target.linear_mixers:
+            inputs = cache.linear_inputs[i]  # [1, tree_tokens, hidden]
+            inputs[:, : len(path)] = inputs[:, index]
+            continue
+        keys, values = layer.keys, layer.values
+        start = keys.shape[-2] - tree_tokens  # a sliding layer keeps fewer past tokens than a full one
+        keys[..., start : start + len(path), :] = keys[..., start + index, :]
+        values[..., start : start + len(path), :] = values[..., start + index, :]
+    mode, target.rollback_mode = target.rollback_mode, "recompute"  # "deferred" would re-feed the tree's order
+    try:
+        target.rollback(cache, len(path))
+    finally:
+        target.rollback_mode = mode
+
+
+@dataclass
+class TreeGeneration(GenerationResult):
+    """A tree-verified generation: also the nodes each step verified (besides the root)."""
+
+    nodes_per_step: list[int] = field(default_factory=list)
+
+
+def _committed(tokens: list[int], budget: int, stop_ids: set[int]) -> tuple[list[int], bool]:
+    """New tokens cut at the budget or just after the first stop token (as chain decoding cuts them)."""
+    cut = next((i + 1 for i, t in enumerate(tokens[:budget]) if t in stop_ids), None)
+    return (tokens[:cut], True) if cut is not None else (tokens[:budget], False)
+
+
+@torch.no_grad()
+def tree_generate(
+    target: TargetModel,
+    drafter: DFlashDrafter | Proposer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    rule: TreeRule,
+    speculative: SpeculativeConfig = CHAIN_STEP,
+) -> TreeGeneration:
+    """Greedy speculative decoding with a draft tree per step: the drafter's one forward, the tree built by `rule`,
+    one target forward over [anchor, nodes] with node positions anchor + depth under the ancestor-only mask, the
+    longest root path the target's argmax follows plus its bonus token committed, the path's cache kept. Output
+    equals plain greedy decoding; each step's committed count equals the offline tree walk's
+    (`evaluation.trees`)."""
+    check_tree_target(target)
+    check_tree_drafter(rule, drafter)
+    block = speculative.block_size or default_block_size(drafter)
+    proposer = as_proposer(drafter, target, rule=speculative.rule)
+    target.set_context_layers(proposer.context_layer_ids)
+    stop_ids, device = set(target.stop_token_ids), target.device
+    cache = target.new_cache()
+    prefill = target.forward(torch.tensor([prompt_ids], device=device), cache)
+    result = TreeGeneration([int(prefill.logits_at(-1, None)[0, 0].argmax())])
+    if result.output_ids[0] in stop_ids:
+        result.stop_reason = "eos"
+        return result
+    new_context = _rounded(prefill.context_features, speculative.round_context_to)
+    new_positions = torch.arange(len(prompt_ids), device=device)[None]
+    anchor_pos = len(prompt_ids)
+    while len(result.output_ids) < max_new_tokens:
+        tokens = prompt_ids + result.output_ids
+        rows = proposer.propose(tokens, anchor_pos, new_context, new_positions, block)  # [k, V]
+        tree = build_tree(rule, proposer, rows, 0, tokens[-1])
+        verified = tree_forward(target, cache, tokens[-1:] + tree.tokens, tree, anchor_pos)
+        predicted = verified.logits[0].argmax(-1).tolist()  # [N + 1]: the target's token after each node
+        path = tree.accepted_path(predicted.__getitem__)
+        budget = max_new_tokens - len(result.output_ids)
+        committed, stopped = _committed(
+            [tree.tokens[n - 1] for n in path[1:]] + [predicted[path[-1]]], budget, stop_ids
+        )
+        result.output_ids += committed
+        result.acceptance_lengths.append(len(committed))
+        result.nodes_per_step.append(tree.size)
+        if stopped:
+            result.stop_reason = "eos"
+            break
+        keep_path(target, cache, path, tree.size + 1)
+        features = verified.context_features
+        new_context = _rounded(features[:, path] if features is not None else None, speculative.round_context_to)
+        new_positions = anchor_pos + torch.arange(len(path), device=device)[None]
+        anchor_pos += len(path)
+    return result
+
+
+def _rounded(features: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """`features` as a cache in `dtype` stores them (cast and back), or as computed."""
+    return features if features is None or dtype is None else features.to(dtype).to(features.dtype)
