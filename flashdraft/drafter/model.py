@@ -114,10 +114,15 @@ def mask_mod_for(
 
 
 _compiled_flex = None
+# The distinct input shapes handed to flex attention: compiled with dynamic=False (on GPU), each is one compile, so
+# their count is the run's compile count (training reports it; on CPU flex runs uncompiled: torch 2.13 compiles it
+# there too, but ~40 s a shape on 2 cores, so the count of shapes stands in for it).
+flex_shapes: set[tuple] = set()
 
 
 def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
     global _compiled_flex
+    flex_shapes.add((tuple(q.shape), tuple(k.shape), q.dtype, q.device.type))
     if q.device.type != "cuda":  # uncompiled flex is a reference path (tests); real use is on GPU
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -67,11 +67,22 @@ def record_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_033 + index)
 
 
+def length_bucket(n: int) -> int:
+    """n rounded up to one of four sizes per power of two (..., 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...): a batch
+    padded to its bucket wastes under 25 % of its slots, and flex attention, compiled for fixed shapes
+    (`dynamic=False`), sees four shapes per doubling of the longest record, not one per length."""
+    if n <= 4:
+        return n
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
+
+
 @dataclass(frozen=True)
 class BatchSpec:
     """How records are cut into a training batch: `num_anchors` blocks per record (sampled with `seed`, epoch and
     record index), of `block_size` tokens in the layout whose first drafting position is `first_draft` (1 fill-in,
-    0 anchor-first), masked with `mask_token_id`, sequences cut to `max_length` (None: whole)."""
+    0 anchor-first), masked with `mask_token_id`, sequences cut to `max_length` (None: whole); the context length
+    and the number of blocks padded up to their `length_bucket` (bucket) or to the batch's longest (not)."""
 
     seed: int
     num_anchors: int
@@ -79,6 +90,7 @@ class BatchSpec:
     mask_token_id: int
     max_length: int | None = None
     first_draft: int = 1
+    bucket: bool = True
 
 
 def make_batch(records: list[TrainRecord], indices: list[int], epoch: int, batch_spec: BatchSpec) -> Batch:
@@ -103,6 +115,8 @@ def make_batch(records: list[TrainRecord], indices: list[int], epoch: int, batch
     n = len(rows)
     max_t = max(r[0].shape[0] for r in rows)
     max_k = max(len(r[1]) for r in rows)
+    if batch_spec.bucket:  # padding slots and padding blocks are never trained nor seen: the loss is unchanged
+        max_t, max_k = length_bucket(max_t), max(max_k, min(length_bucket(max_k), batch_spec.num_anchors))
     feat_dim = rows[0][0].shape[1]
     features = torch.zeros(n, max_t, feat_dim, dtype=rows[0][0].dtype)
     positions = torch.full((n, max_t), PAD_POSITION, dtype=torch.long)

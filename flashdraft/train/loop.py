@@ -47,7 +47,7 @@ from flashdraft.train.config import RESUMABLE_CHANGES, TrainConfig
 from flashdraft.train.engine_feed import EngineLost
 from flashdraft.train.held_out import check_keep_best, held_out_metrics, keep_if_best
 from flashdraft.train.learning import LearningCheck, mean_record_length
-from flashdraft.train.metrics import MetricsWriter, Window
+from flashdraft.train.metrics import MetricsWriter, Window, memory_and_compiles
 from flashdraft.train.optim import Optimizers, build_optimizers, warmup_steps
 from flashdraft.train.recipe import PUBLISHED_RECIPE
 from flashdraft.train.step import global_batch, loss_spec, optimizer_step, stream_order
@@ -190,6 +190,7 @@ def _log(bar: Progress, writer: MetricsWriter | None, step: int, metrics: dict) 
         loss=f"{metrics['loss']:.3f}",
         acc1=f"{metrics['position_accuracy'][0]:.2f}",
         tau_est=f"{metrics['estimated_acceptance']:.2f}",
+        pad=f"{metrics['padding_share']:.0%}",
         wait=f"{metrics.get('wait_s', 0):.2f}s",
         compute=f"{metrics.get('compute_s', 0):.2f}s",
         refresh=not bar.plain,
@@ -368,7 +369,7 @@ def train(
                 window.add(result, batch.micro_batches, dist.world)
                 done = step + 1
                 if done % cfg.log_every == 0 or done == total_steps:
-                    metrics = window.metrics(optimizer.last_lr(), grad_norm, epoch)
+                    metrics = window.metrics(optimizer.last_lr(), grad_norm, epoch) | memory_and_compiles(dist.device)
                     _log(bar, writer, done, metrics)
                     _warn(bar, learning.see(done, metrics["estimated_acceptance"], held_out=False))
                     window = Window(cfg.first_draft_position)

@@ -176,7 +176,10 @@ def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, r
 
     before = evaluate_loss(drafter, target, held_out, cfg, torch.device("cpu"))
     train(cfg, drafter, target, records, tmp_path, held_out=HeldOut(records=held_out))
-    after = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    after, trained = rows[-1], next(row for row in rows if "loss" in row)
+    assert trained["peak_memory_gib"] > 0 and 0 <= trained["padding_share"] < 1
+    assert trained["attention_shapes"] >= 0 and trained["compiled_graphs"] >= 0
     # D-PACE aims at acceptance (early on it trains the first positions far more than the CE measured here), and
     # Muon's larger steps fit these 8 records sooner: both raise acceptance, the recipe's AdamW + decay lowers CE
     if (weighting, optimizer) == ("decay", "adamw"):
