@@ -67,6 +67,7 @@ def attention_mask(
     query_anchor: torch.Tensor,
     context_positions: torch.Tensor,
     attention: LayerAttention,
+    documents: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Which keys each block query may see (True = visible).
 
@@ -75,8 +76,12 @@ def attention_mask(
     returns [N, 1, Q, C + Q]: context keys strictly before the query's anchor, keys of its own
     block (a causal layer: only those at or before the query), none of another block; a
     sliding window keeps keys with |q - k| < window (section 2 of the reference doc).
+    documents (packed training): (query_document [N, Q], context_document [N, C]); a context key is
+    then visible only to the blocks of its own document (positions restart per document).
     """
     sees_context = context_positions[:, None, :] < query_anchor[:, :, None]  # [N, Q, C]
+    if documents is not None:
+        sees_context &= documents[1][:, None, :] == documents[0][:, :, None]
     same_block = (query_block[:, None] == query_block[None, :]).expand(query_positions.shape[0], -1, -1)
     if attention.causal:
         same_block = same_block & (query_positions[:, None, :] <= query_positions[:, :, None])  # key <= query
@@ -94,18 +99,25 @@ def mask_mod_for(
     query_anchor: torch.Tensor,
     context_positions: torch.Tensor,
     attention: LayerAttention,
+    documents: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """The rule of `attention_mask` as a flex-attention mask_mod (block-sparse on GPU)."""
     num_context = context_positions.shape[1]
     key_positions = torch.cat([context_positions, query_positions], dim=1)  # [N, C + Q]
     key_block = torch.cat([query_block.new_full((num_context,), -1), query_block])  # [C + Q]
     causal, window = attention.causal, attention.window
+    query_document = key_document = None
+    if documents is not None:  # [N, Q], and [N, C + Q]: the blocks' own entries never read
+        query_document, key_document = documents[0], torch.cat([documents[1], documents[0]], dim=1)
 
     def mask_mod(b, h, q, kv):
         in_block = key_block[kv] == query_block[q]
         if causal:
             in_block = in_block & (key_positions[b, kv] <= query_positions[b, q])
-        ok = torch.where(kv < num_context, key_positions[b, kv] < query_anchor[b, q], in_block)
+        sees_context = key_positions[b, kv] < query_anchor[b, q]
+        if query_document is not None:
+            sees_context = sees_context & (key_document[b, kv] == query_document[b, q])
+        ok = torch.where(kv < num_context, sees_context, in_block)
         if window is not None:
             ok = ok & ((query_positions[b, q] - key_positions[b, kv]).abs() < window)
         return ok
@@ -584,6 +596,7 @@ class DFlashDrafter(nn.Module):
         context_features: torch.Tensor | None = None,
         context_positions: torch.Tensor | None = None,
         cache: DrafterCache | None = None,
+        documents: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states of the block positions, after the final norm (feed to the LM head).
 
@@ -592,6 +605,8 @@ class DFlashDrafter(nn.Module):
         context_features: [N, C, n_ctx * H] concatenated target layer outputs (raw, before fc)
         context_positions: [N, C] their positions (PAD_POSITION for padding)
         cache: committed context from earlier calls; the new context is appended to it.
+        documents: packed training only: (anchor_documents [N, K], context_documents [N, C]), the document of each
+            block and context token (-1 on padding); a block sees only its own document's context.
         """
         n, q_len, _ = block_embeds.shape
         num_blocks = anchor_positions.shape[1]
@@ -603,6 +618,8 @@ class DFlashDrafter(nn.Module):
         query_anchor = anchor_positions.repeat_interleave(b, dim=1)  # [N, Q]
         query_positions = query_anchor + offsets.repeat(num_blocks)  # [N, Q]
         query_block = torch.arange(num_blocks, device=block_embeds.device).repeat_interleave(b)  # [Q]
+        if documents is not None:  # (query_document [N, Q], context_document [N, C])
+            documents = (documents[0].repeat_interleave(b, dim=1), documents[1])
 
         context = None
         context_rope = None
@@ -624,17 +641,24 @@ class DFlashDrafter(nn.Module):
         masks = {}
         # Drafting one block after committed context (decoding): in a full non-causal layer every key
         # is visible to every query, so no mask; building one and masking costs ~10% of a CPU drafting step.
-        sees_all = backend == "sdpa" and num_blocks == 1 and bool((all_context_positions < anchor_positions).all())
+        sees_all = (
+            backend == "sdpa"
+            and num_blocks == 1
+            and documents is None
+            and bool((all_context_positions < anchor_positions).all())
+        )
         for attention in {layer.attention for layer in self.layers}:
             if sees_all and attention.window is None and not attention.causal:
                 masks[attention] = None
             elif backend == "flex":
-                rule = mask_mod_for(query_positions, query_block, query_anchor, all_context_positions, attention)
+                rule = mask_mod_for(
+                    query_positions, query_block, query_anchor, all_context_positions, attention, documents
+                )
                 num_keys = all_context_positions.shape[1] + q_len
                 masks[attention] = create_block_mask(rule, n, None, q_len, num_keys, device=block_embeds.device)
             else:
                 masks[attention] = attention_mask(
-                    query_positions, query_block, query_anchor, all_context_positions, attention
+                    query_positions, query_block, query_anchor, all_context_positions, attention, documents
                 )
         x = block_embeds
         for layer in self.layers:
