@@ -17,6 +17,7 @@ the forward that composes them read together, and the checkpoint names their par
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +126,60 @@ def mask_mod_for(
     return mask_mod
 
 
+@dataclass(frozen=True)
+class BlockwiseMask:
+    """`attention_mask`'s rule split where it is sparse: the context keys each query sees [N, 1, Q, C], and within
+    its own block [B, B] (the same for every block); the keys of other blocks, never seen, are never computed, so a
+    forward of K blocks costs Q x (C + B) scores, not Q x (C + Q) (the dense training path on CPU)."""
+
+    context: torch.Tensor  # [N, 1, Q, C] bool
+    own_block: torch.Tensor  # [B, B] bool: key j of a block visible to its query i
+
+
+def blockwise_mask(
+    query_positions: torch.Tensor,
+    query_anchor: torch.Tensor,
+    context_positions: torch.Tensor,
+    block_size: int,
+    attention: LayerAttention,
+    documents: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> BlockwiseMask:
+    """`attention_mask`'s rule (same arguments, block_size the tokens of a block) as a `BlockwiseMask`."""
+    sees = context_positions[:, None, :] < query_anchor[:, :, None]  # [N, Q, C]
+    if documents is not None:
+        sees &= documents[1][:, None, :] == documents[0][:, :, None]
+    offsets = torch.arange(block_size, device=query_positions.device)
+    own = torch.ones(block_size, block_size, dtype=torch.bool, device=query_positions.device)
+    if attention.causal:
+        own &= offsets[None, :] <= offsets[:, None]  # key <= query
+    if attention.window is not None:
+        sees &= (query_positions[:, :, None] - context_positions[:, None, :]).abs() < attention.window
+        own &= (offsets[:, None] - offsets[None, :]).abs() < attention.window
+    return BlockwiseMask(sees.unsqueeze(1), own)
+
+
+def blockwise_attention(
+    q: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], block_kv: tuple, mask: BlockwiseMask
+) -> torch.Tensor:
+    """Attention of q [N, h, Q, d] over the context's keys/values ([N, kv_h, C, d] each, seen where mask.context) and
+    its own block's ([N, kv_h, Q, d], seen where mask.own_block): one softmax over both, as the dense mask's."""
+    n, heads, q_len, dim = q.shape
+    block = mask.own_block.shape[0]
+    group = heads // context_kv[0].shape[1]
+    k_ctx, v_ctx, k_blk, v_blk = (t.repeat_interleave(group, dim=1) for t in (*context_kv, *block_kv))
+    scale = dim**-0.5
+    scores_ctx = (q @ k_ctx.transpose(-1, -2)) * scale  # [N, h, Q, C]
+    scores_ctx = scores_ctx.masked_fill(~mask.context, float("-inf"))
+    q_blocks = q.view(n, heads, q_len // block, block, dim)
+    scores_blk = (q_blocks @ k_blk.view(q_blocks.shape).transpose(-1, -2)) * scale  # [N, h, K, B, B]
+    scores_blk = scores_blk.masked_fill(~mask.own_block, float("-inf")).view(n, heads, q_len, block)
+    weights = torch.softmax(torch.cat([scores_ctx, scores_blk], dim=-1).float(), dim=-1).to(q.dtype)  # [N, h, Q, C+B]
+    num_context = k_ctx.shape[2]
+    out = weights[..., :num_context] @ v_ctx  # [N, h, Q, d]
+    own = weights[..., num_context:].reshape(n, heads, q_len // block, block, block) @ v_blk.view(q_blocks.shape)
+    return out + own.view(n, heads, q_len, dim)
+
+
 _compiled_flex = None
 # The distinct input shapes handed to flex attention: compiled with dynamic=False (on GPU), each is one compile, so
 # their count is the run's compile count (training reports it; on CPU flex runs uncompiled: torch 2.13 compiles it
@@ -204,6 +259,9 @@ class DrafterAttention(nn.Module):
             k_ctx = v_ctx = x.new_zeros(n, self.num_kv_heads, 0, self.head_dim)
         if cache is not None:  # committed context persists; the block's K/V do not
             k_ctx, v_ctx = cache.append(self.layer_idx, k_ctx, v_ctx)
+        if isinstance(mask, BlockwiseMask):  # training's many blocks: a block's keys are its context and itself
+            out = blockwise_attention(q, (k_ctx, v_ctx), (k_block, v_block), mask)
+            return self.o_proj(out.transpose(1, 2).reshape(n, q_len, -1))
         k = torch.cat([k_ctx, k_block], dim=2)
         v = torch.cat([v_ctx, v_block], dim=2)
         if isinstance(mask, BlockMask):
@@ -656,6 +714,10 @@ class DFlashDrafter(nn.Module):
                 )
                 num_keys = all_context_positions.shape[1] + q_len
                 masks[attention] = create_block_mask(rule, n, None, q_len, num_keys, device=block_embeds.device)
+            elif num_blocks > 1 and cache is None:  # training: the blocks never see each other
+                masks[attention] = blockwise_mask(
+                    query_positions, query_anchor, all_context_positions, b, attention, documents
+                )
             else:
                 masks[attention] = attention_mask(
                     query_positions, query_block, query_anchor, all_context_positions, attention, documents

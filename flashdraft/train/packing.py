@@ -59,16 +59,17 @@ def _loss_masks(records) -> list[torch.Tensor]:
     return [records[i].loss_mask for i in range(len(records))]
 
 
-def record_sizes(records, length: int, num_anchors: int, max_length: int | None) -> tuple[list[int], list[int]]:
+def record_sizes(records, length: int, num_anchors: int, max_length: int | None) -> tuple[list[int], list[int], int]:
     """(tokens, blocks) of each record as packed: its tokens cut to --max-length and L, and its anchors
-    min(num_anchors, candidates) (how many the sampler draws: a count, not which)."""
+    min(num_anchors, candidates) (how many the sampler draws: a count, not which); and how many records L cut."""
     cap = length if max_length is None else min(length, max_length)
-    tokens, blocks = [], []
+    tokens, blocks, cut = [], [], 0
     for mask in _loss_masks(records):
-        cut = mask[:cap].bool()
-        tokens.append(len(cut))
-        blocks.append(min(num_anchors, len(candidate_anchors(cut))))
-    return tokens, blocks
+        kept = mask[:cap].bool()
+        tokens.append(len(kept))
+        blocks.append(min(num_anchors, len(candidate_anchors(kept))))
+        cut += min(len(mask), max_length or len(mask)) > length
+    return tokens, blocks, cut
 
 
 def first_fit_decreasing(tokens: list[int], blocks: list[int], length: int, capacity: int) -> list[list[int]]:
@@ -94,22 +95,21 @@ def first_fit_decreasing(tokens: list[int], blocks: list[int], length: int, capa
 
 
 def pack_plan(records, length: int, num_anchors: int, max_length: int | None) -> PackPlan:
-    """The run's rows of `length` tokens; their block capacity A is the blocks `length` tokens of these records hold
-    on average, plus a quarter (at least the most one record has)."""
+    """The run's rows of `length` tokens and A blocks: packed with room for the blocks `length` tokens of these
+    records hold on average plus a quarter (at least the most one record has), A then the fullest row's blocks."""
     if hasattr(records, "start"):
         raise FlashdraftError(
             "--pack-length with --engine: the engine streams records in the loop's order and packing needs every "
             "record's length first; train unpacked, or from a cache of the engine's states"
         )
-    tokens, blocks = record_sizes(records, length, num_anchors, max_length)
+    tokens, blocks, cut = record_sizes(records, length, num_anchors, max_length)
     if not tokens:
         raise FlashdraftError("--pack-length: no training records to pack")
     capacity = max(max(blocks), math.ceil(BLOCK_SLACK * length * sum(blocks) / max(1, sum(tokens))), 1)
     rows = first_fit_decreasing(tokens, blocks, length, capacity)
+    capacity = max(1, max(sum(blocks[i] for i in row) for row in rows))  # the fullest row's: no row pads more
     first = records[rows[0][0]]
     topk = 0 if first.target_topk is None else first.target_topk[0].shape[-1]
-    lengths = [len(m) for m in _loss_masks(records)] if max_length is None else None
-    cut = sum(n > length for n in lengths) if lengths is not None else sum(n >= length for n in tokens)
     return PackPlan(rows, length, capacity, first.context_features.shape[-1], topk, cut)
 
 

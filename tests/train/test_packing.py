@@ -10,7 +10,7 @@ from flashdraft.drafter.run_dir import latest_checkpoint
 from flashdraft.errors import FlashdraftError
 from flashdraft.train.blocks import candidate_anchors
 from flashdraft.train.config import TrainConfig
-from flashdraft.train.data import BatchSpec, make_batch
+from flashdraft.train.data import BatchSpec, OnlineRecords, make_batch
 from flashdraft.train.loop import LoopOptions, train
 from flashdraft.train.packing import first_fit_decreasing, make_packed_batch, pack_plan
 from flashdraft.train.step import forward_loss, global_batch, loss_spec
@@ -188,3 +188,16 @@ def test_a_packed_run_resumes_exactly_and_reports_its_padding_share(target, vari
         assert torch.equal(value, resumed.state_dict()[key]), key
     rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert all(0 <= row["padding_share"] < 1 for row in rows)
+
+
+def test_online_records_pack_as_their_cached_features_do_and_a_record_longer_than_l_is_cut(target, varied):
+    online = OnlineRecords(varied, target, [0, 2])
+    plan = pack_plan(online, 32, 3, None)
+    assert plan.rows == pack_plan(varied, 32, 3, None).rows and plan.cut == 0
+    live = make_packed_batch(online, plan.rows[:1], 0, _spec(), plan)
+    cached = make_packed_batch(varied, plan.rows[:1], 0, _spec(), plan)
+    torch.testing.assert_close(live.context_features, cached.context_features, rtol=1e-4, atol=1e-5)
+    short = pack_plan(varied, 20, 3, None)  # records of 30, 25, 22 and 30 tokens are cut to 20, each alone
+    assert short.cut == 4 and short.lines(len(varied))[0].endswith("(raise --pack-length to keep them)")
+    batch = make_packed_batch(varied, short.rows, 0, _spec(), short)
+    assert batch.context_features.shape[1] == 20 and int(batch.anchor_positions.max()) < 20
