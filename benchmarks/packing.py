@@ -1,6 +1,6 @@
 """Packed (`train --pack-length`) against unpacked training on the built-in tiny target, on CPU.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/packing.py [--records 64] [--epochs 8] [--speed-steps 4]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/packing.py [--records 64] [--epochs 8] [--speed-steps 12] [--data DIR]
 
 Two length mixes, both the tiny target's own greedy continuations of the built-in coding prompts (their first
 16 tokens, tokenized as plain text), with their context features from one target forward:
@@ -177,24 +177,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--records", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--speed-steps", type=int, default=4)
+    parser.add_argument("--speed-steps", type=int, default=12)
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--mixes", default="long-tailed,builtin")
+    parser.add_argument("--figures", default="speed,tau")
+    parser.add_argument("--data", default=None, help="keep the generated mixes here and reuse them")
     args = parser.parse_args()
     from flashdraft.target.model import TargetModel
 
     torch.manual_seed(0)
     target = TargetModel.load("tiny")
+    figures = args.figures.split(",")
     for mix in args.mixes.split(","):
-        records, held_out = make_mix(target, mix, args.records, seed=0)
+        saved = None if args.data is None else Path(args.data) / f"{mix}-{args.records}.pt"
+        if saved is not None and saved.exists():  # the greedy continuations take minutes: reuse them
+            records, held_out = torch.load(saved, weights_only=False)
+        else:
+            records, held_out = make_mix(target, mix, args.records, seed=0)
+            if saved is not None:
+                saved.parent.mkdir(parents=True, exist_ok=True)
+                torch.save((records, held_out), saved)
         lengths = sorted(len(r.input_ids) for r in records)
         print(json.dumps({"mix": mix, "records": len(records), "lengths": lengths}), flush=True)
-        for packed in (False, True):
-            print(
-                json.dumps({"mix": mix, "figure": "speed"} | speed(target, records, packed, args.speed_steps)),
-                flush=True,
-            )
-        if mix != "long-tailed":
+        for packed in (False, True) if "speed" in figures else ():
+            row = speed(target, records, packed, args.speed_steps)
+            print(json.dumps({"mix": mix, "figure": "speed"} | row), flush=True)
+        if mix != "long-tailed" or "tau" not in figures:
             continue
         for seed in (int(s) for s in args.seeds.split(",")):
             for packed in (False, True):
