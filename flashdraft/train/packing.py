@@ -14,7 +14,7 @@ its first L tokens, alone in its row, and the run's first lines say how many wer
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -118,7 +118,7 @@ def make_packed_batch(records, rows: list[list[int]], epoch: int, batch_spec: Ba
     its blocks and labels exactly as `make_batch` makes them (`record_blocks`), padding after the last."""
     block_size, length = batch_spec.block_size, plan.length
     cap = length if batch_spec.max_length is None else min(length, batch_spec.max_length)
-    spec = BatchSpec(**{**batch_spec.__dict__, "max_length": cap})
+    spec = replace(batch_spec, max_length=cap)
     docs = [[record_blocks(records[i], i, epoch, spec) for i in row] for row in rows]
     n, q_len = len(rows), plan.blocks * block_size
     dtype = next((d[0].features.dtype for d in docs if d), torch.float32)

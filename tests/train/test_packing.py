@@ -170,11 +170,13 @@ def test_a_planted_document_changes_nothing_of_another_documents_blocks_under_th
         torch.testing.assert_close(hidden["flex", name, False], hidden["sdpa", name, False], rtol=1e-4, atol=1e-5)
 
 
-def test_a_packed_run_resumes_exactly_and_reports_its_padding_share(target, varied, tmp_path):
+def test_a_packed_run_resumes_exactly_and_reports_its_padding_share(target, varied, tmp_path, capsys):
     cfg = TrainConfig(
         max_steps=4, batch_size=1, lr=3e-3, num_anchors=3, save_every=2, log_every=1, pack_length=40, optimizer="adamw"
     )
     straight = train(cfg, make_drafter(), target, varied, tmp_path / "a")
+    printed = capsys.readouterr()
+    assert "pad=" in printed.out + printed.err  # the progress line
 
     def crash(step):
         if step == 2:
