@@ -133,8 +133,19 @@ def _optimizer_args(knob) -> None:
     knob("grad_clip", _nonnegative_float)
     knob("batch_size", positive, "sequences per micro-batch per rank")
     knob("grad_accum", positive)
-    knob("num_anchors", positive, "anchors (blocks) per sequence (default 512, the published recipe's; 8 on tiny)")
+    knob(
+        "num_anchors",
+        positive,
+        "anchors (blocks) per record, packed or not (default 512, the published recipe's; 8 on tiny)",
+    )
     knob("max_length", positive)
+    knob(
+        "pack_length",
+        positive,
+        "pack records into rows of exactly L context tokens, each record its own document (positions from 0, "
+        "no attention across documents; one batch shape); --batch-size then counts rows. Off by default: it "
+        "changes what --batch-size and an epoch's steps mean; use it where records' lengths vary (docs/pipeline.md)",
+    )
 
 
 def _loss_args(knob) -> None:

@@ -188,6 +188,20 @@ class HiddenStateCache:
             )
         return features
 
+    def loss_masks(self) -> list[torch.Tensor]:
+        """Every record's loss mask [T] bool, one read per shard, without its features (what packing sizes by)."""
+        masks: list[torch.Tensor | None] = [None] * len(self)
+        by_shard: dict[int, list[int]] = {}
+        for i, r in enumerate(self._records):
+            by_shard.setdefault(r["shard"], []).append(i)
+        for shard, indices in by_shard.items():
+            with self.open_shard(self.shards[shard]["file"]) as f:
+                whole = f.get_tensor("loss_mask")
+            for i in indices:
+                r = self._records[i]
+                masks[i] = whole[r["offset"] : r["offset"] + r["length"]].bool()
+        return masks
+
     def __getitem__(self, i: int) -> CachedRecord:
         r, shard, lo, hi = self._span(i)
         topk = None

@@ -17,6 +17,7 @@ the forward that composes them read together, and the checkpoint names their par
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,7 @@ def attention_mask(
     query_anchor: torch.Tensor,
     context_positions: torch.Tensor,
     attention: LayerAttention,
+    documents: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Which keys each block query may see (True = visible).
 
@@ -75,8 +77,12 @@ def attention_mask(
     returns [N, 1, Q, C + Q]: context keys strictly before the query's anchor, keys of its own
     block (a causal layer: only those at or before the query), none of another block; a
     sliding window keeps keys with |q - k| < window (section 2 of the reference doc).
+    documents (packed training): (query_document [N, Q], context_document [N, C]); a context key is
+    then visible only to the blocks of its own document (positions restart per document).
     """
     sees_context = context_positions[:, None, :] < query_anchor[:, :, None]  # [N, Q, C]
+    if documents is not None:
+        sees_context &= documents[1][:, None, :] == documents[0][:, :, None]
     same_block = (query_block[:, None] == query_block[None, :]).expand(query_positions.shape[0], -1, -1)
     if attention.causal:
         same_block = same_block & (query_positions[:, None, :] <= query_positions[:, :, None])  # key <= query
@@ -94,18 +100,25 @@ def mask_mod_for(
     query_anchor: torch.Tensor,
     context_positions: torch.Tensor,
     attention: LayerAttention,
+    documents: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """The rule of `attention_mask` as a flex-attention mask_mod (block-sparse on GPU)."""
     num_context = context_positions.shape[1]
     key_positions = torch.cat([context_positions, query_positions], dim=1)  # [N, C + Q]
     key_block = torch.cat([query_block.new_full((num_context,), -1), query_block])  # [C + Q]
     causal, window = attention.causal, attention.window
+    query_document = key_document = None
+    if documents is not None:  # [N, Q], and [N, C + Q]: the blocks' own entries never read
+        query_document, key_document = documents[0], torch.cat([documents[1], documents[0]], dim=1)
 
     def mask_mod(b, h, q, kv):
         in_block = key_block[kv] == query_block[q]
         if causal:
             in_block = in_block & (key_positions[b, kv] <= query_positions[b, q])
-        ok = torch.where(kv < num_context, key_positions[b, kv] < query_anchor[b, q], in_block)
+        sees_context = key_positions[b, kv] < query_anchor[b, q]
+        if query_document is not None:
+            sees_context = sees_context & (key_document[b, kv] == query_document[b, q])
+        ok = torch.where(kv < num_context, sees_context, in_block)
         if window is not None:
             ok = ok & ((query_positions[b, q] - key_positions[b, kv]).abs() < window)
         return ok
@@ -113,11 +126,70 @@ def mask_mod_for(
     return mask_mod
 
 
+@dataclass(frozen=True)
+class BlockwiseMask:
+    """`attention_mask`'s rule split where it is sparse: the context keys each query sees [N, 1, Q, C], and within
+    its own block [B, B] (the same for every block); the keys of other blocks, never seen, are never computed, so a
+    forward of K blocks costs Q x (C + B) scores, not Q x (C + Q) (the dense training path on CPU)."""
+
+    context: torch.Tensor  # [N, 1, Q, C] bool
+    own_block: torch.Tensor  # [B, B] bool: key j of a block visible to its query i
+
+
+def blockwise_mask(
+    query_positions: torch.Tensor,
+    query_anchor: torch.Tensor,
+    context_positions: torch.Tensor,
+    block_size: int,
+    attention: LayerAttention,
+    documents: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> BlockwiseMask:
+    """`attention_mask`'s rule (same arguments, block_size the tokens of a block) as a `BlockwiseMask`."""
+    sees = context_positions[:, None, :] < query_anchor[:, :, None]  # [N, Q, C]
+    if documents is not None:
+        sees &= documents[1][:, None, :] == documents[0][:, :, None]
+    offsets = torch.arange(block_size, device=query_positions.device)
+    own = torch.ones(block_size, block_size, dtype=torch.bool, device=query_positions.device)
+    if attention.causal:
+        own &= offsets[None, :] <= offsets[:, None]  # key <= query
+    if attention.window is not None:
+        sees &= (query_positions[:, :, None] - context_positions[:, None, :]).abs() < attention.window
+        own &= (offsets[:, None] - offsets[None, :]).abs() < attention.window
+    return BlockwiseMask(sees.unsqueeze(1), own)
+
+
+def blockwise_attention(
+    q: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], block_kv: tuple, mask: BlockwiseMask
+) -> torch.Tensor:
+    """Attention of q [N, h, Q, d] over the context's keys/values ([N, kv_h, C, d] each, seen where mask.context) and
+    its own block's ([N, kv_h, Q, d], seen where mask.own_block): one softmax over both, as the dense mask's."""
+    n, heads, q_len, dim = q.shape
+    block = mask.own_block.shape[0]
+    group = heads // context_kv[0].shape[1]
+    k_ctx, v_ctx, k_blk, v_blk = (t.repeat_interleave(group, dim=1) for t in (*context_kv, *block_kv))
+    scale = dim**-0.5
+    scores_ctx = (q @ k_ctx.transpose(-1, -2)) * scale  # [N, h, Q, C]
+    scores_ctx = scores_ctx.masked_fill(~mask.context, float("-inf"))
+    q_blocks = q.view(n, heads, q_len // block, block, dim)
+    scores_blk = (q_blocks @ k_blk.view(q_blocks.shape).transpose(-1, -2)) * scale  # [N, h, K, B, B]
+    scores_blk = scores_blk.masked_fill(~mask.own_block, float("-inf")).view(n, heads, q_len, block)
+    weights = torch.softmax(torch.cat([scores_ctx, scores_blk], dim=-1).float(), dim=-1).to(q.dtype)  # [N, h, Q, C+B]
+    num_context = k_ctx.shape[2]
+    out = weights[..., :num_context] @ v_ctx  # [N, h, Q, d]
+    own = weights[..., num_context:].reshape(n, heads, q_len // block, block, block) @ v_blk.view(q_blocks.shape)
+    return out + own.view(n, heads, q_len, dim)
+
+
 _compiled_flex = None
+# The distinct input shapes handed to flex attention: compiled with dynamic=False (on GPU), each is one compile, so
+# their count is the run's compile count (training reports it; on CPU flex runs uncompiled: torch 2.13 compiles it
+# there too, but ~40 s a shape on 2 cores, so the count of shapes stands in for it).
+flex_shapes: set[tuple] = set()
 
 
 def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
     global _compiled_flex
+    flex_shapes.add((tuple(q.shape), tuple(k.shape), q.dtype, q.device.type))
     if q.device.type != "cuda":  # uncompiled flex is a reference path (tests); real use is on GPU
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -187,6 +259,9 @@ class DrafterAttention(nn.Module):
             k_ctx = v_ctx = x.new_zeros(n, self.num_kv_heads, 0, self.head_dim)
         if cache is not None:  # committed context persists; the block's K/V do not
             k_ctx, v_ctx = cache.append(self.layer_idx, k_ctx, v_ctx)
+        if isinstance(mask, BlockwiseMask):  # training's many blocks: a block's keys are its context and itself
+            out = blockwise_attention(q, (k_ctx, v_ctx), (k_block, v_block), mask)
+            return self.o_proj(out.transpose(1, 2).reshape(n, q_len, -1))
         k = torch.cat([k_ctx, k_block], dim=2)
         v = torch.cat([v_ctx, v_block], dim=2)
         if isinstance(mask, BlockMask):
@@ -579,6 +654,7 @@ class DFlashDrafter(nn.Module):
         context_features: torch.Tensor | None = None,
         context_positions: torch.Tensor | None = None,
         cache: DrafterCache | None = None,
+        documents: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states of the block positions, after the final norm (feed to the LM head).
 
@@ -587,6 +663,8 @@ class DFlashDrafter(nn.Module):
         context_features: [N, C, n_ctx * H] concatenated target layer outputs (raw, before fc)
         context_positions: [N, C] their positions (PAD_POSITION for padding)
         cache: committed context from earlier calls; the new context is appended to it.
+        documents: packed training only: (anchor_documents [N, K], context_documents [N, C]), the document of each
+            block and context token (-1 on padding); a block sees only its own document's context.
         """
         n, q_len, _ = block_embeds.shape
         num_blocks = anchor_positions.shape[1]
@@ -598,6 +676,8 @@ class DFlashDrafter(nn.Module):
         query_anchor = anchor_positions.repeat_interleave(b, dim=1)  # [N, Q]
         query_positions = query_anchor + offsets.repeat(num_blocks)  # [N, Q]
         query_block = torch.arange(num_blocks, device=block_embeds.device).repeat_interleave(b)  # [Q]
+        if documents is not None:  # (query_document [N, Q], context_document [N, C])
+            documents = (documents[0].repeat_interleave(b, dim=1), documents[1])
 
         context = None
         context_rope = None
@@ -619,17 +699,28 @@ class DFlashDrafter(nn.Module):
         masks = {}
         # Drafting one block after committed context (decoding): in a full non-causal layer every key
         # is visible to every query, so no mask; building one and masking costs ~10% of a CPU drafting step.
-        sees_all = backend == "sdpa" and num_blocks == 1 and bool((all_context_positions < anchor_positions).all())
+        sees_all = (
+            backend == "sdpa"
+            and num_blocks == 1
+            and documents is None
+            and bool((all_context_positions < anchor_positions).all())
+        )
         for attention in {layer.attention for layer in self.layers}:
             if sees_all and attention.window is None and not attention.causal:
                 masks[attention] = None
             elif backend == "flex":
-                rule = mask_mod_for(query_positions, query_block, query_anchor, all_context_positions, attention)
+                rule = mask_mod_for(
+                    query_positions, query_block, query_anchor, all_context_positions, attention, documents
+                )
                 num_keys = all_context_positions.shape[1] + q_len
                 masks[attention] = create_block_mask(rule, n, None, q_len, num_keys, device=block_embeds.device)
+            elif num_blocks > 1 and cache is None:  # training: the blocks never see each other
+                masks[attention] = blockwise_mask(
+                    query_positions, query_anchor, all_context_positions, b, attention, documents
+                )
             else:
                 masks[attention] = attention_mask(
-                    query_positions, query_block, query_anchor, all_context_positions, attention
+                    query_positions, query_block, query_anchor, all_context_positions, attention, documents
                 )
         x = block_embeds
         for layer in self.layers:

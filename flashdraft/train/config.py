@@ -29,6 +29,10 @@ class TrainConfig:
     grad_accum: int = 1
     num_anchors: int | None = None  # anchors (blocks) sampled per sequence
     max_length: int | None = None
+    # packed training: records packed into rows of exactly this many context tokens (`train.packing`); None: one
+    # record per row, padded to a length bucket. Off by default: it changes what --batch-size counts (rows) and how
+    # many steps an epoch has, so a recipe's settings would mean something else
+    pack_length: int | None = None
     # per-position weights: "dpace" (dpace_alpha; measured 1.10-1.13x the held-out tau of "decay" at equal
     # steps, docs/benchmarks.md) or "decay" (loss_decay_gamma, the published recipe)
     loss_weighting: str = "dpace"

@@ -34,11 +34,16 @@ class Batch:
     anchor_positions: torch.Tensor  # [N, K]
     labels: torch.Tensor  # [N, K * B]; IGNORE where untrained
     target_topk: tuple[torch.Tensor, torch.Tensor] | None  # ([N, K * B, k], ...) aligned with labels
+    # packed rows (`train.packing`): (anchor_documents [N, K], context_documents [N, C]), each block's and context
+    # token's document in its row (-1 on padding); None: one record per row
+    documents: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def to(self, device: torch.device | str) -> Batch:
         topk = None if self.target_topk is None else tuple(t.to(device) for t in self.target_topk)
+        documents = None if self.documents is None else tuple(t.to(device) for t in self.documents)
         return replace(
             self,
+            documents=documents,
             context_features=self.context_features.to(device),
             context_positions=self.context_positions.to(device),
             block_ids=self.block_ids.to(device),
@@ -67,11 +72,22 @@ def record_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_033 + index)
 
 
+def length_bucket(n: int) -> int:
+    """n rounded up to one of four sizes per power of two (..., 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...): a batch
+    padded to its bucket wastes under 25 % of its slots, and flex attention, compiled for fixed shapes
+    (`dynamic=False`), sees four shapes per doubling of the longest record, not one per length."""
+    if n <= 4:
+        return n
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
+
+
 @dataclass(frozen=True)
 class BatchSpec:
     """How records are cut into a training batch: `num_anchors` blocks per record (sampled with `seed`, epoch and
     record index), of `block_size` tokens in the layout whose first drafting position is `first_draft` (1 fill-in,
-    0 anchor-first), masked with `mask_token_id`, sequences cut to `max_length` (None: whole)."""
+    0 anchor-first), masked with `mask_token_id`, sequences cut to `max_length` (None: whole); the context length
+    and the number of blocks padded up to their `length_bucket` (bucket) or to the batch's longest (not)."""
 
     seed: int
     num_anchors: int
@@ -79,30 +95,52 @@ class BatchSpec:
     mask_token_id: int
     max_length: int | None = None
     first_draft: int = 1
+    bucket: bool = True
+
+
+@dataclass
+class RecordBlocks:
+    """One record cut into its training blocks (`record_blocks`)."""
+
+    features: torch.Tensor  # [T, n * H] its context features (cut to the batch's max length)
+    anchors: torch.Tensor  # [K]
+    block_ids: torch.Tensor  # [K * B]
+    labels: torch.Tensor  # [K * B]
+    target_topk: tuple[torch.Tensor, torch.Tensor] | None  # ([K * B, k], ...) aligned with labels
+
+
+def record_blocks(record: TrainRecord, index: int, epoch: int, batch_spec: BatchSpec) -> RecordBlocks:
+    """A record's anchors (drawn with (seed, epoch, index): the same packed or not), blocks and labels, in the layout
+    whose first drafting position is `batch_spec.first_draft` (1 fill-in, 0 anchor-first)."""
+    block_size, first_draft, max_length = batch_spec.block_size, batch_spec.first_draft, batch_spec.max_length
+    seq_len = len(record.input_ids) if max_length is None else min(len(record.input_ids), max_length)
+    ids, loss_mask = record.input_ids[:seq_len].long(), record.loss_mask[:seq_len].bool()
+    anchors = sample_anchors(loss_mask, batch_spec.num_anchors, record_generator(batch_spec.seed, epoch, index))
+    block_ids, labels = build_blocks(ids, loss_mask, anchors, block_size, batch_spec.mask_token_id, first_draft)
+    topk = None
+    if record.target_topk is not None:
+        # the target's logits at position t predict token t + 1: the label of block position k sits at
+        # anchor + k + 1 - first_draft, so it is row anchor + k - first_draft
+        rows_for_labels = (anchors[:, None] + torch.arange(block_size) - first_draft).clamp(0, seq_len - 1)
+        rows_for_labels = rows_for_labels.reshape(-1)
+        topk = tuple(t[:seq_len][rows_for_labels] for t in record.target_topk)
+    return RecordBlocks(record.context_features[:seq_len], anchors, block_ids, labels, topk)
 
 
 def make_batch(records: list[TrainRecord], indices: list[int], epoch: int, batch_spec: BatchSpec) -> Batch:
     """Pad the sequences (context) and their blocks (anchors) into one batch, labelled in the layout whose first
     drafting position is `batch_spec.first_draft` (1 fill-in, 0 anchor-first)."""
-    block_size, first_draft, max_length = batch_spec.block_size, batch_spec.first_draft, batch_spec.max_length
+    block_size = batch_spec.block_size
     rows = []
     for record, index in zip(records, indices, strict=True):
-        seq_len = len(record.input_ids) if max_length is None else min(len(record.input_ids), max_length)
-        ids, loss_mask = record.input_ids[:seq_len].long(), record.loss_mask[:seq_len].bool()
-        anchors = sample_anchors(loss_mask, batch_spec.num_anchors, record_generator(batch_spec.seed, epoch, index))
-        block_ids, labels = build_blocks(ids, loss_mask, anchors, block_size, batch_spec.mask_token_id, first_draft)
-        topk = None
-        if record.target_topk is not None:
-            # the target's logits at position t predict token t + 1: the label of block position k sits at
-            # anchor + k + 1 - first_draft, so it is row anchor + k - first_draft
-            rows_for_labels = (anchors[:, None] + torch.arange(block_size) - first_draft).clamp(0, seq_len - 1)
-            rows_for_labels = rows_for_labels.reshape(-1)
-            topk = tuple(t[:seq_len][rows_for_labels] for t in record.target_topk)
-        rows.append((record.context_features[:seq_len], anchors, block_ids, labels, topk))
+        r = record_blocks(record, index, epoch, batch_spec)
+        rows.append((r.features, r.anchors, r.block_ids, r.labels, r.target_topk))
 
     n = len(rows)
     max_t = max(r[0].shape[0] for r in rows)
     max_k = max(len(r[1]) for r in rows)
+    if batch_spec.bucket:  # padding slots and padding blocks are never trained nor seen: the loss is unchanged
+        max_t, max_k = length_bucket(max_t), max(max_k, min(length_bucket(max_k), batch_spec.num_anchors))
     feat_dim = rows[0][0].shape[1]
     features = torch.zeros(n, max_t, feat_dim, dtype=rows[0][0].dtype)
     positions = torch.full((n, max_t), PAD_POSITION, dtype=torch.long)

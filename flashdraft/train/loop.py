@@ -47,10 +47,11 @@ from flashdraft.train.config import RESUMABLE_CHANGES, TrainConfig
 from flashdraft.train.engine_feed import EngineLost
 from flashdraft.train.held_out import check_keep_best, held_out_metrics, keep_if_best
 from flashdraft.train.learning import LearningCheck, mean_record_length
-from flashdraft.train.metrics import MetricsWriter, Window
+from flashdraft.train.metrics import MetricsWriter, Window, memory_and_compiles
 from flashdraft.train.optim import Optimizers, build_optimizers, warmup_steps
+from flashdraft.train.packing import PackPlan, pack_plan
 from flashdraft.train.recipe import PUBLISHED_RECIPE
-from flashdraft.train.step import global_batch, loss_spec, optimizer_step, stream_order
+from flashdraft.train.step import global_batch, loss_spec, optimizer_step, packed_units, stream_order
 
 
 def check_no_shortcut(drafter: DFlashDrafter, target: TargetModel) -> None:
@@ -73,11 +74,14 @@ def check_no_shortcut(drafter: DFlashDrafter, target: TargetModel) -> None:
         )
 
 
-def _steps(cfg: TrainConfig, num_records: int, world: int) -> tuple[int, int]:
+def _steps(cfg: TrainConfig, num_records: int, world: int, plan: PackPlan | None = None) -> tuple[int, int]:
     """(steps per epoch, total steps) of the run: --max-steps when given, over as many epochs as that takes (as
-    transformers' `max_steps` overrides `num_train_epochs`), else --epochs whole epochs."""
+    transformers' `max_steps` overrides `num_train_epochs`), else --epochs whole epochs. Packed: the epoch's rows,
+    the last global batch filled with empty rows."""
     global_batch = cfg.batch_size * cfg.grad_accum * world
     steps_per_epoch = num_records // global_batch
+    if plan is not None:
+        steps_per_epoch = packed_units(cfg, plan, world) // global_batch
     if steps_per_epoch == 0:
         raise FlashdraftError(
             f"{num_records} training records are fewer than one global batch of {global_batch} "
@@ -149,15 +153,19 @@ def _resume(run_dir: Path, model, optimizer: Optimizers, num_records: int, dist:
 
 def _prepare(
     cfg: TrainConfig, drafter: DFlashDrafter, target: TargetModel, records, dist: Dist, eval_records, eval_tau_records
-) -> tuple[TrainConfig, int, int, LearningCheck]:
+) -> tuple[TrainConfig, int, int, LearningCheck, PackPlan | None]:
     """The checks before a run, the configuration it computes with (`recorded_config`), its steps (said in its
-    first lines) and its learning check."""
+    first lines), its learning check and its packed rows (--pack-length)."""
     check_no_shortcut(drafter, target)
     check_keep_best(cfg, eval_records, eval_tau_records)
     cfg = recorded_config(cfg, drafter, target)
-    steps_per_epoch, total_steps = _steps(cfg, len(records), dist.world)
+    plan = None
+    if cfg.pack_length is not None:
+        plan = pack_plan(records, cfg.pack_length, cfg.num_anchors, cfg.max_length)
+    steps_per_epoch, total_steps = _steps(cfg, len(records), dist.world, plan)
     if dist.is_main:
-        print("\n".join(describe_steps(cfg, steps_per_epoch, total_steps, len(records), dist.world)), flush=True)
+        lines = describe_steps(cfg, steps_per_epoch, total_steps, len(records), dist.world)
+        print("\n".join(lines + (plan.lines(len(records)) if plan else [])), flush=True)
     learning = LearningCheck(
         cfg.lr,
         total_steps,
@@ -166,7 +174,7 @@ def _prepare(
         mean_record_length(records),
         bool(eval_tau_records),
     )
-    return cfg, steps_per_epoch, total_steps, learning
+    return cfg, steps_per_epoch, total_steps, learning, plan
 
 
 def _report_held_out(
@@ -190,6 +198,7 @@ def _log(bar: Progress, writer: MetricsWriter | None, step: int, metrics: dict) 
         loss=f"{metrics['loss']:.3f}",
         acc1=f"{metrics['position_accuracy'][0]:.2f}",
         tau_est=f"{metrics['estimated_acceptance']:.2f}",
+        pad=f"{metrics['padding_share']:.0%}",
         wait=f"{metrics.get('wait_s', 0):.2f}s",
         compute=f"{metrics.get('compute_s', 0):.2f}s",
         refresh=not bar.plain,
@@ -203,12 +212,13 @@ def _start_stream(cfg: TrainConfig, records, steps: range, steps_per_epoch: int,
         records.start(stream_order(cfg, len(records), steps, steps_per_epoch, dist))
 
 
-def _fetch_batch(cfg: TrainConfig, records, step: int, steps_per_epoch: int, run_dir: Path, state: tuple):
-    """The step's batch and the seconds spent making it (waiting for the engine's states, when it feeds); an engine
-    lost mid-run ends the run with a checkpoint (`state`: what `_save` takes after the step count)."""
+def _fetch_batch(cfg: TrainConfig, records, step: int, steps_per_epoch: int, run_dir: Path, state: tuple, plan):
+    """The step's batch (`plan`: packed rows) and the seconds spent making it (waiting for the engine's states, when
+    it feeds); an engine lost mid-run ends the run with a checkpoint (`state`: what `_save` takes after the step
+    count)."""
     started, lost, batch = time.monotonic(), None, None
     try:
-        batch = global_batch(cfg, records, step, steps_per_epoch, state[-1])
+        batch = global_batch(cfg, records, step, steps_per_epoch, state[-1], plan)
     except EngineLost as e:
         lost = e
     # a streamed source: every rank stops at the same step when any rank's engine is lost (none left waiting)
@@ -339,7 +349,7 @@ def train(
     eval_records, eval_tau_records = (held_out.records, held_out.tau_records) if held_out else (None, None)
     resume, report_to, verify, on_step = options.resume, options.report_to, options.verify, options.on_step
     dist = dist or Dist()
-    cfg, steps_per_epoch, total_steps, learning = _prepare(
+    cfg, steps_per_epoch, total_steps, learning, plan = _prepare(
         cfg, drafter, target, records, dist, eval_records, eval_tau_records
     )
     lock = RunLock(run_dir) if dist.is_main else None
@@ -359,7 +369,7 @@ def train(
             for step in bar:
                 epoch = step // steps_per_epoch
                 state = (model, optimizer, cfg, config_dict, len(records), dist)
-                batch, waited = _fetch_batch(cfg, records, step, steps_per_epoch, run_dir, state)
+                batch, waited = _fetch_batch(cfg, records, step, steps_per_epoch, run_dir, state, plan)
                 started = time.monotonic()
                 result, grad_norm = optimizer_step(model, target, optimizer, batch, spec, cfg.grad_clip, dist, run_dir)
                 window.time(waited, time.monotonic() - started)
@@ -368,7 +378,7 @@ def train(
                 window.add(result, batch.micro_batches, dist.world)
                 done = step + 1
                 if done % cfg.log_every == 0 or done == total_steps:
-                    metrics = window.metrics(optimizer.last_lr(), grad_norm, epoch)
+                    metrics = window.metrics(optimizer.last_lr(), grad_norm, epoch) | memory_and_compiles(dist.device)
                     _log(bar, writer, done, metrics)
                     _warn(bar, learning.see(done, metrics["estimated_acceptance"], held_out=False))
                     window = Window(cfg.first_draft_position)

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from flashdraft.train.blocks import IGNORE
 
@@ -132,6 +133,21 @@ def target_distribution_terms(logits: torch.Tensor, target_topk: tuple[torch.Ten
 SELECTOR_MISSING_LABEL = ("inject", "skip")  # a label outside the unary top-K: put it in the candidate set, or skip
 
 
+def selector_candidates(
+    unary: torch.Tensor, labels: torch.Tensor, top_k: int, missing_label: str = "inject"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The selector's candidates at M positions from the unary logits [M, V] (detached): (their unary scores [M, K],
+    their ids [M, K], the label among the unary top-K [M]); a label outside the top-K takes the K-th slot with its
+    own unary score ("inject") or is left as it is ("skip")."""
+    unary_top, candidates = unary.topk(top_k, dim=-1)  # [M, K]
+    in_top_k = (candidates == labels[:, None]).any(-1)  # [M]
+    if missing_label == "inject":
+        candidates = candidates.clone()
+        candidates[:, -1] = torch.where(in_top_k, candidates[:, -1], labels)
+        unary_top = unary.gather(1, candidates)
+    return unary_top, candidates, in_top_k
+
+
 def selector_loss(
     selector,
     hidden: torch.Tensor,
@@ -149,13 +165,21 @@ def selector_loss(
     place of the K-th candidate ("inject", with its own unary score) or the position is left out
     ("skip"). Returns (per-position CE [M], 0 where left out; used [M]; label in the top-K [M];
     selector's argmax == label [M])."""
-    unary = logits.detach()
-    unary_top, candidates = unary.topk(selector.top_k, dim=-1)  # [M, K]
-    in_top_k = (candidates == labels[:, None]).any(-1)  # [M]
-    if missing_label == "inject":
-        candidates = candidates.clone()
-        candidates[:, -1] = torch.where(in_top_k, candidates[:, -1], labels)
-        unary_top = unary.gather(1, candidates)
+    chosen = selector_candidates(logits.detach(), labels, selector.top_k, missing_label)
+    return selector_loss_over(selector, hidden, chosen, labels, predecessors, missing_label)
+
+
+def selector_loss_over(
+    selector,
+    hidden: torch.Tensor,
+    chosen: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    labels: torch.Tensor,
+    predecessors: torch.Tensor,
+    missing_label: str = "inject",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`selector_loss` from the candidates `selector_candidates` chose (the chunked loss keeps them, not the
+    logits)."""
+    unary_top, candidates, in_top_k = chosen
     used = predecessors != IGNORE
     if missing_label == "skip":
         used = used & in_top_k
@@ -230,60 +254,119 @@ class BlockLabels:
     target_topk: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+# Rows of full-vocabulary logits alive at once: the LM head, the cross-entropy and every term that reads the whole
+# distribution run a chunk of trained positions at a time, and backward recomputes each chunk's logits
+# (`torch.utils.checkpoint`), so memory holds [LOGIT_CHUNK_ROWS, V] fp32 logits in place of [M, V] (about 12-14 GB of
+# a 45 GB Qwen3-8B-shaped step). torch has no fused linear cross-entropy; Liger-Kernel's and cut-cross-entropy's are
+# Triton kernels for CUDA only and would leave the CPU path (and every family term beside the CE) to this one anyway.
+LOGIT_CHUNK_ROWS = 1024
+
+
 @dataclass
 class TrainedPositions:
-    """The M trained positions of a batch, flattened: what each family's terms read."""
+    """The M trained positions of a batch, flattened, and the per-position terms of their logits (the logits
+    themselves are never kept whole: `logit_terms`)."""
 
     hidden: torch.Tensor  # [M, H] the drafter's output
-    logits: torch.Tensor  # [M, V] (DSpark: with the Markov bias of the true previous token)
     labels: torch.Tensor  # [M]
     block_position: torch.Tensor  # [M]
     predecessors: torch.Tensor | None  # [M] the true token before each label (DFlash2, DSpark; IGNORE: unknown)
     target_topk: tuple[torch.Tensor, torch.Tensor] | None  # ([M, k], [M, k]) where a term reads them
 
 
-def block_loss(hidden: torch.Tensor, blocks: LabelledBlocks, heads: DraftHeads, spec: LossSpec) -> LossParts:
+@dataclass
+class LogitTerms:
+    """What the loss reads from the logits (DSpark: with the Markov bias of the true previous token), per trained
+    position [M]; None where the run has no such term."""
+
+    ce: torch.Tensor  # the hard cross-entropy (has grad)
+    correct: torch.Tensor  # argmax == label
+    l1: torch.Tensor | None = None  # DSpark: |p_draft - p_target|_1 (has grad)
+    kl: torch.Tensor | None = None  # KL(target || draft) over the stored top-k (has grad)
+    selector: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # DFlash2: `selector_candidates`
+
+
+def _chunk_terms(heads: DraftHeads, spec: LossSpec, hidden, labels, predecessors, topk_values, topk_indices):
+    """The logit terms of one chunk of rows (hidden [m, H]), as a tuple of tensors (what checkpoint recomputes)."""
+    logits = heads.lm_head(hidden).float()  # [m, V]
+    if spec.dspark is not None:  # teacher-forced: the Markov bias of the true token before each label, never a later
+        logits = logits + heads.markov_head.bias(predecessors).float()
+    topk = None if topk_values is None else (topk_values, topk_indices)
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    correct = logits.argmax(-1) == labels
+    l1 = target_distribution_terms(logits, topk) if spec.dspark is not None and topk is not None else None
+    kl = _kl_to_target(logits, topk) if spec.kl_weight > 0 else None
+    chosen = ()
+    if heads.selector is not None:
+        chosen = selector_candidates(logits.detach(), labels, heads.selector.top_k, spec.selector_missing_label)
+    return (ce, correct, l1, kl, *chosen)
+
+
+def logit_terms(at: TrainedPositions, heads: DraftHeads, spec: LossSpec, chunk_rows: int = 0) -> LogitTerms:
+    """The logit terms of every trained position, `chunk_rows` rows (0: LOGIT_CHUNK_ROWS) at a time; with grad, each
+    chunk's logits are recomputed in backward rather than kept. Equal to the whole-batch terms (per row, nothing
+    crosses rows)."""
+    chunk_rows = chunk_rows or LOGIT_CHUNK_ROWS
+    keep = torch.is_grad_enabled() and at.hidden.requires_grad
+    values, indices = at.target_topk if at.target_topk is not None else (None, None)
+    parts = []
+    for lo in range(0, at.hidden.shape[0], chunk_rows):
+        rows = slice(lo, lo + chunk_rows)
+        args = [at.hidden[rows], at.labels[rows]]
+        args += [None if t is None else t[rows] for t in (at.predecessors, values, indices)]
+        if keep:
+            parts.append(checkpoint(partial(_chunk_terms, heads, spec), *args, use_reentrant=False))
+        else:
+            parts.append(_chunk_terms(heads, spec, *args))
+    if not parts:  # no trained position: the terms of an empty chunk
+        parts.append(_chunk_terms(heads, spec, at.hidden, at.labels, at.predecessors, values, indices))
+    joined = [None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True)]
+    return LogitTerms(*joined[:4], selector=tuple(joined[4:]) or None)
+
+
+def block_loss(
+    hidden: torch.Tensor, blocks: LabelledBlocks, heads: DraftHeads, spec: LossSpec, chunk_rows: int = 0
+) -> LossParts:
     """The loss of the drafter's output hidden [N, K * B, H] on `blocks`: the hard cross-entropy of each trained
     position weighted as `spec` says (the D-PACE weights from its label probability), with the family's terms:
     DSpark's in place of it (`_dspark_terms`), KL to the target's top-k mixed in (`kl_weight`), DFlash2's selector
-    added (`_selector_terms`)."""
+    added (`_selector_terms`). The logits are made `chunk_rows` trained positions at a time (`logit_terms`)."""
     labels = blocks.labels
     trained = labels != IGNORE  # [N, K * B]
     pos = (torch.arange(labels.shape[1], device=labels.device) % spec.block_size).expand_as(labels)[trained]  # [M]
     # only trained positions go through the LM head: logits of a big vocabulary are the memory peak
-    at = TrainedPositions(hidden[trained], heads.lm_head(hidden[trained]).float(), labels[trained], pos, None, None)
+    at = TrainedPositions(hidden[trained], labels[trained], pos, None, None)
     if blocks.target_topk is not None and (spec.dspark is not None or spec.kl_weight > 0):
         at.target_topk = (blocks.target_topk[0][trained], blocks.target_topk[1][trained])
     if spec.dspark is not None or heads.selector is not None:
         at.predecessors = block_predecessors(blocks.block_ids, labels, spec.block_size, spec.first_draft)[trained]
-    if spec.dspark is not None:  # teacher-forced: the Markov bias of the true token before each label, never a later
-        at.logits = at.logits + heads.markov_head.bias(at.predecessors).float()
-    per_token = F.cross_entropy(at.logits, at.labels, reduction="none")  # [M]
+    if spec.kl_weight > 0 and at.target_topk is None:
+        raise ValueError("kl_weight > 0 needs the target's top-k logits (cache made with --with-target-logits)")
+    terms = logit_terms(at, heads, spec, chunk_rows)
+    per_token = terms.ce  # [M]
     w = _label_weights(per_token, labels, trained, pos, spec)
-    correct = torch.zeros(spec.block_size, device=hidden.device).index_add_(
-        0, pos, (at.logits.argmax(-1) == at.labels).float()
-    )
+    correct = torch.zeros(spec.block_size, device=hidden.device).index_add_(0, pos, terms.correct.float())
     count = torch.zeros(spec.block_size, device=hidden.device).index_add_(0, pos, torch.ones_like(w))
     figures = LossFigures(correct, count)
     if spec.dspark is not None:
-        per_token = _dspark_terms(per_token, at, heads, spec, figures)
+        per_token = _dspark_terms(per_token, terms.l1, at, heads, spec, figures)
     if spec.kl_weight > 0:
-        per_token = (1 - spec.kl_weight) * per_token + spec.kl_weight * _kl_to_target(at.logits, at.target_topk)
+        per_token = (1 - spec.kl_weight) * per_token + spec.kl_weight * terms.kl
     weighted_sum = (w * per_token).sum()
     if heads.selector is not None:
-        selector_term = _selector_terms(at, w, heads, spec, figures)
+        selector_term = _selector_terms(at, terms.selector, w, heads, spec, figures)
         if selector_term is not None:
             weighted_sum = weighted_sum + selector_term
     return LossParts(weighted_sum, w.sum().detach(), figures)
 
 
 def _selector_terms(
-    at: TrainedPositions, w: torch.Tensor, heads: DraftHeads, spec: LossSpec, figures: LossFigures
+    at: TrainedPositions, chosen: tuple, w: torch.Tensor, heads: DraftHeads, spec: LossSpec, figures: LossFigures
 ) -> torch.Tensor | None:
     """DFlash2's selector loss weighted as the backbone's (`w` [M]; None at weight 0), its top-K coverage and
     accuracy counted into `figures` either way."""
-    per_selector, _, in_top_k, picked = selector_loss(
-        heads.selector, at.hidden, at.logits, at.labels, at.predecessors, spec.selector_missing_label
+    per_selector, _, in_top_k, picked = selector_loss_over(
+        heads.selector, at.hidden, chosen, at.labels, at.predecessors, spec.selector_missing_label
     )
     pos = at.block_position
     figures.top_k_hits = torch.zeros_like(figures.count).index_add_(0, pos, in_top_k.float())
@@ -308,18 +391,20 @@ def _label_weights(
 
 
 def _dspark_terms(
-    per_token: torch.Tensor, at: TrainedPositions, heads: DraftHeads, spec: LossSpec, figures: LossFigures
+    per_token: torch.Tensor,
+    l1: torch.Tensor | None,
+    at: TrainedPositions,
+    heads: DraftHeads,
+    spec: LossSpec,
+    figures: LossFigures,
 ) -> torch.Tensor:
     """DSpark's loss per trained position [M] from the hard CE per_token [M]: its CE share, the |p_draft -
     p_target|_1 term where the target's top-k is known, the confidence head's BCE to the acceptance probability;
     the acceptance probabilities and confidence estimates summed per block position into `figures` (where
-    computed)."""
+    computed). l1 [M]: |p_draft - p_target|_1 where the target's top-k is known (`logit_terms`)."""
     dspark = spec.dspark
     per_token = dspark.ce * per_token
-    l1 = None
-    if at.target_topk is not None:
-        l1 = target_distribution_terms(at.logits, at.target_topk)  # [M]
-    elif dspark.needs_target:
+    if l1 is None and dspark.needs_target:
         raise ValueError(
             "DSpark's distribution terms need the target's top-k logits (a cache made with "
             "--with-target-logits K, or online training)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.distributed import all_reduce_sum
+from flashdraft.drafter import model as drafter_model
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import append_whole, write_text_atomic
 from flashdraft.train.data import Batch
@@ -120,6 +122,23 @@ def figure_metrics(figures: LossFigures, first_draft: int) -> dict:
     )
 
 
+def memory_and_compiles(device: torch.device) -> dict:
+    """The run's peak memory so far (GiB: CUDA's max allocated on a GPU, the process's peak resident set on CPU) and
+    the distinct shapes flex attention was handed (each a compile under dynamic=False; `drafter.model.flex_shapes`),
+    with torch.compile's own count of the graphs it built."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+    from torch._dynamo.utils import counters
+
+    return {
+        "peak_memory_gib": peak,
+        "attention_shapes": len(drafter_model.flex_shapes),
+        "compiled_graphs": int(counters["stats"]["unique_graphs"]),
+    }
+
+
 class Window:
     """Training figures summed over the steps since the last log line."""
 
@@ -127,7 +146,7 @@ class Window:
         self.loss = self.weight = 0.0
         self.figures: LossFigures | None = None  # summed over ranks
         self.first_draft = first_draft  # the layout's first drafting position (0: anchor-first)
-        self.tokens = self.steps = 0
+        self.tokens = self.slots = self.steps = 0  # real context tokens, and context slots (real + padding)
         self.wait_s = self.compute_s = 0.0  # waiting for the steps' data (the engine's states), computing them
         self.t0 = time.perf_counter()
 
@@ -141,6 +160,7 @@ class Window:
         figures = result.figures.map(all_reduce_sum)
         self.figures = figures if self.figures is None else self.figures + figures
         self.tokens += sum(int((b.context_positions < (1 << 40)).sum()) for b in micro_batches) * world
+        self.slots += sum(b.context_positions.numel() for b in micro_batches) * world
 
     def metrics(self, lr: float, grad_norm: float, epoch: int) -> dict:
         figures = figure_metrics(self.figures, self.first_draft)
@@ -149,6 +169,7 @@ class Window:
             "position_accuracy": figures.pop("position_accuracy"),
             "estimated_acceptance": figures.pop("estimated_acceptance"),
             "tokens_per_s": self.tokens / (time.perf_counter() - self.t0),
+            "padding_share": 1 - self.tokens / max(1, self.slots),  # of the context slots the batches held
             "lr": lr,
             "grad_norm": grad_norm,
             "epoch": epoch,

@@ -24,6 +24,7 @@ from flashdraft.train.data import Batch, BatchSpec, add_context_noise, make_batc
 from flashdraft.train.loss import DraftHeads, DSparkLoss, LossParts, LossSpec, block_loss, label_weight_total
 from flashdraft.train.metrics import StepResult
 from flashdraft.train.optim import Optimizers
+from flashdraft.train.packing import PackPlan, make_packed_batch
 
 
 def loss_spec(cfg: TrainConfig, drafter: DFlashDrafter, held_out: bool = False) -> LossSpec:
@@ -64,7 +65,11 @@ def forward_loss(model, target: TargetModel, batch: Batch, spec: LossSpec) -> Lo
         with torch.no_grad():
             block_embeds = drafter.embed(batch.block_ids, target)  # [N, K * B, H], frozen
         hidden = model(
-            block_embeds, batch.anchor_positions, batch.context_features.to(block_embeds.dtype), batch.context_positions
+            block_embeds,
+            batch.anchor_positions,
+            batch.context_features.to(block_embeds.dtype),
+            batch.context_positions,
+            documents=batch.documents,
         )
         return block_loss(hidden, batch, DraftHeads.of(drafter, target.lm_head), spec)
 
@@ -76,7 +81,11 @@ def _nonfinite_input(micro_batches: list[Batch], records) -> str:
         bad = ~torch.isfinite(batch.context_features)  # [N, T, n * H]
         if bad.any():
             row, token, _ = (int(x) for x in bad.nonzero()[0])
-            index = batch.record_indices[row]
+            at = row
+            if batch.documents is not None:  # packed: record_indices lists each row's documents in turn
+                docs_before = int((batch.documents[1][:row].max(1).values + 1).sum())
+                at = docs_before + int(batch.documents[1][row, token])
+            index = batch.record_indices[at]
             name = getattr(records[index], "id", index)
             where = f" of {records.directory}" if hasattr(records, "directory") else ""
             return (
@@ -97,11 +106,18 @@ class GlobalBatch:
     records: object  # the records drawn from, to name them when the loss is not finite
 
 
-def step_indices(cfg: TrainConfig, num_records: int, step: int, steps_per_epoch: int, dist: Dist) -> tuple[list, list]:
-    """The step's global batch of record indices and this rank's share of it (in the order it reads them)."""
+def step_indices(
+    cfg: TrainConfig, num_units: int, step: int, steps_per_epoch: int, dist: Dist, shuffled: int | None = None
+) -> tuple[list, list]:
+    """The step's global batch of unit indices (records; packed: rows) and this rank's share of it (in the order it
+    reads them). `shuffled` (packed): only the first `shuffled` units are shuffled, the rest (empty rows that make
+    the epoch a whole number of global batches) come last."""
     epoch, in_epoch = divmod(step, steps_per_epoch)
     size = cfg.batch_size * cfg.grad_accum * dist.world
-    order = torch.randperm(num_records, generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch))
+    generator = torch.Generator().manual_seed(cfg.seed * 7919 + epoch)
+    order = torch.randperm(num_units if shuffled is None else shuffled, generator=generator)
+    if shuffled is not None:
+        order = torch.cat([order, torch.arange(shuffled, num_units)])
     global_indices = order[in_epoch * size : (in_epoch + 1) * size].tolist()
     return global_indices, global_indices[dist.rank :: dist.world]
 
@@ -111,11 +127,20 @@ def stream_order(cfg: TrainConfig, num_records: int, steps: range, steps_per_epo
     return [i for step in steps for i in step_indices(cfg, num_records, step, steps_per_epoch, dist)[1]]
 
 
-def global_batch(cfg: TrainConfig, records, step: int, steps_per_epoch: int, dist: Dist) -> GlobalBatch:
+def packed_units(cfg: TrainConfig, plan: PackPlan, world: int) -> int:
+    """The rows of an epoch: the plan's, and empty ones up to a whole number of global batches (every record is
+    trained once an epoch, none dropped)."""
+    size = cfg.batch_size * cfg.grad_accum * world
+    return -(-len(plan.rows) // size) * size
+
+
+def global_batch(
+    cfg: TrainConfig, records, step: int, steps_per_epoch: int, dist: Dist, plan: PackPlan | None = None
+) -> GlobalBatch:
     """This rank's micro-batches of the step's global batch, and the global batch's record
-    indices: a function of (seed, epoch, step) only, so resume and any world size agree."""
+    indices: a function of (seed, epoch, step) only, so resume and any world size agree. With a `plan`, the
+    micro-batches are its packed rows (`packing.make_packed_batch`)."""
     epoch = step // steps_per_epoch
-    global_indices, mine = step_indices(cfg, len(records), step, steps_per_epoch, dist)
     batch_spec = BatchSpec(
         seed=cfg.seed,
         num_anchors=cfg.num_anchors,
@@ -124,10 +149,20 @@ def global_batch(cfg: TrainConfig, records, step: int, steps_per_epoch: int, dis
         max_length=cfg.max_length,
         first_draft=cfg.first_draft_position,
     )
+    if plan is None:
+        global_indices, mine = step_indices(cfg, len(records), step, steps_per_epoch, dist)
+    else:
+        units = packed_units(cfg, plan, dist.world)
+        global_units, mine = step_indices(cfg, units, step, steps_per_epoch, dist, shuffled=len(plan.rows))
+        global_indices = [i for u in global_units if u < len(plan.rows) for i in plan.rows[u]]
     micro_batches = []
     for m in range(cfg.grad_accum):
         idx = mine[m * cfg.batch_size : (m + 1) * cfg.batch_size]
-        batch = make_batch([records[i] for i in idx], idx, epoch, batch_spec)
+        if plan is None:
+            batch = make_batch([records[i] for i in idx], idx, epoch, batch_spec)
+        else:
+            rows = [plan.rows[u] if u < len(plan.rows) else [] for u in idx]
+            batch = make_packed_batch(records, rows, epoch, batch_spec, plan)
         micro_batches.append(add_context_noise(batch, cfg.noise_std, record_generator(cfg.seed + 1, epoch, idx[0])))
     return GlobalBatch(step, epoch, global_indices, micro_batches, records)
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from flashdraft.drafter.config import LayerAttention
-from flashdraft.drafter.model import PAD_POSITION, attention_mask
+from flashdraft.drafter.model import PAD_POSITION, attention_mask, blockwise_attention, blockwise_mask
 from tests.conftest import (
     DFLASH2,
     DSPARK,
@@ -386,3 +386,26 @@ def test_dspark_neutral_start_has_no_markov_bias_and_the_same_backbone_as_a_dfla
     base, hidden, anchors = _dspark_block(dspark)
     assert torch.equal(dspark.markov_walk(base, anchors)[0], base.argmax(-1))
     assert torch.equal(dspark.confidence(hidden, torch.zeros(2, 7, dtype=torch.long)), torch.full((2, 7), 0.5))
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS, ids=lambda a: a.describe())
+def test_blockwise_attention_equals_the_dense_mask_over_context_and_every_block_with_documents(attention):
+    gen = torch.Generator().manual_seed(0)
+    n, heads, kv_heads, dim, blocks, block, context = 2, 4, 2, 8, 3, 4, 10
+    context_positions = torch.tensor([list(range(6)) + list(range(4)), list(range(8)) + [PAD_POSITION] * 2])
+    anchors = torch.tensor([[2, 5, 3], [1, 4, 7]])  # row 0: the third block is the second document's
+    anchor_documents = torch.tensor([[0, 0, 1], [0, 0, 0]])
+    context_documents = torch.tensor([[0] * 6 + [1] * 4, [0] * 8 + [-1] * 2])
+    query_anchor = anchors.repeat_interleave(block, dim=1)
+    query_positions = query_anchor + torch.arange(block).repeat(blocks)
+    query_block = torch.arange(blocks).repeat_interleave(block)
+    documents = (anchor_documents.repeat_interleave(block, dim=1), context_documents)
+    q = torch.randn(n, heads, blocks * block, dim, generator=gen)
+    k_ctx, v_ctx = (torch.randn(n, kv_heads, context, dim, generator=gen) for _ in range(2))
+    k_blk, v_blk = (torch.randn(n, kv_heads, blocks * block, dim, generator=gen) for _ in range(2))
+    dense = attention_mask(query_positions, query_block, query_anchor, context_positions, attention, documents)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), attn_mask=dense, enable_gqa=True
+    )
+    mask = blockwise_mask(query_positions, query_anchor, context_positions, block, attention, documents)
+    torch.testing.assert_close(blockwise_attention(q, (k_ctx, v_ctx), (k_blk, v_blk), mask), expected)

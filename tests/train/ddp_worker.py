@@ -8,10 +8,11 @@ argument makes a 4-step run that saves every 2 steps: `full` runs it through, `s
 leaves it after its step-2 checkpoint (a preempted job), `resume` continues it with --resume.
 
 `--plan` runs many variants in one 2-rank launch (a launch costs two interpreters importing torch): a JSON list
-of {"run_dir", "procs", "batch", "accum", "fsdp", "weighting", "optimizer", "family"}. The 1-process runs go
-first, split between the two ranks, each before any process group exists (exactly what a 1-process torchrun
-runs: rank 0 of 1, nothing wrapped, no collectives); then the group is made and the 2-rank runs follow, one
-after another. Every run starts from a freshly made target and records (its seeds), as in a fresh process.
+of {"run_dir", "procs", "batch", "accum", "fsdp", "weighting", "optimizer", "family"} (and "pack": --pack-length).
+The 1-process runs go first, split between the two ranks, each before any process group exists (exactly what a
+1-process torchrun runs: rank 0 of 1, nothing wrapped, no collectives); then the group is made and the 2-rank runs
+follow, one after another. Every run starts from a freshly made target and records (its seeds), as in a fresh
+process.
 """
 
 import json
@@ -48,12 +49,13 @@ class WorkerRun:
     optimizer: str = "adamw"
     mode: str | None = None  # None, "full", "stop" or "resume"
     family: str = "dflash"
+    pack: int | None = None  # --pack-length (batch then counts rows)
 
     @classmethod
     def from_row(cls, row: dict) -> "WorkerRun":
-        """A --plan row (its "procs" says where it runs, not what)."""
+        """A --plan row (its "procs" says where it runs, not what; "pack" optional)."""
         names = ("batch", "accum", "fsdp", "weighting", "optimizer", "family")
-        return cls(Path(row["run_dir"]), **{name: row[name] for name in names})
+        return cls(Path(row["run_dir"]), **{name: row[name] for name in names}, pack=row.get("pack"))
 
 
 def run(job: WorkerRun, dist: Dist) -> None:
@@ -70,6 +72,7 @@ def run(job: WorkerRun, dist: Dist) -> None:
         fsdp=job.fsdp,
         loss_weighting=job.weighting,
         optimizer=job.optimizer,
+        pack_length=job.pack,
         **steps,
     )
 

@@ -176,7 +176,10 @@ def test_training_lowers_held_out_loss_and_raises_estimated_acceptance(target, r
 
     before = evaluate_loss(drafter, target, held_out, cfg, torch.device("cpu"))
     train(cfg, drafter, target, records, tmp_path, held_out=HeldOut(records=held_out))
-    after = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    after, trained = rows[-1], next(row for row in rows if "loss" in row)
+    assert trained["peak_memory_gib"] > 0 and 0 <= trained["padding_share"] < 1
+    assert trained["attention_shapes"] >= 0 and trained["compiled_graphs"] >= 0
     # D-PACE aims at acceptance (early on it trains the first positions far more than the CE measured here), and
     # Muon's larger steps fit these 8 records sooner: both raise acceptance, the recipe's AdamW + decay lowers CE
     if (weighting, optimizer) == ("decay", "adamw"):
@@ -249,7 +252,23 @@ def test_two_gloo_ranks_with_ddp_or_fsdp_train_what_one_rank_trains_within_round
         for family, pair in pairs.items()
         for name, (procs, batch, accum) in pair.items()
     ]
-    # one 2-rank launch runs all 13 (the 1-process runs split between its ranks before the group exists)
+    # packed (--pack-length 64: two 30-token records a row, 4 rows, 2 steps an epoch): the 2 ranks' rows together are
+    # the one rank's, every record once, or the weights part
+    plan += [
+        dict(
+            run_dir=str(tmp_path / name),
+            procs=procs,
+            batch=1,
+            accum=accum,
+            fsdp=False,
+            weighting="decay",
+            optimizer="adamw",
+            family="dflash",
+            pack=64,
+        )
+        for name, procs, accum in (("one-packed", 1, 2), ("ddp-packed", 2, 1))
+    ]
+    # one 2-rank launch runs all 15 (the 1-process runs split between its ranks before the group exists)
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     done = subprocess.run(
         [
@@ -283,7 +302,8 @@ def test_two_gloo_ranks_with_ddp_or_fsdp_train_what_one_rank_trains_within_round
     # AdamW normalises each element's step, so a last-bit gradient difference moves a weight by at most about
     # lr x (its relative change): measured up to 1.2e-6 (1 vs 2 ranks) and 9e-8 (DDP vs FSDP) after 3 steps of
     # lr 3e-3; a rank-local loss normaliser or an unaveraged gradient is off by about the update (~1e-3)
-    for one_name, name in (("one", "ddp"), ("one", "fsdp"), ("ddp", "fsdp"), ("one-dpace", "ddp-dpace")):
+    pairs = (("one", "ddp"), ("one", "fsdp"), ("ddp", "fsdp"), ("one-dpace", "ddp-dpace"), ("one-packed", "ddp-packed"))
+    for one_name, name in pairs:
         one = load_drafter(latest_checkpoint(tmp_path / one_name) / "drafter")
         other = load_drafter(latest_checkpoint(tmp_path / name) / "drafter")
         for key, value in one.state_dict().items():

@@ -227,3 +227,86 @@ def test_dspark_block_loss_is_the_papers_weighted_ce_l1_and_confidence_bce_with_
     parts.weighted_sum.backward()  # every head gets a gradient: the Markov head through CE and L1, the confidence
     assert drafter.markov_head.markov_w2.weight.grad.abs().sum() > 0  # head through its BCE
     assert drafter.confidence_head.proj.weight.grad.abs().sum() > 0
+
+
+# -- the chunked logits ------------------------------------------------------------------------------
+
+
+def _family_cases():
+    """(name, heads, spec, blocks) for each family's loss over 2 sequences x 3 blocks of 4, vocabulary 64."""
+    gen = torch.Generator().manual_seed(1)
+    labels = torch.randint(0, 64, (2, 12), generator=gen)
+    labels[:, ::4] = IGNORE
+    labels[1, 7] = IGNORE
+    block_ids = torch.full((2, 12), 63)
+    block_ids[:, ::4] = torch.randint(0, 64, (2, 3), generator=gen)
+    top = torch.randn(2, 12, 64, generator=gen).topk(8, -1)
+    topk = (top.values, top.indices)
+    head = torch.nn.Linear(64, 64, bias=False)
+    dflash2, dspark = make_dflash2_drafter(), make_dspark_drafter(block_size=4)
+    dspark_labels = labels.clone()
+    dspark_labels[:, ::4] = torch.randint(0, 64, (2, 3), generator=gen)  # anchor-first: position 0 is trained
+    return [
+        ("dflash decay", DraftHeads(head), LossSpec(4, gamma=2.0), BlockLabels(labels)),
+        (
+            "dflash dpace kl",
+            DraftHeads(head),
+            LossSpec(4, weighting="dpace", kl_weight=0.3),
+            BlockLabels(labels, None, topk),
+        ),
+        (
+            "dflash2 selector",
+            DraftHeads(head, selector=dflash2.candidate_selector),
+            LossSpec(4, weighting="dpace", selector_loss_weight=0.5),
+            BlockLabels(labels, block_ids),
+        ),
+        (
+            "dspark",
+            DraftHeads(head, markov_head=dspark.markov_head, confidence_head=dspark.confidence_head),
+            LossSpec(4, gamma=4.0, first_draft=0, dspark=DSparkLoss()),
+            BlockLabels(dspark_labels, block_ids, topk),
+        ),
+    ]
+
+
+def test_chunked_logits_give_the_whole_batch_loss_figures_and_gradients_for_every_family():
+    for name, heads, spec, blocks in _family_cases():
+        results = []
+        for chunk_rows in (3, 10_000):  # several chunks, each recomputed in backward; one chunk of all rows
+            hidden = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+            params = [p for p in heads.lm_head.parameters()]
+            for part in (heads.selector, heads.markov_head, heads.confidence_head):
+                params += [] if part is None else list(part.parameters())
+            parts = block_loss(hidden, blocks, heads, spec, chunk_rows=chunk_rows)
+            grads = torch.autograd.grad(parts.weighted_sum, [hidden, *params], allow_unused=True)
+            results.append((parts, grads))
+        (chunked, chunked_grads), (whole, whole_grads) = results
+        torch.testing.assert_close(chunked.weighted_sum, whole.weighted_sum, msg=name)
+        torch.testing.assert_close(chunked.figures.correct, whole.figures.correct, msg=name)
+        for a, b in zip(chunked_grads, whole_grads, strict=True):
+            assert (a is None) == (b is None), name
+            if a is not None:
+                torch.testing.assert_close(a, b, msg=name)
+        assert any(g is not None and float(g.abs().sum()) > 0 for g in chunked_grads[1:]), name
+
+
+def test_chunked_loss_never_keeps_more_than_a_chunk_of_logits_for_backward():
+    _, _, spec, blocks = _family_cases()[1]  # D-PACE and KL: both read the whole distribution
+    heads = DraftHeads(torch.nn.Linear(64, 256, bias=False))  # vocabulary 256 beside hidden 64: logits told apart
+    hidden = torch.randn(2, 12, 64, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        parts = block_loss(hidden, blocks, heads, spec, chunk_rows=4)
+    assert int((blocks.labels != IGNORE).sum()) > 8
+    assert not [s for s in saved if s[-1:] == (256,) and s[0] > 4]  # logits kept are a chunk's (4 rows), never all M
+    parts.weighted_sum.backward()
+    assert float(hidden.grad.abs().sum()) > 0
+    trained = blocks.labels != IGNORE
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # the check sees logits kept whole
+        torch.nn.functional.cross_entropy(heads.lm_head(hidden[trained]).float(), blocks.labels[trained])
+    assert [s for s in saved if s[-1:] == (256,) and s[0] > 4]

@@ -824,3 +824,18 @@ def test_a_rope_scaling_flag_that_does_not_parse_is_one_line_and_exit_2(workdir,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--rope-scaling" in err and expected in err
     assert not (workdir / "never").exists()
+
+
+def test_packed_training_from_a_cache_reads_its_loss_masks_and_says_its_rows(workdir, capsys):
+    from flashdraft.data.cache_reader import HiddenStateCache
+
+    cache = HiddenStateCache(workdir / "cache")
+    assert [m.tolist() for m in cache.loss_masks()] == [cache[i].loss_mask.bool().tolist() for i in range(len(cache))]
+    out = workdir / "packed"
+    longest = max(cache.lengths)
+    args = ("--cached-hidden-states", str(workdir / "cache"), "--out", str(out), "--max-steps", "2")
+    assert _train(workdir, *args, "--pack-length", str(longest + 4)) == 0
+    printed = capsys.readouterr().out
+    assert f"rows of {longest + 4} tokens" in printed and "--batch-size counts rows" in printed
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0 <= row["padding_share"] < 1

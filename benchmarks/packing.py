@@ -1,0 +1,214 @@
+"""Packed (`train --pack-length`) against unpacked training on the built-in tiny target, on CPU.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/packing.py [--records 64] [--epochs 8] [--speed-steps 12] [--data DIR]
+
+Two length mixes, both the tiny target's own greedy continuations of the built-in coding prompts (their first
+16 tokens, tokenized as plain text), with their context features from one target forward:
+- "long-tailed": completion lengths drawn from a log-normal (median 40 tokens, sigma 1.0; clipped to [8, 480]), as
+  chat data runs from a few dozen tokens to many times that;
+- "builtin": the demo's data, greedy up to 128 new tokens or the target's stop token.
+The tiny drafter (1 layer, block 16, AdamW, decay weights) trains unpacked (4 records a micro-batch, padded to a
+length bucket) and packed (rows of L tokens, L = the mix's longest record, bucketed). One JSON line per figure:
+- "speed": supervised (completion) tokens per second over a few steps with every supervised pair an anchor
+  (--num-anchors 512, the published recipe's), 4 rows against 4 records: equal context slots (equal memory), and
+  the padding share of them; the block slots a step holds beside it;
+- "tau" (long-tailed mix): the held-out τ after the same epochs (equal supervised tokens), 8 anchors a record,
+  packed 1 row a step (about the 4 records of an unpacked step); the noise is the spread over --seeds.
+Figures are ratios within one run of this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+BLOCK, ANCHORS, BATCH, LAYERS = 16, 8, 4, (1, 2, 3)
+
+
+@dataclass
+class Record:  # what training reads of a record (a cache's `CachedRecord`)
+    input_ids: torch.Tensor  # [T]
+    loss_mask: torch.Tensor  # [T] bool: the completion
+    context_features: torch.Tensor  # [T, 3 * H]
+    target_topk: None = None
+
+
+def _continuations(target, prompts: list[list[int]], lengths: list[int | None]) -> list[tuple[list[int], list[int]]]:
+    from flashdraft.decoding.generate import autoregressive_generate
+
+    out = []
+    for prompt, n in zip(prompts, lengths, strict=True):
+        result = autoregressive_generate(target, prompt, n or 128)
+        completion = result.output_ids
+        if n is None:  # the built-in mix: up to the target's stop
+            stops = [i for i, t in enumerate(completion) if t in target.stop_token_ids]
+            completion = completion[: stops[0] + 1] if stops else completion
+        out.append((prompt, completion[: n or 128]))
+    return out
+
+
+def make_mix(target, name: str, count: int, seed: int):
+    """(training records, held-out eval records) of one mix: `count` and count // 4 + 1 records."""
+    from flashdraft.data.prompts import load_prompts
+    from flashdraft.evaluation.records import EvalRecord
+
+    prompts = [target.tokenizer(p.turns[0])["input_ids"][:16] for p in load_prompts("builtin:code", quiet=True)]
+    gen = torch.Generator().manual_seed(seed)
+    total = count + count // 4 + 1
+    picks = [prompts[int(i)] for i in torch.randint(0, len(prompts), (total,), generator=gen)]
+    lengths: list[int | None] = [None] * total
+    if name == "long-tailed":  # log-normal(median 40, sigma 1), clipped to [8, 480]
+        draws = torch.exp(math.log(40) + torch.randn(total, generator=gen))
+        lengths = [int(v) for v in draws.clamp(8, 480)]
+    target.set_context_layers(list(LAYERS))
+    pairs = _continuations(target, picks, lengths)
+    records, held_out = [], []
+    for i, (prompt, completion) in enumerate(pairs):
+        ids = torch.tensor(prompt + completion)
+        with torch.no_grad():
+            features = target.forward(ids[None]).context_features[0]
+        if i < count:
+            records.append(Record(ids, torch.arange(len(ids)) >= len(prompt), features))
+        else:
+            held_out.append(EvalRecord(f"h{i}", prompt, completion, features, list(LAYERS)))
+    return records, held_out
+
+
+def _drafter(target, seed: int):
+    from flashdraft.drafter.init import DrafterChoices, new_drafter_for_target
+
+    choices = DrafterChoices(num_layers=1, block_size=BLOCK, target_layer_ids=list(LAYERS))
+    return new_drafter_for_target(target, choices, seed=seed)
+
+
+def _config(records, packed: bool, **settings):
+    from flashdraft.train.config import TrainConfig
+    from flashdraft.train.data import length_bucket
+
+    longest = max(len(r.input_ids) for r in records)
+    return TrainConfig(
+        lr=6e-3,
+        optimizer="adamw",
+        loss_weighting="decay",
+        loss_decay_gamma=7.0,
+        save_every=10**6,
+        log_every=1,
+        pack_length=length_bucket(longest) if packed else None,
+        **settings,
+    )
+
+
+def speed(target, records, packed: bool, steps: int) -> dict:
+    """Supervised (completion) tokens per second of `steps` training steps after one warm-up step, with every
+    supervised pair an anchor (--num-anchors 512, the published recipe's, is more than these records have), and the
+    slots a step holds: context slots equal by construction (4 rows of L = the longest record, 4 records padded to
+    a bucket of theirs), block slots (each a block token through the drafter's layers) as the batches make them."""
+    from flashdraft.distributed import Dist
+    from flashdraft.train.loop import recorded_config
+    from flashdraft.train.optim import build_optimizers
+    from flashdraft.train.packing import pack_plan
+    from flashdraft.train.step import global_batch, loss_spec, optimizer_step, packed_units
+
+    drafter = _drafter(target, 0).train()
+    cfg = recorded_config(
+        _config(records, packed, num_anchors=512, batch_size=BATCH, max_steps=steps + 1), drafter, target
+    )
+    plan = pack_plan(records, cfg.pack_length, cfg.num_anchors, None) if packed else None
+    units = packed_units(cfg, plan, 1) if packed else len(records)
+    steps_per_epoch = units // BATCH
+    optimizer, spec = build_optimizers(drafter, cfg, steps + 1), loss_spec(cfg, drafter)
+    seconds = supervised = real = slots = block_slots = 0
+    with tempfile.TemporaryDirectory() as run_dir:
+        for step in range(steps + 1):
+            batch = global_batch(cfg, records, step, steps_per_epoch, Dist(), plan)
+            started = time.perf_counter()
+            optimizer_step(drafter, target, optimizer, batch, spec, 1.0, Dist(), Path(run_dir))
+            if step == 0:
+                continue  # warm-up
+            seconds += time.perf_counter() - started
+            supervised += sum(int(records[i].loss_mask.sum()) for i in batch.indices)
+            for b in batch.micro_batches:
+                real += int((b.context_positions < (1 << 40)).sum())
+                slots += b.context_positions.numel()
+                block_slots += b.block_ids.numel()
+    return {
+        "packed": packed,
+        "pack_length": cfg.pack_length,
+        "steps": steps,
+        "supervised_tokens_per_s": round(supervised / seconds, 1),
+        "padding_share": round(1 - real / slots, 3),
+        "context_slots_per_step": slots // steps,
+        "block_slots_per_step": block_slots // steps,
+    }
+
+
+def held_out_tau(target, records, held_out, packed: bool, epochs: int, seed: int) -> dict:
+    """The held-out τ after `epochs` epochs (every record as often: equal supervised tokens), 8 anchors a record;
+    packed 1 row of L a step (about the 4 records an unpacked step holds, so the optimizer steps compare)."""
+    from flashdraft.train.held_out import evaluate_tau
+    from flashdraft.train.loop import train
+
+    cfg = _config(records, packed, num_anchors=8, batch_size=1 if packed else BATCH, epochs=epochs, seed=seed)
+    with tempfile.TemporaryDirectory() as run_dir:
+        with contextlib.redirect_stdout(sys.stderr):  # the run's own lines: stdout stays JSON
+            trained = train(cfg, _drafter(target, seed), target, records, Path(run_dir))
+        steps = len((Path(run_dir) / "metrics.jsonl").read_text().splitlines())
+    tau = evaluate_tau(trained, target, held_out, max_blocks=10**6)["eval_tau"]
+    supervised = epochs * sum(int(r.loss_mask.sum()) for r in records)
+    return {
+        "packed": packed,
+        "seed": seed,
+        "steps": steps,
+        "supervised_tokens": supervised,
+        "held_out_tau": round(tau, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--records", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--speed-steps", type=int, default=12)
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--mixes", default="long-tailed,builtin")
+    parser.add_argument("--figures", default="speed,tau")
+    parser.add_argument("--data", default=None, help="keep the generated mixes here and reuse them")
+    args = parser.parse_args()
+    from flashdraft.target.model import TargetModel
+
+    torch.manual_seed(0)
+    target = TargetModel.load("tiny")
+    figures = args.figures.split(",")
+    for mix in args.mixes.split(","):
+        saved = None if args.data is None else Path(args.data) / f"{mix}-{args.records}.pt"
+        if saved is not None and saved.exists():  # the greedy continuations take minutes: reuse them
+            records, held_out = torch.load(saved, weights_only=False)
+        else:
+            records, held_out = make_mix(target, mix, args.records, seed=0)
+            if saved is not None:
+                saved.parent.mkdir(parents=True, exist_ok=True)
+                torch.save((records, held_out), saved)
+        lengths = sorted(len(r.input_ids) for r in records)
+        print(json.dumps({"mix": mix, "records": len(records), "lengths": lengths}), flush=True)
+        for packed in (False, True) if "speed" in figures else ():
+            row = speed(target, records, packed, args.speed_steps)
+            print(json.dumps({"mix": mix, "figure": "speed"} | row), flush=True)
+        if mix != "long-tailed" or "tau" not in figures:
+            continue
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for packed in (False, True):
+                row = held_out_tau(target, records, held_out, packed, args.epochs, seed)
+                print(json.dumps({"mix": mix, "figure": "tau"} | row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Packed training (`--pack-length L`): records packed into rows of exactly L context tokens and A blocks, so every
+batch has one shape and little padding.
+
+What packing keeps: each record is a document of its row, its position ids restart at 0 (RoPE as at serving), its
+blocks see only its own context (`drafter.model.attention_mask`'s documents) and its own block, its anchors are
+drawn exactly as unpacked (`--num-anchors` per document, the generator of (seed, epoch, record index)), and every
+loss term is per block: a packed row's loss and gradients are the sum of its documents' unpacked ones.
+
+The rows are a function of the records and the settings alone (first-fit decreasing, ties by record index), made
+once per run; each epoch shuffles them with (seed, epoch). A record longer than L (after --max-length) is cut to
+its first L tokens, alone in its row, and the run's first lines say how many were.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from flashdraft.drafter.model import PAD_POSITION
+from flashdraft.errors import FlashdraftError
+from flashdraft.train.blocks import IGNORE, candidate_anchors
+from flashdraft.train.data import Batch, BatchSpec, record_blocks
+
+BLOCK_SLACK = 1.25  # a row's block capacity over the blocks its L tokens hold on average
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """The run's packed rows: `rows[r]` the record indices of row r (each record in exactly one row)."""
+
+    rows: list[list[int]]
+    length: int  # L: context tokens per row
+    blocks: int  # A: blocks per row
+    feature_dim: int  # the records' context feature width (a row may hold none)
+    topk: int  # the records' stored target top-k width (0: none)
+    cut: int  # records longer than L, cut to their first L tokens
+
+    def lines(self, num_records: int) -> list[str]:
+        """What the run's first lines say about the packing."""
+        line = (
+            f"packed {num_records} records into {len(self.rows)} rows of {self.length} tokens and {self.blocks} "
+            f"blocks (--pack-length; --batch-size counts rows)"
+        )
+        if self.cut:
+            line += (
+                f"; {self.cut} records longer than {self.length} tokens cut to it (raise --pack-length to keep them)"
+            )
+        return [line]
+
+
+def _loss_masks(records) -> list[torch.Tensor]:
+    """Every record's loss mask, read without its features where the source can (a cache, online sequences)."""
+    if hasattr(records, "loss_masks"):
+        return records.loss_masks()
+    if hasattr(records, "records"):  # online: the sequences the target runs on
+        return [r.loss_mask for r in records.records]
+    return [records[i].loss_mask for i in range(len(records))]
+
+
+def record_sizes(records, length: int, num_anchors: int, max_length: int | None) -> tuple[list[int], list[int], int]:
+    """(tokens, blocks) of each record as packed: its tokens cut to --max-length and L, and its anchors
+    min(num_anchors, candidates) (how many the sampler draws: a count, not which); and how many records L cut."""
+    cap = length if max_length is None else min(length, max_length)
+    tokens, blocks, cut = [], [], 0
+    for mask in _loss_masks(records):
+        kept = mask[:cap].bool()
+        tokens.append(len(kept))
+        blocks.append(min(num_anchors, len(candidate_anchors(kept))))
+        cut += min(len(mask), max_length or len(mask)) > length
+    return tokens, blocks, cut
+
+
+def first_fit_decreasing(tokens: list[int], blocks: list[int], length: int, capacity: int) -> list[list[int]]:
+    """Records (sizes `tokens`, `blocks`) into rows of at most `length` tokens and `capacity` blocks: the longest
+    first (ties by index), each into the first row it fits, else a new one. Deterministic."""
+    order = sorted(range(len(tokens)), key=lambda i: (-tokens[i], i))
+    room_tokens = torch.empty(0, dtype=torch.long)
+    room_blocks = torch.empty(0, dtype=torch.long)
+    rows: list[list[int]] = []
+    for i in order:
+        fits = ((room_tokens >= tokens[i]) & (room_blocks >= blocks[i])).nonzero()
+        if len(fits):
+            r = int(fits[0])
+        else:
+            r = len(rows)
+            rows.append([])
+            room_tokens = torch.cat([room_tokens, torch.tensor([length])])
+            room_blocks = torch.cat([room_blocks, torch.tensor([capacity])])
+        rows[r].append(i)
+        room_tokens[r] -= tokens[i]
+        room_blocks[r] -= blocks[i]
+    return rows
+
+
+def pack_plan(records, length: int, num_anchors: int, max_length: int | None) -> PackPlan:
+    """The run's rows of `length` tokens and A blocks: packed with room for the blocks `length` tokens of these
+    records hold on average plus a quarter (at least the most one record has), A then the fullest row's blocks."""
+    if hasattr(records, "start"):
+        raise FlashdraftError(
+            "--pack-length with --engine: the engine streams records in the loop's order and packing needs every "
+            "record's length first; train unpacked, or from a cache of the engine's states"
+        )
+    tokens, blocks, cut = record_sizes(records, length, num_anchors, max_length)
+    if not tokens:
+        raise FlashdraftError("--pack-length: no training records to pack")
+    capacity = max(max(blocks), math.ceil(BLOCK_SLACK * length * sum(blocks) / max(1, sum(tokens))), 1)
+    rows = first_fit_decreasing(tokens, blocks, length, capacity)
+    capacity = max(1, max(sum(blocks[i] for i in row) for row in rows))  # the fullest row's: no row pads more
+    first = records[rows[0][0]]
+    topk = 0 if first.target_topk is None else first.target_topk[0].shape[-1]
+    return PackPlan(rows, length, capacity, first.context_features.shape[-1], topk, cut)
+
+
+def make_packed_batch(records, rows: list[list[int]], epoch: int, batch_spec: BatchSpec, plan: PackPlan) -> Batch:
+    """Rows of `plan.length` context tokens and `plan.blocks` blocks: each record a document with positions from 0,
+    its blocks and labels exactly as `make_batch` makes them (`record_blocks`), padding after the last."""
+    block_size, length = batch_spec.block_size, plan.length
+    cap = length if batch_spec.max_length is None else min(length, batch_spec.max_length)
+    spec = replace(batch_spec, max_length=cap)
+    docs = [[record_blocks(records[i], i, epoch, spec) for i in row] for row in rows]
+    n, q_len = len(rows), plan.blocks * block_size
+    dtype = next((d[0].features.dtype for d in docs if d), torch.float32)
+    features = torch.zeros(n, length, plan.feature_dim, dtype=dtype)  # [N, L, n * H]
+    positions = torch.full((n, length), PAD_POSITION, dtype=torch.long)  # [N, L], from 0 in each document
+    context_documents = torch.full((n, length), -1, dtype=torch.long)  # [N, L]
+    anchors = torch.zeros(n, plan.blocks, dtype=torch.long)  # [N, A]; padding blocks: anchor 0, labels ignored
+    anchor_documents = torch.full((n, plan.blocks), -1, dtype=torch.long)  # [N, A]
+    block_ids = torch.full((n, q_len), batch_spec.mask_token_id, dtype=torch.long)  # [N, A * B]
+    labels = torch.full((n, q_len), IGNORE, dtype=torch.long)
+    topk = None
+    if plan.topk:
+        topk = (torch.zeros(n, q_len, plan.topk), torch.zeros(n, q_len, plan.topk, dtype=torch.long))
+    for i, row in enumerate(docs):
+        t = k = 0
+        for d, doc in enumerate(row):
+            dt, dk = doc.features.shape[0], len(doc.anchors)
+            features[i, t : t + dt] = doc.features
+            positions[i, t : t + dt] = torch.arange(dt)
+            context_documents[i, t : t + dt] = d
+            anchors[i, k : k + dk], anchor_documents[i, k : k + dk] = doc.anchors, d
+            blocks = slice(k * block_size, (k + dk) * block_size)
+            block_ids[i, blocks], labels[i, blocks] = doc.block_ids, doc.labels
+            if topk is not None:
+                topk[0][i, blocks], topk[1][i, blocks] = doc.target_topk[0].float(), doc.target_topk[1].long()
+            t, k = t + dt, k + dk
+    indices = [i for row in rows for i in row]
+    return Batch(indices, features, positions, block_ids, anchors, labels, topk, (anchor_documents, context_documents))
