@@ -29,5 +29,5 @@ def test_every_stage_of_the_pipeline_runs_on_the_family(model_type, tmp_path, mo
         assert rc == 0, (argv[0], err[-400:])
         if "--check-consistency" in argv:
             assert "offline vs online: identical acceptance lengths" in out
-        if "--serving" in argv:  # the target's row of the family table, each server's support said
-            assert "target family " in out and "SGLang on it: " in out
+        if "--serving" in argv:  # the layer kinds read and their rollback, each server's support said
+            assert "caches roll back as" in out and "SGLang on it: " in out and "vLLM on a " in out

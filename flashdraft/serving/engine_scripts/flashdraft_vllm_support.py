@@ -1,0 +1,31 @@
+"""Run by the engine's Python (vLLM's own environment), never imported by flashdraft: which architectures of vLLM's
+text-generation registry implement `SupportsEagle3`, the aux hidden-state capture a DFlash drafter reads.
+
+    python flashdraft_vllm_support.py OUT.json
+
+Writes {"version": vLLM's version, "architectures": {ARCH: true | false | "not loadable: ..."}}: each model class
+loaded from the registry as vLLM loads it and asked `supports_eagle3`, as vLLM asks before serving a drafter.
+"""
+
+import json
+import sys
+
+import vllm
+from vllm.model_executor.models.interfaces import supports_eagle3
+from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS, ModelRegistry
+
+
+def main() -> None:
+    found = {}
+    for arch in sorted(_TEXT_GENERATION_MODELS):
+        try:
+            model_cls = ModelRegistry.models[arch].load_model_cls()
+            found[arch] = bool(supports_eagle3(model_cls))
+        except Exception as e:  # a model whose module needs what this build lacks
+            found[arch] = f"not loadable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    with open(sys.argv[1], "w") as f:
+        json.dump({"version": vllm.__version__, "architectures": found}, f, indent=1, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()
