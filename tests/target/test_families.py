@@ -9,12 +9,13 @@ from flashdraft.target.families import BY_MODEL_TYPE, FAMILIES, family_notes
 from flashdraft.target.layer_kinds import ROLLBACK, read_support
 from tests.conftest import run_cli, write_word_prompts
 from tests.target.tiny_families import FAMILIES as TINY_FAMILIES
-from tests.target.tiny_families import make_family_model
+from tests.target.tiny_families import READ_TYPES, make_family_model
 
 
-@pytest.mark.parametrize("model_type", sorted(TINY_FAMILIES) + ["qwen3", "llama", "qwen3_5_text"])
+@pytest.mark.parametrize("model_type", sorted(TINY_FAMILIES) + sorted(READ_TYPES) + ["qwen3", "llama", "qwen3_5_text"])
 def test_every_type_the_tests_build_is_supported_by_its_layer_kinds_with_or_without_a_row(model_type):
-    config = make_family_model(model_type).config if model_type in TINY_FAMILIES else AutoConfig.for_model(model_type)
+    tiny = model_type in TINY_FAMILIES or model_type in READ_TYPES
+    config = make_family_model(model_type).config if tiny else AutoConfig.for_model(model_type)
     support = read_support(config)
     assert set(support.layer_kinds) <= set(ROLLBACK) and len(support.rollback()) == len(support.kinds)
     notes = family_notes(config)

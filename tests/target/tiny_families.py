@@ -95,7 +95,8 @@ def make_family_model(model_type: str, seed: int = 0, **overrides):
     """A tiny random model of `model_type` with sharpened logits (greedy choices far from ties) and a zero EOS row
     (random targets run to the length limit), as `tests.conftest.make_hf_model`."""
     torch.manual_seed(seed)
-    fields = {k: v for k, v in (COMMON | FAMILIES[model_type] | overrides).items() if v is not None}
+    own = FAMILIES[model_type] if model_type in FAMILIES else READ_TYPES[model_type]
+    fields = {k: v for k, v in (COMMON | own | overrides).items() if v is not None}
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
@@ -152,4 +153,3 @@ READ_TYPES = {
         mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16
     ),
 }
-FAMILIES.update(READ_TYPES)
