@@ -139,14 +139,18 @@ def support_of_model(model: nn.Module, where: str = "the target") -> TargetSuppo
     if crossing is not None:  # said before any count, which an encoder-decoder config does not keep
         raise refuse(where, model_type, f"its layers read another model's states ({layer_kind('', crossing)[1]})")
     if len(layer_types) != len(layers):
-        raise refuse(where, model_type, f"{len(layer_types)} layer types for {len(layers)} decoder layers")
+        raise refuse(
+            where,
+            model_type,
+            f"{len(layer_types)} layer kinds for {len(layers)} decoder layers (caches within a layer)",
+        )
     kinds = []
     for i, (layer_type, layer) in enumerate(zip(layer_types, layers, strict=True)):
         kind, called = layer_kind(layer_type, layer)
         if kind is None:
             raise refuse(where, model_type, f"layer {i} is of kind {called!r}, which has no rollback rule")
         kinds.append(kind)
-    if all(kind in RECURRENT[:2] or kind == "mlp" for kind in kinds):
+    if all(kind in ("gated_deltanet", "mamba2", "mlp") for kind in kinds):
         raise refuse(where, model_type, f"every layer is {'/'.join(dict.fromkeys(kinds))}: no attention layer")
     moe = any(name.rsplit(".", 1)[-1] == "experts" for name, _ in model.named_modules())
     return TargetSupport(model_type, tuple(kinds), moe)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import HF_LOCAL, hf_load_error
-from flashdraft.target.layer_kinds import decoder_of, read_support
+from flashdraft.target.layer_kinds import RECURRENT, TargetSupport, decoder_of, read_support
 from flashdraft.target.model import (
     TargetModel,
     check_layer_ids,
@@ -261,12 +261,13 @@ class TargetHead:
             tokenizer = AutoTokenizer.from_pretrained(path, **HF_LOCAL)
         except (OSError, ValueError, KeyError) as e:
             raise hf_load_error(path, "the target's config or tokenizer", e) from None
-        read_support(config, str(path))  # a layer kind without a rollback rule refused before any work
+        support = read_support(config, str(path))  # a layer kind without a rollback rule refused before any work
         try:  # as from_pretrained: the file if there is one, else derived from the model config
             generation = GenerationConfig.from_pretrained(path, local_files_only=True)
         except OSError:
             generation = GenerationConfig.from_model_config(config)
         head = cls(path, config, tokenizer, generation, device, dtype or default_dtype(device))
+        head.support = support
         head._stored_matrix(head._layout.embed_name, "the input embedding")  # a missing piece fails here, not later
         head._stored_matrix(*head._lm_head_source)
         return head
@@ -293,9 +294,14 @@ class TargetHead:
     def layer_types(self) -> list[str]:
         return list(getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers)
 
+    @cached_property
+    def support(self) -> TargetSupport:
+        """The layer kinds read from the model (`layer_kinds.py`), as `TargetModel.support`."""
+        return read_support(self.full_config, str(self.path))
+
     @property
     def is_hybrid(self) -> bool:
-        return "linear_attention" in self.layer_types
+        return any(kind in RECURRENT for kind in self.support.layer_kinds)
 
     @property
     def linear_backend(self) -> str:
