@@ -13,6 +13,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.target.layer_kinds import ROLLBACK, read_support
 from flashdraft.target.model import TargetModel
 from tests.conftest import EOS, PAD, VOCAB, make_tokenizer, run_cli, write_word_prompts
+from tests.target.tiny_families import READ_TYPES, make_family_model
 
 # a small config where the model type takes these fields (most do); its defaults otherwise
 SMALL = dict(
@@ -81,12 +82,15 @@ GENERATED = [
 ]
 
 
-@pytest.mark.parametrize("model_type", GENERATED)
+@pytest.mark.parametrize("model_type", GENERATED + list(READ_TYPES))
 def test_a_supported_type_verifies_and_rolls_back_as_the_model_itself_computes(model_type):
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(small_config(model_type)).float().eval()
+    if model_type in READ_TYPES:  # windows and chunks of 8: the context runs past them
+        model = make_family_model(model_type)
+    else:
+        model = AutoModelForCausalLM.from_config(small_config(model_type)).float().eval()
     target = TargetModel(model, make_tokenizer(), path=None)
-    prompt, block = torch.arange(1, 11)[None], torch.tensor([[20, 21, 22, 23]])
+    prompt, block = torch.arange(1, 19)[None], torch.tensor([[20, 21, 22, 23]])
     cache = target.new_cache()
     target.forward(prompt, cache)
     target.forward(block, cache)
