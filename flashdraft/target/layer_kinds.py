@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from flashdraft.errors import FlashdraftError
@@ -158,7 +159,6 @@ def support_of_model(model: nn.Module, where: str = "the target") -> TargetSuppo
 
 def read_support(config, where: str = "the target") -> TargetSupport:
     """The support decision before any weight loads: the model built from its config on the meta device."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     model_type = getattr(config.get_text_config(decoder=True), "model_type", None) or config.model_type
@@ -174,18 +174,53 @@ def read_support(config, where: str = "the target") -> TargetSupport:
     return support_of_model(model, where)
 
 
-def final_logits(config, logits):
-    """The target's logits as its own causal LM computes them from its LM head's output: Cohere's `logit_scale`
-    (times), Granite's `logits_scaling` (divided by), Gemma 2/3's `final_logit_softcapping` (tanh cap)."""
-    import torch
+def _scaled(factor: float):
+    return lambda logits: logits * factor
 
+
+def _capped(cap: float):
+    return lambda logits: torch.tanh(logits / cap) * cap
+
+
+def logit_candidates(config) -> list[tuple[str, object]]:
+    """The transforms a causal LM may apply to its LM head's output, named by the config fields that set them
+    (Cohere's `logit_scale` times; Granite's `logits_scaling` divides, HyperCLOVA X's multiplies, MiniCPM3's divides
+    the hidden state; Gemma's and nanochat's `final_logit_softcapping`), then none."""
+    found = []
     scale = getattr(config, "logit_scale", None)
-    if isinstance(scale, (int, float)) and scale != 1:
-        logits = logits * scale
+    if isinstance(scale, (int, float)) and scale not in (0, 1):
+        found.append((f"logit_scale x{scale}", _scaled(scale)))
     scaling = getattr(config, "logits_scaling", None)
-    if isinstance(scaling, (int, float)) and scaling != 1:
-        logits = logits / scaling
+    if isinstance(scaling, (int, float)) and scaling not in (0, 1):
+        found += [
+            (f"logits_scaling /{scaling}", _scaled(1 / scaling)),
+            (f"logits_scaling x{scaling}", _scaled(scaling)),
+        ]
     cap = getattr(config, "final_logit_softcapping", None)
     if isinstance(cap, (int, float)) and cap > 0:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+        found.append((f"final_logit_softcapping {cap}", _capped(cap)))
+    return [*found, ("none", lambda logits: logits)]
+
+
+@torch.no_grad()
+def read_logit_transform(model: nn.Module, decoder: nn.Module, where: str = "the target"):
+    """(name, function) turning the LM head's output into the model's own logits, read by running the model once on
+    8 tokens both ways (the causal LM, and the LM head on the decoder's output); a model whose logits no known
+    transform gives is refused in one line."""
+    config = model.config.get_text_config(decoder=True)
+    device = next(model.parameters()).device
+    ids = (torch.arange(8, device=device) % max(2, config.vocab_size - 1) + 1)[None]
+    own = model(input_ids=ids).logits.float()
+    head = model.get_output_embeddings()(decoder(input_ids=ids).last_hidden_state).float()
+    tolerance = 1e-4 if own.dtype == torch.float32 and head.dtype == torch.float32 else 2e-2
+    size = own.abs().max().clamp_min(1e-6)
+    candidates = logit_candidates(config)
+    for name, transform in candidates:
+        if float((transform(head) - own).abs().max() / size) < tolerance:
+            return name, transform
+    raise refuse(
+        where,
+        getattr(config, "model_type", "?"),
+        f"its logits are not its LM head's output under any transform it configures "
+        f"({', '.join(n for n, _ in candidates)})",
+    )

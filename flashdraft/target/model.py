@@ -33,7 +33,13 @@ from torch import nn
 
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import HF_LOCAL, hf_load_error
-from flashdraft.target.layer_kinds import RECURRENT, decoder_of, final_logits, read_support, support_of_model
+from flashdraft.target.layer_kinds import (
+    RECURRENT,
+    decoder_of,
+    read_logit_transform,
+    read_support,
+    support_of_model,
+)
 from flashdraft.target.linear_attention import BlockRecord, install_short_block_path, state_after
 from flashdraft.target.mamba import is_mamba, mamba_backend, recurrent_mixer
 from flashdraft.target.mla import align_mla_heads
@@ -212,13 +218,16 @@ class TargetModel:
     """A frozen causal LM seen through what DFlash needs of it."""
 
     def __init__(self, model: nn.Module, tokenizer, path: Path) -> None:
-        self.support = support_of_model(model, str(path) if path is not None else "the target")
+        where = str(path) if path is not None else "the target"
+        self.support = support_of_model(model, where)
         self.model = model.eval().requires_grad_(False)
         align_mla_heads(self.model)
         self.tokenizer = tokenizer
         self.path = path
         self.config = model.config.get_text_config()
         self.decoder = decoder_of(model)
+        # what the causal LM does to its LM head's output (a scale, a soft cap), read by running it once
+        self.logit_transform_name, self._logit_transform = read_logit_transform(self.model, self.decoder, where)
         self.layers: nn.ModuleList = self.decoder.layers
         self.layer_types: list[str] = list(
             getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers)
@@ -325,7 +334,7 @@ class TargetModel:
 
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's own logits: its LM head, then the scaling or capping its causal LM applies."""
-        return final_logits(self.config, self.lm_head(hidden))
+        return self._logit_transform(self.lm_head(hidden))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]

@@ -117,3 +117,37 @@ def test_an_exotic_layer_kind_is_refused_in_one_line_before_the_weights_load(tmp
         assert rc == 2 and len(lines) == 1 and "'mamba'" in lines[0] and "MambaMixer" in lines[0], err
         assert "Traceback" not in err
     assert json.loads((target / "config.json").read_text())["model_type"] == "mamba"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "field", "read_as"),
+    [
+        ("granite", dict(logits_scaling=4.0), "logits_scaling /4.0"),  # divides
+        ("hyperclovax", dict(logits_scaling=4.0), "logits_scaling x4.0"),  # the same field, multiplies
+        ("cohere", dict(logit_scale=0.5), "logit_scale x0.5"),
+        ("nanochat", dict(final_logit_softcapping=2.0), "final_logit_softcapping 2.0"),
+    ],
+)
+def test_the_targets_logits_are_its_own_whatever_its_causal_lm_does_to_the_lm_heads_output(model_type, field, read_as):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SMALL | field)).float().eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)  # logits far past the soft cap
+    target = TargetModel(model, make_tokenizer(), path=None)
+    assert target.logit_transform_name == read_as
+    prompt = torch.arange(1, 13)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(target.forward(prompt).logits, model(prompt).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_logits_no_configured_transform_gives_are_refused_in_one_line():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small_config("llama")).float().eval()
+
+    def tripled(module, args, output):
+        output.logits = output.logits * 3
+        return output
+
+    model.register_forward_hook(tripled)
+    with pytest.raises(FlashdraftError, match=r"model type 'llama': its logits are not its LM head's output"):
+        TargetModel(model, make_tokenizer(), path=None)
