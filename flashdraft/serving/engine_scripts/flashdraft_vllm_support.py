@@ -1,5 +1,6 @@
 """Run by the engine's Python (vLLM's own environment), never imported by flashdraft: which architectures of vLLM's
-text-generation registry implement `SupportsEagle3`, the aux hidden-state capture a DFlash drafter reads.
+registry that generate text (its own text models, its multimodal ones, those it serves through transformers)
+implement `SupportsEagle3`, the aux hidden-state capture a DFlash drafter reads.
 
     python flashdraft_vllm_support.py OUT.json
 
@@ -12,12 +13,19 @@ import sys
 
 import vllm
 from vllm.model_executor.models.interfaces import supports_eagle3
-from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS, ModelRegistry
+from vllm.model_executor.models.registry import (
+    _MULTIMODAL_MODELS,
+    _TEXT_GENERATION_MODELS,
+    _TRANSFORMERS_SUPPORTED_MODELS,
+    ModelRegistry,
+)
 
 
 def main() -> None:
     found = {}
-    for arch in sorted(_TEXT_GENERATION_MODELS):
+    for arch in sorted({*_TEXT_GENERATION_MODELS, *_MULTIMODAL_MODELS, *_TRANSFORMERS_SUPPORTED_MODELS}):
+        if arch not in ModelRegistry.models:
+            continue
         try:
             model_cls = ModelRegistry.models[arch].load_model_cls()
             found[arch] = bool(supports_eagle3(model_cls))
