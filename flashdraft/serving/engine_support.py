@@ -1,7 +1,7 @@
 """Which targets the installed engine serves DFlash drafters on, read from the engine itself: its registry's model
 classes asked `supports_eagle3` (the aux hidden-state capture a DFlash drafter reads) by the engine's own Python
 (`engine_scripts/flashdraft_vllm_support.py`; vLLM is never imported here). The answer is cached per engine
-distribution and version (about 13 s to read on a 2-core CPU, then a file read), in $FLASHDRAFT_CACHE or
+distribution and version (about 22 s to read on a 2-core CPU, then a file read), in $FLASHDRAFT_CACHE or
 ~/.cache/flashdraft.
 """
 
