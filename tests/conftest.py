@@ -551,3 +551,11 @@ def doctor_files(tmp_path_factory) -> dict[str, Path]:
         "run": root / "run",
         "drafter": root / "drafter",
     }
+
+
+@pytest.fixture(autouse=True)
+def engine_support_read_only_in_engine_tests(request, monkeypatch):
+    """`doctor --serving` reads the engine's support facts by running the engine (about 22 s the first time): a test
+    not marked `engine` sees no engine there, and the doctor says it could not check."""
+    if request.node.get_closest_marker("engine") is None:
+        monkeypatch.setenv("FLASHDRAFT_ENGINE_PYTHON", str(Path(request.config.rootpath) / "no-engine" / "python"))

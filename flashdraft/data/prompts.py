@@ -307,6 +307,8 @@ def _messages(raw: Any, loc: str, name: str) -> list[dict[str, Any]]:
             m = {"role": ROLE_NAMES.get(str(m["from"]).lower(), m["from"]), "content": m.get("value")} | {
                 key: m[key] for key in MESSAGE_FIELDS[2:] if m.get(key) is not None
             }
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            m = m | {"content": _text_parts(m["content"], f"{loc}: {name}[{k}].content")}
         calls = isinstance(m, dict) and m.get("role") == "assistant" and bool(m.get("tool_calls"))
         content_ok = isinstance(m, dict) and (isinstance(m.get("content"), str) or (calls and not m.get("content")))
         if not isinstance(m, dict) or m.get("role") not in ROLES or not content_ok:
@@ -325,7 +327,44 @@ def _messages(raw: Any, loc: str, name: str) -> list[dict[str, Any]]:
             # reasoning_content); a `reasoning_content` alone it drops, so it is sent as `reasoning`
             message |= {"reasoning": reasoning, "reasoning_content": reasoning}
         messages.append(message)
-    return messages
+    return _with_call_ids(messages)
+
+
+def _text_parts(parts: list, where: str) -> str:
+    """Content given as OpenAI's list of parts, read as vLLM reads it for a text-only model whose template renders
+    content as a string: the text parts joined by newlines (`chat_utils`' "string" content format). Any other part
+    (an image, audio) is refused: the target reads text only."""
+    texts = []
+    for n, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise FlashdraftError(
+                f"{where}[{n}] is a {kind!r} part; expected {{'type': 'text', 'text': a string}} (a text-only target)"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _with_call_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool calls with an `id` each and tool results with the `tool_call_id` of the call they answer, filled where
+    the data has none (templates do not need them; vLLM's request format does): `call_{message}_{n}`, and a tool
+    message takes the next unanswered call's id in order. Both renders (local and the engine's) see the same."""
+    pending: list[str] = []
+    out = []
+    for k, message in enumerate(messages):
+        if message.get("tool_calls"):
+            calls = [
+                {"type": "function"} | call | {"id": call.get("id") or f"call_{k}_{n}"}
+                for n, call in enumerate(message["tool_calls"])
+            ]
+            message = message | {"tool_calls": calls}
+            pending = [c["id"] for c in calls]
+        elif message["role"] == "tool":
+            answered = message.get("tool_call_id") or (pending[0] if pending else f"call_{k}_0")
+            pending = [i for i in pending if i != answered]
+            message = message | {"tool_call_id": answered}
+        out.append(message)
+    return out
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:

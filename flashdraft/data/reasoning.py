@@ -96,6 +96,16 @@ def _open_in(markers: ReasoningMarkers, prompt_ids: list[int]) -> bool:
     return markers.style.start in prompt and prompt.rfind(markers.style.start) > prompt.rfind(markers.style.end)
 
 
+def closed_in_prompt(markers: ReasoningMarkers | None, prompt_ids: list[int]) -> bool:
+    """Whether the prompt ends in a closed, empty-or-not reasoning block (a thinking template in thinking-off mode:
+    `<think></think>` as the generation prompt): every completion token is then answer."""
+    if markers is None:
+        return False
+    prompt, _ = markers.text(prompt_ids)
+    end = prompt.rfind(markers.style.end)
+    return end >= 0 and prompt.rfind(markers.style.start) < end and not prompt[end + len(markers.style.end) :].strip()
+
+
 def reasoning_tokens(end: int | str | None, completion_length: int) -> int | None:
     """How many of a completion's first tokens are its reasoning (None: no reasoning segment)."""
     if end is None:

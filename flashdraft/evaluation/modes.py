@@ -17,6 +17,7 @@ from flashdraft.data.chat_mode import (
     mode_mix,
 )
 from flashdraft.data.reasoning import (
+    closed_in_prompt,
     reasoning_end,
     reasoning_markers,
     reasoning_tokens,
@@ -37,8 +38,9 @@ def walked_completion(result: EvalResult, record: EvalRecord, index: int) -> lis
 
 def by_segment(result: EvalResult, records: list[EvalRecord], tokenizer) -> dict[str, Any] | None:
     """τ, steps, tokens and token share of the reasoning, the tool-call and the answer segments (None: no record has
-    a reasoning segment or a tool call). A step belongs to the segment of the first token it commits; tool calls are
-    found where the template's markers are known, said where they are not and the records carry tools."""
+    a reasoning segment, a tool call or a prompt in thinking-off mode). A step belongs to the segment of the first
+    token it commits; tool calls are found where the template's markers are known, said where they are not and the
+    records carry tools."""
     markers, calls = reasoning_markers(tokenizer), tool_call_markers(tokenizer)
     segments = {"reasoning": [0, 0], "tool_call": [0, 0], "answer": [0, 0]}  # [steps, tokens committed]
     found = False
@@ -46,7 +48,8 @@ def by_segment(result: EvalResult, records: list[EvalRecord], tokenizer) -> dict
         completion = walked_completion(result, record, k)
         reasoning = reasoning_tokens(reasoning_end(record.prompt_ids, completion, markers), len(completion))
         in_call = tool_call_tokens(completion, calls) if calls is not None else set()
-        found |= reasoning is not None or bool(in_call)
+        # thinking off (the prompt closes an empty reasoning block): a segmented record, all of it answer
+        found |= reasoning is not None or bool(in_call) or closed_in_prompt(markers, record.prompt_ids)
         start = 0
         for n in walked.acceptance_lengths:
             name = "tool_call" if start in in_call else "reasoning" if start < (reasoning or 0) else "answer"

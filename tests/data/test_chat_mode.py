@@ -149,6 +149,32 @@ def test_kwargs_that_are_no_object_or_that_flashdraft_sets_are_one_line_errors()
 # -- the engine's rendering ----------------------------------------------------------------------------------------
 
 
+# a tool call and its result without ids (as many agent datasets store them), and text given as a list of parts
+TRACE_WITHOUT_IDS = [
+    TRACE[0],
+    TRACE[1] | {"tool_calls": [{"function": TRACE[1]["tool_calls"][0]["function"]}]},
+    {k: v for k, v in TRACE[2].items() if k != "tool_call_id"},
+    *TRACE[3:],
+]
+PARTS_MESSAGE = {"role": "user", "content": [{"type": "text", "text": "t4"}]}
+
+
+def test_rows_without_call_ids_or_with_text_parts_render_as_their_plain_forms_locally(capsys, tmp_path):
+    target = save_chat_target(tmp_path / "target")
+    prompts = _prompts(
+        tmp_path / "p.jsonl",
+        [
+            {"id": "c", "messages": TRACE, "tools": TOOLS},
+            {"id": "d", "messages": TRACE_WITHOUT_IDS, "tools": TOOLS},
+            {"id": "b", "prompt": "t4"},
+            {"id": "e", "messages": [PARTS_MESSAGE]},
+        ],
+    )
+    data, _ = _generate(capsys, tmp_path, target, prompts)
+    ids = {r["id"]: r["prompt_ids"] for r in data["records"]}
+    assert ids["d/step1"] == ids["c/step1"] and ids["d/step2"] == ids["c/step2"] and ids["e"] == ids["b"]
+
+
 @pytest.mark.engine
 def test_the_engines_render_equals_flashdrafts_and_a_server_with_another_default_is_refused(capsys, tmp_path):
     from flashdraft.data.chat_mode import check_engine_render
@@ -162,11 +188,15 @@ def test_the_engines_render_equals_flashdrafts_and_a_server_with_another_default
             {"id": "a", "turns": ["t1 t2", "t3"]},
             {"id": "b", "prompt": "t4", "chat_template_kwargs": {"enable_thinking": False}},
             {"id": "c", "messages": TRACE, "tools": TOOLS},  # an agent trace: two steps, the tools rendered
+            {"id": "d", "messages": TRACE_WITHOUT_IDS, "tools": TOOLS},  # ids filled: vLLM requires them
+            {"id": "e", "messages": [PARTS_MESSAGE], "chat_template_kwargs": {"enable_thinking": False}},
         ],
     )
     # generate --engine vllm: every prompt (both modes, the second turn's history) rendered by the engine too
     data, out = _generate(capsys, tmp_path, target, prompts, "--engine", "vllm", "--verify-share", "0.3")
-    assert len(data["records"]) == 5 and "completions against the target" in out
+    assert len(data["records"]) == 8 and "completions against the target" in out
+    ids = {r["id"]: r["prompt_ids"] for r in data["records"]}
+    assert ids["d/step1"] == ids["c/step1"] and ids["d/step2"] == ids["c/step2"] and ids["e"] == ids["b"]
     assert [r["tools"] for r in data["records"] if r["id"].startswith("c/")] == [SERVED_TOOLS, SERVED_TOOLS]
     python = engine_python()
     with VllmServer(

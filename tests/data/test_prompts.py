@@ -271,3 +271,36 @@ def test_tool_schemas_reach_the_template_as_vllm_hands_them_to_it_and_no_schema_
     ):
         with pytest.raises(FlashdraftError, match=found):
             load_prompts(str(write_jsonl(tmp_path / "b.jsonl", [{"messages": TRACE[:1], "tools": [tool]}])), quiet=True)
+
+
+def test_tool_calls_without_ids_get_them_once_so_every_render_sees_the_same_messages(tmp_path):
+    bare_call = {k: v for k, v in CALL.items() if k not in ("id", "type")}
+    bare = [
+        TRACE[0],
+        TRACE[1] | {"tool_calls": [bare_call]},
+        {k: v for k, v in TRACE[2].items() if k != "tool_call_id"},
+    ]
+    steps = load_prompts(str(write_jsonl(tmp_path / "t.jsonl", [{"messages": bare + TRACE[3:]}])), quiet=True)
+    messages = steps[1].conversation([])
+    call = messages[1]["tool_calls"][0]
+    assert call["id"] == "call_1_0" and call["type"] == "function"  # deterministic: message 1, call 0
+    assert messages[2]["tool_call_id"] == "call_1_0"  # the tool result answers the call before it
+    given = load_prompts(str(write_jsonl(tmp_path / "g.jsonl", [{"messages": TRACE}])), quiet=True)[1]
+    assert given.conversation([])[1]["tool_calls"][0]["id"] == "c1"  # ids in the data kept
+
+
+def test_content_as_text_parts_reads_as_the_string_and_another_part_type_is_refused_in_one_line(tmp_path):
+    from tests.conftest import make_chat_tokenizer
+
+    tok = make_chat_tokenizer()
+    parts = [{"type": "text", "text": "t1 t2"}, {"type": "text", "text": "t3"}]
+    rows = [
+        {"messages": [{"role": "user", "content": parts}]},
+        {"messages": [{"role": "user", "content": "t1 t2\nt3"}]},
+    ]
+    as_parts, as_string = load_prompts(str(write_jsonl(tmp_path / "p.jsonl", rows)), quiet=True)
+    render = [render_conversation(tok, p.conversation([]), True, None, p.tools) for p in (as_parts, as_string)]
+    assert encode_text(tok, render[0], False) == encode_text(tok, render[1], False)
+    image = [{"type": "text", "text": "t1"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    with pytest.raises(FlashdraftError, match=r"i\.jsonl:1: messages\[0\]\.content\[1\] is a 'image_url' part"):
+        load_prompts(str(write_jsonl(tmp_path / "i.jsonl", [{"messages": [{"role": "user", "content": image}]}])))

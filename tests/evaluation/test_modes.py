@@ -25,8 +25,12 @@ def test_tau_by_segment_counts_each_step_in_the_segment_of_its_first_token():
     # steps start at tokens 0, 3 (reasoning) and 5, 9 (answer)
     assert segments["reasoning"] == {"tau": 2.5, "steps": 2, "tokens": 5, "token_share": 0.5}
     assert segments["answer"] == {"tau": 2.5, "steps": 2, "tokens": 5, "token_share": 0.5}
-    off = EvalRecord("r", [1, THINK, END], list(range(5, 15)))  # thinking off: no reasoning segment
-    assert by_segment(result, [off], make_chat_tokenizer()) is None
+    off = EvalRecord("r", [1, THINK, END], list(range(5, 15)))  # thinking off: every token is answer
+    segments = by_segment(result, [off], make_chat_tokenizer())
+    assert segments["answer"] == {"tau": 2.5, "steps": 4, "tokens": 10, "token_share": 1.0}
+    assert segments["reasoning"]["tokens"] == 0
+    plain = EvalRecord("r", [1, 2], list(range(5, 15)))  # no thinking template in the prompt: not segmented
+    assert by_segment(result, [plain], make_chat_tokenizer()) is None
 
 
 @pytest.fixture(scope="module")

@@ -1,45 +1,33 @@
-"""The target-family table: every family the tiny configs build is in it, each layer kind it names rolls back a
-known way, and a model type outside it is refused before its weights load, in one line naming it and the
-supported ones."""
-
-import json
+"""The target-family notes: a row adds what cannot be read (reasoning, notes) to a target flashdraft supports by its
+layer kinds; a model type without a row works the same (support is read from the model, tests/target/
+test_layer_kinds.py)."""
 
 import pytest
 from transformers import AutoConfig
 
-from flashdraft.errors import FlashdraftError
-from flashdraft.target.families import BY_MODEL_TYPE, FAMILIES, ROLLBACK, target_family
-from tests.conftest import run_cli, save_target, write_word_prompts
+from flashdraft.target.families import BY_MODEL_TYPE, FAMILIES, family_notes
+from flashdraft.target.layer_kinds import ROLLBACK, read_support
+from tests.conftest import run_cli, write_word_prompts
 from tests.target.tiny_families import FAMILIES as TINY_FAMILIES
+from tests.target.tiny_families import READ_TYPES, make_family_model
 
 
-@pytest.mark.parametrize("model_type", sorted(TINY_FAMILIES) + ["qwen3", "llama", "qwen3_5_text"])
-def test_every_family_the_tests_build_is_in_the_table(model_type):
-    assert target_family(AutoConfig.for_model(model_type)).model_type in FAMILIES
+@pytest.mark.parametrize("model_type", sorted(TINY_FAMILIES) + sorted(READ_TYPES) + ["qwen3", "llama", "qwen3_5_text"])
+def test_every_type_the_tests_build_is_supported_by_its_layer_kinds_with_or_without_a_row(model_type):
+    tiny = model_type in TINY_FAMILIES or model_type in READ_TYPES
+    config = make_family_model(model_type).config if tiny else AutoConfig.for_model(model_type)
+    support = read_support(config)
+    assert set(support.layer_kinds) <= set(ROLLBACK) and len(support.rollback()) == len(support.kinds)
+    notes = family_notes(config)
+    assert (notes is not None) == (model_type in BY_MODEL_TYPE), model_type
 
 
-def test_each_family_names_layer_kinds_with_a_rollback_and_a_reasoning_style():
+def test_the_rows_keep_only_notes_and_the_multimodal_layout_reads_as_its_text_model():
     for family in FAMILIES.values():
-        assert family.layers and set(family.layers) <= set(ROLLBACK), family.model_type
-        assert len(family.rollback()) == len(family.layers) and family.vllm and family.cpu_engine
-    assert target_family(AutoConfig.for_model("qwen3_5_moe")).model_type == "qwen3_5_moe"  # the multimodal layout
-
-
-def test_a_model_type_outside_the_table_is_refused_in_one_line_before_any_work(tmp_path, capsys):
-    with pytest.raises(FlashdraftError, match=r"model type 'mistral' is not a target family flashdraft knows"):
-        target_family(AutoConfig.for_model("mistral"), "somewhere")
-    target = save_target(tmp_path / "target", "qwen3")
-    config = json.loads((target / "config.json").read_text())
-    (target / "config.json").write_text(json.dumps(config | {"model_type": "phi3", "architectures": ["X"]}))
-    write_word_prompts(tmp_path / "p.jsonl", 2)
-    for argv in (
-        ["generate", "--target-model", target, "--prompts", tmp_path / "p.jsonl", "--out", tmp_path / "c.json"],
-        ["init", "--target-model", target, "--out", tmp_path / "init"],
-    ):
-        rc, _, err = run_cli(capsys, *argv)
-        lines = [line for line in err.splitlines() if line.startswith("error:")]
-        assert rc == 2 and len(lines) == 1 and "'phi3'" in lines[0] and "qwen3_moe" in lines[0], err
-        assert "Traceback" not in err
+        assert family.reasoning and family.cpu_engine and not hasattr(family, "layers")
+    assert family_notes(AutoConfig.for_model("qwen3_5_moe")).model_type == "qwen3_5_moe"
+    assert family_notes(AutoConfig.for_model("mistral")) is None  # no row, still supported
+    assert read_support(AutoConfig.for_model("mistral", num_hidden_layers=2)).kinds == ["sliding"]
     assert len(BY_MODEL_TYPE) > len(FAMILIES)  # aliases: text configs and multimodal layouts
 
 

@@ -1,13 +1,14 @@
-"""The README's pipeline on a tiny target of each family with recurrent or latent caches: every stage exits 0,
+"""The README's pipeline on a tiny target of each family with recurrent or latent caches, and of the types whose
+support is read from the model alone (no family row): every stage exits 0,
 and online evaluation is lossless with offline τ equal to online τ."""
 
 import pytest
 
 from tests.conftest import run_cli, write_word_prompts
-from tests.target.tiny_families import FAMILIES, save_family_target
+from tests.target.tiny_families import FAMILIES, READ_TYPES, save_family_target
 
 
-@pytest.mark.parametrize("model_type", list(FAMILIES))
+@pytest.mark.parametrize("model_type", list(FAMILIES) + list(READ_TYPES))
 def test_every_stage_of_the_pipeline_runs_on_the_family(model_type, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     target = save_family_target(tmp_path / "target", model_type)
@@ -29,5 +30,5 @@ def test_every_stage_of_the_pipeline_runs_on_the_family(model_type, tmp_path, mo
         assert rc == 0, (argv[0], err[-400:])
         if "--check-consistency" in argv:
             assert "offline vs online: identical acceptance lengths" in out
-        if "--serving" in argv:  # the target's row of the family table, each server's support said
-            assert "target family " in out and "SGLang on it: " in out
+        if "--serving" in argv:  # the layer kinds read and their rollback, each server's support said
+            assert "caches roll back as" in out and "SGLang on it: " in out and "vLLM on a " in out

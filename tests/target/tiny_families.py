@@ -95,7 +95,8 @@ def make_family_model(model_type: str, seed: int = 0, **overrides):
     """A tiny random model of `model_type` with sharpened logits (greedy choices far from ties) and a zero EOS row
     (random targets run to the length limit), as `tests.conftest.make_hf_model`."""
     torch.manual_seed(seed)
-    fields = {k: v for k, v in (COMMON | FAMILIES[model_type] | overrides).items() if v is not None}
+    own = FAMILIES[model_type] if model_type in FAMILIES else READ_TYPES[model_type]
+    fields = {k: v for k, v in (COMMON | own | overrides).items() if v is not None}
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
@@ -108,7 +109,7 @@ def make_family_target(model_type: str, seed: int = 0, **overrides) -> TargetMod
 
 
 # model types whose tokenizer class transformers fixes whatever the files say (its Qwen3.5 byte-level BPE)
-BPE_TOKENIZER_TYPES = {"qwen3_5_moe_text"}
+BPE_TOKENIZER_TYPES = {"qwen3_5_moe_text", "qwen2"}
 
 
 def make_bpe_tokenizer() -> PreTrainedTokenizerFast:
@@ -129,3 +130,26 @@ def save_family_target(directory: Path, model_type: str, seed: int = 0) -> Path:
     tokenizer = make_bpe_tokenizer() if model_type in BPE_TOKENIZER_TYPES else make_tokenizer()
     tokenizer.save_pretrained(directory)
     return directory
+
+
+# the model types whose support is read from the model and no family row (issue: every target transformers builds);
+# the README pipeline runs on each (tests/target/test_tiny_families.py)
+SMALL_EXPERTS = dict(num_experts_per_tok=2, moe_intermediate_size=64)
+READ_TYPES = {
+    "qwen2": {},
+    "qwen2_moe": SMALL_EXPERTS | dict(num_experts=4, shared_expert_intermediate_size=64),
+    "mistral": dict(sliding_window=8),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "gemma2": dict(sliding_window=8),
+    "gemma3_text": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2),
+    "phi3": {},
+    "granite": {},
+    "olmo2": {},
+    "ernie4_5_moe": SMALL_EXPERTS | dict(moe_num_experts=4, moe_k=2, moe_layer_start_index=1),
+    "llama4_text": dict(
+        attention_chunk_size=8, num_local_experts=2, intermediate_size_mlp=256, no_rope_layers=[1, 1, 1, 0]
+    ),
+    "falcon_h1": dict(
+        mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16
+    ),
+}
