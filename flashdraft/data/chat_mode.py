@@ -191,14 +191,17 @@ class _Undetectable(Exception):
     default format, "string"."""
 
 
-def content_format(tokenizer) -> str:
+def content_format(tokenizer, tools: list[dict[str, Any]] | None = None) -> str:
     """How vLLM (`--chat-template-content-format auto`, its default) passes a message's content to the template,
     read from the template's Jinja AST as vLLM's `renderers/hf.py` `_detect_content_format` reads it: "openai" (a
     list of parts) where the template loops over a message's `content` (a message: a loop variable over `messages`
     or a variable set from it), over a macro's parameter a call gives it, or over a variable named `content`; else
-    "string", also without a template or for one Jinja cannot parse (vLLM's default). Cached per template."""
-    text = template_text(tokenizer)
-    if text is None:
+    "string", also without a template or for one Jinja cannot parse (vLLM's default). The template is the one
+    applied: of a named set, `tool_use` for a request with `tools` where there is one. Cached per template."""
+    text = getattr(tokenizer, "chat_template", None)
+    if isinstance(text, dict):
+        text = text["tool_use"] if tools is not None and "tool_use" in text else text.get("default")
+    if not text:
         return "string"
     key = hashlib.sha256(text.encode()).hexdigest()
     if key not in _content_formats:

@@ -433,7 +433,7 @@ def render_conversation(
     if use_chat_template:
         import jinja2
 
-        given = template_messages(messages, content_format(tokenizer))
+        given = template_messages(messages, content_format(tokenizer, tools))
         try:
             return tokenizer.apply_chat_template(
                 given, tools=tools, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})

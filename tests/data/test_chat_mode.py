@@ -189,6 +189,9 @@ TWO_PARTS = [{"type": "text", "text": "t1 t2"}, {"type": "text", "text": "t3"}]
 )
 def test_the_content_format_is_read_from_the_template_as_vllm_detects_it(template, expected):
     assert content_format(SimpleNamespace(chat_template=template)) == expected
+    named = SimpleNamespace(chat_template={"default": PLAIN_TEMPLATE, "tool_use": template})
+    assert content_format(named, tools=TOOLS) == expected  # the template applied to a request with tools
+    assert content_format(named) == "string"
 
 
 def test_text_parts_reach_an_openai_format_template_part_by_part_and_one_part_renders_as_the_string(tmp_path):
