@@ -1,7 +1,9 @@
 """The chat template's mode: the keyword arguments a prompt is rendered with (`chat_template_kwargs`, the request
 field vLLM and SGLang read; `enable_thinking` on Qwen3.x), checked against the template, recorded with the
 template's hash; where a completion's reasoning segment ends; the mode mix of a set of records; and a prompt
-rendered by the serving engine set against flashdraft's own.
+rendered by the serving engine set against flashdraft's own. A message's content as the template gets it: vLLM's
+content format (`content_format`: "string", or "openai" for a template that loops over a message's parts), read from
+the template as vLLM reads it, and the messages built in it (`template_messages`).
 
 Where a completion's reasoning segment is: `data/reasoning.py` (`<think>` ... `</think>`, gpt-oss's analysis
 channel, found in the text). A template that writes an empty think block into the prompt (thinking off) leaves the
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 from flashdraft.data.reasoning import NOT_CLOSED, reasoning_tokens
@@ -118,6 +120,8 @@ def ignored_kwargs(tokenizer, kwargs: dict[str, Any], messages: list[dict[str, s
     """The kwargs the template ignores: names it never reads, and booleans whose opposite renders `messages` to
     the same prompt."""
 
+    messages = template_messages(messages, content_format(tokenizer))
+
     def render(given: dict[str, Any]) -> str:  # as `prompts.render_conversation` renders with a template
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **given)
 
@@ -175,6 +179,139 @@ def resolve_mode(
         + (f", {len(first)} mixes of kwargs with the prompt rows' own" if rows else "")
     )
     return kwargs
+
+
+# -- the content format: how a message's content reaches the template ------------------------------------------
+
+_content_formats: dict[str, str] = {}  # the template's full sha256 -> its content format
+
+
+class _Undetectable(Exception):
+    """A template whose AST vLLM's detection asserts on (a loop or `set` into several names): vLLM then keeps its
+    default format, "string"."""
+
+
+def content_format(tokenizer, tools: list[dict[str, Any]] | None = None) -> str:
+    """How vLLM (`--chat-template-content-format auto`, its default) passes a message's content to the template,
+    read from the template's Jinja AST as vLLM's `renderers/hf.py` `_detect_content_format` reads it: "openai" (a
+    list of parts) where the template loops over a message's `content` (a message: a loop variable over `messages`
+    or a variable set from it), over a macro's parameter a call gives it, or over a variable named `content`; else
+    "string", also without a template or for one Jinja cannot parse (vLLM's default). The template is the one
+    applied: of a named set, `tool_use` for a request with `tools` where there is one. Cached per template."""
+    text = getattr(tokenizer, "chat_template", None)
+    if isinstance(text, dict):
+        text = text["tool_use"] if tools is not None and "tool_use" in text else text.get("default")
+    if not text:
+        return "string"
+    key = hashlib.sha256(text.encode()).hexdigest()
+    if key not in _content_formats:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        try:
+            # the environment transformers renders with (its own tags included), as vLLM parses it
+            root = _compile_jinja_template(text).environment.parse(text)
+            _content_formats[key] = "openai" if _loops_over_content(root) else "string"
+        except Exception:  # noqa: BLE001 - any template vLLM cannot read it gives its default
+            _content_formats[key] = "string"
+    return _content_formats[key]
+
+
+def template_messages(messages: list[dict[str, Any]], content_format_name: str) -> list[dict[str, Any]]:
+    """`messages` as vLLM passes them to a text-only model's template (`renderers/chat_utils.py`
+    `_parse_chat_message_content`): each content read as a list of text parts (a string is one part); in the
+    "string" format the parts' texts joined by newlines, in the "openai" format the list itself, a tool result's
+    joined back into a string (vLLM does so for tool messages of text parts)."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        parts = content if isinstance(content, list) else [{"type": "text", "text": content or ""}]
+        if content_format_name == "string" or message["role"] == "tool":
+            content = "\n".join(part["text"] for part in parts)
+        else:
+            content = [dict(part) for part in parts]
+        out.append(message | {"content": content})
+    return out
+
+
+def _reads(node, name: str, key: str | None = None) -> bool:
+    """Whether `node` reads variable `name` (or its `key`), through filters, tests and slices (vLLM's
+    `_is_var_or_elems_access`)."""
+    from jinja2 import nodes
+
+    if isinstance(node, nodes.Filter):
+        return node.node is not None and _reads(node.node, name, key)
+    if isinstance(node, nodes.Test) or (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)):
+        return _reads(node.node, name, key)
+    if key is None:
+        return _is_name(node, name)
+    if isinstance(node, nodes.Getitem):  # the variable itself, not through a filter, holds the key
+        return _is_name(node.node, name) and isinstance(node.arg, nodes.Const) and node.arg.value == key
+    return isinstance(node, nodes.Getattr) and _is_name(node.node, name) and node.attr == key
+
+
+def _is_name(node, name: str) -> bool:
+    from jinja2 import nodes
+
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+
+
+def _target_name(node) -> str:
+    from jinja2 import nodes
+
+    if not isinstance(node.target, nodes.Name):
+        raise _Undetectable
+    return node.target.name
+
+
+def _message_names(root) -> list[str]:
+    """The names a template's messages go by: `messages`, the variables `set` from it (transitively), and the
+    targets of loops over any of them (vLLM's `_iter_nodes_assign_messages_item`)."""
+    from jinja2 import nodes
+
+    names, queue = ["messages"], deque(["messages"])
+    while queue:
+        related = queue.popleft()
+        for assign in root.find_all(nodes.Assign):
+            if _reads(assign.node, related):
+                name = _target_name(assign)
+                if name not in names:
+                    names.append(name)
+                    queue.append(name)
+    return [_target_name(loop) for loop in root.find_all(nodes.For) if any(_reads(loop.iter, n) for n in names)]
+
+
+def _loops_over_content(root) -> bool:
+    """Whether the template loops over a message's content: `for part in message.content`, over a macro's
+    parameter some call passes a message's content, or over a variable named `content` outside macros (vLLM's
+    `_iter_nodes_assign_content_item`, in its order)."""
+    from jinja2 import nodes
+
+    messages = _message_names(root)
+    params_by_loop: dict[int, set[str]] = {}
+    in_macros: set[int] = set()
+    for macro in root.find_all(nodes.Macro):
+        names = [arg.name for arg in macro.args]
+        params = set()
+        for call in root.find_all(nodes.Call):
+            if isinstance(call.node, nodes.Name) and call.node.name == macro.name:
+                given = [(names[i], arg) for i, arg in enumerate(call.args) if i < len(names)]
+                given += [(kw.key, kw.value) for kw in call.kwargs if kw.key in names]
+                params |= {param for param, arg in given if any(_reads(arg, n, "content") for n in messages)}
+        for loop in macro.find_all(nodes.For):
+            in_macros.add(id(loop))
+            if params:
+                params_by_loop[id(loop)] = params
+    for loop in root.find_all(nodes.For):
+        over = loop.iter
+        named = isinstance(over, nodes.Name)
+        if (
+            any(_reads(over, n, "content") for n in messages)
+            or (named and over.name in params_by_loop.get(id(loop), ()))
+            or (named and id(loop) not in in_macros and over.name == "content")
+        ):
+            _target_name(loop)
+            return True
+    return False
 
 
 # -- reasoning segments --------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashdraft.data.chat_mode import json_object, parse_kwargs
+from flashdraft.data.chat_mode import content_format, json_object, parse_kwargs, template_messages
 from flashdraft.data.stdlib import stdlib_prompts
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import refuse_script
@@ -66,7 +66,7 @@ MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name", "reas
 @dataclass
 class Prompt:
     id: str
-    turns: list[str | dict]  # user turns (or a whole message: an agent step's), answered in order; a record each
+    turns: list[str | dict]  # user turns (or a whole message: an agent step's, text parts'), answered in order
     prefix: list[dict[str, Any]] = field(default_factory=list)  # chat messages before the first turn
     chat_template_kwargs: dict[str, Any] | None = None  # the row's own (over the run's): e.g. its thinking mode
     tools: list[dict[str, Any]] | None = None  # OpenAI function schemas the template renders
@@ -310,11 +310,12 @@ def _messages(raw: Any, loc: str, name: str) -> list[dict[str, Any]]:
         if isinstance(m, dict) and isinstance(m.get("content"), list):
             m = m | {"content": _text_parts(m["content"], f"{loc}: {name}[{k}].content")}
         calls = isinstance(m, dict) and m.get("role") == "assistant" and bool(m.get("tool_calls"))
-        content_ok = isinstance(m, dict) and (isinstance(m.get("content"), str) or (calls and not m.get("content")))
+        content = m.get("content") if isinstance(m, dict) else None
+        content_ok = isinstance(content, str | list) or (calls and not content)
         if not isinstance(m, dict) or m.get("role") not in ROLES or not content_ok:
             raise FlashdraftError(
                 f"{loc}: {name}[{k}] is {str(m)[:80]}; expected {{'role': one of {'/'.join(ROLES)}, 'content': a "
-                f"string}} or {{'from': one of {'/'.join(ROLE_NAMES)}, 'value': a string}}"
+                f"string or a list of text parts}} or {{'from': one of {'/'.join(ROLE_NAMES)}, 'value': a string}}"
             )
         message = {key: m[key] for key in MESSAGE_FIELDS if m.get(key) is not None} | {
             "content": m.get("content") or ""
@@ -330,10 +331,10 @@ def _messages(raw: Any, loc: str, name: str) -> list[dict[str, Any]]:
     return _with_call_ids(messages)
 
 
-def _text_parts(parts: list, where: str) -> str:
-    """Content given as OpenAI's list of parts, read as vLLM reads it for a text-only model whose template renders
-    content as a string: the text parts joined by newlines (`chat_utils`' "string" content format). Any other part
-    (an image, audio) is refused: the target reads text only."""
+def _text_parts(parts: list, where: str) -> list[dict[str, Any]]:
+    """Content given as OpenAI's list of parts, kept as parts: how the template gets them (joined, or the list) is
+    the template's content format, resolved where the prompt is rendered (`chat_mode.template_messages`). Any other
+    part (an image, audio) is refused: the target reads text only."""
     texts = []
     for n, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
@@ -341,8 +342,8 @@ def _text_parts(parts: list, where: str) -> str:
             raise FlashdraftError(
                 f"{where}[{n}] is a {kind!r} part; expected {{'type': 'text', 'text': a string}} (a text-only target)"
             )
-        texts.append(part["text"])
-    return "\n".join(texts)
+        texts.append(part)
+    return texts
 
 
 def _with_call_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -399,7 +400,8 @@ def _message_prompts(messages: list[dict[str, Any]], pid: str, where: str, stats
         stats["trailing_assistant_removed"] += 1
     if not messages or messages[-1]["role"] != "user":
         raise FlashdraftError(f"{where} has no user message to answer at its end")
-    return [Prompt(pid, [messages[-1]["content"]], prefix=messages[:-1])]
+    last = messages[-1]
+    return [Prompt(pid, [last["content"] if isinstance(last["content"], str) else last], prefix=messages[:-1])]
 
 
 def _is_agent_trace(messages: list[dict[str, Any]]) -> bool:
@@ -424,14 +426,17 @@ def render_conversation(
     """The text the target sees before its reply: the chat template with the generation
     prompt and `chat_template_kwargs` (None: the template's defaults; earlier replies as the template renders
     them, e.g. without their reasoning), or (no template) the contents concatenated, each reply continuing its
-    prompt. A template that refuses the conversation (`raise_exception`: a role it has no place for, such as
-    `tool`) is a one-line error naming `where`."""
+    prompt. Content given as text parts reaches the template as vLLM passes it in the template's content format
+    (`chat_mode.content_format`); plain text joins them as vLLM's "string" format does. A template that refuses the
+    conversation (`raise_exception`: a role it has no place for, such as `tool`) is a one-line error naming
+    `where`."""
     if use_chat_template:
         import jinja2
 
+        given = template_messages(messages, content_format(tokenizer, tools))
         try:
             return tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
+                given, tools=tools, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
             )
         except jinja2.TemplateError as e:
             roles = "/".join(m["role"] for m in messages)
@@ -440,7 +445,7 @@ def render_conversation(
                 f"the target's template renders (one without a tool role renders no agent trace)"
             ) from None
     text = ""
-    for m in messages:
+    for m in template_messages(messages, "string"):
         if m["role"] == "assistant" or not text:
             text += m["content"]
         else:

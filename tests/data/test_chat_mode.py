@@ -2,15 +2,18 @@
 (`tests.conftest.THINKING_TEMPLATE`): both modes rendered as transformers renders them with the kwargs, recorded per
 record with the template's hash; multi-turn history as the template renders it (earlier reasoning dropped); a trace
 cut inside its reasoning counted as not closed; a template that ignores its kwarg reported; and the engine's own
-rendering equal to flashdraft's, a server started with another default refused."""
+rendering equal to flashdraft's, a server started with another default refused. Content given as text parts: the
+template's content format read as vLLM detects it, and the parts given to the template as vLLM gives them."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from flashdraft.data.chat_mode import parse_kwargs, run_kwargs
+from flashdraft.data.chat_mode import content_format, parse_kwargs, run_kwargs, template_messages
+from flashdraft.data.prompts import encode_text, load_prompts, render_conversation
 from flashdraft.data.reasoning import NOT_CLOSED, reasoning_end, reasoning_markers
 from flashdraft.errors import FlashdraftError
 from tests.conftest import CHAT_WORDS, PLAIN_TEMPLATE, make_chat_tokenizer, run_cli, save_chat_target
@@ -146,6 +149,68 @@ def test_kwargs_that_are_no_object_or_that_flashdraft_sets_are_one_line_errors()
     assert run_kwargs('{"reasoning_effort": "low"}', False) == {"reasoning_effort": "low", "enable_thinking": False}
 
 
+# -- content given as text parts ----------------------------------------------------------------------------------
+
+# a template that reads a message's content as OpenAI's list of parts (vLLM's "openai" content format), t60 after
+# each part so that the parts stay visible in the prompt
+PARTS_TEMPLATE = (
+    "{%- for m in messages -%}<|im_start|> {{ m.role }} {% for part in m.content %}{{ part.text }} t60 {% endfor %}"
+    "<|im_end|> {% endfor -%}{%- if add_generation_prompt -%}<|im_start|> assistant {% endif -%}"
+)
+TWO_PARTS = [{"type": "text", "text": "t1 t2"}, {"type": "text", "text": "t3"}]
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        (PLAIN_TEMPLATE, "string"),
+        (PARTS_TEMPLATE, "openai"),
+        # through a variable named `content` (vLLM follows no other name set from it), and a macro's parameter
+        (
+            "{% for m in messages %}{% set content = m['content'] %}{% for p in content %}{% endfor %}{% endfor %}",
+            "openai",
+        ),
+        ("{% for m in messages %}{% set c = m['content'] %}{% for p in c %}{% endfor %}{% endfor %}", "string"),
+        (
+            "{% macro say(x) %}{% for p in x %}{{ p.text }}{% endfor %}{% endmacro %}"
+            "{% for m in messages %}{{ say(m.content) }}{% endfor %}",
+            "openai",
+        ),
+        # vLLM reads a key of the loop variable itself only, not through a filter
+        ("{% for m in messages %}{% for p in (m | first)['content'] %}{{ p }}{% endfor %}{% endfor %}", "string"),
+        # a loop into two names before the content loop: vLLM's detection gives up, its default is "string"
+        (
+            "{% for k, v in messages %}{% endfor %}"
+            "{% for m in messages %}{% for p in m.content %}{% endfor %}{% endfor %}",
+            "string",
+        ),
+        ("{% for m in messages %}{{ m.content }", "string"),  # not a template Jinja parses
+    ],
+)
+def test_the_content_format_is_read_from_the_template_as_vllm_detects_it(template, expected):
+    assert content_format(SimpleNamespace(chat_template=template)) == expected
+    named = SimpleNamespace(chat_template={"default": PLAIN_TEMPLATE, "tool_use": template})
+    assert content_format(named, tools=TOOLS) == expected  # the template applied to a request with tools
+    assert content_format(named) == "string"
+
+
+def test_text_parts_reach_an_openai_format_template_part_by_part_and_one_part_renders_as_the_string(tmp_path):
+    tok = make_chat_tokenizer(PARTS_TEMPLATE)
+    rows = [
+        {"id": "two", "messages": [{"role": "system", "content": "t5"}, {"role": "user", "content": TWO_PARTS}]},
+        {"id": "one", "messages": [{"role": "system", "content": "t5"}, {"role": "user", "content": TWO_PARTS[:1]}]},
+        {"id": "string", "messages": [{"role": "system", "content": "t5"}, {"role": "user", "content": "t1 t2"}]},
+    ]
+    prompts = load_prompts(str(_prompts(tmp_path / "p.jsonl", rows)), quiet=True)
+    ids = {p.id: encode_text(tok, render_conversation(tok, p.conversation([]), True), True) for p in prompts}
+    # a string content is one part, as vLLM passes it to an "openai" template; each part rendered on its own
+    words = "<|im_start|> system t5 t60 <|im_end|> <|im_start|> user t1 t2 t60 t3 t60 <|im_end|> <|im_start|> assistant"
+    assert tok.convert_ids_to_tokens(ids["two"]) == words.split()
+    assert ids["one"] == ids["string"] and ids["one"] != ids["two"]
+    # a tool result's text parts vLLM joins into a string even for an "openai" template
+    assert template_messages([{"role": "tool", "content": TWO_PARTS}], "openai")[0]["content"] == "t1 t2\nt3"
+
+
 # -- the engine's rendering ----------------------------------------------------------------------------------------
 
 
@@ -204,7 +269,8 @@ def test_the_engines_render_equals_flashdrafts_and_a_server_with_another_default
         str(target),
         tmp_path / "server.log",
         info=engine_info(python),
-        extra_args=["--default-chat-template-kwargs", '{"enable_thinking": false}'],
+        # a request's own template trusted: an "openai"-format template served without another server start
+        extra_args=["--default-chat-template-kwargs", '{"enable_thinking": false}', "--trust-request-chat-template"],
     ) as server:
         client, tok = OpenAIClient(server.base_url), make_chat_tokenizer()
         for r in data["records"]:  # the records' own kwargs sent: the server's default does not apply
@@ -220,3 +286,14 @@ def test_the_engines_render_equals_flashdrafts_and_a_server_with_another_default
             r"8, the engine's 59 '</think>'",
         ):
             check_engine_render(client, "vllm", record["id"], record["messages"], {}, record["prompt_ids"], tok)
+        # a row of two text parts through a template that loops over them: vLLM detects its "openai" format and
+        # renders the prompt flashdraft renders
+        parts_tok, messages = make_chat_tokenizer(PARTS_TEMPLATE), [{"role": "user", "content": TWO_PARTS}]
+        body = {
+            "model": client.model,
+            "messages": messages,
+            "add_generation_prompt": True,
+            "chat_template": PARTS_TEMPLATE,
+        }
+        served = client._request("/tokenize", body, root=True)["tokens"]
+        assert served == encode_text(parts_tok, render_conversation(parts_tok, messages, True), True)

@@ -299,6 +299,7 @@ def test_content_as_text_parts_reads_as_the_string_and_another_part_type_is_refu
         {"messages": [{"role": "user", "content": "t1 t2\nt3"}]},
     ]
     as_parts, as_string = load_prompts(str(write_jsonl(tmp_path / "p.jsonl", rows)), quiet=True)
+    assert as_parts.conversation([])[-1]["content"] == parts  # kept as read: joined where a template renders them
     render = [render_conversation(tok, p.conversation([]), True, None, p.tools) for p in (as_parts, as_string)]
     assert encode_text(tok, render[0], False) == encode_text(tok, render[1], False)
     image = [{"type": "text", "text": "t1"}, {"type": "image_url", "image_url": {"url": "x"}}]
