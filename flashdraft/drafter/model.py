@@ -579,6 +579,7 @@ class DFlashDrafter(nn.Module):
         context_features: torch.Tensor | None = None,
         context_positions: torch.Tensor | None = None,
         cache: DrafterCache | None = None,
+        context_before_anchors: bool = False,
     ) -> torch.Tensor:
         """Hidden states of the block positions, after the final norm (feed to the LM head).
 
@@ -587,6 +588,9 @@ class DFlashDrafter(nn.Module):
         context_features: [N, C, n_ctx * H] concatenated target layer outputs (raw, before fc)
         context_positions: [N, C] their positions (PAD_POSITION for padding)
         cache: committed context from earlier calls; the new context is appended to it.
+        context_before_anchors: the caller knows every context position (cached and new) is before every anchor
+        (decoding: the context is the committed tokens), so a one-block forward's full layers need no mask and
+        nothing is read back from the device to find that out.
         """
         n, q_len, _ = block_embeds.shape
         num_blocks = anchor_positions.shape[1]
@@ -619,7 +623,11 @@ class DFlashDrafter(nn.Module):
         masks = {}
         # Drafting one block after committed context (decoding): in a full non-causal layer every key
         # is visible to every query, so no mask; building one and masking costs ~10% of a CPU drafting step.
-        sees_all = backend == "sdpa" and num_blocks == 1 and bool((all_context_positions < anchor_positions).all())
+        sees_all = (
+            backend == "sdpa"
+            and num_blocks == 1
+            and (context_before_anchors or bool((all_context_positions < anchor_positions).all()))
+        )
         for attention in {layer.attention for layer in self.layers}:
             if sees_all and attention.window is None and not attention.causal:
                 masks[attention] = None

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flashdraft.decoding.generate import SpeculativeConfig, autoregressive_generate, speculative_generate
+from flashdraft.decoding.host_transfers import TRANSFERS
 from flashdraft.decoding.proposers import DraftLimit
 from flashdraft.decoding.serving_rules import (
     NO_FILTERS,
@@ -299,3 +300,24 @@ def test_sampling_with_top_k_top_p_and_min_p_keeps_the_law_of_plain_sampling_und
     _assert_the_third_token_keeps_the_target_law(
         target, drafter, rule=rule, temperature=0.6, filters=filters, min_accepted_twice=twice
     )
+
+
+TENSOR_READS = ("tolist", "item", "__bool__", "__int__", "__index__", "__float__")  # a tensor's value to the host
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "qwen3"])
+def test_a_greedy_step_reads_the_device_once_and_the_counter_sees_every_read(kind, monkeypatch):
+    target, drafter = make_target(kind), make_drafter(block_size=8)
+    plain = autoregressive_generate(target, PROMPT, 30)
+    speculative_generate(target, drafter, PROMPT, 4)  # warm-up: nothing below depends on first-call work
+    reads = []
+    for name in TENSOR_READS:  # every read of a tensor's value in Python, counted or not
+        raw = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _raw=raw, **k: reads.append(1) or _raw(self, *a, **k))
+    before = TRANSFERS.reads
+    spec = speculative_generate(target, drafter, PROMPT, 30)
+    monkeypatch.undo()
+    steps = len(spec.acceptance_lengths)
+    assert spec.output_ids == plain.output_ids and steps > 5
+    assert spec.host_transfers == steps  # one per step, the prefill's first token not counted
+    assert len(reads) == TRANSFERS.reads - before == steps + 1  # nothing read past the counter: + the prefill's
