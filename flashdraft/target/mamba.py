@@ -79,4 +79,3 @@ def torch_mamba_path(modeling_module) -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(modeling_module, name, fn)
-
