@@ -119,3 +119,10 @@ def test_mamba_targets_compare_the_chunked_scan_with_the_per_token_recurrence_an
     assert "mamba_ssm" in result.skipped and "not fla's" in result.skipped["mamba_ssm"]
     print_parity(result, len(PROMPTS), sum(map(len, PROMPTS)))
     assert "not compared: mamba_ssm (" in capsys.readouterr().out
+
+
+def test_prompts_too_short_to_continue_after_a_prefill_leave_the_continuation_case_out_and_say_so(capsys):
+    result = run_parity(make_target("hybrid"), PROMPTS[:2])  # 8 and 3 tokens; the target's own dtype
+    assert list(result.errors) == ["prompt"] and result.dtypes == ["float32"] and result.passed
+    print_parity(result, 2, 11)
+    assert "not compared: continuation (no prompt longer than 17 tokens)" in capsys.readouterr().out
