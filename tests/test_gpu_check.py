@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -137,3 +138,15 @@ def test_linear_attention_drift_fails_the_check_and_exits_1(monkeypatch, capsys)
     rows = result_rows(out)
     assert [(r["case"], r["passed"]) for r in rows] == [("float32", False), ("bfloat16", False)]
     assert "FAIL" in out and "2 failed" in out.splitlines()[-1]
+
+
+def test_a_check_past_its_cap_is_stopped_and_reported_and_the_run_goes_on(monkeypatch, capsys):
+    gpu_check = _gpu_check(monkeypatch)
+    monkeypatch.setitem(gpu_check.CAPS, "target_verify_cost", 1)
+    monkeypatch.setattr(gpu_check, "check_target_verify_cost", lambda target, widths: time.sleep(5))
+    assert gpu_check.main(["--dry-run", "--checks", "target_verify_cost,linear_attention_parity"]) == 1
+    out = capsys.readouterr().out
+    rows = result_rows(out)
+    assert [r["check"] for r in rows] == ["linear_attention_parity"] * 2 + ["target_verify_cost"]
+    assert rows[-1]["error"] == "OverCap: over its 1 s cap" and rows[-1]["seconds"] < 3
+    assert "# target_verify_cost (16 vs 1 tokens): cap 1 s" in out
