@@ -269,11 +269,11 @@ def verify(
             continue
         residual = p[j].clone()
         if q is None:
-            residual[draft[j]] = 0.0
+            residual.index_fill_(0, draft[j : j + 1], 0.0)  # a tensor index: no read of the device
         else:
             residual = (residual - q[j]).clamp(min=0)
         total = residual.sum()
-        residual = residual / total if total > 0 else p[j]
+        residual = torch.where(total > 0, residual / total, p[j])  # decided on the device
         return j, to_host(torch.multinomial(residual, 1, generator=generator))[0], alpha
     return draft.shape[0], to_host(torch.multinomial(p[draft.shape[0]], 1, generator=generator))[0], alpha
 

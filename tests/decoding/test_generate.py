@@ -305,19 +305,49 @@ def test_sampling_with_top_k_top_p_and_min_p_keeps_the_law_of_plain_sampling_und
 TENSOR_READS = ("tolist", "item", "__bool__", "__int__", "__index__", "__float__")  # a tensor's value to the host
 
 
+def _raw_reads(monkeypatch, run) -> tuple[object, int, int]:
+    """run()'s result, the reads of a tensor's value in Python it made (counted or not) and those the counter saw."""
+    reads = []
+    for name in TENSOR_READS:
+        raw = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _raw=raw, **k: reads.append(1) or _raw(self, *a, **k))
+    before = TRANSFERS.reads
+    try:
+        result = run()
+    finally:
+        monkeypatch.undo()
+    return result, len(reads), TRANSFERS.reads - before
+
+
 @pytest.mark.parametrize("kind", ["hybrid", "qwen3"])
 def test_a_greedy_step_reads_the_device_once_and_the_counter_sees_every_read(kind, monkeypatch):
     target, drafter = make_target(kind), make_drafter(block_size=8)
     plain = autoregressive_generate(target, PROMPT, 30)
     speculative_generate(target, drafter, PROMPT, 4)  # warm-up: nothing below depends on first-call work
-    reads = []
-    for name in TENSOR_READS:  # every read of a tensor's value in Python, counted or not
-        raw = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _raw=raw, **k: reads.append(1) or _raw(self, *a, **k))
-    before = TRANSFERS.reads
-    spec = speculative_generate(target, drafter, PROMPT, 30)
-    monkeypatch.undo()
-    steps = len(spec.acceptance_lengths)
-    assert spec.output_ids == plain.output_ids and steps > 5
-    assert spec.host_transfers == steps  # one per step, the prefill's first token not counted
-    assert len(reads) == TRANSFERS.reads - before == steps + 1  # nothing read past the counter: + the prefill's
+    for config in (SpeculativeConfig(), SpeculativeConfig(time_phases=False)):
+        spec, raw, counted = _raw_reads(
+            monkeypatch, lambda c=config: speculative_generate(target, drafter, PROMPT, 30, speculative=c)
+        )
+        steps = len(spec.acceptance_lengths)
+        assert spec.output_ids == plain.output_ids and steps > 5
+        assert spec.host_transfers == steps  # one per step, the prefill's first token not counted
+        assert raw == counted == steps + 1  # nothing read past the counter: + the prefill's
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"sampling": SamplingParams(temperature=1.0)},
+        {"speculative": SpeculativeConfig(limit=DraftLimit(num_speculative_tokens=3, adaptive_threshold=0.01))},
+    ],
+    ids=["sampled", "adaptive-limit"],
+)
+def test_sampled_and_limited_steps_read_more_and_the_counter_sees_every_read(setting, monkeypatch):
+    target, drafter = make_target("hybrid"), make_drafter(block_size=8)
+    spec, raw, counted = _raw_reads(
+        monkeypatch,
+        lambda: speculative_generate(
+            target, drafter, PROMPT, 20, generator=torch.Generator().manual_seed(0), **setting
+        ),
+    )
+    assert raw == counted == spec.host_transfers + 1 and spec.host_transfers > len(spec.acceptance_lengths)
