@@ -153,7 +153,8 @@ def _accept(
     # an accepted stop token ends the step: the step commits at most up to the first drafted one
     stop_at = next((j + 1 for j, t in enumerate(drafts) if t in stop_ids), budget)
     committed = drafts[:a] + [bonus]
-    return committed, torch.tensor([bonus], device=draft.device), expected_committed(alpha, min(budget, stop_at))
+    anchor = torch.full((1,), bonus, dtype=torch.long, device=draft.device)  # a fill: no copy from the host
+    return committed, anchor, expected_committed(alpha, min(budget, stop_at))
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,7 @@ def _speculative_steps(
     new_context = _rounded(prefill.context_features, round_context_to)
     new_positions = torch.arange(len(prompt_ids), device=device)[None]
     anchor_pos = len(prompt_ids)
-    anchor = torch.tensor([first], device=device)  # [1]: the last committed token, kept on the device
+    anchor = torch.full((1,), first, dtype=torch.long, device=device)  # [1]: the last committed token, on the device
     reads_before, loop_start = TRANSFERS.reads, _clock(device)
 
     while len(result.output_ids) < max_new_tokens:

@@ -99,6 +99,14 @@ def sampled_draw(
 # -- the DFlash drafter as a proposer ------------------------------------------------------
 
 
+def on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """values [K] as a tensor on `device`; a single value (decoding's one anchor) is written there by a fill kernel,
+    since on CUDA a copy from the host's pageable memory waits for all queued work, as a read does."""
+    if len(values) == 1:
+        return torch.full((1,), values[0], dtype=torch.long, device=device)
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
 def inference_blocks(anchor_tokens: torch.Tensor, block: int, mask_token_id: int) -> torch.Tensor:
     """The blocks a drafter fills at inference: [anchor, mask x (B - 1)] per anchor [K] -> [K, B]."""
     blocks = torch.full((anchor_tokens.shape[0], block), mask_token_id, device=anchor_tokens.device)
@@ -177,7 +185,7 @@ class DFlashProposer:
         logits = self.drafter.logits(drafts.reshape(-1, drafts.shape[-1]), self.target.lm_head)
         logits = logits.view(*drafts.shape[:2], -1)  # [K, k, V]
         selector = self.drafter.candidate_selector
-        anchors = torch.tensor(anchor_tokens, device=logits.device)
+        anchors = on_device(anchor_tokens, logits.device)
         self._blocks = (drafts, logits, anchors)
         if selector is not None and self.use_selector:  # DFlash2: the rows of the selector's greedy walk
             self._last_walk = (drafts[-1:], logits[-1:], anchors[-1:])  # what `draw` re-walks when sampling
@@ -265,12 +273,12 @@ class DFlashProposer:
         """The drafter's final hidden states [K, k, H] at the first k (the limit's, else all) draft positions: block
         positions 1.. in the fill-in layout, 0.. in the anchor-first one (`DrafterConfig.first_draft_position`)."""
         device = self.target.device
-        blocks = inference_blocks(torch.tensor(anchor_tokens, device=device), block, self.drafter.config.mask_token_id)
+        blocks = inference_blocks(on_device(anchor_tokens, device), block, self.drafter.config.mask_token_id)
         if new_context is not None:
             new_context = new_context.to(next(self.drafter.parameters()).dtype)
         hidden = self.drafter(  # [1, K * B, H]
             self.drafter.embed(blocks.reshape(1, -1), self.target),
-            torch.tensor([anchor_positions], device=device),
+            on_device(anchor_positions, device)[None],
             new_context,
             new_positions,
             cache=self.cache,
