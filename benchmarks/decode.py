@@ -14,8 +14,10 @@ once per `--num-speculative-tokens` k (the first k drafts) and per `--adaptive-t
 (drafts up to the first with top probability under p; DFlash drafters only: an n-gram draft
 has probability 1). Prints one JSON line per drafter and setting: τ, speed-up, the bound
 τ x t(greedy step) / (t(draft) + t(verify)) with the per-step costs measured inside the decode
-loop, and speed-up / bound; then per drafter its best setting. The plain greedy figures are
-the same in each line. On a CPU the tiny target runs fastest on one thread.
+loop, and speed-up / bound; each step's time split into drafting, verification and the
+bookkeeping around them, and the device-to-host reads per step (`flashdraft.decoding.host_transfers`);
+then per drafter its best setting. The plain greedy figures are the same in each line. On a CPU
+the tiny target runs fastest on one thread.
 A last line ("verify_cost") gives what a speculative step pays the target: t_step_1, one
 token after a 200-token cached prefix, t_verify_17, a 17-token block there, and their ratio
 (median ms of interleaved runs); a drafter with τ below the ratio cannot speed decoding up.
@@ -116,7 +118,19 @@ def main() -> None:
         speculative_generate(target, drafter, warm, 16, speculative=SpeculativeConfig(block_size=block))
 
     greedy_tokens, greedy_seconds = 0, 0.0
-    stats = [{"tokens": 0, "seconds": 0.0, "draft": 0.0, "verify": 0.0, "lengths": [], "lossless": True} for _ in runs]
+    stats = [
+        {
+            "tokens": 0,
+            "seconds": 0.0,
+            "draft": 0.0,
+            "verify": 0.0,
+            "steps_s": 0.0,
+            "reads": 0,
+            "lengths": [],
+            "lossless": True,
+        }
+        for _ in runs
+    ]
     for record in records:
         t0 = time.perf_counter()
         plain = autoregressive_generate(target, record.prompt_ids, args.max_new_tokens)
@@ -134,6 +148,7 @@ def main() -> None:
             s["seconds"] += time.perf_counter() - t0
             s["tokens"] += len(spec.output_ids)
             s["draft"], s["verify"] = s["draft"] + spec.draft_seconds, s["verify"] + spec.verify_seconds
+            s["steps_s"], s["reads"] = s["steps_s"] + spec.decode_seconds, s["reads"] + spec.host_transfers
             s["lengths"] += spec.acceptance_lengths
             s["lossless"] &= spec.output_ids == plain.output_ids
 
@@ -162,8 +177,12 @@ def main() -> None:
             "speedup": round(speedup, 3),
             "speedup_bound": round(bound, 3),
             "speedup_of_bound": round(speedup / bound, 3),
+            "step_ms": round(1000 * s["steps_s"] / steps, 3),
             "draft_ms": round(1000 * s["draft"] / steps, 3),
             "verify_ms": round(1000 * s["verify"] / steps, 3),
+            # the rest of a step: acceptance, rollback, the drafter's context, the loop's own Python
+            "bookkeeping_ms": round(1000 * (s["steps_s"] - s["draft"] - s["verify"]) / steps, 3),
+            "host_transfers_per_step": round(s["reads"] / steps, 3),
             "greedy_step_ms": round(1000 * greedy_step, 3),
             "lossless": s["lossless"],
         }

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ CHECKS = {
     "linear_attention_parity",
     "target_verify_cost",
     "spec_loop_overhead",
+    "tiny_decode",
     "flex_vs_dense",
     "train_step",
     "served",
@@ -45,15 +47,23 @@ def test_dry_run_prints_every_check_with_figures_and_passes():
     assert {r["check"] for r in rows} == CHECKS and not [r for r in rows if "error" in r]
     parity = [r for r in rows if r["check"] == "linear_attention_parity"]
     assert [r["case"] for r in parity] == ["float32", "bfloat16"] and all(r["passed"] for r in parity)
-    assert all(len(cosines) == 4 for r in parity for cosines in r["min_cosine"].values())  # one per slice layer
+    # one error per linear layer of the slice (3 of its 4), for prompts and for a continuation after a prefill
+    assert all(len(r["errors"][case]["torch_recurrent"]) == 3 for r in parity for case in ("prompt", "continuation"))
+    assert parity[1]["floors"]["prompt"][0] > parity[0]["floors"]["prompt"][0]  # bf16's own noise over fp32's
     flex = next(r for r in rows if r["check"] == "flex_vs_dense")
     assert flex["passed"] and flex["blocks"] > 1 and "sliding_attention" in flex["layer_types"]
     verify = next(r for r in rows if r["check"] == "target_verify_cost")
     # the ratio is rounded from the unrounded times: within half a last digit of the rounded times' ratio, plus
     # what rounding the times to 3 decimals can move it
     assert verify["t1_ms"] > 0 and abs(verify["ratio"] - verify["t16_ms"] / verify["t1_ms"]) < 0.01
-    loop = next(r for r in rows if r["check"] == "spec_loop_overhead")
-    assert loop["steps"] > 1 and loop["verify_ms"] > 0 and loop["drafter_ms"] > 0
+    loops = [r for r in rows if r["check"] == "spec_loop_overhead"]
+    assert [r["rollback_mode"] for r in loops] == ["recompute", "deferred"]
+    for loop in loops:
+        assert loop["steps"] > 1 and loop["verify_ms"] > 0 and loop["drafter_ms"] > 0
+        assert loop["host_transfers_per_step"] == 1 and loop["floor_ms"] > 0 and loop["step_over_floor"] > 0
+    tiny = next(r for r in rows if r["check"] == "tiny_decode")
+    assert tiny["passed"] and tiny["speculative_tokens_per_s"] > 0 and tiny["tau"] > 1
+    assert all(f"cap {s} s" in out.stdout for s in (40, 15, 45, 20))  # each check announced with its cap
     trained = [r for r in rows if r["check"] == "train_step" and "skipped" not in r]
     assert {r["case"] for r in trained} == {
         "qwen3-8b-drafter sdpa",
@@ -129,5 +139,16 @@ def test_linear_attention_drift_fails_the_check_and_exits_1(monkeypatch, capsys)
     out = capsys.readouterr().out
     rows = result_rows(out)
     assert [(r["case"], r["passed"]) for r in rows] == [("float32", False), ("bfloat16", False)]
-    assert all(c < 0.9999 for r in rows for c in r["min_cosine"]["torch_recurrent"])
     assert "FAIL" in out and "2 failed" in out.splitlines()[-1]
+
+
+def test_a_check_past_its_cap_is_stopped_and_reported_and_the_run_goes_on(monkeypatch, capsys):
+    gpu_check = _gpu_check(monkeypatch)
+    monkeypatch.setitem(gpu_check.CAPS, "target_verify_cost", 1)
+    monkeypatch.setattr(gpu_check, "check_target_verify_cost", lambda target, widths: time.sleep(5))
+    assert gpu_check.main(["--dry-run", "--checks", "target_verify_cost,linear_attention_parity"]) == 1
+    out = capsys.readouterr().out
+    rows = result_rows(out)
+    assert [r["check"] for r in rows] == ["linear_attention_parity"] * 2 + ["target_verify_cost"]
+    assert rows[-1]["error"] == "OverCap: over its 1 s cap" and rows[-1]["seconds"] < 3
+    assert "# target_verify_cost (16 vs 1 tokens): cap 1 s" in out

@@ -1,6 +1,6 @@
-"""`flashdraft parity`: linear-attention backends compared layer by layer
-(`run_parity_command`, which takes each option by name, over `flashdraft.target.parity`); exit 1 below the
-threshold. The prompts are rendered here: the target wing knows no prompt sets."""
+"""`flashdraft parity`: linear-attention backends compared layer by layer with an fp32 reference, in each dtype
+(`run_parity_command`, which takes each option by name, over `flashdraft.target.parity`); exit 1 when an error is
+over its allowance. The prompts are rendered here: the target wing knows no prompt sets."""
 
 from __future__ import annotations
 
@@ -8,6 +8,16 @@ import argparse
 import sys
 
 from flashdraft.commands.options import command_options, device_args, layer_list, positive
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def dtype_list(value: str) -> tuple[str, ...]:
+    """'fp32,bf16' -> the dtype names, checked."""
+    names = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not names or any(n not in DTYPES for n in names):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected dtypes from {', '.join(DTYPES)}, comma-separated")
+    return names
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -17,7 +27,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=positive, default=8)
     p.add_argument("--layers", type=layer_list, default=None, help="layers to compare (default: all)")
     p.add_argument("--checkpoint", default=None, help="compare this drafter's target_layer_ids")
-    p.add_argument("--threshold", type=float, default=0.9999, help="fail below this minimum cosine similarity")
+    p.add_argument(
+        "--dtypes",
+        type=dtype_list,
+        default=("fp32", "bf16"),
+        help="dtypes each backend runs in, against the fp32 reference (default fp32,bf16)",
+    )
+    p.add_argument(
+        "--noise-factor",
+        type=float,
+        default=None,
+        help="fail where a backend's error is over this many times the reference path's own error in that dtype "
+        "(default 2) ...",
+    )
+    p.add_argument("--error-floor", type=float, default=None, help="... plus this relative error (default 3e-3)")
     device_args(p)
     return p
 
@@ -33,11 +56,13 @@ def run_parity_command(
     num_prompts: int = 8,
     layers: list[int] | None = None,
     checkpoint: str | None = None,
-    threshold: float = 0.9999,
+    dtypes: tuple[str, ...] = ("fp32", "bf16"),
+    noise_factor: float | None = None,
+    error_floor: float | None = None,
     device: str | None = None,
     target_dtype: str | None = None,
 ) -> bool:
-    """`flashdraft parity`: prints the table; returns whether every layer passed."""
+    """`flashdraft parity`: prints the table; returns whether every backend passed in every dtype and case."""
     from flashdraft.data.cache_run import drafter_layer_ids
     from flashdraft.data.prompts import encode_text, has_chat_template, load_prompts, render_conversation
     from flashdraft.distributed import Dist, load_dtype, pick_device
@@ -57,6 +82,13 @@ def run_parity_command(
         )
         for p in load_prompts(prompts, num_prompts)
     ]
-    result = run_parity(target, token_ids, layer_ids, threshold)
+    rule = {"noise_factor": noise_factor, "error_floor": error_floor}  # None: the library's defaults
+    result = run_parity(
+        target,
+        token_ids,
+        layer_ids,
+        dtypes=tuple(load_dtype(dev, name) for name in dtypes),
+        **{k: v for k, v in rule.items() if v is not None},
+    )
     print_parity(result, len(token_ids), sum(map(len, token_ids)))
     return result.passed

@@ -15,8 +15,6 @@ from the same inputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 # -- the rule -----------------------------------------------------------------------------
@@ -38,20 +36,14 @@ def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int
     return a, int(predicted[a])
 
 
-def accept_greedy_in_chunks(
-    draft: torch.Tensor, logits_at: Callable[[int, int], torch.Tensor], first_rows: int = 4
-) -> tuple[int, int]:
-    """accept_greedy with the target's logits computed as needed: `logits_at(start, end)` gives
-    rows [1, end - start, V] of [anchor, d1 .. dk]. The first `first_rows` rows, then the rest
-    only if all of those drafts were accepted: rows past the first rejection never need the LM head
-    (4: most steps of a drafter with tau around 2 end inside them)."""
-    k, start, end = len(draft), 0, min(first_rows, len(draft) + 1)
-    while True:
-        predicted = logits_at(start, end)[0].argmax(-1).tolist()  # [end - start]
-        for i, token in enumerate(predicted, start):
-            if i == k or int(draft[i]) != token:
-                return i, token
-        start, end = end, k + 1
+def greedy_verdict(draft: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """accept_greedy without reading the device: draft [k], target_logits [k + 1, V] at [anchor, d1 .. dk] ->
+    [k + 2] on the device: a, then the target's argmax after each block token. The step commits the first a + 1 of
+    those (the accepted drafts equal them; the bonus follows), so one read of this tensor is all a greedy step
+    needs on the host (`flashdraft.decoding.host_transfers`)."""
+    predicted = target_logits.argmax(-1)  # [k + 1]
+    a = (draft == predicted[:-1]).int().cumprod(0).sum()  # [] on the device
+    return torch.cat([a[None].to(predicted.dtype), predicted])
 
 
 def sample_drafts(

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from flashdraft.decoding.host_transfers import to_host
 from flashdraft.decoding.serving_rules import GREEDY, SamplingParams, target_probs
-from flashdraft.target.model import TargetModel
+from flashdraft.target.model import TargetModel, decoding_attention
 
 
 @torch.no_grad()
@@ -40,33 +41,35 @@ def generate_batch(
         ids[i, width - len(p) :] = torch.tensor(p, device=device)
         mask[i, width - len(p) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, W]
-    padded = bool((mask == 0).any())
+    padded = any(len(p) < width for p in prompts)
     stop_ids = set(target.stop_token_ids)
     cache = DynamicCache(config=target.config)
     outputs: list[list[int]] = [[] for _ in range(n)]
     reasons = ["length"] * n
-    for _ in range(max_new_tokens):
-        logits = target.model(
-            input_ids=ids,
-            attention_mask=mask if padded else None,  # no mask without padding: the same kernels as one prompt
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,  # the prompt's other positions need no [W, V] logits
-        ).logits[:, -1]  # [N, V]
-        if sampling.greedy:
-            tokens = logits.argmax(-1).tolist()
-        else:
-            probs = target_probs(logits, sampling.temperature, sampling.filters)  # [N, V]
-            tokens = [int(torch.multinomial(probs[i], 1, generator=generators[i])) for i in range(n)]
-        for i, token in enumerate(tokens):
-            if reasons[i] == "length" and len(outputs[i]) < max_new_tokens:
-                outputs[i].append(token)
-                if token in stop_ids:
-                    reasons[i] = "eos"
-        if all(r == "eos" for r in reasons):
-            break
-        ids = torch.tensor(tokens, device=device)[:, None]  # [N, 1]
-        mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
-        positions = positions[:, -1:] + 1
+    with decoding_attention(device):  # no per-length kernel builds on CUDA
+        for _ in range(max_new_tokens):
+            logits = target.model(
+                input_ids=ids,
+                attention_mask=mask if padded else None,  # no mask without padding: the same kernels as one prompt
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,  # the prompt's other positions need no [W, V] logits
+            ).logits[:, -1]  # [N, V]
+            if sampling.greedy:
+                drawn = logits.argmax(-1)  # [N]
+            else:
+                probs = target_probs(logits, sampling.temperature, sampling.filters)  # [N, V]
+                drawn = torch.cat([torch.multinomial(probs[i], 1, generator=generators[i]) for i in range(n)])  # [N]
+            tokens = to_host(drawn)  # the step's one read of the device
+            for i, token in enumerate(tokens):
+                if reasons[i] == "length" and len(outputs[i]) < max_new_tokens:
+                    outputs[i].append(token)
+                    if token in stop_ids:
+                        reasons[i] = "eos"
+            if all(r == "eos" for r in reasons):
+                break
+            ids = drawn[:, None]  # [N, 1]
+            mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
+            positions = positions[:, -1:] + 1
     return list(zip(outputs, reasons, strict=True))

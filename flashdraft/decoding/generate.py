@@ -13,11 +13,12 @@ with the same filters, exactly.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from flashdraft.decoding.acceptance import accept_greedy_in_chunks, tau_of
+from flashdraft.decoding.acceptance import greedy_verdict, tau_of
+from flashdraft.decoding.host_transfers import TRANSFERS, to_host
 from flashdraft.decoding.proposers import (
     DraftLimit,
     Proposer,
@@ -39,7 +40,7 @@ from flashdraft.decoding.serving_rules import (
 )
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
-from flashdraft.target.model import TargetModel
+from flashdraft.target.model import TargetModel, decoding_attention
 
 
 @dataclass
@@ -58,6 +59,10 @@ class GenerationResult:
     # probabilities the verification computed; greedy: the committed length, variance 0)
     expected_lengths: list[float] = field(default_factory=list)
     length_variances: list[float] = field(default_factory=list)
+    # speculative: device-to-host reads the steps made (`flashdraft.decoding.host_transfers`; the prefill's left out)
+    host_transfers: int = 0
+    # speculative: the steps' wall time, the prefill left out: drafting, verifying and the bookkeeping around them
+    decode_seconds: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -110,16 +115,17 @@ def autoregressive_generate(
     ids = torch.tensor([prompt_ids], device=target.device)
     out: list[int] = []
     step_seconds: list[float] = []
-    while len(out) < max_new_tokens:
-        start = _clock(target.device)
-        logits = target.forward(ids, cache).logits_at(-1, None)[0, 0]
-        token = int(_sample(logits, sampling.temperature, generator, sampling.filters))
-        if out:  # the first forward is the prefill, not a decoding step
-            step_seconds.append(_clock(target.device) - start)
-        out.append(token)
-        if token in stop_ids:
-            return GenerationResult(out, stop_reason="eos", step_seconds=step_seconds)
-        ids = torch.tensor([[token]], device=target.device)
+    with decoding_attention(target.device):
+        while len(out) < max_new_tokens:
+            start = _clock(target.device)
+            logits = target.forward(ids, cache).logits_at(-1, None)[0, 0]
+            token = _sample(logits, sampling.temperature, generator, sampling.filters)  # [] on the device
+            out.append(to_host(token))
+            if len(out) > 1:  # the first forward is the prefill, not a decoding step
+                step_seconds.append(_clock(target.device) - start)
+            if out[-1] in stop_ids:
+                return GenerationResult(out, stop_reason="eos", step_seconds=step_seconds)
+            ids = token.view(1, 1)  # the next input, without a trip through the host
     return GenerationResult(out, step_seconds=step_seconds)
 
 
@@ -132,17 +138,23 @@ def _accept(
     filters: SamplingFilters,
     budget: int,
     stop_ids: set[int],
-) -> tuple[int, int, tuple[float, float] | None]:
-    """One step's verification of `draft` [k] against the target's forward `verified`: (accepted drafts a, the bonus
-    token, and at temperature > 0 the mean and variance of the step's committed length given its drafts; None
-    greedy)."""
+) -> tuple[list[int], torch.Tensor, tuple[float, float] | None]:
+    """One step's verification of `draft` [k] against the target's forward `verified` over [anchor, d1 .. dk]:
+    (the a + 1 tokens it commits before any cut, the next anchor [1] on the device, and at temperature > 0 the mean
+    and variance of the step's committed length given its drafts; None greedy). Greedy reads the device once: the
+    target's argmax over all k + 1 rows (the LM head over rows past a rejection costs less than a second read)."""
     if temperature <= 0:
-        a, bonus = accept_greedy_in_chunks(draft, verified.logits_at)
-        return a, bonus, None
+        verdict = greedy_verdict(draft, verified.logits_at(0, draft.shape[0] + 1)[0])  # [k + 2] on the device
+        values = to_host(verdict)
+        a = values[0]
+        return values[1 : a + 2], verdict[a + 1 : a + 2], None
     a, bonus, alpha = verify(draft, q, target_probs(verified.logits[0], temperature, filters), generator)
+    drafts = to_host(draft)
     # an accepted stop token ends the step: the step commits at most up to the first drafted one
-    stop_at = next((j + 1 for j, t in enumerate(draft.tolist()) if t in stop_ids), budget)
-    return a, bonus, expected_committed(alpha, min(budget, stop_at))
+    stop_at = next((j + 1 for j, t in enumerate(drafts) if t in stop_ids), budget)
+    committed = drafts[:a] + [bonus]
+    anchor = torch.full((1,), bonus, dtype=torch.long, device=draft.device)  # a fill: no copy from the host
+    return committed, anchor, expected_committed(alpha, min(budget, stop_at))
 
 
 @dataclass(frozen=True)
@@ -155,6 +167,9 @@ class SpeculativeConfig:
     limit: DraftLimit | None = None
     rule: ServingRule | str | None = None
     round_context_to: torch.dtype | None = None
+    # False: no device synchronisation between drafting and verifying (on CUDA the step's only wait is then its one
+    # read; draft and verify seconds count the host's launch time only)
+    time_phases: bool = True
 
 
 @torch.no_grad()
@@ -186,18 +201,40 @@ def speculative_generate(
     """
     block = speculative.block_size or default_block_size(drafter)
     rule = serving_rule(speculative.rule)
-    round_context_to = speculative.round_context_to
-    temperature, filters = sampling.temperature, sampling.filters
     proposer = as_proposer(drafter, target, speculative.limit, rule=rule)
     if block < 2:
         raise ValueError(f"block_size {block} < 2")
     target.set_context_layers(proposer.context_layer_ids)
-    stop_ids = set(target.stop_token_ids)
-    device = target.device
-    cache = target.new_cache()
+    with decoding_attention(target.device):
+        return _speculative_steps(
+            target,
+            proposer,
+            prompt_ids,
+            max_new_tokens,
+            sampling,
+            replace(speculative, block_size=block, rule=rule),
+            generator,
+        )
+
+
+def _speculative_steps(
+    target: TargetModel,
+    proposer: Proposer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    speculative: SpeculativeConfig,
+    generator: torch.Generator | None,
+) -> GenerationResult:
+    """The prefill and the steps of `speculative_generate` (the proposer made, `speculative`'s block and rule
+    resolved)."""
+    block = speculative.block_size
+    temperature, filters, round_context_to = sampling.temperature, sampling.filters, speculative.round_context_to
+    stop_ids, device, cache = set(target.stop_token_ids), target.device, target.new_cache()
+    clock = _clock if speculative.time_phases else lambda _: time.perf_counter()
 
     prefill = target.forward(torch.tensor([prompt_ids], device=device), cache)
-    first = int(_sample(prefill.logits_at(-1, None)[0, 0], temperature, generator, filters))
+    first = to_host(_sample(prefill.logits_at(-1, None)[0, 0], temperature, generator, filters))
     result = GenerationResult([first])
     if first in stop_ids:
         result.stop_reason = "eos"
@@ -206,21 +243,24 @@ def speculative_generate(
     new_context = _rounded(prefill.context_features, round_context_to)
     new_positions = torch.arange(len(prompt_ids), device=device)[None]
     anchor_pos = len(prompt_ids)
+    anchor = torch.full((1,), first, dtype=torch.long, device=device)  # [1]: the last committed token, on the device
+    reads_before, loop_start = TRANSFERS.reads, _clock(device)
 
     while len(result.output_ids) < max_new_tokens:
         tokens = prompt_ids + result.output_ids
-        start = _clock(device)
+        start = clock(device)
         draft_logits = proposer.propose(tokens, anchor_pos, new_context, new_positions, block)  # [k, V]
-        draft, q = draw_drafts(proposer, draft_logits, temperature, generator, rule)  # [k], q [k, V] or None (one-hot)
-        drafted = _clock(device)
-        verified = target.forward(torch.tensor([tokens[-1:] + draft.tolist()], device=device), cache)
-        verified_at = _clock(device)
+        draft, q = draw_drafts(proposer, draft_logits, temperature, generator, rule=speculative.rule)  # [k], q
+        drafted = clock(device)
+        verified = target.forward(torch.cat([anchor, draft])[None], cache)  # over [anchor, d1 .. dk]
+        verified_at = clock(device)
+        budget = max_new_tokens - len(result.output_ids)
+        accepted, anchor, moments = _accept(draft, q, verified, temperature, generator, filters, budget, stop_ids)
         result.draft_seconds += drafted - start
         result.verify_seconds += verified_at - drafted
         result.step_seconds.append((drafted - start, verified_at - drafted))
-        budget = max_new_tokens - len(result.output_ids)
-        a, bonus, moments = _accept(draft, q, verified, temperature, generator, filters, budget, stop_ids)
-        committed, stopped = _truncate(draft[:a].tolist() + [bonus], budget, stop_ids)
+        a = len(accepted) - 1
+        committed, stopped = _truncate(accepted, budget, stop_ids)
         result.output_ids += committed
         result.acceptance_lengths.append(len(committed))
         mean, variance = moments if moments is not None else (float(len(committed)), 0.0)  # greedy: as committed
@@ -235,6 +275,8 @@ def speculative_generate(
         new_context = _rounded(new_context, round_context_to)
         new_positions = anchor_pos + torch.arange(a + 1, device=device)[None]
         anchor_pos += a + 1
+    result.host_transfers = TRANSFERS.reads - reads_before
+    result.decode_seconds = _clock(device) - loop_start
     return result
 
 

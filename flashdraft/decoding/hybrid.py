@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from flashdraft.decoding.acceptance import sample_drafts
+from flashdraft.decoding.host_transfers import to_host
 from flashdraft.decoding.ngram import NGramProposer
 from flashdraft.decoding.proposers import DFlashProposer
 from flashdraft.decoding.serving_rules import ServingRule
@@ -55,7 +56,7 @@ class HybridRule:
     def prefers_ngram(self, q_ngram: torch.Tensor, q_dflash: torch.Tensor) -> bool:
         """q_ngram [k]: the drafter's probability of each n-gram token; q_dflash [k]: of its own
         (most likely) token at each position."""
-        return bool(expected_accepted(q_ngram.clamp(min=self.ngram_prior)) > expected_accepted(q_dflash))
+        return to_host(expected_accepted(q_ngram.clamp(min=self.ngram_prior)) > expected_accepted(q_dflash))
 
 
 def expected_accepted(probs: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from flashdraft.decoding.acceptance import sample_drafts
+from flashdraft.decoding.host_transfers import to_host
 from flashdraft.decoding.serving_rules import ServingRule, serving_rule
 from flashdraft.drafter.config import DEFAULT_BLOCK_SIZE
 from flashdraft.drafter.families import family_of
@@ -98,6 +99,14 @@ def sampled_draw(
 # -- the DFlash drafter as a proposer ------------------------------------------------------
 
 
+def on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """values [K] as a tensor on `device`; a single value (decoding's one anchor) is written there by a fill kernel,
+    since on CUDA a copy from the host's pageable memory waits for all queued work, as a read does."""
+    if len(values) == 1:
+        return torch.full((1,), values[0], dtype=torch.long, device=device)
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
 def inference_blocks(anchor_tokens: torch.Tensor, block: int, mask_token_id: int) -> torch.Tensor:
     """The blocks a drafter fills at inference: [anchor, mask x (B - 1)] per anchor [K] -> [K, B]."""
     blocks = torch.full((anchor_tokens.shape[0], block), mask_token_id, device=anchor_tokens.device)
@@ -113,7 +122,7 @@ def confident_prefix(confidence: torch.Tensor, threshold: float | None) -> int:
     threshold (DeepSpec's `_confident_prefix_length`; None or 0: all of them)."""
     if not threshold:
         return confidence.shape[0]
-    return int((confidence >= threshold).int().cumprod(0).sum())
+    return to_host((confidence >= threshold).int().cumprod(0).sum())
 
 
 def draft_confidence(logits: torch.Tensor) -> torch.Tensor:
@@ -163,15 +172,20 @@ class DFlashProposer:
         new_context: torch.Tensor | None,
         new_positions: torch.Tensor,
         block: int,
+        committed_context: bool = False,
     ) -> list[torch.Tensor]:
         """Logits [k, V] after each anchor (k: the drafts of a block, B - 1 or, anchor-first, B), all blocks in one
-        drafter forward; DFlash2 and DSpark: the rows of their greedy walks (a DSpark confidence cut shortens them)."""
-        drafts = self._block_hidden(anchor_tokens, anchor_positions, new_context, new_positions, block)  # [K, k, H]
+        drafter forward; DFlash2 and DSpark: the rows of their greedy walks (a DSpark confidence cut shortens them).
+        `committed_context`: all context is before every anchor (live decoding), which the drafter then need not
+        check on the device."""
+        drafts = self._block_hidden(  # [K, k, H]
+            anchor_tokens, anchor_positions, new_context, new_positions, block, committed_context=committed_context
+        )
         # contiguous rows: the LM head as one matmul (on a strided 3-D view torch takes a bmm, 2-3x slower on CPU)
         logits = self.drafter.logits(drafts.reshape(-1, drafts.shape[-1]), self.target.lm_head)
         logits = logits.view(*drafts.shape[:2], -1)  # [K, k, V]
         selector = self.drafter.candidate_selector
-        anchors = torch.tensor(anchor_tokens, device=logits.device)
+        anchors = on_device(anchor_tokens, logits.device)
         self._blocks = (drafts, logits, anchors)
         if selector is not None and self.use_selector:  # DFlash2: the rows of the selector's greedy walk
             self._last_walk = (drafts[-1:], logits[-1:], anchors[-1:])  # what `draw` re-walks when sampling
@@ -261,19 +275,21 @@ class DFlashProposer:
         new_context: torch.Tensor | None,
         new_positions: torch.Tensor,
         block: int,
+        committed_context: bool = False,
     ) -> torch.Tensor:
         """The drafter's final hidden states [K, k, H] at the first k (the limit's, else all) draft positions: block
         positions 1.. in the fill-in layout, 0.. in the anchor-first one (`DrafterConfig.first_draft_position`)."""
         device = self.target.device
-        blocks = inference_blocks(torch.tensor(anchor_tokens, device=device), block, self.drafter.config.mask_token_id)
+        blocks = inference_blocks(on_device(anchor_tokens, device), block, self.drafter.config.mask_token_id)
         if new_context is not None:
             new_context = new_context.to(next(self.drafter.parameters()).dtype)
         hidden = self.drafter(  # [1, K * B, H]
             self.drafter.embed(blocks.reshape(1, -1), self.target),
-            torch.tensor([anchor_positions], device=device),
+            on_device(anchor_positions, device)[None],
             new_context,
             new_positions,
             cache=self.cache,
+            context_before_anchors=committed_context,
         )
         first = self.drafter.config.first_draft_position
         k = self.limit.num_speculative_tokens if self.limit is not None else None
@@ -294,12 +310,16 @@ class DFlashProposer:
         threshold = self.limit.adaptive_threshold if self.limit is not None else None
         walks = self.drafter.candidate_selector is not None or self.drafter.markov_head is not None
         if threshold is None or walks:  # a walk needs every row before its own
-            return self.propose_anchors([tokens[-1]], [anchor_pos], new_context, new_positions, block)[0]
-        hidden = self._block_hidden([tokens[-1]], [anchor_pos], new_context, new_positions, block)[0]  # [k, H]
+            return self.propose_anchors(
+                [tokens[-1]], [anchor_pos], new_context, new_positions, block, committed_context=True
+            )[0]
+        hidden = self._block_hidden(  # [k, H]
+            [tokens[-1]], [anchor_pos], new_context, new_positions, block, committed_context=True
+        )[0]
         rows = []
-        for start in range(0, hidden.shape[0], UNSURE_CHUNK):
+        for start in range(0, hidden.shape[0], UNSURE_CHUNK):  # a read per chunk: an adaptive limit's cost
             rows.append(self.drafter.logits(hidden[start : start + UNSURE_CHUNK], self.target.lm_head))
-            if bool((draft_confidence(rows[-1]) < threshold).any()):
+            if to_host((draft_confidence(rows[-1]) < threshold).any()):
                 break
         return torch.cat(rows)
 
@@ -327,7 +347,7 @@ class DraftLimit:
         if self.num_speculative_tokens is not None:
             k = min(k, self.num_speculative_tokens)
         if self.adaptive_threshold is not None:
-            k = int((draft_confidence(logits[:k]) >= self.adaptive_threshold).int().cumprod(0).sum())
+            k = to_host((draft_confidence(logits[:k]) >= self.adaptive_threshold).int().cumprod(0).sum())
         return k
 
     def wrap(self, proposer: Proposer) -> Proposer:

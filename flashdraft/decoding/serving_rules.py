@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from flashdraft.decoding.host_transfers import to_host
 from flashdraft.drafter.families import FAMILIES
 from flashdraft.drafter.server_fields import SGLANG, VLLM
 from flashdraft.errors import FlashdraftError
@@ -264,26 +265,26 @@ def verify(
     alpha = acceptance_probabilities(draft, q, p)
     for j in range(draft.shape[0]):
         u = torch.rand((), generator=generator, device=p.device)
-        if u < alpha[j]:
+        if to_host(u < alpha[j]):  # a read per draft: the sampled rule's cost (greedy reads once per step)
             continue
         residual = p[j].clone()
         if q is None:
-            residual[draft[j]] = 0.0
+            residual.index_fill_(0, draft[j : j + 1], 0.0)  # a tensor index: no read of the device
         else:
             residual = (residual - q[j]).clamp(min=0)
         total = residual.sum()
-        residual = residual / total if total > 0 else p[j]
-        return j, int(torch.multinomial(residual, 1, generator=generator)), alpha
-    return draft.shape[0], int(torch.multinomial(p[draft.shape[0]], 1, generator=generator)), alpha
+        residual = torch.where(total > 0, residual / total, p[j])  # decided on the device
+        return j, to_host(torch.multinomial(residual, 1, generator=generator))[0], alpha
+    return draft.shape[0], to_host(torch.multinomial(p[draft.shape[0]], 1, generator=generator))[0], alpha
 
 
 def expected_committed(alpha: torch.Tensor, cap: int) -> tuple[float, float]:
     """Mean and variance of the tokens a step commits, min(a + 1, cap), when draft j is accepted with alpha[j] [k]
     once all before it were: P(a >= j) = prod_{i <= j} alpha_i, so E = 1 + sum_{j < cap} P(a >= j)."""
     reach = alpha[: max(cap - 1, 0)].double().cumprod(0)  # P(a >= j), j = 1 .. min(k, cap - 1)
-    m = torch.arange(2, reach.shape[0] + 2, dtype=torch.float64)  # committed >= m  <=>  a >= m - 1
-    mean = 1.0 + float(reach.sum())
-    second = 1.0 + float(((2 * m - 1) * reach).sum())  # E[n^2] = sum_m (2m - 1) P(n >= m)
+    m = torch.arange(2, reach.shape[0] + 2, dtype=torch.float64, device=reach.device)  # n >= m  <=>  a >= m - 1
+    sums = to_host(torch.stack([reach.sum(), ((2 * m - 1) * reach).sum()]))  # E[n^2] = sum_m (2m - 1) P(n >= m)
+    mean, second = 1.0 + sums[0], 1.0 + sums[1]
     return mean, max(second - mean * mean, 0.0)
 
 

@@ -655,6 +655,7 @@ class DFlashDrafter(nn.Module):
         context_positions: torch.Tensor | None = None,
         cache: DrafterCache | None = None,
         documents: tuple[torch.Tensor, torch.Tensor] | None = None,
+        context_before_anchors: bool = False,
     ) -> torch.Tensor:
         """Hidden states of the block positions, after the final norm (feed to the LM head).
 
@@ -665,6 +666,9 @@ class DFlashDrafter(nn.Module):
         cache: committed context from earlier calls; the new context is appended to it.
         documents: packed training only: (anchor_documents [N, K], context_documents [N, C]), the document of each
             block and context token (-1 on padding); a block sees only its own document's context.
+        context_before_anchors: the caller knows every context position (cached and new) is before every anchor
+            (decoding: the context is the committed tokens), so a one-block forward's full layers need no mask and
+            nothing is read back from the device to find that out.
         """
         n, q_len, _ = block_embeds.shape
         num_blocks = anchor_positions.shape[1]
@@ -703,7 +707,7 @@ class DFlashDrafter(nn.Module):
             backend == "sdpa"
             and num_blocks == 1
             and documents is None
-            and bool((all_context_positions < anchor_positions).all())
+            and (context_before_anchors or bool((all_context_positions < anchor_positions).all()))
         )
         for attention in {layer.attention for layer in self.layers}:
             if sees_all and attention.window is None and not attention.causal:

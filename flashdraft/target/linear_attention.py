@@ -234,6 +234,7 @@ def install_short_block_path(layer: nn.Module) -> None:
             and hidden_states.shape[1] <= SHORT_BLOCK_MAX
             and not cache_params.is_recording_past(layer.layer_idx)
             and not (has_fla and hidden_states.is_cuda)
+            and getattr(layer, "short_block_path", True)  # False: `flashdraft parity` runs a backend's own path
         ):
             return short_block_forward(layer, hidden_states, cache_params)
         return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)

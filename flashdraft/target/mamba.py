@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.util import find_spec
 
-import torch
 from torch import nn
 
 from flashdraft.errors import FlashdraftError
@@ -81,10 +80,3 @@ def torch_mamba_path(modeling_module) -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(modeling_module, name, fn)
-
-
-def features_token_by_token(target, ids: torch.Tensor) -> torch.Tensor:
-    """Context features [N, T, n * H] of `ids` [N, T] run one token per forward through a cache: every Mamba-2
-    step takes the recurrence (`mamba2_selective_state_update`) where a prompt takes the chunked scan."""
-    cache = target.new_cache()
-    return torch.cat([target.forward(ids[:, i : i + 1], cache).context_features for i in range(ids.shape[1])], 1)

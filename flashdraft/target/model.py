@@ -16,6 +16,7 @@ than re-running the whole target (see `benchmarks/rollback.py`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import HF_LOCAL, hf_load_error
@@ -69,6 +71,21 @@ def _route_linear_attention_by_device(modeling_module) -> None:
 
         routed._flashdraft_routed = True
         setattr(modeling_module, name, routed)
+
+
+# Attention kernels for decoding on CUDA, in order of preference. cuDNN's is left out: torch >= 2.10 prefers it on
+# sm90, and it builds an execution graph for every new key length, which decoding presents at every step (the
+# target's full-attention layers, the drafter's calls); flash attention takes any length without a build, the
+# memory-efficient kernel takes masks flash does not, and the math kernel anything left.
+DECODING_ATTENTION = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def decoding_attention(device: torch.device) -> contextlib.AbstractContextManager:
+    """The attention kernels decoding runs with on `device`: `DECODING_ATTENTION`, in that order, on CUDA; nothing
+    changes on other devices (the CPU has no cuDNN kernel)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(list(DECODING_ATTENTION), set_priority=True)
 
 
 def resolve_target_path(name_or_path: str | Path) -> Path:
@@ -184,9 +201,8 @@ class TargetCache:
 @dataclass
 class TargetOutput:
     """A forward's outputs. Logits are computed from `hidden` when first read, and `logits_at`
-    computes only some rows: decoding reads the last row of a prefill and greedy verification the
-    rows up to the first rejected draft, while the LM head over every row is a large share of a
-    short block's cost on a CPU (tiny, 17 tokens: 0.7 of 6.2 ms)."""
+    computes only some rows: decoding reads the last row of a prefill (the LM head over every row of a long prompt
+    would be [T, V] logits), greedy verification the block's rows."""
 
     hidden: torch.Tensor | None  # [N, T, hidden] after the final norm
     context_features: torch.Tensor | None  # [N, T, len(layer_ids) * hidden]

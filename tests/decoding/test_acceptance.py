@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from flashdraft.decoding.acceptance import accept_greedy, accept_greedy_in_chunks, committed_length
+from flashdraft.decoding.acceptance import accept_greedy, committed_length, greedy_verdict
 from flashdraft.decoding.generate import SpeculativeConfig, autoregressive_generate, speculative_generate
 from flashdraft.decoding.ngram import NGramProposer
 from flashdraft.decoding.proposers import BatchProposer, DFlashProposer, DraftLimit, as_proposer, draw_drafts
@@ -164,26 +164,18 @@ def test_one_anchor_walk_equals_the_batched_walk_under_an_adaptive_limit(fitted)
         assert walks[0] == walks[1]
 
 
-def test_greedy_acceptance_in_chunks_equals_the_full_rule_and_skips_rows_after_a_rejection():
+def test_the_greedy_verdict_on_the_device_equals_the_rule_for_every_accepted_length():
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(1, 16, 50, generator=gen)  # [1, k + 1, V] at [anchor, d1 .. d15]
-    predicted = logits[0].argmax(-1)
+    logits = torch.randn(16, 50, generator=gen)  # [k + 1, V] at [anchor, d1 .. d15]
+    predicted = logits.argmax(-1)
     for accepted in range(16):  # drafts right up to `accepted`, then wrong
         draft = predicted[:15].clone()
         if accepted < 15:
             draft[accepted] = (draft[accepted] + 1) % 50
-        rows = []
-
-        def logits_at(start, end, rows=rows):
-            rows.append((start, end))
-            return logits[:, start:end]
-
-        assert (
-            accept_greedy_in_chunks(draft, logits_at)
-            == accept_greedy(draft, logits[0])
-            == (accepted, int(predicted[accepted]))
-        )
-        assert rows == ([(0, 4)] if accepted < 4 else [(0, 4), (4, 16)])
+        verdict = greedy_verdict(draft, logits).tolist()  # [a, the target's argmax after each block token]
+        a, bonus = accept_greedy(draft, logits)
+        assert (verdict[0], verdict[1 + a]) == (a, bonus) == (accepted, int(predicted[accepted]))
+        assert verdict[1 : a + 1] == draft[:a].tolist()  # the committed tokens begin with the accepted drafts
 
 
 def first_prompt_context(fitted):

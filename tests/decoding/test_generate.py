@@ -1,11 +1,14 @@
 import math
+import os
 import random
+import sys
 import time
 
 import pytest
 import torch
 
 from flashdraft.decoding.generate import SpeculativeConfig, autoregressive_generate, speculative_generate
+from flashdraft.decoding.host_transfers import TRANSFERS
 from flashdraft.decoding.proposers import DraftLimit
 from flashdraft.decoding.serving_rules import (
     NO_FILTERS,
@@ -299,3 +302,67 @@ def test_sampling_with_top_k_top_p_and_min_p_keeps_the_law_of_plain_sampling_und
     _assert_the_third_token_keeps_the_target_law(
         target, drafter, rule=rule, temperature=0.6, filters=filters, min_accepted_twice=twice
     )
+
+
+TENSOR_READS = ("tolist", "item", "__bool__", "__int__", "__index__", "__float__")  # a tensor's value to the host
+
+
+def _raw_reads(monkeypatch, run, copies: list | None = None) -> tuple[object, int, int]:
+    """run()'s result, the reads of a tensor's value in Python it made (counted or not) and those the counter saw;
+    `copies` collects the files of flashdraft's calls of torch.tensor (a copy from the host: on CUDA it waits too)."""
+    reads = []
+    for name in TENSOR_READS:
+        raw = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _raw=raw, **k: reads.append(1) or _raw(self, *a, **k))
+    if copies is not None:
+        raw_tensor = torch.tensor
+
+        def tensor(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if f"flashdraft{os.sep}" in caller:
+                copies.append(caller)
+            return raw_tensor(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "tensor", tensor)
+    before = TRANSFERS.reads
+    try:
+        result = run()
+    finally:
+        monkeypatch.undo()
+    return result, len(reads), TRANSFERS.reads - before
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "qwen3"])
+def test_a_greedy_step_reads_the_device_once_and_the_counter_sees_every_read(kind, monkeypatch):
+    target, drafter = make_target(kind), make_drafter(block_size=8)
+    plain = autoregressive_generate(target, PROMPT, 30)
+    speculative_generate(target, drafter, PROMPT, 4)  # warm-up: nothing below depends on first-call work
+    for config in (SpeculativeConfig(), SpeculativeConfig(time_phases=False)):
+        copies = []
+        spec, raw, counted = _raw_reads(
+            monkeypatch, lambda c=config: speculative_generate(target, drafter, PROMPT, 30, speculative=c), copies
+        )
+        steps = len(spec.acceptance_lengths)
+        assert spec.output_ids == plain.output_ids and steps > 5
+        assert spec.host_transfers == steps  # one per step, the prefill's first token not counted
+        assert raw == counted == steps + 1  # nothing read past the counter: + the prefill's
+        assert [os.path.basename(f) for f in copies] == ["generate.py"]  # the prompt; no copy from the host per step
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"sampling": SamplingParams(temperature=1.0)},
+        {"speculative": SpeculativeConfig(limit=DraftLimit(num_speculative_tokens=3, adaptive_threshold=0.01))},
+    ],
+    ids=["sampled", "adaptive-limit"],
+)
+def test_sampled_and_limited_steps_read_more_and_the_counter_sees_every_read(setting, monkeypatch):
+    target, drafter = make_target("hybrid"), make_drafter(block_size=8)
+    spec, raw, counted = _raw_reads(
+        monkeypatch,
+        lambda: speculative_generate(
+            target, drafter, PROMPT, 20, generator=torch.Generator().manual_seed(0), **setting
+        ),
+    )
+    assert raw == counted == spec.host_transfers + 1 and spec.host_transfers > len(spec.acceptance_lengths)

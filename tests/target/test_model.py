@@ -217,3 +217,16 @@ def test_a_verified_block_routes_each_token_as_one_token_decoding_does(model_typ
     assert clear.sum() >= len(block) - 1
     assert torch.equal(verified.argmax(-1)[clear], one_by_one.argmax(-1)[clear])
     torch.testing.assert_close(verified, one_by_one, atol=1e-4, rtol=1e-4)
+
+
+def test_decoding_attention_leaves_out_cudnn_on_cuda_and_changes_nothing_on_cpu():
+    from flashdraft.target.model import decoding_attention
+
+    cuda = torch.backends.cuda
+    before = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled())
+    with decoding_attention(torch.device("cpu")):
+        assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()) == before
+    with decoding_attention(torch.device("cuda")):  # the flags it sets, readable without a GPU
+        assert not cuda.cudnn_sdp_enabled() and cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled()
+        assert cuda.math_sdp_enabled()
+    assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()) == before
