@@ -647,6 +647,31 @@ class DFlashDrafter(nn.Module):
     def new_cache(self) -> DrafterCache:
         return DrafterCache(len(self.layers))
 
+    def _context(
+        self,
+        anchor_positions: torch.Tensor,
+        context_features: torch.Tensor | None,
+        context_positions: torch.Tensor | None,
+        cache: DrafterCache | None,
+    ) -> tuple[torch.Tensor | None, tuple | None, torch.Tensor]:
+        """The new context's features after `fc` and `hidden_norm` [N, C, H] and their RoPE (None without new
+        context), and the positions of every context token the blocks see, cached and new [N, C_all] (the new
+        ones appended to `cache`)."""
+        context = None
+        context_rope = None
+        if context_features is not None:
+            context = self.hidden_norm(self.fc(context_features))  # [N, C, H]
+            context_rope = self.rotary_emb(context, context_positions.clamp(max=self.config.max_position_embeddings))
+        all_context_positions = context_positions
+        if cache is not None:
+            n = anchor_positions.shape[0]
+            new = context_positions if context_positions is not None else anchor_positions.new_zeros(n, 0)
+            cache.positions = new if cache.positions is None else torch.cat([cache.positions, new], dim=1)
+            all_context_positions = cache.positions
+        if all_context_positions is None:
+            all_context_positions = anchor_positions.new_zeros(anchor_positions.shape[0], 0)
+        return context, context_rope, all_context_positions
+
     def forward(
         self,
         block_embeds: torch.Tensor,
@@ -683,19 +708,9 @@ class DFlashDrafter(nn.Module):
         if documents is not None:  # (query_document [N, Q], context_document [N, C])
             documents = (documents[0].repeat_interleave(b, dim=1), documents[1])
 
-        context = None
-        context_rope = None
-        if context_features is not None:
-            context = self.hidden_norm(self.fc(context_features))  # [N, C, H]
-            context_rope = self.rotary_emb(context, context_positions.clamp(max=self.config.max_position_embeddings))
-        all_context_positions = context_positions
-        if cache is not None:
-            new = context_positions if context_positions is not None else anchor_positions.new_zeros(n, 0)
-            cache.positions = new if cache.positions is None else torch.cat([cache.positions, new], dim=1)
-            all_context_positions = cache.positions
-        if all_context_positions is None:
-            all_context_positions = anchor_positions.new_zeros(n, 0)
-
+        context, context_rope, all_context_positions = self._context(
+            anchor_positions, context_features, context_positions, cache
+        )
         block_rope = self.rotary_emb(block_embeds, query_positions)
         backend = self.attention_backend
         if backend == "auto":
