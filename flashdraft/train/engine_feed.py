@@ -169,6 +169,11 @@ class EngineRecords:
     def __len__(self) -> int:
         return len(self.records)
 
+    @property
+    def feature_dim(self) -> int:
+        """The width of a sample's context features (`fetch`): its layers' states side by side."""
+        return len(self.layer_ids) * self.hidden_size
+
     def start(self, order: list[int]) -> None:
         """The record indices the loop will read, in order (this rank's share of the steps still to run)."""
         self.close()
