@@ -143,8 +143,9 @@ def _optimizer_args(knob) -> None:
         "pack_length",
         positive,
         "pack records into rows of exactly L context tokens, each record its own document (positions from 0, "
-        "no attention across documents; one batch shape); --batch-size then counts rows. Off by default: it "
-        "changes what --batch-size and an epoch's steps mean; use it where records' lengths vary (docs/pipeline.md)",
+        "no attention across documents; one batch shape; cache, online or --engine fed alike); --batch-size then "
+        "counts rows. Off by default: it changes what --batch-size and an epoch's steps mean; use it where records' "
+        "lengths vary (docs/pipeline.md)",
     )
 
 

@@ -2,12 +2,12 @@
 method and its KV-transfer connector hands the drafter layers' states to the trainer through hs-connectors (the file
 backend on one node), so no hidden-state cache is written.
 
-The trainer asks for the samples in the order the loop will read them (a function of seed, epoch and step, see
-`step.step_indices`), at most `prefetch` ahead, over one or several engines (round-robin). Every sample is checked
-as `cache --engine` checks a capture (length, token ids, finite and non-zero states); the known-answer probe and a
-share of the samples are recomputed by the target's own forward before training starts (the trainer then frees the
-target's decoder layers: it keeps only its embeddings and LM head). A failed check, or an engine that stops
-answering, stops the run in one line naming the sample, layer and engine.
+The trainer asks for the samples in the order the loop will read them (a function of seed, epoch and step, and packed,
+of the rows: see `step.stream_order`), at most `prefetch` ahead, over one or several engines (round-robin). Every sample
+is checked as `cache --engine` checks a capture (length, token ids, finite and non-zero states); the known-answer probe
+and a share of the samples are recomputed by the target's own forward before training starts (the trainer then frees the
+target's decoder layers: it keeps only its embeddings and LM head). A failed check, or an engine that stops answering,
+stops the run in one line naming the sample, layer and engine.
 """
 
 from __future__ import annotations
@@ -168,6 +168,11 @@ class EngineRecords:
 
     def __len__(self) -> int:
         return len(self.records)
+
+    @property
+    def feature_dim(self) -> int:
+        """The width of a sample's context features (`fetch`): its layers' states side by side."""
+        return len(self.layer_ids) * self.hidden_size
 
     def start(self, order: list[int]) -> None:
         """The record indices the loop will read, in order (this rank's share of the steps still to run)."""

@@ -205,11 +205,11 @@ def _log(bar: Progress, writer: MetricsWriter | None, step: int, metrics: dict) 
     )
 
 
-def _start_stream(cfg: TrainConfig, records, steps: range, steps_per_epoch: int, dist: Dist) -> None:
-    """A streamed source (the engine) is told which records this rank reads over `steps`, in order (a resumed run
-    starts at its checkpoint's step: the stream's position)."""
+def _start_stream(cfg: TrainConfig, records, steps: range, steps_per_epoch: int, dist: Dist, plan) -> None:
+    """A streamed source (the engine) is told which records this rank reads over `steps`, in order (`plan`: its
+    rows' records, row by row; a resumed run starts at its checkpoint's step: the stream's position)."""
     if hasattr(records, "start"):
-        records.start(stream_order(cfg, len(records), steps, steps_per_epoch, dist))
+        records.start(stream_order(cfg, len(records), steps, steps_per_epoch, dist, plan))
 
 
 def _fetch_batch(cfg: TrainConfig, records, step: int, steps_per_epoch: int, run_dir: Path, state: tuple, plan):
@@ -359,7 +359,7 @@ def train(
         model, optimizer = _wrap(cfg, drafter, total_steps, dist)
         spec = loss_spec(cfg, drafter)
         start_step = _resume(run_dir, model, optimizer, len(records), dist, verify, cfg.fsdp) if resume else 0
-        _start_stream(cfg, records, range(start_step, total_steps), steps_per_epoch, dist)
+        _start_stream(cfg, records, range(start_step, total_steps), steps_per_epoch, dist, plan)
         writer = MetricsWriter(run_dir, list(report_to), config_dict, start_step) if dist.is_main else None
         bar = _progress_bar(start_step, total_steps, dist)
         window = Window(cfg.first_draft_position)

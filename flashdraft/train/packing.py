@@ -8,7 +8,9 @@ loss term is per block: a packed row's loss and gradients are the sum of its doc
 
 The rows are a function of the records and the settings alone (first-fit decreasing, ties by record index), made
 once per run; each epoch shuffles them with (seed, epoch). A record longer than L (after --max-length) is cut to
-its first L tokens, alone in its row, and the run's first lines say how many were.
+its first L tokens, alone in its row, and the run's first lines say how many were. The rows need only the records'
+loss masks (a cache's, or the completions' with the target in process or the engine feeding), so an engine is asked
+for the records row by row (`step.stream_order`), and a packed batch is made from them as from a cache.
 """
 
 from __future__ import annotations
@@ -97,20 +99,19 @@ def first_fit_decreasing(tokens: list[int], blocks: list[int], length: int, capa
 def pack_plan(records, length: int, num_anchors: int, max_length: int | None) -> PackPlan:
     """The run's rows of `length` tokens and A blocks: packed with room for the blocks `length` tokens of these
     records hold on average plus a quarter (at least the most one record has), A then the fullest row's blocks."""
-    if hasattr(records, "start"):
-        raise FlashdraftError(
-            "--pack-length with --engine: the engine streams records in the loop's order and packing needs every "
-            "record's length first; train unpacked, or from a cache of the engine's states"
-        )
     tokens, blocks, cut = record_sizes(records, length, num_anchors, max_length)
     if not tokens:
         raise FlashdraftError("--pack-length: no training records to pack")
     capacity = max(max(blocks), math.ceil(BLOCK_SLACK * length * sum(blocks) / max(1, sum(tokens))), 1)
     rows = first_fit_decreasing(tokens, blocks, length, capacity)
     capacity = max(1, max(sum(blocks[i] for i in row) for row in rows))  # the fullest row's: no row pads more
-    first = records[rows[0][0]]
-    topk = 0 if first.target_topk is None else first.target_topk[0].shape[-1]
-    return PackPlan(rows, length, capacity, first.context_features.shape[-1], topk, cut)
+    if hasattr(records, "feature_dim"):  # a stream (the engine): its width is known, no record is read ahead of it
+        feature_dim, topk = records.feature_dim, 0
+    else:
+        first = records[rows[0][0]]
+        feature_dim = first.context_features.shape[-1]
+        topk = 0 if first.target_topk is None else first.target_topk[0].shape[-1]
+    return PackPlan(rows, length, capacity, feature_dim, topk, cut)
 
 
 def make_packed_batch(records, rows: list[list[int]], epoch: int, batch_spec: BatchSpec, plan: PackPlan) -> Batch:

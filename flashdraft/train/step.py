@@ -122,16 +122,40 @@ def step_indices(
     return global_indices, global_indices[dist.rank :: dist.world]
 
 
-def stream_order(cfg: TrainConfig, num_records: int, steps: range, steps_per_epoch: int, dist: Dist) -> list[int]:
-    """The record indices this rank reads over `steps`, in order: what a streamed source (the engine) must yield."""
-    return [i for step in steps for i in step_indices(cfg, num_records, step, steps_per_epoch, dist)[1]]
-
-
 def packed_units(cfg: TrainConfig, plan: PackPlan, world: int) -> int:
     """The rows of an epoch: the plan's, and empty ones up to a whole number of global batches (every record is
     trained once an epoch, none dropped)."""
     size = cfg.batch_size * cfg.grad_accum * world
     return -(-len(plan.rows) // size) * size
+
+
+def plan_rows(plan: PackPlan, units: list[int]) -> list[list[int]]:
+    """The rows (each its record indices) of `units`: an empty row past the plan's."""
+    return [plan.rows[u] if u < len(plan.rows) else [] for u in units]
+
+
+def step_units(
+    cfg: TrainConfig, num_records: int, step: int, steps_per_epoch: int, dist: Dist, plan: PackPlan | None = None
+) -> tuple[list[int], list[int]]:
+    """The step's global batch of record indices and this rank's units of it in the order it reads them: record
+    indices, or (with a `plan`) row indices (`plan_rows`)."""
+    if plan is None:
+        return step_indices(cfg, num_records, step, steps_per_epoch, dist)
+    units = packed_units(cfg, plan, dist.world)
+    global_units, mine = step_indices(cfg, units, step, steps_per_epoch, dist, shuffled=len(plan.rows))
+    return [i for row in plan_rows(plan, global_units) for i in row], mine
+
+
+def stream_order(
+    cfg: TrainConfig, num_records: int, steps: range, steps_per_epoch: int, dist: Dist, plan: PackPlan | None = None
+) -> list[int]:
+    """The record indices this rank reads over `steps`, in order: what a streamed source (the engine) must yield.
+    Packed: the records of its rows, row by row, as `make_packed_batch` reads them."""
+    order = []
+    for step in steps:
+        mine = step_units(cfg, num_records, step, steps_per_epoch, dist, plan)[1]
+        order += mine if plan is None else [i for row in plan_rows(plan, mine) for i in row]
+    return order
 
 
 def global_batch(
@@ -149,20 +173,14 @@ def global_batch(
         max_length=cfg.max_length,
         first_draft=cfg.first_draft_position,
     )
-    if plan is None:
-        global_indices, mine = step_indices(cfg, len(records), step, steps_per_epoch, dist)
-    else:
-        units = packed_units(cfg, plan, dist.world)
-        global_units, mine = step_indices(cfg, units, step, steps_per_epoch, dist, shuffled=len(plan.rows))
-        global_indices = [i for u in global_units if u < len(plan.rows) for i in plan.rows[u]]
+    global_indices, mine = step_units(cfg, len(records), step, steps_per_epoch, dist, plan)
     micro_batches = []
     for m in range(cfg.grad_accum):
         idx = mine[m * cfg.batch_size : (m + 1) * cfg.batch_size]
         if plan is None:
             batch = make_batch([records[i] for i in idx], idx, epoch, batch_spec)
         else:
-            rows = [plan.rows[u] if u < len(plan.rows) else [] for u in idx]
-            batch = make_packed_batch(records, rows, epoch, batch_spec, plan)
+            batch = make_packed_batch(records, plan_rows(plan, idx), epoch, batch_spec, plan)
         micro_batches.append(add_context_noise(batch, cfg.noise_std, record_generator(cfg.seed + 1, epoch, idx[0])))
     return GlobalBatch(step, epoch, global_indices, micro_batches, records)
 

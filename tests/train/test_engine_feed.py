@@ -16,13 +16,15 @@ import torch
 from safetensors.torch import save_file
 
 from flashdraft.cli import main
+from flashdraft.data.cache_reader import HiddenStateCache
 from flashdraft.data.engine_capture import aux_layer_ids
 from flashdraft.distributed import Dist
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
 from flashdraft.train import engine_feed
 from flashdraft.train.config import TrainConfig
-from flashdraft.train.step import stream_order
+from flashdraft.train.packing import pack_plan
+from flashdraft.train.step import packed_units, stream_order
 from tests.conftest import run_cli, save_engine_target, write_word_prompts
 
 LAYERS = [0, 2]
@@ -136,6 +138,30 @@ def test_a_resumed_engine_fed_run_continues_exactly(capsys, fed, stand_in, tmp_p
     torch.testing.assert_close(_losses(tmp_path / "cut")[-2:], _losses(tmp_path / "whole")[-2:], rtol=1e-5, atol=1e-6)
 
 
+PACKED = ("--pack-length", "96", "--num-anchors", "4")  # 8 records of 30-40 tokens: 2 to 3 a row
+
+
+def test_packed_engine_fed_training_equals_packed_training_from_the_cache_and_resumes_exactly(
+    capsys, fed, stand_in, tmp_path
+):
+    rc, out, err = _train(capsys, fed, tmp_path / "engine", *PACKED)
+    assert rc == 0, err
+    assert "packed 8 records into" in out
+    cached = ("--cached-hidden-states", fed / "cache")
+    assert _train(capsys, fed, tmp_path / "cached", *PACKED, source=cached)[0] == 0
+    torch.testing.assert_close(_losses(tmp_path / "engine"), _losses(tmp_path / "cached"), rtol=1e-5, atol=1e-6)
+    shutil.copytree(tmp_path / "engine", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step-0000004")  # as if stopped after step 2
+    StandInEngine.asked = []
+    assert _train(capsys, fed, tmp_path / "cut", *PACKED, "--resume")[0] == 0
+    # after the probe on both engines and one sample recomputed: the records of steps 3 and 4's rows, row by row
+    cfg = TrainConfig(batch_size=2, num_anchors=4, pack_length=96, seed=3)
+    plan = pack_plan(HiddenStateCache(fed / "cache"), 96, 4, None)
+    steps_per_epoch = packed_units(cfg, plan, 1) // 2
+    assert StandInEngine.asked[3:] == [str(i) for i in stream_order(cfg, 8, range(2, 4), steps_per_epoch, Dist(), plan)]
+    torch.testing.assert_close(_losses(tmp_path / "cut")[-2:], _losses(tmp_path / "engine")[-2:], rtol=1e-5, atol=1e-6)
+
+
 def test_an_engine_lost_mid_run_stops_with_a_checkpoint_naming_it(capsys, fed, stand_in, tmp_path):
     cfg = TrainConfig(batch_size=2, seed=3)
     order = stream_order(cfg, 8, range(0, 4), 4, Dist())
@@ -199,6 +225,12 @@ def test_the_cpu_engine_feeds_the_training_a_cache_of_it_gives(capsys, fed, serv
     assert _train(capsys, fed, tmp_path / "cached", *held_out, source=cached)[0] == 0
     torch.testing.assert_close(_losses(tmp_path / "engine"), _losses(tmp_path / "cached"), rtol=1e-5, atol=1e-6)
     assert _held_out_tau(tmp_path / "engine") == pytest.approx(_held_out_tau(tmp_path / "cached"), abs=1e-9)
+    # packed: the engine asked for the records row by row trains what its cache trains packed
+    rc, out, err = _train(capsys, fed, tmp_path / "engine-packed", *PACKED, source=engine)
+    assert rc == 0 and "packed 8 records into" in out, err
+    assert _train(capsys, fed, tmp_path / "cached-packed", *PACKED, source=cached)[0] == 0
+    packed = _losses(tmp_path / "engine-packed")
+    torch.testing.assert_close(packed, _losses(tmp_path / "cached-packed"), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.engine

@@ -7,13 +7,12 @@ import torch
 
 from flashdraft.distributed import Dist
 from flashdraft.drafter.run_dir import latest_checkpoint
-from flashdraft.errors import FlashdraftError
 from flashdraft.train.blocks import candidate_anchors
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.data import BatchSpec, OnlineRecords, make_batch
 from flashdraft.train.loop import LoopOptions, train
 from flashdraft.train.packing import first_fit_decreasing, make_packed_batch, pack_plan
-from flashdraft.train.step import forward_loss, global_batch, loss_spec
+from flashdraft.train.step import forward_loss, global_batch, loss_spec, stream_order
 from tests.conftest import MASK, make_dflash2_drafter, make_drafter, make_dspark_drafter
 from tests.train.helpers import Record, make_records
 
@@ -85,24 +84,33 @@ def test_every_packed_batch_of_a_run_has_one_shape(varied):
     assert shapes == {((2, 32, varied[0].context_features.shape[1]), (2, plan.blocks * 8), (2, plan.blocks))}
 
 
-def test_two_ranks_see_every_record_once_per_epoch_and_packing_is_refused_with_the_engine(varied):
+def test_two_ranks_see_every_record_once_per_epoch_and_a_stream_yields_them_in_the_order_each_rank_reads(varied):
     cfg = TrainConfig(batch_size=1, num_anchors=3, pack_length=32).recording(block_size=8, mask_token_id=MASK)
     plan = pack_plan(varied, 32, 3, None)
     steps_per_epoch = -(-len(plan.rows) // 2)
+    streams = {
+        rank: stream_order(cfg, 8, range(2 * steps_per_epoch), steps_per_epoch, Dist(rank, 2), plan) for rank in (0, 1)
+    }
     for epoch in (0, 1):
         seen = []
         for step in range(epoch * steps_per_epoch, (epoch + 1) * steps_per_epoch):
             for rank in (0, 1):
                 batches = global_batch(cfg, varied, step, steps_per_epoch, Dist(rank=rank, world=2), plan)
-                seen += [i for b in batches.micro_batches for i in b.record_indices]
+                read = [i for b in batches.micro_batches for i in b.record_indices]
+                assert read == streams[rank][: len(read)]  # the engine is asked for them in this order
+                streams[rank] = streams[rank][len(read) :]
+                seen += read
         assert sorted(seen) == list(range(len(varied)))
+    assert streams == {0: [], 1: []}
 
-    class Streamed(list):
-        def start(self, order):
-            pass
+    class Streamed(list):  # an engine: its features' width known, no record read before the stream starts
+        feature_dim = varied[0].context_features.shape[-1]
+        records = varied  # the completions' sequences: their loss masks
 
-    with pytest.raises(FlashdraftError, match="--pack-length with --engine"):
-        pack_plan(Streamed(varied), 32, 3, None)
+        def __getitem__(self, index):
+            raise AssertionError("read outside the stream")
+
+    assert pack_plan(Streamed(varied), 32, 3, None) == plan
 
 
 def _loss_and_grads(drafter, target, batches, spec):
