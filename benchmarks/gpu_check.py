@@ -16,14 +16,19 @@ checks, in order:
 3. spec_loop_overhead: speculative decoding on the slice with a random Qwen3.6-27B-shaped drafter, per rollback
    mode; per step, verification, drafter forward and bookkeeping, reads of the device, and the step against its
    floor (the bytes it must read over the measured copy bandwidth).
+3a. draft_tree_hybrid: on the slice, a hybrid with fla's kernels refuses tree verification in one line.
 3b. tiny_decode: the built-in tiny target and drafter on the device, greedy and speculative, lossless.
 4. flex_vs_dense: the drafter's training forward and gradients (many blocks per sequence, 4
    sliding-window layers + 1 full) with compiled flex attention against the dense boolean mask,
    under bf16 autocast: relative L2 error of the output and of every parameter's gradient.
-5. train_step: the training step of `flashdraft train` (forward, loss, backward, clip, AdamW) on
-   synthetic features for the Qwen3-8B and Qwen3.6-27B drafter shapes, flex vs dense: context
-   tokens/s and peak memory; the same step with 2 processes (DDP) when 2 devices exist (on CPU
-   in --dry-run, over gloo).
+5. matmul_rate, train_step: a bf16 matmul's rate; `flashdraft train`'s own step (`global_batch`, `optimizer_step`)
+   on a synthetic sequence for the Qwen3-8B and Qwen3.6-27B drafter shapes: step time, tokens/s, FLOPs per step
+   counted from the shapes and their share of the matmul rate, peak memory, attention shapes and compiled graphs as
+   train logs them; the same step with 2 processes (DDP) when 2 devices exist (on CPU in --dry-run, over gloo).
+5b. packing: benchmarks/packing.py's long-tailed length mix, one window of train unpacked and one packed
+   (--pack-length) at equal memory: supervised tokens/s, padding share, recompiles (#58).
+5c. draft_tree: on a dense Qwen3-8B-shaped bf16 slice, tree_generate with DDTree at budgets 16/32/64 against greedy
+   decoding token for token, and the tree's step costs (verify of budget + 1 tokens): the best budget (#59).
 
 6. served: `flashdraft eval --served vllm --check-served` at T = 0 on the GPU engine (`make engine` on that machine:
    vllm 0.33.0) for each family the CPU engine cannot serve: DFlash2, DSpark, and a DFlash drafter mixing sliding
