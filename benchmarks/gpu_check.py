@@ -247,15 +247,7 @@ DRY = Widths(
     matmul_size=256,
     packing_records=6,
     packing_steps=1,
-    tree_slice=dict(
-        hidden_size=64,
-        intermediate_size=128,
-        vocab_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    ),
+    tree_slice={k: v for k, v in TINY.items() if k in QWEN3_8B_SLICE},  # 2 layers, the tiny drafter's widths
     tree_budgets=(16, 32, 64),
 )
 BLOCK = 16
