@@ -66,6 +66,7 @@ import time
 import traceback
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -746,7 +747,9 @@ def train_window(name: str, widths: Widths, records: list, window: TrainWindow, 
             batch = global_batch(cfg, records, step, steps_per_epoch, dist, plan)
             sync(device)
             t0 = time.perf_counter()
-            result, grad_norm = optimizer_step(model, target, optimizer, batch, spec, cfg.grad_clip, dist, run_dir)
+            result, grad_norm = optimizer_step(
+                model, target, optimizer, batch, spec, cfg.grad_clip, dist, Path(run_dir)
+            )
             sync(device)
             if step == 0:  # warm-up: compilation, optimizer state; the window's figures start after it
                 free(device)
