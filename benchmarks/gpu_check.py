@@ -16,14 +16,19 @@ checks, in order:
 3. spec_loop_overhead: speculative decoding on the slice with a random Qwen3.6-27B-shaped drafter, per rollback
    mode; per step, verification, drafter forward and bookkeeping, reads of the device, and the step against its
    floor (the bytes it must read over the measured copy bandwidth).
+3a. draft_tree_hybrid: on the slice, a hybrid with fla's kernels refuses tree verification in one line.
 3b. tiny_decode: the built-in tiny target and drafter on the device, greedy and speculative, lossless.
 4. flex_vs_dense: the drafter's training forward and gradients (many blocks per sequence, 4
    sliding-window layers + 1 full) with compiled flex attention against the dense boolean mask,
    under bf16 autocast: relative L2 error of the output and of every parameter's gradient.
-5. train_step: the training step of `flashdraft train` (forward, loss, backward, clip, AdamW) on
-   synthetic features for the Qwen3-8B and Qwen3.6-27B drafter shapes, flex vs dense: context
-   tokens/s and peak memory; the same step with 2 processes (DDP) when 2 devices exist (on CPU
-   in --dry-run, over gloo).
+5. matmul_rate, train_step: a bf16 matmul's rate; `flashdraft train`'s own step (`global_batch`, `optimizer_step`)
+   on a synthetic sequence for the Qwen3-8B and Qwen3.6-27B drafter shapes: step time, tokens/s, FLOPs per step
+   counted from the shapes and their share of the matmul rate, peak memory, attention shapes and compiled graphs as
+   train logs them; the same step with 2 processes (DDP) when 2 devices exist (on CPU in --dry-run, over gloo).
+5b. packing: benchmarks/packing.py's long-tailed length mix, one window of train unpacked and one packed
+   (--pack-length) at equal memory: supervised tokens/s, padding share, recompiles (#58).
+5c. draft_tree: on a dense Qwen3-8B-shaped bf16 slice, tree_generate with DDTree at budgets 16/32/64 against greedy
+   decoding token for token, and the tree's step costs (verify of budget + 1 tokens): the best budget (#59).
 
 6. served: `flashdraft eval --served vllm --check-served` at T = 0 on the GPU engine (`make engine` on that machine:
    vllm 0.33.0) for each family the CPU engine cannot serve: DFlash2, DSpark, and a DFlash drafter mixing sliding
@@ -53,7 +58,6 @@ import copy
 import json
 import os
 import platform
-import resource
 import signal
 import statistics
 import sys
@@ -62,6 +66,7 @@ import time
 import traceback
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -73,10 +78,11 @@ from flashdraft.drafter.config import DrafterConfig
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.target.model import TargetModel
 from flashdraft.target.parity import run_parity
-from flashdraft.train.config import TrainConfig  # the loop's own forward + loss
+from flashdraft.train.blocks import IGNORE
+from flashdraft.train.config import TrainConfig
 from flashdraft.train.data import BatchSpec, make_batch
 from flashdraft.train.loss import BlockLabels, DraftHeads, LossSpec, block_loss
-from flashdraft.train.step import forward_loss, loss_spec  # the loop's own forward + loss
+from flashdraft.train.step import loss_spec  # the loop's own loss
 
 
 @dataclass
@@ -94,6 +100,12 @@ class Widths:
     train_steps: int
     repeats: int  # timing repeats (median)
     tiny_prompts: int  # prompts the built-in tiny target decodes
+    context_for: dict  # drafter name -> context tokens where a shape is sized down from seq_len (said in its row)
+    matmul_size: int  # the timed bf16 matmul's side
+    packing_records: int  # records of the long-tailed mix
+    packing_steps: int  # steps per packing window (after a warm-up)
+    tree_slice: dict  # Qwen3Config fields of the dense target slice the draft trees run on
+    tree_budgets: tuple[int, ...]
 
 
 LAYERS_3_LINEAR_1_FULL = ["linear_attention"] * 3 + ["full_attention"]  # Qwen3.5/3.6: full attention every 4th
@@ -140,6 +152,16 @@ QWEN3_8B_DRAFTER = dict(
     mask_token_id=151669,
 )
 
+QWEN3_8B_SLICE = dict(  # Qwen3-8B's published widths, 4 of its 36 layers
+    hidden_size=4096,
+    intermediate_size=12288,
+    vocab_size=151936,
+    num_hidden_layers=4,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+)
+
 GPU = Widths(
     slice=QWEN36_27B_SLICE,
     drafters={"qwen3-8b-drafter": QWEN3_8B_DRAFTER, "qwen3.6-27b-drafter": QWEN36_27B_DRAFTER},
@@ -152,21 +174,35 @@ GPU = Widths(
     train_steps=2,
     repeats=5,
     tiny_prompts=4,
+    context_for={},  # both shapes at 4,096 context tokens (about 0.3 s a step for the 27B one: see CAPS)
+    matmul_size=8192,
+    packing_records=64,
+    packing_steps=6,
+    tree_slice=QWEN3_8B_SLICE,
+    tree_budgets=(16, 32, 64),
 )
-# Seconds each check may take on one H200 (a check past its cap is stopped and reported, and the run goes on): the
-# core checks add up to 6 minutes with the start-up; the engine checks (vLLM, when installed) come on top.
+# Seconds each check may take on one H200 (a check past its cap is stopped and reported, and the run goes on). The
+# core checks' caps add up to CORE_SECONDS (320 s, one GPU: train_step twice, its 2-process case skipped), 6 minutes
+# with the start-up (imports, CUDA's initialisation: about 30 s); the engine checks (vLLM, when installed) come on top.
 CAPS = {
-    "linear_attention_parity": 40,
+    "linear_attention_parity": 35,
     "target_verify_cost": 15,
-    "spec_loop_overhead": 45,  # both rollback modes
-    "tiny_decode": 20,
-    "flex_vs_dense": 40,
-    "train_step": 40,  # per case
+    "spec_loop_overhead": 40,  # both rollback modes
+    "draft_tree_hybrid": 5,
+    "tiny_decode": 15,
+    "flex_vs_dense": 35,
+    "matmul_rate": 5,
+    "train_step": 40,  # per drafter shape: building it, a warm-up step (flex compiles), 2 timed (none begun after 24 s)
+    "packing": 50,  # two windows (unpacked, packed) of at most 6 steps, no step begun after 20 s each
+    "draft_tree": 40,  # greedy, the chain and 3 budgets of 32 tokens, then the step costs (7 rounds)
     "served": 120,
     "bench": 240,
     "engine_capture": 120,
     "engine_feed": 180,
 }
+ENGINE_CHECKS = ("served", "bench", "engine_capture", "engine_feed")
+CORE_SECONDS = sum(s for check, s in CAPS.items() if check not in ENGINE_CHECKS) + CAPS["train_step"]
+NEAR_TIE = 2**-5  # bf16: a greedy choice whose top-2 logit gap is within this share of the top logit is a near-tie
 TINY_SLICE = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -208,6 +244,12 @@ DRY = Widths(
     train_steps=2,
     repeats=3,
     tiny_prompts=2,
+    context_for={},
+    matmul_size=256,
+    packing_records=6,
+    packing_steps=1,
+    tree_slice={k: v for k, v in TINY.items() if k in QWEN3_8B_SLICE},  # 2 layers, the tiny drafter's widths
+    tree_budgets=(16, 32, 64),
 )
 BLOCK = 16
 BF16_TOLERANCE = 0.02  # relative L2 error allowed between two bf16 computations of the same thing
@@ -232,13 +274,6 @@ def median_ms(fn, device: torch.device, repeats: int, setup=lambda: None) -> flo
         sync(device)
         times.append((time.perf_counter() - t0) * 1000)
     return statistics.median(times)
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """GPU: max allocated since the last reset; CPU: the process's peak RSS (never reset)."""
-    if device.type == "cuda":
-        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def free(device: torch.device) -> None:
@@ -281,8 +316,22 @@ def embedding_target(hidden: int, vocab: int, device: torch.device) -> TargetMod
 
 
 def new_drafter(fields: dict, device: torch.device, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
-    drafter = DFlashDrafter(DrafterConfig(block_size=BLOCK, **fields))
-    drafter.init_weights(seed=0)
+    """A random DFlash drafter built on the device: on a GPU drawn there as `init_weights` draws (normal(0, 0.02),
+    norms at 1), whose CPU generator takes many seconds for the 1-2 B parameters of the published shapes."""
+    with device:
+        drafter = DFlashDrafter(DrafterConfig(block_size=BLOCK, **fields))
+    if device.type == "cpu":
+        drafter.init_weights(seed=0)
+    else:
+        gen = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for name, p in drafter.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
     return drafter.to(device=device, dtype=dtype)
 
 
@@ -584,54 +633,315 @@ def check_flex_vs_dense(drafter_fields: dict, widths: Widths, device: torch.devi
     }
 
 
-# -- 5. training step throughput ---------------------------------------------------------------
+# -- 5. training step: `flashdraft train`'s own step, its FLOPs against the measured matmul rate -------------
 
 
-def timed_train_steps(name: str, widths: Widths, backend: str, dist: Dist) -> dict:
-    """`flashdraft train`'s step (loop's forward + loss, backward, clip, AdamW) on one synthetic batch."""
-    device = dist.device
-    target = embedding_target(*widths.target_for[name], device)
-    drafter = new_drafter(widths.drafters[name], device).train()
-    drafter.attention_backend = backend
-    model = wrap_model(drafter, dist, fsdp=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
-    batch = synthetic_batch(drafter.config, widths, device, seed=dist.rank)
-    cfg = TrainConfig(loss_decay_gamma=7.0)
-    spec = loss_spec(cfg, drafter)
+def matmul_rate(device: torch.device, size: int) -> float:
+    """FLOP/s of one bf16 [size, size] @ [size, size] matmul (2 size^3 FLOPs), the median of 5 after a warm-up:
+    the dense rate the training step's FLOPs are a share of."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(size, size, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(2))
+    a @ b
+    ms = median_ms(lambda _: a @ b, device, 5)
+    return 2 * size**3 / (ms / 1000)
 
-    def step(_) -> None:
-        parts = forward_loss(model, target, batch, spec)
-        (parts.weighted_sum / parts.weight_total).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
-    step(None)  # warm-up: compilation, optimizer state
-    free(device)
-    ms = median_ms(step, device, widths.train_steps)
-    case = f"{name} {backend}" + (f" x{dist.world}" if dist.world > 1 else "")
+def check_matmul_rate(widths: Widths, device: torch.device, measured: dict) -> dict:
+    measured["flops_per_s"] = matmul_rate(device, widths.matmul_size)
     return {
-        "check": "train_step",
-        "case": case,
-        "parameters_m": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 1),
-        "context_tokens": widths.seq_len,
-        "blocks": batch.anchor_positions.shape[1],
-        "step_ms": round(ms, 1),
-        "context_tokens_per_s": round(widths.seq_len * dist.world / (ms / 1000), 1),
-        "peak_memory_mb": peak_memory_mb(device),
-        "processes": dist.world,
+        "check": "matmul_rate",
+        "case": f"bf16 {widths.matmul_size}^3",
+        "tflops_per_s": round(measured["flops_per_s"] / 1e12, 4),
     }
 
 
-def check_train_step(name: str, widths: Widths, backend: str, device: torch.device) -> dict:
-    if backend == "flex" and device.type != "cuda":
-        return {"check": "train_step", "case": f"{name} {backend}", "skipped": "flex has no CPU backward (GPU only)"}
+def _visible_context(batch, layer_type: str, window: int | None) -> torch.Tensor:
+    """[N, K] context tokens each block's queries see in a layer: the real ones before its anchor (a sliding layer:
+    within `window` of it), of its own document when packed."""
+    positions, anchors = batch.context_positions[:, None, :], batch.anchor_positions[:, :, None]  # [N, 1, T], [N, K, 1]
+    seen = positions < anchors
+    if layer_type == "sliding_attention" and window:
+        seen &= positions > anchors - window
+    if batch.documents is not None:
+        anchor_documents, context_documents = batch.documents
+        seen &= context_documents[:, None, :] == anchor_documents[:, :, None]
+    return seen.sum(-1)
+
+
+def train_step_flops(cfg: DrafterConfig, batch) -> float:
+    """The model FLOPs of one training step on `batch`, counted from the shapes (2 per multiply-add; forward x 3 for
+    forward + backward): fc over the real context tokens; per drafter layer the key/value projections of the
+    context, every projection and the MLP of the trained blocks' tokens, attention over the keys each block sees
+    (`_visible_context` + its own block); the LM head over the trained positions. Padding and masked keys are not
+    counted: a share of the matmul rate is then the useful share."""
+    h, d, b = cfg.hidden_size, cfg.head_dim, cfg.block_size
+    q_width, kv_width = cfg.num_attention_heads * d, 2 * cfg.num_key_value_heads * d
+    labels = batch.labels.view(*batch.anchor_positions.shape, b)  # [N, K, B]
+    trained_blocks = (labels != IGNORE).any(-1)  # [N, K]
+    blocks = int(trained_blocks.sum())
+    context = int((batch.context_positions < (1 << 40)).sum())
+    flops = 2 * context * cfg.num_context_layers * h * h  # fc
+    for layer_type in cfg.layer_types:
+        flops += 2 * context * h * kv_width  # the context's keys and values
+        flops += 2 * blocks * b * (h * (q_width + kv_width) + q_width * h + 3 * h * cfg.intermediate_size)
+        keys = _visible_context(batch, layer_type, cfg.sliding_window)[trained_blocks].sum() + blocks * b
+        flops += 4 * b * int(keys) * q_width  # scores and values
+    flops += 2 * int((labels != IGNORE).sum()) * h * cfg.vocab_size  # LM head
+    return 3.0 * flops
+
+
+def synthetic_records(cfg: DrafterConfig, lengths: list[int], prompt: int | None = None, seed: int = 0) -> list:
+    """Records of these lengths: random tokens and features, the first `prompt` tokens (None: an eighth) the prompt."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        SyntheticRecord(
+            torch.randint(0, cfg.vocab_size - 1, (t,), generator=gen),
+            torch.arange(t) >= (t // 8 if prompt is None else prompt),
+            torch.randn(t, cfg.num_context_layers * cfg.hidden_size, generator=gen),
+        )
+        for t in lengths
+    ]
+
+
+@dataclass(frozen=True)
+class TrainWindow:
+    """A timed window of `flashdraft train`'s steps: at most `steps` after one warm-up step, no further step begun
+    once `seconds` are spent since the window's start (building the drafter included; at least one timed step;
+    the steps it ran are reported)."""
+
+    steps: int
+    seconds: float
+    batch_size: int = 1
+    pack_length: int | None = None
+    num_anchors: int | None = None  # None: the published recipe's (512)
+
+
+def train_window(name: str, widths: Widths, records: list, window: TrainWindow, dist: Dist, rate=None) -> dict:
+    """`flashdraft train`'s own step (`train.step.global_batch` and `optimizer_step`, the recipe's optimizer, the
+    attention backend train picks) over `records`, its figures as train logs them (`metrics.Window`,
+    `memory_and_compiles`), the step's FLOPs (`train_step_flops`) and their share of the matmul `rate`."""
+    from flashdraft.train.loop import recorded_config
+    from flashdraft.train.metrics import Window, memory_and_compiles
+    from flashdraft.train.optim import build_optimizers
+    from flashdraft.train.packing import pack_plan
+    from flashdraft.train.step import global_batch, optimizer_step, packed_units
+
+    device, started = dist.device, time.perf_counter()
+    target = embedding_target(*widths.target_for[name], device)
+    drafter = new_drafter(widths.drafters[name], device).train()
+    settings = dict(batch_size=window.batch_size, pack_length=window.pack_length, num_anchors=window.num_anchors)
+    cfg = recorded_config(TrainConfig(target_fingerprint="gpu-check", **settings), drafter, target)
+    model = wrap_model(drafter, dist, fsdp=False)
+    optimizer = build_optimizers(model, cfg, window.steps + 1)
+    spec = loss_spec(cfg, drafter)
+    plan = pack_plan(records, cfg.pack_length, cfg.num_anchors, None) if cfg.pack_length else None
+    units = packed_units(cfg, plan, dist.world) if plan else len(records)
+    steps_per_epoch = max(1, units // (cfg.batch_size * dist.world))
+    figures = Window(cfg.first_draft_position)
+    flops = supervised = 0.0
+    shapes = graphs = 0
+    with tempfile.TemporaryDirectory() as run_dir:
+        for step in range(window.steps + 1):
+            if step > 1 and time.perf_counter() - started > window.seconds:
+                break
+            batch = global_batch(cfg, records, step, steps_per_epoch, dist, plan)
+            sync(device)
+            t0 = time.perf_counter()
+            result, grad_norm = optimizer_step(
+                model, target, optimizer, batch, spec, cfg.grad_clip, dist, Path(run_dir)
+            )
+            sync(device)
+            if step == 0:  # warm-up: compilation, optimizer state; the window's figures start after it
+                free(device)
+                shapes, graphs = (memory_and_compiles(device)[k] for k in ("attention_shapes", "compiled_graphs"))
+                figures = Window(cfg.first_draft_position)
+                continue
+            figures.time(0.0, time.perf_counter() - t0)
+            figures.add(result, batch.micro_batches, dist.world)
+            flops += sum(train_step_flops(drafter.config, b) for b in batch.micro_batches) * dist.world
+            supervised += sum(int(records[i].loss_mask.sum()) for i in batch.indices)
+    logged = figures.metrics(optimizer.last_lr(), grad_norm, 0) | memory_and_compiles(device)
+    seconds = figures.compute_s  # the steps' own time, summed
+    row = {
+        "parameters_m": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 1),
+        "optimizer": cfg.optimizer,
+        "attention": "flex" if device.type == "cuda" else "dense (sdpa)",
+        "steps": figures.steps,
+        "step_ms": round(1000 * seconds / max(1, figures.steps), 1),
+        "context_tokens_per_s": round(figures.tokens / seconds, 1),
+        "supervised_tokens_per_s": round(supervised / seconds, 1),
+        "tflops_per_step": round(flops / max(1, figures.steps) / 1e12, 6),
+        "matmul_share": round(flops / seconds / rate, 4) if rate else None,
+        "padding_share": round(logged["padding_share"], 3),
+        "peak_memory_gib": round(logged["peak_memory_gib"], 3),
+        "attention_shapes": logged["attention_shapes"],  # the run's, since the process started
+        "new_attention_shapes": logged["attention_shapes"] - shapes,  # after the warm-up step: recompiles
+        "compiled_graphs": logged["compiled_graphs"],
+        "new_compiled_graphs": logged["compiled_graphs"] - graphs,
+        "processes": dist.world,
+    }
+    return row
+
+
+def check_train_step(name: str, widths: Widths, device: torch.device, rate: float | None, dist=None) -> dict:
+    """One sequence of `widths.seq_len` context tokens (`context_for` sizes a shape down, said in the row), the
+    published recipe's 512 anchors per sequence (fewer in --dry-run)."""
+    dist = dist or Dist(device=device)
+    tokens = widths.context_for.get(name, widths.seq_len)
+    case = f"{name}" + (f" x{dist.world}" if dist.world > 1 else "")
+    records = synthetic_records(DrafterConfig(block_size=BLOCK, **widths.drafters[name]), [tokens] * dist.world)
+    window = TrainWindow(widths.train_steps, 0.6 * CAPS["train_step"], num_anchors=widths.num_anchors)
     try:
-        return timed_train_steps(name, widths, backend, Dist(device=device))
-    except torch.OutOfMemoryError:  # a measurement, not a broken path: dense masks grow with T * K * B
-        return {"check": "train_step", "case": f"{name} {backend}", "out_of_memory": True}
+        row = train_window(name, widths, records, window, dist, rate)
+    except torch.OutOfMemoryError:
+        return {"check": "train_step", "case": case, "out_of_memory": True, "context_tokens": tokens}
     finally:
         free(device)
+    sized = {"sized_down": f"{tokens} context tokens, not {widths.seq_len}"} if tokens < widths.seq_len else {}
+    return {"check": "train_step", "case": case, "context_tokens": tokens} | sized | row
+
+
+# -- 5b. packed against unpacked training (#58) ----------------------------------------------------------------
+
+
+def check_packing(widths: Widths, device: torch.device, rate: float | None) -> list[dict]:
+    """benchmarks/packing.py's long-tailed mix (a 16-token prompt and a log-normal completion, median 40 tokens)
+    as synthetic records at the Qwen3-8B drafter's shape; one window of `flashdraft train` unpacked (4 records a
+    micro-batch, padded to their length bucket) and one packed (4 rows of L = the longest record's bucket: equal
+    memory), anchors as train_step's: supervised tokens/s, padding share, attention shapes (recompiles)."""
+    from flashdraft.train.data import length_bucket
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from packing import long_tailed_lengths  # benchmarks/packing.py's length mix
+
+    name = "qwen3-8b-drafter"
+    cfg = DrafterConfig(block_size=BLOCK, **widths.drafters[name])
+    lengths = [16 + n for n in long_tailed_lengths(widths.packing_records, torch.Generator().manual_seed(0))]
+    records = synthetic_records(cfg, lengths, prompt=16)
+    rows = []
+    for pack_length in (None, length_bucket(max(lengths))):
+        window = TrainWindow(
+            widths.packing_steps, CAPS["packing"] / 2 - 5, 4, pack_length, widths.num_anchors
+        )  # 512 anchors on the GPU (the recipe's: every supervised pair here), a few in --dry-run
+        try:
+            row = train_window(name, widths, records, window, Dist(device=device), rate)
+        finally:
+            free(device)
+        rows.append(
+            {
+                "check": "packing",
+                "case": f"packed {pack_length}" if pack_length else "unpacked",
+                "records": len(records),
+                "median_length": sorted(lengths)[len(lengths) // 2],
+                "longest": max(lengths),
+            }
+            | row
+        )
+    return rows
+
+
+# -- 6. draft trees (#59) ----------------------------------------------------------------------------------------
+
+
+def dense_slice(widths: Widths, device: torch.device) -> TargetModel:
+    """A Qwen3-8B-shaped dense target slice (real widths, few layers, random weights): bf16 on GPU, fp32 on CPU."""
+    torch.manual_seed(0)
+    cfg = Qwen3Config(eos_token_id=widths.tree_slice["vocab_size"] - 2, **widths.tree_slice)
+    with device:
+        model = Qwen3ForCausalLM(cfg)
+    return TargetModel(model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval(), None, None)
+
+
+def top_two(target: TargetModel, ids: list[int]) -> dict:
+    """The target's top logit after `ids` and its gap to the second: how near a tie its greedy choice there is."""
+    logits = target.forward(torch.tensor([ids], device=target.device), target.new_cache()).logits_at(-1, None)
+    top = logits[0, 0].float().topk(2).values
+    return {"top_logit": round(float(top[0]), 4), "top_two_gap": round(float(top[0] - top[1]), 4)}
+
+
+def check_draft_tree(widths: Widths, device: torch.device) -> dict:
+    """`tree_generate` with DDTree at each budget on a dense slice against plain greedy decoding, token for token
+    (in bf16 a first difference is allowed only at a near-tie: the greedy choice's top-2 logit gap within
+    NEAR_TIE x |top logit|, named in the row), and `evaluation.trees.step_costs` (verify of budget + 1 tokens under
+    the tree mask, the chain's block beside it): the predicted speed-up per budget and the best budget. The drafter
+    is random (τ near 1): the costs and losslessness are the figures, not the τ."""
+    from flashdraft.decoding.generate import autoregressive_generate
+    from flashdraft.decoding.tree import TreeRule, tree_generate
+    from flashdraft.evaluation.config import Candidate
+    from flashdraft.evaluation.records import EvalRecord
+    from flashdraft.evaluation.results import speedup_bound
+    from flashdraft.evaluation.trees import step_costs
+
+    target = dense_slice(widths, device)
+    fields = widths.drafters["qwen3-8b-drafter"] | dict(
+        num_target_layers=target.num_layers,
+        target_layer_ids=list(range(target.num_layers)),
+        vocab_size=target.vocab_size,
+        mask_token_id=target.vocab_size - 1,
+    )
+    drafter = new_drafter(fields, device, next(target.model.parameters()).dtype).eval()
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, target.vocab_size - 2, (widths.prompt_tokens,), generator=gen).tolist()
+    n = widths.new_tokens
+    greedy = autoregressive_generate(target, prompt, n).output_ids
+    chain = speculative_generate(target, drafter, prompt, n, speculative=SpeculativeConfig(block_size=BLOCK))
+    rules = {budget: TreeRule("ddtree", budget) for budget in widths.tree_budgets}
+    taus, differs = {}, {}
+    for budget, rule in rules.items():
+        out = tree_generate(target, drafter, prompt, n, rule)
+        taus[budget] = sum(out.acceptance_lengths) / max(1, len(out.acceptance_lengths))
+        at = next((i for i, (a, b) in enumerate(zip(out.output_ids, greedy, strict=False)) if a != b), None)
+        if at is not None or len(out.output_ids) != len(greedy):
+            at = at if at is not None else min(len(out.output_ids), len(greedy))
+            differs[budget] = {"at": at} | top_two(target, prompt + greedy[:at])
+    candidate = Candidate("random", drafter, BLOCK, "random drafter", None)
+    costs = step_costs(candidate, target, EvalRecord("p", prompt, greedy), rules)
+    plain, draft = costs["plain_step_s"], costs["draft_s"]
+    predicted = {
+        b: speedup_bound(taus[b], plain, draft + c["build_s"], c["verify_s"]) for b, c in costs["budgets"].items()
+    }
+    bf16 = next(target.model.parameters()).dtype == torch.bfloat16
+    near_tie = bf16 and all(d["top_two_gap"] <= NEAR_TIE * abs(d["top_logit"]) for d in differs.values())
+    return {
+        "check": "draft_tree",
+        "case": f"ddtree dense {'bf16' if bf16 else 'fp32'}",
+        "passed": not differs or near_tie,
+        "lossless": {b: b not in differs for b in rules},
+        "differs": differs,
+        "new_tokens": n,
+        "chain_tau": round(chain.tau, 3),
+        "tree_tau": {b: round(t, 3) for b, t in taus.items()},
+        "plain_step_ms": round(plain * 1000, 3),
+        "draft_ms": round(draft * 1000, 3),
+        "chain_verify_ms": round(costs["chain_verify_s"] * 1000, 3),
+        "verify_ms": {b: round(c["verify_s"] * 1000, 3) for b, c in costs["budgets"].items()},
+        "nodes": {b: c["nodes"] for b, c in costs["budgets"].items()},
+        "predicted_speedup": {b: round(p or 0.0, 3) for b, p in predicted.items()},
+        "chain_predicted_speedup": round(speedup_bound(chain.tau, plain, draft, costs["chain_verify_s"]) or 0, 3),
+        "best_budget": max(predicted, key=lambda b: predicted[b] or 0.0),
+    }
+
+
+def check_tree_refusal(target: TargetModel) -> dict:
+    """A hybrid target with fla's kernels refuses tree verification in one line (`check_tree_target`); the torch
+    Gated DeltaNet (CPU, or no fla) verifies trees and is not refused."""
+    from flashdraft.decoding.tree import check_tree_target
+    from flashdraft.errors import FlashdraftError
+
+    try:
+        check_tree_target(target)
+        refusal = None
+    except FlashdraftError as e:
+        refusal = str(e)
+    expected = target.linear_backend == "fla"
+    return {
+        "check": "draft_tree_hybrid",
+        "case": f"hybrid {target.linear_backend}",
+        "passed": (refusal is not None) == expected and (refusal is None or "\n" not in refusal),
+        "linear_backend": target.linear_backend,
+        "refused": refusal is not None,
+        "refusal": refusal,
+    }
 
 
 def _ddp_worker(rank: int, world: int, port: int, name: str, widths: Widths, device_type: str, out: str) -> None:
@@ -645,7 +955,7 @@ def _ddp_worker(rank: int, world: int, port: int, name: str, widths: Widths, dev
     torch.set_num_threads(1)
     dist = init_distributed(device_type, collectives=True)
     try:
-        row = timed_train_steps(name, widths, "auto", dist)  # flex on GPU, dense on CPU
+        row = check_train_step(name, widths, dist.device, None, dist)  # flex on GPU, dense on CPU
         if dist.is_main:
             with open(out, "w") as f:
                 json.dump(row, f)
@@ -1041,7 +1351,25 @@ def summary(row: dict) -> str:
             return "out of memory"
         if "skipped" in row:
             return row["skipped"]
-        return f"{row['context_tokens_per_s']:.0f} ctx tok/s, {row['step_ms']} ms/step, peak {row['peak_memory_mb']} MB"
+        share = f", {row['matmul_share']:.0%} of matmul" if row.get("matmul_share") is not None else ""
+        return (
+            f"{row['context_tokens_per_s']:.0f} ctx tok/s, {row['step_ms']} ms/step, {row['tflops_per_step']:.3g} "
+            f"TFLOP{share}, peak {row['peak_memory_gib']} GiB, +{row['new_attention_shapes']} shapes"
+        )
+    if check == "matmul_rate":
+        return f"{row['tflops_per_s']} TFLOP/s"
+    if check == "packing":
+        return (
+            f"{row['supervised_tokens_per_s']:.0f} sup tok/s, padding {row['padding_share']:.0%}, "
+            f"+{row['new_attention_shapes']} shapes over {row['steps']} steps"
+        )
+    if check == "draft_tree":
+        return (
+            f"lossless {row['lossless']}; verify ms {row['verify_ms']} (chain {row['chain_verify_ms']}); best budget "
+            f"{row['best_budget']}"
+        )
+    if check == "draft_tree_hybrid":
+        return (row["refusal"] or f"{row['linear_backend']} backend: trees verified, not refused")[:90]
     if "skipped" in row:
         return row["skipped"]
     if check == "served":
@@ -1130,17 +1458,21 @@ def main(argv: list[str] | None = None) -> int:
         "per step",
         lambda: check_spec_loop_overhead(slice_target(serving), widths.drafters[largest], widths),
     )
+    run("draft_tree_hybrid", "hybrid refusal", lambda: check_tree_refusal(slice_target(serving)))
     built.clear()  # free the slice before the drafter checks
     free(device)
     run("tiny_decode", "built-in tiny", lambda: check_tiny_decode(widths, device))  # fp32: no near-ties
     run("flex_vs_dense", "forward+grad", lambda: check_flex_vs_dense(widths.drafters[largest], widths, device))
+    measured: dict = {}  # the matmul rate the training FLOPs are a share of
+    run("matmul_rate", "bf16", lambda: check_matmul_rate(widths, device, measured))
     for name in widths.drafters:
-        for backend in ("flex", "sdpa"):
-            run("train_step", f"{name} {backend}", lambda n=name, b=backend: check_train_step(n, widths, b, device))
+        run("train_step", name, lambda n=name: check_train_step(n, widths, device, measured.get("flops_per_s")))
     if device.type == "cpu" or torch.cuda.device_count() >= 2:
         run("train_step", "2 processes", lambda: check_train_step_2proc(largest, widths, device))
     else:
         run("train_step", "2 processes", lambda: {"check": "train_step", "case": "2 processes", "skipped": "one GPU"})
+    run("packing", "long-tailed", lambda: check_packing(widths, device, measured.get("flops_per_s")))
+    run("draft_tree", "ddtree dense", lambda: check_draft_tree(widths, device))
 
     work = tempfile.mkdtemp(prefix="gpu-check-engine-")
     no_engine = None if args.dry_run else engine_missing()

@@ -42,6 +42,13 @@ class Record:  # what training reads of a record (a cache's `CachedRecord`)
     target_topk: None = None
 
 
+def long_tailed_lengths(count: int, generator: torch.Generator) -> list[int]:
+    """Completion lengths of the "long-tailed" mix: log-normal (median 40 tokens, sigma 1.0), clipped to [8, 480]
+    (benchmarks/gpu_check.py's packing case draws its records from it too)."""
+    draws = torch.exp(math.log(40) + torch.randn(count, generator=generator))
+    return [int(v) for v in draws.clamp(8, 480)]
+
+
 def _continuations(target, prompts: list[list[int]], lengths: list[int | None]) -> list[tuple[list[int], list[int]]]:
     from flashdraft.decoding.generate import autoregressive_generate
 
@@ -66,9 +73,8 @@ def make_mix(target, name: str, count: int, seed: int):
     total = count + count // 4 + 1
     picks = [prompts[int(i)] for i in torch.randint(0, len(prompts), (total,), generator=gen)]
     lengths: list[int | None] = [None] * total
-    if name == "long-tailed":  # log-normal(median 40, sigma 1), clipped to [8, 480]
-        draws = torch.exp(math.log(40) + torch.randn(total, generator=gen))
-        lengths = [int(v) for v in draws.clamp(8, 480)]
+    if name == "long-tailed":
+        lengths = long_tailed_lengths(total, gen)
     target.set_context_layers(list(LAYERS))
     pairs = _continuations(target, picks, lengths)
     records, held_out = [], []

@@ -5,6 +5,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -19,9 +20,13 @@ CHECKS = {
     "linear_attention_parity",
     "target_verify_cost",
     "spec_loop_overhead",
+    "draft_tree_hybrid",
     "tiny_decode",
     "flex_vs_dense",
+    "matmul_rate",
     "train_step",
+    "packing",
+    "draft_tree",
     "served",
     "bench",
     "engine_capture",
@@ -63,14 +68,10 @@ def test_dry_run_prints_every_check_with_figures_and_passes():
         assert loop["host_transfers_per_step"] == 1 and loop["floor_ms"] > 0 and loop["step_over_floor"] > 0
     tiny = next(r for r in rows if r["check"] == "tiny_decode")
     assert tiny["passed"] and tiny["speculative_tokens_per_s"] > 0 and tiny["tau"] > 1
-    assert all(f"cap {s} s" in out.stdout for s in (40, 15, 45, 20))  # each check announced with its cap
-    trained = [r for r in rows if r["check"] == "train_step" and "skipped" not in r]
-    assert {r["case"] for r in trained} == {
-        "qwen3-8b-drafter sdpa",
-        "qwen3.6-27b-drafter sdpa",
-        "qwen3.6-27b-drafter auto x2",
-    }
-    assert all(r["context_tokens_per_s"] > 0 and r["peak_memory_mb"] > 0 for r in trained)
+    for check, cap in gpu_check_caps().items():  # each check announced with its cap
+        assert f"{check} " not in out.stdout or re.search(rf"# {check} \(.*\): cap {cap} s", out.stdout)
+    assert_training_rows(rows)
+    assert_tree_rows(rows)
     engine = [r for r in rows if r["check"] in ("served", "bench", "engine_capture")]
     # the GPU engine's checks say why they wait for a GPU; the CPU engine's case runs on request (`--checks served`)
     assert {r["case"]: r["skipped"] for r in engine} == {
@@ -82,6 +83,74 @@ def test_dry_run_prints_every_check_with_figures_and_passes():
         "hybrid bf16": "the CPU engine runs no exact hybrid target",
     }
     assert "all passed" in out.stdout.splitlines()[-1]
+
+
+def gpu_check_caps() -> dict:
+    spec = importlib.util.spec_from_file_location("gpu_check_caps", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check_caps"] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["gpu_check_caps"]
+    # one H200 from a bare machine: the core checks' caps (train_step twice) leave 40 s of the 6 minutes to start
+    assert module.CORE_SECONDS <= 320
+    return module.CAPS
+
+
+def assert_training_rows(rows: list[dict]) -> None:
+    """train_step (both drafter shapes and 2 processes) and packing: train's own figures, FLOPs and their share."""
+    rate = next(r for r in rows if r["check"] == "matmul_rate")["tflops_per_s"]
+    assert rate > 0
+    trained = [r for r in rows if r["check"] == "train_step" and "skipped" not in r]
+    assert {r["case"] for r in trained} == {"qwen3-8b-drafter", "qwen3.6-27b-drafter", "qwen3.6-27b-drafter x2"}
+    for row in trained:
+        assert row["steps"] >= 1 and row["step_ms"] > 0 and row["context_tokens_per_s"] > 0
+        assert row["peak_memory_gib"] > 0 and row["attention_shapes"] >= 0 and row["compiled_graphs"] >= 0
+        assert row["padding_share"] == 0 and "sized_down" not in row  # one sequence of seq_len tokens
+        # the share is the step's FLOPs over its time against the matmul rate
+        share = row["tflops_per_step"] * 1e12 * row["steps"] / (row["step_ms"] * row["steps"] / 1000) / (rate * 1e12)
+        assert row["processes"] == 2 or abs(row["matmul_share"] - share) <= 0.02 * share + 1e-4
+    packing = [r for r in rows if r["check"] == "packing"]
+    assert [r["case"].split()[0] for r in packing] == ["unpacked", "packed"]
+    unpacked, packed = packing
+    assert packed["padding_share"] < unpacked["padding_share"]  # rows filled by documents, not padding
+    assert all(r["supervised_tokens_per_s"] > 0 and r["new_attention_shapes"] >= 0 for r in packing)
+    assert packed["tflops_per_step"] > 0 and unpacked["records"] == packed["records"]
+
+
+def assert_tree_rows(rows: list[dict]) -> None:
+    tree = next(r for r in rows if r["check"] == "draft_tree")
+    assert tree["passed"] and tree["lossless"] == {"16": True, "32": True, "64": True} and not tree["differs"]
+    assert tree["nodes"] == {"16": 16, "32": 32, "64": 64} and all(v > 0 for v in tree["verify_ms"].values())
+    assert str(tree["best_budget"]) in tree["predicted_speedup"] and tree["chain_verify_ms"] > 0
+    hybrid = next(r for r in rows if r["check"] == "draft_tree_hybrid")
+    assert hybrid["passed"] and hybrid["linear_backend"] == "torch" and not hybrid["refused"]  # fla refuses: GPU
+
+
+def test_train_step_flops_count_the_visible_keys_and_the_trained_positions(monkeypatch):
+    gpu_check = _gpu_check(monkeypatch)
+    from flashdraft.drafter.config import DrafterConfig
+    from flashdraft.train.data import Batch
+
+    cfg = DrafterConfig(block_size=2, **gpu_check.TINY | dict(num_hidden_layers=1))
+    # one row: 4 context tokens (positions 0..3) and 1 padding slot, 2 blocks anchored at 2 and 4, the second untrained
+    batch = Batch(
+        [0],
+        torch.zeros(1, 5, 3 * 64),
+        torch.tensor([[0, 1, 2, 3, 1 << 62]]),
+        torch.zeros(1, 4, dtype=torch.long),
+        torch.tensor([[2, 4]]),
+        torch.tensor([[-100, 7, -100, -100]]),
+        None,
+    )
+    h, q, kv, i, v = 64, 64, 64, 128, 512
+    fc = 2 * 4 * 3 * h * h
+    context_kv = 2 * 4 * h * kv
+    block = 2 * 2 * (h * (q + kv) + q * h + 3 * h * i)  # 1 trained block of 2 tokens
+    attention = 4 * 2 * (2 + 2) * q  # it sees 2 context tokens (positions 0, 1) and its own 2
+    head = 2 * 1 * h * v  # 1 trained position
+    assert gpu_check.train_step_flops(cfg, batch) == 3 * (fc + context_kv + block + attention + head)
 
 
 def _gpu_check(monkeypatch):
