@@ -147,7 +147,7 @@ def test_packed_engine_fed_training_equals_packed_training_from_the_cache_and_re
     rc, out, err = _train(capsys, fed, tmp_path / "engine", *PACKED)
     assert rc == 0, err
     assert "packed 8 records into" in out
-    cached = ("--cached-hidden-states", fed / "cache")
+    cached = ("--cached-hidden-states", fed["cache"])
     assert _train(capsys, fed, tmp_path / "cached", *PACKED, source=cached)[0] == 0
     torch.testing.assert_close(_losses(tmp_path / "engine"), _losses(tmp_path / "cached"), rtol=1e-5, atol=1e-6)
     shutil.copytree(tmp_path / "engine", tmp_path / "cut")
@@ -156,7 +156,7 @@ def test_packed_engine_fed_training_equals_packed_training_from_the_cache_and_re
     assert _train(capsys, fed, tmp_path / "cut", *PACKED, "--resume")[0] == 0
     # after the probe on both engines and one sample recomputed: the records of steps 3 and 4's rows, row by row
     cfg = TrainConfig(batch_size=2, num_anchors=4, pack_length=96, seed=3)
-    plan = pack_plan(HiddenStateCache(fed / "cache"), 96, 4, None)
+    plan = pack_plan(HiddenStateCache(fed["cache"]), 96, 4, None)
     steps_per_epoch = packed_units(cfg, plan, 1) // 2
     assert StandInEngine.asked[3:] == [str(i) for i in stream_order(cfg, 8, range(2, 4), steps_per_epoch, Dist(), plan)]
     torch.testing.assert_close(_losses(tmp_path / "cut")[-2:], _losses(tmp_path / "engine")[-2:], rtol=1e-5, atol=1e-6)
@@ -238,9 +238,9 @@ def test_the_cpu_engine_feeds_the_training_a_cache_of_it_gives(capsys, engine_fe
     torch.testing.assert_close(_losses(tmp_path / "engine"), _losses(tmp_path / "cached"), rtol=1e-5, atol=1e-6)
     assert _held_out_tau(tmp_path / "engine") == pytest.approx(_held_out_tau(tmp_path / "cached"), abs=1e-9)
     # packed: the engine asked for the records row by row trains what its cache trains packed
-    rc, out, err = _train(capsys, fed, tmp_path / "engine-packed", *PACKED, source=engine)
+    rc, out, err = _train(capsys, engine_fed, tmp_path / "engine-packed", *PACKED, source=engine)
     assert rc == 0 and "packed 8 records into" in out, err
-    assert _train(capsys, fed, tmp_path / "cached-packed", *PACKED, source=cached)[0] == 0
+    assert _train(capsys, engine_fed, tmp_path / "cached-packed", *PACKED, source=cached)[0] == 0
     packed = _losses(tmp_path / "engine-packed")
     torch.testing.assert_close(packed, _losses(tmp_path / "cached-packed"), rtol=1e-5, atol=1e-6)
 
