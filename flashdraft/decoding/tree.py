@@ -19,22 +19,28 @@ node's ancestors (ancestor closure). Width 1 ("topk", "beam") is the chain: the 
 selector's greedy walk (DFlash2). Under greedy verification the accepted path is the longest root path whose every
 node is the target's argmax after its parent (`DraftTree.accepted_path`), so the offline walk over the target's
 greedy completion (`evaluation.trees`) gives exactly what this loop commits.
+
+Device-to-host reads (`decoding.host_transfers`, counted in `GenerationResult.host_transfers`): a step reads the
+device at most twice, whatever the rule: once for the tree's ranked tokens ("ddtree", "topk": the per-position
+top-k log-probabilities and tokens together; "beam": every depth's beam, built on the device, together) and once
+for the target's argmax after every node ([N + 1]), from which the host walks the accepted path and its bonus token.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from flashdraft.decoding.generate import GenerationResult, SpeculativeConfig
+from flashdraft.decoding.host_transfers import TRANSFERS, to_host
 from flashdraft.decoding.proposers import DFlashProposer, Proposer, as_proposer, default_block_size
 from flashdraft.drafter.families import family_of
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
-from flashdraft.target.model import TargetModel, TargetOutput
+from flashdraft.target.model import TargetModel, TargetOutput, decoding_attention
 
 TREE_RULES = ("ddtree", "topk", "beam")
 CHAIN_STEP = SpeculativeConfig()  # the drafter's block, features as computed
@@ -108,12 +114,14 @@ def _root_only() -> DraftTree:
     return DraftTree([], [-1], [0])
 
 
-def _ranked(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k best log-probabilities [..., k] and their tokens of logits [..., V], ties in token order (the first of
-    equal values first, as an argmax takes it)."""
+def _ranked(logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """The k best log-probabilities [k_pos][k] and their tokens of logits [k_pos, V] on the host, in one read, ties
+    in token order (the first of equal values first, as an argmax takes it)."""
     logp = torch.log_softmax(logits.float(), -1)
     values, tokens = logp.sort(dim=-1, descending=True, stable=True)
-    return values[..., :k], tokens[..., :k]
+    # one read: float64 holds the float32 values and every token id exactly
+    values, tokens = to_host(torch.stack((values[..., :k].double(), tokens[..., :k].double())))
+    return values, [[int(token) for token in row] for row in tokens]
 
 
 def ddtree(logits: torch.Tensor, budget: int) -> DraftTree:
@@ -123,7 +131,6 @@ def ddtree(logits: torch.Tensor, budget: int) -> DraftTree:
         return _root_only()
     top = min(budget, logits.shape[-1])
     logp, ids = _ranked(logits, top)
-    logp, ids = logp.tolist(), ids.tolist()
     tokens, parents, depths = [], [-1], [0]
     heap = [(-logp[0][0], (0,), 0, 1, 0)]
     while heap and len(tokens) < budget:
@@ -169,7 +176,6 @@ def topk_tree(logits: torch.Tensor, budget: int, width: int) -> DraftTree:
     if logits.shape[0] == 0:
         return _root_only()
     logp, ids = _ranked(logits, min(width, logits.shape[-1]))
-    logp, ids = logp.tolist(), ids.tolist()
     candidates: list[_Candidate] = []
     frontier = [-1]  # candidate indices expanded at the next depth (the root first)
     for depth in range(1, len(logp) + 1):
@@ -187,33 +193,36 @@ def beam_tree(selector, hidden: torch.Tensor, unary: torch.Tensor, anchor: int, 
     """SGLang #36196's DFlash2 beam tree: hidden [k, H] and unary logits [k, V] at the draft positions; at each depth
     every beam node p scores the position's top-K candidates c as unary(c) + < P[p] * W h, S[c] > (the selector's
     score, candidates in token order as its walk takes them), log-softmax over the K; the `width` best cumulative
-    expansions are the depth's beam; the `budget` best beam nodes of all depths are verified."""
+    expansions are the depth's beam; the `budget` best beam nodes of all depths are verified. The beams are built on
+    the device and read in one read."""
     if unary.shape[0] == 0:
         return _root_only()
+    device = unary.device
     unary_top, candidates = unary.float().topk(selector.top_k, dim=-1)  # [k, K]
     candidates, order = candidates.sort(-1)
     unary_top = unary_top.gather(-1, order)
+    top_k = candidates.shape[-1]
     projected = selector.hidden_projection(hidden).float()  # [k, r]
-    nodes: list[_Candidate] = []
-    beam = [(-1, anchor)]  # (candidate index, token) of each beam node at the depth before
-    for depth in range(1, unary.shape[0] + 1):
-        t = depth - 1
-        predecessors = torch.tensor([token for _, token in beam], device=unary.device)  # [W]
-        rows = projected[t].expand(len(beam), -1)  # [W, r]
-        pair = selector.pair_scores(rows, predecessors, candidates[t].expand(len(beam), -1)).float()  # [W, K]
-        logp = torch.log_softmax(unary_top[t] + pair, -1).tolist()
-        expansions = []
-        for (parent, _), row in zip(beam, logp, strict=True):
-            base = nodes[parent].score if parent >= 0 else 0.0
-            # per parent in the selector's order: the first best score first, as its greedy walk's argmax
-            ranked = sorted(range(len(row)), key=lambda c, row=row: -row[c])
-            expansions += [(base + row[c], parent, int(candidates[t, c])) for c in ranked]
-        kept = sorted(range(len(expansions)), key=lambda i: -expansions[i][0])[:width]  # stable: ties in order
-        beam = []
-        for i in kept:
-            score, parent, token = expansions[i]
-            nodes.append(_Candidate(score, token, parent, depth))
-            beam.append((len(nodes) - 1, token))
+    beam_tokens = torch.full((1,), anchor, dtype=torch.long, device=device)  # [W]: each beam node's token
+    beam_scores = torch.zeros(1, dtype=torch.float64, device=device)  # [W]: cumulative log-probabilities
+    beam_nodes = torch.full((1,), -1, dtype=torch.long, device=device)  # [W]: candidate indices (-1: the root)
+    kept_rows, depths = [], []  # per depth: [3, W] (score, token, parent), and the depth of each node
+    for t in range(unary.shape[0]):
+        rows = projected[t].expand(len(beam_tokens), -1)  # [W, r]
+        pair = selector.pair_scores(rows, beam_tokens, candidates[t].expand(len(beam_tokens), -1)).float()  # [W, K]
+        logp = torch.log_softmax(unary_top[t] + pair, -1).double()  # [W, K]
+        # parent-major, candidates in token order: a stable sort ranks ties as the selector's greedy walk's argmax
+        expansions = (beam_scores[:, None] + logp).flatten()  # [W * K]
+        kept = expansions.sort(descending=True, stable=True).indices[:width]  # [W']
+        beam_scores, beam_tokens = expansions[kept], candidates[t][kept % top_k]
+        kept_rows.append(torch.stack((beam_scores, beam_tokens.double(), beam_nodes[kept // top_k].double())))
+        beam_nodes = len(depths) + torch.arange(len(kept), device=device)
+        depths += [t + 1] * len(kept)
+    scores, tokens, parents = to_host(torch.cat(kept_rows, 1))  # [3, M]: one read
+    nodes = [
+        _Candidate(score, int(token), int(parent), depth)
+        for score, token, parent, depth in zip(scores, tokens, parents, depths, strict=True)
+    ]
     return _best_closed(nodes, budget)
 
 
@@ -370,28 +379,41 @@ def tree_generate(
     one target forward over [anchor, nodes] with node positions anchor + depth under the ancestor-only mask, the
     longest root path the target's argmax follows plus its bonus token committed, the path's cache kept. Output
     equals plain greedy decoding; each step's committed count equals the offline tree walk's
-    (`evaluation.trees`)."""
+    (`evaluation.trees`). A step reads the device at most twice (`host_transfers`; the module's docstring)."""
     check_tree_target(target)
     check_tree_drafter(rule, drafter)
     block = speculative.block_size or default_block_size(drafter)
     proposer = as_proposer(drafter, target, rule=speculative.rule)
     target.set_context_layers(proposer.context_layer_ids)
-    stop_ids, device = set(target.stop_token_ids), target.device
+    with decoding_attention(target.device):
+        return _tree_steps(target, proposer, prompt_ids, max_new_tokens, rule, replace(speculative, block_size=block))
+
+
+def _tree_steps(
+    target: TargetModel,
+    proposer: Proposer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    rule: TreeRule,
+    speculative: SpeculativeConfig,
+) -> TreeGeneration:
+    """The prefill and the steps of `tree_generate` (the proposer made, `speculative`'s block resolved)."""
+    stop_ids, device, block = set(target.stop_token_ids), target.device, speculative.block_size
     cache = target.new_cache()
     prefill = target.forward(torch.tensor([prompt_ids], device=device), cache)
-    result = TreeGeneration([int(prefill.logits_at(-1, None)[0, 0].argmax())])
+    result = TreeGeneration([to_host(prefill.logits_at(-1, None)[0, 0].argmax())])
     if result.output_ids[0] in stop_ids:
         result.stop_reason = "eos"
         return result
     new_context = _rounded(prefill.context_features, speculative.round_context_to)
     new_positions = torch.arange(len(prompt_ids), device=device)[None]
-    anchor_pos = len(prompt_ids)
+    anchor_pos, reads_before = len(prompt_ids), TRANSFERS.reads
     while len(result.output_ids) < max_new_tokens:
         tokens = prompt_ids + result.output_ids
         rows = proposer.propose(tokens, anchor_pos, new_context, new_positions, block)  # [k, V]
         tree = build_tree(rule, proposer, rows, 0, tokens[-1])
         verified = tree_forward(target, cache, tokens[-1:] + tree.tokens, tree, anchor_pos)
-        predicted = verified.logits[0].argmax(-1).tolist()  # [N + 1]: the target's token after each node
+        predicted = to_host(verified.logits[0].argmax(-1))  # [N + 1]: the target's token after each node
         path = tree.accepted_path(predicted.__getitem__)
         budget = max_new_tokens - len(result.output_ids)
         committed, stopped = _committed(
@@ -408,6 +430,7 @@ def tree_generate(
         new_context = _rounded(features[:, path] if features is not None else None, speculative.round_context_to)
         new_positions = anchor_pos + torch.arange(len(path), device=device)[None]
         anchor_pos += len(path)
+    result.host_transfers = TRANSFERS.reads - reads_before
     return result
 
 

@@ -6,6 +6,7 @@ from flashdraft.decoding.proposers import as_proposer
 from flashdraft.decoding.tree import TreeRule, beam_tree, ddtree, topk_tree, tree_generate
 from flashdraft.errors import FlashdraftError
 from tests.conftest import VOCAB, make_dflash2_drafter, make_drafter, make_dspark_drafter, make_target
+from tests.decoding.test_generate import _raw_reads
 from tests.target.tiny_families import make_family_target
 
 PROMPT = [5, 9, 17, 3, 22, 40, 11, 8, 30, 2, 14, 27]
@@ -127,6 +128,21 @@ def test_tree_decoding_with_drafters_equals_greedy_decoding():
         out = tree_generate(target, drafter, PROMPT, 24, rule)
         assert out.output_ids == plain
         assert all(n <= rule.budget for n in out.nodes_per_step)
+
+
+def test_a_tree_step_reads_the_device_twice_and_the_counter_sees_every_read(monkeypatch):
+    target = make_target("hybrid")
+    plain = autoregressive_generate(target, PROMPT, 24).output_ids
+    for drafter, rule in (
+        (make_drafter(block_size=8), TreeRule("ddtree", 8)),
+        (make_drafter(block_size=8), TreeRule("topk", 6, width=2)),
+        (make_dflash2_drafter(block_size=8), TreeRule("beam", 6, width=2)),
+    ):
+        out, raw, counted = _raw_reads(monkeypatch, lambda d=drafter, r=rule: tree_generate(target, d, PROMPT, 24, r))
+        steps = len(out.acceptance_lengths)
+        assert out.output_ids == plain and steps > 3, rule
+        assert out.host_transfers == 2 * steps, rule  # the tree's ranked tokens, the target's argmax per node
+        assert raw == counted == out.host_transfers + 1, rule  # nothing read past the counter: + the prefill's
 
 
 def test_mamba_targets_dspark_drafters_and_beam_without_a_selector_are_refused():
