@@ -27,8 +27,7 @@ for the target's argmax after every node ([N + 1]), from which the host walks th
 Host-to-device copies (on CUDA a copy from pageable memory waits for all queued work, as a read does): one per step,
 `tree_on_device`'s [4, N + 1] of the tree's tokens, parents, depths and first-child flags (pinned, not waiting, on
 CUDA); the positions (anchor + depth), the ancestor mask and the accepted path's index are built from it on the
-device. Not yet on a recurrent (Gated DeltaNet) layer: its tree forward (`tree_block_forward`) indexes with host
-lists, a few copies per layer.
+device, as are a Gated DeltaNet layer's (`tree_block_forward`) node indices.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ from flashdraft.decoding.proposers import DFlashProposer, Proposer, as_proposer,
 from flashdraft.drafter.families import family_of
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
+from flashdraft.target.linear_attention import TreeNodes
 from flashdraft.target.model import TargetModel, TargetOutput, decoding_attention
 
 TREE_RULES = ("ddtree", "topk", "beam")
@@ -356,7 +356,7 @@ def tree_forward(target: TargetModel, cache, nodes: torch.Tensor, tree: DraftTre
     anchor + depth, the ancestor-only mask, recurrent layers along each node's root path (`tree_parents`)."""
     mask = tree_attention_mask(target, cache.length, nodes, max(tree.depths))
     for mixer in target.linear_mixers.values():
-        mixer.tree_parents = tree.parents
+        mixer.tree_parents = TreeNodes(nodes[PARENTS], nodes[DEPTHS], max(tree.depths))
     try:
         return target.forward(
             nodes[TOKENS][None], cache, position_ids=anchor_pos + nodes[DEPTHS][None], attention_mask=mask

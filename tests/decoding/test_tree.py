@@ -156,9 +156,9 @@ def test_a_tree_step_reads_the_device_twice_and_the_counter_sees_every_read(monk
         assert raw == counted == out.host_transfers + 1, rule  # nothing read past the counter: + the prefill's
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gpt_oss"])  # dense; sliding window
+@pytest.mark.parametrize("kind", ["qwen3", "gpt_oss", "hybrid"])  # dense; sliding window; Gated DeltaNet
 def test_a_tree_step_copies_to_the_device_once_and_keeps_greedy_outputs(kind, monkeypatch):
-    """On attention layers: the step's one copy from the host (`tree_on_device`), no tensor indexed by a host list."""
+    """The step's one copy from the host (`tree_on_device`), no tensor indexed by a host list, whatever the layers."""
     target = make_family_target(kind) if kind == "gpt_oss" else make_target(kind)
     drafter, rule = make_drafter(block_size=8, hidden_size=target.config.hidden_size), TreeRule("ddtree", 8)
     plain = autoregressive_generate(target, PROMPT, 24).output_ids
