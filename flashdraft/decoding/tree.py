@@ -24,6 +24,10 @@ Device-to-host reads (`decoding.host_transfers`, counted in `GenerationResult.ho
 device at most twice, whatever the rule: once for the tree's ranked tokens ("ddtree", "topk": the per-position
 top-k log-probabilities and tokens together; "beam": every depth's beam, built on the device, together) and once
 for the target's argmax after every node ([N + 1]), from which the host walks the accepted path and its bonus token.
+Host-to-device copies (on CUDA a copy from pageable memory waits for all queued work, as a read does): one per step,
+`tree_on_device`'s [4, N + 1] of the tree's tokens, parents, depths and first-child flags (pinned, not waiting, on
+CUDA); the positions (anchor + depth), the ancestor mask and the accepted path's index are built from it on the
+device, as are a Gated DeltaNet layer's (`tree_block_forward`) node indices.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from flashdraft.decoding.proposers import DFlashProposer, Proposer, as_proposer,
 from flashdraft.drafter.families import family_of
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
+from flashdraft.target.linear_attention import TreeNodes
 from flashdraft.target.model import TargetModel, TargetOutput, decoding_attention
 
 TREE_RULES = ("ddtree", "topk", "beam")
@@ -286,26 +291,59 @@ def check_tree_target(target: TargetModel) -> None:
         )
 
 
-def tree_attention_mask(target: TargetModel, past: int, tree: DraftTree) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The additive mask [1, 1, N + 1, keys] of a tree forward after `past` cached tokens: each node sees the past
-    and its ancestors (itself included); a sliding-window layer (window W) sees a key only when its position is
-    within W of the node's (node position = past + depth), of its past only the W - 1 it keeps. A dict by layer kind
-    where the target has sliding or recurrent layers (transformers takes a prepared mask per kind), else the one
-    mask."""
-    dtype, device = target.dtype, target.device
-    seen = tree.ancestors()  # [T, T]
+TOKENS, PARENTS, DEPTHS, FIRST = range(4)  # the rows of a tree on the device (`tree_on_device`)
+
+
+def tree_on_device(tree: DraftTree, tokens: list[int], device: torch.device) -> torch.Tensor:
+    """[4, N + 1] int64 on `device`, in one copy from the host: the forward's tokens ([anchor, nodes]), parents
+    (-1: the root), depths, and 1 where a node is the first child of its parent with its token (the child
+    `accepted_path` follows). On CUDA from pinned memory without waiting: a pageable copy waits for all queued
+    work, as a read does."""
+    first = [0] + [
+        int(tree.children[parent][token] == node)
+        for node, (parent, token) in enumerate(zip(tree.parents[1:], tree.tokens, strict=True), start=1)
+    ]
+    pinned = torch.device(device).type == "cuda"
+    packed = torch.tensor([tokens, tree.parents, tree.depths, first], dtype=torch.long, pin_memory=pinned)
+    return packed.to(device, non_blocking=pinned)
+
+
+def ancestor_mask(nodes: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[T, T] bool on the device of `nodes` (`tree_on_device`): row i sees column j when j is i or an ancestor of
+    i (`DraftTree.ancestors`), built by following every node's parent `max_depth` times."""
+    t = nodes.shape[1]
+    parent = nodes[PARENTS].clamp(min=0)  # the root its own parent: it is every node's ancestor anyway
+    rows = torch.arange(t, device=nodes.device)
+    seen = torch.zeros(t, t, dtype=torch.bool, device=nodes.device)
+    above = rows
+    for _ in range(max_depth + 1):
+        seen[rows, above] = True
+        above = parent[above]
+    return seen
+
+
+def tree_attention_mask(
+    target: TargetModel, past: int, nodes: torch.Tensor, max_depth: int
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The additive mask [1, 1, N + 1, keys] of a tree forward after `past` cached tokens, built on the device from
+    the tree's `nodes` (`tree_on_device`): each node sees the past and its ancestors (itself included); a
+    sliding-window layer (window W) sees a key only when its position is within W of the node's (node position =
+    past + depth), of its past only the W - 1 it keeps. A dict by layer kind where the target has sliding or
+    recurrent layers (transformers takes a prepared mask per kind), else the one mask."""
+    dtype, device = target.dtype, nodes.device
+    seen = ancestor_mask(nodes, max_depth)  # [T, T]
     t = seen.shape[0]
-    depths = torch.tensor(tree.depths)
-    full = torch.cat([torch.ones(t, past, dtype=torch.bool), seen], 1)
+    depths = nodes[DEPTHS]
+    full = torch.cat([torch.ones(t, past, dtype=torch.bool, device=device), seen], 1)
     masks: dict[str, torch.Tensor | None] = {"full_attention": full}
     window = getattr(target.config, "sliding_window", None)
     if "sliding_attention" in target.layer_types and window:
         kept = min(past, window - 1)
-        key_positions = torch.cat([torch.arange(past - kept, past), past + depths])  # [kept + T]
+        key_positions = torch.cat([torch.arange(past - kept, past, device=device), past + depths])  # [kept + T]
         near = (past + depths)[:, None] - key_positions[None, :] < window
-        masks["sliding_attention"] = torch.cat([torch.ones(t, kept, dtype=torch.bool), seen], 1) & near
+        masks["sliding_attention"] = torch.cat([torch.ones(t, kept, dtype=torch.bool, device=device), seen], 1) & near
     additive = {
-        kind: torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)[None, None].to(device)
+        kind: torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)[None, None]
         for kind, mask in masks.items()
     }
     if target.linear_layers:  # recurrent layers take no mask: their tree is `tree_parents`
@@ -313,42 +351,54 @@ def tree_attention_mask(target: TargetModel, past: int, tree: DraftTree) -> torc
     return additive if len(additive) > 1 else additive["full_attention"]
 
 
-def tree_forward(target: TargetModel, cache, tokens: list[int], tree: DraftTree, anchor_pos: int) -> TargetOutput:
-    """The target's one forward over [anchor, nodes] (`tokens`) after the cache: node positions anchor + depth, the
-    ancestor-only mask, recurrent layers along each node's root path (`tree_parents`)."""
-    device = target.device
-    mask = tree_attention_mask(target, cache.length, tree)
+def tree_forward(target: TargetModel, cache, nodes: torch.Tensor, tree: DraftTree, anchor_pos: int) -> TargetOutput:
+    """The target's one forward over [anchor, nodes] (`nodes`: `tree_on_device`) after the cache: node positions
+    anchor + depth, the ancestor-only mask, recurrent layers along each node's root path (`tree_parents`)."""
+    mask = tree_attention_mask(target, cache.length, nodes, max(tree.depths))
     for mixer in target.linear_mixers.values():
-        mixer.tree_parents = tree.parents
+        mixer.tree_parents = TreeNodes(nodes[PARENTS], nodes[DEPTHS], max(tree.depths))
     try:
         return target.forward(
-            torch.tensor([tokens], device=device),
-            cache,
-            position_ids=anchor_pos + torch.tensor([tree.depths], device=device),
-            attention_mask=mask,
+            nodes[TOKENS][None], cache, position_ids=anchor_pos + nodes[DEPTHS][None], attention_mask=mask
         )
     finally:
         for mixer in target.linear_mixers.values():
             mixer.tree_parents = None
 
 
-def keep_path(target: TargetModel, cache, path: list[int], tree_tokens: int) -> None:
-    """Keep only the accepted path's nodes of the last forward (a tree of `tree_tokens` nodes with its root) in the
-    cache: their keys and values (recurrent layers: their inputs) moved to the front of the block, then the rest cut
-    as a rollback cuts (recurrent layers: their states before the forward, the path re-run)."""
-    index = torch.tensor(path, device=target.device)
+def path_on_device(nodes: torch.Tensor, predicted: torch.Tensor, length: int, max_depth: int) -> torch.Tensor:
+    """The accepted path's nodes [length], root first, on the device, from the tree's `nodes` (`tree_on_device`)
+    and the target's token after each node (`predicted` [N + 1], on the device): a node is on it when it is the
+    first child of its parent with the token the target predicts there, and so is its parent (`accepted_path`; the
+    host knows the path's `length` from its own walk, so no read)."""
+    parent = nodes[PARENTS].clamp(min=0)
+    matches = (nodes[FIRST] == 1) & (nodes[TOKENS] == predicted[parent])
+    matches[0] = True
+    accepted = matches
+    for _ in range(max_depth):
+        accepted = matches & accepted[parent]
+    # accepted nodes first, in node order (a parent before its child): the path root first
+    return accepted.to(torch.uint8).sort(descending=True, stable=True).indices[:length]
+
+
+def keep_path(target: TargetModel, cache, path: torch.Tensor, tree_tokens: int) -> None:
+    """Keep only the accepted path's nodes (`path` [P] on the device) of the last forward (a tree of `tree_tokens`
+    nodes with its root) in the cache: their keys and values (recurrent layers: their inputs) moved to the front of
+    the block, then the rest cut as a rollback cuts (recurrent layers: their states before the forward, the path
+    re-run)."""
+    kept = path.shape[0]
     for i, layer in enumerate(getattr(cache.kv, "layers", [])):
         if i in target.linear_mixers:
             inputs = cache.linear_inputs[i]  # [1, tree_tokens, hidden]
-            inputs[:, : len(path)] = inputs[:, index]
+            inputs[:, :kept] = inputs[:, path]
             continue
         keys, values = layer.keys, layer.values
         start = keys.shape[-2] - tree_tokens  # a sliding layer keeps fewer past tokens than a full one
-        keys[..., start : start + len(path), :] = keys[..., start + index, :]
-        values[..., start : start + len(path), :] = values[..., start + index, :]
+        keys[..., start : start + kept, :] = keys[..., start + path, :]
+        values[..., start : start + kept, :] = values[..., start + path, :]
     mode, target.rollback_mode = target.rollback_mode, "recompute"  # "deferred" would re-feed the tree's order
     try:
-        target.rollback(cache, len(path))
+        target.rollback(cache, kept)
     finally:
         target.rollback_mode = mode
 
@@ -412,8 +462,10 @@ def _tree_steps(
         tokens = prompt_ids + result.output_ids
         rows = proposer.propose(tokens, anchor_pos, new_context, new_positions, block)  # [k, V]
         tree = build_tree(rule, proposer, rows, 0, tokens[-1])
-        verified = tree_forward(target, cache, tokens[-1:] + tree.tokens, tree, anchor_pos)
-        predicted = to_host(verified.logits[0].argmax(-1))  # [N + 1]: the target's token after each node
+        nodes = tree_on_device(tree, tokens[-1:] + tree.tokens, device)  # [4, N + 1]: the step's one copy
+        verified = tree_forward(target, cache, nodes, tree, anchor_pos)
+        argmax = verified.logits[0].argmax(-1)  # [N + 1]: the target's token after each node
+        predicted = to_host(argmax)
         path = tree.accepted_path(predicted.__getitem__)
         budget = max_new_tokens - len(result.output_ids)
         committed, stopped = _committed(
@@ -425,9 +477,10 @@ def _tree_steps(
         if stopped:
             result.stop_reason = "eos"
             break
-        keep_path(target, cache, path, tree.size + 1)
+        kept = path_on_device(nodes, argmax, len(path), max(tree.depths))  # [P]
+        keep_path(target, cache, kept, tree.size + 1)
         features = verified.context_features
-        new_context = _rounded(features[:, path] if features is not None else None, speculative.round_context_to)
+        new_context = _rounded(features[:, kept] if features is not None else None, speculative.round_context_to)
         new_positions = anchor_pos + torch.arange(len(path), device=device)[None]
         anchor_pos += len(path)
     result.host_transfers = TRANSFERS.reads - reads_before

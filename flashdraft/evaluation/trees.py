@@ -33,6 +33,7 @@ from flashdraft.decoding.tree import (
     check_tree_target,
     tree_forward,
     tree_generate,
+    tree_on_device,
     tree_verifiable,
 )
 from flashdraft.drafter.families import drafts_per_block
@@ -174,7 +175,7 @@ def step_costs(c: Candidate, target: TargetModel, record: EvalRecord, rule_of: d
             ids = torch.tensor([context[-1:] * tokens], device=device)
             return lambda: (target.forward(ids, cache), target.rollback(cache, 0))
         return lambda: (
-            tree_forward(target, cache, context[-1:] * tokens, tree, cache.length),
+            tree_forward(target, cache, tree_on_device(tree, context[-1:] * tokens, device), tree, cache.length),
             target.rollback(cache, 0),
         )
 

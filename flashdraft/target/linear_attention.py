@@ -172,12 +172,23 @@ def _output(layer: nn.Module, out: torch.Tensor, z: torch.Tensor, hidden_states:
     return layer.out_proj(out)
 
 
-def tree_block_forward(layer: nn.Module, hidden_states: torch.Tensor, cache_params, parents: list[int]) -> torch.Tensor:
-    """The layer over a draft tree's nodes (`flashdraft.decoding.tree`): hidden_states [B, T, hidden] of nodes whose
-    parent is `parents[n]` (-1: the root, after the cached tokens). Each node's conv reads its own root path (then
-    the cached inputs) and its recurrent state is its parent's advanced by its token (the 1-token recurrence), so
-    every node's output is the one its path alone would give. Leaves the last node's states in the cache (right when
-    the tree is a chain accepted whole; otherwise rollback restores its copy and re-runs the accepted path)."""
+@dataclass(frozen=True)
+class TreeNodes:
+    """A draft tree's nodes on the device, for `tree_block_forward`: parents and depths [T] (int64; parents[0] = -1,
+    the root, after the cached tokens), and the deepest node's depth (known on the host)."""
+
+    parents: torch.Tensor
+    depths: torch.Tensor
+    max_depth: int
+
+
+def tree_block_forward(layer: nn.Module, hidden_states: torch.Tensor, cache_params, tree: TreeNodes) -> torch.Tensor:
+    """The layer over a draft tree's nodes (`flashdraft.decoding.tree`): hidden_states [B, T, hidden] of the `tree`'s
+    nodes. Each node's conv reads its own root path (then the cached inputs) and its recurrent state is its parent's
+    advanced by its token (the 1-token recurrence), so every node's output is the one its path alone would give.
+    Indices are built on the device from `tree` (no copy from the host). Leaves the last node's states in the cache
+    (right when the tree is a chain accepted whole; otherwise rollback restores its copy and re-runs the accepted
+    path)."""
     batch, seq_len, _ = hidden_states.shape
     idx, kernel = layer.layer_idx, layer.conv_kernel_size
     state0 = cache_params.get_recurrent_state(idx)
@@ -185,29 +196,27 @@ def tree_block_forward(layer: nn.Module, hidden_states: torch.Tensor, cache_para
     window = cache_params.update_conv_state(mixed_qkv.transpose(1, 2), idx, conv_kernel_size=kernel)  # [B, C, K + T]
     if state0 is None or window.shape[-1] != seq_len + kernel:
         raise RuntimeError("a tree forward needs the layer's states from a cached forward before it")
-    columns = []  # per node: the window columns of its last K inputs, oldest first
-    for node in range(seq_len):
-        path = [node]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        history = list(range(kernel)) + [kernel + n for n in reversed(path)]
-        columns.append(history[-kernel:])
-    gathered = window[..., torch.tensor(columns, device=window.device)]  # [B, C, T, K]
+    parent, depths = tree.parents.clamp(min=0), tree.depths  # [T]: the root its own parent (never followed)
+    # per node the window columns of its last K inputs: s steps back from the end, its s-th ancestor while the path
+    # lasts (K + node), then the cached inputs before the tree (K + depth - s)
+    above, from_end = torch.arange(seq_len, device=window.device), []
+    for back in range(kernel):
+        from_end.append(torch.where(depths >= back, kernel + above, kernel + depths - back))
+        above = parent[above]
+    columns = torch.stack(from_end[::-1], -1)  # [T, K], oldest first
+    gathered = window[..., columns]  # [B, C, T, K]
     conv_out = (gathered @ layer.conv1d.weight[:, 0][:, :, None]).squeeze(-1)  # [B, C, T]
     query, key, value, g, beta = _heads(layer, conv_out, b, a)
     states = value.new_zeros(*value.shape[:2], seq_len, layer.head_k_dim, layer.head_v_dim)  # [B, Hv, T, dk, dv]
     out = torch.zeros_like(value)  # [B, Hv, T, dv]
-    depth = [0] * seq_len
-    for node in range(1, seq_len):
-        depth[node] = depth[parents[node]] + 1
-    for d in range(max(depth) + 1):  # a depth's nodes at once, each from its parent's state
-        nodes = [n for n in range(seq_len) if depth[n] == d]
-        before = state0.float()[:, :, None] if d == 0 else states[:, :, [parents[n] for n in nodes]]
-        decayed = before * g[:, :, nodes].exp()[..., None, None]  # [B, Hv, n, dk, dv]
-        k_n = key[:, :, nodes]  # [B, Hv, n, dk]
-        delta = (value[:, :, nodes] - (k_n[..., None, :] @ decayed)[..., 0, :]) * beta[:, :, nodes][..., None]
-        states[:, :, nodes] = decayed + k_n[..., :, None] * delta[..., None, :]
-        out[:, :, nodes] = (query[:, :, nodes][..., None, :] @ states[:, :, nodes])[..., 0, :]
+    for d in range(tree.max_depth + 1):  # each node from its parent's state, kept at the node's own depth
+        before = state0.float()[:, :, None] if d == 0 else states[:, :, parent]  # [B, Hv, T or 1, dk, dv]
+        decayed = before * g.exp()[..., None, None]  # [B, Hv, T, dk, dv]
+        delta = (value - (key[..., None, :] @ decayed)[..., 0, :]) * beta[..., None]
+        advanced = decayed + key[..., :, None] * delta[..., None, :]
+        at_depth = depths == d  # [T]
+        states = torch.where(at_depth[:, None, None], advanced, states)
+        out = torch.where(at_depth[:, None], (query[..., None, :] @ advanced)[..., 0, :], out)
     cache_params.update_recurrent_state(states[:, :, -1], idx)
     layer.last_block = None
     return _output(layer, out, z, hidden_states)

@@ -1,9 +1,20 @@
+import os
+
 import pytest
 import torch
 
 from flashdraft.decoding.generate import autoregressive_generate
 from flashdraft.decoding.proposers import as_proposer
-from flashdraft.decoding.tree import TreeRule, beam_tree, ddtree, topk_tree, tree_generate
+from flashdraft.decoding.tree import (
+    TreeRule,
+    ancestor_mask,
+    beam_tree,
+    ddtree,
+    path_on_device,
+    topk_tree,
+    tree_generate,
+    tree_on_device,
+)
 from flashdraft.errors import FlashdraftError
 from tests.conftest import VOCAB, make_dflash2_drafter, make_drafter, make_dspark_drafter, make_target
 from tests.decoding.test_generate import _raw_reads
@@ -143,6 +154,40 @@ def test_a_tree_step_reads_the_device_twice_and_the_counter_sees_every_read(monk
         assert out.output_ids == plain and steps > 3, rule
         assert out.host_transfers == 2 * steps, rule  # the tree's ranked tokens, the target's argmax per node
         assert raw == counted == out.host_transfers + 1, rule  # nothing read past the counter: + the prefill's
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gpt_oss", "hybrid"])  # dense; sliding window; Gated DeltaNet
+def test_a_tree_step_copies_to_the_device_once_and_keeps_greedy_outputs(kind, monkeypatch):
+    """The step's one copy from the host (`tree_on_device`), no tensor indexed by a host list, whatever the layers."""
+    target = make_family_target(kind) if kind == "gpt_oss" else make_target(kind)
+    drafter, rule = make_drafter(block_size=8, hidden_size=target.config.hidden_size), TreeRule("ddtree", 8)
+    plain = autoregressive_generate(target, PROMPT, 24).output_ids
+    listed = []  # tensors indexed by a Python list: a copy from the host too
+    for name in ("__getitem__", "__setitem__"):
+        raw = getattr(torch.Tensor, name)
+
+        def index(self, key, *rest, _raw=raw):
+            keys = key if isinstance(key, tuple) else (key,)
+            listed.extend(k for k in keys if isinstance(k, list))
+            return _raw(self, key, *rest)
+
+        monkeypatch.setattr(torch.Tensor, name, index)
+    copies = []
+    out, _, _ = _raw_reads(monkeypatch, lambda: tree_generate(target, drafter, PROMPT, 24, rule), copies)
+    steps = len(out.acceptance_lengths)
+    assert out.output_ids == plain and steps > 3
+    assert [os.path.basename(f) for f in copies] == ["tree.py"] * (steps + 1)  # the prompt's, one per step
+    assert listed == []
+
+
+def test_the_device_ancestor_mask_and_path_are_the_hosts():
+    tree = ddtree(_logits({CAT: 0.6, DOG: 0.3}, {SAT: 0.7, RAN: 0.2}), budget=4)  # nodes CAT, SAT, DOG, SAT
+    nodes = tree_on_device(tree, [0, *tree.tokens], torch.device("cpu"))
+    assert torch.equal(ancestor_mask(nodes, max(tree.depths)), tree.ancestors())
+    for predicted in ([DOG, 0, 0, SAT, 0], [CAT, SAT, CAT, 0, 0], [CAT, RAN, 0, 0, 0], [RAN, 0, 0, 0, 0]):
+        path = tree.accepted_path(predicted.__getitem__)
+        on_device = path_on_device(nodes, torch.tensor(predicted), len(path), max(tree.depths))
+        assert on_device.tolist() == path, predicted
 
 
 def test_mamba_targets_dspark_drafters_and_beam_without_a_selector_are_refused():
