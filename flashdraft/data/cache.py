@@ -54,6 +54,7 @@ from flashdraft.files import (
 from flashdraft.progress import Progress
 from flashdraft.stop import StopRequests
 from flashdraft.target.model import TargetModel
+from flashdraft.target.quantisation import quantisation_record
 
 FORMAT = "flashdraft.hidden-state-cache"
 VERSION = 1
@@ -457,6 +458,9 @@ def _finish(
             "hidden_size": target.hidden_size,
             "vocab_size": target.vocab_size,
             "path": str(target.path) if target.path is not None else None,
+            # the scheme the states were captured under (quantisation.py): a cache used with a target quantised
+            # otherwise is named by doctor and eval
+            "quantisation": quantisation_record(target),
         },
         "layer_ids": settings["layer_ids"],
         "feature_convention": "hidden_states[l + 1]: the output of decoder layer l",

@@ -16,6 +16,7 @@ from flashdraft.drafter.doctor_report import Checks
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
 from flashdraft.target.model import TargetModel
+from flashdraft.target.quantisation import mismatch
 
 
 def _diagnose(target: TargetModel, tokens: torch.Tensor, cached: torch.Tensor, layer: int, tol: float) -> str:
@@ -160,6 +161,11 @@ def doctor_cache(
         f"fingerprints: target {cache.target_fingerprint} ({cache.manifest['target'].get('path')}), "
         f"completions {completions.get('file')} made by {completions.get('target_fingerprint')}"
     )
+    recorded = cache.target_quantisation
+    checks.about(
+        "target quantisation: "
+        + (recorded.describe() if recorded else "not recorded (a cache written before flashdraft recorded it)")
+    )
     _about_engine(cache.manifest.get("computed_with") or {}, cache.dtype, checks)
     checks.ok(f"{directory / MANIFEST}: shard sizes and record layout agree with the manifest")
     files = [(s["file"], s["sha256"]) for s in cache.shards]
@@ -194,6 +200,14 @@ def doctor_cache(
         )
     if target is not None:
         try:
+            quantised = mismatch(cache.target_quantisation, getattr(target, "quantisation", None))
+            checks.check(
+                quantised is None,
+                "target quantisation: "
+                + (quantised or f"the cache's and {target.path}'s agree ({target.quantisation.scheme})"),
+                "cache the states of the target you evaluate against (flashdraft cache --target-model it), or give "
+                "the target the cache was captured from",
+            )
             cache.check_compatible(target)
             checks.ok(f"target fingerprint {cache.target_fingerprint} and hidden size match {target.path}")
         except FlashdraftError as e:

@@ -284,3 +284,23 @@ def quantisation_of(config, path, model) -> Quantisation:
     if head not in dtypes and embed in dtypes:
         head = embed
     return read_quantisation(config, dtypes, head)
+
+
+def quantisation_record(target) -> dict | None:
+    """What a cache or a run records of its target's quantisation; None for a target that cannot say (an engine's)."""
+    quantisation = getattr(target, "quantisation", None)
+    return quantisation.record() if isinstance(quantisation, Quantisation) else None
+
+
+def mismatch(recorded: Quantisation | None, target_quantisation: Quantisation | None) -> str | None:
+    """A line naming two quantisations that differ (the recorded one, then the target's); None where they agree
+    or either is unknown."""
+    if recorded is None or target_quantisation is None or recorded.same_as(target_quantisation):
+        return None
+    return (
+        f"captured from a target quantised {_short(recorded)}, this target is quantised {_short(target_quantisation)}"
+    )
+
+
+def _short(q: Quantisation) -> str:
+    return f"{q.scheme} ({q.method})" if q.quantised else f"none ({q.lm_head_dtype})"

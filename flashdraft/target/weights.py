@@ -402,10 +402,11 @@ class TargetHead:
         for name in self._layout.state_dict_names:
             stored = self._source(name)
             if stored is None:
+                module = name.rsplit(".", 1)[0] + "."
                 if qc is not None and any(
-                    n.startswith(name) for n in self.files.tensors if is_quantisation_parameter(n)
+                    n.startswith(module) and is_quantisation_parameter(n) for n in self.files.tensors
                 ):
-                    return self._fingerprint_by_loading()  # a weight stored packed under another name
+                    return self._fingerprint_by_loading()  # a weight stored packed, under other names (int4, GPTQ)
                 continue  # absent from the files (see the module docstring)
             sample = self.files.strided_sample(stored, scratch)
             if qc is not None and stored.dtype in QUANTISED_DTYPES:
