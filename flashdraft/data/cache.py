@@ -54,6 +54,7 @@ from flashdraft.files import (
 from flashdraft.progress import Progress
 from flashdraft.stop import StopRequests
 from flashdraft.target.model import TargetModel
+from flashdraft.target.overflow import fp16_overflow
 from flashdraft.target.quantisation import quantisation_record
 
 FORMAT = "flashdraft.hidden-state-cache"
@@ -166,7 +167,12 @@ def _cache_record(
         out, features = None, features_of(record).to(dtype)  # [T, n * H]
     else:
         out = target.forward(torch.tensor([tokens], device=target.device))
-        features = out.context_features[0].to(dtype).cpu()  # [T, n * H]
+        computed = out.context_features[0]  # [T, n * H] in the target's dtype
+        if torch.float16 in (dtype, computed.dtype):  # fp16 storage or an fp16 target: its range checked first
+            overflow = fp16_overflow(computed, layer_ids, target.hidden_size)
+            if overflow is not None:
+                raise FlashdraftError(overflow.line(f"record {record.id!r}", DTYPE_NAMES[computed.dtype]))
+        features = computed.to(dtype).cpu()  # [T, n * H]
     bad = ~torch.isfinite(features)
     if bad.any():
         token, column = (int(x) for x in bad.nonzero()[0])
