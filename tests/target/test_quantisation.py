@@ -111,11 +111,17 @@ def test_the_pipeline_runs_against_a_quantised_target_and_a_cache_of_another_qua
             "2",
         ],
         ["eval", "--checkpoint", "run", *t, "--completions", "train.json", "--online", "--check-consistency"],
+        ["export", "--checkpoint", "run", "--out", "drafter", *t],
+        ["doctor", "drafter", "--serving", *t],
     ]
     for argv in stages:
         rc, out, err = run_cli(capsys, *argv)
         assert rc == 0, (argv[0], err[-400:])
-    assert "offline vs online: identical acceptance lengths" in out
+        if argv[0] == "eval":
+            assert "offline vs online: identical acceptance lengths" in out
+    # the exported drafter says its dtype; beside the quantised target, SGLang's rule is named with its flag
+    assert json.loads((tmp_path / "drafter" / "config.json").read_text())["dtype"] == "float32"
+    assert "SGLang quantises the drafter" in out and "--speculative-draft-model-quantization unquant" in out
     recorded = json.loads((tmp_path / "cache" / "manifest.json").read_text())["target"]["quantisation"]
     assert Quantisation.from_record(recorded).scheme == "int8 W8A8"
     run_config = json.loads((tmp_path / "run" / "run_config.json").read_text())
