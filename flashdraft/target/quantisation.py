@@ -304,3 +304,7 @@ def mismatch(recorded: Quantisation | None, target_quantisation: Quantisation | 
 
 def _short(q: Quantisation) -> str:
     return f"{q.scheme} ({q.method})" if q.quantised else f"none ({q.lm_head_dtype})"
+
+
+def is_quantised_checkpoint(config) -> bool:
+    return quantisation_config_of(config) is not None

@@ -53,6 +53,7 @@ from flashdraft.target.quantisation import (
     dequantised_sample,
     identity_of,
     is_quantisation_parameter,
+    is_quantised_checkpoint,
     quantisation_config_of,
     read_quantisation,
     stored_format,
@@ -418,16 +419,18 @@ class TargetHead:
             samples.append((name, sample.float()))
         return fingerprint_of(self.config, self.tokenizer, samples, identity_of(self.full_config))
 
-    def _dequantised(self, stored: StoredTensor, values: torch.Tensor, fmt: str) -> torch.Tensor | None:
-        """A quantised weight's strided sample `values` as the loaded model holds it (fp32); None if its layout is
-        not computed sample by sample."""
+    def _dequantised(
+        self, stored: StoredTensor, values: torch.Tensor, fmt: str, stride: int = 0
+    ) -> torch.Tensor | None:
+        """A quantised weight's values at every `stride`-th element (0: the fingerprint's stride), as the loaded model
+        holds them (fp32); None if its layout is not computed element by element."""
         module = stored.name.rsplit(".", 1)[0]
         parameters = {
             p: self.files.read(self.files.tensors[f"{module}.{p}"], torch.float32, torch.device("cpu"))
             for p in QUANTISATION_PARAMETERS
             if f"{module}.{p}" in self.files.tensors
         }
-        indices = torch.arange(0, stored.numel, sample_stride(stored.numel))
+        indices = torch.arange(0, stored.numel, stride or sample_stride(stored.numel))
         return dequantised_sample(values, stored.shape, indices, parameters, fmt)
 
     def _fingerprint_by_loading(self) -> str:
@@ -462,14 +465,29 @@ class TargetHead:
     @cached_property
     def embed_weight(self) -> torch.Tensor:  # [vocab, hidden]
         stored = self._stored_matrix(self._layout.embed_name, "the input embedding")
-        return self.files.read(stored, self.dtype, self.device)
+        return self._read_matrix(stored, "the input embedding")
 
     @cached_property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
         name, what = self._lm_head_source
         if name == self._layout.embed_name:
             return self.embed_weight
-        return self.files.read(self._stored_matrix(name, what), self.dtype, self.device)
+        return self._read_matrix(self._stored_matrix(name, what), what)
+
+    def _read_matrix(self, stored: StoredTensor, what: str) -> torch.Tensor:
+        """A stored matrix as the loaded model holds it: dequantised where it is stored quantised (an LM head a
+        scheme did not leave out)."""
+        if stored.dtype not in QUANTISED_DTYPES or not is_quantised_checkpoint(self.full_config):
+            return self.files.read(stored, self.dtype, self.device)
+        values = self.files.read(stored, stored.dtype, torch.device("cpu")).reshape(-1)
+        fmt = stored_format(quantisation_config_of(self.full_config))
+        weight = self._dequantised(stored, values, fmt, stride=1)
+        if weight is None:
+            raise FlashdraftError(
+                f"{stored.file}: tensor '{stored.name}' ({what}) is stored {self.quantisation.scheme} in a layout "
+                f"read only by loading the model; evaluate and train online (--completions) with this target"
+            )
+        return weight.reshape(stored.shape).to(self.dtype).to(self.device)
 
     def _stored_matrix(self, name: str, what: str) -> StoredTensor:
         stored = self.files.require(name, what)

@@ -48,6 +48,14 @@ def test_a_quantised_checkpoint_loads_runs_and_fingerprints_alike_from_files_and
     assert logits.shape == (1, 5, loaded.vocab_size) and torch.isfinite(logits).all()
 
 
+def test_a_quantised_lm_head_is_read_from_the_files_dequantised_as_the_loaded_model_holds_it(targets, tmp_path):
+    quantised_head = save_quantised_target(targets["bf16"], tmp_path / "w8a8-head", "W8A8", ignore=())
+    head, loaded = TargetHead.load(quantised_head), TargetModel.load(quantised_head)
+    assert head.quantisation.lm_head_dtype == "int8 (quantised)" and head.quantisation.quantised_layers == 29
+    assert torch.equal(head.lm_head_weight, loaded.lm_head_weight)
+    assert head.fingerprint() == loaded.fingerprint()
+
+
 def test_a_scheme_that_cannot_run_here_is_refused_in_one_line_naming_it(targets, tmp_path, capsys):
     """GPTQ needs packages this machine lacks: transformers' ImportError becomes one line with the scheme."""
     import shutil
