@@ -182,17 +182,32 @@ def comparison(served: dict[str, Any], reference: dict[str, Any], greedy: dict[s
     return figures
 
 
+def _evaluate(drafter: str, target: TargetModel, log, options: dict[str, Any]) -> dict[str, Any]:
+    """`flashdraft eval` of `drafter` ("ngram": the baseline) against a loaded target, as `api.evaluate_drafter`."""
+    from flashdraft.evaluation.config import NGRAM, EvalConfig
+    from flashdraft.evaluation.run import run_eval
+
+    ngram = drafter == NGRAM
+    cfg = EvalConfig(
+        None if ngram else drafter,
+        str(target.path),
+        proposer=NGRAM if ngram else "dflash",
+        device=str(target.device),
+        dtype=target.dtype,
+        **options,
+    )
+    return run_eval(cfg, log, target=target)
+
+
 def evaluate_against_both(
     drafter: str, served_target: str, compare: CompareTarget, *, device, dtype, log, options: dict[str, Any]
 ) -> dict[str, Any]:
     """The drafter evaluated against the served target, then the reference (each on its own records, the same
     context buckets), and their `comparison` as the summary's `compare_target`."""
-    from flashdraft.api import evaluate_drafter
-
     ref_options = reference_options(options, compare)
     served = TargetModel.load(served_target, device or "cpu", dtype or torch.float32)
     log(f"served target {served_target}: quantisation {served.quantisation.describe()}")
-    summary = evaluate_drafter(drafter, served, log=log, **options)
+    summary = _evaluate(drafter, served, log, options)
     sequences = served_sequences(served, options, summary)
     ids = [record_id for record_id, _, _ in sequences]
     served_choice = greedy_tokens(served, sequences)
@@ -204,7 +219,7 @@ def evaluate_against_both(
     log(f"reference target {compare.target_model}: quantisation {reference.quantisation.describe()}")
     if options.get("context_buckets") is None:  # the served run's buckets, so the two line up
         ref_options = ref_options | {"context_buckets": context_edges_of(summary)}
-    ref_summary = evaluate_drafter(drafter, reference, log=log, **ref_options)
+    ref_summary = _evaluate(drafter, reference, log, ref_options)
     reference_choice = greedy_tokens(reference, sequences)
     said = mismatch(served_quantisation, reference.quantisation)
     quantised = {"served": served_quantisation.describe(), "reference": reference.quantisation.describe()}

@@ -17,11 +17,27 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from flashdraft.errors import FlashdraftError
 
+# safetensors' dtype names (the header's "dtype")
+SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,  # FP8 checkpoints (compressed-tensors float-quantized)
+    "F8_E5M2": torch.float8_e5m2,
+}
 # the parameters a quantised linear layer holds beside (or instead of) its weight; the dequantised weight carries them
 QUANTISATION_PARAMETERS = (
     "weight_scale",
@@ -263,26 +279,41 @@ def stored_format(qc: dict | None) -> str:
     return str(fmt if fmt and fmt != "mixed-precision" else formats.pop() if len(formats) == 1 else fmt or "")
 
 
+def stored_dtypes(path) -> dict[str, torch.dtype] | None:
+    """Every tensor's stored dtype by name, from the safetensors headers of a local checkpoint (`model.safetensors`,
+    or the shards its index names); None where it has none (a model built in memory)."""
+    from safetensors import safe_open
+
+    if path is None:
+        return None
+    path = Path(path)
+    files = [path / "model.safetensors"]
+    if (path / "model.safetensors.index.json").is_file():
+        weight_map = json.loads((path / "model.safetensors.index.json").read_text()).get("weight_map", {})
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    files = [f for f in files if f.is_file()]
+    if not files:
+        return None
+    dtypes = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                dtypes[name] = SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+    return dtypes
+
+
 def quantisation_of(config, path, model) -> Quantisation:
     """The quantisation of a loaded target: from its config and, where it has them, its files (what is stored
-    quantised); from its state dict for a model built in memory."""
-    from flashdraft.target.weights import SafetensorsFiles
-
+    quantised, under the names the files use); from its state dict for a model built in memory."""
     names = {id(m): n for n, m in model.named_modules()}
     head = names[id(model.get_output_embeddings())] + ".weight"
     embed = names[id(model.get_input_embeddings())] + ".weight"
-    try:
-        files = SafetensorsFiles(path) if path is not None else None
-    except FlashdraftError:
-        files = None
-    if files is None:
-        dtypes = {n: t.dtype for n, t in model.state_dict().items()}
-    else:
-        dtypes = {n: t.dtype for n, t in files.tensors.items()}
-        found = files.find(head) or files.find(embed)
-        head = found.name if found is not None else head
-    if head not in dtypes and embed in dtypes:
-        head = embed
+    dtypes = stored_dtypes(path) or {n: t.dtype for n, t in model.state_dict().items()}
+    # the stored name of the LM head's values: its own, under a prefix the files may add, else the tied embedding's
+    for name in (head, embed):
+        found = next((n for n in dtypes if n == name or n.endswith("." + name.removeprefix("model."))), None)
+        if found is not None:
+            return read_quantisation(config, dtypes, found)
     return read_quantisation(config, dtypes, head)
 
 

@@ -49,6 +49,7 @@ from flashdraft.target.per_layer import layer_value
 from flashdraft.target.quantisation import (
     QUANTISATION_PARAMETERS,
     QUANTISED_DTYPES,
+    SAFETENSORS_DTYPES,
     Quantisation,
     dequantised_sample,
     identity_of,
@@ -63,20 +64,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CHUNK_BYTES = 64 << 20  # read size: bounds the transient memory of a conversion
 SAMPLE_SCRATCH_BYTES = 1 << 20  # tensors up to this size are read whole (into one reused buffer) for their sample
-SAFETENSORS_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,  # FP8 checkpoints (compressed-tensors float-quantized)
-    "F8_E5M2": torch.float8_e5m2,
-}
 # Qwen3.5/3.6 checkpoints (vision-language layout) keep the text model under this prefix;
 # transformers loads it as `model.` (its PrefixChange for qwen3_5_text)
 LANGUAGE_MODEL_PREFIX = "model.language_model."
