@@ -1,6 +1,6 @@
 """`flashdraft parity`: linear-attention backends compared layer by layer with an fp32 reference, in each dtype
-(`run_parity_command`, which takes the options as one `ParityConfig`, over `flashdraft.target.parity`); exit 1 when an error is
-over its allowance. The prompts are rendered here: the target wing knows no prompt sets."""
+(`run_parity_command`, which takes the options as one `ParityConfig`, over `flashdraft.target.parity`); exit 1
+when an error is over its allowance. The prompts are rendered here: the target wing knows no prompt sets."""
 
 from __future__ import annotations
 

@@ -98,7 +98,8 @@ def split_file(spec: str, path: Path, split: str | None) -> tuple[Path, str]:
             return candidate, split
     found = sorted(_splits_in(path))
     raise FlashdraftError(
-        f"--prompts {spec}: no split {split!r} in {path} (looked for {split}.jsonl and data/speed/{split}/test.parquet); "
+        f"--prompts {spec}: no split {split!r} in {path} (looked for {split}.jsonl and "
+        f"data/speed/{split}/test.parquet); "
         f"found {', '.join(found) if found else 'no split'}; expected one of {', '.join(SPLITS)}"
     )
 
