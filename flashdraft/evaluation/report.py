@@ -12,6 +12,7 @@ import io
 from pathlib import Path
 from typing import Any
 
+from flashdraft.evaluation.category_report import category_section, category_text
 from flashdraft.evaluation.results import accepts_nothing_problem
 from flashdraft.files import write_atomic, write_text_atomic
 
@@ -275,6 +276,9 @@ def format_summary(summary: dict[str, Any], verbose: bool = True) -> str:
     else:
         parts.append("per draft position, per prompt and per context length: --verbose, --report DIR or --json FILE")
     parts += mode_lines(summary)
+    categories = category_text(summary.get("by_category"))  # SPEED-Bench: τ by category, both aggregations
+    if categories:
+        parts.append(categories)
     if summary.get("selector"):
         parts.append(selector_line(summary["selector"]))
     if summary.get("confidence"):
@@ -480,6 +484,7 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
         f"![per-position acceptance by context]({plots['position_acceptance_by_context'].name})",
         "",
     ]
+    lines += category_section(summary.get("by_category"), out)
     if summary.get("selector"):
         lines += ["## Candidate selector", "", selector_line(summary["selector"]) + ".", ""]
     if summary.get("confidence"):
