@@ -102,9 +102,11 @@ def load_prompts(spec: str, num_prompts: int | None = None, quiet: bool = False)
     `data/speed_bench.py`). Returns the first `num_prompts` (all if None) in file order."""
     stats = {"trailing_assistant_removed": 0}
     if spec.startswith("speed-bench:"):
-        from flashdraft.data.speed_bench import speed_bench_prompts
+        from flashdraft.data.speed_bench import speed_bench_requests
 
-        return _chosen(*speed_bench_prompts(spec), num_prompts, quiet, stats)
+        requests, source = speed_bench_requests(spec)
+        prompts = [Prompt(r.id, list(r.turns), r.prefix, meta=r.meta) for r in requests]
+        return _chosen(prompts, source, num_prompts, quiet, stats)
     if spec.startswith(("builtin:stdlib", "builtin:long")):
         rows, source = _split_rows(spec), spec
     elif spec.startswith("builtin:"):

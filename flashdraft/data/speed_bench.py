@@ -22,6 +22,8 @@ the data does not have.
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,20 +113,29 @@ def _splits_in(path: Path) -> set[str]:
     return found
 
 
-def speed_bench_prompts(spec: str) -> tuple[list, str]:
-    """The prompts of a SPEED-Bench spec and a description of the source (`load_prompts` reads them)."""
-    from flashdraft.data.prompts import Prompt, _read_dataset, _read_jsonl
+@dataclass
+class Request:
+    """One row: its id, the system messages before its first turn, its user turns, its labels (category, split)."""
 
+    id: str
+    prefix: list[dict[str, Any]]
+    turns: list[str]
+    meta: dict[str, Any]
+
+
+def speed_bench_requests(spec: str) -> tuple[list[Request], str]:
+    """The requests of a SPEED-Bench spec and a description of the source (`data.prompts.load_prompts` makes them
+    prompts)."""
     path, split, wanted = parse_spec(spec)
     file, split = split_file(spec, path, split)
-    rows = list(_read_jsonl(file)) if file.suffix == ".jsonl" else list(_read_dataset(file))
+    rows = _read_rows(file)
     placeholders = [loc for loc, row in rows if any(PLACEHOLDER in t for t in _texts(row))]
     if placeholders:
         raise FlashdraftError(
             f"{file}: {len(placeholders)} of {len(rows)} rows hold the placeholder {PLACEHOLDER!r} (their source was "
             f"not fetched; first: {placeholders[0]}); fetch them with {FETCH_COMMAND}, then read the data it writes"
         )
-    prompts, seen = [], {}
+    requests, seen = [], {}
     for index, (loc, row) in enumerate(rows):
         category = row.get("category")
         if not isinstance(category, str) or not category:
@@ -133,23 +144,48 @@ def speed_bench_prompts(spec: str) -> tuple[list, str]:
                 f"({', '.join(CATEGORIES)}; on the throughput splits {', '.join(ENTROPY_TIERS)})"
             )
         raw_id = row.get("question_id", row.get("id"))
-        meta = {k: row[k] for k in META_FIELDS if row.get(k) is not None} | {"split": split}
-        prefix, turns = _turns(row, loc)
         pid = str(raw_id) if raw_id is not None else f"p{index:06d}"
         if pid in seen:
             raise FlashdraftError(f"{loc}: question_id {pid!r} repeats the id of {seen[pid]}; ids must be unique")
         seen[pid] = loc
-        prompts.append(Prompt(pid, turns, prefix, meta=meta))
-    present = sorted({p.meta["category"] for p in prompts})
+        meta = {k: row[k] for k in META_FIELDS if row.get(k) is not None} | {"split": split}
+        requests.append(Request(pid, *_turns(row, loc), meta))
+    present = sorted({r.meta["category"] for r in requests})
     if wanted is not None:
         unknown = [c for c in wanted if c not in present]
         if unknown:
             raise FlashdraftError(
                 f"--prompts {spec}: no category {', '.join(map(repr, unknown))} in {file}; found {', '.join(present)}"
             )
-        prompts = [p for p in prompts if p.meta["category"] in wanted]
+        requests = [r for r in requests if r.meta["category"] in wanted]
     chosen = f", categories {','.join(wanted)}" if wanted else f", {len(present)} categories"
-    return prompts, f"SPEED-Bench {split} ({file}{chosen})"
+    return requests, f"SPEED-Bench {split} ({file}{chosen})"
+
+
+def _read_rows(file: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(location, row) of every row of a split's file: JSON lines, or a Parquet table (read with pyarrow: no code
+    runs)."""
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(file)
+        except Exception as e:  # pyarrow raises several types; name the file and the cause
+            raise FlashdraftError(f"{file}: cannot read as Parquet ({type(e).__name__}: {e})") from None
+        return [(f"{file} row {k}", row) for k, row in enumerate(table.to_pylist())]
+    rows = []
+    with open(file, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise FlashdraftError(f"{file}:{number}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise FlashdraftError(f"{file}:{number}: expected a JSON object, found {type(row).__name__}")
+            rows.append((f"{file}:{number}", row))
+    return rows
 
 
 def _texts(row: dict[str, Any]) -> list[str]:

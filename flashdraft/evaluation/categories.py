@@ -22,7 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from flashdraft.evaluation.config import EvalConfig
 from flashdraft.evaluation.records import EvalRecord
+from flashdraft.evaluation.results import EvalResult
 
 AGGREGATIONS = {
     "tau_request_mean": "per-request mean over every turn (Model Optimizer's specdec_bench)",
@@ -106,3 +108,12 @@ def _aggregate(pairs: list[tuple[EvalRecord, TurnCounts]], drafts_per_step: int 
         "acceptance_rate": accepted / (steps * drafts_per_step) if steps and drafts_per_step else None,
         "position_acceptance": [a / steps for a in per_position] if steps else None,
     }
+
+
+def result_by_category(result: EvalResult, records: list[EvalRecord], cfg: EvalConfig) -> dict[str, Any] | None:
+    """τ by category of a walk (`evaluation.categories`); None where the records have none. A step verifies
+    --num-speculative-tokens drafts, or all; under an adaptive or confidence cut no fixed number (no rate)."""
+    cut = cfg.adaptive_threshold is not None or cfg.confidence_threshold is not None
+    drafts = None if cut else cfg.num_speculative_tokens or result.max_drafts
+    counts = [TurnCounts.of_lengths(p.acceptance_lengths, result.max_drafts) for p in result.per_prompt]
+    return by_category(records, counts, drafts)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from flashdraft.evaluation.tables import bars, markdown_table, save_png, text_table
+
 CATEGORY_PLOTS = {
     "tau_by_category": "tau_by_category.png",
     "position_acceptance_by_category": "position_acceptance_by_category.png",
@@ -59,8 +61,6 @@ def category_rows(figures: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 def category_text(figures: dict[str, Any] | None, title: str = "by category") -> str | None:
     """The terminal's table, or None where the records have no category."""
-    from flashdraft.evaluation.report import text_table
-
     if not figures:
         return None
     split = f" of SPEED-Bench {figures['split']}" if figures.get("split") else ""
@@ -69,8 +69,6 @@ def category_text(figures: dict[str, Any] | None, title: str = "by category") ->
 
 def category_section(figures: dict[str, Any] | None, out_dir: Path, heading: str = "By category") -> list[str]:
     """The report's section with its plots written into `out_dir` (no lines where the records have no category)."""
-    from flashdraft.evaluation.report import markdown_table
-
     if not figures:
         return []
     plots = write_category_plots(figures, out_dir)
@@ -94,14 +92,12 @@ def write_category_plots(figures: dict[str, Any], out_dir: Path) -> dict[str, Pa
     acceptance (a line per category)."""
     from matplotlib.figure import Figure
 
-    from flashdraft.evaluation.report import _bars, save_png
-
     categories = figures["categories"] + [figures["overall"]]
     names = [c["category"] for c in categories]
     paths = {}
     fig = Figure(figsize=(max(6, 0.9 * len(names) + 2), 4))
     ax = fig.add_subplot()
-    _bars(
+    bars(
         ax,
         names,
         [

@@ -193,6 +193,18 @@ def load_eval_records(
             for r in loaded
         ]
         return records, f"completions {completions}"
+    return _records_of_prompts(target, prompts, num_prompts, chat_template_kwargs, enable_thinking, log)
+
+
+def _records_of_prompts(
+    target: TargetModel,
+    prompts: str,
+    num_prompts: int | None,
+    chat_template_kwargs: dict | None,
+    enable_thinking: bool | None,
+    log: Log,
+) -> tuple[list[EvalRecord], str]:
+    """Records of a prompt source's first turns, rendered in the mode the options say (`load_eval_records`)."""
     from flashdraft.data.chat_mode import merged, resolve_mode
     from flashdraft.data.prompts import encode_text, has_chat_template, load_prompts, render_conversation
 

@@ -35,7 +35,7 @@ from flashdraft.drafter.long_context import eval_guards
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.drafter.run_dir import LoadedDrafter, load_any_drafter
 from flashdraft.errors import FlashdraftError
-from flashdraft.evaluation.categories import TurnCounts, by_category
+from flashdraft.evaluation.categories import result_by_category
 from flashdraft.evaluation.config import NGRAM, Candidate, EvalConfig
 from flashdraft.evaluation.modes import by_segment, mode_figures
 from flashdraft.evaluation.offline import (
@@ -387,15 +387,6 @@ def _evaluate_candidate(
             records, baseline if not sampled_check else None, offline, online, rounding
         )
     return summary
-
-
-def result_by_category(result: EvalResult, records: list[EvalRecord], cfg: EvalConfig) -> dict[str, Any] | None:
-    """τ by category of a walk (`evaluation.categories`); None where the records have none. A step verifies
-    --num-speculative-tokens drafts, or all; under an adaptive or confidence cut no fixed number (no rate)."""
-    cut = cfg.adaptive_threshold is not None or cfg.confidence_threshold is not None
-    drafts = None if cut else cfg.num_speculative_tokens or result.max_drafts
-    counts = [TurnCounts.of_lengths(p.acceptance_lengths, result.max_drafts) for p in result.per_prompt]
-    return by_category(records, counts, drafts)
 
 
 def _what_was_evaluated(cfg: EvalConfig, c: Candidate) -> dict[str, Any]:
