@@ -221,3 +221,23 @@ def _turns(row: dict[str, Any], loc: str) -> tuple[list[dict[str, Any]], list[st
     if not turns:
         raise FlashdraftError(f"{loc}: field 'messages' has no user turn; expected at least one")
     return prefix, turns
+
+
+def per_category_specs(spec: str) -> list[str]:
+    """A SPEED-Bench spec without categories as one spec per category it holds (on a throughput split: per entropy
+    tier), so a served run measures each apart, as the servers' counters count a whole run; with categories, as
+    given. `bench` runs each as a prompt set."""
+    path, split, wanted = parse_spec(spec)
+    if wanted is not None:
+        return [spec]
+    requests, _ = speed_bench_requests(spec)
+    named = split if split is not None and path.is_dir() else ""
+    return [f"{PREFIX}{path}:{named}:{c}" for c in sorted({r.meta["category"] for r in requests})]
+
+
+def labels(meta: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A request's split, input length (throughput splits) and category, as bench reports them."""
+    if not meta:
+        return None
+    split = meta.get("split", "")
+    return {"split": split, "input_length": input_length(split), "category": meta.get("category")}

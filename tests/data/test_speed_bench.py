@@ -96,3 +96,15 @@ def test_generate_answers_every_turn_of_a_request_after_its_own_answer(tmp_path,
     ids = [r["id"] for r in json.loads(out.read_text())["records"]]
     first, second = speed_bench_rows(("math",), per_category=2)
     assert ids == [first["question_id"], f"{second['question_id']}/turn1", f"{second['question_id']}/turn2"]
+
+
+def test_a_split_without_categories_is_one_spec_per_category_for_bench(both_layouts):
+    from flashdraft.data.speed_bench import per_category_specs
+
+    nemo, modelopt = both_layouts
+    specs = per_category_specs(f"speed-bench:{modelopt}:throughput_1k")
+    assert specs == [f"speed-bench:{modelopt}:throughput_1k:{t}" for t in ("high_entropy", "low_entropy")]
+    assert [len(load_prompts(s, quiet=True)) for s in specs] == [2, 2]
+    one_file = per_category_specs(f"speed-bench:{nemo}/qualitative.jsonl")
+    assert one_file == [f"speed-bench:{nemo}/qualitative.jsonl::{c}" for c in ("coding", "math", "writing")]
+    assert per_category_specs(f"speed-bench:{nemo}::math") == [f"speed-bench:{nemo}::math"]
