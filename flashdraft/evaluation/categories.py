@@ -7,8 +7,8 @@ one before). From the steps of each record, per category and over the split:
   across every turn; the category's is the mean of its requests' (each request weighted equally);
 - `tau_step_weighted`, the servers' (vLLM's and aiperf's counters, `1 + accepted / drafts` over all requests):
   every step weighted equally, equal to 1 + `accepted` / `drafts` here;
-- `acceptance_rate`, llama.cpp's: accepted draft tokens over drafted ones (a rate, not a length), every step
-  counted as verifying `drafts_per_step` drafts;
+- `acceptance_rate`, llama.cpp's: accepted draft tokens over drafted ones (a rate, not a length): the drafted
+  tokens counted where they are (a server's counters, a tree's nodes), else each step verifying `drafts_per_step`;
 - `position_acceptance`: the share of steps whose k-th draft was accepted;
 - `first_turn`: the same over each request's first turn only, what `vllm bench serve` measures (its loader sends
   `messages[0]` alone); aiperf, like Model Optimizer, sends every turn.
@@ -41,13 +41,13 @@ class TurnCounts:
     steps: int
     accepted: int
     accepted_per_position: tuple[int, ...]
+    drafted: int | None = None  # draft tokens verified in all, where counted (a server's, a tree's nodes)
 
     @classmethod
-    def of_lengths(cls, lengths: list[int], drafts: int) -> TurnCounts:
+    def of_lengths(cls, lengths: list[int], drafts: int, drafted: int | None = None) -> TurnCounts:
         """From tokens committed per step (accepted drafts + 1)."""
-        return cls(
-            len(lengths), sum(n - 1 for n in lengths), tuple(sum(n - 1 > k for n in lengths) for k in range(drafts))
-        )
+        per_position = tuple(sum(n - 1 > k for n in lengths) for k in range(drafts))
+        return cls(len(lengths), sum(n - 1 for n in lengths), per_position, drafted)
 
 
 def category_of(record: EvalRecord) -> str | None:
@@ -105,9 +105,19 @@ def _aggregate(pairs: list[tuple[EvalRecord, TurnCounts]], drafts_per_step: int 
         "accepted": accepted,
         "tau_request_mean": sum(per_request) / len(per_request) if per_request else None,
         "tau_step_weighted": 1 + accepted / steps if steps else None,
-        "acceptance_rate": accepted / (steps * drafts_per_step) if steps and drafts_per_step else None,
+        "acceptance_rate": _rate(accepted, [c for _, c in pairs], drafts_per_step),
         "position_acceptance": [a / steps for a in per_position] if steps else None,
     }
+
+
+def _rate(accepted: int, counts: list[TurnCounts], drafts_per_step: int | None) -> float | None:
+    """llama.cpp's acceptance rate: accepted over drafted tokens, counted where every record counts them, else each
+    step verifying `drafts_per_step` (None: not fixed, no rate)."""
+    if counts and all(c.drafted is not None for c in counts):
+        drafted = sum(c.drafted for c in counts)
+    else:
+        drafted = sum(c.steps for c in counts) * drafts_per_step if drafts_per_step else 0
+    return accepted / drafted if drafted else None
 
 
 def result_by_category(result: EvalResult, records: list[EvalRecord], cfg: EvalConfig) -> dict[str, Any] | None:

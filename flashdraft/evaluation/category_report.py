@@ -67,11 +67,14 @@ def category_text(figures: dict[str, Any] | None, title: str = "by category") ->
     return f"{title}{split}:\n{text_table(*category_rows(figures))}\n{LEGEND}"
 
 
-def category_section(figures: dict[str, Any] | None, out_dir: Path, heading: str = "By category") -> list[str]:
-    """The report's section with its plots written into `out_dir` (no lines where the records have no category)."""
+def category_section(
+    figures: dict[str, Any] | None, out_dir: Path, heading: str = "By category", prefix: str = ""
+) -> list[str]:
+    """The report's section with its plots written into `out_dir`, their names prefixed with `prefix` (no lines
+    where the records have no category)."""
     if not figures:
         return []
-    plots = write_category_plots(figures, out_dir)
+    plots = write_category_plots(figures, out_dir, prefix)
     split = f" (SPEED-Bench {figures['split']})" if figures.get("split") else ""
     return [
         f"## {heading}{split}",
@@ -87,7 +90,7 @@ def category_section(figures: dict[str, Any] | None, out_dir: Path, heading: str
     ]
 
 
-def write_category_plots(figures: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+def write_category_plots(figures: dict[str, Any], out_dir: Path, prefix: str = "") -> dict[str, Path]:
     """τ per category (the two aggregations and the first turn, grouped bars) and each category's per-position
     acceptance (a line per category)."""
     from matplotlib.figure import Figure
@@ -108,7 +111,7 @@ def write_category_plots(figures: dict[str, Any], out_dir: Path) -> dict[str, Pa
     )
     ax.tick_params(axis="x", labelrotation=45)
     ax.set(ylabel="τ", title="τ by category")
-    paths["tau_by_category"] = out_dir / CATEGORY_PLOTS["tau_by_category"]
+    paths["tau_by_category"] = out_dir / (prefix + CATEGORY_PLOTS["tau_by_category"])
     save_png(fig, paths["tau_by_category"])
 
     fig = Figure(figsize=(8, 4))
@@ -119,6 +122,31 @@ def write_category_plots(figures: dict[str, Any], out_dir: Path) -> dict[str, Pa
     ax.set(xlabel="draft position k", ylabel="share of steps accepting draft k", ylim=(0, 1.05))
     ax.set_title("Per-position acceptance by category")
     ax.legend(fontsize="small", ncol=2)
-    paths["position_acceptance_by_category"] = out_dir / CATEGORY_PLOTS["position_acceptance_by_category"]
+    paths["position_acceptance_by_category"] = out_dir / (prefix + CATEGORY_PLOTS["position_acceptance_by_category"])
     save_png(fig, paths["position_acceptance_by_category"])
     return paths
+
+
+def category_texts(summary: dict[str, Any]) -> list[str]:
+    """The terminal's tables of an eval summary: its walk's, then each tree budget's (`eval --tree`), where the
+    records have categories (the served ones are `served.format_served`'s)."""
+    trees = summary.get("trees") or {}
+    texts = [category_text(summary.get("by_category"))]
+    texts += [
+        category_text(r.get("by_category"), f"tree {trees['rule']} budget {r['budget']} by category")
+        for r in trees.get("budgets", [])
+    ]
+    return [t for t in texts if t]
+
+
+def category_sections(summary: dict[str, Any], out_dir: Path) -> list[str]:
+    """The report's sections and plots of an eval summary: its walk's, the engine's counters' (`--served`) and each
+    tree budget's (accept rate: accepted over the nodes verified)."""
+    lines = category_section(summary.get("by_category"), out_dir)
+    served = (summary.get("served") or {}).get("by_category")
+    lines += category_section(served, out_dir, "Served by category (the engine's counters)", prefix="served_")
+    trees = summary.get("trees") or {}
+    for r in trees.get("budgets", []):
+        heading = f"Tree {trees['rule']} budget {r['budget']} by category"
+        lines += category_section(r.get("by_category"), out_dir, heading, prefix=f"tree{r['budget']}_")
+    return lines

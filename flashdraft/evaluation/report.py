@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flashdraft.evaluation.category_report import category_section, category_text
+from flashdraft.evaluation.category_report import category_sections, category_texts
 from flashdraft.evaluation.results import accepts_nothing_problem
 from flashdraft.evaluation.tables import bars, markdown_table, save_png, text_table
 from flashdraft.files import write_text_atomic
@@ -262,9 +262,7 @@ def format_summary(summary: dict[str, Any], verbose: bool = True) -> str:
     else:
         parts.append("per draft position, per prompt and per context length: --verbose, --report DIR or --json FILE")
     parts += mode_lines(summary)
-    categories = category_text(summary.get("by_category"))  # SPEED-Bench: τ by category, both aggregations
-    if categories:
-        parts.append(categories)
+    parts += category_texts(summary)  # SPEED-Bench: τ by category, both aggregations
     if summary.get("selector"):
         parts.append(selector_line(summary["selector"]))
     if summary.get("confidence"):
@@ -451,7 +449,7 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
         f"![per-position acceptance by context]({plots['position_acceptance_by_context'].name})",
         "",
     ]
-    lines += category_section(summary.get("by_category"), out)
+    lines += category_sections(summary, out)  # SPEED-Bench: τ by category, both aggregations
     if summary.get("selector"):
         lines += ["## Candidate selector", "", selector_line(summary["selector"]) + ".", ""]
     if summary.get("confidence"):

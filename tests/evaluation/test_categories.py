@@ -95,7 +95,7 @@ def speed_bench(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("layout,mode", [("nemo", "offline"), ("modelopt", "online")])
+@pytest.mark.parametrize("layout,mode", [("nemo", "offline"), ("modelopt", "online")])  # offline with trees
 def test_speed_bench_in_either_layout_evaluates_every_turn_with_figures_by_category(
     capsys, tmp_path, speed_bench, layout, mode
 ):
@@ -114,7 +114,7 @@ def test_speed_bench_in_either_layout_evaluates_every_turn_with_figures_by_categ
         "--report",
         tmp_path / "r",
         "--disable-thinking",
-        *(["--online"] if mode == "online" else []),
+        *(["--online"] if mode == "online" else ["--tree", "ddtree", "--tree-budget", 4]),
     ]
     status, out, err = run_cli(capsys, *argv)
     assert status == 0, err
@@ -128,6 +128,11 @@ def test_speed_bench_in_either_layout_evaluates_every_turn_with_figures_by_categ
     assert [(c["rows"], c["turns"]) for c in figures["categories"]] == [(2, 3), (2, 3)]
     assert figures["overall"]["steps"] == summary["num_steps"]
     assert figures["overall"]["tau_step_weighted"] == pytest.approx(summary["tau"])
+    if mode == "offline":  # each tree budget's walk by category, its rate over the nodes it verified
+        tree = summary["trees"]["budgets"][0]
+        assert tree["by_category"]["overall"]["steps"] == tree["num_steps"]
+        assert tree["by_category"]["overall"]["tau_step_weighted"] == pytest.approx(tree["tau"])
+        assert "tree ddtree budget 4 by category" in out
     assert (
         "by category of SPEED-Bench qualitative" in out and "## By category" in (tmp_path / "r/report.md").read_text()
     )
