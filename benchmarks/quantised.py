@@ -38,8 +38,8 @@ def data(work: Path, name: str, target: Path) -> None:
     t = f"--target-model {target}"
     flashdraft(work, f"generate {t} {PROMPTS} --out {name}-train.json")
     flashdraft(work, f"generate {t} {HELDOUT} --out {name}-heldout.json")
-    flashdraft(work, f"cache {t} --completions {name}-train.json --out {name}-cache --layers 1,3,5")
-    flashdraft(work, f"cache {t} --completions {name}-heldout.json --out {name}-heldout-cache --layers 1,3,5")
+    flashdraft(work, f"cache {t} --completions {name}-train.json --out {name}-cache --layers 0,2,4")
+    flashdraft(work, f"cache {t} --completions {name}-heldout.json --out {name}-heldout-cache --layers 0,2,4")
 
 
 def main() -> None:
@@ -54,7 +54,7 @@ def main() -> None:
     if not bf16.exists():
         bf16.symlink_to(TINY_DIR)
     data(work, "bf16", bf16)
-    flashdraft(work, f"init --target-model {bf16} --out init --draft-layers 1 --block-size 8 --target-layer-ids 1,3,5")
+    flashdraft(work, f"init --target-model {bf16} --out init --draft-layers 1 --block-size 8 --target-layer-ids 0,2,4")
     train = f"--init init --max-steps {args.steps} --lr 0.006 --num-anchors 8 --seed 0"
     for scheme in args.schemes.split(","):
         quantised = work / scheme.lower()
