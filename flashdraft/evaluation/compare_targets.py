@@ -122,6 +122,25 @@ def _drop(served: float | None, reference: float | None) -> float | None:
     return None if served is None or reference is None else reference - served
 
 
+def _by_category(served: dict[str, Any], reference: dict[str, Any]) -> list[dict[str, Any]]:
+    """The drop per category where the records carry one (SPEED-Bench's, `evaluation.categories`): τ step-weighted."""
+    if not served.get("by_category") or not reference.get("by_category"):
+        return []
+    theirs = {c["category"]: c for c in reference["by_category"]["categories"]}
+    rows = []
+    for c in served["by_category"]["categories"]:
+        r = theirs.get(c["category"], {})
+        rows.append(
+            {
+                "dataset": f"category {c['category']}",
+                "served_tau": c["tau_step_weighted"],
+                "reference_tau": r.get("tau_step_weighted"),
+                "drop": _drop(c["tau_step_weighted"], r.get("tau_step_weighted")),
+            }
+        )
+    return rows
+
+
 def comparison(served: dict[str, Any], reference: dict[str, Any], greedy: dict[str, Any], quantised: dict) -> dict:
     """The side-by-side figures of two eval summaries (the drafter against the served and the reference target)."""
     by_context = []
@@ -169,7 +188,8 @@ def comparison(served: dict[str, Any], reference: dict[str, Any], greedy: dict[s
                 "reference_tau": reference["tau"],
                 "drop": _drop(served["tau"], reference["tau"]),
             }
-        ],
+        ]
+        + _by_category(served, reference),
         "by_context": by_context,
         "by_segment": by_segment,
         "greedy_disagreement": greedy,
