@@ -16,7 +16,7 @@ from flashdraft.data.chat_mode import (
     merged,
     template_sha256,
 )
-from flashdraft.data.completions import CompletionRecord, GenerationSettings, record_seed
+from flashdraft.data.completions import CompletionRecord, GenerationSettings, record_seed, request_meta
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.data.prompts import (
     Prompt,
@@ -104,7 +104,18 @@ def answer_turns(
                 }
             )
             records[p.id].append(
-                CompletionRecord(rid, text, ids, out, completion, reason, source, truncated_from.get(rid), **mode)
+                CompletionRecord(
+                    rid,
+                    text,
+                    ids,
+                    out,
+                    completion,
+                    reason,
+                    source,
+                    truncated_from.get(rid),
+                    **mode,
+                    meta=request_meta(p.meta, p.id, turn),
+                )
             )
             answers[p.id].append(completion)
     stats["shorter"] = stats.get("shorter", 0) + sum(r.id in short for p in batch for r in records[p.id])
