@@ -171,8 +171,8 @@ def test_completions_and_cache_carry_the_categories_so_offline_eval_reports_what
     assert status == 0, err
     stored = json.loads((tmp_path / "c.json").read_text())["records"]
     qid = speed_bench["rows"][1]["question_id"]  # a two-turn row: its second turn's record
-    assert next(r for r in stored if r["id"] == f"{qid}/turn2")["meta"] | {"source": "-"} == {
-        "category": "coding", "sub_category": "coding-sub", "source": "-", "src_id": "1", "difficulty": "easy",
+    assert next(r for r in stored if r["id"] == f"{qid}/turn2")["meta"] == {
+        "category": "coding", "sub_category": "coding-sub", "source": "test", "src_id": "1", "difficulty": "easy",
         "multiturn": True, "split": "qualitative", "question_id": qid, "turn": 1,
     }  # fmt: skip
     status, _, err = run_cli(
@@ -185,11 +185,21 @@ def test_completions_and_cache_carry_the_categories_so_offline_eval_reports_what
         ("completions", ["--completions", tmp_path / "c.json"]),
         ("prompts", ["--prompts", spec, "--max-new-tokens", 8, "--disable-thinking", "--online"]),
     ):
-        status, out, err = run_cli(capsys, *evaluate, *source, "--json", tmp_path / f"{name}.json")
+        report = tmp_path / "report"  # written once (its plots take seconds)
+        write = ["--report", report] if name == "cache" else []
+        status, out, err = run_cli(capsys, *evaluate, *source, "--json", tmp_path / f"{name}.json", *write)
         assert status == 0, err
         assert "by category of SPEED-Bench qualitative" in out, name
         summary = json.loads((tmp_path / f"{name}.json").read_text())
         figures[name] = {"drafter": summary["by_category"], "reference": summary["reference"]["by_category"]}
+        # the reference's figures beside the drafter's, in the terminal and the report
+        mine, theirs = (f["overall"]["tau_request_mean"] for f in figures[name].values())
+        row = ["overall", "4", "6", f"{mine:.3f}", f"{theirs:.3f}", f"{mine - theirs:.3f}"]
+        assert "drafter vs reference ngram by category" in out and row in [ln.split()[:6] for ln in out.splitlines()]
+        if write:
+            text = (report / "report.md").read_text()
+            assert "## Drafter vs reference ngram by category" in text and f"| {' | '.join(row)} |" in text
+            assert (report / "reference_tau_by_category.png").is_file()
     assert [(c["category"], c["rows"], c["turns"]) for c in figures["cache"]["drafter"]["categories"]] == [
         ("coding", 2, 3),
         ("math", 2, 3),
