@@ -103,19 +103,9 @@ def answer_turns(
                     "tool_call_spans": tool_call_spans(out, calls),
                 }
             )
+            mode["meta"] = request_meta(p.meta, p.id, turn)  # a benchmark row's labels: figures by category
             records[p.id].append(
-                CompletionRecord(
-                    rid,
-                    text,
-                    ids,
-                    out,
-                    completion,
-                    reason,
-                    source,
-                    truncated_from.get(rid),
-                    **mode,
-                    meta=request_meta(p.meta, p.id, turn),
-                )
+                CompletionRecord(rid, text, ids, out, completion, reason, source, truncated_from.get(rid), **mode)
             )
             answers[p.id].append(completion)
     stats["shorter"] = stats.get("shorter", 0) + sum(r.id in short for p in batch for r in records[p.id])
