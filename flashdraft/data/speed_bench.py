@@ -12,8 +12,9 @@ where the peers' prepare steps wrote it, in either layout:
 PATH is the directory (either layout; SPLIT chooses the file, `qualitative` when not given) or one split's file.
 Each row is one request whose user turns are answered in order, each after the target's own answer to the turn
 before (Model Optimizer's and aiperf's way; `vllm bench serve` sends the first turn only, which the reports give
-beside). Its `category` (on the throughput splits: the entropy tier, `low_entropy`, `mixed`, `high_entropy`) and
-the split travel with the prompt (`Prompt.meta`) so the evaluation reports figures per category.
+beside). Its `category`, as the dataset holds it (neither prepare step writes or renames it; on the throughput
+splits the dataset's description makes it the entropy tier), and the split travel with the prompt (`Prompt.meta`)
+so the evaluation reports figures per category.
 
 Refused, one line each (exit 2): rows still holding the placeholder of a source that was not fetched (counted, with
 the command that fetches them; they are never evaluated as text), a row without a `category`, a split or category
