@@ -244,9 +244,13 @@ def _build_shard(run: _ShardRun, k: int, records: list[CompletionRecord]) -> dic
                 "offset": offset,
                 "length": n,
                 "prompt_length": len(r.prompt_ids),
-                **{k: getattr(r, k) for k in ("chat_template_kwargs", "reasoning_end") if getattr(r, k) is not None},
+                **{
+                    k: getattr(r, k)
+                    for k in ("chat_template_kwargs", "reasoning_end", "meta")
+                    if getattr(r, k) is not None
+                },
             }
-        )  # the record's chat mode, for train and eval
+        )  # the record's chat mode, for train and eval; its benchmark labels (by category), for eval
         offset += n
         del item
         if stop is not None and stop.requested:

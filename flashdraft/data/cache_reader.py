@@ -13,6 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from flashdraft.data.cache import DTYPE_NAMES, FORMAT, MANIFEST, PROGRESS, VERSION
+from flashdraft.data.completions import meta_problem
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
 from flashdraft.target.model import TargetModel
@@ -112,6 +113,9 @@ class HiddenStateCache:
                     f"{self.shards[k]['file']}) and 0 < prompt_length < length"
                 )
             ends[k] += length
+            problem = meta_problem(r["meta"]) if r.get("meta") is not None else None
+            if problem:
+                raise FlashdraftError(f"{where}: record {name!r}: {problem}")
         for k, s in enumerate(self.shards):
             if ends[k] != s["num_tokens"]:
                 raise FlashdraftError(
@@ -148,6 +152,12 @@ class HiddenStateCache:
     @property
     def prompt_lengths(self) -> list[int]:
         return [r["prompt_length"] for r in self._records]
+
+    @property
+    def metas(self) -> list[dict | None]:
+        """Each record's benchmark labels (category, split, question_id, turn; `data.completions.request_meta`),
+        None where its completion had none (or the cache predates them)."""
+        return [r.get("meta") for r in self._records]
 
     @property
     def num_tokens(self) -> int:
