@@ -17,6 +17,7 @@ from flashdraft.data.completions import meta_problem
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
 from flashdraft.target.model import TargetModel
+from flashdraft.target.quantisation import Quantisation, mismatch
 
 
 @dataclass
@@ -57,6 +58,8 @@ class HiddenStateCache:
         self.layer_ids: list[int] = _require(manifest, "layer_ids", list, path)
         self.hidden_size: int = _require(manifest, "hidden_size", int, path)
         self.target_fingerprint: str = _require(manifest, "target", dict, path).get("fingerprint")
+        # the target's quantisation the states were captured under; None in a cache written before it was recorded
+        self.target_quantisation = Quantisation.from_record(manifest["target"].get("quantisation"))
         dtype_name = _require(manifest, "dtype", str, path)
         by_name = {v: k for k, v in DTYPE_NAMES.items()}
         if dtype_name not in by_name:
@@ -247,9 +250,11 @@ class HiddenStateCache:
                 )
             fingerprint = target.fingerprint()
             if fingerprint != self.target_fingerprint:
+                quantised = mismatch(self.target_quantisation, getattr(target, "quantisation", None))
                 raise FlashdraftError(
                     f"{where}: cache made by target fingerprint {self.target_fingerprint}, this target "
                     f"({target.path}) has fingerprint {fingerprint}; the features come from another target"
+                    + (f" ({quantised})" if quantised else "")
                 )
             bad = [i for i in self.layer_ids if not 0 <= i < target.num_layers]
             if bad:
