@@ -45,6 +45,16 @@ from flashdraft.target.layer_kinds import (
 from flashdraft.target.linear_attention import BlockRecord, install_short_block_path, state_after
 from flashdraft.target.mamba import is_mamba, mamba_backend, recurrent_mixer
 from flashdraft.target.mla import align_mla_heads
+from flashdraft.target.vision import (
+    TOKEN_INDEX,
+    ImageInputs,
+    ImageProcessor,
+    VisionPrompt,
+    VisionTower,
+    loads_as_vision_language,
+    model_class_for,
+    text_state_name,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub: targets are local directories
 # transformers warns on every process that fla is absent; flashdraft reports the backend itself
@@ -127,7 +137,10 @@ def fingerprint_of(config, tokenizer, samples) -> str:
     }
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
     h.update(str(sorted(tokenizer.get_vocab().items())).encode())
-    for name, sample in samples:
+    for stored_name, sample in samples:
+        name = text_state_name(stored_name)  # a vision-language model is the same target as its language model
+        if name is None:
+            continue
         if ".experts." in name:
             # routed experts: transformers 5 fuses them on load (experts.gate_up_proj) while checkpoints store
             # them per expert, so neither side can name them as the other does; the router and the rest identify
@@ -255,6 +268,14 @@ class TargetModel:
         # "recompute" takes short blocks' linear states from their records (no re-run): on CPU it beat
         # "deferred" (re-feeding the accepted tokens) from 2 accepted tokens on (benchmarks/rollback.py)
         self.rollback_mode = "recompute"
+        # a vision-language target loaded whole (`flashdraft.target.vision`): its tower, and the prompt whose
+        # images the forwards take while bound (`images`)
+        self.vision = VisionTower(model) if getattr(getattr(model, "model", None), "visual", None) is not None else None
+        self.processor: ImageProcessor | None = None
+        self._vision_prompt: VisionPrompt | None = None
+        self._last_layer_run = -1
+        if self.vision is not None and self.vision.deepstack_layers:
+            self._capture_after_deepstack()
         self._captured: dict[int, torch.Tensor] = {}
         self._capture_cache: TargetCache | None = None
         for i, layer in enumerate(self.layers):
@@ -282,12 +303,18 @@ class TargetModel:
         hf_logging.disable_progress_bar()  # "Loading weights" bars would bury flashdraft's own output
         path = resolve_target_path(name_or_path)
         try:
-            read_support(AutoConfig.from_pretrained(path, **HF_LOCAL), str(path))  # before the weights load
+            config = AutoConfig.from_pretrained(path, **HF_LOCAL)
+            read_support(config, str(path))  # before the weights load
             tokenizer = AutoTokenizer.from_pretrained(path, **HF_LOCAL)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **HF_LOCAL)
+            # a vision-language checkpoint with its processor loads whole (its tower beside the language model)
+            auto = model_class_for(config) if loads_as_vision_language(path, config) else AutoModelForCausalLM
+            model = auto.from_pretrained(path, dtype=dtype, **HF_LOCAL)
         except (OSError, ValueError, KeyError) as e:
             raise hf_load_error(path, "the target model", e) from None
-        return cls(model.to(device), tokenizer, path)
+        target = cls(model.to(device), tokenizer, path)
+        if target.vision is not None and (path / "preprocessor_config.json").is_file():
+            target.processor = ImageProcessor.from_directory(path, tokenizer)
+        return target
 
     # -- facts -----------------------------------------------------------------------
 
@@ -370,10 +397,56 @@ class TargetModel:
 
     def _layer_output_hook(self, index: int):
         def hook(module, args, output):
+            self._last_layer_run = index
             if index in self._context_layer_ids:
                 self._captured[index] = output[0] if isinstance(output, tuple) else output
 
         return hook
+
+    def _capture_after_deepstack(self) -> None:
+        """Qwen3-VL adds deepstack features to the output of its first layers at the image positions; vLLM captures
+        a layer's output after that addition (`flashdraft.target.vision`), so the capture of such a layer is replaced
+        by the sum."""
+        add = self.decoder._deepstack_process
+
+        def after_deepstack(hidden_states, visual_pos_masks, visual_embeds):
+            out = add(hidden_states, visual_pos_masks, visual_embeds)
+            if self._last_layer_run in self._context_layer_ids:
+                self._captured[self._last_layer_run] = out
+            return out
+
+        self.decoder._deepstack_process = after_deepstack
+
+    @contextlib.contextmanager
+    def images(self, prompt_ids: list[int], inputs: ImageInputs | None, where: str = "a prompt"):
+        """Within the block, every forward over tokens of the sequence that starts with `prompt_ids` takes its
+        images (`inputs`; None: a text-only sequence, nothing bound)."""
+        if inputs is None:
+            yield None
+            return
+        if self.vision is None:
+            raise FlashdraftError(
+                f"{where}: has image parts, but the target {self.path} reads text only (no vision tower loaded); "
+                f"expected a vision-language checkpoint with its preprocessor_config.json"
+            )
+        previous, self._vision_prompt = self._vision_prompt, self.vision.prepare(prompt_ids, inputs, where)
+        try:
+            yield self._vision_prompt
+        finally:
+            self._vision_prompt = previous
+
+    @property
+    def position_scheme(self) -> str:
+        """How a drafter's positions are counted beside this target as served (`flashdraft.target.vision`)."""
+        return self.vision.position_scheme if self.vision is not None else TOKEN_INDEX
+
+    def drafter_positions(self, index: torch.Tensor) -> torch.Tensor:
+        """The drafter's positions of token indices of the bound sequence: the index itself for text, M-RoPE's
+        row 0 where images are bound on an M-RoPE target (as vLLM's DFlash proposer serves them)."""
+        prompt = self._vision_prompt
+        if prompt is None or self.position_scheme == TOKEN_INDEX:
+            return index
+        return prompt.drafter_positions(index)
 
     def _linear_input_hook(self, index: int):
         def hook(module, args, kwargs):
@@ -425,10 +498,12 @@ class TargetModel:
             positions = position_ids
         self._captured = {}
         self._capture_cache = cache
+        inputs = {"input_ids": input_ids, "position_ids": positions.expand(input_ids.shape[0], -1)}
+        if self._vision_prompt is not None:  # the bound images' embeddings and M-RoPE positions
+            inputs = self._vision_prompt.decoder_inputs(self.embed, input_ids, inputs["position_ids"])
         try:
             out = self.decoder(  # the LM head runs when logits are read (TargetOutput)
-                input_ids=input_ids,
-                position_ids=positions.expand(input_ids.shape[0], -1),
+                **inputs,
                 attention_mask=attention_mask,
                 past_key_values=cache.kv if cache is not None else None,
                 use_cache=cache is not None,

@@ -315,10 +315,10 @@ class TargetHead:
 
     @cached_property
     def _layout(self) -> _Layout:
-        from transformers import AutoModelForCausalLM
+        from flashdraft.target.vision import model_class_for
 
         with torch.device("meta"):  # modules without memory: only their names and classes are used
-            model = AutoModelForCausalLM.from_config(self.full_config)
+            model = model_class_for(self.full_config).from_config(self.full_config)
         names = {id(m): n for n, m in model.named_modules()}
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         norm = final_norm_of(decoder_of(model))
