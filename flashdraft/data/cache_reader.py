@@ -16,6 +16,7 @@ from flashdraft.data.cache import DTYPE_NAMES, FORMAT, MANIFEST, PROGRESS, VERSI
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
 from flashdraft.target.model import TargetModel
+from flashdraft.target.vision import positions_from_runs
 
 
 @dataclass
@@ -26,6 +27,7 @@ class CachedRecord:
     context_features: torch.Tensor  # [T, len(layer_ids) * hidden], as stored
     prompt_length: int
     target_topk: tuple[torch.Tensor, torch.Tensor] | None  # (values [T, k], indices [T, k] long)
+    drafter_positions: torch.Tensor | None = None  # [T] as served beside images (M-RoPE's row 0); None: the index
 
 
 def _require(manifest: dict, key: str, kind: type | tuple, where: Path) -> Any:
@@ -216,6 +218,7 @@ class HiddenStateCache:
                 context_features=f.get_slice("context_features")[lo:hi],
                 prompt_length=r["prompt_length"],
                 target_topk=topk,
+                drafter_positions=positions_from_runs(r["position_runs"], hi - lo) if r.get("position_runs") else None,
             )
 
     # -- compatibility --------------------------------------------------------------------

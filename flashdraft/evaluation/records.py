@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashdraft.data.images import message_images
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
+from flashdraft.target.vision import positions_from_runs
 
 Log = Callable[[str], None]
 
@@ -36,10 +38,20 @@ class EvalRecord:
     chat_template_kwargs: dict | None = None
     messages: list[dict[str, str]] | None = None
     tools: list[dict] | None = None  # the tool schemas rendered with them
+    # the drafter's positions as served where not the token index (M-RoPE's row 0 beside images,
+    # `flashdraft.target.vision.position_runs`), and how many images the prompt holds
+    position_runs: list[list[int]] | None = None
+    num_images: int = 0
 
     @property
     def input_ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
+
+    def drafter_positions(self) -> torch.Tensor | None:
+        """[P + M] the drafter's positions of prompt + completion; None: the token index."""
+        if not self.position_runs:
+            return None
+        return positions_from_runs(self.position_runs, len(self.prompt_ids) + len(self.completion_ids))
 
     def stored_features(self) -> torch.Tensor | None:
         if self.context_features is not None:
@@ -125,6 +137,8 @@ def records_from_cache(cache, num_records: int | None = None) -> list[EvalRecord
                 load_features=lambda index=index: cache.features(index),
                 feature_dtype=cache.dtype,
                 chat_template_kwargs=row.get("chat_template_kwargs"),
+                position_runs=row.get("position_runs"),
+                num_images=int(row.get("images", 0)),
             )
         )
     return records
@@ -181,6 +195,8 @@ def load_eval_records(
                 chat_template_kwargs=r.chat_template_kwargs,
                 messages=r.messages if r.prompt_truncated_from is None else None,
                 tools=r.tools,
+                position_runs=r.position_runs,
+                num_images=len(r.images or []),
             )
             for r in loaded
         ]
@@ -194,6 +210,11 @@ def load_eval_records(
     loaded = load_prompts(prompts, num_prompts, quiet=True)
     kwargs = resolve_mode(tok, chat, chat_template_kwargs, enable_thinking, loaded, log)
     for prompt in loaded:
+        if message_images(prompt.conversation([])):
+            raise FlashdraftError(
+                f"--prompts {prompts}: prompt {prompt.id!r} has images; evaluate images from completions "
+                f"(flashdraft generate, then eval --completions)"
+            )
         # the first user turn: later turns need the target's earlier answers in the prompt
         mode = merged(kwargs, prompt.chat_template_kwargs) if chat else None
         text = render_conversation(tok, prompt.conversation([]), chat, mode, prompt.tools, f"prompt {prompt.id!r}")

@@ -209,6 +209,7 @@ class TargetCache:
     linear_snapshot: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     linear_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     linear_blocks: dict[int, BlockRecord] = field(default_factory=dict)  # short-block forwards' records
+    vision: VisionPrompt | None = None  # the images of the sequence in the cache (a vision-language target)
 
 
 @dataclass
@@ -273,6 +274,8 @@ class TargetModel:
         self.vision = VisionTower(model) if getattr(getattr(model, "model", None), "visual", None) is not None else None
         self.processor: ImageProcessor | None = None
         self._vision_prompt: VisionPrompt | None = None
+        # prompts (token ids) whose images a forward from the sequence start binds by itself: -> their inputs' loader
+        self._registered_images: dict[tuple[int, ...], tuple[Callable[[], ImageInputs], str]] = {}
         self._last_layer_run = -1
         if self.vision is not None and self.vision.deepstack_layers:
             self._capture_after_deepstack()
@@ -435,18 +438,55 @@ class TargetModel:
         finally:
             self._vision_prompt = previous
 
+    def register_images(self, prompt_ids: list[int], load: Callable[[], ImageInputs], where: str) -> None:
+        """Every later forward from the start of a sequence that begins with `prompt_ids` takes the images `load`
+        gives (read when such a forward runs); its cached continuation keeps them (`TargetCache.vision`)."""
+        if self.vision is None:
+            raise FlashdraftError(
+                f"{where}: has images, but the target {self.path} reads text only (no vision tower loaded); "
+                f"expected a vision-language checkpoint with its preprocessor_config.json"
+            )
+        self._registered_images[tuple(prompt_ids)] = (load, where)
+
+    def _vision_for(self, input_ids: torch.Tensor, cache: TargetCache | None) -> VisionPrompt | None:
+        """The images a forward takes: those bound (`images`), else its cache's, else those registered for the
+        sequence it starts (a forward from position 0 of one row)."""
+        if self._vision_prompt is not None:
+            found = self._vision_prompt
+        elif cache is not None and cache.vision is not None:
+            return cache.vision
+        elif self._registered_images and (cache is None or cache.length == 0) and input_ids.shape[0] == 1:
+            row = tuple(input_ids[0].tolist())
+            lengths = {len(k) for k in self._registered_images}
+            key = next((row[:n] for n in sorted(lengths, reverse=True) if row[:n] in self._registered_images), None)
+            if key is None:
+                return None
+            load, where = self._registered_images[key]
+            found = self.vision.prepare(list(key), load(), where)
+        else:
+            return None
+        if cache is not None:
+            cache.vision = found
+        return found
+
     @property
     def position_scheme(self) -> str:
         """How a drafter's positions are counted beside this target as served (`flashdraft.target.vision`)."""
         return self.vision.position_scheme if self.vision is not None else TOKEN_INDEX
 
-    def drafter_positions(self, index: torch.Tensor) -> torch.Tensor:
-        """The drafter's positions of token indices of the bound sequence: the index itself for text, M-RoPE's
-        row 0 where images are bound on an M-RoPE target (as vLLM's DFlash proposer serves them)."""
-        prompt = self._vision_prompt
+    def drafter_positions(self, index: torch.Tensor, cache: TargetCache | None = None) -> torch.Tensor:
+        """The drafter's positions of token indices of the bound sequence (or the one in `cache`): the index itself
+        for text, M-RoPE's row 0 where images are bound on an M-RoPE target (as vLLM's DFlash proposer serves them)."""
+        prompt = self._vision_prompt or (cache.vision if cache is not None else None)
         if prompt is None or self.position_scheme == TOKEN_INDEX:
             return index
         return prompt.drafter_positions(index)
+
+    def drafter_position_shift(self, cache: TargetCache | None = None) -> int:
+        """What the drafter's position of a token after the prompt adds to its index (M-RoPE's rope delta where
+        images are bound on an M-RoPE target; else 0)."""
+        prompt = self._vision_prompt or (cache.vision if cache is not None else None)
+        return 0 if prompt is None or self.position_scheme == TOKEN_INDEX else prompt.rope_delta
 
     def _linear_input_hook(self, index: int):
         def hook(module, args, kwargs):
@@ -499,8 +539,9 @@ class TargetModel:
         self._captured = {}
         self._capture_cache = cache
         inputs = {"input_ids": input_ids, "position_ids": positions.expand(input_ids.shape[0], -1)}
-        if self._vision_prompt is not None:  # the bound images' embeddings and M-RoPE positions
-            inputs = self._vision_prompt.decoder_inputs(self.embed, input_ids, inputs["position_ids"])
+        vision = self._vision_for(input_ids, cache) if self.vision is not None else None
+        if vision is not None:  # the images' embeddings and M-RoPE positions
+            inputs = vision.decoder_inputs(self.embed, input_ids, inputs["position_ids"])
         try:
             out = self.decoder(  # the LM head runs when logits are read (TargetOutput)
                 **inputs,

@@ -268,6 +268,16 @@ class VisionTower:
         self.position_scheme = served_position_scheme(model.config)
 
     @torch.no_grad()
+    def prompt_positions(self, prompt_ids: list[int], image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """The drafter's positions [T] of a prompt as served (row 0 of the model's M-RoPE index; no tower run)."""
+        if self.position_scheme != MROPE_ROW0:
+            return torch.arange(len(prompt_ids))
+        ids = torch.tensor([prompt_ids])
+        mask = (ids == self.image_token_id).int()
+        positions, _ = self.inner.get_rope_index(ids, mask, image_grid_thw=image_grid_thw.cpu())
+        return positions[0, 0]
+
+    @torch.no_grad()
     def prepare(self, prompt_ids: list[int], inputs: ImageInputs, where: str) -> VisionPrompt:
         device = next(self.inner.parameters()).device
         ids = torch.tensor([prompt_ids], device=device)  # [1, T]

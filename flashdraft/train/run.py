@@ -20,6 +20,7 @@ from flashdraft.drafter.rope import describe_scaling
 from flashdraft.drafter.run_dir import latest_checkpoint, load_any_drafter, verify_checkpoint
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
+from flashdraft.target.vision import positions_from_runs
 from flashdraft.target.weights import TargetHead
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.data import OnlineRecords
@@ -40,6 +41,7 @@ class SequenceRecord:
     loss_mask: torch.Tensor
     chat_template_kwargs: dict | None = None  # the record's chat mode (`data/chat_mode.py`)
     reasoning_end: int | str | None = None
+    drafter_positions: torch.Tensor | None = None  # [T] as served beside images (`train.data.served_positions`)
 
 
 def _digest(path: Path) -> str:
@@ -74,8 +76,11 @@ def load_training_records(
     sequences = []
     for r in comps.records:
         ids = torch.tensor(r.prompt_ids + r.completion_ids)
+        positions = positions_from_runs(r.position_runs, len(ids)) if r.position_runs else None
         sequences.append(
-            SequenceRecord(ids, torch.arange(len(ids)) >= len(r.prompt_ids), r.chat_template_kwargs, r.reasoning_end)
+            SequenceRecord(
+                ids, torch.arange(len(ids)) >= len(r.prompt_ids), r.chat_template_kwargs, r.reasoning_end, positions
+            )
         )
     return OnlineRecords(sequences, target, layer_ids, min(online_topk, target.vocab_size)), _digest(Path(completions))
 

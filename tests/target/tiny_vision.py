@@ -54,7 +54,12 @@ TEXT = dict(
     max_position_embeddings=512,
     eos_token_id=VL_EOS,
     pad_token_id=VL_PAD,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+    },
 )
 VISION = dict(
     depth=2,
