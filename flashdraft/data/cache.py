@@ -55,7 +55,7 @@ from flashdraft.files import (
 from flashdraft.progress import Progress
 from flashdraft.stop import StopRequests
 from flashdraft.target.model import TargetModel
-from flashdraft.target.vision import position_runs
+from flashdraft.target.vision import placeholder_free, position_runs
 
 FORMAT = "flashdraft.hidden-state-cache"
 VERSION = 1
@@ -199,7 +199,9 @@ def _cache_record(
         )
     item = {
         "input_ids": torch.tensor(tokens, dtype=torch.int32),  # [T]
-        "loss_mask": torch.arange(len(tokens)) >= len(record.prompt_ids),  # [T] True on completion tokens
+        # [T] True on completion tokens, never on an image placeholder
+        "loss_mask": (torch.arange(len(tokens)) >= len(record.prompt_ids))
+        & placeholder_free(target, torch.tensor(tokens)),
         "context_features": features,
     }
     if topk:

@@ -73,6 +73,7 @@ from flashdraft.evaluation.sampling import (
 )
 from flashdraft.evaluation.served import run_served
 from flashdraft.evaluation.trees import evaluate_trees, require_tree_consistent
+from flashdraft.serving.positions import eval_position_lines
 from flashdraft.target.model import TargetModel
 
 
@@ -490,6 +491,8 @@ def run_eval(
     records, baseline, source = _prepare_records(cfg, target, max_new_tokens, log, filters)
     for line in eval_guards([(c.label, c.drafter) for c in candidates], target, records, max_new_tokens):
         log(line)  # evaluated past the trained context, RoPE unlike the target's, context read per step
+    for line in eval_position_lines([(c.label, c.drafter) for c in candidates], target, records):
+        log(line)  # trained at other positions than this target serves (records with images)
     note = _cache_precision_note(cfg, records)
     if note:
         log(note)

@@ -62,6 +62,23 @@ def served_position_scheme(config) -> str:
     return MROPE_ROW0 if is_vision_language(config) and uses_mrope(config) else TOKEN_INDEX
 
 
+def position_scheme_of(target) -> str:
+    """The served positions of a loaded target (`TargetModel`) or one read from its files (`TargetHead`)."""
+    scheme = getattr(target, "position_scheme", None)
+    if scheme is not None:
+        return scheme
+    config = getattr(target, "full_config", None) or getattr(target, "config", None)
+    return served_position_scheme(config) if config is not None else TOKEN_INDEX
+
+
+def placeholder_free(target, ids: torch.Tensor) -> torch.Tensor:
+    """[T] True where a token is not an image placeholder of the target (all True for a text target): the loss mask
+    and the anchors never fall on a placeholder, which the target reads as an image, never as a token to draft."""
+    config = getattr(target, "full_config", None) or getattr(getattr(target, "model", None), "config", None)
+    image_token = getattr(config, "image_token_id", None) if config is not None else None
+    return torch.ones_like(ids, dtype=torch.bool) if image_token is None else ids != image_token
+
+
 def model_class_for(config):
     """The transformers auto class that builds the whole target: image-text-to-text for a vision-language config
     (its vision tower and language model), else the causal LM."""
