@@ -58,8 +58,7 @@ def answer_turns(
     dropped: set[str] = set()
     short: set[str] = set()  # record ids under settings.min_prompt_tokens: answered for context, not kept
     truncated_from: dict[str, int] = {}
-    sources_of: dict[str, list[str]] = {}  # record id -> its images (a vision-language target's prompts)
-    runs_of: dict[str, list[list[int]]] = {}  # record id -> the drafter's served positions, where not the index
+    images_of: dict[str, dict] = {}  # record id -> its images and served positions (a vision-language target's)
     for turn in range(max(len(p.turns) for p in batch)):
         active, texts, prompt_ids = [], [], []
         for p in batch:
@@ -67,20 +66,9 @@ def answer_turns(
                 continue
             kwargs = merged(settings.chat_template_kwargs, p.chat_template_kwargs) if use_template else None
             where = f"prompt {p.record_id(turn)!r}"
-            text = render_conversation(tok, p.conversation(answers[p.id]), use_template, kwargs, p.tools, where)
-            sources = message_images(p.conversation(answers[p.id]))
-            if sources:  # the images' placeholders as the target's processor expands them
-                ids, inputs = _encode_with_images(target, text, sources, where, complete)
-                sources_of[p.record_id(turn)] = sources
-                runs = position_runs(target.vision.prompt_positions(ids, inputs.image_grid_thw))
-                if runs != [[0, 0, 1]]:
-                    runs_of[p.record_id(turn)] = runs
-            else:
-                ids = encode_text(tok, text, use_template)
-            if not ids:
-                raise FlashdraftError(
-                    f"prompt {p.record_id(turn)!r}: encodes to no tokens; expected a non-empty prompt"
-                )
+            conversation = p.conversation(answers[p.id])
+            text = render_conversation(tok, conversation, use_template, kwargs, p.tools, where)
+            ids = _turn_ids(target, text, conversation, use_template, p.record_id(turn), complete, images_of)
             if len(ids) < settings.min_prompt_tokens:
                 short.add(p.record_id(turn))
                 if turn == len(p.turns) - 1:  # no later turn reads its answer: not answered at all
@@ -90,11 +78,7 @@ def answer_turns(
             if fitted is None:
                 dropped.add(p.id)
                 continue
-            if len(fitted) < len(ids) and p.record_id(turn) in sources_of:
-                raise FlashdraftError(
-                    f"{where}: {len(ids)} tokens with its images, over the limit of {limit}; a prompt with images "
-                    f"is not truncated (its placeholders would be cut), expected --long-prompts error or skip"
-                )
+            _refuse_cut_images(len(fitted) < len(ids) and p.record_id(turn) in images_of, where, len(ids), limit)
             if len(fitted) < len(ids):  # the record's text is what the target saw: the kept tokens
                 text = tok.decode(fitted)
                 truncated_from[p.record_id(turn)] = len(ids)
@@ -121,20 +105,42 @@ def answer_turns(
                     "tool_call_spans": tool_call_spans(out, calls),
                 }
             )
-            images = {"images": sources_of[rid], "position_runs": runs_of.get(rid)} if rid in sources_of else {}
+            mode |= images_of.get(rid, {})  # its images and the drafter's served positions
             records[p.id].append(
-                CompletionRecord(
-                    rid, text, ids, out, completion, reason, source, truncated_from.get(rid), **mode, **images
-                )
+                CompletionRecord(rid, text, ids, out, completion, reason, source, truncated_from.get(rid), **mode)
             )
             answers[p.id].append(completion)
     stats["shorter"] = stats.get("shorter", 0) + sum(r.id in short for p in batch for r in records[p.id])
     return [r for p in batch for r in records[p.id] if r.id not in short]
 
 
+def _turn_ids(
+    target: TargetModel, text: str, conversation: list, use_template: bool, rid: str, complete, images_of: dict
+) -> list[int]:
+    """A rendered turn's token ids: with its images' placeholders as the target's processor expands them (their
+    record fields into `images_of[rid]`), else the text's; a turn of no tokens refused."""
+    sources = message_images(conversation)
+    if not sources:
+        ids = encode_text(target.tokenizer, text, use_template)
+    else:
+        ids, images_of[rid] = _encode_with_images(target, text, sources, f"prompt {rid!r}", complete)
+    if not ids:
+        raise FlashdraftError(f"prompt {rid!r}: encodes to no tokens; expected a non-empty prompt")
+    return ids
+
+
+def _refuse_cut_images(cut: bool, where: str, length: int, limit: int | None) -> None:
+    if cut:
+        raise FlashdraftError(
+            f"{where}: {length} tokens with its images, over the limit of {limit}; a prompt with images is not "
+            f"truncated (its placeholders would be cut), expected --long-prompts error or skip"
+        )
+
+
 def _encode_with_images(target: TargetModel, text: str, sources: list[str], where: str, complete):
-    """A rendered prompt's ids with its images' placeholders, the images' inputs handed to `complete` (only a local
-    completer takes them: a server is sent token ids)."""
+    """A rendered prompt's ids with its images' placeholders, and the record's fields for them (its images and the
+    drafter's served positions where not the index); the images' inputs go to `complete` (only a local completer
+    takes them: a server is sent token ids)."""
     check_target_reads_images(target, True, where)
     images_of = getattr(complete, "images_of", None)
     if images_of is None:
@@ -144,7 +150,8 @@ def _encode_with_images(target: TargetModel, text: str, sources: list[str], wher
         )
     ids, inputs = target.processor.encode(text, [open_image(s, where) for s in sources], where)
     images_of[where] = inputs
-    return ids, inputs
+    runs = position_runs(target.vision.prompt_positions(ids, inputs.image_grid_thw))
+    return ids, {"images": sources, "position_runs": runs if runs != [[0, 0, 1]] else None}
 
 
 def local_completer(target: TargetModel, settings: GenerationSettings):

@@ -144,6 +144,21 @@ def records_from_cache(cache, num_records: int | None = None) -> list[EvalRecord
     return records
 
 
+def image_fields(record) -> dict:
+    """An `EvalRecord`'s fields for a completion record's images: how many, and the drafter's served positions."""
+    return {"position_runs": record.position_runs, "num_images": len(record.images or [])}
+
+
+def _refuse_image_prompts(spec: str, loaded: list) -> None:
+    """Prompts with images are evaluated from their completions (generated with the images bound)."""
+    for prompt in loaded:
+        if message_images(prompt.conversation([])):
+            raise FlashdraftError(
+                f"--prompts {spec}: prompt {prompt.id!r} has images; evaluate images from completions "
+                f"(flashdraft generate, then eval --completions)"
+            )
+
+
 def load_eval_records(
     target: TargetModel,
     *,
@@ -195,8 +210,7 @@ def load_eval_records(
                 chat_template_kwargs=r.chat_template_kwargs,
                 messages=r.messages if r.prompt_truncated_from is None else None,
                 tools=r.tools,
-                position_runs=r.position_runs,
-                num_images=len(r.images or []),
+                **image_fields(r),
             )
             for r in loaded
         ]
@@ -209,12 +223,8 @@ def load_eval_records(
     records = []
     loaded = load_prompts(prompts, num_prompts, quiet=True)
     kwargs = resolve_mode(tok, chat, chat_template_kwargs, enable_thinking, loaded, log)
+    _refuse_image_prompts(prompts, loaded)
     for prompt in loaded:
-        if message_images(prompt.conversation([])):
-            raise FlashdraftError(
-                f"--prompts {prompts}: prompt {prompt.id!r} has images; evaluate images from completions "
-                f"(flashdraft generate, then eval --completions)"
-            )
         # the first user turn: later turns need the target's earlier answers in the prompt
         mode = merged(kwargs, prompt.chat_template_kwargs) if chat else None
         text = render_conversation(tok, prompt.conversation([]), chat, mode, prompt.tools, f"prompt {prompt.id!r}")

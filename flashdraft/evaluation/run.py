@@ -464,6 +464,15 @@ def _log_records(records: list[EvalRecord], max_new_tokens: int, log: Log) -> No
         )
 
 
+def _warnings(cfg: EvalConfig, candidates: list, target: TargetModel, records: list, max_new_tokens: int) -> list[str]:
+    """Evaluated past the trained context, RoPE unlike the target's, context read per step; positions other than
+    the served ones (records with images); a cache's precision."""
+    drafters = [(c.label, c.drafter) for c in candidates]
+    lines = eval_guards(drafters, target, records, max_new_tokens) + eval_position_lines(drafters, target, records)
+    note = _cache_precision_note(cfg, records)
+    return lines + ([note] if note else [])
+
+
 def run_eval(
     cfg: EvalConfig, log: Log = print, target: TargetModel | None = None, given: LoadedDrafter | None = None
 ) -> dict[str, Any]:
@@ -489,13 +498,8 @@ def run_eval(
     if max_new_tokens is None:  # enough for max_blocks steps of the largest block
         max_new_tokens = cfg.max_blocks * max(c.block_size for c in candidates) + 1 if cfg.max_blocks else 256
     records, baseline, source = _prepare_records(cfg, target, max_new_tokens, log, filters)
-    for line in eval_guards([(c.label, c.drafter) for c in candidates], target, records, max_new_tokens):
-        log(line)  # evaluated past the trained context, RoPE unlike the target's, context read per step
-    for line in eval_position_lines([(c.label, c.drafter) for c in candidates], target, records):
-        log(line)  # trained at other positions than this target serves (records with images)
-    note = _cache_precision_note(cfg, records)
-    if note:
-        log(note)
+    for line in _warnings(cfg, candidates, target, records, max_new_tokens):
+        log(line)
     modes = mode_figures(candidates[0].drafter, records, tok, log)
     record_log = log if cfg.verbose else quiet
     features = FeatureSource(target, record_log)  # each record's tokens and feature statistics offline

@@ -26,7 +26,9 @@ conversation enter the target's language model as the model itself puts them the
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -313,3 +315,92 @@ class VisionTower:
             deepstack = [torch.cat(list(f), dim=0) for f in features.deepstack_features]
         positions, delta = self.inner.get_rope_index(ids, mask[None].int(), image_grid_thw=grids)
         return VisionPrompt(len(prompt_ids), mask, embeds, deepstack, positions[:, 0], int(delta.reshape(-1)[0]))
+
+
+class VisionBinding:
+    """What `TargetModel` does with images (a mixin: its attributes `vision`, `decoder`, `path`, `_vision_prompt`,
+    `_registered_images`, `_captured`, `_context_layer_ids` and `_last_layer_run` are the target's): bind a prompt's
+    images to its forwards, capture after deepstack, and give the drafter's positions as served. `cache` arguments
+    are the target's `TargetCache` (its `vision` field holds the images of the sequence in it)."""
+
+    def _capture_after_deepstack(self) -> None:
+        """Qwen3-VL adds deepstack features to the output of its first layers at the image positions; vLLM captures
+        a layer's output after that addition (`flashdraft.target.vision`), so the capture of such a layer is replaced
+        by the sum."""
+        add = self.decoder._deepstack_process
+
+        def after_deepstack(hidden_states, visual_pos_masks, visual_embeds):
+            out = add(hidden_states, visual_pos_masks, visual_embeds)
+            if self._last_layer_run in self._context_layer_ids:
+                self._captured[self._last_layer_run] = out
+            return out
+
+        self.decoder._deepstack_process = after_deepstack
+
+    @contextlib.contextmanager
+    def images(self, prompt_ids: list[int], inputs: ImageInputs | None, where: str = "a prompt"):
+        """Within the block, every forward over tokens of the sequence that starts with `prompt_ids` takes its
+        images (`inputs`; None: a text-only sequence, nothing bound)."""
+        if inputs is None:
+            yield None
+            return
+        if self.vision is None:
+            raise FlashdraftError(
+                f"{where}: has image parts, but the target {self.path} reads text only (no vision tower loaded); "
+                f"expected a vision-language checkpoint with its preprocessor_config.json"
+            )
+        previous, self._vision_prompt = self._vision_prompt, self.vision.prepare(prompt_ids, inputs, where)
+        try:
+            yield self._vision_prompt
+        finally:
+            self._vision_prompt = previous
+
+    def register_images(self, prompt_ids: list[int], load: Callable[[], ImageInputs], where: str) -> None:
+        """Every later forward from the start of a sequence that begins with `prompt_ids` takes the images `load`
+        gives (read when such a forward runs); its cached continuation keeps them (`TargetCache.vision`)."""
+        if self.vision is None:
+            raise FlashdraftError(
+                f"{where}: has images, but the target {self.path} reads text only (no vision tower loaded); "
+                f"expected a vision-language checkpoint with its preprocessor_config.json"
+            )
+        self._registered_images[tuple(prompt_ids)] = (load, where)
+
+    def _vision_for(self, input_ids: torch.Tensor, cache) -> VisionPrompt | None:
+        """The images a forward takes: those bound (`images`), else its cache's, else those registered for the
+        sequence it starts (a forward from position 0 of one row)."""
+        if self._vision_prompt is not None:
+            found = self._vision_prompt
+        elif cache is not None and cache.vision is not None:
+            return cache.vision
+        elif self._registered_images and (cache is None or cache.length == 0) and input_ids.shape[0] == 1:
+            row = tuple(input_ids[0].tolist())
+            lengths = {len(k) for k in self._registered_images}
+            key = next((row[:n] for n in sorted(lengths, reverse=True) if row[:n] in self._registered_images), None)
+            if key is None:
+                return None
+            load, where = self._registered_images[key]
+            found = self.vision.prepare(list(key), load(), where)
+        else:
+            return None
+        if cache is not None:
+            cache.vision = found
+        return found
+
+    @property
+    def position_scheme(self) -> str:
+        """How a drafter's positions are counted beside this target as served (`flashdraft.target.vision`)."""
+        return self.vision.position_scheme if self.vision is not None else TOKEN_INDEX
+
+    def drafter_positions(self, index: torch.Tensor, cache=None) -> torch.Tensor:
+        """The drafter's positions of token indices of the bound sequence (or the one in `cache`): the index itself
+        for text, M-RoPE's row 0 where images are bound on an M-RoPE target (as vLLM's DFlash proposer serves them)."""
+        prompt = self._vision_prompt or (cache.vision if cache is not None else None)
+        if prompt is None or self.position_scheme == TOKEN_INDEX:
+            return index
+        return prompt.drafter_positions(index)
+
+    def drafter_position_shift(self, cache=None) -> int:
+        """What the drafter's position of a token after the prompt adds to its index (M-RoPE's rope delta where
+        images are bound on an M-RoPE target; else 0)."""
+        prompt = self._vision_prompt or (cache.vision if cache is not None else None)
+        return 0 if prompt is None or self.position_scheme == TOKEN_INDEX else prompt.rope_delta
