@@ -36,6 +36,7 @@ from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.drafter.run_dir import LoadedDrafter, load_any_drafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.evaluation.config import NGRAM, Candidate, EvalConfig
+from flashdraft.evaluation.modality import by_modality
 from flashdraft.evaluation.modes import by_segment, mode_figures
 from flashdraft.evaluation.offline import (
     WalkConfig,
@@ -349,6 +350,7 @@ def _evaluate_candidate(
     summary = evaluated.to_json()
     summary |= sampling_figures(cfg, rule, filters, evaluated)
     summary["by_segment"] = by_segment(evaluated, records, target.tokenizer)
+    summary["by_modality"] = by_modality(evaluated, records)  # with images beside text-only
     if isinstance(c.drafter, DFlashDrafter) and c.drafter.candidate_selector is not None and cfg.temperature <= 0:
         summary["selector"] = selector_figures(c.drafter, target, records, evaluated, features, cfg.max_blocks)
     if _has_confidence_head(c.drafter):

@@ -30,6 +30,7 @@ from flashdraft.decoding.target_samples import Z_LIMIT, sampling_fidelity
 from flashdraft.drafter.families import drafts_per_block
 from flashdraft.errors import FlashdraftError
 from flashdraft.evaluation.config import Candidate
+from flashdraft.evaluation.modality import by_modality
 from flashdraft.evaluation.modes import by_segment
 from flashdraft.evaluation.offline import WalkConfig, evaluate_offline
 from flashdraft.evaluation.records import EvalRecord, FeatureSource
@@ -355,6 +356,7 @@ def run_served(
             "steps_per_request": [len(p.acceptance_lengths) for p in own.per_prompt],
         }
         served["by_segment"] = by_segment(own, outputs, target.tokenizer)  # flashdraft's walk of the served outputs
+        served["by_modality"] = by_modality(own, records)
         if temperature <= 0:
             problems += _greedy_figures(served, requests, records, max_tokens, own, candidate, target)
         else:
