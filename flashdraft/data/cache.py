@@ -40,7 +40,6 @@ import torch
 from safetensors.torch import save_file
 
 from flashdraft.data.completions import CompletionRecord, Completions
-from flashdraft.data.images import record_images
 from flashdraft.distributed import Dist, any_rank, on_main
 from flashdraft.errors import FlashdraftError, Interrupted
 from flashdraft.files import (
@@ -54,6 +53,7 @@ from flashdraft.files import (
 )
 from flashdraft.progress import Progress
 from flashdraft.stop import StopRequests
+from flashdraft.target.image_files import record_images
 from flashdraft.target.model import TargetModel
 from flashdraft.target.vision import placeholder_free, position_runs
 

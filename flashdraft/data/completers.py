@@ -17,7 +17,7 @@ from flashdraft.data.chat_mode import (
     template_sha256,
 )
 from flashdraft.data.completions import CompletionRecord, GenerationSettings, record_seed
-from flashdraft.data.images import check_target_reads_images, message_images, open_image
+from flashdraft.data.images import message_images
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.data.prompts import (
     Prompt,
@@ -30,6 +30,7 @@ from flashdraft.data.reasoning import reasoning_end, reasoning_markers, tool_cal
 from flashdraft.decoding.batched import generate_batch
 from flashdraft.decoding.generate import autoregressive_generate
 from flashdraft.errors import FlashdraftError
+from flashdraft.target.image_files import check_target_reads_images, open_image
 from flashdraft.target.model import TargetModel
 from flashdraft.target.vision import position_runs
 

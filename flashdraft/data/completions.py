@@ -18,10 +18,10 @@ from typing import Any
 from flashdraft.data.chat_mode import (
     check_reasoning_end,
 )
-from flashdraft.data.images import register_record_images
 from flashdraft.data.reasoning import check_tool_call_spans
 from flashdraft.decoding.serving_rules import SamplingFilters, SamplingParams
 from flashdraft.errors import FlashdraftError
+from flashdraft.target.image_files import register_record_images
 from flashdraft.target.model import TargetModel
 from flashdraft.target.vision import check_runs
 

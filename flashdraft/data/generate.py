@@ -17,7 +17,7 @@ from pathlib import Path
 from flashdraft.data.chat_mode import check_engine_render, describe_mix, resolve_mode
 from flashdraft.data.completions import GenerationSettings
 from flashdraft.data.completions_writer import generate_completions
-from flashdraft.data.images import check_target_reads_images, message_images
+from flashdraft.data.images import message_images
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, ignored_tools_note, load_prompts
 from flashdraft.data.reasoning import unknown_reasoning_note
@@ -31,6 +31,7 @@ from flashdraft.decoding.serving_rules import (
 from flashdraft.decoding.target_samples import EngineOutput, greedy_agreement, sampling_fidelity
 from flashdraft.distributed import Dist, init_distributed, load_dtype, lock_on_main, pick_device
 from flashdraft.errors import FlashdraftError
+from flashdraft.target.image_files import check_target_reads_images
 from flashdraft.target.model import TargetModel, resolve_target_path
 
 

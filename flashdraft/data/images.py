@@ -8,20 +8,17 @@ an `images` list become the same parts (`llava_parts`). Every part is normalised
 with U absolute, so the record of a prompt names the files it read, and the chat template sees an image part as
 the servers give it one.
 
-Images open with PIL (`open_image`): no file read runs code.
+Images open with PIL (`flashdraft.target.image_files`): no file read runs code.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import contextlib
-import io
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 from flashdraft.errors import FlashdraftError
+from flashdraft.target.image_files import data_url_bytes
 
 LLAVA_IMAGE = "<image>"  # LLaVA's and ShareGPT's placeholder for an image in a message's text
 
@@ -31,7 +28,7 @@ def image_source(ref: Any, base: Path | None, where: str) -> str:
     if not isinstance(ref, str) or not ref:
         raise FlashdraftError(f"{where}: image is {str(ref)[:80]!r}; expected a local path, file:// or data: URL")
     if ref.startswith("data:"):
-        _data_url_bytes(ref, where)  # refused now if it does not decode
+        data_url_bytes(ref, where)  # refused now if it does not decode
         return ref
     scheme = urlparse(ref).scheme
     if scheme == "file":
@@ -48,16 +45,6 @@ def image_source(ref: Any, base: Path | None, where: str) -> str:
     if not path.is_file():
         raise FlashdraftError(f"{where}: image file {path} does not exist; expected a local image file")
     return str(path.resolve())
-
-
-def _data_url_bytes(ref: str, where: str) -> bytes:
-    head, _, payload = ref.partition(",")
-    if not head.startswith("data:image/") or not head.endswith(";base64") or not payload:
-        raise FlashdraftError(f"{where}: data URL {ref[:40]!r}...; expected data:image/<type>;base64,<data>")
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise FlashdraftError(f"{where}: data URL {ref[:40]!r}... is not valid base64") from None
 
 
 def is_image_part(part: Any) -> bool:
@@ -137,55 +124,3 @@ def message_images(messages: list[dict[str, Any]]) -> list[str]:
         for part in m["content"]
         if is_image_part(part)
     ]
-
-
-def open_image(source: str, where: str):
-    """A PIL image (RGB) of a source `image_source` returned."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        if source.startswith("data:"):
-            image = Image.open(io.BytesIO(_data_url_bytes(source, where)))
-        else:
-            image = Image.open(source)
-        image.load()
-    except FileNotFoundError:
-        raise FlashdraftError(f"{where}: image file {source} does not exist; expected a local image file") from None
-    except (UnidentifiedImageError, OSError) as e:
-        raise FlashdraftError(f"{where}: image {source[:80]} cannot be read as an image ({e})") from None
-    return image.convert("RGB")
-
-
-def check_target_reads_images(target, has_images: bool, what: str) -> None:
-    """Refuse, before anything is written, data with images for a target that reads none."""
-    if has_images and getattr(target, "processor", None) is None:
-        raise FlashdraftError(
-            f"{what} has image parts, but the target {target.path} reads text only (no vision tower or no "
-            f"preprocessor_config.json); expected a vision-language checkpoint, or text-only data"
-        )
-
-
-def register_record_images(target, records) -> None:
-    """Every record with images registered with the target (`TargetModel.register_images`): a forward over its
-    sequence then takes them, wherever it runs (decoding, evaluation, checks). Refused at once for a target that
-    reads text only."""
-    for record in records:
-        if getattr(record, "images", None):
-            where = f"record {record.id!r}"
-            check_target_reads_images(target, True, where)
-
-            def load(record=record, where=where):
-                return target.processor.images([open_image(s, where) for s in record.images])
-
-            target.register_images(record.prompt_ids, load, where)
-
-
-def record_images(target, record, where: str | None = None):
-    """A context binding a completion record's images to the target (nothing for a text-only record)."""
-    images = getattr(record, "images", None)
-    if not images:
-        return contextlib.nullcontext()
-    where = where or f"record {record.id!r}"
-    check_target_reads_images(target, True, where)
-    inputs = target.processor.images([open_image(s, where) for s in images])
-    return target.images(record.prompt_ids, inputs, where)

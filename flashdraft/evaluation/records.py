@@ -12,6 +12,7 @@ import torch
 
 from flashdraft.data.images import message_images
 from flashdraft.errors import FlashdraftError
+from flashdraft.target.image_files import record_images
 from flashdraft.target.model import TargetModel
 from flashdraft.target.vision import positions_from_runs
 
@@ -42,6 +43,7 @@ class EvalRecord:
     # `flashdraft.target.vision.position_runs`), and how many images the prompt holds
     position_runs: list[list[int]] | None = None
     num_images: int = 0
+    images: list[str] | None = None  # the images' sources (from a completions file; a cache keeps only the count)
 
     @property
     def input_ids(self) -> list[int]:
@@ -103,7 +105,8 @@ class FeatureSource:
         else:
             self.target.set_context_layers(layer_ids)
             ids = torch.tensor([record.input_ids], device=self.target.device)
-            features, origin = self.target.forward(ids).context_features[0], "target forward"
+            with record_images(self.target, record):  # its images, where it has any
+                features, origin = self.target.forward(ids).context_features[0], "target forward"
             self.target_forwards += 1
         key = (record.id, tuple(layer_ids))
         if key not in self._logged:
@@ -146,7 +149,7 @@ def records_from_cache(cache, num_records: int | None = None) -> list[EvalRecord
 
 def image_fields(record) -> dict:
     """An `EvalRecord`'s fields for a completion record's images: how many, and the drafter's served positions."""
-    return {"position_runs": record.position_runs, "num_images": len(record.images or [])}
+    return {"position_runs": record.position_runs, "num_images": len(record.images or []), "images": record.images}
 
 
 def _refuse_image_prompts(spec: str, loaded: list) -> None:

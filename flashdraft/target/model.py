@@ -275,7 +275,7 @@ class TargetModel(VisionBinding):
         self.processor: ImageProcessor | None = None
         self._vision_prompt: VisionPrompt | None = None
         # prompts (token ids) whose images a forward from the sequence start binds by itself: -> their inputs' loader
-        self._registered_images: dict[tuple[int, ...], tuple[Callable[[], ImageInputs], str]] = {}
+        self._registered_images: dict[tuple[int, ...], tuple[Callable[[], ImageInputs] | None, str, tuple]] = {}
         self._last_layer_run = -1
         if self.vision is not None and self.vision.deepstack_layers:
             self._capture_after_deepstack()

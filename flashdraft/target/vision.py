@@ -355,7 +355,9 @@ class VisionBinding:
         finally:
             self._vision_prompt = previous
 
-    def register_images(self, prompt_ids: list[int], load: Callable[[], ImageInputs], where: str) -> None:
+    def register_images(
+        self, prompt_ids: list[int], load: Callable[[], ImageInputs], where: str, sources: tuple = ()
+    ) -> None:
         """Every later forward from the start of a sequence that begins with `prompt_ids` takes the images `load`
         gives (read when such a forward runs); its cached continuation keeps them (`TargetCache.vision`)."""
         if self.vision is None:
@@ -363,7 +365,11 @@ class VisionBinding:
                 f"{where}: has images, but the target {self.path} reads text only (no vision tower loaded); "
                 f"expected a vision-language checkpoint with its preprocessor_config.json"
             )
-        self._registered_images[tuple(prompt_ids)] = (load, where)
+        key = tuple(prompt_ids)
+        earlier = self._registered_images.get(key)
+        if earlier is not None and earlier[2] != sources:  # the same tokens with other images: never guessed
+            load, where = None, f"{earlier[1]} and {where}"
+        self._registered_images[key] = (load, where, sources)
 
     def _vision_for(self, input_ids: torch.Tensor, cache) -> VisionPrompt | None:
         """The images a forward takes: those bound (`images`), else its cache's, else those registered for the
@@ -378,7 +384,12 @@ class VisionBinding:
             key = next((row[:n] for n in sorted(lengths, reverse=True) if row[:n] in self._registered_images), None)
             if key is None:
                 return None
-            load, where = self._registered_images[key]
+            load, where, _ = self._registered_images[key]
+            if load is None:
+                raise FlashdraftError(
+                    f"{where}: the same prompt tokens with different images; a forward over them cannot tell which "
+                    f"images it reads (bind the record's images: `TargetModel.images`)"
+                )
             found = self.vision.prepare(list(key), load(), where)
         else:
             return None

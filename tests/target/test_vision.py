@@ -113,7 +113,7 @@ def test_greedy_speculative_decoding_with_an_image_is_the_models_own_greedy_gene
         do_sample=False,
     )[0, len(ids) :].tolist()
     drafter = new_drafter_for_target(vl_target, DrafterChoices(num_layers=1, block_size=4, target_layer_ids=[1, 2]))
-    vl_target.register_images(ids, lambda: inputs, "the test prompt")
+    vl_target.register_images(ids, lambda: inputs, "the test prompt", ("drawn",))
     result = speculative_generate(vl_target, drafter, ids, 12)
     assert result.output_ids == own
     without_image = vl_target.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=12, do_sample=False)
