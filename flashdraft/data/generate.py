@@ -117,7 +117,8 @@ def _check_options(
 def _check_image_prompts(target: TargetModel, prompts, c) -> None:
     """Prompts with images need a target that reads them, decoded locally: refused before anything is written."""
     with_images = [p.id for p in prompts if message_images(p.conversation([""] * (len(p.turns) - 1)))]
-    check_target_reads_images(target, bool(with_images), f"--prompts {c.prompts}: prompt {with_images[:1]}")
+    if with_images:
+        check_target_reads_images(target, True, f"--prompts {c.prompts}: prompt {with_images[0]!r}")
     if with_images and (c.engine or c.backend == "openai"):
         raise FlashdraftError(
             f"--prompts {c.prompts}: prompt {with_images[0]!r} has images, but a server is sent token ids only; "

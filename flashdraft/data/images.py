@@ -35,7 +35,7 @@ def image_source(ref: Any, base: Path | None, where: str) -> str:
         path = Path(unquote(urlparse(ref).path))
     elif scheme and len(scheme) > 1:  # "C:" is a drive, not a scheme
         raise FlashdraftError(
-            f"{where}: image {ref[:80]!r} is a remote URL; nothing is fetched from the network, expected a local "
+            f"{where}: image {ref[:80]!r} is a remote URL; nothing is fetched from the network: expected a local "
             f"path, a file:// or a data: URL (download the image and name the file)"
         )
     else:
