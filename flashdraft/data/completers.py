@@ -30,7 +30,7 @@ from flashdraft.data.reasoning import reasoning_end, reasoning_markers, tool_cal
 from flashdraft.decoding.batched import generate_batch
 from flashdraft.decoding.generate import autoregressive_generate
 from flashdraft.errors import FlashdraftError
-from flashdraft.target.image_files import check_target_reads_images, open_image
+from flashdraft.target.image_files import ENGINE_WITHOUT_IMAGES, check_target_reads_images, open_image
 from flashdraft.target.model import TargetModel
 from flashdraft.target.vision import position_runs
 
@@ -145,10 +145,7 @@ def _encode_with_images(target: TargetModel, text: str, sources: list[str], wher
     check_target_reads_images(target, True, where)
     images_of = getattr(complete, "images_of", None)
     if images_of is None:
-        raise FlashdraftError(
-            f"{where}: has images, but a server is sent token ids only; generate image prompts locally (no --engine "
-            f"or --backend openai)"
-        )
+        raise FlashdraftError(f"{where}: has images; {ENGINE_WITHOUT_IMAGES}")
     ids, inputs = target.processor.encode(text, [open_image(s, where) for s in sources], where)
     images_of[where] = inputs
     runs = position_runs(target.vision.prompt_positions(ids, inputs.image_grid_thw))

@@ -31,7 +31,7 @@ from flashdraft.decoding.serving_rules import (
 from flashdraft.decoding.target_samples import EngineOutput, greedy_agreement, sampling_fidelity
 from flashdraft.distributed import Dist, init_distributed, load_dtype, lock_on_main, pick_device
 from flashdraft.errors import FlashdraftError
-from flashdraft.target.image_files import check_target_reads_images
+from flashdraft.target.image_files import ENGINE_WITHOUT_IMAGES, check_target_reads_images
 from flashdraft.target.model import TargetModel, resolve_target_path
 
 
@@ -120,10 +120,7 @@ def _check_image_prompts(target: TargetModel, prompts, c) -> None:
     if with_images:
         check_target_reads_images(target, True, f"--prompts {c.prompts}: prompt {with_images[0]!r}")
     if with_images and (c.engine or c.backend == "openai"):
-        raise FlashdraftError(
-            f"--prompts {c.prompts}: prompt {with_images[0]!r} has images, but a server is sent token ids only; "
-            f"generate image prompts locally (no --engine or --backend openai)"
-        )
+        raise FlashdraftError(f"--prompts {c.prompts}: prompt {with_images[0]!r} has images; {ENGINE_WITHOUT_IMAGES}")
 
 
 def _use_chat_template(target: TargetModel, chat_template: bool | None, device, dist: Dist) -> bool:

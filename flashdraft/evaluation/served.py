@@ -45,6 +45,7 @@ from flashdraft.serving.engine import (
     server_version,
 )
 from flashdraft.serving.family_rules import needs_v2_runner
+from flashdraft.target.image_files import refuse_engine_images
 from flashdraft.target.mamba import is_mamba
 from flashdraft.target.mla import is_mla
 from flashdraft.target.model import TargetModel, resolve_target_path
@@ -300,6 +301,7 @@ def run_served(
     (`served["check"]["passed"]`)."""
     from flashdraft.serving.export import export_drafter
 
+    refuse_engine_images(records, "eval --served vllm")
     checkpoint, drafter, block_size = candidate.label, candidate.drafter, candidate.block_size
     temperature, filters, seed = sampling.temperature, sampling.filters, sampling.seed
     work = Path(tempfile.mkdtemp(prefix="flashdraft-served-"))

