@@ -54,6 +54,19 @@ def test_every_stage_of_the_pipeline_runs_with_images(layout, tmp_path, monkeypa
         ["train", *t, "--cached-hidden-states", "cache", "--out", "run", "--init", "init", "--max-steps", "2"],
         ["eval", "--checkpoint", "run", *t, "--cached-hidden-states", "cache", "--report", "report"],
         ["eval", "--checkpoint", "run", *t, "--completions", "train.json", "--online", "--check-consistency"],
+        [
+            "eval",
+            "--checkpoint",
+            "run",
+            *t,
+            "--completions",
+            "train.json",
+            "--online",
+            "--tree",
+            "ddtree",
+            "--tree-budget",
+            "4",
+        ],
         ["export", "--checkpoint", "run", "--out", "drafter", *t],
         ["doctor", "drafter", "--serving", *t],
     ]
@@ -64,6 +77,8 @@ def test_every_stage_of_the_pipeline_runs_with_images(layout, tmp_path, monkeypa
             assert "τ by modality: with images " in out and "text only " in out and "(5 prompts" in out
         if "--check-consistency" in argv:
             assert "offline vs online: identical acceptance lengths" in out and "lossless (all prompts)   " in out
+        if "--tree" in argv:  # draft trees with images: the tree loop lossless and equal to the offline tree walk
+            assert "online: tau" in out and "lossless, the offline walk's acceptance lengths" in out
         if "--serving" in argv:
             assert "ok   positions: vLLM's DFlash proposer" in out and "the drafter was trained at mrope-row-0" in out
     assert "τ by modality" in (tmp_path / "report" / "report.md").read_text()
