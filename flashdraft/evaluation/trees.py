@@ -227,7 +227,8 @@ def evaluate_trees(
     if isinstance(target, TargetModel):  # a target head alone (offline from a cache) has no forward to time
         if cfg.online or cfg.check_consistency:
             check_tree_target(target)  # the tree loop refuses what it cannot verify; the offline walk is exact
-        costs = step_costs(c, target, records[0], rules)
+        with record_images(target, records[0]):  # timed at its context, its images bound
+            costs = step_costs(c, target, records[0], rules)
         if not tree_verifiable(target):
             costs["note"] = "no tree forward on this target's recurrent layers: verify timed causal, N + 1 tokens"
     plain = costs["plain_step_s"] if costs else None
