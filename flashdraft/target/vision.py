@@ -151,6 +151,12 @@ class ImageProcessor:
                 f"Qwen2-VL family's image processor, which transformers runs on PIL)"
             )
         fields = {k: v for k, v in settings.items() if k not in ("image_processor_type", "processor_class")}
+        legacy = Path(path) / "chat_template.json"  # the processor's template, where the tokenizer carries none
+        if not getattr(tokenizer, "chat_template", None) and legacy.is_file():
+            try:
+                tokenizer.chat_template = json.loads(legacy.read_text())["chat_template"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise FlashdraftError(f"{legacy}: expected a JSON object with a 'chat_template' string") from None
         return cls(tokenizer, Qwen2VLImageProcessorPil(**fields))
 
     def images(self, images: list) -> ImageInputs:

@@ -62,6 +62,15 @@ def test_a_checkpoint_loads_whole_with_its_processor_and_a_foreign_image_process
 
     with pytest.raises(FlashdraftError, match="image_processor_type 'SiglipImageProcessor'; expected one of"):
         ImageProcessor.from_directory(tmp_path, vl_target.tokenizer)
+    # a checkpoint whose chat template is the processor's (chat_template.json) and not the tokenizer's
+    real = {"image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": 16, "merge_size": 2}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(real))
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": vl_target.tokenizer.chat_template}))
+    tokenizer = type(vl_target.tokenizer).from_pretrained(vl_target.path)
+    tokenizer.chat_template = None
+    assert (
+        ImageProcessor.from_directory(tmp_path, tokenizer).tokenizer.chat_template == vl_target.tokenizer.chat_template
+    )
 
 
 def test_context_features_are_taken_where_vllm_captures_them_after_deepstack(vl_target):
