@@ -9,16 +9,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from flashdraft.target.vision import MROPE_ROW0, TOKEN_INDEX, position_scheme_of
+from flashdraft.target.vision import SCHEME_WORDS, position_scheme_of
 
 VLLM_POSITIONS = (
     "vLLM's DFlash proposer (v1/spec_decode/dflash.py, copy_and_expand_dflash_inputs_kernel) reads the target's "
     "positions at row 0: "
 )
-SCHEME_WORDS = {
-    TOKEN_INDEX: "the token index (a text target: one position row)",
-    MROPE_ROW0: "M-RoPE's row 0 (temporal) for context and block, the block at row0(last context token) + 1 + k",
-}
 
 
 def mrope_fields(raw: dict[str, Any]) -> list[str]:
@@ -64,21 +60,3 @@ def position_checks(path: Path, target, checks) -> None:
             f"retrain (or cache again) with this target: flashdraft trains at the positions it serves "
             f"({served}); after an image the two differ",
         )
-
-
-def eval_position_lines(drafters: list[tuple[str, Any]], target, records: list) -> list[str]:
-    """A warning for each (label, drafter) trained at positions other than those this target serves, where the
-    evaluated records hold images (elsewhere the two schemes are the same positions)."""
-    if not any(getattr(r, "num_images", 0) for r in records):
-        return []
-    served, lines = position_scheme_of(target), []
-    for label, drafter in drafters:
-        cfg = getattr(drafter, "config", None) or getattr(getattr(drafter, "drafter", None), "config", None)
-        trained = getattr(cfg, "trained_positions", None)
-        if trained is not None and trained != served:
-            lines.append(
-                f"{label}: warning: positions: trained at {trained}, served (and evaluated here) at {served} "
-                f"({SCHEME_WORDS[served]}); on records with images it drafts at positions it was not trained at; "
-                f"fix: train it again beside this target (flashdraft trains at the served positions)"
-            )
-    return lines

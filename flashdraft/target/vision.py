@@ -41,6 +41,10 @@ IMAGE_PAD = "<|image_pad|>"
 TOKEN_INDEX = "token-index"  # text targets: position = the token's index in the sequence
 MROPE_ROW0 = "mrope-row-0"  # M-RoPE targets as vLLM's DFlash proposer serves them: the temporal row
 POSITION_SCHEMES = (TOKEN_INDEX, MROPE_ROW0)
+SCHEME_WORDS = {
+    TOKEN_INDEX: "the token index (a text target: one position row)",
+    MROPE_ROW0: "M-RoPE's row 0 (temporal) for context and block, the block at row0(last context token) + 1 + k",
+}
 PIL_IMAGE_PROCESSORS = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
 
 
