@@ -76,6 +76,7 @@ from flashdraft.evaluation.sampling import (
 )
 from flashdraft.evaluation.served import run_served
 from flashdraft.evaluation.trees import evaluate_trees, require_tree_consistent
+from flashdraft.target.image_files import refuse_engine_images
 from flashdraft.target.model import TargetModel
 
 
@@ -203,6 +204,8 @@ def _prepare_records(
     )
     if not records:
         raise FlashdraftError(f"{source}: no records")
+    if cfg.served:  # before anything runs: the engine is sent token ids only
+        refuse_engine_images(records, f"eval --served {cfg.served}")
     records = fit_prompts(records, target, max_new_tokens, cfg.long_prompts, str(cfg.prompts), log)
     baseline = None
     if cfg.online or cfg.check_consistency or not records[0].completion_ids:

@@ -96,6 +96,7 @@ def send_requests(
     requests and, when the engine failed a request (it answered an error or died), that failure: the requests
     before it stand. First, with `tokenizer`, every record rendered from chat messages is rendered by the engine
     too, as its chat clients' requests are, and refused where that differs (`chat_mode.check_engine_render`)."""
+    refuse_engine_images(records, "eval --served vllm")  # the engine is sent token ids only
     client = OpenAIClient(engine.base_url)
     for record in records if tokenizer is not None else []:
         if record.messages is not None and record.chat_template_kwargs is not None:
@@ -303,7 +304,6 @@ def run_served(
     (`served["check"]["passed"]`)."""
     from flashdraft.serving.export import export_drafter
 
-    refuse_engine_images(records, "eval --served vllm")
     checkpoint, drafter, block_size = candidate.label, candidate.drafter, candidate.block_size
     temperature, filters, seed = sampling.temperature, sampling.filters, sampling.seed
     work = Path(tempfile.mkdtemp(prefix="flashdraft-served-"))

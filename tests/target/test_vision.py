@@ -152,3 +152,19 @@ def test_position_runs_round_trip_any_positions():
         positions = torch.cumsum(steps + jumps, 0)
         assert torch.equal(positions_from_runs(position_runs(positions), 30), positions)
     assert positions_from_runs(None, 5).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_a_qwen3_5_checkpoint_is_the_same_target_loaded_whole_from_its_files_or_as_text(tmp_path):
+    """The fingerprint leaves the vision tower out and names the language model as its text-only layout does: caches
+    and drafters made while the checkpoint loaded as text (no preprocessor_config.json) stay its own."""
+    import shutil
+
+    from flashdraft.target.weights import TargetHead
+
+    whole = save_vl_target(tmp_path / "whole", "qwen3_5")
+    text = tmp_path / "text"
+    shutil.copytree(whole, text)
+    (text / "preprocessor_config.json").unlink()
+    loaded, as_text = TargetModel.load(whole), TargetModel.load(text)
+    assert loaded.vision is not None and as_text.vision is None
+    assert loaded.fingerprint() == TargetHead.load(whole).fingerprint() == as_text.fingerprint()
