@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from flashdraft.drafter.model import PAD_POSITION
+from flashdraft.target.image_files import record_images
 from flashdraft.train.blocks import IGNORE, build_blocks, sample_anchors
 
 
@@ -195,7 +196,8 @@ class OnlineRecords:
     def __getitem__(self, i: int) -> TrainRecord:
         record = self.records[i]
         self.target.set_context_layers(self.layer_ids)
-        out = self.target.forward(record.input_ids[None].to(self.target.device))
+        with record_images(self.target, record):  # its images, where it has any
+            out = self.target.forward(record.input_ids[None].to(self.target.device))
         topk = None
         if self.topk:
             values, indices = out.logits[0].float().topk(self.topk, dim=-1)  # [T, k], as the cache stores them

@@ -42,6 +42,10 @@ class SequenceRecord:
     chat_template_kwargs: dict | None = None  # the record's chat mode (`data/chat_mode.py`)
     reasoning_end: int | str | None = None
     drafter_positions: torch.Tensor | None = None  # [T] as served beside images (`train.data.served_positions`)
+    # a vision-language target's record: its id, prompt and images, bound to the forward over it (`OnlineRecords`)
+    id: str = ""
+    prompt_ids: list[int] | None = None
+    images: list[str] | None = None
 
 
 def _digest(path: Path) -> str:
@@ -84,6 +88,9 @@ def load_training_records(
                 r.chat_template_kwargs,
                 r.reasoning_end,
                 positions,
+                r.id,
+                r.prompt_ids,
+                r.images,
             )
         )
     return OnlineRecords(sequences, target, layer_ids, min(online_topk, target.vocab_size)), _digest(Path(completions))

@@ -52,6 +52,7 @@ def test_every_stage_of_the_pipeline_runs_with_images(layout, tmp_path, monkeypa
         ["cache", *t, "--completions", "train.json", "--out", "cache", "--layers", "0,1,2"],
         ["init", *t, "--out", "init", "--draft-layers", "1", "--block-size", "4", "--target-layer-ids", "0,1,2"],
         ["train", *t, "--cached-hidden-states", "cache", "--out", "run", "--init", "init", "--max-steps", "2"],
+        ["train", *t, "--completions", "train.json", "--out", "online", "--init", "init", "--max-steps", "2"],
         ["eval", "--checkpoint", "run", *t, "--cached-hidden-states", "cache", "--report", "report"],
         ["eval", "--checkpoint", "run", *t, "--completions", "train.json", "--online", "--check-consistency"],
         [
