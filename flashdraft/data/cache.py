@@ -264,7 +264,7 @@ def _build_shard(run: _ShardRun, k: int, records: list[CompletionRecord]) -> dic
                 "length": n,
                 "prompt_length": len(r.prompt_ids),
                 **{k: getattr(r, k) for k in CARRIED_FIELDS if getattr(r, k) is not None},
-                **({"images": len(r.images)} if r.images else {}),
+                **({"images": r.images} if r.images else {}),  # its images' sources, for checks that re-run it
             }
         )  # the record's chat mode, for train and eval
         offset += n
@@ -484,6 +484,8 @@ def _finish(
             "hidden_size": target.hidden_size,
             "vocab_size": target.vocab_size,
             "path": str(target.path) if target.path is not None else None,
+            # a vision-language target's image placeholder: never supervised (`target.vision.placeholder_free`)
+            **({"image_token_id": target.vision.image_token_id} if target.vision is not None else {}),
         },
         "layer_ids": settings["layer_ids"],
         "feature_convention": "hidden_states[l + 1]: the output of decoder layer l",

@@ -149,7 +149,8 @@ def records_from_cache(cache, num_records: int | None = None) -> list[EvalRecord
                 feature_dtype=cache.dtype,
                 chat_template_kwargs=row.get("chat_template_kwargs"),
                 position_runs=row.get("position_runs"),
-                num_images=int(row.get("images", 0)),
+                num_images=len(row.get("images") or []),
+                images=row.get("images"),
             )
         )
     return records

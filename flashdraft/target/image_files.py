@@ -91,4 +91,7 @@ def record_images(target, record, where: str | None = None):
     where = where or f"record {record.id!r}"
     check_target_reads_images(target, True, where)
     inputs = target.processor.images([open_image(s, where) for s in images])
-    return target.images(record.prompt_ids, inputs, where)
+    prompt_ids = getattr(record, "prompt_ids", None)
+    if prompt_ids is None:  # a cached record: its prompt is the first prompt_length of its tokens
+        prompt_ids = record.input_ids[: record.prompt_length].tolist()
+    return target.images(list(prompt_ids), inputs, where)

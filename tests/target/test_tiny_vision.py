@@ -50,6 +50,7 @@ def test_every_stage_of_the_pipeline_runs_with_images(layout, tmp_path, monkeypa
     stages = [
         ["generate", *t, "--prompts", "prompts.jsonl", "--out", "train.json", "--max-new-tokens", "16"],
         ["cache", *t, "--completions", "train.json", "--out", "cache", "--layers", "0,1,2"],
+        ["doctor", "cache", *t],  # its records re-run with their images: features and loss masks as stored
         ["init", *t, "--out", "init", "--draft-layers", "1", "--block-size", "4", "--target-layer-ids", "0,1,2"],
         ["train", *t, "--cached-hidden-states", "cache", "--out", "run", "--init", "init", "--max-steps", "2"],
         ["train", *t, "--completions", "train.json", "--out", "online", "--init", "init", "--max-steps", "2"],
