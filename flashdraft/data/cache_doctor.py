@@ -15,6 +15,7 @@ from flashdraft.drafter.config import LAYER_ORDER_RULE, strictly_increasing
 from flashdraft.drafter.doctor_report import Checks
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
+from flashdraft.target.image_files import record_images
 from flashdraft.target.model import TargetModel
 from flashdraft.target.quantisation import mismatch
 
@@ -37,6 +38,7 @@ def _diagnose(target: TargetModel, tokens: torch.Tensor, cached: torch.Tensor, l
 def _check_layout(cache: HiddenStateCache, checks: Checks, rebuild: str) -> None:
     """Dtypes and loss masks of every record as the manifest says; features finite."""
     layout_errors, nonfinite = [], []
+    placeholder = (cache.manifest.get("target") or {}).get("image_token_id")
     for s in cache.shards:
         with cache.open_shard(s["file"]) as f:
             for name, dtype in (("input_ids", "I32"), ("loss_mask", "BOOL")):
@@ -45,6 +47,8 @@ def _check_layout(cache: HiddenStateCache, checks: Checks, rebuild: str) -> None
     for i in range(len(cache)):
         r = cache[i]
         expected = torch.arange(len(r.input_ids)) >= r.prompt_length
+        if placeholder is not None:  # an image placeholder is never supervised
+            expected &= r.input_ids != placeholder
         if not torch.equal(r.loss_mask, expected) or r.context_features.dtype != cache.dtype:
             layout_errors.append(f"record {r.id}: loss mask or dtype disagrees with the manifest")
         try:
@@ -78,7 +82,8 @@ def _check_alignment(
     for i in picks:
         r = cache[i]
         tokens = r.input_ids.to(target.device)
-        fresh = target.forward(tokens[None]).context_features[0].cpu()  # [T, n * H]
+        with record_images(target, r):  # its images, where it has any
+            fresh = target.forward(tokens[None]).context_features[0].cpu()  # [T, n * H]
         for j, layer in enumerate(cache.layer_ids):
             block = slice(j * cache.hidden_size, (j + 1) * cache.hidden_size)
             err = relative_error(r.context_features[:, block], fresh[:, block])

@@ -18,6 +18,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
 from flashdraft.target.model import TargetModel
 from flashdraft.target.quantisation import Quantisation, mismatch
+from flashdraft.target.vision import check_runs, positions_from_runs
 
 
 @dataclass
@@ -28,6 +29,8 @@ class CachedRecord:
     context_features: torch.Tensor  # [T, len(layer_ids) * hidden], as stored
     prompt_length: int
     target_topk: tuple[torch.Tensor, torch.Tensor] | None  # (values [T, k], indices [T, k] long)
+    drafter_positions: torch.Tensor | None = None  # [T] as served beside images (M-RoPE's row 0); None: the index
+    images: list[str] | None = None  # its images' sources (a vision-language target's record)
 
 
 def _require(manifest: dict, key: str, kind: type | tuple, where: Path) -> Any:
@@ -35,6 +38,12 @@ def _require(manifest: dict, key: str, kind: type | tuple, where: Path) -> Any:
     if not isinstance(value, kind) or isinstance(value, bool):
         raise FlashdraftError(f"{where}: field '{key}' is {value!r}; expected {getattr(kind, '__name__', kind)}")
     return value
+
+
+def _served_positions(entry: dict, length: int, where) -> torch.Tensor | None:
+    """A record's drafter positions as served beside its images (its `position_runs`, checked); None: the index."""
+    runs = check_runs(entry.get("position_runs"), f"{where}: record {entry.get('id')!r}")
+    return positions_from_runs(runs, length) if runs else None
 
 
 class HiddenStateCache:
@@ -229,6 +238,8 @@ class HiddenStateCache:
                 context_features=f.get_slice("context_features")[lo:hi],
                 prompt_length=r["prompt_length"],
                 target_topk=topk,
+                drafter_positions=_served_positions(r, hi - lo, self.directory),
+                images=r.get("images"),
             )
 
     # -- compatibility --------------------------------------------------------------------

@@ -226,6 +226,11 @@ def template_messages(messages: list[dict[str, Any]], content_format_name: str) 
         content = message.get("content")
         parts = content if isinstance(content, list) else [{"type": "text", "text": content or ""}]
         if content_format_name == "string" or message["role"] == "tool":
+            if any(part.get("type") == "image" for part in parts):
+                raise FlashdraftError(
+                    f"a {message['role']} message has image parts, but the chat template reads its content as a "
+                    f"string (no loop over content parts); expected a vision-language template that places images"
+                )
             content = "\n".join(part["text"] for part in parts)
         else:
             content = [dict(part) for part in parts]

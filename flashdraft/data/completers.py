@@ -17,6 +17,7 @@ from flashdraft.data.chat_mode import (
     template_sha256,
 )
 from flashdraft.data.completions import CompletionRecord, GenerationSettings, record_seed, request_meta
+from flashdraft.data.images import message_images
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.data.prompts import (
     Prompt,
@@ -27,8 +28,11 @@ from flashdraft.data.prompts import (
 )
 from flashdraft.data.reasoning import reasoning_end, reasoning_markers, tool_call_markers, tool_call_spans
 from flashdraft.decoding.batched import generate_batch
+from flashdraft.decoding.generate import autoregressive_generate
 from flashdraft.errors import FlashdraftError
+from flashdraft.target.image_files import ENGINE_WITHOUT_IMAGES, check_target_reads_images, open_image
 from flashdraft.target.model import TargetModel
+from flashdraft.target.vision import position_runs
 
 
 def answer_turns(
@@ -55,6 +59,7 @@ def answer_turns(
     dropped: set[str] = set()
     short: set[str] = set()  # record ids under settings.min_prompt_tokens: answered for context, not kept
     truncated_from: dict[str, int] = {}
+    images_of: dict[str, dict] = {}  # record id -> its images and served positions (a vision-language target's)
     for turn in range(max(len(p.turns) for p in batch)):
         active, texts, prompt_ids = [], [], []
         for p in batch:
@@ -62,12 +67,9 @@ def answer_turns(
                 continue
             kwargs = merged(settings.chat_template_kwargs, p.chat_template_kwargs) if use_template else None
             where = f"prompt {p.record_id(turn)!r}"
-            text = render_conversation(tok, p.conversation(answers[p.id]), use_template, kwargs, p.tools, where)
-            ids = encode_text(tok, text, use_template)
-            if not ids:
-                raise FlashdraftError(
-                    f"prompt {p.record_id(turn)!r}: encodes to no tokens; expected a non-empty prompt"
-                )
+            conversation = p.conversation(answers[p.id])
+            text = render_conversation(tok, conversation, use_template, kwargs, p.tools, where)
+            ids = _turn_ids(target, text, conversation, use_template, p.record_id(turn), complete, images_of)
             if len(ids) < settings.min_prompt_tokens:
                 short.add(p.record_id(turn))
                 if turn == len(p.turns) - 1:  # no later turn reads its answer: not answered at all
@@ -77,6 +79,7 @@ def answer_turns(
             if fitted is None:
                 dropped.add(p.id)
                 continue
+            _refuse_cut_images(len(fitted) < len(ids) and p.record_id(turn) in images_of, where, len(ids), limit)
             if len(fitted) < len(ids):  # the record's text is what the target saw: the kept tokens
                 text = tok.decode(fitted)
                 truncated_from[p.record_id(turn)] = len(ids)
@@ -104,6 +107,7 @@ def answer_turns(
                 }
             )
             mode["meta"] = request_meta(p.meta, p.id, turn)  # a benchmark row's labels: figures by category
+            mode |= images_of.get(rid, {})  # its images and the drafter's served positions
             records[p.id].append(
                 CompletionRecord(rid, text, ids, out, completion, reason, source, truncated_from.get(rid), **mode)
             )
@@ -112,16 +116,69 @@ def answer_turns(
     return [r for p in batch for r in records[p.id] if r.id not in short]
 
 
-def local_completer(target: TargetModel, settings: GenerationSettings):
-    def complete(items: list[tuple[str, list[int]]]) -> list[tuple[list[int], str, str]]:
-        generators = None
-        if settings.temperature > 0:
-            generators = [
-                torch.Generator(device=target.device).manual_seed(record_seed(settings.seed, rid)) for rid, _ in items
-            ]
-        outs = generate_batch(target, [ids for _, ids in items], settings.max_new_tokens, settings.sampling, generators)
-        return [(ids, reason, "target") for ids, reason in outs]
+def _turn_ids(
+    target: TargetModel, text: str, conversation: list, use_template: bool, rid: str, complete, images_of: dict
+) -> list[int]:
+    """A rendered turn's token ids: with its images' placeholders as the target's processor expands them (their
+    record fields into `images_of[rid]`), else the text's; a turn of no tokens refused."""
+    sources = message_images(conversation)
+    if not sources:
+        ids = encode_text(target.tokenizer, text, use_template)
+    else:
+        ids, images_of[rid] = _encode_with_images(target, text, sources, f"prompt {rid!r}", complete)
+    if not ids:
+        raise FlashdraftError(f"prompt {rid!r}: encodes to no tokens; expected a non-empty prompt")
+    return ids
 
+
+def _refuse_cut_images(cut: bool, where: str, length: int, limit: int | None) -> None:
+    if cut:
+        raise FlashdraftError(
+            f"{where}: {length} tokens with its images, over the limit of {limit}; a prompt with images is not "
+            f"truncated (its placeholders would be cut), expected --long-prompts error or skip"
+        )
+
+
+def _encode_with_images(target: TargetModel, text: str, sources: list[str], where: str, complete):
+    """A rendered prompt's ids with its images' placeholders, and the record's fields for them (its images and the
+    drafter's served positions where not the index); the images' inputs go to `complete` (only a local completer
+    takes them: a server is sent token ids)."""
+    check_target_reads_images(target, True, where)
+    images_of = getattr(complete, "images_of", None)
+    if images_of is None:
+        raise FlashdraftError(f"{where}: has images; {ENGINE_WITHOUT_IMAGES}")
+    ids, inputs = target.processor.encode(text, [open_image(s, where) for s in sources], where)
+    images_of[where] = inputs
+    runs = position_runs(target.vision.prompt_positions(ids, inputs.image_grid_thw))
+    return ids, {"images": sources, "position_runs": runs if runs != [[0, 0, 1]] else None}
+
+
+def local_completer(target: TargetModel, settings: GenerationSettings):
+    """Text prompts decoded in batches; a prompt with images (its inputs in `complete.images_of`, by `where`) alone,
+    with its images bound (greedy output equal to the batch's, `flashdraft.decoding.batched`)."""
+
+    def generator(rid: str) -> torch.Generator:
+        return torch.Generator(device=target.device).manual_seed(record_seed(settings.seed, rid))
+
+    def complete(items: list[tuple[str, list[int]]]) -> list[tuple[list[int], str, str]]:
+        results: dict[int, tuple[list[int], str, str]] = {}
+        for k, (rid, ids) in enumerate(items):
+            inputs = complete.images_of.pop(f"prompt {rid!r}", None)
+            if inputs is not None:
+                with target.images(ids, inputs, f"prompt {rid!r}"):
+                    g = generator(rid) if settings.temperature > 0 else None
+                    out = autoregressive_generate(target, ids, settings.max_new_tokens, settings.sampling, g)
+                results[k] = (out.output_ids, out.stop_reason, "target")
+        text = [k for k in range(len(items)) if k not in results]
+        if text:
+            generators = [generator(items[k][0]) for k in text] if settings.temperature > 0 else None
+            outs = generate_batch(
+                target, [items[k][1] for k in text], settings.max_new_tokens, settings.sampling, generators
+            )
+            results |= {k: (ids, reason, "target") for k, (ids, reason) in zip(text, outs, strict=True)}
+        return [results[k] for k in range(len(items))]
+
+    complete.images_of = {}
     return complete
 
 

@@ -21,7 +21,9 @@ from flashdraft.data.chat_mode import (
 from flashdraft.data.reasoning import check_tool_call_spans
 from flashdraft.decoding.serving_rules import SamplingFilters, SamplingParams
 from flashdraft.errors import FlashdraftError
+from flashdraft.target.image_files import register_record_images
 from flashdraft.target.model import TargetModel
+from flashdraft.target.vision import check_runs
 
 FORMAT = "flashdraft.completions"
 VERSION = 1
@@ -85,6 +87,11 @@ class CompletionRecord:
     # a benchmark row's labels (SPEED-Bench, `data/speed_bench.py`): its category, sub_category, split, ...,
     # `question_id` (the request) and `turn` (0: its first), so evaluations from this file report by category
     meta: dict[str, Any] | None = None
+    # a vision-language target's prompt (`flashdraft.data.images`): the images it read, in order (absolute paths or
+    # data: URLs), and the drafter's positions as served beside it (`flashdraft.target.vision.position_runs`; None:
+    # the token index)
+    images: list[str] | None = None
+    position_runs: list[list[int]] | None = None
 
 
 OPTIONAL_FIELDS = (
@@ -96,6 +103,8 @@ OPTIONAL_FIELDS = (
     "tools",
     "tool_call_spans",
     "meta",
+    "images",
+    "position_runs",
 )
 
 
@@ -178,6 +187,13 @@ def record_problem(r: Any, vocab_size: int) -> str | None:
         return f"stop_reason is {r['stop_reason']!r}; expected one of {', '.join(STOP_REASONS)}"
     if r.get("token_source", "target") not in TOKEN_SOURCES:
         return f"token_source is {r.get('token_source')!r}; expected one of {', '.join(TOKEN_SOURCES)}"
+    images = r.get("images")
+    if images is not None and (not isinstance(images, list) or not all(isinstance(i, str) and i for i in images)):
+        return f"images is {str(images)[:60]}; expected a list of image paths or data: URLs"
+    try:
+        check_runs(r.get("position_runs"), "the record")
+    except FlashdraftError as e:
+        return str(e).removeprefix("the record: ")
     if r.get("chat_template_kwargs") is not None and not isinstance(r["chat_template_kwargs"], dict):
         return f"chat_template_kwargs is {type(r['chat_template_kwargs']).__name__}; expected an object"
     if r.get("meta") is not None:
@@ -300,4 +316,6 @@ def load_completions(
             print(f"  skipped {rid}: {problem}")
     if not records:
         raise FlashdraftError(f"{path}: no valid records (of {len(raw)})")
+    if target is not None:  # a record's images go with its prompt into every forward over it
+        register_record_images(target, records)
     return Completions(path, header, records, skipped)

@@ -17,6 +17,7 @@ from pathlib import Path
 from flashdraft.data.chat_mode import check_engine_render, describe_mix, resolve_mode
 from flashdraft.data.completions import GenerationSettings
 from flashdraft.data.completions_writer import generate_completions
+from flashdraft.data.images import message_images
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.data.prompts import LONG_PROMPT_POLICIES, has_chat_template, ignored_tools_note, load_prompts
 from flashdraft.data.reasoning import unknown_reasoning_note
@@ -30,6 +31,7 @@ from flashdraft.decoding.serving_rules import (
 from flashdraft.decoding.target_samples import EngineOutput, greedy_agreement, sampling_fidelity
 from flashdraft.distributed import Dist, init_distributed, load_dtype, lock_on_main, pick_device
 from flashdraft.errors import FlashdraftError
+from flashdraft.target.image_files import ENGINE_WITHOUT_IMAGES, check_target_reads_images
 from flashdraft.target.model import TargetModel, resolve_target_path
 
 
@@ -110,6 +112,15 @@ def _check_options(
         raise FlashdraftError(f"--engine {engine} starts its own server: drop --backend openai and --base-url")
     if long_prompts not in LONG_PROMPT_POLICIES:
         raise FlashdraftError(f"--long-prompts {long_prompts}: expected one of {', '.join(LONG_PROMPT_POLICIES)}")
+
+
+def _check_image_prompts(target: TargetModel, prompts, c) -> None:
+    """Prompts with images need a target that reads them, decoded locally: refused before anything is written."""
+    with_images = [p.id for p in prompts if message_images(p.conversation([""] * (len(p.turns) - 1)))]
+    if with_images:
+        check_target_reads_images(target, True, f"--prompts {c.prompts}: prompt {with_images[0]!r}")
+    if with_images and (c.engine or c.backend == "openai"):
+        raise FlashdraftError(f"--prompts {c.prompts}: prompt {with_images[0]!r} has images; {ENGINE_WITHOUT_IMAGES}")
 
 
 def _use_chat_template(target: TargetModel, chat_template: bool | None, device, dist: Dist) -> bool:
@@ -221,6 +232,7 @@ def run_generate(config: GenerateConfig) -> Path:
         dev = pick_device(dist, "cpu" if c.backend == "openai" or c.engine else c.device)
         target = TargetModel.load(c.target_model, dev, load_dtype(dev, c.target_dtype))
         prompt_list = load_prompts(c.prompts, c.num_prompts, quiet=not dist.is_main)
+        _check_image_prompts(target, prompt_list, c)
         use_template = _use_chat_template(target, c.chat_template, dev, dist)
         say = print if dist.is_main else lambda _: None
         kwargs = resolve_mode(

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.data.chat_mode import content_format, json_object, parse_kwargs, template_messages
+from flashdraft.data.images import image_part, is_image_part, row_images, with_row_images
 from flashdraft.data.stdlib import stdlib_prompts
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import refuse_script
@@ -126,8 +127,9 @@ def load_prompts(spec: str, num_prompts: int | None = None, quiet: bool = False)
         source = str(path)
     prompts: list[Prompt] = []
     seen: dict[str, str] = {}
+    base = Path(spec).parent if not spec.startswith("builtin:") else None  # relative image paths start there
     for index, (loc, row) in enumerate(rows):
-        for prompt in _parse_row(row, loc, index, stats):
+        for prompt in _parse_row(row, loc, index, stats, base):
             if prompt.id in seen:
                 raise FlashdraftError(
                     f"{loc}: id {prompt.id!r} repeats the id of {seen[prompt.id]}; ids must be unique"
@@ -243,11 +245,14 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
-def _parse_row(row: dict[str, Any], loc: str, index: int, stats: dict[str, int]) -> list[Prompt]:
-    """The prompts of one row: one, or one per assistant step of an agent trace."""
+def _parse_row(
+    row: dict[str, Any], loc: str, index: int, stats: dict[str, int], base: Path | None = None
+) -> list[Prompt]:
+    """The prompts of one row: one, or one per assistant step of an agent trace. `base`: the folder relative image
+    paths start from."""
     kwargs = parse_kwargs(row.get("chat_template_kwargs"), f"{loc}: field 'chat_template_kwargs'")
     tools = _tools(row.get("tools"), loc)
-    prompts = _parse_turns(row, loc, index, stats)
+    prompts = _parse_turns(row, loc, index, stats, base)
     for prompt in prompts:
         prompt.chat_template_kwargs, prompt.tools = kwargs, tools
     return prompts
@@ -286,7 +291,9 @@ def _served_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
     return {"type": "function", "function": served} | ({"defer_loading": top} if top is not None else {})
 
 
-def _parse_turns(row: dict[str, Any], loc: str, index: int, stats: dict[str, int]) -> list[Prompt]:
+def _parse_turns(
+    row: dict[str, Any], loc: str, index: int, stats: dict[str, int], base: Path | None = None
+) -> list[Prompt]:
     raw_id = row.get("id", row.get("question_id"))
     pid = str(raw_id) if raw_id is not None else f"p{index:06d}"
     if row.get("prompt") is not None:
@@ -301,14 +308,17 @@ def _parse_turns(row: dict[str, Any], loc: str, index: int, stats: dict[str, int
         return [Prompt(pid, list(turns))]
     for name in ("messages", "conversations"):
         if row.get(name) is not None:
-            messages = _messages(row[name], loc, name)
+            messages = _messages(row[name], loc, name, base)
+            sources = row_images(row, base, loc)  # LLaVA's `image`, ShareGPT's `images`
+            if sources:
+                messages = with_row_images(messages, sources, loc)
             return _message_prompts(messages, pid, f"{loc}: field '{name}'", stats)
     raise FlashdraftError(
         f"{loc}: no 'prompt', 'messages', 'conversations' or 'turns' field (found {sorted(row)}); expected one of them"
     )
 
 
-def _messages(raw: Any, loc: str, name: str) -> list[dict[str, Any]]:
+def _messages(raw: Any, loc: str, name: str, base: Path | None = None) -> list[dict[str, Any]]:
     """Chat messages of a `messages` or `conversations` field: {role, content} or ShareGPT's {from, value}."""
     if isinstance(raw, str):
         try:
@@ -324,7 +334,7 @@ def _messages(raw: Any, loc: str, name: str) -> list[dict[str, Any]]:
                 key: m[key] for key in MESSAGE_FIELDS[2:] if m.get(key) is not None
             }
         if isinstance(m, dict) and isinstance(m.get("content"), list):
-            m = m | {"content": _text_parts(m["content"], f"{loc}: {name}[{k}].content")}
+            m = m | {"content": _content_parts(m["content"], f"{loc}: {name}[{k}].content", base)}
         calls = isinstance(m, dict) and m.get("role") == "assistant" and bool(m.get("tool_calls"))
         content = m.get("content") if isinstance(m, dict) else None
         content_ok = isinstance(content, str | list) or (calls and not content)
@@ -347,19 +357,24 @@ def _messages(raw: Any, loc: str, name: str) -> list[dict[str, Any]]:
     return _with_call_ids(messages)
 
 
-def _text_parts(parts: list, where: str) -> list[dict[str, Any]]:
+def _content_parts(parts: list, where: str, base: Path | None = None) -> list[dict[str, Any]]:
     """Content given as OpenAI's list of parts, kept as parts: how the template gets them (joined, or the list) is
-    the template's content format, resolved where the prompt is rendered (`chat_mode.template_messages`). Any other
-    part (an image, audio) is refused: the target reads text only."""
-    texts = []
+    the template's content format, resolved where the prompt is rendered (`chat_mode.template_messages`). Image parts
+    are read as `data.images` reads them (a vision-language target renders them; a text-only one refuses them where
+    it loads); any other part (audio, video) is refused."""
+    out = []
     for n, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if is_image_part(part):
+            out.append(image_part(part, base, f"{where}[{n}]"))
+            continue
         if kind != "text" or not isinstance(part.get("text"), str):
             raise FlashdraftError(
-                f"{where}[{n}] is a {kind!r} part; expected {{'type': 'text', 'text': a string}} (a text-only target)"
+                f"{where}[{n}] is a {kind!r} part; expected {{'type': 'text', 'text': a string}} or an image part "
+                f"({{'type': 'image_url', 'image_url': {{'url': a local path, file:// or data: URL}}}})"
             )
-        texts.append(part)
-    return texts
+        out.append(part)
+    return out
 
 
 def _with_call_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -241,7 +241,9 @@ def _speculative_steps(
         return result
     # drafter context not yet in its cache: features [1, C, n * H] at positions [1, C]
     new_context = _rounded(prefill.context_features, round_context_to)
-    new_positions = torch.arange(len(prompt_ids), device=device)[None]
+    # the drafter's positions as served: the token index, or M-RoPE's row 0 beside images (`target.vision`)
+    new_positions = target.drafter_positions(torch.arange(len(prompt_ids), device=device)[None], cache)
+    shift = target.drafter_position_shift(cache)
     anchor_pos = len(prompt_ids)
     anchor = torch.full((1,), first, dtype=torch.long, device=device)  # [1]: the last committed token, on the device
     reads_before, loop_start = TRANSFERS.reads, _clock(device)
@@ -249,7 +251,7 @@ def _speculative_steps(
     while len(result.output_ids) < max_new_tokens:
         tokens = prompt_ids + result.output_ids
         start = clock(device)
-        draft_logits = proposer.propose(tokens, anchor_pos, new_context, new_positions, block)  # [k, V]
+        draft_logits = proposer.propose(tokens, anchor_pos + shift, new_context, new_positions, block)  # [k, V]
         draft, q = draw_drafts(proposer, draft_logits, temperature, generator, rule=speculative.rule)  # [k], q
         drafted = clock(device)
         verified = target.forward(torch.cat([anchor, draft])[None], cache)  # over [anchor, d1 .. dk]
@@ -273,7 +275,7 @@ def _speculative_steps(
         target.rollback(cache, a + 1)
         new_context = verified.context_features[:, : a + 1] if verified.context_features is not None else None
         new_context = _rounded(new_context, round_context_to)
-        new_positions = anchor_pos + torch.arange(a + 1, device=device)[None]
+        new_positions = anchor_pos + shift + torch.arange(a + 1, device=device)[None]
         anchor_pos += a + 1
     result.host_transfers = TRANSFERS.reads - reads_before
     result.decode_seconds = _clock(device) - loop_start

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from flashdraft.decoding.serving_rules import SamplingFilters, target_probs
+from flashdraft.target.image_files import record_images
 from flashdraft.target.model import TargetModel
 
 Z_LIMIT = 3.0  # |z| of the log-likelihood score past which outputs are not the target's samples (p ~ 0.003)
@@ -40,7 +41,8 @@ def target_probs_along(
 ) -> Callable[[int, int], torch.Tensor]:
     """The target's filtered p along the record's completion (one forward; rows computed when a walk reads them):
     `probs_at(start, end)` gives [end - start, V], the p of completion[start + 1 .. end]."""
-    out = target.forward(torch.tensor([record.prompt_ids + record.completion_ids], device=target.device))
+    with record_images(target, record):  # its images, where it has any
+        out = target.forward(torch.tensor([record.prompt_ids + record.completion_ids], device=target.device))
     p = len(record.prompt_ids)
 
     def probs_at(start: int, end: int) -> torch.Tensor:
@@ -59,7 +61,8 @@ def greedy_agreement(target: TargetModel, outputs: Sequence[TokenRecord]) -> dic
         if not r.completion_ids:
             greedy += 1
             continue
-        out = target.forward(torch.tensor([r.prompt_ids + r.completion_ids], device=target.device))
+        with record_images(target, r):  # its images, where it has any
+            out = target.forward(torch.tensor([r.prompt_ids + r.completion_ids], device=target.device))
         p = len(r.prompt_ids)
         logits = out.logits_at(p - 1, p + len(r.completion_ids) - 1)[0].float()  # [M, V]
         tokens = torch.tensor(r.completion_ids, device=logits.device)

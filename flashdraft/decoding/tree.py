@@ -456,11 +456,13 @@ def _tree_steps(
         result.stop_reason = "eos"
         return result
     new_context = _rounded(prefill.context_features, speculative.round_context_to)
-    new_positions = torch.arange(len(prompt_ids), device=device)[None]
+    # the drafter's positions as served: the token index, or M-RoPE's row 0 beside images (`target.vision`)
+    new_positions = target.drafter_positions(torch.arange(len(prompt_ids), device=device)[None], cache)
+    shift = target.drafter_position_shift(cache)
     anchor_pos, reads_before = len(prompt_ids), TRANSFERS.reads
     while len(result.output_ids) < max_new_tokens:
         tokens = prompt_ids + result.output_ids
-        rows = proposer.propose(tokens, anchor_pos, new_context, new_positions, block)  # [k, V]
+        rows = proposer.propose(tokens, anchor_pos + shift, new_context, new_positions, block)  # [k, V]
         tree = build_tree(rule, proposer, rows, 0, tokens[-1])
         nodes = tree_on_device(tree, tokens[-1:] + tree.tokens, device)  # [4, N + 1]: the step's one copy
         verified = tree_forward(target, cache, nodes, tree, anchor_pos)
@@ -481,7 +483,7 @@ def _tree_steps(
         keep_path(target, cache, kept, tree.size + 1)
         features = verified.context_features
         new_context = _rounded(features[:, kept] if features is not None else None, speculative.round_context_to)
-        new_positions = anchor_pos + torch.arange(len(path), device=device)[None]
+        new_positions = anchor_pos + shift + torch.arange(len(path), device=device)[None]
         anchor_pos += len(path)
     result.host_transfers = TRANSFERS.reads - reads_before
     return result

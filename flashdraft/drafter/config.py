@@ -22,6 +22,7 @@ from flashdraft.drafter.families import DEFAULT_BLOCK_SIZE, FAMILIES, family
 from flashdraft.drafter.rope import DEFAULT_MAX_POSITIONS, DRAFTER_THETA, as_scaling, check_scaling, rope_fields
 from flashdraft.drafter.server_fields import SGLANG, VLLM
 from flashdraft.errors import FlashdraftError
+from flashdraft.target.vision import POSITION_SCHEMES
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -118,6 +119,10 @@ class DrafterConfig:
     # the longest context (tokens before the anchor + the block) flashdraft trained this drafter at, over every
     # stage; a field of flashdraft's own (servers ignore it); None: not recorded (trained elsewhere or before)
     trained_context_length: int | None = None
+    # the positions the drafter was trained at beside its target (`flashdraft.target.vision`): "token-index", or
+    # "mrope-row-0" as vLLM's DFlash proposer serves an M-RoPE (vision-language) target; flashdraft's own field,
+    # servers ignore it; None: not recorded
+    trained_positions: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -303,6 +308,8 @@ class DrafterConfig:
         reach = self.trained_context_length
         if reach is not None and (not isinstance(reach, int) or isinstance(reach, bool) or reach < 1):
             raise bad("trained_context_length", reach, "a positive integer or absent (not recorded)")
+        if self.trained_positions is not None and self.trained_positions not in POSITION_SCHEMES:
+            raise bad("trained_positions", self.trained_positions, f"one of {', '.join(POSITION_SCHEMES)} or absent")
         factor = self.partial_rotary_factor
         if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
             raise bad("partial_rotary_factor", factor, "a number in (0, 1]")
@@ -450,7 +457,7 @@ class DrafterConfig:
             )
             if self.draft_top_k is not None:
                 own["dspark_draft_topk"] = self.draft_top_k
-        for name in ("is_causal", "draft_vocab_size", "trained_context_length"):
+        for name in ("is_causal", "draft_vocab_size", "trained_context_length", "trained_positions"):
             if own[name] is None:  # absent, not null: servers read a present null differently
                 del own[name]
         # both schemas, saying the same: a reader of either keeps the scaling

@@ -76,6 +76,7 @@ _OWN = {
     "projector_type",
     "dspark_config",
     "trained_context_length",
+    "trained_positions",
 }
 # dflash_config fields resolved on load into the fields above (and not written back)
 _RESOLVED_DFLASH = (
@@ -145,6 +146,7 @@ def config_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
         **dspark,
         partial_rotary_factor=rope.partial_rotary_factor,
         trained_context_length=d.get("trained_context_length"),
+        trained_positions=d.get("trained_positions"),
         gemma_norm=gemma_norm,
         rope_neox_style=neox_style,
         extra=_extra(d, dflash, source),

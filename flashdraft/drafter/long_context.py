@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashdraft.drafter.config import DrafterConfig
+from flashdraft.drafter.positions import position_lines
 from flashdraft.drafter.rope import describe_scaling, scaling_key, target_rope
 
 RECIPE = (
@@ -162,4 +163,4 @@ def eval_guards(drafters: list[tuple[str, Any]], target: Any, records: list, max
         if isinstance(cfg, DrafterConfig):  # a hybrid's DFlash drafter included
             what = "the longest record evaluated (prompt + completion)"
             lines += [f"{label}: {g.text()}" for g in context_guards(cfg, length, what, target.config)]
-    return lines
+    return lines + position_lines(drafters, target, records)  # trained at other positions than served

@@ -135,6 +135,7 @@ def offline_acceptance_lengths(
     device: torch.device | str = "cpu",
     anchors_per_call: int | None = None,
     sampling: OfflineSampling | None = None,
+    positions: torch.Tensor | None = None,
 ) -> list[int]:
     """Walk one completion as the target's own output (module docstring), at most `max_blocks`
     steps. features: [P + M, n * H] context features of prompt + completion for the
@@ -160,7 +161,15 @@ def offline_acceptance_lengths(
             k = per_call if max_blocks is None else min(per_call, max_blocks - len(lengths))
             anchors = list(range(i, min(i + k, m - 1)))  # completion indices
             logits, fed = draft_anchors(
-                proposer, anchors, tokens, p=p, features=features, fed=fed, block=block_size, device=device
+                proposer,
+                anchors,
+                tokens,
+                p=p,
+                features=features,
+                fed=fed,
+                block=block_size,
+                device=device,
+                positions=positions,
             )
             drafts = {a: (j, x) for j, (a, x) in enumerate(zip(anchors, logits, strict=True))}
         j, rows = drafts[i]
@@ -182,6 +191,7 @@ def draft_anchors(
     fed: int,
     block: int,
     device: torch.device | str,
+    positions: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], int]:
     """The proposals [k, V] at the completion indices `anchors` of prompt + completion `tokens` (prompt length p), in
     one call (a proposer that is not a `BatchProposer` drafts one anchor per call), given the context features
@@ -189,13 +199,17 @@ def draft_anchors(
     them and the new `fed`."""
     end = p + anchors[-1]  # context strictly before the last anchor
     new_context = features[None, fed:end] if features is not None else None
-    positions = torch.arange(fed, end, device=device)[None]
+    # the drafter's positions of token indices as served (`positions` [P + M]: M-RoPE's row 0 beside images)
+    served = (lambda i: i) if positions is None else (lambda i: int(positions[i]))
+    context_positions = torch.arange(fed, end, device=device)[None]
+    if positions is not None:
+        context_positions = positions[fed:end].to(device)[None]
     if isinstance(proposer, BatchProposer):
         logits = proposer.propose_anchors(
-            [tokens[p + a] for a in anchors], [p + a for a in anchors], new_context, positions, block
+            [tokens[p + a] for a in anchors], [served(p + a) for a in anchors], new_context, context_positions, block
         )
     else:
-        logits = [proposer.propose(tokens[: end + 1], end, new_context, positions, block)]
+        logits = [proposer.propose(tokens[: end + 1], served(end), new_context, context_positions, block)]
     return logits, end
 
 
@@ -312,6 +326,7 @@ def walk_record(
         max_blocks=walk.max_blocks,
         device=target.device,
         sampling=sampling,
+        positions=record.drafter_positions(),
     )
     return lengths, sampling
 

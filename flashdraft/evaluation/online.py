@@ -20,6 +20,7 @@ from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.evaluation.offline import DEFAULT_WALK, WalkConfig, drafter_shape, record_generator
 from flashdraft.evaluation.records import EvalRecord
 from flashdraft.evaluation.results import EvalResult, PromptResult, first_difference, speedup_bound
+from flashdraft.target.image_files import record_images
 from flashdraft.target.model import TargetModel
 
 
@@ -47,19 +48,21 @@ def greedy_baseline(
 ) -> list[GreedyRun]:
     """Plain decoding of every record's prompt (sampled at temperature > 0), timed after a warm-up."""
     warm_up = record_generator(sampling.seed, -1, target)
-    autoregressive_generate(target, records[0].prompt_ids, min(8, max_new_tokens), sampling, warm_up)
+    with record_images(target, records[0]):
+        autoregressive_generate(target, records[0].prompt_ids, min(8, max_new_tokens), sampling, warm_up)
     runs = []
     for index, record in enumerate(records):
-        _sync(target)
-        start = time.perf_counter()
-        out = autoregressive_generate(
-            target,
-            record.prompt_ids,
-            max_new_tokens_of(record, max_new_tokens),
-            sampling,
-            record_generator(sampling.seed, index, target),
-        )
-        _sync(target)
+        with record_images(target, record):  # a record's images bound before its clock starts
+            _sync(target)
+            start = time.perf_counter()
+            out = autoregressive_generate(
+                target,
+                record.prompt_ids,
+                max_new_tokens_of(record, max_new_tokens),
+                sampling,
+                record_generator(sampling.seed, index, target),
+            )
+            _sync(target)
         runs.append(GreedyRun(out.output_ids, time.perf_counter() - start, out.step_seconds))
     return runs
 
@@ -107,30 +110,32 @@ def evaluate_online(
     sampling = walk.sampling
     warm_up = replace(walk.speculative, round_context_to=None)
     first = records[0].prompt_ids
-    speculative_generate(
-        target,
-        drafter,
-        first,
-        max_new_tokens=min(8, max_new_tokens),
-        sampling=sampling,
-        speculative=warm_up,
-        generator=record_generator(sampling.seed, -1, target),
-    )
+    with record_images(target, records[0]):
+        speculative_generate(
+            target,
+            drafter,
+            first,
+            max_new_tokens=min(8, max_new_tokens),
+            sampling=sampling,
+            speculative=warm_up,
+            generator=record_generator(sampling.seed, -1, target),
+        )
     per_prompt, all_lengths = [], []
     seconds = draft_s = verify_s = 0.0
     for index, (record, plain) in enumerate(zip(records, baseline, strict=True)):
-        _sync(target)
-        start = time.perf_counter()
-        out = speculative_generate(
-            target,
-            drafter,
-            record.prompt_ids,
-            max_new_tokens=max_new_tokens_of(record, max_new_tokens),
-            sampling=sampling,
-            speculative=walk.speculative,
-            generator=record_generator(sampling.seed, index, target),
-        )
-        _sync(target)
+        with record_images(target, record):  # a record's images bound before its clock starts
+            _sync(target)
+            start = time.perf_counter()
+            out = speculative_generate(
+                target,
+                drafter,
+                record.prompt_ids,
+                max_new_tokens=max_new_tokens_of(record, max_new_tokens),
+                sampling=sampling,
+                speculative=walk.speculative,
+                generator=record_generator(sampling.seed, index, target),
+            )
+            _sync(target)
         seconds += time.perf_counter() - start
         draft_s, verify_s = draft_s + out.draft_seconds, verify_s + out.verify_seconds
         all_lengths += out.acceptance_lengths  # every step: the bound is of what was timed

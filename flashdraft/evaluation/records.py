@@ -11,8 +11,11 @@ from typing import Any
 
 import torch
 
+from flashdraft.data.images import message_images
 from flashdraft.errors import FlashdraftError
+from flashdraft.target.image_files import record_images
 from flashdraft.target.model import TargetModel
+from flashdraft.target.vision import positions_from_runs
 
 Log = Callable[[str], None]
 
@@ -37,6 +40,11 @@ class EvalRecord:
     chat_template_kwargs: dict | None = None
     messages: list[dict[str, str]] | None = None
     tools: list[dict] | None = None  # the tool schemas rendered with them
+    # the drafter's positions as served where not the token index (M-RoPE's row 0 beside images,
+    # `flashdraft.target.vision.position_runs`), and how many images the prompt holds
+    position_runs: list[list[int]] | None = None
+    num_images: int = 0
+    images: list[str] | None = None  # the images' sources (from a completions file; a cache keeps only the count)
     # a benchmark's request (SPEED-Bench, `data/speed_bench.py`): its labels (category, split), the row it belongs
     # to, which of its turns this is, and, while turns remain, the prompt and the target's answers so far
     meta: dict | None = None
@@ -48,6 +56,12 @@ class EvalRecord:
     @property
     def input_ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
+
+    def drafter_positions(self) -> torch.Tensor | None:
+        """[P + M] the drafter's positions of prompt + completion; None: the token index."""
+        if not self.position_runs:
+            return None
+        return positions_from_runs(self.position_runs, len(self.prompt_ids) + len(self.completion_ids))
 
     def stored_features(self) -> torch.Tensor | None:
         if self.context_features is not None:
@@ -99,7 +113,8 @@ class FeatureSource:
         else:
             self.target.set_context_layers(layer_ids)
             ids = torch.tensor([record.input_ids], device=self.target.device)
-            features, origin = self.target.forward(ids).context_features[0], "target forward"
+            with record_images(self.target, record):  # its images, where it has any
+                features, origin = self.target.forward(ids).context_features[0], "target forward"
             self.target_forwards += 1
         key = (record.id, tuple(layer_ids))
         if key not in self._logged:
@@ -134,6 +149,9 @@ def records_from_cache(cache, num_records: int | None = None) -> list[EvalRecord
                 feature_dtype=cache.dtype,
                 chat_template_kwargs=row.get("chat_template_kwargs"),
                 **request_fields(metas[index]),
+                position_runs=row.get("position_runs"),
+                num_images=len(row.get("images") or []),
+                images=row.get("images"),
             )
         )
     return records
@@ -146,6 +164,21 @@ def request_fields(meta: dict | None) -> dict:
         return {}
     labels = {k: v for k, v in meta.items() if k not in ("question_id", "turn")}
     return {"meta": labels, "request_id": meta.get("question_id"), "turn": meta.get("turn", 0)}
+
+
+def image_fields(record) -> dict:
+    """An `EvalRecord`'s fields for a completion record's images: how many, and the drafter's served positions."""
+    return {"position_runs": record.position_runs, "num_images": len(record.images or []), "images": record.images}
+
+
+def _refuse_image_prompts(spec: str, loaded: list) -> None:
+    """Prompts with images are evaluated from their completions (generated with the images bound)."""
+    for prompt in loaded:
+        if message_images(prompt.conversation([])):
+            raise FlashdraftError(
+                f"--prompts {spec}: prompt {prompt.id!r} has images; evaluate images from completions "
+                f"(flashdraft generate, then eval --completions)"
+            )
 
 
 def load_eval_records(
@@ -200,6 +233,7 @@ def load_eval_records(
                 messages=r.messages if r.prompt_truncated_from is None else None,
                 tools=r.tools,
                 **request_fields(r.meta),
+                **image_fields(r),
             )
             for r in loaded
         ]
@@ -224,6 +258,7 @@ def _records_of_prompts(
     records = []
     loaded = load_prompts(prompts, num_prompts, quiet=True)
     kwargs = resolve_mode(tok, chat, chat_template_kwargs, enable_thinking, loaded, log)
+    _refuse_image_prompts(prompts, loaded)
     for prompt in loaded:
         # the first user turn: later turns need the target's earlier answers in the prompt; a benchmark's request
         # (SPEED-Bench) keeps its prompt so they follow (`later_turn`), as the peers ask them

@@ -225,6 +225,7 @@ def confidence_lines(s: dict[str, Any]) -> list[str]:
 def mode_lines(summary: dict[str, Any]) -> list[str]:
     """The chat mode evaluated, the one trained (where they differ) and τ by segment, where the summary has them."""
     from flashdraft.data.chat_mode import describe_mix
+    from flashdraft.evaluation.modality import modality_line
     from flashdraft.evaluation.modes import segment_line
 
     lines = [f"chat mode: {describe_mix(summary['chat_mode'])}"] if summary.get("chat_mode") else []
@@ -236,6 +237,8 @@ def mode_lines(summary: dict[str, Any]) -> list[str]:
     served = segment_line((summary.get("served") or {}).get("by_segment"))
     if served:
         lines.append(f"served outputs {served}")
+    modality = modality_line(summary.get("by_modality"))
+    lines += [modality] if modality else []
     return lines
 
 

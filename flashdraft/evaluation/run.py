@@ -37,6 +37,7 @@ from flashdraft.drafter.run_dir import LoadedDrafter, load_any_drafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.evaluation.categories import result_by_category
 from flashdraft.evaluation.config import NGRAM, Candidate, EvalConfig
+from flashdraft.evaluation.modality import by_modality
 from flashdraft.evaluation.modes import by_segment, mode_figures
 from flashdraft.evaluation.offline import (
     WalkConfig,
@@ -75,6 +76,7 @@ from flashdraft.evaluation.sampling import (
 )
 from flashdraft.evaluation.served import run_served
 from flashdraft.evaluation.trees import evaluate_trees, require_tree_consistent
+from flashdraft.target.image_files import refuse_engine_images
 from flashdraft.target.model import TargetModel
 
 
@@ -202,6 +204,8 @@ def _prepare_records(
     )
     if not records:
         raise FlashdraftError(f"{source}: no records")
+    if cfg.served:  # before anything runs: the engine is sent token ids only
+        refuse_engine_images(records, f"eval --served {cfg.served}")
     records = fit_prompts(records, target, max_new_tokens, cfg.long_prompts, str(cfg.prompts), log)
     baseline = None
     if cfg.online or cfg.check_consistency or not records[0].completion_ids:
@@ -374,6 +378,7 @@ def _evaluate_candidate(
     summary = evaluated.to_json()
     summary |= sampling_figures(cfg, rule, filters, evaluated)
     summary["by_segment"] = by_segment(evaluated, records, target.tokenizer)
+    summary["by_modality"] = by_modality(evaluated, records)  # with images beside text-only
     summary["by_category"] = result_by_category(evaluated, records, cfg)
     if isinstance(c.drafter, DFlashDrafter) and c.drafter.candidate_selector is not None and cfg.temperature <= 0:
         summary["selector"] = selector_figures(c.drafter, target, records, evaluated, features, cfg.max_blocks)
@@ -516,7 +521,7 @@ def run_eval(
         max_new_tokens = cfg.max_blocks * max(c.block_size for c in candidates) + 1 if cfg.max_blocks else 256
     records, baseline, source = _prepare_records(cfg, target, max_new_tokens, log, filters)
     for line in eval_guards([(c.label, c.drafter) for c in candidates], target, records, max_new_tokens):
-        log(line)  # evaluated past the trained context, RoPE unlike the target's, context read per step
+        log(line)  # evaluated past the trained context, RoPE unlike the target's, context read per step, positions
     note = _cache_precision_note(cfg, records)
     if note:
         log(note)

@@ -32,6 +32,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.evaluation.categories import TurnCounts, by_category
 from flashdraft.evaluation.category_report import category_text
 from flashdraft.evaluation.config import Candidate
+from flashdraft.evaluation.modality import by_modality
 from flashdraft.evaluation.modes import by_segment
 from flashdraft.evaluation.offline import WalkConfig, evaluate_offline
 from flashdraft.evaluation.records import EvalRecord, FeatureSource
@@ -46,6 +47,7 @@ from flashdraft.serving.engine import (
     server_version,
 )
 from flashdraft.serving.family_rules import needs_v2_runner
+from flashdraft.target.image_files import refuse_engine_images
 from flashdraft.target.mamba import is_mamba
 from flashdraft.target.mla import is_mla
 from flashdraft.target.model import TargetModel, resolve_target_path
@@ -94,6 +96,7 @@ def send_requests(
     requests and, when the engine failed a request (it answered an error or died), that failure: the requests
     before it stand. First, with `tokenizer`, every record rendered from chat messages is rendered by the engine
     too, as its chat clients' requests are, and refused where that differs (`chat_mode.check_engine_render`)."""
+    refuse_engine_images(records, "eval --served vllm")  # the engine is sent token ids only
     client = OpenAIClient(engine.base_url)
     for record in records if tokenizer is not None else []:
         if record.messages is not None and record.chat_template_kwargs is not None:
@@ -358,6 +361,7 @@ def run_served(
             "steps_per_request": [len(p.acceptance_lengths) for p in own.per_prompt],
         }
         served["by_segment"] = by_segment(own, outputs, target.tokenizer)  # flashdraft's walk of the served outputs
+        served["by_modality"] = by_modality(own, records)
         if temperature <= 0:
             problems += _greedy_figures(served, requests, records, max_tokens, own, candidate, target)
         else:

@@ -45,6 +45,7 @@ from flashdraft.evaluation.offline import draft_anchors, drafter_shape
 from flashdraft.evaluation.online import GreedyRun
 from flashdraft.evaluation.records import EvalRecord, FeatureSource
 from flashdraft.evaluation.results import EvalResult, PromptResult, speedup_bound
+from flashdraft.target.image_files import record_images
 from flashdraft.target.model import TargetModel
 
 COST_REPEATS = 7  # timed rounds per cost; the median is used
@@ -93,7 +94,15 @@ def tree_walk(
         if i not in drafts:
             anchors = list(range(i, min(i + per_call, m - 1)))
             logits, fed = draft_anchors(
-                proposer, anchors, tokens, p=p, features=features, fed=fed, block=block, device=device
+                proposer,
+                anchors,
+                tokens,
+                p=p,
+                features=features,
+                fed=fed,
+                block=block,
+                device=device,
+                positions=record.drafter_positions(),  # as served: M-RoPE's row 0 beside images
             )
             drafts = {a: (j, x) for j, (a, x) in enumerate(zip(anchors, logits, strict=True))}
         j, rows = drafts[i]
@@ -219,7 +228,8 @@ def evaluate_trees(
     if isinstance(target, TargetModel):  # a target head alone (offline from a cache) has no forward to time
         if cfg.online or cfg.check_consistency:
             check_tree_target(target)  # the tree loop refuses what it cannot verify; the offline walk is exact
-        costs = step_costs(c, target, records[0], rules)
+        with record_images(target, records[0]):  # timed at its context, its images bound
+            costs = step_costs(c, target, records[0], rules)
         if not tree_verifiable(target):
             costs["note"] = "no tree forward on this target's recurrent layers: verify timed causal, N + 1 tokens"
     plain = costs["plain_step_s"] if costs else None
@@ -289,14 +299,15 @@ def _online(
     """The tree loop on every record (as many tokens as its completion), against the offline walk."""
     lengths, mismatches, lossless = [], [], True
     for record, walk, plain in zip(records, walks, greedy, strict=True):
-        out = tree_generate(
-            target,
-            c.drafter,
-            record.prompt_ids,
-            len(record.completion_ids),
-            rule,
-            SpeculativeConfig(block_size=c.block_size),
-        )
+        with record_images(target, record):  # its images, where it has any
+            out = tree_generate(
+                target,
+                c.drafter,
+                record.prompt_ids,
+                len(record.completion_ids),
+                rule,
+                SpeculativeConfig(block_size=c.block_size),
+            )
         lossless &= out.output_ids == plain
         lengths += out.acceptance_lengths
         if out.acceptance_lengths[: len(walk.lengths)] != walk.lengths:

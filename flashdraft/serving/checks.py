@@ -36,6 +36,7 @@ from flashdraft.serving.family_rules import (
     needs_v2_runner,
     serving_of,
 )
+from flashdraft.serving.positions import position_checks
 from flashdraft.target.families import family_notes
 from flashdraft.target.layer_kinds import read_support
 
@@ -174,6 +175,7 @@ def check_serving(
         f"v1/worker/gpu/spec_decode/dflash2/, ...) and {SGLANG} (sglang/srt/models/dflash.py, "
         f"speculative/dflash_utils.py, dflash_worker_v2.py)"
     )
+    position_checks(path, target, checks)  # M-RoPE fields refused; trained positions against the served ones
     read = _read_config(path, checks)
     if read is None:
         return

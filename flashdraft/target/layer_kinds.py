@@ -158,13 +158,14 @@ def support_of_model(model: nn.Module, where: str = "the target") -> TargetSuppo
 
 
 def read_support(config, where: str = "the target") -> TargetSupport:
-    """The support decision before any weight loads: the model built from its config on the meta device."""
-    from transformers import AutoModelForCausalLM
+    """The support decision before any weight loads: the model built from its config on the meta device (a
+    vision-language one whole, `flashdraft.target.vision`)."""
+    from flashdraft.target.vision import model_class_for
 
     model_type = getattr(config.get_text_config(decoder=True), "model_type", None) or config.model_type
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = model_class_for(config).from_config(config)
     except Exception as e:  # noqa: BLE001 - whatever transformers raises building it, said in one line
         raise refuse(
             where,

@@ -55,6 +55,16 @@ from flashdraft.target.quantisation import (
 from flashdraft.target.quantisation import (
     load_error as quantised_load_error,
 )
+from flashdraft.target.vision import (
+    ImageInputs,
+    ImageProcessor,
+    VisionBinding,
+    VisionPrompt,
+    VisionTower,
+    loads_as_vision_language,
+    model_class_for,
+    text_state_name,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub: targets are local directories
 # transformers warns on every process that fla is absent; flashdraft reports the backend itself
@@ -140,7 +150,10 @@ def fingerprint_of(config, tokenizer, samples, quantised: str = "") -> str:
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
     h.update(quantised.encode())
     h.update(str(sorted(tokenizer.get_vocab().items())).encode())
-    for name, sample in samples:
+    for stored_name, sample in samples:
+        name = text_state_name(stored_name)  # a vision-language model is the same target as its language model
+        if name is None:
+            continue
         if ".experts." in name:
             # routed experts: transformers 5 fuses them on load (experts.gate_up_proj) while checkpoints store
             # them per expert, so neither side can name them as the other does; the router and the rest identify
@@ -211,6 +224,7 @@ class TargetCache:
     linear_snapshot: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     linear_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     linear_blocks: dict[int, BlockRecord] = field(default_factory=dict)  # short-block forwards' records
+    vision: VisionPrompt | None = None  # the images of the sequence in the cache (a vision-language target)
 
 
 @dataclass
@@ -245,7 +259,7 @@ def _crop(layer, drop: int) -> None:
         layer.crop(-drop)
 
 
-class TargetModel:
+class TargetModel(VisionBinding):
     """A frozen causal LM seen through what DFlash needs of it."""
 
     def __init__(self, model: nn.Module, tokenizer, path: Path) -> None:
@@ -270,6 +284,16 @@ class TargetModel:
         # "recompute" takes short blocks' linear states from their records (no re-run): on CPU it beat
         # "deferred" (re-feeding the accepted tokens) from 2 accepted tokens on (benchmarks/rollback.py)
         self.rollback_mode = "recompute"
+        # a vision-language target loaded whole (`flashdraft.target.vision`): its tower, and the prompt whose
+        # images the forwards take while bound (`images`)
+        self.vision = VisionTower(model) if getattr(getattr(model, "model", None), "visual", None) is not None else None
+        self.processor: ImageProcessor | None = None
+        self._vision_prompt: VisionPrompt | None = None
+        # prompts (token ids) whose images a forward from the sequence start binds by itself: -> their inputs' loader
+        self._registered_images: dict[tuple[int, ...], tuple[Callable[[], ImageInputs] | None, str, tuple]] = {}
+        self._last_layer_run = -1
+        if self.vision is not None and self.vision.deepstack_layers:
+            self._capture_after_deepstack()
         self._captured: dict[int, torch.Tensor] = {}
         self._capture_cache: TargetCache | None = None
         for i, layer in enumerate(self.layers):
@@ -302,7 +326,9 @@ class TargetModel:
             read_support(config, str(path))  # before the weights load
             quantisation = quantisation_config_of(config)
             tokenizer = AutoTokenizer.from_pretrained(path, **HF_LOCAL)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **HF_LOCAL).to(device)
+            # a vision-language checkpoint with its processor loads whole (its tower beside the language model)
+            auto = model_class_for(config) if loads_as_vision_language(path, config) else AutoModelForCausalLM
+            model = auto.from_pretrained(path, dtype=dtype, **HF_LOCAL).to(device)
         except (OSError, ValueError, KeyError) as e:
             if quantisation is not None:
                 raise quantised_load_error(path, quantisation, e) from None
@@ -313,6 +339,8 @@ class TargetModel:
             # a scheme whose package or kernels this machine lacks: one line naming it, not transformers' traceback
             raise quantised_load_error(path, quantisation, e) from None
         target = cls(model, tokenizer, path)
+        if target.vision is not None and (path / "preprocessor_config.json").is_file():
+            target.processor = ImageProcessor.from_directory(path, tokenizer)
         if quantisation is not None:
             target._probe_quantised_forward(quantisation)
         return target
@@ -413,6 +441,7 @@ class TargetModel:
 
     def _layer_output_hook(self, index: int):
         def hook(module, args, output):
+            self._last_layer_run = index
             if index in self._context_layer_ids:
                 self._captured[index] = output[0] if isinstance(output, tuple) else output
 
@@ -468,10 +497,13 @@ class TargetModel:
             positions = position_ids
         self._captured = {}
         self._capture_cache = cache
+        inputs = {"input_ids": input_ids, "position_ids": positions.expand(input_ids.shape[0], -1)}
+        vision = self._vision_for(input_ids, cache) if self.vision is not None else None
+        if vision is not None:  # the images' embeddings and M-RoPE positions
+            inputs = vision.decoder_inputs(self.embed, input_ids, inputs["position_ids"])
         try:
             out = self.decoder(  # the LM head runs when logits are read (TargetOutput)
-                input_ids=input_ids,
-                position_ids=positions.expand(input_ids.shape[0], -1),
+                **inputs,
                 attention_mask=attention_mask,
                 past_key_values=cache.kv if cache is not None else None,
                 use_cache=cache is not None,

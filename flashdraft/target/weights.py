@@ -317,10 +317,10 @@ class TargetHead:
     @cached_property
     def _meta_model(self):
         """The model built on the meta device (modules without memory: only names, classes and shapes are used)."""
-        from transformers import AutoModelForCausalLM
+        from flashdraft.target.vision import model_class_for
 
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(self.full_config)
+            return model_class_for(self.full_config).from_config(self.full_config)
 
     @cached_property
     def _layout(self) -> _Layout:

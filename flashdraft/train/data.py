@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from flashdraft.drafter.model import PAD_POSITION
+from flashdraft.target.image_files import record_images
 from flashdraft.train.blocks import IGNORE, build_blocks, sample_anchors
 
 
@@ -23,6 +24,8 @@ class TrainRecord(Protocol):
     loss_mask: torch.Tensor  # [T] bool, True on completion tokens
     context_features: torch.Tensor | None  # [T, n * H]
     target_topk: tuple[torch.Tensor, torch.Tensor] | None  # ([T, k], [T, k])
+    # optional `drafter_positions` [T]: the drafter's positions as served beside images (M-RoPE's row 0); absent or
+    # None: the token index (`served_positions`)
 
 
 @dataclass
@@ -66,6 +69,13 @@ class Batch:
         trained = labels != IGNORE
         labels[trained & ~vocabulary.to(labels.device)[labels.clamp(min=0)]] = IGNORE
         return replace(self, labels=labels)
+
+
+def served_positions(record: TrainRecord, length: int) -> torch.Tensor:
+    """[length] the drafter's positions of a record's first `length` tokens: as served beside its images (a
+    vision-language target, `flashdraft.target.vision`), else the token index."""
+    positions = getattr(record, "drafter_positions", None)
+    return torch.arange(length) if positions is None else positions[:length].long()
 
 
 def record_generator(seed: int, epoch: int, index: int) -> torch.Generator:
@@ -154,8 +164,9 @@ def make_batch(records: list[TrainRecord], indices: list[int], epoch: int, batch
     for i, (feat, anc, blk, lab, tk) in enumerate(rows):
         t, q = feat.shape[0], blk.shape[0]
         features[i, :t] = feat
-        positions[i, :t] = torch.arange(t)
-        anchors[i, : len(anc)] = anc
+        served = served_positions(records[i], t)  # the token index, or M-RoPE's row 0 beside images
+        positions[i, :t] = served
+        anchors[i, : len(anc)] = served[anc]
         block_ids[i, :q], labels[i, :q] = blk, lab
         if topk is not None:
             topk[0][i, :q], topk[1][i, :q] = tk[0].float(), tk[1].long()
@@ -185,12 +196,14 @@ class OnlineRecords:
     def __getitem__(self, i: int) -> TrainRecord:
         record = self.records[i]
         self.target.set_context_layers(self.layer_ids)
-        out = self.target.forward(record.input_ids[None].to(self.target.device))
+        with record_images(self.target, record):  # its images, where it has any
+            out = self.target.forward(record.input_ids[None].to(self.target.device))
         topk = None
         if self.topk:
             values, indices = out.logits[0].float().topk(self.topk, dim=-1)  # [T, k], as the cache stores them
             topk = (values.cpu(), indices.cpu())
-        return _Online(record.input_ids, record.loss_mask, out.context_features[0].cpu(), topk)
+        positions = getattr(record, "drafter_positions", None)
+        return _Online(record.input_ids, record.loss_mask, out.context_features[0].cpu(), topk, positions)
 
 
 @dataclass
@@ -199,3 +212,4 @@ class _Online:
     loss_mask: torch.Tensor
     context_features: torch.Tensor
     target_topk: tuple | None
+    drafter_positions: torch.Tensor | None = None

@@ -23,7 +23,7 @@ import torch
 from flashdraft.drafter.model import PAD_POSITION
 from flashdraft.errors import FlashdraftError
 from flashdraft.train.blocks import IGNORE, candidate_anchors
-from flashdraft.train.data import Batch, BatchSpec, record_blocks
+from flashdraft.train.data import Batch, BatchSpec, record_blocks, served_positions
 
 BLOCK_SLACK = 1.25  # a row's block capacity over the blocks its L tokens hold on average
 
@@ -138,9 +138,10 @@ def make_packed_batch(records, rows: list[list[int]], epoch: int, batch_spec: Ba
         for d, doc in enumerate(row):
             dt, dk = doc.features.shape[0], len(doc.anchors)
             features[i, t : t + dt] = doc.features
-            positions[i, t : t + dt] = torch.arange(dt)
+            served = served_positions(records[rows[i][d]], dt)  # the token index, or M-RoPE's row 0 beside images
+            positions[i, t : t + dt] = served
             context_documents[i, t : t + dt] = d
-            anchors[i, k : k + dk], anchor_documents[i, k : k + dk] = doc.anchors, d
+            anchors[i, k : k + dk], anchor_documents[i, k : k + dk] = served[doc.anchors], d
             blocks = slice(k * block_size, (k + dk) * block_size)
             block_ids[i, blocks], labels[i, blocks] = doc.block_ids, doc.labels
             if topk is not None:

@@ -20,6 +20,7 @@ from flashdraft.drafter.rope import describe_scaling
 from flashdraft.drafter.run_dir import latest_checkpoint, load_any_drafter, verify_checkpoint
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
+from flashdraft.target.vision import placeholder_free, position_scheme_of, positions_from_runs
 from flashdraft.target.weights import TargetHead
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.data import OnlineRecords
@@ -40,6 +41,11 @@ class SequenceRecord:
     loss_mask: torch.Tensor
     chat_template_kwargs: dict | None = None  # the record's chat mode (`data/chat_mode.py`)
     reasoning_end: int | str | None = None
+    drafter_positions: torch.Tensor | None = None  # [T] as served beside images (`train.data.served_positions`)
+    # a vision-language target's record: its id, prompt and images, bound to the forward over it (`OnlineRecords`)
+    id: str = ""
+    prompt_ids: list[int] | None = None
+    images: list[str] | None = None
 
 
 def _digest(path: Path) -> str:
@@ -74,8 +80,18 @@ def load_training_records(
     sequences = []
     for r in comps.records:
         ids = torch.tensor(r.prompt_ids + r.completion_ids)
+        positions = positions_from_runs(r.position_runs, len(ids)) if r.position_runs else None
         sequences.append(
-            SequenceRecord(ids, torch.arange(len(ids)) >= len(r.prompt_ids), r.chat_template_kwargs, r.reasoning_end)
+            SequenceRecord(
+                ids,
+                (torch.arange(len(ids)) >= len(r.prompt_ids)) & placeholder_free(target, ids),  # no image placeholder
+                r.chat_template_kwargs,
+                r.reasoning_end,
+                positions,
+                r.id,
+                r.prompt_ids,
+                r.images,
+            )
         )
     return OnlineRecords(sequences, target, layer_ids, min(online_topk, target.vocab_size)), _digest(Path(completions))
 
@@ -377,6 +393,8 @@ def run_training(cfg: TrainConfig, run: TrainRun) -> Path:
         _check_fp16_range(records, target, layer_ids)
         drafter = _with_vocabulary(drafter, run.draft_vocab_size, records, target, cfg, dist)
         _record_mode(drafter, records, resumed=run.resume and latest_checkpoint(run_dir) is not None, main=dist.is_main)
+        # the positions it trains at, as vLLM serves them beside this target (`target.vision`): the checkpoint says so
+        drafter.config.trained_positions = position_scheme_of(target)
         eval_records, tau_records = _held_out_records(
             target,
             layer_ids,

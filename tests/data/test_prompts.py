@@ -302,6 +302,6 @@ def test_content_as_text_parts_reads_as_the_string_and_another_part_type_is_refu
     assert as_parts.conversation([])[-1]["content"] == parts  # kept as read: joined where a template renders them
     render = [render_conversation(tok, p.conversation([]), True, None, p.tools) for p in (as_parts, as_string)]
     assert encode_text(tok, render[0], False) == encode_text(tok, render[1], False)
-    image = [{"type": "text", "text": "t1"}, {"type": "image_url", "image_url": {"url": "x"}}]
-    with pytest.raises(FlashdraftError, match=r"i\.jsonl:1: messages\[0\]\.content\[1\] is a 'image_url' part"):
-        load_prompts(str(write_jsonl(tmp_path / "i.jsonl", [{"messages": [{"role": "user", "content": image}]}])))
+    audio = [{"type": "text", "text": "t1"}, {"type": "input_audio", "input_audio": {"data": "x"}}]
+    with pytest.raises(FlashdraftError, match=r"i\.jsonl:1: messages\[0\]\.content\[1\] is a 'input_audio' part"):
+        load_prompts(str(write_jsonl(tmp_path / "i.jsonl", [{"messages": [{"role": "user", "content": audio}]}])))
