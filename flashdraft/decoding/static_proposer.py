@@ -239,6 +239,8 @@ class StaticDFlashProposer(DFlashProposer):
         if len(anchor_tokens) != 1:
             raise FlashdraftError(f"compiled drafting drafts one anchor a call; given {len(anchor_tokens)}")
         state = self._bind(block)
+        # the last step's graph outputs are overwritten by this replay (CUDA graphs): hold none of them past it
+        self._blocks = self._last_walk = self.last_confidence = None
         if new_context is not None and new_context.shape[1] > 0:
             state.write(new_context, new_positions)
         hidden, logits, rows, confidence = state.draft(anchor_tokens[0], anchor_positions[0])

@@ -145,3 +145,10 @@ def test_a_sequence_past_the_cache_capacity_or_sharing_its_state_is_refused_in_o
         too_long = torch.zeros(1, capacity, drafter.fc.in_features)
         with pytest.raises(FlashdraftError, match=f"sized for {capacity}"):
             second.propose([1], capacity + 3, too_long, 3 + torch.arange(capacity)[None], block)
+
+
+def test_a_drafter_with_dynamic_rope_is_refused_in_one_line_naming_it(target):
+    drafter = make_drafter(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    proposer = as_proposer(drafter, target, compiled=COMPILED)
+    with pytest.raises(FlashdraftError, match="RoPE is 'dynamic'"):
+        proposer.propose([1], 3, torch.zeros(1, 3, drafter.fc.in_features), torch.arange(3)[None], 8)
