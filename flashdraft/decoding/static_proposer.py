@@ -187,6 +187,16 @@ def static_state(
     return states[-1]
 
 
+def draft_compiles(proposer) -> int | None:
+    """Graphs compiled so far for the drafting of `proposer` (a `StaticDFlashProposer`, or one wrapped by a
+    `DraftLimit` or a hybrid); None for a proposer that drafts eagerly. What a decoding loop reports: read it after
+    the warm-up and after the run, and the difference is the run's recompiles."""
+    inner = getattr(proposer, "inner", None) or getattr(proposer, "dflash", None)
+    if isinstance(proposer, StaticDFlashProposer):
+        return proposer.compiles
+    return None if inner is None else draft_compiles(inner)
+
+
 class StaticDFlashProposer(DFlashProposer):
     """`DFlashProposer` drafting through a `StaticDraftState`: the same proposals (within float tolerance: the
     attention reads a masked fixed buffer), in fixed shapes. Binds its state at the first `propose`, once the block,

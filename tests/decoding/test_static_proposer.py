@@ -6,7 +6,7 @@ from flashdraft.decoding.hybrid import HybridDrafter, HybridRule
 from flashdraft.decoding.ngram import NGramProposer
 from flashdraft.decoding.proposers import DFlashProposer, DraftLimit, as_proposer
 from flashdraft.decoding.serving_rules import SamplingParams
-from flashdraft.decoding.static_proposer import CompiledDraft, StaticDFlashProposer
+from flashdraft.decoding.static_proposer import CompiledDraft, StaticDFlashProposer, draft_compiles
 from flashdraft.errors import FlashdraftError
 from tests.conftest import make_dflash2_drafter, make_drafter, make_dspark_drafter, make_flat_target, make_target
 from tests.decoding.test_ngram import PROMPTS, greedy_records
@@ -116,6 +116,8 @@ def test_dspark_with_a_limit_and_a_confidence_cut_verifies_the_eager_drafts(draf
     static = speculative_generate(target, proposer, PROMPTS[0], 30, speculative=config)
     assert static.output_ids == eager.output_ids and static.acceptance_lengths == eager.acceptance_lengths
     assert proposer.inner.state.shape.drafts == 4
+    assert draft_compiles(proposer) == proposer.inner.compiles >= 1
+    assert draft_compiles(as_proposer(drafter, target, limit)) is None  # eager
 
 
 def test_the_ngram_proposer_is_unchanged_and_the_hybrid_drafts_as_eagerly_with_a_compiled_drafter(drafters, target):
@@ -129,7 +131,7 @@ def test_the_ngram_proposer_is_unchanged_and_the_hybrid_drafts_as_eagerly_with_a
         assert isinstance(proposer.dflash, StaticDFlashProposer)
         static = speculative_generate(target, proposer, prompt, 30, speculative=config)
         assert static.output_ids == eager.output_ids and static.acceptance_lengths == eager.acceptance_lengths
-        assert proposer.choices["dflash"] > 0
+        assert proposer.choices["dflash"] > 0 and draft_compiles(proposer) >= 1
 
 
 def test_a_sequence_past_the_cache_capacity_or_sharing_its_state_is_refused_in_one_line(drafters, target):
