@@ -74,7 +74,13 @@ def measure(target: TargetModel, family: str, args) -> dict:
                     times[name].append(elapsed)
             if i == 2:
                 warmed_compiles = static.compiles
-            largest_difference = max(largest_difference, (rows["eager"] - rows["compiled"]).abs().max().item())
+            # the drafter's logits and the rows proposed (a walk's are -inf off its candidates: compared where finite)
+            logits = [p.block_distributions(0)[1] for p in (eager, static)]
+            finite = rows["eager"].isfinite()
+            if not torch.equal(finite, rows["compiled"].isfinite()):
+                raise SystemExit(f"{family}: the compiled rows' candidates differ from eager's at step {i}")
+            differences = [(logits[0] - logits[1]).abs().max(), (rows["eager"] - rows["compiled"])[finite].abs().max()]
+            largest_difference = max(largest_difference, *(d.item() for d in differences))
     eager_ms, compiled_ms = statistics.median(times["eager"]), statistics.median(times["compiled"])
     return {
         "family": family,
