@@ -27,6 +27,7 @@ from flashdraft.decoding.proposers import (
     default_block_size,
     draw_drafts,
 )
+from flashdraft.decoding.verification import resolve_compile, verification_for
 from flashdraft.decoding.serving_rules import (
     GREEDY,
     NO_FILTERS,
@@ -63,6 +64,13 @@ class GenerationResult:
     host_transfers: int = 0
     # speculative: the steps' wall time, the prefill left out: drafting, verifying and the bookkeeping around them
     decode_seconds: float = 0.0
+    # speculative: verified on the static cache (`SpeculativeConfig.compile`), and what torch.compile did during this
+    # generation: graphs compiled (a first generation's warm-up is one), recompiles past that, graph breaks, seconds
+    static: bool = False
+    compiles: int = 0
+    recompiles: int = 0
+    graph_breaks: int = 0
+    compile_seconds: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -170,6 +178,12 @@ class SpeculativeConfig:
     # False: no device synchronisation between drafting and verifying (on CUDA the step's only wait is then its one
     # read; draft and verify seconds count the host's launch time only)
     time_phases: bool = True
+    # True: verify on the target's static cache at a fixed length, compiled once (`flashdraft.target.static_cache`);
+    # False: the eager reference path; None: where it pays (`decoding.verification.compile_by_default`)
+    compile: bool | None = None
+    # what compiles the static verify: "inductor" (on CUDA as CUDA graphs), "eager" / "aot_eager" (dynamo's tracing
+    # alone: one graph proven without inductor's cost), None: the static cache run uncompiled
+    compile_backend: str | None = "inductor"
 
 
 @torch.no_grad()
@@ -234,8 +248,18 @@ def _speculative_steps(
     clock = _clock if speculative.time_phases else lambda _: time.perf_counter()
 
     prefill = target.forward(torch.tensor([prompt_ids], device=device), cache)
+    verification = verification_for(
+        target,
+        cache,
+        proposer,
+        block,
+        len(prompt_ids) + max_new_tokens,
+        compile=resolve_compile(speculative.compile, target),
+        backend=speculative.compile_backend,
+    )
+    counts_before = replace(verification.counts)
     first = to_host(_sample(prefill.logits_at(-1, None)[0, 0], temperature, generator, filters))
-    result = GenerationResult([first])
+    result = GenerationResult([first], static=verification.static)
     if first in stop_ids:
         result.stop_reason = "eos"
         return result
@@ -252,7 +276,7 @@ def _speculative_steps(
         draft_logits = proposer.propose(tokens, anchor_pos, new_context, new_positions, block)  # [k, V]
         draft, q = draw_drafts(proposer, draft_logits, temperature, generator, rule=speculative.rule)  # [k], q
         drafted = clock(device)
-        verified = target.forward(torch.cat([anchor, draft])[None], cache)  # over [anchor, d1 .. dk]
+        verified = verification.verify(anchor, draft)  # over [anchor, d1 .. dk]
         verified_at = clock(device)
         budget = max_new_tokens - len(result.output_ids)
         accepted, anchor, moments = _accept(draft, q, verified, temperature, generator, filters, budget, stop_ids)
@@ -270,13 +294,18 @@ def _speculative_steps(
             result.stop_reason = "eos"
             break
         # the anchor and the accepted drafts stay in the target cache; the bonus is the next anchor
-        target.rollback(cache, a + 1)
+        verification.commit(a)
         new_context = verified.context_features[:, : a + 1] if verified.context_features is not None else None
         new_context = _rounded(new_context, round_context_to)
         new_positions = anchor_pos + torch.arange(a + 1, device=device)[None]
         anchor_pos += a + 1
     result.host_transfers = TRANSFERS.reads - reads_before
     result.decode_seconds = _clock(device) - loop_start
+    counts = verification.counts
+    result.compiles = counts.compiles - counts_before.compiles
+    result.recompiles = counts.recompiles - counts_before.recompiles
+    result.graph_breaks = counts.graph_breaks - counts_before.graph_breaks
+    result.compile_seconds = counts.compile_seconds - counts_before.compile_seconds
     return result
 
 

@@ -46,6 +46,9 @@ from flashdraft.target.model import TargetModel, TargetOutput
 
 STATIC_KINDS = ("attention", "sliding", "chunked", "mla", "gated_deltanet", "mamba2", "mlp")
 CAPACITY_STEP = 256  # buffers are sized in steps of this many positions, so prompts of near lengths share a graph
+# every verifier (one per target, verify length and capacity) compiles the same code (`StaticVerifier._forward`), and
+# dynamo keeps at most `recompile_limit` graphs per code object (8 by default) before running the rest uncompiled
+VERIFIERS_PER_PROCESS = 64
 
 
 def _static_address(tensor: torch.Tensor) -> torch.Tensor:
@@ -324,6 +327,7 @@ class StaticVerifier:
         self._window = getattr(self.target.config, "sliding_window", None)
         self._step = self._forward
         if self.backend is not None:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, VERIFIERS_PER_PROCESS)
             mode = "reduce-overhead" if device.type == "cuda" and self.backend == "inductor" else None
             self._step = torch.compile(self._forward, backend=self.backend, fullgraph=True, dynamic=False, mode=mode)
 
