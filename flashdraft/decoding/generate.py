@@ -27,7 +27,6 @@ from flashdraft.decoding.proposers import (
     default_block_size,
     draw_drafts,
 )
-from flashdraft.decoding.verification import resolve_compile, verification_for
 from flashdraft.decoding.serving_rules import (
     GREEDY,
     NO_FILTERS,
@@ -39,6 +38,7 @@ from flashdraft.decoding.serving_rules import (
     target_probs,
     verify,
 )
+from flashdraft.decoding.verification import resolve_compile, verification_for
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel, decoding_attention
@@ -184,6 +184,9 @@ class SpeculativeConfig:
     # what compiles the static verify: "inductor" (on CUDA as CUDA graphs), "eager" / "aot_eager" (dynamo's tracing
     # alone: one graph proven without inductor's cost), None: the static cache run uncompiled
     compile_backend: str | None = "inductor"
+    # positions the static cache holds at least (None: this generation's prompt and new tokens); an evaluation sets it
+    # to its longest record's, so the graph its warm-up compiles serves every record
+    static_positions: int | None = None
 
 
 @torch.no_grad()
@@ -253,7 +256,7 @@ def _speculative_steps(
         cache,
         proposer,
         block,
-        len(prompt_ids) + max_new_tokens,
+        max(len(prompt_ids) + max_new_tokens, speculative.static_positions or 0),
         compile=resolve_compile(speculative.compile, target),
         backend=speculative.compile_backend,
     )
@@ -324,10 +327,16 @@ class GreedyComparison:
 
     def summary(self) -> str:
         spec, plain = self.speculative, self.plain
+        compiled = ""
+        if spec.static:
+            compiled = (
+                f", compiled (static cache): {spec.compiles} compiles in {spec.compile_seconds:.1f} s before timing, "
+                f"{spec.recompiles} recompiles, {spec.graph_breaks} graph breaks"
+            )
         return (
             f"tokens {len(spec.output_ids)}, steps {len(spec.acceptance_lengths)}, tau {spec.tau:.2f}, "
             f"lossless {self.lossless}, speculative {len(spec.output_ids) / self.speculative_seconds:.1f} tok/s, "
-            f"greedy {len(plain.output_ids) / self.plain_seconds:.1f} tok/s"
+            f"greedy {len(plain.output_ids) / self.plain_seconds:.1f} tok/s{compiled}"
         )
 
     def check_lossless(self) -> None:
@@ -341,13 +350,22 @@ def compare_with_greedy(
     prompt_ids: list[int],
     max_new_tokens: int,
     block_size: int | None = None,
+    compile: bool | None = None,
 ) -> GreedyComparison:
     """Greedy speculative decoding of `prompt_ids` beside plain greedy decoding, each timed: the
-    two outputs must be the same tokens."""
+    two outputs must be the same tokens. `compile`: `SpeculativeConfig.compile` (compiled, the first generation
+    pays the compile: a warm-up generation runs first, untimed)."""
+    speculative = SpeculativeConfig(block_size=block_size, compile=compile)
+    warm_up = None
+    if resolve_compile(compile, target):
+        warm_up = speculative_generate(target, drafter, prompt_ids, max_new_tokens, speculative=speculative)
     t0 = time.perf_counter()
-    spec = speculative_generate(
-        target, drafter, prompt_ids, max_new_tokens, speculative=SpeculativeConfig(block_size=block_size)
-    )
+    spec = speculative_generate(target, drafter, prompt_ids, max_new_tokens, speculative=speculative)
+    if warm_up is not None:  # what the compile cost, reported with the timed run's own (none, after warm-up)
+        spec.compiles += warm_up.compiles
+        spec.compile_seconds += warm_up.compile_seconds
+        spec.graph_breaks += warm_up.graph_breaks
+        spec.recompiles += warm_up.recompiles
     t_spec = time.perf_counter() - t0
     t0 = time.perf_counter()
     plain = autoregressive_generate(target, prompt_ids, max_new_tokens)

@@ -285,6 +285,16 @@ class CompileCounts:
     graph_breaks: int = 0
     compile_seconds: float = 0.0
 
+    after_warm_up: int = 0  # graphs compiled by the generations `add`ed (an evaluation's records after its warm-up)
+
+    def add(self, result) -> None:
+        """Count a generation's (a `GenerationResult`) in."""
+        self.compiles += result.compiles
+        self.recompiles += result.recompiles
+        self.graph_breaks += result.graph_breaks
+        self.compile_seconds += result.compile_seconds
+        self.after_warm_up += result.compiles
+
     def as_dict(self) -> dict:
         return {
             "compiles": self.compiles,
