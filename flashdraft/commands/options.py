@@ -169,6 +169,18 @@ def device_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def compile_option(p: argparse.ArgumentParser) -> None:
+    """--compile / --no-compile: speculative decoding verifies on the target's static cache with one compiled graph
+    (CUDA graphs on CUDA), or on the eager path; unsaid, where it pays (docs/decoding.md)."""
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="verify drafts on a static cache compiled once (torch.compile; CUDA graphs on CUDA), or eagerly "
+        "(--no-compile); default: compiled on CUDA, eager on CPU",
+    )
+
+
 def sampling_args(p: argparse.ArgumentParser) -> None:
     """The server's rule at T > 0 and the request's filters (eval)."""
     from flashdraft.decoding.serving_rules import DEFAULT_RULE, RULES

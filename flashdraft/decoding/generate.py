@@ -38,6 +38,7 @@ from flashdraft.decoding.serving_rules import (
     target_probs,
     verify,
 )
+from flashdraft.decoding.verification import resolve_compile, verification_for
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel, decoding_attention
@@ -63,6 +64,13 @@ class GenerationResult:
     host_transfers: int = 0
     # speculative: the steps' wall time, the prefill left out: drafting, verifying and the bookkeeping around them
     decode_seconds: float = 0.0
+    # speculative: verified on the static cache (`SpeculativeConfig.compile`), and what torch.compile did during this
+    # generation: graphs compiled (a first generation's warm-up is one), recompiles past that, graph breaks, seconds
+    static: bool = False
+    compiles: int = 0
+    recompiles: int = 0
+    graph_breaks: int = 0
+    compile_seconds: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -170,6 +178,15 @@ class SpeculativeConfig:
     # False: no device synchronisation between drafting and verifying (on CUDA the step's only wait is then its one
     # read; draft and verify seconds count the host's launch time only)
     time_phases: bool = True
+    # True: verify on the target's static cache at a fixed length, compiled once (`flashdraft.target.static_cache`);
+    # False: the eager reference path; None: where it pays (`decoding.verification.compile_by_default`)
+    compile: bool | None = None
+    # what compiles the static verify: "inductor" (on CUDA as CUDA graphs), "eager" / "aot_eager" (dynamo's tracing
+    # alone: one graph proven without inductor's cost), None: the static cache run uncompiled
+    compile_backend: str | None = "inductor"
+    # positions the static cache holds at least (None: this generation's prompt and new tokens); an evaluation sets it
+    # to its longest record's, so the graph its warm-up compiles serves every record
+    static_positions: int | None = None
 
 
 @torch.no_grad()
@@ -234,8 +251,18 @@ def _speculative_steps(
     clock = _clock if speculative.time_phases else lambda _: time.perf_counter()
 
     prefill = target.forward(torch.tensor([prompt_ids], device=device), cache)
+    verification = verification_for(
+        target,
+        cache,
+        proposer,
+        block,
+        max(len(prompt_ids) + max_new_tokens, speculative.static_positions or 0),
+        compile=resolve_compile(speculative.compile, target),
+        backend=speculative.compile_backend,
+    )
+    counts_before = replace(verification.counts)
     first = to_host(_sample(prefill.logits_at(-1, None)[0, 0], temperature, generator, filters))
-    result = GenerationResult([first])
+    result = GenerationResult([first], static=verification.static)
     if first in stop_ids:
         result.stop_reason = "eos"
         return result
@@ -252,7 +279,7 @@ def _speculative_steps(
         draft_logits = proposer.propose(tokens, anchor_pos, new_context, new_positions, block)  # [k, V]
         draft, q = draw_drafts(proposer, draft_logits, temperature, generator, rule=speculative.rule)  # [k], q
         drafted = clock(device)
-        verified = target.forward(torch.cat([anchor, draft])[None], cache)  # over [anchor, d1 .. dk]
+        verified = verification.verify(anchor, draft)  # over [anchor, d1 .. dk]
         verified_at = clock(device)
         budget = max_new_tokens - len(result.output_ids)
         accepted, anchor, moments = _accept(draft, q, verified, temperature, generator, filters, budget, stop_ids)
@@ -270,13 +297,18 @@ def _speculative_steps(
             result.stop_reason = "eos"
             break
         # the anchor and the accepted drafts stay in the target cache; the bonus is the next anchor
-        target.rollback(cache, a + 1)
+        verification.commit(a)
         new_context = verified.context_features[:, : a + 1] if verified.context_features is not None else None
         new_context = _rounded(new_context, round_context_to)
         new_positions = anchor_pos + torch.arange(a + 1, device=device)[None]
         anchor_pos += a + 1
     result.host_transfers = TRANSFERS.reads - reads_before
     result.decode_seconds = _clock(device) - loop_start
+    counts = verification.counts
+    result.compiles = counts.compiles - counts_before.compiles
+    result.recompiles = counts.recompiles - counts_before.recompiles
+    result.graph_breaks = counts.graph_breaks - counts_before.graph_breaks
+    result.compile_seconds = counts.compile_seconds - counts_before.compile_seconds
     return result
 
 
@@ -295,10 +327,16 @@ class GreedyComparison:
 
     def summary(self) -> str:
         spec, plain = self.speculative, self.plain
+        compiled = ""
+        if spec.static:
+            compiled = (
+                f", compiled (static cache): {spec.compiles} compiles in {spec.compile_seconds:.1f} s before timing, "
+                f"{spec.recompiles} recompiles, {spec.graph_breaks} graph breaks"
+            )
         return (
             f"tokens {len(spec.output_ids)}, steps {len(spec.acceptance_lengths)}, tau {spec.tau:.2f}, "
             f"lossless {self.lossless}, speculative {len(spec.output_ids) / self.speculative_seconds:.1f} tok/s, "
-            f"greedy {len(plain.output_ids) / self.plain_seconds:.1f} tok/s"
+            f"greedy {len(plain.output_ids) / self.plain_seconds:.1f} tok/s{compiled}"
         )
 
     def check_lossless(self) -> None:
@@ -312,13 +350,22 @@ def compare_with_greedy(
     prompt_ids: list[int],
     max_new_tokens: int,
     block_size: int | None = None,
+    compile: bool | None = None,
 ) -> GreedyComparison:
     """Greedy speculative decoding of `prompt_ids` beside plain greedy decoding, each timed: the
-    two outputs must be the same tokens."""
+    two outputs must be the same tokens. `compile`: `SpeculativeConfig.compile` (compiled, the first generation
+    pays the compile: a warm-up generation runs first, untimed)."""
+    speculative = SpeculativeConfig(block_size=block_size, compile=compile)
+    warm_up = None
+    if resolve_compile(compile, target):
+        warm_up = speculative_generate(target, drafter, prompt_ids, max_new_tokens, speculative=speculative)
     t0 = time.perf_counter()
-    spec = speculative_generate(
-        target, drafter, prompt_ids, max_new_tokens, speculative=SpeculativeConfig(block_size=block_size)
-    )
+    spec = speculative_generate(target, drafter, prompt_ids, max_new_tokens, speculative=speculative)
+    if warm_up is not None:  # what the compile cost, reported with the timed run's own (none, after warm-up)
+        spec.compiles += warm_up.compiles
+        spec.compile_seconds += warm_up.compile_seconds
+        spec.graph_breaks += warm_up.graph_breaks
+        spec.recompiles += warm_up.recompiles
     t_spec = time.perf_counter() - t0
     t0 = time.perf_counter()
     plain = autoregressive_generate(target, prompt_ids, max_new_tokens)

@@ -21,6 +21,7 @@ from flashdraft.evaluation.offline import DEFAULT_WALK, WalkConfig, drafter_shap
 from flashdraft.evaluation.records import EvalRecord
 from flashdraft.evaluation.results import EvalResult, PromptResult, first_difference, speedup_bound
 from flashdraft.target.model import TargetModel
+from flashdraft.target.static_cache import CompileCounts
 
 
 @dataclass
@@ -105,9 +106,12 @@ def evaluate_online(
     b, layer_ids, context_layers = drafter_shape(drafter, walk.block_size)
     walk = replace(walk, block_size=b)
     sampling = walk.sampling
-    warm_up = replace(walk.speculative, round_context_to=None)
+    # the static cache sized for the longest record, so the graph the warm-up compiles serves every record
+    longest = max(len(r.prompt_ids) + max_new_tokens_of(r, max_new_tokens) for r in records)
+    speculative = replace(walk.speculative, static_positions=longest)
+    warm_up = replace(speculative, round_context_to=None)
     first = records[0].prompt_ids
-    speculative_generate(
+    warmed = speculative_generate(
         target,
         drafter,
         first,
@@ -116,6 +120,7 @@ def evaluate_online(
         speculative=warm_up,
         generator=record_generator(sampling.seed, -1, target),
     )
+    compiled = CompileCounts(warmed.compiles, warmed.recompiles, warmed.graph_breaks, warmed.compile_seconds)
     per_prompt, all_lengths = [], []
     seconds = draft_s = verify_s = 0.0
     for index, (record, plain) in enumerate(zip(records, baseline, strict=True)):
@@ -127,10 +132,11 @@ def evaluate_online(
             record.prompt_ids,
             max_new_tokens=max_new_tokens_of(record, max_new_tokens),
             sampling=sampling,
-            speculative=walk.speculative,
+            speculative=speculative,
             generator=record_generator(sampling.seed, index, target),
         )
         _sync(target)
+        compiled.add(out)
         seconds += time.perf_counter() - start
         draft_s, verify_s = draft_s + out.draft_seconds, verify_s + out.verify_seconds
         all_lengths += out.acceptance_lengths  # every step: the bound is of what was timed
@@ -157,6 +163,7 @@ def evaluate_online(
         drafts_per_block=drafts_per_block(drafter, b),
         context_edges=walk.context_edges,
         greedy_steps=_greedy_steps(records, baseline),
+        compile=compiled.as_dict() | {"static": warmed.static, "after_warm_up": compiled.after_warm_up},
     )
 
 

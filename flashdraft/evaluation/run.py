@@ -331,6 +331,7 @@ def _evaluate_candidate(
         rule=rule,
         sampling=SamplingParams(cfg.temperature, filters, cfg.seed),
         context_edges=cfg.context_buckets,
+        compile=cfg.compile,
     )
     sampled_check = cfg.check_consistency and cfg.temperature > 0
     rounding = _consistency_rounding(cfg, c, records) if not sampled_check else None

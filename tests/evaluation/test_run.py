@@ -655,6 +655,26 @@ def test_json_has_every_key(capsys, tmp_path, target_dir, prompts_file, mode):
         assert summary["lossless"] is None and summary["speedup"] is None and summary["speedup_bound"] is None
 
 
+def test_online_compiled_json_says_what_compiled_and_that_no_record_recompiled(
+    capsys, tmp_path, target_dir, prompts_file, monkeypatch
+):
+    real_compile = torch.compile  # dynamo's tracing alone: the same graph and guards as inductor, none of its cost
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **(kw | {"backend": "eager"})))
+    save_drafter(make_drafter(), tmp_path / "d")
+    common = ["eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts", prompts_file]
+    common += ["--num-prompts", 3, "--max-new-tokens", 12, "--online"]
+    rc, _, err = run_cli(capsys, *common, "--compile", "--json", tmp_path / "c.json")
+    assert rc == 0, err
+    compiled = json.loads((tmp_path / "c.json").read_text())
+    assert compiled["lossless"] is True and compiled["compile"]["static"] is True
+    assert compiled["compile"]["compiles"] == 1 and compiled["compile"]["after_warm_up"] == 0
+    assert compiled["compile"]["recompiles"] == 0 and compiled["compile"]["graph_breaks"] == 0
+    rc, _, err = run_cli(capsys, *common, "--no-compile", "--json", tmp_path / "e.json")
+    eager = json.loads((tmp_path / "e.json").read_text())
+    assert eager["compile"]["static"] is False and eager["compile"]["compiles"] == 0
+    assert [p["output_ids"] for p in eager["per_prompt"]] == [p["output_ids"] for p in compiled["per_prompt"]]
+
+
 @pytest.mark.parametrize("limit", [[], ["--num-speculative-tokens", 2], ["--adaptive-threshold", 0.6]], ids=str)
 def test_check_consistency_in_the_cli(capsys, tmp_path, target_dir, prompts_file, limit):
     target = TargetModel.load(target_dir)
