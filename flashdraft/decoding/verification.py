@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashdraft.decoding.static_proposer import CompiledDraft, unsupported_reason
+from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetCache, TargetModel, TargetOutput
 from flashdraft.target.static_cache import CompileCounts, StaticVerifier, static_support, static_verifier
@@ -30,6 +32,17 @@ def resolve_compile(compile: bool | None, target: TargetModel) -> bool:
     if compile is not None:
         return compile
     return compile_by_default(target.device) and static_support(target) is None
+
+
+def compiled_drafting(drafter, backend: str | None, positions: int) -> CompiledDraft | None:
+    """How the drafter drafts when decoding compiles (`flashdraft.decoding.static_proposer`): a DFlash-family drafter
+    (alone or a hybrid's) in fixed shapes compiled with the verify's `backend`, its context cache holding `positions`;
+    None (eagerly): any other proposer (n-gram: no neural pass), the static path run uncompiled (`backend` None), or a
+    drafter with no fixed-shape form (`unsupported_reason`)."""
+    dflash = drafter if isinstance(drafter, DFlashDrafter) else getattr(drafter, "drafter", None)
+    if backend is None or not isinstance(dflash, DFlashDrafter) or unsupported_reason(dflash) is not None:
+        return None
+    return CompiledDraft(max_length=positions, backend=backend)
 
 
 def max_drafts(proposer, block: int) -> int:
@@ -114,6 +127,6 @@ def verification_for(
     if reason is not None:
         raise FlashdraftError(f"{target.path or 'the target'}: --compile refused: {reason}; use --no-compile")
     length = max_drafts(proposer, block) + 1
-    verifier = static_verifier(target, length, tokens + length, backend)
+    verifier = static_verifier(target, length, tokens + length, backend)  # tokens: the generation's positions
     verifier.start(cache, cache.length)
     return StaticVerification(verifier)

@@ -65,9 +65,18 @@ def test_a_compiled_generation_after_warm_up_compiles_nothing_and_breaks_no_grap
         run = speculative_generate(
             target, OracleProposer(other + plain.output_ids, seed=3), other, 24, speculative=compiled
         )
-    assert run.output_ids == plain.output_ids
+    assert run.output_ids == plain.output_ids and run.acceptance_lengths != warm.acceptance_lengths
     assert (run.compiles, run.recompiles, run.graph_breaks) == (0, 0, 0)
     assert run.compile_seconds == 0.0 < warm.compile_seconds
+    # a DFlash drafter drafts compiled too (`decoding.static_proposer`): its two graphs at warm-up, then none
+    drafter = make_drafter(block_size=6)
+    warm = speculative_generate(target, drafter, PROMPT, 16, speculative=compiled)
+    assert warm.draft_compiles == 2 and warm.compiles == 3  # and a verify of 1 + 5 (the oracle had 1 + 6)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        run = speculative_generate(target, drafter, other, 16, speculative=compiled)
+    eager = speculative_generate(target, drafter, other, 16, speculative=EAGER)
+    assert run.output_ids == eager.output_ids and run.acceptance_lengths == eager.acceptance_lengths
+    assert (run.compiles, run.draft_compiles, run.graph_breaks) == (0, 0, 0)
 
 
 def test_the_static_verify_holds_every_proposers_drafts():
