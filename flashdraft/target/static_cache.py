@@ -44,7 +44,8 @@ from flashdraft.target.linear_attention import (
 from flashdraft.target.mamba import is_mamba
 from flashdraft.target.model import TargetModel, TargetOutput
 
-STATIC_KINDS = ("attention", "sliding", "chunked", "mla", "gated_deltanet", "mamba2", "mlp")
+# layer kinds with a static rule; chunked attention (Llama 4's: a key is seen within its query's chunk) has no mask here
+STATIC_KINDS = ("attention", "sliding", "mla", "gated_deltanet", "mamba2", "mlp")
 CAPACITY_STEP = 256  # buffers are sized in steps of this many positions, so prompts of near lengths share a graph
 # every verifier (one per target, verify length and capacity) compiles the same code (`StaticVerifier._forward`), and
 # dynamo keeps at most `recompile_limit` graphs per code object (8 by default) before running the rest uncompiled
@@ -346,10 +347,8 @@ class StaticVerifier:
         dtype = self.target.dtype
         seen = self._key_positions[None, :] <= positions[:, None]  # [T, L]
         masks = {"full_attention": seen}
-        kinds = set(self.target.layer_types)
-        if self._window and kinds & {"sliding_attention", "chunked_attention"}:
-            near = seen & (positions[:, None] - self._key_positions[None, :] < self._window)
-            masks |= {"sliding_attention": near, "chunked_attention": near}
+        if self._window and "sliding_attention" in self.target.layer_types:
+            masks["sliding_attention"] = seen & (positions[:, None] - self._key_positions[None, :] < self._window)
         additive = {
             kind: torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)[
                 None, None

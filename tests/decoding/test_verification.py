@@ -2,6 +2,8 @@
 for token greedy, seed for seed sampled, for every target family; a whole generation after warm-up compiles nothing
 more; the static verify's length fits every proposer."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -90,14 +92,15 @@ def test_the_static_verify_holds_every_proposers_drafts():
     assert max_drafts(OracleProposer([]), 8) == 8  # unknown: the block
 
 
-def test_an_unknown_backend_is_refused_and_the_default_is_eager_on_cpu():
+def test_an_unknown_backend_and_a_layer_kind_without_a_static_rule_are_refused_and_the_default_is_eager():
     target = make_target("qwen3")
     assert resolve_compile(None, target) is False and resolve_compile(True, target) is True
     with pytest.raises(FlashdraftError, match="compile backend 'cudagraphs'"):
         speculative_generate(
-            target,
-            make_drafter(),
-            PROMPT,
-            4,
-            speculative=SpeculativeConfig(compile=True, compile_backend="cudagraphs"),
+            target, make_drafter(), PROMPT, 4, speculative=SpeculativeConfig(compile=True, compile_backend="cudagraphs")
         )
+    kinds = ("attention", "chunked", "attention", "attention")  # as Llama 4's chunked attention would read
+    target.support = replace(target.support, layer_kinds=kinds)
+    with pytest.raises(FlashdraftError, match=r"--compile refused: layer kinds \['chunked'\] have no static cache"):
+        speculative_generate(target, make_drafter(), PROMPT, 4, speculative=SpeculativeConfig(compile=True))
+    assert len(speculative_generate(target, make_drafter(), PROMPT, 4).output_ids) == 4  # eager by default
