@@ -97,8 +97,6 @@ class StaticVerification:
         rows, length = draft.shape[0] + 1, self.verifier.verify_length
         if rows > length:
             raise FlashdraftError(f"a proposer drafted {rows - 1} tokens; the static verify holds {length - 1}")
-        if self.verifier.target.device.type == "cuda" and self.verifier.backend == "inductor":
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read no more
         block = torch.cat([anchor, draft, anchor.expand(length - rows)])[None]  # [1, T]
         out = self.verifier.verify(block)
         features = out.context_features

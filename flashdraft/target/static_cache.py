@@ -336,10 +336,12 @@ class StaticVerifier:
         self._key_positions = torch.arange(self.capacity, device=device)  # [L]
         self._window = getattr(self.target.config, "sliding_window", None)
         self._step = self._forward
+        self._mode = "reduce-overhead" if device.type == "cuda" and self.backend == "inductor" else None
         if self.backend is not None:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, VERIFIERS_PER_PROCESS)
-            mode = "reduce-overhead" if device.type == "cuda" and self.backend == "inductor" else None
-            self._step = torch.compile(self._forward, backend=self.backend, fullgraph=True, dynamic=False, mode=mode)
+            self._step = torch.compile(
+                self._forward, backend=self.backend, fullgraph=True, dynamic=False, mode=self._mode
+            )
 
     def _masks(self, positions: torch.Tensor):
         """The additive masks [1, 1, T, L] of the verify's queries at `positions` [T]: keys at positions up to the
@@ -393,6 +395,8 @@ class StaticVerifier:
         """The target over input_ids [1, verify_length] at the committed position, writing the caches (commit next)."""
         if input_ids.shape != (1, self.verify_length):
             raise ValueError(f"static verify of {tuple(input_ids.shape)} tokens, expected (1, {self.verify_length})")
+        if self._mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the last one's graph outputs are read no more
         if self.backend is None:
             logits, hidden, features = self._step(input_ids)
         else:
