@@ -22,8 +22,9 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", None)
 
 def compile_by_default(device: torch.device) -> bool:
     """Whether decoding compiles when the user does not say (`SpeculativeConfig.compile` None): nowhere yet. On CPU it
-    does not pay for a generation: the compiled target step is 1.5-2.6x faster, but inductor's first compile takes
-    minutes on a shared 2-core machine (docs/benchmarks.md). On CUDA it is where it should pay (one CUDA graph a
+    does not pay: a compiled 1-token step is 1.6x faster but a 16-row verify only 1.1x (compute-bound), so compiled
+    speculative decoding gains less than compiled greedy, and inductor's first compile takes 12 s to minutes on a
+    shared 2-core machine (docs/benchmarks.md). On CUDA it is where it should pay (one CUDA graph a
     step instead of thousands of launches), but no GPU has run it yet: until the GPU check measures it, `--compile`
     asks for it."""
     return False
