@@ -419,7 +419,7 @@ def static_verifier(target: TargetModel, verify_length: int, tokens: int, backen
     """The target's verifier for this verify length and backend, made once and kept on the target (its buffers and
     compiled graph serve every later generation that fits); a larger one replaces it when `tokens` do not fit."""
     verifiers = target.__dict__.setdefault("_static_verifiers", {})
-    key = (verify_length, backend)
+    key = (verify_length, backend, target.device, target.dtype)  # a target moved or cast gets buffers of its own
     verifier = verifiers.get(key)
     if verifier is None or verifier.capacity < tokens:
         verifier = StaticVerifier(target, verify_length, capacity_for(tokens), backend)
