@@ -30,6 +30,7 @@ from flashdraft.drafter.model import PAD_POSITION, DFlashDrafter
 from flashdraft.drafter.static_cache import StaticDrafterCache, block_hidden, write_context
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
+from flashdraft.target.static_cache import with_own_code
 
 CAPACITY_STEP = 256  # context capacity is rounded up to this: nearby lengths share one state (and its graphs)
 
@@ -107,8 +108,9 @@ class StaticDraftState:
         options = dict(
             fullgraph=True, dynamic=False, backend=settings.backend, mode=settings.compile_mode(torch.device(device))
         )
-        self._write = torch.compile(self._write_step, **options)
-        self._draft = torch.compile(self._draft_step, **options)
+        # each state's graphs its own (`with_own_code`): past 8 states dynamo would otherwise draft uncompiled, unsaid
+        self._write = torch.compile(with_own_code(self._write_step), **options)
+        self._draft = torch.compile(with_own_code(self._draft_step), **options)
         self.compiles = 0
         self.written = 0  # context tokens in the cache (the host's count; the graphs read `cache.length`)
         self.owner = None  # the proposer whose sequence is in the cache

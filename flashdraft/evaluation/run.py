@@ -28,6 +28,7 @@ from flashdraft.decoding.serving_rules import (
     SamplingParams,
     serving_rule,
 )
+from flashdraft.decoding.verification import resolve_compile
 from flashdraft.drafter.checkpoint import check_drafter_matches_target
 from flashdraft.drafter.config import DEFAULT_BLOCK_SIZE
 from flashdraft.drafter.families import drafts_per_block, family_of
@@ -206,7 +207,8 @@ def _prepare_records(
     baseline = None
     if cfg.online or cfg.check_consistency or not records[0].completion_ids:
         sampling = SamplingParams(temperature=cfg.temperature, filters=filters, seed=cfg.seed)
-        baseline = greedy_baseline(target, records, max_new_tokens, sampling=sampling)
+        compiled = cfg.online and resolve_compile(cfg.compile, target)  # compiled against compiled
+        baseline = greedy_baseline(target, records, max_new_tokens, sampling=sampling, compile=compiled)
         records, baseline = _with_later_turns(cfg, target, records, baseline, max_new_tokens, sampling, log)
         for record, run in zip(records, baseline, strict=True):
             if not record.completion_ids and (cfg.temperature <= 0 or not cfg.online):
@@ -244,7 +246,8 @@ def _with_later_turns(
     while asked:
         later = [(r, nxt) for r, run in asked if (nxt := later_turn(r, run.output_ids, target.tokenizer)) is not None]
         kept = fit_prompts([nxt for _, nxt in later], target, max_new_tokens, cfg.long_prompts, str(cfg.prompts), log)
-        runs = greedy_baseline(target, kept, max_new_tokens, sampling=sampling) if kept else []
+        compiled = cfg.online and resolve_compile(cfg.compile, target)
+        runs = greedy_baseline(target, kept, max_new_tokens, sampling=sampling, compile=compiled) if kept else []
         asked = list(zip(kept, runs, strict=True))
         pairs += asked
     if len(pairs) > len(records):
