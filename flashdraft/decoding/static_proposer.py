@@ -108,7 +108,7 @@ class StaticDraftState:
         options = dict(
             fullgraph=True, dynamic=False, backend=settings.backend, mode=settings.compile_mode(torch.device(device))
         )
-        # each state's graphs its own (`with_own_code`): past 8 states dynamo would otherwise draft uncompiled, unsaid
+        # each state's graphs its own (`with_own_code`): past 8 states dynamo would otherwise refuse to compile
         self._write = torch.compile(with_own_code(self._write_step), **options)
         self._draft = torch.compile(with_own_code(self._draft_step), **options)
         self.compiles = 0

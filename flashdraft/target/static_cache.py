@@ -52,9 +52,9 @@ CAPACITY_STEP = 256  # buffers are sized in steps of this many positions, so pro
 
 def with_own_code(method):
     """A bound method whose function has a code object of its own. Dynamo keeps compiled graphs per code object, at
-    most `recompile_limit` (8) of them, and then runs the code uncompiled without a word: every instance of a class
-    compiling its method would share one code object, and the ninth verifier (or drafting state) in a process would
-    silently run eagerly. With its own code, each instance's graphs are its own."""
+    most `recompile_limit` (8) of them: every instance of a class compiling its method would share one code object,
+    and the ninth verifier (or drafting state) in a process would fail to compile (`fullgraph=True` raises
+    `FailOnRecompileLimitHit`). With its own code, each instance's graphs are its own."""
     fn = method.__func__
     fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     return types.MethodType(fresh, method.__self__)
