@@ -119,6 +119,8 @@ def run_doctor(
             f"itself a {kind} (check it alone, or with --target-model)"
         )
     checks = Checks()
+    if target is not None and hasattr(target, "quantisation"):
+        checks.about(f"target {target.path}: quantisation {target.quantisation.describe()}")
     if kind == "cache":
         from flashdraft.data.cache_doctor import doctor_cache
 

@@ -133,8 +133,10 @@ def _dests(command: str) -> set[str]:
 def test_eval_options_are_the_eval_config_fields_by_name():
     from flashdraft.evaluation.config import EvalConfig
 
-    # what evaluate_drafter takes as its own arguments, and what eval writes after
+    # what evaluate_drafter takes as its own arguments, what eval writes after, and the second target it evaluates
+    # against around it (--compare-target: evaluation/compare_targets.py)
     own = {"checkpoint", "drafter", "target_model", "device", "dtype", "json", "report"}
+    own |= {"compare_target", "compare_completions", "compare_cached_hidden_states"}
     assert _dests("eval") - own == set(EvalConfig.option_names())
 
 

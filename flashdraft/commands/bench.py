@@ -22,9 +22,16 @@ def concurrency_list(value: str) -> list[int]:
 
 
 def prompt_sets(value: str) -> list[str]:
+    """Prompt sets separated by commas (a SPEED-Bench spec joins its categories with '+')."""
+    from flashdraft.data.speed_bench import misread_category
+
     sets = [x.strip() for x in value.split(",") if x.strip()]
     if not sets:
         raise argparse.ArgumentTypeError(f"expected one prompt set or several separated by commas; found {value!r}")
+    for previous, piece in zip(sets, sets[1:], strict=False):
+        problem = misread_category(previous, piece)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
     return sets
 
 

@@ -162,6 +162,23 @@ def _output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--reference", help="a second drafter, evaluated on the same records and steps ('ngram': the n-gram baseline)"
     )
+    p.add_argument(
+        "--compare-target",
+        default=None,
+        metavar="DIR",
+        help="also evaluate against this reference target (e.g. the bf16 one when --target-model is quantised), each "
+        "on its own records, and print τ side by side, the drop and the share of positions where the two targets' "
+        "greedy tokens differ (docs/quantised.md)",
+    )
+    p.add_argument(
+        "--compare-completions", default=None, metavar="FILE", help="with --compare-target: its own completions"
+    )
+    p.add_argument(
+        "--compare-cached-hidden-states",
+        default=None,
+        metavar="DIR",
+        help="with --compare-target: its own hidden-state cache",
+    )
     p.add_argument("--json", help="write every figure to this JSON file")
     p.add_argument("--report", help="write report.md and PNG plots into this directory")
     p.add_argument(
@@ -250,17 +267,40 @@ def run(args: argparse.Namespace) -> None:
         raise FlashdraftError(
             "give --checkpoint for a DFlash drafter (alone or --drafter hybrid), or --drafter ngram (which takes none)"
         )
-    summary = evaluate_drafter(
-        args.checkpoint or "ngram",
-        args.target_model,
-        hybrid=args.drafter == "hybrid",
-        device=args.device,
-        dtype={"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype),
-        log=print,
-        **{name: getattr(args, name) for name in EvalConfig.option_names()},
-    )
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype)
+    options = {name: getattr(args, name) for name in EvalConfig.option_names()}
+    if args.compare_target:
+        from flashdraft.evaluation.compare_targets import CompareTarget, evaluate_against_both
+
+        if args.drafter == "hybrid":
+            raise FlashdraftError("--compare-target evaluates a --checkpoint drafter or ngram, not --drafter hybrid")
+        compare = CompareTarget(args.compare_target, args.compare_completions, args.compare_cached_hidden_states)
+        summary = evaluate_against_both(
+            args.checkpoint or "ngram",
+            args.target_model,
+            compare,
+            device=args.device,
+            dtype=dtype,
+            log=print,
+            options=options,
+        )
+    else:
+        summary = evaluate_drafter(
+            args.checkpoint or "ngram",
+            args.target_model,
+            hybrid=args.drafter == "hybrid",
+            device=args.device,
+            dtype=dtype,
+            log=print,
+            **options,
+        )
     print()
     print(format_summary(summary, verbose=args.verbose))
+    if summary.get("compare_target"):
+        from flashdraft.evaluation.compare_targets import format_comparison
+
+        print()
+        print(format_comparison(summary["compare_target"]))
     if args.json:
         from flashdraft.files import write_json_atomic
 
@@ -272,6 +312,8 @@ def run(args: argparse.Namespace) -> None:
             print(f"{args.report} exists: its report.md and plots are replaced")
         print(f"wrote {write_report(summary, args.report)}")
     require_consistent(summary)
+    if summary.get("compare_target"):
+        require_consistent(summary["compare_target"]["reference_summary"])
     served = summary.get("served")
     if args.check_served and served is not None and not served["check"]["passed"]:
         print(

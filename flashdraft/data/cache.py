@@ -54,6 +54,8 @@ from flashdraft.files import (
 from flashdraft.progress import Progress
 from flashdraft.stop import StopRequests
 from flashdraft.target.model import TargetModel
+from flashdraft.target.overflow import fp16_overflow
+from flashdraft.target.quantisation import quantisation_record
 
 FORMAT = "flashdraft.hidden-state-cache"
 VERSION = 1
@@ -165,7 +167,12 @@ def _cache_record(
         out, features = None, features_of(record).to(dtype)  # [T, n * H]
     else:
         out = target.forward(torch.tensor([tokens], device=target.device))
-        features = out.context_features[0].to(dtype).cpu()  # [T, n * H]
+        computed = out.context_features[0]  # [T, n * H] in the target's dtype
+        if torch.float16 in (dtype, computed.dtype):  # fp16 storage or an fp16 target: its range checked first
+            overflow = fp16_overflow(computed, layer_ids, target.hidden_size)
+            if overflow is not None:
+                raise FlashdraftError(overflow.line(f"record {record.id!r}", DTYPE_NAMES[computed.dtype]))
+        features = computed.to(dtype).cpu()  # [T, n * H]
     bad = ~torch.isfinite(features)
     if bad.any():
         token, column = (int(x) for x in bad.nonzero()[0])
@@ -237,9 +244,13 @@ def _build_shard(run: _ShardRun, k: int, records: list[CompletionRecord]) -> dic
                 "offset": offset,
                 "length": n,
                 "prompt_length": len(r.prompt_ids),
-                **{k: getattr(r, k) for k in ("chat_template_kwargs", "reasoning_end") if getattr(r, k) is not None},
+                **{
+                    k: getattr(r, k)
+                    for k in ("chat_template_kwargs", "reasoning_end", "meta")
+                    if getattr(r, k) is not None
+                },
             }
-        )  # the record's chat mode, for train and eval
+        )  # the record's chat mode, for train and eval; its benchmark labels (by category), for eval
         offset += n
         del item
         if stop is not None and stop.requested:
@@ -457,6 +468,9 @@ def _finish(
             "hidden_size": target.hidden_size,
             "vocab_size": target.vocab_size,
             "path": str(target.path) if target.path is not None else None,
+            # the scheme the states were captured under (quantisation.py): a cache used with a target quantised
+            # otherwise is named by doctor and eval
+            "quantisation": quantisation_record(target),
         },
         "layer_ids": settings["layer_ids"],
         "feature_convention": "hidden_states[l + 1]: the output of decoder layer l",

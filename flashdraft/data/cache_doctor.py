@@ -16,6 +16,7 @@ from flashdraft.drafter.doctor_report import Checks
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
 from flashdraft.target.model import TargetModel
+from flashdraft.target.quantisation import mismatch
 
 
 def _diagnose(target: TargetModel, tokens: torch.Tensor, cached: torch.Tensor, layer: int, tol: float) -> str:
@@ -123,6 +124,25 @@ def _about_engine(computed_with: dict, dtype: torch.dtype, checks: Checks) -> No
         )
 
 
+def _about_quantisation(cache: HiddenStateCache, target: TargetModel | None, checks: Checks) -> None:
+    """The quantisation the cache's states were captured under; with a target, whether it is quantised alike."""
+    recorded = cache.target_quantisation
+    if target is None:
+        checks.about(
+            "target quantisation: "
+            + (recorded.describe() if recorded else "not recorded (a cache written before flashdraft recorded it)")
+        )
+        return
+    quantised = mismatch(recorded, getattr(target, "quantisation", None))
+    checks.check(
+        quantised is None,
+        "target quantisation: "
+        + (quantised or f"the cache's and {target.path}'s agree ({target.quantisation.scheme})"),
+        "cache the states of the target you evaluate against (flashdraft cache --target-model it), or give the "
+        "target the cache was captured from",
+    )
+
+
 def doctor_cache(
     directory: str | Path,
     target: TargetModel | None = None,
@@ -160,6 +180,7 @@ def doctor_cache(
         f"fingerprints: target {cache.target_fingerprint} ({cache.manifest['target'].get('path')}), "
         f"completions {completions.get('file')} made by {completions.get('target_fingerprint')}"
     )
+    _about_quantisation(cache, None, checks)
     _about_engine(cache.manifest.get("computed_with") or {}, cache.dtype, checks)
     checks.ok(f"{directory / MANIFEST}: shard sizes and record layout agree with the manifest")
     files = [(s["file"], s["sha256"]) for s in cache.shards]
@@ -194,6 +215,7 @@ def doctor_cache(
         )
     if target is not None:
         try:
+            _about_quantisation(cache, target, checks)
             cache.check_compatible(target)
             checks.ok(f"target fingerprint {cache.target_fingerprint} and hidden size match {target.path}")
         except FlashdraftError as e:

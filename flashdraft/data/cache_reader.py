@@ -13,9 +13,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from flashdraft.data.cache import DTYPE_NAMES, FORMAT, MANIFEST, PROGRESS, VERSION
+from flashdraft.data.completions import meta_problem
 from flashdraft.errors import FlashdraftError
 from flashdraft.files import sha256_file
 from flashdraft.target.model import TargetModel
+from flashdraft.target.quantisation import Quantisation, mismatch
 
 
 @dataclass
@@ -56,6 +58,8 @@ class HiddenStateCache:
         self.layer_ids: list[int] = _require(manifest, "layer_ids", list, path)
         self.hidden_size: int = _require(manifest, "hidden_size", int, path)
         self.target_fingerprint: str = _require(manifest, "target", dict, path).get("fingerprint")
+        # the target's quantisation the states were captured under; None in a cache written before it was recorded
+        self.target_quantisation = Quantisation.from_record(manifest["target"].get("quantisation"))
         dtype_name = _require(manifest, "dtype", str, path)
         by_name = {v: k for k, v in DTYPE_NAMES.items()}
         if dtype_name not in by_name:
@@ -109,6 +113,9 @@ class HiddenStateCache:
                     f"{self.shards[k]['file']}) and 0 < prompt_length < length"
                 )
             ends[k] += length
+            problem = meta_problem(r["meta"]) if r.get("meta") is not None else None
+            if problem:
+                raise FlashdraftError(f"{where}: record {name!r}: {problem}")
         for k, s in enumerate(self.shards):
             if ends[k] != s["num_tokens"]:
                 raise FlashdraftError(
@@ -145,6 +152,12 @@ class HiddenStateCache:
     @property
     def prompt_lengths(self) -> list[int]:
         return [r["prompt_length"] for r in self._records]
+
+    @property
+    def metas(self) -> list[dict | None]:
+        """Each record's benchmark labels (category, split, question_id, turn; `data.completions.request_meta`),
+        None where its completion had none (or the cache predates them)."""
+        return [r.get("meta") for r in self._records]
 
     @property
     def num_tokens(self) -> int:
@@ -237,9 +250,11 @@ class HiddenStateCache:
                 )
             fingerprint = target.fingerprint()
             if fingerprint != self.target_fingerprint:
+                quantised = mismatch(self.target_quantisation, getattr(target, "quantisation", None))
                 raise FlashdraftError(
                     f"{where}: cache made by target fingerprint {self.target_fingerprint}, this target "
                     f"({target.path}) has fingerprint {fingerprint}; the features come from another target"
+                    + (f" ({quantised})" if quantised else "")
                 )
             bad = [i for i in self.layer_ids if not 0 <= i < target.num_layers]
             if bad:

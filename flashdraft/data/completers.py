@@ -16,7 +16,7 @@ from flashdraft.data.chat_mode import (
     merged,
     template_sha256,
 )
-from flashdraft.data.completions import CompletionRecord, GenerationSettings, record_seed
+from flashdraft.data.completions import CompletionRecord, GenerationSettings, record_seed, request_meta
 from flashdraft.data.openai_client import OpenAIClient
 from flashdraft.data.prompts import (
     Prompt,
@@ -103,6 +103,7 @@ def answer_turns(
                     "tool_call_spans": tool_call_spans(out, calls),
                 }
             )
+            mode["meta"] = request_meta(p.meta, p.id, turn)  # a benchmark row's labels: figures by category
             records[p.id].append(
                 CompletionRecord(rid, text, ids, out, completion, reason, source, truncated_from.get(rid), **mode)
             )

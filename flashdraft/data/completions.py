@@ -82,6 +82,9 @@ class CompletionRecord:
     # [start, end) spans of completion_ids inside tool calls, where the template's markers are known (Qwen3's
     # <tool_call>, gpt-oss's commentary channel) and the completion calls a tool
     tool_call_spans: list[list[int]] | None = None
+    # a benchmark row's labels (SPEED-Bench, `data/speed_bench.py`): its category, sub_category, split, ...,
+    # `question_id` (the request) and `turn` (0: its first), so evaluations from this file report by category
+    meta: dict[str, Any] | None = None
 
 
 OPTIONAL_FIELDS = (
@@ -92,6 +95,7 @@ OPTIONAL_FIELDS = (
     "reasoning_end",
     "tools",
     "tool_call_spans",
+    "meta",
 )
 
 
@@ -176,9 +180,32 @@ def record_problem(r: Any, vocab_size: int) -> str | None:
         return f"token_source is {r.get('token_source')!r}; expected one of {', '.join(TOKEN_SOURCES)}"
     if r.get("chat_template_kwargs") is not None and not isinstance(r["chat_template_kwargs"], dict):
         return f"chat_template_kwargs is {type(r['chat_template_kwargs']).__name__}; expected an object"
+    if r.get("meta") is not None:
+        problem = meta_problem(r["meta"])
+        if problem:
+            return problem
     return check_reasoning_end(r.get("reasoning_end"), len(r["completion_ids"])) or check_tool_call_spans(
         r.get("tool_call_spans"), len(r["completion_ids"])
     )
+
+
+def request_meta(meta: dict[str, Any] | None, question_id: str, turn: int) -> dict[str, Any] | None:
+    """A record's `meta`: its benchmark row's labels with the request it belongs to and which turn it is (None: a
+    prompt of no benchmark)."""
+    return None if meta is None else {**meta, "question_id": question_id, "turn": turn}
+
+
+def meta_problem(meta: Any) -> str | None:
+    """Why a record's `meta` (a completions record's, a cache record's) is unusable, or None."""
+    if not isinstance(meta, dict):
+        return f"field 'meta' is {type(meta).__name__}; expected an object"
+    for name, kind in (("category", str), ("split", str), ("question_id", str)):
+        if name in meta and not isinstance(meta[name], kind):
+            return f"field 'meta.{name}' is {meta[name]!r}; expected a string"
+    turn = meta.get("turn", 0)
+    if not isinstance(turn, int) or isinstance(turn, bool) or turn < 0:
+        return f"field 'meta.turn' is {turn!r}; expected an integer >= 0"
+    return None
 
 
 def _read_json(path: Path) -> Any:

@@ -46,7 +46,7 @@ BUILTIN_SPECS = [
     "builtin:stdlib:heldout[:N]",
     "builtin:long[:N]",
     "builtin:long:heldout[:N]",
-    "speed-bench:PATH[:SPLIT[:CATEGORY,...]]",
+    "speed-bench:PATH[:SPLIT[:CATEGORY+...]]",
 ]
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # ShareGPT's `from` names (and the peers' kin) mapped to chat roles
@@ -98,7 +98,7 @@ def load_prompts(spec: str, num_prompts: int | None = None, quiet: bool = False)
     """Read prompts from `spec`: a .jsonl file, a .parquet file or dataset directory, or a
     built-in set (`builtin:code` = train split, `builtin:code:heldout`, `builtin:stdlib[:N]`,
     `builtin:stdlib:heldout[:N]`, and the long-context `builtin:long[:N]`, `builtin:long:heldout[:N]`,
-    `data/long_context.py`), or a prepared SPEED-Bench split (`speed-bench:PATH[:SPLIT[:CATEGORY,...]]`,
+    `data/long_context.py`), or a prepared SPEED-Bench split (`speed-bench:PATH[:SPLIT[:CATEGORY+...]]`,
     `data/speed_bench.py`). Returns the first `num_prompts` (all if None) in file order."""
     stats = {"trailing_assistant_removed": 0}
     if spec.startswith("speed-bench:"):

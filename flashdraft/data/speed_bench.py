@@ -1,4 +1,4 @@
-"""NVIDIA's SPEED-Bench as users hold it, read as prompts: `speed-bench:PATH[:SPLIT[:CATEGORY[,CATEGORY...]]]`.
+"""NVIDIA's SPEED-Bench as users hold it, read as prompts: `speed-bench:PATH[:SPLIT[:CATEGORY[+CATEGORY...]]]`.
 
 The data cannot be shipped (NVIDIA's evaluation licence; several sources are fetched by the user), so it is read
 where the peers' prepare steps wrote it, in either layout:
@@ -12,8 +12,9 @@ where the peers' prepare steps wrote it, in either layout:
 PATH is the directory (either layout; SPLIT chooses the file, `qualitative` when not given) or one split's file.
 Each row is one request whose user turns are answered in order, each after the target's own answer to the turn
 before (Model Optimizer's and aiperf's way; `vllm bench serve` sends the first turn only, which the reports give
-beside). Its `category` (on the throughput splits: the entropy tier, `low_entropy`, `mixed`, `high_entropy`) and
-the split travel with the prompt (`Prompt.meta`) so the evaluation reports figures per category.
+beside). Its `category`, as the dataset holds it (neither prepare step writes or renames it; on the throughput
+splits the dataset's description makes it the entropy tier), and the split travel with the prompt (`Prompt.meta`)
+so the evaluation reports figures per category.
 
 Refused, one line each (exit 2): rows still holding the placeholder of a source that was not fetched (counted, with
 the command that fetches them; they are never evaluated as text), a row without a `category`, a split or category
@@ -30,7 +31,10 @@ from typing import Any
 from flashdraft.errors import FlashdraftError
 
 PREFIX = "speed-bench:"
-SPEC = "speed-bench:PATH[:SPLIT[:CATEGORY[,CATEGORY...]]]"
+SPEC = "speed-bench:PATH[:SPLIT[:CATEGORY[+CATEGORY...]]]"
+# categories are joined with '+' (bench's --prompts separates prompt sets with commas); ',' is still read where
+# --prompts holds one spec (generate, eval)
+CATEGORY_SEPARATORS = "+,"
 QUALITATIVE = "qualitative"
 SPLITS = (QUALITATIVE, "throughput_1k", "throughput_2k", "throughput_8k", "throughput_16k", "throughput_32k")
 CATEGORIES = (
@@ -49,10 +53,19 @@ CATEGORIES = (
 ENTROPY_TIERS = ("low_entropy", "mixed", "high_entropy")
 # what a row holds in place of a source's text when the user has not fetched it (aiperf refuses such rows too)
 PLACEHOLDER = "FULL BENCHMARK DATA SHOULD BE FETCHED FROM THE SOURCE USING SPECDEC_BENCH"
-FETCH_COMMAND = (
-    "`ns prepare_data speed-bench` (NeMo-Skills' prepare step, which fetches every source) or Model Optimizer's "
-    "`examples/specdec_bench` data preparation"
-)
+
+
+def fetch_command(split: str) -> str:
+    """The peers' commands that fetch every source of `split` and write it in their layout (as their code does:
+    NeMo-Skills' `nemo_skills/dataset/speed-bench/prepare.py`, which `ns prepare_data` runs with its extra
+    arguments; Model Optimizer's `examples/specdec_bench/prepare_data.py`)."""
+    return (
+        f"NeMo-Skills' `ns prepare_data speed-bench --config {split}` (writes {split}.jsonl) or, in Model "
+        f"Optimizer's examples/specdec_bench, `python3 prepare_data.py --dataset speed --config {split}` (writes "
+        f"data/speed/{split}/test.parquet)"
+    )
+
+
 META_FIELDS = ("category", "sub_category", "source", "src_id", "difficulty", "multiturn")
 
 
@@ -66,12 +79,17 @@ def input_length(split: str) -> str | None:
 
 
 def parse_spec(spec: str) -> tuple[Path, str | None, list[str] | None]:
-    """(path, split or None, categories or None) of `speed-bench:PATH[:SPLIT[:CATEGORY,...]]`."""
+    """(path, split or None, categories or None) of `speed-bench:PATH[:SPLIT[:CATEGORY+...]]`."""
     parts = spec[len(PREFIX) :].split(":")
     if not parts[0] or len(parts) > 3:
-        raise FlashdraftError(f"--prompts {spec}: expected {SPEC}, e.g. speed-bench:data/speed-bench:qualitative:math")
+        raise FlashdraftError(
+            f"--prompts {spec}: expected {SPEC}, e.g. speed-bench:data/speed-bench:qualitative:math+coding"
+        )
     split = parts[1] if len(parts) > 1 and parts[1] else None
-    categories = [c.strip() for c in parts[2].split(",") if c.strip()] if len(parts) > 2 else None
+    categories = None
+    if len(parts) > 2:
+        named = parts[2].replace(",", "+").split("+")
+        categories = list(dict.fromkeys(c.strip() for c in named if c.strip()))
     if categories is not None and not categories:
         raise FlashdraftError(f"--prompts {spec}: no category after the split; expected {SPEC}")
     return Path(parts[0]), split, categories
@@ -88,6 +106,8 @@ def split_file(spec: str, path: Path, split: str | None) -> tuple[Path, str]:
         if split is not None and split != name:
             raise FlashdraftError(f"--prompts {spec}: {path} is the split {name!r}, not {split!r}; give the directory")
         return path, name
+    if (path / "test.parquet").is_file():  # one split's directory, as Model Optimizer's --dataset_path names it
+        return split_file(spec, path / "test.parquet", split)
     split = split or QUALITATIVE
     candidates = [
         path / f"{split}.jsonl",  # NeMo-Skills
@@ -133,7 +153,7 @@ def speed_bench_requests(spec: str) -> tuple[list[Request], str]:
     if placeholders:
         raise FlashdraftError(
             f"{file}: {len(placeholders)} of {len(rows)} rows hold the placeholder {PLACEHOLDER!r} (their source was "
-            f"not fetched; first: {placeholders[0]}); fetch them with {FETCH_COMMAND}, then read the data it writes"
+            f"not fetched; first: {placeholders[0]}); fetch them with {fetch_command(split)}, then read what it writes"
         )
     requests, seen = [], {}
     for index, (loc, row) in enumerate(rows):
@@ -224,15 +244,28 @@ def _turns(row: dict[str, Any], loc: str) -> tuple[list[dict[str, Any]], list[st
 
 
 def per_category_specs(spec: str) -> list[str]:
-    """A SPEED-Bench spec without categories as one spec per category it holds (on a throughput split: per entropy
-    tier), so a served run measures each apart, as the servers' counters count a whole run; with categories, as
-    given. `bench` runs each as a prompt set."""
+    """A SPEED-Bench spec as one spec per category it names, or without categories per category it holds (on a
+    throughput split: per entropy tier), so a served run measures each apart, as the servers' counters count a
+    whole run. `bench` runs each as a prompt set."""
     path, split, wanted = parse_spec(spec)
-    if wanted is not None:
-        return [spec]
-    requests, _ = speed_bench_requests(spec)
+    requests, _ = speed_bench_requests(spec)  # refuses a category the split does not hold
     named = split if split is not None and path.is_dir() else ""
-    return [f"{PREFIX}{path}:{named}:{c}" for c in sorted({r.meta["category"] for r in requests})]
+    categories = wanted if wanted is not None else sorted({r.meta["category"] for r in requests})
+    return [f"{PREFIX}{path}:{named}:{c}" for c in categories]
+
+
+def misread_category(previous: str, piece: str) -> str | None:
+    """Why `piece`, following the prompt set `previous` in a comma-separated list (`bench --prompts`), is a
+    SPEED-Bench category cut from it rather than a prompt set of its own, or None: a bare category name right after
+    a spec that names categories."""
+    if not is_speed_bench(previous) or previous.count(":") < 3 or ":" in piece or "/" in piece:
+        return None
+    if piece not in CATEGORIES + ENTROPY_TIERS or Path(piece).exists():
+        return None
+    return (
+        f"{piece!r} after {previous!r} reads as a prompt set of its own (commas separate prompt sets); join "
+        f"SPEED-Bench categories with '+': {previous}+{piece}"
+    )
 
 
 def labels(meta: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -23,6 +23,7 @@ from flashdraft.drafter.rope import as_scaling, target_theta
 from flashdraft.drafter.run_dir import drafter_config_path, load_any_drafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel, pick_mask_token
+from flashdraft.target.per_layer import common_value
 from flashdraft.target.weights import TargetHead
 
 # Layer types as `init --layer-types` accepts them: the short names and the config's own.
@@ -62,22 +63,23 @@ def parse_layer_types(value: str) -> list[str]:
 def _drafter_head_dim(tc) -> int:
     """A fresh drafter's head_dim: the target's. MLA targets (DeepSeek-V3, GLM-4.7-Flash) have no single one (their
     config's head_dim is the RoPE part of a query, 64 of 192 in DeepSeek-V3): their value heads' width (128 there),
-    a width every attention kernel serves."""
+    a width every attention kernel serves. Where head_dim varies by layer (Gemma 4's full-attention layers), the width
+    most layers have."""
     if getattr(tc, "kv_lora_rank", None):
         return tc.v_head_dim
-    return getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    return common_value(tc, "head_dim") or tc.hidden_size // common_value(tc, "num_attention_heads")
 
 
 def _target_fields(target: TargetModel) -> dict:
     """What a fresh drafter copies from the target (no --config)."""
     tc = target.config
-    heads = tc.num_attention_heads
+    heads = common_value(tc, "num_attention_heads")
     return dict(
         hidden_size=tc.hidden_size,
         num_attention_heads=heads,
-        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        num_key_value_heads=common_value(tc, "num_key_value_heads") or heads,
         head_dim=_drafter_head_dim(tc),
-        intermediate_size=tc.intermediate_size,
+        intermediate_size=common_value(tc, "intermediate_size"),
         vocab_size=target.vocab_size,
         num_target_layers=target.num_layers,
         rms_norm_eps=getattr(tc, "rms_norm_eps", None) or getattr(tc, "layer_norm_epsilon", None) or 1e-6,

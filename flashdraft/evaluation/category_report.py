@@ -59,6 +59,57 @@ def category_rows(figures: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return HEADER, rows
 
 
+# the figures a reference is shown beside the drafter with: (column, key; first_turn's step-weighted for "first_turn")
+COMPARED = (
+    ("τ per request", "tau_request_mean"),
+    ("τ step-weighted", "tau_step_weighted"),
+    ("τ 1st turn", "first_turn"),
+    ("accept rate", "acceptance_rate"),
+)
+
+
+def _figure(c: dict[str, Any] | None, key: str) -> Any:
+    if c is None:
+        return None
+    return c["first_turn"]["tau_step_weighted"] if key == "first_turn" else c[key]
+
+
+def comparison_rows(figures: dict[str, Any], reference: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Header and one row per category (the overall last): each figure of the drafter, the reference's beside it,
+    and their difference (drafter - reference)."""
+    header = ["category", "rows", "turns"]
+    for name, _ in COMPARED:
+        header += [name, "reference", "difference"]
+    theirs = {c["category"]: c for c in reference["categories"] + [reference["overall"]]}
+    rows = []
+    for c in figures["categories"] + [figures["overall"]]:
+        row = [c["category"], str(c["rows"]), str(c["turns"])]
+        for _, key in COMPARED:
+            mine, ref = _figure(c, key), _figure(theirs.get(c["category"]), key)
+            row += [_fmt(mine), _fmt(ref), _fmt(mine - ref if mine is not None and ref is not None else None)]
+        rows.append(row)
+    return header, rows
+
+
+def _reference_figures(summary: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The reference's name and τ by category where both it and the drafter have one."""
+    reference = summary.get("reference") or {}
+    if not summary.get("by_category") or not reference.get("by_category"):
+        return None
+    return reference.get("checkpoint", "reference"), reference["by_category"]
+
+
+def comparison_text(summary: dict[str, Any]) -> str | None:
+    """The terminal's drafter-beside-reference table by category, or None without a reference or categories."""
+    found = _reference_figures(summary)
+    if found is None:
+        return None
+    name, reference = found
+    return (
+        f"drafter vs reference {name} by category:\n{text_table(*comparison_rows(summary['by_category'], reference))}"
+    )
+
+
 def category_text(figures: dict[str, Any] | None, title: str = "by category") -> str | None:
     """The terminal's table, or None where the records have no category."""
     if not figures:
@@ -128,10 +179,10 @@ def write_category_plots(figures: dict[str, Any], out_dir: Path, prefix: str = "
 
 
 def category_texts(summary: dict[str, Any]) -> list[str]:
-    """The terminal's tables of an eval summary: its walk's, then each tree budget's (`eval --tree`), where the
-    records have categories (the served ones are `served.format_served`'s)."""
+    """The terminal's tables of an eval summary: its walk's, the reference's beside it, then each tree budget's
+    (`eval --tree`), where the records have categories (the served ones are `served.format_served`'s)."""
     trees = summary.get("trees") or {}
-    texts = [category_text(summary.get("by_category"))]
+    texts = [category_text(summary.get("by_category")), comparison_text(summary)]
     texts += [
         category_text(r.get("by_category"), f"tree {trees['rule']} budget {r['budget']} by category")
         for r in trees.get("budgets", [])
@@ -140,9 +191,22 @@ def category_texts(summary: dict[str, Any]) -> list[str]:
 
 
 def category_sections(summary: dict[str, Any], out_dir: Path) -> list[str]:
-    """The report's sections and plots of an eval summary: its walk's, the engine's counters' (`--served`) and each
-    tree budget's (accept rate: accepted over the nodes verified)."""
+    """The report's sections and plots of an eval summary: its walk's, the reference's beside it and its own, the
+    engine's counters' (`--served`) and each tree budget's (accept rate: accepted over the nodes verified)."""
     lines = category_section(summary.get("by_category"), out_dir)
+    found = _reference_figures(summary)
+    if found is not None:  # the reference's figures beside the drafter's, then its own table and plots
+        name, reference = found
+        lines += [
+            f"## Drafter vs reference {name} by category",
+            "",
+            "Each figure of the drafter, the reference's on the same records beside it, and the difference "
+            "(drafter - reference).",
+            "",
+            markdown_table(*comparison_rows(summary["by_category"], reference)),
+            "",
+        ]
+        lines += category_section(reference, out_dir, f"Reference {name} by category", prefix="reference_")
     served = (summary.get("served") or {}).get("by_category")
     lines += category_section(served, out_dir, "Served by category (the engine's counters)", prefix="served_")
     trees = summary.get("trees") or {}

@@ -119,7 +119,7 @@ def records_from_cache(cache, num_records: int | None = None) -> list[EvalRecord
     """Records of a `flashdraft.data.cache_reader.HiddenStateCache`: listing them reads token ids only;
     each record reads its features when it is evaluated, so memory holds one record's at a time."""
     records = []
-    ids, prompt_lengths = cache.ids, cache.prompt_lengths
+    ids, prompt_lengths, metas = cache.ids, cache.prompt_lengths, cache.metas
     rows = cache.manifest.get("records") or []
     for index in range(len(cache) if num_records is None else min(len(cache), num_records)):
         tokens, p = cache.token_ids(index).tolist(), prompt_lengths[index]
@@ -133,9 +133,19 @@ def records_from_cache(cache, num_records: int | None = None) -> list[EvalRecord
                 load_features=lambda index=index: cache.features(index),
                 feature_dtype=cache.dtype,
                 chat_template_kwargs=row.get("chat_template_kwargs"),
+                **request_fields(metas[index]),
             )
         )
     return records
+
+
+def request_fields(meta: dict | None) -> dict:
+    """A stored record's benchmark labels (a completions or cache record's `meta`, `data.completions.request_meta`)
+    as the EvalRecord fields a prompt source fills: its labels, the request and the turn; {} for none."""
+    if meta is None:
+        return {}
+    labels = {k: v for k, v in meta.items() if k not in ("question_id", "turn")}
+    return {"meta": labels, "request_id": meta.get("question_id"), "turn": meta.get("turn", 0)}
 
 
 def load_eval_records(
@@ -189,6 +199,7 @@ def load_eval_records(
                 chat_template_kwargs=r.chat_template_kwargs,
                 messages=r.messages if r.prompt_truncated_from is None else None,
                 tools=r.tools,
+                **request_fields(r.meta),
             )
             for r in loaded
         ]

@@ -26,6 +26,7 @@ from flashdraft.drafter.long_context import serving_guards
 from flashdraft.drafter.server_fields import SGLANG, VLLM, fields_set
 from flashdraft.errors import FlashdraftError
 from flashdraft.serving.chat_mode import trained_mode_lines
+from flashdraft.serving.drafter_precision import check_drafter_precision
 from flashdraft.serving.engine_support import engine_support
 from flashdraft.serving.family_rules import (
     FULL,
@@ -197,6 +198,7 @@ def check_serving(
     index = [path / INDEX_NAME] if (path / INDEX_NAME).is_file() else []
     _check_file_modes(path, [path / "config.json", *files, *index], checks)
     _check_server_fields(raw, checks)
+    check_drafter_precision(raw, target, checks)  # the dtype exported, and what servers do beside a quantised target
     if carried:  # DeepSpec's frozen copies of the target's: identical serving only if they still are
         checks.warn(
             f"own vocabulary tensors: {', '.join(carried)} [{cfg.vocab_size}, {cfg.hidden_size}]: {VLLM} "

@@ -211,6 +211,14 @@ def read_logit_transform(model: nn.Module, decoder: nn.Module, where: str = "the
     device = next(model.parameters()).device
     ids = (torch.arange(8, device=device) % max(2, config.vocab_size - 1) + 1)[None]
     own = model(input_ids=ids).logits.float()
+    if not torch.isfinite(own).all():  # an fp16 target whose residual stream overflows: named, layer and value
+        from flashdraft.target.overflow import overflow_in_forward
+
+        overflow = overflow_in_forward(decoder, ids)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        if overflow is not None:
+            raise FlashdraftError(overflow.line(where, dtype))
+        raise FlashdraftError(f"{where}: its logits on a probe of 8 tokens are not finite (computing in {dtype})")
     head = model.get_output_embeddings()(decoder(input_ids=ids).last_hidden_state).float()
     tolerance = 1e-4 if own.dtype == torch.float32 and head.dtype == torch.float32 else 2e-2
     size = own.abs().max().clamp_min(1e-6)

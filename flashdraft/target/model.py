@@ -45,6 +45,16 @@ from flashdraft.target.layer_kinds import (
 from flashdraft.target.linear_attention import BlockRecord, install_short_block_path, state_after
 from flashdraft.target.mamba import is_mamba, mamba_backend, recurrent_mixer
 from flashdraft.target.mla import align_mla_heads
+from flashdraft.target.quantisation import (
+    Quantisation,
+    identity_of,
+    is_quantisation_parameter,
+    quantisation_config_of,
+    quantisation_of,
+)
+from flashdraft.target.quantisation import (
+    load_error as quantised_load_error,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub: targets are local directories
 # transformers warns on every process that fla is absent; flashdraft reports the backend itself
@@ -115,23 +125,28 @@ def strided_sample(t: torch.Tensor) -> torch.Tensor:
     return flat[:: sample_stride(flat.numel())].float().cpu()
 
 
-def fingerprint_of(config, tokenizer, samples) -> str:
+def fingerprint_of(config, tokenizer, samples, quantised: str = "") -> str:
     """Hash of the text config, the vocabulary and (state dict name, strided sample) pairs in
-    sorted name order: what identifies a target, however and wherever it was loaded."""
+    sorted name order: what identifies a target, however and wherever it was loaded. `quantised`: a quantised
+    target's scheme (`quantisation.identity_of` its config); its scales are then left out, being in its weights."""
     h = hashlib.sha256()
-    # where and in which dtype the target was loaded must not change its identity
+    # where and in which dtype the target was loaded must not change its identity (nor whether a quantised one's
+    # weights are compressed, on disk, or decompressed, in memory: its scheme is hashed instead)
     config = {
         k: v
         for k, v in config.to_dict().items()
-        if k not in ("_name_or_path", "dtype", "torch_dtype", "transformers_version")
+        if k not in ("_name_or_path", "dtype", "torch_dtype", "transformers_version", "quantization_config")
     }
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    h.update(quantised.encode())
     h.update(str(sorted(tokenizer.get_vocab().items())).encode())
     for name, sample in samples:
         if ".experts." in name:
             # routed experts: transformers 5 fuses them on load (experts.gate_up_proj) while checkpoints store
             # them per expert, so neither side can name them as the other does; the router and the rest identify
             continue
+        if quantised and is_quantisation_parameter(name):
+            continue  # scales and zero points: the dequantised weights they make are hashed (quantisation.py)
         h.update(name.encode())
         h.update(sample.numpy().tobytes())
     return h.hexdigest()[:16]
@@ -281,13 +296,41 @@ class TargetModel:
 
         hf_logging.disable_progress_bar()  # "Loading weights" bars would bury flashdraft's own output
         path = resolve_target_path(name_or_path)
+        quantisation = None
         try:
-            read_support(AutoConfig.from_pretrained(path, **HF_LOCAL), str(path))  # before the weights load
+            config = AutoConfig.from_pretrained(path, **HF_LOCAL)
+            read_support(config, str(path))  # before the weights load
+            quantisation = quantisation_config_of(config)
             tokenizer = AutoTokenizer.from_pretrained(path, **HF_LOCAL)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **HF_LOCAL)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **HF_LOCAL).to(device)
         except (OSError, ValueError, KeyError) as e:
+            if quantisation is not None:
+                raise quantised_load_error(path, quantisation, e) from None
             raise hf_load_error(path, "the target model", e) from None
-        return cls(model.to(device), tokenizer, path)
+        except (ImportError, RuntimeError, NotImplementedError, TypeError, AttributeError) as e:
+            if quantisation is None:
+                raise
+            # a scheme whose package or kernels this machine lacks: one line naming it, not transformers' traceback
+            raise quantised_load_error(path, quantisation, e) from None
+        target = cls(model, tokenizer, path)
+        if quantisation is not None:
+            target._probe_quantised_forward(quantisation)
+        return target
+
+    def _probe_quantised_forward(self, quantisation: dict) -> None:
+        """One token through a quantised target: a scheme whose kernels do not run on this device (vLLM's and
+        transformers' fp32 CPU paths lack some) fails here in one line rather than in the middle of a command."""
+        try:
+            with torch.no_grad():
+                out = self.decoder(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device))
+                self.lm_head(out.last_hidden_state)
+        except Exception as e:  # any kernel failure: reported with the scheme named
+            raise quantised_load_error(self.path, quantisation, e) from None
+
+    @functools.cached_property
+    def quantisation(self) -> Quantisation:
+        """The target's quantisation (scheme, quantised layers, LM head dtype), read from its config and files."""
+        return quantisation_of(self.model.config, self.path, self.model)
 
     # -- facts -----------------------------------------------------------------------
 
@@ -338,7 +381,7 @@ class TargetModel:
         """A cheap hash of config, tokenizer and weights (a strided sample of every tensor);
         `flashdraft.target.weights.TargetHead` computes the same value from the files alone."""
         samples = ((name, strided_sample(t)) for name, t in sorted(self.model.state_dict().items()))
-        return fingerprint_of(self.config, self.tokenizer, samples)
+        return fingerprint_of(self.config, self.tokenizer, samples, identity_of(self.model.config))
 
     # -- frozen pieces borrowed by the drafter ----------------------------------------
 

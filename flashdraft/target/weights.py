@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import struct
 from dataclasses import dataclass
 from functools import cached_property
@@ -46,23 +45,25 @@ from flashdraft.target.model import (
     sample_stride,
     stop_token_ids_of,
 )
+from flashdraft.target.per_layer import layer_value
+from flashdraft.target.quantisation import (
+    QUANTISATION_PARAMETERS,
+    QUANTISED_DTYPES,
+    SAFETENSORS_DTYPES,
+    Quantisation,
+    dequantised_sample,
+    identity_of,
+    is_quantisation_parameter,
+    is_quantised_checkpoint,
+    quantisation_config_of,
+    read_quantisation,
+    stored_format,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CHUNK_BYTES = 64 << 20  # read size: bounds the transient memory of a conversion
 SAMPLE_SCRATCH_BYTES = 1 << 20  # tensors up to this size are read whole (into one reused buffer) for their sample
-SAFETENSORS_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 # Qwen3.5/3.6 checkpoints (vision-language layout) keep the text model under this prefix;
 # transformers loads it as `model.` (its PrefixChange for qwen3_5_text)
 LANGUAGE_MODEL_PREFIX = "model.language_model."
@@ -314,11 +315,16 @@ class TargetHead:
         return stop_token_ids_of(self.generation_config, self.config, self.tokenizer)
 
     @cached_property
-    def _layout(self) -> _Layout:
+    def _meta_model(self):
+        """The model built on the meta device (modules without memory: only names, classes and shapes are used)."""
         from transformers import AutoModelForCausalLM
 
-        with torch.device("meta"):  # modules without memory: only their names and classes are used
-            model = AutoModelForCausalLM.from_config(self.full_config)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(self.full_config)
+
+    @cached_property
+    def _layout(self) -> _Layout:
+        model = self._meta_model
         names = {id(m): n for n, m in model.named_modules()}
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         norm = final_norm_of(decoder_of(model))
@@ -339,39 +345,97 @@ class TargetHead:
 
     def _source(self, name: str) -> StoredTensor | None:
         """The stored tensor whose values the loaded model holds under `name` (under its checkpoint name where
-        transformers renames it on load: Mixtral's `block_sparse_moe` is its `mlp`)."""
+        transformers renames it on load: Mixtral's `block_sparse_moe` is its `mlp`, Granite 4.0's router
+        `router.layer` its `router`)."""
         name = self._lm_head_source[0] if name == self._layout.lm_head_name else name
         found = self.files.find(name)
-        for stored, loaded in [] if found is not None else self._renames:
-            if loaded in name and (found := self.files.find(name.replace(loaded, stored))) is not None:
-                break
+        if found is None and name in self._stored_name_of:
+            found = self.files.tensors[self._stored_name_of[name]]
         return found
 
     @cached_property
-    def _renames(self) -> list[tuple[str, str]]:
-        """(stored, loaded) name pieces of transformers' plain renamings on load for this model type."""
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    def _stored_name_of(self) -> dict[str, str]:
+        """Loaded name -> stored name of every stored tensor that loading renames without transforming, by
+        transformers' own renaming (its `rename_source_key` with this model's `WeightRenaming`s: regular
+        expressions, prefix changes). Tensors a converter transforms (routed experts fused into one) are left out:
+        their values are not the stored ones."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
 
-        plain = re.compile(r"^[\w.]+$")  # no regex beyond the literal dots
-        pairs = []
-        for rule in get_checkpoint_conversion_mapping(self.config.model_type) or []:
-            if type(rule).__name__ == "WeightRenaming":
-                sources, targets = getattr(rule, "source_patterns", []), getattr(rule, "target_patterns", [])
-                pairs += [(a, b) for a, b in zip(sources, targets, strict=False) if plain.match(a) and plain.match(b)]
-        return pairs
+        model = self._meta_model
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+        loaded_names = set(self._layout.state_dict_names)
+        meta = dict.fromkeys(loaded_names, True)
+        stored_name_of = {}
+        for stored in self.files.tensors:
+            loaded, converted_by = rename_source_key(
+                stored,
+                renamings,
+                converters,
+                base_model_prefix=model.base_model_prefix,
+                meta_state_dict=meta,
+            )
+            if converted_by is None and loaded != stored and loaded in loaded_names:
+                stored_name_of.setdefault(loaded, stored)
+        return stored_name_of
 
     def fingerprint(self) -> str:
-        """`TargetModel.fingerprint()` of this target loaded in `self.dtype`, from samples of the files."""
+        """`TargetModel.fingerprint()` of this target loaded in `self.dtype`, from samples of the files. A quantised
+        target's weights are sampled as it computes with them, dequantised (`quantisation.dequantised_sample`); a
+        stored layout that is not read sample by sample (packed int4, NVFP4) is fingerprinted by loading it."""
         samples, scratch = [], bytearray(SAMPLE_SCRATCH_BYTES)
+        qc = quantisation_config_of(self.full_config)
         for name in self._layout.state_dict_names:
             stored = self._source(name)
             if stored is None:
+                module = name.rsplit(".", 1)[0] + "."
+                if qc is not None and any(
+                    n.startswith(module) and is_quantisation_parameter(n) for n in self.files.tensors
+                ):
+                    return self._fingerprint_by_loading()  # a weight stored packed, under other names (int4, GPTQ)
                 continue  # absent from the files (see the module docstring)
             sample = self.files.strided_sample(stored, scratch)
+            if qc is not None and stored.dtype in QUANTISED_DTYPES:
+                sample = self._dequantised(stored, sample, stored_format(qc))
+                if sample is None:
+                    return self._fingerprint_by_loading()
             if sample.is_floating_point():
                 sample = sample.to(self.dtype)  # the rounding that loading in self.dtype does
             samples.append((name, sample.float()))
-        return fingerprint_of(self.config, self.tokenizer, samples)
+        return fingerprint_of(self.config, self.tokenizer, samples, identity_of(self.full_config))
+
+    def _dequantised(
+        self, stored: StoredTensor, values: torch.Tensor, fmt: str, stride: int = 0
+    ) -> torch.Tensor | None:
+        """A quantised weight's values at every `stride`-th element (0: the fingerprint's stride), as the loaded model
+        holds them (fp32); None if its layout is not computed element by element."""
+        module = stored.name.rsplit(".", 1)[0]
+        parameters = {
+            p: self.files.read(self.files.tensors[f"{module}.{p}"], torch.float32, torch.device("cpu"))
+            for p in QUANTISATION_PARAMETERS
+            if f"{module}.{p}" in self.files.tensors
+        }
+        indices = torch.arange(0, stored.numel, stride or sample_stride(stored.numel))
+        return dequantised_sample(values, stored.shape, indices, parameters, fmt)
+
+    def _fingerprint_by_loading(self) -> str:
+        print(
+            f"target {self.path}: {self.quantisation.scheme} weights are not read sample by sample; loading the "
+            f"model for its fingerprint",
+            flush=True,
+        )
+        if self._model is None:
+            self._model = TargetModel.load(self.path, self.device, self.dtype)
+        return self._model.fingerprint()
+
+    @cached_property
+    def quantisation(self) -> Quantisation:
+        """The target's quantisation (scheme, quantised layers, LM head dtype), from its config and files."""
+        dtypes = {n: t.dtype for n, t in self.files.tensors.items()}
+        head = self.files.find(self._lm_head_source[0])
+        return read_quantisation(self.full_config, dtypes, head.name if head is not None else self._lm_head_source[0])
 
     # -- the frozen pieces -------------------------------------------------------------------
 
@@ -388,14 +452,29 @@ class TargetHead:
     @cached_property
     def embed_weight(self) -> torch.Tensor:  # [vocab, hidden]
         stored = self._stored_matrix(self._layout.embed_name, "the input embedding")
-        return self.files.read(stored, self.dtype, self.device)
+        return self._read_matrix(stored, "the input embedding")
 
     @cached_property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
         name, what = self._lm_head_source
         if name == self._layout.embed_name:
             return self.embed_weight
-        return self.files.read(self._stored_matrix(name, what), self.dtype, self.device)
+        return self._read_matrix(self._stored_matrix(name, what), what)
+
+    def _read_matrix(self, stored: StoredTensor, what: str) -> torch.Tensor:
+        """A stored matrix as the loaded model holds it: dequantised where it is stored quantised (an LM head a
+        scheme did not leave out)."""
+        if stored.dtype not in QUANTISED_DTYPES or not is_quantised_checkpoint(self.full_config):
+            return self.files.read(stored, self.dtype, self.device)
+        values = self.files.read(stored, stored.dtype, torch.device("cpu")).reshape(-1)
+        fmt = stored_format(quantisation_config_of(self.full_config))
+        weight = self._dequantised(stored, values, fmt, stride=1)
+        if weight is None:
+            raise FlashdraftError(
+                f"{stored.file}: tensor '{stored.name}' ({what}) is stored {self.quantisation.scheme} in a layout "
+                f"read only by loading the model; evaluate and train online (--completions) with this target"
+            )
+        return weight.reshape(stored.shape).to(self.dtype).to(self.device)
 
     def _stored_matrix(self, name: str, what: str) -> StoredTensor:
         stored = self.files.require(name, what)
@@ -450,8 +529,9 @@ class TargetHead:
             if full in self._layout.norm_classes:
                 tensor = norm_multiplier(self._layout.norm_classes[full], tensor)
             weights[name] = tensor
-        head_dim = getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
-        query_rows = self.config.num_attention_heads * head_dim
+        heads = layer_value(self.config, "num_attention_heads", layer_id)
+        head_dim = layer_value(self.config, "head_dim", layer_id) or self.hidden_size // heads
+        query_rows = heads * head_dim
         q = weights["self_attn.q_proj.weight"]  # [heads * head_dim (* 2 when gated), hidden]
         if q.shape[0] == 2 * query_rows:
             weights["self_attn.q_proj.weight"] = q.view(-1, 2, head_dim, q.shape[1])[:, 0].reshape(query_rows, -1)

@@ -66,6 +66,8 @@ class TrainConfig:
     first_draft_position: int = field(default=1, metadata={"recorded": True})  # the layout: 0 anchor-first (DSpark)
     data_fingerprint: str = field(default="", metadata={"recorded": True})
     target_fingerprint: str = field(default="", metadata={"recorded": True})
+    # the target's quantisation (flashdraft.target.quantisation): the scheme whose states the drafter learnt from
+    target_quantisation: dict | None = field(default=None, metadata={"recorded": True})
 
     @classmethod
     def option_names(cls) -> list[str]:

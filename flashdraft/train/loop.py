@@ -43,6 +43,7 @@ from flashdraft.files import DiskFullError, write_text_atomic
 from flashdraft.progress import Progress
 from flashdraft.stop import StopRequests
 from flashdraft.target.model import TargetModel
+from flashdraft.target.quantisation import quantisation_record
 from flashdraft.train.config import RESUMABLE_CHANGES, TrainConfig
 from flashdraft.train.engine_feed import EngineLost
 from flashdraft.train.held_out import check_keep_best, held_out_metrics, keep_if_best
@@ -277,6 +278,7 @@ def recorded_config(cfg: TrainConfig, drafter: DFlashDrafter, target: TargetMode
         block_size=dcfg.block_size,
         first_draft_position=dcfg.first_draft_position,
         target_fingerprint=cfg.target_fingerprint or target.fingerprint(),
+        target_quantisation=cfg.target_quantisation or quantisation_record(target),
     )
 
 

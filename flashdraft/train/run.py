@@ -80,6 +80,21 @@ def load_training_records(
     return OnlineRecords(sequences, target, layer_ids, min(online_topk, target.vocab_size)), _digest(Path(completions))
 
 
+def _check_fp16_range(records, target, layer_ids: list[int], probes: int = 4) -> None:
+    """An fp16 target training online: its states on the first `probes` records must stay within fp16's range,
+    checked before any step (an overflow names the layer and the largest value; `flashdraft.target.overflow`)."""
+    if not isinstance(records, OnlineRecords) or target.dtype != torch.float16:
+        return
+    from flashdraft.target.overflow import fp16_overflow
+
+    target.set_context_layers(layer_ids)
+    for k, record in enumerate(records.records[:probes]):
+        features = target.forward(record.input_ids[None].to(target.device)).context_features[0]
+        overflow = fp16_overflow(features, layer_ids, target.hidden_size)
+        if overflow is not None:
+            raise FlashdraftError(overflow.line(f"training record {k}", "float16"))
+
+
 def data_mode_mix(records) -> dict | None:
     """The chat mode mix of training records (a cache's manifest rows or online sequences), `chat_mode.mode_mix`."""
     from flashdraft.data.chat_mode import mode_mix
@@ -359,6 +374,7 @@ def run_training(cfg: TrainConfig, run: TrainRun) -> Path:
             target, layer_ids, run.cached_hidden_states, run.completions, run.allow_foreign, run.verify, online_topk
         )
         _check_loss_inputs(cfg, records, needs_target, run.cached_hidden_states or run.completions)
+        _check_fp16_range(records, target, layer_ids)
         drafter = _with_vocabulary(drafter, run.draft_vocab_size, records, target, cfg, dist)
         _record_mode(drafter, records, resumed=run.resume and latest_checkpoint(run_dir) is not None, main=dist.is_main)
         eval_records, tau_records = _held_out_records(

@@ -12,6 +12,7 @@ from flashdraft.drafter.doctor_report import Checks
 from flashdraft.errors import FlashdraftError
 from flashdraft.safe_load import UnsafeFileError
 from flashdraft.target.model import TargetModel
+from flashdraft.target.quantisation import Quantisation, mismatch
 
 
 def check_run(path: Path, target: TargetModel | None, checks: Checks, verify: bool, single: bool = False) -> None:
@@ -125,6 +126,9 @@ def _check_run_config(config_path: Path, drafter_dir: Path, target: TargetModel 
         f"{run.get('data_fingerprint')}, lr {run.get('lr')}, batch {run.get('batch_size')} x "
         f"{run.get('grad_accum')}, loss decay gamma {run.get('loss_decay_gamma')}"
     )
+    recorded = Quantisation.from_record(run.get("target_quantisation"))
+    if recorded is not None:
+        checks.about(f"run_config.json: trained on the states of a target quantised {recorded.describe()}")
     for name, want in [
         ("target_layer_ids", cfg.target_layer_ids),
         ("mask_token_id", cfg.mask_token_id),
@@ -146,3 +150,6 @@ def _check_run_config(config_path: Path, drafter_dir: Path, target: TargetModel 
             + ("equals" if run["target_fingerprint"] == fp else f"differs from {target.path}'s {fp}"),
             "the run trained against another target (other weights or tokenizer): evaluate with that one",
         )
+        quantised = mismatch(recorded, getattr(target, "quantisation", None))
+        if quantised is not None:  # a drafter evaluated against its target served quantised: said, not refused
+            checks.about(f"the run's target states were {quantised}: τ against it is the quantised τ")

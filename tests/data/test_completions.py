@@ -31,13 +31,20 @@ def test_loader_skips_invalid_records_saying_why_and_refuses_another_target(hybr
         dict(good, id="badstop", stop_reason="maybe"),
         dict(good, id="q1"),  # duplicate id
         dict(good, id="notype", prompt_ids="1 2"),
+        dict(good, id="labelled", meta={"category": "math", "split": "qualitative", "question_id": "r", "turn": 1}),
+        dict(good, id="badmeta", meta={"category": 3}),
+        dict(good, id="badturn", meta={"category": "math", "turn": -1}),
     ]
     path.write_text(json.dumps(data))
     capsys.readouterr()
     loaded = load_completions(path, target)
     out = capsys.readouterr().out
-    assert [r.id for r in loaded] == ["q0", "q1", "q2"] and len(loaded.skipped) == 5
-    assert "c.json: 3 of 8 records valid" in out
+    assert [r.id for r in loaded] == ["q0", "q1", "q2", "labelled"] and len(loaded.skipped) == 7
+    assert "c.json: 4 of 11 records valid" in out
+    # a benchmark row's labels are optional (files without them still read) and checked where given
+    assert loaded[0].meta is None and loaded[3].meta["category"] == "math"
+    assert "skipped badmeta: field 'meta.category' is 3; expected a string" in out
+    assert "skipped badturn: field 'meta.turn' is -1; expected an integer >= 0" in out
     assert f"skipped oov: completion_ids has 1 ids outside the vocabulary 0..{VOCAB - 1} (first: {VOCAB + 5})" in out
     assert "skipped empty: empty completion" in out and "skipped q1: duplicate id" in out
     assert "skipped badstop: stop_reason is 'maybe'" in out and "skipped notype: field 'prompt_ids' is str" in out
@@ -45,7 +52,7 @@ def test_loader_skips_invalid_records_saying_why_and_refuses_another_target(hybr
     other = make_target("hybrid", seed=1)
     with pytest.raises(FlashdraftError, match="made by target fingerprint .* completions must come from the target"):
         load_completions(path, other)
-    assert len(load_completions(path, other, allow_foreign=True, quiet=True)) == 3
+    assert len(load_completions(path, other, allow_foreign=True, quiet=True)) == 4
     path.write_text(path.read_text()[:200])
     with pytest.raises(FlashdraftError, match="not valid JSON"):
         load_completions(path)

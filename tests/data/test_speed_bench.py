@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flashdraft.data.prompts import load_prompts
-from flashdraft.data.speed_bench import FETCH_COMMAND, PLACEHOLDER
+from flashdraft.data.speed_bench import PLACEHOLDER, fetch_command
 from flashdraft.errors import FlashdraftError
 from tests.conftest import run_cli
 from tests.data.speed_bench_files import speed_bench_rows, write_model_optimizer, write_nemo_skills
@@ -37,8 +37,13 @@ def test_both_layouts_read_as_the_same_requests_each_turn_in_order_with_its_cate
     throughput = load_prompts(f"speed-bench:{modelopt}/data/speed/throughput_1k/test.parquet", quiet=True)
     assert {p.meta["split"] for p in throughput} == {"throughput_1k"}
     assert {p.meta["category"] for p in throughput} == {"low_entropy", "high_entropy"}
-    chosen = load_prompts(f"speed-bench:{nemo}:qualitative:math,writing", quiet=True)
-    assert [p.meta["category"] for p in chosen] == ["math", "math", "writing", "writing"]
+    # Model Optimizer's --dataset_path form: one split's directory
+    by_directory = load_prompts(f"speed-bench:{modelopt}/data/speed/throughput_1k", quiet=True)
+    assert [p.id for p in by_directory] == [p.id for p in throughput]
+    # categories joined with '+' (',' too where --prompts holds one spec)
+    for joined in ("math+writing", "math,writing"):
+        chosen = load_prompts(f"speed-bench:{nemo}:qualitative:{joined}", quiet=True)
+        assert [p.meta["category"] for p in chosen] == ["math", "math", "writing", "writing"]
     assert load_prompts(f"speed-bench:{nemo}/throughput_1k.jsonl", quiet=True)[0].meta["split"] == "throughput_1k"
 
 
@@ -46,7 +51,8 @@ def test_placeholder_rows_are_refused_with_their_count_and_the_command_that_fetc
     root = write_nemo_skills(tmp_path, {"qualitative": speed_bench_rows(placeholders=2)})
     with pytest.raises(FlashdraftError, match=f"2 of 6 rows hold the placeholder {PLACEHOLDER!r}") as e:
         load_prompts(f"speed-bench:{root}", quiet=True)
-    assert FETCH_COMMAND in str(e.value) and "\n" not in str(e.value)
+    assert fetch_command("qualitative") in str(e.value) and "\n" not in str(e.value)
+    assert "`ns prepare_data speed-bench --config qualitative`" in str(e.value)  # NeMo-Skills' prepare step
     status, _, err = run_cli(
         capsys,
         "generate",
@@ -108,3 +114,18 @@ def test_a_split_without_categories_is_one_spec_per_category_for_bench(both_layo
     one_file = per_category_specs(f"speed-bench:{nemo}/qualitative.jsonl")
     assert one_file == [f"speed-bench:{nemo}/qualitative.jsonl::{c}" for c in ("coding", "math", "writing")]
     assert per_category_specs(f"speed-bench:{nemo}::math") == [f"speed-bench:{nemo}::math"]
+    # several categories named: one prompt set each
+    named = per_category_specs(f"speed-bench:{nemo}:qualitative:writing+math")
+    assert named == [f"speed-bench:{nemo}:qualitative:{c}" for c in ("writing", "math")]
+
+
+def test_bench_prompt_sets_keep_a_spec_naming_several_categories_and_refuse_one_cut_by_a_comma(both_layouts):
+    import argparse
+
+    from flashdraft.commands.bench import prompt_sets
+
+    nemo, _ = both_layouts
+    spec = f"speed-bench:{nemo}:qualitative:math+coding"
+    assert prompt_sets(f"{spec},builtin:code") == [spec, "builtin:code"]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"'coding' after .* join SPEED-Bench categories with '\+'"):
+        prompt_sets(f"speed-bench:{nemo}:qualitative:math,coding")

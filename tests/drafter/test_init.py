@@ -496,3 +496,15 @@ def test_a_fresh_drafter_for_mla_takes_the_value_width_and_for_nemotron_h_its_la
     mla = load_drafter(tmp_path / "d-deepseek_v3").config
     assert mla.head_dim == 64 and mla.num_attention_heads == 2  # v_head_dim 64; the config's head_dim is 32
     assert load_drafter(tmp_path / "d-nemotron_h").config.rms_norm_eps == 1e-5  # its layer_norm_epsilon
+
+
+def test_a_target_whose_head_dim_varies_by_layer_gets_the_width_most_layers_have(tmp_path, capsys):
+    """Gemma 4's full-attention layers have a head_dim of their own (transformers' per_layer_config): reading the
+    config's head_dim raises; init reads it per layer and takes the width of most layers."""
+    from tests.target.tiny_families import save_family_target
+
+    target = save_family_target(tmp_path / "gemma4", "gemma4_text")
+    rc, out, err = init(capsys, target, tmp_path / "d", "--draft-layers", "1")
+    assert rc == 0, err
+    written = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert written["head_dim"] == 64  # the sliding layers' (two of four; the full ones' 512 is the larger tie)

@@ -136,3 +136,73 @@ def test_speed_bench_in_either_layout_evaluates_every_turn_with_figures_by_categ
     assert (
         "by category of SPEED-Bench qualitative" in out and "## By category" in (tmp_path / "r/report.md").read_text()
     )
+
+
+def _same_figures(found, expected, where="by_category"):
+    """Nested figures equal: counts and labels exactly, τ and rates to 1e-9 (each is a ratio of the same integer
+    counts, computed in the same order)."""
+    if isinstance(expected, dict):
+        assert found.keys() == expected.keys(), where
+        for key in expected:
+            _same_figures(found[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, list):
+        assert len(found) == len(expected), where
+        for k, (a, b) in enumerate(zip(found, expected, strict=True)):
+            _same_figures(a, b, f"{where}[{k}]")
+    elif isinstance(expected, float):
+        assert found == pytest.approx(expected, rel=1e-9), where
+    else:
+        assert found == expected, where
+
+
+def test_completions_and_cache_carry_the_categories_so_offline_eval_reports_what_the_prompt_path_does(
+    capsys, tmp_path, speed_bench
+):
+    """The README pipeline on SPEED-Bench: generate -> cache -> eval offline from the cache (and from the
+    completions) reports the same by_category as eval --prompts speed-bench online over the same rows (greedy)."""
+    spec = f"speed-bench:{speed_bench['nemo']}"
+    common = ["--target-model", speed_bench["target"]]
+    # the n-gram reference accepts drafts on these rows (the random drafter hardly any): its figures too
+    evaluate = ["eval", "--checkpoint", speed_bench["drafter"], *common, "--reference", "ngram"]
+    status, _, err = run_cli(
+        capsys, "generate", *common, "--prompts", spec, "--out", tmp_path / "c.json", "--max-new-tokens", 8,
+        "--batch-size", 1, "--disable-thinking",
+    )  # fmt: skip
+    assert status == 0, err
+    stored = json.loads((tmp_path / "c.json").read_text())["records"]
+    qid = speed_bench["rows"][1]["question_id"]  # a two-turn row: its second turn's record
+    assert next(r for r in stored if r["id"] == f"{qid}/turn2")["meta"] == {
+        "category": "coding", "sub_category": "coding-sub", "source": "test", "src_id": "1", "difficulty": "easy",
+        "multiturn": True, "split": "qualitative", "question_id": qid, "turn": 1,
+    }  # fmt: skip
+    status, _, err = run_cli(
+        capsys, "cache", *common, "--completions", tmp_path / "c.json", "--out", tmp_path / "cache", "--layers", "0,2"
+    )
+    assert status == 0, err
+    figures = {}
+    for name, source in (
+        ("cache", ["--cached-hidden-states", tmp_path / "cache"]),
+        ("completions", ["--completions", tmp_path / "c.json"]),
+        ("prompts", ["--prompts", spec, "--max-new-tokens", 8, "--disable-thinking", "--online"]),
+    ):
+        report = tmp_path / "report"  # written once (its plots take seconds)
+        write = ["--report", report] if name == "cache" else []
+        status, out, err = run_cli(capsys, *evaluate, *source, "--json", tmp_path / f"{name}.json", *write)
+        assert status == 0, err
+        assert "by category of SPEED-Bench qualitative" in out, name
+        summary = json.loads((tmp_path / f"{name}.json").read_text())
+        figures[name] = {"drafter": summary["by_category"], "reference": summary["reference"]["by_category"]}
+        # the reference's figures beside the drafter's, in the terminal and the report
+        mine, theirs = (f["overall"]["tau_request_mean"] for f in figures[name].values())
+        row = ["overall", "4", "6", f"{mine:.3f}", f"{theirs:.3f}", f"{mine - theirs:.3f}"]
+        assert "drafter vs reference ngram by category" in out and row in [ln.split()[:6] for ln in out.splitlines()]
+        if write:
+            text = (report / "report.md").read_text()
+            assert "## Drafter vs reference ngram by category" in text and f"| {' | '.join(row)} |" in text
+            assert (report / "reference_tau_by_category.png").is_file()
+    assert [(c["category"], c["rows"], c["turns"]) for c in figures["cache"]["drafter"]["categories"]] == [
+        ("coding", 2, 3),
+        ("math", 2, 3),
+    ]
+    _same_figures(figures["cache"], figures["prompts"])
+    _same_figures(figures["completions"], figures["prompts"])

@@ -21,7 +21,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TINY_DIR, TargetModel
 from flashdraft.target.weights import TargetHead
 from tests.conftest import EOS, PAD, VOCAB, make_hf_model, make_tokenizer, save_target, write_word_prompts
-from tests.target.tiny_families import FAMILIES, save_family_target
+from tests.target.tiny_families import FAMILIES, MORE_TYPES, save_family_target
 
 
 def save_qwen36_layout(directory, seed: int = 0, moe: bool = False):
@@ -393,11 +393,13 @@ def test_attention_layer_weights_refuse_a_linear_attention_layer(targets):
         head.attention_layer_weights(0)
 
 
-@pytest.mark.parametrize("model_type", list(FAMILIES))
+@pytest.mark.parametrize("model_type", list(FAMILIES) + list(MORE_TYPES))
 def test_families_with_fused_experts_or_renamed_prefixes_fingerprint_alike_from_files_and_loaded(tmp_path, model_type):
-    """Their checkpoints store routed experts one by one (the model fuses them on load) and Nemotron-H its
-    decoder under backbone. (loaded as model.); the files still give the loaded model's fingerprint, embeddings,
-    LM head and final norm."""
+    """Their checkpoints store routed experts one by one (the model fuses them on load), Nemotron-H its
+    decoder under backbone. (loaded as model.), Granite 4.0 its router as router.layer (transformers renames it on
+    load); the files still give the loaded model's fingerprint, embeddings, LM head and final norm. (The types
+    without a family row are held to it by tests/target/test_tiny_families.py: its offline train compares the
+    cache's fingerprint, from the loaded model, with the one read from the files.)"""
     directory = save_family_target(tmp_path / model_type, model_type)
     head, loaded = TargetHead.load(directory), TargetModel.load(directory)
     assert head.fingerprint() == loaded.fingerprint()

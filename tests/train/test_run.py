@@ -839,3 +839,27 @@ def test_packed_training_from_a_cache_reads_its_loss_masks_and_says_its_rows(wor
     assert f"rows of {longest + 4} tokens" in printed and "--batch-size counts rows" in printed
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert 0 <= row["padding_share"] < 1
+
+
+def test_an_fp16_target_whose_states_overflow_on_a_training_record_is_refused_before_the_first_step():
+    """The check online training makes past the target's 8-token load probe: the first records' states, in fp16."""
+    from types import SimpleNamespace
+
+    from flashdraft.errors import FlashdraftError
+    from flashdraft.train.data import OnlineRecords
+    from flashdraft.train.run import SequenceRecord, _check_fp16_range
+
+    def forward(input_ids):  # [1, T] -> layer 3's states [T, 4] past fp16's range at token 2
+        features = torch.zeros(input_ids.shape[1], 2 * 4, dtype=torch.float16)
+        features[2, 5] = float("inf")
+        return SimpleNamespace(context_features=features[None])
+
+    target = SimpleNamespace(
+        dtype=torch.float16, device="cpu", hidden_size=4, set_context_layers=lambda ids: None, forward=forward
+    )
+    records = OnlineRecords([SequenceRecord(torch.arange(5), torch.ones(5, dtype=torch.bool))], target, [1, 3])
+    with pytest.raises(
+        FlashdraftError, match=r"training record 0: hidden states of target layer 3 reach inf at token 2"
+    ):
+        _check_fp16_range(records, target, [1, 3])
+    _check_fp16_range(records, SimpleNamespace(dtype=torch.bfloat16), [1, 3])  # bf16: nothing to check
