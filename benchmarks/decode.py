@@ -21,6 +21,13 @@ the tiny target runs fastest on one thread.
 A last line ("verify_cost") gives what a speculative step pays the target: t_step_1, one
 token after a 200-token cached prefix, t_verify_17, a 17-token block there, and their ratio
 (median ms of interleaved runs); a drafter with τ below the ratio cannot speed decoding up.
+
+Compiled (`--compile both`, the default; `eager` or `compiled` alone): every line is run twice, eagerly and with the
+target's verify on its static cache compiled once by inductor (`SpeculativeConfig(compile=True)`), the greedy
+baseline likewise (plain decoding as a 1-token static verify, compiled); each line says which ("compiled"), with the
+compiles, recompiles and graph breaks of its runs after the warm-up (0 when the graph held) and the warm-up's compile
+seconds. "verify_cost" then also gives the compiled 1- and 17-token steps on the static cache and the eager /
+compiled step-time ratios, interleaved in one run.
 """
 
 from __future__ import annotations
@@ -33,7 +40,12 @@ import time
 
 import torch
 
-from flashdraft.decoding.generate import SpeculativeConfig, autoregressive_generate, speculative_generate
+from flashdraft.decoding.generate import (
+    SpeculativeConfig,
+    autoregressive_generate,
+    speculative_generate,
+    static_autoregressive_generate,
+)
 from flashdraft.decoding.hybrid import HybridDrafter, HybridRule
 from flashdraft.decoding.ngram import NGramProposer
 from flashdraft.decoding.proposers import DraftLimit
@@ -41,6 +53,7 @@ from flashdraft.drafter.run_dir import load_any_drafter
 from flashdraft.evaluation.records import load_eval_records
 from flashdraft.evaluation.results import speedup_bound
 from flashdraft.target.model import TargetModel
+from flashdraft.target.static_cache import static_verifier
 
 
 def verify_cost(target: TargetModel, prefix_ids: list[int], repeats: int = 40) -> dict:
@@ -59,6 +72,23 @@ def verify_cost(target: TargetModel, prefix_ids: list[int], repeats: int = 40) -
     target.rollback_mode = mode
     t1, t17 = statistics.median(ms[1]), statistics.median(ms[17])
     return {"t_step_1": round(t1, 3), "t_verify_17": round(t17, 3), "verify_cost_ratio": round(t17 / t1, 3)}
+
+
+def static_step_ms(target: TargetModel, prefix_ids: list[int], repeats: int) -> dict[int, float]:
+    """Median ms of the compiled static verify of 1 and of 17 tokens after a cached prefix (never committed)."""
+    verifiers = {n: static_verifier(target, n, len(prefix_ids) + n, backend="inductor") for n in (1, 17)}
+    ms = {n: [] for n in verifiers}
+    for n, verifier in verifiers.items():
+        cache = target.new_cache()
+        target.forward(torch.tensor([prefix_ids]), cache)
+        verifier.start(cache, len(prefix_ids))
+        verifier.verify(torch.tensor([prefix_ids[:n]]))  # the compile
+    for _ in range(repeats):
+        for n, verifier in verifiers.items():
+            t0 = time.perf_counter()
+            verifier.verify(torch.tensor([prefix_ids[:n]])).logits.sum().item()
+            ms[n].append((time.perf_counter() - t0) * 1000)
+    return {n: statistics.median(v) for n, v in ms.items()}
 
 
 def settings(drafter, block: int, ks: list[int], thresholds: list[float]) -> list[DraftLimit | None]:
@@ -92,6 +122,12 @@ def main() -> None:
         default=[],
         help="thresholds to sweep, e.g. 0.3,0.5,0.8",
     )
+    ap.add_argument(
+        "--compile",
+        choices=("both", "eager", "compiled"),
+        default="both",
+        help="run each line eagerly, compiled (static cache, inductor), or both (default)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = TargetModel.load(args.target_model)
@@ -106,18 +142,30 @@ def main() -> None:
         drafters[f"hybrid:{path}"] = (hybrid, drafters[path][1])
     drafters["ngram"] = (NGramProposer(target.vocab_size), args.block_size or 16)
 
+    modes = {"both": [False, True], "eager": [False], "compiled": [True]}[args.compile]
     runs = [
-        (name, drafter, block, limit)
+        (name, drafter, block, limit, compiled)
+        for compiled in modes
         for name, (drafter, block) in drafters.items()
         for limit in settings(drafter, block, args.num_speculative_tokens, args.adaptive_threshold)
     ]
 
+    # the warm-up: every graph compiled here, on the longest generation any record asks for (one static cache)
     warm = records[0].prompt_ids
+    longest = max(len(r.prompt_ids) for r in records) + args.max_new_tokens
     autoregressive_generate(target, warm, 16)
-    for drafter, block in drafters.values():
-        speculative_generate(target, drafter, warm, 16, speculative=SpeculativeConfig(block_size=block))
+    warm_up = {}  # (drafter, compiled) -> the warm-up's compile seconds
+    for name, (drafter, block) in drafters.items():
+        for compiled in modes:
+            config = SpeculativeConfig(block_size=block, compile=compiled, static_positions=longest)
+            warm_up[name, compiled] = speculative_generate(target, drafter, warm, 16, speculative=config)
+    if True in modes:
+        t0 = time.perf_counter()
+        # on the longest record: the static cache the timed records need, compiled once
+        static_autoregressive_generate(target, max((r.prompt_ids for r in records), key=len), args.max_new_tokens)
+        greedy_compile_s = time.perf_counter() - t0
 
-    greedy_tokens, greedy_seconds = 0, 0.0
+    greedy = {compiled: {"tokens": 0, "seconds": 0.0} for compiled in modes}
     stats = [
         {
             "tokens": 0,
@@ -128,33 +176,40 @@ def main() -> None:
             "reads": 0,
             "lengths": [],
             "lossless": True,
+            "compiles": 0,
+            "recompiles": 0,
+            "graph_breaks": 0,
         }
         for _ in runs
     ]
     for record in records:
-        t0 = time.perf_counter()
-        plain = autoregressive_generate(target, record.prompt_ids, args.max_new_tokens)
-        greedy_seconds += time.perf_counter() - t0
-        greedy_tokens += len(plain.output_ids)
-        for s, (_, drafter, block, limit) in zip(stats, runs, strict=True):
+        plain = None
+        for compiled in modes:
             t0 = time.perf_counter()
-            spec = speculative_generate(
-                target,
-                drafter,
-                record.prompt_ids,
-                args.max_new_tokens,
-                speculative=SpeculativeConfig(block_size=block, limit=limit),
-            )
+            if compiled:
+                output_ids = static_autoregressive_generate(target, record.prompt_ids, args.max_new_tokens).output_ids
+            else:
+                output_ids = autoregressive_generate(target, record.prompt_ids, args.max_new_tokens).output_ids
+            greedy[compiled]["seconds"] += time.perf_counter() - t0
+            greedy[compiled]["tokens"] += len(output_ids)
+            plain = plain or output_ids
+        for s, (_, drafter, block, limit, compiled) in zip(stats, runs, strict=True):
+            t0 = time.perf_counter()
+            config = SpeculativeConfig(block_size=block, limit=limit, compile=compiled, static_positions=longest)
+            spec = speculative_generate(target, drafter, record.prompt_ids, args.max_new_tokens, speculative=config)
             s["seconds"] += time.perf_counter() - t0
             s["tokens"] += len(spec.output_ids)
             s["draft"], s["verify"] = s["draft"] + spec.draft_seconds, s["verify"] + spec.verify_seconds
             s["steps_s"], s["reads"] = s["steps_s"] + spec.decode_seconds, s["reads"] + spec.host_transfers
             s["lengths"] += spec.acceptance_lengths
-            s["lossless"] &= spec.output_ids == plain.output_ids
+            s["lossless"] &= spec.output_ids == plain
+            for key in ("compiles", "recompiles", "graph_breaks"):
+                s[key] += getattr(spec, key)
 
-    greedy_tps, greedy_step = greedy_tokens / greedy_seconds, greedy_seconds / greedy_tokens
-    best = {}  # drafter -> its fastest line
-    for s, (name, _, block, limit) in zip(stats, runs, strict=True):
+    best = {}  # (drafter, compiled) -> its fastest line
+    for s, (name, _, block, limit, compiled) in zip(stats, runs, strict=True):
+        greedy_tokens, greedy_seconds = greedy[compiled]["tokens"], greedy[compiled]["seconds"]
+        greedy_tps, greedy_step = greedy_tokens / greedy_seconds, greedy_seconds / greedy_tokens
         steps = max(len(s["lengths"]), 1)
         tau = sum(s["lengths"]) / steps
         speedup = s["tokens"] / s["seconds"] / greedy_tps
@@ -185,14 +240,33 @@ def main() -> None:
             "host_transfers_per_step": round(s["reads"] / steps, 3),
             "greedy_step_ms": round(1000 * greedy_step, 3),
             "lossless": s["lossless"],
+            # compiled: the target's verify on its static cache, compiled by inductor, and so the greedy baseline
+            "compiled": compiled,
+            "compiles_after_warm_up": s["compiles"],
+            "recompiles": s["recompiles"],
+            "graph_breaks": s["graph_breaks"],
+            "warm_up_compile_seconds": round(warm_up[name, compiled].compile_seconds, 1) if compiled else None,
+            "greedy_warm_up_seconds": round(greedy_compile_s, 1) if compiled else None,
         }
         print(json.dumps(line))
-        if name not in best or speedup > best[name]["speedup"]:
-            best[name] = line
-    for name, line in best.items():
+        if (name, compiled) not in best or speedup > best[name, compiled]["speedup"]:
+            best[name, compiled] = line
+    for (name, compiled), line in best.items():
         keys = ("num_speculative_tokens", "adaptive_threshold", "tau", "speedup", "speedup_bound", "speedup_of_bound")
-        print(json.dumps({"benchmark": "decode_best", "drafter": name} | {k: line[k] for k in keys}))
+        keys += ("spec_tokens_per_s", "greedy_tokens_per_s")
+        print(
+            json.dumps({"benchmark": "decode_best", "drafter": name, "compiled": compiled} | {k: line[k] for k in keys})
+        )
     prefix = [t for r in records for t in r.prompt_ids] * 200  # 200 tokens of real prompts
+    costs = verify_cost(target, prefix[:200])
+    if True in modes:  # the same steps on the static cache, compiled: eager / compiled is what compiling saves
+        compiled_ms = static_step_ms(target, prefix[:200], 40)
+        costs |= {
+            "t_step_1_compiled": round(compiled_ms[1], 3),
+            "t_verify_17_compiled": round(compiled_ms[17], 3),
+            "step_1_eager_over_compiled": round(costs["t_step_1"] / compiled_ms[1], 3),
+            "verify_17_eager_over_compiled": round(costs["t_verify_17"] / compiled_ms[17], 3),
+        }
     print(
         json.dumps(
             {
@@ -202,7 +276,7 @@ def main() -> None:
                 "machine": platform.processor() or platform.machine(),
                 "threads": args.threads,
                 "prefix_tokens": 200,
-                **verify_cost(target, prefix[:200]),
+                **costs,
             }
         )
     )

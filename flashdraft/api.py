@@ -189,6 +189,7 @@ class Drafter(LoadedDrafter):
         num_speculative_tokens: int | None = None,
         adaptive_threshold: float | None = None,
         confidence_threshold: float | None = None,
+        compile: bool | None = None,
     ) -> GenerationResult:
         """Speculative decoding of `prompt` (a string or token ids) with this drafter and
         `target`: `.output_ids` (new tokens only; greedy equals `target.generate`, sampling keeps
@@ -199,7 +200,9 @@ class Drafter(LoadedDrafter):
         verified, and `top_k`, `top_p`, `min_p` filter the target's p as that rule's server does
         (each None: the target's generation_config.json value unless `use_generation_config` is
         off; one the server does not apply, given, is refused); `num_speculative_tokens`,
-        `adaptive_threshold` and `confidence_threshold` verify fewer drafts per step. More than 8 parameters
+        `adaptive_threshold` and `confidence_threshold` verify fewer drafts per step; `compile` verifies on the
+        target's static cache compiled once (None: where it pays; the result's `compiles`, `recompiles` and
+        `graph_breaks` say what torch.compile did). More than 8 parameters
         because this is the public API's one call, taking `flashdraft eval`'s flags by name (keyword-only)."""
         self.check_fits(target)
         rule = _serving_rule(serving_rule)
@@ -221,7 +224,7 @@ class Drafter(LoadedDrafter):
             _encode(target, prompt),
             max_new_tokens,
             sampling=SamplingParams(temperature=temperature, filters=filters),
-            speculative=SpeculativeConfig(block_size=block_size, limit=limit, rule=rule),
+            speculative=SpeculativeConfig(block_size=block_size, limit=limit, rule=rule, compile=compile),
             generator=_generator(seed, target.device),
         )
 

@@ -76,6 +76,19 @@ def test_speculate_checks_losslessness_against_greedy(target_dir, tmp_path, caps
     assert code == 0 and "lossless True" in capsys.readouterr().out
 
 
+def test_speculate_compile_decodes_on_the_static_cache_losslessly(target_dir, tmp_path, capsys, monkeypatch):
+    # the static path run as written (compiling it is tests/decoding/test_verification.py's and eval's to prove)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    main(["init", "--target-model", str(target_dir), "--out", str(tmp_path / "d"), "--block-size", "4"])
+    argv = ["speculate", "--target-model", str(target_dir), "--checkpoint", str(tmp_path / "d")]
+    code = main([*argv, "--prompt", "t1 t2 t3 t4", "--max-new-tokens", "12", "--compile"])
+    out = capsys.readouterr().out
+    assert code == 0 and "lossless True" in out and "compiled (static cache): 0 compiles" in out
+    code = main([*argv, "--prompt", "t1 t2 t3 t4", "--max-new-tokens", "12", "--no-compile"])
+    out = capsys.readouterr().out
+    assert code == 0 and "lossless True" in out and "static cache" not in out
+
+
 def test_init_layers_from_target_copies_the_target_layer_and_refuses_a_count_mismatch(target_dir, tmp_path, capsys):
     from flashdraft.target.weights import TargetHead
 

@@ -32,6 +32,7 @@ CHECKS = {
     "bench",
     "engine_capture",
     "engine_feed",  # skipped in the dry run unless asked (it starts the CPU engine twice)
+    "static_decode",  # run only when asked (it compiles the slice's decoding)
 }
 
 
@@ -201,6 +202,18 @@ def test_linear_attention_drift_fails_the_check_and_exits_1(gpu, monkeypatch, ca
     rows = result_rows(out)
     assert [(r["case"], r["passed"]) for r in rows] == [("float32", False), ("bfloat16", False)]
     assert "FAIL" in out and "2 failed" in out.splitlines()[-1]
+
+
+def test_static_decode_when_asked_compiles_the_slices_decoding_once_and_nothing_after(gpu, capsys):
+    # --dry-run traces with dynamo's eager backend (the graphs and guards inductor would compile, none of its cost)
+    assert gpu.runner.main(["--dry-run", "--checks", "static_decode"]) == 0
+    rows = result_rows(capsys.readouterr().out)
+    assert [r["case"] for r in rows] == ["eager", "compiled (eager)"]
+    eager, compiled = rows
+    assert compiled["passed"] and compiled["warm_up_compiles"] == 3  # the verify and the drafter's two steps
+    assert compiled["compiles_after_warm_up"] == 0 and compiled["graph_breaks"] == 0 and compiled["same_tokens"]
+    assert compiled["steps"] == eager["steps"] > 1 and compiled["floor_ms"] == eager["floor_ms"] > 0
+    assert compiled["host_transfers_per_step"] == 1
 
 
 def test_a_check_past_its_cap_is_stopped_and_reported_and_the_run_goes_on(gpu, monkeypatch, capsys):

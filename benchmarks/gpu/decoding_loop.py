@@ -1,6 +1,7 @@
 """spec_loop_overhead: speculative decoding on the slice with a random Qwen3.6-27B-shaped drafter, per rollback mode;
 per step, verification, drafter forward and bookkeeping, reads of the device, and the step against its floor (the
-bytes it must read over the measured copy bandwidth)."""
+bytes it must read over the measured copy bandwidth). static_decode: the same loop eager against compiled on the
+static cache (`SpeculativeConfig(compile=True)`: on CUDA the verify and the drafter's steps as CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -43,19 +44,23 @@ def copy_bandwidth(device: torch.device, megabytes: int = 1024) -> float:
 ROLLBACK_MODES = ("recompute", "deferred")  # what a step pays to undo rejected drafts in linear layers (model.py)
 
 
-def check_spec_loop_overhead(target: TargetModel, drafter_fields: dict, widths: Widths) -> list[dict]:
-    """A random drafter is rejected at almost every step, so the loop runs about one step per token. One row per
-    rollback mode: "recompute" re-runs the linear layers over the accepted tokens (their weights read again, where
-    fla gives no per-token states), "deferred" feeds them again at the front of the next verification."""
-    device = target.device
-    dtype = next(target.model.parameters()).dtype
+def slice_drafter(target: TargetModel, drafter_fields: dict) -> DFlashDrafter:
+    """A random drafter of `drafter_fields`' shape reading every layer of the slice, on its device and dtype."""
     fields = drafter_fields | dict(
         num_target_layers=target.num_layers,
         target_layer_ids=list(range(target.num_layers)),
         vocab_size=target.vocab_size,
         mask_token_id=target.vocab_size - 1,
     )
-    drafter = new_drafter(fields, device, dtype).eval()
+    return new_drafter(fields, target.device, next(target.model.parameters()).dtype).eval()
+
+
+def check_spec_loop_overhead(target: TargetModel, drafter_fields: dict, widths: Widths) -> list[dict]:
+    """A random drafter is rejected at almost every step, so the loop runs about one step per token. One row per
+    rollback mode: "recompute" re-runs the linear layers over the accepted tokens (their weights read again, where
+    fla gives no per-token states), "deferred" feeds them again at the front of the next verification."""
+    device = target.device
+    drafter = slice_drafter(target, drafter_fields)
     spent = {"verify": 0.0, "drafter": 0.0}
     forward = target.forward
 
@@ -133,4 +138,65 @@ def summary(row: dict) -> str:
     return (
         f"{row['step_ms']} ms/step: verify {row['verify_ms']}, drafter {row['drafter_ms']}, "
         f"other {row['bookkeeping_ms']}; {row['step_over_floor']}x the {row['floor_ms']} ms floor"
+    )
+
+
+def check_static_decode(target: TargetModel, drafter_fields: dict, widths: Widths, dry_run: bool) -> list[dict]:
+    """The loop of spec_loop_overhead eager, then compiled on the static cache (on CUDA with inductor's
+    "reduce-overhead": the verify and the drafter's two steps as CUDA graphs; in --dry-run traced by dynamo's "eager"
+    backend, which proves the same graphs without inductor's CPU compile). Each after a warm-up generation that
+    compiles, sized for the timed one: per step its time and split, against the floor; the compiled row passes when
+    the timed generation compiled nothing and no graph broke. `same_tokens`: the compiled output equals the eager one
+    (in bf16 a near-tie may part them; said, not failed)."""
+    device = target.device
+    drafter = slice_drafter(target, drafter_fields)
+    prompt = torch.randint(0, target.vocab_size, (widths.prompt_tokens,), generator=torch.Generator().manual_seed(2))
+    floor_ms = bytes_read_per_step(target, drafter) / copy_bandwidth(device) * 1000
+    positions = widths.prompt_tokens + widths.new_tokens
+    backend = "eager" if dry_run else "inductor"
+    rows, eager_ids = [], None
+    for compiled in (False, True):
+        config = SpeculativeConfig(
+            block_size=BLOCK, compile=compiled, compile_backend=backend, static_positions=positions
+        )
+        warm = speculative_generate(target, drafter, prompt.tolist(), 4, speculative=config)
+        sync(device)
+        result = speculative_generate(target, drafter, prompt.tolist(), widths.new_tokens, speculative=config)
+        sync(device)
+        steps = len(result.acceptance_lengths)
+        step_ms = result.decode_seconds * 1000 / steps
+        eager_ids = eager_ids or result.output_ids
+        case = "eager" if not compiled else "CUDA graphs" if device.type == "cuda" else f"compiled ({backend})"
+        row = {
+            "check": "static_decode",
+            "case": case,
+            "steps": steps,
+            "tau": round(result.tau, 2),
+            "step_ms": round(step_ms, 3),
+            "verify_ms": round(result.verify_seconds * 1000 / steps, 3),
+            "drafter_ms": round(result.draft_seconds * 1000 / steps, 3),
+            "floor_ms": round(floor_ms, 3),
+            "step_over_floor": round(step_ms / floor_ms, 1),
+            "host_transfers_per_step": round(result.host_transfers / steps, 2),
+        }
+        if compiled:
+            row |= {
+                "warm_up_compiles": warm.compiles,
+                "warm_up_compile_seconds": round(warm.compile_seconds, 1),  # the verify's (the drafter's not timed)
+                "compiles_after_warm_up": result.compiles,
+                "graph_breaks": warm.graph_breaks + result.graph_breaks,
+                "same_tokens": result.output_ids == eager_ids,
+                "eager_over_compiled": round(rows[0]["step_ms"] / step_ms, 2),
+            }
+            row["passed"] = row["compiles_after_warm_up"] == 0 and row["graph_breaks"] == 0
+        rows.append(row)
+    return rows
+
+
+def summary_static(row: dict) -> str:
+    if "passed" not in row:
+        return f"{row['step_ms']} ms/step, {row['step_over_floor']}x the {row['floor_ms']} ms floor"
+    return (
+        f"{row['step_ms']} ms/step ({row['eager_over_compiled']}x eager's), {row['step_over_floor']}x the floor; "
+        f"after warm-up {row['compiles_after_warm_up']} compiles, {row['graph_breaks']} graph breaks"
     )

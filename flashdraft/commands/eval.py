@@ -10,6 +10,7 @@ from pathlib import Path
 from flashdraft.commands.options import (
     block_size,
     chat_mode_args,
+    compile_option,
     context_buckets,
     long_prompts_arg,
     positive,
@@ -114,6 +115,7 @@ def _step_args(p: argparse.ArgumentParser) -> None:
     )
     _tree_args(p)
     p.add_argument("--online", action="store_true", help="real speculative decoding with the target, timed")
+    compile_option(p)
     p.add_argument(
         "--temperature",
         type=temperature,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from flashdraft.commands.options import block_size, positive
+from flashdraft.commands.options import block_size, compile_option, positive
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -19,6 +19,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=positive, default=64)
     p.add_argument("--block-size", type=block_size, default=None, help="default: the drafter's")
+    compile_option(p)
     return p
 
 
@@ -30,7 +31,9 @@ def run(args: argparse.Namespace) -> None:
     drafter = Drafter.from_pretrained(args.checkpoint, target)
     prompt_ids = target.encode(args.prompt)
     print(f"target {target.path} ({target.num_layers} layers, linear-attention backend: {target.linear_backend})")
-    result = compare_with_greedy(target, drafter.model, prompt_ids, args.max_new_tokens, args.block_size)
+    result = compare_with_greedy(
+        target, drafter.model, prompt_ids, args.max_new_tokens, args.block_size, compile=args.compile
+    )
     print(args.prompt + target.tokenizer.decode(result.speculative.output_ids))
     print(result.summary())
     result.check_lossless()

@@ -38,9 +38,11 @@ from flashdraft.decoding.serving_rules import (
     target_probs,
     verify,
 )
+from flashdraft.decoding.verification import compiled_drafting, resolve_compile, verification_for
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel, decoding_attention
+from flashdraft.target.static_cache import dynamo_totals, static_verifier
 
 
 @dataclass
@@ -63,6 +65,15 @@ class GenerationResult:
     host_transfers: int = 0
     # speculative: the steps' wall time, the prefill left out: drafting, verifying and the bookkeeping around them
     decode_seconds: float = 0.0
+    # speculative: verified on the static cache (`SpeculativeConfig.compile`), and what torch.compile did during this
+    # generation: graphs compiled (the target's verify and the drafter's steps: none once warmed up), of them the
+    # drafter's, the verify's recompiles (a warmed verifier compiling again), graph breaks, the verify's compile seconds
+    static: bool = False
+    compiles: int = 0
+    draft_compiles: int = 0
+    recompiles: int = 0
+    graph_breaks: int = 0
+    compile_seconds: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -129,6 +140,44 @@ def autoregressive_generate(
     return GenerationResult(out, step_seconds=step_seconds)
 
 
+@torch.no_grad()
+def static_autoregressive_generate(
+    target: TargetModel,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: SamplingParams = GREEDY,
+    generator: torch.Generator | None = None,
+    backend: str | None = "inductor",
+    positions: int | None = None,
+) -> GenerationResult:
+    """`autoregressive_generate` with every step after the prefill a 1-token verify on the target's static cache,
+    compiled once by `backend` (`flashdraft.target.static_cache`; None: the static path uncompiled): the plain
+    decoding a compiled speculative decoder is set against. The same tokens (greedy) and draws (sampled).
+    `positions`: the static cache holds at least this many (a warm-up sizes it for the longest generation after)."""
+    stop_ids = set(target.stop_token_ids)
+    cache = target.new_cache()
+    with decoding_attention(target.device):
+        logits = target.forward(torch.tensor([prompt_ids], device=target.device), cache).logits_at(-1, None)[0, 0]
+        token = _sample(logits, sampling.temperature, generator, sampling.filters)
+        verifier = static_verifier(target, 1, max(len(prompt_ids) + max_new_tokens, positions or 0) + 1, backend)
+        verifier.start(cache, len(prompt_ids))
+        counts_before = replace(verifier.counts)
+        result = GenerationResult([to_host(token)], static=True)
+        while len(result.output_ids) < max_new_tokens and result.output_ids[-1] not in stop_ids:
+            start = _clock(target.device)
+            logits = verifier.verify(token.view(1, 1)).logits[0, 0]
+            verifier.commit(0)
+            token = _sample(logits, sampling.temperature, generator, sampling.filters)
+            result.output_ids.append(to_host(token))
+            result.step_seconds.append(_clock(target.device) - start)
+    result.stop_reason = "eos" if result.output_ids[-1] in stop_ids else "length"
+    result.compiles = verifier.counts.compiles - counts_before.compiles
+    result.recompiles = verifier.counts.recompiles - counts_before.recompiles
+    result.graph_breaks = verifier.counts.graph_breaks - counts_before.graph_breaks
+    result.compile_seconds = verifier.counts.compile_seconds - counts_before.compile_seconds
+    return result
+
+
 def _accept(
     draft: torch.Tensor,
     q: torch.Tensor | None,
@@ -170,6 +219,15 @@ class SpeculativeConfig:
     # False: no device synchronisation between drafting and verifying (on CUDA the step's only wait is then its one
     # read; draft and verify seconds count the host's launch time only)
     time_phases: bool = True
+    # True: verify on the target's static cache at a fixed length, compiled once (`flashdraft.target.static_cache`);
+    # False: the eager reference path; None: where it pays (`decoding.verification.compile_by_default`)
+    compile: bool | None = None
+    # what compiles the static verify: "inductor" (on CUDA as CUDA graphs), "eager" / "aot_eager" (dynamo's tracing
+    # alone: one graph proven without inductor's cost), None: the static cache run uncompiled
+    compile_backend: str | None = "inductor"
+    # positions the static cache holds at least (None: this generation's prompt and new tokens); an evaluation sets it
+    # to its longest record's, so the graph its warm-up compiles serves every record
+    static_positions: int | None = None
 
 
 @torch.no_grad()
@@ -201,9 +259,12 @@ def speculative_generate(
     """
     block = speculative.block_size or default_block_size(drafter)
     rule = serving_rule(speculative.rule)
-    proposer = as_proposer(drafter, target, speculative.limit, rule=rule)
     if block < 2:
         raise ValueError(f"block_size {block} < 2")
+    compile = resolve_compile(speculative.compile, target)
+    positions = max(len(prompt_ids) + max_new_tokens, speculative.static_positions or 0)
+    compiled = compiled_drafting(drafter, speculative.compile_backend, positions + block + 1) if compile else None
+    proposer = as_proposer(drafter, target, speculative.limit, rule=rule, compiled=compiled)
     target.set_context_layers(proposer.context_layer_ids)
     with decoding_attention(target.device):
         return _speculative_steps(
@@ -212,7 +273,7 @@ def speculative_generate(
             prompt_ids,
             max_new_tokens,
             sampling,
-            replace(speculative, block_size=block, rule=rule),
+            replace(speculative, block_size=block, rule=rule, compile=compile, static_positions=positions),
             generator,
         )
 
@@ -234,8 +295,18 @@ def _speculative_steps(
     clock = _clock if speculative.time_phases else lambda _: time.perf_counter()
 
     prefill = target.forward(torch.tensor([prompt_ids], device=device), cache)
+    verification = verification_for(
+        target,
+        cache,
+        proposer,
+        block,
+        speculative.static_positions,
+        compile=speculative.compile,
+        backend=speculative.compile_backend,
+    )
+    counts_before, graphs_before = replace(verification.counts), dynamo_totals()
     first = to_host(_sample(prefill.logits_at(-1, None)[0, 0], temperature, generator, filters))
-    result = GenerationResult([first])
+    result = GenerationResult([first], static=verification.static)
     if first in stop_ids:
         result.stop_reason = "eos"
         return result
@@ -254,7 +325,7 @@ def _speculative_steps(
         draft_logits = proposer.propose(tokens, anchor_pos + shift, new_context, new_positions, block)  # [k, V]
         draft, q = draw_drafts(proposer, draft_logits, temperature, generator, rule=speculative.rule)  # [k], q
         drafted = clock(device)
-        verified = target.forward(torch.cat([anchor, draft])[None], cache)  # over [anchor, d1 .. dk]
+        verified = verification.verify(anchor, draft)  # over [anchor, d1 .. dk]
         verified_at = clock(device)
         budget = max_new_tokens - len(result.output_ids)
         accepted, anchor, moments = _accept(draft, q, verified, temperature, generator, filters, budget, stop_ids)
@@ -272,13 +343,18 @@ def _speculative_steps(
             result.stop_reason = "eos"
             break
         # the anchor and the accepted drafts stay in the target cache; the bonus is the next anchor
-        target.rollback(cache, a + 1)
+        verification.commit(a)
         new_context = verified.context_features[:, : a + 1] if verified.context_features is not None else None
         new_context = _rounded(new_context, round_context_to)
         new_positions = anchor_pos + shift + torch.arange(a + 1, device=device)[None]
         anchor_pos += a + 1
     result.host_transfers = TRANSFERS.reads - reads_before
     result.decode_seconds = _clock(device) - loop_start
+    counts, graphs = verification.counts, dynamo_totals()
+    result.compiles, result.graph_breaks = graphs[0] - graphs_before[0], graphs[1] - graphs_before[1]
+    result.draft_compiles = result.compiles - (counts.compiles - counts_before.compiles)
+    result.recompiles = counts.recompiles - counts_before.recompiles
+    result.compile_seconds = counts.compile_seconds - counts_before.compile_seconds
     return result
 
 
@@ -297,10 +373,17 @@ class GreedyComparison:
 
     def summary(self) -> str:
         spec, plain = self.speculative, self.plain
+        compiled = ""
+        if spec.static:
+            compiled = (
+                f", compiled (static cache): {spec.compiles} compiles in {spec.compile_seconds:.1f} s before timing, "
+                f"{spec.recompiles} recompiles, {spec.graph_breaks} graph breaks"
+            )
         return (
             f"tokens {len(spec.output_ids)}, steps {len(spec.acceptance_lengths)}, tau {spec.tau:.2f}, "
             f"lossless {self.lossless}, speculative {len(spec.output_ids) / self.speculative_seconds:.1f} tok/s, "
-            f"greedy {len(plain.output_ids) / self.plain_seconds:.1f} tok/s"
+            f"greedy{' (compiled)' if plain.static else ''} {len(plain.output_ids) / self.plain_seconds:.1f} tok/s"
+            f"{compiled}"
         )
 
     def check_lossless(self) -> None:
@@ -314,14 +397,28 @@ def compare_with_greedy(
     prompt_ids: list[int],
     max_new_tokens: int,
     block_size: int | None = None,
+    compile: bool | None = None,
 ) -> GreedyComparison:
     """Greedy speculative decoding of `prompt_ids` beside plain greedy decoding, each timed: the
-    two outputs must be the same tokens."""
+    two outputs must be the same tokens. `compile`: `SpeculativeConfig.compile` (compiled, the first generation
+    pays the compile: a warm-up generation runs first, untimed)."""
+    speculative = SpeculativeConfig(block_size=block_size, compile=compile)
+    warm_up = None
+    if resolve_compile(compile, target):
+        warm_up = speculative_generate(target, drafter, prompt_ids, max_new_tokens, speculative=speculative)
     t0 = time.perf_counter()
-    spec = speculative_generate(
-        target, drafter, prompt_ids, max_new_tokens, speculative=SpeculativeConfig(block_size=block_size)
-    )
+    spec = speculative_generate(target, drafter, prompt_ids, max_new_tokens, speculative=speculative)
+    if warm_up is not None:  # what the compile cost, reported with the timed run's own (none, after warm-up)
+        spec.compiles += warm_up.compiles
+        spec.compile_seconds += warm_up.compile_seconds
+        spec.graph_breaks += warm_up.graph_breaks
+        spec.recompiles += warm_up.recompiles
     t_spec = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    plain = autoregressive_generate(target, prompt_ids, max_new_tokens)
+    if warm_up is not None:  # compiled against compiled: plain decoding as a 1-token static verify, warmed up too
+        static_autoregressive_generate(target, prompt_ids, max_new_tokens)
+        t0 = time.perf_counter()
+        plain = static_autoregressive_generate(target, prompt_ids, max_new_tokens)
+    else:
+        t0 = time.perf_counter()
+        plain = autoregressive_generate(target, prompt_ids, max_new_tokens)
     return GreedyComparison(spec, plain, t_spec, time.perf_counter() - t0)

@@ -33,7 +33,7 @@ import torch
 from flashdraft.decoding.acceptance import sample_drafts
 from flashdraft.decoding.host_transfers import to_host
 from flashdraft.decoding.ngram import NGramProposer
-from flashdraft.decoding.proposers import DFlashProposer
+from flashdraft.decoding.proposers import DFlashProposer, new_dflash_proposer
 from flashdraft.decoding.serving_rules import ServingRule
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.target.model import TargetModel
@@ -152,5 +152,7 @@ class HybridDrafter:
     def __repr__(self) -> str:
         return f"hybrid (DFlash + {self.ngram!r}; {self.rule})"
 
-    def new_proposer(self, target: TargetModel, rule: ServingRule | str | None = None) -> HybridProposer:
-        return HybridProposer(DFlashProposer(self.drafter, target, rule), self.ngram, self.rule)
+    def new_proposer(self, target: TargetModel, rule: ServingRule | str | None = None, compiled=None) -> HybridProposer:
+        """A proposer for one sequence; `compiled` (a `CompiledDraft`): its drafter drafts in compiled fixed shapes
+        (the n-gram lookup has no neural pass and is unchanged)."""
+        return HybridProposer(new_dflash_proposer(self.drafter, target, rule, compiled), self.ngram, self.rule)

@@ -135,6 +135,27 @@ def anchors_per_forward(block_size: int, vocab_size: int) -> int:
     return max(1, min(32, (1 << 26) // ((block_size - 1) * vocab_size)))
 
 
+def walk_rows(
+    drafter: DFlashDrafter,
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    anchors: torch.Tensor,
+    use_selector: bool,
+    honour_draft_top_k: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows [K, k, V] blocks propose from the drafter's hidden states [K, k, H] and logits [K, k, V] at their
+    draft positions, anchors [K], and DSpark's confidence [K, k] of each (None without its head): DFlash the logits;
+    DFlash2 (with `use_selector`) the rows of its selector's greedy walk; DSpark those of its greedy Markov walk, each
+    draft's logits corrected by the draft before it. Device work only, no read: the compiled step runs it in its
+    graph."""
+    if drafter.candidate_selector is not None and use_selector:
+        return drafter.candidate_selector.walk(hidden, logits, anchors)[1], None
+    if drafter.markov_head is None:
+        return logits, None
+    _, rows, previous = drafter.markov_walk(logits, anchors, honour_draft_top_k=honour_draft_top_k)
+    return rows, None if drafter.confidence_head is None else drafter.confidence(hidden, previous)
+
+
 class DFlashProposer:
     """Drafts blocks with a DFlash drafter, keeping committed context in its KV cache."""
 
@@ -184,23 +205,29 @@ class DFlashProposer:
         # contiguous rows: the LM head as one matmul (on a strided 3-D view torch takes a bmm, 2-3x slower on CPU)
         logits = self.drafter.logits(drafts.reshape(-1, drafts.shape[-1]), self.target.lm_head)
         logits = logits.view(*drafts.shape[:2], -1)  # [K, k, V]
-        selector = self.drafter.candidate_selector
         anchors = on_device(anchor_tokens, logits.device)
+        rows, confidence = walk_rows(self.drafter, drafts, logits, anchors, self.use_selector, self.honour_draft_top_k)
+        return self.proposal(drafts, logits, anchors, rows, confidence)
+
+    def proposal(
+        self,
+        drafts: torch.Tensor,
+        logits: torch.Tensor,
+        anchors: torch.Tensor,
+        rows: torch.Tensor,
+        confidence: torch.Tensor | None,
+    ) -> list[torch.Tensor]:
+        """The rows [k, V] each block proposes, from its hidden states `drafts` [K, k, H], the drafter's logits
+        [K, k, V], the anchors [K] and `walk_rows`'s rows and confidence; kept for `draw`, `path_distributions` and
+        the tree (the compiled step, `flashdraft.decoding.static_proposer`, hands in what its graph computed)."""
         self._blocks = (drafts, logits, anchors)
-        if selector is not None and self.use_selector:  # DFlash2: the rows of the selector's greedy walk
-            self._last_walk = (drafts[-1:], logits[-1:], anchors[-1:])  # what `draw` re-walks when sampling
-            logits = selector.walk(drafts, logits, anchors)[1]
-        if self.drafter.markov_head is None:
-            return list(logits)
-        # DSpark: the rows of the greedy Markov walk, each draft's logits corrected by the draft before it
-        self._last_walk = (drafts[-1:], logits[-1:], anchors[-1:])
-        _, logits, previous = self.drafter.markov_walk(logits, anchors, honour_draft_top_k=self.honour_draft_top_k)
-        self._walk_length = logits.shape[1]
-        if self.drafter.confidence_head is None:
-            return list(logits)
-        self.last_confidence = self.drafter.confidence(drafts, previous)  # [K, k]
+        self._last_walk = (drafts[-1:], logits[-1:], anchors[-1:])  # what `draw` re-walks when sampling
+        self._walk_length = rows.shape[1]
+        if confidence is None:
+            return list(rows)
+        self.last_confidence = confidence  # [K, k]
         threshold = self.limit.confidence_threshold if self.limit is not None else None
-        return [rows[: confident_prefix(c, threshold)] for rows, c in zip(logits, self.last_confidence, strict=True)]
+        return [r[: confident_prefix(c, threshold)] for r, c in zip(rows, confidence, strict=True)]
 
     def draw(
         self, logits: torch.Tensor, temperature: float, generator: torch.Generator | None
@@ -416,20 +443,34 @@ def as_proposer(
     limit: DraftLimit | None = None,
     use_selector: bool = True,
     rule: ServingRule | str | None = None,
+    compiled=None,
 ) -> Proposer:
     """A fresh proposer for one sequence: a DFlash drafter gets its own KV cache, a
     `ProposerFactory` makes one; a stateless proposer serves every sequence itself. With a
     `limit`, it verifies only the drafts the limit keeps. `use_selector` False: a DFlash2 drafter
     drafts its unary argmax (what it would without its selector, for comparison). `rule`: the serving rule
-    (`flashdraft.decoding.serving_rules`) whose reading of the drafter's fields it drafts with."""
+    (`flashdraft.decoding.serving_rules`) whose reading of the drafter's fields it drafts with. `compiled` (a
+    `flashdraft.decoding.static_proposer.CompiledDraft`): a DFlash-family drafter, or a hybrid's, drafts in fixed
+    shapes through compiled graphs; a proposer without a neural pass (n-gram) is unchanged."""
     if isinstance(drafter, DFlashDrafter):
-        proposer = DFlashProposer(drafter, target, rule)
+        proposer = new_dflash_proposer(drafter, target, rule, compiled)
         proposer.use_selector = use_selector
         if limit is not None:  # drafts the limit never verifies need no logits
             proposer.limit = limit
+    elif isinstance(drafter, ProposerFactory):
+        extra = {} if compiled is None else {"compiled": compiled}
+        proposer = drafter.new_proposer(target, rule, **extra)
     else:
-        proposer = drafter.new_proposer(target, rule) if isinstance(drafter, ProposerFactory) else drafter
+        proposer = drafter
     return limit.wrap(proposer) if limit is not None else proposer
+
+
+def new_dflash_proposer(
+    drafter: DFlashDrafter, target: TargetModel, rule: ServingRule | str | None = None, compiled=None
+) -> DFlashProposer:
+    """A DFlash-family proposer for one sequence: eager, or with `compiled`
+    (`flashdraft.decoding.static_proposer.CompiledDraft`, which builds on this module) its fixed-shape one."""
+    return DFlashProposer(drafter, target, rule) if compiled is None else compiled.new_proposer(drafter, target, rule)
 
 
 def default_block_size(drafter: DFlashDrafter | ProposerFactory | Proposer) -> int:

@@ -217,6 +217,13 @@ class DrafterCache:
         self.values[layer] = v if old_v is None else torch.cat([old_v, v], dim=2)
         return self.keys[layer], self.values[layer]
 
+    def keys_and_values(self, layer: int, context_kv: tuple, block_kv: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values a block attends to [N, kv_heads, C_all + Q, d]: the cached context with the new
+        context_kv appended (kept), then the block's own block_kv (not kept). A fixed-shape cache
+        (`flashdraft.drafter.static_cache.StaticDrafterCache`) answers the same call from its buffers."""
+        k_ctx, v_ctx = self.append(layer, *context_kv)
+        return torch.cat([k_ctx, block_kv[0]], dim=2), torch.cat([v_ctx, block_kv[1]], dim=2)
+
 
 class DrafterAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig, layer_idx: int) -> None:
@@ -257,13 +264,15 @@ class DrafterAttention(nn.Module):
             k_ctx, v_ctx = self._kv(context, *context_rope)
         else:
             k_ctx = v_ctx = x.new_zeros(n, self.num_kv_heads, 0, self.head_dim)
-        if cache is not None:  # committed context persists; the block's K/V do not
-            k_ctx, v_ctx = cache.append(self.layer_idx, k_ctx, v_ctx)
-        if isinstance(mask, BlockwiseMask):  # training's many blocks: a block's keys are its context and itself
+        if isinstance(
+            mask, BlockwiseMask
+        ):  # training's many blocks (no cache): a block's keys are its context and itself
             out = blockwise_attention(q, (k_ctx, v_ctx), (k_block, v_block), mask)
             return self.o_proj(out.transpose(1, 2).reshape(n, q_len, -1))
-        k = torch.cat([k_ctx, k_block], dim=2)
-        v = torch.cat([v_ctx, v_block], dim=2)
+        if cache is not None:  # committed context persists; the block's K/V do not
+            k, v = cache.keys_and_values(self.layer_idx, (k_ctx, v_ctx), (k_block, v_block))
+        else:
+            k, v = torch.cat([k_ctx, k_block], dim=2), torch.cat([v_ctx, v_block], dim=2)
         if isinstance(mask, BlockMask):
             out = _flex_attention(q, k, v, mask)
         else:

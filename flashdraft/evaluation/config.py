@@ -64,6 +64,8 @@ class EvalConfig:
     max_new_tokens: int | None = None
     block_size: int | None = None
     online: bool = False
+    # online: verify on the target's static cache, compiled once (None: where it pays, `decoding.verification`)
+    compile: bool | None = None
     temperature: float = 0.0
     # at temperature > 0: the server's rule (`flashdraft.decoding.serving_rules`) and the request's filters (None: the
     # target's generation_config.json values unless use_generation_config is off)

@@ -231,11 +231,13 @@ class WalkConfig:
     sampling: SamplingParams = GREEDY
     context_edges: list[int] | None = None
     round_context_to: torch.dtype | None = None
+    # online: verify on the target's static cache, compiled once (`SpeculativeConfig.compile`; None: where it pays)
+    compile: bool | None = None
 
     @property
     def speculative(self) -> SpeculativeConfig:
         """What each live step drafts and verifies."""
-        return SpeculativeConfig(self.block_size, self.limit, self.rule, self.round_context_to)
+        return SpeculativeConfig(self.block_size, self.limit, self.rule, self.round_context_to, compile=self.compile)
 
 
 DEFAULT_WALK = WalkConfig()  # the whole of each record, greedy, as vLLM serves the drafter

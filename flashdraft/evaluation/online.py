@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
 from flashdraft.decoding.acceptance import tau_of
-from flashdraft.decoding.generate import autoregressive_generate, speculative_generate
+from flashdraft.decoding.generate import (
+    autoregressive_generate,
+    speculative_generate,
+    static_autoregressive_generate,
+)
 from flashdraft.decoding.hybrid import HybridDrafter
 from flashdraft.decoding.proposers import Proposer
 from flashdraft.decoding.serving_rules import GREEDY, SamplingParams
@@ -22,6 +27,7 @@ from flashdraft.evaluation.records import EvalRecord
 from flashdraft.evaluation.results import EvalResult, PromptResult, first_difference, speedup_bound
 from flashdraft.target.image_files import record_images
 from flashdraft.target.model import TargetModel
+from flashdraft.target.static_cache import CompileCounts
 
 
 @dataclass
@@ -44,18 +50,27 @@ def _sync(target: TargetModel) -> None:
 
 @torch.no_grad()
 def greedy_baseline(
-    target: TargetModel, records: list[EvalRecord], max_new_tokens: int = 256, sampling: SamplingParams = GREEDY
+    target: TargetModel,
+    records: list[EvalRecord],
+    max_new_tokens: int = 256,
+    sampling: SamplingParams = GREEDY,
+    compile: bool = False,
 ) -> list[GreedyRun]:
-    """Plain decoding of every record's prompt (sampled at temperature > 0), timed after a warm-up."""
+    """Plain decoding of every record's prompt (sampled at temperature > 0), timed after a warm-up; `compile`: on the
+    target's static cache, compiled once (what `--compile`'s speculative decoding is set against)."""
     warm_up = record_generator(sampling.seed, -1, target)
+    longest = max(len(r.prompt_ids) + max_new_tokens_of(r, max_new_tokens) for r in records)
+    decode = autoregressive_generate
+    if compile:  # the warm-up compiles, on a static cache that holds the longest record
+        decode = partial(static_autoregressive_generate, positions=longest)
     with record_images(target, records[0]):
-        autoregressive_generate(target, records[0].prompt_ids, min(8, max_new_tokens), sampling, warm_up)
+        decode(target, records[0].prompt_ids, min(8, max_new_tokens), sampling, warm_up)
     runs = []
     for index, record in enumerate(records):
         with record_images(target, record):  # a record's images bound before its clock starts
             _sync(target)
             start = time.perf_counter()
-            out = autoregressive_generate(
+            out = decode(
                 target,
                 record.prompt_ids,
                 max_new_tokens_of(record, max_new_tokens),
@@ -108,10 +123,13 @@ def evaluate_online(
     b, layer_ids, context_layers = drafter_shape(drafter, walk.block_size)
     walk = replace(walk, block_size=b)
     sampling = walk.sampling
-    warm_up = replace(walk.speculative, round_context_to=None)
+    # the static cache sized for the longest record, so the graph the warm-up compiles serves every record
+    longest = max(len(r.prompt_ids) + max_new_tokens_of(r, max_new_tokens) for r in records)
+    speculative = replace(walk.speculative, static_positions=longest)
+    warm_up = replace(speculative, round_context_to=None)
     first = records[0].prompt_ids
     with record_images(target, records[0]):
-        speculative_generate(
+        warmed = speculative_generate(
             target,
             drafter,
             first,
@@ -120,6 +138,7 @@ def evaluate_online(
             speculative=warm_up,
             generator=record_generator(sampling.seed, -1, target),
         )
+    compiled = CompileCounts(warmed.compiles, warmed.recompiles, warmed.graph_breaks, warmed.compile_seconds)
     per_prompt, all_lengths = [], []
     seconds = draft_s = verify_s = 0.0
     for index, (record, plain) in enumerate(zip(records, baseline, strict=True)):
@@ -132,10 +151,11 @@ def evaluate_online(
                 record.prompt_ids,
                 max_new_tokens=max_new_tokens_of(record, max_new_tokens),
                 sampling=sampling,
-                speculative=walk.speculative,
+                speculative=speculative,
                 generator=record_generator(sampling.seed, index, target),
             )
             _sync(target)
+        compiled.add(out)
         seconds += time.perf_counter() - start
         draft_s, verify_s = draft_s + out.draft_seconds, verify_s + out.verify_seconds
         all_lengths += out.acceptance_lengths  # every step: the bound is of what was timed
@@ -162,6 +182,7 @@ def evaluate_online(
         drafts_per_block=drafts_per_block(drafter, b),
         context_edges=walk.context_edges,
         greedy_steps=_greedy_steps(records, baseline),
+        compile=compiled.as_dict() | {"static": warmed.static, "after_warm_up": compiled.after_warm_up},
     )
 
 

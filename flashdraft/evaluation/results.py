@@ -137,6 +137,9 @@ class EvalResult:
     context_edges: list[int] | None = None  # `by_context` bucket edges; None: `default_context_edges`
     # online: (context before the input token, seconds) of every plain-decoding forward after the prefill
     greedy_steps: list[tuple[int, float]] = field(default_factory=list)
+    # online: the static verify (`SpeculativeConfig.compile`): static or not, graphs compiled (the warm-up's and
+    # after it), recompiles, graph breaks, compile seconds; None offline
+    compile: dict | None = None
 
     @property
     def max_drafts(self) -> int:
@@ -266,6 +269,7 @@ class EvalResult:
             "greedy_step_ms": self.greedy_step_ms,
             "speedup_bound": self.speedup_bound,
             "speedup_of_bound": self.speedup_of_bound,
+            "compile": self.compile,
             "per_prompt": per_prompt,
         }
 

@@ -28,6 +28,7 @@ from flashdraft.decoding.serving_rules import (
     SamplingParams,
     serving_rule,
 )
+from flashdraft.decoding.verification import resolve_compile
 from flashdraft.drafter.checkpoint import check_drafter_matches_target
 from flashdraft.drafter.config import DEFAULT_BLOCK_SIZE
 from flashdraft.drafter.families import drafts_per_block, family_of
@@ -59,7 +60,6 @@ from flashdraft.evaluation.records import (
     Log,
     fit_prompts,
     invalid_reason,
-    later_turn,
     load_eval_records,
     quiet,
 )
@@ -76,6 +76,7 @@ from flashdraft.evaluation.sampling import (
 )
 from flashdraft.evaluation.served import run_served
 from flashdraft.evaluation.trees import evaluate_trees, require_tree_consistent
+from flashdraft.evaluation.turns import with_later_turns
 from flashdraft.target.image_files import refuse_engine_images
 from flashdraft.target.model import TargetModel
 
@@ -210,8 +211,9 @@ def _prepare_records(
     baseline = None
     if cfg.online or cfg.check_consistency or not records[0].completion_ids:
         sampling = SamplingParams(temperature=cfg.temperature, filters=filters, seed=cfg.seed)
-        baseline = greedy_baseline(target, records, max_new_tokens, sampling=sampling)
-        records, baseline = _with_later_turns(cfg, target, records, baseline, max_new_tokens, sampling, log)
+        compiled = cfg.online and resolve_compile(cfg.compile, target)  # compiled against compiled
+        baseline = greedy_baseline(target, records, max_new_tokens, sampling=sampling, compile=compiled)
+        records, baseline = with_later_turns(cfg, target, records, baseline, max_new_tokens, sampling, log)
         for record, run in zip(records, baseline, strict=True):
             if not record.completion_ids and (cfg.temperature <= 0 or not cfg.online):
                 record.completion_ids = list(run.output_ids)  # the target's output: greedy, or sampled (offline)
@@ -229,33 +231,6 @@ def _prepare_records(
     if not valid:
         raise FlashdraftError(f"{source}: none of the {len(records)} records can be evaluated")
     return valid, valid_baseline if baseline is not None else None, source
-
-
-def _with_later_turns(
-    cfg: EvalConfig,
-    target: TargetModel,
-    records: list[EvalRecord],
-    baseline: list[GreedyRun],
-    max_new_tokens: int,
-    sampling: SamplingParams,
-    log: Log,
-) -> tuple[list[EvalRecord], list[GreedyRun]]:
-    """Every turn of a benchmark's multi-turn requests (SPEED-Bench): turn k + 1 asked after the target's own answer
-    to turn k (its plain decoding's output), as Model Optimizer and aiperf ask them; each request's turns together,
-    in order."""
-    pairs = list(zip(records, baseline, strict=True))
-    asked = pairs
-    while asked:
-        later = [(r, nxt) for r, run in asked if (nxt := later_turn(r, run.output_ids, target.tokenizer)) is not None]
-        kept = fit_prompts([nxt for _, nxt in later], target, max_new_tokens, cfg.long_prompts, str(cfg.prompts), log)
-        runs = greedy_baseline(target, kept, max_new_tokens, sampling=sampling) if kept else []
-        asked = list(zip(kept, runs, strict=True))
-        pairs += asked
-    if len(pairs) > len(records):
-        log(f"{len(pairs) - len(records)} later turns asked after the target's own answers ({len(pairs)} turns)")
-    order = {r.request_id or r.id: k for k, r in enumerate(records)}
-    pairs.sort(key=lambda pair: (order[pair[0].request_id or pair[0].id], pair[0].turn))
-    return [r for r, _ in pairs], [run for _, run in pairs]
 
 
 def _check_cache_layers(cfg: EvalConfig, candidates: list[Candidate], records: list[EvalRecord], log: Log) -> None:
@@ -361,6 +336,7 @@ def _evaluate_candidate(
         rule=rule,
         sampling=SamplingParams(cfg.temperature, filters, cfg.seed),
         context_edges=cfg.context_buckets,
+        compile=cfg.compile,
     )
     sampled_check = cfg.check_consistency and cfg.temperature > 0
     rounding = _consistency_rounding(cfg, c, records) if not sampled_check else None

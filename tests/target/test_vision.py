@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
 from flashdraft.target.vision import (
     MROPE_ROW0,
@@ -108,8 +109,8 @@ def test_context_features_are_taken_where_vllm_captures_them_after_deepstack(vl_
     assert (prompt.deepstack is not None) == (vl_target.model.config.model_type == "qwen3_vl")
 
 
-def test_greedy_speculative_decoding_with_an_image_is_the_models_own_greedy_generate(vl_target):
-    from flashdraft.decoding.generate import speculative_generate
+def test_greedy_speculative_decoding_with_an_image_is_the_models_own_greedy_generate_and_compile_is_refused(vl_target):
+    from flashdraft.decoding.generate import SpeculativeConfig, speculative_generate
     from flashdraft.drafter.init import DrafterChoices, new_drafter_for_target
 
     ids, inputs = encode(vl_target)
@@ -127,6 +128,9 @@ def test_greedy_speculative_decoding_with_an_image_is_the_models_own_greedy_gene
     assert result.output_ids == own
     without_image = vl_target.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=12, do_sample=False)
     assert without_image[0, len(ids) :].tolist() != own  # the image is in the context decoded
+    # the static verify has one position row: after an image M-RoPE's would trail it, so --compile is refused
+    with pytest.raises(FlashdraftError, match="--compile refused: a vision-language target"):
+        speculative_generate(vl_target, drafter, ids, 12, speculative=SpeculativeConfig(compile=True))
 
 
 def test_the_drafter_positions_are_m_rope_row_0_as_vllm_serves_them(vl_target):
