@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from flashdraft.drafter.model import PAD_POSITION
+from flashdraft.drafter.packed_attention import ContextTiles
 from flashdraft.train.blocks import IGNORE, build_blocks, sample_anchors
 
 
@@ -37,6 +38,8 @@ class Batch:
     # packed rows (`train.packing`): (anchor_documents [N, K], context_documents [N, C]), each block's and context
     # token's document in its row (-1 on padding); None: one record per row
     documents: tuple[torch.Tensor, torch.Tensor] | None = None
+    # packed rows: the (block, context key tile) pairs whose scores the attention computes (`packed_attention`)
+    context_tiles: ContextTiles | None = None
 
     def to(self, device: torch.device | str) -> Batch:
         topk = None if self.target_topk is None else tuple(t.to(device) for t in self.target_topk)
@@ -44,6 +47,7 @@ class Batch:
         return replace(
             self,
             documents=documents,
+            context_tiles=None if self.context_tiles is None else self.context_tiles.to(device),
             context_features=self.context_features.to(device),
             context_positions=self.context_positions.to(device),
             block_ids=self.block_ids.to(device),

@@ -161,7 +161,8 @@ def _prepare(
     cfg = recorded_config(cfg, drafter, target)
     plan = None
     if cfg.pack_length is not None:
-        plan = pack_plan(records, cfg.pack_length, cfg.num_anchors, cfg.max_length)
+        global_rows = cfg.batch_size * cfg.grad_accum * dist.world
+        plan = pack_plan(records, cfg.pack_length, cfg.num_anchors, cfg.max_length, rows_multiple=global_rows)
     steps_per_epoch, total_steps = _steps(cfg, len(records), dist.world, plan)
     if dist.is_main:
         lines = describe_steps(cfg, steps_per_epoch, total_steps, len(records), dist.world)

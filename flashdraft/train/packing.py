@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from flashdraft.drafter.model import PAD_POSITION
+from flashdraft.drafter.packed_attention import ContextTiles, row_tile_pairs
 from flashdraft.errors import FlashdraftError
 from flashdraft.train.blocks import IGNORE, candidate_anchors
 from flashdraft.train.data import Batch, BatchSpec, record_blocks
@@ -38,6 +39,7 @@ class PackPlan:
     feature_dim: int  # the records' context feature width (a row may hold none)
     topk: int  # the records' stored target top-k width (0: none)
     cut: int  # records longer than L, cut to their first L tokens
+    tile_pairs: int = 0  # (block tile, context key tile) pairs of the row that has the most: every batch's (one shape)
 
     def lines(self, num_records: int) -> list[str]:
         """What the run's first lines say about the packing."""
@@ -96,22 +98,49 @@ def first_fit_decreasing(tokens: list[int], blocks: list[int], length: int, capa
     return rows
 
 
-def pack_plan(records, length: int, num_anchors: int, max_length: int | None) -> PackPlan:
+def balanced_rows(tokens: list[int], blocks: list[int], length: int, num_rows: int) -> list[list[int]] | None:
+    """Records (sizes `tokens`, `blocks`) spread over exactly `num_rows` rows of at most `length` tokens, as evenly
+    in blocks as they go: the longest first (ties by index), each into the row with room for its tokens that holds
+    the fewest blocks (then tokens, then the first). None when a record finds no row with room. Deterministic."""
+    order = sorted(range(len(tokens)), key=lambda i: (-tokens[i], i))
+    held_tokens = torch.zeros(num_rows, dtype=torch.long)
+    held_blocks = torch.zeros(num_rows, dtype=torch.long)
+    rows: list[list[int]] = [[] for _ in range(num_rows)]
+    for i in order:
+        fits = (held_tokens + tokens[i] <= length).nonzero().squeeze(1)
+        if not len(fits):
+            return None
+        key = held_blocks[fits] * (length + 1) + held_tokens[fits]  # fewest blocks, then fewest tokens
+        r = int(fits[int(key.argmin())])
+        rows[r].append(i)
+        held_tokens[r] += tokens[i]
+        held_blocks[r] += blocks[i]
+    return rows
+
+
+def pack_plan(records, length: int, num_anchors: int, max_length: int | None, rows_multiple: int = 1) -> PackPlan:
     """The run's rows of `length` tokens and A blocks: packed with room for the blocks `length` tokens of these
-    records hold on average plus a quarter (at least the most one record has), A then the fullest row's blocks."""
+    records hold on average plus a quarter (at least the most one record has), A then the fullest row's blocks.
+    `rows_multiple` (the global batch, in rows): when first-fit leaves the last global batch part empty, the records
+    are spread evenly over a whole number of global batches instead (`balanced_rows`), so no step computes empty
+    rows and the fullest row, hence A, holds fewer blocks."""
     tokens, blocks, cut = record_sizes(records, length, num_anchors, max_length)
     if not tokens:
         raise FlashdraftError("--pack-length: no training records to pack")
     capacity = max(max(blocks), math.ceil(BLOCK_SLACK * length * sum(blocks) / max(1, sum(tokens))), 1)
     rows = first_fit_decreasing(tokens, blocks, length, capacity)
+    if len(rows) % rows_multiple:
+        whole = -(-len(rows) // rows_multiple) * rows_multiple
+        rows = balanced_rows(tokens, blocks, length, whole) or rows
     capacity = max(1, max(sum(blocks[i] for i in row) for row in rows))  # the fullest row's: no row pads more
+    tile_pairs = max(len(row_tile_pairs([tokens[i] for i in row], [blocks[i] for i in row])) for row in rows)
     if hasattr(records, "feature_dim"):  # a stream (the engine): its width is known, no record is read ahead of it
         feature_dim, topk = records.feature_dim, 0
     else:
         first = records[rows[0][0]]
         feature_dim = first.context_features.shape[-1]
         topk = 0 if first.target_topk is None else first.target_topk[0].shape[-1]
-    return PackPlan(rows, length, capacity, feature_dim, topk, cut)
+    return PackPlan(rows, length, capacity, feature_dim, topk, cut, max(1, tile_pairs))
 
 
 def make_packed_batch(records, rows: list[list[int]], epoch: int, batch_spec: BatchSpec, plan: PackPlan) -> Batch:
@@ -147,4 +176,7 @@ def make_packed_batch(records, rows: list[list[int]], epoch: int, batch_spec: Ba
                 topk[0][i, blocks], topk[1][i, blocks] = doc.target_topk[0].float(), doc.target_topk[1].long()
             t, k = t + dt, k + dk
     indices = [i for row in rows for i in row]
-    return Batch(indices, features, positions, block_ids, anchors, labels, topk, (anchor_documents, context_documents))
+    pairs = [row_tile_pairs([d.features.shape[0] for d in row], [len(d.anchors) for d in row]) for row in docs]
+    tiles = ContextTiles.of_rows(pairs, plan.tile_pairs)  # [N, P]: which context tiles each block's scores cover
+    documents = (anchor_documents, context_documents)
+    return Batch(indices, features, positions, block_ids, anchors, labels, topk, documents, tiles)

@@ -70,6 +70,7 @@ def forward_loss(model, target: TargetModel, batch: Batch, spec: LossSpec) -> Lo
             batch.context_features.to(block_embeds.dtype),
             batch.context_positions,
             documents=batch.documents,
+            context_tiles=batch.context_tiles,
         )
         return block_loss(hidden, batch, DraftHeads.of(drafter, target.lm_head), spec)
 
