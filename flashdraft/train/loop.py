@@ -43,6 +43,7 @@ from flashdraft.files import DiskFullError, write_text_atomic
 from flashdraft.progress import Progress
 from flashdraft.stop import StopRequests
 from flashdraft.target.model import TargetModel
+from flashdraft.train.compiled import CompiledStep, compile_by_default
 from flashdraft.train.config import RESUMABLE_CHANGES, TrainConfig
 from flashdraft.train.engine_feed import EngineLost
 from flashdraft.train.held_out import check_keep_best, held_out_metrics, keep_if_best
@@ -334,6 +335,7 @@ class LoopOptions:
     report_to: tuple[str, ...] = ()
     verify: bool = True
     on_step: object = None
+    compile_backend: str = "inductor"  # with --compile (tests: "eager", the same graphs without inductor's compile)
 
 
 def train(
@@ -359,6 +361,9 @@ def train(
         config_dict = _write_run_config(cfg, run_dir, resume) if dist.is_main else asdict(cfg)
         model, optimizer = _wrap(cfg, drafter, total_steps, dist)
         spec = loss_spec(cfg, drafter)
+        compiled = None
+        if cfg.compile if cfg.compile is not None else compile_by_default(dist.device):
+            compiled = CompiledStep(model, backend=options.compile_backend)
         start_step = _resume(run_dir, model, optimizer, len(records), dist, verify, cfg.fsdp) if resume else 0
         _start_stream(cfg, records, range(start_step, total_steps), steps_per_epoch, dist, plan)
         writer = MetricsWriter(run_dir, list(report_to), config_dict, start_step) if dist.is_main else None
@@ -372,7 +377,9 @@ def train(
                 state = (model, optimizer, cfg, config_dict, len(records), dist)
                 batch, waited = _fetch_batch(cfg, records, step, steps_per_epoch, run_dir, state, plan)
                 started = time.monotonic()
-                result, grad_norm = optimizer_step(model, target, optimizer, batch, spec, cfg.grad_clip, dist, run_dir)
+                result, grad_norm = optimizer_step(
+                    model, target, optimizer, batch, spec, cfg.grad_clip, dist, run_dir, compiled
+                )
                 window.time(waited, time.monotonic() - started)
                 if on_step is not None:
                     on_step(step)
@@ -380,6 +387,7 @@ def train(
                 done = step + 1
                 if done % cfg.log_every == 0 or done == total_steps:
                     metrics = window.metrics(optimizer.last_lr(), grad_norm, epoch) | memory_and_compiles(dist.device)
+                    metrics |= compiled.metrics() if compiled else {"step_compiles": 0, "step_recompiles": 0}
                     _log(bar, writer, done, metrics)
                     _warn(bar, learning.see(done, metrics["estimated_acceptance"], held_out=False))
                     window = Window(cfg.first_draft_position)
