@@ -52,10 +52,6 @@ class ContextTiles:
     key_tile_size: int = KEY_TILE
     block_tile_size: int = BLOCK_TILE
 
-    def to(self, device: torch.device | str) -> ContextTiles:
-        moved = (t.to(device, non_blocking=True) for t in (self.block_tile, self.key_tile, self.valid))
-        return ContextTiles(*moved, self.key_tile_size, self.block_tile_size)
-
     @classmethod
     def of_rows(
         cls, rows: list[list[tuple[int, int]]], pairs: int, key_tile: int = KEY_TILE, block_tile: int = BLOCK_TILE

@@ -42,18 +42,27 @@ class Batch:
     context_tiles: ContextTiles | None = None
 
     def to(self, device: torch.device | str) -> Batch:
-        topk = None if self.target_topk is None else tuple(t.to(device) for t in self.target_topk)
-        documents = None if self.documents is None else tuple(t.to(device) for t in self.documents)
+        """On `device`; the copies non-blocking (they overlap where the batch is pinned, `pin_memory`)."""
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def pin_memory(self) -> Batch:
+        """Its tensors in pinned memory (a prefetched batch, for a GPU)."""
+        return self._map(lambda t: t.pin_memory())
+
+    def _map(self, fn) -> Batch:
+        tiles = self.context_tiles
+        if tiles is not None:
+            tiles = replace(tiles, block_tile=fn(tiles.block_tile), key_tile=fn(tiles.key_tile), valid=fn(tiles.valid))
         return replace(
             self,
-            documents=documents,
-            context_tiles=None if self.context_tiles is None else self.context_tiles.to(device),
-            context_features=self.context_features.to(device),
-            context_positions=self.context_positions.to(device),
-            block_ids=self.block_ids.to(device),
-            anchor_positions=self.anchor_positions.to(device),
-            labels=self.labels.to(device),
-            target_topk=topk,
+            documents=None if self.documents is None else tuple(fn(t) for t in self.documents),
+            context_tiles=tiles,
+            context_features=fn(self.context_features),
+            context_positions=fn(self.context_positions),
+            block_ids=fn(self.block_ids),
+            anchor_positions=fn(self.anchor_positions),
+            labels=fn(self.labels),
+            target_topk=None if self.target_topk is None else tuple(fn(t) for t in self.target_topk),
         )
 
     def context_reach(self, block_size: int) -> int:

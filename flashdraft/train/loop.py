@@ -45,12 +45,14 @@ from flashdraft.stop import StopRequests
 from flashdraft.target.model import TargetModel
 from flashdraft.train.compiled import CompiledStep, compile_by_default
 from flashdraft.train.config import RESUMABLE_CHANGES, TrainConfig
+from flashdraft.train.data import OnlineRecords
 from flashdraft.train.engine_feed import EngineLost
 from flashdraft.train.held_out import check_keep_best, held_out_metrics, keep_if_best
 from flashdraft.train.learning import LearningCheck, mean_record_length
 from flashdraft.train.metrics import MetricsWriter, Window, memory_and_compiles
 from flashdraft.train.optim import Optimizers, build_optimizers, warmup_steps
 from flashdraft.train.packing import PackPlan, pack_plan
+from flashdraft.train.prefetch import BatchPrefetcher
 from flashdraft.train.recipe import PUBLISHED_RECIPE
 from flashdraft.train.step import global_batch, loss_spec, optimizer_step, packed_units, stream_order
 
@@ -214,13 +216,33 @@ def _start_stream(cfg: TrainConfig, records, steps: range, steps_per_epoch: int,
         records.start(stream_order(cfg, len(records), steps, steps_per_epoch, dist, plan))
 
 
-def _fetch_batch(cfg: TrainConfig, records, step: int, steps_per_epoch: int, run_dir: Path, state: tuple, plan):
-    """The step's batch (`plan`: packed rows) and the seconds spent making it (waiting for the engine's states, when
-    it feeds); an engine lost mid-run ends the run with a checkpoint (`state`: what `_save` takes after the step
-    count)."""
+def _prefetcher(
+    cfg: TrainConfig, records, steps: range, steps_per_epoch: int, dist: Dist, plan, depth: int
+) -> BatchPrefetcher | None:
+    """The steps' batches built `depth` ahead in a thread (`train.prefetch`); None (built in the step) at depth 0 or
+    when the target runs in this process for them (online: its forward would overlap the held-out evaluation's on
+    the same model, and it computes on the step's own device and cores)."""
+    if not depth or isinstance(records, OnlineRecords):
+        return None
+
+    def build(step: int):
+        return global_batch(cfg, records, step, steps_per_epoch, dist, plan)
+
+    return BatchPrefetcher(build, steps, depth, pin=dist.device.type == "cuda")
+
+
+def _fetch_batch(
+    cfg: TrainConfig, records, step: int, steps_per_epoch: int, run_dir: Path, state: tuple, plan, prefetcher=None
+):
+    """The step's batch (`plan`: packed rows; `prefetcher`: built ahead) and the seconds the step waited for it (the
+    build, or what is left of it; the engine's states, when it feeds); an engine lost mid-run ends the run with a
+    checkpoint (`state`: what `_save` takes after the step count)."""
     started, lost, batch = time.monotonic(), None, None
     try:
-        batch = global_batch(cfg, records, step, steps_per_epoch, state[-1], plan)
+        if prefetcher is None:
+            batch = global_batch(cfg, records, step, steps_per_epoch, state[-1], plan)
+        else:
+            batch = prefetcher.get(step)
     except EngineLost as e:
         lost = e
     # a streamed source: every rank stops at the same step when any rank's engine is lost (none left waiting)
@@ -336,6 +358,7 @@ class LoopOptions:
     verify: bool = True
     on_step: object = None
     compile_backend: str = "inductor"  # with --compile (tests: "eager", the same graphs without inductor's compile)
+    prefetch: int = 2  # global batches built ahead of the step in a thread (`train.prefetch`); 0: in the step
 
 
 def train(
@@ -356,7 +379,7 @@ def train(
         cfg, drafter, target, records, dist, eval_records, eval_tau_records
     )
     lock = RunLock(run_dir) if dist.is_main else None
-    writer = None
+    writer = prefetcher = None
     try:
         config_dict = _write_run_config(cfg, run_dir, resume) if dist.is_main else asdict(cfg)
         model, optimizer = _wrap(cfg, drafter, total_steps, dist)
@@ -366,6 +389,8 @@ def train(
             compiled = CompiledStep(model, backend=options.compile_backend)
         start_step = _resume(run_dir, model, optimizer, len(records), dist, verify, cfg.fsdp) if resume else 0
         _start_stream(cfg, records, range(start_step, total_steps), steps_per_epoch, dist, plan)
+        steps = range(start_step, total_steps)
+        prefetcher = _prefetcher(cfg, records, steps, steps_per_epoch, dist, plan, options.prefetch)
         writer = MetricsWriter(run_dir, list(report_to), config_dict, start_step) if dist.is_main else None
         bar = _progress_bar(start_step, total_steps, dist)
         window = Window(cfg.first_draft_position)
@@ -375,7 +400,7 @@ def train(
             for step in bar:
                 epoch = step // steps_per_epoch
                 state = (model, optimizer, cfg, config_dict, len(records), dist)
-                batch, waited = _fetch_batch(cfg, records, step, steps_per_epoch, run_dir, state, plan)
+                batch, waited = _fetch_batch(cfg, records, step, steps_per_epoch, run_dir, state, plan, prefetcher)
                 started = time.monotonic()
                 result, grad_norm = optimizer_step(
                     model, target, optimizer, batch, spec, cfg.grad_clip, dist, run_dir, compiled
@@ -413,6 +438,8 @@ def train(
         )
         raise
     finally:
+        if prefetcher is not None:
+            prefetcher.close()
         if writer is not None:
             writer.close()
         if lock is not None:
