@@ -155,7 +155,8 @@ def make_batch(records: list[TrainRecord], indices: list[int], epoch: int, batch
     if batch_spec.bucket:  # padding slots and padding blocks are never trained nor seen: the loss is unchanged
         max_t, max_k = length_bucket(max_t), max(max_k, min(length_bucket(max_k), batch_spec.num_anchors))
     feat_dim = rows[0][0].shape[1]
-    features = torch.zeros(n, max_t, feat_dim, dtype=rows[0][0].dtype)
+    # empty, the padding zeroed below: zeros then the copy would write the batch's largest tensor twice
+    features = torch.empty(n, max_t, feat_dim, dtype=rows[0][0].dtype)
     positions = torch.full((n, max_t), PAD_POSITION, dtype=torch.long)
     block_ids = torch.full((n, max_k * block_size), batch_spec.mask_token_id, dtype=torch.long)
     anchors = torch.zeros(n, max_k, dtype=torch.long)  # padding blocks: anchor 0, labels ignored
@@ -166,7 +167,7 @@ def make_batch(records: list[TrainRecord], indices: list[int], epoch: int, batch
         topk = (torch.zeros(n, max_k * block_size, k), torch.zeros(n, max_k * block_size, k, dtype=torch.long))
     for i, (feat, anc, blk, lab, tk) in enumerate(rows):
         t, q = feat.shape[0], blk.shape[0]
-        features[i, :t] = feat
+        features[i, :t], features[i, t:] = feat, 0
         positions[i, :t] = torch.arange(t)
         anchors[i, : len(anc)] = anc
         block_ids[i, :q], labels[i, :q] = blk, lab

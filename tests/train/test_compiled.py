@@ -64,7 +64,7 @@ def test_the_compiled_packed_step_has_the_eager_losses_and_gradients_and_compile
     make, weighting = FAMILIES[family]
     drafter = make().train()
     spec = loss_spec(TrainConfig(num_anchors=3, loss_weighting=weighting), drafter)
-    plan = pack_plan(varied_with_logits, 40, 3, None)
+    plan = pack_plan(varied_with_logits, 40, 3, None, tiles=True)
     epochs = [make_packed_batch(varied_with_logits, plan.rows[:2], epoch, _spec(drafter), plan) for epoch in (0, 1)]
     compiled = CompiledStep(drafter, backend="eager")
     _equal_to_eager(drafter, target, epochs[0], spec, compiled)

@@ -71,6 +71,13 @@ def test_a_plan_fills_whole_global_batches_so_no_step_computes_an_empty_row(vari
     assert plan.blocks <= first_fit.blocks  # the rows hold fewer blocks: every step's A is smaller or equal
 
 
+def test_rows_too_short_for_tiles_to_pay_attend_densely_unless_tiles_are_asked_for(varied):
+    dense = pack_plan(varied, 32, 3, None)  # L = 32 is one key tile: the tiled path would score more, not less
+    assert dense.tile_pairs == 0 and make_packed_batch(varied, dense.rows, 0, _spec(), dense).context_tiles is None
+    tiled = pack_plan(varied, 32, 3, None, tiles=True)
+    assert tiled.tile_pairs > 0 and make_packed_batch(varied, tiled.rows, 0, _spec(), tiled).context_tiles is not None
+
+
 def test_a_packed_row_restarts_positions_per_document_and_draws_each_documents_anchors_as_unpacked(varied):
     plan = pack_plan(varied, 32, 3, None)
     assert sorted(i for row in plan.rows for i in row) == list(range(len(varied)))  # each record in one row
@@ -154,7 +161,7 @@ def test_a_packed_rows_loss_and_gradients_are_the_sum_of_its_documents_unpacked(
     cfg = TrainConfig(num_anchors=3, loss_weighting="dpace")
     spec = loss_spec(cfg, drafter)
     batch_spec = _spec(first_draft=drafter.config.first_draft_position)
-    plan = pack_plan(records, 40, 3, None)
+    plan = pack_plan(records, 40, 3, None, tiles=True)  # the packed attention path (L = 40: dense where it pays)
     row = max(plan.rows, key=len)
     assert len(row) >= 2
     packed = make_packed_batch(records, [row], 0, batch_spec, plan)
@@ -172,7 +179,7 @@ def test_a_planted_document_changes_nothing_of_another_documents_blocks_under_th
 ):
     drafter = make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
     kept, planted, other = _cut(records[:3], [12, 20, 20])
-    plan = pack_plan([kept, planted], 40, 3, None)
+    plan = pack_plan([kept, planted], 40, 3, None, tiles=True)
     hidden = {}
     with torch.no_grad():  # flex attention has no backward on CPU
         for backend, name, crossing in [("sdpa", n, c) for n in ("planted", "other") for c in (False, True)] + [
