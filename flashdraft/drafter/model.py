@@ -185,6 +185,8 @@ flex_shapes: set[tuple] = set()
 
 def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
     global _compiled_flex
+    if torch.compiler.is_compiling():  # inside the compiled training step (`train --compile`): part of its graph
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     flex_shapes.add((tuple(q.shape), tuple(k.shape), q.dtype, q.device.type))
     if q.device.type != "cuda":  # uncompiled flex is a reference path (tests); real use is on GPU
         with warnings.catch_warnings():
