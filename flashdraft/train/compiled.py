@@ -78,9 +78,6 @@ class CompiledStep:
             self.recompiles += new
         self.shapes.add(shape)
 
-    def metrics(self) -> dict:
-        return {"step_compiles": self.compiles, "step_recompiles": self.recompiles}
-
 
 def batch_shape(batch) -> tuple:
     """The shapes that select a compiled graph: the batch's tensors' (and its packed tiles')."""

@@ -216,19 +216,26 @@ def _start_stream(cfg: TrainConfig, records, steps: range, steps_per_epoch: int,
         records.start(stream_order(cfg, len(records), steps, steps_per_epoch, dist, plan))
 
 
+def _compiled_step(cfg: TrainConfig, model, dist: Dist, backend: str) -> CompiledStep | None:
+    """The step's forward and loss compiled (`--compile`; by default where it pays), or None."""
+    if cfg.compile if cfg.compile is not None else compile_by_default(dist.device):
+        return CompiledStep(model, backend=backend)
+    return None
+
+
 def _prefetcher(
-    cfg: TrainConfig, records, steps: range, steps_per_epoch: int, dist: Dist, plan, depth: int
+    cfg: TrainConfig, records, steps: range, steps_per_epoch: int, dist: Dist, plan, options: LoopOptions
 ) -> BatchPrefetcher | None:
-    """The steps' batches built `depth` ahead in a thread (`train.prefetch`); None (built in the step) at depth 0 or
-    when the target runs in this process for them (online: its forward would overlap the held-out evaluation's on
-    the same model, and it computes on the step's own device and cores)."""
-    if not depth or isinstance(records, OnlineRecords):
+    """The steps' batches built `options.prefetch` ahead in a thread (`train.prefetch`); None (built in the step) at
+    depth 0 or when the target runs in this process for them (online: its forward would overlap the held-out
+    evaluation's on the same model, and it computes on the step's own device and cores)."""
+    if not options.prefetch or isinstance(records, OnlineRecords):
         return None
 
     def build(step: int):
         return global_batch(cfg, records, step, steps_per_epoch, dist, plan)
 
-    return BatchPrefetcher(build, steps, depth, pin=dist.device.type == "cuda")
+    return BatchPrefetcher(build, steps, options.prefetch, pin=dist.device.type == "cuda")
 
 
 def _fetch_batch(
@@ -383,14 +390,10 @@ def train(
     try:
         config_dict = _write_run_config(cfg, run_dir, resume) if dist.is_main else asdict(cfg)
         model, optimizer = _wrap(cfg, drafter, total_steps, dist)
-        spec = loss_spec(cfg, drafter)
-        compiled = None
-        if cfg.compile if cfg.compile is not None else compile_by_default(dist.device):
-            compiled = CompiledStep(model, backend=options.compile_backend)
+        spec, compiled = loss_spec(cfg, drafter), _compiled_step(cfg, model, dist, options.compile_backend)
         start_step = _resume(run_dir, model, optimizer, len(records), dist, verify, cfg.fsdp) if resume else 0
         _start_stream(cfg, records, range(start_step, total_steps), steps_per_epoch, dist, plan)
-        steps = range(start_step, total_steps)
-        prefetcher = _prefetcher(cfg, records, steps, steps_per_epoch, dist, plan, options.prefetch)
+        prefetcher = _prefetcher(cfg, records, range(start_step, total_steps), steps_per_epoch, dist, plan, options)
         writer = MetricsWriter(run_dir, list(report_to), config_dict, start_step) if dist.is_main else None
         bar = _progress_bar(start_step, total_steps, dist)
         window = Window(cfg.first_draft_position)
@@ -411,8 +414,8 @@ def train(
                 window.add(result, batch.micro_batches, dist.world)
                 done = step + 1
                 if done % cfg.log_every == 0 or done == total_steps:
-                    metrics = window.metrics(optimizer.last_lr(), grad_norm, epoch) | memory_and_compiles(dist.device)
-                    metrics |= compiled.metrics() if compiled else {"step_compiles": 0, "step_recompiles": 0}
+                    figures = window.metrics(optimizer.last_lr(), grad_norm, epoch)
+                    metrics = figures | memory_and_compiles(dist.device, compiled)
                     _log(bar, writer, done, metrics)
                     _warn(bar, learning.see(done, metrics["estimated_acceptance"], held_out=False))
                     window = Window(cfg.first_draft_position)
