@@ -6,12 +6,15 @@ Two length mixes, both the tiny target's own greedy continuations of the built-i
 16 tokens, tokenized as plain text), with their context features from one target forward:
 - "long-tailed": completion lengths drawn from a log-normal (median 40 tokens, sigma 1.0; clipped to [8, 480]), as
   chat data runs from a few dozen tokens to many times that;
-- "builtin": the demo's data, greedy up to 128 new tokens or the target's stop token.
+- "builtin": the demo's data, greedy up to 128 new tokens or the target's stop token;
+- "chat-docs": 24 chat prompts of 58-84 tokens and 8 documents of 580-648 tokens, each with 48 completion tokens
+  (tokens drawn at random from the tiny target's vocabulary: speed only), packed at --pack-length 1024 (speed only;
+  --records does not apply).
 The tiny drafter (1 layer, block 16, AdamW, decay weights) trains unpacked (4 records a micro-batch, padded to a
 length bucket) and packed (rows of L tokens, L = the mix's longest record, bucketed). One JSON line per figure:
-- "speed": supervised (completion) tokens per second over a few steps with every supervised pair an anchor
-  (--num-anchors 512, the published recipe's), 4 rows against 4 records: equal context slots (equal memory), and
-  the padding share of them; the block slots a step holds beside it;
+- "speed": supervised (completion) tokens per second over a few steps (packed and unpacked steps interleaved) with
+  every supervised pair an anchor (--num-anchors 512, the published recipe's), 4 rows against 4 records, the padding
+  share of their context slots and the block slots a step holds; then packed over unpacked tokens/s;
 - "tau" (long-tailed mix): the held-out τ after the same epochs (equal supervised tokens), 8 anchors a record,
   packed 1 row a step (about the 4 records of an unpacked step); the noise is the spread over --seeds.
 Figures are ratios within one run of this script.
@@ -63,10 +66,32 @@ def _continuations(target, prompts: list[list[int]], lengths: list[int | None]) 
     return out
 
 
+CHAT_DOCS = ((24, 58, 84), (8, 580, 648))  # (records, shortest, longest prompt) of the chat-docs mix
+CHAT_DOCS_COMPLETION, CHAT_DOCS_PACK_LENGTH = 48, 1024
+
+
+def chat_docs_mix(target, seed: int) -> list[Record]:
+    """The "chat-docs" mix: short chats and long documents, each with 48 completion tokens, tokens at random."""
+    gen = torch.Generator().manual_seed(seed)
+    target.set_context_layers(list(LAYERS))
+    vocab = target.config.vocab_size
+    records = []
+    for count, shortest, longest in CHAT_DOCS:
+        for prompt_length in torch.randint(shortest, longest + 1, (count,), generator=gen).tolist():
+            ids = torch.randint(0, vocab - 1, (prompt_length + CHAT_DOCS_COMPLETION,), generator=gen)
+            with torch.no_grad():
+                features = target.forward(ids[None]).context_features[0]
+            records.append(Record(ids, torch.arange(len(ids)) >= prompt_length, features))
+    return records
+
+
 def make_mix(target, name: str, count: int, seed: int):
     """(training records, held-out eval records) of one mix: `count` and count // 4 + 1 records."""
     from flashdraft.data.prompts import load_prompts
     from flashdraft.evaluation.records import EvalRecord
+
+    if name == "chat-docs":
+        return chat_docs_mix(target, seed), []
 
     prompts = [target.tokenizer(p.turns[0])["input_ids"][:16] for p in load_prompts("builtin:code", quiet=True)]
     gen = torch.Generator().manual_seed(seed)
@@ -96,11 +121,13 @@ def _drafter(target, seed: int):
     return new_drafter_for_target(target, choices, seed=seed)
 
 
-def _config(records, packed: bool, **settings):
+def _config(records, packed: bool, pack_length: int | None = None, **settings):
     from flashdraft.train.config import TrainConfig
     from flashdraft.train.data import length_bucket
 
     longest = max(len(r.input_ids) for r in records)
+    if pack_length is not None:
+        longest = pack_length
     return TrainConfig(
         lr=6e-3,
         optimizer="adamw",
@@ -113,48 +140,73 @@ def _config(records, packed: bool, **settings):
     )
 
 
-def speed(target, records, packed: bool, steps: int) -> dict:
-    """Supervised (completion) tokens per second of `steps` training steps after one warm-up step, with every
-    supervised pair an anchor (--num-anchors 512, the published recipe's, is more than these records have), and the
-    slots a step holds: context slots equal by construction (4 rows of L = the longest record, 4 records padded to
-    a bucket of theirs), block slots (each a block token through the drafter's layers) as the batches make them."""
-    from flashdraft.distributed import Dist
-    from flashdraft.train.loop import recorded_config
-    from flashdraft.train.optim import build_optimizers
-    from flashdraft.train.packing import pack_plan
-    from flashdraft.train.step import global_batch, loss_spec, optimizer_step, packed_units
+class _SpeedRun:
+    """One side of the speed comparison: a fresh drafter training on the mix, packed or not, step by step."""
 
-    drafter = _drafter(target, 0).train()
-    cfg = recorded_config(
-        _config(records, packed, num_anchors=512, batch_size=BATCH, max_steps=steps + 1), drafter, target
-    )
-    plan = pack_plan(records, cfg.pack_length, cfg.num_anchors, None) if packed else None
-    units = packed_units(cfg, plan, 1) if packed else len(records)
-    steps_per_epoch = units // BATCH
-    optimizer, spec = build_optimizers(drafter, cfg, steps + 1), loss_spec(cfg, drafter)
-    seconds = supervised = real = slots = block_slots = 0
+    def __init__(self, target, records, packed: bool, steps: int, pack_length: int | None) -> None:
+        from flashdraft.train.loop import recorded_config
+        from flashdraft.train.optim import build_optimizers
+        from flashdraft.train.packing import pack_plan
+        from flashdraft.train.step import loss_spec, packed_units
+
+        self.target, self.records, self.packed = target, records, packed
+        self.drafter = _drafter(target, 0).train()
+        settings = dict(num_anchors=512, batch_size=BATCH, max_steps=steps + 1)
+        self.cfg = recorded_config(_config(records, packed, pack_length, **settings), self.drafter, target)
+        self.plan = pack_plan(records, self.cfg.pack_length, self.cfg.num_anchors, None, BATCH) if packed else None
+        self.steps_per_epoch = (packed_units(self.cfg, self.plan, 1) if packed else len(records)) // BATCH
+        self.optimizer = build_optimizers(self.drafter, self.cfg, steps + 1)
+        self.spec = loss_spec(self.cfg, self.drafter)
+        self.seconds = self.cpu_seconds = self.supervised = self.real = self.slots = self.block_slots = 0
+
+    def step(self, step: int, run_dir: Path, counted: bool) -> None:
+        from flashdraft.distributed import Dist
+        from flashdraft.train.step import global_batch, optimizer_step
+
+        batch = global_batch(self.cfg, self.records, step, self.steps_per_epoch, Dist(), self.plan)
+        started, cpu_started = time.perf_counter(), time.process_time()
+        optimizer_step(self.drafter, self.target, self.optimizer, batch, self.spec, 1.0, Dist(), run_dir)
+        if not counted:
+            return
+        self.seconds += time.perf_counter() - started
+        self.cpu_seconds += time.process_time() - cpu_started
+        self.supervised += sum(int(self.records[i].loss_mask.sum()) for i in batch.indices)
+        for b in batch.micro_batches:
+            self.real += int((b.context_positions < (1 << 40)).sum())
+            self.slots += b.context_positions.numel()
+            self.block_slots += b.block_ids.numel()
+
+    def row(self, steps: int) -> dict:
+        return {
+            "packed": self.packed,
+            "pack_length": self.cfg.pack_length,
+            "steps": steps,
+            "supervised_tokens_per_s": round(self.supervised / self.seconds, 1),
+            "supervised_tokens_per_cpu_s": round(self.supervised / self.cpu_seconds, 1),
+            "padding_share": round(1 - self.real / self.slots, 3),
+            "context_slots_per_step": self.slots // steps,
+            "block_slots_per_step": self.block_slots // steps,
+        }
+
+
+def speed(target, records, steps: int, pack_length: int | None = None) -> list[dict]:
+    """Supervised (completion) tokens per second of `steps` training steps unpacked and packed, their steps
+    interleaved (a loaded machine slows both alike) after one warm-up step each, with every supervised pair an anchor
+    (--num-anchors 512, the published recipe's, is more than these records have), and the slots a step holds:
+    context slots (4 rows of L against 4 records padded to a bucket of theirs) and block slots (each a block token
+    through the drafter's layers) as the batches make them; the last row their ratios, by wall-clock and by this
+    process's CPU seconds (what a machine shared with other work measures fairly: one thread, its own time only)."""
+    runs = [_SpeedRun(target, records, packed, steps, pack_length) for packed in (False, True)]
     with tempfile.TemporaryDirectory() as run_dir:
         for step in range(steps + 1):
-            batch = global_batch(cfg, records, step, steps_per_epoch, Dist(), plan)
-            started = time.perf_counter()
-            optimizer_step(drafter, target, optimizer, batch, spec, 1.0, Dist(), Path(run_dir))
-            if step == 0:
-                continue  # warm-up
-            seconds += time.perf_counter() - started
-            supervised += sum(int(records[i].loss_mask.sum()) for i in batch.indices)
-            for b in batch.micro_batches:
-                real += int((b.context_positions < (1 << 40)).sum())
-                slots += b.context_positions.numel()
-                block_slots += b.block_ids.numel()
-    return {
-        "packed": packed,
-        "pack_length": cfg.pack_length,
-        "steps": steps,
-        "supervised_tokens_per_s": round(supervised / seconds, 1),
-        "padding_share": round(1 - real / slots, 3),
-        "context_slots_per_step": slots // steps,
-        "block_slots_per_step": block_slots // steps,
+            for run in runs:
+                run.step(step, Path(run_dir), counted=step > 0)
+    rows = [run.row(steps) for run in runs]
+    ratios = {
+        f"packed_over_unpacked_{figure}": round(rows[1][figure] / rows[0][figure], 2)
+        for figure in ("supervised_tokens_per_s", "supervised_tokens_per_cpu_s")
     }
+    return rows + [ratios]
 
 
 def held_out_tau(target, records, held_out, packed: bool, epochs: int, seed: int) -> dict:
@@ -205,9 +257,10 @@ def main() -> None:
                 torch.save((records, held_out), saved)
         lengths = sorted(len(r.input_ids) for r in records)
         print(json.dumps({"mix": mix, "records": len(records), "lengths": lengths}), flush=True)
-        for packed in (False, True) if "speed" in figures else ():
-            row = speed(target, records, packed, args.speed_steps)
-            print(json.dumps({"mix": mix, "figure": "speed"} | row), flush=True)
+        if "speed" in figures:
+            pack_length = CHAT_DOCS_PACK_LENGTH if mix == "chat-docs" else None
+            for row in speed(target, records, args.speed_steps, pack_length):
+                print(json.dumps({"mix": mix, "figure": "speed"} | row), flush=True)
         if mix != "long-tailed" or "tau" not in figures:
             continue
         for seed in (int(s) for s in args.seeds.split(",")):

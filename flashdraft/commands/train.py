@@ -222,6 +222,12 @@ def _runtime_args(p: argparse.ArgumentParser, knob) -> None:
     """Parallelism, long context, logging, checks and devices."""
     knob("fsdp", None, "FSDP2 instead of DDP under torchrun")
     knob(
+        "compile",
+        None,
+        "the step's forward and loss compiled, one graph per batch shape (default: on CUDA only; on CPU the "
+        "compile outweighs the gain)",
+    )
+    knob(
         "rope_scaling",
         rope_scaling,
         f"{ROPE_SCALING_HELP}; default: the drafter's own. Stage 2 of the "

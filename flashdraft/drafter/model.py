@@ -27,6 +27,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from flashdraft.drafter.config import DrafterConfig, LayerAttention
+from flashdraft.drafter.packed_attention import ContextTiles, TiledMask, own_block_mask, tiled_attention, tiled_mask
 
 # Position given to padding context slots: never before any anchor, so never visible.
 PAD_POSITION = 1 << 40
@@ -148,14 +149,9 @@ def blockwise_mask(
     sees = context_positions[:, None, :] < query_anchor[:, :, None]  # [N, Q, C]
     if documents is not None:
         sees &= documents[1][:, None, :] == documents[0][:, :, None]
-    offsets = torch.arange(block_size, device=query_positions.device)
-    own = torch.ones(block_size, block_size, dtype=torch.bool, device=query_positions.device)
-    if attention.causal:
-        own &= offsets[None, :] <= offsets[:, None]  # key <= query
     if attention.window is not None:
         sees &= (query_positions[:, :, None] - context_positions[:, None, :]).abs() < attention.window
-        own &= (offsets[:, None] - offsets[None, :]).abs() < attention.window
-    return BlockwiseMask(sees.unsqueeze(1), own)
+    return BlockwiseMask(sees.unsqueeze(1), own_block_mask(block_size, attention, query_positions.device))
 
 
 def blockwise_attention(
@@ -189,6 +185,8 @@ flex_shapes: set[tuple] = set()
 
 def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
     global _compiled_flex
+    if torch.compiler.is_compiling():  # inside the compiled training step (`train --compile`): part of its graph
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     flex_shapes.add((tuple(q.shape), tuple(k.shape), q.dtype, q.device.type))
     if q.device.type != "cuda":  # uncompiled flex is a reference path (tests); real use is on GPU
         with warnings.catch_warnings():
@@ -268,6 +266,9 @@ class DrafterAttention(nn.Module):
             mask, BlockwiseMask
         ):  # training's many blocks (no cache): a block's keys are its context and itself
             out = blockwise_attention(q, (k_ctx, v_ctx), (k_block, v_block), mask)
+            return self.o_proj(out.transpose(1, 2).reshape(n, q_len, -1))
+        if isinstance(mask, TiledMask):  # packed rows: a block's keys are its document's context tiles and itself
+            out = tiled_attention(q, (k_ctx, v_ctx), (k_block, v_block), mask)
             return self.o_proj(out.transpose(1, 2).reshape(n, q_len, -1))
         if cache is not None:  # committed context persists; the block's K/V do not
             k, v = cache.keys_and_values(self.layer_idx, (k_ctx, v_ctx), (k_block, v_block))
@@ -690,6 +691,7 @@ class DFlashDrafter(nn.Module):
         cache: DrafterCache | None = None,
         documents: tuple[torch.Tensor, torch.Tensor] | None = None,
         context_before_anchors: bool = False,
+        context_tiles: ContextTiles | None = None,
     ) -> torch.Tensor:
         """Hidden states of the block positions, after the final norm (feed to the LM head).
 
@@ -703,6 +705,8 @@ class DFlashDrafter(nn.Module):
         context_before_anchors: the caller knows every context position (cached and new) is before every anchor
             (decoding: the context is the committed tokens), so a one-block forward's full layers need no mask and
             nothing is read back from the device to find that out.
+        context_tiles: packed training on the dense path: the (block, context tile) pairs of each row
+            (`packed_attention`); only they are scored.
         """
         n, q_len, _ = block_embeds.shape
         num_blocks = anchor_positions.shape[1]
@@ -714,6 +718,7 @@ class DFlashDrafter(nn.Module):
         query_anchor = anchor_positions.repeat_interleave(b, dim=1)  # [N, Q]
         query_positions = query_anchor + offsets.repeat(num_blocks)  # [N, Q]
         query_block = torch.arange(num_blocks, device=block_embeds.device).repeat_interleave(b)  # [Q]
+        packed_documents = documents  # (anchor_documents [N, K], context_documents [N, C])
         if documents is not None:  # (query_document [N, Q], context_document [N, C])
             documents = (documents[0].repeat_interleave(b, dim=1), documents[1])
 
@@ -742,6 +747,9 @@ class DFlashDrafter(nn.Module):
                 )
                 num_keys = all_context_positions.shape[1] + q_len
                 masks[attention] = create_block_mask(rule, n, None, q_len, num_keys, device=block_embeds.device)
+            elif context_tiles is not None and cache is None:  # packed training: its documents' tiles only
+                tiled = (query_positions, anchor_positions, all_context_positions, packed_documents, b, attention)
+                masks[attention] = tiled_mask(context_tiles, *tiled)
             elif num_blocks > 1 and cache is None:  # training: the blocks never see each other
                 masks[attention] = blockwise_mask(
                     query_positions, query_anchor, all_context_positions, b, attention, documents

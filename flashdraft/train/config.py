@@ -56,6 +56,9 @@ class TrainConfig:
     eval_max_blocks: int = 32  # speculative steps per held-out record for the real (offline) τ
     keep_best: bool = False  # also keep RUN/best/: the drafter of the best held-out τ (held-out loss without τ)
     fsdp: bool = False
+    # the step's forward and loss chunks under torch.compile, one graph per batch shape (`train.compiled`); None:
+    # where it pays (CUDA; on CPU the compile outweighs the gain at the sizes trained there)
+    compile: bool | None = None
     # the drafter's RoPE scaling for this run (stage 2 of the long-context recipe: YaRN on a warm start); None: the
     # drafter's own; {"rope_type": "default"}: native RoPE
     rope_scaling: dict | None = None
@@ -94,4 +97,13 @@ class TrainConfig:
 
 
 # settings a resumed run may change: they decide how long it runs and what it writes, not what it computes
-RESUMABLE_CHANGES = ("max_steps", "epochs", "save_every", "log_every", "eval_every", "keep_checkpoints", "keep_best")
+RESUMABLE_CHANGES = (
+    "max_steps",
+    "epochs",
+    "save_every",
+    "log_every",
+    "eval_every",
+    "keep_checkpoints",
+    "keep_best",
+    "compile",  # the same step, compiled or not: equal to float rounding
+)

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from flashdraft.drafter.model import PAD_POSITION
+from flashdraft.drafter.packed_attention import ContextTiles
 from flashdraft.target.image_files import record_images
 from flashdraft.train.blocks import IGNORE, build_blocks, sample_anchors
 
@@ -40,19 +41,31 @@ class Batch:
     # packed rows (`train.packing`): (anchor_documents [N, K], context_documents [N, C]), each block's and context
     # token's document in its row (-1 on padding); None: one record per row
     documents: tuple[torch.Tensor, torch.Tensor] | None = None
+    # packed rows: the (block, context key tile) pairs whose scores the attention computes (`packed_attention`)
+    context_tiles: ContextTiles | None = None
 
     def to(self, device: torch.device | str) -> Batch:
-        topk = None if self.target_topk is None else tuple(t.to(device) for t in self.target_topk)
-        documents = None if self.documents is None else tuple(t.to(device) for t in self.documents)
+        """On `device`; the copies non-blocking (they overlap where the batch is pinned, `pin_memory`)."""
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def pin_memory(self) -> Batch:
+        """Its tensors in pinned memory (a prefetched batch, for a GPU)."""
+        return self._map(lambda t: t.pin_memory())
+
+    def _map(self, fn) -> Batch:
+        tiles = self.context_tiles
+        if tiles is not None:
+            tiles = replace(tiles, block_tile=fn(tiles.block_tile), key_tile=fn(tiles.key_tile), valid=fn(tiles.valid))
         return replace(
             self,
-            documents=documents,
-            context_features=self.context_features.to(device),
-            context_positions=self.context_positions.to(device),
-            block_ids=self.block_ids.to(device),
-            anchor_positions=self.anchor_positions.to(device),
-            labels=self.labels.to(device),
-            target_topk=topk,
+            documents=None if self.documents is None else tuple(fn(t) for t in self.documents),
+            context_tiles=tiles,
+            context_features=fn(self.context_features),
+            context_positions=fn(self.context_positions),
+            block_ids=fn(self.block_ids),
+            anchor_positions=fn(self.anchor_positions),
+            labels=fn(self.labels),
+            target_topk=None if self.target_topk is None else tuple(fn(t) for t in self.target_topk),
         )
 
     def context_reach(self, block_size: int) -> int:
@@ -152,7 +165,8 @@ def make_batch(records: list[TrainRecord], indices: list[int], epoch: int, batch
     if batch_spec.bucket:  # padding slots and padding blocks are never trained nor seen: the loss is unchanged
         max_t, max_k = length_bucket(max_t), max(max_k, min(length_bucket(max_k), batch_spec.num_anchors))
     feat_dim = rows[0][0].shape[1]
-    features = torch.zeros(n, max_t, feat_dim, dtype=rows[0][0].dtype)
+    # empty, the padding zeroed below: zeros then the copy would write the batch's largest tensor twice
+    features = torch.empty(n, max_t, feat_dim, dtype=rows[0][0].dtype)
     positions = torch.full((n, max_t), PAD_POSITION, dtype=torch.long)
     block_ids = torch.full((n, max_k * block_size), batch_spec.mask_token_id, dtype=torch.long)
     anchors = torch.zeros(n, max_k, dtype=torch.long)  # padding blocks: anchor 0, labels ignored
@@ -163,7 +177,7 @@ def make_batch(records: list[TrainRecord], indices: list[int], epoch: int, batch
         topk = (torch.zeros(n, max_k * block_size, k), torch.zeros(n, max_k * block_size, k, dtype=torch.long))
     for i, (feat, anc, blk, lab, tk) in enumerate(rows):
         t, q = feat.shape[0], blk.shape[0]
-        features[i, :t] = feat
+        features[i, :t], features[i, t:] = feat, 0
         served = served_positions(records[i], t)  # the token index, or M-RoPE's row 0 beside images
         positions[i, :t] = served
         anchors[i, : len(anc)] = served[anc]

@@ -189,7 +189,8 @@ class EngineRecords:
             self._pending.append((index, self._pool.submit(self.fetch, index, engine)))
 
     def name(self, index: int) -> str:
-        return str(getattr(self.records[index], "id", index))
+        """The request's name at the engine: the record's index in the stream (unique, whatever its id)."""
+        return str(index)
 
     def fetch(self, index: int, engine: Engine) -> EngineSample:
         """Sample `index`'s states from `engine`, checked (`check_sample`), the engine's files removed."""

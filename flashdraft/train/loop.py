@@ -44,13 +44,16 @@ from flashdraft.progress import Progress
 from flashdraft.stop import StopRequests
 from flashdraft.target.model import TargetModel
 from flashdraft.target.quantisation import quantisation_record
+from flashdraft.train.compiled import CompiledStep, compile_by_default
 from flashdraft.train.config import RESUMABLE_CHANGES, TrainConfig
+from flashdraft.train.data import OnlineRecords
 from flashdraft.train.engine_feed import EngineLost
 from flashdraft.train.held_out import check_keep_best, held_out_metrics, keep_if_best
 from flashdraft.train.learning import LearningCheck, mean_record_length
 from flashdraft.train.metrics import MetricsWriter, Window, memory_and_compiles
 from flashdraft.train.optim import Optimizers, build_optimizers, warmup_steps
 from flashdraft.train.packing import PackPlan, pack_plan
+from flashdraft.train.prefetch import BatchPrefetcher
 from flashdraft.train.recipe import PUBLISHED_RECIPE
 from flashdraft.train.step import global_batch, loss_spec, optimizer_step, packed_units, stream_order
 
@@ -162,7 +165,8 @@ def _prepare(
     cfg = recorded_config(cfg, drafter, target)
     plan = None
     if cfg.pack_length is not None:
-        plan = pack_plan(records, cfg.pack_length, cfg.num_anchors, cfg.max_length)
+        global_rows = cfg.batch_size * cfg.grad_accum * dist.world
+        plan = pack_plan(records, cfg.pack_length, cfg.num_anchors, cfg.max_length, rows_multiple=global_rows)
     steps_per_epoch, total_steps = _steps(cfg, len(records), dist.world, plan)
     if dist.is_main:
         lines = describe_steps(cfg, steps_per_epoch, total_steps, len(records), dist.world)
@@ -213,13 +217,40 @@ def _start_stream(cfg: TrainConfig, records, steps: range, steps_per_epoch: int,
         records.start(stream_order(cfg, len(records), steps, steps_per_epoch, dist, plan))
 
 
-def _fetch_batch(cfg: TrainConfig, records, step: int, steps_per_epoch: int, run_dir: Path, state: tuple, plan):
-    """The step's batch (`plan`: packed rows) and the seconds spent making it (waiting for the engine's states, when
-    it feeds); an engine lost mid-run ends the run with a checkpoint (`state`: what `_save` takes after the step
-    count)."""
+def _compiled_step(cfg: TrainConfig, model, dist: Dist, backend: str) -> CompiledStep | None:
+    """The step's forward and loss compiled (`--compile`; by default where it pays), or None."""
+    if cfg.compile if cfg.compile is not None else compile_by_default(dist.device):
+        return CompiledStep(model, backend=backend)
+    return None
+
+
+def _prefetcher(
+    cfg: TrainConfig, records, steps: range, steps_per_epoch: int, dist: Dist, plan, options: LoopOptions
+) -> BatchPrefetcher | None:
+    """The steps' batches built `options.prefetch` ahead in a thread (`train.prefetch`); None (built in the step) at
+    depth 0 or when the target runs in this process for them (online: its forward would overlap the held-out
+    evaluation's on the same model, and it computes on the step's own device and cores)."""
+    if not options.prefetch or isinstance(records, OnlineRecords):
+        return None
+
+    def build(step: int):
+        return global_batch(cfg, records, step, steps_per_epoch, dist, plan)
+
+    return BatchPrefetcher(build, steps, options.prefetch, pin=dist.device.type == "cuda")
+
+
+def _fetch_batch(
+    cfg: TrainConfig, records, step: int, steps_per_epoch: int, run_dir: Path, state: tuple, plan, prefetcher=None
+):
+    """The step's batch (`plan`: packed rows; `prefetcher`: built ahead) and the seconds the step waited for it (the
+    build, or what is left of it; the engine's states, when it feeds); an engine lost mid-run ends the run with a
+    checkpoint (`state`: what `_save` takes after the step count)."""
     started, lost, batch = time.monotonic(), None, None
     try:
-        batch = global_batch(cfg, records, step, steps_per_epoch, state[-1], plan)
+        if prefetcher is None:
+            batch = global_batch(cfg, records, step, steps_per_epoch, state[-1], plan)
+        else:
+            batch = prefetcher.get(step)
     except EngineLost as e:
         lost = e
     # a streamed source: every rank stops at the same step when any rank's engine is lost (none left waiting)
@@ -335,6 +366,8 @@ class LoopOptions:
     report_to: tuple[str, ...] = ()
     verify: bool = True
     on_step: object = None
+    compile_backend: str = "inductor"  # with --compile (tests: "eager", the same graphs without inductor's compile)
+    prefetch: int = 2  # global batches built ahead of the step in a thread (`train.prefetch`); 0: in the step
 
 
 def train(
@@ -355,13 +388,14 @@ def train(
         cfg, drafter, target, records, dist, eval_records, eval_tau_records
     )
     lock = RunLock(run_dir) if dist.is_main else None
-    writer = None
+    writer = prefetcher = None
     try:
         config_dict = _write_run_config(cfg, run_dir, resume) if dist.is_main else asdict(cfg)
         model, optimizer = _wrap(cfg, drafter, total_steps, dist)
-        spec = loss_spec(cfg, drafter)
+        spec, compiled = loss_spec(cfg, drafter), _compiled_step(cfg, model, dist, options.compile_backend)
         start_step = _resume(run_dir, model, optimizer, len(records), dist, verify, cfg.fsdp) if resume else 0
         _start_stream(cfg, records, range(start_step, total_steps), steps_per_epoch, dist, plan)
+        prefetcher = _prefetcher(cfg, records, range(start_step, total_steps), steps_per_epoch, dist, plan, options)
         writer = MetricsWriter(run_dir, list(report_to), config_dict, start_step) if dist.is_main else None
         bar = _progress_bar(start_step, total_steps, dist)
         window = Window(cfg.first_draft_position)
@@ -371,16 +405,19 @@ def train(
             for step in bar:
                 epoch = step // steps_per_epoch
                 state = (model, optimizer, cfg, config_dict, len(records), dist)
-                batch, waited = _fetch_batch(cfg, records, step, steps_per_epoch, run_dir, state, plan)
+                batch, waited = _fetch_batch(cfg, records, step, steps_per_epoch, run_dir, state, plan, prefetcher)
                 started = time.monotonic()
-                result, grad_norm = optimizer_step(model, target, optimizer, batch, spec, cfg.grad_clip, dist, run_dir)
+                result, grad_norm = optimizer_step(
+                    model, target, optimizer, batch, spec, cfg.grad_clip, dist, run_dir, compiled
+                )
                 window.time(waited, time.monotonic() - started)
                 if on_step is not None:
                     on_step(step)
                 window.add(result, batch.micro_batches, dist.world)
                 done = step + 1
                 if done % cfg.log_every == 0 or done == total_steps:
-                    metrics = window.metrics(optimizer.last_lr(), grad_norm, epoch) | memory_and_compiles(dist.device)
+                    figures = window.metrics(optimizer.last_lr(), grad_norm, epoch)
+                    metrics = figures | memory_and_compiles(dist.device, compiled)
                     _log(bar, writer, done, metrics)
                     _warn(bar, learning.see(done, metrics["estimated_acceptance"], held_out=False))
                     window = Window(cfg.first_draft_position)
@@ -406,6 +443,8 @@ def train(
         )
         raise
     finally:
+        if prefetcher is not None:
+            prefetcher.close()
         if writer is not None:
             writer.close()
         if lock is not None:

@@ -286,7 +286,7 @@ class LogitTerms:
     selector: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # DFlash2: `selector_candidates`
 
 
-def _chunk_terms(heads: DraftHeads, spec: LossSpec, hidden, labels, predecessors, topk_values, topk_indices):
+def chunk_terms(heads: DraftHeads, spec: LossSpec, hidden, labels, predecessors, topk_values, topk_indices):
     """The logit terms of one chunk of rows (hidden [m, H]), as a tuple of tensors (what checkpoint recomputes)."""
     logits = heads.lm_head(hidden).float()  # [m, V]
     if spec.dspark is not None:  # teacher-forced: the Markov bias of the true token before each label, never a later
@@ -302,35 +302,52 @@ def _chunk_terms(heads: DraftHeads, spec: LossSpec, hidden, labels, predecessors
     return (ce, correct, l1, kl, *chosen)
 
 
-def logit_terms(at: TrainedPositions, heads: DraftHeads, spec: LossSpec, chunk_rows: int = 0) -> LogitTerms:
+def _full_chunk(args: list, chunk_rows: int) -> list:
+    """A chunk's arguments padded with zero rows (label 0: any id) to `chunk_rows` rows: one shape for a compiled
+    chunk; the padding's terms are dropped after."""
+    missing = chunk_rows - args[0].shape[0]
+    if not missing:
+        return args
+    return [None if t is None else torch.cat([t, t.new_zeros(missing, *t.shape[1:])]) for t in args]
+
+
+def logit_terms(
+    at: TrainedPositions, heads: DraftHeads, spec: LossSpec, chunk_rows: int = 0, chunk_fn=None
+) -> LogitTerms:
     """The logit terms of every trained position, `chunk_rows` rows (0: LOGIT_CHUNK_ROWS) at a time; with grad, each
     chunk's logits are recomputed in backward rather than kept. Equal to the whole-batch terms (per row, nothing
-    crosses rows)."""
+    crosses rows). `chunk_fn(*args)`: a compiled `chunk_terms` of (heads, spec), handed full chunks only."""
     chunk_rows = chunk_rows or LOGIT_CHUNK_ROWS
     keep = torch.is_grad_enabled() and at.hidden.requires_grad
     values, indices = at.target_topk if at.target_topk is not None else (None, None)
+    terms = chunk_fn or partial(chunk_terms, heads, spec)
     parts = []
-    for lo in range(0, at.hidden.shape[0], chunk_rows):
+    for lo in range(0, max(1, at.hidden.shape[0]), chunk_rows):  # no trained position: the terms of an empty chunk
         rows = slice(lo, lo + chunk_rows)
         args = [at.hidden[rows], at.labels[rows]]
         args += [None if t is None else t[rows] for t in (at.predecessors, values, indices)]
-        if keep:
-            parts.append(checkpoint(partial(_chunk_terms, heads, spec), *args, use_reentrant=False))
-        else:
-            parts.append(_chunk_terms(heads, spec, *args))
-    if not parts:  # no trained position: the terms of an empty chunk
-        parts.append(_chunk_terms(heads, spec, at.hidden, at.labels, at.predecessors, values, indices))
+        real = args[0].shape[0]
+        if chunk_fn is not None:
+            args = _full_chunk(args, chunk_rows)
+        part = checkpoint(terms, *args, use_reentrant=False) if keep else terms(*args)
+        parts.append([None if t is None else t[:real] for t in part])
     joined = [None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True)]
     return LogitTerms(*joined[:4], selector=tuple(joined[4:]) or None)
 
 
 def block_loss(
-    hidden: torch.Tensor, blocks: LabelledBlocks, heads: DraftHeads, spec: LossSpec, chunk_rows: int = 0
+    hidden: torch.Tensor,
+    blocks: LabelledBlocks,
+    heads: DraftHeads,
+    spec: LossSpec,
+    chunk_rows: int = 0,
+    chunk_fn=None,
 ) -> LossParts:
     """The loss of the drafter's output hidden [N, K * B, H] on `blocks`: the hard cross-entropy of each trained
     position weighted as `spec` says (the D-PACE weights from its label probability), with the family's terms:
     DSpark's in place of it (`_dspark_terms`), KL to the target's top-k mixed in (`kl_weight`), DFlash2's selector
-    added (`_selector_terms`). The logits are made `chunk_rows` trained positions at a time (`logit_terms`)."""
+    added (`_selector_terms`). The logits are made `chunk_rows` trained positions at a time (`logit_terms`; by
+    `chunk_fn`, the compiled chunk, where given)."""
     labels = blocks.labels
     trained = labels != IGNORE  # [N, K * B]
     pos = (torch.arange(labels.shape[1], device=labels.device) % spec.block_size).expand_as(labels)[trained]  # [M]
@@ -342,7 +359,7 @@ def block_loss(
         at.predecessors = block_predecessors(blocks.block_ids, labels, spec.block_size, spec.first_draft)[trained]
     if spec.kl_weight > 0 and at.target_topk is None:
         raise ValueError("kl_weight > 0 needs the target's top-k logits (cache made with --with-target-logits)")
-    terms = logit_terms(at, heads, spec, chunk_rows)
+    terms = logit_terms(at, heads, spec, chunk_rows, chunk_fn)
     per_token = terms.ce  # [M]
     w = _label_weights(per_token, labels, trained, pos, spec)
     correct = torch.zeros(spec.block_size, device=hidden.device).index_add_(0, pos, terms.correct.float())

@@ -122,10 +122,11 @@ def figure_metrics(figures: LossFigures, first_draft: int) -> dict:
     )
 
 
-def memory_and_compiles(device: torch.device) -> dict:
+def memory_and_compiles(device: torch.device, compiled=None) -> dict:
     """The run's peak memory so far (GiB: CUDA's max allocated on a GPU, the process's peak resident set on CPU) and
     the distinct shapes flex attention was handed (each a compile under dynamic=False; `drafter.model.flex_shapes`),
-    with torch.compile's own count of the graphs it built."""
+    with torch.compile's own count of the graphs it built; the compiled step's compiles and recompiles (`compiled`, a
+    `train.compiled.CompiledStep`; 0 without one)."""
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**30
     else:
@@ -136,6 +137,8 @@ def memory_and_compiles(device: torch.device) -> dict:
         "peak_memory_gib": peak,
         "attention_shapes": len(drafter_model.flex_shapes),
         "compiled_graphs": int(counters["stats"]["unique_graphs"]),
+        "step_compiles": 0 if compiled is None else compiled.compiles,
+        "step_recompiles": 0 if compiled is None else compiled.recompiles,
     }
 
 

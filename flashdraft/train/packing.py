@@ -21,11 +21,16 @@ from dataclasses import dataclass, replace
 import torch
 
 from flashdraft.drafter.model import PAD_POSITION
+from flashdraft.drafter.packed_attention import BLOCK_TILE, KEY_TILE, ContextTiles, row_tile_pairs
 from flashdraft.errors import FlashdraftError
 from flashdraft.train.blocks import IGNORE, candidate_anchors
 from flashdraft.train.data import Batch, BatchSpec, record_blocks, served_positions
 
 BLOCK_SLACK = 1.25  # a row's block capacity over the blocks its L tokens hold on average
+# tiled attention where it scores at most this share of the dense path's scores: its gathers and scatters cost more
+# a score (one record a row of 144 tokens: tiled 0.9x the dense path's speed; 24 chats and 8 documents at L = 1,024,
+# 0.71 of the dense scores: 1.34x, benchmarks/packing.py)
+TILED_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,8 @@ class PackPlan:
     feature_dim: int  # the records' context feature width (a row may hold none)
     topk: int  # the records' stored target top-k width (0: none)
     cut: int  # records longer than L, cut to their first L tokens
+    # (block tile, context key tile) pairs of the row that has the most: every batch's (one shape); 0: dense attention
+    tile_pairs: int = 0
 
     def lines(self, num_records: int) -> list[str]:
         """What the run's first lines say about the packing."""
@@ -96,22 +103,56 @@ def first_fit_decreasing(tokens: list[int], blocks: list[int], length: int, capa
     return rows
 
 
-def pack_plan(records, length: int, num_anchors: int, max_length: int | None) -> PackPlan:
+def balanced_rows(tokens: list[int], blocks: list[int], length: int, num_rows: int) -> list[list[int]] | None:
+    """Records (sizes `tokens`, `blocks`) spread over exactly `num_rows` rows of at most `length` tokens, as evenly
+    in blocks as they go: the longest first (ties by index), each into the row with room for its tokens that holds
+    the fewest blocks (then tokens, then the first). None when a record finds no row with room. Deterministic."""
+    order = sorted(range(len(tokens)), key=lambda i: (-tokens[i], i))
+    held_tokens = torch.zeros(num_rows, dtype=torch.long)
+    held_blocks = torch.zeros(num_rows, dtype=torch.long)
+    rows: list[list[int]] = [[] for _ in range(num_rows)]
+    for i in order:
+        fits = (held_tokens + tokens[i] <= length).nonzero().squeeze(1)
+        if not len(fits):
+            return None
+        key = held_blocks[fits] * (length + 1) + held_tokens[fits]  # fewest blocks, then fewest tokens
+        r = int(fits[int(key.argmin())])
+        rows[r].append(i)
+        held_tokens[r] += tokens[i]
+        held_blocks[r] += blocks[i]
+    return rows
+
+
+def pack_plan(
+    records, length: int, num_anchors: int, max_length: int | None, rows_multiple: int = 1, tiles: bool | None = None
+) -> PackPlan:
     """The run's rows of `length` tokens and A blocks: packed with room for the blocks `length` tokens of these
-    records hold on average plus a quarter (at least the most one record has), A then the fullest row's blocks."""
+    records hold on average plus a quarter (at least the most one record has), A then the fullest row's blocks.
+    `rows_multiple` (the global batch, in rows): when first-fit leaves the last global batch part empty, the records
+    are spread evenly over a whole number of global batches instead (`balanced_rows`), so no step computes empty
+    rows and the fullest row, hence A, holds fewer blocks. `tiles`: the rows' attention over (block tile, key tile)
+    pairs (`drafter.packed_attention`); None: where it scores under TILED_SHARE of the dense path's scores (rows of
+    several documents of different lengths), else the dense path (`tile_pairs` 0)."""
     tokens, blocks, cut = record_sizes(records, length, num_anchors, max_length)
     if not tokens:
         raise FlashdraftError("--pack-length: no training records to pack")
     capacity = max(max(blocks), math.ceil(BLOCK_SLACK * length * sum(blocks) / max(1, sum(tokens))), 1)
     rows = first_fit_decreasing(tokens, blocks, length, capacity)
+    if len(rows) % rows_multiple:
+        whole = -(-len(rows) // rows_multiple) * rows_multiple
+        rows = balanced_rows(tokens, blocks, length, whole) or rows
     capacity = max(1, max(sum(blocks[i] for i in row) for row in rows))  # the fullest row's: no row pads more
+    tile_pairs = max(len(row_tile_pairs([tokens[i] for i in row], [blocks[i] for i in row])) for row in rows)
+    if tiles is None:  # scores a row computes: tiled (pairs x G blocks x T keys) against dense (A blocks x L keys)
+        tiles = tile_pairs * BLOCK_TILE * KEY_TILE <= TILED_SHARE * capacity * length
+    tile_pairs = max(1, tile_pairs) if tiles else 0
     if hasattr(records, "feature_dim"):  # a stream (the engine): its width is known, no record is read ahead of it
         feature_dim, topk = records.feature_dim, 0
     else:
         first = records[rows[0][0]]
         feature_dim = first.context_features.shape[-1]
         topk = 0 if first.target_topk is None else first.target_topk[0].shape[-1]
-    return PackPlan(rows, length, capacity, feature_dim, topk, cut)
+    return PackPlan(rows, length, capacity, feature_dim, topk, cut, tile_pairs)
 
 
 def make_packed_batch(records, rows: list[list[int]], epoch: int, batch_spec: BatchSpec, plan: PackPlan) -> Batch:
@@ -120,10 +161,14 @@ def make_packed_batch(records, rows: list[list[int]], epoch: int, batch_spec: Ba
     block_size, length = batch_spec.block_size, plan.length
     cap = length if batch_spec.max_length is None else min(length, batch_spec.max_length)
     spec = replace(batch_spec, max_length=cap)
-    docs = [[record_blocks(records[i], i, epoch, spec) for i in row] for row in rows]
+    fetched = [[records[i] for i in row] for row in rows]  # each read once: an engine's stream hands them in order
+    docs = [
+        [record_blocks(r, i, epoch, spec) for r, i in zip(rs, row, strict=True)]
+        for rs, row in zip(fetched, rows, strict=True)
+    ]
     n, q_len = len(rows), plan.blocks * block_size
     dtype = next((d[0].features.dtype for d in docs if d), torch.float32)
-    features = torch.zeros(n, length, plan.feature_dim, dtype=dtype)  # [N, L, n * H]
+    features = torch.empty(n, length, plan.feature_dim, dtype=dtype)  # [N, L, n * H]; the padding zeroed below
     positions = torch.full((n, length), PAD_POSITION, dtype=torch.long)  # [N, L], from 0 in each document
     context_documents = torch.full((n, length), -1, dtype=torch.long)  # [N, L]
     anchors = torch.zeros(n, plan.blocks, dtype=torch.long)  # [N, A]; padding blocks: anchor 0, labels ignored
@@ -138,7 +183,7 @@ def make_packed_batch(records, rows: list[list[int]], epoch: int, batch_spec: Ba
         for d, doc in enumerate(row):
             dt, dk = doc.features.shape[0], len(doc.anchors)
             features[i, t : t + dt] = doc.features
-            served = served_positions(records[rows[i][d]], dt)  # the token index, or M-RoPE's row 0 beside images
+            served = served_positions(fetched[i][d], dt)  # the token index, or M-RoPE's row 0 beside images
             positions[i, t : t + dt] = served
             context_documents[i, t : t + dt] = d
             anchors[i, k : k + dk], anchor_documents[i, k : k + dk] = served[doc.anchors], d
@@ -147,5 +192,11 @@ def make_packed_batch(records, rows: list[list[int]], epoch: int, batch_spec: Ba
             if topk is not None:
                 topk[0][i, blocks], topk[1][i, blocks] = doc.target_topk[0].float(), doc.target_topk[1].long()
             t, k = t + dt, k + dk
+        features[i, t:] = 0
     indices = [i for row in rows for i in row]
-    return Batch(indices, features, positions, block_ids, anchors, labels, topk, (anchor_documents, context_documents))
+    tiles = None
+    if plan.tile_pairs:  # [N, P]: which context tiles each block's scores cover
+        pairs = [row_tile_pairs([d.features.shape[0] for d in row], [len(d.anchors) for d in row]) for row in docs]
+        tiles = ContextTiles.of_rows(pairs, plan.tile_pairs)
+    documents = (anchor_documents, context_documents)
+    return Batch(indices, features, positions, block_ids, anchors, labels, topk, documents, tiles)

@@ -19,6 +19,7 @@ from flashdraft.distributed import (
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
+from flashdraft.train.compiled import CompiledStep, batch_shape, graphs_compiled
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.data import Batch, BatchSpec, add_context_noise, make_batch, record_generator
 from flashdraft.train.loss import DraftHeads, DSparkLoss, LossParts, LossSpec, block_loss, label_weight_total
@@ -52,8 +53,11 @@ def loss_spec(cfg: TrainConfig, drafter: DFlashDrafter, held_out: bool = False) 
     )
 
 
-def forward_loss(model, target: TargetModel, batch: Batch, spec: LossSpec) -> LossParts:
-    """The drafter's loss parts on one micro-batch (bf16 autocast on GPU); the target only embeds."""
+def forward_loss(
+    model, target: TargetModel, batch: Batch, spec: LossSpec, compiled: CompiledStep | None = None
+) -> LossParts:
+    """The drafter's loss parts on one micro-batch (bf16 autocast on GPU); the target only embeds. `compiled`: the
+    forward and the loss's chunks run compiled (`train.compiled`)."""
     device = batch.block_ids.device
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16)
@@ -61,17 +65,24 @@ def forward_loss(model, target: TargetModel, batch: Batch, spec: LossSpec) -> Lo
         else torch.autocast("cpu", dtype=target.dtype, enabled=target.dtype != torch.float32)
     )
     drafter = unwrap(model)
+    heads = DraftHeads.of(drafter, target.lm_head) if compiled is None else compiled.heads(drafter, target)
+    chunk_fn = None if compiled is None else compiled.chunk_fn(heads, spec)
+    graphs_before = graphs_compiled()
     with autocast:
         with torch.no_grad():
             block_embeds = drafter.embed(batch.block_ids, target)  # [N, K * B, H], frozen
-        hidden = model(
+        hidden = (model if compiled is None else compiled.forward)(
             block_embeds,
             batch.anchor_positions,
             batch.context_features.to(block_embeds.dtype),
             batch.context_positions,
             documents=batch.documents,
+            context_tiles=batch.context_tiles,
         )
-        return block_loss(hidden, batch, DraftHeads.of(drafter, target.lm_head), spec)
+        parts = block_loss(hidden, batch, heads, spec, chunk_fn=chunk_fn)
+    if compiled is not None:
+        compiled.count(batch_shape(batch), graphs_before)
+    return parts
 
 
 def _nonfinite_input(micro_batches: list[Batch], records) -> str:
@@ -194,11 +205,12 @@ def optimizer_step(
     grad_clip: float,
     dist: Dist,
     run_dir: Path,
+    compiled: CompiledStep | None = None,
 ) -> tuple[StepResult, float]:
     """One step on the global batch: the gradients of its loss, normalised by its total weight across all ranks and
     micro-batches (so accumulation and DDP change nothing but speed), their clipped norm, the update. A batch
     without supervised tokens or a non-finite loss stops the run, naming the records. Returns the step's figures
-    and its gradient norm."""
+    and its gradient norm. `compiled`: the forward and loss chunks compiled, their compiles counted there."""
     drafter = unwrap(model)
     # the checkpoint records the longest context trained at, over this run and the one it started from
     reach = all_reduce_max(max(b.context_reach(spec.block_size) for b in batch.micro_batches))
@@ -215,7 +227,7 @@ def optimizer_step(
     loss, figures = torch.zeros((), dtype=torch.float64), None
     for m, micro_batch in enumerate(micro_batches):
         with no_grad_sync(model, skip=m < len(micro_batches) - 1):
-            parts = forward_loss(model, target, micro_batch.to(dist.device), spec)
+            parts = forward_loss(model, target, micro_batch.to(dist.device), spec, compiled)
             (parts.weighted_sum * (dist.world / weight_total)).backward()
         loss += float(parts.weighted_sum.detach())
         part_figures = parts.figures.map(lambda t: t.detach().cpu())

@@ -156,7 +156,7 @@ def test_packed_engine_fed_training_equals_packed_training_from_the_cache_and_re
     assert _train(capsys, fed, tmp_path / "cut", *PACKED, "--resume")[0] == 0
     # after the probe on both engines and one sample recomputed: the records of steps 3 and 4's rows, row by row
     cfg = TrainConfig(batch_size=2, num_anchors=4, pack_length=96, seed=3)
-    plan = pack_plan(HiddenStateCache(fed["cache"]), 96, 4, None)
+    plan = pack_plan(HiddenStateCache(fed["cache"]), 96, 4, None, rows_multiple=2)  # the global batch, in rows
     steps_per_epoch = packed_units(cfg, plan, 1) // 2
     assert StandInEngine.asked[3:] == [str(i) for i in stream_order(cfg, 8, range(2, 4), steps_per_epoch, Dist(), plan)]
     torch.testing.assert_close(_losses(tmp_path / "cut")[-2:], _losses(tmp_path / "engine")[-2:], rtol=1e-5, atol=1e-6)

@@ -11,7 +11,7 @@ from flashdraft.train.blocks import candidate_anchors
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.data import BatchSpec, OnlineRecords, make_batch
 from flashdraft.train.loop import LoopOptions, train
-from flashdraft.train.packing import first_fit_decreasing, make_packed_batch, pack_plan
+from flashdraft.train.packing import balanced_rows, first_fit_decreasing, make_packed_batch, pack_plan
 from flashdraft.train.step import forward_loss, global_batch, loss_spec, stream_order
 from tests.conftest import MASK, make_dflash2_drafter, make_drafter, make_dspark_drafter
 from tests.train.helpers import Record, make_records
@@ -53,6 +53,29 @@ def test_first_fit_decreasing_places_the_longest_first_into_the_first_row_with_r
     rows = first_fit_decreasing([5, 9, 3, 6, 2], [1, 3, 3, 2, 1], length=10, capacity=4)
     assert rows == [[1], [3, 4], [0, 2]]
     assert first_fit_decreasing([5, 9, 3, 6, 2], [1, 3, 3, 2, 1], length=10, capacity=4) == rows
+
+
+def test_balanced_rows_spread_records_over_a_given_number_of_rows_fewest_blocks_first_or_say_they_cannot():
+    # order 9, 6, 5, 3, 2: the 3-token record goes to the row of 1 block (not 2), the 2-token one to the row of 2
+    assert balanced_rows([5, 9, 3, 6, 2], [1, 3, 3, 2, 1], length=10, num_rows=3) == [[1], [3, 4], [0, 2]]
+    assert balanced_rows([9, 9, 9], [1, 1, 1], length=10, num_rows=2) is None  # no room: first-fit's rows stay
+
+
+def test_a_plan_fills_whole_global_batches_so_no_step_computes_an_empty_row(varied):
+    first_fit = pack_plan(varied, 32, 3, None)
+    multiple = len(first_fit.rows) + 1  # first-fit would leave one row of the global batch empty
+    plan = pack_plan(varied, 32, 3, None, rows_multiple=multiple)
+    assert len(plan.rows) == multiple and all(plan.rows)
+    assert sorted(i for row in plan.rows for i in row) == list(range(len(varied)))
+    assert all(sum(len(varied[i].input_ids) for i in row) <= 32 for row in plan.rows)
+    assert plan.blocks <= first_fit.blocks  # the rows hold fewer blocks: every step's A is smaller or equal
+
+
+def test_rows_too_short_for_tiles_to_pay_attend_densely_unless_tiles_are_asked_for(varied):
+    dense = pack_plan(varied, 32, 3, None)  # L = 32 is one key tile: the tiled path would score more, not less
+    assert dense.tile_pairs == 0 and make_packed_batch(varied, dense.rows, 0, _spec(), dense).context_tiles is None
+    tiled = pack_plan(varied, 32, 3, None, tiles=True)
+    assert tiled.tile_pairs > 0 and make_packed_batch(varied, tiled.rows, 0, _spec(), tiled).context_tiles is not None
 
 
 def test_a_packed_row_restarts_positions_per_document_and_draws_each_documents_anchors_as_unpacked(varied):
@@ -138,7 +161,7 @@ def test_a_packed_rows_loss_and_gradients_are_the_sum_of_its_documents_unpacked(
     cfg = TrainConfig(num_anchors=3, loss_weighting="dpace")
     spec = loss_spec(cfg, drafter)
     batch_spec = _spec(first_draft=drafter.config.first_draft_position)
-    plan = pack_plan(records, 40, 3, None)
+    plan = pack_plan(records, 40, 3, None, tiles=True)  # the packed attention path (L = 40: dense where it pays)
     row = max(plan.rows, key=len)
     assert len(row) >= 2
     packed = make_packed_batch(records, [row], 0, batch_spec, plan)
@@ -151,19 +174,18 @@ def test_a_packed_rows_loss_and_gradients_are_the_sum_of_its_documents_unpacked(
         assert float((packed_grads[name] - grad).norm()) <= 1e-4 * float(grad.norm()) + 1e-7, name
 
 
-def test_a_planted_document_changes_nothing_of_another_documents_blocks_under_the_dense_and_the_flex_mask(
+def test_a_planted_document_changes_nothing_of_another_documents_blocks_under_the_dense_tiled_and_flex_masks(
     target, records
 ):
     drafter = make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
     kept, planted, other = _cut(records[:3], [12, 20, 20])
-    plan = pack_plan([kept, planted], 40, 3, None)
+    plan = pack_plan([kept, planted], 40, 3, None, tiles=True)
     hidden = {}
     with torch.no_grad():  # flex attention has no backward on CPU
         for backend, name, crossing in [("sdpa", n, c) for n in ("planted", "other") for c in (False, True)] + [
-            ("flex", "planted", False),
-            ("flex", "other", False),
+            (backend, name, False) for backend in ("flex", "tiled") for name in ("planted", "other")
         ]:
-            drafter.attention_backend = backend
+            drafter.attention_backend = "sdpa" if backend == "tiled" else backend
             batch = make_packed_batch([kept, planted if name == "planted" else other], [[0, 1]], 0, _spec(), plan)
             hidden[backend, name, crossing] = drafter(
                 target.embed(batch.block_ids),
@@ -171,11 +193,13 @@ def test_a_planted_document_changes_nothing_of_another_documents_blocks_under_th
                 batch.context_features,
                 batch.context_positions,
                 documents=None if crossing else batch.documents,  # None: attention across documents
+                context_tiles=batch.context_tiles if backend == "tiled" else None,  # only its document's tiles
             )[0, : 3 * 8]  # the kept document's 3 blocks come first
     torch.testing.assert_close(hidden["sdpa", "planted", False], hidden["sdpa", "other", False])
     assert not torch.allclose(hidden["sdpa", "planted", True], hidden["sdpa", "other", True])  # the plant would tell
     for name in ("planted", "other"):
         torch.testing.assert_close(hidden["flex", name, False], hidden["sdpa", name, False], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(hidden["tiled", name, False], hidden["sdpa", name, False], rtol=1e-4, atol=1e-5)
 
 
 def test_a_packed_run_resumes_exactly_and_reports_its_padding_share(target, varied, tmp_path, capsys):
