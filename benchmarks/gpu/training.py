@@ -335,6 +335,30 @@ def compiled_train_records(cfg: DrafterConfig, widths: Widths, packed: bool, ste
     return synthetic_records(cfg, lengths.tolist())
 
 
+def _side_step(parts: StepSide, target, batch, spec: LossSpec, run_dir: Path, fail_on_recompile: bool):
+    """One `optimizer_step` of a side, timed between two synchronisations: (its loss, its seconds). Under
+    `fail_on_recompile` dynamo raises a RuntimeError rather than compile again."""
+    from flashdraft.train.step import optimizer_step
+
+    device = next(parts.drafter.parameters()).device
+    sync(device)
+    started = time.perf_counter()
+    with torch.compiler.set_stance("fail_on_recompile" if fail_on_recompile else "default"):
+        result, _ = optimizer_step(
+            model=parts.drafter,
+            target=target,
+            optimizer=parts.optimizer,
+            batch=batch,
+            spec=spec,
+            grad_clip=1.0,
+            dist=Dist(device=device),
+            run_dir=run_dir,
+            compiled=parts.compiled,
+        )
+    sync(device)
+    return result.loss, time.perf_counter() - started
+
+
 def check_compiled_train_step(name: str, widths: Widths, device: torch.device, packed: bool, measured: dict) -> dict:
     """`flashdraft train`'s step eager and compiled (`CompiledStep`, `widths.compile_backend`: inductor on a GPU)
     on two drafters from the same seed fed the same batches: one packed row of `seq_len` tokens a step, or 2
@@ -346,13 +370,13 @@ def check_compiled_train_step(name: str, widths: Widths, device: torch.device, p
     from flashdraft.train.loop import recorded_config
     from flashdraft.train.optim import build_optimizers
     from flashdraft.train.packing import pack_plan
-    from flashdraft.train.step import global_batch, optimizer_step
+    from flashdraft.train.step import global_batch
 
     steps, case = widths.compiled_steps, f"{name} {'packed' if packed else 'unpacked bucket'}"
     target = embedding_target(*widths.target_for[name], device)
     records = compiled_train_records(DrafterConfig(block_size=BLOCK, **widths.drafters[name]), widths, packed, steps)
     settings = dict(batch_size=1 if packed else 2, pack_length=widths.seq_len if packed else None)
-    sides, cfg = {}, None
+    sides = {}
     for side in ("eager", "compiled"):
         drafter = new_drafter(widths.drafters[name], device).train()
         cfg = recorded_config(
@@ -369,39 +393,28 @@ def check_compiled_train_step(name: str, widths: Widths, device: torch.device, p
         for step in range(steps + 1):
             batch = global_batch(cfg, records, step, per_epoch, dist, plan)
             for side, parts in sides.items():
-                stance = "fail_on_recompile" if side == "compiled" and step > 0 else "default"
-                sync(device)
-                t0 = time.perf_counter()
                 try:
-                    with torch.compiler.set_stance(stance):
-                        result, _ = optimizer_step(
-                            parts.drafter, target, parts.optimizer, batch, spec, 1.0, dist, Path(run_dir), parts.compiled
-                        )
+                    loss, took = _side_step(parts, target, batch, spec, Path(run_dir), side == "compiled" and step > 0)
                 except RuntimeError as e:  # dynamo refused a recompile: said in the row, the check fails
                     if "fail_on_recompile" not in str(e):
                         raise
                     recompiled = " ".join(str(e).split())[:300]  # the message and the guard that failed
                     break
-                sync(device)
-                if step == 0:
-                    compile_s += time.perf_counter() - t0 if side == "compiled" else 0.0
-                    warm_compiles = parts.compiled.compiles if side == "compiled" else warm_compiles
-                else:
-                    seconds[side] += time.perf_counter() - t0
-                losses[side].append(result.loss)
+                losses[side].append(loss)
+                if step > 0:
+                    seconds[side] += took
+                elif side == "compiled":  # the warm-up: its compiles, timed apart
+                    compile_s, warm_compiles = took, parts.compiled.compiles
             if recompiled:
                 break
             if step > 0:
                 tokens += sum(int((b.context_positions < (1 << 40)).sum()) for b in batch.micro_batches)
     free(device)
-    compiled = sides["compiled"].compiled
-    timed = len(losses["compiled"]) - 1
-    loss_difference = max(
-        (abs(a - b) / abs(a) for a, b in zip(losses["eager"], losses["compiled"], strict=False)), default=0.0
-    )
+    compiled, timed = sides["compiled"].compiled, len(losses["compiled"]) - 1
+    pairs = zip(losses["eager"], losses["compiled"], strict=False)  # a refused step: the compiled side's missing
+    loss_difference = max((abs(a - b) / abs(a) for a, b in pairs), default=0.0)
     rate = tokens / seconds["compiled"] if timed > 0 and seconds["compiled"] > 0 else None
-    if rate and packed:
-        measured[("compiled_train_step", name)] = rate
+    measured[("compiled_train_step", name)] = rate if packed else measured.get(("compiled_train_step", name))
     after = compiled.compiles - warm_compiles
     return {
         "check": "compiled_train_step",
@@ -438,7 +451,7 @@ def check_cache_feed(name: str, widths: Widths, device: torch.device, measured: 
     from flashdraft.train.optim import build_optimizers
     from flashdraft.train.packing import pack_plan
     from flashdraft.train.prefetch import BatchPrefetcher
-    from flashdraft.train.step import global_batch, optimizer_step
+    from flashdraft.train.step import global_batch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
     from cache_read import drop_pages, read_batches, read_records, write_cache  # benchmarks/cache_read.py
@@ -481,19 +494,20 @@ def check_cache_feed(name: str, widths: Widths, device: torch.device, measured: 
                 t0 = time.perf_counter()
                 batch = prefetcher.get(step)
                 waits.append(time.perf_counter() - t0)
-                optimizer_step(drafter, target, optimizer, batch, spec, 1.0, dist, Path(tmp))
-                sync(device)
-                computed += time.perf_counter() - t0 - waits[-1]
+                computed += _side_step(StepSide(drafter, optimizer, None), target, batch, spec, Path(tmp), False)[1]
         finally:
             prefetcher.close()
-        del cache
+        cache = None  # its mapped shards let go before the directory is removed
     free(device)
-    return row | {
-        "run_steps": steps,
-        "wait_s": round(sum(waits), 4),  # the first step's included: nothing is built ahead of the run's start
-        "wait_s_after_first": round(sum(waits[1:]), 4),
-        "run_step_ms": round(1000 * computed / steps, 1),
-    }
+    return (
+        row
+        | {
+            "run_steps": steps,
+            "wait_s": round(sum(waits), 4),  # the first step's included: nothing is built ahead of the run's start
+            "wait_s_after_first": round(sum(waits[1:]), 4),
+            "run_step_ms": round(1000 * computed / steps, 1),
+        }
+    )
 
 
 def summary_compiled_train_step(row: dict) -> str:
