@@ -33,6 +33,7 @@ CHECKS = {
     "engine_capture",
     "engine_feed",  # skipped in the dry run unless asked (it starts the CPU engine twice)
     "static_decode",  # run only when asked (it compiles the slice's decoding)
+    "compiled_train_step",  # run only when asked (it compiles the drafters' training step)
 }
 
 
@@ -254,3 +255,33 @@ def test_a_check_is_one_function_registered_in_the_list_announced_capped_summari
     table = out.splitlines()[-4:]
     assert "PASS" in table[0] and "1.5 ms" in table[0] and "ok" in table[1] and "FAIL" in table[2]
     assert "9.0 ms" in table[2] and "1 failed" in table[3]
+
+
+def test_compiled_train_step_when_asked_matches_eager_with_no_recompile_and_reads_the_cache_beside(gpu, capsys):
+    # --dry-run: dynamo's eager backend on the tiny 27B-like drafter (sliding + full layers), one shape
+    assert gpu.runner.main(["--dry-run", "--checks", "compiled_train_step"]) == 0
+    rows = result_rows(capsys.readouterr().out)
+    name = "qwen3.6-27b-drafter"
+    assert [r["case"] for r in rows] == [f"{name} packed", f"{name} unpacked bucket", f"{name} cache"]
+    for row in rows[:2]:  # one batch shape each: compiled at the warm-up step, nothing after it
+        assert row["passed"] and row["backend"] == "eager" and row["steps"] == 2 and row["batch_shapes"] == 1
+        assert row["step_compiles"] >= 1 and row["step_compiles_after_warmup"] == row["step_recompiles"] == 0
+        assert row["eager_step_ms"] > 0 and row["compiled_step_ms"] > 0 and row["max_relative_loss_difference"] < 1e-4
+    packed, cache = rows[0], rows[2]
+    assert cache["compiled_step_context_tokens_per_s"] == packed["compiled_context_tokens_per_s"] > 0
+    ratio = cache["cold_batches_context_tokens_per_s"] / packed["compiled_context_tokens_per_s"]
+    assert abs(cache["read_over_step"] - ratio) <= 0.01 * ratio + 0.01
+    assert cache["feature_width"] == 3 * 64 and cache["run_steps"] >= 2 and cache["wait_s"] >= 0
+
+
+def test_compiled_train_step_fails_when_a_timed_step_would_recompile(gpu, monkeypatch):
+    # records in two length buckets: the unpacked timed steps meet a second shape, which fail_on_recompile refuses
+    real = gpu.training.compiled_train_records
+
+    def two_buckets(cfg, widths, packed, steps):
+        records = real(cfg, widths, packed, steps)
+        return records + gpu.models.synthetic_records(cfg, [24] * len(records), seed=1)
+
+    monkeypatch.setattr(gpu.training, "compiled_train_records", two_buckets)
+    row = gpu.training.check_compiled_train_step("qwen3-8b-drafter", gpu.shapes.DRY, torch.device("cpu"), False, {})
+    assert not row["passed"] and "fail_on_recompile" in row["recompiled"] and row["steps"] < 2

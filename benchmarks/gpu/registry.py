@@ -19,7 +19,9 @@ Adding a check is one function and one entry in `CHECKS`:
 
 A check that runs only when asked (`--checks NAME`: `asked_only=True`) stays outside `CORE_SECONDS`, as
 static_decode does (eager against compiled decoding on the slice: its compile would not fit the 6 minutes beside the
-core checks; move it into the core by rebalancing the caps once a GPU has measured it).
+core checks; move it into the core by rebalancing the caps once a GPU has measured it), and compiled_train_step
+does (eager against inductor-compiled training steps at both drafter shapes, packed and on a length bucket, and the
+cache read beside them: four compiles of a 5-layer drafter, 400 s of caps on their own).
 """
 
 from __future__ import annotations
@@ -176,6 +178,30 @@ def static_decode_cases(run: Run) -> list[Case]:
     ]
 
 
+def compiled_train_step_cases(run: Run) -> list[Case]:
+    """When asked (`--checks compiled_train_step`): per drafter shape the eager against the compiled training step,
+    packed, then on an unpacked length bucket; then per shape the cache read from the disk beside the compiled
+    packed step's rate, and the prefetcher's wait in a short packed run from that cache."""
+    name = "compiled_train_step"
+    if not run.asked(name):
+        return [skipped(name, "eager vs compiled", f"compiles the drafters' training step: --checks {name}")]
+    cases = []
+    for drafter in run.widths.compiled_drafters:
+        for packed in (True, False):
+            label = f"{drafter} {'packed' if packed else 'unpacked bucket'}"
+            cases.append(
+                Case(
+                    label,
+                    lambda d=drafter, p=packed: training.check_compiled_train_step(
+                        d, run.widths, run.device, p, run.measured
+                    ),
+                )
+            )
+    shapes = run.widths.compiled_drafters
+    cache = [lambda d=d: training.check_cache_feed(d, run.widths, run.device, run.measured) for d in shapes]
+    return [*cases, Case("cache", lambda: [read() for read in cache])]  # both widths: one cap
+
+
 def engine_capture_cases(run: Run) -> list[Case]:
     if run.dry_run:
         return [skipped("engine_capture", "hybrid bf16", "the CPU engine runs no exact hybrid target")]
@@ -266,6 +292,15 @@ CHECKS = [
             ),
         ),
         training.summary_packing,
+    ),
+    Check(
+        "compiled_train_step",
+        80,  # per case: two drafters built, inductor's compile of the forward and the loss chunk (flex's with
+        # it), a warm-up and 3 timed steps each; the cache case per width writes and reads 0.7-0.8 GB and runs 4 steps.
+        # 5 cases: with static_decode 490 s of caps, the next GPU session's command within 10 minutes (docs/gpu.md)
+        compiled_train_step_cases,
+        training.summary_compiled_train_step,
+        asked_only=True,
     ),
     Check(
         "draft_tree",

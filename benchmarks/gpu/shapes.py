@@ -32,6 +32,11 @@ class Widths:
     packing_steps: int  # steps per packing window (after a warm-up)
     tree_slice: dict  # Qwen3Config fields of the dense target slice the draft trees run on
     tree_budgets: tuple[int, ...]
+    compiled_drafters: tuple[str, ...]  # the drafter shapes compiled_train_step runs (each packed and unpacked)
+    compiled_steps: int  # its timed steps per side (after a warm-up step)
+    compile_backend: str  # CompiledStep's backend: inductor on a GPU; eager in --dry-run (the graphs, not the compile)
+    cache_records: int  # records of the cache compiled_train_step reads from the disk (benchmarks/cache_read.py's)
+    cache_tokens: int  # tokens per cached record
 
 
 LAYERS_3_LINEAR_1_FULL = ["linear_attention"] * 3 + ["full_attention"]  # Qwen3.5/3.6: full attention every 4th
@@ -106,6 +111,11 @@ GPU = Widths(
     packing_steps=6,
     tree_slice=QWEN3_8B_SLICE,
     tree_budgets=(16, 32, 64),
+    compiled_drafters=("qwen3-8b-drafter", "qwen3.6-27b-drafter"),
+    compiled_steps=3,
+    compile_backend="inductor",
+    cache_records=16,  # 16 x 1,024 tokens: 0.67 GB of features at the 8B width, 0.84 GB at the 27B one
+    cache_tokens=1024,
 )
 NEAR_TIE = 2**-5  # bf16: a greedy choice whose top-2 logit gap is within this share of the top logit is a near-tie
 TINY_SLICE = dict(
@@ -155,6 +165,11 @@ DRY = Widths(
     packing_steps=1,
     tree_slice={k: v for k, v in TINY.items() if k in QWEN3_8B_SLICE},  # 2 layers, the tiny drafter's widths
     tree_budgets=(16, 32, 64),
+    compiled_drafters=("qwen3.6-27b-drafter",),  # one shape: its sliding and full layers; Dynamo traces cost seconds
+    compiled_steps=2,
+    compile_backend="eager",
+    cache_records=8,
+    cache_tokens=48,
 )
 BLOCK = 16
 BF16_TOLERANCE = 0.02  # relative L2 error allowed between two bf16 computations of the same thing

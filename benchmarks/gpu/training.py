@@ -308,3 +308,219 @@ def summary_packing(row: dict) -> str:
         f"{row['supervised_tokens_per_s']:.0f} sup tok/s, padding {row['padding_share']:.0%}, "
         f"+{row['new_attention_shapes']} shapes over {row['steps']} steps"
     )
+
+
+# -- the compiled training step against the eager one, and the cache reader beside it (#63) ---------------------
+
+
+@dataclass(frozen=True)
+class StepSide:
+    """One of the two drafters trained side by side: its model, optimizer and (compiled side) `CompiledStep`."""
+
+    drafter: torch.nn.Module
+    optimizer: object
+    compiled: object | None
+
+
+def compiled_train_records(cfg: DrafterConfig, widths: Widths, packed: bool, steps: int) -> list:
+    """Packed: records of a quarter of `seq_len` or so (about 4 to a row of `seq_len` tokens: one batch shape);
+    unpacked: records whose lengths share one length bucket (the bucket under half of `seq_len`: one shape)."""
+    gen = torch.Generator().manual_seed(0)
+    if packed:
+        quarter = widths.seq_len // 4
+        lengths = torch.randint(quarter * 3 // 4, quarter, (4 * (steps + 2),), generator=gen)
+    else:
+        bucket = widths.seq_len // 2  # a power of two: its bucket holds (7/8 bucket, bucket]
+        lengths = torch.randint(bucket * 7 // 8 + 1, bucket + 1, (2 * (steps + 2),), generator=gen)
+    return synthetic_records(cfg, lengths.tolist())
+
+
+def _side_step(parts: StepSide, target, batch, spec: LossSpec, run_dir: Path, fail_on_recompile: bool):
+    """One `optimizer_step` of a side, timed between two synchronisations: (its loss, its seconds). Under
+    `fail_on_recompile` dynamo raises a RuntimeError rather than compile again."""
+    from flashdraft.train.step import optimizer_step
+
+    device = next(parts.drafter.parameters()).device
+    sync(device)
+    started = time.perf_counter()
+    with torch.compiler.set_stance("fail_on_recompile" if fail_on_recompile else "default"):
+        result, _ = optimizer_step(
+            model=parts.drafter,
+            target=target,
+            optimizer=parts.optimizer,
+            batch=batch,
+            spec=spec,
+            grad_clip=1.0,
+            dist=Dist(device=device),
+            run_dir=run_dir,
+            compiled=parts.compiled,
+        )
+    sync(device)
+    return result.loss, time.perf_counter() - started
+
+
+def check_compiled_train_step(name: str, widths: Widths, device: torch.device, packed: bool, measured: dict) -> dict:
+    """`flashdraft train`'s step eager and compiled (`CompiledStep`, `widths.compile_backend`: inductor on a GPU)
+    on two drafters from the same seed fed the same batches: one packed row of `seq_len` tokens a step, or 2
+    unpacked records of one length bucket. After one warm-up step each (the compiled one's compile, timed apart)
+    `widths.compiled_steps` steps each, the compiled ones under `fail_on_recompile`: step times and their ratio,
+    the graphs compiled and recompiled after the warm-up (0 expected: one batch shape), the largest relative loss
+    difference. The compiled step's context tokens/s go into `measured` (the cache check reads it beside)."""
+    from flashdraft.train.compiled import CompiledStep
+    from flashdraft.train.loop import recorded_config
+    from flashdraft.train.optim import build_optimizers
+    from flashdraft.train.packing import pack_plan
+    from flashdraft.train.step import global_batch
+
+    steps, case = widths.compiled_steps, f"{name} {'packed' if packed else 'unpacked bucket'}"
+    target = embedding_target(*widths.target_for[name], device)
+    records = compiled_train_records(DrafterConfig(block_size=BLOCK, **widths.drafters[name]), widths, packed, steps)
+    settings = dict(batch_size=1 if packed else 2, pack_length=widths.seq_len if packed else None)
+    sides = {}
+    for side in ("eager", "compiled"):
+        drafter = new_drafter(widths.drafters[name], device).train()
+        cfg = recorded_config(
+            TrainConfig(target_fingerprint="gpu-check", num_anchors=widths.num_anchors, **settings), drafter, target
+        )
+        compiled = CompiledStep(drafter, backend=widths.compile_backend) if side == "compiled" else None
+        sides[side] = StepSide(drafter, build_optimizers(drafter, cfg, steps + 1), compiled)
+    plan = pack_plan(records, cfg.pack_length, cfg.num_anchors, None) if packed else None
+    per_epoch = len(plan.rows) if packed else len(records) // cfg.batch_size
+    spec, dist = loss_spec(cfg, sides["eager"].drafter), Dist(device=device)
+    seconds, losses, tokens = {"eager": 0.0, "compiled": 0.0}, {"eager": [], "compiled": []}, 0
+    compile_s, warm_compiles, recompiled = 0.0, 0, None
+    with tempfile.TemporaryDirectory() as run_dir:
+        for step in range(steps + 1):
+            batch = global_batch(cfg, records, step, per_epoch, dist, plan)
+            for side, parts in sides.items():
+                try:
+                    loss, took = _side_step(parts, target, batch, spec, Path(run_dir), side == "compiled" and step > 0)
+                except RuntimeError as e:  # dynamo refused a recompile: said in the row, the check fails
+                    if "fail_on_recompile" not in str(e):
+                        raise
+                    recompiled = " ".join(str(e).split())[:300]  # the message and the guard that failed
+                    break
+                losses[side].append(loss)
+                if step > 0:
+                    seconds[side] += took
+                elif side == "compiled":  # the warm-up: its compiles, timed apart
+                    compile_s, warm_compiles = took, parts.compiled.compiles
+            if recompiled:
+                break
+            if step > 0:
+                tokens += sum(int((b.context_positions < (1 << 40)).sum()) for b in batch.micro_batches)
+    free(device)
+    compiled, timed = sides["compiled"].compiled, len(losses["compiled"]) - 1
+    pairs = zip(losses["eager"], losses["compiled"], strict=False)  # a refused step: the compiled side's missing
+    loss_difference = max((abs(a - b) / abs(a) for a, b in pairs), default=0.0)
+    rate = tokens / seconds["compiled"] if timed > 0 and seconds["compiled"] > 0 else None
+    measured[("compiled_train_step", name)] = rate if packed else measured.get(("compiled_train_step", name))
+    after = compiled.compiles - warm_compiles
+    return {
+        "check": "compiled_train_step",
+        "case": case,
+        "backend": widths.compile_backend,
+        "attention": "flex" if device.type == "cuda" else "dense (sdpa)",
+        "dtype": "bf16 autocast" if device.type == "cuda" else "float32",
+        "passed": recompiled is None and after == 0 and compiled.recompiles == 0 and loss_difference <= BF16_TOLERANCE,
+        "steps": timed,
+        "eager_step_ms": round(1000 * seconds["eager"] / max(1, timed), 2),
+        "compiled_step_ms": round(1000 * seconds["compiled"] / max(1, timed), 2),
+        "eager_over_compiled": round(seconds["eager"] / seconds["compiled"], 3) if timed > 0 else None,
+        "compile_s": round(compile_s, 2),  # the compiled side's warm-up step, its compiles with it
+        "compiled_context_tokens_per_s": round(rate, 1) if rate else None,
+        "step_compiles": compiled.compiles,
+        "step_compiles_after_warmup": after,
+        "step_recompiles": compiled.recompiles,
+        "recompiled": recompiled,  # fail_on_recompile's refusal, or None
+        "batch_shapes": len(compiled.shapes),
+        "max_relative_loss_difference": round(loss_difference, 6),
+        "tolerance": BF16_TOLERANCE,
+    }
+
+
+def check_cache_feed(name: str, widths: Widths, device: torch.device, measured: dict) -> dict:
+    """benchmarks/cache_read.py's cache (`write_cache`, its records at this drafter's feature width) on this
+    machine's disk (the temporary directory): its read rate from the disk (pages dropped first) as records and as
+    training batches, in context tokens/s, beside the compiled packed step's rate (`measured`); then a short
+    packed run of the eager step (a row of `seq_len` tokens a step) fed from that cache on disk by train's
+    prefetcher (2 batches ahead, pinned on CUDA): the seconds the step waited for its batches (`wait_s`)."""
+    from flashdraft.data.cache_reader import HiddenStateCache
+    from flashdraft.target.model import TargetModel
+    from flashdraft.train.loop import recorded_config
+    from flashdraft.train.optim import build_optimizers
+    from flashdraft.train.packing import pack_plan
+    from flashdraft.train.prefetch import BatchPrefetcher
+    from flashdraft.train.step import global_batch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+    from cache_read import drop_pages, read_batches, read_records, write_cache  # benchmarks/cache_read.py
+
+    fields = widths.drafters[name]
+    layers, hidden = len(fields["target_layer_ids"]), fields["hidden_size"]
+    tiny = TargetModel.load("tiny")  # the cache's token ids are the tiny target's: the vocabulary holds them
+    target = embedding_target(hidden, max(widths.target_for[name][1], tiny.vocab_size), device)
+    row = {"check": "compiled_train_step", "case": f"{name} cache", "feature_width": layers * hidden}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = write_cache(tiny, layers, hidden, widths.cache_records, widths.cache_tokens, Path(tmp))
+        cache = HiddenStateCache(directory)
+        for read, fn in (("records", read_records), ("batches", read_batches)):
+            drop_pages(directory)
+            started = time.perf_counter()
+            tokens = fn(cache)
+            row[f"cold_{read}_context_tokens_per_s"] = round(tokens / (time.perf_counter() - started), 1)
+        row["cold_read_gb_per_s"] = round(row["cold_records_context_tokens_per_s"] * layers * hidden * 2 / 1e9, 3)
+        step_rate = measured.get(("compiled_train_step", name))
+        row["compiled_step_context_tokens_per_s"] = round(step_rate, 1) if step_rate else None
+        row["read_over_step"] = round(row["cold_batches_context_tokens_per_s"] / step_rate, 2) if step_rate else None
+        drafter = new_drafter(fields, device).train()
+        cfg = recorded_config(
+            TrainConfig(
+                target_fingerprint="gpu-check", num_anchors=widths.num_anchors, batch_size=1, pack_length=widths.seq_len
+            ),
+            drafter,
+            target,
+        )
+        plan = pack_plan(cache, cfg.pack_length, cfg.num_anchors, None)
+        steps, dist = len(plan.rows), Dist(device=device)
+        optimizer, spec = build_optimizers(drafter, cfg, steps), loss_spec(cfg, drafter)
+        drop_pages(directory)
+        prefetcher = BatchPrefetcher(
+            lambda step: global_batch(cfg, cache, step, steps, dist, plan), range(steps), 2, pin=device.type == "cuda"
+        )
+        waits, computed = [], 0.0
+        try:
+            for step in range(steps):
+                t0 = time.perf_counter()
+                batch = prefetcher.get(step)
+                waits.append(time.perf_counter() - t0)
+                computed += _side_step(StepSide(drafter, optimizer, None), target, batch, spec, Path(tmp), False)[1]
+        finally:
+            prefetcher.close()
+        cache = None  # its mapped shards let go before the directory is removed
+    free(device)
+    return (
+        row
+        | {
+            "run_steps": steps,
+            "wait_s": round(sum(waits), 4),  # the first step's included: nothing is built ahead of the run's start
+            "wait_s_after_first": round(sum(waits[1:]), 4),
+            "run_step_ms": round(1000 * computed / steps, 1),
+        }
+    )
+
+
+def summary_compiled_train_step(row: dict) -> str:
+    if "wait_s" in row:
+        ratio = f", {row['read_over_step']}x the compiled step" if row["read_over_step"] is not None else ""
+        return (
+            f"cold read {row['cold_batches_context_tokens_per_s']:.0f} ctx tok/s as batches{ratio}, "
+            f"wait {row['wait_s_after_first']:.2f} s after the first of {row['run_steps']} steps"
+        )
+    if row.get("recompiled"):
+        return f"recompiled: {row['recompiled']}"
+    return (
+        f"{row['eager_step_ms']} -> {row['compiled_step_ms']} ms/step ({row['eager_over_compiled']}x), compile "
+        f"{row['compile_s']} s, +{row['step_compiles_after_warmup']} graphs, {row['step_recompiles']} recompiles, "
+        f"loss diff {row['max_relative_loss_difference']:.1e}"
+    )
