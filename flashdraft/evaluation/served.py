@@ -41,6 +41,7 @@ from flashdraft.evaluation.engine_walk import (
     EngineWalk,
     engine_continuations,
     engine_walk_records,
+    explain_near_ties,
 )
 from flashdraft.evaluation.modality import by_modality
 from flashdraft.evaluation.modes import by_segment
@@ -312,40 +313,15 @@ def run_served(
     the target in vLLM (started from `engine_python_path`'s environment, or the one running at `server_url`), send
     each record's prompt, and return the `served` figures with flashdraft's own beside them and the check's verdict
     (`served["check"]["passed"]`)."""
-    from flashdraft.serving.export import export_drafter
-
-    checkpoint, drafter, block_size = candidate.label, candidate.drafter, candidate.block_size
-    temperature, filters, seed = sampling.temperature, sampling.filters, sampling.seed
+    drafter, block_size = candidate.drafter, candidate.block_size
+    temperature, filters = sampling.temperature, sampling.filters
     work = Path(tempfile.mkdtemp(prefix="flashdraft-served-"))
     # a quantised target's kernels in the engine round otherwise than transformers': walk the engine's own states
     # (captured by the engine itself, which needs the engine this run starts) at T = 0
     walk_engine_states = target.quantisation.quantised and temperature <= 0 and server_url is None
-    if server_url is not None:
-        engine = Engine(
-            server_url.rstrip("/").removesuffix("/v1"), f"vllm {server_version(server_url)}", None, cpu=False
-        )
-        requests, failure = send_requests(
-            engine, records, max_tokens, temperature, seed, filters, target.stop_token_ids, target.tokenizer
-        )
-    else:
-        export_drafter(checkpoint, work / "drafter", target, block_size=block_size)
-        server = _start_engine(drafter, str(work / "drafter"), target, engine_python_path, work, seed, log)
-        with server:
-            engine = Engine(
-                server.base_url, server.info.describe(), server.command(), server.info.cpu, str(server.log_path)
-            )
-            log(
-                f"{engine.description} ready after {server.startup_seconds:.1f} s at {engine.base_url}; sending "
-                f"{len(records)} requests one at a time"
-            )
-            requests, failure = send_requests(
-                engine, records, max_tokens, temperature, seed, filters, target.stop_token_ids, target.tokenizer
-            )
-            if walk_engine_states and requests:  # the overrun's tokens as the engine computes them
-                continuations = engine_continuations(
-                    engine.base_url, requests, drafts_per_block(drafter, block_size), seed
-                )
-        shutil.rmtree(work / "drafter", ignore_errors=True)  # a copy of the checkpoint; the server's log stays
+    engine, requests, failure, continuations = _serve(
+        candidate, target, records, max_tokens, sampling, engine_python_path, server_url, work, walk_engine_states, log
+    )
     outputs = [EvalRecord(r.id, r.prompt_ids, r.output_ids) for r in requests]
     engine_walk = None
     if walk_engine_states and requests:  # after the server is gone: the capture starts its own engine
@@ -398,6 +374,52 @@ def run_served(
             problems += _sampled_figures(served, requests, outputs, own, target, sampling, engine)
     served["check"] = {"passed": not problems, "problems": problems}
     return served
+
+
+def _serve(
+    candidate: Candidate,
+    target: TargetModel,
+    records: list[EvalRecord],
+    max_tokens: list[int],
+    sampling: SamplingParams,
+    engine_python_path: str | None,
+    server_url: str | None,
+    work: Path,
+    continue_outputs: bool,
+    log,
+) -> tuple[Engine, list[ServedRequest], str | None, list[list[int]]]:
+    """The requests served by the engine at `server_url` or one started here; with `continue_outputs`, each
+    output's greedy continuation as the engine computes it (asked after the measured requests)."""
+    from flashdraft.serving.export import export_drafter
+
+    drafter, block_size = candidate.drafter, candidate.block_size
+    temperature, filters, seed = sampling.temperature, sampling.filters, sampling.seed
+    stops, continuations = target.stop_token_ids, []
+    if server_url is not None:
+        engine = Engine(
+            server_url.rstrip("/").removesuffix("/v1"), f"vllm {server_version(server_url)}", None, cpu=False
+        )
+        requests, failure = send_requests(
+            engine, records, max_tokens, temperature, seed, filters, stops, target.tokenizer
+        )
+        return engine, requests, failure, continuations
+    export_drafter(candidate.label, work / "drafter", target, block_size=block_size)
+    server = _start_engine(drafter, str(work / "drafter"), target, engine_python_path, work, seed, log)
+    with server:
+        engine = Engine(
+            server.base_url, server.info.describe(), server.command(), server.info.cpu, str(server.log_path)
+        )
+        log(
+            f"{engine.description} ready after {server.startup_seconds:.1f} s at {engine.base_url}; sending "
+            f"{len(records)} requests one at a time"
+        )
+        requests, failure = send_requests(
+            engine, records, max_tokens, temperature, seed, filters, stops, target.tokenizer
+        )
+        if continue_outputs and requests:  # the overrun's tokens as the engine computes them
+            continuations = engine_continuations(engine.base_url, requests, drafts_per_block(drafter, block_size), seed)
+    shutil.rmtree(work / "drafter", ignore_errors=True)  # a copy of the checkpoint; the server's log stays
+    return engine, requests, failure, continuations
 
 
 def _by_category(records: list[EvalRecord], requests: list[ServedRequest], drafts: int) -> dict[str, Any] | None:
@@ -500,7 +522,19 @@ def _greedy_figures(
     if engine_walk is not None:  # the engine's greedy is its outputs; transformers' is reported beside them
         served["flashdraft"]["greedy_of"] = "the engine's quantised kernels"
         greedy = [r.output_ids for r in requests]
-    return greedy_mismatches(requests, greedy, own, uncut, drafts)
+    problems = greedy_mismatches(requests, greedy, own, uncut, drafts)
+    if engine_walk is not None:
+        problems, served["flashdraft"]["near_ties"] = explain_near_ties(
+            problems, [r.id for r in requests], engine_walk, uncut, candidate.drafter, target, candidate.block_size
+        )
+    if problems and engine_walk is None and target.quantisation.quantised:  # a --server engine: not this run's
+        problems.insert(
+            0,
+            f"the target is quantised ({target.quantisation.scheme}) and served by an engine this run did not "
+            f"start (--server), so flashdraft walked the transformers target's states, which the engine's quantised "
+            f"kernels round otherwise; leave --server off to walk the engine's own states",
+        )
+    return problems
 
 
 def format_served(served: dict[str, Any]) -> str:
@@ -528,6 +562,8 @@ def format_served(served: dict[str, Any]) -> str:
             f"target's): {sum(equal)} of {len(equal)}; not a problem here: the outputs are the greedy of "
             f"{own['greedy_of']}, which the check walks"
         )
+    for line in own.get("near_ties") or []:
+        lines.append(f"explained, not a failure (the drafter's arithmetic, engine against flashdraft): {line}")
     if served["temperature"] <= 0:
         lines.append(
             f"accepted per position: served {served['accepted_per_position']}, flashdraft "
