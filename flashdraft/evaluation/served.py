@@ -5,9 +5,12 @@ At T = 0 the two are one computation and must agree exactly: each request's outp
 drafting steps, and its accepted drafts per position once the last step is counted as the engine counts it. vLLM
 verifies all of the last step's drafts and counts those accepted past the output's end (`max_tokens` or a stop
 token), though it delivers none of them; flashdraft walks that step over the target's greedy continuation to count
-them the same way, and reports the overrun. At T > 0 two runs draw different acceptances, so the served τ is held
-against flashdraft's expected τ under the engine's rule over the same outputs, within `Z_LIMIT` standard errors,
-and the outputs themselves must be samples of the target's filtered p (`target_samples.sampling_fidelity`): an
+them the same way, and reports the overrun. A quantised target's kernels in the engine round otherwise than
+transformers', so for one (at T = 0, the engine started by this run) the walk reads the engine's own captured states
+and its own greedy continuation (`evaluation.engine_walk`); the summary names the states walked. At T > 0 two runs
+draw different acceptances, so the served τ is held against flashdraft's expected τ under the engine's rule over the
+same outputs, within `Z_LIMIT` standard errors, and the outputs themselves must be samples of the target's filtered
+p (`target_samples.sampling_fidelity`): an
 engine whose speculative sampling is wrong fails one or the other.
 """
 
@@ -32,6 +35,14 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.evaluation.categories import TurnCounts, by_category
 from flashdraft.evaluation.category_report import category_text
 from flashdraft.evaluation.config import Candidate
+from flashdraft.evaluation.engine_walk import (
+    STATES_ENGINE,
+    STATES_TRANSFORMERS,
+    EngineWalk,
+    engine_continuations,
+    engine_walk_records,
+    explain_near_ties,
+)
 from flashdraft.evaluation.modality import by_modality
 from flashdraft.evaluation.modes import by_segment
 from flashdraft.evaluation.offline import WalkConfig, evaluate_offline
@@ -302,34 +313,28 @@ def run_served(
     the target in vLLM (started from `engine_python_path`'s environment, or the one running at `server_url`), send
     each record's prompt, and return the `served` figures with flashdraft's own beside them and the check's verdict
     (`served["check"]["passed"]`)."""
-    from flashdraft.serving.export import export_drafter
-
-    checkpoint, drafter, block_size = candidate.label, candidate.drafter, candidate.block_size
-    temperature, filters, seed = sampling.temperature, sampling.filters, sampling.seed
+    drafter, block_size = candidate.drafter, candidate.block_size
+    temperature, filters = sampling.temperature, sampling.filters
     work = Path(tempfile.mkdtemp(prefix="flashdraft-served-"))
-    if server_url is not None:
-        engine = Engine(
-            server_url.rstrip("/").removesuffix("/v1"), f"vllm {server_version(server_url)}", None, cpu=False
-        )
-        requests, failure = send_requests(
-            engine, records, max_tokens, temperature, seed, filters, target.stop_token_ids, target.tokenizer
-        )
-    else:
-        export_drafter(checkpoint, work / "drafter", target, block_size=block_size)
-        server = _start_engine(drafter, str(work / "drafter"), target, engine_python_path, work, seed, log)
-        with server:
-            engine = Engine(
-                server.base_url, server.info.describe(), server.command(), server.info.cpu, str(server.log_path)
-            )
-            log(
-                f"{engine.description} ready after {server.startup_seconds:.1f} s at {engine.base_url}; sending "
-                f"{len(records)} requests one at a time"
-            )
-            requests, failure = send_requests(
-                engine, records, max_tokens, temperature, seed, filters, target.stop_token_ids, target.tokenizer
-            )
-        shutil.rmtree(work / "drafter", ignore_errors=True)  # a copy of the checkpoint; the server's log stays
+    # a quantised target's kernels in the engine round otherwise than transformers': walk the engine's own states
+    # (captured by the engine itself, which needs the engine this run starts) at T = 0
+    walk_engine_states = target.quantisation.quantised and temperature <= 0 and server_url is None
+    engine, requests, failure, continuations = _serve(
+        candidate, target, records, max_tokens, sampling, engine_python_path, server_url, work, walk_engine_states, log
+    )
     outputs = [EvalRecord(r.id, r.prompt_ids, r.output_ids) for r in requests]
+    engine_walk = None
+    if walk_engine_states and requests:  # after the server is gone: the capture starts its own engine
+        engine_walk = engine_walk_records(
+            engine_python(engine_python_path),
+            target,
+            drafter.config.target_layer_ids,
+            requests,
+            continuations,
+            work / "engine-states",
+            log=log,
+        )
+        outputs = engine_walk.outputs
     served = {
         "engine": engine.description,
         "base_url": engine.base_url,
@@ -341,6 +346,7 @@ def run_served(
         **_pooled(requests),
         "requests": [_request_figures(r) for r in requests],
         "by_category": _by_category(records, requests, drafts_per_block(drafter, block_size)),
+        "states": STATES_ENGINE if walk_engine_states else STATES_TRANSFORMERS,
     }
     problems = [failure] if failure else []
     if outputs:
@@ -363,11 +369,57 @@ def run_served(
         served["by_segment"] = by_segment(own, outputs, target.tokenizer)  # flashdraft's walk of the served outputs
         served["by_modality"] = by_modality(own, records)
         if temperature <= 0:
-            problems += _greedy_figures(served, requests, records, max_tokens, own, candidate, target)
+            problems += _greedy_figures(served, requests, records, max_tokens, own, candidate, target, engine_walk)
         else:
             problems += _sampled_figures(served, requests, outputs, own, target, sampling, engine)
     served["check"] = {"passed": not problems, "problems": problems}
     return served
+
+
+def _serve(
+    candidate: Candidate,
+    target: TargetModel,
+    records: list[EvalRecord],
+    max_tokens: list[int],
+    sampling: SamplingParams,
+    engine_python_path: str | None,
+    server_url: str | None,
+    work: Path,
+    continue_outputs: bool,
+    log,
+) -> tuple[Engine, list[ServedRequest], str | None, list[list[int]]]:
+    """The requests served by the engine at `server_url` or one started here; with `continue_outputs`, each
+    output's greedy continuation as the engine computes it (asked after the measured requests)."""
+    from flashdraft.serving.export import export_drafter
+
+    drafter, block_size = candidate.drafter, candidate.block_size
+    temperature, filters, seed = sampling.temperature, sampling.filters, sampling.seed
+    stops, continuations = target.stop_token_ids, []
+    if server_url is not None:
+        engine = Engine(
+            server_url.rstrip("/").removesuffix("/v1"), f"vllm {server_version(server_url)}", None, cpu=False
+        )
+        requests, failure = send_requests(
+            engine, records, max_tokens, temperature, seed, filters, stops, target.tokenizer
+        )
+        return engine, requests, failure, continuations
+    export_drafter(candidate.label, work / "drafter", target, block_size=block_size)
+    server = _start_engine(drafter, str(work / "drafter"), target, engine_python_path, work, seed, log)
+    with server:
+        engine = Engine(
+            server.base_url, server.info.describe(), server.command(), server.info.cpu, str(server.log_path)
+        )
+        log(
+            f"{engine.description} ready after {server.startup_seconds:.1f} s at {engine.base_url}; sending "
+            f"{len(records)} requests one at a time"
+        )
+        requests, failure = send_requests(
+            engine, records, max_tokens, temperature, seed, filters, stops, target.tokenizer
+        )
+        if continue_outputs and requests:  # the overrun's tokens as the engine computes them
+            continuations = engine_continuations(engine.base_url, requests, drafts_per_block(drafter, block_size), seed)
+    shutil.rmtree(work / "drafter", ignore_errors=True)  # a copy of the checkpoint; the server's log stays
+    return engine, requests, failure, continuations
 
 
 def _by_category(records: list[EvalRecord], requests: list[ServedRequest], drafts: int) -> dict[str, Any] | None:
@@ -430,18 +482,28 @@ def _greedy_figures(
     own: EvalResult,
     candidate: Candidate,
     target: TargetModel,
+    engine_walk: EngineWalk | None = None,
 ) -> list[str]:
-    """T = 0: flashdraft's greedy outputs, its walk with the last step uncut, and the mismatches."""
+    """T = 0: flashdraft's greedy outputs, its walk with the last step uncut, and the mismatches. With
+    `engine_walk` (a quantised target) the last step is walked over the engine's continuation with the engine's
+    states, and the served outputs are held against the transformers target's greedy as a figure, not a problem:
+    the engine's int8 kernel chooses otherwise at near ties."""
     drafter, block_size = candidate.drafter, candidate.block_size
     drafts = drafts_per_block(drafter, block_size)
     greedy = [
         r.completion_ids if r.completion_ids else autoregressive_generate(target, r.prompt_ids, n).output_ids
         for r, n in zip(records[: len(requests)], max_tokens, strict=False)
     ]
-    extended = [
-        EvalRecord(r.id, r.prompt_ids, r.output_ids + greedy_continuation(target, r.prompt_ids + r.output_ids, drafts))
-        for r in requests
-    ]
+    extended = (
+        engine_walk.extended
+        if engine_walk is not None
+        else [
+            EvalRecord(
+                r.id, r.prompt_ids, r.output_ids + greedy_continuation(target, r.prompt_ids + r.output_ids, drafts)
+            )
+            for r in requests
+        ]
+    )
     walked = evaluate_offline(drafter, target, extended, FeatureSource(target), walk=WalkConfig(block_size=block_size))
     uncut = [
         w.acceptance_lengths[: len(p.acceptance_lengths)]
@@ -457,7 +519,22 @@ def _greedy_figures(
         "tau_uncut": 1 + sum(per_pos) / own.num_steps if own.num_steps else None,
         "outputs_equal_greedy": [r.output_ids == g for r, g in zip(requests, greedy, strict=True)],
     }
-    return greedy_mismatches(requests, greedy, own, uncut, drafts)
+    if engine_walk is not None:  # the engine's greedy is its outputs; transformers' is reported beside them
+        served["flashdraft"]["greedy_of"] = "the engine's quantised kernels"
+        greedy = [r.output_ids for r in requests]
+    problems = greedy_mismatches(requests, greedy, own, uncut, drafts)
+    if engine_walk is not None:
+        problems, served["flashdraft"]["near_ties"] = explain_near_ties(
+            problems, [r.id for r in requests], engine_walk, uncut, candidate.drafter, target, candidate.block_size
+        )
+    if problems and engine_walk is None and target.quantisation.quantised:  # a --server engine: not this run's
+        problems.insert(
+            0,
+            f"the target is quantised ({target.quantisation.scheme}) and served by an engine this run did not "
+            f"start (--server), so flashdraft walked the transformers target's states, which the engine's quantised "
+            f"kernels round otherwise; leave --server off to walk the engine's own states",
+        )
+    return problems
 
 
 def format_served(served: dict[str, Any]) -> str:
@@ -476,6 +553,17 @@ def format_served(served: dict[str, Any]) -> str:
     row("τ = 1 + accepted / drafts", served["tau"], own.get("tau_uncut"))
     row("τ delivered (tokens / steps)", served["tau_delivered"], own.get("tau"))
     row("drafting steps", served["drafts"], own.get("steps"))
+    if "states" in served:
+        lines.append(f"flashdraft walked the served outputs with {served['states']}")
+    if served["temperature"] <= 0 and own.get("greedy_of"):
+        equal = own.get("outputs_equal_greedy", [])
+        lines.append(
+            f"served outputs equal to flashdraft's greedy (the records' completions, else the transformers "
+            f"target's): {sum(equal)} of {len(equal)}; not a problem here: the outputs are the greedy of "
+            f"{own['greedy_of']}, which the check walks"
+        )
+    for line in own.get("near_ties") or []:
+        lines.append(f"explained, not a failure (the drafter's arithmetic, engine against flashdraft): {line}")
     if served["temperature"] <= 0:
         lines.append(
             f"accepted per position: served {served['accepted_per_position']}, flashdraft "

@@ -232,3 +232,42 @@ def test_served_tau_by_category_is_the_engines_counters_grouped_both_ways(
     per_row = [1 + sum(r["accepted"] for r in rs) / sum(r["drafts"] for r in rs) for rs in by_row.values()]
     assert figures["overall"]["tau_request_mean"] == pytest.approx(sum(per_row) / len(per_row))
     assert "served by category (the engine's counters)" in out
+
+
+@pytest.mark.engine
+def test_served_tau_of_a_w8a8_target_equals_flashdraft_walk_of_the_engines_own_states(capsys, engine_models, tmp_path):
+    # the engine's int8 kernel rounds otherwise than transformers': the check walks the engine's own states and
+    # continuation, so the served figures equal flashdraft's request by request
+    from tests.target.quantised_targets import save_quantised_target
+
+    m = engine_models
+    w8a8 = save_quantised_target(m["target"], tmp_path / "w8a8", "W8A8")
+    rc, out, err = run_cli(
+        capsys,
+        "eval",
+        "--checkpoint",
+        m["drafter"],
+        "--target-model",
+        w8a8,
+        "--dtype",
+        "bf16",
+        "--completions",
+        m["completions"],
+        "--allow-foreign-completions",
+        "--num-prompts",
+        "2",
+        "--served",
+        "vllm",
+        "--check-served",
+        "--json",
+        tmp_path / "eval.json",
+    )
+    summary = json.loads((tmp_path / "eval.json").read_text())
+    served, own = summary["served"], summary["served"]["flashdraft"]
+    assert rc == 0 and served["check"] == {"passed": True, "problems": []}, served["check"]
+    assert served["states"] == "the engine's captured states" and "walked the served outputs with the engine" in out
+    if not own["near_ties"]:  # a request may part only at a tie in the drafter's logits, named (test_engine_walk)
+        assert [r["drafts"] for r in served["requests"]] == own["steps_per_request"]
+        assert served["accepted_per_position"] == own["accepted_per_position_uncut"]
+        assert served["tau"] == pytest.approx(own["tau_uncut"]) and served["tau_delivered"] == pytest.approx(own["tau"])
+    assert len(own["near_ties"]) <= 1 and 1.5 < served["tau"] == pytest.approx(own["tau_uncut"], abs=0.1)
