@@ -15,6 +15,8 @@ length bucket) and packed (rows of L tokens, L = the mix's longest record, bucke
 - "speed": supervised (completion) tokens per second over a few steps (packed and unpacked steps interleaved) with
   every supervised pair an anchor (--num-anchors 512, the published recipe's), 4 rows against 4 records, the padding
   share of their context slots and the block slots a step holds; then packed over unpacked tokens/s;
+- "profile" (--figures profile): one packed and one unpacked step under torch.profiler after a warm-up, the ops
+  that took most of the step's CPU time (self time, shares of the step), per supervised token: where packed loses;
 - "tau" (long-tailed mix): the held-out τ after the same epochs (equal supervised tokens), 8 anchors a record,
   packed 1 row a step (about the 4 records of an unpacked step); the noise is the spread over --seeds.
 Figures are ratios within one run of this script.
@@ -209,6 +211,37 @@ def speed(target, records, steps: int, pack_length: int | None = None) -> list[d
     return rows + [ratios]
 
 
+def profile(target, records, pack_length: int | None = None, top: int = 8) -> list[dict]:
+    """One packed and one unpacked step (after a warm-up step each) under torch.profiler: the step's CPU time per
+    supervised token and the `top` ops by self CPU time, each with its share of the step and its time per token."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiled
+
+    runs = [_SpeedRun(target, records, packed, 2, pack_length) for packed in (False, True)]
+    rows = []
+    with tempfile.TemporaryDirectory() as run_dir:
+        for run in runs:
+            run.step(0, Path(run_dir), counted=False)
+        for run in runs:
+            with profiled(activities=[ProfilerActivity.CPU]) as prof:
+                run.step(1, Path(run_dir), counted=True)
+            events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+            total = sum(e.self_cpu_time_total for e in events)  # microseconds
+            ops = [
+                {
+                    "op": e.key,
+                    "share": round(e.self_cpu_time_total / total, 3),
+                    "us_per_token": round(e.self_cpu_time_total / run.supervised, 1),
+                }
+                for e in events[:top]
+            ]
+            rows.append(
+                {"packed": run.packed, "supervised": run.supervised, "us_per_token": round(total / run.supervised)}
+                | {"top_ops": ops}
+            )
+    return rows
+
+
 def held_out_tau(target, records, held_out, packed: bool, epochs: int, seed: int) -> dict:
     """The held-out τ after `epochs` epochs (every record as often: equal supervised tokens), 8 anchors a record;
     packed 1 row of L a step (about the 4 records an unpacked step holds, so the optimizer steps compare)."""
@@ -261,6 +294,10 @@ def main() -> None:
             pack_length = CHAT_DOCS_PACK_LENGTH if mix == "chat-docs" else None
             for row in speed(target, records, args.speed_steps, pack_length):
                 print(json.dumps({"mix": mix, "figure": "speed"} | row), flush=True)
+        if "profile" in figures:
+            pack_length = CHAT_DOCS_PACK_LENGTH if mix == "chat-docs" else None
+            for row in profile(target, records, pack_length):
+                print(json.dumps({"mix": mix, "figure": "profile"} | row), flush=True)
         if mix != "long-tailed" or "tau" not in figures:
             continue
         for seed in (int(s) for s in args.seeds.split(",")):
