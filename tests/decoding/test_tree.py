@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from flashdraft.decoding.generate import autoregressive_generate
 from flashdraft.decoding.proposers import as_proposer
@@ -162,22 +163,27 @@ def test_a_tree_step_copies_to_the_device_once_and_keeps_greedy_outputs(kind, mo
     target = make_family_target(kind) if kind == "gpt_oss" else make_target(kind)
     drafter, rule = make_drafter(block_size=8, hidden_size=target.config.hidden_size), TreeRule("ddtree", 8)
     plain = autoregressive_generate(target, PROMPT, 24).output_ids
-    listed = []  # tensors indexed by a Python list: a copy from the host too
-    for name in ("__getitem__", "__setitem__"):
-        raw = getattr(torch.Tensor, name)
-
-        def index(self, key, *rest, _raw=raw):
-            keys = key if isinstance(key, tuple) else (key,)
-            listed.extend(k for k in keys if isinstance(k, list))
-            return _raw(self, key, *rest)
-
-        monkeypatch.setattr(torch.Tensor, name, index)
     copies = []
-    out, _, _ = _raw_reads(monkeypatch, lambda: tree_generate(target, drafter, PROMPT, 24, rule), copies)
+    with ListIndexing() as indexing:  # a mode, not a patched Tensor.__getitem__ (that leaves a sequence slot behind)
+        out, _, _ = _raw_reads(monkeypatch, lambda: tree_generate(target, drafter, PROMPT, 24, rule), copies)
     steps = len(out.acceptance_lengths)
     assert out.output_ids == plain and steps > 3
     assert [os.path.basename(f) for f in copies] == ["tree.py"] * (steps + 1)  # the prompt's, one per step
-    assert listed == []
+    assert indexing.lists == []
+
+
+class ListIndexing(TorchFunctionMode):
+    """Collects the Python lists tensors are indexed by (each a copy from the host)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lists: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+            keys = args[1] if isinstance(args[1], tuple) else (args[1],)
+            self.lists.extend(k for k in keys if isinstance(k, list))
+        return func(*args, **(kwargs or {}))
 
 
 def test_the_device_ancestor_mask_and_path_are_the_hosts():
