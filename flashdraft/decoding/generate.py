@@ -38,6 +38,7 @@ from flashdraft.decoding.serving_rules import (
     target_probs,
     verify,
 )
+from flashdraft.decoding.static_proposer import compiled_draft_for, draft_counts
 from flashdraft.decoding.verification import resolve_compile, verification_for
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
@@ -218,7 +219,14 @@ def speculative_generate(
     """
     block = speculative.block_size or default_block_size(drafter)
     rule = serving_rule(speculative.rule)
-    proposer = as_proposer(drafter, target, speculative.limit, rule=rule)
+    compiled = compiled_draft_for(  # the drafter in fixed shapes, compiled, when the generation compiles
+        drafter,
+        resolve_compile(speculative.compile, target),
+        explicit=bool(speculative.compile),
+        backend=speculative.compile_backend,
+        tokens=max(len(prompt_ids) + max_new_tokens, speculative.static_positions or 0),
+    )
+    proposer = as_proposer(drafter, target, speculative.limit, rule=rule, compiled=compiled)
     if block < 2:
         raise ValueError(f"block_size {block} < 2")
     target.set_context_layers(proposer.context_layer_ids)
@@ -304,11 +312,11 @@ def _speculative_steps(
         anchor_pos += a + 1
     result.host_transfers = TRANSFERS.reads - reads_before
     result.decode_seconds = _clock(device) - loop_start
-    counts = verification.counts
-    result.compiles = counts.compiles - counts_before.compiles
-    result.recompiles = counts.recompiles - counts_before.recompiles
-    result.graph_breaks = counts.graph_breaks - counts_before.graph_breaks
-    result.compile_seconds = counts.compile_seconds - counts_before.compile_seconds
+    counts, drafted = verification.counts, draft_counts(proposer)  # the verify's, and this sequence's drafting's
+    result.compiles = counts.compiles - counts_before.compiles + drafted.compiles
+    result.recompiles = counts.recompiles - counts_before.recompiles + drafted.recompiles
+    result.graph_breaks = counts.graph_breaks - counts_before.graph_breaks + drafted.graph_breaks
+    result.compile_seconds = counts.compile_seconds - counts_before.compile_seconds + drafted.compile_seconds
     return result
 
 

@@ -6,7 +6,7 @@ from flashdraft.decoding.hybrid import HybridDrafter, HybridRule
 from flashdraft.decoding.ngram import NGramProposer
 from flashdraft.decoding.proposers import DFlashProposer, DraftLimit, as_proposer
 from flashdraft.decoding.serving_rules import SamplingParams
-from flashdraft.decoding.static_proposer import CompiledDraft, StaticDFlashProposer, draft_compiles
+from flashdraft.decoding.static_proposer import CompiledDraft, StaticDFlashProposer, draft_counts
 from flashdraft.errors import FlashdraftError
 from tests.conftest import make_dflash2_drafter, make_drafter, make_dspark_drafter, make_flat_target, make_target
 from tests.decoding.test_ngram import PROMPTS, greedy_records
@@ -116,8 +116,9 @@ def test_dspark_with_a_limit_and_a_confidence_cut_verifies_the_eager_drafts(draf
     static = speculative_generate(target, proposer, PROMPTS[0], 30, speculative=config)
     assert static.output_ids == eager.output_ids and static.acceptance_lengths == eager.acceptance_lengths
     assert proposer.inner.state.shape.drafts == 4
-    assert draft_compiles(proposer) == proposer.inner.compiles >= 1
-    assert draft_compiles(as_proposer(drafter, target, limit)) is None  # eager
+    assert draft_counts(proposer).compiles <= proposer.inner.compiles
+    assert draft_counts(proposer).recompiles == draft_counts(proposer).graph_breaks == 0
+    assert draft_counts(as_proposer(drafter, target, limit)).compiles == 0  # eager
 
 
 def test_the_ngram_proposer_is_unchanged_and_the_hybrid_drafts_as_eagerly_with_a_compiled_drafter(drafters, target):
@@ -131,7 +132,7 @@ def test_the_ngram_proposer_is_unchanged_and_the_hybrid_drafts_as_eagerly_with_a
         assert isinstance(proposer.dflash, StaticDFlashProposer)
         static = speculative_generate(target, proposer, prompt, 30, speculative=config)
         assert static.output_ids == eager.output_ids and static.acceptance_lengths == eager.acceptance_lengths
-        assert proposer.choices["dflash"] > 0 and draft_compiles(proposer) >= 1
+        assert proposer.choices["dflash"] > 0 and draft_counts(proposer).recompiles == 0
 
 
 def test_a_sequence_past_the_cache_capacity_or_sharing_its_state_is_refused_in_one_line(drafters, target):
@@ -154,3 +155,17 @@ def test_a_drafter_with_dynamic_rope_is_refused_in_one_line_naming_it(target):
     proposer = as_proposer(drafter, target, compiled=COMPILED)
     with pytest.raises(FlashdraftError, match="RoPE is 'dynamic'"):
         proposer.propose([1], 3, torch.zeros(1, 3, drafter.fc.in_features), torch.arange(3)[None], 8)
+
+
+def test_a_compiled_generation_drafts_and_verifies_in_fixed_shapes_and_a_second_one_compiles_nothing(drafters, target):
+    # the loop's switch (SpeculativeConfig.compile): the drafter's graphs and the target's static verify together
+    drafter = drafters["dflash"]
+    eager = speculative_generate(target, drafter, PROMPTS[0], 32)
+    compiled = SpeculativeConfig(compile=True, compile_backend="eager")
+    warm = speculative_generate(target, drafter, PROMPTS[0], 32, speculative=compiled)
+    assert warm.output_ids == eager.output_ids and warm.acceptance_lengths == eager.acceptance_lengths
+    assert warm.recompiles == warm.graph_breaks == 0
+    with torch.compiler.set_stance("fail_on_recompile"):  # another prompt length, other accepted lengths
+        run = speculative_generate(target, drafter, PROMPTS[2], 32, speculative=compiled)
+    assert run.output_ids == speculative_generate(target, drafter, PROMPTS[2], 32).output_ids
+    assert (run.compiles, run.recompiles, run.graph_breaks) == (0, 0, 0)

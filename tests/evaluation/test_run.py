@@ -667,7 +667,9 @@ def test_online_compiled_json_says_what_compiled_and_that_no_record_recompiled(
     assert rc == 0, err
     compiled = json.loads((tmp_path / "c.json").read_text())
     assert compiled["lossless"] is True and compiled["compile"]["static"] is True
-    assert compiled["compile"]["compiles"] == 1 and compiled["compile"]["after_warm_up"] == 0
+    # the verify's graph and the drafter's two (its context write, its draft) in the warm-up, none after; fewer where
+    # an earlier test of this process traced the same graphs (Dynamo keeps them per function, guarded by shape)
+    assert 1 <= compiled["compile"]["compiles"] <= 3 and compiled["compile"]["after_warm_up"] == 0
     assert compiled["compile"]["recompiles"] == 0 and compiled["compile"]["graph_breaks"] == 0
     rc, _, err = run_cli(capsys, *common, "--no-compile", "--json", tmp_path / "e.json")
     eager = json.loads((tmp_path / "e.json").read_text())
