@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+import types
 from dataclasses import dataclass, replace
 
 import torch
@@ -67,6 +68,21 @@ def unsupported_reason(drafter: DFlashDrafter) -> str | None:
     return None
 
 
+def own_code(method):
+    """A bound method over a copy of its code object. Dynamo keeps compiled graphs, and counts them against its
+    recompile limit (8, past which it runs the function uncompiled), per code object: with a copy each state's two
+    graphs are its own, however many drafters one process drafts with (an evaluation of many checkpoints)."""
+    function = method.__func__
+    copy = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    return types.MethodType(copy, method.__self__)
+
+
 @dataclass(frozen=True)
 class StepShape:
     """What a state's graphs are specialised to: the block, the drafts per block it computes logits for and the
@@ -110,8 +126,8 @@ class StaticDraftState:
         if settings.backend is not None:
             mode = settings.compile_mode(torch.device(device))
             options = dict(fullgraph=True, dynamic=False, backend=settings.backend, mode=mode)
-            self._write = torch.compile(self._write_step, **options)
-            self._draft = torch.compile(self._draft_step, **options)
+            self._write = torch.compile(own_code(self._write_step), **options)
+            self._draft = torch.compile(own_code(self._draft_step), **options)
         # the first graph of each of the two steps is its warm-up; any later one a recompile
         self.counts = CompileCounts()
         self._warmed_up: set[str] = set()

@@ -8,7 +8,7 @@ from flashdraft.decoding.proposers import DFlashProposer, DraftLimit, as_propose
 from flashdraft.decoding.serving_rules import SamplingParams
 from flashdraft.decoding.static_proposer import CompiledDraft, StaticDFlashProposer, draft_counts
 from flashdraft.errors import FlashdraftError
-from tests.conftest import make_dflash2_drafter, make_drafter, make_dspark_drafter, make_flat_target, make_target
+from tests.conftest import make_dflash2_drafter, make_drafter, make_dspark_drafter, make_flat_target
 from tests.decoding.test_ngram import PROMPTS, greedy_records
 from tests.evaluation.test_run import overfit
 
@@ -22,7 +22,9 @@ SLIDING = dict(layer_types=["sliding_attention", "full_attention"], sliding_wind
 
 @pytest.fixture(scope="module")
 def target():
-    return make_target("qwen3")
+    """One target for the module (a state, and its graphs, is per drafter and target): a flat one, so sampled drafts
+    are accepted often too."""
+    return make_flat_target("qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +87,8 @@ def test_compiled_greedy_generation_drafts_the_eager_tokens(drafters, target, fa
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_compiled_sampled_generation_draws_the_eager_tokens_seed_for_seed(drafters, family):
-    # a flat target accepts sampled drafts often; DFlash2 and DSpark sample their walks from the compiled rows
-    target = make_flat_target("qwen3")
+def test_compiled_sampled_generation_draws_the_eager_tokens_seed_for_seed(drafters, target, family):
+    # the flat target accepts sampled drafts often; DFlash2 and DSpark sample their walks from the compiled rows
     drafter = drafters[family]
     sampling = SamplingParams(temperature=1.0)
     runs = [
