@@ -41,6 +41,8 @@ import torch
 from flashdraft.decoding.generate import GenerationResult, SpeculativeConfig
 from flashdraft.decoding.host_transfers import TRANSFERS, to_host
 from flashdraft.decoding.proposers import DFlashProposer, Proposer, as_proposer, default_block_size
+from flashdraft.decoding.static_proposer import compiled_draft_for, draft_counts
+from flashdraft.decoding.verification import resolve_compile
 from flashdraft.drafter.families import family_of
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
@@ -433,7 +435,16 @@ def tree_generate(
     check_tree_target(target)
     check_tree_drafter(rule, drafter)
     block = speculative.block_size or default_block_size(drafter)
-    proposer = as_proposer(drafter, target, rule=speculative.rule)
+    compiled = (
+        compiled_draft_for(  # the drafter in fixed shapes when the generation compiles (the tree verify is eager)
+            drafter,
+            resolve_compile(speculative.compile, target),
+            explicit=bool(speculative.compile),
+            backend=speculative.compile_backend,
+            tokens=len(prompt_ids) + max_new_tokens,
+        )
+    )
+    proposer = as_proposer(drafter, target, rule=speculative.rule, compiled=compiled)
     target.set_context_layers(proposer.context_layer_ids)
     with decoding_attention(target.device):
         return _tree_steps(target, proposer, prompt_ids, max_new_tokens, rule, replace(speculative, block_size=block))
@@ -484,6 +495,9 @@ def _tree_steps(
         new_positions = anchor_pos + torch.arange(len(path), device=device)[None]
         anchor_pos += len(path)
     result.host_transfers = TRANSFERS.reads - reads_before
+    drafted = draft_counts(proposer)  # what compiled for the drafter (the tree verify runs eagerly)
+    result.compiles, result.recompiles = drafted.compiles, drafted.recompiles
+    result.graph_breaks, result.compile_seconds = drafted.graph_breaks, drafted.compile_seconds
     return result
 
 

@@ -7,6 +7,7 @@ from flashdraft.decoding.ngram import NGramProposer
 from flashdraft.decoding.proposers import DFlashProposer, DraftLimit, as_proposer
 from flashdraft.decoding.serving_rules import SamplingParams
 from flashdraft.decoding.static_proposer import CompiledDraft, StaticDFlashProposer, draft_counts
+from flashdraft.decoding.tree import TreeRule, tree_generate
 from flashdraft.errors import FlashdraftError
 from tests.conftest import make_dflash2_drafter, make_drafter, make_dspark_drafter, make_flat_target
 from tests.decoding.test_ngram import PROMPTS, greedy_records
@@ -170,3 +171,13 @@ def test_a_compiled_generation_drafts_and_verifies_in_fixed_shapes_and_a_second_
         run = speculative_generate(target, drafter, PROMPTS[2], 32, speculative=compiled)
     assert run.output_ids == speculative_generate(target, drafter, PROMPTS[2], 32).output_ids
     assert (run.compiles, run.recompiles, run.graph_breaks) == (0, 0, 0)
+
+
+def test_the_tree_loop_builds_its_trees_from_the_compiled_drafter_as_from_the_eager_one(drafters, target):
+    # DDTree over the DFlash drafter's logits, DFlash2's selector beam over its hidden states and logits
+    for drafter, rule in ((drafters["dflash"], TreeRule("ddtree", 10)), (drafters["dflash2"], TreeRule("beam", 8, 2))):
+        eager = tree_generate(target, drafter, PROMPTS[0], 24, rule)
+        compiled = SpeculativeConfig(compile=True, compile_backend="eager")
+        static = tree_generate(target, drafter, PROMPTS[0], 24, rule, compiled)
+        assert static.output_ids == eager.output_ids and static.acceptance_lengths == eager.acceptance_lengths
+        assert static.nodes_per_step == eager.nodes_per_step and static.recompiles == static.graph_breaks == 0
