@@ -181,3 +181,16 @@ def test_the_tree_loop_builds_its_trees_from_the_compiled_drafter_as_from_the_ea
         static = tree_generate(target, drafter, PROMPTS[0], 24, rule, compiled)
         assert static.output_ids == eager.output_ids and static.acceptance_lengths == eager.acceptance_lengths
         assert static.nodes_per_step == eager.nodes_per_step and static.recompiles == static.graph_breaks == 0
+
+
+@pytest.mark.parametrize("threshold", [0.03, 0.05])
+def test_an_adaptive_limit_verifies_the_drafts_the_eager_proposer_verifies(drafters, target, threshold):
+    # eagerly the LM head stops at the chunk holding the first unsure draft; compiled, every row is computed and the
+    # limit counts the same leading confident drafts (the flat target's LM head keeps the drafter's top probabilities
+    # low: two thresholds around them)
+    drafter = drafters["dflash"]
+    config = SpeculativeConfig(block_size=drafter.config.block_size, limit=DraftLimit(adaptive_threshold=threshold))
+    eager = speculative_generate(target, drafter, PROMPTS[0], 30, speculative=config)
+    proposer = as_proposer(drafter, target, config.limit, compiled=COMPILED)
+    static = speculative_generate(target, proposer, PROMPTS[0], 30, speculative=config)
+    assert static.output_ids == eager.output_ids and static.acceptance_lengths == eager.acceptance_lengths
