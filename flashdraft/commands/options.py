@@ -171,13 +171,13 @@ def device_args(p: argparse.ArgumentParser) -> None:
 
 def compile_option(p: argparse.ArgumentParser) -> None:
     """--compile / --no-compile: speculative decoding verifies on the target's static cache with one compiled graph
-    (CUDA graphs on CUDA), or on the eager path; unsaid, where it pays (docs/decoding.md)."""
+    (CUDA graphs on CUDA), or on the eager path (the default: `decoding.verification.compile_by_default`)."""
     p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="verify drafts on a static cache compiled once (torch.compile; CUDA graphs on CUDA), or eagerly "
-        "(--no-compile); default: compiled on CUDA, eager on CPU",
+        "(--no-compile, the default until a GPU run has measured it)",
     )
 
 

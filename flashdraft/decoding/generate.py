@@ -38,11 +38,11 @@ from flashdraft.decoding.serving_rules import (
     target_probs,
     verify,
 )
-from flashdraft.decoding.static_proposer import compiled_draft_for, draft_counts
-from flashdraft.decoding.verification import resolve_compile, verification_for
+from flashdraft.decoding.verification import compiled_drafting, resolve_compile, verification_for
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel, decoding_attention
+from flashdraft.target.static_cache import dynamo_totals
 
 
 @dataclass
@@ -66,9 +66,11 @@ class GenerationResult:
     # speculative: the steps' wall time, the prefill left out: drafting, verifying and the bookkeeping around them
     decode_seconds: float = 0.0
     # speculative: verified on the static cache (`SpeculativeConfig.compile`), and what torch.compile did during this
-    # generation: graphs compiled (a first generation's warm-up is one), recompiles past that, graph breaks, seconds
+    # generation: graphs compiled (the target's verify and the drafter's steps: none once warmed up), of them the
+    # drafter's, the verify's recompiles (a warmed verifier compiling again), graph breaks, the verify's compile seconds
     static: bool = False
     compiles: int = 0
+    draft_compiles: int = 0
     recompiles: int = 0
     graph_breaks: int = 0
     compile_seconds: float = 0.0
@@ -219,16 +221,12 @@ def speculative_generate(
     """
     block = speculative.block_size or default_block_size(drafter)
     rule = serving_rule(speculative.rule)
-    compiled = compiled_draft_for(  # the drafter in fixed shapes, compiled, when the generation compiles
-        drafter,
-        resolve_compile(speculative.compile, target),
-        explicit=bool(speculative.compile),
-        backend=speculative.compile_backend,
-        tokens=max(len(prompt_ids) + max_new_tokens, speculative.static_positions or 0),
-    )
-    proposer = as_proposer(drafter, target, speculative.limit, rule=rule, compiled=compiled)
     if block < 2:
         raise ValueError(f"block_size {block} < 2")
+    compile = resolve_compile(speculative.compile, target)
+    positions = max(len(prompt_ids) + max_new_tokens, speculative.static_positions or 0)
+    compiled = compiled_drafting(drafter, speculative.compile_backend, positions + block + 1) if compile else None
+    proposer = as_proposer(drafter, target, speculative.limit, rule=rule, compiled=compiled)
     target.set_context_layers(proposer.context_layer_ids)
     with decoding_attention(target.device):
         return _speculative_steps(
@@ -237,7 +235,7 @@ def speculative_generate(
             prompt_ids,
             max_new_tokens,
             sampling,
-            replace(speculative, block_size=block, rule=rule),
+            replace(speculative, block_size=block, rule=rule, compile=compile, static_positions=positions),
             generator,
         )
 
@@ -264,11 +262,11 @@ def _speculative_steps(
         cache,
         proposer,
         block,
-        max(len(prompt_ids) + max_new_tokens, speculative.static_positions or 0),
-        compile=resolve_compile(speculative.compile, target),
+        speculative.static_positions,
+        compile=speculative.compile,
         backend=speculative.compile_backend,
     )
-    counts_before = replace(verification.counts)
+    counts_before, graphs_before = replace(verification.counts), dynamo_totals()
     first = to_host(_sample(prefill.logits_at(-1, None)[0, 0], temperature, generator, filters))
     result = GenerationResult([first], static=verification.static)
     if first in stop_ids:
@@ -312,11 +310,11 @@ def _speculative_steps(
         anchor_pos += a + 1
     result.host_transfers = TRANSFERS.reads - reads_before
     result.decode_seconds = _clock(device) - loop_start
-    counts, drafted = verification.counts, draft_counts(proposer)  # the verify's, and this sequence's drafting's
-    result.compiles = counts.compiles - counts_before.compiles + drafted.compiles
-    result.recompiles = counts.recompiles - counts_before.recompiles + drafted.recompiles
-    result.graph_breaks = counts.graph_breaks - counts_before.graph_breaks + drafted.graph_breaks
-    result.compile_seconds = counts.compile_seconds - counts_before.compile_seconds + drafted.compile_seconds
+    counts, graphs = verification.counts, dynamo_totals()
+    result.compiles, result.graph_breaks = graphs[0] - graphs_before[0], graphs[1] - graphs_before[1]
+    result.draft_compiles = result.compiles - (counts.compiles - counts_before.compiles)
+    result.recompiles = counts.recompiles - counts_before.recompiles
+    result.compile_seconds = counts.compile_seconds - counts_before.compile_seconds
     return result
 
 

@@ -240,22 +240,6 @@ def draft_counts(proposer) -> CompileCounts:
     return CompileCounts() if inner is None else draft_counts(inner)
 
 
-def compiled_draft_for(
-    drafter, compile: bool, explicit: bool, backend: str | None, tokens: int
-) -> CompiledDraft | None:
-    """How a generation of at most `tokens` positions drafts: `CompiledDraft` when it compiles (`compile`, the
-    switch resolved) and `drafter` is a DFlash-family drafter (or a hybrid's) that can draft in fixed shapes; None
-    (eager) for any other proposer. A drafter that cannot is refused in one line where the user asked (`explicit`),
-    else drafts eagerly."""
-    model = getattr(drafter, "drafter", drafter)
-    if not compile or not isinstance(model, DFlashDrafter):
-        return None
-    reason = unsupported_reason(model)
-    if reason is not None and explicit:
-        raise FlashdraftError(f"--compile refused for the drafter: {reason}; use --no-compile")
-    return None if reason is not None else CompiledDraft(max_length=tokens, backend=backend)
-
-
 class StaticDFlashProposer(DFlashProposer):
     """`DFlashProposer` drafting through a `StaticDraftState`: the same proposals (within float tolerance: the
     attention reads a masked fixed buffer), in fixed shapes. Binds its state at the first `propose`, once the block,

@@ -41,8 +41,8 @@ import torch
 from flashdraft.decoding.generate import GenerationResult, SpeculativeConfig
 from flashdraft.decoding.host_transfers import TRANSFERS, to_host
 from flashdraft.decoding.proposers import DFlashProposer, Proposer, as_proposer, default_block_size
-from flashdraft.decoding.static_proposer import compiled_draft_for, draft_counts
-from flashdraft.decoding.verification import resolve_compile
+from flashdraft.decoding.static_proposer import draft_counts
+from flashdraft.decoding.verification import compiled_drafting, resolve_compile
 from flashdraft.drafter.families import family_of
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
@@ -435,15 +435,9 @@ def tree_generate(
     check_tree_target(target)
     check_tree_drafter(rule, drafter)
     block = speculative.block_size or default_block_size(drafter)
-    compiled = (
-        compiled_draft_for(  # the drafter in fixed shapes when the generation compiles (the tree verify is eager)
-            drafter,
-            resolve_compile(speculative.compile, target),
-            explicit=bool(speculative.compile),
-            backend=speculative.compile_backend,
-            tokens=len(prompt_ids) + max_new_tokens,
-        )
-    )
+    compiled = None  # the drafter in fixed shapes when the generation compiles (the tree's verify stays eager)
+    if resolve_compile(speculative.compile, target):
+        compiled = compiled_drafting(drafter, speculative.compile_backend, len(prompt_ids) + max_new_tokens + block + 1)
     proposer = as_proposer(drafter, target, rule=speculative.rule, compiled=compiled)
     target.set_context_layers(proposer.context_layer_ids)
     with decoding_attention(target.device):
@@ -496,7 +490,8 @@ def _tree_steps(
         anchor_pos += len(path)
     result.host_transfers = TRANSFERS.reads - reads_before
     drafted = draft_counts(proposer)  # what compiled for the drafter (the tree verify runs eagerly)
-    result.compiles, result.recompiles = drafted.compiles, drafted.recompiles
+    result.compiles = result.draft_compiles = drafted.compiles
+    result.recompiles = drafted.recompiles
     result.graph_breaks, result.compile_seconds = drafted.graph_breaks, drafted.compile_seconds
     return result
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashdraft.decoding.static_proposer import CompiledDraft, unsupported_reason
+from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetCache, TargetModel, TargetOutput
 from flashdraft.target.static_cache import CompileCounts, StaticVerifier, static_support, static_verifier
@@ -19,10 +21,13 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", None)
 
 
 def compile_by_default(device: torch.device) -> bool:
-    """Whether decoding compiles when the user does not say (`SpeculativeConfig.compile` None). On CUDA: yes, the
-    verify becomes one CUDA graph instead of a launch per op. On CPU: no; see docs/decoding.md for the measurement
-    (inductor's first compile costs tens of seconds, more than a generation of the demo's size saves)."""
-    return torch.device(device).type == "cuda"
+    """Whether decoding compiles when the user does not say (`SpeculativeConfig.compile` None): nowhere yet. On CPU it
+    does not pay: a compiled 1-token step is 1.6x faster but a 16-row verify only 1.1x (compute-bound), so compiled
+    speculative decoding gains less than compiled greedy, and inductor's first compile takes 12 s to minutes on a
+    shared 2-core machine (docs/benchmarks.md). On CUDA it is where it should pay (one CUDA graph a
+    step instead of thousands of launches), but no GPU has run it yet: until the GPU check measures it, `--compile`
+    asks for it."""
+    return False
 
 
 def resolve_compile(compile: bool | None, target: TargetModel) -> bool:
@@ -30,6 +35,17 @@ def resolve_compile(compile: bool | None, target: TargetModel) -> bool:
     if compile is not None:
         return compile
     return compile_by_default(target.device) and static_support(target) is None
+
+
+def compiled_drafting(drafter, backend: str | None, positions: int) -> CompiledDraft | None:
+    """How the drafter drafts when decoding compiles (`flashdraft.decoding.static_proposer`): a DFlash-family drafter
+    (alone or a hybrid's) in fixed shapes compiled with the verify's `backend`, its context cache holding `positions`;
+    None (eagerly): any other proposer (n-gram: no neural pass), the static path run uncompiled (`backend` None), or a
+    drafter with no fixed-shape form (`unsupported_reason`)."""
+    dflash = drafter if isinstance(drafter, DFlashDrafter) else getattr(drafter, "drafter", None)
+    if backend is None or not isinstance(dflash, DFlashDrafter) or unsupported_reason(dflash) is not None:
+        return None
+    return CompiledDraft(max_length=positions, backend=backend)
 
 
 def max_drafts(proposer, block: int) -> int:
@@ -82,8 +98,6 @@ class StaticVerification:
         rows, length = draft.shape[0] + 1, self.verifier.verify_length
         if rows > length:
             raise FlashdraftError(f"a proposer drafted {rows - 1} tokens; the static verify holds {length - 1}")
-        if self.verifier.target.device.type == "cuda" and self.verifier.backend == "inductor":
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read no more
         block = torch.cat([anchor, draft, anchor.expand(length - rows)])[None]  # [1, T]
         out = self.verifier.verify(block)
         features = out.context_features
@@ -114,6 +128,6 @@ def verification_for(
     if reason is not None:
         raise FlashdraftError(f"{target.path or 'the target'}: --compile refused: {reason}; use --no-compile")
     length = max_drafts(proposer, block) + 1
-    verifier = static_verifier(target, length, tokens + length, backend)
+    verifier = static_verifier(target, length, tokens + length, backend)  # tokens: the generation's positions
     verifier.start(cache, cache.length)
     return StaticVerification(verifier)

@@ -89,6 +89,11 @@ def figure_rows(summary: dict[str, Any], per_position: bool = True) -> list[list
             ("speed-up", summary["speedup"], ref and ref["speedup"], diff and diff["speedup"]),
         ]
         rows += [(name, summary.get(key), ref and ref.get(key), None) for name, key in TIMING_ROWS]
+        compiled = summary.get("compile") or {}
+        if compiled.get("static"):  # --compile: what compiled, and that the records after the warm-up compiled nothing
+            rows.append(("graphs compiled (--compile)", compiled["compiles"], None, None))
+            rows.append(("  of them after the warm-up", compiled["after_warm_up"], None, None))
+            rows.append(("  graph breaks", compiled["graph_breaks"], None, None))
     length = max(len(summary["histogram"]), len(ref["histogram"]) if ref else 0) if per_position else 0
     for n in range(1, length + 1):
         rows.append(

@@ -44,7 +44,8 @@ from flashdraft.target.linear_attention import (
 from flashdraft.target.mamba import is_mamba
 from flashdraft.target.model import TargetModel, TargetOutput
 
-STATIC_KINDS = ("attention", "sliding", "chunked", "mla", "gated_deltanet", "mamba2", "mlp")
+# layer kinds with a static rule; chunked attention (Llama 4's: a key is seen within its query's chunk) has no mask here
+STATIC_KINDS = ("attention", "sliding", "mla", "gated_deltanet", "mamba2", "mlp")
 CAPACITY_STEP = 256  # buffers are sized in steps of this many positions, so prompts of near lengths share a graph
 # every verifier (one per target, verify length and capacity) compiles the same code (`StaticVerifier._forward`), and
 # dynamo keeps at most `recompile_limit` graphs per code object (8 by default) before running the rest uncompiled
@@ -335,10 +336,12 @@ class StaticVerifier:
         self._key_positions = torch.arange(self.capacity, device=device)  # [L]
         self._window = getattr(self.target.config, "sliding_window", None)
         self._step = self._forward
+        self._mode = "reduce-overhead" if device.type == "cuda" and self.backend == "inductor" else None
         if self.backend is not None:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, VERIFIERS_PER_PROCESS)
-            mode = "reduce-overhead" if device.type == "cuda" and self.backend == "inductor" else None
-            self._step = torch.compile(self._forward, backend=self.backend, fullgraph=True, dynamic=False, mode=mode)
+            self._step = torch.compile(
+                self._forward, backend=self.backend, fullgraph=True, dynamic=False, mode=self._mode
+            )
 
     def _masks(self, positions: torch.Tensor):
         """The additive masks [1, 1, T, L] of the verify's queries at `positions` [T]: keys at positions up to the
@@ -346,10 +349,8 @@ class StaticVerifier:
         dtype = self.target.dtype
         seen = self._key_positions[None, :] <= positions[:, None]  # [T, L]
         masks = {"full_attention": seen}
-        kinds = set(self.target.layer_types)
-        if self._window and kinds & {"sliding_attention", "chunked_attention"}:
-            near = seen & (positions[:, None] - self._key_positions[None, :] < self._window)
-            masks |= {"sliding_attention": near, "chunked_attention": near}
+        if self._window and "sliding_attention" in self.target.layer_types:
+            masks["sliding_attention"] = seen & (positions[:, None] - self._key_positions[None, :] < self._window)
         additive = {
             kind: torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)[
                 None, None
@@ -394,6 +395,8 @@ class StaticVerifier:
         """The target over input_ids [1, verify_length] at the committed position, writing the caches (commit next)."""
         if input_ids.shape != (1, self.verify_length):
             raise ValueError(f"static verify of {tuple(input_ids.shape)} tokens, expected (1, {self.verify_length})")
+        if self._mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the last one's graph outputs are read no more
         if self.backend is None:
             logits, hidden, features = self._step(input_ids)
         else:

@@ -2,6 +2,8 @@
 for token greedy, seed for seed sampled, for every target family; a whole generation after warm-up compiles nothing
 more; the static verify's length fits every proposer."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -65,9 +67,18 @@ def test_a_compiled_generation_after_warm_up_compiles_nothing_and_breaks_no_grap
         run = speculative_generate(
             target, OracleProposer(other + plain.output_ids, seed=3), other, 24, speculative=compiled
         )
-    assert run.output_ids == plain.output_ids
+    assert run.output_ids == plain.output_ids and run.acceptance_lengths != warm.acceptance_lengths
     assert (run.compiles, run.recompiles, run.graph_breaks) == (0, 0, 0)
     assert run.compile_seconds == 0.0 < warm.compile_seconds
+    # a DFlash drafter drafts compiled too (`decoding.static_proposer`): its two graphs at warm-up, then none
+    drafter = make_drafter(block_size=6)
+    warm = speculative_generate(target, drafter, PROMPT, 16, speculative=compiled)
+    assert warm.draft_compiles == 2 and warm.compiles == 3  # and a verify of 1 + 5 (the oracle had 1 + 6)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        run = speculative_generate(target, drafter, other, 16, speculative=compiled)
+    eager = speculative_generate(target, drafter, other, 16, speculative=EAGER)
+    assert run.output_ids == eager.output_ids and run.acceptance_lengths == eager.acceptance_lengths
+    assert (run.compiles, run.draft_compiles, run.graph_breaks) == (0, 0, 0)
 
 
 def test_the_static_verify_holds_every_proposers_drafts():
@@ -81,14 +92,15 @@ def test_the_static_verify_holds_every_proposers_drafts():
     assert max_drafts(OracleProposer([]), 8) == 8  # unknown: the block
 
 
-def test_an_unknown_backend_is_refused_and_the_default_is_eager_on_cpu():
+def test_an_unknown_backend_and_a_layer_kind_without_a_static_rule_are_refused_and_the_default_is_eager():
     target = make_target("qwen3")
     assert resolve_compile(None, target) is False and resolve_compile(True, target) is True
     with pytest.raises(FlashdraftError, match="compile backend 'cudagraphs'"):
         speculative_generate(
-            target,
-            make_drafter(),
-            PROMPT,
-            4,
-            speculative=SpeculativeConfig(compile=True, compile_backend="cudagraphs"),
+            target, make_drafter(), PROMPT, 4, speculative=SpeculativeConfig(compile=True, compile_backend="cudagraphs")
         )
+    kinds = ("attention", "chunked", "attention", "attention")  # as Llama 4's chunked attention would read
+    target.support = replace(target.support, layer_kinds=kinds)
+    with pytest.raises(FlashdraftError, match=r"--compile refused: layer kinds \['chunked'\] have no static cache"):
+        speculative_generate(target, make_drafter(), PROMPT, 4, speculative=SpeculativeConfig(compile=True))
+    assert len(speculative_generate(target, make_drafter(), PROMPT, 4).output_ids) == 4  # eager by default

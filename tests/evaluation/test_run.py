@@ -651,6 +651,7 @@ def test_json_has_every_key(capsys, tmp_path, target_dir, prompts_file, mode):
         assert summary["lossless"] is True and summary["speedup"] > 0
         assert summary["speedup_of_bound"] == pytest.approx(summary["speedup"] / summary["speedup_bound"])
         assert summary["speedup_bound"] > 0 and summary["draft_ms"] > 0 and summary["verify_ms"] > 0
+        assert summary["compile"]["static"] is False and summary["compile"]["compiles"] == 0  # eager by default
     else:
         assert summary["lossless"] is None and summary["speedup"] is None and summary["speedup_bound"] is None
 
@@ -663,18 +664,14 @@ def test_online_compiled_json_says_what_compiled_and_that_no_record_recompiled(
     save_drafter(make_drafter(), tmp_path / "d")
     common = ["eval", "--checkpoint", tmp_path / "d", "--target-model", target_dir, "--prompts", prompts_file]
     common += ["--num-prompts", 3, "--max-new-tokens", 12, "--online"]
-    rc, _, err = run_cli(capsys, *common, "--compile", "--json", tmp_path / "c.json")
+    rc, out, err = run_cli(capsys, *common, "--compile", "--json", tmp_path / "c.json")
     assert rc == 0, err
+    assert "graphs compiled (--compile)" in out and "of them after the warm-up" in out
     compiled = json.loads((tmp_path / "c.json").read_text())
     assert compiled["lossless"] is True and compiled["compile"]["static"] is True
-    # the verify's graph and the drafter's two (its context write, its draft) in the warm-up, none after; fewer where
-    # an earlier test of this process traced the same graphs (Dynamo keeps them per function, guarded by shape)
-    assert 1 <= compiled["compile"]["compiles"] <= 3 and compiled["compile"]["after_warm_up"] == 0
+    assert compiled["compile"]["compiles"] == 3  # the verify's graph and the drafter's two, at the warm-up
+    assert compiled["compile"]["after_warm_up"] == 0
     assert compiled["compile"]["recompiles"] == 0 and compiled["compile"]["graph_breaks"] == 0
-    rc, _, err = run_cli(capsys, *common, "--no-compile", "--json", tmp_path / "e.json")
-    eager = json.loads((tmp_path / "e.json").read_text())
-    assert eager["compile"]["static"] is False and eager["compile"]["compiles"] == 0
-    assert [p["output_ids"] for p in eager["per_prompt"]] == [p["output_ids"] for p in compiled["per_prompt"]]
 
 
 @pytest.mark.parametrize("limit", [[], ["--num-speculative-tokens", 2], ["--adaptive-threshold", 0.6]], ids=str)
