@@ -194,3 +194,16 @@ def test_an_adaptive_limit_verifies_the_drafts_the_eager_proposer_verifies(draft
     proposer = as_proposer(drafter, target, config.limit, compiled=COMPILED)
     static = speculative_generate(target, proposer, PROMPTS[0], 30, speculative=config)
     assert static.output_ids == eager.output_ids and static.acceptance_lengths == eager.acceptance_lengths
+
+
+def test_the_uncompiled_fixed_shape_path_proposes_the_eager_rows_and_compiles_nothing(drafters, target):
+    drafter = drafters["dspark"]
+    eager = DFlashProposer(drafter, target)
+    static = as_proposer(drafter, target, compiled=CompiledDraft(max_length=64, backend=None))
+    with torch.no_grad():
+        for i, (features, positions, anchor_pos) in enumerate(_feature_steps([12, 3, 8, 1], drafter.fc.in_features)):
+            got = static.propose([i], anchor_pos, features, positions, drafter.config.block_size)
+            torch.testing.assert_close(
+                got, eager.propose([i], anchor_pos, features, positions, drafter.config.block_size), **TOLERANCE
+            )
+    assert static.compiles == 0
