@@ -40,7 +40,12 @@ import time
 
 import torch
 
-from flashdraft.decoding.generate import SpeculativeConfig, autoregressive_generate, speculative_generate
+from flashdraft.decoding.generate import (
+    SpeculativeConfig,
+    autoregressive_generate,
+    speculative_generate,
+    static_autoregressive_generate,
+)
 from flashdraft.decoding.hybrid import HybridDrafter, HybridRule
 from flashdraft.decoding.ngram import NGramProposer
 from flashdraft.decoding.proposers import DraftLimit
@@ -67,22 +72,6 @@ def verify_cost(target: TargetModel, prefix_ids: list[int], repeats: int = 40) -
     target.rollback_mode = mode
     t1, t17 = statistics.median(ms[1]), statistics.median(ms[17])
     return {"t_step_1": round(t1, 3), "t_verify_17": round(t17, 3), "verify_cost_ratio": round(t17 / t1, 3)}
-
-
-def compiled_greedy(target: TargetModel, prompt_ids: list[int], max_new_tokens: int, positions: int) -> list[int]:
-    """Plain greedy decoding with each step a 1-token verify on the target's static cache (of at least `positions`),
-    compiled by inductor (the baseline a compiled speculative decoder is set against)."""
-    cache = target.new_cache()
-    logits = target.forward(torch.tensor([prompt_ids]), cache).logits_at(-1, None)[0, 0]
-    token = logits.argmax(-1)
-    verifier = static_verifier(target, 1, max(len(prompt_ids) + max_new_tokens + 1, positions), backend="inductor")
-    verifier.start(cache, len(prompt_ids))
-    out = [int(token)]
-    while len(out) < max_new_tokens and out[-1] not in target.stop_token_ids:
-        token = verifier.verify(token.view(1, 1)).logits[0, -1].argmax(-1)
-        verifier.commit(0)
-        out.append(int(token))
-    return out
 
 
 def static_step_ms(target: TargetModel, prefix_ids: list[int], repeats: int) -> dict[int, float]:
@@ -172,7 +161,8 @@ def main() -> None:
             warm_up[name, compiled] = speculative_generate(target, drafter, warm, 16, speculative=config)
     if True in modes:
         t0 = time.perf_counter()
-        compiled_greedy(target, warm, 16, longest + 1)
+        # on the longest record: the static cache the timed records need, compiled once
+        static_autoregressive_generate(target, max((r.prompt_ids for r in records), key=len), args.max_new_tokens)
         greedy_compile_s = time.perf_counter() - t0
 
     greedy = {compiled: {"tokens": 0, "seconds": 0.0} for compiled in modes}
@@ -197,7 +187,7 @@ def main() -> None:
         for compiled in modes:
             t0 = time.perf_counter()
             if compiled:
-                output_ids = compiled_greedy(target, record.prompt_ids, args.max_new_tokens, longest + 1)
+                output_ids = static_autoregressive_generate(target, record.prompt_ids, args.max_new_tokens).output_ids
             else:
                 output_ids = autoregressive_generate(target, record.prompt_ids, args.max_new_tokens).output_ids
             greedy[compiled]["seconds"] += time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """benchmarks/gpu_check.py --dry-run: the GPU readiness check's code paths at tiny widths on CPU,
-so the command prepared for the first GPU machine cannot rot."""
+so the command prepared for the first GPU machine cannot rot; its checks' package (benchmarks/gpu/) in process."""
 
-import importlib.util
+import importlib
 import inspect
 import json
 import os
@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
 
@@ -31,6 +32,7 @@ CHECKS = {
     "bench",
     "engine_capture",
     "engine_feed",  # skipped in the dry run unless asked (it starts the CPU engine twice)
+    "static_decode",  # run only when asked (it compiles the slice's decoding)
 }
 
 
@@ -39,7 +41,15 @@ def result_rows(stdout: str) -> list[dict]:
     return [r for r in rows if "check" in r]  # the first line describes the machine
 
 
-def test_dry_run_prints_every_check_with_figures_and_passes():
+@pytest.fixture
+def gpu(monkeypatch):
+    """benchmarks/gpu, imported as gpu_check.py imports it (benchmarks/ on the path)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    importlib.import_module("gpu.runner")  # and with it every check's module
+    return importlib.import_module("gpu")
+
+
+def test_dry_run_prints_every_check_with_figures_and_passes(gpu):
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
@@ -68,7 +78,7 @@ def test_dry_run_prints_every_check_with_figures_and_passes():
         assert loop["host_transfers_per_step"] == 1 and loop["floor_ms"] > 0 and loop["step_over_floor"] > 0
     tiny = next(r for r in rows if r["check"] == "tiny_decode")
     assert tiny["passed"] and tiny["speculative_tokens_per_s"] > 0 and tiny["tau"] > 1
-    for check, cap in gpu_check_caps().items():  # each check announced with its cap
+    for check, cap in gpu_check_caps(gpu).items():  # each check announced with its cap
         assert f"{check} " not in out.stdout or re.search(rf"# {check} \(.*\): cap {cap} s", out.stdout)
     assert_training_rows(rows)
     assert_tree_rows(rows)
@@ -85,17 +95,11 @@ def test_dry_run_prints_every_check_with_figures_and_passes():
     assert "all passed" in out.stdout.splitlines()[-1]
 
 
-def gpu_check_caps() -> dict:
-    spec = importlib.util.spec_from_file_location("gpu_check_caps", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check_caps"] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules["gpu_check_caps"]
+def gpu_check_caps(gpu) -> dict:
     # one H200 from a bare machine: the core checks' caps (train_step twice) leave 40 s of the 6 minutes to start
-    assert module.CORE_SECONDS <= 320
-    return module.CAPS
+    assert gpu.registry.CORE_SECONDS <= 320
+    assert [c.name for c in gpu.registry.CHECKS] == list(gpu.registry.CAPS) and set(gpu.registry.CAPS) == CHECKS
+    return gpu.registry.CAPS
 
 
 def assert_training_rows(rows: list[dict]) -> None:
@@ -128,12 +132,11 @@ def assert_tree_rows(rows: list[dict]) -> None:
     assert hybrid["passed"] and hybrid["linear_backend"] == "torch" and not hybrid["refused"]  # fla refuses: GPU
 
 
-def test_train_step_flops_count_the_visible_keys_and_the_trained_positions(monkeypatch):
-    gpu_check = _gpu_check(monkeypatch)
+def test_train_step_flops_count_the_visible_keys_and_the_trained_positions(gpu):
     from flashdraft.drafter.config import DrafterConfig
     from flashdraft.train.data import Batch
 
-    cfg = DrafterConfig(block_size=2, **gpu_check.TINY | dict(num_hidden_layers=1))
+    cfg = DrafterConfig(block_size=2, **gpu.shapes.TINY | dict(num_hidden_layers=1))
     # one row: 4 context tokens (positions 0..3) and 1 padding slot, 2 blocks anchored at 2 and 4, the second untrained
     batch = Batch(
         [0],
@@ -150,22 +153,13 @@ def test_train_step_flops_count_the_visible_keys_and_the_trained_positions(monke
     block = 2 * 2 * (h * (q + kv) + q * h + 3 * h * i)  # 1 trained block of 2 tokens
     attention = 4 * 2 * (2 + 2) * q  # it sees 2 context tokens (positions 0, 1) and its own 2
     head = 2 * 1 * h * v  # 1 trained position
-    assert gpu_check.train_step_flops(cfg, batch) == 3 * (fc + context_kv + block + attention + head)
-
-
-def _gpu_check(monkeypatch):
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    gpu_check = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # its dataclasses look their module up
-    spec.loader.exec_module(gpu_check)
-    return gpu_check
+    assert gpu.training.train_step_flops(cfg, batch) == 3 * (fc + context_kv + block + attention + head)
 
 
 def test_the_bench_checks_row_reads_measured_beside_predicted_per_concurrency_and_fails_unless_lossless(
-    monkeypatch, tmp_path
+    gpu, monkeypatch, tmp_path
 ):
     # the check itself starts vLLM twice (`--checks bench`, the GPU machine); here its reading of bench's figures
-    gpu_check = _gpu_check(monkeypatch)
     row = {
         "concurrency": 1,
         "speedup_output_tok_s": {"value": 1.8123, "error": 0.1},
@@ -187,15 +181,14 @@ def test_the_bench_checks_row_reads_measured_beside_predicted_per_concurrency_an
             json.dump(summary, f)
         return 1
 
-    monkeypatch.setattr(gpu_check, "_trained_drafter", lambda case, work, prompts_count=8: ("t", "p", "d"))
+    monkeypatch.setattr(gpu.engine, "_trained_drafter", lambda case, work, prompts_count=8: ("t", "p", "d"))
     monkeypatch.setattr("flashdraft.cli.main", fake_bench)
-    result = gpu_check.check_bench(str(tmp_path))
+    result = gpu.engine.check_bench(str(tmp_path))
     assert result["passed"] is False and result["speedup"] == {1: 1.812, 8: 1.2}
-    assert gpu_check.summary(result) == "c1: 1.812x (predicted 1.9x, τ 3.21); c8: 1.2x (predicted 1.9x, τ 3.21)"
+    assert gpu.runner.summary(result) == "c1: 1.812x (predicted 1.9x, τ 3.21); c8: 1.2x (predicted 1.9x, τ 3.21)"
 
 
-def test_linear_attention_drift_fails_the_check_and_exits_1(monkeypatch, capsys):
-    gpu_check = _gpu_check(monkeypatch)
+def test_linear_attention_drift_fails_the_check_and_exits_1(gpu, monkeypatch, capsys):
     raw_recurrent = inspect.unwrap(qwen3_5.torch_recurrent_gated_delta_rule)
 
     def drifting(*args, **kwargs):
@@ -204,20 +197,60 @@ def test_linear_attention_drift_fails_the_check_and_exits_1(monkeypatch, capsys)
 
     monkeypatch.setattr(qwen3_5, "torch_recurrent_gated_delta_rule", drifting)
     torch.manual_seed(0)
-    assert gpu_check.main(["--dry-run", "--checks", "linear_attention_parity"]) == 1
+    assert gpu.runner.main(["--dry-run", "--checks", "linear_attention_parity"]) == 1
     out = capsys.readouterr().out
     rows = result_rows(out)
     assert [(r["case"], r["passed"]) for r in rows] == [("float32", False), ("bfloat16", False)]
     assert "FAIL" in out and "2 failed" in out.splitlines()[-1]
 
 
-def test_a_check_past_its_cap_is_stopped_and_reported_and_the_run_goes_on(monkeypatch, capsys):
-    gpu_check = _gpu_check(monkeypatch)
-    monkeypatch.setitem(gpu_check.CAPS, "target_verify_cost", 1)
-    monkeypatch.setattr(gpu_check, "check_target_verify_cost", lambda target, widths: time.sleep(5))
-    assert gpu_check.main(["--dry-run", "--checks", "target_verify_cost,linear_attention_parity"]) == 1
+def test_static_decode_when_asked_compiles_the_slices_decoding_once_and_nothing_after(gpu, capsys):
+    # --dry-run traces with dynamo's eager backend (the graphs and guards inductor would compile, none of its cost)
+    assert gpu.runner.main(["--dry-run", "--checks", "static_decode"]) == 0
+    rows = result_rows(capsys.readouterr().out)
+    assert [r["case"] for r in rows] == ["eager", "compiled (eager)"]
+    eager, compiled = rows
+    assert compiled["passed"] and compiled["warm_up_compiles"] == 3  # the verify and the drafter's two steps
+    assert compiled["compiles_after_warm_up"] == 0 and compiled["graph_breaks"] == 0 and compiled["same_tokens"]
+    assert compiled["steps"] == eager["steps"] > 1 and compiled["floor_ms"] == eager["floor_ms"] > 0
+    assert compiled["host_transfers_per_step"] == 1
+
+
+def test_a_check_past_its_cap_is_stopped_and_reported_and_the_run_goes_on(gpu, monkeypatch, capsys):
+    monkeypatch.setitem(gpu.registry.CAPS, "target_verify_cost", 1)
+    monkeypatch.setattr(gpu.verify_cost, "check_target_verify_cost", lambda target, widths: time.sleep(5))
+    assert gpu.runner.main(["--dry-run", "--checks", "target_verify_cost,linear_attention_parity"]) == 1
     out = capsys.readouterr().out
     rows = result_rows(out)
     assert [r["check"] for r in rows] == ["linear_attention_parity"] * 2 + ["target_verify_cost"]
     assert rows[-1]["error"] == "OverCap: over its 1 s cap" and rows[-1]["seconds"] < 3
     assert "# target_verify_cost (16 vs 1 tokens): cap 1 s" in out
+
+
+def test_a_check_is_one_function_registered_in_the_list_announced_capped_summarised_and_failing_the_run(
+    gpu, monkeypatch, capsys
+):
+    registry = gpu.registry
+
+    def check_two_cases(run) -> list[dict]:  # what a new check is: rows with its name, case and figures
+        return [{"check": "new_check", "case": "a", "passed": True, "ms": 1.5}, {"check": "new_check", "case": "b"}]
+
+    def check_failing(run) -> dict:
+        return {"check": "new_check", "case": "c", "passed": False, "ms": 9.0}
+
+    def new_check(run):  # two capped cases, the second run as it is asked for
+        return [
+            registry.Case("first", lambda: check_two_cases(run)),
+            registry.Case("second", lambda: check_failing(run)),
+        ]
+
+    check = registry.Check("new_check", 7, new_check, lambda row: f"{row.get('ms', 0)} ms")
+    monkeypatch.setattr(registry, "CHECKS", [*registry.CHECKS, check])
+    monkeypatch.setitem(registry.CAPS, "new_check", check.cap)
+    assert gpu.runner.main(["--dry-run", "--checks", "new_check"]) == 1
+    out = capsys.readouterr().out
+    assert "# new_check (first): cap 7 s" in out and "# new_check (second): cap 7 s" in out
+    assert [(r["case"], "seconds" in r) for r in result_rows(out)] == [("a", True), ("b", True), ("c", True)]
+    table = out.splitlines()[-4:]
+    assert "PASS" in table[0] and "1.5 ms" in table[0] and "ok" in table[1] and "FAIL" in table[2]
+    assert "9.0 ms" in table[2] and "1 failed" in table[3]

@@ -1,11 +1,12 @@
 """`flashdraft parity`: linear-attention backends compared layer by layer with an fp32 reference, in each dtype
-(`run_parity_command`, which takes each option by name, over `flashdraft.target.parity`); exit 1 when an error is
-over its allowance. The prompts are rendered here: the target wing knows no prompt sets."""
+(`run_parity_command`, which takes the options as one `ParityConfig`, over `flashdraft.target.parity`); exit 1
+when an error is over its allowance. The prompts are rendered here: the target wing knows no prompt sets."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 
 from flashdraft.commands.options import command_options, device_args, layer_list, positive
 
@@ -45,23 +46,28 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+@dataclass(frozen=True)
+class ParityConfig:
+    """`flashdraft parity`'s settings: one field per option."""
+
+    target_model: str
+    prompts: str = "builtin:code:heldout"
+    num_prompts: int = 8
+    layers: list[int] | None = None  # target layers compared (None: all)
+    checkpoint: str | None = None  # compare this drafter's target_layer_ids
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
+    noise_factor: float | None = None  # None: the library's default
+    error_floor: float | None = None  # None: the library's default
+    device: str | None = None
+    target_dtype: str | None = None
+
+
 def run(args: argparse.Namespace) -> None:
-    if not run_parity_command(**command_options(args)):
+    if not run_parity_command(ParityConfig(**command_options(args))):
         sys.exit(1)
 
 
-def run_parity_command(
-    target_model: str,
-    prompts: str = "builtin:code:heldout",
-    num_prompts: int = 8,
-    layers: list[int] | None = None,
-    checkpoint: str | None = None,
-    dtypes: tuple[str, ...] = ("fp32", "bf16"),
-    noise_factor: float | None = None,
-    error_floor: float | None = None,
-    device: str | None = None,
-    target_dtype: str | None = None,
-) -> bool:
+def run_parity_command(cfg: ParityConfig) -> bool:
     """`flashdraft parity`: prints the table; returns whether every backend passed in every dtype and case."""
     from flashdraft.data.cache_run import drafter_layer_ids
     from flashdraft.data.prompts import encode_text, has_chat_template, load_prompts, render_conversation
@@ -70,24 +76,24 @@ def run_parity_command(
     from flashdraft.target.model import TargetModel
     from flashdraft.target.parity import print_parity, run_parity
 
-    dev = pick_device(Dist(), device)
-    target = TargetModel.load(target_model, dev, load_dtype(dev, target_dtype))
-    if layers is not None and checkpoint is not None:
+    dev = pick_device(Dist(), cfg.device)
+    target = TargetModel.load(cfg.target_model, dev, load_dtype(dev, cfg.target_dtype))
+    if cfg.layers is not None and cfg.checkpoint is not None:
         raise FlashdraftError("give --layers or --checkpoint, not both")
-    layer_ids = drafter_layer_ids(checkpoint)[0] if checkpoint else layers
+    layer_ids = drafter_layer_ids(cfg.checkpoint)[0] if cfg.checkpoint else cfg.layers
     use_template = has_chat_template(target.tokenizer)
     token_ids = [
         encode_text(
             target.tokenizer, render_conversation(target.tokenizer, p.conversation([]), use_template), use_template
         )
-        for p in load_prompts(prompts, num_prompts)
+        for p in load_prompts(cfg.prompts, cfg.num_prompts)
     ]
-    rule = {"noise_factor": noise_factor, "error_floor": error_floor}  # None: the library's defaults
+    rule = {"noise_factor": cfg.noise_factor, "error_floor": cfg.error_floor}  # None: the library's defaults
     result = run_parity(
         target,
         token_ids,
         layer_ids,
-        dtypes=tuple(load_dtype(dev, name) for name in dtypes),
+        dtypes=tuple(load_dtype(dev, name) for name in cfg.dtypes),
         **{k: v for k, v in rule.items() if v is not None},
     )
     print_parity(result, len(token_ids), sum(map(len, token_ids)))

@@ -46,6 +46,7 @@ BUILTIN_SPECS = [
     "builtin:stdlib:heldout[:N]",
     "builtin:long[:N]",
     "builtin:long:heldout[:N]",
+    "speed-bench:PATH[:SPLIT[:CATEGORY,...]]",
 ]
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # ShareGPT's `from` names (and the peers' kin) mapped to chat roles
@@ -70,6 +71,8 @@ class Prompt:
     prefix: list[dict[str, Any]] = field(default_factory=list)  # chat messages before the first turn
     chat_template_kwargs: dict[str, Any] | None = None  # the row's own (over the run's): e.g. its thinking mode
     tools: list[dict[str, Any]] | None = None  # OpenAI function schemas the template renders
+    # a benchmark row's labels (SPEED-Bench: category, split, ...; `data/speed_bench.py`): figures per category
+    meta: dict[str, Any] | None = None
 
     def conversation(self, answers: list[str]) -> list[dict[str, Any]]:
         """Messages up to and including the turn after `answers` (earlier replies)."""
@@ -95,9 +98,15 @@ def load_prompts(spec: str, num_prompts: int | None = None, quiet: bool = False)
     """Read prompts from `spec`: a .jsonl file, a .parquet file or dataset directory, or a
     built-in set (`builtin:code` = train split, `builtin:code:heldout`, `builtin:stdlib[:N]`,
     `builtin:stdlib:heldout[:N]`, and the long-context `builtin:long[:N]`, `builtin:long:heldout[:N]`,
-    `data/long_context.py`). Returns the first
-    `num_prompts` (all if None) in file order."""
+    `data/long_context.py`), or a prepared SPEED-Bench split (`speed-bench:PATH[:SPLIT[:CATEGORY,...]]`,
+    `data/speed_bench.py`). Returns the first `num_prompts` (all if None) in file order."""
     stats = {"trailing_assistant_removed": 0}
+    if spec.startswith("speed-bench:"):
+        from flashdraft.data.speed_bench import speed_bench_requests
+
+        requests, source = speed_bench_requests(spec)
+        prompts = [Prompt(r.id, list(r.turns), r.prefix, meta=r.meta) for r in requests]
+        return _chosen(prompts, source, num_prompts, quiet, stats)
     if spec.startswith(("builtin:stdlib", "builtin:long")):
         rows, source = _split_rows(spec), spec
     elif spec.startswith("builtin:"):
@@ -125,6 +134,13 @@ def load_prompts(spec: str, num_prompts: int | None = None, quiet: bool = False)
                 )
             seen[prompt.id] = loc
             prompts.append(prompt)
+    return _chosen(prompts, source, num_prompts, quiet, stats)
+
+
+def _chosen(
+    prompts: list[Prompt], source: str, num_prompts: int | None, quiet: bool, stats: dict[str, int]
+) -> list[Prompt]:
+    """The first `num_prompts` of a source's prompts, said unless `quiet`."""
     if not prompts:
         raise FlashdraftError(f"{source}: no prompts found")
     total = len(prompts)

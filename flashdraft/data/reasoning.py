@@ -101,9 +101,16 @@ def closed_in_prompt(markers: ReasoningMarkers | None, prompt_ids: list[int]) ->
     `<think></think>` as the generation prompt): every completion token is then answer."""
     if markers is None:
         return False
-    prompt, _ = markers.text(prompt_ids)
+    prompt, owners = markers.text(prompt_ids)
     end = prompt.rfind(markers.style.end)
-    return end >= 0 and prompt.rfind(markers.style.start) < end and not prompt[end + len(markers.style.end) :].strip()
+    if end < 0 or prompt.rfind(markers.style.start) >= end:
+        return False
+    # what follows the marker, decoded: token pieces spell whitespace their own way (byte-level `ĊĊ` is "\n\n",
+    # sentencepiece `▁` a space), so the pieces' text is blank only once decoded; the marker's own token first
+    after = end + len(markers.style.end)
+    last = owners[after - 1]
+    in_marker_token = "".join(c for c, owner in zip(prompt[after:], owners[after:], strict=True) if owner == last)
+    return not in_marker_token.strip() and not markers.tokenizer.decode(list(prompt_ids[last + 1 :])).strip()
 
 
 def reasoning_tokens(end: int | str | None, completion_length: int) -> int | None:

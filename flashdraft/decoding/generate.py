@@ -42,7 +42,7 @@ from flashdraft.decoding.verification import compiled_drafting, resolve_compile,
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel, decoding_attention
-from flashdraft.target.static_cache import dynamo_totals
+from flashdraft.target.static_cache import dynamo_totals, static_verifier
 
 
 @dataclass
@@ -138,6 +138,44 @@ def autoregressive_generate(
                 return GenerationResult(out, stop_reason="eos", step_seconds=step_seconds)
             ids = token.view(1, 1)  # the next input, without a trip through the host
     return GenerationResult(out, step_seconds=step_seconds)
+
+
+@torch.no_grad()
+def static_autoregressive_generate(
+    target: TargetModel,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: SamplingParams = GREEDY,
+    generator: torch.Generator | None = None,
+    backend: str | None = "inductor",
+    positions: int | None = None,
+) -> GenerationResult:
+    """`autoregressive_generate` with every step after the prefill a 1-token verify on the target's static cache,
+    compiled once by `backend` (`flashdraft.target.static_cache`; None: the static path uncompiled): the plain
+    decoding a compiled speculative decoder is set against. The same tokens (greedy) and draws (sampled).
+    `positions`: the static cache holds at least this many (a warm-up sizes it for the longest generation after)."""
+    stop_ids = set(target.stop_token_ids)
+    cache = target.new_cache()
+    with decoding_attention(target.device):
+        logits = target.forward(torch.tensor([prompt_ids], device=target.device), cache).logits_at(-1, None)[0, 0]
+        token = _sample(logits, sampling.temperature, generator, sampling.filters)
+        verifier = static_verifier(target, 1, max(len(prompt_ids) + max_new_tokens, positions or 0) + 1, backend)
+        verifier.start(cache, len(prompt_ids))
+        counts_before = replace(verifier.counts)
+        result = GenerationResult([to_host(token)], static=True)
+        while len(result.output_ids) < max_new_tokens and result.output_ids[-1] not in stop_ids:
+            start = _clock(target.device)
+            logits = verifier.verify(token.view(1, 1)).logits[0, 0]
+            verifier.commit(0)
+            token = _sample(logits, sampling.temperature, generator, sampling.filters)
+            result.output_ids.append(to_host(token))
+            result.step_seconds.append(_clock(target.device) - start)
+    result.stop_reason = "eos" if result.output_ids[-1] in stop_ids else "length"
+    result.compiles = verifier.counts.compiles - counts_before.compiles
+    result.recompiles = verifier.counts.recompiles - counts_before.recompiles
+    result.graph_breaks = verifier.counts.graph_breaks - counts_before.graph_breaks
+    result.compile_seconds = verifier.counts.compile_seconds - counts_before.compile_seconds
+    return result
 
 
 def _accept(
@@ -342,7 +380,8 @@ class GreedyComparison:
         return (
             f"tokens {len(spec.output_ids)}, steps {len(spec.acceptance_lengths)}, tau {spec.tau:.2f}, "
             f"lossless {self.lossless}, speculative {len(spec.output_ids) / self.speculative_seconds:.1f} tok/s, "
-            f"greedy {len(plain.output_ids) / self.plain_seconds:.1f} tok/s{compiled}"
+            f"greedy{' (compiled)' if plain.static else ''} {len(plain.output_ids) / self.plain_seconds:.1f} tok/s"
+            f"{compiled}"
         )
 
     def check_lossless(self) -> None:
@@ -373,6 +412,11 @@ def compare_with_greedy(
         spec.graph_breaks += warm_up.graph_breaks
         spec.recompiles += warm_up.recompiles
     t_spec = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    plain = autoregressive_generate(target, prompt_ids, max_new_tokens)
+    if warm_up is not None:  # compiled against compiled: plain decoding as a 1-token static verify, warmed up too
+        static_autoregressive_generate(target, prompt_ids, max_new_tokens)
+        t0 = time.perf_counter()
+        plain = static_autoregressive_generate(target, prompt_ids, max_new_tokens)
+    else:
+        t0 = time.perf_counter()
+        plain = autoregressive_generate(target, prompt_ids, max_new_tokens)
     return GreedyComparison(spec, plain, t_spec, time.perf_counter() - t0)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import time
-import types
 from dataclasses import dataclass, replace
 
 import torch
@@ -32,7 +31,7 @@ from flashdraft.drafter.model import PAD_POSITION, DFlashDrafter
 from flashdraft.drafter.static_cache import StaticDrafterCache, block_hidden, write_context
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
-from flashdraft.target.static_cache import CompileCounts, dynamo_totals
+from flashdraft.target.static_cache import CompileCounts, dynamo_totals, with_own_code
 
 CAPACITY_STEP = 256  # context capacity is rounded up to this: nearby lengths share one state (and its graphs)
 
@@ -66,21 +65,6 @@ def unsupported_reason(drafter: DFlashDrafter) -> str | None:
     if getattr(drafter.rotary_emb, "rope_type", "default") == "dynamic":
         return "its RoPE is 'dynamic' (frequencies chosen by a branch on the positions): draft with compile off"
     return None
-
-
-def own_code(method):
-    """A bound method over a copy of its code object. Dynamo keeps compiled graphs, and counts them against its
-    recompile limit (8, past which it runs the function uncompiled), per code object: with a copy each state's two
-    graphs are its own, however many drafters one process drafts with (an evaluation of many checkpoints)."""
-    function = method.__func__
-    copy = types.FunctionType(
-        function.__code__.replace(),
-        function.__globals__,
-        function.__name__,
-        function.__defaults__,
-        function.__closure__,
-    )
-    return types.MethodType(copy, method.__self__)
 
 
 @dataclass(frozen=True)
@@ -126,9 +110,10 @@ class StaticDraftState:
         if settings.backend is not None:
             mode = settings.compile_mode(torch.device(device))
             options = dict(fullgraph=True, dynamic=False, backend=settings.backend, mode=mode)
-            self._write = torch.compile(own_code(self._write_step), **options)
-            self._draft = torch.compile(own_code(self._draft_step), **options)
-        # the first graph of each of the two steps is its warm-up; any later one a recompile
+            self._write = torch.compile(with_own_code(self._write_step), **options)
+            self._draft = torch.compile(with_own_code(self._draft_step), **options)
+        # each state's graphs its own (`with_own_code`: Dynamo's recompile limit is per code object); the first graph
+        # of each of the two steps is its warm-up, any later one a recompile
         self.counts = CompileCounts()
         self._warmed_up: set[str] = set()
         self.written = 0  # context tokens in the cache (the host's count; the graphs read `cache.length`)

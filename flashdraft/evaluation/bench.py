@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from flashdraft.data.completions import record_seed
+from flashdraft.data.speed_bench import is_speed_bench, labels, per_category_specs
 from flashdraft.decoding.serving_rules import SamplingParams, request_filters, serving_rule
 from flashdraft.decoding.target_samples import greedy_agreement, sampling_fidelity
 from flashdraft.drafter.checkpoint import check_drafter_matches_target
@@ -124,7 +125,9 @@ def check_options(cfg: BenchConfig) -> None:
 def load_sets(cfg: BenchConfig, target: TargetModel, filters, log: Log) -> list[PromptSet]:
     """Each --prompts set's records and requests: max_new_tokens each, the sampling fields, a seed per request."""
     sets = []
-    for spec in cfg.prompts:
+    # a SPEED-Bench split: one set per category (entropy tier), each run apart as the servers count a whole run
+    specs = [one for spec in cfg.prompts for one in (per_category_specs(spec) if is_speed_bench(spec) else [spec])]
+    for spec in specs:
         records, source = load_eval_records(
             target,
             prompts=spec,
@@ -319,6 +322,7 @@ def set_figures(
         "requests": len(s.requests),
         "chat_mode": mode,
         "flashdraft_tau": tau,
+        "speed_bench": labels(s.records[0].meta),  # split, input length, category (None: not SPEED-Bench)
         "by_concurrency": [
             concurrency_figures(c, of("baseline", c), of("speculative", c), tau) for c in cfg.concurrency
         ],

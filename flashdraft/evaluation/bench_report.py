@@ -63,6 +63,32 @@ def rows(summary: dict[str, Any]) -> list[list[str]]:
     return out
 
 
+SPEED_BENCH_HEADER = ["split", "input", "category", "conc.", "speed-up", "predicted", "τ counters", "τ flashdraft"]
+
+
+def speed_bench_rows(summary: dict[str, Any]) -> list[list[str]]:
+    """SPEED-Bench sets by input length and category (on a throughput split: entropy tier) and concurrency: the
+    measured speed-up beside the predicted one (none where no set is SPEED-Bench's)."""
+    out = []
+    for s in summary["sets"]:
+        labels = s.get("speed_bench")
+        for row in s["by_concurrency"] if labels else []:
+            p = row["predicted"]["output_tok_s"]
+            out.append(
+                [
+                    labels["split"],
+                    labels["input_length"] or "-",
+                    str(labels["category"]),
+                    str(row["concurrency"]),
+                    _with_error(row["speedup_output_tok_s"]),
+                    "-" if p is None else f"{p:.2f}x",
+                    _num(row["tau"]),
+                    _num(s["flashdraft_tau"]),
+                ]
+            )
+    return out
+
+
 def _lossless_lines(summary: dict[str, Any]) -> list[str]:
     lines = []
     greedy = summary["temperature"] <= 0
@@ -97,6 +123,11 @@ def format_bench(summary: dict[str, Any]) -> str:
         lines.append(summary["note"])
     lines += [
         text_table(HEADER, rows(summary)),
+        *(
+            ["SPEED-Bench by input length and category:", text_table(SPEED_BENCH_HEADER, speed_bench_rows(summary))]
+            if speed_bench_rows(summary)
+            else []
+        ),
         *_lossless_lines(summary),
         f"the servers' and vLLM's client's logs: {summary['logs']}",
         f"lossless: {str(summary['lossless']).lower()}",
@@ -195,6 +226,16 @@ def write_bench_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
         "drafting step; τ flashdraft: its offline walk of the same requests (delivered).",
         "",
     ]
+    if speed_bench_rows(summary):
+        text += [
+            "## SPEED-Bench by input length and category",
+            "",
+            "Each category (on a throughput split: entropy tier) served as its own set, as `vllm bench serve` "
+            "sends it (each request's first turn).",
+            "",
+            markdown_table(SPEED_BENCH_HEADER, speed_bench_rows(summary)),
+            "",
+        ]
     text += [f"- {line.strip()}" for line in _lossless_lines(summary)] + [""]
     text += [f"![{name}]({path.name})" for name, path in paths.items()]
     report = out / "report.md"

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
 from flashdraft.decoding.acceptance import tau_of
-from flashdraft.decoding.generate import autoregressive_generate, speculative_generate
+from flashdraft.decoding.generate import (
+    autoregressive_generate,
+    speculative_generate,
+    static_autoregressive_generate,
+)
 from flashdraft.decoding.hybrid import HybridDrafter
 from flashdraft.decoding.proposers import Proposer
 from flashdraft.decoding.serving_rules import GREEDY, SamplingParams
@@ -44,16 +49,25 @@ def _sync(target: TargetModel) -> None:
 
 @torch.no_grad()
 def greedy_baseline(
-    target: TargetModel, records: list[EvalRecord], max_new_tokens: int = 256, sampling: SamplingParams = GREEDY
+    target: TargetModel,
+    records: list[EvalRecord],
+    max_new_tokens: int = 256,
+    sampling: SamplingParams = GREEDY,
+    compile: bool = False,
 ) -> list[GreedyRun]:
-    """Plain decoding of every record's prompt (sampled at temperature > 0), timed after a warm-up."""
+    """Plain decoding of every record's prompt (sampled at temperature > 0), timed after a warm-up; `compile`: on the
+    target's static cache, compiled once (what `--compile`'s speculative decoding is set against)."""
     warm_up = record_generator(sampling.seed, -1, target)
-    autoregressive_generate(target, records[0].prompt_ids, min(8, max_new_tokens), sampling, warm_up)
+    longest = max(len(r.prompt_ids) + max_new_tokens_of(r, max_new_tokens) for r in records)
+    decode = autoregressive_generate
+    if compile:  # the warm-up compiles, on a static cache that holds the longest record
+        decode = partial(static_autoregressive_generate, positions=longest)
+    decode(target, records[0].prompt_ids, min(8, max_new_tokens), sampling, warm_up)
     runs = []
     for index, record in enumerate(records):
         _sync(target)
         start = time.perf_counter()
-        out = autoregressive_generate(
+        out = decode(
             target,
             record.prompt_ids,
             max_new_tokens_of(record, max_new_tokens),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +37,13 @@ class EvalRecord:
     chat_template_kwargs: dict | None = None
     messages: list[dict[str, str]] | None = None
     tools: list[dict] | None = None  # the tool schemas rendered with them
+    # a benchmark's request (SPEED-Bench, `data/speed_bench.py`): its labels (category, split), the row it belongs
+    # to, which of its turns this is, and, while turns remain, the prompt and the target's answers so far
+    meta: dict | None = None
+    request_id: str | None = None
+    turn: int = 0
+    conversation: Any = None  # data.prompts.Prompt whose later turns follow this one
+    answers: list[str] = field(default_factory=list)
 
     @property
     def input_ids(self) -> list[int]:
@@ -185,6 +193,18 @@ def load_eval_records(
             for r in loaded
         ]
         return records, f"completions {completions}"
+    return _records_of_prompts(target, prompts, num_prompts, chat_template_kwargs, enable_thinking, log)
+
+
+def _records_of_prompts(
+    target: TargetModel,
+    prompts: str,
+    num_prompts: int | None,
+    chat_template_kwargs: dict | None,
+    enable_thinking: bool | None,
+    log: Log,
+) -> tuple[list[EvalRecord], str]:
+    """Records of a prompt source's first turns, rendered in the mode the options say (`load_eval_records`)."""
     from flashdraft.data.chat_mode import merged, resolve_mode
     from flashdraft.data.prompts import encode_text, has_chat_template, load_prompts, render_conversation
 
@@ -194,17 +214,22 @@ def load_eval_records(
     loaded = load_prompts(prompts, num_prompts, quiet=True)
     kwargs = resolve_mode(tok, chat, chat_template_kwargs, enable_thinking, loaded, log)
     for prompt in loaded:
-        # the first user turn: later turns need the target's earlier answers in the prompt
+        # the first user turn: later turns need the target's earlier answers in the prompt; a benchmark's request
+        # (SPEED-Bench) keeps its prompt so they follow (`later_turn`), as the peers ask them
         mode = merged(kwargs, prompt.chat_template_kwargs) if chat else None
         text = render_conversation(tok, prompt.conversation([]), chat, mode, prompt.tools, f"prompt {prompt.id!r}")
+        request = prompt.meta is not None
         records.append(
             EvalRecord(
-                prompt.id,
+                prompt.record_id(0) if request else prompt.id,
                 encode_text(tok, text, chat),
                 [],
                 chat_template_kwargs=mode,
                 messages=prompt.conversation([]) if chat else None,
                 tools=prompt.tools if chat else None,
+                meta=prompt.meta,
+                request_id=prompt.id if request else None,
+                conversation=prompt if request and len(prompt.turns) > 1 else None,
             )
         )
     return records, f"prompts {prompts} ({'chat template' if chat else 'no chat template'})"
@@ -233,3 +258,32 @@ def fit_prompts(
     if note:
         log(f"{note} (--long-prompts {policy})")
     return kept
+
+
+def later_turn(record: EvalRecord, answer_ids: list[int], tokenizer) -> EvalRecord | None:
+    """The record of a request's next turn, asked after the target's own answer to this one (`answer_ids`, its
+    output), rendered in the record's chat mode; None after its last turn or for a record of no request."""
+    from flashdraft.data.prompts import encode_text, has_chat_template, render_conversation
+
+    prompt = record.conversation
+    if prompt is None or record.turn + 1 >= len(prompt.turns):
+        return None
+    chat = has_chat_template(tokenizer)
+    answers = record.answers + [tokenizer.decode(answer_ids, skip_special_tokens=True)]
+    messages = prompt.conversation(answers)
+    turn = record.turn + 1
+    where = f"prompt {prompt.record_id(turn)!r}"
+    text = render_conversation(tokenizer, messages, chat, record.chat_template_kwargs, prompt.tools, where)
+    return EvalRecord(
+        prompt.record_id(turn),
+        encode_text(tokenizer, text, chat),
+        [],
+        chat_template_kwargs=record.chat_template_kwargs,
+        messages=messages if chat else None,
+        tools=record.tools,
+        meta=record.meta,
+        request_id=record.request_id,
+        turn=turn,
+        conversation=prompt,
+        answers=answers,
+    )

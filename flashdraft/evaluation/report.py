@@ -8,12 +8,13 @@ Everything here reads only the summary dict, so a report can be rebuilt from a s
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
+from flashdraft.evaluation.category_report import category_sections, category_texts
 from flashdraft.evaluation.results import accepts_nothing_problem
-from flashdraft.files import write_atomic, write_text_atomic
+from flashdraft.evaluation.tables import bars, markdown_table, save_png, text_table
+from flashdraft.files import write_text_atomic
 
 PLOTS = {
     "histogram": "histogram.png",
@@ -159,20 +160,6 @@ def context_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def text_table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-    lines = [
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-        for r in [header] + rows
-    ]
-    return "\n".join(lines)
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def _figure_header(summary: dict[str, Any]) -> list[str]:
     return ["figure", "drafter"] + (["reference", "difference"] if summary.get("reference") else [])
 
@@ -280,6 +267,7 @@ def format_summary(summary: dict[str, Any], verbose: bool = True) -> str:
     else:
         parts.append("per draft position, per prompt and per context length: --verbose, --report DIR or --json FILE")
     parts += mode_lines(summary)
+    parts += category_texts(summary)  # SPEED-Bench: τ by category, both aggregations
     if summary.get("selector"):
         parts.append(selector_line(summary["selector"]))
     if summary.get("confidence"):
@@ -307,17 +295,6 @@ def format_summary(summary: dict[str, Any], verbose: bool = True) -> str:
 # -- plots ----------------------------------------------------------------------------------
 
 
-def _bars(ax, labels: list[str], series: list[tuple[str, list[float]]]) -> None:
-    """Grouped bars: one group per label, one bar per series."""
-    width = 0.8 / len(series)
-    for s, (name, values) in enumerate(series):
-        xs = [i + (s - (len(series) - 1) / 2) * width for i in range(len(labels))]
-        ax.bar(xs, values, width=width, label=name)
-    ax.set_xticks(range(len(labels)), labels)
-    if len(series) > 1:
-        ax.legend()
-
-
 def write_plots(summary: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     # the object API renders without pyplot, so no GUI backend is ever chosen or needed
     from matplotlib.figure import Figure
@@ -330,7 +307,7 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> dict[str, Path]:
 
     fig = Figure(figsize=(8, 4))
     ax = fig.add_subplot()
-    _bars(
+    bars(
         ax,
         [str(n) for n in range(1, length + 1)],
         [(name, _pad(r["histogram"], length)) for name, r in zip(names, results, strict=True)],
@@ -361,7 +338,7 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> dict[str, Path]:
         series.append(("reference", [by_id.get(i, 0.0) for i in ids]))
     fig = Figure(figsize=(max(6, 0.5 * len(ids) + 2), 4))
     ax = fig.add_subplot()
-    _bars(ax, ids, series)
+    bars(ax, ids, series)
     ax.tick_params(axis="x", labelrotation=90)
     ax.set(xlabel="prompt", ylabel="τ", title="τ per prompt")
     paths["tau_per_prompt"] = out_dir / PLOTS["tau_per_prompt"]
@@ -410,14 +387,6 @@ def _context_plots(summary: dict[str, Any], names: list[str], results: list[dict
     paths["position_acceptance_by_context"] = out_dir / PLOTS["position_acceptance_by_context"]
     save_png(fig, paths["position_acceptance_by_context"])
     return paths
-
-
-def save_png(fig, path: Path) -> None:
-    """A plot written whole or not at all (a full disk: `DiskFullError` with its size, no cut PNG)."""
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-    data = buffer.getvalue()
-    write_atomic(path, lambda tmp: tmp.write_bytes(data), "a report plot", len(data))
 
 
 def _pad(values: list, length: int) -> list:
@@ -485,6 +454,7 @@ def write_report(summary: dict[str, Any], out_dir: str | Path) -> Path:
         f"![per-position acceptance by context]({plots['position_acceptance_by_context'].name})",
         "",
     ]
+    lines += category_sections(summary, out)  # SPEED-Bench: τ by category, both aggregations
     if summary.get("selector"):
         lines += ["## Candidate selector", "", selector_line(summary["selector"]) + ".", ""]
     if summary.get("confidence"):

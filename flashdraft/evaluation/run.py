@@ -28,6 +28,7 @@ from flashdraft.decoding.serving_rules import (
     SamplingParams,
     serving_rule,
 )
+from flashdraft.decoding.verification import resolve_compile
 from flashdraft.drafter.checkpoint import check_drafter_matches_target
 from flashdraft.drafter.config import DEFAULT_BLOCK_SIZE
 from flashdraft.drafter.families import drafts_per_block, family_of
@@ -35,6 +36,7 @@ from flashdraft.drafter.long_context import eval_guards
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.drafter.run_dir import LoadedDrafter, load_any_drafter
 from flashdraft.errors import FlashdraftError
+from flashdraft.evaluation.categories import result_by_category
 from flashdraft.evaluation.config import NGRAM, Candidate, EvalConfig
 from flashdraft.evaluation.modes import by_segment, mode_figures
 from flashdraft.evaluation.offline import (
@@ -57,6 +59,7 @@ from flashdraft.evaluation.records import (
     Log,
     fit_prompts,
     invalid_reason,
+    later_turn,
     load_eval_records,
     quiet,
 )
@@ -203,12 +206,10 @@ def _prepare_records(
     records = fit_prompts(records, target, max_new_tokens, cfg.long_prompts, str(cfg.prompts), log)
     baseline = None
     if cfg.online or cfg.check_consistency or not records[0].completion_ids:
-        baseline = greedy_baseline(
-            target,
-            records,
-            max_new_tokens,
-            sampling=SamplingParams(temperature=cfg.temperature, filters=filters, seed=cfg.seed),
-        )
+        sampling = SamplingParams(temperature=cfg.temperature, filters=filters, seed=cfg.seed)
+        compiled = cfg.online and resolve_compile(cfg.compile, target)  # compiled against compiled
+        baseline = greedy_baseline(target, records, max_new_tokens, sampling=sampling, compile=compiled)
+        records, baseline = _with_later_turns(cfg, target, records, baseline, max_new_tokens, sampling, log)
         for record, run in zip(records, baseline, strict=True):
             if not record.completion_ids and (cfg.temperature <= 0 or not cfg.online):
                 record.completion_ids = list(run.output_ids)  # the target's output: greedy, or sampled (offline)
@@ -226,6 +227,34 @@ def _prepare_records(
     if not valid:
         raise FlashdraftError(f"{source}: none of the {len(records)} records can be evaluated")
     return valid, valid_baseline if baseline is not None else None, source
+
+
+def _with_later_turns(
+    cfg: EvalConfig,
+    target: TargetModel,
+    records: list[EvalRecord],
+    baseline: list[GreedyRun],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    log: Log,
+) -> tuple[list[EvalRecord], list[GreedyRun]]:
+    """Every turn of a benchmark's multi-turn requests (SPEED-Bench): turn k + 1 asked after the target's own answer
+    to turn k (its plain decoding's output), as Model Optimizer and aiperf ask them; each request's turns together,
+    in order."""
+    pairs = list(zip(records, baseline, strict=True))
+    asked = pairs
+    while asked:
+        later = [(r, nxt) for r, run in asked if (nxt := later_turn(r, run.output_ids, target.tokenizer)) is not None]
+        kept = fit_prompts([nxt for _, nxt in later], target, max_new_tokens, cfg.long_prompts, str(cfg.prompts), log)
+        compiled = cfg.online and resolve_compile(cfg.compile, target)
+        runs = greedy_baseline(target, kept, max_new_tokens, sampling=sampling, compile=compiled) if kept else []
+        asked = list(zip(kept, runs, strict=True))
+        pairs += asked
+    if len(pairs) > len(records):
+        log(f"{len(pairs) - len(records)} later turns asked after the target's own answers ({len(pairs)} turns)")
+    order = {r.request_id or r.id: k for k, r in enumerate(records)}
+    pairs.sort(key=lambda pair: (order[pair[0].request_id or pair[0].id], pair[0].turn))
+    return [r for r, _ in pairs], [run for _, run in pairs]
 
 
 def _check_cache_layers(cfg: EvalConfig, candidates: list[Candidate], records: list[EvalRecord], log: Log) -> None:
@@ -349,6 +378,7 @@ def _evaluate_candidate(
     summary = evaluated.to_json()
     summary |= sampling_figures(cfg, rule, filters, evaluated)
     summary["by_segment"] = by_segment(evaluated, records, target.tokenizer)
+    summary["by_category"] = result_by_category(evaluated, records, cfg)
     if isinstance(c.drafter, DFlashDrafter) and c.drafter.candidate_selector is not None and cfg.temperature <= 0:
         summary["selector"] = selector_figures(c.drafter, target, records, evaluated, features, cfg.max_blocks)
     if _has_confidence_head(c.drafter):

@@ -29,6 +29,8 @@ from flashdraft.decoding.serving_rules import SamplingFilters, SamplingParams
 from flashdraft.decoding.target_samples import Z_LIMIT, sampling_fidelity
 from flashdraft.drafter.families import drafts_per_block
 from flashdraft.errors import FlashdraftError
+from flashdraft.evaluation.categories import TurnCounts, by_category
+from flashdraft.evaluation.category_report import category_text
 from flashdraft.evaluation.config import Candidate
 from flashdraft.evaluation.modes import by_segment
 from flashdraft.evaluation.offline import WalkConfig, evaluate_offline
@@ -335,6 +337,7 @@ def run_served(
         "sampling": filters.to_json(),
         **_pooled(requests),
         "requests": [_request_figures(r) for r in requests],
+        "by_category": _by_category(records, requests, drafts_per_block(drafter, block_size)),
     }
     problems = [failure] if failure else []
     if outputs:
@@ -361,6 +364,15 @@ def run_served(
             problems += _sampled_figures(served, requests, outputs, own, target, sampling, engine)
     served["check"] = {"passed": not problems, "problems": problems}
     return served
+
+
+def _by_category(records: list[EvalRecord], requests: list[ServedRequest], drafts: int) -> dict[str, Any] | None:
+    """SPEED-Bench: the engine's counters of each request by category, both aggregations (`evaluation.categories`)."""
+    counts = [
+        TurnCounts(c.drafts, c.accepted, tuple(c.accepted_per_position), c.draft_tokens)
+        for c in (r.counters for r in requests)
+    ]
+    return by_category(records, counts, drafts)
 
 
 def _request_figures(r: ServedRequest) -> dict[str, Any]:
@@ -478,6 +490,9 @@ def format_served(served: dict[str, Any]) -> str:
             f"difference {own['difference']:+.3f} (allowed {Z_LIMIT:g} x "
             f"{own['combined_stderr']:.3f})"
         )
+    categories = category_text(served.get("by_category"), "served by category (the engine's counters)")
+    if categories:
+        lines.append(categories)
     check = served["check"]
     lines.append(
         "served check: passed"

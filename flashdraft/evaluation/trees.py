@@ -38,6 +38,7 @@ from flashdraft.decoding.tree import (
 )
 from flashdraft.drafter.families import drafts_per_block
 from flashdraft.errors import FlashdraftError
+from flashdraft.evaluation.categories import TurnCounts, by_category
 from flashdraft.evaluation.config import Candidate, EvalConfig
 from flashdraft.evaluation.modes import by_segment
 from flashdraft.evaluation.offline import draft_anchors, drafter_shape
@@ -235,6 +236,12 @@ def evaluate_trees(
             "nodes_per_step": sum(sum(w.nodes) for w in walks) / steps,
             "by_context": result.by_context,
             "by_segment": by_segment(result, records, target.tokenizer),
+            # SPEED-Bench: per category, each step's drafted tokens the nodes it verified
+            "by_category": by_category(
+                records,
+                [TurnCounts.of_lengths(w.lengths, result.max_drafts, sum(w.nodes)) for w in walks],
+                budget,
+            ),
             "per_prompt": [w.lengths for w in walks],
         }
         if costs:

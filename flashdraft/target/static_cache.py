@@ -26,6 +26,7 @@ overwritten keys a rollback still needs; its `StaticCache` has no state per veri
 from __future__ import annotations
 
 import time
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -47,9 +48,16 @@ from flashdraft.target.model import TargetModel, TargetOutput
 # layer kinds with a static rule; chunked attention (Llama 4's: a key is seen within its query's chunk) has no mask here
 STATIC_KINDS = ("attention", "sliding", "mla", "gated_deltanet", "mamba2", "mlp")
 CAPACITY_STEP = 256  # buffers are sized in steps of this many positions, so prompts of near lengths share a graph
-# every verifier (one per target, verify length and capacity) compiles the same code (`StaticVerifier._forward`), and
-# dynamo keeps at most `recompile_limit` graphs per code object (8 by default) before running the rest uncompiled
-VERIFIERS_PER_PROCESS = 64
+
+
+def with_own_code(method):
+    """A bound method whose function has a code object of its own. Dynamo keeps compiled graphs per code object, at
+    most `recompile_limit` (8) of them: every instance of a class compiling its method would share one code object,
+    and the ninth verifier (or drafting state) in a process would fail to compile (`fullgraph=True` raises
+    `FailOnRecompileLimitHit`). With its own code, each instance's graphs are its own."""
+    fn = method.__func__
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.MethodType(fresh, method.__self__)
 
 
 def _static_address(tensor: torch.Tensor) -> torch.Tensor:
@@ -338,9 +346,8 @@ class StaticVerifier:
         self._step = self._forward
         self._mode = "reduce-overhead" if device.type == "cuda" and self.backend == "inductor" else None
         if self.backend is not None:
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, VERIFIERS_PER_PROCESS)
             self._step = torch.compile(
-                self._forward, backend=self.backend, fullgraph=True, dynamic=False, mode=self._mode
+                with_own_code(self._forward), backend=self.backend, fullgraph=True, dynamic=False, mode=self._mode
             )
 
     def _masks(self, positions: torch.Tensor):
@@ -419,7 +426,7 @@ def static_verifier(target: TargetModel, verify_length: int, tokens: int, backen
     """The target's verifier for this verify length and backend, made once and kept on the target (its buffers and
     compiled graph serve every later generation that fits); a larger one replaces it when `tokens` do not fit."""
     verifiers = target.__dict__.setdefault("_static_verifiers", {})
-    key = (verify_length, backend)
+    key = (verify_length, backend, target.device, target.dtype)  # a target moved or cast gets buffers of its own
     verifier = verifiers.get(key)
     if verifier is None or verifier.capacity < tokens:
         verifier = StaticVerifier(target, verify_length, capacity_for(tokens), backend)

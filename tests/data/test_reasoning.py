@@ -113,3 +113,48 @@ def test_a_completions_tool_calls_are_kept_as_token_spans_where_the_markers_are_
     assert "expected [start, end) pairs" in check_tool_call_spans([[3, 2]], len(completion))
     assert tool_call_spans(ids_of(tok, "abcd"), tool_call_markers(tok)) is None  # no call: nothing kept
     assert tool_call_spans(completion, None) is None  # markers unknown
+
+
+def byte_level_tokenizer(template: str) -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer as Qwen3's: whitespace spelled as byte pieces (`\\n\\n` is the piece `ĊĊ`), `<think>`
+    and `</think>` added tokens."""
+    from tokenizers import AddedToken, decoders
+
+    pieces = ["ĊĊ", "Ċ", "<|im_start|>", "<|im_end|>", "user", "assistant", "hi", "ok"]
+    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)} | {"?": len(pieces)}, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.chat_template = template
+    return fast
+
+
+# Qwen3's generation prompt: thinking off closes an empty block, followed by a blank line
+QWEN3_STYLE_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_thinking_off_on_a_byte_level_tokenizer_is_a_closed_block_though_its_blank_line_is_the_piece_cc():
+    from flashdraft.data.reasoning import closed_in_prompt
+
+    tok = byte_level_tokenizer(QWEN3_STYLE_TEMPLATE)
+    markers = reasoning_markers(tok)
+    messages = [{"role": "user", "content": "hi"}]
+    off = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    on = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    off_ids, on_ids = ids_of(tok, off), ids_of(tok, on)
+    assert tok.convert_ids_to_tokens(off_ids)[-1] == "ĊĊ"  # the piece `str.strip()` does not see as blank
+    assert closed_in_prompt(markers, off_ids)
+    assert not closed_in_prompt(markers, on_ids)  # thinking on: no block in the prompt
+    assert not closed_in_prompt(markers, off_ids + ids_of(tok, "ok"))  # text after the block: not the prompt's end
+    from flashdraft.evaluation.modes import by_segment
+    from flashdraft.evaluation.records import EvalRecord
+    from flashdraft.evaluation.results import EvalResult, PromptResult
+
+    walked = EvalResult("offline", 4, [1], 1, [PromptResult("a", [2, 1])])
+    segments = by_segment(walked, [EvalRecord("a", off_ids, ids_of(tok, "okokok"))], tok)
+    assert segments["answer"]["steps"] == 2 and segments["reasoning"]["steps"] == 0  # thinking off: all answer

@@ -366,3 +366,22 @@ def test_sampled_and_limited_steps_read_more_and_the_counter_sees_every_read(set
         ),
     )
     assert raw == counted == spec.host_transfers + 1 and spec.host_transfers > len(spec.acceptance_lengths)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
+def test_plain_decoding_on_the_static_cache_equals_eager_greedy_and_seed_for_seed(kind):
+    from functools import partial
+
+    from flashdraft.decoding.generate import static_autoregressive_generate
+
+    target = make_target(kind)
+    eager = autoregressive_generate(target, PROMPT, 20)
+    static = static_autoregressive_generate(target, PROMPT, 20, backend=None)
+    assert static.output_ids == eager.output_ids and static.static and len(static.step_seconds) == 19
+    flat = make_flat_target(kind)
+    sampling = SamplingParams(temperature=1.0)
+    runs = [
+        decode(flat, PROMPT, 20, sampling, torch.Generator().manual_seed(5))
+        for decode in (autoregressive_generate, partial(static_autoregressive_generate, backend=None))
+    ]
+    assert runs[0].output_ids == runs[1].output_ids

@@ -5,7 +5,14 @@ named, and the three plots written."""
 from __future__ import annotations
 
 from flashdraft.evaluation.bench_figures import concurrency_figures
-from flashdraft.evaluation.bench_report import HEADER, format_bench, rows, write_bench_report
+from flashdraft.evaluation.bench_report import (
+    HEADER,
+    SPEED_BENCH_HEADER,
+    format_bench,
+    rows,
+    speed_bench_rows,
+    write_bench_report,
+)
 from flashdraft.serving.engine import SpecCounters
 from flashdraft.serving.load import LoadRun, RequestTiming
 
@@ -89,3 +96,22 @@ def test_a_difference_between_the_servers_is_named_and_the_verdict_false(tmp_pat
         "speedup_by_concurrency.png",
         "tau_by_set.png",
     ]
+
+
+def test_speed_bench_sets_are_tabled_by_input_length_and_entropy_tier_beside_the_prediction(tmp_path):
+    summary = _summary()
+    tiers = []
+    for tier in ("high_entropy", "low_entropy"):
+        labels = {"split": "throughput_1k", "input_length": "1k", "category": tier}
+        tiers.append(summary["sets"][0] | {"prompts": f"speed-bench:d:throughput_1k:{tier}", "speed_bench": labels})
+    summary["sets"] = tiers
+    table = speed_bench_rows(summary)
+    assert [r[:4] for r in table] == [
+        ["throughput_1k", "1k", tier, str(c)] for tier in ("high_entropy", "low_entropy") for c in (1, 2)
+    ]
+    first = dict(zip(SPEED_BENCH_HEADER, table[0], strict=True))
+    assert first["speed-up"] == "1.90x ± 0.10" and first["predicted"].endswith("x") and first["τ flashdraft"] == "3.50"
+    assert "SPEED-Bench by input length and category" in format_bench(summary)
+    md = write_bench_report(summary, tmp_path / "r").read_text()
+    assert "| throughput_1k | 1k | low_entropy | 2 |" in md
+    assert speed_bench_rows(_summary()) == []  # no SPEED-Bench set: no table

