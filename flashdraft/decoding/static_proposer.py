@@ -20,7 +20,8 @@ sequence at a time uses them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,7 +31,7 @@ from flashdraft.drafter.model import PAD_POSITION, DFlashDrafter
 from flashdraft.drafter.static_cache import StaticDrafterCache, block_hidden, write_context
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
-from flashdraft.target.static_cache import with_own_code
+from flashdraft.target.static_cache import CompileCounts, dynamo_totals, with_own_code
 
 CAPACITY_STEP = 256  # context capacity is rounded up to this: nearby lengths share one state (and its graphs)
 
@@ -43,7 +44,7 @@ class CompiledDraft:
     code generation (tests prove the graphs' shapes with them)."""
 
     max_length: int
-    backend: str = "inductor"
+    backend: str | None = "inductor"  # None: the fixed-shape functions run uncompiled (the static path's reference)
     mode: str | None = "auto"
 
     def new_proposer(
@@ -105,13 +106,16 @@ class StaticDraftState:
         self.anchor_position = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
         for buffer in (self.features, self.positions, self.anchor, self.anchor_position):
             torch._dynamo.mark_static_address(buffer)
-        options = dict(
-            fullgraph=True, dynamic=False, backend=settings.backend, mode=settings.compile_mode(torch.device(device))
-        )
-        # each state's graphs its own (`with_own_code`): past 8 states dynamo would otherwise refuse to compile
-        self._write = torch.compile(with_own_code(self._write_step), **options)
-        self._draft = torch.compile(with_own_code(self._draft_step), **options)
-        self.compiles = 0
+        self._write, self._draft = self._write_step, self._draft_step
+        if settings.backend is not None:
+            mode = settings.compile_mode(torch.device(device))
+            options = dict(fullgraph=True, dynamic=False, backend=settings.backend, mode=mode)
+            self._write = torch.compile(with_own_code(self._write_step), **options)
+            self._draft = torch.compile(with_own_code(self._draft_step), **options)
+        # each state's graphs its own (`with_own_code`: Dynamo's recompile limit is per code object); the first graph
+        # of each of the two steps is its warm-up, any later one a recompile
+        self.counts = CompileCounts()
+        self._warmed_up: set[str] = set()
         self.written = 0  # context tokens in the cache (the host's count; the graphs read `cache.length`)
         self.owner = None  # the proposer whose sequence is in the cache
 
@@ -132,10 +136,24 @@ class StaticDraftState:
         rows, confidence = walk_rows(drafter, hidden, logits, anchor, shape.use_selector, shape.honour_draft_top_k)
         return hidden, logits, rows, confidence
 
-    def _counted(self, compiled, *args):
-        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        out = compiled(*args)
-        self.compiles += torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    @property
+    def compiles(self) -> int:
+        return self.counts.compiles
+
+    def _counted(self, step: str, function, *args):
+        """function(*args), its compiles, recompiles, graph breaks and compile seconds counted in `counts`."""
+        if self.settings.backend is None:
+            return function(*args)
+        graphs, breaks = dynamo_totals()
+        start = time.perf_counter()
+        out = function(*args)
+        compiled, broken = dynamo_totals()
+        if compiled > graphs:
+            self.counts.compile_seconds += time.perf_counter() - start
+            self.counts.recompiles += compiled - graphs - (step not in self._warmed_up)
+            self.counts.compiles += compiled - graphs
+            self._warmed_up.add(step)
+        self.counts.graph_breaks += broken - breaks
         return out
 
     # -- a sequence's steps ----------------------------------------------------------------------------------------
@@ -160,14 +178,14 @@ class StaticDraftState:
             self.features[:, :count].copy_(features)  # the padding rows keep stale values: their positions hide them
             self.positions.fill_(PAD_POSITION)
             self.positions[:, :count].copy_(positions)
-            self._counted(self._write, self.features, self.positions)
+            self._counted("write", self._write, self.features, self.positions)
         self.written += count
 
     def draft(self, anchor: int, anchor_position: int) -> tuple:
         """The compiled draft from `anchor` at `anchor_position` over the cached context (see `_draft_step`)."""
         self.anchor.fill_(anchor)  # fills, not copies from the host: no wait on the device's queue
         self.anchor_position.fill_(anchor_position)
-        return self._counted(self._draft, self.anchor, self.anchor_position)
+        return self._counted("draft", self._draft, self.anchor, self.anchor_position)
 
 
 def static_state(
@@ -189,14 +207,22 @@ def static_state(
     return states[-1]
 
 
-def draft_compiles(proposer) -> int | None:
-    """Graphs compiled so far for the drafting of `proposer` (a `StaticDFlashProposer`, or one wrapped by a
-    `DraftLimit` or a hybrid); None for a proposer that drafts eagerly. What a decoding loop reports: read it after
-    the warm-up and after the run, and the difference is the run's recompiles."""
-    inner = getattr(proposer, "inner", None) or getattr(proposer, "dflash", None)
+def draft_counts(proposer) -> CompileCounts:
+    """What torch.compile did for the drafting of `proposer`'s sequence (a `StaticDFlashProposer`, or one wrapped by
+    a `DraftLimit` or a hybrid): graphs compiled since it took its state (a first sequence's warm-up among them),
+    recompiles, graph breaks, compile seconds; zeros for a proposer that drafts eagerly."""
     if isinstance(proposer, StaticDFlashProposer):
-        return proposer.compiles
-    return None if inner is None else draft_compiles(inner)
+        if proposer.state is None:
+            return CompileCounts()
+        now, start = proposer.state.counts, proposer.counts_at_start
+        return CompileCounts(
+            compiles=now.compiles - start.compiles,
+            recompiles=now.recompiles - start.recompiles,
+            graph_breaks=now.graph_breaks - start.graph_breaks,
+            compile_seconds=now.compile_seconds - start.compile_seconds,
+        )
+    inner = getattr(proposer, "inner", None) or getattr(proposer, "dflash", None)
+    return CompileCounts() if inner is None else draft_counts(inner)
 
 
 class StaticDFlashProposer(DFlashProposer):
@@ -214,11 +240,12 @@ class StaticDFlashProposer(DFlashProposer):
         super().__init__(drafter, target, rule)
         self.compiled = compiled
         self.state: StaticDraftState | None = None
+        self.counts_at_start = CompileCounts()  # the state's counts when this sequence took it
 
     @property
     def compiles(self) -> int:
         """Graphs compiled for this proposer's state so far (by every sequence that used it)."""
-        return 0 if self.state is None else self.state.compiles
+        return 0 if self.state is None else self.state.counts.compiles
 
     def anchors_per_call(self, block: int) -> int:
         return 1
@@ -231,6 +258,7 @@ class StaticDFlashProposer(DFlashProposer):
             shape = StepShape(block, drafts, self.use_selector, self.honour_draft_top_k)
             self.state = static_state(self.drafter, self.target, shape, self.compiled)
             self.state.start(self)
+            self.counts_at_start = replace(self.state.counts)
         elif self.state.owner is not self:
             raise FlashdraftError("compiled drafting: its state now holds another sequence (one at a time)")
         elif self.state.shape.block != block:

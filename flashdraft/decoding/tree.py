@@ -41,6 +41,8 @@ import torch
 from flashdraft.decoding.generate import GenerationResult, SpeculativeConfig
 from flashdraft.decoding.host_transfers import TRANSFERS, to_host
 from flashdraft.decoding.proposers import DFlashProposer, Proposer, as_proposer, default_block_size
+from flashdraft.decoding.static_proposer import draft_counts
+from flashdraft.decoding.verification import compiled_drafting, resolve_compile
 from flashdraft.drafter.families import family_of
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
@@ -433,7 +435,10 @@ def tree_generate(
     check_tree_target(target)
     check_tree_drafter(rule, drafter)
     block = speculative.block_size or default_block_size(drafter)
-    proposer = as_proposer(drafter, target, rule=speculative.rule)
+    compiled = None  # the drafter in fixed shapes when the generation compiles (the tree's verify stays eager)
+    if resolve_compile(speculative.compile, target):
+        compiled = compiled_drafting(drafter, speculative.compile_backend, len(prompt_ids) + max_new_tokens + block + 1)
+    proposer = as_proposer(drafter, target, rule=speculative.rule, compiled=compiled)
     target.set_context_layers(proposer.context_layer_ids)
     with decoding_attention(target.device):
         return _tree_steps(target, proposer, prompt_ids, max_new_tokens, rule, replace(speculative, block_size=block))
@@ -486,6 +491,10 @@ def _tree_steps(
         new_positions = anchor_pos + shift + torch.arange(len(path), device=device)[None]
         anchor_pos += len(path)
     result.host_transfers = TRANSFERS.reads - reads_before
+    drafted = draft_counts(proposer)  # what compiled for the drafter (the tree verify runs eagerly)
+    result.compiles = result.draft_compiles = drafted.compiles
+    result.recompiles = drafted.recompiles
+    result.graph_breaks, result.compile_seconds = drafted.graph_breaks, drafted.compile_seconds
     return result
 
 
