@@ -325,3 +325,18 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
+    """Yield (location, row) for every non-blank line of a JSONL file."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise FlashdraftError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise FlashdraftError(f"{path}:{number}: expected a JSON object, found {type(row).__name__}")
+            yield f"{path}:{number}", row

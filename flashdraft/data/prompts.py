@@ -37,6 +37,7 @@ from flashdraft.data.chat_mode import content_format, json_object, parse_kwargs,
 from flashdraft.data.images import image_part, is_image_part, row_images, with_row_images
 from flashdraft.data.stdlib import stdlib_prompts
 from flashdraft.errors import FlashdraftError
+from flashdraft.files import read_jsonl
 from flashdraft.safe_load import refuse_script
 
 BUILTIN_CODE = Path(__file__).parent / "builtin_code.jsonl"
@@ -114,7 +115,7 @@ def load_prompts(spec: str, num_prompts: int | None = None, quiet: bool = False)
         if spec not in BUILTIN_SPLITS:
             raise FlashdraftError(f"--prompts {spec}: unknown built-in set; expected one of {', '.join(BUILTIN_SPECS)}")
         split = BUILTIN_SPLITS[spec]
-        rows = [(loc, row) for loc, row in _read_jsonl(BUILTIN_CODE) if row.get("split") == split]
+        rows = [(loc, row) for loc, row in read_jsonl(BUILTIN_CODE) if row.get("split") == split]
         source = spec
     else:
         path = Path(spec)
@@ -123,7 +124,7 @@ def load_prompts(spec: str, num_prompts: int | None = None, quiet: bool = False)
                 f"--prompts {spec}: no such file or directory; expected a .jsonl/.parquet file, a dataset "
                 f"directory, or one of {', '.join(BUILTIN_SPECS)}"
             )
-        rows = list(_read_jsonl(path)) if path.suffix == ".jsonl" else list(_read_dataset(path))
+        rows = list(read_jsonl(path)) if path.suffix == ".jsonl" else list(_read_dataset(path))
         source = str(path)
     prompts: list[Prompt] = []
     seen: dict[str, str] = {}
@@ -159,21 +160,6 @@ def _chosen(
     return prompts
 
 
-def _read_jsonl(path: Path):
-    """Yield (location, row) for every non-blank line of a JSONL file."""
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise FlashdraftError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise FlashdraftError(f"{path}:{number}: expected a JSON object, found {type(row).__name__}")
-            yield f"{path}:{number}", row
-
-
 def _split_rows(spec: str) -> list[tuple[str, dict[str, str]]]:
     """Rows of `builtin:stdlib[:heldout][:N]` (windows of the standard library's files that share no line
     with the built-in coding prompts, data/stdlib.py) or `builtin:long[:heldout][:N]` (long-context cuts of
@@ -192,7 +178,7 @@ def _split_rows(spec: str) -> list[tuple[str, dict[str, str]]]:
 
         windows = long_prompts(split)
     else:
-        code_prompts = [row["prompt"] for _, row in _read_jsonl(BUILTIN_CODE)]
+        code_prompts = [row["prompt"] for _, row in read_jsonl(BUILTIN_CODE)]
         windows = stdlib_prompts(split, avoid_texts=code_prompts)
     if parts:
         windows = windows[: int(parts[0])]

@@ -23,12 +23,12 @@ the data does not have.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from flashdraft.errors import FlashdraftError
+from flashdraft.files import read_jsonl
 
 PREFIX = "speed-bench:"
 SPEC = "speed-bench:PATH[:SPLIT[:CATEGORY[+CATEGORY...]]]"
@@ -193,19 +193,7 @@ def _read_rows(file: Path) -> list[tuple[str, dict[str, Any]]]:
         except Exception as e:  # pyarrow raises several types; name the file and the cause
             raise FlashdraftError(f"{file}: cannot read as Parquet ({type(e).__name__}: {e})") from None
         return [(f"{file} row {k}", row) for k, row in enumerate(table.to_pylist())]
-    rows = []
-    with open(file, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise FlashdraftError(f"{file}:{number}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise FlashdraftError(f"{file}:{number}: expected a JSON object, found {type(row).__name__}")
-            rows.append((f"{file}:{number}", row))
-    return rows
+    return list(read_jsonl(file))
 
 
 def _texts(row: dict[str, Any]) -> list[str]:
