@@ -146,16 +146,14 @@ def tiled_attention(
     k_ctx, v_ctx = context_kv
     kv_heads, num_context = k_ctx.shape[1], k_ctx.shape[2]
     tiles, block = mask.tiles, mask.own_block.shape[0]
-    size, group, pairs = tiles.key_tile_size, tiles.block_tile_size, tiles.block_tile.shape[1]
+    size, group = tiles.key_tile_size, tiles.block_tile_size
     num_blocks, per_head = q_len // block, heads // kv_heads
-    scale = dim**-0.5
 
-    # the own block: [N, h, A, B, B] scores (the scale on q: fewer elements than on the scores)
-    q_blocks = (q * scale).view(n, heads, num_blocks, block, dim)
+    # the own block's queries and keys [N, h, A, B, d] (the scale on q: fewer elements than on the scores)
+    q_blocks = (q * dim**-0.5).view(n, heads, num_blocks, block, dim)
     k_blk, v_blk = (t.repeat_interleave(per_head, dim=1).view(q_blocks.shape) for t in block_kv)
-    own = (q_blocks @ k_blk.transpose(-1, -2)).float().masked_fill(~mask.own_block, float("-inf"))
 
-    # the pairs: each pair's block tile's queries [N, P, kv_h, per_head * G * B, d] against its key tile's keys
+    # the pairs: each pair's block tile's queries [N, P, kv_h, per_head * G * B, d] and its key tile's keys
     padded_context = -(-num_context // size) * size
     k_tiles, v_tiles = (
         torch.nn.functional.pad(t, (0, 0, 0, padded_context - num_context))
@@ -168,29 +166,82 @@ def tiled_attention(
     q_padded = _padded(q_blocks.transpose(1, 2), group, 0)  # [N, A', h, B, d], A' a multiple of G
     num_tiles = q_padded.shape[1] // group
     q_tiles = q_padded.view(n, num_tiles, group, kv_heads, per_head, block, dim).permute(0, 1, 3, 4, 2, 5, 6)
-    q_tiles = q_tiles.reshape(n, num_tiles, kv_heads, per_head * group * block, dim)
     rows = per_head * group * block
+    q_tiles = q_tiles.reshape(n, num_tiles, kv_heads, rows, dim)
     q_pairs = q_tiles.gather(1, tiles.block_tile[:, :, None, None, None].expand(-1, -1, kv_heads, rows, dim))
-    scores = (q_pairs @ k_pairs.transpose(-1, -2)).float()  # [N, P, kv_h, per_head * G * B, T]
-    scores = scores.view(n, pairs, heads, group, block, size).masked_fill(~mask.context[:, :, None], float("-inf"))
-
-    # one softmax per query over its pairs and its own block: the running max, then sums scattered to the tiles
-    def tiled(x: torch.Tensor, pad: float) -> torch.Tensor:  # [N, h, A, B, ...] -> [N, A' / G, h, G, B, ...]
-        x = _padded(x.transpose(1, 2), group, pad)
-        return x.view(n, num_tiles, group, *x.shape[2:]).transpose(2, 3)
-
     to_tile = tiles.block_tile[:, :, None, None, None].expand(-1, -1, heads, group, block)  # [N, P, h, G, B]
-    with torch.no_grad():  # the max only keeps exp in range; the softmax does not depend on it
-        top = tiled(own.amax(-1), 0.0)  # [N, A'/G, h, G, B]: a real query always sees itself
+    own, pairs = (q_blocks, k_blk, v_blk), (q_pairs, k_pairs, v_pairs)
+    out = _TiledSoftmax.apply(*own, *pairs, ~mask.own_block, ~mask.context, to_tile)  # [N, h, A, B, d]
+    return out.reshape(n, heads, q_len, dim)
+
+
+class _TiledSoftmax(torch.autograd.Function):
+    """The softmax attention of each query over its pairs' keys and its own block's, forward and backward by hand:
+    autograd's version of the same ops made about a dozen passes over the [N, P, h, G, B, T] scores, each to a new
+    tensor (mask, max, subtract, exp, sum, the scatters, and as many again backward); here the scores are masked,
+    shifted and exponentiated in place, left unnormalised (the 1 / sum goes on the [.., d] outputs and gradients),
+    and the backward reads them once more, so the scores cost 5 passes forward and 2 backward.
+
+    Inputs: the own block's q (scaled), k, v [N, h, A, B, d]; the pairs' q [N, P, kv_h, per_head * G * B, d], k and
+    v [N, P, kv_h, T, d]; what is hidden within a block [B, B] and in each pair [N, P, G, 1 or B, T] (True: not
+    seen); to_tile [N, P, h, G, B]: each pair's block tile. Output [N, h, A, B, d] in q's dtype."""
+
+    @staticmethod
+    def forward(ctx, q_own, k_own, v_own, q_pairs, k_pairs, v_pairs, hidden_own, hidden_context, to_tile):
+        n, heads, num_blocks, block, dim = q_own.shape
+        pairs, kv_heads, rows, size = q_pairs.shape[1], q_pairs.shape[2], q_pairs.shape[3], k_pairs.shape[3]
+        group, dtype = to_tile.shape[3], q_own.dtype
+        own = (q_own @ k_own.transpose(-1, -2)).float().masked_fill_(hidden_own, float("-inf"))  # [N, h, A, B, B]
+        scores = (q_pairs @ k_pairs.transpose(-1, -2)).float().view(n, pairs, heads, group, block, size)
+        scores.masked_fill_(hidden_context[:, :, None], float("-inf"))  # [N, P, h, G, B, T]
+        # the running max per query keeps exp in range (a real query always sees itself); the softmax does not
+        # depend on it
+        top = _tiled(own.amax(-1), group, 0.0)  # [N, A'/G, h, G, B]
         top = top.scatter_reduce(1, to_tile, scores.amax(-1), reduce="amax", include_self=True)
-    own_weights = torch.exp(own - _untiled(top, num_blocks)[..., None])  # [N, h, A, B, B]
-    pair_weights = torch.exp(scores - top.gather(1, to_tile)[..., None])  # [N, P, h, G, B, T]; masked: 0
-    total = tiled(own_weights.sum(-1), 1.0).scatter_add(1, to_tile, pair_weights.sum(-1))  # [N, A'/G, h, G, B]
-    pair_out = pair_weights.to(q.dtype).view(n, pairs, kv_heads, rows, size) @ v_pairs  # [N, P, kv_h, rows, d]
-    out = tiled((own_weights.to(q.dtype) @ v_blk).float(), 0.0).scatter_add(
-        1, to_tile[..., None].expand(-1, -1, -1, -1, -1, dim), pair_out.view(n, pairs, heads, group, block, dim).float()
-    )  # [N, A'/G, h, G, B, d]
-    return _untiled(out / total[..., None], num_blocks).to(q.dtype).reshape(n, heads, q_len, dim)
+        own.sub_(_untiled(top, num_blocks)[..., None]).exp_()  # unnormalised weights; hidden: 0
+        scores.sub_(top.gather(1, to_tile)[..., None]).exp_()
+        inverse = _tiled(own.sum(-1), group, 1.0).scatter_add(1, to_tile, scores.sum(-1)).reciprocal_()
+        out = _tiled((own.to(dtype) @ v_own).float(), group, 0.0)  # [N, A'/G, h, G, B, d]
+        pair_out = scores.to(dtype).view(n, pairs, kv_heads, rows, size) @ v_pairs  # [N, P, kv_h, rows, d]
+        out = out.scatter_add(1, _with_dim(to_tile, dim), pair_out.view(n, pairs, heads, group, block, dim).float())
+        out = _untiled(out * inverse[..., None], num_blocks)  # [N, h, A, B, d], normalised
+        ctx.save_for_backward(q_own, k_own, v_own, q_pairs, k_pairs, v_pairs, own, scores, inverse, out, to_tile)
+        return out.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q_own, k_own, v_own, q_pairs, k_pairs, v_pairs, own, scores, inverse, out, to_tile = ctx.saved_tensors
+        num_blocks, dim, dtype = q_own.shape[2], q_own.shape[-1], q_own.dtype
+        group, weights = to_tile.shape[3], scores.view(*q_pairs.shape[:-1], -1)  # [N, P, kv_h, rows, T]
+        grad_out = grad_out.float()
+        # softmax backward: d score = weight * (d weight - sum over the query's keys of weight * d weight), that sum
+        # being (grad_out * out).sum(-1); with unnormalised weights w = p / inverse, grad_out scaled by the inverse
+        inverse_own = _untiled(inverse, num_blocks)[..., None]  # [N, h, A, B, 1]
+        grad_scaled = grad_out * inverse_own  # [N, h, A, B, d]
+        delta = (grad_out * out).sum(-1, keepdim=True) * inverse_own  # [N, h, A, B, 1]
+        d_v_own = own.to(dtype).transpose(-1, -2) @ grad_scaled.to(dtype)
+        d_own = (grad_scaled.to(dtype) @ v_own.transpose(-1, -2)).float().sub_(delta).mul_(own).to(dtype)
+        d_q_own, d_k_own = d_own @ k_own, d_own.transpose(-1, -2) @ q_own
+
+        grad_pairs = _tiled(grad_scaled, group, 0.0).gather(1, _with_dim(to_tile, dim))  # [N, P, h, G, B, d]
+        delta_pairs = _tiled(delta, group, 0.0).gather(1, to_tile[..., None])  # [N, P, h, G, B, 1]
+        grad_pairs = grad_pairs.to(dtype).view(*q_pairs.shape)  # [N, P, kv_h, rows, d]
+        d_v_pairs = weights.to(dtype).transpose(-1, -2) @ grad_pairs
+        d_scores = (grad_pairs @ v_pairs.transpose(-1, -2)).float().view(scores.shape)
+        d_scores = d_scores.sub_(delta_pairs).mul_(scores).to(dtype).view(weights.shape)  # hidden: weight 0
+        d_q_pairs, d_k_pairs = d_scores @ k_pairs, d_scores.transpose(-1, -2) @ q_pairs
+        return d_q_own, d_k_own, d_v_own, d_q_pairs, d_k_pairs, d_v_pairs, None, None, None
+
+
+def _with_dim(to_tile: torch.Tensor, dim: int) -> torch.Tensor:
+    """to_tile [N, P, h, G, B] expanded over a last dim of `dim`."""
+    return to_tile[..., None].expand(*to_tile.shape, dim)
+
+
+def _tiled(x: torch.Tensor, group: int, pad: float) -> torch.Tensor:
+    """[N, h, A, B, ...] -> [N, A'/G, h, G, B, ...] (A' = A padded with `pad` to a multiple of G)."""
+    x = _padded(x.transpose(1, 2), group, pad)
+    return x.view(x.shape[0], -1, group, *x.shape[2:]).transpose(2, 3)
 
 
 def _untiled(x: torch.Tensor, num_blocks: int) -> torch.Tensor:
