@@ -705,8 +705,8 @@ class DFlashDrafter(nn.Module):
         context_before_anchors: the caller knows every context position (cached and new) is before every anchor
             (decoding: the context is the committed tokens), so a one-block forward's full layers need no mask and
             nothing is read back from the device to find that out.
-        context_tiles: packed training on the dense path: the (block, context tile) pairs of each row
-            (`packed_attention`); only they are scored.
+        context_tiles: packed training on the dense path on CPU: the (block, context tile) pairs of each row
+            (`packed_attention`); only they are scored (elsewhere the blockwise mask with `documents`).
         """
         n, q_len, _ = block_embeds.shape
         num_blocks = anchor_positions.shape[1]
@@ -747,7 +747,8 @@ class DFlashDrafter(nn.Module):
                 )
                 num_keys = all_context_positions.shape[1] + q_len
                 masks[attention] = create_block_mask(rule, n, None, q_len, num_keys, device=block_embeds.device)
-            elif context_tiles is not None and cache is None:  # packed training: its documents' tiles only
+            elif context_tiles is not None and cache is None and block_embeds.device.type == "cpu":
+                # packed training on CPU: its documents' tiles only (the CPU's fused attention kernel)
                 tiled = (query_positions, anchor_positions, all_context_positions, packed_documents, b, attention)
                 masks[attention] = tiled_mask(context_tiles, *tiled)
             elif num_blocks > 1 and cache is None:  # training: the blocks never see each other

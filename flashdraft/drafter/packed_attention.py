@@ -24,7 +24,7 @@ import torch
 from flashdraft.drafter.config import LayerAttention
 
 KEY_TILE = 128  # context keys per tile (8 x 128 measured fastest on CPU among 4-32 x 32-256)
-BLOCK_TILE = 8  # blocks per query tile: a gathered key tile serves this many blocks, a query tile that many key tiles
+BLOCK_TILE = 16  # blocks per query tile: a gathered key tile serves this many blocks, a query tile that many key tiles
 
 
 def row_tile_pairs(
@@ -141,111 +141,135 @@ def tiled_attention(
     q: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], block_kv: tuple, mask: TiledMask
 ) -> torch.Tensor:
     """Attention of q [N, h, Q, d] (Q = A blocks of B) over its pairs' context keys/values ([N, kv_h, C, d] each)
-    and its own block's ([N, kv_h, Q, d]): one softmax over both per query (fp32), as `blockwise_attention`'s."""
+    and its own block's ([N, kv_h, Q, d]): one softmax over both per query (fp32), as `blockwise_attention`'s.
+    CPU tensors (the fused kernel is the CPU one; on a GPU flex attention does this work)."""
     n, heads, q_len, dim = q.shape
     k_ctx, v_ctx = context_kv
     kv_heads, num_context = k_ctx.shape[1], k_ctx.shape[2]
     tiles, block = mask.tiles, mask.own_block.shape[0]
     size, group = tiles.key_tile_size, tiles.block_tile_size
     num_blocks, per_head = q_len // block, heads // kv_heads
+    rows = per_head * group * block  # a pair's query rows, (per_head, G, B) per kv head
 
     # the own block's queries and keys [N, h, A, B, d] (the scale on q: fewer elements than on the scores)
     q_blocks = (q * dim**-0.5).view(n, heads, num_blocks, block, dim)
     k_blk, v_blk = (t.repeat_interleave(per_head, dim=1).view(q_blocks.shape) for t in block_kv)
 
-    # the pairs: each pair's block tile's queries [N, P, kv_h, per_head * G * B, d] and its key tile's keys
-    padded_context = -(-num_context // size) * size
-    k_tiles, v_tiles = (
-        torch.nn.functional.pad(t, (0, 0, 0, padded_context - num_context))
+    # the pairs, flat over the batch's rows: the padding pairs dropped (eager: the shape is this batch's; compiled:
+    # kept, fully hidden, so the shape stays the run's one)
+    pairs = torch.arange(tiles.valid.numel(), device=q.device)
+    if not torch.compiler.is_compiling():
+        pairs = tiles.valid.view(-1).nonzero().squeeze(1) if bool(tiles.valid.any()) else pairs[:1]
+    num_tiles = -(-num_blocks // group)
+    row = torch.arange(n, device=q.device)[:, None]
+    pair_tile = (row * num_tiles + tiles.block_tile).view(-1)[pairs]  # [K]: the pair's block tile, flat
+    pair_keys = (row * -(-num_context // size) + tiles.key_tile).view(-1)[pairs]  # [K]: its key tile, flat
+    k_pairs, v_pairs = (
+        torch.nn.functional.pad(t, (0, 0, 0, -num_context % size))
         .view(n, kv_heads, -1, size, dim)
         .transpose(1, 2)
+        .reshape(-1, kv_heads, size, dim)
+        .index_select(0, pair_keys)
         for t in (k_ctx, v_ctx)
-    )  # [N, C / T, kv_h, T, d]
-    index = tiles.key_tile[:, :, None, None, None].expand(-1, -1, kv_heads, size, dim)
-    k_pairs, v_pairs = k_tiles.gather(1, index), v_tiles.gather(1, index)  # [N, P, kv_h, T, d]
-    q_padded = _padded(q_blocks.transpose(1, 2), group, 0)  # [N, A', h, B, d], A' a multiple of G
-    num_tiles = q_padded.shape[1] // group
-    q_tiles = q_padded.view(n, num_tiles, group, kv_heads, per_head, block, dim).permute(0, 1, 3, 4, 2, 5, 6)
-    rows = per_head * group * block
-    q_tiles = q_tiles.reshape(n, num_tiles, kv_heads, rows, dim)
-    q_pairs = q_tiles.gather(1, tiles.block_tile[:, :, None, None, None].expand(-1, -1, kv_heads, rows, dim))
-    to_tile = tiles.block_tile[:, :, None, None, None].expand(-1, -1, heads, group, block)  # [N, P, h, G, B]
-    own, pairs = (q_blocks, k_blk, v_blk), (q_pairs, k_pairs, v_pairs)
-    out = _TiledSoftmax.apply(*own, *pairs, ~mask.own_block, ~mask.context, to_tile)  # [N, h, A, B, d]
+    )  # [K, kv_h, T, d]
+    q_tiles = _padded(q_blocks.transpose(1, 2), group, 0)  # [N, A', h, B, d], A' a multiple of G
+    q_tiles = q_tiles.view(n, num_tiles, group, kv_heads, per_head, block, dim).permute(0, 1, 3, 4, 2, 5, 6)
+    q_pairs = q_tiles.reshape(-1, kv_heads, rows, dim).index_select(0, pair_tile)  # [K, kv_h, rows, d]
+    # what each pair's query rows see of its key tile [K, 1, rows, T]: the kernel's mask, additive in q's dtype
+    sees = mask.context.flatten(0, 1)[pairs][:, None].expand(-1, per_head, -1, block, -1).reshape(-1, 1, rows, size)
+    bias = torch.zeros(sees.shape, dtype=q.dtype, device=q.device).masked_fill_(~sees, float("-inf"))
+    own, paired = (q_blocks, k_blk, v_blk), (q_pairs, k_pairs, v_pairs)
+    out = _PairAttention.apply(*own, *paired, ~mask.own_block, bias, sees.any(-1), pair_tile)  # [N, h, A, B, d]
     return out.reshape(n, heads, q_len, dim)
 
 
-class _TiledSoftmax(torch.autograd.Function):
-    """The softmax attention of each query over its pairs' keys and its own block's, forward and backward by hand:
-    autograd's version of the same ops made about a dozen passes over the [N, P, h, G, B, T] scores, each to a new
-    tensor (mask, max, subtract, exp, sum, the scatters, and as many again backward); here the scores are masked,
-    shifted and exponentiated in place, left unnormalised (the 1 / sum goes on the [.., d] outputs and gradients),
-    and the backward reads them once more, so the scores cost 5 passes forward and 2 backward.
+class _PairAttention(torch.autograd.Function):
+    """The attention of each query over its pairs' keys and its own block's, one softmax over all of them.
 
-    Inputs: the own block's q (scaled), k, v [N, h, A, B, d]; the pairs' q [N, P, kv_h, per_head * G * B, d], k and
-    v [N, P, kv_h, T, d]; what is hidden within a block [B, B] and in each pair [N, P, G, 1 or B, T] (True: not
-    seen); to_tile [N, P, h, G, B]: each pair's block tile. Output [N, h, A, B, d] in q's dtype."""
+    The pairs are one call of the fused CPU attention kernel (`_scaled_dot_product_flash_attention_for_cpu`, batched
+    over the pairs: the scores never leave its cache-sized tiles, where the same ops by autograd made about a dozen
+    passes over a [pairs, h, G, B, T] tensor, each into a new one), which gives each pair's output and log-sum-exp
+    per query; the own block [B, B] is small and done here. The parts are merged by their log-sum-exps (each part's
+    output weighted by its share of the query's total), and the backward hands each part the merged output and
+    log-sum-exp, from which the softmax backward gives that part's exact share of the gradient (the identity ring
+    attention rests on).
+
+    Inputs: the own block's q (scaled), k, v [N, h, A, B, d]; the K pairs' q [K, kv_h, per_head * G * B, d], k and v
+    [K, kv_h, T, d]; what is hidden within a block [B, B]; the pairs' additive mask [K, 1, rows, T] and whether a
+    row sees any key of its pair [K, 1, rows]; pair_tile [K]: each pair's block tile (flat over the rows, row *
+    A'/G + tile). Output [N, h, A, B, d] in q's dtype."""
 
     @staticmethod
-    def forward(ctx, q_own, k_own, v_own, q_pairs, k_pairs, v_pairs, hidden_own, hidden_context, to_tile):
+    def forward(ctx, q_own, k_own, v_own, q_pairs, k_pairs, v_pairs, hidden_own, bias, sees_any, pair_tile):
         n, heads, num_blocks, block, dim = q_own.shape
-        pairs, kv_heads, rows, size = q_pairs.shape[1], q_pairs.shape[2], q_pairs.shape[3], k_pairs.shape[3]
-        group, dtype = to_tile.shape[3], q_own.dtype
-        own = (q_own @ k_own.transpose(-1, -2)).float().masked_fill_(hidden_own, float("-inf"))  # [N, h, A, B, B]
-        scores = (q_pairs @ k_pairs.transpose(-1, -2)).float().view(n, pairs, heads, group, block, size)
-        scores.masked_fill_(hidden_context[:, :, None], float("-inf"))  # [N, P, h, G, B, T]
-        # the running max per query keeps exp in range (a real query always sees itself); the softmax does not
-        # depend on it
-        top = _tiled(own.amax(-1), group, 0.0)  # [N, A'/G, h, G, B]
-        top = top.scatter_reduce(1, to_tile, scores.amax(-1), reduce="amax", include_self=True)
-        own.sub_(_untiled(top, num_blocks)[..., None]).exp_()  # unnormalised weights; hidden: 0
-        scores.sub_(top.gather(1, to_tile)[..., None]).exp_()
-        inverse = _tiled(own.sum(-1), group, 1.0).scatter_add(1, to_tile, scores.sum(-1)).reciprocal_()
-        out = _tiled((own.to(dtype) @ v_own).float(), group, 0.0)  # [N, A'/G, h, G, B, d]
-        pair_out = scores.to(dtype).view(n, pairs, kv_heads, rows, size) @ v_pairs  # [N, P, kv_h, rows, d]
-        out = out.scatter_add(1, _with_dim(to_tile, dim), pair_out.view(n, pairs, heads, group, block, dim).float())
-        out = _untiled(out * inverse[..., None], num_blocks)  # [N, h, A, B, d], normalised
-        ctx.save_for_backward(q_own, k_own, v_own, q_pairs, k_pairs, v_pairs, own, scores, inverse, out, to_tile)
+        group, dtype = q_pairs.shape[2] * q_pairs.shape[1] // heads // block, q_own.dtype
+        wide = torch.promote_types(dtype, torch.float32)  # the softmax's dtype: float32, float64 for float64
+        pair_out, pair_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_pairs, k_pairs, v_pairs, attn_mask=bias, scale=1.0
+        )  # [K, kv_h, rows, d], [K, kv_h, rows]; a row that sees nothing: 0 and 0
+        ctx.lse_dtype = pair_lse.dtype
+        pair_lse = pair_lse.to(wide).masked_fill(~sees_any, float("-inf")).view(-1, heads, group, block)
+        own = (q_own @ k_own.transpose(-1, -2)).to(wide).masked_fill_(hidden_own, float("-inf"))  # [N, h, A, B, B]
+        own_lse = own.logsumexp(-1)  # [N, h, A, B]: a query always sees itself
+        own_out = own.sub_(own_lse[..., None]).exp_().to(dtype) @ v_own  # [N, h, A, B, d]
+        # the merged log-sum-exp per query [N * A'/G, h, G, B] (padding blocks: their own block's, finite)
+        own_lse_tiled = _tiled(own_lse, group, 0.0)
+        to_tile = pair_tile[:, None, None, None].expand(pair_lse.shape)  # [K, h, G, B]
+        top = own_lse_tiled.scatter_reduce(0, to_tile, pair_lse, "amax", include_self=True)
+        total = (
+            (own_lse_tiled - top).exp_().index_add_(0, pair_tile, (pair_lse - top.index_select(0, pair_tile)).exp_())
+        )
+        lse = top.add_(total.log_())
+        pair_share = (pair_lse - lse.index_select(0, pair_tile)).exp_()[..., None]  # [K, h, G, B, 1]
+        own_share = (own_lse - _untiled(lse, n, num_blocks)).exp_()[..., None]  # [N, h, A, B, 1]
+        out = _tiled(own_out.to(wide) * own_share, group, 0.0)  # [N * A'/G, h, G, B, d]
+        out = out.index_add_(0, pair_tile, pair_out.to(wide).view(*pair_share.shape[:-1], dim) * pair_share)
+        out = _untiled(out, n, num_blocks)  # [N, h, A, B, d]
+        ctx.save_for_backward(q_own, k_own, v_own, q_pairs, k_pairs, v_pairs, hidden_own, bias, pair_tile, out, lse)
         return out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q_own, k_own, v_own, q_pairs, k_pairs, v_pairs, own, scores, inverse, out, to_tile = ctx.saved_tensors
-        num_blocks, dim, dtype = q_own.shape[2], q_own.shape[-1], q_own.dtype
-        group, weights = to_tile.shape[3], scores.view(*q_pairs.shape[:-1], -1)  # [N, P, kv_h, rows, T]
-        grad_out = grad_out.float()
-        # softmax backward: d score = weight * (d weight - sum over the query's keys of weight * d weight), that sum
-        # being (grad_out * out).sum(-1); with unnormalised weights w = p / inverse, grad_out scaled by the inverse
-        inverse_own = _untiled(inverse, num_blocks)[..., None]  # [N, h, A, B, 1]
-        grad_scaled = grad_out * inverse_own  # [N, h, A, B, d]
-        delta = (grad_out * out).sum(-1, keepdim=True) * inverse_own  # [N, h, A, B, 1]
-        d_v_own = own.to(dtype).transpose(-1, -2) @ grad_scaled.to(dtype)
-        d_own = (grad_scaled.to(dtype) @ v_own.transpose(-1, -2)).float().sub_(delta).mul_(own).to(dtype)
+        q_own, k_own, v_own, q_pairs, k_pairs, v_pairs, hidden_own, bias, pair_tile, out, lse = ctx.saved_tensors
+        n, num_blocks, dtype = q_own.shape[0], q_own.shape[2], q_own.dtype
+        group, wide = lse.shape[2], torch.promote_types(dtype, torch.float32)
+        grad_out = grad_out.to(wide)
+        # the own block: softmax backward with its merged weights, weight * (d weight - sum(grad_out * out))
+        own = (q_own @ k_own.transpose(-1, -2)).to(wide).masked_fill_(hidden_own, float("-inf"))
+        own = own.sub_(_untiled(lse, n, num_blocks)[..., None]).exp_()  # [N, h, A, B, B]
+        delta = (grad_out * out).sum(-1, keepdim=True)  # [N, h, A, B, 1]
+        d_v_own = own.to(dtype).transpose(-1, -2) @ grad_out.to(dtype)
+        d_own = (grad_out.to(dtype) @ v_own.transpose(-1, -2)).to(wide).sub_(delta).mul_(own).to(dtype)
         d_q_own, d_k_own = d_own @ k_own, d_own.transpose(-1, -2) @ q_own
 
-        grad_pairs = _tiled(grad_scaled, group, 0.0).gather(1, _with_dim(to_tile, dim))  # [N, P, h, G, B, d]
-        delta_pairs = _tiled(delta, group, 0.0).gather(1, to_tile[..., None])  # [N, P, h, G, B, 1]
-        grad_pairs = grad_pairs.to(dtype).view(*q_pairs.shape)  # [N, P, kv_h, rows, d]
-        d_v_pairs = weights.to(dtype).transpose(-1, -2) @ grad_pairs
-        d_scores = (grad_pairs @ v_pairs.transpose(-1, -2)).float().view(scores.shape)
-        d_scores = d_scores.sub_(delta_pairs).mul_(scores).to(dtype).view(weights.shape)  # hidden: weight 0
-        d_q_pairs, d_k_pairs = d_scores @ k_pairs, d_scores.transpose(-1, -2) @ q_pairs
-        return d_q_own, d_k_own, d_v_own, d_q_pairs, d_k_pairs, d_v_pairs, None, None, None
+        def per_pair(x: torch.Tensor) -> torch.Tensor:  # [N, h, A, B, ...] -> [K, kv_h, rows, ...]
+            return (
+                _tiled(x, group, 0.0).index_select(0, pair_tile).to(x.dtype).reshape(*q_pairs.shape[:3], *x.shape[4:])
+            )
 
-
-def _with_dim(to_tile: torch.Tensor, dim: int) -> torch.Tensor:
-    """to_tile [N, P, h, G, B] expanded over a last dim of `dim`."""
-    return to_tile[..., None].expand(*to_tile.shape, dim)
+        # the pairs: the kernel's backward, given each row's merged output and log-sum-exp
+        d_q_pairs, d_k_pairs, d_v_pairs = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            per_pair(grad_out.to(dtype)),
+            q_pairs,
+            k_pairs,
+            v_pairs,
+            per_pair(out.to(dtype)),
+            lse.index_select(0, pair_tile).reshape(q_pairs.shape[:3]).to(ctx.lse_dtype),
+            0.0,
+            False,
+            attn_mask=bias,
+            scale=1.0,
+        )
+        return d_q_own, d_k_own, d_v_own, d_q_pairs, d_k_pairs, d_v_pairs, None, None, None, None
 
 
 def _tiled(x: torch.Tensor, group: int, pad: float) -> torch.Tensor:
-    """[N, h, A, B, ...] -> [N, A'/G, h, G, B, ...] (A' = A padded with `pad` to a multiple of G)."""
-    x = _padded(x.transpose(1, 2), group, pad)
-    return x.view(x.shape[0], -1, group, *x.shape[2:]).transpose(2, 3)
+    """[N, h, A, B, ...] -> [N * A'/G, h, G, B, ...] (A' = A padded with `pad` to a multiple of G)."""
+    x = _padded(x.transpose(1, 2), group, pad)  # [N, A', h, B, ...]
+    return x.view(-1, group, *x.shape[2:]).transpose(1, 2)
 
 
-def _untiled(x: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[N, A'/G, h, G, B, ...] -> [N, h, A, B, ...] (the padding blocks dropped)."""
-    n, num_tiles, heads, group = x.shape[:4]
-    x = x.transpose(2, 3).reshape(n, num_tiles * group, heads, *x.shape[4:])[:, :num_blocks]
+def _untiled(x: torch.Tensor, n: int, num_blocks: int) -> torch.Tensor:
+    """[N * A'/G, h, G, B, ...] -> [N, h, A, B, ...] (the padding blocks dropped)."""
+    x = x.transpose(1, 2).reshape(n, -1, *x.shape[1:2], *x.shape[3:])[:, :num_blocks]
     return x.transpose(1, 2)
