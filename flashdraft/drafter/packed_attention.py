@@ -223,20 +223,19 @@ class _PairAttention(torch.autograd.Function):
         pair_share = (pair_lse - lse.index_select(0, pair_tile)).exp_()[..., None]  # [K, h, G, B, 1]
         own_share = (own_lse - _untiled(lse, n, num_blocks)).exp_()[..., None]  # [N, h, A, B, 1]
         out = _tiled(own_out.to(wide) * own_share, group, 0.0)  # [N * A'/G, h, G, B, d]
-        out = out.index_add_(0, pair_tile, pair_out.to(wide).view(*pair_share.shape[:-1], dim) * pair_share)
+        out = out.index_add_(0, pair_tile, pair_out.to(wide).view(*pair_share.shape[:-1], dim).mul_(pair_share))
+        own = own.mul_(own_share)  # the own block's merged weights [N, h, A, B, B], for the backward
         out = _untiled(out, n, num_blocks)  # [N, h, A, B, d]
-        ctx.save_for_backward(q_own, k_own, v_own, q_pairs, k_pairs, v_pairs, hidden_own, bias, pair_tile, out, lse)
+        ctx.save_for_backward(q_own, k_own, v_own, q_pairs, k_pairs, v_pairs, own, bias, pair_tile, out, lse)
         return out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q_own, k_own, v_own, q_pairs, k_pairs, v_pairs, hidden_own, bias, pair_tile, out, lse = ctx.saved_tensors
-        n, num_blocks, dtype = q_own.shape[0], q_own.shape[2], q_own.dtype
+        q_own, k_own, v_own, q_pairs, k_pairs, v_pairs, own, bias, pair_tile, out, lse = ctx.saved_tensors
+        dtype = q_own.dtype
         group, wide = lse.shape[2], torch.promote_types(dtype, torch.float32)
         grad_out = grad_out.to(wide)
         # the own block: softmax backward with its merged weights, weight * (d weight - sum(grad_out * out))
-        own = (q_own @ k_own.transpose(-1, -2)).to(wide).masked_fill_(hidden_own, float("-inf"))
-        own = own.sub_(_untiled(lse, n, num_blocks)[..., None]).exp_()  # [N, h, A, B, B]
         delta = (grad_out * out).sum(-1, keepdim=True)  # [N, h, A, B, 1]
         d_v_own = own.to(dtype).transpose(-1, -2) @ grad_out.to(dtype)
         d_own = (grad_out.to(dtype) @ v_own.transpose(-1, -2)).to(wide).sub_(delta).mul_(own).to(dtype)
