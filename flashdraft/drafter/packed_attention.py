@@ -13,6 +13,14 @@ has one shape and nothing is read back from the device (the compiled step's one 
 `attention_mask`'s (context of the own document strictly before the anchor, a sliding window where the layer has
 one); the softmax runs over a block query's context tiles and its own block at once, so the result equals the dense
 path's.
+
+The pairs are scored by the CPU's fused attention kernel (the one `scaled_dot_product_attention` runs there), one call
+batched over the pairs: its scores stay in cache-sized tiles, where the same softmax by autograd's elementwise ops
+made about a dozen passes over a [pairs, heads, G x B queries, T keys] tensor and cost about 3x a dense score. The
+pairs' parts and the own block's are merged by their log-sum-exps, and the backward hands each part the merged
+output and log-sum-exp (`_PairAttention`). In eager the padding pairs are dropped (the kernel's batch is the batch's
+own pairs); compiled, they stay, fully hidden, so the shape is the run's one. On a GPU flex attention does this work
+(its block mask), and the dense path with the documents' mask is the fallback.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import torch
 
 from flashdraft.drafter.config import LayerAttention
 
-KEY_TILE = 128  # context keys per tile (8 x 128 measured fastest on CPU among 4-32 x 32-256)
+KEY_TILE = 128  # context keys per tile (16 x 128 measured fastest on CPU among 8-32 x 64-256, benchmarks/packing.py)
 BLOCK_TILE = 16  # blocks per query tile: a gathered key tile serves this many blocks, a query tile that many key tiles
 
 

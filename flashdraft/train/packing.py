@@ -27,10 +27,11 @@ from flashdraft.train.blocks import IGNORE, candidate_anchors
 from flashdraft.train.data import Batch, BatchSpec, record_blocks, served_positions
 
 BLOCK_SLACK = 1.25  # a row's block capacity over the blocks its L tokens hold on average
-# tiled attention where it scores at most this share of the dense path's scores: its gathers and scatters cost more
-# a score (one record a row of 144 tokens: tiled 0.9x the dense path's speed; 24 chats and 8 documents at L = 1,024,
-# 0.71 of the dense scores: 1.34x, benchmarks/packing.py)
-TILED_SHARE = 0.75
+# tiled attention where it scores at most this share of the dense path's scores: a tiled score (the fused kernel) costs
+# less than a dense one where rows hold several documents (the dense path's hidden scores), about as much where a row
+# is one record (attention alone, forward and backward, an epoch: the long-tailed mix, 1.12 of the dense scores,
+# tiled 2.6x faster; the built-in mix, one record of 144 tokens a row, 1.6: tiled 0.68x; benchmarks/packing.py's)
+TILED_SHARE = 1.25
 
 
 @dataclass(frozen=True)

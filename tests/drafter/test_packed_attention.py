@@ -77,3 +77,29 @@ def test_tiled_attention_equals_the_dense_blockwise_rule_in_values_and_gradients
 def test_a_row_with_more_pairs_than_the_plan_allows_is_refused():
     with pytest.raises(ValueError, match="more than the plan's 1"):
         ContextTiles.of_rows([[(0, 0), (0, 1)]], 1)
+
+
+def test_tiled_attention_in_bfloat16_gives_the_dense_rule_to_bfloat16_rounding():
+    # the fused CPU kernel takes its mask in q's dtype and returns its log-sum-exp in float32 for bfloat16
+    positions, documents, anchors, tiles = _row_layout()
+    attention = LayerAttention(True, None)
+    query_positions = anchors.repeat_interleave(BLOCK, dim=1) + torch.arange(BLOCK).repeat(A)
+    generator = torch.Generator().manual_seed(2)
+    shapes = [(2, 4, A * BLOCK, 8)] + [(2, 2, C, 8)] * 2 + [(2, 2, A * BLOCK, 8)] * 2
+    tensors = [torch.randn(shape, generator=generator).bfloat16().requires_grad_() for shape in shapes]
+    q, k_ctx, v_ctx, k_blk, v_blk = tensors
+    query_documents = (documents[0].repeat_interleave(BLOCK, dim=1), documents[1])
+    dense_mask = blockwise_mask(
+        query_positions, anchors.repeat_interleave(BLOCK, dim=1), positions, BLOCK, attention, query_documents
+    )
+    mask = tiled_mask(tiles, query_positions, anchors, positions, documents, BLOCK, attention)
+    real = (documents[0] >= 0).repeat_interleave(BLOCK, dim=1)[:, None, :, None]
+    results = []
+    for attend, rule in ((blockwise_attention, dense_mask), (tiled_attention, mask)):
+        out = attend(q, (k_ctx, v_ctx), (k_blk, v_blk), rule) * real
+        assert out.dtype == torch.bfloat16
+        results.append((out.float(), [g.float() for g in torch.autograd.grad(out.float().square().sum(), tensors)]))
+    # bfloat16 keeps 8 bits of mantissa: values of order 1 agree to a few units of 2^-8
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0.05, atol=0.05)
+    for tiled, dense in zip(results[1][1], results[0][1], strict=True):
+        torch.testing.assert_close(tiled, dense, rtol=0.05, atol=0.1)
