@@ -231,7 +231,7 @@ class _PairAttention(torch.autograd.Function):
         pair_share = (pair_lse - lse.index_select(0, pair_tile)).exp_()[..., None]  # [K, h, G, B, 1]
         own_share = (own_lse - _untiled(lse, n, num_blocks)).exp_()[..., None]  # [N, h, A, B, 1]
         out = _tiled(own_out.to(wide) * own_share, group, 0.0)  # [N * A'/G, h, G, B, d]
-        out = out.index_add_(0, pair_tile, pair_out.to(wide).view(*pair_share.shape[:-1], dim).mul_(pair_share))
+        out = out.index_add(0, pair_tile, pair_out.to(wide).view(*pair_share.shape[:-1], dim).mul_(pair_share))
         own = own.mul_(own_share)  # the own block's merged weights [N, h, A, B, B], for the backward
         out = _untiled(out, n, num_blocks)  # [N, h, A, B, d]
         ctx.save_for_backward(q_own, k_own, v_own, q_pairs, k_pairs, v_pairs, own, bias, pair_tile, out, lse)

@@ -103,3 +103,23 @@ def test_tiled_attention_in_bfloat16_gives_the_dense_rule_to_bfloat16_rounding()
     torch.testing.assert_close(results[1][0], results[0][0], rtol=0.05, atol=0.05)
     for tiled, dense in zip(results[1][1], results[0][1], strict=True):
         torch.testing.assert_close(tiled, dense, rtol=0.05, atol=0.1)
+
+
+def test_compiled_tiled_attention_keeps_the_padding_pairs_and_gives_the_eager_values_and_gradients():
+    # aot_eager functionalizes the graph as inductor does (its in-place ops on views replayed), without inductor's
+    # codegen; compiled, the padding pairs stay (fully hidden) where eager drops them: the results are the same
+    positions, documents, anchors, tiles = _row_layout()
+    attention = LayerAttention(False, None)
+    query_positions = anchors.repeat_interleave(BLOCK, dim=1) + torch.arange(BLOCK).repeat(A)
+    mask = tiled_mask(tiles, query_positions, anchors, positions, documents, BLOCK, attention)
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(2, 4, A * BLOCK, 8)] + [(2, 2, C, 8)] * 2 + [(2, 2, A * BLOCK, 8)] * 2
+    tensors = [torch.randn(shape, generator=generator).requires_grad_() for shape in shapes]
+    compiled = torch.compile(tiled_attention, backend="aot_eager", fullgraph=True, dynamic=False)
+    results = []
+    for attend in (tiled_attention, compiled):
+        out = attend(tensors[0], tuple(tensors[1:3]), tuple(tensors[3:5]), mask)
+        results.append((out, torch.autograd.grad(out.square().sum(), tensors)))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    for compiled_grad, eager_grad in zip(results[1][1], results[0][1], strict=True):
+        torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-5, atol=1e-6)
