@@ -747,8 +747,7 @@ class DFlashDrafter(nn.Module):
                 )
                 num_keys = all_context_positions.shape[1] + q_len
                 masks[attention] = create_block_mask(rule, n, None, q_len, num_keys, device=block_embeds.device)
-            elif context_tiles is not None and cache is None and block_embeds.device.type == "cpu":
-                # packed training on CPU: its documents' tiles only (the CPU's fused attention kernel)
+            elif context_tiles is not None and cache is None and block_embeds.device.type == "cpu":  # packed, CPU
                 tiled = (query_positions, anchor_positions, all_context_positions, packed_documents, b, attention)
                 masks[attention] = tiled_mask(context_tiles, *tiled)
             elif num_blocks > 1 and cache is None:  # training: the blocks never see each other
