@@ -31,7 +31,7 @@ from flashdraft.drafter.model import PAD_POSITION, DFlashDrafter
 from flashdraft.drafter.static_cache import StaticDrafterCache, block_hidden, write_context
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
-from flashdraft.target.static_cache import CompileCounts, dynamo_totals, with_own_code
+from flashdraft.target.static_cache import CompileCounts, compile_step, dynamo_totals
 
 CAPACITY_STEP = 256  # context capacity is rounded up to this: nearby lengths share one state (and its graphs)
 
@@ -95,6 +95,7 @@ class StaticDraftState:
             raise FlashdraftError(f"compiled drafting: this drafter cannot draft in fixed shapes: {reason}")
         self.drafter, self.target, self.shape, self.settings = drafter, target, shape, settings
         device, dtype = target.device, next(drafter.parameters()).dtype
+        self.device, self.dtype = device, dtype  # what its graphs were made for (`static_state` matches them)
         self.rows = shape.block + 1  # R: the most context one step commits (a + 1 <= k + 1 <= B + 1)
         # context capacity: the cache holds `capacity` committed tokens plus one padded write past them
         self.cache = StaticDrafterCache(drafter, capacity + self.rows, shape.block, device, dtype)
@@ -109,9 +110,8 @@ class StaticDraftState:
         self._write, self._draft = self._write_step, self._draft_step
         if settings.backend is not None:
             mode = settings.compile_mode(torch.device(device))
-            options = dict(fullgraph=True, dynamic=False, backend=settings.backend, mode=mode)
-            self._write = torch.compile(with_own_code(self._write_step), **options)
-            self._draft = torch.compile(with_own_code(self._draft_step), **options)
+            self._write = compile_step(self._write_step, settings.backend, mode)
+            self._draft = compile_step(self._draft_step, settings.backend, mode)
         # each state's graphs its own (`with_own_code`: Dynamo's recompile limit is per code object); the first graph
         # of each of the two steps is its warm-up, any later one a recompile
         self.counts = CompileCounts()
@@ -191,14 +191,16 @@ class StaticDraftState:
 def static_state(
     drafter: DFlashDrafter, target: TargetModel, shape: StepShape, settings: CompiledDraft
 ) -> StaticDraftState:
-    """The drafter's state for this target, step shape and settings with room for settings.max_length tokens: the
-    smallest it already has (its graphs compiled), else a new one (capacity rounded up to CAPACITY_STEP)."""
+    """The drafter's state for this target, step shape and settings with room for settings.max_length tokens, on the
+    models' device and dtype: the smallest it already has (its graphs compiled), else a new one (capacity rounded up
+    to CAPACITY_STEP)."""
     states: list[StaticDraftState] = drafter.__dict__.setdefault("_static_draft_states", [])
     fitting = [
         s
         for s in states
         if s.target is target and s.shape == shape and s.settings.backend == settings.backend
         if s.settings.mode == settings.mode and s.capacity >= settings.max_length
+        if (s.device, s.dtype) == (target.device, next(drafter.parameters()).dtype)  # a model moved or cast: new graphs
     ]
     if fitting:
         return min(fitting, key=lambda s: s.capacity)
