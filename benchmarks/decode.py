@@ -167,11 +167,10 @@ def main() -> None:
     warm = records[0].prompt_ids
     longest = max(len(r.prompt_ids) for r in records) + args.max_new_tokens
     autoregressive_generate(target, warm, 16)
-    warm_up = {}  # (drafter, compiled) -> the warm-up's compile seconds
-    for name, (drafter, block) in drafters.items():
-        for compiled in modes:
-            config = SpeculativeConfig(block_size=block, compile=compiled, static_positions=longest)
-            warm_up[name, compiled] = speculative_generate(target, drafter, warm, 16, speculative=config)
+    warm_up = {}  # each line's setting -> its warm-up (a limit of k drafts verifies k + 1 tokens: graphs of its own)
+    for name, drafter, block, limit, compiled in runs:
+        config = SpeculativeConfig(block_size=block, limit=limit, compile=compiled, static_positions=longest)
+        warm_up[name, limit, compiled] = speculative_generate(target, drafter, warm, 16, speculative=config)
     if True in modes:
         t0 = time.perf_counter()
         # on the longest record: the static cache the timed records need, compiled once
@@ -258,7 +257,7 @@ def main() -> None:
             "compiles_after_warm_up": s["compiles"],
             "recompiles": s["recompiles"],
             "graph_breaks": s["graph_breaks"],
-            "warm_up_compile_seconds": round(warm_up[name, compiled].compile_seconds, 1) if compiled else None,
+            "warm_up_compile_seconds": round(warm_up[name, limit, compiled].compile_seconds, 1) if compiled else None,
             "greedy_warm_up_seconds": round(greedy_compile_s, 1) if compiled else None,
         }
         print(json.dumps(line))
