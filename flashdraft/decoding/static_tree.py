@@ -73,25 +73,17 @@ class StaticTreeVerifier(StaticVerifier):
         """The additive masks [1, 1, T, L] of the nodes at rotary `positions` [T]: the committed rows (before
         `position`) and the rows of the node's ancestors (`position + j`); on sliding layers only keys whose rotary
         position is within the window of the node's."""
-        dtype, t, position = self.target.dtype, self.verify_length, self.cache.position
+        t, position = self.verify_length, self.cache.position
         rows = self._key_positions  # [L]: buffer rows
         seen = ancestor_mask(nodes, self.max_depth)  # [T, T]
         in_tree = (rows >= position) & (rows < position + t)  # [L]
         node_of_row = (rows - position).clamp(0, t - 1)  # [L]
         visible = (rows < position)[None, :] | (seen[:, node_of_row] & in_tree[None, :])  # [T, L]
-        masks = {"full_attention": visible}
+        sliding = None
         if self._window and "sliding_attention" in self.target.layer_types:
             key_positions = torch.where(in_tree, position + nodes[DEPTHS][node_of_row], rows)  # [L]: rotary
-            masks["sliding_attention"] = visible & (positions[:, None] - key_positions[None, :] < self._window)
-        additive = {
-            kind: torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)[
-                None, None
-            ]
-            for kind, mask in masks.items()
-        }
-        if self.target.linear_layers:  # recurrent layers take no mask: their tree is `cache.tree`
-            additive["linear_attention"] = None
-        return additive if len(additive) > 1 else additive["full_attention"]
+            sliding = visible & (positions[:, None] - key_positions[None, :] < self._window)
+        return self.additive(visible, sliding)
 
     def _forward(self, nodes: torch.Tensor):
         """nodes [4, T] (`tree_on_device`) -> (logits [1, T, V], hidden [1, T, H], features [1, T, n * H] or None,

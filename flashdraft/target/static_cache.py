@@ -377,17 +377,23 @@ class StaticVerifier:
     def _masks(self, positions: torch.Tensor):
         """The additive masks [1, 1, T, L] of the verify's queries at `positions` [T]: keys at positions up to the
         query's own (rows past it hold rejected drafts or nothing yet), within the window on sliding layers."""
-        dtype = self.target.dtype
         seen = self._key_positions[None, :] <= positions[:, None]  # [T, L]
-        masks = {"full_attention": seen}
+        sliding = None
         if self._window and "sliding_attention" in self.target.layer_types:
-            masks["sliding_attention"] = seen & (positions[:, None] - self._key_positions[None, :] < self._window)
-        additive = {
-            kind: torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)[
-                None, None
-            ]
-            for kind, mask in masks.items()
-        }
+            sliding = seen & (positions[:, None] - self._key_positions[None, :] < self._window)
+        return self.additive(seen, sliding)
+
+    def additive(self, full: torch.Tensor, sliding: torch.Tensor | None):
+        """What the decoder takes for the boolean masks (True: seen) of its full and sliding layers ([T, L], or [B,
+        T, L] per row): additive masks [1 or B, 1, T, L], a dict by layer kind where the target has sliding or
+        recurrent layers (those take none), else the one mask."""
+        dtype = self.target.dtype
+        masks = {"full_attention": full} | ({"sliding_attention": sliding} if sliding is not None else {})
+        additive = {}
+        for kind, mask in masks.items():
+            mask = mask[None] if mask.dim() == 2 else mask  # [B, T, L]
+            zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            additive[kind] = zeros.masked_fill(~mask, torch.finfo(dtype).min)[:, None]
         if self.target.linear_layers:  # recurrent layers take no mask
             additive["linear_attention"] = None
         return additive if len(additive) > 1 else additive["full_attention"]

@@ -21,6 +21,7 @@ STATIC = SpeculativeConfig(block_size=8, compile=True, compile_backend=None)  # 
 # backend "eager": Dynamo traces the same graphs, with the same guards and graph breaks, as inductor would compile
 COMPILED = SpeculativeConfig(block_size=8, compile=True, compile_backend="eager")
 RULES = [TreeRule("ddtree", 6), TreeRule("topk", 5, width=2)]
+SMALL = TreeRule("ddtree", 4)  # the compiled one: 5 nodes, at most 4 deep (the graph unrolls its depth loops)
 
 
 class BranchingOracle:
@@ -79,14 +80,14 @@ def warmed():
     compiled by one generation: (target, that generation)."""
     target = make_target("hybrid")
     oracle, _ = _oracle(target, PROMPT)
-    return target, tree_generate(target, oracle, PROMPT, 30, RULES[0], COMPILED)
+    return target, tree_generate(target, oracle, PROMPT, 30, SMALL, COMPILED)
 
 
 def test_a_compiled_tree_generation_after_warm_up_compiles_nothing_and_breaks_no_graph(warmed):
     target, warm = warmed
     assert (warm.compiles, warm.draft_compiles, warm.recompiles, warm.graph_breaks) == (2, 0, 0, 0)  # verify, commit
     assert warm.compile_seconds > 0
-    verifier = static_tree_verifier(target, 7, 6, len(PROMPT) + 30, "eager")
+    verifier = static_tree_verifier(target, SMALL.budget + 1, SMALL.budget, len(PROMPT) + 30, "eager")
     buffers = [verifier.cache.position, verifier.cache.tree.parents, verifier.cache.write_positions]
     buffers += [layer.keys for layer in verifier.cache.layers if layer is not None]
     buffers += [slots.states for slots in verifier.cache.recurrent.values()]
@@ -94,7 +95,7 @@ def test_a_compiled_tree_generation_after_warm_up_compiles_nothing_and_breaks_no
     for seed, prompt in enumerate((PROMPT[::-1] + [33], PROMPT[3:])):  # other prompt lengths, trees, paths
         oracle, plain = _oracle(target, prompt, seed + 1)
         with torch.compiler.set_stance("fail_on_recompile"):
-            run = tree_generate(target, oracle, prompt, 30, RULES[0], COMPILED)
+            run = tree_generate(target, oracle, prompt, 30, SMALL, COMPILED)
         assert run.output_ids == plain and run.acceptance_lengths != warm.acceptance_lengths
         assert len(set(run.acceptance_lengths)) > 2
         assert (run.compiles, run.recompiles, run.graph_breaks, run.compile_seconds) == (0, 0, 0, 0.0)
