@@ -72,12 +72,14 @@ class StaticBatchStep(StaticVerifier):
 
 def static_batch_step(target: TargetModel, batch: int, tokens: int, backend: str | None) -> StaticBatchStep:
     """The target's batched step for `batch` rows, made once and kept on the target (its buffers and graph serve
-    every later call that fits); a larger one replaces it when `tokens` columns do not fit."""
+    every later call that fits); a larger one replaces it when `tokens` columns do not fit, of twice the columns at
+    least: `generate` answers its prompts shortest first, so a run compiles about log2(longest / shortest) times."""
     steps = target.__dict__.setdefault("_static_batch_steps", {})
     key = (batch, backend, target.device, target.dtype, tuple(target._context_layer_ids))
     step = steps.get(key)
     if step is None or step.capacity < tokens:
-        step = StaticBatchStep(target, 1, capacity_for(tokens), backend, batch=batch)
+        capacity = capacity_for(max(tokens, 2 * step.capacity if step is not None else 0))
+        step = StaticBatchStep(target, 1, capacity, backend, batch=batch)
         steps[key] = step
     return step
 

@@ -131,3 +131,12 @@ def test_a_batch_wider_than_the_compiled_width_is_refused(compiled_batch):
     target, compiled, _ = compiled_batch
     with pytest.raises(FlashdraftError, match="a batch of 5 prompts; the compiled batch holds 4"):
         generate_batch(target, [*PROMPTS, [3]], 4, compiled=compiled)
+
+
+def test_a_batch_step_too_short_is_replaced_by_one_at_least_twice_as_long():
+    """`generate` answers its prompts shortest first: the static cache doubles, so a run compiles a few times."""
+    target = make_target("qwen3")
+    first = static_batch_step(target, 2, 10, None)
+    assert first.capacity == 256 and static_batch_step(target, 2, 200, None) is first
+    assert static_batch_step(target, 2, 300, None).capacity == 512
+    assert static_batch_step(target, 2, 1100, None).capacity == 1280

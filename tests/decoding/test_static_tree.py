@@ -99,6 +99,7 @@ def test_a_compiled_tree_generation_after_warm_up_compiles_nothing_and_breaks_no
         assert run.output_ids == plain and run.acceptance_lengths != warm.acceptance_lengths
         assert len(set(run.acceptance_lengths)) > 2
         assert (run.compiles, run.recompiles, run.graph_breaks, run.compile_seconds) == (0, 0, 0, 0.0)
+        assert run.host_transfers == 2 * len(run.acceptance_lengths)  # the ranked tokens, the argmax: as eagerly
     assert [buffer.data_ptr() for buffer in buffers] == addresses
 
 
