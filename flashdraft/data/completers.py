@@ -29,10 +29,11 @@ from flashdraft.data.prompts import (
 from flashdraft.data.reasoning import reasoning_end, reasoning_markers, tool_call_markers, tool_call_spans
 from flashdraft.decoding.batched import CompiledBatch, generate_batch
 from flashdraft.decoding.generate import autoregressive_generate
+from flashdraft.decoding.verification import check_static
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.image_files import ENGINE_WITHOUT_IMAGES, check_target_reads_images, open_image
 from flashdraft.target.model import TargetModel
-from flashdraft.target.static_cache import CompileCounts, static_support
+from flashdraft.target.static_cache import CompileCounts
 from flashdraft.target.vision import position_runs
 
 
@@ -159,9 +160,8 @@ def local_completer(target: TargetModel, settings: GenerationSettings, compiled:
     with its images bound (greedy output equal to the batch's, `flashdraft.decoding.batched`). `compiled`: the
     batches on the target's static cache, compiled once (`complete.compiled.counts`: what compiled); a target
     without a static rule is refused in one line."""
-    reason = static_support(target) if compiled is not None else None
-    if reason is not None:
-        raise FlashdraftError(f"{target.path or 'the target'}: --compile refused: {reason}; use --no-compile")
+    if compiled is not None:
+        check_static(target, compiled.backend)
 
     def generator(rid: str) -> torch.Generator:
         return torch.Generator(device=target.device).manual_seed(record_seed(settings.seed, rid))

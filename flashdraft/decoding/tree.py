@@ -28,6 +28,10 @@ Host-to-device copies (on CUDA a copy from pageable memory waits for all queued 
 `tree_on_device`'s [4, N + 1] of the tree's tokens, parents, depths and first-child flags (pinned, not waiting, on
 CUDA); the positions (anchor + depth), the ancestor mask and the accepted path's index are built from it on the
 device, as are a Gated DeltaNet layer's (`tree_block_forward`) node indices.
+
+With `SpeculativeConfig(compile=True)` the tree is verified on the target's static cache (`decoding.static_tree`):
+padded to the budget, one compiled verify and one compiled commit of the accepted path a step, the same tokens, the
+same reads and copy.
 """
 
 from __future__ import annotations
@@ -44,13 +48,13 @@ from flashdraft.decoding.proposers import DFlashProposer, Proposer, as_proposer,
 from flashdraft.decoding.static_proposer import draft_counts
 from flashdraft.decoding.static_tree import StaticTreeVerifier, static_tree_verifier
 from flashdraft.decoding.tree_nodes import DEPTHS, PARENTS, TOKENS, ancestor_mask, path_on_device
-from flashdraft.decoding.verification import COMPILE_BACKENDS, compiled_drafting, max_drafts, resolve_compile
+from flashdraft.decoding.verification import check_static, compiled_drafting, max_drafts, resolve_compile
 from flashdraft.drafter.families import family_of
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.linear_attention import TreeNodes
 from flashdraft.target.model import TargetModel, TargetOutput, decoding_attention
-from flashdraft.target.static_cache import CompileCounts, dynamo_totals, static_support
+from flashdraft.target.static_cache import CompileCounts, dynamo_totals
 
 TREE_RULES = ("ddtree", "topk", "beam")
 CHAIN_STEP = SpeculativeConfig()  # the drafter's block, features as computed
@@ -438,14 +442,9 @@ def tree_verification_for(
     without a static rule is refused in one line, as the chain's `verification_for` refuses it."""
     if not speculative.compile:
         return EagerTreeVerification(target, cache)
-    backend = speculative.compile_backend
-    if backend not in COMPILE_BACKENDS:
-        raise FlashdraftError(f"compile backend {backend!r}: expected one of {COMPILE_BACKENDS}")
-    reason = static_support(target)
-    if reason is not None:
-        raise FlashdraftError(f"{target.path or 'the target'}: --compile refused: {reason}; use --no-compile")
+    check_static(target, speculative.compile_backend)
     nodes = rule.budget + 1
-    verifier = static_tree_verifier(target, nodes, min(depth, rule.budget), tokens + nodes, backend)
+    verifier = static_tree_verifier(target, nodes, min(depth, rule.budget), tokens + nodes, speculative.compile_backend)
     verifier.start(cache, cache.length)
     return StaticTreeVerification(verifier)
 
