@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from flashdraft.decoding.generate import SpeculativeConfig, autoregressive_generate
-from flashdraft.decoding.static_tree import static_tree_verifier
-from flashdraft.decoding.tree import TreeRule, tree_generate
+from flashdraft.decoding.static_tree import StaticTreeVerifier, static_tree_verifier
+from flashdraft.decoding.tree import DraftTree, TreeRule, tree_generate, tree_on_device
 from flashdraft.errors import FlashdraftError
+from flashdraft.target.static_cache import capacity_for
 from tests.conftest import VOCAB, make_target
 from tests.decoding.test_tree import PROMPT
 from tests.decoding.test_verification import build_target
@@ -113,3 +114,36 @@ def test_compile_on_a_tree_target_without_a_static_rule_is_refused_in_one_line()
     target.vision = object()  # M-RoPE positions after an image: no static rule
     with pytest.raises(FlashdraftError, match="--compile refused: a vision-language target"):
         tree_generate(target, oracle, PROMPT, 4, RULES[0], COMPILED)
+
+
+@pytest.mark.parametrize("family", ["hybrid", "gpt_oss"])  # Gated DeltaNet + attention; sliding window + attention
+def test_the_commit_keeps_the_accepted_paths_states_as_a_forward_over_the_path_alone(family):
+    """A tree whose path (root, the greedy token, the next) runs through a sibling and leaves branches beside it:
+    after the commit the recurrent slot, its conv inputs and the K/V rows are those of a forward over the prompt and
+    the path alone."""
+    target = build_target(family)
+    anchor, first, second, _ = autoregressive_generate(target, PROMPT, 4).output_ids
+    wrong = [(t + 1) % 60 for t in (first, second)]
+    # nodes: 1 a wrong first token, 2 the right one, 3 the right second after 2, 4 a wrong third, 5 a wrong second
+    tree = DraftTree([wrong[0], first, second, wrong[1], wrong[1]], [-1, 0, 0, 2, 3, 2], [0, 1, 1, 2, 3, 2])
+    verifier = StaticTreeVerifier(target, 8, capacity_for(64), None, max_depth=4)  # two padding nodes
+    eager = target.new_cache()
+    target.forward(torch.tensor([PROMPT]), eager)
+    verifier.start(eager, len(PROMPT))
+    verdict = verifier.verify_tree(tree_on_device(tree, [anchor, *tree.tokens], torch.device("cpu"), 8))
+    assert int(verdict.length) == 3 and verdict.order[:3].tolist() == [0, 2, 3]
+    verifier.commit_tree(verdict)
+    reference = target.new_cache()
+    target.forward(torch.tensor([PROMPT + [anchor, first, second]]), reference)
+    end = len(PROMPT) + 3
+    assert int(verifier.cache.position) == end and int(verifier.cache.slot) == 2
+    for i, layer in enumerate(reference.kv.layers):
+        if i in verifier.cache.recurrent:
+            slots = verifier.cache.recurrent[i]
+            torch.testing.assert_close(slots.states[2], layer.recurrent_states[0], atol=1e-4, rtol=1e-4)
+            before, _ = slots.start(verifier.cache.slot, target.linear_mixers[i].conv_kernel_size)
+            torch.testing.assert_close(before, layer.conv_states[0], atol=1e-5, rtol=1e-5)
+        else:  # a sliding layer's eager cache keeps its last keys only: compare those
+            kept = layer.keys.shape[-2]
+            torch.testing.assert_close(verifier.cache.layers[i].keys[:, :, end - kept : end], layer.keys)
+            torch.testing.assert_close(verifier.cache.layers[i].values[:, :, end - kept : end], layer.values)
