@@ -170,11 +170,18 @@ def stream_order(
 
 
 def global_batch(
-    cfg: TrainConfig, records, step: int, steps_per_epoch: int, dist: Dist, plan: PackPlan | None = None
+    cfg: TrainConfig,
+    records,
+    step: int,
+    steps_per_epoch: int,
+    dist: Dist,
+    plan: PackPlan | None = None,
+    pin: bool = False,
 ) -> GlobalBatch:
     """This rank's micro-batches of the step's global batch, and the global batch's record
     indices: a function of (seed, epoch, step) only, so resume and any world size agree. With a `plan`, the
-    micro-batches are its packed rows (`packing.make_packed_batch`)."""
+    micro-batches are its packed rows (`packing.make_packed_batch`). `pin`: their context features built in pinned
+    memory (the batch goes to a GPU)."""
     epoch = step // steps_per_epoch
     batch_spec = BatchSpec(
         seed=cfg.seed,
@@ -183,6 +190,7 @@ def global_batch(
         mask_token_id=cfg.mask_token_id,
         max_length=cfg.max_length,
         first_draft=cfg.first_draft_position,
+        pin_memory=pin,
     )
     global_indices, mine = step_units(cfg, len(records), step, steps_per_epoch, dist, plan)
     micro_batches = []

@@ -50,15 +50,16 @@ def test_a_build_error_is_raised_by_the_step_that_asks_for_that_batch_and_stops_
     assert [prefetcher.get(0), prefetcher.get(1)] == [0, 1]
     with pytest.raises(KeyError, match="record 7 is damaged"):
         prefetcher.get(2)
-    assert _wait_for(lambda: not prefetcher._thread.is_alive())
+    assert _wait_for(lambda: not any(thread.is_alive() for thread in prefetcher._threads))
     prefetcher.close()
 
 
 def test_close_stops_a_thread_waiting_for_room():
-    prefetcher = BatchPrefetcher(lambda step: step, range(10**6), depth=1)
-    assert _wait_for(lambda: prefetcher._ready.full())
+    built = []
+    prefetcher = BatchPrefetcher(lambda step: built.append(step) or step, range(10**6), depth=1, workers=2)
+    assert _wait_for(lambda: len(built) == 2)
     prefetcher.close()
-    assert not prefetcher._thread.is_alive()
+    assert not any(thread.is_alive() for thread in prefetcher._threads)
     assert not any(t.name == "flashdraft-batches" and t.is_alive() for t in threading.enumerate())
 
 
