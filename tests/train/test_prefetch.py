@@ -54,6 +54,51 @@ def test_a_build_error_is_raised_by_the_step_that_asks_for_that_batch_and_stops_
     prefetcher.close()
 
 
+def test_two_workers_build_two_steps_at_once_and_hand_them_over_in_order_within_the_depth():
+    running, most, started, lock = [0], [0], [], threading.Lock()
+
+    def build(step):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            started.append(step)
+        time.sleep(0.1 if step % 2 else 0.03)  # odd steps slower: they finish after the next even one
+        with lock:
+            running[0] -= 1
+        return f"batch {step}"
+
+    prefetcher = BatchPrefetcher(build, range(10), depth=2, workers=2)
+    try:
+        assert _wait_for(lambda: len(started) == 3)
+        time.sleep(0.3)
+        assert sorted(started) == [0, 1, 2]  # as with one worker: two built ahead and one more, no further
+        assert [prefetcher.get(step) for step in range(10)] == [f"batch {step}" for step in range(10)]
+    finally:
+        prefetcher.close()
+    assert most[0] == 2
+
+
+def test_with_several_workers_no_step_after_a_failed_build_is_started_nor_handed_over():
+    started = []
+
+    def build(step):
+        started.append(step)
+        if step == 1:
+            raise KeyError("record 3 is damaged")
+        time.sleep(0.05)
+        return step
+
+    prefetcher = BatchPrefetcher(build, range(100), depth=3, workers=3)
+    assert prefetcher.get(0) == 0
+    with pytest.raises(KeyError, match="record 3 is damaged"):
+        prefetcher.get(1)
+    assert _wait_for(lambda: not any(thread.is_alive() for thread in prefetcher._threads))
+    assert max(started) <= 4  # only those claimed before the failure was known (within the depth)
+    with pytest.raises(RuntimeError, match="after an earlier step's build failed"):
+        prefetcher.get(2)
+    prefetcher.close()
+
+
 def test_close_stops_a_thread_waiting_for_room():
     built = []
     prefetcher = BatchPrefetcher(lambda step: built.append(step) or step, range(10**6), depth=1, workers=2)
