@@ -110,78 +110,78 @@ def read_batches(cache, workers: int = 1, pin: bool = False) -> int:
     return tokens
 
 
-def timed(read, directory: Path, pages: str, repeats: int) -> tuple[int, list[float]]:
-    """`read()`'s context tokens and its seconds, `repeats` times (cold: the cache's pages dropped before each)."""
-    seconds = []
-    for _ in range(repeats):
-        if pages == "cold":
-            drop_pages(directory)
-        started = time.perf_counter()
-        tokens = read()
-        seconds.append(time.perf_counter() - started)
-    return tokens, seconds
+def disk_read(directory: Path, shards: list[dict], into: torch.Tensor) -> int:
+    """Every shard's context features read from the file by `preadv` into `into` (memory already touched): what the
+    disk and the page cache give without mapping, the floor of a cold read. Returns the context tokens read."""
+    tokens = 0
+    view = memoryview(into.view(torch.uint8).numpy()).cast("B")
+    for shard in shards:
+        path = directory / shard["file"]
+        with path.open("rb") as f:  # the safetensors header: its length, then JSON naming each tensor's byte range
+            header_length = int.from_bytes(f.read(8), "little")
+            begin, end = json.loads(f.read(header_length))["context_features"]["data_offsets"]
+            done = 0
+            while done < end - begin:
+                chunk = min(end - begin - done, view.nbytes)
+                done += os.preadv(f.fileno(), [view[:chunk]], 8 + header_length + begin + done)
+        tokens += shard["num_tokens"]
+    return tokens
 
 
-def copy_floor(shape: tuple[int, int, int], batches: int, repeats: int) -> dict:
-    """One batch's features (bf16 `shape`) copied `batches` times by one thread, `repeats` times: into memory already
-    touched, into fresh memory from torch's allocator, into a fresh `feature_buffer`; the median seconds of each."""
+def copy_into(shape: tuple[int, int, int], batches: int, into: str, touched: torch.Tensor, source: torch.Tensor):
+    """One batch's features (bf16 `shape`, `source`) copied `batches` times by one thread into memory already
+    touched, into fresh memory from torch's allocator, or into a fresh `feature_buffer`. Returns the context tokens."""
     from flashdraft.train.host_memory import feature_buffer
 
-    source = torch.randn(shape).to(torch.bfloat16)
-    touched = torch.zeros_like(source)
-    ways = {
-        "touched": lambda: touched.copy_(source),
-        "torch_empty": lambda: torch.empty(shape, dtype=source.dtype).copy_(source),
-        "feature_buffer": lambda: feature_buffer(shape, source.dtype).copy_(source),
-    }
-    medians = {}
-    for name, copy in ways.items():
-        runs = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            for _ in range(batches):
-                copy()
-            runs.append(time.perf_counter() - started)
-        medians[name] = sorted(runs)[len(runs) // 2]
-    return medians
+    for _ in range(batches):
+        if into == "touched":
+            touched.copy_(source)
+        elif into == "torch_empty":
+            torch.empty(shape, dtype=source.dtype).copy_(source)
+        else:
+            feature_buffer(shape, source.dtype).copy_(source)
+    return batches * shape[0] * shape[1]
 
 
 def read_rows(cache, directory: Path, feature_width: int, args) -> list[dict]:
-    """The cache read as records, then as batches by each number of workers, cold and warm: one row each."""
-    reads = [("records", 1, lambda: read_records(cache))] + [
-        ("batches", int(w), lambda w=int(w): read_batches(cache, workers=w)) for w in args.workers.split(",")
-    ]
-    rows = []
-    for read, workers, fn in reads:
-        for pages in ("cold", "warm"):
-            tokens, seconds = timed(fn, directory, pages, args.repeats)
-            rate, best = tokens / sorted(seconds)[len(seconds) // 2], tokens / min(seconds)
-            rows.append(
-                {
-                    "read": read,
-                    "workers": workers,
-                    "pages": pages,
-                    "context_tokens": tokens,
-                    "context_tokens_per_s": round(rate),
-                    "best_context_tokens_per_s": round(best),
-                    "gb_per_s": round(rate * feature_width * 2 / 1e9, 3),
-                }
-            )
-    return rows
+    """The cache read as records, as batches by each number of workers, cold and warm; the disk's and memcpy's
+    floors: one row each, the median of `args.repeats` taken in turn (a load that comes and goes hits each alike)."""
+    shape = (4, args.tokens_per_record, feature_width)  # one batch's features
+    touched, source = torch.zeros(shape, dtype=torch.bfloat16), torch.randn(shape).to(torch.bfloat16)
+    batches = len(cache) // 4
+    reads = [("records", 1, "cold"), ("records", 1, "warm")]
+    reads += [("batches", int(w), pages) for w in args.workers.split(",") for pages in ("cold", "warm")]
+    reads += [("disk read into touched memory", 1, "cold")]
+    reads += [(f"memcpy into {into}", 1, "warm") for into in ("touched", "torch_empty", "feature_buffer")]
 
+    def run(read: str, workers: int) -> int:
+        if read == "records":
+            return read_records(cache)
+        if read == "batches":
+            return read_batches(cache, workers=workers)
+        if read.startswith("disk"):
+            return disk_read(directory, cache.shards, touched)
+        return copy_into(shape, batches, read.removeprefix("memcpy into "), touched, source)
 
-def floor_rows(feature_width: int, args) -> list[dict]:
-    """The same bytes as the batches' features copied by one thread (`copy_floor`): one row per destination."""
-    batches = args.records // 4
-    floor = copy_floor((4, args.tokens_per_record, feature_width), batches, args.repeats)
+    seconds: dict[tuple, list[float]] = {key: [] for key in reads}
+    tokens: dict[tuple, int] = {}
+    for _ in range(args.repeats):
+        for read, workers, pages in reads:
+            if pages == "cold":
+                drop_pages(directory)
+            started = time.perf_counter()
+            tokens[read, workers, pages] = run(read, workers)
+            seconds[read, workers, pages].append(time.perf_counter() - started)
     rows = []
-    for into, seconds in floor.items():
-        rate = 4 * args.tokens_per_record * batches / seconds
+    for key in reads:
+        runs = sorted(seconds[key])
+        rate, best = tokens[key] / runs[len(runs) // 2], tokens[key] / runs[0]
+        row = {"read": key[0], "workers": key[1], "pages": key[2], "context_tokens": tokens[key]}
         rows.append(
-            {
-                "read": f"memcpy into {into}",
-                "workers": 1,
+            row
+            | {
                 "context_tokens_per_s": round(rate),
+                "best_context_tokens_per_s": round(best),
                 "gb_per_s": round(rate * feature_width * 2 / 1e9, 3),
             }
         )
@@ -208,7 +208,7 @@ def main() -> None:
             where.mkdir()
             directory = write_cache(target, layers, hidden, args.records, args.tokens_per_record, where)
             rows = read_rows(HiddenStateCache(directory), directory, layers * hidden, args)
-            for row in rows + floor_rows(layers * hidden, args):
+            for row in rows:
                 head = {"benchmark": "cache_read", "drafter": name, "feature_width": layers * hidden}
                 rate = row["context_tokens_per_s"]
                 tail = {"machine": machine, "step_consumes_tokens_per_s": args.step_tokens_per_s}
