@@ -7,16 +7,17 @@ same bytes on this machine.
 
 For each width (Qwen3-8B's drafter: 5 context layers x 4,096; Qwen3.6-27B's: 5 x 5,120; bf16) a cache of random
 records is written by `flashdraft cache`'s own writer (features stood in for the target's), then read as training
-reads it: every record (`HiddenStateCache[i]`, a view of the mapped shard, copied into a `feature_buffer`), and
-the training batches built from them as `flashdraft train` builds them (`step.global_batch`: 4 records a batch,
-anchors, blocks, labels, the features copied into the batch's buffer, `train.host_memory`), by train's prefetcher
-with each number of `--workers` threads; each with the files' pages dropped from the page cache first (cold: the
-disk) and not (warm: memory). One JSON line per width, read and pages: context tokens/s (the median of
+reads it: every record (`HiddenStateCache[i]`, a view of the mapped shard, copied into a buffer), and the
+training batches built from them as `flashdraft train` builds them (`step.global_batch`: 4 records a batch, anchors,
+blocks, labels, the features copied into the batch's buffer, reused once let go: `train.host_memory`), by train's
+prefetcher with each number of `--workers` threads; each with the files' pages dropped from the page cache first
+(cold: the disk) and not (warm: memory). One JSON line per width, read and pages: context tokens/s (the median of
 `--repeats`, and the best) and GB/s, and the ratio to the step's consumption (--step-tokens-per-s: 17,000 context
 tokens/s is the 8B-shaped step measured on an H200; the 27B-shaped step consumes fewer tokens/s, so the ratio there
-is a lower bound). Then the floor in the same run: one batch's bytes copied by one thread into memory already
-touched (what the copy itself costs), into fresh memory from torch's allocator, and into a fresh `feature_buffer`
-(what a batch pays).
+is a lower bound). Then the floors in the same run, the reads taken in turn: the shards' feature bytes read from
+the disk by `preadv` into memory already touched (pages dropped first), and one batch's bytes copied by one thread
+into memory already touched (the copy alone, what a reused buffer costs) and into fresh memory from torch's
+allocator (what every batch paid before its buffers were reused).
 """
 
 from __future__ import annotations
@@ -77,28 +78,31 @@ def write_cache(target, layers: int, hidden: int, records: int, tokens: int, whe
 
 def read_records(cache) -> int:
     """Every record's features read into memory as the batch builder reads them: the record's tensor is a view of the
-    mapped shard, copied into a fresh `feature_buffer`."""
-    from flashdraft.train.host_memory import feature_buffer
+    mapped shard, copied into a buffer of the run's (`train.host_memory.FeatureBuffers`, reused once let go)."""
+    from flashdraft.train.host_memory import FeatureBuffers
 
-    tokens = 0
+    buffers, tokens = FeatureBuffers(keep=1), 0
     for i in range(len(cache)):
         features = cache[i].context_features  # [T, n * H], mapped
-        tokens += feature_buffer(tuple(features.shape), features.dtype).copy_(features).shape[0]
+        tokens += buffers.take(tuple(features.shape), features.dtype).copy_(features).shape[0]
     return tokens
 
 
 def read_batches(cache, workers: int = 1, pin: bool = False) -> int:
-    """The training batches of one epoch (4 records each), built by train's prefetcher (2 ahead) with `workers`
-    threads, taken in order as the step takes them; `pin`: in pinned memory (a GPU's batches)."""
+    """The training batches of one epoch (4 records each) as `flashdraft train` builds them: by its prefetcher (2
+    ahead) with `workers` threads, in the run's buffers (pinned with `pin`, a GPU's; else reused once let go), taken
+    in order as the step takes them."""
     from flashdraft.distributed import Dist
     from flashdraft.train.config import TrainConfig
+    from flashdraft.train.host_memory import FeatureBuffers
     from flashdraft.train.prefetch import BatchPrefetcher
     from flashdraft.train.step import global_batch
 
     cfg = TrainConfig(batch_size=4, num_anchors=512, seed=0).recording(block_size=16, mask_token_id=1)
-    steps, dist = len(cache) // cfg.batch_size, Dist()
+    steps, dist, depth = len(cache) // cfg.batch_size, Dist(), 2
+    buffers = FeatureBuffers(pin=pin, keep=depth + 3)  # as train's loop keeps them
     prefetcher = BatchPrefetcher(
-        lambda step: global_batch(cfg, cache, step, steps, dist, pin=pin), range(steps), 2, pin=pin, workers=workers
+        lambda step: global_batch(cfg, cache, step, steps, dist, buffers=buffers), range(steps), depth, pin, workers
     )
     tokens = 0
     try:
@@ -130,16 +134,12 @@ def disk_read(directory: Path, shards: list[dict], into: torch.Tensor) -> int:
 
 def copy_into(shape: tuple[int, int, int], batches: int, into: str, touched: torch.Tensor, source: torch.Tensor):
     """One batch's features (bf16 `shape`, `source`) copied `batches` times by one thread into memory already
-    touched, into fresh memory from torch's allocator, or into a fresh `feature_buffer`. Returns the context tokens."""
-    from flashdraft.train.host_memory import feature_buffer
-
+    touched, or into fresh memory from torch's allocator. Returns the context tokens."""
     for _ in range(batches):
         if into == "touched":
             touched.copy_(source)
-        elif into == "torch_empty":
-            torch.empty(shape, dtype=source.dtype).copy_(source)
         else:
-            feature_buffer(shape, source.dtype).copy_(source)
+            torch.empty(shape, dtype=source.dtype).copy_(source)
     return batches * shape[0] * shape[1]
 
 
@@ -152,7 +152,7 @@ def read_rows(cache, directory: Path, feature_width: int, args) -> list[dict]:
     reads = [("records", 1, "cold"), ("records", 1, "warm")]
     reads += [("batches", int(w), pages) for w in args.workers.split(",") for pages in ("cold", "warm")]
     reads += [("disk read into touched memory", 1, "cold")]
-    reads += [(f"memcpy into {into}", 1, "warm") for into in ("touched", "torch_empty", "feature_buffer")]
+    reads += [(f"memcpy into {into}", 1, "warm") for into in ("touched", "torch_empty")]
 
     def run(read: str, workers: int) -> int:
         if read == "records":

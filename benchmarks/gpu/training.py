@@ -448,6 +448,7 @@ def check_cache_feed(name: str, widths: Widths, device: torch.device, measured: 
     step waited for its batches (`wait_s`)."""
     from flashdraft.data.cache_reader import HiddenStateCache
     from flashdraft.target.model import TargetModel
+    from flashdraft.train.host_memory import FeatureBuffers
     from flashdraft.train.loop import recorded_config
     from flashdraft.train.optim import build_optimizers
     from flashdraft.train.packing import pack_plan
@@ -488,8 +489,13 @@ def check_cache_feed(name: str, widths: Widths, device: torch.device, measured: 
         steps, dist = len(plan.rows), Dist(device=device)
         optimizer, spec = build_optimizers(drafter, cfg, steps), loss_spec(cfg, drafter)
         drop_pages(directory)
+        buffers = FeatureBuffers(pin=pin, keep=2 + 3)  # as train's loop keeps them
         prefetcher = BatchPrefetcher(
-            lambda step: global_batch(cfg, cache, step, steps, dist, plan, pin=pin), range(steps), 2, pin, workers
+            lambda step: global_batch(cfg, cache, step, steps, dist, plan, buffers=buffers),
+            range(steps),
+            2,
+            pin,
+            workers,
         )
         waits, computed = [], 0.0
         try:
