@@ -12,12 +12,13 @@ training batches built from them as `flashdraft train` builds them (`step.global
 blocks, labels, the features copied into the batch's buffer, reused once let go: `train.host_memory`), by train's
 prefetcher with each number of `--workers` threads; each with the files' pages dropped from the page cache first
 (cold: the disk) and not (warm: memory). One JSON line per width, read and pages: context tokens/s (the median of
-`--repeats`, and the best) and GB/s, and the ratio to the step's consumption (--step-tokens-per-s: 17,000 context
-tokens/s is the 8B-shaped step measured on an H200; the 27B-shaped step consumes fewer tokens/s, so the ratio there
-is a lower bound). Then the floors in the same run, the reads taken in turn: the shards' feature bytes read from
-the disk by `preadv` into memory already touched (pages dropped first), and one batch's bytes copied by one thread
-into memory already touched (the copy alone, what a reused buffer costs) and into fresh memory from torch's
-allocator (what every batch paid before its buffers were reused).
+`--repeats`, and the best; the batches' buffers kept over the repeats as a run keeps them) and GB/s, and the ratio
+to the step's consumption (--step-tokens-per-s: 17,000 context tokens/s is the 8B-shaped step measured on an H200;
+the 27B-shaped step consumes fewer tokens/s, so the ratio there is a lower bound). Then the floors in the same run,
+the reads taken in turn: the shards' feature bytes read from the disk by `preadv` into memory already touched (pages
+dropped first), and one batch's bytes copied by one thread into memory already touched (the copy alone, what a
+reused buffer costs) and into fresh memory from torch's allocator (what every batch paid before its buffers were
+reused).
 """
 
 from __future__ import annotations
@@ -88,10 +89,10 @@ def read_records(cache) -> int:
     return tokens
 
 
-def read_batches(cache, workers: int = 1, pin: bool = False) -> int:
+def read_batches(cache, workers: int = 1, pin: bool = False, buffers=None) -> int:
     """The training batches of one epoch (4 records each) as `flashdraft train` builds them: by its prefetcher (2
-    ahead) with `workers` threads, in the run's buffers (pinned with `pin`, a GPU's; else reused once let go), taken
-    in order as the step takes them."""
+    ahead) with `workers` threads, in the run's buffers (`buffers`, kept from epoch to epoch as a run keeps them; None:
+    new ones; pinned with `pin`, a GPU's, else reused once let go), taken in order as the step takes them."""
     from flashdraft.distributed import Dist
     from flashdraft.train.config import TrainConfig
     from flashdraft.train.host_memory import FeatureBuffers
@@ -100,7 +101,7 @@ def read_batches(cache, workers: int = 1, pin: bool = False) -> int:
 
     cfg = TrainConfig(batch_size=4, num_anchors=512, seed=0).recording(block_size=16, mask_token_id=1)
     steps, dist, depth = len(cache) // cfg.batch_size, Dist(), 2
-    buffers = FeatureBuffers(pin=pin, keep=depth + 3)  # as train's loop keeps them
+    buffers = buffers or FeatureBuffers(pin=pin, keep=depth + 3)  # as train's loop keeps them
     prefetcher = BatchPrefetcher(
         lambda step: global_batch(cfg, cache, step, steps, dist, buffers=buffers), range(steps), depth, pin, workers
     )
@@ -146,6 +147,8 @@ def copy_into(shape: tuple[int, int, int], batches: int, into: str, touched: tor
 def read_rows(cache, directory: Path, feature_width: int, args) -> list[dict]:
     """The cache read as records, as batches by each number of workers, cold and warm; the disk's and memcpy's
     floors: one row each, the median of `args.repeats` taken in turn (a load that comes and goes hits each alike)."""
+    from flashdraft.train.host_memory import FeatureBuffers
+
     shape = (4, args.tokens_per_record, feature_width)  # one batch's features
     touched, source = torch.zeros(shape, dtype=torch.bfloat16), torch.randn(shape).to(torch.bfloat16)
     batches = len(cache) // 4
@@ -154,11 +157,15 @@ def read_rows(cache, directory: Path, feature_width: int, args) -> list[dict]:
     reads += [("disk read into touched memory", 1, "cold")]
     reads += [(f"memcpy into {into}", 1, "warm") for into in ("touched", "torch_empty")]
 
+    # a run's buffers live as long as the run: each number of workers keeps its own over the repeats (the first
+    # repeat allocates them, as a run's first steps do)
+    buffers = {w: FeatureBuffers(keep=2 + 3) for _, w, _ in reads}
+
     def run(read: str, workers: int) -> int:
         if read == "records":
             return read_records(cache)
         if read == "batches":
-            return read_batches(cache, workers=workers)
+            return read_batches(cache, workers=workers, buffers=buffers[workers])
         if read.startswith("disk"):
             return disk_read(directory, cache.shards, touched)
         return copy_into(shape, batches, read.removeprefix("memcpy into "), touched, source)
