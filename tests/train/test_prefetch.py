@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from flashdraft.train import host_memory
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.loop import LoopOptions, train
 from flashdraft.train.prefetch import BatchPrefetcher
@@ -116,3 +117,15 @@ def test_a_run_with_prefetched_batches_trains_exactly_what_one_without_trains(ta
     }
     for key, value in runs[0].state_dict().items():
         assert torch.equal(value, runs[2].state_dict()[key]), key
+
+
+def test_a_runs_prefetched_batches_reuse_their_feature_buffers_after_the_first_steps(
+    target, records, tmp_path, monkeypatch
+):
+    fresh = []
+    allocate = host_memory.feature_buffer
+    monkeypatch.setattr(host_memory, "feature_buffer", lambda *args, **kw: fresh.append(args) or allocate(*args, **kw))
+    cfg = TrainConfig(max_steps=16, batch_size=2, lr=3e-3, num_anchors=3, log_every=1, optimizer="adamw")
+    train(cfg, make_drafter(), target, records, tmp_path / "run", options=LoopOptions(prefetch=2))
+    # at most the batches alive at once (prefetch + 3) and one more where a longer batch needs a bigger buffer
+    assert 0 < len(fresh) <= 2 + 3 + 1 < cfg.max_steps
