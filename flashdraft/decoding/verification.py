@@ -115,6 +115,15 @@ class StaticVerification:
         self.verifier.commit(accepted)
 
 
+def check_static(target: TargetModel, backend: str | None) -> None:
+    """Refuse, in one line, a compile backend flashdraft does not know or a target without a static rule."""
+    if backend not in COMPILE_BACKENDS:
+        raise FlashdraftError(f"compile backend {backend!r}: expected one of {COMPILE_BACKENDS}")
+    reason = static_support(target)
+    if reason is not None:
+        raise FlashdraftError(f"{target.path or 'the target'}: --compile refused: {reason}; use --no-compile")
+
+
 def verification_for(
     target: TargetModel,
     cache: TargetCache,
@@ -128,11 +137,7 @@ def verification_for(
     (`cache`): static when `compile`, else eager. `compile` on a target without a static rule is refused in one line."""
     if not compile:
         return EagerVerification(target, cache)
-    if backend not in COMPILE_BACKENDS:
-        raise FlashdraftError(f"compile backend {backend!r}: expected one of {COMPILE_BACKENDS}")
-    reason = static_support(target)
-    if reason is not None:
-        raise FlashdraftError(f"{target.path or 'the target'}: --compile refused: {reason}; use --no-compile")
+    check_static(target, backend)
     length = max_drafts(proposer, block) + 1
     verifier = static_verifier(target, length, tokens + length, backend)  # tokens: the generation's positions
     verifier.start(cache, cache.length)

@@ -9,7 +9,8 @@ rolls back by cropping and recomputing: new shapes every step. Here, as gpt-fast
   device position `StaticTargetCache.position`. Rollback is that position: it advances by the committed tokens only;
   a rejected draft's rows stay in the buffer, masked (a query at position p sees keys at positions <= p, and a
   sliding layer's those within its window), and the next verify overwrites them.
-- Mamba-2 layers (`RecurrentSlots`) keep the state after each of the verify's T tokens (T slots); Gated DeltaNet
+- Mamba-2 layers (`RecurrentSlots`) keep the state after each of the verify's T tokens (T slots), and so do Gated
+  DeltaNet layers in a draft tree's verify (a node's slot; `decoding.static_tree`); in a chain's verify Gated DeltaNet
   layers (`DeltaRuleSlots`) keep what those T states are made of (the state before the block, the block's keys,
   solved values and cumulative decay), from which the next verify computes the one it starts from. Both keep the conv
   inputs of the verify's window (the K cached before the block, then its T). Commit writes the accepted count `a`
@@ -38,11 +39,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.linear_attention import (
+    TreeNodes,
     _heads,
     _output,
     causal_conv_window,
     gated_delta_net_projections,
     gated_delta_rule_block,
+    tree_recurrence,
 )
 from flashdraft.target.mamba import is_mamba
 from flashdraft.target.model import TargetModel, TargetOutput
@@ -235,6 +238,9 @@ class StaticTargetCache(Cache):
         self.write_positions = _static_address(torch.zeros(verify_length, dtype=torch.long, device=device))
         self.kinds = target.support.layer_kinds
         self.recurrent: dict[int, RecurrentSlots] = {}
+        # a draft tree's verify (`flashdraft.decoding.static_tree`): the nodes' parents and depths [T] in fixed buffers
+        # and the depth bound; None: the verify is a chain
+        self.tree: TreeNodes | None = None
         layers = [
             PositionedKVLayer(capacity, self.write_positions) if kind not in ("gated_deltanet", "mamba2") else None
             for kind in self.kinds
@@ -253,7 +259,9 @@ class StaticTargetCache(Cache):
             if kind in ("gated_deltanet", "mamba2"):
                 conv, recurrent = source.conv_states[0], source.recurrent_states[0]
                 if i not in self.recurrent:
-                    slots = RecurrentSlots if kind == "mamba2" else DeltaRuleSlots
+                    # a chain's Gated DeltaNet keeps the block's terms; a tree's nodes each their state (its commit
+                    # reorders the slots), as Mamba-2 does
+                    slots = DeltaRuleSlots if kind == "gated_deltanet" and self.tree is None else RecurrentSlots
                     self.recurrent[i] = slots.like(conv, recurrent, self.verify_length)
                 self.recurrent[i].seed(conv, recurrent)
             elif kind != "mlp" and getattr(source, "keys", None) is not None and source.keys.numel():
@@ -287,6 +295,21 @@ def gated_deltanet_static_forward(layer: nn.Module, hidden_states: torch.Tensor,
     query, key, value, g, beta = _heads(layer, conv_out, b, a)
     out, _, v_new, cum = gated_delta_rule_block(query, key, value, g, beta, state)
     slots.keep(state, key, v_new, cum, window)
+    return _output(layer, out, z, hidden_states)
+
+
+def gated_deltanet_tree_static_forward(layer: nn.Module, hidden_states: torch.Tensor, cache: StaticTargetCache):
+    """A Gated DeltaNet layer over a draft tree's T nodes (`cache.tree`): hidden_states [B, T, hidden] -> [B, T,
+    hidden], each node along its own root path from the committed slot (`linear_attention.tree_recurrence`, as the
+    eager tree forward); writes the state after each node into its slot and the nodes' conv inputs after the K
+    before them (the tree's commit moves the accepted path's to the front)."""
+    slots, kernel = cache.recurrent[layer.layer_idx], layer.conv_kernel_size
+    mixed_qkv, z, b, a = gated_delta_net_projections(layer, hidden_states)
+    before, state = slots.start(cache.slot, kernel)
+    window = torch.cat([before, mixed_qkv.transpose(1, 2).to(before.dtype)], -1)  # [B, C, K + T]
+    out, states = tree_recurrence(layer, window, b, a, state.float(), cache.tree)  # states [B, H, T, dk, dv]
+    slots.states.copy_(states.permute(2, 0, 1, 3, 4))
+    slots.window.copy_(window)
     return _output(layer, out, z, hidden_states)
 
 
@@ -332,6 +355,8 @@ def install_static_path(mixer: nn.Module) -> None:
 
     def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
         if isinstance(cache_params, StaticTargetCache):
+            if cache_params.tree is not None:  # a draft tree: Gated DeltaNet only (the tree loop refuses Mamba-2)
+                return gated_deltanet_tree_static_forward(mixer, hidden_states, cache_params)
             return static(mixer, hidden_states, cache_params)
         return previous(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
 
@@ -430,32 +455,43 @@ class StaticVerifier:
     def _masks(self, positions: torch.Tensor):
         """The additive masks [1, 1, T, L] of the verify's queries at `positions` [T]: keys at positions up to the
         query's own (rows past it hold rejected drafts or nothing yet), within the window on sliding layers."""
-        dtype = self.target.dtype
         seen = self._key_positions[None, :] <= positions[:, None]  # [T, L]
-        masks = {"full_attention": seen}
+        sliding = None
         if self._window and "sliding_attention" in self.target.layer_types:
-            masks["sliding_attention"] = seen & (positions[:, None] - self._key_positions[None, :] < self._window)
-        additive = {
-            kind: torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)[
-                None, None
-            ]
-            for kind, mask in masks.items()
-        }
+            sliding = seen & (positions[:, None] - self._key_positions[None, :] < self._window)
+        return self.additive(seen, sliding)
+
+    def additive(self, full: torch.Tensor, sliding: torch.Tensor | None):
+        """What the decoder takes for the boolean masks (True: seen) of its full and sliding layers ([T, L], or [B,
+        T, L] per row): additive masks [1 or B, 1, T, L], a dict by layer kind where the target has sliding or
+        recurrent layers (those take none), else the one mask."""
+        dtype = self.target.dtype
+        masks = {"full_attention": full} | ({"sliding_attention": sliding} if sliding is not None else {})
+        additive = {}
+        for kind, mask in masks.items():
+            mask = mask[None] if mask.dim() == 2 else mask  # [B, T, L]
+            zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            additive[kind] = zeros.masked_fill(~mask, torch.finfo(dtype).min)[:, None]
         if self.target.linear_layers:  # recurrent layers take no mask
             additive["linear_attention"] = None
         return additive if len(additive) > 1 else additive["full_attention"]
 
     def _forward(self, input_ids: torch.Tensor):
         """input_ids [1, T] -> (logits [1, T, V], hidden [1, T, H], features [1, T, n * H] or None)."""
-        target, cache = self.target, self.cache
-        positions = cache.position + self._offsets  # [T]
-        cache.write_positions.copy_(positions)
+        positions = self.cache.position + self._offsets  # [T]
+        self.cache.write_positions.copy_(positions)
+        return self._decode(input_ids, positions, self._masks(positions))
+
+    def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, masks):
+        """The decoder over input_ids [B, T] at rotary `positions` [T] under `masks` (written at the cache's
+        `write_positions`) -> (logits [B, T, V], hidden [B, T, H], features [B, T, n * H] or None)."""
+        target = self.target
         target._captured = {}
         out = target.decoder(
             input_ids=input_ids,
-            position_ids=positions[None],
-            attention_mask=self._masks(positions),
-            past_key_values=cache,
+            position_ids=positions[None] if positions.dim() == 1 else positions,
+            attention_mask=masks,
+            past_key_values=self.cache,
             use_cache=True,
         )
         hidden = out.last_hidden_state
@@ -479,21 +515,28 @@ class StaticVerifier:
         """The target over input_ids [1, verify_length] at the committed position, writing the caches (commit next)."""
         if input_ids.shape != (1, self.verify_length):
             raise ValueError(f"static verify of {tuple(input_ids.shape)} tokens, expected (1, {self.verify_length})")
-        if self._mode == "reduce-overhead":
+        logits, hidden, features = self.counted(self._step, input_ids)
+        return TargetOutput(hidden, features, self.target.target_logits, _logits=logits)
+
+    def counted(self, step, *args, graphs_per_warm_up: int = 1, new_step: bool = True):
+        """`step(*args)` (one of the verifier's compiled functions), counting what dynamo compiled and broke into
+        `counts`: the verifier's first `graphs_per_warm_up` graphs are its warm-up, any later one a recompile.
+        `new_step` False: a graph of the same step (its inputs the step's earlier graph outputs)."""
+        if self._mode == "reduce-overhead" and new_step:
             torch.compiler.cudagraph_mark_step_begin()  # a new step: the last one's graph outputs are read no more
         if self.backend is None:
-            logits, hidden, features = self._step(input_ids)
-        else:
-            graphs, breaks = dynamo_totals()
-            start = time.perf_counter()
-            logits, hidden, features = self._step(input_ids)
-            compiled, broken = dynamo_totals()
-            if compiled > graphs:
-                self.counts.compile_seconds += time.perf_counter() - start
-                self.counts.recompiles += compiled - graphs if self.counts.compiles else compiled - graphs - 1
-                self.counts.compiles += compiled - graphs
-            self.counts.graph_breaks += broken - breaks
-        return TargetOutput(hidden, features, self.target.target_logits, _logits=logits)
+            return step(*args)
+        graphs, breaks = dynamo_totals()
+        start = time.perf_counter()
+        out = step(*args)
+        compiled, broken = dynamo_totals()
+        if compiled > graphs:
+            self.counts.compile_seconds += time.perf_counter() - start
+            warm_up = max(0, min(compiled - graphs, graphs_per_warm_up - self.counts.compiles))
+            self.counts.recompiles += compiled - graphs - warm_up
+            self.counts.compiles += compiled - graphs
+        self.counts.graph_breaks += broken - breaks
+        return out
 
     def commit(self, accepted: int | torch.Tensor) -> None:
         self.cache.commit(accepted)
