@@ -26,8 +26,9 @@ Compiled (`--compile both`, the default; `eager` or `compiled` alone): every lin
 target's verify on its static cache compiled once by inductor (`SpeculativeConfig(compile=True)`), the greedy
 baseline likewise (plain decoding as a 1-token static verify, compiled); each line says which ("compiled"), with the
 compiles, recompiles and graph breaks of its runs after the warm-up (0 when the graph held) and the warm-up's compile
-seconds. "verify_cost" then also gives the compiled 1- and 17-token steps on the static cache and the eager /
-compiled step-time ratios, interleaved in one run.
+seconds. A line "decode_compiled_vs_greedy" then sets each drafter's best compiled speculative tokens/s against
+compiled greedy decoding (and the eager pair beside it). "verify_cost" then also gives the compiled 1- and 17-token
+steps on the static cache, their ratio and the eager / compiled step-time ratios, all four interleaved in one run.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import json
 import platform
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -56,39 +58,50 @@ from flashdraft.target.model import TargetModel
 from flashdraft.target.static_cache import static_verifier
 
 
-def verify_cost(target: TargetModel, prefix_ids: list[int], repeats: int = 40) -> dict:
-    """Median ms of the target's forward over 1 and over 17 new tokens after a cached prefix."""
+def verify_cost(target: TargetModel, prefix_ids: list[int], repeats: int = 40, compiled: bool = False) -> dict:
+    """Median ms of the target's forward over 1 and over 17 new tokens after a cached prefix; `compiled`: also the
+    compiled static verify of 1 and of 17 tokens there (never committed), all four interleaved, so a slow-down of a
+    shared machine hits every one alike."""
     mode, target.rollback_mode = target.rollback_mode, "recompute"  # keep=0 below: just restore the cache
     cache = target.new_cache()
     target.forward(torch.tensor([prefix_ids]), cache)
     blocks = {n: torch.tensor([prefix_ids[:n]]) for n in (1, 17)}
-    ms = {n: [] for n in blocks}
+
+    def eager(n: int) -> None:
+        target.forward(blocks[n], cache)
+        target.rollback(cache, 0)
+
+    steps = {("eager", n): partial(eager, n) for n in blocks}
+    if compiled:
+        for n in blocks:
+            verifier = static_verifier(target, n, len(prefix_ids) + n, backend="inductor")
+            prefilled = target.new_cache()
+            target.forward(torch.tensor([prefix_ids]), prefilled)
+            verifier.start(prefilled, len(prefix_ids))
+            verifier.verify(blocks[n])  # the compile (none when the decoding runs compiled it)
+            steps["compiled", n] = partial(lambda v, ids: v.verify(ids).logits.sum().item(), verifier, blocks[n])
+    ms = {key: [] for key in steps}
     for _ in range(repeats):
-        for n, ids in blocks.items():  # interleaved, so a slow-down of a shared machine hits both alike
+        for key, step in steps.items():
             t0 = time.perf_counter()
-            target.forward(ids, cache)
-            ms[n].append((time.perf_counter() - t0) * 1000)
-            target.rollback(cache, 0)
+            step()
+            ms[key].append((time.perf_counter() - t0) * 1000)
     target.rollback_mode = mode
-    t1, t17 = statistics.median(ms[1]), statistics.median(ms[17])
-    return {"t_step_1": round(t1, 3), "t_verify_17": round(t17, 3), "verify_cost_ratio": round(t17 / t1, 3)}
-
-
-def static_step_ms(target: TargetModel, prefix_ids: list[int], repeats: int) -> dict[int, float]:
-    """Median ms of the compiled static verify of 1 and of 17 tokens after a cached prefix (never committed)."""
-    verifiers = {n: static_verifier(target, n, len(prefix_ids) + n, backend="inductor") for n in (1, 17)}
-    ms = {n: [] for n in verifiers}
-    for n, verifier in verifiers.items():
-        cache = target.new_cache()
-        target.forward(torch.tensor([prefix_ids]), cache)
-        verifier.start(cache, len(prefix_ids))
-        verifier.verify(torch.tensor([prefix_ids[:n]]))  # the compile
-    for _ in range(repeats):
-        for n, verifier in verifiers.items():
-            t0 = time.perf_counter()
-            verifier.verify(torch.tensor([prefix_ids[:n]])).logits.sum().item()
-            ms[n].append((time.perf_counter() - t0) * 1000)
-    return {n: statistics.median(v) for n, v in ms.items()}
+    m = {key: statistics.median(v) for key, v in ms.items()}
+    costs = {
+        "t_step_1": round(m["eager", 1], 3),
+        "t_verify_17": round(m["eager", 17], 3),
+        "verify_cost_ratio": round(m["eager", 17] / m["eager", 1], 3),
+    }
+    if compiled:  # eager / compiled is what compiling saves
+        costs |= {
+            "t_step_1_compiled": round(m["compiled", 1], 3),
+            "t_verify_17_compiled": round(m["compiled", 17], 3),
+            "verify_cost_ratio_compiled": round(m["compiled", 17] / m["compiled", 1], 3),
+            "step_1_eager_over_compiled": round(m["eager", 1] / m["compiled", 1], 3),
+            "verify_17_eager_over_compiled": round(m["eager", 17] / m["compiled", 17], 3),
+        }
+    return costs
 
 
 def settings(drafter, block: int, ks: list[int], thresholds: list[float]) -> list[DraftLimit | None]:
@@ -154,11 +167,10 @@ def main() -> None:
     warm = records[0].prompt_ids
     longest = max(len(r.prompt_ids) for r in records) + args.max_new_tokens
     autoregressive_generate(target, warm, 16)
-    warm_up = {}  # (drafter, compiled) -> the warm-up's compile seconds
-    for name, (drafter, block) in drafters.items():
-        for compiled in modes:
-            config = SpeculativeConfig(block_size=block, compile=compiled, static_positions=longest)
-            warm_up[name, compiled] = speculative_generate(target, drafter, warm, 16, speculative=config)
+    warm_up = {}  # each line's setting -> its warm-up (a limit of k drafts verifies k + 1 tokens: graphs of its own)
+    for name, drafter, block, limit, compiled in runs:
+        config = SpeculativeConfig(block_size=block, limit=limit, compile=compiled, static_positions=longest)
+        warm_up[name, limit, compiled] = speculative_generate(target, drafter, warm, 16, speculative=config)
     if True in modes:
         t0 = time.perf_counter()
         # on the longest record: the static cache the timed records need, compiled once
@@ -245,7 +257,7 @@ def main() -> None:
             "compiles_after_warm_up": s["compiles"],
             "recompiles": s["recompiles"],
             "graph_breaks": s["graph_breaks"],
-            "warm_up_compile_seconds": round(warm_up[name, compiled].compile_seconds, 1) if compiled else None,
+            "warm_up_compile_seconds": round(warm_up[name, limit, compiled].compile_seconds, 1) if compiled else None,
             "greedy_warm_up_seconds": round(greedy_compile_s, 1) if compiled else None,
         }
         print(json.dumps(line))
@@ -257,16 +269,25 @@ def main() -> None:
         print(
             json.dumps({"benchmark": "decode_best", "drafter": name, "compiled": compiled} | {k: line[k] for k in keys})
         )
-    prefix = [t for r in records for t in r.prompt_ids] * 200  # 200 tokens of real prompts
-    costs = verify_cost(target, prefix[:200])
-    if True in modes:  # the same steps on the static cache, compiled: eager / compiled is what compiling saves
-        compiled_ms = static_step_ms(target, prefix[:200], 40)
-        costs |= {
-            "t_step_1_compiled": round(compiled_ms[1], 3),
-            "t_verify_17_compiled": round(compiled_ms[17], 3),
-            "step_1_eager_over_compiled": round(costs["t_step_1"] / compiled_ms[1], 3),
-            "verify_17_eager_over_compiled": round(costs["t_verify_17"] / compiled_ms[17], 3),
+    if True in modes:  # one line: each drafter's best, speculative against greedy with both compiled (and eagerly)
+        summary = {
+            "benchmark": "decode_compiled_vs_greedy",
+            "target": str(target.path),
+            "threads": args.threads,
+            "greedy_tokens_per_s": {
+                ("compiled" if c else "eager"): round(greedy[c]["tokens"] / greedy[c]["seconds"], 1) for c in modes
+            },
         }
+        for name in drafters:
+            summary[name] = {
+                ("compiled" if c else "eager"): {
+                    k: best[name, c][k] for k in ("tau", "spec_tokens_per_s", "speedup", "num_speculative_tokens")
+                }
+                for c in modes
+            }
+        print(json.dumps(summary))
+    prefix = [t for r in records for t in r.prompt_ids] * 200  # 200 tokens of real prompts
+    costs = verify_cost(target, prefix[:200], compiled=True in modes)
     print(
         json.dumps(
             {

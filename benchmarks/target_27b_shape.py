@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from gpu.shapes import LAYERS_3_LINEAR_1_FULL, QWEN36_27B_SLICE
 from synthetic_target import (
     run_measured,
     write_random_cache,
@@ -39,7 +40,8 @@ from synthetic_target import (
     write_tokenizer,
 )
 
-HIDDEN, VOCAB, LAYERS, WRITTEN = 5120, 248320, 64, 2
+HIDDEN, VOCAB = QWEN36_27B_SLICE["hidden_size"], QWEN36_27B_SLICE["vocab_size"]
+LAYERS, WRITTEN = 64, 2
 EOS_ID, PAD_ID, MASK_ID = 248044, 248055, 248070  # the drafter's published mask token id
 DRAFTER_LAYER_IDS = [1, 16, 31, 46, 61]  # the published drafter's: 5 context layers, fc [5120, 25600]
 
@@ -47,20 +49,11 @@ DRAFTER_LAYER_IDS = [1, 16, 31, 46, 61]  # the published drafter's: 5 context la
 def target_config():
     from transformers import Qwen3_5Config
 
+    # the published widths (gpu_check's slice), all 64 layers declared
     text = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=17408,
+        QWEN36_27B_SLICE,
         num_hidden_layers=LAYERS,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (LAYERS // 4),
-        num_attention_heads=24,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=48,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
+        layer_types=LAYERS_3_LINEAR_1_FULL * (LAYERS // 4),
         max_position_embeddings=262144,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},

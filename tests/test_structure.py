@@ -13,6 +13,7 @@ Each failure lists every offender as file:line name.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "flashdraft"
@@ -47,6 +48,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache  # parsed once for the file's tests (nothing changes the trees)
 def sources() -> dict[str, tuple[Path, ast.Module]]:
     """Every module of the package: name -> (path, syntax tree)."""
     return {module_name(p): (p, ast.parse(p.read_text(), str(p))) for p in sorted(PACKAGE.rglob("*.py"))}

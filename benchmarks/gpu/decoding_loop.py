@@ -143,7 +143,7 @@ def summary(row: dict) -> str:
 
 def check_static_decode(target: TargetModel, drafter_fields: dict, widths: Widths, dry_run: bool) -> list[dict]:
     """The loop of spec_loop_overhead eager, then compiled on the static cache (on CUDA with inductor's
-    "reduce-overhead": the verify and the drafter's two steps as CUDA graphs; in --dry-run traced by dynamo's "eager"
+    "reduce-overhead": the verify and the drafter's step as CUDA graphs; in --dry-run traced by dynamo's "eager"
     backend, which proves the same graphs without inductor's CPU compile). Each after a warm-up generation that
     compiles, sized for the timed one: per step its time and split, against the floor; the compiled row passes when
     the timed generation compiled nothing and no graph broke. `same_tokens`: the compiled output equals the eager one

@@ -442,11 +442,13 @@ def check_compiled_train_step(name: str, widths: Widths, device: torch.device, p
 def check_cache_feed(name: str, widths: Widths, device: torch.device, measured: dict) -> dict:
     """benchmarks/cache_read.py's cache (`write_cache`, its records at this drafter's feature width) on this
     machine's disk (the temporary directory): its read rate from the disk (pages dropped first) as records and as
-    training batches, in context tokens/s, beside the compiled packed step's rate (`measured`); then a short
-    packed run of the eager step (a row of `seq_len` tokens a step) fed from that cache on disk by train's
-    prefetcher (2 batches ahead, pinned on CUDA): the seconds the step waited for its batches (`wait_s`)."""
+    training batches (2 workers, pinned on CUDA, as train builds them), in context tokens/s, beside the compiled
+    packed step's rate (`measured`); then a short packed run of the eager step (a row of `seq_len` tokens a step)
+    fed from that cache on disk by train's prefetcher (2 batches ahead, 2 workers, pinned on CUDA): the seconds the
+    step waited for its batches (`wait_s`)."""
     from flashdraft.data.cache_reader import HiddenStateCache
     from flashdraft.target.model import TargetModel
+    from flashdraft.train.host_memory import FeatureBuffers
     from flashdraft.train.loop import recorded_config
     from flashdraft.train.optim import build_optimizers
     from flashdraft.train.packing import pack_plan
@@ -460,11 +462,13 @@ def check_cache_feed(name: str, widths: Widths, device: torch.device, measured: 
     layers, hidden = len(fields["target_layer_ids"]), fields["hidden_size"]
     tiny = TargetModel.load("tiny")  # the cache's token ids are the tiny target's: the vocabulary holds them
     target = embedding_target(hidden, max(widths.target_for[name][1], tiny.vocab_size), device)
-    row = {"check": "compiled_train_step", "case": f"{name} cache", "feature_width": layers * hidden}
+    row = {"check": "compiled_train_step", "case": f"{name} cache", "feature_width": layers * hidden, "workers": 2}
     with tempfile.TemporaryDirectory() as tmp:
         directory = write_cache(tiny, layers, hidden, widths.cache_records, widths.cache_tokens, Path(tmp))
         cache = HiddenStateCache(directory)
-        for read, fn in (("records", read_records), ("batches", read_batches)):
+        pin, workers = device.type == "cuda", 2  # as `flashdraft train` builds its batches (`LoopOptions`)
+        batches = lambda cache: read_batches(cache, workers=workers, pin=pin)  # noqa: E731
+        for read, fn in (("records", read_records), ("batches", batches)):
             drop_pages(directory)
             started = time.perf_counter()
             tokens = fn(cache)
@@ -485,8 +489,13 @@ def check_cache_feed(name: str, widths: Widths, device: torch.device, measured: 
         steps, dist = len(plan.rows), Dist(device=device)
         optimizer, spec = build_optimizers(drafter, cfg, steps), loss_spec(cfg, drafter)
         drop_pages(directory)
+        buffers = FeatureBuffers(pin=pin, keep=2 + 3)  # as train's loop keeps them
         prefetcher = BatchPrefetcher(
-            lambda step: global_batch(cfg, cache, step, steps, dist, plan), range(steps), 2, pin=device.type == "cuda"
+            lambda step: global_batch(cfg, cache, step, steps, dist, plan, buffers=buffers),
+            range(steps),
+            2,
+            pin,
+            workers,
         )
         waits, computed = [], 0.0
         try:

@@ -38,6 +38,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per record, independent of batching)")
     filter_args(p)
     p.add_argument("--batch-size", type=positive, default=8, help="prompts per forward (or concurrent requests)")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode locally on a static cache, every token after the prefill one 1-token step at the --batch-size "
+        "width compiled once (torch.compile; CUDA graphs on CUDA); off by default: on CPU the first compile costs "
+        "more than it saves on small runs",
+    )
     p.add_argument("--backend", choices=["local", "openai"], default="local")
     p.add_argument("--base-url", help="OpenAI-compatible server for --backend openai, e.g. http://localhost:8000/v1")
     p.add_argument("--server-model", help="model name on the server (default: the first it lists)")

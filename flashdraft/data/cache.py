@@ -53,7 +53,7 @@ from flashdraft.files import (
 )
 from flashdraft.progress import Progress
 from flashdraft.stop import StopRequests
-from flashdraft.target.image_files import record_images, refuse_engine_images
+from flashdraft.target.image_files import record_images
 from flashdraft.target.model import TargetModel
 from flashdraft.target.overflow import fp16_overflow
 from flashdraft.target.quantisation import quantisation_record
@@ -185,7 +185,6 @@ def _cache_record(
 ) -> dict[str, torch.Tensor]:
     tokens = record.prompt_ids + record.completion_ids
     if features_of is not None:  # captured elsewhere (the serving engine) and verified there
-        refuse_engine_images([record], "cache --engine vllm")
         out, features = None, features_of(record).to(dtype)  # [T, n * H]
     else:
         with record_images(target, record):  # a vision-language target's images, bound to this sequence

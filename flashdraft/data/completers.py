@@ -27,11 +27,13 @@ from flashdraft.data.prompts import (
     render_conversation,
 )
 from flashdraft.data.reasoning import reasoning_end, reasoning_markers, tool_call_markers, tool_call_spans
-from flashdraft.decoding.batched import generate_batch
+from flashdraft.decoding.batched import CompiledBatch, generate_batch
 from flashdraft.decoding.generate import autoregressive_generate
+from flashdraft.decoding.verification import check_static
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.image_files import ENGINE_WITHOUT_IMAGES, check_target_reads_images, open_image
 from flashdraft.target.model import TargetModel
+from flashdraft.target.static_cache import CompileCounts
 from flashdraft.target.vision import position_runs
 
 
@@ -153,9 +155,13 @@ def _encode_with_images(target: TargetModel, text: str, sources: list[str], wher
     return ids, {"images": sources, "position_runs": runs if runs != [[0, 0, 1]] else None}
 
 
-def local_completer(target: TargetModel, settings: GenerationSettings):
+def local_completer(target: TargetModel, settings: GenerationSettings, compiled: CompiledBatch | None = None):
     """Text prompts decoded in batches; a prompt with images (its inputs in `complete.images_of`, by `where`) alone,
-    with its images bound (greedy output equal to the batch's, `flashdraft.decoding.batched`)."""
+    with its images bound (greedy output equal to the batch's, `flashdraft.decoding.batched`). `compiled`: the
+    batches on the target's static cache, compiled once (`complete.compiled.counts`: what compiled); a target
+    without a static rule is refused in one line."""
+    if compiled is not None:
+        check_static(target, compiled.backend)
 
     def generator(rid: str) -> torch.Generator:
         return torch.Generator(device=target.device).manual_seed(record_seed(settings.seed, rid))
@@ -173,13 +179,27 @@ def local_completer(target: TargetModel, settings: GenerationSettings):
         if text:
             generators = [generator(items[k][0]) for k in text] if settings.temperature > 0 else None
             outs = generate_batch(
-                target, [items[k][1] for k in text], settings.max_new_tokens, settings.sampling, generators
+                target,
+                [items[k][1] for k in text],
+                settings.max_new_tokens,
+                settings.sampling,
+                generators,
+                compiled=compiled,
             )
             results |= {k: (ids, reason, "target") for k, (ids, reason) in zip(text, outs, strict=True)}
         return [results[k] for k in range(len(items))]
 
     complete.images_of = {}
+    complete.compiled = compiled
     return complete
+
+
+def describe_compiled(counts: CompileCounts) -> str:
+    """One line: what the static step compiled (`generate --compile`), as `speculate` says it of its verify."""
+    return (
+        f"compiled (static cache): {counts.compiles} compiles in {counts.compile_seconds:.1f} s, "
+        f"{counts.recompiles} recompiles, {counts.graph_breaks} graph breaks"
+    )
 
 
 # -- OpenAI-compatible server ------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 from flashdraft.data.chat_mode import (
     mode_mix,
 )
-from flashdraft.data.completers import answer_turns, local_completer, openai_completer
+from flashdraft.data.completers import answer_turns, describe_compiled, local_completer, openai_completer
 from flashdraft.data.completions import (
     RESUMABLE_CHANGES,
     CompletionRecord,
@@ -33,6 +33,7 @@ from flashdraft.data.prompts import (
     describe_long_prompts,
     prompt_token_limit,
 )
+from flashdraft.decoding.batched import CompiledBatch
 from flashdraft.distributed import Dist, any_rank
 from flashdraft.errors import FlashdraftError, Interrupted
 from flashdraft.files import DiskFullError, append_whole, write_text_atomic
@@ -126,10 +127,11 @@ def generate_completions(
     dist: Dist | None = None,
     client: OpenAIClient | None = None,
     check_render: Callable[[str, list, dict, list[int]], None] | None = None,
+    compile: bool = False,
 ) -> Path:
     """Answer every prompt not yet in `out` (resuming), this rank's share of them, and merge
-    all records into `out` on rank 0 (`check_render`: `answer_turns`'). Returns the path of the completions
-    file."""
+    all records into `out` on rank 0 (`check_render`: `answer_turns`'; `compile`: local decoding on the static
+    cache, compiled once, its counts printed). Returns the path of the completions file."""
     dist = dist or Dist()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -149,7 +151,7 @@ def generate_completions(
     if settings.backend in ("openai", "vllm"):
         complete = openai_completer(target, settings, client, workers=batch_size)
     else:
-        complete = local_completer(target, settings)
+        complete = local_completer(target, settings, CompiledBatch(width=batch_size) if compile else None)
 
     long_prompts: dict[str, int] = {}
     part = out.with_name(f"{out.name}.part{dist.rank}.jsonl")
@@ -162,6 +164,9 @@ def generate_completions(
                 return answer_turns(target, batch, settings, complete, long_prompts, check_render)
 
             answered = _answer_into_part(mine, part, header, answer=answer, batch_size=batch_size, dist=dist, stop=stop)
+        compiled = getattr(complete, "compiled", None)
+        if compiled is not None:
+            print(f"{dist.prefix()}{describe_compiled(compiled.counts)}")
         note = describe_long_prompts(long_prompts, prompt_token_limit(target.context_length, settings.max_new_tokens))
         if note:
             print(f"{dist.prefix()}{note} (--long-prompts {settings.long_prompts})")

@@ -37,6 +37,7 @@ from flashdraft.data.cache_run import CacheConfig, resolve_layer_ids
 from flashdraft.data.completions import CompletionRecord
 from flashdraft.errors import FlashdraftError
 from flashdraft.serving.engine import SCRIPTS, engine_env, engine_info, engine_python, last_error_line
+from flashdraft.target.image_files import refuse_engine_images
 from flashdraft.target.model import TargetModel, resolve_target_path
 
 VERIFY_SHARE = 0.05  # default share of samples recomputed by transformers (at least one), besides the probe
@@ -278,6 +279,7 @@ def capture_features(
     builder ([T, len(layer_ids) * H], as `TargetModel.forward`'s context features) and the engine's record."""
     if not 0 <= verify_share <= 1:
         raise FlashdraftError(f"--verify-share {verify_share}: expected a share in [0, 1]")
+    refuse_engine_images(records, "cache --engine vllm")  # before the engine starts: it is sent token ids only
     py = engine_python(python)
     directory = out / CAPTURE_DIR
     sequences = {PROBE: probe_tokens(target.vocab_size)} | {r.id: r.prompt_ids + r.completion_ids for r in records}

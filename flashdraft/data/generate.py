@@ -217,12 +217,17 @@ class GenerateConfig:
     # row's own kwargs over them
     chat_template_kwargs: str | dict | None = None
     enable_thinking: bool | None = None
+    # local decoding on the target's static cache, one compiled 1-token step at the batch size's width
+    # (`decoding.batched.CompiledBatch`; on CUDA a CUDA graph); off: the eager loop
+    compile: bool = False
 
 
 def run_generate(config: GenerateConfig) -> Path:
     """`flashdraft generate`, one rank of it under torchrun; returns the completions file."""
     c = config
     _check_options(c.backend, c.base_url, c.server_model, c.engine, c.long_prompts)
+    if c.compile and (c.backend != "local" or c.engine):
+        raise FlashdraftError("--compile decodes locally on a static cache: drop --backend openai and --engine")
     dist = init_distributed()
     lock = None
     stack = ExitStack()  # the engine's server, when this run started one: stopped on every way out
@@ -283,6 +288,7 @@ def run_generate(config: GenerateConfig) -> Path:
             dist=dist,
             client=client,
             check_render=check_render,
+            compile=c.compile,
         )
         if dist.is_main:
             report_truncated(path)

@@ -1,12 +1,15 @@
 """Drafting in fixed shapes, compiled once: the DFlash-family proposer over a `StaticDrafterCache`
-(`flashdraft.drafter.static_cache`), its two steps each one graph under `torch.compile(fullgraph=True,
-dynamic=False)` (on CUDA `mode="reduce-overhead"`: CUDA graphs):
+(`flashdraft.drafter.static_cache`), a step one graph under `torch.compile(fullgraph=True, dynamic=False)` (on CUDA
+`mode="reduce-overhead"`: CUDA graphs) that does, in order:
 - the context write: the step's new context (a + 1 rows) padded to R = B + 1 rows (the most a step commits: B drafts
-  anchor-first, plus the bonus) and written at the cache's device position;
+  anchor-first, plus the bonus) and written at the cache's device position (all R rows padding when the step brings
+  no new context, or brought more than R rows, written before it uncompiled: the prompt);
 - the draft: the block [anchor, mask x (B - 1)] embedded, the drafter's pass over it, the LM head at the draft
-  positions and the family's greedy walk (DFlash2's selector, DSpark's Markov head and confidence) in one graph.
+  positions and the family's greedy walk (DFlash2's selector, DSpark's Markov head and confidence).
+One graph, not one for the write and one for the draft: each compiled call pays Dynamo's frame entry and guards
+(~0.3 ms on a CPU, where the tiny drafter's whole step is ~3 ms).
 Every input a graph reads lives in a buffer of the state (staged there by `copy_`/`fill_`, no host-to-device copy),
-so CUDA graphs copy nothing in either; after the first step of each, a generation compiles nothing more whatever
+so CUDA graphs copy nothing in; after the first step, a generation compiles nothing more whatever
 its accepted lengths and positions. What needs the host stays outside, as eagerly: a DSpark confidence cut, a
 sampled walk (`draw`), an adaptive limit's count (here over all rows: the graph computes them at once).
 
@@ -31,7 +34,7 @@ from flashdraft.drafter.model import PAD_POSITION, DFlashDrafter
 from flashdraft.drafter.static_cache import StaticDrafterCache, block_hidden, write_context
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
-from flashdraft.target.static_cache import CompileCounts, dynamo_totals, with_own_code
+from flashdraft.target.static_cache import CompileCounts, compile_step, dynamo_totals
 
 CAPACITY_STEP = 256  # context capacity is rounded up to this: nearby lengths share one state (and its graphs)
 
@@ -79,8 +82,8 @@ class StepShape:
 
 
 class StaticDraftState:
-    """A `StaticDrafterCache` for one drafter, target and `StepShape`, the staging buffers its graphs read, and the two
-    compiled graphs (see the module docstring). Counts its compiles: `compiles` grows only when a graph is traced."""
+    """A `StaticDrafterCache` for one drafter, target and `StepShape`, the staging buffers its graph reads, and the
+    compiled step (see the module docstring). Counts its compiles: `compiles` grows only when a graph is traced."""
 
     def __init__(
         self,
@@ -95,6 +98,7 @@ class StaticDraftState:
             raise FlashdraftError(f"compiled drafting: this drafter cannot draft in fixed shapes: {reason}")
         self.drafter, self.target, self.shape, self.settings = drafter, target, shape, settings
         device, dtype = target.device, next(drafter.parameters()).dtype
+        self.device, self.dtype = device, dtype  # what its graphs were made for (`static_state` matches them)
         self.rows = shape.block + 1  # R: the most context one step commits (a + 1 <= k + 1 <= B + 1)
         # context capacity: the cache holds `capacity` committed tokens plus one padded write past them
         self.cache = StaticDrafterCache(drafter, capacity + self.rows, shape.block, device, dtype)
@@ -106,26 +110,27 @@ class StaticDraftState:
         self.anchor_position = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
         for buffer in (self.features, self.positions, self.anchor, self.anchor_position):
             torch._dynamo.mark_static_address(buffer)
-        self._write, self._draft = self._write_step, self._draft_step
+        self._step = self._write_and_draft
         if settings.backend is not None:
             mode = settings.compile_mode(torch.device(device))
-            options = dict(fullgraph=True, dynamic=False, backend=settings.backend, mode=mode)
-            self._write = torch.compile(with_own_code(self._write_step), **options)
-            self._draft = torch.compile(with_own_code(self._draft_step), **options)
-        # each state's graphs its own (`with_own_code`: Dynamo's recompile limit is per code object); the first graph
-        # of each of the two steps is its warm-up, any later one a recompile
+            self._step = compile_step(self._write_and_draft, settings.backend, mode)
+        # each state's graph its own (`with_own_code`: Dynamo's recompile limit is per code object); the first graph
+        # is its warm-up, any later one a recompile
         self.counts = CompileCounts()
         self._warmed_up: set[str] = set()
+        self._staged = False  # new context staged in `features`/`positions` for the next step's write
         self.written = 0  # context tokens in the cache (the host's count; the graphs read `cache.length`)
         self.owner = None  # the proposer whose sequence is in the cache
 
-    # -- the two graphs ------------------------------------------------------------------------------------------
+    # -- the graph ------------------------------------------------------------------------------------------------
 
-    def _write_step(self, features: torch.Tensor, positions: torch.Tensor) -> None:
+    def _write_and_draft(
+        self, features: torch.Tensor, positions: torch.Tensor, anchor: torch.Tensor, anchor_position: torch.Tensor
+    ) -> tuple:
+        """Write the staged context (features [1, R, n_ctx * H] at positions [1, R], PAD_POSITION rows padding), then
+        draft from `anchor` [1] at anchor_position [1, 1]: hidden [1, k, H], logits [1, k, V], the walk's rows
+        [1, k, V] and DSpark's confidence [1, k] (or None)."""
         write_context(self.drafter, self.cache, features, positions)
-
-    def _draft_step(self, anchor: torch.Tensor, anchor_position: torch.Tensor) -> tuple:
-        """hidden [1, k, H], logits [1, k, V], the walk's rows [1, k, V] and DSpark's confidence [1, k] (or None)."""
         drafter, shape = self.drafter, self.shape
         masks = torch.full((1, shape.block - 1), drafter.config.mask_token_id, dtype=torch.long, device=anchor.device)
         blocks = torch.cat([anchor[None], masks], dim=1)  # [1, B]: [anchor, mask x (B - 1)]
@@ -161,44 +166,53 @@ class StaticDraftState:
     def start(self, owner) -> None:
         """A new sequence (drafted by `owner`) in the state's buffers."""
         self.cache.reset()
-        self.written, self.owner = 0, owner
+        self.written, self.owner, self._staged = 0, owner, False
 
     def write(self, features: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append context features [1, C, n_ctx * H] at positions [1, C]: C <= R through the compiled write (padded
-        to R), a longer context (a prompt) by the same function uncompiled at its own length."""
+        """Append context features [1, C, n_ctx * H] at positions [1, C]: C <= R staged for the next `draft`'s graph
+        (padded to R), a longer context (a prompt) written now by the same function uncompiled at its own length."""
         count = features.shape[1]
         if self.written + count > self.capacity:
             raise FlashdraftError(
                 f"compiled drafting: {self.written + count} context tokens; the drafter's cache was sized for "
                 f"{self.capacity} (CompiledDraft.max_length)"
             )
+        if self._staged:  # two writes before a draft: the first one's rows go in now
+            write_context(self.drafter, self.cache, self.features, self.positions)
+            self._staged = False
         if count > self.rows:
             write_context(self.drafter, self.cache, features.to(self.features.dtype), positions)
         else:
             self.features[:, :count].copy_(features)  # the padding rows keep stale values: their positions hide them
             self.positions.fill_(PAD_POSITION)
             self.positions[:, :count].copy_(positions)
-            self._counted("write", self._write, self.features, self.positions)
+            self._staged = True
         self.written += count
 
     def draft(self, anchor: int, anchor_position: int) -> tuple:
-        """The compiled draft from `anchor` at `anchor_position` over the cached context (see `_draft_step`)."""
+        """The compiled step from `anchor` at `anchor_position`: the staged context written (none staged: R rows of
+        padding), then the draft over the cached context (see `_write_and_draft`)."""
+        if not self._staged:
+            self.positions.fill_(PAD_POSITION)
+        self._staged = False
         self.anchor.fill_(anchor)  # fills, not copies from the host: no wait on the device's queue
         self.anchor_position.fill_(anchor_position)
-        return self._counted("draft", self._draft, self.anchor, self.anchor_position)
+        return self._counted("step", self._step, self.features, self.positions, self.anchor, self.anchor_position)
 
 
 def static_state(
     drafter: DFlashDrafter, target: TargetModel, shape: StepShape, settings: CompiledDraft
 ) -> StaticDraftState:
-    """The drafter's state for this target, step shape and settings with room for settings.max_length tokens: the
-    smallest it already has (its graphs compiled), else a new one (capacity rounded up to CAPACITY_STEP)."""
+    """The drafter's state for this target, step shape and settings with room for settings.max_length tokens, on the
+    models' device and dtype: the smallest it already has (its graphs compiled), else a new one (capacity rounded up
+    to CAPACITY_STEP)."""
     states: list[StaticDraftState] = drafter.__dict__.setdefault("_static_draft_states", [])
     fitting = [
         s
         for s in states
         if s.target is target and s.shape == shape and s.settings.backend == settings.backend
         if s.settings.mode == settings.mode and s.capacity >= settings.max_length
+        if (s.device, s.dtype) == (target.device, next(drafter.parameters()).dtype)  # a model moved or cast: new graphs
     ]
     if fitting:
         return min(fitting, key=lambda s: s.capacity)

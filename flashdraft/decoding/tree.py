@@ -28,6 +28,10 @@ Host-to-device copies (on CUDA a copy from pageable memory waits for all queued 
 `tree_on_device`'s [4, N + 1] of the tree's tokens, parents, depths and first-child flags (pinned, not waiting, on
 CUDA); the positions (anchor + depth), the ancestor mask and the accepted path's index are built from it on the
 device, as are a Gated DeltaNet layer's (`tree_block_forward`) node indices.
+
+With `SpeculativeConfig(compile=True)` the tree is verified on the target's static cache (`decoding.static_tree`):
+padded to the budget, one compiled verify and one compiled commit of the accepted path a step, the same tokens, the
+same reads and copy.
 """
 
 from __future__ import annotations
@@ -42,12 +46,15 @@ from flashdraft.decoding.generate import GenerationResult, SpeculativeConfig
 from flashdraft.decoding.host_transfers import TRANSFERS, to_host
 from flashdraft.decoding.proposers import DFlashProposer, Proposer, as_proposer, default_block_size
 from flashdraft.decoding.static_proposer import draft_counts
-from flashdraft.decoding.verification import compiled_drafting, resolve_compile
+from flashdraft.decoding.static_tree import StaticTreeVerifier, static_tree_verifier
+from flashdraft.decoding.tree_nodes import DEPTHS, PARENTS, TOKENS, ancestor_mask, path_on_device
+from flashdraft.decoding.verification import check_static, compiled_drafting, max_drafts, resolve_compile
 from flashdraft.drafter.families import family_of
 from flashdraft.drafter.model import DFlashDrafter
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.linear_attention import TreeNodes
 from flashdraft.target.model import TargetModel, TargetOutput, decoding_attention
+from flashdraft.target.static_cache import CompileCounts, dynamo_totals
 
 TREE_RULES = ("ddtree", "topk", "beam")
 CHAIN_STEP = SpeculativeConfig()  # the drafter's block, features as computed
@@ -293,35 +300,22 @@ def check_tree_target(target: TargetModel) -> None:
         )
 
 
-TOKENS, PARENTS, DEPTHS, FIRST = range(4)  # the rows of a tree on the device (`tree_on_device`)
-
-
-def tree_on_device(tree: DraftTree, tokens: list[int], device: torch.device) -> torch.Tensor:
-    """[4, N + 1] int64 on `device`, in one copy from the host: the forward's tokens ([anchor, nodes]), parents
-    (-1: the root), depths, and 1 where a node is the first child of its parent with its token (the child
-    `accepted_path` follows). On CUDA from pinned memory without waiting: a pageable copy waits for all queued
-    work, as a read does."""
+def tree_on_device(tree: DraftTree, tokens: list[int], device: torch.device, length: int | None = None) -> torch.Tensor:
+    """[4, T] int64 on `device` (T = N + 1, or `length` when given: the static verify's fixed node count), in one
+    copy from the host: the forward's tokens ([anchor, nodes]), parents (-1: the root), depths, and 1 where a node is
+    the first child of its parent with its token (the child `accepted_path` follows). Padding nodes are the anchor's
+    token as children of the root that no path follows (first 0). On CUDA from pinned memory without waiting: a
+    pageable copy waits for all queued work, as a read does."""
     first = [0] + [
         int(tree.children[parent][token] == node)
         for node, (parent, token) in enumerate(zip(tree.parents[1:], tree.tokens, strict=True), start=1)
     ]
+    pad = (length or len(tokens)) - len(tokens)
+    if pad < 0:
+        raise FlashdraftError(f"a draft tree of {len(tokens)} nodes; the static tree verify holds {length}")
+    rows = [tokens + tokens[:1] * pad, tree.parents + [0] * pad, tree.depths + [1] * pad, first + [0] * pad]
     pinned = torch.device(device).type == "cuda"
-    packed = torch.tensor([tokens, tree.parents, tree.depths, first], dtype=torch.long, pin_memory=pinned)
-    return packed.to(device, non_blocking=pinned)
-
-
-def ancestor_mask(nodes: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """[T, T] bool on the device of `nodes` (`tree_on_device`): row i sees column j when j is i or an ancestor of
-    i (`DraftTree.ancestors`), built by following every node's parent `max_depth` times."""
-    t = nodes.shape[1]
-    parent = nodes[PARENTS].clamp(min=0)  # the root its own parent: it is every node's ancestor anyway
-    rows = torch.arange(t, device=nodes.device)
-    seen = torch.zeros(t, t, dtype=torch.bool, device=nodes.device)
-    above = rows
-    for _ in range(max_depth + 1):
-        seen[rows, above] = True
-        above = parent[above]
-    return seen
+    return torch.tensor(rows, dtype=torch.long, pin_memory=pinned).to(device, non_blocking=pinned)
 
 
 def tree_attention_mask(
@@ -368,21 +362,6 @@ def tree_forward(target: TargetModel, cache, nodes: torch.Tensor, tree: DraftTre
             mixer.tree_parents = None
 
 
-def path_on_device(nodes: torch.Tensor, predicted: torch.Tensor, length: int, max_depth: int) -> torch.Tensor:
-    """The accepted path's nodes [length], root first, on the device, from the tree's `nodes` (`tree_on_device`)
-    and the target's token after each node (`predicted` [N + 1], on the device): a node is on it when it is the
-    first child of its parent with the token the target predicts there, and so is its parent (`accepted_path`; the
-    host knows the path's `length` from its own walk, so no read)."""
-    parent = nodes[PARENTS].clamp(min=0)
-    matches = (nodes[FIRST] == 1) & (nodes[TOKENS] == predicted[parent])
-    matches[0] = True
-    accepted = matches
-    for _ in range(max_depth):
-        accepted = matches & accepted[parent]
-    # accepted nodes first, in node order (a parent before its child): the path root first
-    return accepted.to(torch.uint8).sort(descending=True, stable=True).indices[:length]
-
-
 def keep_path(target: TargetModel, cache, path: torch.Tensor, tree_tokens: int) -> None:
     """Keep only the accepted path's nodes (`path` [P] on the device) of the last forward (a tree of `tree_tokens`
     nodes with its root) in the cache: their keys and values (recurrent layers: their inputs) moved to the front of
@@ -403,6 +382,71 @@ def keep_path(target: TargetModel, cache, path: torch.Tensor, tree_tokens: int) 
         target.rollback(cache, kept)
     finally:
         target.rollback_mode = mode
+
+
+class EagerTreeVerification:
+    """The reference: the tree's forward on the target's growing cache (`tree_forward`), the accepted path kept by
+    `keep_path`."""
+
+    static = False
+
+    def __init__(self, target: TargetModel, cache) -> None:
+        self.target, self.cache, self.counts = target, cache, CompileCounts()
+
+    def verify(self, tree: DraftTree, tokens: list[int], anchor_pos: int) -> tuple[TargetOutput, torch.Tensor]:
+        """(the forward over [anchor, nodes], the target's argmax after each node [N + 1] on the device)."""
+        self.tree, self.nodes = tree, tree_on_device(tree, tokens, self.target.device)  # the step's one copy
+        self.verified = tree_forward(self.target, self.cache, self.nodes, tree, anchor_pos)
+        self.predicted = self.verified.logits[0].argmax(-1)
+        return self.verified, self.predicted
+
+    def path(self, length: int) -> torch.Tensor:
+        """The accepted path's nodes [length] on the device."""
+        self.kept = path_on_device(self.nodes, self.predicted, length, max(self.tree.depths))
+        return self.kept
+
+    def commit(self) -> None:
+        keep_path(self.target, self.cache, self.kept, self.tree.size + 1)
+
+
+class StaticTreeVerification:
+    """The static path (`decoding.static_tree`): the tree padded to the verifier's node count, one compiled verify and
+    one compiled commit a step, the accepted path chosen and kept on the device."""
+
+    static = True
+
+    def __init__(self, verifier: StaticTreeVerifier) -> None:
+        self.verifier = verifier
+
+    @property
+    def counts(self) -> CompileCounts:
+        return self.verifier.counts
+
+    def verify(self, tree: DraftTree, tokens: list[int], anchor_pos: int) -> tuple[TargetOutput, torch.Tensor]:
+        nodes = tree_on_device(tree, tokens, self.verifier.target.device, self.verifier.verify_length)  # [4, T]
+        self.verdict = self.verifier.verify_tree(nodes)
+        return self.verdict.output, self.verdict.predicted
+
+    def path(self, length: int) -> torch.Tensor:
+        return self.verdict.order[:length]
+
+    def commit(self) -> None:
+        self.verifier.commit_tree(self.verdict)
+
+
+def tree_verification_for(
+    target: TargetModel, cache, rule: TreeRule, depth: int, tokens: int, speculative: SpeculativeConfig
+) -> EagerTreeVerification | StaticTreeVerification:
+    """The tree verification a generation of at most `tokens` positions uses after its prefill (`cache`): static
+    when `speculative.compile` (trees of the rule's budget, at most `depth` deep), else eager. A backend or a target
+    without a static rule is refused in one line, as the chain's `verification_for` refuses it."""
+    if not speculative.compile:
+        return EagerTreeVerification(target, cache)
+    check_static(target, speculative.compile_backend)
+    nodes = rule.budget + 1
+    verifier = static_tree_verifier(target, nodes, min(depth, rule.budget), tokens + nodes, speculative.compile_backend)
+    verifier.start(cache, cache.length)
+    return StaticTreeVerification(verifier)
 
 
 @dataclass
@@ -435,13 +479,16 @@ def tree_generate(
     check_tree_target(target)
     check_tree_drafter(rule, drafter)
     block = speculative.block_size or default_block_size(drafter)
-    compiled = None  # the drafter in fixed shapes when the generation compiles (the tree's verify stays eager)
-    if resolve_compile(speculative.compile, target):
-        compiled = compiled_drafting(drafter, speculative.compile_backend, len(prompt_ids) + max_new_tokens + block + 1)
+    compile = resolve_compile(speculative.compile, target)
+    positions = max(len(prompt_ids) + max_new_tokens, speculative.static_positions or 0)
+    compiled = None  # the drafter in fixed shapes when the generation compiles
+    if compile:
+        compiled = compiled_drafting(drafter, speculative.compile_backend, positions + block + 1)
     proposer = as_proposer(drafter, target, rule=speculative.rule, compiled=compiled)
     target.set_context_layers(proposer.context_layer_ids)
+    speculative = replace(speculative, block_size=block, compile=compile, static_positions=positions)
     with decoding_attention(target.device):
-        return _tree_steps(target, proposer, prompt_ids, max_new_tokens, rule, replace(speculative, block_size=block))
+        return _tree_steps(target, proposer, prompt_ids, max_new_tokens, rule, speculative)
 
 
 def _tree_steps(
@@ -452,11 +499,14 @@ def _tree_steps(
     rule: TreeRule,
     speculative: SpeculativeConfig,
 ) -> TreeGeneration:
-    """The prefill and the steps of `tree_generate` (the proposer made, `speculative`'s block resolved)."""
+    """The prefill and the steps of `tree_generate` (the proposer made, `speculative`'s block and compile resolved)."""
     stop_ids, device, block = set(target.stop_token_ids), target.device, speculative.block_size
     cache = target.new_cache()
     prefill = target.forward(torch.tensor([prompt_ids], device=device), cache)
-    result = TreeGeneration([to_host(prefill.logits_at(-1, None)[0, 0].argmax())])
+    depth = max_drafts(proposer, block)  # the deepest a tree can be: one node per draft position
+    verification = tree_verification_for(target, cache, rule, depth, speculative.static_positions, speculative)
+    counts_before, graphs_before = replace(verification.counts), dynamo_totals()
+    result = TreeGeneration([to_host(prefill.logits_at(-1, None)[0, 0].argmax())], static=verification.static)
     if result.output_ids[0] in stop_ids:
         result.stop_reason = "eos"
         return result
@@ -469,10 +519,8 @@ def _tree_steps(
         tokens = prompt_ids + result.output_ids
         rows = proposer.propose(tokens, anchor_pos + shift, new_context, new_positions, block)  # [k, V]
         tree = build_tree(rule, proposer, rows, 0, tokens[-1])
-        nodes = tree_on_device(tree, tokens[-1:] + tree.tokens, device)  # [4, N + 1]: the step's one copy
-        verified = tree_forward(target, cache, nodes, tree, anchor_pos)
-        argmax = verified.logits[0].argmax(-1)  # [N + 1]: the target's token after each node
-        predicted = to_host(argmax)
+        verified, argmax = verification.verify(tree, tokens[-1:] + tree.tokens, anchor_pos)  # argmax [N + 1 or T]
+        predicted = to_host(argmax)  # the target's token after each node
         path = tree.accepted_path(predicted.__getitem__)
         budget = max_new_tokens - len(result.output_ids)
         committed, stopped = _committed(
@@ -484,18 +532,27 @@ def _tree_steps(
         if stopped:
             result.stop_reason = "eos"
             break
-        kept = path_on_device(nodes, argmax, len(path), max(tree.depths))  # [P]
-        keep_path(target, cache, kept, tree.size + 1)
-        features = verified.context_features
+        kept = verification.path(len(path))  # [P] on the device
+        features = verified.context_features  # gathered before the commit (the next graph may reuse its memory)
         new_context = _rounded(features[:, kept] if features is not None else None, speculative.round_context_to)
+        verification.commit()
         new_positions = anchor_pos + shift + torch.arange(len(path), device=device)[None]
         anchor_pos += len(path)
     result.host_transfers = TRANSFERS.reads - reads_before
-    drafted = draft_counts(proposer)  # what compiled for the drafter (the tree verify runs eagerly)
-    result.compiles = result.draft_compiles = drafted.compiles
-    result.recompiles = drafted.recompiles
-    result.graph_breaks, result.compile_seconds = drafted.graph_breaks, drafted.compile_seconds
+    _count_compiles(result, verification.counts, counts_before, graphs_before, draft_counts(proposer))
     return result
+
+
+def _count_compiles(
+    result: TreeGeneration, counts: CompileCounts, before: CompileCounts, graphs_before, drafted: CompileCounts
+) -> None:
+    """What torch.compile did during the generation, as the chain reports it: graphs compiled (the verify's and the
+    commit's, the drafter's), of them the drafter's, recompiles after warm-up, graph breaks, compile seconds."""
+    graphs = dynamo_totals()
+    result.compiles, result.graph_breaks = graphs[0] - graphs_before[0], graphs[1] - graphs_before[1]
+    result.draft_compiles = drafted.compiles
+    result.recompiles = counts.recompiles - before.recompiles + drafted.recompiles
+    result.compile_seconds = counts.compile_seconds - before.compile_seconds + drafted.compile_seconds
 
 
 def _rounded(features: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:

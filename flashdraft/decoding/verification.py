@@ -21,12 +21,18 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", None)
 
 
 def compile_by_default(device: torch.device) -> bool:
-    """Whether decoding compiles when the user does not say (`SpeculativeConfig.compile` None): nowhere yet. On CPU it
-    does not pay: a compiled 1-token step is 1.6x faster but a 16-row verify only 1.1x (compute-bound), so compiled
-    speculative decoding gains less than compiled greedy, and inductor's first compile takes 12 s to minutes on a
-    shared 2-core machine (docs/benchmarks.md). On CUDA it is where it should pay (one CUDA graph a
-    step instead of thousands of launches), but no GPU has run it yet: until the GPU check measures it, `--compile`
-    asks for it."""
+    """Whether decoding compiles when the user does not say (`SpeculativeConfig.compile` None): nowhere yet.
+
+    On CPU it does not pay. Measured with `benchmarks/decode.py` on the built-in hybrid target (docs/benchmarks.md,
+    "Compiled (static cache) against eager"): compiling makes speculative decoding faster than it is eagerly, but
+    greedy decoding gains more (a compiled 1-token step loses most of its per-op cost, a 17-row verify is mostly
+    compute-bound matmuls, about 2x the compiled 1-token step even with the Gated DeltaNet slots kept as the block's
+    terms), so compiled speculative decoding stays well under compiled greedy decoding at the τ a CPU-trained drafter
+    reaches (1.5). And the first compile is slow: inductor took 106 s for the verify and the drafter's step of a cold
+    `eval --online --compile` on a shared 2-core CPU (tens of seconds quiet), more than a short generation takes,
+    on top of the compiled greedy step it is set against. On CUDA it is where it should pay (one CUDA graph a step
+    instead of thousands of launches), but no GPU has run it yet: until the GPU check measures it, `--compile` asks
+    for it."""
     return False
 
 
@@ -109,6 +115,15 @@ class StaticVerification:
         self.verifier.commit(accepted)
 
 
+def check_static(target: TargetModel, backend: str | None) -> None:
+    """Refuse, in one line, a compile backend flashdraft does not know or a target without a static rule."""
+    if backend not in COMPILE_BACKENDS:
+        raise FlashdraftError(f"compile backend {backend!r}: expected one of {COMPILE_BACKENDS}")
+    reason = static_support(target)
+    if reason is not None:
+        raise FlashdraftError(f"{target.path or 'the target'}: --compile refused: {reason}; use --no-compile")
+
+
 def verification_for(
     target: TargetModel,
     cache: TargetCache,
@@ -122,11 +137,7 @@ def verification_for(
     (`cache`): static when `compile`, else eager. `compile` on a target without a static rule is refused in one line."""
     if not compile:
         return EagerVerification(target, cache)
-    if backend not in COMPILE_BACKENDS:
-        raise FlashdraftError(f"compile backend {backend!r}: expected one of {COMPILE_BACKENDS}")
-    reason = static_support(target)
-    if reason is not None:
-        raise FlashdraftError(f"{target.path or 'the target'}: --compile refused: {reason}; use --no-compile")
+    check_static(target, backend)
     length = max_drafts(proposer, block) + 1
     verifier = static_verifier(target, length, tokens + length, backend)  # tokens: the generation's positions
     verifier.start(cache, cache.length)

@@ -47,6 +47,7 @@ from flashdraft.evaluation.records import EvalRecord, FeatureSource
 from flashdraft.evaluation.results import EvalResult, PromptResult, speedup_bound
 from flashdraft.target.image_files import record_images
 from flashdraft.target.model import TargetModel
+from flashdraft.target.static_cache import CompileCounts
 
 COST_REPEATS = 7  # timed rounds per cost; the median is used
 
@@ -261,7 +262,7 @@ def evaluate_trees(
             )
         if cfg.online or cfg.check_consistency:
             greedy = [run.output_ids for run in baseline] if baseline else [r.completion_ids for r in records]
-            row["online"] = _online(c, target, records, rule, walks=walks, greedy=greedy)
+            row["online"] = _online(c, target, records, rule, walks=walks, greedy=greedy, compile=cfg.compile)
         log(
             f"tree {cfg.tree} budget {budget}: tau {result.tau:.3f} (chain {chain['tau']:.3f}), "
             f"{row['nodes_per_step']:.1f} nodes per step"
@@ -295,9 +296,15 @@ def _online(
     rule: TreeRule,
     walks: list[TreeWalk],
     greedy: list[list[int]],
+    compile: bool | None = None,
 ) -> dict[str, Any]:
-    """The tree loop on every record (as many tokens as its completion), against the offline walk."""
+    """The tree loop on every record (as many tokens as its completion), against the offline walk; `compile`: the
+    tree verified on the target's static cache (`decoding.static_tree`) sized for the longest record, so one verify
+    graph serves them all, and what compiled is counted under "compile"."""
     lengths, mismatches, lossless = [], [], True
+    positions = max(len(r.prompt_ids) + len(r.completion_ids) for r in records) if records else None
+    speculative = SpeculativeConfig(block_size=c.block_size, compile=compile, static_positions=positions)
+    compiled, static = CompileCounts(), False
     for record, walk, plain in zip(records, walks, greedy, strict=True):
         with record_images(target, record):  # its images, where it has any
             out = tree_generate(
@@ -306,8 +313,10 @@ def _online(
                 record.prompt_ids,
                 len(record.completion_ids),
                 rule,
-                SpeculativeConfig(block_size=c.block_size),
+                speculative,
             )
+        compiled.add(out)
+        static |= out.static
         lossless &= out.output_ids == plain
         lengths += out.acceptance_lengths
         if out.acceptance_lengths[: len(walk.lengths)] != walk.lengths:
@@ -317,6 +326,7 @@ def _online(
         "lossless": lossless,
         "identical": not mismatches,
         "mismatches": mismatches,
+        "compile": compiled.as_dict() | {"static": static},
     }
 
 

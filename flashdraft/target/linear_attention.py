@@ -196,6 +196,21 @@ def tree_block_forward(layer: nn.Module, hidden_states: torch.Tensor, cache_para
     window = cache_params.update_conv_state(mixed_qkv.transpose(1, 2), idx, conv_kernel_size=kernel)  # [B, C, K + T]
     if state0 is None or window.shape[-1] != seq_len + kernel:
         raise RuntimeError("a tree forward needs the layer's states from a cached forward before it")
+    out, states = tree_recurrence(layer, window, b, a, state0, tree)
+    cache_params.update_recurrent_state(states[:, :, -1], idx)
+    layer.last_block = None
+    return _output(layer, out, z, hidden_states)
+
+
+def tree_recurrence(
+    layer: nn.Module, window: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state0: torch.Tensor, tree: TreeNodes
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet layer's rule over a tree's T nodes, each along its own root path: (out [B, Hv, T, dv], the
+    state after each node [B, Hv, T, dk, dv]) from the conv inputs `window` [B, C, K + T] (the K before the tree,
+    then the nodes'), the b and a projections [B, T, Hv] and the state before the tree `state0` [B, Hv, dk, dv]. A
+    node's conv reads its own root path, then the inputs before the tree; its state is its parent's advanced by its
+    token (the 1-token recurrence). `tree.max_depth` bounds the loops: a larger bound gives the same result."""
+    kernel, seq_len = layer.conv_kernel_size, window.shape[-1] - layer.conv_kernel_size
     parent, depths = tree.parents.clamp(min=0), tree.depths  # [T]: the root its own parent (never followed)
     # per node the window columns of its last K inputs: s steps back from the end, its s-th ancestor while the path
     # lasts (K + node), then the cached inputs before the tree (K + depth - s)
@@ -217,9 +232,7 @@ def tree_block_forward(layer: nn.Module, hidden_states: torch.Tensor, cache_para
         at_depth = depths == d  # [T]
         states = torch.where(at_depth[:, None, None], advanced, states)
         out = torch.where(at_depth[:, None], (query[..., None, :] @ advanced)[..., 0, :], out)
-    cache_params.update_recurrent_state(states[:, :, -1], idx)
-    layer.last_block = None
-    return _output(layer, out, z, hidden_states)
+    return out, states
 
 
 def install_short_block_path(layer: nn.Module) -> None:

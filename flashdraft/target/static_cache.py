@@ -9,12 +9,15 @@ rolls back by cropping and recomputing: new shapes every step. Here, as gpt-fast
   device position `StaticTargetCache.position`. Rollback is that position: it advances by the committed tokens only;
   a rejected draft's rows stay in the buffer, masked (a query at position p sees keys at positions <= p, and a
   sliding layer's those within its window), and the next verify overwrites them.
-- Gated DeltaNet and Mamba-2 layers (`RecurrentSlots`) keep the state after each of the verify's T tokens (T slots)
-  and the conv inputs of the verify's window (the K cached before the block, then its T). Commit writes the accepted
-  count `a` into the device tensor `StaticTargetCache.slot`; the next verify starts from slot a and from conv
-  columns a + 1 .. a + K (the K inputs ending at the last kept token): nothing is copied, nothing re-run.
+- Mamba-2 layers (`RecurrentSlots`) keep the state after each of the verify's T tokens (T slots), and so do Gated
+  DeltaNet layers in a draft tree's verify (a node's slot; `decoding.static_tree`); in a chain's verify Gated DeltaNet
+  layers (`DeltaRuleSlots`) keep what those T states are made of (the state before the block, the block's keys,
+  solved values and cumulative decay), from which the next verify computes the one it starts from. Both keep the conv
+  inputs of the verify's window (the K cached before the block, then its T). Commit writes the accepted count `a`
+  into the device tensor `StaticTargetCache.slot`; the next verify starts from slot a's state and from conv columns
+  a + 1 .. a + K (the K inputs ending at the last kept token): nothing is copied on the host, nothing re-run.
 - the verify is always T = `verify_length` tokens (the anchor, the drafts, a padded tail): its padded rows write K/V
-  past the committed tokens (masked, overwritten later) and states into slots no commit selects.
+  past the committed tokens (masked, overwritten later) and states (or their terms) no commit selects.
 
 The prompt is prefilled on the eager path (any length, not compiled) and its caches copied in (`seed`); the
 verify (`StaticVerifier.verify`) is then one function of fixed shapes with every buffer at a fixed address.
@@ -36,11 +39,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.linear_attention import (
+    TreeNodes,
     _heads,
     _output,
     causal_conv_window,
     gated_delta_net_projections,
     gated_delta_rule_block,
+    tree_recurrence,
 )
 from flashdraft.target.mamba import is_mamba
 from flashdraft.target.model import TargetModel, TargetOutput
@@ -58,6 +63,28 @@ def with_own_code(method):
     fn = method.__func__
     fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     return types.MethodType(fresh, method.__self__)
+
+
+def compile_step(function, backend: str, mode: str | None):
+    """`function` under `torch.compile(fullgraph=True, dynamic=False)` with `backend` and `mode` (None: the default;
+    "reduce-overhead": CUDA graphs), its own code object (`with_own_code`) and no guards on the modules it reads.
+
+    Dynamo checks a graph's guards on every call, and most of a decoding graph's are on the attributes of the target's
+    (or drafter's) modules: ~2,800 guard checks on the tiny target, ~12 % of a compiled 1-token step on a CPU.
+    A decoding graph is made for one model in one dtype on one device (`static_verifier` and `static_state` key their
+    states on them) and a decoding loop changes none of its modules, so those guards are dropped
+    (`torch.compiler.skip_guard_on_all_nn_modules_unsafe`); the guards on the inputs' shapes, dtypes and devices, the
+    grad mode and the rest stay. A module changed in place between steps (a layer swapped for another kind, a hook
+    added) is therefore not seen: build a new verifier (or drafting state) after changing the model."""
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    if mode is not None and backend == "inductor":  # torch.compile takes a mode or options: the mode's options then
+        from torch._inductor import list_mode_options
+
+        options |= list_mode_options(mode)
+        mode = None
+    return torch.compile(
+        with_own_code(function), backend=backend, fullgraph=True, dynamic=False, mode=mode, options=options
+    )
 
 
 def _static_address(tensor: torch.Tensor) -> torch.Tensor:
@@ -110,8 +137,8 @@ class PositionedKVLayer(CacheLayerMixin):
 
 @dataclass
 class RecurrentSlots:
-    """One Gated DeltaNet or Mamba-2 layer's state after each of the verify's T tokens (`states` [T, B, *state]) and
-    the conv inputs of its window (`window` [B, C, K + T]: the K before the block, then the block's T)."""
+    """One Mamba-2 layer's state after each of the verify's T tokens (`states` [T, B, *state]) and the conv inputs of
+    its window (`window` [B, C, K + T]: the K before the block, then the block's T)."""
 
     states: torch.Tensor
     window: torch.Tensor
@@ -122,16 +149,80 @@ class RecurrentSlots:
         window = conv_state.new_zeros(*conv_state.shape[:-1], conv_state.shape[-1] + verify_length)
         return cls(_static_address(states), _static_address(window))
 
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.states, self.window]
+
     def seed(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
         """The prefill's states as slot 0 (the commit after seeding selects slot 0)."""
         kernel = conv_state.shape[-1]
         self.states[0].copy_(recurrent_state)
         self.window[..., 1 : 1 + kernel].copy_(conv_state)
 
+    def conv_before(self, slot: torch.Tensor, kernel: int) -> torch.Tensor:
+        """The conv inputs [B, C, K] ending at the kept token: the K before the next block."""
+        columns = slot + 1 + torch.arange(kernel, device=slot.device)  # [K]
+        return self.window.index_select(-1, columns)
+
     def start(self, slot: torch.Tensor, kernel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv inputs [B, C, K] before the block, state [B, *state]) the committed slot leaves."""
-        columns = slot + 1 + torch.arange(kernel, device=slot.device)  # [K]: the K inputs ending at the kept token
-        return self.window.index_select(-1, columns), self.states.index_select(0, slot.view(1))[0]
+        return self.conv_before(slot, kernel), self.states.index_select(0, slot.view(1))[0]
+
+
+@dataclass
+class DeltaRuleSlots(RecurrentSlots):
+    """One Gated DeltaNet layer's last verify, kept as what its state after any of the T tokens is made of rather
+    than as T states: the state before the block (`initial` [B, H, dk, dv]), the block's keys (`key` [B, H, T, dk]),
+    solved values (`v_new` [B, H, T, dv]) and cumulative log decay (`cum` [B, H, T]), and the conv window as
+    `RecurrentSlots`. The state after token a is S_0 e^cum_a + sum_{j <= a} e^(cum_a - cum_j) k_j^T v_new_j
+    (`linear_attention.state_after`), which the next verify computes for the committed slot alone: one [dk, T] x
+    [T, dv] product a head, where keeping every slot cost a [dk, T] x [T, dv] product per slot and a write of T states
+    (on the tiny target's 17-token verify, a fifth of the compiled verify on a CPU)."""
+
+    key: torch.Tensor = None
+    v_new: torch.Tensor = None
+    cum: torch.Tensor = None
+
+    @classmethod
+    def like(cls, conv_state: torch.Tensor, recurrent_state: torch.Tensor, verify_length: int) -> DeltaRuleSlots:
+        batch, heads, dk, dv = recurrent_state.shape
+        window = conv_state.new_zeros(*conv_state.shape[:-1], conv_state.shape[-1] + verify_length)
+        fp32 = dict(dtype=torch.float32, device=recurrent_state.device)
+        return cls(
+            states=_static_address(recurrent_state.new_zeros(recurrent_state.shape)),  # the initial state
+            window=_static_address(window),
+            key=_static_address(torch.zeros(batch, heads, verify_length, dk, **fp32)),
+            v_new=_static_address(torch.zeros(batch, heads, verify_length, dv, **fp32)),
+            cum=_static_address(torch.zeros(batch, heads, verify_length, **fp32)),
+        )
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.states, self.window, self.key, self.v_new, self.cum]
+
+    def seed(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+        """The prefill's states as every slot: a block of zero keys and values that does not decay."""
+        kernel = conv_state.shape[-1]
+        self.states.copy_(recurrent_state)
+        for tensor in (self.key, self.v_new, self.cum):
+            tensor.zero_()
+        self.window[..., 1 : 1 + kernel].copy_(conv_state)
+
+    def start(self, slot: torch.Tensor, kernel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv inputs [B, C, K] before the next block, fp32 state [B, H, dk, dv] after the block's token `slot`)."""
+        cum_kept = self.cum.index_select(-1, slot.view(1))  # [B, H, 1]
+        later = torch.arange(self.cum.shape[-1], device=slot.device) > slot  # [T]: tokens past the kept one
+        weight = (cum_kept - self.cum).masked_fill(later, float("-inf")).exp()  # [B, H, T]: 0 past the kept token
+        state = self.states.float() * cum_kept.exp()[..., None] + (self.key * weight[..., None]).transpose(-1, -2) @ (
+            self.v_new
+        )
+        return self.conv_before(slot, kernel), state
+
+    def keep(self, initial: torch.Tensor, key: torch.Tensor, v_new: torch.Tensor, cum: torch.Tensor, window) -> None:
+        """Record a verify: its initial state [B, H, dk, dv], keys, solved values, cumulative decay, conv window."""
+        self.states.copy_(initial)
+        self.key.copy_(key)
+        self.v_new.copy_(v_new)
+        self.cum.copy_(cum)
+        self.window.copy_(window)
 
 
 class StaticTargetCache(Cache):
@@ -147,6 +238,9 @@ class StaticTargetCache(Cache):
         self.write_positions = _static_address(torch.zeros(verify_length, dtype=torch.long, device=device))
         self.kinds = target.support.layer_kinds
         self.recurrent: dict[int, RecurrentSlots] = {}
+        # a draft tree's verify (`flashdraft.decoding.static_tree`): the nodes' parents and depths [T] in fixed buffers
+        # and the depth bound; None: the verify is a chain
+        self.tree: TreeNodes | None = None
         layers = [
             PositionedKVLayer(capacity, self.write_positions) if kind not in ("gated_deltanet", "mamba2") else None
             for kind in self.kinds
@@ -165,7 +259,10 @@ class StaticTargetCache(Cache):
             if kind in ("gated_deltanet", "mamba2"):
                 conv, recurrent = source.conv_states[0], source.recurrent_states[0]
                 if i not in self.recurrent:
-                    self.recurrent[i] = RecurrentSlots.like(conv, recurrent, self.verify_length)
+                    # a chain's Gated DeltaNet keeps the block's terms; a tree's nodes each their state (its commit
+                    # reorders the slots), as Mamba-2 does
+                    slots = DeltaRuleSlots if kind == "gated_deltanet" and self.tree is None else RecurrentSlots
+                    self.recurrent[i] = slots.like(conv, recurrent, self.verify_length)
                 self.recurrent[i].seed(conv, recurrent)
             elif kind != "mlp" and getattr(source, "keys", None) is not None and source.keys.numel():
                 self.layers[i].seed(source.keys, source.values, length)
@@ -183,31 +280,34 @@ class StaticTargetCache(Cache):
             self.position.add_(accepted + 1)
 
 
-# -- recurrent layers over a fixed block, keeping the state after each token ---------------------------------------
-
-
-def states_after_each(state: torch.Tensor, key: torch.Tensor, v_new: torch.Tensor, cum: torch.Tensor) -> torch.Tensor:
-    """The gated delta rule's state after each of a block's T tokens [B, H, T, dk, dv], from the state before it
-    [B, H, dk, dv] and the block's keys [B, H, T, dk], solved values v_new [B, H, T, dv] and cumulative log decay
-    [B, H, T]: S_t = S_0 e^cum_t + sum_{j <= t} e^(cum_t - cum_j) k_j^T v_new_j (`linear_attention.state_after` for
-    every t at once)."""
-    decay = (cum[..., :, None] - cum[..., None, :]).exp().tril()  # [B, H, T, T]; tril drops the overflowing upper part
-    weighted = decay[..., None] * key[:, :, None]  # [B, H, T, T, dk]: key j decayed to token t
-    carried = state[:, :, None] * cum.exp()[..., None, None]  # [B, H, T, dk, dv]
-    return carried + weighted.transpose(-1, -2) @ v_new[:, :, None]
+# -- recurrent layers over a fixed block, keeping the state after any of its tokens ---------------------------------
 
 
 def gated_deltanet_static_forward(layer: nn.Module, hidden_states: torch.Tensor, cache: StaticTargetCache):
     """A Gated DeltaNet layer (Qwen3.5/3.6's, Qwen3-Next's) over the verify's T tokens: hidden_states [B, T, hidden]
-    -> [B, T, hidden], from the committed slot; writes the state after each token and the block's conv window."""
+    -> [B, T, hidden], from the committed slot's state; keeps what the state after each token is made of (the state
+    before the block, keys, solved values, cumulative decay: `DeltaRuleSlots`) and the block's conv window."""
     slots, kernel = cache.recurrent[layer.layer_idx], layer.conv_kernel_size
     mixed_qkv, z, b, a = gated_delta_net_projections(layer, hidden_states)
     before, state = slots.start(cache.slot, kernel)
     window = torch.cat([before, mixed_qkv.transpose(1, 2).to(before.dtype)], -1)  # [B, C, K + T]
     conv_out = causal_conv_window(window[..., 1:], layer.conv1d.weight[:, 0])  # [B, C, T]
     query, key, value, g, beta = _heads(layer, conv_out, b, a)
-    out, _, v_new, cum = gated_delta_rule_block(query, key, value, g, beta, state.float())
-    states = states_after_each(state.float(), key, v_new, cum)  # [B, H, T, dk, dv]
+    out, _, v_new, cum = gated_delta_rule_block(query, key, value, g, beta, state)
+    slots.keep(state, key, v_new, cum, window)
+    return _output(layer, out, z, hidden_states)
+
+
+def gated_deltanet_tree_static_forward(layer: nn.Module, hidden_states: torch.Tensor, cache: StaticTargetCache):
+    """A Gated DeltaNet layer over a draft tree's T nodes (`cache.tree`): hidden_states [B, T, hidden] -> [B, T,
+    hidden], each node along its own root path from the committed slot (`linear_attention.tree_recurrence`, as the
+    eager tree forward); writes the state after each node into its slot and the nodes' conv inputs after the K
+    before them (the tree's commit moves the accepted path's to the front)."""
+    slots, kernel = cache.recurrent[layer.layer_idx], layer.conv_kernel_size
+    mixed_qkv, z, b, a = gated_delta_net_projections(layer, hidden_states)
+    before, state = slots.start(cache.slot, kernel)
+    window = torch.cat([before, mixed_qkv.transpose(1, 2).to(before.dtype)], -1)  # [B, C, K + T]
+    out, states = tree_recurrence(layer, window, b, a, state.float(), cache.tree)  # states [B, H, T, dk, dv]
     slots.states.copy_(states.permute(2, 0, 1, 3, 4))
     slots.window.copy_(window)
     return _output(layer, out, z, hidden_states)
@@ -255,6 +355,8 @@ def install_static_path(mixer: nn.Module) -> None:
 
     def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
         if isinstance(cache_params, StaticTargetCache):
+            if cache_params.tree is not None:  # a draft tree: Gated DeltaNet only (the tree loop refuses Mamba-2)
+                return gated_deltanet_tree_static_forward(mixer, hidden_states, cache_params)
             return static(mixer, hidden_states, cache_params)
         return previous(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
 
@@ -348,39 +450,48 @@ class StaticVerifier:
         self._step = self._forward
         self._mode = "reduce-overhead" if device.type == "cuda" and self.backend == "inductor" else None
         if self.backend is not None:
-            self._step = torch.compile(
-                with_own_code(self._forward), backend=self.backend, fullgraph=True, dynamic=False, mode=self._mode
-            )
+            self._step = compile_step(self._forward, self.backend, self._mode)
 
     def _masks(self, positions: torch.Tensor):
         """The additive masks [1, 1, T, L] of the verify's queries at `positions` [T]: keys at positions up to the
         query's own (rows past it hold rejected drafts or nothing yet), within the window on sliding layers."""
-        dtype = self.target.dtype
         seen = self._key_positions[None, :] <= positions[:, None]  # [T, L]
-        masks = {"full_attention": seen}
+        sliding = None
         if self._window and "sliding_attention" in self.target.layer_types:
-            masks["sliding_attention"] = seen & (positions[:, None] - self._key_positions[None, :] < self._window)
-        additive = {
-            kind: torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)[
-                None, None
-            ]
-            for kind, mask in masks.items()
-        }
+            sliding = seen & (positions[:, None] - self._key_positions[None, :] < self._window)
+        return self.additive(seen, sliding)
+
+    def additive(self, full: torch.Tensor, sliding: torch.Tensor | None):
+        """What the decoder takes for the boolean masks (True: seen) of its full and sliding layers ([T, L], or [B,
+        T, L] per row): additive masks [1 or B, 1, T, L], a dict by layer kind where the target has sliding or
+        recurrent layers (those take none), else the one mask."""
+        dtype = self.target.dtype
+        masks = {"full_attention": full} | ({"sliding_attention": sliding} if sliding is not None else {})
+        additive = {}
+        for kind, mask in masks.items():
+            mask = mask[None] if mask.dim() == 2 else mask  # [B, T, L]
+            zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            additive[kind] = zeros.masked_fill(~mask, torch.finfo(dtype).min)[:, None]
         if self.target.linear_layers:  # recurrent layers take no mask
             additive["linear_attention"] = None
         return additive if len(additive) > 1 else additive["full_attention"]
 
     def _forward(self, input_ids: torch.Tensor):
         """input_ids [1, T] -> (logits [1, T, V], hidden [1, T, H], features [1, T, n * H] or None)."""
-        target, cache = self.target, self.cache
-        positions = cache.position + self._offsets  # [T]
-        cache.write_positions.copy_(positions)
+        positions = self.cache.position + self._offsets  # [T]
+        self.cache.write_positions.copy_(positions)
+        return self._decode(input_ids, positions, self._masks(positions))
+
+    def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, masks):
+        """The decoder over input_ids [B, T] at rotary `positions` [T] under `masks` (written at the cache's
+        `write_positions`) -> (logits [B, T, V], hidden [B, T, H], features [B, T, n * H] or None)."""
+        target = self.target
         target._captured = {}
         out = target.decoder(
             input_ids=input_ids,
-            position_ids=positions[None],
-            attention_mask=self._masks(positions),
-            past_key_values=cache,
+            position_ids=positions[None] if positions.dim() == 1 else positions,
+            attention_mask=masks,
+            past_key_values=self.cache,
             use_cache=True,
         )
         hidden = out.last_hidden_state
@@ -404,21 +515,28 @@ class StaticVerifier:
         """The target over input_ids [1, verify_length] at the committed position, writing the caches (commit next)."""
         if input_ids.shape != (1, self.verify_length):
             raise ValueError(f"static verify of {tuple(input_ids.shape)} tokens, expected (1, {self.verify_length})")
-        if self._mode == "reduce-overhead":
+        logits, hidden, features = self.counted(self._step, input_ids)
+        return TargetOutput(hidden, features, self.target.target_logits, _logits=logits)
+
+    def counted(self, step, *args, graphs_per_warm_up: int = 1, new_step: bool = True):
+        """`step(*args)` (one of the verifier's compiled functions), counting what dynamo compiled and broke into
+        `counts`: the verifier's first `graphs_per_warm_up` graphs are its warm-up, any later one a recompile.
+        `new_step` False: a graph of the same step (its inputs the step's earlier graph outputs)."""
+        if self._mode == "reduce-overhead" and new_step:
             torch.compiler.cudagraph_mark_step_begin()  # a new step: the last one's graph outputs are read no more
         if self.backend is None:
-            logits, hidden, features = self._step(input_ids)
-        else:
-            graphs, breaks = dynamo_totals()
-            start = time.perf_counter()
-            logits, hidden, features = self._step(input_ids)
-            compiled, broken = dynamo_totals()
-            if compiled > graphs:
-                self.counts.compile_seconds += time.perf_counter() - start
-                self.counts.recompiles += compiled - graphs if self.counts.compiles else compiled - graphs - 1
-                self.counts.compiles += compiled - graphs
-            self.counts.graph_breaks += broken - breaks
-        return TargetOutput(hidden, features, self.target.target_logits, _logits=logits)
+            return step(*args)
+        graphs, breaks = dynamo_totals()
+        start = time.perf_counter()
+        out = step(*args)
+        compiled, broken = dynamo_totals()
+        if compiled > graphs:
+            self.counts.compile_seconds += time.perf_counter() - start
+            warm_up = max(0, min(compiled - graphs, graphs_per_warm_up - self.counts.compiles))
+            self.counts.recompiles += compiled - graphs - warm_up
+            self.counts.compiles += compiled - graphs
+        self.counts.graph_breaks += broken - breaks
+        return out
 
     def commit(self, accepted: int | torch.Tensor) -> None:
         self.cache.commit(accepted)

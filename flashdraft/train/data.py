@@ -16,6 +16,9 @@ from flashdraft.drafter.model import PAD_POSITION
 from flashdraft.drafter.packed_attention import ContextTiles
 from flashdraft.target.image_files import record_images
 from flashdraft.train.blocks import IGNORE, build_blocks, sample_anchors
+from flashdraft.train.host_memory import FeatureBuffers
+
+FRESH = FeatureBuffers()  # a fresh buffer for every batch (none kept)
 
 
 class TrainRecord(Protocol):
@@ -110,7 +113,8 @@ class BatchSpec:
     """How records are cut into a training batch: `num_anchors` blocks per record (sampled with `seed`, epoch and
     record index), of `block_size` tokens in the layout whose first drafting position is `first_draft` (1 fill-in,
     0 anchor-first), masked with `mask_token_id`, sequences cut to `max_length` (None: whole); the context length
-    and the number of blocks padded up to their `length_bucket` (bucket) or to the batch's longest (not)."""
+    and the number of blocks padded up to their `length_bucket` (bucket) or to the batch's longest (not); the context
+    features built in a buffer from `buffers` (a run's, reused or pinned: `train.host_memory`; None: a fresh one)."""
 
     seed: int
     num_anchors: int
@@ -119,6 +123,7 @@ class BatchSpec:
     max_length: int | None = None
     first_draft: int = 1
     bucket: bool = True
+    buffers: FeatureBuffers | None = None
 
 
 @dataclass
@@ -166,7 +171,7 @@ def make_batch(records: list[TrainRecord], indices: list[int], epoch: int, batch
         max_t, max_k = length_bucket(max_t), max(max_k, min(length_bucket(max_k), batch_spec.num_anchors))
     feat_dim = rows[0][0].shape[1]
     # empty, the padding zeroed below: zeros then the copy would write the batch's largest tensor twice
-    features = torch.empty(n, max_t, feat_dim, dtype=rows[0][0].dtype)
+    features = (batch_spec.buffers or FRESH).take((n, max_t, feat_dim), rows[0][0].dtype)  # [N, T, n * H]
     positions = torch.full((n, max_t), PAD_POSITION, dtype=torch.long)
     block_ids = torch.full((n, max_k * block_size), batch_spec.mask_token_id, dtype=torch.long)
     anchors = torch.zeros(n, max_k, dtype=torch.long)  # padding blocks: anchor 0, labels ignored

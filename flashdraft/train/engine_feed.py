@@ -36,6 +36,7 @@ from flashdraft.data.engine_capture import (
 )
 from flashdraft.errors import FlashdraftError
 from flashdraft.serving.engine import VllmServer, engine_python
+from flashdraft.target.image_files import refuse_engine_images
 
 DEFAULT_PREFETCH = 8  # samples asked of the engines ahead of the trainer
 REQUEST_TIMEOUT_S = 600.0
@@ -299,6 +300,7 @@ def engine_fed(
     stopped on every way out (errors, Ctrl-C, SIGTERM)."""
     from flashdraft.target.model import TargetModel, resolve_target_path
 
+    refuse_engine_images(online.records, "train --engine vllm")  # before the engine starts
     log = print if main else (lambda _: None)
     staging = staging_directory(run_dir)
     with contextlib.ExitStack() as stack:

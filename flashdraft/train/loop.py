@@ -49,6 +49,7 @@ from flashdraft.train.config import RESUMABLE_CHANGES, TrainConfig
 from flashdraft.train.data import OnlineRecords
 from flashdraft.train.engine_feed import EngineLost
 from flashdraft.train.held_out import check_keep_best, held_out_metrics, keep_if_best
+from flashdraft.train.host_memory import FeatureBuffers
 from flashdraft.train.learning import LearningCheck, mean_record_length
 from flashdraft.train.metrics import MetricsWriter, Window, memory_and_compiles
 from flashdraft.train.optim import Optimizers, build_optimizers, warmup_steps
@@ -227,16 +228,22 @@ def _compiled_step(cfg: TrainConfig, model, dist: Dist, backend: str) -> Compile
 def _prefetcher(
     cfg: TrainConfig, records, steps: range, steps_per_epoch: int, dist: Dist, plan, options: LoopOptions
 ) -> BatchPrefetcher | None:
-    """The steps' batches built `options.prefetch` ahead in a thread (`train.prefetch`); None (built in the step) at
-    depth 0 or when the target runs in this process for them (online: its forward would overlap the held-out
-    evaluation's on the same model, and it computes on the step's own device and cores)."""
+    """The steps' batches built `options.prefetch` ahead by `options.data_workers` threads (`train.prefetch`; one for
+    a streamed source, read in its order), their features in the run's buffers (`train.host_memory`: pinned on CUDA,
+    else reused once let go); None (built in the step) at depth 0 or when the target runs in this process for them
+    (online: its forward would overlap the held-out evaluation's on the same model, and it computes on the step's
+    own device and cores)."""
     if not options.prefetch or isinstance(records, OnlineRecords):
         return None
+    pin = dist.device.type == "cuda"
+    # batches alive at once: `prefetch` + 1 built ahead, the step's, the one before it until its name is rebound
+    buffers = FeatureBuffers(pin=pin, keep=(options.prefetch + 3) * cfg.grad_accum)
 
     def build(step: int):
-        return global_batch(cfg, records, step, steps_per_epoch, dist, plan)
+        return global_batch(cfg, records, step, steps_per_epoch, dist, plan, buffers=buffers)
 
-    return BatchPrefetcher(build, steps, options.prefetch, pin=dist.device.type == "cuda")
+    workers = 1 if hasattr(records, "start") else options.data_workers
+    return BatchPrefetcher(build, steps, options.prefetch, pin=pin, workers=workers)
 
 
 def _fetch_batch(
@@ -368,6 +375,7 @@ class LoopOptions:
     on_step: object = None
     compile_backend: str = "inductor"  # with --compile (tests: "eager", the same graphs without inductor's compile)
     prefetch: int = 2  # global batches built ahead of the step in a thread (`train.prefetch`); 0: in the step
+    data_workers: int = 2  # threads building them at once (a streamed source: one)
 
 
 def train(

@@ -10,8 +10,6 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr  # torch's lr scaling
 
 from flashdraft.errors import FlashdraftError
@@ -57,6 +55,8 @@ class WholeMatrixMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
+        from torch.distributed.tensor import DTensor, distribute_tensor  # here: a second of import for every command
+
         for group in self.param_groups:
             params, grads, buffers = [], [], []
             self._init_group(group, params, grads, buffers)
@@ -121,6 +121,8 @@ class Optimizers:
         if self.sharded_model is None:
             optimizers = [o.state_dict() for o, _ in self.pairs]
         else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
             whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
             optimizers = [get_optimizer_state_dict(self.sharded_model, o, options=whole) for o, _ in self.pairs]
         return {"optimizers": optimizers, "schedulers": [s.state_dict() for _, s in self.pairs]}
@@ -136,6 +138,8 @@ class Optimizers:
             if self.sharded_model is None:
                 optimizer.load_state_dict(o)
             else:  # each rank keeps its shard of the whole state
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
                 whole = StateDictOptions(full_state_dict=True)
                 set_optimizer_state_dict(self.sharded_model, optimizer, o, options=whole)
             scheduler.load_state_dict(s)

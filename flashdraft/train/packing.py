@@ -24,7 +24,7 @@ from flashdraft.drafter.model import PAD_POSITION
 from flashdraft.drafter.packed_attention import BLOCK_TILE, KEY_TILE, ContextTiles, row_tile_pairs
 from flashdraft.errors import FlashdraftError
 from flashdraft.train.blocks import IGNORE, candidate_anchors
-from flashdraft.train.data import Batch, BatchSpec, record_blocks, served_positions
+from flashdraft.train.data import FRESH, Batch, BatchSpec, record_blocks, served_positions
 
 BLOCK_SLACK = 1.25  # a row's block capacity over the blocks its L tokens hold on average
 # tiled attention where it scores at most this share of the dense path's scores: a tiled score (the fused kernel) costs
@@ -169,7 +169,8 @@ def make_packed_batch(records, rows: list[list[int]], epoch: int, batch_spec: Ba
     ]
     n, q_len = len(rows), plan.blocks * block_size
     dtype = next((d[0].features.dtype for d in docs if d), torch.float32)
-    features = torch.empty(n, length, plan.feature_dim, dtype=dtype)  # [N, L, n * H]; the padding zeroed below
+    # [N, L, n * H]; the padding zeroed below
+    features = (batch_spec.buffers or FRESH).take((n, length, plan.feature_dim), dtype)
     positions = torch.full((n, length), PAD_POSITION, dtype=torch.long)  # [N, L], from 0 in each document
     context_documents = torch.full((n, length), -1, dtype=torch.long)  # [N, L]
     anchors = torch.zeros(n, plan.blocks, dtype=torch.long)  # [N, A]; padding blocks: anchor 0, labels ignored

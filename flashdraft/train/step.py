@@ -22,6 +22,7 @@ from flashdraft.target.model import TargetModel
 from flashdraft.train.compiled import CompiledStep, batch_shape, graphs_compiled
 from flashdraft.train.config import TrainConfig
 from flashdraft.train.data import Batch, BatchSpec, add_context_noise, make_batch, record_generator
+from flashdraft.train.host_memory import FeatureBuffers
 from flashdraft.train.loss import DraftHeads, DSparkLoss, LossParts, LossSpec, block_loss, label_weight_total
 from flashdraft.train.metrics import StepResult
 from flashdraft.train.optim import Optimizers
@@ -170,11 +171,18 @@ def stream_order(
 
 
 def global_batch(
-    cfg: TrainConfig, records, step: int, steps_per_epoch: int, dist: Dist, plan: PackPlan | None = None
+    cfg: TrainConfig,
+    records,
+    step: int,
+    steps_per_epoch: int,
+    dist: Dist,
+    plan: PackPlan | None = None,
+    buffers: FeatureBuffers | None = None,
 ) -> GlobalBatch:
     """This rank's micro-batches of the step's global batch, and the global batch's record
     indices: a function of (seed, epoch, step) only, so resume and any world size agree. With a `plan`, the
-    micro-batches are its packed rows (`packing.make_packed_batch`)."""
+    micro-batches are its packed rows (`packing.make_packed_batch`). `buffers`: where their context features are built
+    (a run's: reused on the CPU, pinned for a GPU; None: fresh)."""
     epoch = step // steps_per_epoch
     batch_spec = BatchSpec(
         seed=cfg.seed,
@@ -183,6 +191,7 @@ def global_batch(
         mask_token_id=cfg.mask_token_id,
         max_length=cfg.max_length,
         first_draft=cfg.first_draft_position,
+        buffers=buffers,
     )
     global_indices, mine = step_units(cfg, len(records), step, steps_per_epoch, dist, plan)
     micro_batches = []

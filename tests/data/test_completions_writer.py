@@ -1,17 +1,20 @@
 """The resumable writing of a completions file."""
 
+import functools
 import json
 
 import pytest
 
+from flashdraft.data import completions_writer
 from flashdraft.data.completions import GenerationSettings, load_completions
 from flashdraft.data.completions_writer import generate_completions
 from flashdraft.data.prompts import Prompt, load_prompts
+from flashdraft.decoding.batched import CompiledBatch
 from flashdraft.decoding.generate import autoregressive_generate
 from flashdraft.errors import FlashdraftError
 from flashdraft.target.model import TargetModel
 from tests.conftest import make_target
-from tests.data.conftest import write_prompts
+from tests.data.conftest import run_cli, write_prompts
 
 
 def settings(**kw) -> GenerationSettings:
@@ -86,3 +89,28 @@ def test_min_prompt_tokens_keeps_only_long_turns_and_answers_short_ones_a_later_
     assert sorted(records) == ["long", "mt/turn2"]
     assert records["mt/turn2"].prompt_ids == full["mt/turn2"].prompt_ids  # the first turn's answer is its context
     assert f"2 turns shorter than --min-prompt-tokens {least} left out" in capsys.readouterr().out
+
+
+def test_generate_compiled_writes_the_eager_records_and_prints_what_compiled(tmp_path, capsys, monkeypatch):
+    target = make_target("qwen3")
+    prompts = load_prompts(str(write_prompts(tmp_path / "p.jsonl", 5)), quiet=True)  # batches of 2, 2 and 1
+    # the static path uncompiled (tests/decoding/test_batched.py proves its one graph), not inductor's minutes on a CPU
+    monkeypatch.setattr(completions_writer, "CompiledBatch", functools.partial(CompiledBatch, backend=None))
+    generate_completions(target, prompts, tmp_path / "eager.json", settings(), batch_size=2)
+    assert "static cache" not in capsys.readouterr().out
+    generate_completions(target, prompts, tmp_path / "compiled.json", settings(), batch_size=2, compile=True)
+    eager, compiled = (json.loads((tmp_path / f"{n}.json").read_text())["records"] for n in ("eager", "compiled"))
+    assert compiled == eager
+    out = capsys.readouterr().out
+    assert "compiled (static cache): 0 compiles in 0.0 s, 0 recompiles, 0 graph breaks" in out
+
+
+def test_compile_is_refused_with_a_server_backend_and_on_a_target_without_a_static_rule(tmp_path, hybrid_dir, capsys):
+    prompts = str(write_prompts(tmp_path / "p.jsonl", 2))
+    common = ["generate", "--target-model", str(hybrid_dir), "--prompts", prompts, "--out", str(tmp_path / "c.json")]
+    assert run_cli([*common, "--compile", "--backend", "openai", "--base-url", "http://x"]) == 2
+    assert "--compile decodes locally on a static cache: drop --backend openai and --engine" in capsys.readouterr().err
+    target = TargetModel.load(hybrid_dir)
+    target.vision = object()  # M-RoPE positions after an image: no static rule
+    with pytest.raises(FlashdraftError, match="--compile refused: a vision-language target"):
+        generate_completions(target, load_prompts(prompts, quiet=True), tmp_path / "c.json", settings(), compile=True)

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from flashdraft.data.cache import CAPTURE_DIR
 from flashdraft.data.cache_reader import HiddenStateCache
 from flashdraft.data.completions import CompletionRecord
-from flashdraft.data.engine_capture import PROBE, aux_layer_ids, probe_tokens, verify_capture
+from flashdraft.data.engine_capture import PROBE, aux_layer_ids, capture_features, probe_tokens, verify_capture
 from flashdraft.errors import FlashdraftError
 from tests.conftest import make_target, run_cli
 
@@ -111,3 +111,20 @@ def test_engine_options_are_refused_where_they_mean_nothing(capsys, engine_model
         capsys, "cache", *common, "--out", tmp_path / "b", "--engine", "vllm", "--with-target-logits", "8"
     )
     assert rc == 2 and "the engine captures hidden states only" in err
+
+
+def test_a_completion_with_images_is_refused_by_name_before_the_engine_starts(tmp_path):
+    image = CompletionRecord("img-0", "", [1, 2], [3], "", "eos", images=["data:image/png;base64,AAAA", "b.png"])
+    with pytest.raises(
+        FlashdraftError, match=r"^cache --engine vllm: record 'img-0' has images; the engine is sent token ids only"
+    ):
+        capture_features(
+            target=None,
+            records=[image],
+            out=tmp_path,
+            layer_ids=[0],
+            python=str(tmp_path / "no-engine" / "python"),
+            settings=None,
+            verify_share=0.25,
+        )
+    assert not (tmp_path / CAPTURE_DIR).exists()  # the engine never wrote a state

@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from flashdraft.data.completions import record_seed
-from flashdraft.decoding.batched import generate_batch
+from flashdraft.decoding.batched import CompiledBatch, generate_batch, static_batch_step
 from flashdraft.decoding.generate import autoregressive_generate
 from flashdraft.decoding.serving_rules import SamplingFilters, SamplingParams
-from tests.conftest import make_target
+from flashdraft.errors import FlashdraftError
+from tests.conftest import make_flat_target, make_target
+from tests.target.tiny_families import make_family_target
 
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12], [20, 21]]  # different lengths: left padding in a batch
 SAMPLED = SamplingParams(temperature=1.5)
@@ -76,3 +78,65 @@ def test_sampling_with_filters_draws_as_plain_sampling_with_them_and_only_inside
     assert generate_batch(target, PROMPTS, 8, SamplingParams(1.5, SamplingFilters(top_k=1)), gens()) == generate_batch(
         target, PROMPTS, 8
     )
+
+
+# -- on the static cache (`CompiledBatch`, `generate --compile`) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid", "gpt_oss", "nemotron_h", "deepseek_v3"])
+def test_static_batched_greedy_equals_the_eager_batch_on_every_layer_kind(kind):
+    """Dense; Gated DeltaNet; sliding window (8) passed by prompt and tokens; Mamba-2; MLA: the static cache's rows
+    left-padded as the eager batch's, the batch filled to a wider width."""
+    target = make_target(kind) if kind in ("qwen3", "hybrid") else make_family_target(kind)
+    eager = generate_batch(target, PROMPTS, max_new_tokens=12)
+    assert generate_batch(target, PROMPTS, 12, compiled=CompiledBatch(width=6, backend=None)) == eager
+
+
+def test_static_batched_sampling_draws_as_the_eager_batch_seed_for_seed():
+    target = make_flat_target("hybrid")  # a flat p: draws far from the argmax
+    gens = lambda: [torch.Generator().manual_seed(record_seed(0, f"r{i}")) for i in range(len(PROMPTS))]  # noqa: E731
+    sampling = SamplingParams(temperature=1.0)
+    eager = generate_batch(target, PROMPTS, 12, sampling, gens())
+    static = generate_batch(target, PROMPTS, 12, sampling, gens(), compiled=CompiledBatch(width=4, backend=None))
+    assert static == eager and eager != generate_batch(target, PROMPTS, 12)
+
+
+@pytest.fixture(scope="module")
+def compiled_batch():
+    """A Gated DeltaNet hybrid (attention and recurrent layers) and its batched step compiled by one call: (target,
+    the `CompiledBatch`, that call's output)."""
+    target = make_target("hybrid")
+    compiled = CompiledBatch(width=4, backend="eager")  # dynamo's guards and graph breaks, without inductor's cost
+    return target, compiled, generate_batch(target, PROMPTS, 10, compiled=compiled)
+
+
+def test_a_compiled_batch_after_warm_up_compiles_nothing_breaks_no_graph_and_keeps_its_buffers(compiled_batch):
+    target, compiled, warm = compiled_batch
+    assert warm == generate_batch(target, PROMPTS, 10)
+    assert (compiled.counts.compiles, compiled.counts.recompiles, compiled.counts.graph_breaks) == (1, 0, 0)
+    assert compiled.counts.compile_seconds > 0
+    step = static_batch_step(target, 4, 16, "eager")
+    buffers = [step.cache.position, step.pads, *[s.states for s in step.cache.recurrent.values()]]
+    buffers += [layer.keys for layer in step.cache.layers if layer is not None]
+    addresses = [b.data_ptr() for b in buffers]
+    others = [[9, 4, 1, 2, 8, 6, 3], [30, 31]]  # fewer rows, other widths and paddings: the same graph
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out = generate_batch(target, others, 14, compiled=compiled)
+    assert out == generate_batch(target, others, 14)
+    assert (compiled.counts.compiles, compiled.counts.recompiles, compiled.counts.graph_breaks) == (1, 0, 0)
+    assert [b.data_ptr() for b in buffers] == addresses
+
+
+def test_a_batch_wider_than_the_compiled_width_is_refused(compiled_batch):
+    target, compiled, _ = compiled_batch
+    with pytest.raises(FlashdraftError, match="a batch of 5 prompts; the compiled batch holds 4"):
+        generate_batch(target, [*PROMPTS, [3]], 4, compiled=compiled)
+
+
+def test_a_batch_step_too_short_is_replaced_by_one_at_least_twice_as_long():
+    """`generate` answers its prompts shortest first: the static cache doubles, so a run compiles a few times."""
+    target = make_target("qwen3")
+    first = static_batch_step(target, 2, 10, None)
+    assert first.capacity == 256 and static_batch_step(target, 2, 200, None) is first
+    assert static_batch_step(target, 2, 300, None).capacity == 512
+    assert static_batch_step(target, 2, 1100, None).capacity == 1280

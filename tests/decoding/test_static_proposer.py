@@ -6,7 +6,13 @@ from flashdraft.decoding.hybrid import HybridDrafter, HybridRule
 from flashdraft.decoding.ngram import NGramProposer
 from flashdraft.decoding.proposers import DFlashProposer, DraftLimit, as_proposer
 from flashdraft.decoding.serving_rules import SamplingParams
-from flashdraft.decoding.static_proposer import CompiledDraft, StaticDFlashProposer, draft_counts
+from flashdraft.decoding.static_proposer import (
+    CompiledDraft,
+    StaticDFlashProposer,
+    StepShape,
+    draft_counts,
+    static_state,
+)
 from flashdraft.decoding.tree import TreeRule, tree_generate
 from flashdraft.errors import FlashdraftError
 from tests.conftest import make_dflash2_drafter, make_drafter, make_dspark_drafter, make_flat_target
@@ -207,3 +213,38 @@ def test_the_uncompiled_fixed_shape_path_proposes_the_eager_rows_and_compiles_no
                 got, eager.propose([i], anchor_pos, features, positions, drafter.config.block_size), **TOLERANCE
             )
     assert static.compiles == 0
+
+
+def test_a_step_without_new_context_and_two_writes_before_a_draft_propose_the_eager_rows(target):
+    """The step's graph always writes R rows: all padding when no context came (nothing becomes visible), and
+    context staged by an earlier write goes in before a second one."""
+    drafter = make_drafter(**SLIDING)
+    block, width = drafter.config.block_size, drafter.fc.in_features
+    eager = DFlashProposer(drafter, target)
+    static = as_proposer(drafter, target, compiled=CompiledDraft(max_length=64, backend=None))
+    steps = list(_feature_steps([12, 0, 3, 0], width))
+    with torch.no_grad():
+        for i, (features, positions, anchor_pos) in enumerate(steps):
+            got = static.propose([i], anchor_pos, features, positions, block)
+            torch.testing.assert_close(got, eager.propose([i], anchor_pos, features, positions, block), **TOLERANCE)
+        # two writes (2 and 3 rows, each within R), then one draft: as the eager proposer given all 5 at once
+        (first, first_at, _), (second, second_at, end) = _feature_steps([2, 3], width, seed=1)
+        first_at, second_at = first_at + steps[-1][2], second_at + steps[-1][2]
+        static.state.write(first, first_at)
+        static.state.write(second, second_at)
+        hidden, logits, _, _ = static.state.draft(7, int(second_at[0, -1]) + 1)
+        expected = eager.propose(
+            [7], int(second_at[0, -1]) + 1, torch.cat([first, second], 1), torch.cat([first_at, second_at], 1), block
+        )
+    torch.testing.assert_close(logits[0], expected, **TOLERANCE)
+
+
+def test_a_drafter_cast_to_another_dtype_drafts_from_a_state_of_its_own(target):
+    drafter = make_drafter()
+    settings = CompiledDraft(max_length=64, backend=None)
+    shape = StepShape(block=drafter.config.block_size, drafts=4, use_selector=True, honour_draft_top_k=True)
+    first = static_state(drafter, target, shape, settings)
+    assert static_state(drafter, target, shape, settings) is first
+    drafter.to(torch.float64)
+    cast = static_state(drafter, target, shape, settings)
+    assert cast is not first and cast.dtype == torch.float64 and cast.cache.keys[0].dtype == torch.float64

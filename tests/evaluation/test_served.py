@@ -78,13 +78,13 @@ def test_served_options_without_served_are_one_line_errors(capsys, engine_models
 
 
 @pytest.mark.engine
-def test_served_tau_at_greedy_equals_flashdraft_request_by_request(capsys, engine_models, tmp_path):
+def test_served_tau_at_greedy_equals_flashdraft_request_by_request(capsys, engine_models, overfit_server, tmp_path):
     m = engine_models
     rc, out, err = run_cli(
         capsys,
         "eval",
         "--checkpoint",
-        m["drafter"],
+        m["overfit"],
         "--target-model",
         m["target"],
         "--completions",
@@ -92,13 +92,15 @@ def test_served_tau_at_greedy_equals_flashdraft_request_by_request(capsys, engin
         "--served",
         "vllm",
         "--check-served",
+        "--server",
+        overfit_server.base_url,
         "--json",
         tmp_path / "eval.json",
     )
     assert rc == 0, err
     summary = json.loads((tmp_path / "eval.json").read_text())
     served, own = summary["served"], summary["served"]["flashdraft"]
-    assert served["engine"].startswith("vllm") and "--speculative-config" in " ".join(served["command"])
+    assert served["engine"].startswith("vllm") and served["command"] is None  # a running server: nothing started
     assert served["check"] == {"passed": True, "problems": []}
     assert [r["drafts"] for r in served["requests"]] == own["steps_per_request"]
     assert own["outputs_equal_greedy"] == [True] * 8
@@ -265,6 +267,7 @@ def test_served_tau_of_a_w8a8_target_equals_flashdraft_walk_of_the_engines_own_s
     summary = json.loads((tmp_path / "eval.json").read_text())
     served, own = summary["served"], summary["served"]["flashdraft"]
     assert rc == 0 and served["check"] == {"passed": True, "problems": []}, served["check"]
+    assert "--speculative-config" in " ".join(served["command"])  # the server this run started, recorded
     assert served["states"] == "the engine's captured states" and "walked the served outputs with the engine" in out
     if not own["near_ties"]:  # a request may part only at a tie in the drafter's logits, named (test_engine_walk)
         assert [r["drafts"] for r in served["requests"]] == own["steps_per_request"]

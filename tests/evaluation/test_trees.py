@@ -1,14 +1,17 @@
+import functools
 import json
 from pathlib import Path
 
 import pytest
 
-from flashdraft.decoding.generate import autoregressive_generate
+from flashdraft.decoding.generate import SpeculativeConfig, autoregressive_generate
 from flashdraft.decoding.proposers import as_proposer
 from flashdraft.decoding.tree import TreeRule, tree_generate
 from flashdraft.drafter.checkpoint import save_drafter
 from flashdraft.drafter.init import dflash2_from_drafter
 from flashdraft.drafter.run_dir import load_any_drafter
+from flashdraft.evaluation import trees
+from flashdraft.evaluation.config import Candidate
 from flashdraft.evaluation.offline import offline_acceptance_lengths
 from flashdraft.evaluation.records import EvalRecord, FeatureSource, load_eval_records
 from flashdraft.evaluation.trees import tree_walk
@@ -121,3 +124,20 @@ def test_tree_options_that_cannot_go_together_are_refused(capsys, tmp_path):
         capsys, "eval", "--drafter", "ngram", "--target-model", "tiny", "--tree", "topk", "--tree-budget", "4"
     )
     assert rc == 2 and "--drafter" in err
+
+
+def test_the_online_tree_check_with_compile_verifies_on_the_static_cache_and_reports_what_compiled(dense, monkeypatch):
+    """`eval --tree --online --compile`: every record's tree loop on the static cache, lossless and equal to the
+    offline walk, with the compile counts in the row (the static path uncompiled here: its graphs are proven in
+    tests/decoding/test_static_tree.py)."""
+    target, records, dflash, _ = dense
+    rule = TreeRule("ddtree", 6)
+    monkeypatch.setattr(trees, "SpeculativeConfig", functools.partial(SpeculativeConfig, compile_backend=None))
+    walks = [_walk(target, dflash, record, rule) for record in records]
+    greedy = [record.completion_ids for record in records]
+    candidate = Candidate("d", dflash, BLOCK, "drafter directory", None)
+    online = trees._online(candidate, target, records, rule, walks=walks, greedy=greedy, compile=True)
+    assert online["lossless"] and online["identical"]
+    assert online["compile"] == {"compiles": 0, "recompiles": 0, "graph_breaks": 0, "compile_seconds": 0.0} | {
+        "static": True
+    }

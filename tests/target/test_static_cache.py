@@ -37,7 +37,7 @@ def block_tokens(step: int) -> torch.Tensor:
 def buffers(verifier: StaticVerifier) -> list[torch.Tensor]:
     cache = verifier.cache
     kv = [t for layer in cache.layers if layer is not None and layer.is_initialized for t in (layer.keys, layer.values)]
-    recurrent = [t for slots in cache.recurrent.values() for t in (slots.states, slots.window)]
+    recurrent = [t for slots in cache.recurrent.values() for t in slots.buffers()]
     return [cache.position, cache.slot, cache.write_positions, *kv, *recurrent]
 
 
@@ -92,9 +92,9 @@ def test_each_kept_recurrent_state_equals_the_recurrence_over_that_many_tokens(f
         target.forward(torch.tensor([PROMPT + tokens[0, :kept].tolist()]), reference)  # the prompt and kept tokens
         for i, slots in verifier.cache.recurrent.items():
             expected = reference.kv.layers[i].recurrent_states[0]
-            assert torch.allclose(slots.states[kept - 1], expected, atol=1e-4), (family, i, kept)
-            # the conv inputs the next verify would read after keeping `kept` tokens
-            before, _ = slots.start(torch.tensor(kept - 1), target.linear_mixers[i].conv_kernel_size)
+            # the conv inputs and state the next verify would start from after keeping `kept` tokens
+            before, state = slots.start(torch.tensor(kept - 1), target.linear_mixers[i].conv_kernel_size)
+            assert torch.allclose(state, expected.float(), atol=1e-4), (family, i, kept)
             assert torch.allclose(before, reference.kv.layers[i].conv_states[0], atol=1e-5), (family, i, kept)
 
 

@@ -270,3 +270,19 @@ def test_two_gloo_ranks_fed_by_the_engine_train_what_one_rank_trains_from_the_ca
     assert done.returncode == 0, done.stderr[-3000:]
     assert _train(capsys, engine_fed, tmp_path / "one", source=("--cached-hidden-states", engine_fed["cache"]))[0] == 0
     torch.testing.assert_close(_losses(tmp_path / "ranks"), _losses(tmp_path / "one"), rtol=1e-4, atol=1e-5)
+
+
+def test_training_records_with_images_are_refused_by_name_before_an_engine_starts(tmp_path):
+    from flashdraft.train.data import OnlineRecords
+    from flashdraft.train.run import SequenceRecord
+
+    text = SequenceRecord(torch.tensor([1, 2, 3]), torch.tensor([False, True, True]), id="text-0")
+    image = SequenceRecord(torch.tensor([1, 2, 3]), torch.tensor([False, True, True]), id="img-1", images=["a.png"])
+    online = OnlineRecords([text, image], target=None, layer_ids=[0])
+    feed = engine_feed.EngineFeedConfig(python=str(tmp_path / "no-engine" / "python"))
+    with pytest.raises(
+        FlashdraftError, match=r"^train --engine vllm: record 'img-1' has images; the engine is sent token ids only"
+    ):
+        with engine_feed.engine_fed(feed, online, "target", [0], tmp_path / "run", torch.float32, main=True):
+            pass
+    assert not (tmp_path / "run").exists()  # refused before the engine's staging directory was made
