@@ -260,6 +260,11 @@ def test_the_engines_render_equals_flashdrafts_and_a_server_with_another_default
     # generate --engine vllm: every prompt (both modes, the second turn's history) rendered by the engine too
     data, out = _generate(capsys, tmp_path, target, prompts, "--engine", "vllm", "--verify-share", "0.3")
     assert len(data["records"]) == 8 and "completions against the target" in out
+    # the engine's tokens are the local target's greedy ones, recorded as the server's, with the engine named
+    local, _ = _generate(capsys, tmp_path, target, prompts, name="local.json")
+    assert [r["completion_ids"] for r in data["records"]] == [r["completion_ids"] for r in local["records"]]
+    assert {r["token_source"] for r in data["records"]} == {"server"}
+    assert data["generation"]["backend"] == "vllm" and data["generation"]["engine_version"].startswith("vllm")
     ids = {r["id"]: r["prompt_ids"] for r in data["records"]}
     assert ids["d/step1"] == ids["c/step1"] and ids["d/step2"] == ids["c/step2"] and ids["e"] == ids["b"]
     assert [r["tools"] for r in data["records"] if r["id"].startswith("c/")] == [SERVED_TOOLS, SERVED_TOOLS]
