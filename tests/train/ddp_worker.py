@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 torch.set_num_threads(1)
 
 from flashdraft.distributed import Dist, init_distributed  # noqa: E402
+from flashdraft.drafter.run_dir import latest_checkpoint  # noqa: E402
 from flashdraft.train.config import TrainConfig  # noqa: E402
 from flashdraft.train.loop import LoopOptions, train  # noqa: E402
 from tests.conftest import make_dflash2_drafter, make_drafter, make_dspark_drafter, make_target  # noqa: E402
@@ -53,9 +54,10 @@ class WorkerRun:
 
     @classmethod
     def from_row(cls, row: dict) -> "WorkerRun":
-        """A --plan row (its "procs" says where it runs, not what; "pack" optional)."""
+        """A --plan row (its "procs" says where it runs, not what; "pack" and "mode" optional)."""
         names = ("batch", "accum", "fsdp", "weighting", "optimizer", "family")
-        return cls(Path(row["run_dir"]), **{name: row[name] for name in names}, pack=row.get("pack"))
+        fields = {name: row[name] for name in names}
+        return cls(Path(row["run_dir"]), **fields, pack=row.get("pack"), mode=row.get("mode"))
 
 
 def run(job: WorkerRun, dist: Dist) -> None:
@@ -91,8 +93,9 @@ def run(job: WorkerRun, dist: Dist) -> None:
             options=LoopOptions(resume=mode == "resume", on_step=preempt),
             dist=dist,
         )
-    except Preempted:
-        pass
+    except Preempted:  # what the stopped run left on disk, for the test to read
+        if dist.is_main:
+            (run_dir / "stopped-at").write_text(latest_checkpoint(run_dir).name)
 
 
 def run_plan(plan: list[dict]) -> None:

@@ -328,35 +328,26 @@ def test_two_gloo_ranks_with_ddp_or_fsdp_train_what_one_rank_trains_within_round
 
 def test_two_rank_fsdp_run_stopped_after_a_checkpoint_resumes_bit_identically_with_muon_and_adamw(tmp_path):
     """FSDP2 checkpoints hold the whole weights and the whole (gathered) optimizer state; resume
-    shards them again (the weights used to be loaded into the sharded model as plain tensors)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    shards them again (the weights used to be loaded into the sharded model as plain tensors). One 2-rank launch runs
+    the whole run, the run stopped after its step-2 checkpoint, then its resume: each builds its drafter, optimizers
+    and loop anew, so the resume reads only what the checkpoint on disk holds."""
+    row = dict(procs=2, batch=2, accum=1, fsdp=True, weighting="dpace", optimizer="muon", family="dflash")
+    plan = [
+        dict(row, run_dir=str(tmp_path / run), mode=mode)
+        for mode, run in (("full", "full"), ("stop", "resumed"), ("resume", "resumed"))
+    ]
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
     worker = str(REPO / "tests/train/ddp_worker.py")
-    for mode, run in (("full", "full"), ("stop", "resumed"), ("resume", "resumed")):
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                "2",
-                worker,
-                str(tmp_path / run),
-                "2",
-                "1",
-                "fsdp",
-                "dpace",
-                "muon",
-                mode,
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert done.returncode == 0, f"{mode}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
-        if mode == "stop":
-            assert latest_checkpoint(tmp_path / run).name == "step-0000002"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker, "--plan"]
+        + [str(tmp_path / "plan.json")],
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
+    assert (tmp_path / "resumed" / "stopped-at").read_text() == "step-0000002"  # the resume had work left
     full = load_drafter(latest_checkpoint(tmp_path / "full") / "drafter").state_dict()
     resumed = load_drafter(latest_checkpoint(tmp_path / "resumed") / "drafter").state_dict()
     assert latest_checkpoint(tmp_path / "resumed").name == "step-0000004"
