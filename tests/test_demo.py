@@ -1,5 +1,6 @@
 """The demo pipeline end to end on a saved tiny random target (the real demo runs on `tiny`)."""
 
+import dataclasses
 import json
 
 import torch
@@ -8,7 +9,9 @@ from flashdraft.demo import DemoSettings, run_demo
 from tests.conftest import save_target
 
 
-def test_demo_runs_every_stage_reports_lossless_and_offline_equal_online_and_reuses_stages(tmp_path, capsys):
+def test_demo_runs_every_stage_reports_lossless_and_offline_equal_online_and_reuses_stages(
+    tmp_path, capsys, monkeypatch
+):
     save_target(tmp_path / "target", "hybrid", num_layers=6)
     gen = torch.Generator().manual_seed(0)
     for name, n in (("train", 8), ("heldout", 3)):
@@ -38,9 +41,17 @@ def test_demo_runs_every_stage_reports_lossless_and_offline_equal_online_and_reu
     for name in ("report.md", "training_curve.png", "eval/histogram.png", "eval/position_acceptance.png"):
         assert (out / name).is_file(), name
     capsys.readouterr()
-    again = run_demo(out, minutes=0.3, settings=settings)
+    # again with --compile (Dynamo's eager backend: the graphs, not inductor's compile): the stages reused, the
+    # trained drafter also decoded compiled against compiled greedy, lossless, nothing compiled after the warm-up
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **(kw | {"backend": "eager"})))
+    again = run_demo(out, minutes=0.3, settings=dataclasses.replace(settings, compile=True))
     assert "reusing the finished training run" in capsys.readouterr().out
     assert again["train_steps"] == report["train_steps"] and again["tau_offline"] == report["tau_offline"]
+    compiled = again["compiled"]
+    assert compiled["lossless"] is True and compiled["tau"] == report["tau_online"]
+    assert compiled["compile"]["after_warm_up"] == 0 and compiled["compile"]["graph_breaks"] == 0
+    assert "| trained DFlash, compiled (against compiled greedy) |" in (out / "report.md").read_text()
 
 
 def test_demo_directory_from_another_target_is_refused_up_front_with_the_way_out(tmp_path, capsys):
