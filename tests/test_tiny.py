@@ -65,9 +65,9 @@ def _quick_start() -> list[list[str]]:
 
 def test_the_readme_quick_start_on_tiny_trains_a_drafter_that_beats_the_untrained_one(tmp_path, monkeypatch, capsys):
     # the README's lines as written, run in order up to train; appended flags only shrink the work for the suite:
-    # fewer and shorter completions, and 150 of the recipe's 1000 steps (the README states the full run's figure)
+    # fewer and shorter completions, and 100 of the recipe's 1000 steps (the README states the full run's figure)
     monkeypatch.chdir(tmp_path)
-    smaller = {"generate": ["--num-prompts", "24", "--max-new-tokens", "48"], "train": ["--max-steps", "150"]}
+    smaller = {"generate": ["--num-prompts", "24", "--max-new-tokens", "48"], "train": ["--max-steps", "100"]}
     steps = _quick_start()
     upto = steps[: next(i for i, a in enumerate(steps) if a[0] == "train") + 1]
     assert [a[0] for a in upto] == ["generate", "generate", "cache", "cache", "init", "train"]
@@ -77,4 +77,4 @@ def test_the_readme_quick_start_on_tiny_trains_a_drafter_that_beats_the_untraine
     assert "defaults: the tiny target's recipe (lr 0.006, 8 anchors per sequence, 1000 steps) for lr" in out
     verdict = next(line for line in out.splitlines() if line.startswith("held-out τ"))
     tau = float(verdict.split()[2])
-    assert tau > 1.1, verdict  # 1.18 here (the full run: 1.56, README)
+    assert tau > 1.1, verdict  # 1.177 here (the full run: 1.56, README)
